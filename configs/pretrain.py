@@ -1,0 +1,160 @@
+r"""BERT pretraining (masked language modelling + next sentence prediction).
+
+Pick the encoder family and size with `get_config("<variant>,<size>[,runlocal]")`:
+
+  python train.py --config configs/pretrain.py:realformer,base --workdir /tmp/rf_base
+  python train.py --config configs/pretrain.py:postln,tiny --workdir /tmp/tiny \
+      --config.optimizer.learning_rate=5e-4 --config.model.dtype=bfloat16
+
+Variants (DESIGN.md): postln, preln, realformer, synth_dense, synth_random,
+synth_random_fixed, synth_factorized_dense, synth_factorized_random, synth_dense_vanilla,
+synth_random_vanilla. Sizes: tiny (tests and CPU demos), and the RealFormer paper's small
+(4/512/8/2048), base (12/768/12/3072), large (24/1024/16/4096), xlarge (36/1536/24/6144).
+
+`runlocal` shrinks batch and steps for a quick check on a laptop CPU.
+Unknown keys on the command line are an error (the config is locked).
+"""
+
+import ml_collections
+
+# name: (num_layers, hidden_size, num_heads, mlp_dim)
+SIZES = {
+    'tiny': (2, 128, 2, 512),
+    'small': (4, 512, 8, 2048),
+    'base': (12, 768, 12, 3072),
+    'large': (24, 1024, 16, 4096),
+    'xlarge': (36, 1536, 24, 6144),
+}
+
+VARIANTS = (
+    'postln', 'preln', 'realformer', 'synth_dense', 'synth_random', 'synth_random_fixed',
+    'synth_factorized_dense', 'synth_factorized_random', 'synth_dense_vanilla',
+    'synth_random_vanilla',
+)
+
+
+def model_config(variant='postln', size='base'):
+  """The encoder's knobs. Fields left at None take their value from `variant`."""
+  if variant not in VARIANTS:
+    raise ValueError(f'unknown variant {variant!r}; choose one of {", ".join(VARIANTS)}')
+  if size not in SIZES:
+    raise ValueError(f'unknown size {size!r}; choose one of {", ".join(SIZES)}')
+  num_layers, hidden, heads, mlp = SIZES[size]
+  m = ml_collections.ConfigDict()
+  m.variant = variant
+  m.num_layers = num_layers
+  m.hidden_size = hidden
+  m.num_heads = heads
+  m.mlp_dim = mlp
+  # Set from the tokenizer at run time (train.py overwrites it with tokenizer.vocab_size).
+  m.vocab_size = 8000 if size == 'tiny' else 30000
+  # The embedding table is padded to a multiple of this for the accelerator's matrix units;
+  # logits of the padding ids are masked out, so the padding never changes a prediction.
+  m.vocab_pad_multiple = 128
+  m.max_len = 512  # learned absolute positions; also the Synthesizer's max length
+  m.type_vocab_size = 2
+  m.dropout_rate = 0.1
+  m.attention_dropout_rate = 0.1
+  m.layer_norm_eps = 1e-12
+  m.initializer_range = 0.02
+  # Overrides of what `variant` implies (None: take the variant's value).
+  m.block = ml_collections.FieldReference(None, field_type=str)  # 'post_ln' | 'pre_ln'
+  # '+'-joined logit components: dot, dense, random, factorized_dense, factorized_random.
+  m.attention = ml_collections.FieldReference(None, field_type=str)
+  m.residual_attention = ml_collections.FieldReference(None, field_type=bool)  # RealFormer
+  m.running_mean = False  # RealFormer option: logits = running sum / (l + 1)
+  # Synthesizer knobs.
+  m.synth_random_trainable = ml_collections.FieldReference(None, field_type=bool)
+  m.synth_factorized_rank = 8  # k of Factorized Random: R = R1 R2^T
+  m.synth_factorized_a = 0  # a of Factorized Dense (a * b = max_len); 0: nearest sqrt
+  # Computation: float32 parameters, activations in `dtype` (bfloat16 on accelerators);
+  # softmax, LayerNorm and the carried RealFormer scores are float32 whatever `dtype` is.
+  m.dtype = 'float32'
+  m.scan_layers = False  # nn.scan over layers (faster compile for deep models)
+  m.remat_policy = 'none'  # none | full | dots | dots_no_batch
+  m.fused_attention = 'auto'  # auto | xla | cudnn | off (jax.nn.dot_product_attention)
+  return m
+
+
+def get_config(arg: str = 'postln,tiny'):
+  """`arg`: "<variant>,<size>" optionally followed by ",runlocal"."""
+  parts = [p.strip() for p in (arg or 'postln,tiny').split(',') if p.strip()]
+  runlocal = 'runlocal' in parts
+  parts = [p for p in parts if p != 'runlocal']
+  variant = parts[0] if parts else 'postln'
+  size = parts[1] if len(parts) > 1 else 'tiny'
+  if len(parts) > 2:
+    raise ValueError(f'config arg {arg!r}: expected "<variant>,<size>[,runlocal]"')
+
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = model_config(variant, size)
+
+  # Input pipeline (data/). Sources: 'embedded' (the CC0 corpus shipped in the repository),
+  # 'files:<glob>' (BERT's format: one sentence per line, blank line between documents),
+  # 'tfds:<name>[:<split>]' (e.g. tfds:wikipedia/20230601.en), several joined by ';'.
+  c.data = ml_collections.ConfigDict()
+  c.data.sources = 'embedded'
+  c.data.weights = ''  # mixing weights, ';'-joined like `sources` ('' = proportional)
+  c.data.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
+  c.data.tokenizer = ''  # sentencepiece model path; '' = the embedded corpus's tokenizer
+  c.data.prepared_dir = ''  # array_record shards; '' = <workdir>/data
+  c.data.max_seq_length = 128
+  c.data.max_predictions_per_seq = 20
+  c.data.masked_lm_prob = 0.15
+  c.data.short_seq_prob = 0.1
+  c.data.dupe_factor = 1  # pairings made per document when preparing (masking is dynamic)
+  c.data.whole_word_masking = False
+  c.data.eval_fraction = 0.01  # documents held out for evaluation
+  c.data.num_shards = 8
+  c.data.worker_count = 0  # grain worker processes per host
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 256  # global, over all hosts
+  c.train.num_steps = 100_000
+  c.train.grad_accum_steps = 1  # microbatches per step (weighted by masked tokens)
+  c.train.log_every_steps = 100
+  c.train.eval_every_steps = 2000
+  c.train.eval_steps = 20
+  c.train.checkpoint_every_steps = 2000
+  c.train.keep_checkpoints = 3
+  c.train.init_checkpoint = ''  # restart order: workdir's checkpoint, else this, else scratch
+  c.train.profile_steps = 0  # capture a profile of this many steps after warm-up (0: none)
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.learning_rate = 1e-4
+  c.optimizer.schedule = 'linear'  # linear (BERT: warm-up then linear decay) | cosine | constant
+  c.optimizer.warmup_steps = 10_000
+  c.optimizer.weight_decay = 0.01  # not applied to LayerNorm parameters and biases
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.eps = 1e-6
+  c.optimizer.clip_norm = 1.0
+
+  # Device mesh: axis sizes, -1 = the rest of the devices.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  if size == 'tiny':
+    c.train.batch_size = 32
+    c.train.num_steps = 300
+    c.train.log_every_steps = 20
+    c.train.eval_every_steps = 100
+    c.train.eval_steps = 4
+    c.train.checkpoint_every_steps = 100
+    c.optimizer.learning_rate = 1e-3
+    c.optimizer.warmup_steps = 30
+    c.model.max_len = 128
+  if runlocal:
+    c.train.batch_size = 8
+    c.train.num_steps = 20
+    c.train.log_every_steps = 5
+    c.train.eval_every_steps = 10
+    c.train.eval_steps = 2
+    c.train.checkpoint_every_steps = 10
+    c.optimizer.warmup_steps = 2
+
+  c.lock()
+  return c

@@ -1,0 +1,9 @@
+"""Test setup: 8 fake CPU devices (sharding tests) and the repository root on sys.path."""
+import os
+import sys
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+os.environ.setdefault('CUDA_VISIBLE_DEVICES', '')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
