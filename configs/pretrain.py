@@ -65,6 +65,7 @@ def model_config(variant='postln', size='base'):
   m.running_mean = False  # RealFormer option: logits = running sum / (l + 1)
   # Synthesizer knobs.
   m.synth_random_trainable = ml_collections.FieldReference(None, field_type=bool)
+  m.synth_random_init_std = 1.0  # std of the normal init of Random's R (and R1, R2)
   m.synth_factorized_rank = 8  # k of Factorized Random: R = R1 R2^T
   m.synth_factorized_a = 0  # a of Factorized Dense (a * b = max_len); 0: nearest sqrt
   # Computation: float32 parameters, activations in `dtype` (bfloat16 on accelerators);

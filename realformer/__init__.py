@@ -1,0 +1,1 @@
+"""BERT-style encoders (Post-LN, Pre-LN, RealFormer, Synthesizer) in JAX/Flax."""

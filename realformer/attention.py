@@ -1,0 +1,108 @@
+"""One self-attention path for every encoder family; variants differ only in the logits.
+
+    logits = sum_c w_c * logits_c            (components c: dot, dense, random, ...;
+                                              w = softmax of learned mixture weights, or 1)
+    RealFormer (residual_attention):         cur = logits + prev    (prev = 0 at layer 0)
+                                             logits = cur / (l + 1) if running_mean else cur
+    probs = dropout(softmax(logits + mask))  (mask: 0 for real keys, NEG_INF for padding)
+    out   = W_o (probs @ V)
+
+The RealFormer scores passed to the next layer are `cur`: the running sum of the layers'
+own scaled scores, without mask, mean division or dropout (official realformer.py). The
+vanilla component is Q K^T / sqrt(d_head), scaled before anything is added.
+"""
+
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from realformer.spec import EncoderSpec
+from synthesizer.synthetic import SYNTHESIZERS
+
+# Finite, so a row with every key masked gives a uniform distribution, never NaN.
+NEG_INF = -1e9
+
+
+def mask_bias(attention_mask: jax.Array) -> jax.Array:
+  """[B, T] (1 = real token) -> additive float32 bias [B, 1, 1, T]."""
+  real = attention_mask.astype(bool)[:, None, None, :]
+  return jnp.where(real, 0.0, NEG_INF).astype(jnp.float32)
+
+
+def dense(features, axes, spec: EncoderSpec, name: str):
+  """nn.Dense with BERT's init and logical axis names on kernel and bias."""
+  init = nn.initializers.normal(spec.initializer_range)
+  return nn.Dense(features, dtype=spec.dtype, param_dtype=jnp.float32, name=name,
+                  kernel_init=nn.with_logical_partitioning(init, axes),
+                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]))
+
+
+def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:
+  """Implementation for jax.nn.dot_product_attention, or None for the plain path."""
+  if (spec.fused_attention == 'off' or spec.attention != ('dot',) or spec.residual_attention
+      or capture or (not deterministic and spec.attention_dropout_rate > 0)):
+    return None
+  if spec.fused_attention == 'auto':
+    on_gpu = jax.default_backend() == 'gpu'
+    return 'cudnn' if on_gpu and spec.dtype in (jnp.bfloat16, jnp.float16) else None
+  return spec.fused_attention  # 'xla' or 'cudnn', as asked
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention whose logits come from `spec.attention` components."""
+  spec: EncoderSpec
+
+  def _heads(self, x, name):
+    s = self.spec
+    y = dense(s.hidden_size, ('embed', 'joined_kv'), s, name)(x)
+    return y.reshape(x.shape[:2] + (s.num_heads, s.head_dim))  # [B, T, H, dh]
+
+  @nn.compact
+  def __call__(self, x, bias, residual_scores=None, layer_index=0, *, deterministic=True,
+               capture_attention=False):
+    """x [B, T, D]; bias [B, 1, 1, T]; residual_scores [B, H, T, T] float32 or None.
+
+    Returns (output [B, T, D], scores to carry or None, probabilities [B, H, T, T] or None).
+    """
+    s = self.spec
+    value = self._heads(x, 'value')
+    fused = _use_fused(s, deterministic, capture_attention)
+    if fused is not None:
+      query, key = self._heads(x, 'query'), self._heads(x, 'key')
+      ctx = jax.nn.dot_product_attention(query, key, value, bias=bias.astype(s.dtype),
+                                         implementation=fused)
+      out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(x.shape))
+      return out, None, None
+
+    components = []
+    for name in s.attention:
+      if name == 'dot':
+        query, key = self._heads(x, 'query'), self._heads(x, 'key')
+        own = jnp.einsum('bqhd,bkhd->bhqk', query, key, preferred_element_type=jnp.float32)
+        components.append(own.astype(jnp.float32) / math.sqrt(s.head_dim))
+      else:
+        components.append(SYNTHESIZERS[name](s, name=f'synth_{name}')(x))
+    if len(components) == 1:
+      logits = components[0]
+    else:
+      # Learnable mixture weights that sum to 1 (equal at init).
+      mix = self.param('mixture_logits', nn.with_logical_partitioning(
+          nn.initializers.zeros, (None,)), (len(components),), jnp.float32)
+      weights = jax.nn.softmax(mix)
+      logits = sum(w * c for w, c in zip(weights, components))
+
+    carry = None
+    if s.residual_attention:
+      if residual_scores is not None:
+        logits = logits + residual_scores
+      carry = logits  # the running sum: unmasked, undivided, before dropout
+      if s.running_mean:
+        logits = logits / (jnp.asarray(layer_index, jnp.float32) + 1.0)
+    probs = jax.nn.softmax(logits + bias, axis=-1)  # float32
+    dropped = nn.Dropout(s.attention_dropout_rate)(probs, deterministic=deterministic)
+    ctx = jnp.einsum('bhqk,bkhd->bqhd', dropped.astype(s.dtype), value)
+    out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(x.shape))
+    return out, carry, (probs if capture_attention else None)

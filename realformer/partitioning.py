@@ -1,0 +1,70 @@
+"""Device mesh and logical-axis rules: model code names axes, these rules map them to a mesh.
+
+Parameters carry logical names (vocab, embed, mlp, joined_kv, heads, ...); activations are
+constrained with (batch, length, embed). A priority-ordered rule list (t5x style) maps each
+logical name to mesh axes; the first rule whose mesh axes are still free wins.
+Mesh axes: data (pure data parallel), fsdp (data parallel + parameters sharded over it),
+tensor (Megatron-style model parallel over heads and the MLP).
+"""
+
+from typing import Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+
+# (logical axis, mesh axis or axes or None), in priority order.
+LOGICAL_AXIS_RULES: Tuple[Tuple[str, object], ...] = (
+    ('batch', ('data', 'fsdp')),
+    ('vocab', 'tensor'),
+    ('mlp', 'tensor'),
+    ('joined_kv', 'tensor'),
+    ('heads', 'tensor'),
+    ('embed', 'fsdp'),
+    ('length', None),
+    ('synth_len', None),
+    ('kv', None),
+    ('layers', None),
+)
+
+
+def mesh_shape(mesh_config, num_devices: int) -> Tuple[int, ...]:
+  """Resolve the -1 in config.mesh (data, fsdp, tensor) against the device count."""
+  sizes = [int(mesh_config[a]) for a in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise ValueError(f'config.mesh {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1')
+  known = int(np.prod([s for s in sizes if s != -1]))
+  if any(s == 0 or s < -1 for s in sizes) or num_devices % known:
+    raise ValueError(f'config.mesh {dict(zip(MESH_AXES, sizes))} does not divide the '
+                     f'{num_devices} devices; make the product of the axes divide it')
+  sizes = [num_devices // known if s == -1 else s for s in sizes]
+  if int(np.prod(sizes)) != num_devices:
+    raise ValueError(f'config.mesh {dict(zip(MESH_AXES, sizes))} uses {int(np.prod(sizes))} '
+                     f'of {num_devices} devices; set one axis to -1 or match the count')
+  return tuple(sizes)
+
+
+def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
+  devices = list(devices if devices is not None else jax.devices())
+  shape = mesh_shape(mesh_config, len(devices))
+  return jax.make_mesh(shape, MESH_AXES, devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_sharding(tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+  """A tree of nn.Partitioned / LogicallyPartitioned metadata (or PartitionSpecs of logical
+  names) -> NamedSharding per leaf."""
+  specs = nn.get_partition_spec(tree)
+  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) axis over data and fsdp; the rest replicated."""
+  return NamedSharding(mesh, PartitionSpec(('data', 'fsdp')))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  return mesh.shape['data'] * mesh.shape['fsdp']

@@ -1,0 +1,133 @@
+"""The encoder's resolved hyper-parameters: a frozen, hashable view of `config.model`.
+
+`config.model.variant` names a preset (DESIGN.md); the fields `block`, `attention`,
+`residual_attention` and `synth_random_trainable` override it where they are not None, so
+`--config.model.variant=preln` on the command line changes the whole family and
+`--config.model.residual_attention=True` adds RealFormer's residual scores to any of them.
+"""
+
+import dataclasses
+from typing import Any, Tuple
+
+import jax.numpy as jnp
+
+# variant: (block, '+'-joined attention logit components, residual attention, random trainable)
+VARIANTS = {
+    'postln': ('post_ln', 'dot', False, True),
+    'preln': ('pre_ln', 'dot', False, True),
+    'realformer': ('post_ln', 'dot', True, True),
+    'synth_dense': ('post_ln', 'dense', False, True),
+    'synth_random': ('post_ln', 'random', False, True),
+    'synth_random_fixed': ('post_ln', 'random', False, False),
+    'synth_factorized_dense': ('post_ln', 'factorized_dense', False, True),
+    'synth_factorized_random': ('post_ln', 'factorized_random', False, True),
+    'synth_dense_vanilla': ('post_ln', 'dense+dot', False, True),
+    'synth_random_vanilla': ('post_ln', 'random+dot', False, True),
+}
+LOGIT_COMPONENTS = ('dot', 'dense', 'random', 'factorized_dense', 'factorized_random')
+BLOCKS = ('post_ln', 'pre_ln')
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
+FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'off')
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+  multiple = max(1, int(multiple))
+  return -(-vocab_size // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderSpec:
+  """Everything the modules need, resolved and validated."""
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  mlp_dim: int
+  max_len: int
+  type_vocab_size: int = 2
+  vocab_pad_multiple: int = 1
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.1
+  layer_norm_eps: float = 1e-12
+  initializer_range: float = 0.02
+  block: str = 'post_ln'
+  attention: Tuple[str, ...] = ('dot',)
+  residual_attention: bool = False
+  running_mean: bool = False
+  synth_random_trainable: bool = True
+  synth_random_init_std: float = 1.0
+  synth_factorized_rank: int = 8
+  synth_factorized_a: int = 0
+  dtype: Any = jnp.float32
+  scan_layers: bool = False
+  remat_policy: str = 'none'
+  fused_attention: str = 'auto'
+  variant: str = 'postln'
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @property
+  def padded_vocab_size(self) -> int:
+    return padded_vocab_size(self.vocab_size, self.vocab_pad_multiple)
+
+  @property
+  def factorized_ab(self) -> Tuple[int, int]:
+    """(a, b) with a * b = max_len for Factorized Dense."""
+    a = self.synth_factorized_a
+    if not a:
+      a = max(d for d in range(1, int(self.max_len ** 0.5) + 1) if self.max_len % d == 0)
+    if self.max_len % a:
+      raise ValueError(f'model.synth_factorized_a={a} does not divide model.max_len='
+                       f'{self.max_len}; pick a divisor (a * b must equal max_len)')
+    return a, self.max_len // a
+
+
+def resolve(cfg) -> EncoderSpec:
+  """`config.model` (ConfigDict or dict) -> EncoderSpec, with one-line errors for bad values."""
+  c = dict(cfg.to_dict() if hasattr(cfg, 'to_dict') else cfg)
+  variant = c.pop('variant', 'postln')
+  if variant not in VARIANTS:
+    raise ValueError(f'model.variant={variant!r} is unknown; choose one of {", ".join(VARIANTS)}')
+  block, attention, residual, trainable = VARIANTS[variant]
+  overrides = {
+      'block': c.pop('block', None), 'attention': c.pop('attention', None),
+      'residual_attention': c.pop('residual_attention', None),
+      'synth_random_trainable': c.pop('synth_random_trainable', None)}
+  block = overrides['block'] or block
+  attention = overrides['attention'] or attention
+  residual = residual if overrides['residual_attention'] is None else overrides['residual_attention']
+  trainable = (trainable if overrides['synth_random_trainable'] is None
+               else overrides['synth_random_trainable'])
+  components = tuple(p.strip() for p in attention.split('+') if p.strip())
+  bad = [p for p in components if p not in LOGIT_COMPONENTS]
+  if bad or not components or len(set(components)) != len(components):
+    raise ValueError(f'model.attention={attention!r}: expected distinct components joined by "+" '
+                     f'from {", ".join(LOGIT_COMPONENTS)}')
+  if block not in BLOCKS:
+    raise ValueError(f'model.block={block!r}; choose one of {", ".join(BLOCKS)}')
+  dtype = c.pop('dtype', 'float32')
+  if isinstance(dtype, str):
+    if dtype not in DTYPES:
+      raise ValueError(f'model.dtype={dtype!r}; choose one of {", ".join(DTYPES)}')
+    dtype = DTYPES[dtype]
+  fields = {f.name for f in dataclasses.fields(EncoderSpec)}
+  unknown = sorted(set(c) - fields)
+  if unknown:
+    raise ValueError(f'unknown model config keys {unknown}; remove them or check their spelling')
+  spec = EncoderSpec(block=block, attention=components, residual_attention=bool(residual),
+                     synth_random_trainable=bool(trainable), dtype=dtype, variant=variant, **c)
+  if spec.hidden_size % spec.num_heads:
+    raise ValueError(f'model.hidden_size={spec.hidden_size} is not divisible by '
+                     f'model.num_heads={spec.num_heads}')
+  if spec.remat_policy not in REMAT_POLICIES:
+    raise ValueError(f'model.remat_policy={spec.remat_policy!r}; choose one of '
+                     f'{", ".join(REMAT_POLICIES)}')
+  if spec.fused_attention not in FUSED_ATTENTION:
+    raise ValueError(f'model.fused_attention={spec.fused_attention!r}; choose one of '
+                     f'{", ".join(FUSED_ATTENTION)}')
+  if 'factorized_dense' in components:
+    spec.factorized_ab  # validates a * b = max_len
+  return spec
