@@ -1,0 +1,136 @@
+"""An independent NumPy (float64) reference of every encoder variant, written from the
+definitions in DESIGN.md and the papers, not from the Flax code. Parameters are read from a
+Flax parameter tree (unrolled layers) and cast to float64."""
+
+import math
+
+import numpy as np
+from scipy.special import erf
+
+NEG = -1e9
+
+
+def _f64(tree):
+  if isinstance(tree, dict):
+    return {k: _f64(v) for k, v in tree.items()}
+  return np.asarray(getattr(tree, 'value', tree), dtype=np.float64)
+
+
+def layer_norm(x, p, eps):
+  mu = x.mean(-1, keepdims=True)
+  var = ((x - mu) ** 2).mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + eps) * p['scale'] + p['bias']
+
+
+def linear(x, p):
+  return x @ p['kernel'] + p['bias']
+
+
+def gelu(x):
+  return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  e = np.exp(z)
+  return e / e.sum(-1, keepdims=True)
+
+
+def split_heads(y, h):
+  b, t, d = y.shape
+  return y.reshape(b, t, h, d // h).transpose(0, 2, 1, 3)  # [B, H, T, dh]
+
+
+def synth_logits(name, p, x, spec):
+  """Logits [B or 1, H, T, T] of one synthesizer, straight from the paper's definitions."""
+  b, t, _ = x.shape
+  h, L = spec.num_heads, spec.max_len
+  if name == 'dense':  # F(X_i) = W2 relu(W1 X_i + b1) + b2, one row of L logits per token/head
+    f = linear(np.maximum(linear(x, p['hidden']), 0.0), p['logits'])  # [B, T, H*L]
+    f = f.reshape(b, t, h, L).transpose(0, 2, 1, 3)
+    return f[..., :t]
+  if name == 'random':
+    return p['random_logits'][None, :, :t, :t]
+  if name == 'factorized_dense':
+    a_dim, b_dim = spec.factorized_ab
+    fa = linear(x, p['factor_a']).reshape(b, t, h, a_dim)
+    fb = linear(x, p['factor_b']).reshape(b, t, h, b_dim)
+    out = np.zeros((b, h, t, t))
+    for j in range(t):  # H_A tiles A (column j uses A[j mod a]); H_B repeats B (B[j div a])
+      out[:, :, :, j] = (fa[..., j % a_dim] * fb[..., j // a_dim]).transpose(0, 2, 1)
+    return out
+  if name == 'factorized_random':
+    r1, r2 = p['random_factor_1'][:, :t], p['random_factor_2'][:, :t]
+    return np.einsum('hik,hjk->hij', r1, r2)[None]
+  raise ValueError(name)
+
+
+def encoder(params, spec, input_ids, segment_ids, attention_mask):
+  """Returns (hidden [B,T,D], probs per layer, own dot scores per layer, carried scores)."""
+  p = _f64(params)
+  emb = p['embeddings']
+  t = input_ids.shape[1]
+  x = (emb['word_embeddings']['embedding'][input_ids]
+       + emb['position_embeddings']['embedding'][:t][None]
+       + emb['token_type_embeddings']['embedding'][segment_ids])
+  x = layer_norm(x, emb['layer_norm'], spec.layer_norm_eps)
+  bias = np.where(attention_mask[:, None, None, :] > 0, 0.0, NEG)
+  h = spec.num_heads
+  prev = None
+  all_probs, all_own, all_carry = [], [], []
+  for l in range(spec.num_layers):
+    lp = p[f'layers_{l}']
+    ap = lp['attention']
+    y = x if spec.block == 'post_ln' else layer_norm(x, lp['attention_layer_norm'],
+                                                     spec.layer_norm_eps)
+    comps, own = [], None
+    for name in spec.attention:
+      if name == 'dot':
+        q, k = split_heads(linear(y, ap['query']), h), split_heads(linear(y, ap['key']), h)
+        own = q @ k.transpose(0, 1, 3, 2) / math.sqrt(spec.head_dim)
+        comps.append(own)
+      else:
+        comps.append(synth_logits(name, ap[f'synth_{name}'], y, spec))
+    if len(comps) > 1:
+      w = softmax(ap['mixture_logits'])
+      logits = sum(wi * c for wi, c in zip(w, comps))
+    else:
+      logits = comps[0]
+    all_own.append(own)
+    if spec.residual_attention:
+      cur = logits if prev is None else logits + prev
+      prev = cur
+      all_carry.append(cur)
+      logits = cur / (l + 1) if spec.running_mean else cur
+    probs = softmax(logits + bias)
+    all_probs.append(probs)
+    v = split_heads(linear(y, ap['value']), h)
+    ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(x.shape)
+    a = linear(ctx, ap['out'])
+    mlp = lambda z: linear(gelu(linear(z, lp['mlp']['intermediate'])), lp['mlp']['output'])
+    if spec.block == 'post_ln':
+      x = layer_norm(x + a, lp['attention_layer_norm'], spec.layer_norm_eps)
+      x = layer_norm(x + mlp(x), lp['mlp_layer_norm'], spec.layer_norm_eps)
+    else:
+      x = x + a
+      x = x + mlp(layer_norm(x, lp['mlp_layer_norm'], spec.layer_norm_eps))
+  if spec.block == 'pre_ln':
+    x = layer_norm(x, p['final_layer_norm'], spec.layer_norm_eps)
+  return x, all_probs, all_own, all_carry
+
+
+def pooled(params, hidden):
+  p = _f64(params)
+  return np.tanh(linear(hidden[:, 0], p['pooler']))
+
+
+def mlm_logits(params, spec, hidden, positions):
+  """BERT's MLM head at the masked positions, decoder tied to the word embeddings."""
+  p = _f64(params)
+  hp = np.take_along_axis(hidden, positions[..., None], axis=1)
+  m = p['mlm_head']
+  z = layer_norm(gelu(linear(hp, m['transform'])), m['layer_norm'], spec.layer_norm_eps)
+  table = p['encoder']['embeddings']['word_embeddings']['embedding']
+  logits = z @ table.T + m['output_bias']
+  logits[..., spec.vocab_size:] = NEG
+  return logits

@@ -1,0 +1,271 @@
+"""Every encoder variant against the independent NumPy reference (tests/reference.py),
+plus the structural properties the papers imply: padding invariance, RealFormer's residual
+scores, scan == unrolled, the fused path == the plain path, dtype policy, sharded init."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import pretrain
+from realformer import models
+from realformer import partitioning
+from realformer.spec import resolve
+from tests import reference
+
+VARIANTS = pretrain.VARIANTS
+LENGTHS = (12, 7, 3)  # real tokens per row; the rest is padding
+
+
+def small_config(variant, **overrides):
+  c = pretrain.get_config(f'{variant},tiny')
+  c.unlock()
+  m = c.model
+  m.num_layers, m.hidden_size, m.num_heads, m.mlp_dim = 3, 32, 4, 64
+  m.vocab_size, m.vocab_pad_multiple, m.max_len = 50, 16, 24
+  m.synth_factorized_rank = 3
+  for k, v in overrides.items():
+    m[k] = v
+  return m
+
+
+def make_batch(t=12, lengths=LENGTHS, seed=0):
+  rng = np.random.default_rng(seed)
+  b = len(lengths)
+  mask = (np.arange(t)[None] < np.array(lengths)[:, None]).astype(np.int32)
+  ids = rng.integers(5, 50, (b, t)) * mask
+  seg = ((np.arange(t)[None] >= np.array(lengths)[:, None] // 2) * mask).astype(np.int32)
+  return {'input_ids': jnp.asarray(ids, jnp.int32), 'segment_ids': jnp.asarray(seg),
+          'attention_mask': jnp.asarray(mask)}
+
+
+def perturbed_params(model, batch, seed=0):
+  """Initialised params plus noise, so biases, LayerNorms and mixtures are non-trivial."""
+  params = nn.unbox(model.init(jax.random.PRNGKey(seed), batch)['params'])
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+  leaves = [p + 0.1 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)]
+  return jax.tree.unflatten(tree, leaves)
+
+
+def np_batch(batch):
+  return {k: np.asarray(v) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize('variant', VARIANTS)
+def test_variant_matches_numpy_reference(variant):
+  cfg = small_config(variant)
+  spec = resolve(cfg)
+  model = models.build(cfg)
+  batch = make_batch()
+  positions = jnp.array([[0, 3, 11], [1, 2, 6], [0, 1, 2]], jnp.int32)
+  params = perturbed_params(model, batch)
+  out = model.apply({'params': params}, dict(batch, masked_lm_positions=positions),
+                    capture_attention=True)
+  b = np_batch(batch)
+  hidden, probs, _, _ = reference.encoder(params['encoder'], spec, b['input_ids'],
+                                          b['segment_ids'], b['attention_mask'])
+  np.testing.assert_allclose(out.hidden, hidden, rtol=2e-4, atol=2e-4)
+  for got, want in zip(out.attention, probs):
+    np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=2e-5)
+  np.testing.assert_allclose(out.pooled, reference.pooled(params['encoder'], hidden), atol=2e-4)
+  want_mlm = reference.mlm_logits(params, spec, hidden, np.asarray(positions))
+  np.testing.assert_allclose(out.mlm_logits[..., :spec.vocab_size],
+                             want_mlm[..., :spec.vocab_size], rtol=2e-4, atol=2e-4)
+  assert np.all(np.asarray(out.mlm_logits[..., spec.vocab_size:]) < -1e8)
+
+
+@pytest.mark.parametrize('overrides', [
+    {'variant': 'preln', 'residual_attention': True},
+    {'variant': 'realformer', 'running_mean': True},
+    {'variant': 'postln', 'attention': 'factorized_random+dot'},
+    {'variant': 'postln', 'attention': 'dense+random+dot'},
+    {'variant': 'synth_factorized_dense', 'synth_factorized_a': 6},
+])
+def test_config_combinations_match_reference(overrides):
+  cfg = small_config(**overrides)
+  spec = resolve(cfg)
+  model = models.build(cfg, head='encoder')
+  batch = make_batch()
+  params = perturbed_params(model, batch)
+  out = model.apply({'params': params}, batch, capture_attention=True)
+  b = np_batch(batch)
+  hidden, probs, _, _ = reference.encoder(params, spec, b['input_ids'], b['segment_ids'],
+                                          b['attention_mask'])
+  np.testing.assert_allclose(out.hidden, hidden, rtol=2e-4, atol=2e-4)
+  for got, want in zip(out.attention, probs):
+    np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=2e-5)
+
+
+@pytest.mark.parametrize('variant', VARIANTS)
+def test_padding_does_not_change_real_positions(variant):
+  cfg = small_config(variant)
+  model = models.build(cfg, head='encoder')
+  short = make_batch(t=8, lengths=(8, 5, 2))
+  params = perturbed_params(model, short)
+  long = {k: jnp.pad(v, ((0, 0), (0, 9))) for k, v in short.items()}  # 9 more pads
+  a = model.apply({'params': params}, short, capture_attention=True)
+  b = model.apply({'params': params}, long, capture_attention=True)
+  mask = np.asarray(short['attention_mask'], bool)
+  np.testing.assert_allclose(np.asarray(b.hidden)[:, :8][mask], np.asarray(a.hidden)[mask],
+                             rtol=1e-5, atol=1e-5)
+  for pa, pb in zip(a.attention, b.attention):
+    np.testing.assert_allclose(pb[:, :, :8, :8], pa, atol=1e-6)
+    assert float(jnp.abs(pb[:, :, :, 8:]).max()) == 0.0  # no weight on the added pads
+
+
+def test_realformer_one_layer_equals_postln():
+  batch = make_batch()
+  rf = models.build(small_config('realformer', num_layers=1), head='encoder')
+  pl = models.build(small_config('postln', num_layers=1), head='encoder')
+  params = perturbed_params(rf, batch)
+  np.testing.assert_array_equal(rf.apply({'params': params}, batch).hidden,
+                                pl.apply({'params': params}, batch).hidden)
+
+
+def test_realformer_logits_are_the_sum_of_own_scores():
+  cfg = small_config('realformer')
+  spec = resolve(cfg)
+  rf, pl = models.build(cfg, head='encoder'), models.build(small_config('postln'), head='encoder')
+  batch = make_batch()
+  params = perturbed_params(rf, batch)
+  out_rf = rf.apply({'params': params}, batch, capture_attention=True)
+  out_pl = pl.apply({'params': params}, batch)
+  assert float(jnp.abs(out_rf.hidden - out_pl.hidden).max()) > 1e-3  # more layers: differs
+  b = np_batch(batch)
+  _, _, own, carried = reference.encoder(params, spec, b['input_ids'], b['segment_ids'],
+                                         b['attention_mask'])
+  bias = np.where(b['attention_mask'][:, None, None, :] > 0, 0.0, reference.NEG)
+  for l, probs in enumerate(out_rf.attention):
+    total = sum(own[: l + 1])  # layer l's logits: sum of the layers' own scaled scores
+    np.testing.assert_allclose(carried[l], total, rtol=1e-12)
+    np.testing.assert_allclose(probs, reference.softmax(total + bias), atol=2e-5)
+
+
+def _stack_layers(params, n):
+  enc = dict(params)
+  layers = [enc.pop(f'layers_{i}') for i in range(n)]
+  enc['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return enc
+
+
+@pytest.mark.parametrize('variant,remat', [('realformer', 'none'), ('realformer', 'dots'),
+                                           ('preln', 'full'), ('synth_random_vanilla', 'full')])
+def test_scan_and_remat_equal_unrolled(variant, remat):
+  batch = make_batch()
+  unrolled = models.build(small_config(variant, running_mean=True), head='encoder')
+  scanned = models.build(small_config(variant, running_mean=True, scan_layers=True,
+                                      remat_policy=remat), head='encoder')
+  params = perturbed_params(unrolled, batch)
+  stacked = _stack_layers(params, 3)
+  shapes = jax.tree.map(jnp.shape, nn.unbox(scanned.init(jax.random.PRNGKey(0), batch)['params']))
+  assert jax.tree.map(jnp.shape, stacked) == shapes
+  a = unrolled.apply({'params': params}, batch, capture_attention=True)
+  b = scanned.apply({'params': stacked}, batch, capture_attention=True)
+  np.testing.assert_allclose(b.hidden, a.hidden, rtol=1e-5, atol=1e-5)
+  for pa, pb in zip(a.attention, b.attention):
+    np.testing.assert_allclose(pb, pa, atol=1e-6)
+
+  def loss(p, m):  # gradients agree too (remat recomputes, scan carries the scores)
+    return jnp.sum(m.apply({'params': p}, batch).hidden ** 2)
+  ga = _stack_layers(jax.grad(loss)(params, unrolled), 3)
+  gb = jax.grad(loss)(stacked, scanned)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_attention_path_matches_plain():
+  batch = make_batch()
+  plain = models.build(small_config('postln', fused_attention='off'), head='encoder')
+  fused = models.build(small_config('postln', fused_attention='xla'), head='encoder')
+  params = perturbed_params(plain, batch)
+  a = plain.apply({'params': params}, batch)
+  b = fused.apply({'params': params}, batch)
+  np.testing.assert_allclose(b.hidden, a.hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('variant', ['postln', 'realformer', 'synth_dense_vanilla'])
+def test_bfloat16_compute_keeps_float32_params_and_softmax(variant):
+  batch = make_batch()
+  f32 = models.build(small_config(variant), head='encoder')
+  bf16 = models.build(small_config(variant, dtype='bfloat16'), head='encoder')
+  variables = bf16.init(jax.random.PRNGKey(0), batch)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nn.unbox(variables)))
+  a = f32.apply(variables, batch, capture_attention=True)
+  b = bf16.apply(variables, batch, capture_attention=True)
+  assert b.hidden.dtype == jnp.bfloat16 and b.attention[0].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(b.hidden, np.float32), a.hidden, atol=0.1)
+
+
+def test_fully_padded_row_stays_finite():
+  model = models.build(small_config('realformer'), head='encoder')
+  batch = make_batch(lengths=(12, 0, 3))
+  out = model.apply(model.init(jax.random.PRNGKey(0), batch), batch, capture_attention=True)
+  assert bool(jnp.isfinite(out.hidden).all())
+  assert all(bool(jnp.isfinite(p).all()) for p in out.attention)
+
+
+def test_sequence_longer_than_max_len_is_a_clear_error():
+  for variant in ('postln', 'synth_random'):
+    model = models.build(small_config(variant), head='encoder')
+    batch = make_batch(t=30, lengths=(30, 5, 5))
+    with pytest.raises(ValueError, match='exceeds model.max_len=24'):
+      model.init(jax.random.PRNGKey(0), batch)
+
+
+def test_mixture_weights_sum_to_one_and_fixed_random_gets_no_gradient():
+  batch = make_batch()
+  model = models.build(small_config('synth_random_fixed', attention='random+dot'),
+                       head='encoder')
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch)['params'])
+  mix = params['layers_0']['attention']['mixture_logits']
+  np.testing.assert_allclose(jax.nn.softmax(mix).sum(), 1.0, rtol=1e-6)
+  grads = jax.grad(lambda p: jnp.sum(model.apply({'params': p}, batch).hidden ** 2))(params)
+  att = grads['layers_0']['attention']
+  assert float(jnp.abs(att['synth_random']['random_logits']).max()) == 0.0
+  assert float(jnp.abs(att['mixture_logits']).max()) > 0.0
+
+
+def test_config_errors_are_clear():
+  with pytest.raises(ValueError, match='unknown variant'):
+    pretrain.get_config('realformr,base')
+  with pytest.raises(ValueError, match='unknown size'):
+    pretrain.get_config('realformer,huge')
+  c = pretrain.get_config('realformer,base')
+  with pytest.raises(AttributeError):
+    c.model.hidden_sise = 3  # the config is locked: a misspelt key is an error
+  with pytest.raises(ValueError, match='model.attention'):
+    resolve(small_config('postln', attention='dot+rnadom'))
+  with pytest.raises(ValueError, match='does not divide model.max_len'):
+    resolve(small_config('synth_factorized_dense', synth_factorized_a=5))
+
+
+@pytest.mark.parametrize('size,expected', [('small', (4, 512, 8, 2048)),
+                                           ('base', (12, 768, 12, 3072)),
+                                           ('large', (24, 1024, 16, 4096)),
+                                           ('xlarge', (36, 1536, 24, 6144))])
+def test_sizes_are_the_papers(size, expected):
+  for variant in VARIANTS:
+    m = pretrain.get_config(f'{variant},{size}').model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.mlp_dim) == expected
+    resolve(m)
+
+
+def test_sharded_init_and_apply_equal_single_device():
+  cfg = small_config('synth_random_vanilla', scan_layers=True)
+  model = models.build(cfg)
+  batch = make_batch(lengths=(12, 7, 3, 9, 1, 12, 4, 8))
+  mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+    abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch))
+    shardings = partitioning.logical_to_sharding(abstract, mesh)
+    variables = jax.jit(lambda r: model.init(r, batch), out_shardings=shardings)(
+        jax.random.PRNGKey(0))
+    kernel = variables['params']['encoder']['layers']['attention']['query']['kernel'].value
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', 'tensor')
+    sharded = jax.jit(lambda v, b: model.apply(v, b).hidden)(variables, batch)
+  single = model.apply(jax.device_get(nn.unbox(variables)), batch).hidden
+  np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
