@@ -1,0 +1,189 @@
+"""Orbax checkpoints of a training run, and where a run starts from.
+
+Layout of a workdir:
+
+  <workdir>/config.json                      the run's full config (model, data.tokenizer, ...)
+  <workdir>/checkpoints/<step>/state         {'step', 'params', 'opt_state'} (StandardSave);
+                                             a params-only checkpoint has {'step', 'params'}
+  <workdir>/checkpoints/<step>/data          the input iterator's state
+
+Restart order (the one place it is written down):
+  1. this workdir's newest COMPLETE checkpoint: state, optimizer and data iterator, so the
+     run continues exactly where it stopped. Orbax writes a step into a temporary directory
+     and renames it when every host has finished, and lists only finalized steps, so a step
+     left half-written by a crash is never restored (it is removed at the next start);
+  2. else config.train.init_checkpoint: params only (a workdir, its checkpoints/ directory,
+     or one step directory), restored partially: parameters the checkpoint lacks keep their
+     fresh initialization, extra ones are ignored, a shape mismatch is an error; the
+     optimizer and the data start fresh;
+  3. else from scratch.
+A checkpoint that does not match the model (a missing or reshaped parameter) is a one-line
+ValueError naming the parameter, raised before anything is read.
+"""
+
+import json
+import os
+import re
+from typing import Any, Optional, Tuple
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+CHECKPOINT_DIR = 'checkpoints'
+CONFIG_FILE = 'config.json'
+# Orbax writes this into a step as the last act before the rename that finalizes it; a step
+# directory without it (e.g. a partial copy of a workdir) is not complete.
+COMMIT_FILE = 'commit_success.txt'
+
+
+def make_manager(workdir: str, *, keep: Optional[int] = 3, read_only: bool = False,
+                 item_names=('state', 'data')) -> ocp.CheckpointManager:
+  """The run's CheckpointManager at <workdir>/checkpoints: async saves, keep the last `keep`."""
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=not read_only, read_only=read_only,
+      cleanup_tmp_directories=not read_only, enable_async_checkpointing=not read_only)
+  return ocp.CheckpointManager(os.path.join(workdir, CHECKPOINT_DIR), item_names=item_names,
+                               options=options)
+
+
+def is_complete(step_dir: str) -> bool:
+  return os.path.isfile(os.path.join(step_dir, COMMIT_FILE))
+
+
+def latest_complete_step(manager: ocp.CheckpointManager) -> Optional[int]:
+  """The newest finalized step with orbax's commit marker (None: no checkpoint).
+
+  Incomplete step directories newer than it are deleted."""
+  for step in sorted(manager.all_steps(), reverse=True):
+    step_dir = os.path.join(str(manager.directory), str(step))
+    if is_complete(step_dir):
+      return step
+    logging.warning('deleting incomplete checkpoint %s (no %s)', step_dir, COMMIT_FILE)
+    manager.delete(step)  # else a later save of this step number would be refused
+  return None
+
+
+def write_config(workdir: str, config) -> str:
+  """<workdir>/config.json (process 0 only; other processes return the path)."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(path + '.tmp', 'w') as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(path + '.tmp', path)
+  return path
+
+
+def read_config(workdir: str) -> dict:
+  with open(os.path.join(workdir, CONFIG_FILE)) as f:
+    return json.load(f)
+
+
+def save(manager: ocp.CheckpointManager, step: int, state_tree: dict, data_args=None, *,
+         force: bool = False) -> bool:
+  """Start an async save of {'step','params','opt_state'} (+ the data iterator's args)."""
+  items = {'state': ocp.args.StandardSave(state_tree)}
+  if data_args is not None:
+    items['data'] = data_args
+  return manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+
+def _path_str(path) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
+                  for k in path)
+
+
+def _shapes(tree) -> dict:
+  """{'a/b/c': shape} for every array-like leaf (arrays, ShapeDtypeStructs, metadata)."""
+  is_leaf = lambda x: hasattr(x, 'shape') and not isinstance(x, dict)
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  return {_path_str(p): tuple(x.shape) for p, x in leaves if hasattr(x, 'shape')}
+
+
+def stored_tree(step_dir: str) -> Any:
+  """The tree of array metadata (shape, dtype) of <step_dir>/state, without reading arrays."""
+  meta = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, 'state'))
+  return getattr(meta, 'item_metadata', meta)
+
+
+def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -> list:
+  """Compare a checkpoint's state with the model's abstract target, before reading arrays.
+
+  Returns the target paths the checkpoint lacks (allowed only with allow_missing); raises a
+  ValueError naming the first parameter whose shape differs or that is missing.
+  """
+  stored = _shapes(stored_tree(step_dir))
+  missing = []
+  for path, shape in _shapes(target).items():
+    if path not in stored:
+      missing.append(path)
+    elif stored[path] != shape:
+      raise ValueError(f'checkpoint {step_dir} does not match the model: {path} has shape '
+                       f'{stored[path]} in the checkpoint but {shape} in the model; use the '
+                       f'config.json of the run that wrote it')
+  if missing and not allow_missing:
+    raise ValueError(f'checkpoint {step_dir} does not match the model: it has no {missing[0]}'
+                     f' ({len(missing)} missing); use the config.json of the run that wrote it')
+  return missing
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state: dict,
+            data_args=None) -> Tuple[dict, Any]:
+  """Restore {'step','params','opt_state'} into the target's shardings (+ the data item)."""
+  step_dir = os.path.join(str(manager.directory), str(step))
+  check_matches(step_dir, abstract_state)
+  items = {'state': ocp.args.StandardRestore(abstract_state)}
+  if data_args is not None:
+    items['data'] = data_args
+  restored = manager.restore(step, args=ocp.args.Composite(**items))
+  return restored['state'], restored.get('data') if data_args is not None else None
+
+
+def resolve_step_dir(path: str) -> str:
+  """A workdir, its checkpoints/ dir or one step dir -> the step dir to read (newest step)."""
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isdir(os.path.join(path, 'state')):
+    return path
+  if os.path.isdir(os.path.join(path, CHECKPOINT_DIR)):
+    path = os.path.join(path, CHECKPOINT_DIR)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'checkpoint {path} does not exist; pass a workdir, its '
+                            f'checkpoints/ directory or a step directory')
+  steps = sorted(int(d) for d in os.listdir(path)
+                 if re.fullmatch(r'\d+', d) and is_complete(os.path.join(path, d)))
+  if not steps:
+    raise FileNotFoundError(f'no complete checkpoint under {path}; pass a workdir, its '
+                            f'checkpoints/ directory or a step directory')
+  return os.path.join(path, str(steps[-1]))
+
+
+def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] = ()
+                   ) -> Tuple[Any, list]:
+  """Params-only partial restore from any checkpoint written here (or by interop imports).
+
+  abstract_params: ShapeDtypeStructs (with shardings) of the params to fill, placed at
+  state/params/<subtree...> in the checkpoint (e.g. subtree=('encoder',) to restore only
+  the encoder into a fine-tuning model). Returns (params, missing paths): what the
+  checkpoint lacks is None in the returned tree and listed, for the caller to keep fresh.
+  """
+  step_dir = resolve_step_dir(path)
+  target = abstract_params
+  for key in reversed(subtree):
+    target = {key: target}
+  target = {'params': target}
+  missing = set(check_matches(step_dir, target, allow_missing=True))
+  present = jax.tree_util.tree_map_with_path(
+      lambda p, x: None if _path_str(p) in missing else x, target)
+  restored = ocp.PyTreeCheckpointer().restore(
+      os.path.join(step_dir, 'state'),
+      args=ocp.args.PyTreeRestore(item=present, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(
+                                      present)))
+  params = restored['params']
+  for key in subtree:
+    params = params[key]
+  if missing:
+    logging.warning('init checkpoint %s lacks %d parameters (kept fresh): %s', step_dir,
+                    len(missing), sorted(missing)[:10])
+  return params, sorted(missing)

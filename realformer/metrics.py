@@ -1,0 +1,192 @@
+"""Training and evaluation metrics (clu), performance numbers, and the metrics.jsonl writer.
+
+Every metric is a clu `Average` built from exact sums, so merging microbatches, steps or
+eval batches gives the token- or example-weighted mean, never a mean of means:
+
+  mlm_loss       sum_i w_i CE_i / sum_i w_i          (w = masked_lm_weights, per masked slot)
+  mlm_accuracy   sum_i w_i [argmax_i = label_i] / sum_i w_i
+  nsp_loss       mean over examples of the NSP cross-entropy
+  nsp_accuracy   mean over examples of [argmax = label]
+  loss           mlm_loss + nsp_loss of each step, averaged over the logged steps
+  grad_norm      global L2 norm of the gradient before clipping, averaged over logged steps
+  learning_rate  the schedule's value at the last logged step
+
+`clu.metrics.Std` does not work with the pinned jax (it calls jnp.clip(a_min=...)); it is
+not used here.
+"""
+
+import json
+import os
+from typing import Any, Mapping, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from clu import metric_writers
+from clu import metrics
+
+
+def average(total, count) -> metrics.Average:
+  """An Average from a sum and its weight (both summed again when merged)."""
+  return metrics.Average(total=jnp.asarray(total, jnp.float32),
+                         count=jnp.asarray(count, jnp.float32))
+
+
+def last_value(value) -> metrics.LastValue:
+  return metrics.LastValue(total=jnp.asarray(value, jnp.float32),
+                           count=jnp.asarray(1, jnp.int32))
+
+
+@flax.struct.dataclass
+class PretrainingEvalMetrics(metrics.Collection):
+  loss: metrics.Average
+  mlm_loss: metrics.Average
+  nsp_loss: metrics.Average
+  mlm_accuracy: metrics.Average
+  nsp_accuracy: metrics.Average
+
+
+@flax.struct.dataclass
+class PretrainingTrainMetrics(metrics.Collection):
+  # Listed in full: clu's Collection.empty() reads only the class's own annotations.
+  loss: metrics.Average
+  mlm_loss: metrics.Average
+  nsp_loss: metrics.Average
+  mlm_accuracy: metrics.Average
+  nsp_accuracy: metrics.Average
+  learning_rate: metrics.LastValue
+  grad_norm: metrics.Average
+
+
+def collection(cls, **values: metrics.Metric) -> metrics.Collection:
+  """An instance of the Collection class `cls` holding `values` (one per field)."""
+  return cls.empty().replace(**values)
+
+
+def merge(a: Optional[metrics.Collection], b: metrics.Collection) -> metrics.Collection:
+  """Merge b into a (a may be None: the start of a logging window)."""
+  return b if a is None else a.merge(b)
+
+
+def to_floats(collection: metrics.Collection) -> dict:
+  """Collection -> {name: python float} (on the host)."""
+  return {k: float(np.asarray(v)) for k, v in collection.compute().items()}
+
+
+# Peak dense bfloat16 FLOP/s per device (vendor figures, without sparsity). Matched by
+# substring of jax.Device.device_kind, most specific first.
+PEAK_FLOPS_PER_DEVICE = (
+    ('TPU v5 lite', 197e12),
+    ('TPU v5e', 197e12),
+    ('TPU v5p', 459e12),
+    ('TPU v5', 459e12),
+    ('TPU v6 lite', 918e12),
+    ('TPU v6e', 918e12),
+    ('TPU v4', 275e12),
+    ('H200', 989e12),
+    ('H100', 989e12),
+    ('A100', 312e12),
+)
+
+
+def peak_flops_per_device(device: jax.Device, override: Optional[float] = None
+                          ) -> Optional[float]:
+  """Peak FLOP/s of one device: `override` if given, else the table, else None (no MFU)."""
+  if override:
+    return float(override)
+  kind = getattr(device, 'device_kind', '')
+  for name, flops in PEAK_FLOPS_PER_DEVICE:
+    if name.lower() in kind.lower():
+      return flops
+  return None
+
+
+def throughput(*, steps: int, seconds: float, global_batch_size: int, seq_len: int,
+               flops_per_example: float, num_devices: int,
+               peak_flops: Optional[float]) -> dict:
+  """tokens/s (padding included), TFLOP/s per device and MFU over a window of steps."""
+  examples_per_s = steps * global_batch_size / max(seconds, 1e-9)
+  flops_per_device = examples_per_s * flops_per_example / num_devices
+  out = {'tokens_per_s': examples_per_s * seq_len,
+         'examples_per_s': examples_per_s,
+         'tflops_per_device': flops_per_device / 1e12}
+  if peak_flops:
+    out['mfu'] = flops_per_device / peak_flops
+  return out
+
+
+class JsonlWriter(metric_writers.MetricWriter):
+  """metrics.jsonl: one JSON object per (step, split), the machine-readable log.
+
+  Line format: {"step": int, "split": "train"|"eval", "<metric>": float, ...}. A name
+  "eval/mlm_accuracy" goes to split "eval" as "mlm_accuracy"; names without a prefix are
+  "train". Scalars written for the same step are gathered into one line, written when
+  another step arrives or at flush(). After a resume a step may appear twice: the later
+  line wins (read_jsonl).
+  """
+
+  def __init__(self, path: str):
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    self._file = open(path, 'a')
+    self._step, self._pending = None, {}
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    if step != self._step:
+      self.flush()
+      self._step = step
+    for name, value in scalars.items():
+      split, _, key = name.rpartition('/')
+      self._pending.setdefault(split or 'train', {})[key] = float(np.asarray(value))
+
+  def flush(self):
+    for split, values in self._pending.items():
+      self._file.write(json.dumps({'step': int(self._step), 'split': split, **values}) + '\n')
+    self._pending = {}
+    self._file.flush()
+
+  def close(self):
+    self.flush()
+    self._file.close()
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def write_hparams(self, hparams):
+    pass
+
+
+def read_jsonl(path: str, split: str = 'train') -> dict:
+  """metrics.jsonl -> {step: record} for one split; a re-logged step keeps its last record."""
+  out = {}
+  with open(path) as f:
+    for line in f:
+      record = json.loads(line)
+      if record.get('split') == split:
+        out[record['step']] = record  # a later line for the same step (a resume) wins
+  return out
+
+
+def create_writer(workdir: str, process_index: int) -> metric_writers.MetricWriter:
+  """TensorBoard + console (clu's default writer) and metrics.jsonl; only process 0 writes."""
+  writer = metric_writers.create_default_writer(workdir, just_logging=process_index > 0,
+                                                asynchronous=False)
+  if process_index > 0:
+    return writer
+  return metric_writers.MultiWriter([writer, JsonlWriter(os.path.join(workdir,
+                                                                     'metrics.jsonl'))])

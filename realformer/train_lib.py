@@ -1,0 +1,438 @@
+"""Train state, optimizer, sharded init, train/eval steps and FLOP counts.
+
+The pieces are independent of the head and the loss, so fine-tuning reuses them:
+
+    tx, schedule = make_optimizer(config.optimizer, num_steps, frozen=fixed_params_fn(spec))
+    state, shardings = create_train_state(model, tx, example_batch, mesh, seed)
+    step = make_train_step(loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
+                           metrics_cls=..., grad_accum_steps=k, seed=seed)
+    state, metrics = step(state, global_batch)
+
+`loss_fn(params, microbatch, rng, totals) -> (loss, {name: clu Metric})` where `totals`
+is `totals_fn(whole_batch)`, the normalizers of the WHOLE step's batch, so the microbatch
+losses add up to the loss of one big batch and accumulation over k microbatches gives the
+same gradient as one batch of k times the size.
+"""
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from realformer import metrics as metrics_lib
+from realformer import partitioning
+from realformer.spec import EncoderSpec, resolve
+
+
+@flax.struct.dataclass
+class TrainState:
+  """step: completed updates (int32 scalar); params: unboxed model params; opt_state: optax."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+  def to_checkpoint(self) -> dict:
+    return {'step': self.step, 'params': self.params, 'opt_state': self.opt_state}
+
+  @classmethod
+  def from_checkpoint(cls, tree: dict) -> 'TrainState':
+    return cls(step=tree['step'], params=tree['params'], opt_state=tree['opt_state'])
+
+
+# --------------------------------------------------------------------------------------
+# Optimizer.
+# --------------------------------------------------------------------------------------
+
+def _names(path) -> Tuple[str, ...]:
+  """Dict keys along a pytree path (ignores box attributes and optax wrappers)."""
+  return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def decay_mask(params) -> Any:
+  """True where AdamW's weight decay applies: not LayerNorm parameters, not biases."""
+  def decays(path, _):
+    names = _names(path)
+    return not (names[-1].endswith('bias') or any('layer_norm' in n for n in names))
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+# Parameters of the fixed-random Synthesizer (variant synth_random_fixed, or
+# model.synth_random_trainable=False): the model stops their gradient, and the optimizer
+# must also leave them alone (weight decay alone would otherwise shrink them).
+FIXED_RANDOM_PARAMS = ('random_logits', 'random_factor_1', 'random_factor_2')
+
+
+def fixed_params_fn(spec: EncoderSpec) -> Optional[Callable[[Any], Any]]:
+  """params -> bool tree of parameters that must never change, or None when none are."""
+  if spec.synth_random_trainable:
+    return None
+  return lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: _names(path)[-1] in FIXED_RANDOM_PARAMS, params)
+
+
+def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
+  """linear: BERT's warm-up from 0 to the peak, then linear decay to 0 at num_steps;
+  cosine: the same warm-up, then cosine decay to 0; constant: warm-up, then the peak."""
+  lr, warmup = float(opt_config.learning_rate), int(opt_config.warmup_steps)
+  if warmup > num_steps or warmup < 0:
+    raise ValueError(f'optimizer.warmup_steps={warmup} must lie in [0, train.num_steps='
+                     f'{num_steps}]; lower it')
+  warm = optax.linear_schedule(0.0, lr, max(warmup, 1))
+  if opt_config.schedule == 'linear':
+    after = optax.linear_schedule(lr, 0.0, max(num_steps - warmup, 1))
+  elif opt_config.schedule == 'cosine':
+    after = optax.cosine_decay_schedule(lr, max(num_steps - warmup, 1))
+  elif opt_config.schedule == 'constant':
+    after = optax.constant_schedule(lr)
+  else:
+    raise ValueError(f'optimizer.schedule={opt_config.schedule!r}; choose linear, cosine or '
+                     f'constant')
+  if warmup == 0:
+    return after
+  return optax.join_schedules([warm, after], [warmup])
+
+
+def make_optimizer(opt_config, num_steps: int, *,
+                   frozen: Optional[Callable[[Any], Any]] = None
+                   ) -> Tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with global-norm clipping, decay masked by path, frozen params set to zero.
+
+  opt_config: config.optimizer (learning_rate, schedule, warmup_steps, weight_decay, b1, b2,
+  eps, clip_norm). frozen: params -> bool tree (True = never updated), e.g.
+  fixed_params_fn(spec). Works on boxed (nn.Partitioned) or plain param trees.
+  """
+  schedule = make_schedule(opt_config, num_steps)
+  parts = []
+  if opt_config.clip_norm and opt_config.clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(float(opt_config.clip_norm)))
+  parts.append(optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
+                           weight_decay=opt_config.weight_decay, mask=decay_mask))
+  tx = optax.chain(*parts)
+  if frozen is not None:
+    labels = lambda params: jax.tree.map(lambda f: 'frozen' if f else 'trained',
+                                         frozen(params))
+    tx = optax.multi_transform({'trained': tx, 'frozen': optax.set_to_zero()}, labels)
+  return tx, schedule
+
+
+# --------------------------------------------------------------------------------------
+# Sharded initialization.
+# --------------------------------------------------------------------------------------
+
+def _init_batch(example_batch, mesh):
+  """Zeros shaped like the batch, with one row per data-parallel shard (init only needs
+  the shapes of the features; a full batch would waste activation memory)."""
+  rows = partitioning.data_parallel_size(mesh)
+  return {k: jnp.zeros((rows,) + tuple(v.shape[1:]), v.dtype)
+          for k, v in example_batch.items()}
+
+
+def tree_shardings(boxed_tree, mesh):
+  """NamedSharding per leaf: from the logical names of boxed (nn.Partitioned) leaves,
+  replicated for plain leaves; empty nodes (optax's MaskedNode) stay empty."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+
+  def sharding(x):
+    if not is_box(x):
+      return replicated
+    if not jax.tree.leaves(x.unbox()):  # a box around optax's MaskedNode
+      return x.unbox()
+    return partitioning.logical_to_sharding(x, mesh)
+  return jax.tree.map(sharding, boxed_tree, is_leaf=is_box)
+
+
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, example_batch,
+                    mesh) -> Tuple[TrainState, TrainState]:
+  """(abstract TrainState of ShapeDtypeStructs, TrainState of NamedShardings).
+
+  Shapes come from jax.eval_shape (nothing is allocated); shardings from the params'
+  logical axis names and partitioning.LOGICAL_AXIS_RULES. Optimizer moments mirror the
+  params' sharding; scalars (counts, step) are replicated.
+  """
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+    boxed = jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), _init_batch(example_batch, mesh))['params'])
+    boxed_opt = jax.eval_shape(tx.init, boxed)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  shardings = TrainState(step=replicated, params=tree_shardings(boxed, mesh),
+                         opt_state=tree_shardings(boxed_opt, mesh))
+  abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                        params=nn.unbox(boxed), opt_state=nn.unbox(boxed_opt))
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  return abstract, shardings
+
+
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation, example_batch,
+                       mesh, seed: int) -> Tuple[TrainState, TrainState]:
+  """Initialize params and optimizer directly into their shardings: (state, shardings).
+
+  example_batch: a dict of arrays or ShapeDtypeStructs with the per-step batch's shapes.
+  """
+  _, shardings = state_shardings(model, tx, example_batch, mesh)
+
+  def init(rng):
+    params = nn.unbox(model.init(rng, _init_batch(example_batch, mesh))['params'])
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+    state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
+  return state, shardings
+
+
+def params_only_state(params) -> dict:
+  return {'step': jnp.zeros((), jnp.int32), 'params': params}
+
+
+# --------------------------------------------------------------------------------------
+# Pretraining loss (MLM + NSP).
+# --------------------------------------------------------------------------------------
+
+def pretraining_totals(batch) -> Dict[str, jax.Array]:
+  """Normalizers of a whole step's batch: masked-token weight and example count."""
+  return {'mlm_weight': jnp.maximum(jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)),
+                                    1e-6),
+          'examples': jnp.asarray(batch['next_sentence_labels'].shape[0], jnp.float32)}
+
+
+def pretraining_loss_fn(model: nn.Module) -> Callable:
+  """loss_fn for make_train_step / make_eval_step: BERT's MLM + NSP objective.
+
+  loss = sum_i w_i CE(mlm_logits_i, masked_lm_ids_i) / sum_i w_i  +  mean NSP CE,
+  the sums running over the whole step's batch (the denominators are `totals`). Logits are
+  float32 whatever model.dtype is.
+  """
+  def loss_fn(params, batch, rng, totals):
+    deterministic = rng is None
+    out = model.apply({'params': params}, batch, deterministic=deterministic,
+                      rngs=None if deterministic else {'dropout': rng})
+    mlm_logits = out.mlm_logits.astype(jnp.float32)                    # [b, P, V]
+    weights = batch['masked_lm_weights'].astype(jnp.float32)           # [b, P]
+    mlm_ce = optax.softmax_cross_entropy_with_integer_labels(mlm_logits, batch['masked_lm_ids'])
+    mlm_sum = jnp.sum(mlm_ce * weights)
+    mlm_correct = jnp.sum((jnp.argmax(mlm_logits, -1) == batch['masked_lm_ids']) * weights)
+    nsp_logits = out.nsp_logits.astype(jnp.float32)                    # [b, 2]
+    labels = batch['next_sentence_labels']
+    nsp_ce = optax.softmax_cross_entropy_with_integer_labels(nsp_logits, labels)
+    nsp_correct = jnp.sum(jnp.argmax(nsp_logits, -1) == labels)
+    loss = mlm_sum / totals['mlm_weight'] + jnp.sum(nsp_ce) / totals['examples']
+    n = labels.shape[0]
+    return loss, {
+        'mlm_loss': metrics_lib.average(mlm_sum, jnp.sum(weights)),
+        'mlm_accuracy': metrics_lib.average(mlm_correct, jnp.sum(weights)),
+        'nsp_loss': metrics_lib.average(jnp.sum(nsp_ce), n),
+        'nsp_accuracy': metrics_lib.average(nsp_correct, n),
+    }
+  return loss_fn
+
+
+# --------------------------------------------------------------------------------------
+# Train and eval steps.
+# --------------------------------------------------------------------------------------
+
+def split_microbatches(batch, k: int, mesh):
+  """[B, ...] -> [k, B/k, ...]; microbatch i holds rows i, k+i, 2k+i, ... so that each
+  device's rows stay on that device (no resharding), and the union is the whole batch."""
+  spec = NamedSharding(mesh, PartitionSpec(None, ('data', 'fsdp')))
+
+  def split(x):
+    y = x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(y, spec)
+  return jax.tree.map(split, batch)
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, *, mesh, shardings: TrainState,
+                    metrics_cls, totals_fn: Callable = pretraining_totals,
+                    grad_accum_steps: int = 1, seed: int = 0) -> Callable:
+  """A jitted (state, batch) -> (state, metrics) with the state donated.
+
+  The batch is a dict of global arrays sharded over (data, fsdp) on axis 0. Dropout keys
+  are fold_in(fold_in(PRNGKey(seed), step), microbatch), so a resumed run draws the same
+  masks. A step whose loss or gradient is not finite leaves the state unchanged (the
+  caller stops on the reported nan loss).
+  """
+  k = int(grad_accum_steps)
+  base_key = jax.random.PRNGKey(seed)
+
+  def step_fn(state: TrainState, batch):
+    with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+      totals = totals_fn(batch)
+      step_key = jax.random.fold_in(base_key, state.step)
+      grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+      if k == 1:
+        (loss, stats), grads = grad_fn(state.params, batch, jax.random.fold_in(step_key, 0),
+                                       totals)
+      else:
+        micro = split_microbatches(batch, k, mesh)
+
+        def body(carry, xs):
+          grads_sum, loss_sum = carry
+          i, mb = xs
+          (l, st), g = grad_fn(state.params, mb, jax.random.fold_in(step_key, i), totals)
+          return (jax.tree.map(jnp.add, grads_sum, g), loss_sum + l), st
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        (grads, loss), stacked = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
+                                              (jnp.arange(k), micro))
+        stats = jax.tree.map(lambda x: x[0], stacked)
+        for i in range(1, k):
+          stats = {n: m.merge(jax.tree.map(lambda x: x[i], stacked[n]))
+                   for n, m in stats.items()}
+      grad_norm = optax.tree.norm(grads)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state)
+      out = metrics_lib.collection(
+          metrics_cls, loss=metrics_lib.average(loss, 1.0),
+                        grad_norm=metrics_lib.average(grad_norm, 1.0),
+                        learning_rate=metrics_lib.last_value(schedule(state.step)),
+                        **stats)
+      return new, out
+
+  data = partitioning.batch_sharding(mesh)
+  return jax.jit(step_fn, in_shardings=(shardings, data),
+                 out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
+                 donate_argnums=(0,))
+
+
+def make_eval_step(loss_fn: Callable, *, mesh, params_sharding, metrics_cls,
+                   totals_fn: Callable = pretraining_totals) -> Callable:
+  """A jitted (params, batch) -> metrics, deterministic (no dropout)."""
+  def eval_fn(params, batch):
+    with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+      loss, stats = loss_fn(params, batch, None, totals_fn(batch))
+      return metrics_lib.collection(metrics_cls, loss=metrics_lib.average(loss, 1.0), **stats)
+
+  return jax.jit(eval_fn, in_shardings=(params_sharding, partitioning.batch_sharding(mesh)),
+                 out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def global_batch(local_batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
+  """This host's rows -> global arrays sharded over (data, fsdp) (multi-host safe)."""
+  sharding = partitioning.batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in local_batch.items()}
+
+
+def abstract_batch(global_batch_size: int, seq_len: int, num_predictions: int) -> dict:
+  """ShapeDtypeStructs of one global pretraining batch (for init and compile)."""
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  b, t, p = global_batch_size, seq_len, num_predictions
+  return {'input_ids': i32(b, t), 'segment_ids': i32(b, t), 'attention_mask': i32(b, t),
+          'masked_lm_positions': i32(b, p), 'masked_lm_ids': i32(b, p),
+          'masked_lm_weights': jax.ShapeDtypeStruct((b, p), jnp.float32),
+          'next_sentence_labels': i32(b)}
+
+
+# --------------------------------------------------------------------------------------
+# Checks made before anything compiles.
+# --------------------------------------------------------------------------------------
+
+def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
+                       process_count: int):
+  """One-line errors for batch sizes the mesh, the hosts or the accumulation cannot split."""
+  dp = partitioning.data_parallel_size(mesh)
+  b, k = int(global_batch_size), int(grad_accum_steps)
+  if k < 1 or b % k:
+    raise ValueError(f'train.grad_accum_steps={k} does not divide train.batch_size={b}; pick '
+                     f'a divisor of the batch size')
+  if b % process_count:
+    raise ValueError(f'train.batch_size={b} does not divide over {process_count} processes; '
+                     f'make it a multiple of the process count')
+  if (b // k) % dp:
+    raise ValueError(f'train.batch_size={b} / grad_accum_steps={k} = {b // k} examples per '
+                     f'microbatch does not divide the data-parallel size {dp} (mesh.data * '
+                     f'mesh.fsdp); make the microbatch a multiple of {dp}')
+
+
+# --------------------------------------------------------------------------------------
+# FLOP count.
+# --------------------------------------------------------------------------------------
+
+def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float:
+  """Training FLOPs of one example (matmuls only; 2 FLOPs per multiply-add).
+
+  With T = seq_len, P = num_predictions, D = hidden, F = mlp_dim, H = heads,
+  L = layers, V = the padded vocabulary, M = max_len, forward FLOPs are
+
+    per layer:  value + output projections            4 T D^2
+                query + key projections (if 'dot')     4 T D^2
+                Q K^T and probs @ V                    4 T^2 D   (QK^T only if 'dot': 2 T^2 D)
+                Synthesizer dense                      2 T D^2 + 2 T D H M
+                Synthesizer factorized dense           2 T D H (a + b)
+                MLP                                    4 T D F
+    heads:      pooler + NSP                           2 D^2 + 4 D
+                MLM transform + tied decoder (P slots) 2 P D^2 + 2 P D V
+
+  and training = 3 x forward (the backward pass costs two forwards). Embedding lookups,
+  softmax, LayerNorm and the batch-independent random synthesizers are not counted.
+  """
+  s = model_config if isinstance(model_config, EncoderSpec) else resolve(model_config)
+  t, p, d, f, h = seq_len, num_predictions, s.hidden_size, s.mlp_dim, s.num_heads
+  layer = 4 * t * d * d + 2 * t * t * d + 4 * t * d * f
+  if 'dot' in s.attention:
+    layer += 4 * t * d * d + 2 * t * t * d
+  if 'dense' in s.attention:
+    layer += 2 * t * d * d + 2 * t * d * h * s.max_len
+  if 'factorized_dense' in s.attention:
+    a, b = s.factorized_ab
+    layer += 2 * t * d * h * (a + b)
+  heads = 2 * d * d + 4 * d + 2 * p * d * d + 2 * p * d * s.padded_vocab_size
+  return 3.0 * (s.num_layers * layer + heads)
+
+
+# --------------------------------------------------------------------------------------
+# Synthetic data (throughput checks; config.data.sources == 'synthetic').
+# --------------------------------------------------------------------------------------
+
+class SyntheticPretrainingData:
+  """Random pretraining batches of the real format, a pure function of (seed, index).
+
+  Not language: for throughput and sharding checks only. The state is the next batch
+  index (a JSON dict), saved in the checkpoint's 'data' item like the real pipeline's.
+  Every host draws the global batch and keeps its rows, so any process count agrees.
+  """
+
+  def __init__(self, *, vocab_size: int, seq_len: int, num_predictions: int,
+               global_batch_size: int, seed: int, process_index: int = 0,
+               process_count: int = 1, num_special: int = 5):
+    self.vocab_size, self.seq_len, self.num_predictions = vocab_size, seq_len, num_predictions
+    self.global_batch_size, self.seed, self.num_special = global_batch_size, seed, num_special
+    per_host = global_batch_size // process_count
+    self._rows = slice(process_index * per_host, (process_index + 1) * per_host)
+    self.index = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    rng = np.random.default_rng((self.seed, self.index))
+    self.index += 1
+    b, t, p = self.global_batch_size, self.seq_len, self.num_predictions
+    ids = rng.integers(self.num_special, self.vocab_size, (b, t), dtype=np.int32)
+    lengths = rng.integers(t // 2, t + 1, (b,))
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.int32)
+    segment = ((np.arange(t)[None] >= lengths[:, None] // 2) * mask).astype(np.int32)
+    positions = np.sort(rng.permuted(np.tile(np.arange(1, t), (b, 1)), axis=1)[:, :p], axis=1)
+    weights = (positions < lengths[:, None]).astype(np.float32)
+    batch = {'input_ids': ids * mask, 'segment_ids': segment, 'attention_mask': mask,
+             'masked_lm_positions': positions.astype(np.int32),
+             'masked_lm_ids': np.take_along_axis(ids, positions, 1).astype(np.int32),
+             'masked_lm_weights': weights,
+             'next_sentence_labels': rng.integers(0, 2, (b,), dtype=np.int32)}
+    return {k: v[self._rows] for k, v in batch.items()}
+
+  def get_state(self) -> dict:
+    return {'index': self.index}
+
+  def set_state(self, state: dict):
+    self.index = int(state['index'])

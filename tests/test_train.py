@@ -1,0 +1,195 @@
+"""train.py and realformer/train_lib.py: sharding invariance, accumulation, optimizer masks,
+FLOP count, clear errors, nan stop, and a short real run on the embedded corpus."""
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train
+from configs import pretrain
+from realformer import metrics as metrics_lib
+from realformer import models
+from realformer import train_lib
+from realformer.spec import resolve
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(variant='postln', **train_overrides):
+  """A 2-layer, 32-wide model on synthetic batches of 8 x 32 tokens; constant learning rate
+  (so runs of different num_steps share a trajectory); logs every step."""
+  c = pretrain.get_config(f'{variant},tiny')
+  m = c.model
+  m.hidden_size, m.num_heads, m.mlp_dim, m.max_len, m.vocab_size = 32, 2, 64, 32, 120
+  c.data.sources = 'synthetic'
+  c.data.max_seq_length, c.data.max_predictions_per_seq = 32, 5
+  t = c.train
+  t.batch_size, t.num_steps, t.log_every_steps = 8, 6, 1
+  t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 1000, 1, 1000
+  c.optimizer.schedule, c.optimizer.warmup_steps, c.optimizer.learning_rate = 'constant', 0, 3e-3
+  for k, v in train_overrides.items():
+    t[k] = v
+  return c
+
+
+def losses(workdir, split='train', key='loss'):
+  records = metrics_lib.read_jsonl(os.path.join(workdir, 'metrics.jsonl'), split)
+  return {s: r[key] for s, r in sorted(records.items()) if key in r}
+
+
+def test_sharded_and_accumulated_runs_equal_single_device(tmp_path):
+  """1 device == 8 devices as data x fsdp (with 2 microbatches) == data x tensor."""
+  runs = {'single': ({'data': 1, 'fsdp': 1, 'tensor': 1}, 1, jax.devices()[:1]),
+          'fsdp': ({'data': 2, 'fsdp': 4, 'tensor': 1}, 2, None),
+          'tensor': ({'data': 4, 'fsdp': 1, 'tensor': 2}, 1, None)}
+  got = {}
+  for name, (mesh, accum, devices) in runs.items():
+    c = tiny_config(num_steps=4, grad_accum_steps=accum, batch_size=16)
+    c.model.dropout_rate = c.model.attention_dropout_rate = 0.0  # microbatches draw own masks
+    for axis, size in mesh.items():
+      c.mesh[axis] = size
+    train.train_and_evaluate(c, str(tmp_path / name), devices=devices)
+    got[name] = losses(tmp_path / name)
+    assert sorted(got[name]) == [1, 2, 3, 4]
+  single = np.array(list(got['single'].values()))
+  assert single[-1] < single[0]  # it trains
+  for name in ('fsdp', 'tensor'):
+    np.testing.assert_allclose(list(got[name].values()), single, rtol=2e-5, err_msg=name)
+
+
+def test_accumulation_gradient_equals_one_big_batch():
+  """Masked-token weighting: accumulated microbatches give the big batch's exact gradient,
+  even when the microbatches hold different numbers of masked tokens."""
+  c = tiny_config()
+  c.model.dropout_rate = c.model.attention_dropout_rate = 0.0
+  model = models.build(c.model)
+  batch = next(train_lib.SyntheticPretrainingData(
+      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=3))
+  batch['masked_lm_weights'][:4, 2:] = 0.0  # uneven masked-token counts
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch)['params'])
+  loss_fn = train_lib.pretraining_loss_fn(model)
+  grad = jax.jit(lambda b, totals: jax.grad(lambda p: loss_fn(p, b, None, totals)[0])(params))
+  whole = grad(batch, train_lib.pretraining_totals(batch))
+  totals = train_lib.pretraining_totals(batch)
+  halves = [jax.tree.map(lambda x: x[i::2], batch) for i in range(2)]
+  summed = jax.tree.map(jnp.add, *[grad(h, totals) for h in halves])
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(summed)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_weight_decay_mask_and_fixed_random_synthesizer():
+  c = tiny_config('synth_random_fixed')
+  spec = resolve(c.model)
+  model = models.build(spec)
+  batch = next(train_lib.SyntheticPretrainingData(
+      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch)['params'])
+  mask = train_lib.decay_mask(params)
+  enc = mask['encoder']['layers_0']
+  assert enc['attention']['value']['kernel'] and not enc['attention']['value']['bias']
+  assert not enc['attention_layer_norm']['scale'] and not enc['mlp_layer_norm']['bias']
+  assert mask['encoder']['embeddings']['word_embeddings']['embedding']
+  assert not mask['mlm_head']['output_bias'] and not mask['mlm_head']['layer_norm']['scale']
+  c.optimizer.weight_decay = 0.5  # large, so a decayed parameter would visibly move
+  tx, _ = train_lib.make_optimizer(c.optimizer, 10, frozen=train_lib.fixed_params_fn(spec))
+  grads = jax.tree.map(jnp.ones_like, params)  # even a nonzero gradient must not move R
+  updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
+  att = updates['encoder']['layers_0']['attention']
+  assert float(jnp.abs(att['synth_random']['random_logits']).max()) == 0.0
+  assert float(jnp.abs(att['value']['kernel']).max()) > 0.0
+
+
+def test_schedules():
+  opt = pretrain.get_config('postln,tiny').optimizer
+  opt.learning_rate, opt.warmup_steps = 1.0, 10
+  lin = train_lib.make_schedule(opt, 100)
+  np.testing.assert_allclose([lin(0), lin(5), lin(10), lin(55), lin(100)],
+                             [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+  opt.schedule = 'cosine'
+  cos = train_lib.make_schedule(opt, 100)
+  np.testing.assert_allclose([cos(10), cos(55), cos(100)], [1.0, 0.5, 0.0], atol=1e-6)
+  opt.schedule = 'constant'
+  np.testing.assert_allclose(train_lib.make_schedule(opt, 100)(90), 1.0)
+  with pytest.raises(ValueError, match='warmup_steps=10 must lie'):
+    train_lib.make_schedule(opt, 5)
+
+
+@pytest.mark.parametrize('variant', ['postln', 'synth_dense'])
+def test_flops_per_example_matches_xla_count(variant):
+  """The stated formula against XLA's own count of the forward pass (x 3 for training)."""
+  c = tiny_config(variant)
+  c.model.vocab_pad_multiple = 1
+  c.model.hidden_size, c.model.mlp_dim, c.model.num_heads = 128, 512, 4
+  model = models.build(c.model)
+  batch = next(train_lib.SyntheticPretrainingData(
+      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=4, seed=0))
+  variables = model.init(jax.random.PRNGKey(0), batch)
+  cost = jax.jit(lambda v, b: model.apply(v, b).mlm_logits).lower(
+      variables, batch).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  want = train_lib.flops_per_example(c.model, 32, 5) / 3 * 4
+  # XLA also counts softmax, GELU and LayerNorm: about 9% more at this size.
+  assert 1.0 * want < cost['flops'] < 1.2 * want
+  base = pretrain.get_config('postln,base').model
+  base.vocab_size = 30522
+  # BERT-base at T=128, P=20: about 3 x 2 x 86M non-embedding parameters x 128 tokens.
+  assert 60e9 < train_lib.flops_per_example(base, 128, 20) < 75e9
+
+
+def test_layout_errors_come_before_compile(tmp_path):
+  c = tiny_config()
+  c.mesh.data, c.mesh.fsdp = 3, 1
+  with pytest.raises(ValueError, match='does not divide the 8 devices'):
+    train.train_and_evaluate(c, str(tmp_path / 'a'))
+  c = tiny_config(batch_size=12)
+  with pytest.raises(ValueError, match='does not divide the data-parallel size 8'):
+    train.train_and_evaluate(c, str(tmp_path / 'b'))
+  c = tiny_config(grad_accum_steps=3)
+  with pytest.raises(ValueError, match='grad_accum_steps=3 does not divide'):
+    train.train_and_evaluate(c, str(tmp_path / 'c'))
+
+
+def test_nan_loss_stops_and_is_not_saved(tmp_path):
+  c = tiny_config(num_steps=30, checkpoint_every_steps=2)
+  c.optimizer.learning_rate, c.optimizer.clip_norm = 1e12, 0.0
+  with pytest.raises(train.NonFiniteLossError, match=r'loss became (nan|inf) at step \d+') as e:
+    train.train_and_evaluate(c, str(tmp_path))
+  bad_step = int(str(e.value).split(' at step ')[1].split(';')[0])
+  saved = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
+  assert all(s < bad_step for s in saved)
+  if saved:
+    assert f'last good checkpoint is step {saved[-1]}' in str(e.value)
+
+
+def test_cli_unknown_key_and_missing_workdir():
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  run = lambda *args: subprocess.run([sys.executable, 'train.py', *args], cwd=REPO, env=env,
+                                     capture_output=True, text=True, timeout=300)
+  out = run('--workdir', '/tmp/unused_realformer', '--config.train.bogus_key=1')
+  assert out.returncode != 0 and 'bogus_key' in out.stderr
+  out = run('--config.train.num_steps=2')
+  assert out.returncode != 0 and '--workdir is required' in out.stderr
+
+
+def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
+  pytest.importorskip('data.pipeline')
+  c = pretrain.get_config('postln,tiny')
+  m = c.model
+  m.hidden_size, m.num_heads, m.mlp_dim, m.max_len = 64, 2, 128, 64
+  c.data.max_seq_length, c.data.max_predictions_per_seq = 64, 10
+  t = c.train
+  t.batch_size, t.num_steps, t.log_every_steps = 16, 60, 10
+  t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 60, 2, 60
+  c.optimizer.warmup_steps = 6
+  summary = train.train_and_evaluate(c, str(tmp_path))
+  mlm = losses(tmp_path, key='mlm_loss')
+  assert mlm[60] < mlm[10] - 1.0, mlm
+  assert summary['eval']['mlm_loss'] < np.log(c.model.vocab_size) - 1.0
+  assert os.path.isdir(tmp_path / 'checkpoints' / '60')

@@ -1,0 +1,312 @@
+r"""Pretrain a BERT-style encoder with masked language modelling + next sentence prediction.
+
+  python train.py --workdir /tmp/bert_tiny       # postln,tiny on the embedded corpus (CPU)
+  python train.py --config configs/pretrain.py:realformer,base --workdir DIR \
+      --config.mesh.fsdp=8 --config.model.dtype=bfloat16
+
+Everything comes from the config (configs/pretrain.py; unknown keys are errors): mesh
+(data x fsdp x tensor), batch, accumulation, optimizer, checkpoints. Running the same command
+again continues the run in DIR (checkpoints.py states the restart order). Outputs in DIR:
+config.json, checkpoints/<step>/{state,data}, TensorBoard events, metrics.jsonl (one JSON
+line per logged step and split; see realformer/metrics.py). docs/launching.md shows TPU pod
+and GPU cluster launches. `config.data.sources=synthetic` trains on random tokens of the
+same format (throughput checks only).
+"""
+
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app
+from absl import flags
+from absl import logging
+from clu import periodic_actions
+from ml_collections import config_flags
+
+from realformer import checkpoints
+from realformer import metrics as metrics_lib
+from realformer import models
+from realformer import partitioning
+from realformer import train_lib
+from realformer.spec import resolve
+
+_REPO = os.path.dirname(os.path.abspath(__file__))
+config_flags.DEFINE_config_file(
+    'config', os.path.join(_REPO, 'configs', 'pretrain.py') + ':postln,tiny',
+    'Config file and its argument, e.g. configs/pretrain.py:realformer,base', lock_config=True)
+flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and config.json.')
+flags.DEFINE_string('coordinator_address', None,
+                    'host:port of process 0 for multi-process runs (or $JAX_COORDINATOR_ADDRESS);'
+                    ' TPU pods and SLURM are detected without it.')
+flags.DEFINE_integer('num_processes', None, 'Number of processes (or $JAX_NUM_PROCESSES).')
+flags.DEFINE_integer('process_id', None, 'This process (or $JAX_PROCESS_ID).')
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss became nan/inf; the bad state was not saved."""
+
+
+# --------------------------------------------------------------------------------------
+# Setup: config, tokenizer, mesh.
+# --------------------------------------------------------------------------------------
+
+def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """An unlocked copy with model.vocab_size set from the tokenizer (not for 'synthetic')."""
+  config = config.copy_and_resolve_references()
+  if config.data.sources != 'synthetic':
+    from data import tokenizer as tokenizer_lib
+    config.model.vocab_size = tokenizer_lib.load_for_config(config.data).vocab_size
+  resolve(config.model)  # one-line errors for bad model settings, before any compile
+  return config
+
+
+def make_input(config, workdir: str, split: str, seed: int):
+  """This host's iterator of numpy pretraining batches (global batch / process count)."""
+  kw = dict(global_batch_size=config.train.batch_size, seed=seed,
+            process_index=jax.process_index(), process_count=jax.process_count())
+  if config.data.sources == 'synthetic':
+    return train_lib.SyntheticPretrainingData(
+        vocab_size=config.model.vocab_size, seq_len=config.data.max_seq_length,
+        num_predictions=config.data.max_predictions_per_seq, **kw)
+  from data import pipeline
+  from data import tokenizer as tokenizer_lib
+  prepared_dir = pipeline.ensure_prepared(config, workdir)
+  return pipeline.make_pretraining_iterator(
+      config.data, tokenizer_lib.load_for_config(config.data), prepared_dir, split=split, **kw)
+
+
+def data_checkpoint_args(it, mode: str):
+  """Orbax args that save ('save') or restore in place ('restore') the iterator's state."""
+  if isinstance(it, train_lib.SyntheticPretrainingData):
+    return ocp.args.JsonSave(it.get_state()) if mode == 'save' else ocp.args.JsonRestore()
+  from data import pipeline
+  return pipeline.iterator_checkpoint_args(it, mode)
+
+
+def set_data_state(it, restored):
+  if isinstance(it, train_lib.SyntheticPretrainingData):
+    it.set_state(restored)
+
+
+class StopSignal:
+  """Set by SIGTERM (preemption): the loop saves at the current step and exits."""
+
+  def __init__(self):
+    self.event = threading.Event()
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+      # Several processes: jax's preemption notifier owns SIGTERM (manager.reached_preemption).
+      self._previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+# --------------------------------------------------------------------------------------
+# The run.
+# --------------------------------------------------------------------------------------
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       devices=None) -> dict:
+  """Pretrain per `config` in `workdir` (resuming if it holds a checkpoint).
+
+  devices: the devices of the mesh (default: all of jax.devices()).
+  Returns the last logged train metrics and eval metrics ({'train': {...}, 'eval': {...}}).
+  Raises NonFiniteLossError when the loss becomes nan/inf (nothing bad is saved).
+  """
+  if not workdir:
+    raise ValueError('--workdir is required: the directory for checkpoints and logs')
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  config = resolved_config(config)
+  tc = config.train
+  mesh = partitioning.make_mesh(config.mesh, devices)
+  train_lib.check_batch_layout(tc.batch_size, tc.grad_accum_steps, mesh, jax.process_count())
+  is_chief = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  checkpoints.write_config(workdir, config)
+  writer = metrics_lib.create_writer(workdir, jax.process_index())
+  logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), jax.device_count(),
+               jax.process_count())
+
+  # ---- Model, optimizer, shardings (nothing allocated yet). ----
+  spec = resolve(config.model)
+  model = models.build(spec)
+  tx, schedule = train_lib.make_optimizer(config.optimizer, tc.num_steps,
+                                          frozen=train_lib.fixed_params_fn(spec))
+  seq_len, preds = config.data.max_seq_length, config.data.max_predictions_per_seq
+  batch_shapes = train_lib.abstract_batch(tc.batch_size, seq_len, preds)
+  abstract, shardings = train_lib.state_shardings(model, tx, batch_shapes, mesh)
+
+  # ---- Restart: this workdir's checkpoint, else init_checkpoint params, else scratch. ----
+  train_iter = make_input(config, workdir, 'train', config.seed)
+  manager = checkpoints.make_manager(workdir, keep=tc.keep_checkpoints)
+  latest = checkpoints.latest_complete_step(manager)
+  if latest is not None:
+    logging.info('resuming from %s/checkpoints/%d', workdir, latest)
+    tree, data_state = checkpoints.restore(manager, latest, abstract.to_checkpoint(),
+                                           data_checkpoint_args(train_iter, 'restore'))
+    state = train_lib.TrainState.from_checkpoint(tree)
+    set_data_state(train_iter, data_state)
+  else:
+    state, _ = train_lib.create_train_state(model, tx, batch_shapes, mesh, config.seed)
+    if tc.init_checkpoint:
+      params, missing = checkpoints.restore_params(tc.init_checkpoint, abstract.params)
+      params = jax.tree.map(lambda new, old: old if new is None else new, params,
+                            state.params, is_leaf=lambda x: x is None)
+      state = state.replace(params=params, opt_state=jax.jit(
+          tx.init, out_shardings=shardings.opt_state)(params))
+      logging.info('initialized params from %s (%d kept fresh)', tc.init_checkpoint,
+                   len(missing))
+  start_step = int(state.step)
+
+  # ---- Compiled steps. ----
+  loss_fn = train_lib.pretraining_loss_fn(model)
+  train_step = train_lib.make_train_step(
+      loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
+      metrics_cls=metrics_lib.PretrainingTrainMetrics, grad_accum_steps=tc.grad_accum_steps,
+      seed=config.seed)
+  eval_step = train_lib.make_eval_step(loss_fn, mesh=mesh, params_sharding=shardings.params,
+                                       metrics_cls=metrics_lib.PretrainingEvalMetrics)
+
+  def evaluate(step: int) -> dict:
+    eval_iter = make_input(config, workdir, 'eval', config.seed + 1)  # same batches each time
+    collected = None
+    for _ in range(tc.eval_steps):
+      collected = metrics_lib.merge(
+          collected, eval_step(state.params, train_lib.global_batch(next(eval_iter), mesh)))
+    values = metrics_lib.to_floats(collected)
+    writer.write_scalars(step, {f'eval/{k}': v for k, v in values.items()})
+    writer.flush()
+    return values
+
+  # ---- Performance bookkeeping. ----
+  flops = train_lib.flops_per_example(spec, seq_len, preds)
+  peak = metrics_lib.peak_flops_per_device(mesh.devices.flat[0],
+                                           config.train.get('peak_flops_per_device', None))
+  report = periodic_actions.ReportProgress(num_train_steps=tc.num_steps, writer=writer,
+                                           every_steps=tc.log_every_steps, every_secs=None)
+  hooks = [report]
+  if tc.profile_steps and is_chief:
+    hooks.append(periodic_actions.Profile(logdir=workdir, num_profile_steps=tc.profile_steps,
+                                          first_profile=start_step + 10, every_secs=None))
+
+  def check_finite(step: int, collected_step):
+    loss = float(np.asarray(collected_step.loss.compute()))
+    if not np.isfinite(loss):
+      manager.wait_until_finished()
+      last = manager.latest_step()
+      where = (f'the last good checkpoint is step {last} in {manager.directory}'
+               if last is not None else 'no checkpoint was written')
+      raise NonFiniteLossError(
+          f'loss became {loss} at step {step}; {where}; lower optimizer.learning_rate, '
+          f'raise optimizer.warmup_steps or train in float32 (model.dtype)')
+
+  def save(step: int):
+    checkpoints.save(manager, step, state.to_checkpoint(),
+                     data_checkpoint_args(train_iter, 'save'), force=True)
+
+  # ---- The loop. ----
+  summary = {'train': {}, 'eval': {}}
+  window, pending = None, None  # metrics since the last log; the unchecked step
+  timed_from, window_start = start_step, time.time()
+  step = start_step
+  with jax.set_mesh(mesh), StopSignal() as stop:
+    while step < tc.num_steps:
+      batch = train_lib.global_batch(next(train_iter), mesh)
+      state, step_metrics = train_step(state, batch)
+      step += 1
+      if pending is not None:  # check the previous step while this one runs
+        check_finite(*pending)
+      pending = (step, step_metrics)
+      window = metrics_lib.merge(window, step_metrics)
+      for hook in hooks:
+        hook(step)
+      if step == start_step + 1:  # leave compilation out of the throughput
+        check_finite(*pending)
+        timed_from, window_start = step, time.time()
+      preempted = stop.event.is_set() or (jax.process_count() > 1 and
+                                          manager.reached_preemption(step))
+      last = step == tc.num_steps
+      if step % tc.log_every_steps == 0 or last:
+        check_finite(*pending)
+        values = metrics_lib.to_floats(window)
+        now = time.time()
+        if step > timed_from:
+          values.update(metrics_lib.throughput(
+              steps=step - timed_from, seconds=now - window_start,
+              global_batch_size=tc.batch_size, seq_len=seq_len, flops_per_example=flops,
+              num_devices=mesh.size, peak_flops=peak))
+        writer.write_scalars(step, values)
+        writer.flush()
+        summary['train'] = values
+        window, timed_from, window_start = None, step, now
+      if step % tc.checkpoint_every_steps == 0 or last or preempted:
+        check_finite(*pending)
+        save(step)
+      if step % tc.eval_every_steps == 0 or last:
+        summary['eval'] = evaluate(step)
+      if preempted:
+        logging.warning('stop signal: saved step %d in %s; run the same command to resume',
+                        step, manager.directory)
+        break
+  manager.wait_until_finished()
+  manager.close()
+  writer.close()
+  return summary
+
+
+# --------------------------------------------------------------------------------------
+# Entry point.
+# --------------------------------------------------------------------------------------
+
+def maybe_initialize_distributed(coordinator_address: Optional[str] = None,
+                                 num_processes: Optional[int] = None,
+                                 process_id: Optional[int] = None):
+  """jax.distributed.initialize() when several processes take part.
+
+  Explicit values (flags, else $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES /
+  $JAX_PROCESS_ID) win; otherwise jax detects TPU pod slices and SLURM jobs
+  (SLURM_NTASKS > 1) by itself. A single process on one machine initializes nothing.
+  """
+  env = os.environ
+  coordinator_address = coordinator_address or env.get('JAX_COORDINATOR_ADDRESS')
+  num_processes = num_processes or (int(env['JAX_NUM_PROCESSES'])
+                                    if 'JAX_NUM_PROCESSES' in env else None)
+  if process_id is None and 'JAX_PROCESS_ID' in env:
+    process_id = int(env['JAX_PROCESS_ID'])
+  if coordinator_address or (num_processes or 1) > 1:
+    if jax.config.jax_platforms == 'cpu' or env.get('JAX_PLATFORMS') == 'cpu':
+      jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+  elif int(env.get('SLURM_NTASKS', '1')) > 1 or ',' in env.get('TPU_WORKER_HOSTNAMES', ''):
+    jax.distributed.initialize()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments {argv[1:]}; settings go in --config.*')
+  if not flags.FLAGS.workdir:
+    raise app.UsageError('--workdir is required: the directory for checkpoints and logs '
+                         '(e.g. --workdir /tmp/bert_tiny)')
+  maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                               flags.FLAGS.process_id)
+  try:
+    summary = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  except (NonFiniteLossError, ValueError, FileNotFoundError) as e:
+    raise SystemExit(f'error: {e}') from None
+  logging.info('done: %s', summary)
+
+
+if __name__ == '__main__':
+  app.run(main)
