@@ -253,7 +253,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       if step % tc.checkpoint_every_steps == 0 or last or preempted:
         check_finite(*pending)
         save(step)
-      if step % tc.eval_every_steps == 0 or last:
+      if tc.eval_steps > 0 and (step % tc.eval_every_steps == 0 or last):
         summary['eval'] = evaluate(step)
       if preempted:
         logging.warning('stop signal: saved step %d in %s; run the same command to resume',

@@ -115,7 +115,8 @@ def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -
   """
   stored = _shapes(stored_tree(step_dir))
   missing = []
-  for path, shape in _shapes(target).items():
+  wanted = sorted(_shapes(target).items(), key=lambda kv: not kv[0].startswith('params/'))
+  for path, shape in wanted:  # params first: their names are the ones a user knows
     if path not in stored:
       missing.append(path)
     elif stored[path] != shape:
@@ -162,7 +163,8 @@ def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] 
                    ) -> Tuple[Any, list]:
   """Params-only partial restore from any checkpoint written here (or by interop imports).
 
-  abstract_params: ShapeDtypeStructs (with shardings) of the params to fill, placed at
+  abstract_params: ShapeDtypeStructs of the params to fill (with shardings; without, they
+  land on the first local device), placed at
   state/params/<subtree...> in the checkpoint (e.g. subtree=('encoder',) to restore only
   the encoder into a fine-tuning model). Returns (params, missing paths): what the
   checkpoint lacks is None in the returned tree and listed, for the caller to keep fresh.
@@ -172,6 +174,9 @@ def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] 
   for key in reversed(subtree):
     target = {key: target}
   target = {'params': target}
+  default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda x: x if getattr(x, 'sharding', None) is not None else
+                        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default), target)
   missing = set(check_matches(step_dir, target, allow_missing=True))
   present = jax.tree_util.tree_map_with_path(
       lambda p, x: None if _path_str(p) in missing else x, target)

@@ -1,0 +1,201 @@
+"""Checkpoints: exact resume after SIGTERM and after SIGKILL, half-written steps never
+restored, two processes training and resuming together, params-only partial restore and
+clear errors for a checkpoint that does not match the model."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import train
+from realformer import checkpoints
+from realformer import models
+from realformer import train_lib
+from tests.test_train import REPO, losses, tiny_config
+
+NUM_STEPS = 8
+
+# Runs train.train_and_evaluate(tiny_config(**overrides)) in a fresh process. With
+# kill_after=k it SIGKILLs itself right after step k, once checkpoint `kill_when` is final.
+_CHILD = r'''
+import json, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+args = json.loads({args!r})
+import train
+from realformer import train_lib
+from tests.test_train import tiny_config
+if args.get('num_processes'):
+  train.maybe_initialize_distributed(args['coordinator'], args['num_processes'],
+                                     args['process_id'])
+if args.get('kill_after'):
+  make_step = train_lib.make_train_step
+  def killing_make_step(*a, **kw):
+    step_fn, count = make_step(*a, **kw), [0]
+    def step(state, batch):
+      out = step_fn(state, batch)
+      count[0] += 1
+      if count[0] == args['kill_after']:
+        marker = os.path.join(args['workdir'], 'checkpoints', str(args['kill_when']),
+                              'commit_success.txt')
+        while not os.path.exists(marker):
+          time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+      return out
+    return step
+  train_lib.make_train_step = killing_make_step
+train.train_and_evaluate(tiny_config(**args['train']), args['workdir'])
+'''
+
+
+def child(args, env_extra=None):
+  env = dict(os.environ, JAX_PLATFORMS='cpu', **(env_extra or {}))
+  code = _CHILD.format(repo=REPO, args=json.dumps(args))
+  return subprocess.Popen([sys.executable, '-c', code], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """An uninterrupted run of NUM_STEPS steps (dropout on: resume must redraw the masks)."""
+  workdir = tmp_path_factory.mktemp('reference')
+  summary = train.train_and_evaluate(tiny_config(num_steps=NUM_STEPS, eval_steps=1),
+                                     str(workdir))
+  got = losses(workdir)
+  assert sorted(got) == list(range(1, NUM_STEPS + 1))
+  assert losses(workdir, 'eval', 'mlm_accuracy') == {NUM_STEPS: summary['eval']['mlm_accuracy']}
+  return workdir, got
+
+
+def assert_same_losses(workdir, want, rtol=1e-6):
+  got = losses(workdir)
+  assert sorted(got) == sorted(want)
+  np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)],
+                             rtol=rtol)
+
+
+def test_sigterm_saves_current_step_and_resume_is_exact(tmp_path, reference, monkeypatch):
+  make_step = train_lib.make_train_step
+
+  def terminating_make_step(*a, **kw):
+    step_fn, count = make_step(*a, **kw), [0]
+
+    def step(state, batch):
+      count[0] += 1
+      if count[0] == 3:
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption notice
+      return step_fn(state, batch)
+    return step
+
+  monkeypatch.setattr(train_lib, 'make_train_step', terminating_make_step)
+  train.train_and_evaluate(tiny_config(num_steps=NUM_STEPS), str(tmp_path))
+  assert checkpoints.latest_complete_step(checkpoints.make_manager(str(tmp_path))) == 3
+  assert max(losses(tmp_path)) == 3
+  monkeypatch.setattr(train_lib, 'make_train_step', make_step)
+  train.train_and_evaluate(tiny_config(num_steps=NUM_STEPS), str(tmp_path))
+  assert_same_losses(tmp_path, reference[1])
+
+
+def test_sigkill_then_resume_is_exact_and_half_written_steps_are_ignored(tmp_path, reference):
+  proc = child({'workdir': str(tmp_path), 'kill_after': 5, 'kill_when': 3,
+                'train': {'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3}})
+  out = proc.communicate(timeout=300)[0]
+  assert proc.returncode == -signal.SIGKILL, out[-3000:]
+  ckpt = tmp_path / 'checkpoints'
+  assert sorted(os.listdir(ckpt)) == ['3']
+  # What a crash mid-save leaves: orbax's tmp directory, and a step directory without the
+  # commit marker (e.g. a partial copy). Neither may be restored.
+  for name in ('6.orbax-checkpoint-tmp-1234', '7'):
+    os.makedirs(ckpt / name / 'state')
+    (ckpt / name / 'state' / 'garbage').write_text('half written')
+  before = losses(tmp_path)
+  assert sorted(before) == [1, 2, 3, 4]  # killed inside step 5, after its checkpoint at 3
+  with open(tmp_path / 'metrics.jsonl') as f:
+    lines_before = len(f.readlines())
+  train.train_and_evaluate(tiny_config(num_steps=NUM_STEPS, checkpoint_every_steps=3),
+                           str(tmp_path))
+  with open(tmp_path / 'metrics.jsonl') as f:
+    resumed = [json.loads(line) for line in f.readlines()[lines_before:]]
+  assert min(r['step'] for r in resumed) == 4  # restarted after step 3, not 6 or 7
+  assert_same_losses(tmp_path, reference[1])
+  assert sorted(os.listdir(ckpt)) == ['3', '6', '8']
+
+
+def test_two_processes_train_checkpoint_and_resume_together(tmp_path, reference):
+  """Two CPU processes with 4 devices each (gloo collectives) = the 8-device reference."""
+  def run(num_steps):
+    with socket.socket() as s:
+      s.bind(('localhost', 0))
+      port = s.getsockname()[1]
+    procs = [child({'workdir': str(tmp_path), 'coordinator': f'localhost:{port}',
+                    'num_processes': 2, 'process_id': i,
+                    'train': {'num_steps': num_steps, 'checkpoint_every_steps': 2}},
+                   {'XLA_FLAGS': '--xla_force_host_platform_device_count=4'})
+             for i in range(2)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outs):
+      assert p.returncode == 0, out[-3000:]
+
+  run(4)
+  assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
+  run(NUM_STEPS)  # resumes from step 4 in the same workdir
+  assert_same_losses(tmp_path, reference[1], rtol=2e-5)
+  assert '8' in os.listdir(tmp_path / 'checkpoints')
+
+
+def test_params_only_partial_restore_and_mismatch_errors(reference):
+  workdir = str(reference[0])
+  config = tiny_config()
+  step_dir = checkpoints.resolve_step_dir(workdir)
+  assert step_dir.endswith(os.path.join('checkpoints', str(NUM_STEPS)))
+  # The encoder alone, into a fine-tuning model's encoder.
+  cls_model = models.build(config.model, head='classification', num_labels=3)
+  batch = next(train_lib.SyntheticPretrainingData(
+      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
+  abstract = nn.unbox(jax.eval_shape(lambda: cls_model.init(jax.random.PRNGKey(0), batch)))
+  encoder, missing = checkpoints.restore_params(workdir, abstract['params']['encoder'],
+                                                subtree=('encoder',))
+  assert not missing
+  stored = checkpoints.restore_params(step_dir, abstract['params']['encoder'],
+                                      subtree=('encoder',))[0]
+  kernel = encoder['layers_0']['attention']['query']['kernel']
+  np.testing.assert_array_equal(kernel, stored['layers_0']['attention']['query']['kernel'])
+  assert kernel.shape == (32, 32)
+  # A model the checkpoint does not fit: the error names the parameter.
+  config.model.hidden_size = 64
+  wide = models.build(config.model, head='encoder')
+  wide_params = nn.unbox(jax.eval_shape(lambda: wide.init(jax.random.PRNGKey(0), batch)))
+  with pytest.raises(ValueError, match=r'params/encoder/\S+ has shape \S*32\S* in the '
+                                       r'checkpoint but \S*64\S* in the model'):
+    checkpoints.restore_params(workdir, wide_params['params'], subtree=('encoder',))
+  with pytest.raises(FileNotFoundError, match='does not exist'):
+    checkpoints.restore_params(workdir + '_nope', wide_params['params'])
+
+
+def test_init_checkpoint_then_resume_mismatch(tmp_path, reference):
+  """init_checkpoint seeds the params; a workdir checkpoint of another model is an error."""
+  config = tiny_config(num_steps=1, init_checkpoint=str(reference[0]))
+  config.optimizer.learning_rate = 0.0
+  train.train_and_evaluate(config, str(tmp_path))
+  got = checkpoints.restore_params(str(tmp_path), _abstract_params(config))[0]
+  want = checkpoints.restore_params(str(reference[0]), _abstract_params(config))[0]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  config = tiny_config(num_steps=2)
+  config.model.mlp_dim = 128
+  with pytest.raises(ValueError, match=r'model: params/encoder/layers_0/mlp/intermediate/'
+                                       r'\w+ has shape \S*64\S* in the checkpoint but \S*128'):
+    train.train_and_evaluate(config, str(tmp_path))
+
+
+def _abstract_params(config):
+  model = models.build(config.model)
+  batch = next(train_lib.SyntheticPretrainingData(
+      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
+  return nn.unbox(jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch)))['params']
