@@ -66,19 +66,23 @@ def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
   return config
 
 
-def make_input(config, workdir: str, split: str, seed: int):
-  """This host's iterator of numpy pretraining batches (global batch / process count)."""
-  kw = dict(global_batch_size=config.train.batch_size, seed=seed,
+def make_input_fn(config, workdir: str):
+  """(split, seed) -> this host's iterator of numpy batches (global batch / process count).
+
+  The real pipeline prepares its shards once (process 0 writes, the others wait)."""
+  kw = dict(global_batch_size=config.train.batch_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   if config.data.sources == 'synthetic':
-    return train_lib.SyntheticPretrainingData(
+    return lambda split, seed: train_lib.SyntheticPretrainingData(
         vocab_size=config.model.vocab_size, seq_len=config.data.max_seq_length,
-        num_predictions=config.data.max_predictions_per_seq, **kw)
+        num_predictions=config.data.max_predictions_per_seq, seed=seed + (split == 'eval'),
+        **kw)
   from data import pipeline
   from data import tokenizer as tokenizer_lib
+  tokenizer = tokenizer_lib.load_for_config(config.data)
   prepared_dir = pipeline.ensure_prepared(config, workdir)
-  return pipeline.make_pretraining_iterator(
-      config.data, tokenizer_lib.load_for_config(config.data), prepared_dir, split=split, **kw)
+  return lambda split, seed: pipeline.make_pretraining_iterator(
+      config.data, tokenizer, prepared_dir, split=split, seed=seed, **kw)
 
 
 def data_checkpoint_args(it, mode: str):
@@ -148,7 +152,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   abstract, shardings = train_lib.state_shardings(model, tx, batch_shapes, mesh)
 
   # ---- Restart: this workdir's checkpoint, else init_checkpoint params, else scratch. ----
-  train_iter = make_input(config, workdir, 'train', config.seed)
+  make_input = make_input_fn(config, workdir)
+  train_iter = make_input('train', config.seed)
   manager = checkpoints.make_manager(workdir, keep=tc.keep_checkpoints)
   latest = checkpoints.latest_complete_step(manager)
   if latest is not None:
@@ -179,7 +184,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                                        metrics_cls=metrics_lib.PretrainingEvalMetrics)
 
   def evaluate(step: int) -> dict:
-    eval_iter = make_input(config, workdir, 'eval', config.seed + 1)  # same batches each time
+    eval_iter = make_input('eval', config.seed)  # the same batches at every evaluation
     collected = None
     for _ in range(tc.eval_steps):
       collected = metrics_lib.merge(
