@@ -13,6 +13,7 @@ and GPU cluster launches. `config.data.sources=synthetic` trains on random token
 same format (throughput checks only).
 """
 
+import logging as logging_std
 import os
 import signal
 import threading
@@ -298,7 +299,15 @@ def maybe_initialize_distributed(coordinator_address: Optional[str] = None,
     jax.distributed.initialize()
 
 
+class _QuietLibraries(logging_std.Filter):
+  """Keep the console readable: drop orbax's per-save INFO lines (warnings still show)."""
+
+  def filter(self, record):
+    return record.levelno >= logging_std.WARNING or '/orbax/' not in record.pathname
+
+
 def main(argv):
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]}; settings go in --config.*')
   if not flags.FLAGS.workdir:

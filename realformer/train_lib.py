@@ -404,9 +404,10 @@ class SyntheticPretrainingData:
 
   def __init__(self, *, vocab_size: int, seq_len: int, num_predictions: int,
                global_batch_size: int, seed: int, process_index: int = 0,
-               process_count: int = 1, num_special: int = 5):
+               process_count: int = 1, num_special: int = 5, mask_id: int = 4):
     self.vocab_size, self.seq_len, self.num_predictions = vocab_size, seq_len, num_predictions
     self.global_batch_size, self.seed, self.num_special = global_batch_size, seed, num_special
+    self.mask_id = mask_id  # [MASK] of the sentencepiece vocabularies trained here
     per_host = global_batch_size // process_count
     self._rows = slice(process_index * per_host, (process_index + 1) * per_host)
     self.index = 0
@@ -424,9 +425,11 @@ class SyntheticPretrainingData:
     segment = ((np.arange(t)[None] >= lengths[:, None] // 2) * mask).astype(np.int32)
     positions = np.sort(rng.permuted(np.tile(np.arange(1, t), (b, 1)), axis=1)[:, :p], axis=1)
     weights = (positions < lengths[:, None]).astype(np.float32)
+    labels = np.take_along_axis(ids, positions, 1).astype(np.int32)
+    np.put_along_axis(ids, positions, self.mask_id, 1)  # the model must not see the answer
     batch = {'input_ids': ids * mask, 'segment_ids': segment, 'attention_mask': mask,
              'masked_lm_positions': positions.astype(np.int32),
-             'masked_lm_ids': np.take_along_axis(ids, positions, 1).astype(np.int32),
+             'masked_lm_ids': labels,
              'masked_lm_weights': weights,
              'next_sentence_labels': rng.integers(0, 2, (b,), dtype=np.int32)}
     return {k: v[self._rows] for k, v in batch.items()}

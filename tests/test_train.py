@@ -74,7 +74,7 @@ def test_accumulation_gradient_equals_one_big_batch():
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=3))
   batch['masked_lm_weights'][:4, 2:] = 0.0  # uneven masked-token counts
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch)['params'])
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), batch)['params'])
   loss_fn = train_lib.pretraining_loss_fn(model)
   grad = jax.jit(lambda b, totals: jax.grad(lambda p: loss_fn(p, b, None, totals)[0])(params))
   whole = grad(batch, train_lib.pretraining_totals(batch))
@@ -91,7 +91,7 @@ def test_weight_decay_mask_and_fixed_random_synthesizer():
   model = models.build(spec)
   batch = next(train_lib.SyntheticPretrainingData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch)['params'])
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), batch)['params'])
   mask = train_lib.decay_mask(params)
   enc = mask['encoder']['layers_0']
   assert enc['attention']['value']['kernel'] and not enc['attention']['value']['bias']
@@ -170,13 +170,13 @@ def test_nan_loss_stops_and_is_not_saved(tmp_path):
 
 
 def test_cli_unknown_key_and_missing_workdir():
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  run = lambda *args: subprocess.run([sys.executable, 'train.py', *args], cwd=REPO, env=env,
-                                     capture_output=True, text=True, timeout=300)
-  out = run('--workdir', '/tmp/unused_realformer', '--config.train.bogus_key=1')
+  out = subprocess.run([sys.executable, 'train.py', '--workdir', '/tmp/unused_realformer',
+                        '--config.train.bogus_key=1'], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert out.returncode != 0 and 'bogus_key' in out.stderr
-  out = run('--config.train.num_steps=2')
-  assert out.returncode != 0 and '--workdir is required' in out.stderr
+  assert not os.path.exists('/tmp/unused_realformer')
+  with pytest.raises(ValueError, match='--workdir is required'):
+    train.train_and_evaluate(tiny_config(), '')
 
 
 def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
