@@ -352,6 +352,13 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
     raise ValueError(f'train.batch_size={b} / grad_accum_steps={k} = {b // k} examples per '
                      f'microbatch does not divide the data-parallel size {dp} (mesh.data * '
                      f'mesh.fsdp); make the microbatch a multiple of {dp}')
+  # Each host feeds its own batch_size / process_count rows, so the hosts must hold
+  # distinct rows: the tensor axis (batch replicated over it) must stay within a host.
+  rows = partitioning.batch_sharding(mesh).addressable_devices_indices_map((b,))
+  local_rows = len({tuple(idx[0].indices(b)) for idx in rows.values()}) * (b // dp)
+  if local_rows * process_count != b:
+    raise ValueError(f'mesh {dict(mesh.shape)}: the tensor axis spans several processes, so '
+                     f'they would share batch rows; keep mesh.tensor within one host')
 
 
 # --------------------------------------------------------------------------------------
