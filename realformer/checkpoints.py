@@ -89,6 +89,17 @@ def save(manager: ocp.CheckpointManager, step: int, state_tree: dict, data_args=
   return manager.save(step, args=ocp.args.Composite(**items), force=force)
 
 
+def save_params(workdir: str, params, config, step: int = 0) -> str:
+  """A params-only checkpoint (state = {'step', 'params'}) + config.json, e.g. for weights
+  imported from elsewhere; init_checkpoint and fine-tuning read it like any other."""
+  write_config(workdir, config)
+  manager = make_manager(workdir, keep=None, item_names=('state',))
+  save(manager, step, {'step': step, 'params': params}, force=True)
+  manager.wait_until_finished()
+  manager.close()
+  return os.path.join(str(manager.directory), str(step))
+
+
 def _path_str(path) -> str:
   return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
                   for k in path)

@@ -194,6 +194,25 @@ def test_init_checkpoint_then_resume_mismatch(tmp_path, reference):
     train.train_and_evaluate(config, str(tmp_path))
 
 
+def test_init_from_params_only_checkpoint_keeps_missing_heads_fresh(tmp_path, reference):
+  """An encoder-only checkpoint (as interop imports write) initializes a pretraining run:
+  the encoder comes from it, the MLM/NSP heads keep their fresh initialization."""
+  config = tiny_config()
+  encoder = checkpoints.restore_params(str(reference[0]), _abstract_params(config)['encoder'],
+                                       subtree=('encoder',))[0]
+  step_dir = checkpoints.save_params(str(tmp_path / 'imported'), {'encoder': encoder}, config)
+  assert sorted(os.listdir(step_dir)) == ['_CHECKPOINT_METADATA', 'commit_success.txt', 'state']
+  params, missing = checkpoints.restore_params(str(tmp_path / 'imported'),
+                                               _abstract_params(config))
+  assert missing and all(m.startswith(('params/mlm_head', 'params/nsp_head')) for m in missing)
+  assert params['mlm_head']['output_bias'] is None
+  np.testing.assert_array_equal(params['encoder']['pooler']['kernel'],
+                                encoder['pooler']['kernel'])
+  config = tiny_config(num_steps=1, init_checkpoint=str(tmp_path / 'imported'))
+  train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert sorted(losses(tmp_path / 'run')) == [1]
+
+
 def _abstract_params(config):
   model = models.build(config.model)
   batch = next(train_lib.SyntheticPretrainingData(
