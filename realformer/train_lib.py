@@ -186,10 +186,6 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, examp
   return state, shardings
 
 
-def params_only_state(params) -> dict:
-  return {'step': jnp.zeros((), jnp.int32), 'params': params}
-
-
 # --------------------------------------------------------------------------------------
 # Pretraining loss (MLM + NSP).
 # --------------------------------------------------------------------------------------
