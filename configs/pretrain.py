@@ -108,6 +108,7 @@ def get_config(arg: str = 'postln,tiny'):
   c.data.whole_word_masking = False
   c.data.eval_fraction = 0.01  # documents held out for evaluation
   c.data.num_shards = 8
+  c.data.document_window = 1000  # documents held while preparing (random-next candidates)
   c.data.worker_count = 0  # grain worker processes per host
 
   c.train = ml_collections.ConfigDict()

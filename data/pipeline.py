@@ -1,0 +1,118 @@
+"""The pretraining input stream: prepared shards -> shuffled, dynamically masked, per-host
+batches, with a state that Orbax saves beside the train state.
+
+The stream is a pure function of (seed, position): grain's IndexSampler shuffles the records
+of every epoch with the seed, each host takes its own share (ShardOptions by process), and
+masking draws from a generator that grain seeds with (seed, global record index), so an epoch
+re-masks every instance differently and a restored iterator continues with exactly the batches
+an uninterrupted run would have seen.
+"""
+
+import os
+import time
+from typing import Dict
+
+import grain.python as grain
+import numpy as np
+
+from data import prepare as prepare_lib
+from data import pretraining
+
+
+class _Decode(grain.MapTransform):
+  """Record bytes -> padded [CLS] A [SEP] B [SEP] features and the NSP label."""
+
+  def __init__(self, tokenizer, max_seq_length):
+    self._kw = dict(cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
+                    max_seq_length=max_seq_length)
+
+  def map(self, record: bytes) -> Dict[str, np.ndarray]:
+    return pretraining.make_features(pretraining.Instance.from_bytes(record), **self._kw)
+
+
+class _Mask(grain.RandomMapTransform):
+  """Dynamic masking; grain seeds `rng` from the sampler's seed and the record's index."""
+
+  def __init__(self, masker: pretraining.Masker):
+    self._masker = masker
+
+  def random_map(self, features, rng: np.random.Generator):
+    return self._masker(features, rng)
+
+
+def make_masker(config_data, tokenizer) -> pretraining.Masker:
+  return pretraining.Masker(
+      vocab_size=tokenizer.vocab_size, special_ids=tokenizer.special_ids,
+      mask_id=tokenizer.mask_id, masked_lm_prob=config_data.masked_lm_prob,
+      max_predictions_per_seq=config_data.max_predictions_per_seq,
+      whole_word_masking=config_data.whole_word_masking,
+      word_start_mask=tokenizer.word_start_mask() if config_data.whole_word_masking else None)
+
+
+def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, split: str = 'train',
+                              global_batch_size: int, seed: int, process_index: int = 0,
+                              process_count: int = 1, num_epochs=None):
+  """This host's iterator of numpy batches of `global_batch_size // process_count` examples.
+
+  Batch: input_ids, segment_ids, attention_mask int32 [b, T]; masked_lm_positions,
+  masked_lm_ids int32 [b, P]; masked_lm_weights float32 [b, P]; next_sentence_labels int32 [b].
+  """
+  if split not in prepare_lib.SPLITS:
+    raise ValueError(f'split {split!r}: use one of {prepare_lib.SPLITS}')
+  if global_batch_size % process_count:
+    raise ValueError(f'global batch {global_batch_size} does not divide over {process_count} '
+                     'processes; make train.batch_size a multiple of the process count')
+  metadata = prepare_lib.read_metadata(prepared_dir)
+  if metadata['vocab_size'] != tokenizer.vocab_size:
+    raise ValueError(f'{prepared_dir} was prepared with a vocabulary of '
+                     f'{metadata["vocab_size"]} pieces but the tokenizer has '
+                     f'{tokenizer.vocab_size}; prepare again with this tokenizer')
+  num_shards = metadata['fingerprint']['num_shards']
+  paths = prepare_lib.shard_paths(prepared_dir, split, num_shards)
+  source = grain.ArrayRecordDataSource(paths)
+  per_host = global_batch_size // process_count
+  if len(source) // process_count < per_host:
+    raise ValueError(f'the {split} split has {len(source)} examples, fewer than one batch of '
+                     f'{per_host} per process; use a larger corpus, a smaller batch, or (for '
+                     'eval) a larger data.eval_fraction')
+  sampler = grain.IndexSampler(
+      num_records=len(source), shuffle=True, seed=seed, num_epochs=num_epochs,
+      shard_options=grain.ShardOptions(shard_index=process_index, shard_count=process_count,
+                                       drop_remainder=True))
+  operations = [_Decode(tokenizer, config_data.max_seq_length),
+                _Mask(make_masker(config_data, tokenizer)),
+                grain.Batch(per_host, drop_remainder=True)]
+  loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
+                            worker_count=config_data.worker_count)
+  return iter(loader)
+
+
+def iterator_checkpoint_args(it, mode: str):
+  """Orbax args for a CheckpointManager item 'data': save the state, or restore it in place."""
+  if mode == 'save':
+    return grain.PyGrainCheckpointSave(it)
+  if mode == 'restore':
+    return grain.PyGrainCheckpointRestore(it)
+  raise ValueError(f'mode {mode!r}: use save or restore')
+
+
+def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
+  """Prepares the shards once (process 0 writes; the others wait) and returns their dir.
+
+  An existing preparation made with other settings is a clear error, never silently reused.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  prepared_dir = config.data.prepared_dir or os.path.join(workdir, 'data')
+  prepare_lib.check_lengths(config)
+  metadata = os.path.join(prepared_dir, prepare_lib.METADATA)
+  if not os.path.exists(metadata):
+    if jax.process_index() == 0:
+      prepare_lib.prepare(config, prepared_dir)
+    else:
+      deadline = time.time() + timeout_s
+      while not os.path.exists(metadata):
+        if time.time() > deadline:
+          raise TimeoutError(f'process 0 did not finish preparing {prepared_dir}')
+        time.sleep(2)
+  prepare_lib.read_metadata(prepared_dir, config)
+  return prepared_dir

@@ -1,0 +1,146 @@
+r"""Prepares pretraining instances once, streaming, into array_record shards.
+
+  python -m data.prepare --config configs/pretrain.py:postln,tiny --out_dir /tmp/prepared
+  python -m data.prepare --config configs/pretrain.py:realformer,base \
+      --config.data.sources='tfds:wikipedia/20230601.en;tfds:bookcorpus' \
+      --config.data.tokenizer=/data/wiki_30k.model --out_dir gs://bucket/prepared
+
+train.py calls the same code on first start (into <workdir>/data unless
+config.data.prepared_dir is set). Writes train-XXXXX-of-NNNNN and eval-XXXXX-of-NNNNN
+array_record shards (one sentence-pair instance per record, unmasked: masking is dynamic)
+and metadata.json (counts, skipped items, and the fingerprint of the settings that shaped the
+instances). Memory stays bounded: documents stream through a window of
+`data.document_window` documents and instances go straight to the shard writers.
+"""
+
+import collections
+import json
+import os
+import shutil
+import time
+import zlib
+
+from array_record.python import array_record_module
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from data import pretraining
+from data import sources
+from data import tokenizer as tokenizer_lib
+
+METADATA = 'metadata.json'
+SPLITS = ('train', 'eval')
+
+
+def fingerprint(config) -> dict:
+  """The settings that determine the prepared instances (masking is not among them)."""
+  d = config.data
+  return {'sources': d.sources, 'weights': d.weights, 'tokenizer': d.tokenizer or 'embedded',
+          'max_seq_length': d.max_seq_length, 'short_seq_prob': d.short_seq_prob,
+          'dupe_factor': d.dupe_factor, 'eval_fraction': d.eval_fraction,
+          'num_shards': d.num_shards, 'seed': config.seed}
+
+
+def check_lengths(config):
+  if config.data.max_seq_length > config.model.max_len:
+    raise ValueError(f'data.max_seq_length={config.data.max_seq_length} exceeds the model\'s '
+                     f'positions (model.max_len={config.model.max_len}); lower the first or '
+                     'raise the second')
+
+
+def is_eval_document(index: int, eval_fraction: float) -> bool:
+  """A fixed, seed-independent share of documents is held out (hash of the index)."""
+  return (zlib.crc32(str(index).encode()) % 1_000_000) < eval_fraction * 1_000_000
+
+
+def _split_stream(documents, split, eval_fraction):
+  for i, doc in enumerate(documents):
+    if is_eval_document(i, eval_fraction) == (split == 'eval'):
+      yield doc
+
+
+def _tokenised(documents, tokenizer, stats):
+  for doc in documents:
+    ids = [tokenizer.encode(s) for s in doc]
+    yield [s for s in ids if s]
+
+
+def shard_paths(prepared_dir: str, split: str, num_shards: int):
+  return [os.path.join(prepared_dir, f'{split}-{i:05d}-of-{num_shards:05d}')
+          for i in range(num_shards)]
+
+
+def prepare(config, out_dir: str, tokenizer=None) -> dict:
+  """Writes the shards and metadata.json into `out_dir` (atomically); returns the metadata."""
+  check_lengths(config)
+  d = config.data
+  tokenizer = tokenizer or tokenizer_lib.load_for_config(d)
+  tmp = f'{out_dir.rstrip("/")}.tmp-{os.getpid()}'
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  counts, stats, start = {}, collections.Counter(), time.time()
+  for split in SPLITS:
+    split_stats = collections.Counter()
+    docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=split_stats,
+                                  weights=d.weights, seed=config.seed)
+    docs = _tokenised(_split_stream(docs, split, d.eval_fraction), tokenizer, split_stats)
+    writers = [array_record_module.ArrayRecordWriter(p, 'group_size:1')
+               for p in shard_paths(tmp, split, d.num_shards)]
+    n = 0
+    for inst in pretraining.stream_instances(
+        docs, max_seq_length=d.max_seq_length, short_seq_prob=d.short_seq_prob,
+        dupe_factor=d.dupe_factor, seed=config.seed + (split == 'eval'), stats=split_stats,
+        window=d.get('document_window', 1000)):
+      writers[n % len(writers)].write(inst.to_bytes())
+      n += 1
+    for w in writers:
+      w.close()
+    counts[split] = n
+    stats.update({f'{split}/{k}': v for k, v in split_stats.items()})
+  if counts['train'] == 0:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise ValueError(f'config.data.sources={d.sources!r} gave no training examples '
+                     f'({dict(stats) or "no documents"}); check the files and their format '
+                     '(one sentence per line, blank line between documents)')
+  metadata = {'counts': counts, 'stats': dict(stats), 'fingerprint': fingerprint(config),
+              'vocab_size': tokenizer.vocab_size, 'seconds': round(time.time() - start, 1)}
+  with open(os.path.join(tmp, METADATA), 'w') as f:
+    json.dump(metadata, f, indent=2)
+  if os.path.exists(out_dir):
+    shutil.rmtree(out_dir)
+  os.rename(tmp, out_dir)
+  return metadata
+
+
+def read_metadata(prepared_dir: str, config=None) -> dict:
+  path = os.path.join(prepared_dir, METADATA)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{prepared_dir} holds no prepared data ({METADATA} missing); run '
+                            '`python -m data.prepare` or let train.py prepare it')
+  with open(path) as f:
+    metadata = json.load(f)
+  if config is not None and metadata['fingerprint'] != fingerprint(config):
+    want, have = fingerprint(config), metadata['fingerprint']
+    diff = {k: (have.get(k), want[k]) for k in want if have.get(k) != want[k]}
+    raise ValueError(f'prepared data in {prepared_dir} was made with other settings '
+                     f'(prepared, configured): {diff}; point config.data.prepared_dir '
+                     'elsewhere or delete the directory to prepare again')
+  return metadata
+
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/pretrain.py:<variant>,<size>')
+_OUT = flags.DEFINE_string('out_dir', None, 'Where to write the shards.')
+
+
+def main(argv):
+  del argv
+  if not _OUT.value:
+    raise app.UsageError('--out_dir is required')
+  metadata = prepare(_CONFIG.value, _OUT.value)
+  print(json.dumps(metadata, indent=2))
+
+
+if __name__ == '__main__':
+  flags.mark_flag_as_required('config')
+  app.run(main)

@@ -1,0 +1,211 @@
+"""BERT pretraining examples: sentence-pair instances (prepared once) and MLM masking (redone
+dynamically, per epoch).
+
+Instances follow google-research/bert's create_pretraining_data.py:
+  - a document's sentences are packed into chunks up to a target length of
+    max_seq_length - 3 tokens (with probability short_seq_prob a random shorter target);
+  - a chunk is split at a random sentence boundary into A and B; with probability 1/2 (and
+    always when the chunk has one sentence) B is instead taken from a random other document
+    from a random sentence on (label 1, "random next"), and the chunk's unused sentences are
+    put back for the next chunk;
+  - the pair is truncated to max_seq_length - 3 tokens, one token at a time from the longer
+    side, from its front or back at random;
+  - the example is [CLS] A [SEP] B [SEP] with segment ids 0 for [CLS] A [SEP] and 1 after.
+One deviation, forced by streaming: the random other document is drawn from a bounded window
+of neighbouring documents (`window` documents, default 1000) instead of the whole corpus, so
+memory does not grow with the corpus.
+
+Masking (`mask_example`): masked_lm_prob of the tokens (at least one, at most
+max_predictions_per_seq), never [CLS], [SEP] or [PAD] (no special token); each chosen token
+becomes [MASK] 80% of the time, a random non-special token 10%, itself 10%. With whole-word
+masking a word's pieces are chosen together (a piece whose `word_start_mask` is False
+continues the word before it).
+"""
+
+import collections
+import random
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Sequence
+
+import numpy as np
+
+Document = List[List[int]]  # tokenised sentences
+
+
+class Instance(NamedTuple):
+  tokens_a: List[int]
+  tokens_b: List[int]
+  is_random_next: bool
+
+  def to_bytes(self) -> bytes:
+    header = [int(self.is_random_next), len(self.tokens_a), len(self.tokens_b)]
+    return np.asarray(header + self.tokens_a + self.tokens_b, np.int32).tobytes()
+
+  @classmethod
+  def from_bytes(cls, data: bytes) -> 'Instance':
+    x = np.frombuffer(data, np.int32)
+    la, lb = int(x[1]), int(x[2])
+    return cls(x[3:3 + la].tolist(), x[3 + la:3 + la + lb].tolist(), bool(x[0]))
+
+
+def truncate_seq_pair(tokens_a: List[int], tokens_b: List[int], max_num_tokens: int,
+                      rng: random.Random):
+  """Truncates in place, one token at a time from the longer side, front or back at random."""
+  while len(tokens_a) + len(tokens_b) > max_num_tokens:
+    trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+    if rng.random() < 0.5:
+      del trunc[0]
+    else:
+      trunc.pop()
+
+
+def instances_from_document(document: Document, others: Sequence[Document],
+                            max_seq_length: int, short_seq_prob: float,
+                            rng: random.Random) -> List[Instance]:
+  """BERT's create_instances_from_document; `others` are the candidate random documents."""
+  max_num_tokens = max_seq_length - 3
+  target = max_num_tokens
+  if rng.random() < short_seq_prob:
+    target = rng.randint(2, max_num_tokens)
+  instances, chunk, length, i = [], [], 0, 0
+  while i < len(document):
+    chunk.append(document[i])
+    length += len(document[i])
+    if i == len(document) - 1 or length >= target:
+      a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+      tokens_a = [t for s in chunk[:a_end] for t in s]
+      tokens_b = []
+      is_random_next = len(chunk) == 1 or rng.random() < 0.5
+      if is_random_next:
+        target_b = target - len(tokens_a)
+        other = others[rng.randint(0, len(others) - 1)] if others else document
+        for sentence in other[rng.randint(0, len(other) - 1):]:
+          tokens_b.extend(sentence)
+          if len(tokens_b) >= target_b:
+            break
+        i -= len(chunk) - a_end  # put the unused sentences back
+      else:
+        tokens_b = [t for s in chunk[a_end:] for t in s]
+      truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+      if tokens_a and tokens_b:
+        instances.append(Instance(tokens_a, tokens_b, is_random_next))
+      chunk, length = [], 0
+    i += 1
+  return instances
+
+
+def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
+                     short_seq_prob: float, dupe_factor: int, seed: int,
+                     stats: collections.Counter, window: int = 1000) -> Iterator[Instance]:
+  """Instances of a stream of documents, holding at most `window` + 1 documents.
+
+  Each document is processed once `window` newer documents have arrived (or at the end);
+  its random next segments come from those neighbours.
+  """
+  if max_seq_length < 5:
+    raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP] '
+                     'B [SEP]; use at least 5 (BERT uses 128 and 512)')
+  rng = random.Random(seed)
+  pending = collections.deque()
+
+  def emit(doc, others):
+    for _ in range(dupe_factor):
+      yield from instances_from_document(doc, others, max_seq_length, short_seq_prob, rng)
+
+  for doc in documents:
+    doc = [s for s in doc if s]
+    if not doc:
+      stats['empty_documents'] += 1
+      continue
+    stats['documents'] += 1
+    if len(doc) == 1:
+      stats['single_sentence_documents'] += 1  # used as BERT does: always a random next
+    pending.append(doc)
+    if len(pending) > window:
+      first = pending.popleft()
+      yield from emit(first, pending)
+  while pending:
+    first = pending.popleft()
+    yield from emit(first, pending)
+
+
+def make_features(instance: Instance, *, cls_id: int, sep_id: int, pad_id: int,
+                  max_seq_length: int) -> Dict[str, np.ndarray]:
+  """[CLS] A [SEP] B [SEP], padded: input_ids, segment_ids, attention_mask, NSP label."""
+  a, b = instance.tokens_a, instance.tokens_b
+  ids = [cls_id] + a + [sep_id] + b + [sep_id]
+  n = len(ids)
+  if n > max_seq_length:
+    raise ValueError(f'a prepared example has {n} tokens > data.max_seq_length='
+                     f'{max_seq_length}; the prepared shards were made for a longer length: '
+                     'prepare again (delete the prepared directory)')
+  input_ids = np.full(max_seq_length, pad_id, np.int32)
+  input_ids[:n] = ids
+  segment_ids = np.zeros(max_seq_length, np.int32)
+  segment_ids[len(a) + 2:n] = 1
+  mask = np.zeros(max_seq_length, np.int32)
+  mask[:n] = 1
+  return {'input_ids': input_ids, 'segment_ids': segment_ids, 'attention_mask': mask,
+          'next_sentence_labels': np.int32(instance.is_random_next)}
+
+
+class Masker:
+  """Dynamic MLM masking with BERT's 80/10/10 rule; deterministic given the generator."""
+
+  def __init__(self, *, vocab_size: int, special_ids: Iterable[int], mask_id: int,
+               masked_lm_prob: float, max_predictions_per_seq: int,
+               whole_word_masking: bool = False, word_start_mask: np.ndarray = None):
+    if not 0 < masked_lm_prob < 1:
+      raise ValueError(f'data.masked_lm_prob={masked_lm_prob} must be in (0, 1); BERT uses '
+                       '0.15')
+    self.mask_id = mask_id
+    self.prob = masked_lm_prob
+    self.max_predictions = max_predictions_per_seq
+    self.is_special = np.zeros(vocab_size, bool)
+    self.is_special[list(special_ids)] = True
+    self.replacements = np.flatnonzero(~self.is_special).astype(np.int32)
+    self.whole_word = whole_word_masking
+    if whole_word_masking and word_start_mask is None:
+      raise ValueError('whole-word masking needs the tokenizer\'s word_start_mask()')
+    self.word_start = word_start_mask
+
+  def _groups(self, input_ids: np.ndarray, n_real: int) -> List[np.ndarray]:
+    """Candidate positions, grouped by word when whole-word masking."""
+    cand = np.flatnonzero(~self.is_special[input_ids[:n_real]])
+    if not self.whole_word or cand.size == 0:
+      return [np.array([c]) for c in cand]
+    starts = self.word_start[input_ids[cand]].copy()
+    starts[0] = True
+    # A piece continues the previous group only if it directly follows it.
+    starts[1:] |= np.diff(cand) != 1
+    return np.split(cand, np.flatnonzero(starts)[1:])
+
+  def __call__(self, features: Dict[str, np.ndarray], rng: np.random.Generator):
+    ids = features['input_ids']
+    n_real = int(features['attention_mask'].sum())
+    groups = self._groups(ids, n_real)
+    num_to_predict = min(self.max_predictions, max(1, int(round(n_real * self.prob))))
+    chosen, count = [], 0
+    for g in rng.permutation(len(groups)):
+      if count >= num_to_predict:
+        break
+      if count + len(groups[g]) > num_to_predict:
+        continue
+      chosen.append(groups[g])
+      count += len(groups[g])
+    positions = np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, np.int64)
+    labels = ids[positions]
+    r = rng.random(len(positions))
+    new = np.where(r < 0.8, self.mask_id, labels)
+    randomise = r >= 0.9  # 10% random token, the other 10% (0.8 <= r < 0.9) unchanged
+    new[randomise] = rng.choice(self.replacements, int(randomise.sum()))
+    masked = ids.copy()
+    masked[positions] = new
+    p = self.max_predictions
+    out = dict(features, input_ids=masked)
+    out['masked_lm_positions'] = np.zeros(p, np.int32)
+    out['masked_lm_ids'] = np.zeros(p, np.int32)
+    out['masked_lm_weights'] = np.zeros(p, np.float32)
+    out['masked_lm_positions'][:len(positions)] = positions
+    out['masked_lm_ids'][:len(positions)] = labels
+    out['masked_lm_weights'][:len(positions)] = 1.0
+    return out

@@ -1,0 +1,369 @@
+"""The pretraining input: tokenizer, sources, BERT's instance creation and masking, prepared
+shards, and the deterministic, resumable, per-host stream."""
+
+import collections
+import gzip
+import itertools
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import sentencepiece as spm
+import tensorflow_datasets as tfds
+
+from configs import pretrain
+from data import pipeline
+from data import prepare
+from data import pretraining
+from data import sources
+from data import tokenizer as tokenizer_lib
+
+
+@pytest.fixture(scope='module')
+def tok():
+  return tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+
+
+def embedded_documents(n):
+  return list(itertools.islice(sources.iter_documents('embedded'), n))
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+def test_embedded_tokenizer_has_bert_special_ids_and_round_trips(tok):
+  assert tok.vocab_size == 8000
+  assert [tok.id_to_piece(i) for i in range(5)] == ['[PAD]', '[UNK]', '[CLS]', '[SEP]',
+                                                    '[MASK]']
+  assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
+  for sentence in embedded_documents(3)[2][:20]:
+    ids = tok.encode(sentence)
+    assert tok.unk_id not in ids
+    assert tok.decode(ids) == sentence.lower()
+  curly = 'The \u201cUnion\u201d is the President\u2019s \u2014 caf\u00e9.'
+  assert tok.unk_id not in tok.encode(curly)  # byte fallback
+  assert tok.decode(tok.encode(curly)) == curly.lower()
+  starts = tok.word_start_mask()
+  ids = tok.encode('unconstitutionality')
+  assert starts[ids[0]] and not starts[ids[1:]].any()
+
+
+def test_training_splits_long_lines_and_rejects_vocabularies_without_specials(tmp_path):
+  lines = [s for doc in embedded_documents(4) for s in doc]
+  long_line = ' '.join(lines[:80])  # far over sentencepiece's 4192-byte limit
+  assert len(long_line.encode()) > tokenizer_lib.MAX_SENTENCE_BYTES
+  parts = tokenizer_lib.split_long_line(long_line)
+  assert len(parts) > 1 and ' '.join(parts).split() == long_line.split()
+  assert all(len(p.encode()) <= tokenizer_lib.MAX_SENTENCE_BYTES for p in parts)
+  stats = tokenizer_lib.train_sentencepiece(lines[:300] + [long_line], str(tmp_path / 'sp'),
+                                            400)
+  assert stats['long_lines_split'] == 1
+  assert tokenizer_lib.Tokenizer.load(str(tmp_path / 'sp.model')).vocab_size == 400
+
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:300]),
+                                 model_prefix=str(tmp_path / 'plain'), vocab_size=300,
+                                 minloglevel=2)
+  with pytest.raises(ValueError, match=r'does not have \[PAD\] at id 0; retrain'):
+    tokenizer_lib.Tokenizer.load(str(tmp_path / 'plain.model'))
+  with pytest.raises(FileNotFoundError, match='config.data.tokenizer'):
+    tokenizer_lib.Tokenizer.load(str(tmp_path / 'missing.model'))
+
+
+# ------------------------------------------------------------------------------ sources
+
+def test_sentence_splitter_keeps_abbreviations_and_initials():
+  text = ('Mr. Smith went to Washington on Jan. 5, 1790. The U.S. Senate met! Did J. Q. '
+          'Adams speak? "Yes." He spoke at 3 p.m. Then 2 members left.')
+  assert sources.split_sentences(text) == [
+      'Mr. Smith went to Washington on Jan. 5, 1790.', 'The U.S. Senate met!',
+      'Did J. Q. Adams speak?', '"Yes."', 'He spoke at 3 p.m. Then 2 members left.']
+
+
+def test_file_sources_gzip_plain_empty_and_bad_bytes(tmp_path):
+  (tmp_path / 'a.txt').write_bytes(b'First one.\nSecond one.\n\nOther doc.\n\xff\xfe bad\n')
+  with gzip.open(tmp_path / 'b.txt.gz', 'wb') as f:
+    f.write(b'Zipped sentence.\nAnother.\n')
+  (tmp_path / 'c.txt').write_bytes(b'')
+  stats = collections.Counter()
+  docs = list(sources.iter_documents(f'files:{tmp_path}/*', stats=stats))
+  assert docs == [['First one.', 'Second one.'], ['Other doc.'],
+                  ['Zipped sentence.', 'Another.']]
+  assert stats['non_utf8_lines'] == 1 and stats['empty_files'] == 1
+  with pytest.raises(FileNotFoundError, match='matches no file'):
+    list(sources.iter_documents(f'files:{tmp_path}/*.nothing'))
+  with pytest.raises(ValueError, match='unknown data source'):
+    list(sources.iter_documents('wikipedia'))
+
+
+def test_mixing_by_weights_is_deterministic(tmp_path):
+  for name in 'ab':
+    (tmp_path / f'{name}.txt').write_text(''.join(f'{name} {i}.\n\n' for i in range(50)))
+  spec = f'files:{tmp_path}/a.txt;files:{tmp_path}/b.txt'
+  first = [d[0] for d in sources.iter_documents(spec, weights='3;1', seed=1)]
+  again = [d[0] for d in sources.iter_documents(spec, weights='3;1', seed=1)]
+  assert first == again and len(first) == 100
+  assert sum(d.startswith('a') for d in first[:40]) > 24  # a is drawn 3x as often early on
+  with pytest.raises(ValueError, match='non-negative weights'):
+    list(sources.iter_documents(spec, weights='1'))
+
+
+class TinyWiki(tfds.core.GeneratorBasedBuilder):
+  """A Wikipedia-shaped tfds dataset (title, text with paragraphs) built locally."""
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self):
+    return self.dataset_info_from_configs(features=tfds.features.FeaturesDict(
+        {'title': tfds.features.Text(), 'text': tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {'train': self._generate_examples()}
+
+  def _generate_examples(self):
+    for i, doc in enumerate(embedded_documents(6)):
+      paragraphs = [' '.join(doc[j:j + 3]) for j in range(0, len(doc), 3)]
+      yield i, {'title': f'speech {i}', 'text': '\n'.join(paragraphs)}
+
+
+def test_tfds_source_goes_through_the_wikipedia_path(tmp_path):
+  TinyWiki(data_dir=str(tmp_path)).download_and_prepare()
+  docs = list(sources.iter_documents('tfds:tiny_wiki:train', tfds_data_dir=str(tmp_path)))
+  assert len(docs) == 6
+  assert sorted(map(len, docs)) == sorted(map(len, embedded_documents(6)))
+  config = tiny_config(f'tfds:tiny_wiki', tfds_data_dir=str(tmp_path))
+  metadata = prepare.prepare(config, str(tmp_path / 'prepared'))
+  assert metadata['counts']['train'] > 100
+  with pytest.raises(FileNotFoundError, match='tfds build'):
+    list(sources.iter_documents('tfds:tiny_wiki', tfds_data_dir=str(tmp_path / 'nothing')))
+
+
+# ------------------------------------------------------------------------------ instances
+
+class ScriptedRng:
+  """random.Random stand-in that returns scripted values (to hand-compute BERT's choices)."""
+
+  def __init__(self, randoms, randints):
+    self.randoms, self.randints = list(randoms), list(randints)
+
+  def random(self):
+    return self.randoms.pop(0)
+
+  def randint(self, a, b):
+    v = self.randints.pop(0)
+    assert a <= v <= b
+    return v
+
+
+def test_instances_hand_computed():
+  doc = [[10, 11], [12, 13, 14], [15]]
+  # Not short (0.5), split after 2 sentences, actual next (0.7 >= 0.5).
+  rng = ScriptedRng([0.5, 0.7], [2])
+  (inst,) = pretraining.instances_from_document(doc, [], 10, 0.1, rng)
+  assert inst == pretraining.Instance([10, 11, 12, 13, 14], [15], False)
+  f = pretraining.make_features(inst, cls_id=2, sep_id=3, pad_id=0, max_seq_length=10)
+  np.testing.assert_array_equal(f['input_ids'], [2, 10, 11, 12, 13, 14, 3, 15, 3, 0])
+  np.testing.assert_array_equal(f['segment_ids'], [0, 0, 0, 0, 0, 0, 0, 1, 1, 0])
+  np.testing.assert_array_equal(f['attention_mask'], [1] * 9 + [0])
+  assert f['next_sentence_labels'] == 0
+
+  # Random next (0.3 < 0.5) from sentence 1 of the other document; [15] is put back and
+  # becomes a one-sentence chunk, which always takes a random next (no draw for it).
+  other = [[20, 21], [22]]
+  rng = ScriptedRng([0.5, 0.3], [2, 0, 1, 0, 0])
+  a, b = pretraining.instances_from_document(doc, [other], 10, 0.1, rng)
+  assert a == pretraining.Instance([10, 11, 12, 13, 14], [22], True)
+  assert b == pretraining.Instance([15], [20, 21, 22], True)
+
+  tokens_a, tokens_b = list(range(6)), [9, 9]
+  pretraining.truncate_seq_pair(tokens_a, tokens_b, 5, ScriptedRng([0.1, 0.9, 0.1], []))
+  assert tokens_a == [2, 3, 4] and tokens_b == [9, 9]  # front, back, front of the longer
+
+
+@pytest.fixture(scope='module')
+def corpus_instances(tok):
+  docs = [[tok.encode(s) for s in d] for d in embedded_documents(40)]
+  stats = collections.Counter()
+  # At 128 tokens most chunks hold several sentences; a one-sentence chunk (common when the
+  # length is short compared with the sentences) always takes a random next, as in BERT.
+  instances = list(pretraining.stream_instances(docs, max_seq_length=128, short_seq_prob=0.1,
+                                                dupe_factor=2, seed=0, stats=stats, window=4))
+  return instances, stats
+
+
+def test_instances_on_real_text_fit_and_balance_nsp(corpus_instances):
+  instances, stats = corpus_instances
+  assert stats["documents"] == 40 and len(instances) > 1500
+  assert all(1 <= len(i.tokens_a) and 1 <= len(i.tokens_b) for i in instances)
+  assert all(len(i.tokens_a) + len(i.tokens_b) <= 125 for i in instances)
+  assert abs(np.mean([i.is_random_next for i in instances]) - 0.5) < 0.04
+
+
+def masked_examples(tok, instances, whole_word=False, seed=0):
+  masker = pretraining.Masker(vocab_size=tok.vocab_size, special_ids=tok.special_ids,
+                              mask_id=tok.mask_id, masked_lm_prob=0.15,
+                              max_predictions_per_seq=20, whole_word_masking=whole_word,
+                              word_start_mask=tok.word_start_mask())
+  rng = np.random.default_rng(seed)
+  for inst in instances:
+    f = pretraining.make_features(inst, cls_id=tok.cls_id, sep_id=tok.sep_id,
+                                  pad_id=tok.pad_id, max_seq_length=128)
+    yield f, masker(f, rng)
+
+
+def test_masking_rate_80_10_10_and_labels_only_at_masked_positions(tok, corpus_instances):
+  n_real = n_masked = n_mask = n_same = 0
+  for f, m in masked_examples(tok, corpus_instances[0][:1500]):
+    w = m['masked_lm_weights'] > 0
+    pos, labels = m['masked_lm_positions'][w], m['masked_lm_ids'][w]
+    assert (np.diff(pos) > 0).all() and not (m['masked_lm_ids'][~w]).any()
+    np.testing.assert_array_equal(labels, f['input_ids'][pos])  # labels are the originals
+    assert not np.isin(f['input_ids'][pos], list(tok.special_ids)).any()
+    changed = np.flatnonzero(m['input_ids'] != f['input_ids'])
+    assert set(changed) <= set(pos)  # nothing changes outside the masked positions
+    for k in ('segment_ids', 'attention_mask'):
+      np.testing.assert_array_equal(m[k], f[k])
+    n_real += f['attention_mask'].sum()
+    n_masked += w.sum()
+    n_mask += (m['input_ids'][pos] == tok.mask_id).sum()
+    n_same += (m['input_ids'][pos] == labels).sum()
+  assert abs(n_masked / n_real - 0.15) < 0.01
+  assert abs(n_mask / n_masked - 0.8) < 0.02
+  assert abs(n_same / n_masked - 0.1) < 0.015
+  assert abs(1 - (n_mask + n_same) / n_masked - 0.1) < 0.015
+
+
+def test_whole_word_masking_masks_whole_words(tok, corpus_instances):
+  starts = tok.word_start_mask()
+  some_multi_piece = False
+  for f, m in masked_examples(tok, corpus_instances[0][:300], whole_word=True):
+    masked = np.zeros(128, bool)
+    masked[m['masked_lm_positions'][m['masked_lm_weights'] > 0]] = True
+    ids, n = f['input_ids'], int(f['attention_mask'].sum())
+    for p in range(1, n):
+      special = {int(ids[p]), int(ids[p - 1])} & tok.special_ids
+      if not starts[ids[p]] and not special:  # the piece at p continues the word at p-1
+        assert masked[p] == masked[p - 1]
+        some_multi_piece |= bool(masked[p])
+  assert some_multi_piece
+
+
+# ------------------------------------------------------------------------------ pipeline
+
+def tiny_config(sources_spec, **data):
+  c = pretrain.get_config('postln,tiny')
+  c.unlock()
+  c.data.sources = sources_spec
+  c.data.max_seq_length = 32
+  c.data.max_predictions_per_seq = 5
+  c.data.num_shards = 3
+  c.data.eval_fraction = 0.2
+  for k, v in data.items():
+    c.data[k] = v
+  return c
+
+
+@pytest.fixture(scope='module')
+def prepared(tmp_path_factory):
+  root = tmp_path_factory.mktemp('prepared')
+  corpus = root / 'corpus.txt'
+  corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in embedded_documents(8)))
+  config = tiny_config(f'files:{corpus}')
+  metadata = prepare.prepare(config, str(root / 'shards'))
+  return config, str(root / 'shards'), metadata
+
+
+def batches(config, tok, prepared_dir, n, **kw):
+  kw = dict(dict(global_batch_size=8, seed=3), **kw)
+  it = pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, **kw)
+  return it, [next(it) for _ in range(n)]
+
+
+def test_prepare_writes_shards_and_metadata(prepared, tok):
+  config, prepared_dir, metadata = prepared
+  assert metadata['counts']['train'] > 300 and metadata['counts']['eval'] > 0
+  assert sorted(os.listdir(prepared_dir)) == sorted(
+      ['metadata.json'] + [f'{s}-{i:05d}-of-00003' for s in ('train', 'eval')
+                           for i in range(3)])
+  _, (b,) = batches(config, tok, prepared_dir, 1, split='eval')
+  assert b['input_ids'].shape == (8, 32) and b['masked_lm_ids'].shape == (8, 5)
+  assert (b['input_ids'][:, 0] == tok.cls_id).all()
+
+
+def test_same_seed_same_batches_and_epochs_remask(prepared, tok):
+  config, prepared_dir, _ = prepared
+  _, a = batches(config, tok, prepared_dir, 3)
+  _, b = batches(config, tok, prepared_dir, 3)
+  _, c = batches(config, tok, prepared_dir, 3, seed=4)
+  for x, y in zip(a, b):
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+  assert not np.array_equal(a[0]['input_ids'], c[0]['input_ids'])
+  # Masking draws from (seed, index): the same instance is masked anew in the next epoch.
+  masker = pipeline.make_masker(config.data, tok)
+  f = pretraining.make_features(pretraining.Instance(list(range(10, 40)), [50, 51], False),
+                                cls_id=2, sep_id=3, pad_id=0, max_seq_length=40)
+  m1 = masker(f, np.random.default_rng([3, 100]))
+  m2 = masker(f, np.random.default_rng([3, 100 + 777]))
+  assert not np.array_equal(m1['masked_lm_positions'], m2['masked_lm_positions'])
+
+
+def test_restored_iterator_continues_exactly(prepared, tok, tmp_path):
+  config, prepared_dir, _ = prepared
+  _, expected = batches(config, tok, prepared_dir, 6)
+  it, _ = batches(config, tok, prepared_dir, 3)
+  with ocp.CheckpointManager(tmp_path / 'ckpt', item_names=('data',)) as mngr:
+    mngr.save(3, args=ocp.args.Composite(data=pipeline.iterator_checkpoint_args(it, 'save')))
+    mngr.wait_until_finished()
+  fresh = pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, global_batch_size=8,
+                                             seed=3)
+  with ocp.CheckpointManager(tmp_path / 'ckpt', item_names=('data',)) as mngr:
+    mngr.restore(3, args=ocp.args.Composite(
+        data=pipeline.iterator_checkpoint_args(fresh, 'restore')))
+  for want in expected[3:]:
+    got = next(fresh)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
+
+
+def _originals(batch):
+  ids = batch['input_ids'].copy()
+  for row, pos, lab, w in zip(ids, batch['masked_lm_positions'], batch['masked_lm_ids'],
+                              batch['masked_lm_weights']):
+    row[pos[w > 0]] = lab[w > 0]
+  return [tuple(r) for r in ids]
+
+
+def test_processes_read_disjoint_shares_that_cover_the_data(prepared, tok):
+  config, prepared_dir, metadata = prepared
+  n = metadata['counts']['train']
+  seen = []
+  for p in range(2):
+    it = pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, global_batch_size=8,
+                                            seed=0, process_index=p, process_count=2,
+                                            num_epochs=1)
+    seen.append([x for b in it for x in _originals(b)])
+  assert all(len(s) == (n // 2) // 4 * 4 for s in seen)  # per-host batches of 4
+  everything = collections.Counter(seen[0]) + collections.Counter(seen[1])
+  ds = pipeline.grain.ArrayRecordDataSource(prepare.shard_paths(prepared_dir, 'train', 3))
+  originals = collections.Counter(
+      tuple(pretraining.make_features(pretraining.Instance.from_bytes(ds[i]), cls_id=2,
+                                      sep_id=3, pad_id=0, max_seq_length=32)['input_ids'])
+      for i in range(len(ds)))
+  assert not set(seen[0]) & set(seen[1]) - {k for k, v in originals.items() if v > 1}
+  assert sum((originals - everything).values()) < 8  # only the dropped remainder is missing
+
+
+def test_bad_inputs_are_clear_errors(prepared, tok, tmp_path):
+  config, prepared_dir, _ = prepared
+  long = tiny_config(config.data.sources, max_seq_length=256)
+  with pytest.raises(ValueError, match='exceeds the model\'s positions'):
+    prepare.prepare(long, str(tmp_path / 'x'))
+  (tmp_path / 'empty.txt').write_bytes(b'')
+  with pytest.raises(ValueError, match='gave no training examples'):
+    prepare.prepare(tiny_config(f'files:{tmp_path}/empty.txt'), str(tmp_path / 'y'))
+  other = tiny_config(config.data.sources, prepared_dir=prepared_dir, short_seq_prob=0.5)
+  with pytest.raises(ValueError, match='made with other settings'):
+    pipeline.ensure_prepared(other, str(tmp_path))
+  with pytest.raises(ValueError, match='fewer than one batch'):
+    pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, split='eval',
+                                       global_batch_size=4096, seed=0)
