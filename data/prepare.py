@@ -129,18 +129,14 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
   return metadata
 
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/pretrain.py:<variant>,<size>')
-_OUT = flags.DEFINE_string('out_dir', None, 'Where to write the shards.')
-
-
 def main(argv):
   del argv
-  if not _OUT.value:
-    raise app.UsageError('--out_dir is required')
-  metadata = prepare(_CONFIG.value, _OUT.value)
-  print(json.dumps(metadata, indent=2))
+  print(json.dumps(prepare(flags.FLAGS.config, flags.FLAGS.out_dir), indent=2))
 
 
 if __name__ == '__main__':
-  flags.mark_flag_as_required('config')
+  # Flags are defined only when run as a program: train.py imports this module.
+  config_flags.DEFINE_config_file('config', None, 'configs/pretrain.py:<variant>,<size>')
+  flags.DEFINE_string('out_dir', None, 'Where to write the shards.')
+  flags.mark_flags_as_required(['config', 'out_dir'])
   app.run(main)
