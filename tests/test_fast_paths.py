@@ -1,0 +1,101 @@
+"""Fast paths give the plain path's results: the fused attention kernel (its XLA
+implementation on CPU), its fallback under attention dropout, bfloat16, every remat policy,
+and the padded vocabulary."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realformer import attention as attn_lib
+from realformer import models
+from realformer.spec import resolve
+from tests.test_models import make_batch, perturbed_params, small_config
+
+
+def _loss(model, batch, **kw):
+  return lambda p: jnp.sum(model.apply({'params': p}, batch, **kw).hidden.astype(jnp.float32)
+                           ** 2)
+
+
+@pytest.mark.parametrize('variant', ['postln', 'preln'])
+def test_fused_kernel_matches_plain_outputs_and_gradients(variant):
+  batch = make_batch()
+  plain = models.build(small_config(variant, fused_attention='off'), head='encoder')
+  fused = models.build(small_config(variant, fused_attention='xla'), head='encoder')
+  assert attn_lib._use_fused(fused.spec, True, False) == 'xla'
+  params = perturbed_params(plain, batch)
+  a, b = plain.apply({'params': params}, batch), fused.apply({'params': params}, batch)
+  mask = np.asarray(batch['attention_mask'], bool)
+  np.testing.assert_allclose(np.asarray(b.hidden)[mask], np.asarray(a.hidden)[mask],
+                             rtol=1e-5, atol=1e-5)
+  ga, gb = jax.grad(_loss(plain, batch))(params), jax.grad(_loss(fused, batch))(params)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_kernel_in_bfloat16_stays_close_to_float32():
+  batch = make_batch()
+  plain = models.build(small_config('postln', fused_attention='off'), head='encoder')
+  fused = models.build(small_config('postln', fused_attention='xla', dtype='bfloat16'),
+                       head='encoder')
+  params = perturbed_params(plain, batch)
+  a, b = plain.apply({'params': params}, batch), fused.apply({'params': params}, batch)
+  assert b.hidden.dtype == jnp.bfloat16
+  mask = np.asarray(batch['attention_mask'], bool)
+  np.testing.assert_allclose(np.asarray(b.hidden, np.float32)[mask], np.asarray(a.hidden)[mask],
+                             atol=0.1)
+
+
+def test_attention_dropout_falls_back_to_the_plain_path():
+  batch = make_batch()
+  cfg = dict(attention_dropout_rate=0.3, dropout_rate=0.0)
+  plain = models.build(small_config('postln', fused_attention='off', **cfg), head='encoder')
+  fused = models.build(small_config('postln', fused_attention='xla', **cfg), head='encoder')
+  assert attn_lib._use_fused(fused.spec, False, False) is None  # training: dropout needed
+  assert attn_lib._use_fused(fused.spec, True, True) is None  # probabilities asked for
+  params = perturbed_params(plain, batch)
+  rngs = {'dropout': jax.random.PRNGKey(3)}
+  a = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs)
+  b = fused.apply({'params': params}, batch, deterministic=False, rngs=rngs)
+  np.testing.assert_array_equal(a.hidden, b.hidden)
+  c = plain.apply({'params': params}, batch, deterministic=True)
+  assert not np.allclose(a.hidden, c.hidden)  # dropout did act
+
+
+def test_auto_picks_the_plain_path_on_cpu_and_never_for_other_variants():
+  assert attn_lib._use_fused(resolve(small_config('postln')), True, False) is None  # CPU
+  for variant in ('realformer', 'synth_dense', 'synth_random_vanilla'):
+    spec = resolve(small_config(variant, fused_attention='xla'))
+    assert attn_lib._use_fused(spec, True, False) is None
+
+
+@pytest.mark.parametrize('policy', ['full', 'dots', 'dots_no_batch'])
+def test_remat_policies_match_plain_outputs_and_gradients(policy):
+  batch = make_batch()
+  plain = models.build(small_config('realformer'), head='encoder')
+  remat = models.build(small_config('realformer', remat_policy=policy), head='encoder')
+  params = perturbed_params(plain, batch)
+  np.testing.assert_allclose(remat.apply({'params': params}, batch).hidden,
+                             plain.apply({'params': params}, batch).hidden, rtol=1e-6,
+                             atol=1e-6)
+  ga, gb = jax.grad(_loss(plain, batch))(params), jax.grad(_loss(remat, batch))(params)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
+
+
+def test_vocabulary_is_padded_to_128_and_padding_is_never_predicted():
+  cfg = small_config('postln', vocab_pad_multiple=128)
+  spec = resolve(cfg)
+  assert spec.padded_vocab_size == 128 and spec.vocab_size == 50
+  batch = make_batch()
+  batch['masked_lm_positions'] = jnp.array([[1, 2], [0, 3], [1, 1]], jnp.int32)
+  model = models.build(cfg)
+  variables = model.init(jax.random.PRNGKey(0), batch)
+  table = nn.unbox(variables['params'])['encoder']['embeddings']['word_embeddings']
+  assert table['embedding'].shape == (128, 32)
+  logits = model.apply(variables, batch).mlm_logits
+  assert logits.shape == (3, 2, 128)
+  assert float(logits[..., 50:].max()) <= attn_lib.NEG_INF / 2
+  assert bool((jax.nn.softmax(logits)[..., 50:] == 0).all())
