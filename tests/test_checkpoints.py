@@ -21,6 +21,7 @@ from realformer import train_lib
 from tests.test_train import REPO, losses, tiny_config
 
 NUM_STEPS = 8
+DEVICES = 2  # data parallel over 2 devices: cheaper to compile than 8, still sharded
 
 # Runs train.train_and_evaluate(tiny_config(**overrides)) in a fresh process. With
 # kill_after=k it SIGKILLs itself right after step k, once checkpoint `kill_when` is final.
@@ -54,19 +55,23 @@ train.train_and_evaluate(tiny_config(**args['train']), args['workdir'])
 '''
 
 
-def child(args, env_extra=None):
-  env = dict(os.environ, JAX_PLATFORMS='cpu', **(env_extra or {}))
+def child(args, devices=DEVICES):
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
   code = _CHILD.format(repo=REPO, args=json.dumps(args))
   return subprocess.Popen([sys.executable, '-c', code], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run(config, workdir):
+  return train.train_and_evaluate(config, str(workdir), devices=jax.devices()[:DEVICES])
 
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
   """An uninterrupted run of NUM_STEPS steps (dropout on: resume must redraw the masks)."""
   workdir = tmp_path_factory.mktemp('reference')
-  summary = train.train_and_evaluate(tiny_config(num_steps=NUM_STEPS, eval_steps=1),
-                                     str(workdir))
+  summary = run(tiny_config(num_steps=NUM_STEPS, eval_steps=1), workdir)
   got = losses(workdir)
   assert sorted(got) == list(range(1, NUM_STEPS + 1))
   assert losses(workdir, 'eval', 'mlm_accuracy') == {NUM_STEPS: summary['eval']['mlm_accuracy']}
@@ -94,11 +99,11 @@ def test_sigterm_saves_current_step_and_resume_is_exact(tmp_path, reference, mon
     return step
 
   monkeypatch.setattr(train_lib, 'make_train_step', terminating_make_step)
-  train.train_and_evaluate(tiny_config(num_steps=NUM_STEPS), str(tmp_path))
+  run(tiny_config(num_steps=NUM_STEPS), tmp_path)
   assert checkpoints.latest_complete_step(checkpoints.make_manager(str(tmp_path))) == 3
   assert max(losses(tmp_path)) == 3
   monkeypatch.setattr(train_lib, 'make_train_step', make_step)
-  train.train_and_evaluate(tiny_config(num_steps=NUM_STEPS), str(tmp_path))
+  run(tiny_config(num_steps=NUM_STEPS), tmp_path)
   assert_same_losses(tmp_path, reference[1])
 
 
@@ -118,8 +123,7 @@ def test_sigkill_then_resume_is_exact_and_half_written_steps_are_ignored(tmp_pat
   assert sorted(before) == [1, 2, 3, 4]  # killed inside step 5, after its checkpoint at 3
   with open(tmp_path / 'metrics.jsonl') as f:
     lines_before = len(f.readlines())
-  train.train_and_evaluate(tiny_config(num_steps=NUM_STEPS, checkpoint_every_steps=3),
-                           str(tmp_path))
+  run(tiny_config(num_steps=NUM_STEPS, checkpoint_every_steps=3), tmp_path)
   with open(tmp_path / 'metrics.jsonl') as f:
     resumed = [json.loads(line) for line in f.readlines()[lines_before:]]
   assert min(r['step'] for r in resumed) == 4  # restarted after step 3, not 6 or 7
@@ -128,23 +132,23 @@ def test_sigkill_then_resume_is_exact_and_half_written_steps_are_ignored(tmp_pat
 
 
 def test_two_processes_train_checkpoint_and_resume_together(tmp_path, reference):
-  """Two CPU processes with 4 devices each (gloo collectives) = the 8-device reference."""
-  def run(num_steps):
+  """Two CPU processes with one device each (gloo collectives) = the 2-device reference."""
+  def launch(num_steps):
     with socket.socket() as s:
       s.bind(('localhost', 0))
       port = s.getsockname()[1]
     procs = [child({'workdir': str(tmp_path), 'coordinator': f'localhost:{port}',
                     'num_processes': 2, 'process_id': i,
                     'train': {'num_steps': num_steps, 'checkpoint_every_steps': 2}},
-                   {'XLA_FLAGS': '--xla_force_host_platform_device_count=4'})
+                   devices=DEVICES // 2)
              for i in range(2)]
     outs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outs):
       assert p.returncode == 0, out[-3000:]
 
-  run(4)
+  launch(4)
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
-  run(NUM_STEPS)  # resumes from step 4 in the same workdir
+  launch(NUM_STEPS)  # resumes from step 4 in the same workdir
   assert_same_losses(tmp_path, reference[1], rtol=2e-5)
   assert '8' in os.listdir(tmp_path / 'checkpoints')
 
@@ -193,7 +197,7 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):
   assert params['mlm_head']['output_bias'] is None
   config = tiny_config(num_steps=1, init_checkpoint=str(tmp_path / 'imported'))
   config.optimizer.learning_rate = 0.0  # the saved params are the initial ones
-  train.train_and_evaluate(config, str(tmp_path / 'run'))
+  run(config, tmp_path / 'run')
   got = checkpoints.restore_params(str(tmp_path / 'run'), _abstract_params(config))[0]
   for a, b in zip(jax.tree.leaves(got['encoder']), jax.tree.leaves(encoder)):
     np.testing.assert_array_equal(a, b)
@@ -202,7 +206,7 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):
   config.model.mlp_dim = 128
   with pytest.raises(ValueError, match=r'model: params/encoder/layers_0/mlp/intermediate/'
                                        r'\w+ has shape \S*64\S* in the checkpoint but \S*128'):
-    train.train_and_evaluate(config, str(tmp_path / 'run'))
+    run(config, tmp_path / 'run')
 
 
 def _abstract_params(config):
