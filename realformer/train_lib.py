@@ -249,6 +249,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
                     grad_accum_steps: int = 1, seed: int = 0) -> Callable:
   """A jitted (state, batch) -> (state, metrics) with the state donated.
 
+  loss_fn(params, microbatch, rng, totals) -> (loss, {name: clu Metric}); totals_fn(batch)
+  gives the whole batch's normalizers (see the module docstring). metrics_cls: a clu
+  Collection whose fields are loss, grad_norm (Average), learning_rate (LastValue) and the
+  names loss_fn returns; the step merges loss_fn's metrics over the microbatches.
   The batch is a dict of global arrays sharded over (data, fsdp) on axis 0. Dropout keys
   are fold_in(fold_in(PRNGKey(seed), step), microbatch), so a resumed run draws the same
   masks. A step whose loss or gradient is not finite leaves the state unchanged (the
