@@ -8,11 +8,10 @@ The pieces are independent of the head and the loss, so fine-tuning reuses them:
                            metrics_cls=..., grad_accum_steps=k, seed=seed)
     state, metrics = step(state, global_batch)
 
-`loss_fn(params, microbatch, rng, totals) -> (loss, {name: clu Metric})` (rng None: evaluate,
-deterministic) where `totals`
-is `totals_fn(whole_batch)`, the normalizers of the WHOLE step's batch, so the microbatch
-losses add up to the loss of one big batch and accumulation over k microbatches gives the
-same gradient as one batch of k times the size.
+`loss_fn(params, microbatch, rng, totals) -> (loss, {name: clu Metric})` (rng None means
+evaluation: no dropout). `totals` is `totals_fn(whole_batch)`, the normalizers of the WHOLE
+step's batch, so the microbatch losses add up to the loss of one big batch and accumulation
+over k microbatches gives the same gradient as one batch of k times the size.
 """
 
 from typing import Any, Callable, Dict, Optional, Tuple
