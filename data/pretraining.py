@@ -79,7 +79,7 @@ def instances_from_document(document: Document, others: Sequence[Document],
         target_b = target - len(tokens_a)
         other = others[rng.randint(0, len(others) - 1)] if others else document
         for sentence in other[rng.randint(0, len(other) - 1):]:
-          tokens_b.extend(sentence)
+          tokens_b.extend(sentence.tolist() if isinstance(sentence, np.ndarray) else sentence)
           if len(tokens_b) >= target_b:
             break
         i -= len(chunk) - a_end  # put the unused sentences back
@@ -108,6 +108,7 @@ def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
   pending = collections.deque()
 
   def emit(doc, others):
+    doc = [s.tolist() for s in doc]
     for _ in range(dupe_factor):
       yield from instances_from_document(doc, others, max_seq_length, short_seq_prob, rng)
 
@@ -119,7 +120,7 @@ def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
     stats['documents'] += 1
     if len(doc) == 1:
       stats['single_sentence_documents'] += 1  # used as BERT does: always a random next
-    pending.append(doc)
+    pending.append([np.asarray(s, np.int32) for s in doc])  # compact while it waits
     if len(pending) > window:
       first = pending.popleft()
       yield from emit(first, pending)

@@ -1,0 +1,271 @@
+"""Sweeps: products of config overrides and seeds, one workdir per run, run locally one after
+another or printed as launch commands, and summarised over seeds.
+
+A sweep is a list of runs, each a dict of `--config.<key>` overrides (plus 'seed'). Build it
+from the command line (`--sweep model.variant=postln,realformer --seeds 3`) or from a Python
+file whose `get_hyper(h)` combines these (after big_vision's convention):
+
+  def get_hyper(h):
+    return h.product([
+        h.sweep('model.variant', ['postln', 'preln', 'realformer']),
+        h.zip(h.sweep('optimizer.learning_rate', [1e-4, 2e-4]),
+              h.sweep('optimizer.warmup_steps', [100, 50])),
+        h.fixed('train.num_steps', 2000),
+    ])
+
+A run's workdir is `<root>/<name>`, the name its overrides in a fixed order
+(`model.variant=realformer,seed=1`). A run that finished (DONE marker, written after the
+program exits 0) is skipped; one that was interrupted is started again in its workdir, where
+train.py / finetune.py resume from the newest checkpoint.
+"""
+
+import csv
+import io
+import itertools
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import zlib
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+Run = Dict[str, Any]
+DONE = 'DONE'
+OVERRIDES = 'overrides.json'
+
+
+class Hyper:
+  """The combinators of a sweep file; each returns a list of runs (dicts)."""
+
+  @staticmethod
+  def sweep(key: str, values: Iterable[Any]) -> List[Run]:
+    return [{key: v} for v in values]
+
+  @staticmethod
+  def fixed(key: str, value: Any) -> List[Run]:
+    return [{key: value}]
+
+  @staticmethod
+  def product(lists: Sequence[List[Run]]) -> List[Run]:
+    runs = [{}]
+    for options in lists:
+      runs = [dict(r, **o) for r in runs for o in options]
+    return runs
+
+  @staticmethod
+  def zip(*lists: List[Run]) -> List[Run]:
+    if len({len(x) for x in lists}) > 1:
+      raise ValueError(f'h.zip needs lists of equal length, got {[len(x) for x in lists]}')
+    return [dict(itertools.chain.from_iterable(d.items() for d in ds)) for ds in zip(*lists)]
+
+
+def parse_value(text: str) -> Any:
+  """'1e-4' -> 0.0001, '3' -> 3, 'true' -> True, anything else stays a string."""
+  low = text.lower()
+  if low in ('true', 'false'):
+    return low == 'true'
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_assignments(items: Sequence[str], *, multi: bool) -> List[List[Run]]:
+  """['a=1,2', 'b=x'] -> [h.sweep('a', [1, 2]), h.sweep('b', ['x'])]."""
+  out = []
+  for item in items or ():
+    key, sep, values = item.partition('=')
+    if not sep or not key:
+      raise ValueError(f'{item!r}: write key=value{",value..." if multi else ""}')
+    key = key.removeprefix('config.')
+    vals = values.split(',') if multi else [values]
+    out.append(Hyper.sweep(key, [parse_value(v) for v in vals]))
+  return out
+
+
+def expand(sweeps: Sequence[str] = (), fixed: Sequence[str] = (), seeds: int = 1,
+           sweep_file: Optional[str] = None, first_seed: int = 0) -> List[Run]:
+  """Runs of the command-line sweep (and/or a sweep file), each with a 'seed'."""
+  lists = parse_assignments(sweeps, multi=True) + parse_assignments(fixed, multi=False)
+  if sweep_file:
+    namespace = {}
+    with open(sweep_file) as f:
+      exec(compile(f.read(), sweep_file, 'exec'), namespace)  # pylint: disable=exec-used
+    if 'get_hyper' not in namespace:
+      raise ValueError(f'{sweep_file} defines no get_hyper(h)')
+    lists.append(namespace['get_hyper'](Hyper))
+  if seeds < 1:
+    raise ValueError(f'--seeds={seeds}: need at least one seed')
+  lists.append(Hyper.sweep('seed', range(first_seed, first_seed + seeds)))
+  runs = Hyper.product(lists)
+  names = run_names(runs)
+  if len(set(names)) != len(names):
+    raise ValueError('the sweep repeats a run (the same overrides twice); check --sweep/--set')
+  return runs
+
+
+def _fmt(value: Any) -> str:
+  return repr(value) if isinstance(value, float) else str(value)
+
+
+def varying_keys(runs: Sequence[Run]) -> List[str]:
+  """The keys whose value differs between runs (plus 'seed'): what names a run."""
+  keys = {k for r in runs for k in r}
+  return sorted(k for k in keys
+                if k == 'seed' or len({_fmt(r.get(k)) for r in runs}) > 1)
+
+
+def run_name(run: Run, keys: Optional[Sequence[str]] = None) -> str:
+  """Stable, readable, filesystem-safe: the (varying) keys sorted, seed last."""
+  keys = [k for k in (run if keys is None else keys) if k in run]
+  keys = sorted(k for k in keys if k != 'seed') + (['seed'] if 'seed' in keys else [])
+  name = re.sub(r'[^A-Za-z0-9._=,+-]', '_', ','.join(f'{k}={_fmt(run[k])}' for k in keys))
+  if len(name) > 200:  # file names stop at 255 bytes
+    name = name[:180] + '-' + format(zlib.crc32(name.encode()), '08x')
+  return name or 'default'
+
+
+def run_names(runs: Sequence[Run]) -> List[str]:
+  keys = varying_keys(runs)
+  return [run_name(r, keys) for r in runs]
+
+
+def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
+  """The argv of one run: `python <program> --config C --workdir W --config.k=v ...`."""
+  argv = [sys.executable, program, '--config', config, '--workdir', workdir]
+  argv += [f'--config.{k}={_fmt(v)}' for k, v in sorted(run.items())]
+  return argv
+
+
+def is_done(workdir: str) -> bool:
+  return os.path.exists(os.path.join(workdir, DONE))
+
+
+def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
+            echo=print) -> Dict[str, int]:
+  """Runs one after another; returns {name: exit code} (0 for skipped finished runs)."""
+  codes = {}
+  for i, (run, name) in enumerate(zip(runs, run_names(runs))):
+    workdir = os.path.join(root, name)
+    if is_done(workdir):
+      echo(f'[{i + 1}/{len(runs)}] {name}: finished, skipped')
+      codes[name] = 0
+      continue
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, OVERRIDES), 'w') as f:
+      json.dump(run, f, indent=1, sort_keys=True)
+    argv = command(program, config, workdir, run)
+    echo(f'[{i + 1}/{len(runs)}] {name}: {shlex.join(argv)}')
+    with open(os.path.join(workdir, 'log.txt'), 'a') as log:
+      code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
+    if code == 0:
+      open(os.path.join(workdir, DONE), 'w').close()
+    else:
+      echo(f'  exit {code}; see {workdir}/log.txt (run again to resume)')
+    codes[name] = code
+  return codes
+
+
+def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
+                  target: str, tpu: str = '$TPU', zone: str = '$ZONE') -> str:
+  """A shell script, one launch per run, for a TPU pod slice or a SLURM GPU cluster."""
+  lines = ['#!/usr/bin/env bash', f'# {len(runs)} runs of {program} {config}', 'set -e']
+  for run, name in zip(runs, run_names(runs)):
+    argv = command(program, config, os.path.join(root, name), run)
+    argv[0] = 'python'  # the cluster's interpreter, not this one
+    cmd = shlex.join(argv)
+    if target == 'tpu':
+      lines.append(f'gcloud compute tpus tpu-vm ssh {tpu} --zone {zone} --worker=all '
+                   f'--command {shlex.quote("cd ~/realformer && " + cmd)}')
+    elif target == 'slurm':
+      lines.append(f'sbatch --nodes=${{NODES:-1}} --ntasks-per-node=1 --gpus-per-node=${{GPUS:-8}} '
+                   f'--job-name={shlex.quote(name[:100])} --wrap {shlex.quote("srun " + cmd)}')
+    elif target == 'local':
+      lines.append(cmd)
+    else:
+      raise ValueError(f'unknown target {target!r}: use tpu, slurm or local')
+  return '\n'.join(lines) + '\n'
+
+
+# ---------------------------------------------------------------------------- summaries
+
+def final_metrics(workdir: str, split: str = 'eval') -> Dict[str, float]:
+  """The last record of `split` in <workdir>/metrics.jsonl, keys prefixed with the split."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  last = None
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        record = json.loads(line)
+        if record.get('split') == split:
+          last = record
+  if last is None:
+    return {}
+  return {f'{split}/{k}': v for k, v in last.items()
+          if k not in ('split',) and isinstance(v, (int, float))}
+
+
+def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
+  """One row per run under root: its overrides and its final metrics."""
+  rows = []
+  for name in sorted(os.listdir(root)):
+    workdir = os.path.join(root, name)
+    path = os.path.join(workdir, OVERRIDES)
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      run = json.load(f)
+    values = {}
+    for split in {m.split('/')[0] for m in metrics}:
+      values.update(final_metrics(workdir, split))
+    rows.append({'run': run, 'done': is_done(workdir),
+                 'metrics': {m: values.get(m) for m in metrics}})
+  return rows
+
+
+def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
+  """Groups runs by their non-seed overrides: (header, table rows) with mean, median, std,
+  min, max and n over seeds for each metric."""
+  groups = {}
+  for row in rows:
+    key = tuple(sorted((k, _fmt(v)) for k, v in row['run'].items() if k != 'seed'))
+    groups.setdefault(key, []).append(row)
+  swept = [k for k in varying_keys([r['run'] for r in rows]) if k != 'seed']
+  header = swept + ['n'] + [f'{m} {s}' for m in metrics
+                             for s in ('mean', 'median', 'std', 'min', 'max')]
+  table = []
+  for key, members in sorted(groups.items()):
+    d = dict(key)
+    line = [d.get(k, '') for k in swept]
+    n = 0
+    cells = []
+    for m in metrics:
+      vals = [r['metrics'][m] for r in members if r['metrics'].get(m) is not None]
+      n = max(n, len(vals))
+      if vals:
+        cells += [statistics.mean(vals), statistics.median(vals),
+                  statistics.stdev(vals) if len(vals) > 1 else 0.0, min(vals), max(vals)]
+      else:
+        cells += [None] * 5
+    table.append(line + [n] + cells)
+  return header, table
+
+
+def to_markdown(header, table) -> str:
+  fmt = lambda v: '' if v is None else (f'{v:.4f}' if isinstance(v, float) else str(v))
+  out = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  out += ['| ' + ' | '.join(fmt(v) for v in row) + ' |' for row in table]
+  return '\n'.join(out) + '\n'
+
+
+def to_csv(header, table) -> str:
+  buf = io.StringIO()
+  writer = csv.writer(buf)
+  writer.writerow(header)
+  writer.writerows(table)
+  return buf.getvalue()

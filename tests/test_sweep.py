@@ -1,0 +1,142 @@
+"""Sweeps: expansion, naming, skip-finished and resume, launch scripts, summaries; and one
+real two-run sweep of train.py."""
+
+import json
+import math
+import os
+import statistics
+import sys
+import textwrap
+
+import pytest
+
+import sweep as sweep_cli
+from realformer import sweep
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FAKE_PROGRAM = textwrap.dedent('''
+    """Stands in for train.py: records its calls, fails once when asked, writes metrics."""
+    import json, os, sys
+    args = dict(a.split('=', 1) for a in sys.argv[1:] if a.startswith('--config.'))
+    workdir = sys.argv[sys.argv.index('--workdir') + 1]
+    with open(os.path.join(workdir, 'calls.txt'), 'a') as f:
+      f.write('call\\n')
+    if args.get('--config.fail_once') == 'True' and not os.path.exists(
+        os.path.join(workdir, 'failed_before')):
+      open(os.path.join(workdir, 'failed_before'), 'w').close()
+      sys.exit(3)
+    lr, seed = float(args['--config.optimizer.learning_rate']), int(args['--config.seed'])
+    with open(os.path.join(workdir, 'metrics.jsonl'), 'a') as f:
+      f.write(json.dumps({'step': 1, 'split': 'eval', 'mlm_accuracy': 0.5}) + '\\n')
+      f.write(json.dumps({'step': 2, 'split': 'eval', 'mlm_accuracy': lr * 1000 + seed}) + '\\n')
+''')
+
+
+def test_expansion_product_zip_fixed_and_seeds(tmp_path):
+  runs = sweep.expand(['model.variant=postln,realformer', 'optimizer.learning_rate=1e-4,2e-4'],
+                      ['train.num_steps=10'], seeds=3)
+  assert len(runs) == 12
+  assert runs[0] == {'model.variant': 'postln', 'optimizer.learning_rate': 1e-4,
+                     'train.num_steps': 10, 'seed': 0}
+  assert {r['seed'] for r in runs} == {0, 1, 2}
+  h = sweep.Hyper
+  zipped = h.zip(h.sweep('a', [1, 2]), h.sweep('b', ['x', 'y']))
+  assert zipped == [{'a': 1, 'b': 'x'}, {'a': 2, 'b': 'y'}]
+  with pytest.raises(ValueError, match='equal length'):
+    h.zip(h.sweep('a', [1, 2]), h.sweep('b', [1]))
+  sweep_file = tmp_path / 'hyper.py'
+  sweep_file.write_text(textwrap.dedent('''
+      def get_hyper(h):
+        return h.product([h.sweep('model.variant', ['preln', 'realformer']),
+                          h.zip(h.sweep('optimizer.learning_rate', [1e-4, 2e-4]),
+                                h.sweep('optimizer.warmup_steps', [10, 5])),
+                          h.fixed('train.num_steps', 7)])
+  '''))
+  runs = sweep.expand(seeds=2, sweep_file=str(sweep_file))
+  assert len(runs) == 2 * 2 * 2
+  assert all((r['optimizer.learning_rate'], r['optimizer.warmup_steps']) in ((1e-4, 10),
+                                                                            (2e-4, 5))
+             for r in runs)
+  with pytest.raises(ValueError, match='key=value'):
+    sweep.expand(['model.variant'])
+
+
+def test_names_are_stable_safe_and_distinct():
+  run = {'seed': 1, 'optimizer.learning_rate': 0.0002, 'model.variant': 'realformer'}
+  assert sweep.run_name(run) == 'model.variant=realformer,optimizer.learning_rate=0.0002,seed=1'
+  assert sweep.run_name(dict(reversed(list(run.items())))) == sweep.run_name(run)
+  odd = sweep.run_name({'data.sources': 'files:/data/*.txt;embedded', 'seed': 0})
+  assert '/' not in odd and '*' not in odd and ';' not in odd and ' ' not in odd
+  runs = sweep.expand(['optimizer.learning_rate=1e-4,1e-3'], seeds=2)
+  assert len({sweep.run_name(r) for r in runs}) == 4
+  with pytest.raises(ValueError, match='repeats a run'):
+    sweep.expand(['optimizer.learning_rate=1e-3,0.001'])
+
+
+def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
+  program = tmp_path / 'fake_train.py'
+  program.write_text(FAKE_PROGRAM)
+  root = tmp_path / 'sweep'
+  args = ['run', '--root', str(root), '--program', str(program), '--config', 'cfg',
+          '--sweep', 'optimizer.learning_rate=1e-4,2e-4', '--seeds', '3']
+  assert sweep_cli.main(args + ['--set', 'fail_once=True']) == 1  # every run fails once
+  names = sorted(os.listdir(root))
+  assert 'optimizer.learning_rate=0.0001,seed=2' in names  # named by what varies
+  assert len(names) == 6 and not any(sweep.is_done(root / n) for n in names)
+  assert sweep_cli.main(args + ['--set', 'fail_once=True']) == 0  # resumed: all finish
+  assert sweep_cli.main(args + ['--set', 'fail_once=True']) == 0  # finished: all skipped
+  for n in names:
+    assert (root / n / 'calls.txt').read_text().count('call') == 2
+    assert json.loads((root / n / sweep.OVERRIDES).read_text())['fail_once'] is True
+
+  assert sweep_cli.main(['summarize', '--root', str(root), '--metrics',
+                         'eval/mlm_accuracy']) == 0
+  header, table = sweep.summarize(sweep.collect(str(root), ['eval/mlm_accuracy']),
+                                  ['eval/mlm_accuracy'])
+  assert header[:2] == ['optimizer.learning_rate', 'n']  # fixed keys are not columns
+  by_lr = {row[0]: row for row in table}
+  vals = [0.1, 1.1, 2.1]  # lr * 1000 + seed for lr = 1e-4, seeds 0..2 (the last record)
+  row = by_lr['0.0001']
+  assert row[1] == 3
+  assert row[2:7] == pytest.approx([statistics.mean(vals), 1.1, statistics.stdev(vals), 0.1,
+                                    2.1])
+  assert by_lr['0.0002'][3] == pytest.approx(1.2)
+  assert (root / 'summary.md').read_text().startswith('| optimizer.learning_rate |')
+  assert (root / 'summary.csv').read_text().splitlines()[0].startswith('optimizer.')
+
+
+def test_launch_scripts_for_tpu_and_slurm(capsys):
+  args = ['--root', 'gs://b/sweep', '--config', 'configs/pretrain.py:realformer,base',
+          '--sweep', 'model.variant=postln,realformer', '--seeds', '2']
+  sweep_cli.main(['print', '--target', 'tpu'] + args)
+  tpu = capsys.readouterr().out.splitlines()
+  cmds = [l for l in tpu if l.startswith('gcloud')]
+  assert len(cmds) == 4 and all('--worker=all' in c and 'train.py' in c for c in cmds)
+  assert any('model.variant=realformer,seed=1' in c for c in cmds)
+  sweep_cli.main(['print', '--target', 'slurm'] + args)
+  slurm = [l for l in capsys.readouterr().out.splitlines() if l.startswith('sbatch')]
+  assert len(slurm) == 4 and all('srun python train.py' in l for l in slurm)
+
+
+TINY = ['train.num_steps=3', 'train.batch_size=8', 'train.log_every_steps=1',
+        'train.eval_every_steps=3', 'train.eval_steps=1', 'train.checkpoint_every_steps=3',
+        'optimizer.warmup_steps=1', 'data.max_seq_length=32', 'data.max_predictions_per_seq=5',
+        'model.num_layers=2', 'model.hidden_size=32', 'model.num_heads=2', 'model.mlp_dim=64',
+        'model.max_len=32']
+
+
+def test_real_sweep_of_train_py(tmp_path):
+  root = tmp_path / 'sweep'
+  args = ['run', '--root', str(root), '--config',
+          os.path.join(REPO, 'configs', 'pretrain.py') + ':postln,tiny',
+          '--program', os.path.join(REPO, 'train.py'),
+          '--sweep', 'model.variant=realformer', '--seeds', '1']
+  for item in TINY:
+    args += ['--set', item]
+  assert sweep_cli.main(args) == 0, (root / os.listdir(root)[0] / 'log.txt').read_text()[-3000:]
+  rows = sweep.collect(str(root), ['eval/mlm_accuracy', 'eval/loss'])
+  assert len(rows) == 1 and all(r['done'] for r in rows)
+  assert all(math.isfinite(r['metrics']['eval/loss']) for r in rows)
+  run = root / 'seed=0'  # one run: only the seed names it
+  assert json.loads((run / 'config.json').read_text())['model']['variant'] == 'realformer'
