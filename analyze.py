@@ -1,0 +1,31 @@
+r"""Attention analysis of pretraining checkpoints (entropy per layer, JS divergence across layers).
+
+  python analyze.py --workdir /tmp/study/model.variant=postln,seed=0 \
+      --workdir /tmp/study/model.variant=realformer,seed=0 --out /tmp/study/attention
+
+Writes attention_entropy.png (violins per layer), attention_js.png (layer x layer JS
+divergence), attention.json and attention.md. See realformer/analysis.py for the definitions.
+"""
+
+import argparse
+
+from realformer import analysis
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--workdir', action='append', required=True, help='a pretraining workdir')
+  p.add_argument('--label', action='append', default=None, help='one per --workdir')
+  p.add_argument('--out', required=True)
+  p.add_argument('--num_examples', type=int, default=32)
+  args = p.parse_args(argv)
+  if args.label and len(args.label) != len(args.workdir):
+    p.error('give one --label per --workdir (or none)')
+  results = [analysis.analyze_run(w, args.num_examples) for w in args.workdir]
+  analysis.write_report(results, args.out, args.label)
+  with open(f'{args.out}/attention.md') as f:
+    print(f.read())
+
+
+if __name__ == '__main__':
+  main()

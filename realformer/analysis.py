@@ -1,0 +1,148 @@
+"""Attention analysis as in the RealFormer paper (He et al. 2020, section 4.3).
+
+From a pretraining workdir's newest checkpoint, on held-out text, through the public
+contract (`model.apply(..., capture_attention=True)`):
+  - per layer, the distribution of attention entropy  H(p) = -sum_k p_k ln p_k  of every
+    (example, head, real query position): lower is sparser;
+  - the Jensen-Shannon divergence between the attention distributions of two layers,
+    JS(p, q) = (KL(p || m) + KL(q || m)) / 2 with m = (p + q) / 2, averaged over examples,
+    heads and real query positions, for adjacent layers and all pairs: lower is closer.
+Natural logarithms throughout (JS lies in [0, ln 2]). Padding keys carry no probability
+(the mask) and padding queries are left out.
+"""
+
+import json
+import os
+from typing import Dict, List, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from realformer import checkpoints
+from realformer import models
+
+
+def _xlogx(p):
+  return np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+
+
+def attention_entropy(probs: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """probs [B, H, T, T], mask [B, T] (1 = real) -> entropies of the real queries, flat."""
+  p = np.asarray(probs, np.float64)
+  ent = -_xlogx(p).sum(-1)                                   # [B, H, T]
+  real = np.broadcast_to(np.asarray(mask, bool)[:, None, :], ent.shape)
+  return ent[real]
+
+
+def js_divergence(p: np.ndarray, q: np.ndarray, mask: np.ndarray) -> float:
+  """Mean JS divergence between [B, H, T, T] attentions over heads and real queries."""
+  p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+  m = (p + q) / 2
+  kl = lambda a: (_xlogx(a) - np.where(a > 0, a * np.log(np.where(m > 0, m, 1.0)), 0.0)).sum(-1)
+  js = (kl(p) + kl(q)) / 2                                   # [B, H, T]
+  real = np.broadcast_to(np.asarray(mask, bool)[:, None, :], js.shape)
+  return float(js[real].mean())
+
+
+def js_matrix(attention: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray:
+  n = len(attention)
+  out = np.zeros((n, n))
+  for i in range(n):
+    for j in range(i + 1, n):
+      out[i, j] = out[j, i] = js_divergence(attention[i], attention[j], mask)
+  return out
+
+
+def load_run(workdir: str):
+  """(config, model, params) of the newest checkpoint of a pretraining workdir."""
+  config = ml_collections.ConfigDict(checkpoints.read_config(workdir))
+  model = models.build(config.model)
+  t = config.data.max_seq_length
+  batch = {k: np.zeros((1, t), np.int32) for k in ('input_ids', 'segment_ids',
+                                                    'attention_mask')}
+  abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch))['params']
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          jax.tree.map(lambda x: getattr(x, 'value', x), abstract,
+                                       is_leaf=lambda x: hasattr(x, 'value')))
+  params, missing = checkpoints.restore_params(workdir, abstract)
+  if missing:
+    raise ValueError(f'checkpoint in {workdir} lacks {missing[:3]}...; is it a pretraining '
+                     'run of this codebase?')
+  return config, model, params
+
+
+def heldout_batch(workdir: str, config, num_examples: int) -> Dict[str, np.ndarray]:
+  """Held-out examples (the eval split), with the masked tokens put back."""
+  from data import pipeline  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib
+  prepared = pipeline.ensure_prepared(config, workdir)
+  tok = tokenizer_lib.load_for_config(config.data)
+  it = pipeline.make_pretraining_iterator(config.data, tok, prepared, split='eval',
+                                          global_batch_size=num_examples, seed=0)
+  batch = next(it)
+  ids = batch['input_ids'].copy()
+  for row, pos, lab, w in zip(ids, batch['masked_lm_positions'], batch['masked_lm_ids'],
+                              batch['masked_lm_weights']):
+    row[pos[w > 0]] = lab[w > 0]
+  return {'input_ids': ids, 'segment_ids': batch['segment_ids'],
+          'attention_mask': batch['attention_mask']}
+
+
+def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
+  config, model, params = load_run(workdir)
+  batch = batch if batch is not None else heldout_batch(workdir, config, num_examples)
+  out = model.apply({'params': params}, batch, deterministic=True, capture_attention=True)
+  attention = [np.asarray(a) for a in out.attention]
+  mask = batch['attention_mask']
+  entropies = [attention_entropy(a, mask) for a in attention]
+  pairs = js_matrix(attention, mask)
+  return {'variant': config.model.variant, 'workdir': workdir, 'entropies': entropies,
+          'entropy_mean': [float(e.mean()) for e in entropies],
+          'js_adjacent': [float(pairs[i, i + 1]) for i in range(len(attention) - 1)],
+          'js_all_pairs': pairs.tolist()}
+
+
+def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None) -> dict:
+  """Violin plots of entropy per layer, JS heatmaps, numbers as JSON and markdown."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  os.makedirs(out_dir, exist_ok=True)
+  labels = list(labels or [r['variant'] for r in results])
+  n = len(results)
+  fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), sharey=True, squeeze=False)
+  for ax, r, label in zip(axes[0], results, labels):
+    ax.violinplot(r['entropies'], showmedians=True)
+    ax.set_title(label)
+    ax.set_xlabel('layer')
+    ax.set_xticks(range(1, len(r['entropies']) + 1))
+  axes[0][0].set_ylabel('attention entropy (nats)')
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, 'attention_entropy.png'), dpi=110)
+  plt.close(fig)
+  vmax = max(max(max(row) for row in r['js_all_pairs']) for r in results) or 1.0
+  fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
+  for ax, r, label in zip(axes[0], results, labels):
+    im = ax.imshow(np.array(r['js_all_pairs']), vmin=0, vmax=vmax, cmap='viridis')
+    ax.set_title(label)
+    ax.set_xlabel('layer')
+    ax.set_ylabel('layer')
+  fig.colorbar(im, ax=axes[0].tolist(), label='JS divergence (nats)')
+  fig.savefig(os.path.join(out_dir, 'attention_js.png'), dpi=110)
+  plt.close(fig)
+  numbers = {label: {k: r[k] for k in ('variant', 'workdir', 'entropy_mean', 'js_adjacent',
+                                       'js_all_pairs')}
+             for label, r in zip(labels, results)}
+  with open(os.path.join(out_dir, 'attention.json'), 'w') as f:
+    json.dump(numbers, f, indent=1)
+  lines = ['| run | mean entropy per layer (nats) | JS adjacent layers | mean JS all pairs |',
+           '|---|---|---|---|']
+  for label, r in zip(labels, results):
+    m = np.array(r['js_all_pairs'])
+    off = m[~np.eye(len(m), dtype=bool)].mean() if len(m) > 1 else 0.0
+    lines.append(f'| {label} | {", ".join(f"{e:.3f}" for e in r["entropy_mean"])} | '
+                 f'{", ".join(f"{j:.4f}" for j in r["js_adjacent"])} | {off:.4f} |')
+  with open(os.path.join(out_dir, 'attention.md'), 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  return numbers

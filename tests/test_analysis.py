@@ -1,0 +1,79 @@
+"""Attention analysis: entropy and Jensen-Shannon divergence against hand-computed values, and
+the whole analysis on a tiny checkpoint."""
+
+import json
+import math
+import os
+
+import jax
+import flax.linen as nn
+import numpy as np
+import pytest
+
+import analyze
+from configs import pretrain
+from realformer import analysis
+from realformer import checkpoints
+from realformer import models
+
+
+def rows(*dists):
+  """[1, 1, n, n] attention from a list of query rows (n = len(dists))."""
+  return np.array(dists, np.float64)[None, None]
+
+
+def test_entropy_hand_computed_and_padding_excluded():
+  uniform = rows([1 / 3, 1 / 3, 1 / 3], [1.0, 0.0, 0.0], [0.5, 0.5, 0.0])
+  ent = analysis.attention_entropy(uniform, np.array([[1, 1, 1]]))
+  np.testing.assert_allclose(ent, [math.log(3), 0.0, math.log(2)])
+  ent = analysis.attention_entropy(uniform, np.array([[1, 1, 0]]))  # third query is padding
+  np.testing.assert_allclose(ent, [math.log(3), 0.0])
+
+
+def test_js_divergence_hand_computed():
+  mask = np.array([[1, 1]])
+  p = rows([0.5, 0.5], [1.0, 0.0])
+  assert analysis.js_divergence(p, p, mask) == pytest.approx(0.0)
+  q = rows([0.5, 0.5], [0.0, 1.0])  # second row: disjoint one-hots -> ln 2
+  assert analysis.js_divergence(p, q, mask) == pytest.approx(math.log(2) / 2)
+  r = rows([1.0, 0.0], [1.0, 0.0])
+  # JS([.5,.5], [1,0]): m = [.75,.25]; (KL(p||m) + KL(r||m)) / 2
+  expected = (0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25) + math.log(1 / 0.75)) / 2
+  assert analysis.js_divergence(p, r, mask) == pytest.approx(expected / 2)
+  assert analysis.js_divergence(p, r, np.array([[1, 0]])) == pytest.approx(expected)
+  m = analysis.js_matrix([p, q, r], mask)
+  assert m.shape == (3, 3) and np.allclose(m, m.T) and np.allclose(np.diag(m), 0)
+  assert m[0, 1] == pytest.approx(math.log(2) / 2)
+
+
+@pytest.fixture(scope='module')
+def tiny_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('run'))
+  config = pretrain.get_config('realformer,tiny')
+  config.unlock()
+  config.model.num_layers, config.model.hidden_size, config.model.num_heads = 3, 32, 2
+  config.model.mlp_dim, config.model.max_len = 64, 32
+  config.data.max_seq_length, config.data.max_predictions_per_seq = 32, 5
+  model = models.build(config.model)
+  batch = {k: np.zeros((1, 32), np.int32) for k in ('input_ids', 'segment_ids',
+                                                    'attention_mask')}
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch)['params'])
+  checkpoints.save_params(workdir, params, config, step=7)
+  return workdir
+
+
+def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
+  result = analysis.analyze_run(tiny_run, num_examples=8)
+  assert result['variant'] == 'realformer'
+  assert len(result['entropies']) == 3 and len(result['js_adjacent']) == 2
+  for e in result['entropies']:
+    assert e.size > 8 * 2 * 5 and (e >= 0).all() and (e <= math.log(32) + 1e-9).all()
+  m = np.array(result['js_all_pairs'])
+  assert (m >= 0).all() and (m <= math.log(2) + 1e-9).all() and m[0, 1] > 0
+  out = tmp_path / 'report'
+  analyze.main(['--workdir', tiny_run, '--workdir', tiny_run, '--label', 'a', '--label', 'b',
+                '--out', str(out), '--num_examples', '8'])
+  for name in ('attention_entropy.png', 'attention_js.png', 'attention.json', 'attention.md'):
+    assert (out / name).stat().st_size > 100
+  numbers = json.loads((out / 'attention.json').read_text())
+  assert numbers['a']['js_adjacent'] == pytest.approx(result['js_adjacent'])
