@@ -1,0 +1,186 @@
+"""GLUE: the nine tasks and the AX diagnostic, read from the official TSV files or tfds, and
+tokenised as BERT pairs ([CLS] A [SEP] B [SEP]) with the pretraining run's tokenizer.
+
+The official TSVs (https://gluebenchmark.com/tasks, unpacked as <data_dir>/<Task>/*.tsv) are
+read by column name (CoLA's train/dev have no header), without quote handling, as GLUE's
+own files need. tfds (`glue/<task>`) is the other source: its labels use the same order as
+LABELS below. Test labels are unknown (None); test predictions are written in the submission
+format: <Task>.tsv with `index<TAB>prediction` and label names for classification.
+"""
+
+import csv
+import dataclasses
+import os
+import sys
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+class Task(NamedTuple):
+  name: str                  # official directory / submission name
+  text: Tuple[str, ...]      # TSV columns of sentence A (and B)
+  label: str                 # TSV label column
+  labels: Tuple[str, ...]    # label names in id order (() = regression)
+  metric: str                # the task's headline metric
+  splits: Dict[str, str]     # our split -> TSV file stem
+  tfds_text: Tuple[str, ...]
+  tfds_splits: Dict[str, str]
+
+
+_STD = {'train': 'train', 'dev': 'dev', 'test': 'test'}
+_TFDS = {'train': 'train', 'dev': 'validation', 'test': 'test'}
+_NLI = ('entailment', 'not_entailment')
+TASKS = {
+    'cola': Task('CoLA', ('sentence',), 'label', ('0', '1'), 'mcc', _STD, ('sentence',), _TFDS),
+    'sst2': Task('SST-2', ('sentence',), 'label', ('0', '1'), 'accuracy', _STD,
+                 ('sentence',), _TFDS),
+    'mrpc': Task('MRPC', ('#1 String', '#2 String'), 'Quality', ('0', '1'), 'f1', _STD,
+                 ('sentence1', 'sentence2'), _TFDS),
+    'stsb': Task('STS-B', ('sentence1', 'sentence2'), 'score', (), 'pearson', _STD,
+                 ('sentence1', 'sentence2'), _TFDS),
+    'qqp': Task('QQP', ('question1', 'question2'), 'is_duplicate', ('0', '1'), 'f1', _STD,
+                ('question1', 'question2'), _TFDS),
+    'mnli': Task('MNLI-m', ('sentence1', 'sentence2'), 'gold_label',
+                 ('entailment', 'neutral', 'contradiction'), 'accuracy',
+                 {'train': 'train', 'dev': 'dev_matched', 'test': 'test_matched'},
+                 ('premise', 'hypothesis'),
+                 {'train': 'train', 'dev': 'validation_matched', 'test': 'test_matched'}),
+    'mnli_mismatched': Task('MNLI-mm', ('sentence1', 'sentence2'), 'gold_label',
+                            ('entailment', 'neutral', 'contradiction'), 'accuracy',
+                            {'train': 'train', 'dev': 'dev_mismatched',
+                             'test': 'test_mismatched'}, ('premise', 'hypothesis'),
+                            {'train': 'train', 'dev': 'validation_mismatched',
+                             'test': 'test_mismatched'}),
+    'qnli': Task('QNLI', ('question', 'sentence'), 'label', _NLI, 'accuracy', _STD,
+                 ('question', 'sentence'), _TFDS),
+    'rte': Task('RTE', ('sentence1', 'sentence2'), 'label', _NLI, 'accuracy', _STD,
+                ('sentence1', 'sentence2'), _TFDS),
+    'wnli': Task('WNLI', ('sentence1', 'sentence2'), 'label', ('0', '1'), 'accuracy', _STD,
+                 ('sentence1', 'sentence2'), _TFDS),
+    # The diagnostic: test only, predicted by the MNLI model.
+    'ax': Task('AX', ('sentence1', 'sentence2'), '', ('entailment', 'neutral', 'contradiction'),
+               'accuracy', {'test': 'diagnostic'}, ('premise', 'hypothesis'), {'test': 'test'}),
+}
+# Folders of the official download (download_glue_data.py layout).
+FOLDERS = {'cola': 'CoLA', 'sst2': 'SST-2', 'mrpc': 'MRPC', 'stsb': 'STS-B', 'qqp': 'QQP',
+           'mnli': 'MNLI', 'mnli_mismatched': 'MNLI', 'qnli': 'QNLI', 'rte': 'RTE',
+           'wnli': 'WNLI', 'ax': 'diagnostic'}
+
+
+@dataclasses.dataclass
+class Example:
+  guid: str
+  text_a: str
+  text_b: Optional[str]
+  label: Optional[float]  # class id, regression score, or None (test)
+
+
+def get_task(name: str) -> Task:
+  if name not in TASKS:
+    raise ValueError(f'unknown GLUE task {name!r}; choose one of {", ".join(TASKS)}')
+  return TASKS[name]
+
+
+def _label_value(task: Task, raw: str) -> float:
+  if not task.labels:
+    return float(raw)
+  if raw not in task.labels:
+    raise ValueError(f'{task.name}: label {raw!r} is not one of {task.labels}')
+  return task.labels.index(raw)
+
+
+def read_tsv(task_name: str, data_dir: str, split: str) -> List[Example]:
+  """Examples of one split from the official GLUE TSV files under data_dir/<Task>/."""
+  task = get_task(task_name)
+  if split not in task.splits:
+    raise ValueError(f'{task.name} has no {split} split (it has {", ".join(task.splits)})')
+  path = os.path.join(data_dir, FOLDERS[task_name], task.splits[split] + '.tsv')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path} not found; set config.data_dir to the directory holding '
+                            f'the GLUE task folders (CoLA/, SST-2/, ...) or use tfds')
+  csv.field_size_limit(sys.maxsize)
+  with open(path, encoding='utf-8-sig') as f:
+    rows = list(csv.reader(f, delimiter='\t', quoting=csv.QUOTE_NONE))
+  if task_name == 'cola' and split != 'test':  # no header: source, label, mark, sentence
+    return [Example(f'{split}-{i}', r[3], None, _label_value(task, r[1]))
+            for i, r in enumerate(rows)]
+  header = [h.strip().lstrip('\ufeff') for h in rows[0]]
+  col = {h: i for i, h in enumerate(header)}
+  missing = [c for c in task.text if c not in col]
+  if missing:
+    raise ValueError(f'{path}: columns {missing} missing (header {header}); is it the '
+                     f'{task.name} file?')
+  examples = []
+  for i, r in enumerate(rows[1:]):
+    if len(r) < len(header):
+      continue  # GLUE's files have a few truncated lines; the official loaders skip them
+    a = r[col[task.text[0]]]
+    b = r[col[task.text[1]]] if len(task.text) > 1 else None
+    guid = r[col['index']] if 'index' in col else r[col['id']] if 'id' in col else str(i)
+    label = None
+    if split != 'test' and task.label:
+      label = _label_value(task, r[col[task.label]])
+    examples.append(Example(guid, a, b, label))
+  return examples
+
+
+def read_tfds(task_name: str, split: str, data_dir: Optional[str] = None) -> List[Example]:
+  """Examples of one split of tfds glue/<task> (needs network or a prepared data_dir)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  task = get_task(task_name)
+  name = 'glue/' + ('mnli' if task_name == 'mnli_mismatched' else task_name)
+  ds = tfds.load(name, split=task.tfds_splits[split], data_dir=data_dir, shuffle_files=False)
+  examples = []
+  for ex in tfds.as_numpy(ds):
+    text = [ex[k].decode('utf-8') for k in task.tfds_text]
+    label = None if split == 'test' else float(ex['label'])
+    examples.append(Example(str(int(ex['idx'])), text[0], text[1] if len(text) > 1 else None,
+                            label))
+  return examples
+
+
+def truncate_pair(a: List[int], b: List[int], max_tokens: int):
+  """BERT's _truncate_seq_pair: drop from the end of the longer one, in place."""
+  while len(a) + len(b) > max_tokens:
+    (a if len(a) > len(b) else b).pop()
+
+
+def featurize(examples: Sequence[Example], tokenizer, max_seq_length: int,
+              regression: bool = False) -> Dict[str, np.ndarray]:
+  """[CLS] A [SEP] (B [SEP]) -> input_ids, segment_ids, attention_mask, label arrays."""
+  n = len(examples)
+  ids = np.full((n, max_seq_length), tokenizer.pad_id, np.int32)
+  seg = np.zeros((n, max_seq_length), np.int32)
+  mask = np.zeros((n, max_seq_length), np.int32)
+  for i, ex in enumerate(examples):
+    a = tokenizer.encode(ex.text_a)
+    b = tokenizer.encode(ex.text_b) if ex.text_b is not None else []
+    truncate_pair(a, b, max_seq_length - (3 if ex.text_b is not None else 2))
+    tokens = [tokenizer.cls_id] + a + [tokenizer.sep_id]
+    segments = [0] * len(tokens)
+    if ex.text_b is not None:
+      tokens += b + [tokenizer.sep_id]
+      segments += [1] * (len(b) + 1)
+    ids[i, :len(tokens)] = tokens
+    seg[i, :len(tokens)] = segments
+    mask[i, :len(tokens)] = 1
+  labels = np.array([np.nan if ex.label is None else ex.label for ex in examples],
+                    np.float32 if regression else np.float64)
+  if not regression:
+    labels = np.where(np.isnan(labels), -1, labels).astype(np.int32)
+  return {'input_ids': ids, 'segment_ids': seg, 'attention_mask': mask, 'label': labels}
+
+
+def write_predictions(task_name: str, examples: Sequence[Example], predictions: np.ndarray,
+                      out_dir: str) -> str:
+  """<out_dir>/<Task>.tsv in GLUE's submission format."""
+  task = get_task(task_name)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f'{task.name}.tsv')
+  with open(path, 'w') as f:
+    f.write('index\tprediction\n')
+    for i, (ex, p) in enumerate(zip(examples, predictions)):
+      value = (f'{float(p):.3f}' if not task.labels else task.labels[int(p)])
+      f.write(f'{ex.guid if ex.guid.isdigit() else i}\t{value}\n')
+  return path

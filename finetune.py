@@ -1,0 +1,234 @@
+r"""Fine-tune a pretrained encoder on a GLUE task; evaluate on dev; write test predictions.
+
+  python finetune.py --config configs/finetune.py:glue/rte --workdir /tmp/ft_rte \
+      --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/glue
+
+The encoder is restored from the newest checkpoint of `init_checkpoint` (only the encoder:
+the pretraining heads and optimizer are not read); a checkpoint whose architecture or
+vocabulary does not match its config.json is an error naming the parameter. The run is
+resumable: its own checkpoints (one per epoch) are in <workdir>/checkpoints and running the
+same command again continues. Outputs: metrics.jsonl (train loss, dev metrics per epoch),
+results.json (the final dev metrics) and predictions/<Task>.tsv (GLUE submission format).
+The grid of the paper's practice: `python -m realformer.finetune_grid` (see its docstring).
+"""
+
+import json
+import os
+from typing import Dict
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import app
+from absl import flags
+from absl import logging
+from clu import metrics as clu_metrics
+from ml_collections import config_flags
+
+from data import glue
+from data import tokenizer as tokenizer_lib
+from realformer import checkpoints
+from realformer import finetune_metrics
+from realformer import metrics as metrics_lib
+from realformer import models
+from realformer import partitioning
+from realformer import train_lib
+
+_REPO = os.path.dirname(os.path.abspath(__file__))
+config_flags.DEFINE_config_file(
+    'config', os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
+    'configs/finetune.py:glue/<task>', lock_config=True)
+flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and predictions.')
+
+
+@flax.struct.dataclass
+class FinetuneMetrics(clu_metrics.Collection):
+  loss: clu_metrics.Average
+  learning_rate: clu_metrics.LastValue
+  grad_norm: clu_metrics.Average
+
+
+def load_examples(config, task: str, split: str):
+  if config.data_dir:
+    return glue.read_tsv(task, config.data_dir, split)
+  return glue.read_tfds(task, split, config.tfds_data_dir)
+
+
+def pretrained_config(path: str) -> ml_collections.ConfigDict:
+  if not path:
+    raise ValueError('config.init_checkpoint is empty: name the pretraining workdir (its '
+                     'config.json gives the architecture and the tokenizer)')
+  if not os.path.exists(os.path.join(path, checkpoints.CONFIG_FILE)):
+    raise FileNotFoundError(f'{path} has no {checkpoints.CONFIG_FILE}; config.init_checkpoint '
+                            'must be a workdir written by train.py or realformer.interop')
+  return ml_collections.ConfigDict(checkpoints.read_config(path))
+
+
+def classification_loss_fn(model, regression: bool):
+  """CE over the classes (MSE for regression), mean over the step's examples."""
+  def loss_fn(params, batch, rng, totals):
+    deterministic = rng is None
+    _, logits = model.apply({'params': params}, batch, deterministic=deterministic,
+                            rngs=None if deterministic else {'dropout': rng})
+    if regression:
+      per_example = (logits[:, 0] - batch['label']) ** 2
+    else:
+      per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch['label'])
+    return jnp.sum(per_example) / totals['examples'], {}
+  return loss_fn
+
+
+def batches(features: Dict[str, np.ndarray], batch_size: int):
+  """Fixed-size batches covering every row; the last one is padded (weight 0)."""
+  n = len(features['input_ids'])
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, start + batch_size)
+    valid = idx < n
+    idx = np.where(valid, idx, 0)
+    yield {k: v[idx] for k, v in features.items()}, valid
+
+
+def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  task = glue.get_task(config.task)
+  if config.task in ('ax', 'mnli_mismatched'):
+    raise ValueError(f'{config.task} has no training set: fine-tune glue/mnli, which also '
+                     'evaluates mismatched dev and predicts AX')
+  pre = pretrained_config(config.init_checkpoint)
+  if config.max_seq_length > pre.model.max_len:
+    raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained model\'s '
+                     f'positions ({pre.model.max_len}); lower config.max_seq_length')
+  tokenizer = tokenizer_lib.load_for_config(pre.data)
+  if tokenizer.vocab_size != pre.model.vocab_size:
+    raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
+                     f'checkpoint was trained with {pre.model.vocab_size}')
+  regression = not task.labels
+  featurize = lambda ex: glue.featurize(ex, tokenizer, config.max_seq_length, regression)
+  train_examples = load_examples(config, config.task, 'train')
+  train = featurize(train_examples)
+  evals = {config.task: load_examples(config, config.task, 'dev')}
+  tests = {config.task: load_examples(config, config.task, 'test')}
+  if config.task == 'mnli':
+    evals['mnli_mismatched'] = load_examples(config, 'mnli_mismatched', 'dev')
+    tests['mnli_mismatched'] = load_examples(config, 'mnli_mismatched', 'test')
+    tests['ax'] = load_examples(config, 'ax', 'test')
+
+  mesh = partitioning.make_mesh(config.mesh)
+  jax.set_mesh(mesh)
+  dp = partitioning.data_parallel_size(mesh)
+  if config.batch_size % dp or config.eval_batch_size % dp:
+    raise ValueError(f'batch_size={config.batch_size} and eval_batch_size='
+                     f'{config.eval_batch_size} must be multiples of the data-parallel size '
+                     f'{dp} (mesh.data * mesh.fsdp)')
+  steps_per_epoch = len(train_examples) // config.batch_size
+  if steps_per_epoch == 0:
+    raise ValueError(f'{len(train_examples)} training examples are fewer than one batch of '
+                     f'{config.batch_size}; lower config.batch_size')
+  num_steps = steps_per_epoch * config.num_epochs
+  opt = ml_collections.ConfigDict(config.optimizer.to_dict())
+  if opt.warmup_steps < 0:
+    opt.warmup_steps = int(opt.warmup_fraction * num_steps)
+
+  model = models.build(pre.model, head='classification', num_labels=len(task.labels) or 1)
+  tx, schedule = train_lib.make_optimizer(opt, num_steps)
+  shapes = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
+            for k, v in train.items()}
+  abstract, shardings = train_lib.state_shardings(model, tx, shapes, mesh)
+
+  # Restart order: this run's checkpoint, else the pretrained encoder (or scratch).
+  os.makedirs(workdir, exist_ok=True)
+  checkpoints.write_config(workdir, config)
+  manager = checkpoints.make_manager(workdir, keep=1, item_names=('state',))
+  latest = checkpoints.latest_complete_step(manager)
+  if latest is not None:
+    tree, _ = checkpoints.restore(manager, latest, abstract.to_checkpoint())
+    state = train_lib.TrainState.from_checkpoint(tree)
+    logging.info('resuming from step %d', latest)
+  else:
+    state, _ = train_lib.create_train_state(model, tx, shapes, mesh, config.seed)
+    if not config.from_scratch:
+      encoder, missing = checkpoints.restore_params(config.init_checkpoint,
+                                                    abstract.params['encoder'],
+                                                    subtree=('encoder',))
+      if missing:
+        raise ValueError(f'checkpoint {config.init_checkpoint} does not match the model: it '
+                         f'has no {missing[0]} ({len(missing)} missing)')
+      params = dict(state.params, encoder=encoder)
+      state = state.replace(params=params, opt_state=jax.jit(
+          tx.init, out_shardings=shardings.opt_state)(params))
+
+  loss_fn = classification_loss_fn(model, regression)
+  train_step = train_lib.make_train_step(
+      loss_fn, tx, schedule, mesh=mesh, shardings=shardings, metrics_cls=FinetuneMetrics,
+      totals_fn=lambda b: {'examples': jnp.asarray(b['label'].shape[0], jnp.float32)},
+      seed=config.seed)
+  predict = jax.jit(lambda params, batch: model.apply({'params': params}, batch)[1])
+  writer = metrics_lib.JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))
+
+  def predictions(params, examples):
+    feats = featurize(examples)
+    out = []
+    for batch, valid in batches(feats, config.eval_batch_size):
+      logits = np.asarray(predict(params, train_lib.global_batch(batch, mesh)))
+      out.append((logits[:, 0] if regression else logits.argmax(-1))[valid])
+    return np.concatenate(out), feats['label']
+
+  def evaluate(params, step):
+    results = {}
+    for name, examples in evals.items():
+      preds, labels = predictions(params, examples)
+      results[name] = finetune_metrics.glue_metrics(
+          'mnli' if name == 'mnli_mismatched' else name, preds, labels)
+      # metrics.jsonl lines {"step": s, "split": "dev_<task>", "accuracy": ...}
+      writer.write_scalars(step, {f'dev_{name}/{k}': v for k, v in results[name].items()})
+      logging.info('step %d dev %s: %s', step, name, results[name])
+    return results
+
+  step = int(state.step)
+  results = None
+  for epoch in range(step // steps_per_epoch, config.num_epochs):
+    order = np.random.default_rng([config.seed, epoch]).permutation(len(train_examples))
+    window = None
+    for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
+      idx = order[i * config.batch_size:(i + 1) * config.batch_size]
+      state, m = train_step(state, train_lib.global_batch({k: v[idx] for k, v in train.items()},
+                                                          mesh))
+      window = metrics_lib.merge(window, m)
+      step += 1
+      if step % config.log_every_steps == 0 or i == steps_per_epoch - 1:
+        values = metrics_lib.to_floats(window)
+        if not np.isfinite(values['loss']):
+          raise FloatingPointError(f'loss became {values["loss"]} at step {step}; lower '
+                                   'config.optimizer.learning_rate')
+        writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
+        window = None
+    checkpoints.save(manager, step, state.to_checkpoint(), force=True)
+    results = evaluate(state.params, step)
+  manager.wait_until_finished()
+  if results is None:  # resumed after the last epoch
+    results = evaluate(state.params, step)
+  for name, examples in tests.items():
+    preds, _ = predictions(state.params, examples)
+    glue.write_predictions(name, examples, preds, os.path.join(workdir, 'predictions'))
+  summary = {'task': config.task, 'step': step, 'dev': results,
+             'headline': finetune_metrics.headline(config.task, results[config.task])}
+  with open(os.path.join(workdir, 'results.json'), 'w') as f:
+    json.dump(summary, f, indent=2)
+  manager.close()
+  writer.close()
+  return summary
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS.workdir:
+    raise app.UsageError('--workdir is required')
+  summary = finetune(flags.FLAGS.config, flags.FLAGS.workdir)
+  print(json.dumps(summary, indent=2))
+
+
+if __name__ == '__main__':
+  app.run(main)
