@@ -1,0 +1,135 @@
+"""GLUE fine-tuning: the task files, the metrics' definitions, and the whole path from a
+pretraining checkpoint to dev metrics and submission files (resume and mismatch included)."""
+
+import json
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import finetune
+from configs import finetune as finetune_configs
+from configs import pretrain
+from data import glue
+from data import tokenizer as tokenizer_lib
+from realformer import checkpoints
+from realformer import finetune_metrics
+from realformer import models
+
+GLUE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'glue')
+
+
+@pytest.mark.parametrize('task', sorted(glue.TASKS))
+def test_every_task_reads_its_official_tsvs(task):
+  spec = glue.TASKS[task]
+  for split in spec.splits:
+    examples = glue.read_tsv(task, GLUE_DIR, split)
+    assert examples and all(e.text_a for e in examples)
+    assert all((e.text_b is not None) == (len(spec.text) == 2) for e in examples)
+    if split == 'test':
+      assert all(e.label is None for e in examples)
+    elif spec.labels:
+      assert all(e.label in range(len(spec.labels)) for e in examples)
+    else:
+      assert all(0.0 <= e.label <= 5.0 for e in examples)
+  with pytest.raises(FileNotFoundError, match='config.data_dir'):
+    glue.read_tsv('cola', '/nonexistent', 'train')
+  with pytest.raises(ValueError, match='unknown GLUE task'):
+    glue.get_task('sst-5')
+
+
+def test_featurize_pairs_truncates_the_longer_side():
+  tok = tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+  ex = [glue.Example('0', 'the union is strong ' * 10, 'peace', 1)]
+  f = glue.featurize(ex, tok, 16)
+  ids = f['input_ids'][0]
+  sep = np.flatnonzero(ids == tok.sep_id)
+  assert ids[0] == tok.cls_id and len(sep) == 2 and sep[1] == 15
+  assert tok.decode(ids[sep[0] + 1:sep[1]]) == 'peace'  # the short side is kept whole
+  np.testing.assert_array_equal(f['segment_ids'][0], [0] * (sep[0] + 1) + [1] * (15 - sep[0]))
+  assert f['attention_mask'][0].sum() == 16 and f['label'][0] == 1
+
+
+def test_metrics_match_their_definitions():
+  # MCC = (TP TN - FP FN) / sqrt((TP+FP)(TP+FN)(TN+FP)(TN+FN)): TP=2, TN=1, FP=1, FN=1.
+  preds, labels = [1, 1, 1, 0, 0], [1, 1, 0, 1, 0]
+  m = finetune_metrics.glue_metrics('cola', preds, labels)
+  assert m['mcc'] == pytest.approx((2 * 1 - 1 * 1) / np.sqrt(3 * 3 * 2 * 2))
+  m = finetune_metrics.glue_metrics('mrpc', preds, labels)
+  assert m['f1'] == pytest.approx(2 * 2 / (2 * 2 + 1 + 1)) and m['accuracy'] == 0.6
+  m = finetune_metrics.glue_metrics('stsb', [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 4.0, 3.0])
+  assert m['pearson'] == pytest.approx(0.8) and m['spearman'] == pytest.approx(0.8)
+  assert finetune_metrics.headline('rte', {'accuracy': 0.7}) == 0.7
+  assert finetune_metrics.headline('cola', {'accuracy': 0.7, 'mcc': 0.2}) == 0.2
+
+
+@pytest.fixture(scope='module')
+def pretrained(tmp_path_factory):
+  """A tiny pretraining workdir: a BertForPretraining checkpoint + config.json."""
+  workdir = str(tmp_path_factory.mktemp('pretrained'))
+  config = pretrain.get_config('postln,tiny')
+  config.unlock()
+  config.model.num_layers, config.model.hidden_size, config.model.num_heads = 2, 32, 2
+  config.model.mlp_dim = 64
+  batch = {k: np.zeros((1, 8), np.int32) for k in ('input_ids', 'segment_ids',
+                                                   'attention_mask')}
+  params = nn.unbox(models.build(config.model).init(jax.random.PRNGKey(0), batch)['params'])
+  checkpoints.save_params(workdir, params, config, step=10)
+  return workdir
+
+
+def ft_config(task, init, **overrides):
+  c = finetune_configs.get_config(f'glue/{task}')
+  c.unlock()
+  c.init_checkpoint, c.data_dir = init, GLUE_DIR
+  c.batch_size, c.eval_batch_size, c.num_epochs, c.max_seq_length = 2, 4, 2, 64
+  c.optimizer.learning_rate = 1e-4
+  c.mesh.data, c.mesh.tensor = 1, -1  # 8 fake devices, tensor parallel: any batch size
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
+  workdir = str(tmp_path / 'mnli')
+  summary = finetune.finetune(ft_config('mnli', pretrained), workdir)
+  assert set(summary['dev']) == {'mnli', 'mnli_mismatched'}
+  assert 0.0 <= summary['dev']['mnli']['accuracy'] <= 1.0
+  for name in ('MNLI-m.tsv', 'MNLI-mm.tsv', 'AX.tsv'):
+    lines = open(os.path.join(workdir, 'predictions', name)).read().splitlines()
+    assert lines[0] == 'index\tprediction'
+    assert all(l.split('\t')[1] in ('entailment', 'neutral', 'contradiction')
+               for l in lines[1:])
+  assert len(open(os.path.join(workdir, 'predictions', 'AX.tsv')).readlines()) == 4
+  records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  assert [r['step'] for r in records if r['split'] == 'dev_mnli'] == [1, 2]
+  # Running again resumes after the last epoch: no new training, the same results.
+  again = finetune.finetune(ft_config('mnli', pretrained), workdir)
+  assert again['step'] == summary['step'] and again['dev'] == summary['dev']
+
+
+def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
+  summary = finetune.finetune(ft_config('stsb', pretrained, batch_size=1), str(tmp_path / 'a'))
+  assert set(summary['dev']['stsb']) == {'pearson', 'spearman'}
+  lines = open(tmp_path / 'a' / 'predictions' / 'STS-B.tsv').read().splitlines()
+  float(lines[1].split('\t')[1])
+  scratch = finetune.finetune(ft_config('sst2', pretrained, from_scratch=True),
+                              str(tmp_path / 'b'))
+  assert 'accuracy' in scratch['dev']['sst2']
+
+
+def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
+  other = str(tmp_path / 'other')
+  os.makedirs(other)
+  config = json.load(open(os.path.join(pretrained, 'config.json')))
+  config['model']['hidden_size'] = 48  # the config no longer describes the checkpoint
+  json.dump(config, open(os.path.join(other, 'config.json'), 'w'))
+  os.symlink(os.path.join(pretrained, 'checkpoints'), os.path.join(other, 'checkpoints'))
+  with pytest.raises(ValueError, match=r'encoder/embeddings/\S+ has shape'):
+    finetune.finetune(ft_config('rte', other), str(tmp_path / 'ft'))
+  with pytest.raises(ValueError, match='init_checkpoint is empty'):
+    finetune.finetune(ft_config('rte', ''), str(tmp_path / 'ft2'))
+  with pytest.raises(ValueError, match='fewer than one batch'):
+    finetune.finetune(ft_config('rte', pretrained, batch_size=64), str(tmp_path / 'ft3'))
