@@ -1,0 +1,265 @@
+r"""Times the pretraining train step (and the forward pass) of every variant, side by side with
+HF transformers' BertForPreTraining in PyTorch on the same configuration and batch.
+
+  python benchmarks/train_step.py --sizes base --batch 8 --seq_len 128 --peer hf
+  python benchmarks/train_step.py --sizes small --seq_len 512 --batch 4 --peer none \
+      --variants postln,realformer,synth_dense,synth_random,synth_factorized_dense,\
+synth_factorized_random,synth_dense_vanilla,synth_random_vanilla
+  python benchmarks/train_step.py --sizes base --seq_len 512 --dtype bfloat16   # on a GPU
+
+A step is the full update: forward, backward, global-norm clipping and AdamW (BERT's
+settings), with dropout 0.1 on both sides, MLM loss at max_predictions masked positions
+and NSP. The input pipeline is excluded (one fixed batch; benchmarks/input_pipeline.py
+measures it). All contenders are compiled first, then stepped in turn, round after round, so
+that the machine's noise falls on all of them alike; the table gives medians and each
+contender's median per-round ratio to the first one (and to HF). FLOPs are
+realformer.train_lib.flops_per_example (attention included); MFU is against the device's peak
+where known, and on CPU against the float32 2048^3 matmul rate measured in the same run.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+
+from configs import pretrain
+from realformer import metrics as metrics_lib
+from realformer import models
+from realformer import partitioning
+from realformer import train_lib
+
+
+def matmul_rate_jax(n=2048, repeats=5) -> float:
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * n ** 3 / statistics.median(times)
+
+
+def matmul_rate_torch(n=2048, repeats=5) -> float:
+  import torch  # pylint: disable=g-import-not-at-top
+  a = torch.ones(n, n)
+  a @ a
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    a @ a
+    times.append(time.perf_counter() - t)
+  return 2 * n ** 3 / statistics.median(times)
+
+
+def make_config(variant, size, args):
+  c = pretrain.get_config(f'{variant},{size}')
+  c.unlock()
+  c.model.vocab_size = args.vocab_size
+  c.model.dtype = args.dtype
+  c.model.max_len = max(c.model.max_len, args.seq_len)
+  c.model.remat_policy = args.remat
+  c.model.scan_layers = args.scan
+  c.model.fused_attention = args.fused
+  c.data.max_seq_length = args.seq_len
+  c.data.max_predictions_per_seq = args.predictions
+  c.train.batch_size = args.batch
+  return c
+
+
+class Ours:
+  """Our jitted train step (train_lib.make_train_step) on a one-device mesh."""
+
+  def __init__(self, variant, size, args):
+    self.name = f'ours {variant}'
+    config = make_config(variant, size, args)
+    self.config = config
+    mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
+    jax.set_mesh(mesh)
+    model = models.build(config.model)
+    spec = model.spec
+    data = train_lib.SyntheticPretrainingData(
+        vocab_size=config.model.vocab_size, seq_len=args.seq_len,
+        num_predictions=args.predictions, global_batch_size=args.batch, seed=0)
+    self.batch = train_lib.global_batch(next(data), mesh)
+    tx, schedule = train_lib.make_optimizer(config.optimizer, config.train.num_steps,
+                                            frozen=train_lib.fixed_params_fn(spec))
+    abstract = train_lib.abstract_batch(args.batch, args.seq_len, args.predictions)
+    t = time.perf_counter()
+    self.state, shardings = train_lib.create_train_state(model, tx, abstract, mesh, 0)
+    loss_fn = train_lib.pretraining_loss_fn(model)
+    self.step_fn = train_lib.make_train_step(
+        loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
+        metrics_cls=metrics_lib.PretrainingTrainMetrics)
+    self.eval_fn = train_lib.make_eval_step(
+        loss_fn, mesh=mesh, params_sharding=shardings.params,
+        metrics_cls=metrics_lib.PretrainingEvalMetrics)
+    compiled = self.step_fn.lower(self.state, self.batch).compile()
+    self.memory = compiled.memory_analysis()
+    self.step()
+    self.forward()
+    self.compile_s = time.perf_counter() - t
+    self.flops = train_lib.flops_per_example(config.model, args.seq_len,
+                                             args.predictions) * args.batch
+    self.params = sum(x.size for x in jax.tree.leaves(self.state.params))
+
+  def step(self):
+    self.state, m = self.step_fn(self.state, self.batch)
+    jax.block_until_ready(m)
+
+  def forward(self):
+    jax.block_until_ready(self.eval_fn(self.state.params, self.batch))
+
+  def peak_bytes(self):
+    stats = jax.devices()[0].memory_stats() or {}
+    if 'peak_bytes_in_use' in stats:
+      return stats['peak_bytes_in_use']
+    m = self.memory
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes) if m else None
+
+
+class HF:
+  """transformers' BertForPreTraining (PyTorch, float32) with torch.optim.AdamW."""
+
+  def __init__(self, size, args):
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+    self.torch = torch
+    self.name = 'HF BertForPreTraining (torch)'
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count())
+    layers, hidden, heads, mlp = pretrain.SIZES[size]
+    cfg = transformers.BertConfig(vocab_size=args.vocab_size, hidden_size=hidden,
+                                  num_hidden_layers=layers, num_attention_heads=heads,
+                                  intermediate_size=mlp,
+                                  max_position_embeddings=max(512, args.seq_len),
+                                  attn_implementation='sdpa')
+    self.model = transformers.BertForPreTraining(cfg).train()
+    self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
+                                 eps=1e-6)
+    rng = np.random.default_rng(0)
+    b, t, p = args.batch, args.seq_len, args.predictions
+    ids = torch.tensor(rng.integers(5, args.vocab_size, (b, t)))
+    labels = torch.full((b, t), -100)
+    for i in range(b):
+      pos = rng.choice(np.arange(1, t), p, replace=False)
+      labels[i, pos] = ids[i, pos]
+    self.inputs = dict(input_ids=ids, token_type_ids=torch.zeros_like(ids),
+                       attention_mask=torch.ones_like(ids), labels=labels,
+                       next_sentence_label=torch.tensor(rng.integers(0, 2, b)))
+    t0 = time.perf_counter()
+    self.step()
+    self.compile_s = time.perf_counter() - t0
+    self.params = sum(p.numel() for p in self.model.parameters())
+    self.memory = None
+
+  def step(self):
+    self.opt.zero_grad(set_to_none=True)
+    loss = self.model(**self.inputs).loss
+    loss.backward()
+    self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+    self.opt.step()
+
+  def forward(self):
+    with self.torch.no_grad():
+      self.model(**self.inputs)
+
+  def peak_bytes(self):
+    return None
+
+
+def run_rounds(contenders, what, steps):
+  times = {c.name: [] for c in contenders}
+  for _ in range(steps):
+    for c in contenders:
+      t = time.perf_counter()
+      getattr(c, what)()
+      times[c.name].append(time.perf_counter() - t)
+  return times
+
+
+def median_ratio(a, b):
+  return statistics.median(x / y for x, y in zip(a, b))
+
+
+def table(contenders, times, fwd_times, args, rate, device):
+  first = contenders[0].name
+  hf = next((c.name for c in contenders if c.name.startswith('HF')), None)
+  rows = ['| contender | params | step s (median) | fwd s | tokens/s | TFLOP/s | MFU | '
+          f'step / {first} | HF step / step | compile s | peak mem GiB |',
+          '|---|---|---|---|---|---|---|---|---|---|---|']
+  tokens = args.batch * args.seq_len
+  for c in contenders:
+    step = statistics.median(times[c.name])
+    fwd = statistics.median(fwd_times[c.name]) if fwd_times else float('nan')
+    flops = getattr(c, 'flops', None) or getattr(contenders[0], 'flops')
+    tflops = flops / step / 1e12
+    mfu = flops / step / rate if rate else float('nan')
+    vs_hf = median_ratio(times[hf], times[c.name]) if hf else float('nan')
+    peak = c.peak_bytes()
+    rows.append(
+        f'| {c.name} | {c.params / 1e6:.1f}M | {step:.3f} | {fwd:.3f} | {tokens / step:,.0f} | '
+        f'{tflops:.3f} | {mfu:.0%} | {median_ratio(times[c.name], times[first]):.2f} | '
+        f'{vs_hf:.2f} | {c.compile_s:.0f} | {f"{peak / 2**30:.2f}" if peak else "-"} |')
+  return '\n'.join(rows)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--variants', default='postln')
+  p.add_argument('--sizes', default='base')
+  p.add_argument('--batch', type=int, default=8)
+  p.add_argument('--seq_len', type=int, default=128)
+  p.add_argument('--predictions', type=int, default=0,
+                 help='masked positions per sequence (default 20 at 128, 80 at 512)')
+  p.add_argument('--steps', type=int, default=5)
+  p.add_argument('--dtype', default='float32')
+  p.add_argument('--remat', default='none')
+  p.add_argument('--scan', action='store_true')
+  p.add_argument('--fused', default='auto')
+  p.add_argument('--vocab_size', type=int, default=30522)
+  p.add_argument('--peer', default='hf', choices=('hf', 'none'))
+  p.add_argument('--forward', action='store_true', help='also time the forward pass')
+  args = p.parse_args()
+  args.predictions = args.predictions or max(1, round(args.seq_len * 0.15 + 0.8))
+  device = jax.devices()[0]
+  on_cpu = device.platform == 'cpu'
+  print(f'# {datetime.date.today()} {platform.node()} {device.device_kind} x'
+        f'{jax.device_count()} ({os.cpu_count()} cores), jax {jax.__version__}')
+  print(f'# {" ".join(sys.argv)}')
+  rate_jax = matmul_rate_jax() if on_cpu else None
+  if on_cpu:
+    line = f'# float32 2048^3 matmul: jax {rate_jax / 1e9:.0f} GFLOP/s'
+    if args.peer == 'hf':
+      line += f', torch {matmul_rate_torch() / 1e9:.0f} GFLOP/s'
+    print(line + ' (MFU on CPU = FLOP/s / the jax rate)')
+  rate = rate_jax if on_cpu else metrics_lib.peak_flops_per_device(device)
+  for size in args.sizes.split(','):
+    contenders = []
+    for variant in args.variants.split(','):
+      contenders.append(Ours(variant, size, args))
+    if args.peer == 'hf':
+      contenders.append(HF(size, args))
+    print(f'\n## {size}, batch {args.batch}, length {args.seq_len}, {args.predictions} '
+          f'predictions, {args.dtype}, remat {args.remat}, scan {args.scan}, '
+          f'{args.steps} rounds; ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB')
+    times = run_rounds(contenders, 'step', args.steps)
+    fwd = run_rounds(contenders, 'forward', args.steps) if args.forward else None
+    print(table(contenders, times, fwd, args, rate, device))
+    del contenders
+
+
+if __name__ == '__main__':
+  main()
