@@ -12,6 +12,7 @@ import os
 import time
 from typing import Dict
 
+from absl import flags
 import grain.python as grain
 import numpy as np
 
@@ -82,6 +83,8 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
   operations = [_Decode(tokenizer, config_data.max_seq_length),
                 _Mask(make_masker(config_data, tokenizer)),
                 grain.Batch(per_host, drop_remainder=True)]
+  if config_data.worker_count and not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()  # grain's workers read its absl flags (defaults suffice)
   loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
                             worker_count=config_data.worker_count)
   return iter(loader)
@@ -107,7 +110,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
   metadata = os.path.join(prepared_dir, prepare_lib.METADATA)
   if not os.path.exists(metadata):
     if jax.process_index() == 0:
-      prepare_lib.prepare(config, prepared_dir)
+      prepare_lib.prepare(config, prepared_dir, overwrite=False)
     else:
       deadline = time.time() + timeout_s
       while not os.path.exists(metadata):

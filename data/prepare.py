@@ -63,6 +63,7 @@ def _split_stream(documents, split, eval_fraction):
 def _tokenised(documents, tokenizer, stats):
   for doc in documents:
     ids = [tokenizer.encode(s) for s in doc]
+    stats['empty_sentences'] += sum(not s for s in ids)  # nothing left after tokenising
     yield [s for s in ids if s]
 
 
@@ -71,8 +72,12 @@ def shard_paths(prepared_dir: str, split: str, num_shards: int):
           for i in range(num_shards)]
 
 
-def prepare(config, out_dir: str, tokenizer=None) -> dict:
-  """Writes the shards and metadata.json into `out_dir` (atomically); returns the metadata."""
+def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dict:
+  """Writes the shards and metadata.json into `out_dir` (atomically); returns the metadata.
+
+  With overwrite=False a preparation that another process finished first is kept (and its
+  metadata returned) instead of being replaced.
+  """
   check_lengths(config)
   d = config.data
   tokenizer = tokenizer or tokenizer_lib.load_for_config(d)
@@ -104,12 +109,22 @@ def prepare(config, out_dir: str, tokenizer=None) -> dict:
                      f'({dict(stats) or "no documents"}); check the files and their format '
                      '(one sentence per line, blank line between documents)')
   metadata = {'counts': counts, 'stats': dict(stats), 'fingerprint': fingerprint(config),
-              'vocab_size': tokenizer.vocab_size, 'seconds': round(time.time() - start, 1)}
+              'tokenizer_path': tokenizer.path, 'vocab_size': tokenizer.vocab_size,
+              'max_seq_length': d.max_seq_length, 'seconds': round(time.time() - start, 1)}
   with open(os.path.join(tmp, METADATA), 'w') as f:
     json.dump(metadata, f, indent=2)
   if os.path.exists(out_dir):
+    if not overwrite and os.path.exists(os.path.join(out_dir, METADATA)):
+      shutil.rmtree(tmp)
+      return read_metadata(out_dir)
     shutil.rmtree(out_dir)
-  os.rename(tmp, out_dir)
+  try:
+    os.rename(tmp, out_dir)
+  except OSError:  # another process renamed its preparation into place first
+    if overwrite or not os.path.exists(os.path.join(out_dir, METADATA)):
+      raise
+    shutil.rmtree(tmp)
+    return read_metadata(out_dir)
   return metadata
 
 

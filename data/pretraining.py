@@ -12,10 +12,12 @@ Instances follow google-research/bert's create_pretraining_data.py:
     side, from its front or back at random;
   - the example is [CLS] A [SEP] B [SEP] with segment ids 0 for [CLS] A [SEP] and 1 after.
 One deviation, forced by streaming: the random other document is drawn from a bounded window
-of neighbouring documents (`window` documents, default 1000) instead of the whole corpus, so
-memory does not grow with the corpus.
+of neighbouring documents (the `window` documents that follow it in the stream, default 1000;
+config.data.document_window; for the last document, those before it) instead of the whole
+corpus, so memory does not grow with the corpus. Sources that keep related documents together
+therefore draw random-next segments from nearby documents; a window of 1000 keeps them varied.
 
-Masking (`mask_example`): masked_lm_prob of the tokens (at least one, at most
+Masking (`Masker`): masked_lm_prob of the tokens (at least one, at most
 max_predictions_per_seq), never [CLS], [SEP] or [PAD] (no special token); each chosen token
 becomes [MASK] 80% of the time, a random non-special token 10%, itself 10%. With whole-word
 masking a word's pieces are chosen together (a piece whose `word_start_mask` is False
@@ -99,7 +101,9 @@ def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
   """Instances of a stream of documents, holding at most `window` + 1 documents.
 
   Each document is processed once `window` newer documents have arrived (or at the end);
-  its random next segments come from those neighbours.
+  its random next segments come from those neighbours, and the very last document's from the
+  up to `window` documents before it. Only a one-document corpus draws from itself (as BERT
+  does when it finds no other document).
   """
   if max_seq_length < 5:
     raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP] '
@@ -124,9 +128,11 @@ def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
     if len(pending) > window:
       first = pending.popleft()
       yield from emit(first, pending)
+  done = []  # at the end, the last document draws from the ones just before it
   while pending:
     first = pending.popleft()
-    yield from emit(first, pending)
+    yield from emit(first, pending or done)
+    done.append(first)
 
 
 def make_features(instance: Instance, *, cls_id: int, sep_id: int, pad_id: int,

@@ -1,0 +1,176 @@
+"""The prepared-shard stream on a slice of the embedded corpus: every epoch re-masks every
+instance, a restore continues exactly (also across an epoch, also on another host), worker
+processes give the same batches, and preparation is safe with several processes.
+
+(tests/test_data.py covers the single-epoch basics: layout, same seed same batches, a
+mid-epoch restore, disjoint host shares, clear errors.)"""
+
+import collections
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import pretrain
+from data import pipeline
+from data import prepare
+from data import sources
+from data import tokenizer as tokenizer_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 8
+
+
+@pytest.fixture(scope='module')
+def tok():
+  return tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+
+
+def tiny_config(corpus, **data):
+  c = pretrain.get_config('postln,tiny')
+  c.unlock()
+  c.data.update(dict(sources=f'files:{corpus}', max_seq_length=32, max_predictions_per_seq=5,
+                     num_shards=2, eval_fraction=0.2), **data)
+  return c
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  path = tmp_path_factory.mktemp('corpus') / 'corpus.txt'
+  docs = itertools.islice(sources.iter_documents('embedded'), 4)
+  path.write_text(''.join('\n'.join(d) + '\n\n' for d in docs))
+  return str(path)
+
+
+@pytest.fixture(scope='module')
+def prepared(corpus, tmp_path_factory):
+  config = tiny_config(corpus)
+  out = str(tmp_path_factory.mktemp('prepared') / 'shards')
+  return config, out, prepare.prepare(config, out)
+
+
+def stream(prepared, tok, **kw):
+  config, prepared_dir, _ = prepared
+  kw = dict(dict(global_batch_size=BATCH, seed=5), **kw)
+  return pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, **kw)
+
+
+def originals(batch):
+  """The unmasked input_ids of each row (masked positions get their labels back)."""
+  ids = batch['input_ids'].copy()
+  for row, pos, lab, w in zip(ids, batch['masked_lm_positions'], batch['masked_lm_ids'],
+                              batch['masked_lm_weights']):
+    row[pos[w > 0]] = lab[w > 0]
+  return [tuple(r) for r in ids]
+
+
+def assert_same(a, b):
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_every_epoch_reshuffles_and_remasks(prepared, tok):
+  n = prepared[2]['counts']['train']
+  rows = []
+  for b in stream(prepared, tok, num_epochs=2):
+    rows += [(o, tuple(p), tuple(i)) for o, p, i in zip(
+        originals(b), b['masked_lm_positions'], b['input_ids'])]
+  first, second = rows[:n], rows[n:]
+  assert len(first) == n and len(second) >= n - BATCH
+  assert [r[0] for r in first] != [r[0] for r in second[:len(first)]]  # a new order
+  once = {o for o, c in collections.Counter(r[0] for r in first).items() if c == 1}
+  masks = collections.defaultdict(list)
+  for o, positions, ids in rows:
+    if o in once:
+      masks[o].append((positions, ids))
+  twice = [m for m in masks.values() if len(m) == 2]
+  assert len(twice) > 0.9 * len(once)  # the same instances again...
+  remasked = np.mean([m[0] != m[1] for m in twice])
+  assert remasked > 0.9, remasked  # ...masked anew
+
+
+def test_restore_across_epochs_on_a_second_host(prepared, tok, tmp_path):
+  kw = dict(process_index=1, process_count=2)
+  per_host = prepared[2]['counts']['train'] // 2 // (BATCH // 2)  # batches per epoch
+  steps = per_host + 3
+  it = stream(prepared, tok, **kw)
+  expected = [next(it) for _ in range(steps + 2)]
+  for stop in (per_host - 1, per_host + 1):  # just before and just after the epoch ends
+    it = stream(prepared, tok, **kw)
+    for _ in range(stop):
+      next(it)
+    with ocp.CheckpointManager(tmp_path / f'ckpt{stop}', item_names=('data',)) as mngr:
+      mngr.save(stop, args=ocp.args.Composite(
+          data=pipeline.iterator_checkpoint_args(it, 'save')))
+      mngr.wait_until_finished()
+    fresh = stream(prepared, tok, **kw)
+    with ocp.CheckpointManager(tmp_path / f'ckpt{stop}', item_names=('data',)) as mngr:
+      mngr.restore(stop, args=ocp.args.Composite(
+          data=pipeline.iterator_checkpoint_args(fresh, 'restore')))
+    for want in expected[stop:stop + 3]:
+      assert_same(next(fresh), want)
+  with pytest.raises(ValueError, match='save or restore'):
+    pipeline.iterator_checkpoint_args(it, 'load')
+
+
+def test_worker_processes_give_the_same_batches(prepared, tok):
+  config = prepared[0]
+  it = stream(prepared, tok)
+  want = [next(it) for _ in range(4)]
+  with_workers = (prepared[0].copy_and_resolve_references(), *prepared[1:])
+  with_workers[0].data.worker_count = 1
+  it = stream(with_workers, tok)
+  for w in want:
+    assert_same(next(it), w)
+  assert config.data.worker_count == 0
+
+
+def test_metadata_records_what_was_prepared(prepared):
+  _, prepared_dir, metadata = prepared
+  with open(os.path.join(prepared_dir, 'metadata.json')) as f:
+    assert json.load(f) == metadata
+  assert metadata['tokenizer_path'] == tokenizer_lib.EMBEDDED_TOKENIZER
+  assert metadata['vocab_size'] == 8000 and metadata['max_seq_length'] == 32
+  stats = metadata['stats']
+  assert stats['train/documents'] + stats['eval/documents'] == 4
+  assert stats['eval/documents'] >= 1  # 1 in 5 held out by the hash of the index: 1 of 4
+
+
+def test_hosts_wait_for_process_zero_and_finished_preparations_are_kept(
+    prepared, tmp_path, monkeypatch):
+  config = prepared[0].copy_and_resolve_references()
+  config.data.prepared_dir = str(tmp_path / 'shared')
+  monkeypatch.setattr(jax, 'process_index', lambda: 1)
+  with pytest.raises(TimeoutError, match='did not finish preparing'):
+    pipeline.ensure_prepared(config, str(tmp_path), timeout_s=0.1)
+  writer = threading.Timer(0.5, prepare.prepare, (config, config.data.prepared_dir))
+  writer.start()
+  start = time.time()
+  assert pipeline.ensure_prepared(config, str(tmp_path)) == config.data.prepared_dir
+  writer.join()
+  assert time.time() - start >= 0.5
+  # A second writer that finishes later keeps the first preparation (hosts may be reading).
+  first = prepare.read_metadata(config.data.prepared_dir)
+  assert prepare.prepare(config, config.data.prepared_dir, overwrite=False) == first
+
+
+def test_command_line(corpus, tmp_path):
+  def run(*flags):
+    return subprocess.run(
+        [sys.executable, '-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny',
+         f'--config.data.sources=files:{corpus}', '--config.data.max_seq_length=32',
+         '--out_dir', str(tmp_path / 'out'), *flags], cwd=REPO, capture_output=True,
+        text=True, timeout=120, check=False)
+  done = run()
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert json.loads(done.stdout)['counts']['train'] > 100
+  assert sorted(os.listdir(tmp_path / 'out'))[-1] == 'train-00007-of-00008'

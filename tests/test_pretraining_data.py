@@ -1,0 +1,186 @@
+"""BERT pretraining examples without a tokenizer: masking hand-computed with a scripted
+generator, whole-word groups, sentence pairs that keep to their documents, and the bounded
+document window that keeps preparation's memory independent of the corpus size.
+
+(tests/test_data.py covers the same code on the embedded corpus: rates, NSP balance, the
+hand-computed instance layout and truncation.)"""
+
+import collections
+import itertools
+
+import numpy as np
+import pytest
+
+from data import pretraining
+
+VOCAB, SPECIAL, MASK = 20, range(5), 4
+CLS, SEP = 2, 3
+
+
+class ScriptedGenerator:
+  """np.random.Generator stand-in returning scripted draws (to hand-compute the masking)."""
+
+  def __init__(self, permutation, randoms, choices=()):
+    self._permutation, self._randoms, self._choices = permutation, randoms, list(choices)
+
+  def permutation(self, n):
+    assert len(self._permutation) == n
+    return np.asarray(self._permutation)
+
+  def random(self, n):
+    assert len(self._randoms) == n
+    return np.asarray(self._randoms)
+
+  def choice(self, values, k):
+    out, self._choices = self._choices[:k], self._choices[k:]
+    assert all(v in values for v in out)
+    return np.asarray(out, np.int32)
+
+
+def masker(prob, max_predictions, whole_word=False):
+  starts = np.ones(VOCAB, bool)
+  starts[[11, 12]] = False  # pieces 11 and 12 continue the word before them
+  return pretraining.Masker(vocab_size=VOCAB, special_ids=SPECIAL, mask_id=MASK,
+                            masked_lm_prob=prob, max_predictions_per_seq=max_predictions,
+                            whole_word_masking=whole_word, word_start_mask=starts)
+
+
+def features(tokens_a, tokens_b, length=8):
+  return pretraining.make_features(pretraining.Instance(tokens_a, tokens_b, False), cls_id=CLS,
+                                   sep_id=SEP, pad_id=0, max_seq_length=length)
+
+
+def test_masking_hand_computed():
+  f = features([10, 11, 12], [13])  # [CLS] 10 11 12 [SEP] 13 [SEP] [PAD]
+  np.testing.assert_array_equal(f['input_ids'], [2, 10, 11, 12, 3, 13, 3, 0])
+  # 7 real tokens * 0.25 -> 2 predictions; candidates are positions 1, 2, 3, 5. The
+  # permutation picks position 5, then 1; draws (sorted by position) 0.95 -> random token
+  # 17 at 1, 0.5 -> [MASK] at 5.
+  m = masker(0.25, 3)(f, ScriptedGenerator([3, 0, 1, 2], [0.95, 0.5], [17]))
+  np.testing.assert_array_equal(m['input_ids'], [2, 17, 11, 12, 3, MASK, 3, 0])
+  np.testing.assert_array_equal(m['masked_lm_positions'], [1, 5, 0])
+  np.testing.assert_array_equal(m['masked_lm_ids'], [10, 13, 0])
+  np.testing.assert_array_equal(m['masked_lm_weights'], [1, 1, 0])
+  for k in ('segment_ids', 'attention_mask', 'next_sentence_labels'):
+    np.testing.assert_array_equal(m[k], f[k])
+  # 0.85 keeps the token: it is still predicted.
+  m = masker(0.25, 3)(f, ScriptedGenerator([0, 3, 1, 2], [0.85, 0.1]))
+  np.testing.assert_array_equal(m['input_ids'], [2, 10, 11, 12, 3, MASK, 3, 0])
+  np.testing.assert_array_equal(m['masked_lm_ids'], [10, 13, 0])
+  # max_predictions_per_seq caps the count.
+  m = masker(0.5, 1)(f, ScriptedGenerator([2, 0, 1, 3], [0.1]))
+  np.testing.assert_array_equal(m['masked_lm_positions'], [3])
+  np.testing.assert_array_equal(m['input_ids'], [2, 10, 11, MASK, 3, 13, 3, 0])
+
+
+def test_whole_word_groups_and_bert_skipping_of_words_that_do_not_fit():
+  f = features([10, 11, 12], [13])  # words: (10 11 12) at 1-3, (13) at 5
+  # 7 * 0.5 -> 4 predictions: the one-piece word, then the three-piece word fits.
+  m = masker(0.5, 5, whole_word=True)(f, ScriptedGenerator([1, 0], [0.1] * 4))
+  np.testing.assert_array_equal(m['masked_lm_positions'], [1, 2, 3, 5, 0])
+  # 7 * 0.45 -> 3 predictions: after (13) the three-piece word would make 4: skipped, as in
+  # BERT, so only one token is predicted.
+  m = masker(0.45, 5, whole_word=True)(f, ScriptedGenerator([1, 0], [0.1]))
+  np.testing.assert_array_equal(m['masked_lm_weights'], [1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(m['masked_lm_positions'], [5, 0, 0, 0, 0])
+  # A continuation piece right after [SEP] (or first) starts its own group.
+  ids = np.array([CLS, 11, 10, 11, SEP, 12, SEP, 0])
+  groups = masker(0.5, 5, whole_word=True)._groups(ids, 7)  # pylint: disable=protected-access
+  assert [g.tolist() for g in groups] == [[1], [2, 3], [5]]
+  with pytest.raises(ValueError, match='word_start_mask'):
+    pretraining.Masker(vocab_size=VOCAB, special_ids=SPECIAL, mask_id=MASK,
+                       masked_lm_prob=0.15, max_predictions_per_seq=5,
+                       whole_word_masking=True)
+  with pytest.raises(ValueError, match='masked_lm_prob'):
+    masker(1.5, 5)
+
+
+def test_masking_statistics_and_specials_never_masked():
+  rng = np.random.default_rng(0)
+  m = masker(0.15, 20)
+  n_real = n_masked = n_mask = n_same = 0
+  for _ in range(2000):
+    la = int(rng.integers(1, 40))
+    lb = int(rng.integers(1, 61 - la))
+    f = features(rng.integers(5, VOCAB, la).tolist(), rng.integers(5, VOCAB, lb).tolist(), 64)
+    out = m(f, rng)
+    w = out['masked_lm_weights'] > 0
+    pos = out['masked_lm_positions'][w]
+    assert not np.isin(f['input_ids'][pos], SPECIAL).any()
+    assert not np.isin(out['input_ids'][~np.isin(np.arange(64), pos)], [MASK]).any()
+    n_real += f['attention_mask'].sum()
+    n_masked += w.sum()
+    n_mask += (out['input_ids'][pos] == MASK).sum()
+    n_same += (out['input_ids'][pos] == f['input_ids'][pos]).sum()
+  assert abs(n_masked / n_real - 0.15) < 0.01
+  assert abs(n_mask / n_masked - 0.8) < 0.02
+  # A random replacement draws the original 1 time in 15 (15 non-special ids), so "same"
+  # is 10% + 10%/15.
+  assert abs(n_same / n_masked - (0.1 + 0.1 / 15)) < 0.015
+
+
+def doc(k, sentence_lengths):
+  """Document k: sentences whose tokens are all 100 + k (so each token names its document)."""
+  return [[100 + k] * n for n in sentence_lengths]
+
+
+def test_pairs_keep_to_their_documents_and_nsp_is_balanced():
+  rng = np.random.default_rng(1)
+  # Long documents: a chunk of one sentence (a document's last, say) is always a random
+  # next, as in BERT, which would tilt the balance in short ones.
+  docs = [doc(k, rng.integers(2, 9, rng.integers(40, 60)).tolist()) for k in range(100)]
+  stats = collections.Counter()
+  instances = list(pretraining.stream_instances(docs, max_seq_length=24, short_seq_prob=0.1,
+                                                dupe_factor=2, seed=0, stats=stats, window=10))
+  assert stats['documents'] == 100 and len(instances) > 2000
+  for inst in instances:
+    assert len(set(inst.tokens_a)) == 1 and len(set(inst.tokens_b)) == 1
+    assert len(inst.tokens_a) + len(inst.tokens_b) <= 21
+    # Actual next: B continues A's document. Random next: B is from another document.
+    assert (inst.tokens_a[0] != inst.tokens_b[0]) == inst.is_random_next
+  assert abs(np.mean([i.is_random_next for i in instances]) - 0.5) < 0.05
+  again = list(pretraining.stream_instances(docs, max_seq_length=24, short_seq_prob=0.1,
+                                            dupe_factor=2, seed=0,
+                                            stats=collections.Counter(), window=10))
+  assert again == instances  # deterministic from the seed
+
+
+def test_empty_and_one_sentence_documents():
+  stats = collections.Counter()
+  docs = [[], [[]], doc(1, [4]), doc(2, [3, 3]), doc(3, [5, 2])]
+  instances = list(pretraining.stream_instances(docs, max_seq_length=16, short_seq_prob=0.0,
+                                                dupe_factor=1, seed=0, stats=stats))
+  assert stats['empty_documents'] == 2 and stats['single_sentence_documents'] == 1
+  assert stats['documents'] == 3
+  one = [i for i in instances if i.tokens_a[0] == 101]
+  assert len(one) == 1 and one[0].is_random_next and one[0].tokens_b[0] != 101
+  with pytest.raises(ValueError, match='max_seq_length=4'):
+    list(pretraining.stream_instances(docs, max_seq_length=4, short_seq_prob=0.0,
+                                      dupe_factor=1, seed=0, stats=stats))
+
+
+def test_streaming_holds_a_bounded_window_of_an_endless_corpus():
+  consumed = 0
+
+  def endless():
+    nonlocal consumed
+    for k in itertools.count():
+      consumed += 1
+      yield doc(k, [3, 4, 5, 6])
+
+  window = 7
+  stream = pretraining.stream_instances(endless(), max_seq_length=12, short_seq_prob=0.0,
+                                        dupe_factor=1, seed=0, stats=collections.Counter(),
+                                        window=window)
+  for inst in itertools.islice(stream, 3000):
+    newest_emitted = inst.tokens_a[0] - 100
+    # Documents read but not yet turned into instances: the window, and the one being read.
+    assert consumed - 1 - newest_emitted <= window + 1
+  assert consumed > 500
+
+
+def test_records_round_trip_and_overlong_records_are_clear_errors():
+  inst = pretraining.Instance([7, 8, 9], [10], True)
+  assert pretraining.Instance.from_bytes(inst.to_bytes()) == inst
+  with pytest.raises(ValueError, match='prepare again'):
+    features(list(range(5, 15)), [5], length=8)
