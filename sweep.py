@@ -60,10 +60,12 @@ def main(argv=None):
                               target=args.target), end='')
     return 0
   codes = sweep.run_all(runs, root=args.root, program=args.program, config=args.config)
-  failed = [n for n, c in codes.items() if c]
-  print(f'{len(codes) - len(failed)}/{len(codes)} runs finished' +
-        (f'; failed: {", ".join(failed)}' if failed else ''))
-  return 1 if failed else 0
+  failed = [n for n, c in codes.items() if c and c != sweep.RUNNING_ELSEWHERE]
+  elsewhere = [n for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
+  print(f'{list(codes.values()).count(0)}/{len(codes)} runs finished' +
+        (f'; failed: {", ".join(failed)}' if failed else '') +
+        (f'; run by another sweep process: {", ".join(elsewhere)}' if elsewhere else ''))
+  return 1 if failed or elsewhere else 0
 
 
 if __name__ == '__main__':

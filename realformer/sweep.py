@@ -15,8 +15,10 @@ file whose `get_hyper(h)` combines these (after big_vision's convention):
 
 A run's workdir is `<root>/<name>`, the name its overrides in a fixed order
 (`model.variant=realformer,seed=1`). A run that finished (DONE marker, written after the
-program exits 0) is skipped; one that was interrupted is started again in its workdir, where
-train.py / finetune.py resume from the newest checkpoint.
+program exits 0, or metrics.jsonl already at its train.num_steps) is skipped; one that was
+interrupted is started again in its workdir, where train.py / finetune.py resume from the
+newest checkpoint. A run another live sweep process is running (LOCK file holding its host and
+pid) is skipped too, so two sweeps over one root never write into the same workdir.
 """
 
 import csv
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +37,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 Run = Dict[str, Any]
 DONE = 'DONE'
+LOCK = 'LOCK'
+RUNNING_ELSEWHERE = -1000  # run_all's code for a run that another sweep process holds
 OVERRIDES = 'overrides.json'
 
 
@@ -142,31 +147,98 @@ def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
   return argv
 
 
-def is_done(workdir: str) -> bool:
-  return os.path.exists(os.path.join(workdir, DONE))
+def last_step(workdir: str) -> int:
+  """The largest 'step' in <workdir>/metrics.jsonl (-1 without one)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  step = -1
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        try:
+          step = max(step, int(json.loads(line).get('step', -1)))
+        except (ValueError, TypeError, AttributeError):
+          continue  # a line cut short by a kill
+  return step
+
+
+def is_done(workdir: str, run: Optional[Run] = None) -> bool:
+  """DONE marker, or (given the run) its metrics reached the run's train.num_steps."""
+  if os.path.exists(os.path.join(workdir, DONE)):
+    return True
+  steps = (run or {}).get('train.num_steps')
+  return isinstance(steps, int) and last_step(workdir) >= steps
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def acquire(workdir: str) -> bool:
+  """Takes <workdir>/LOCK for this process; False while another live process holds it.
+
+  A lock left by a dead process on this host is taken over; one from another host is
+  respected (remove it by hand when that host is gone).
+  """
+  path = os.path.join(workdir, LOCK)
+  me = f'{socket.gethostname()} {os.getpid()}'
+  for _ in range(2):
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+      with open(path) as f:
+        host, _, pid = f.read().strip().partition(' ')
+      if host != socket.gethostname() or (pid.isdigit() and _pid_alive(int(pid))):
+        return False
+      os.remove(path)  # stale: its process died
+      continue
+    with os.fdopen(fd, 'w') as f:
+      f.write(me)
+    return True
+  return False
+
+
+def release(workdir: str):
+  try:
+    os.remove(os.path.join(workdir, LOCK))
+  except FileNotFoundError:
+    pass
 
 
 def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
             echo=print) -> Dict[str, int]:
-  """Runs one after another; returns {name: exit code} (0 for skipped finished runs)."""
+  """Runs one after another; returns {name: exit code}: 0 for finished runs (also those
+  skipped as finished), RUNNING_ELSEWHERE for runs another live sweep holds."""
   codes = {}
   for i, (run, name) in enumerate(zip(runs, run_names(runs))):
     workdir = os.path.join(root, name)
-    if is_done(workdir):
+    if is_done(workdir, run):
       echo(f'[{i + 1}/{len(runs)}] {name}: finished, skipped')
       codes[name] = 0
       continue
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, OVERRIDES), 'w') as f:
-      json.dump(run, f, indent=1, sort_keys=True)
-    argv = command(program, config, workdir, run)
-    echo(f'[{i + 1}/{len(runs)}] {name}: {shlex.join(argv)}')
-    with open(os.path.join(workdir, 'log.txt'), 'a') as log:
-      code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
-    if code == 0:
-      open(os.path.join(workdir, DONE), 'w').close()
-    else:
-      echo(f'  exit {code}; see {workdir}/log.txt (run again to resume)')
+    if not acquire(workdir):
+      echo(f'[{i + 1}/{len(runs)}] {name}: another sweep process is running it, skipped')
+      codes[name] = RUNNING_ELSEWHERE
+      continue
+    try:
+      with open(os.path.join(workdir, OVERRIDES), 'w') as f:
+        json.dump(run, f, indent=1, sort_keys=True)
+      argv = command(program, config, workdir, run)
+      echo(f'[{i + 1}/{len(runs)}] {name}: {shlex.join(argv)}')
+      with open(os.path.join(workdir, 'log.txt'), 'a') as log:
+        code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
+      if code == 0:
+        open(os.path.join(workdir, DONE), 'w').close()
+      else:
+        echo(f'  exit {code}; see {workdir}/log.txt (run again to resume)')
+    finally:
+      release(workdir)
     codes[name] = code
   return codes
 
@@ -223,7 +295,7 @@ def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
     values = {}
     for split in {m.split('/')[0] for m in metrics}:
       values.update(final_metrics(workdir, split))
-    rows.append({'run': run, 'done': is_done(workdir),
+    rows.append({'run': run, 'done': is_done(workdir, run),
                  'metrics': {m: values.get(m) for m in metrics}})
   return rows
 

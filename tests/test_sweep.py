@@ -4,7 +4,9 @@ real two-run sweep of train.py."""
 import json
 import math
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import textwrap
 
@@ -104,6 +106,32 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
   assert by_lr['0.0002'][3] == pytest.approx(1.2)
   assert (root / 'summary.md').read_text().startswith('| optimizer.learning_rate |')
   assert (root / 'summary.csv').read_text().splitlines()[0].startswith('optimizer.')
+
+
+def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path):
+  program = tmp_path / 'fake_train.py'
+  program.write_text(FAKE_PROGRAM)
+  root = tmp_path / 'sweep'
+  runs = sweep.expand(['optimizer.learning_rate=1e-4,2e-4,3e-4'], ['train.num_steps=2'])
+  names = sweep.run_names(runs)
+  for name in names:
+    (root / name).mkdir(parents=True)
+  # Finished without a DONE marker (the sweep was killed after train.py ended): step 2 logged.
+  (root / names[0] / 'metrics.jsonl').write_text('{"step": 2, "split": "train"}\n{"ste')
+  # Held by another live process on this host (the pytest runner's parent).
+  (root / names[1] / sweep.LOCK).write_text(f'{socket.gethostname()} {os.getppid()}')
+  # A lock left by a process that died: taken over.
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  (root / names[2] / sweep.LOCK).write_text(f'{socket.gethostname()} {dead.pid}')
+  codes = sweep.run_all(runs, root=str(root), program=str(program), config='cfg',
+                        echo=lambda _: None)
+  assert codes == {names[0]: 0, names[1]: sweep.RUNNING_ELSEWHERE, names[2]: 0}
+  assert not (root / names[0] / 'calls.txt').exists()
+  assert not (root / names[1] / 'calls.txt').exists()
+  assert (root / names[1] / sweep.LOCK).exists()  # not ours: left alone
+  assert (root / names[2] / 'calls.txt').exists() and sweep.is_done(root / names[2])
+  assert not (root / names[2] / sweep.LOCK).exists()  # released after the run
 
 
 def test_launch_scripts_for_tpu_and_slurm(capsys):
