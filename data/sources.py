@@ -6,12 +6,17 @@
   files:<glob>                    BERT's format: one sentence per line, a blank line between
                                   documents; gzip or plain (detected from the bytes)
   tfds:<name>[:<split>]           a tensorflow-datasets text dataset, e.g.
-                                  tfds:wikipedia/20230601.en or tfds:bookcorpus; its 'text'
-                                  feature is split into sentences (paragraphs at newlines)
+                                  tfds:wikipedia/20230601.en or tfds:wikipedia/20230601.en:train[:10%];
+                                  each example's text feature ('text' unless told) is one
+                                  document, its paragraphs (lines) split into sentences
 
-Every source streams: a document (a list of sentence strings) at a time, so memory does not
+Every source streams a document (a list of sentence strings) at a time, so memory does not
 grow with the corpus. What is skipped is counted in `stats` (a collections.Counter):
-empty files, lines that are not UTF-8, empty documents.
+'empty_files' (files with no document), 'non_utf8_lines', 'empty_documents'.
+
+tfds datasets are read, never downloaded here: build them once where there is network
+(`tfds build wikipedia/20230601.en --data_dir=DIR`, which needs apache-beam and
+mwparserfromhell) and set `config.data.tfds_data_dir=DIR`.
 """
 
 import collections
@@ -19,12 +24,14 @@ import glob as glob_lib
 import gzip
 import os
 import re
-from typing import Iterable, Iterator, List, Optional
+import zlib
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 EMBEDDED_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'embedded',
                                'sotu.txt.gz')
+_SOURCES_HELP = ('use embedded, files:<glob> or tfds:<name>[:<split>], several joined by ";"')
 
 # Words that end with a period without ending the sentence.
 _ABBREVIATIONS = frozenset("""
@@ -32,20 +39,27 @@ mr mrs ms dr st sr jr messrs gen col capt lt maj sgt adm gov hon rev prof pres s
 jan feb mar apr jun jul aug sep sept oct nov dec no nos vol art sec ch pp vs viz etc
 inc co corp ltd bros dept u.s u.s.a a.m p.m e.g i.e cf al ft mt
 """.split())
-_BOUNDARY = re.compile(r'([.!?]["\')\]]*)\s+(?=["\'(\[]?[A-Z0-9])')
+# A candidate boundary: terminal punctuation (with closing quotes/brackets), whitespace, then
+# something that can open a sentence (a capital or a digit, perhaps after an opening quote).
+_BOUNDARY = re.compile(r'([.!?]["\'\u201d\u2019)\]]*)\s+(?=["\'\u201c\u2018(\[]?[A-Z0-9])')
+_OPENERS = '"\'\u201c\u2018(['
 
 
 def split_sentences(text: str) -> List[str]:
-  """Rule-based English sentence splitter (abbreviations and initials do not end sentences)."""
+  """Rule-based English sentence splitter for one paragraph.
+
+  Splits after '.', '!' or '?' (and any closing quotes or brackets) when whitespace and a
+  capital letter or digit follow, except after an abbreviation (Mr., Jan., U.S., p.m., ...)
+  or a single-letter initial (J. Q. Adams). Decimals (1.5) never split: no whitespace follows
+  the period. The text of each sentence is kept as is (no case or spacing changes).
+  """
   sentences, start = [], 0
   for m in _BOUNDARY.finditer(text):
-    end = m.end(1)
     words = text[start:m.start(1) + 1].split()
-    last = words[-1].rstrip('.').lower() if words else ''
-    last = last.lstrip('"\'([')
+    last = words[-1].rstrip('.').lstrip(_OPENERS).lower() if words else ''
     if m.group(1).startswith('.') and (last in _ABBREVIATIONS or re.fullmatch(r'[a-z]', last)):
       continue
-    sentence = text[start:end].strip()
+    sentence = text[start:m.end(1)].strip()
     if sentence:
       sentences.append(sentence)
     start = m.end()
@@ -55,116 +69,182 @@ def split_sentences(text: str) -> List[str]:
   return sentences
 
 
-def _open_text(path: str):
-  with open(path, 'rb') as f:
-    magic = f.read(2)
-  return gzip.open(path, 'rb') if magic == b'\x1f\x8b' else open(path, 'rb')
+# A stream yields (document, progress) pairs; progress is the fraction of the source read so
+# far (in [0, 1]), or None where the source's size is unknown.
+_Stream = Iterator[Tuple[List[str], Optional[float]]]
+
+
+def _open_binary(raw):
+  """(lines, fraction read): `raw` itself, or a gzip reader over it (recognised by its magic
+  bytes), with a function telling how far through the file the reader is."""
+  size = os.fstat(raw.fileno()).st_size
+  if raw.read(2) != b'\x1f\x8b':
+    raw.seek(0)
+    return raw, lambda: raw.tell() / max(size, 1)
+  raw.seek(max(size - 4, 0))  # gzip's trailer: the uncompressed size modulo 2**32
+  isize = int.from_bytes(raw.read(4), 'little')
+  raw.seek(0)
+  reader = gzip.GzipFile(fileobj=raw, mode='rb')
+
+  def fraction():
+    nonlocal isize
+    while reader.tell() > isize:  # a file over 4 GiB
+      isize += 2**32
+    return reader.tell() / max(isize, 1)
+
+  return reader, fraction
+
+
+def _file_stream(path: str, stats: collections.Counter, done_bytes: int = 0,
+                 total_bytes: int = 0) -> _Stream:
+  """Documents of one BERT-format file, with the progress through `total_bytes` (the sizes
+  of all files of its source, of which `done_bytes` were read before this one)."""
+  size = os.path.getsize(path)
+  total_bytes = total_bytes or size
+  n = 0
+  with open(path, 'rb') as raw:
+    lines, fraction = _open_binary(raw)
+    progress = lambda: min(1.0, (done_bytes + fraction() * size) / max(total_bytes, 1))
+    try:
+      doc = []
+      for line_bytes in lines:
+        try:
+          line = line_bytes.decode('utf-8').strip()
+        except UnicodeDecodeError:
+          stats['non_utf8_lines'] += 1
+          continue
+        if line:
+          doc.append(line)
+        elif doc:
+          n += 1
+          yield doc, progress()
+          doc = []
+      if doc:
+        n += 1
+        yield doc, progress()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+      raise ValueError(f'{path} is a corrupt or truncated gzip file ({e}); re-create it or '
+                       'leave it out of config.data.sources') from None
+  if n == 0:
+    stats['empty_files'] += 1
 
 
 def iter_file_documents(path: str, stats: collections.Counter) -> Iterator[List[str]]:
   """Documents of one BERT-format file: sentences per line, blank lines between documents."""
-  doc, lines = [], 0
-  with _open_text(path) as f:
-    for raw in f:
-      lines += 1
-      try:
-        line = raw.decode('utf-8').strip()
-      except UnicodeDecodeError:
-        stats['non_utf8_lines'] += 1
-        continue
-      if line:
-        doc.append(line)
-      elif doc:
-        yield doc
-        doc = []
-  if doc:
-    yield doc
-  if lines == 0:
-    stats['empty_files'] += 1
+  return (doc for doc, _ in _file_stream(path, stats))
 
 
-def _files(pattern: str, stats) -> Iterator[List[str]]:
-  paths = sorted(glob_lib.glob(os.path.expanduser(pattern)))
+def _files_stream(pattern: str, stats: collections.Counter) -> _Stream:
+  paths = sorted(p for p in glob_lib.glob(os.path.expanduser(pattern)) if os.path.isfile(p))
   if not paths:
     raise FileNotFoundError(f'data source files:{pattern} matches no file; check the path in '
                             'config.data.sources')
-  for path in paths:
-    yield from iter_file_documents(path, stats)
+  sizes = [os.path.getsize(p) for p in paths]
+  done = 0
+  for path, size in zip(paths, sizes):
+    yield from _file_stream(path, stats, done, sum(sizes))
+    done += size
 
 
-def _tfds(spec: str, data_dir: Optional[str], stats) -> Iterator[List[str]]:
+def _tfds_stream(spec: str, data_dir: Optional[str], text_feature: str,
+                 stats: collections.Counter) -> _Stream:
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   name, _, split = spec.partition(':')
-  builder = tfds.builder(name, data_dir=data_dir)
+  split = split or 'train'
+  hint = (f'build it where there is network (`tfds build {name} --data_dir=DIR`) and set '
+          'config.data.tfds_data_dir=DIR')
   try:
-    ds = builder.as_dataset(split=split or 'train', shuffle_files=False)
-  except AssertionError as e:  # tfds: "Dataset ... not found / not prepared"
-    raise FileNotFoundError(
-        f'tfds dataset {name!r} is not prepared in {builder.data_dir!r}: run '
-        f'`tfds build {name} --data_dir=DIR` on a machine with network and set '
-        f'config.data.tfds_data_dir=DIR ({e})') from None
-  for example in tfds.as_numpy(ds):
-    text = example['text']
-    text = text.decode('utf-8', errors='replace') if isinstance(text, bytes) else str(text)
+    builder = tfds.builder(name, data_dir=data_dir)
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise ValueError(f'unknown tfds dataset {name!r} in config.data.sources: '
+                     f'{str(e).splitlines()[0]}') from None
+  try:
+    ds = builder.as_dataset(split=split, shuffle_files=False, read_config=tfds.ReadConfig(
+        interleave_cycle_length=1))  # the dataset's order
+  except AssertionError:  # tfds: "Dataset ...: could not find data in ..."
+    raise FileNotFoundError(f'tfds dataset {name!r} is not prepared in {builder.data_dir!r}; '
+                            f'{hint}') from None
+  features = builder.info.features
+  if text_feature not in features:
+    raise ValueError(f'tfds dataset {name!r} has no feature {text_feature!r} (it has '
+                     f'{sorted(features.keys())}); name its text feature with tfds_text_feature')
+  try:
+    total = builder.info.splits[split].num_examples
+  except (KeyError, ValueError):
+    total = 0
+  for i, example in enumerate(tfds.as_numpy(ds.map(lambda ex: ex[text_feature])), 1):
+    text = example.decode('utf-8', errors='replace') if isinstance(example, bytes) else str(
+        example)
     doc = [s for para in text.split('\n') for s in split_sentences(para)]
     if doc:
-      yield doc
+      yield doc, min(1.0, i / total) if total else None
     else:
       stats['empty_documents'] += 1
 
 
-def _single(spec: str, tfds_data_dir, stats) -> Iterator[List[str]]:
+def _stream(spec: str, tfds_data_dir: Optional[str], tfds_text_feature: str,
+            stats: collections.Counter) -> _Stream:
   if spec == 'embedded':
-    return iter_file_documents(EMBEDDED_CORPUS, stats)
+    return _file_stream(EMBEDDED_CORPUS, stats)
   if spec.startswith('files:'):
-    return _files(spec[len('files:'):], stats)
+    return _files_stream(spec[len('files:'):], stats)
   if spec.startswith('tfds:'):
-    return _tfds(spec[len('tfds:'):], tfds_data_dir, stats)
-  raise ValueError(f'unknown data source {spec!r} in config.data.sources; use embedded, '
-                   'files:<glob> or tfds:<name>[:<split>], several joined by ";"')
+    return _tfds_stream(spec[len('tfds:'):], tfds_data_dir, tfds_text_feature, stats)
+  raise ValueError(f'unknown data source {spec!r} in config.data.sources; {_SOURCES_HELP}')
 
 
-def parse_weights(weights: str, n: int) -> Optional[np.ndarray]:
-  if not weights:
+def parse_weights(weights: Union[str, Sequence[float], None], n: int) -> Optional[np.ndarray]:
+  """Mixing probabilities from ';'-joined weights (or numbers); None when none are given."""
+  if weights is None or (isinstance(weights, str) and not weights.strip()):
     return None
-  w = np.array([float(x) for x in weights.split(';')])
-  if len(w) != n or (w < 0).any() or w.sum() <= 0:
+  try:
+    w = np.array([float(x) for x in (weights.split(';') if isinstance(weights, str)
+                                     else weights)])
+  except ValueError:
+    w = np.array([])
+  if len(w) != n or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
     raise ValueError(f'config.data.weights={weights!r} must give {n} non-negative weights '
-                     'joined by ";", one per source')
+                     'joined by ";", one per source (or be empty: proportional to size)')
   return w / w.sum()
 
 
 def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
-                   stats: Optional[collections.Counter] = None, weights: str = '',
-                   seed: int = 0) -> Iterator[List[str]]:
-  """Yields documents (lists of sentences) of `config.data.sources`, streaming.
+                   stats: Optional[collections.Counter] = None,
+                   weights: Union[str, Sequence[float], None] = None, seed: int = 0,
+                   tfds_text_feature: str = 'text') -> Iterator[List[str]]:
+  """Yields the documents (lists of sentences) of `config.data.sources`, streaming.
 
-  Several sources are interleaved: each next document comes from a source drawn with the
-  given weights (deterministic from `seed`), or round-robin when `weights` is empty, until
-  every source is exhausted.
+  Several sources are interleaved until every one is exhausted. With `weights`, each next
+  document comes from a source drawn with those probabilities (renormalised over the sources
+  left; deterministic from `seed`); a source of weight 0 is never read. Without, the
+  interleave is proportional to size: the next document comes from the source that is least
+  far through its data (bytes read for files, examples for tfds), so all end together; if a
+  source cannot tell its size (a tfds split without counts), round robin.
   """
   stats = collections.Counter() if stats is None else stats
   specs = [s.strip() for s in sources.split(';') if s.strip()]
   if not specs:
-    raise ValueError('config.data.sources is empty; use embedded, files:<glob> or tfds:<name>')
+    raise ValueError(f'config.data.sources is empty; {_SOURCES_HELP}')
   probs = parse_weights(weights, len(specs))
-  iters = [_single(s, tfds_data_dir, stats) for s in specs]
+  streams = [_stream(s, tfds_data_dir, tfds_text_feature, stats) for s in specs]
   rng = np.random.default_rng(seed)
-  live = list(range(len(iters)))
+  progress = [0.0] * len(streams)
+  live = [i for i in range(len(streams)) if probs is None or probs[i] > 0]
   turn = 0
   while live:
-    if probs is None:
+    if probs is not None:
+      p = probs[live]
+      i = live[rng.choice(len(live), p=p / p.sum())]
+    elif None in progress:
       i = live[turn % len(live)]
       turn += 1
     else:
-      p = probs[live] / probs[live].sum() if probs[live].sum() > 0 else None
-      if p is None:
-        return
-      i = live[rng.choice(len(live), p=p)]
-    doc = next(iters[i], None)
-    if doc is None:
+      i = min(live, key=lambda j: (progress[j], j))
+    item = next(streams[i], None)
+    if item is None:
       live.remove(i)
       continue
+    doc, progress[i] = item
     doc = [s for s in doc if s.strip()]
     if doc:
       yield doc
@@ -173,5 +253,6 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
 
 
 def iter_sentences(documents: Iterable[List[str]]) -> Iterator[str]:
+  """The sentences of `documents`, in order."""
   for doc in documents:
     yield from doc

@@ -8,15 +8,22 @@ Train one (an uncased unigram model; 30k for the BERT sizes, smaller for tiny ru
       --vocab_size 30000
 
 and name it in the config: `--config.data.tokenizer=/tmp/wiki_30k.model`. The embedded corpus
-comes with `data/embedded/sotu_uncased_8k.model` (the default). A 30k unigram vocabulary needs
-more text than a few MB (sentencepiece refused above about 26k on 4.7 MB). A `.txt` path is an
-HF WordPiece vocab.txt (for imported HF checkpoints; see data/wordpiece.py).
+comes with `data/embedded/sotu_uncased_8k.model` (the default; tiny runs). BERT's 30k needs
+more text than a few MB (on the 10.8 MB embedded corpus sentencepiece allows at most 24236
+pieces): train it on Wikipedia (e.g. written out in BERT's format) or a large mixture.
+A `.txt` path is an HF WordPiece vocab.txt (for imported HF checkpoints;
+see data/wordpiece.py), with the same interface.
+
+The vocabularies are uncased (sentencepiece's nmt_nfkc_cf normalisation: NFKC, then case
+folding) unless trained with --cased, and use byte fallback: a character outside the
+vocabulary becomes its UTF-8 byte pieces (<0xE2>...), never [UNK]. Lines over
+sentencepiece's 4192-byte limit, which it would skip silently, are split first and counted.
 """
 
 import argparse
 import collections
 import os
-from typing import Iterable, Iterator, List, Sequence
+from typing import Iterable, Iterator, List, Sequence, Union
 
 import numpy as np
 import sentencepiece as spm
@@ -39,11 +46,14 @@ class Tokenizer:
     self._sp = processor
     self.path = path
     for i, token in enumerate(SPECIAL_TOKENS):
-      if processor.piece_to_id(token) != i or processor.id_to_piece(i) != token:
+      if processor.id_to_piece(i) != token:
+        found = processor.piece_to_id(token)
+        where = (f'{token} is at id {found}' if processor.id_to_piece(found) == token else
+                 f'it has no {token}')
         raise ValueError(
             f'tokenizer {path or "(in memory)"} does not have {token} at id {i}; retrain it '
             'with `python -m data.tokenizer` (which reserves [PAD] [UNK] [CLS] [SEP] [MASK] '
-            'as ids 0-4)')
+            f'as ids 0-4) or name another in config.data.tokenizer ({where})')
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = range(5)
     self.special_ids = frozenset(range(5))
 
@@ -55,7 +65,11 @@ class Tokenizer:
                               'sentencepiece .model (or a WordPiece vocab.txt), or train one '
                               'with `python -m data.tokenizer`')
     if path.endswith('.txt'):
-      from data import wordpiece  # pylint: disable=g-import-not-at-top
+      try:
+        from data import wordpiece  # pylint: disable=g-import-not-at-top
+      except ImportError as e:
+        raise ValueError(f'tokenizer {path!r} is a WordPiece vocab.txt, which needs '
+                         f'data/wordpiece.py ({e}); use a sentencepiece .model') from None
       return wordpiece.WordPieceTokenizer.load(path)
     processor = spm.SentencePieceProcessor()
     try:
@@ -78,9 +92,15 @@ class Tokenizer:
     return self._sp.id_to_piece(int(i))
 
   def word_start_mask(self) -> np.ndarray:
-    """[vocab_size] bool: True where a piece begins a word (whole-word masking groups a
-    word's first piece with the continuation pieces after it). Special tokens count as
-    word starts; byte-fallback pieces continue the word they sit in."""
+    """[vocab_size] bool: True where a piece begins a word.
+
+    Whole-word masking groups a word's first piece with the continuation pieces after it.
+    A sentencepiece piece begins a word when it starts with '\u2581' (the space marker; a
+    piece without it continues the previous word). Special tokens count as word starts, so
+    they never join a word. Byte-fallback pieces (<0x..>) never start a word: a character
+    outside the vocabulary is preceded by the '\u2581' piece when it starts a word, so its
+    bytes continue that word.
+    """
     pieces = [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
     mask = np.array([p.startswith('\u2581') for p in pieces])
     mask[list(self.special_ids)] = True
@@ -92,8 +112,25 @@ def load_for_config(config_data) -> Tokenizer:
   return Tokenizer.load(config_data.tokenizer or EMBEDDED_TOKENIZER)
 
 
+def _cut_bytes(word: str, max_bytes: int) -> List[str]:
+  """A word cut into pieces of at most `max_bytes` UTF-8 bytes (never inside a character)."""
+  pieces, piece, size = [], [], 0
+  for ch in word:
+    n = len(ch.encode('utf-8'))
+    if piece and size + n > max_bytes:
+      pieces.append(''.join(piece))
+      piece, size = [], 0
+    piece.append(ch)
+    size += n
+  return pieces + [''.join(piece)]
+
+
 def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> List[str]:
-  """Splits a line over `max_bytes` at sentence boundaries, then at whitespace."""
+  """`line` as parts of at most `max_bytes` UTF-8 bytes, nothing dropped.
+
+  Splits at sentence boundaries first, then at whitespace; a single word longer than the
+  limit is cut into pieces.
+  """
   if len(line.encode('utf-8')) <= max_bytes:
     return [line]
   parts = []
@@ -101,56 +138,92 @@ def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> List[str]
     if len(sentence.encode('utf-8')) <= max_bytes:
       parts.append(sentence)
       continue
-    chunk = []
-    size = 0
+    chunk, size = [], 0
     for word in sentence.split():
-      n = len(word.encode('utf-8')) + 1
-      if chunk and size + n > max_bytes:
-        parts.append(' '.join(chunk))
-        chunk, size = [], 0
-      chunk.append(word[: max_bytes // 4])  # one giant "word" is cut, not dropped
-      size += min(n, max_bytes // 4 + 1)
+      for piece in _cut_bytes(word, max_bytes):
+        n = len(piece.encode('utf-8'))
+        if chunk and size + 1 + n > max_bytes:
+          parts.append(' '.join(chunk))
+          chunk, size = [], 0
+        size += n + bool(chunk)
+        chunk.append(piece)
     if chunk:
       parts.append(' '.join(chunk))
   return parts
 
 
-def _training_sentences(lines: Iterable[str], stats) -> Iterator[str]:
+def _training_sentences(lines: Iterable[str], stats: collections.Counter) -> Iterator[str]:
   for line in lines:
-    pieces = split_long_line(line)
-    if len(pieces) > 1:
-      stats['long_lines_split'] += 1
-    yield from pieces
+    for line in line.split('\n'):  # a paragraph given as one string
+      line = line.strip()
+      if not line:
+        continue
+      parts = split_long_line(line)
+      if len(parts) > 1:
+        stats['long_lines_split'] += 1
+      stats['sentences'] += len(parts)
+      yield from parts
 
 
-def train_sentencepiece(inputs, model_prefix: str, vocab_size: int, *,
-                        model_type: str = 'unigram', lowercase: bool = True,
-                        character_coverage: float = 0.9999,
-                        input_sentence_size: int = 10_000_000) -> collections.Counter:
-  """Trains `<model_prefix>.model` from BERT-format files (paths) or an iterable of lines.
+def train_sentencepiece(inputs: Union[str, Sequence[str], Iterable[str]], model_prefix: str,
+                        vocab_size: int, *, model_type: str = 'unigram',
+                        lowercase: bool = True, character_coverage: float = 0.9999,
+                        input_sentence_size: int = 10_000_000,
+                        seed_sentencepiece_size: int = 1_000_000) -> collections.Counter:
+  """Trains `<model_prefix>.model` (and `.vocab`) with BERT's special tokens at ids 0-4.
 
-  Streams the sentences (sentencepiece samples at most `input_sentence_size` of them), keeps
-  BERT's special tokens at ids 0-4, uses byte fallback (no unknown curly quotes or accents),
-  and lower-cases through sentencepiece's normaliser when `lowercase`. Returns counts of what
-  was split or skipped.
+  Args:
+    inputs: a path or a list of paths of BERT-format files (one sentence per line, gzip or
+      plain), or an iterable of sentences (streamed; never held as a list here).
+    model_prefix: where to write; its directory is created.
+    vocab_size: pieces in all, the 5 special tokens and 256 byte pieces included. 8000 suits
+      the embedded corpus (a few MB); BERT's 30k needs far more text (sentencepiece refuses
+      more than 24236 on the 10.8 MB embedded corpus): Wikipedia or a large mixture.
+    model_type: 'unigram' (default) or 'bpe'.
+    lowercase: uncased (BERT-uncased): sentencepiece's nmt_nfkc_cf normalisation (NFKC and
+      Unicode case folding) applies when training and when encoding; else nmt_nfkc.
+    character_coverage: characters outside it go to byte pieces, not [UNK].
+    input_sentence_size: sentencepiece samples at most this many sentences (reservoir
+      sampling over the stream) to bound its memory.
+    seed_sentencepiece_size: unigram's initial seed pieces.
+
+  Returns:
+    Counts: 'sentences' fed, 'long_lines_split' (lines over sentencepiece's
+    MAX_SENTENCE_BYTES, which it would otherwise skip silently, split at sentence boundaries
+    and then whitespace), and what the sources skipped ('non_utf8_lines', 'empty_files').
   """
   stats = collections.Counter()
-  if inputs and all(isinstance(p, str) and os.path.exists(p) for p in inputs):
-    paths = list(inputs)
-    lines = (s for path in paths for doc in sources.iter_file_documents(path, stats)
+  if isinstance(inputs, str):
+    inputs = [inputs]
+  if isinstance(inputs, (list, tuple)) and inputs and all(
+      isinstance(p, str) and os.path.isfile(p) for p in inputs):
+    lines = (s for path in inputs for doc in sources.iter_file_documents(path, stats)
              for s in doc)
   else:
-    lines = (line.strip() for line in inputs if line.strip())
+    lines = iter(inputs)
   os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
-  spm.SentencePieceTrainer.train(
+  trainer_args = dict(
       sentence_iterator=_training_sentences(lines, stats), model_prefix=model_prefix,
       vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
+      # [PAD] and [UNK] take sentencepiece's own pad/unk slots; [CLS] [SEP] [MASK] are control
+      # symbols: they have ids but text never encodes to them (a literal "[MASK]" in a
+      # sentence stays text, as in BERT). No <s> </s>.
       pad_id=0, pad_piece='[PAD]', unk_id=1, unk_piece='[UNK]', bos_id=-1, eos_id=-1,
-      control_symbols=['[CLS]', '[SEP]', '[MASK]'], byte_fallback=True,
+      control_symbols=list(SPECIAL_TOKENS[2:]), byte_fallback=True,
       normalization_rule_name='nmt_nfkc_cf' if lowercase else 'nmt_nfkc',
       max_sentence_length=MAX_SENTENCE_BYTES, input_sentence_size=input_sentence_size,
-      shuffle_input_sentence=True, train_extremely_large_corpus=False,
+      seed_sentencepiece_size=seed_sentencepiece_size, shuffle_input_sentence=True,
       minloglevel=2)
+  try:
+    spm.SentencePieceTrainer.train(**trainer_args)
+  except RuntimeError as e:
+    if 'Vocabulary size too high' not in str(e):
+      raise
+    raise ValueError(f'vocab_size={vocab_size} is too large for this text (sentencepiece: '
+                     f'{str(e).rsplit("]", 1)[-1].strip()}); give more text or a smaller '
+                     'vocab_size') from None
+  if not stats['sentences']:
+    raise ValueError('no sentences to train the tokenizer on; check --input')
   Tokenizer.load(model_prefix + '.model')  # check the special ids
   return stats
 
@@ -164,13 +237,16 @@ def main(argv=None):
   parser.add_argument('--vocab_size', type=int, default=30000)
   parser.add_argument('--model_type', default='unigram', choices=('unigram', 'bpe'))
   parser.add_argument('--cased', action='store_true', help='keep case (default: uncased)')
+  parser.add_argument('--input_sentence_size', type=int, default=10_000_000,
+                      help='sentences sentencepiece samples from the stream (memory bound)')
   args = parser.parse_args(argv)
   missing = [p for p in args.input if not os.path.exists(p)]
   if missing:
     parser.error(f'input files not found: {", ".join(missing)}')
   stats = train_sentencepiece(args.input, args.model_prefix, args.vocab_size,
-                              model_type=args.model_type, lowercase=not args.cased)
-  print(f'wrote {args.model_prefix}.model ({dict(stats) or "nothing skipped"})')
+                              model_type=args.model_type, lowercase=not args.cased,
+                              input_sentence_size=args.input_sentence_size)
+  print(f'wrote {args.model_prefix}.model ({dict(stats)})')
 
 
 if __name__ == '__main__':
