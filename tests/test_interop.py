@@ -311,3 +311,27 @@ def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
     interop.load_hf(str(hf_dir))
   with pytest.raises(FileNotFoundError, match='neither model.safetensors nor pytorch_model.bin'):
     interop.read_hf_tensors(str(tmp_path))
+
+
+def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):
+  """The CLI end to end (TF1 -> workdir -> HF -> workdir), and an HF directory holding only
+  pytorch_model.bin (read with torch) imports the same weights as its model.safetensors."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  ck = tf1_checkpoint
+  workdir, hf_dir, back = (str(tmp_path / n) for n in ('w', 'hf', 'back'))
+  interop.main(['import-tf1', '--ckpt', ck['prefix'], '--bert_config', ck['config'],
+                '--vocab', ck['vocab'], '--out', workdir, '--variant', 'postln'])
+  interop.main(['export-hf', '--workdir', workdir, '--out', hf_dir])
+  tensors = load_file(os.path.join(hf_dir, 'model.safetensors'))
+  torch.save({n: torch.from_numpy(x) for n, x in tensors.items()},
+             os.path.join(hf_dir, 'pytorch_model.bin'))
+  os.remove(os.path.join(hf_dir, 'model.safetensors'))
+  interop.main(['import-hf', '--src', hf_dir, '--out', back])
+  first, _ = _restore_all(workdir)
+  again, cfg = _restore_all(back)
+  assert cfg.model.variant == 'postln'
+  a, b = _flat(first), _flat(again)
+  assert a.keys() == b.keys()
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
