@@ -1,0 +1,173 @@
+"""data.sources: the sentence splitter, the embedded corpus, BERT-format files (gzip or
+plain, bad bytes and empty files counted), tfds datasets read through the Wikipedia code
+path from a dataset built locally, and mixing several sources."""
+
+import collections
+import gzip
+import itertools
+
+import pytest
+import tensorflow_datasets as tfds
+
+from data import sources
+
+
+def test_sentence_splitter_rules():
+  text = ('Mr. Smith went to Washington on Jan. 5, 1790. The U.S. Senate met! Did J. Q. '
+          'Adams speak? "Yes." He spoke at 3 p.m. Then 2 members left. The debt fell by '
+          '$1.5 million, i.e. 3.2 per cent. \u201cWhy?\u201d (Nobody knew.) It was '
+          'St. Louis, Mo., and Gen. Grant of the Dept. of War. 1791 came.')
+  assert sources.split_sentences(text) == [
+      'Mr. Smith went to Washington on Jan. 5, 1790.', 'The U.S. Senate met!',
+      'Did J. Q. Adams speak?', '"Yes."', 'He spoke at 3 p.m. Then 2 members left.',
+      'The debt fell by $1.5 million, i.e. 3.2 per cent.', '\u201cWhy?\u201d',
+      '(Nobody knew.)', 'It was St. Louis, Mo., and Gen. Grant of the Dept. of War.',
+      '1791 came.']
+  assert sources.split_sentences('  ') == []
+  assert sources.split_sentences('no capital after. so one sentence') == [
+      'no capital after. so one sentence']
+
+
+def test_embedded_corpus_is_the_speeches_in_bert_format():
+  stats = collections.Counter()
+  docs = list(sources.iter_documents('embedded', stats=stats))
+  assert len(docs) == 233 and not stats  # one document per speech, 1790-2021
+  assert docs[0][0].startswith('Fellow-Citizens of the Senate and House of Representatives')
+  assert 60_000 < sum(map(len, docs)) < 70_000
+  assert all(s and s == s.strip() for doc in docs for s in doc)
+  with gzip.open(sources.EMBEDDED_CORPUS, 'rt', encoding='utf-8') as f:
+    assert f.read().count('\n\n') == 233
+
+
+def test_files_gzip_and_plain_bad_bytes_and_empty_files(tmp_path):
+  (tmp_path / 'a.txt').write_bytes(b'First one.\r\nSecond one.\n\n\n\nOther doc.\n'
+                                   b'\xff\xfe bad\nStill other.\n')
+  with gzip.open(tmp_path / 'b.txt.gz', 'wb') as f:
+    f.write(b'Zipped sentence.\nAnother.\n\n')
+  with gzip.open(tmp_path / 'c.data', 'wb') as f:  # gzip is told by its bytes, not its name
+    f.write('Caf\u00e9 \u201cquoted\u201d.\n'.encode())
+  (tmp_path / 'd.txt').write_bytes(b'')
+  (tmp_path / 'e.txt').write_bytes(b'\n\n  \n')
+  (tmp_path / 'sub').mkdir()  # a directory the glob matches is not a file
+  stats = collections.Counter()
+  docs = list(sources.iter_documents(f'files:{tmp_path}/*', stats=stats))
+  assert docs == [['First one.', 'Second one.'], ['Other doc.', 'Still other.'],
+                  ['Zipped sentence.', 'Another.'], ['Caf\u00e9 \u201cquoted\u201d.']]
+  assert stats == {'non_utf8_lines': 1, 'empty_files': 2}
+  assert list(sources.iter_file_documents(str(tmp_path / 'b.txt.gz'), stats)) == [docs[2]]
+
+  with pytest.raises(FileNotFoundError, match=r'files:.*\*\.nothing matches no file'):
+    list(sources.iter_documents(f'files:{tmp_path}/*.nothing'))
+  (tmp_path / 'cut.gz').write_bytes((tmp_path / 'b.txt.gz').read_bytes()[:20])
+  with pytest.raises(ValueError, match='cut.gz is a corrupt or truncated gzip'):
+    list(sources.iter_documents(f'files:{tmp_path}/cut.gz'))
+  with pytest.raises(ValueError, match='unknown data source'):
+    list(sources.iter_documents('wikipedia'))
+  with pytest.raises(ValueError, match='sources is empty'):
+    list(sources.iter_documents(' ; '))
+
+
+def write_docs(path, name, n, compress=False):
+  text = ''.join(f'{name} {i} first.\n{name} {i} second.\n\n' for i in range(n))
+  if compress:
+    with gzip.open(path, 'wt') as f:
+      f.write(text)
+  else:
+    path.write_text(text)
+
+
+def test_mixing_by_weights_is_deterministic(tmp_path):
+  write_docs(tmp_path / 'a.txt', 'a', 200)
+  write_docs(tmp_path / 'b.txt', 'b', 200)
+  spec = f'files:{tmp_path}/a.txt;files:{tmp_path}/b.txt'
+
+  def firsts(**kwargs):
+    return [d[0].split()[0] for d in sources.iter_documents(spec, **kwargs)]
+
+  first = firsts(weights='3;1', seed=1)
+  assert first == firsts(weights=[3, 1], seed=1)  # numbers or a ';'-joined string
+  assert first != firsts(weights='3;1', seed=2)
+  assert len(first) == 400  # every source read to its end
+  assert 0.65 < first[:200].count('a') / 200 < 0.85  # a drawn 3x as often while both last
+  assert firsts(weights='1;0') == ['a'] * 200  # weight 0: never read
+  for bad in ('1', '1;-1', '0;0', 'x;1'):
+    with pytest.raises(ValueError, match='must give 2 non-negative weights'):
+      list(sources.iter_documents(spec, weights=bad))
+
+
+def test_no_weights_interleave_in_proportion_to_size(tmp_path):
+  write_docs(tmp_path / 'big.txt.gz', 'big', 3000, compress=True)
+  write_docs(tmp_path / 'small.txt', 'small', 1000)
+  order = [d[0].split()[0] for d in sources.iter_documents(
+      f'files:{tmp_path}/big.txt.gz;files:{tmp_path}/small.txt')]
+  assert order.count('big') == 3000 and order.count('small') == 1000
+  for quarter in range(4):  # 3:1 all along, so both end together
+    part = order[quarter * 1000:(quarter + 1) * 1000]
+    assert 700 < part.count('big') < 800, quarter
+
+
+class SotuWiki(tfds.core.GeneratorBasedBuilder):
+  """A Wikipedia-shaped tfds dataset (title, text of paragraphs at newlines) built locally
+  from inline text: no download."""
+  VERSION = tfds.core.Version('1.0.0')
+  ARTICLES = [
+      ('Union', 'Mr. Lincoln spoke. The U.S. Congress listened.\n\nIt was 1862. Then war.'),
+      ('Empty', '\n\n'),
+      ('Money', 'The debt was $1.5 billion. Nobody paid.\nA new paragraph.'),
+      ('Last', 'One sentence only'),
+  ]
+
+  def _info(self):
+    return self.dataset_info_from_configs(features=tfds.features.FeaturesDict(
+        {'title': tfds.features.Text(), 'text': tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {'train': self._generate_examples()}
+
+  def _generate_examples(self):
+    for i, (title, text) in enumerate(self.ARTICLES):
+      yield i, {'title': title, 'text': text}
+
+
+@pytest.fixture(scope='module')
+def tfds_dir(tmp_path_factory):
+  data_dir = str(tmp_path_factory.mktemp('tfds'))
+  SotuWiki(data_dir=data_dir).download_and_prepare(
+      download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  return data_dir
+
+
+def test_tfds_source_reads_a_prepared_dataset_like_wikipedia(tfds_dir):
+  stats = collections.Counter()
+  docs = list(sources.iter_documents('tfds:sotu_wiki', tfds_data_dir=tfds_dir, stats=stats))
+  assert sorted(docs) == [  # tfds stores examples in the order of their hashed keys
+      ['Mr. Lincoln spoke.', 'The U.S. Congress listened.', 'It was 1862.', 'Then war.'],
+      ['One sentence only'],
+      ['The debt was $1.5 billion.', 'Nobody paid.', 'A new paragraph.']]
+  assert stats == {'empty_documents': 1}
+  assert docs == list(sources.iter_documents('tfds:sotu_wiki', tfds_data_dir=tfds_dir))
+  titles = list(sources.iter_documents('tfds:sotu_wiki', tfds_data_dir=tfds_dir,
+                                       tfds_text_feature='title'))
+  assert sorted(titles) == [['Empty'], ['Last'], ['Money'], ['Union']]
+  sliced = list(sources.iter_documents('tfds:sotu_wiki:train[2:]', tfds_data_dir=tfds_dir,
+                                       tfds_text_feature='title'))
+  assert sliced == titles[2:]
+  mixed = list(sources.iter_documents('tfds:sotu_wiki;embedded', tfds_data_dir=tfds_dir))
+  assert len(mixed) == 3 + 233 and mixed.index(docs[-1]) > 100  # spread by progress
+
+  with pytest.raises(ValueError, match=r"has no feature 'body' \(it has \['text', 'title'\]"):
+    list(sources.iter_documents('tfds:sotu_wiki', tfds_data_dir=tfds_dir,
+                                tfds_text_feature='body'))
+  with pytest.raises(FileNotFoundError, match='is not prepared in .*tfds build sotu_wiki '
+                     r'--data_dir=DIR.*config.data.tfds_data_dir'):
+    list(sources.iter_documents('tfds:sotu_wiki', tfds_data_dir=tfds_dir + '/nothing'))
+  with pytest.raises(ValueError, match="unknown tfds dataset 'no_such_dataset_xyz'"):
+    list(sources.iter_documents('tfds:no_such_dataset_xyz', tfds_data_dir=tfds_dir))
+
+
+def test_streaming_reads_only_what_is_asked(tmp_path):
+  write_docs(tmp_path / 'a.txt', 'a', 10)
+  stream = sources.iter_documents(f'files:{tmp_path}/a.txt;files:{tmp_path}/missing*')
+  with pytest.raises(FileNotFoundError):  # the bad glob shows up on its first draw
+    list(itertools.islice(stream, 5))
