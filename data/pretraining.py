@@ -179,27 +179,34 @@ class Masker:
     """Candidate positions, grouped by word when whole-word masking."""
     cand = np.flatnonzero(~self.is_special[input_ids[:n_real]])
     if not self.whole_word or cand.size == 0:
-      return [np.array([c]) for c in cand]
+      return np.split(cand, cand.size)
     starts = self.word_start[input_ids[cand]].copy()
     starts[0] = True
     # A piece continues the previous group only if it directly follows it.
     starts[1:] |= np.diff(cand) != 1
     return np.split(cand, np.flatnonzero(starts)[1:])
 
-  def __call__(self, features: Dict[str, np.ndarray], rng: np.random.Generator):
-    ids = features['input_ids']
-    n_real = int(features['attention_mask'].sum())
+  def _choose(self, ids: np.ndarray, n_real: int, num: int, rng) -> np.ndarray:
+    """Sorted positions to predict: groups in random order, skipping those that overflow."""
+    if not self.whole_word:  # every group is one position: the first `num` of the order
+      cand = np.flatnonzero(~self.is_special[ids[:n_real]])
+      return np.sort(cand[rng.permutation(cand.size)[:num]])
     groups = self._groups(ids, n_real)
-    num_to_predict = min(self.max_predictions, max(1, int(round(n_real * self.prob))))
     chosen, count = [], 0
     for g in rng.permutation(len(groups)):
-      if count >= num_to_predict:
+      if count >= num:
         break
-      if count + len(groups[g]) > num_to_predict:
+      if count + len(groups[g]) > num:
         continue
       chosen.append(groups[g])
       count += len(groups[g])
-    positions = np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, np.int64)
+    return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, np.int64)
+
+  def __call__(self, features: Dict[str, np.ndarray], rng: np.random.Generator):
+    ids = features['input_ids']
+    n_real = int(features['attention_mask'].sum())
+    num_to_predict = min(self.max_predictions, max(1, int(round(n_real * self.prob))))
+    positions = self._choose(ids, n_real, num_to_predict, rng)
     labels = ids[positions]
     r = rng.random(len(positions))
     new = np.where(r < 0.8, self.mask_id, labels)
