@@ -55,9 +55,12 @@ def js_matrix(attention: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray:
 
 
 def load_run(workdir: str):
-  """(config, model, params) of the newest checkpoint of a pretraining workdir."""
+  """(config, encoder, encoder params) of the newest checkpoint of a workdir.
+
+  Only state/params/encoder is read, so pretraining runs and params-only imports both work.
+  """
   config = ml_collections.ConfigDict(checkpoints.read_config(workdir))
-  model = models.build(config.model)
+  model = models.build(config.model, head='encoder')
   t = config.data.max_seq_length
   batch = {k: np.zeros((1, t), np.int32) for k in ('input_ids', 'segment_ids',
                                                     'attention_mask')}
@@ -65,10 +68,10 @@ def load_run(workdir: str):
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           jax.tree.map(lambda x: getattr(x, 'value', x), abstract,
                                        is_leaf=lambda x: hasattr(x, 'value')))
-  params, missing = checkpoints.restore_params(workdir, abstract)
+  params, missing = checkpoints.restore_params(workdir, abstract, subtree=('encoder',))
   if missing:
     raise ValueError(f'checkpoint in {workdir} lacks {missing[:3]}...; is it a pretraining '
-                     'run of this codebase?')
+                     'run of this codebase (params/encoder/...)?')
   return config, model, params
 
 

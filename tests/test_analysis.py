@@ -59,10 +59,25 @@ def tiny_run(tmp_path_factory):
                                                     'attention_mask')}
   params = nn.unbox(model.init(jax.random.PRNGKey(0), batch)['params'])
   checkpoints.save_params(workdir, params, config, step=7)
-  return workdir
+  return workdir, config, params
+
+
+def test_analysis_reads_the_saved_encoder(tiny_run):
+  workdir, config, params = tiny_run
+  batch = analysis.heldout_batch(workdir, config, 4)
+  batch['attention_mask'][0, -5:] = 0  # a padded example: its last 5 queries are left out
+  batch['input_ids'][0, -5:] = 0
+  result = analysis.analyze_run(workdir, batch=batch)
+  encoder = models.build(config.model, head='encoder')
+  out = encoder.apply({'params': params['encoder']}, batch, capture_attention=True)
+  assert result['entropies'][0].size == 2 * (4 * 32 - 5)  # heads x real queries
+  for got, probs in zip(result['entropies'], out.attention):
+    np.testing.assert_allclose(got, analysis.attention_entropy(probs, batch['attention_mask']),
+                               rtol=1e-5)
 
 
 def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
+  tiny_run = tiny_run[0]
   result = analysis.analyze_run(tiny_run, num_examples=8)
   assert result['variant'] == 'realformer'
   assert len(result['entropies']) == 3 and len(result['js_adjacent']) == 2
