@@ -528,16 +528,16 @@ def export_hf(workdir: str, out: str) -> str:
   config = ml_collections.ConfigDict(checkpoints.read_config(workdir))
   check_exportable(config.model)
   model_config = config.model
+  stored = checkpoints.stored_tree(checkpoints.resolve_step_dir(workdir))['params']
+  if 'encoder' not in stored:
+    raise ValueError(f'checkpoint of {workdir} has no encoder parameters (it has '
+                     f'{sorted(stored)}); pass a pretraining or import workdir')
+  heads = [h for h in ('mlm_head', 'nsp_head') if h in stored]
   target = abstract_params(model_config)
-  params, missing = checkpoints.restore_params(workdir, target)
-  if any(m.startswith('params/encoder/') for m in missing):
-    raise ValueError(f'checkpoint of {workdir} lacks encoder parameters '
-                     f'({[m for m in missing if m.startswith("params/encoder/")][:3]})')
+  target = {k: target[k] for k in ['encoder'] + heads}  # nothing missing: no fresh params
+  params, _ = checkpoints.restore_params(workdir, target)
   params = jax.tree.map(np.asarray, params)
   params['encoder'] = _unscan(params['encoder'], int(model_config.num_layers))
-  heads = [h for h in ('mlm_head', 'nsp_head')
-           if not any(m.startswith(f'params/{h}/') for m in missing)]
-  params = {k: params[k] for k in ['encoder'] + heads}
   flat = convert_from_params(params, model_config, fmt='hf')
   if heads:
     flat = {(n if n.startswith('cls.') else 'bert.' + n): x for n, x in flat.items()}
@@ -589,7 +589,7 @@ def main(argv=None) -> None:
   p.add_argument('--workdir', required=True)
   p.add_argument('--out', required=True)
   args = parser.parse_args(argv)
-  logging.set_verbosity(logging.INFO)
+  logging.set_verbosity(logging.WARNING)  # orbax's INFO lines drown the result
   if args.command == 'import-hf':
     print(import_hf(args.src, args.out))
   elif args.command == 'import-tf1':
