@@ -2,8 +2,13 @@ r"""The papers' comparison in one command: pretrain Post-LN, Pre-LN, RealFormer 
 Synthesizer mixtures at the same size and budget on the embedded corpus, several seeds each,
 then report held-out MLM and NSP accuracy, learning curves and the attention analysis.
 
-  python study.py --root /tmp/study --seeds 2 --steps 200          # ~1 hour on 2 CPU cores
+  python study.py --root /tmp/study --seeds 2 --steps 150 --batch 16 --seq_len 64 \
+      --figures docs/figures                     # ~40 minutes on 2 busy CPU cores
   python study.py --root /tmp/study --print_only --target tpu      # launch commands instead
+
+The budget (tiny width: 4 layers, 128 hidden, 2 heads; 150 steps of 16 sequences of 64
+tokens) only fits a CPU; the numbers it gives and what they can show are in docs/study.md.
+Raise --steps, --batch, --seq_len, --size for a real comparison on accelerators.
 
 Writes <root>/summary.{md,csv} (mean, median, spread over seeds), <root>/learning_curves.png
 and <root>/attention/ (entropy violins, JS heatmaps, numbers) from seed 0 of each variant.
@@ -74,10 +79,10 @@ def main(argv=None):
   p.add_argument('--variants', default=','.join(VARIANTS))
   p.add_argument('--size', default='tiny')
   p.add_argument('--seeds', type=int, default=2)
-  p.add_argument('--steps', type=int, default=200)
-  p.add_argument('--batch', type=int, default=32)
+  p.add_argument('--steps', type=int, default=150)
+  p.add_argument('--batch', type=int, default=16)
   p.add_argument('--layers', type=int, default=4)
-  p.add_argument('--seq_len', type=int, default=128)
+  p.add_argument('--seq_len', type=int, default=64)
   p.add_argument('--learning_rate', type=float, default=1e-3)
   p.add_argument('--print_only', action='store_true')
   p.add_argument('--target', default='local', choices=('local', 'tpu', 'slurm'))
@@ -89,7 +94,8 @@ def main(argv=None):
   runs = sweep.expand([f'model.variant={args.variants}'], budget(args), args.seeds)
   names = sweep.run_names(runs)
   if args.print_only:
-    print(sweep.launch_script(runs, root=args.root, program='train.py', config=config,
+    print(sweep.launch_script(runs, root=args.root, program='train.py',
+                              config=f'configs/pretrain.py:postln,{args.size}',
                               target=args.target), end='')
     return 0
   codes = sweep.run_all(runs, root=args.root, program=program, config=config)

@@ -168,3 +168,23 @@ def test_real_sweep_of_train_py(tmp_path):
   assert all(math.isfinite(r['metrics']['eval/loss']) for r in rows)
   run = root / 'seed=0'  # one run: only the seed names it
   assert json.loads((run / 'config.json').read_text())['model']['variant'] == 'realformer'
+
+
+def test_study_plan_and_learning_curves(tmp_path, capsys):
+  import study  # pylint: disable=g-import-not-at-top
+  assert study.main(['--root', 'gs://b/study', '--seeds', '3', '--print_only']) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  assert len(lines) == 5 * 3  # five variants, three seeds, one budget
+  assert all('--config.train.num_steps=150' in l and '--config.model.num_layers=4' in l
+             for l in lines)
+  assert sum('--config.model.variant=synth_dense_vanilla' in l for l in lines) == 3
+  runs = [{'model.variant': v, 'seed': s} for v in ('postln', 'realformer') for s in (0, 1)]
+  names = sweep.run_names(runs)
+  for run, name in zip(runs, names):
+    (tmp_path / name).mkdir()
+    with open(tmp_path / name / 'metrics.jsonl', 'w') as f:
+      for step in (10, 20):
+        f.write(json.dumps({'step': step, 'split': 'train', 'loss': 5.0 - step / 10}) + '\n')
+        f.write(json.dumps({'step': step, 'split': 'eval', 'mlm_accuracy': step / 100}) + '\n')
+  study.curves(str(tmp_path), runs, names, str(tmp_path / 'curves.png'))
+  assert (tmp_path / 'curves.png').stat().st_size > 1000
