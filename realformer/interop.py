@@ -35,6 +35,7 @@ import shutil
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -184,7 +185,6 @@ def abstract_params(model_config, head: str = 'pretraining') -> dict:
   batch = {k: jnp.zeros((1, 2), jnp.int32) for k in ('input_ids', 'segment_ids',
                                                       'attention_mask')}
   variables = jax.eval_shape(model.init, jax.random.key(0), batch)
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
   return nn.meta.unbox(variables)['params']
 
 
