@@ -1,20 +1,23 @@
-r"""Fine-tune a pretrained encoder on a GLUE task; evaluate on dev; write test predictions.
+r"""Fine-tune a pretrained encoder on a GLUE task or SQuAD; evaluate on dev; write predictions.
 
   python finetune.py --config configs/finetune.py:glue/rte --workdir /tmp/ft_rte \
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/glue
+  python finetune.py --config configs/finetune.py:squad/v2.0 --workdir /tmp/ft_squad2 \
+      --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad
 
 The encoder is restored from the newest checkpoint of `init_checkpoint` (only the encoder:
 the pretraining heads and optimizer are not read); a checkpoint whose architecture or
 vocabulary does not match its config.json is an error naming the parameter. The run is
 resumable: its own checkpoints (one per epoch) are in <workdir>/checkpoints and running the
 same command again continues. Outputs: metrics.jsonl (train loss, dev metrics per epoch),
-results.json (the final dev metrics) and predictions/<Task>.tsv (GLUE submission format).
+results.json (the final dev metrics) and predictions/<Task>.tsv (GLUE submission format;
+SQuAD: predictions/predictions.json of dev, plus null_odds.json for v2.0).
 The grid of the paper's practice: `python -m realformer.finetune_grid` (see its docstring).
 """
 
 import json
 import os
-from typing import Dict
+from typing import Dict, Tuple
 
 import flax
 import flax.linen as nn
@@ -30,6 +33,7 @@ from clu import metrics as clu_metrics
 from ml_collections import config_flags
 
 from data import glue
+from data import squad
 from data import tokenizer as tokenizer_lib
 from realformer import checkpoints
 from realformer import finetune_metrics
@@ -52,12 +56,6 @@ class FinetuneMetrics(clu_metrics.Collection):
   grad_norm: clu_metrics.Average
 
 
-def load_examples(config, task: str, split: str):
-  if config.data_dir:
-    return glue.read_tsv(task, config.data_dir, split)
-  return glue.read_tfds(task, split, config.tfds_data_dir)
-
-
 def pretrained_config(path: str) -> ml_collections.ConfigDict:
   if not path:
     raise ValueError('config.init_checkpoint is empty: name the pretraining workdir (its '
@@ -66,20 +64,6 @@ def pretrained_config(path: str) -> ml_collections.ConfigDict:
     raise FileNotFoundError(f'{path} has no {checkpoints.CONFIG_FILE}; config.init_checkpoint '
                             'must be a workdir written by train.py or realformer.interop')
   return ml_collections.ConfigDict(checkpoints.read_config(path))
-
-
-def classification_loss_fn(model, regression: bool):
-  """CE over the classes (MSE for regression), mean over the step's examples."""
-  def loss_fn(params, batch, rng, totals):
-    deterministic = rng is None
-    _, logits = model.apply({'params': params}, batch, deterministic=deterministic,
-                            rngs=None if deterministic else {'dropout': rng})
-    if regression:
-      per_example = (logits[:, 0] - batch['label']) ** 2
-    else:
-      per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch['label'])
-    return jnp.sum(per_example) / totals['examples'], {}
-  return loss_fn
 
 
 def batches(features: Dict[str, np.ndarray], batch_size: int):
@@ -92,11 +76,160 @@ def batches(features: Dict[str, np.ndarray], batch_size: int):
     yield {k: v[idx] for k, v in features.items()}, valid
 
 
+# ------------------------------------------------------------------------------ tasks
+# A task gives the head, the training features, the loss, the dev evaluation and the
+# prediction files; `run_model(params, features)` returns the head's outputs for every row.
+
+
+class GlueTask:
+  """One GLUE task (mnli also evaluates mismatched dev and predicts AX)."""
+
+  def __init__(self, config, tokenizer):
+    self.config, self.name = config, config.task
+    if config.task in ('ax', 'mnli_mismatched'):
+      raise ValueError(f'{config.task} has no training set: fine-tune glue/mnli, which also '
+                       'evaluates mismatched dev and predicts AX')
+    self.task = glue.get_task(config.task)
+    self.regression = not self.task.labels
+    self.featurize = lambda ex: glue.featurize(ex, tokenizer, config.max_seq_length,
+                                               self.regression)
+    self.train = self.featurize(self._load(config.task, 'train'))
+    self.evals = {config.task: self._load(config.task, 'dev')}
+    self.tests = {config.task: self._load(config.task, 'test')}
+    if config.task == 'mnli':
+      self.evals['mnli_mismatched'] = self._load('mnli_mismatched', 'dev')
+      self.tests['mnli_mismatched'] = self._load('mnli_mismatched', 'test')
+      self.tests['ax'] = self._load('ax', 'test')
+
+  def _load(self, task: str, split: str):
+    if self.config.data_dir:
+      return glue.read_tsv(task, self.config.data_dir, split)
+    return glue.read_tfds(task, split, self.config.tfds_data_dir)
+
+  def build(self, model_config):
+    return models.build(model_config, head='classification',
+                        num_labels=len(self.task.labels) or 1)
+
+  def loss_fn(self, model):
+    """CE over the classes (MSE for regression), mean over the step's examples."""
+    def loss_fn(params, batch, rng, totals):
+      deterministic = rng is None
+      _, logits = model.apply({'params': params}, batch, deterministic=deterministic,
+                              rngs=None if deterministic else {'dropout': rng})
+      if self.regression:
+        per_example = (logits[:, 0] - batch['label']) ** 2
+      else:
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch['label'])
+      return jnp.sum(per_example) / totals['examples'], {}
+    return loss_fn
+
+  def _predict(self, run_model, examples):
+    feats = self.featurize(examples)
+    (logits,) = run_model(feats)
+    return (logits[:, 0] if self.regression else logits.argmax(-1)), feats['label']
+
+  def evaluate(self, run_model) -> Dict[str, Dict[str, float]]:
+    results = {}
+    for name, examples in self.evals.items():
+      preds, labels = self._predict(run_model, examples)
+      results[name] = finetune_metrics.glue_metrics(
+          'mnli' if name == 'mnli_mismatched' else name, preds, labels)
+    return results
+
+  def write_predictions(self, run_model, results, out_dir: str):
+    del results
+    for name, examples in self.tests.items():
+      preds, _ = self._predict(run_model, examples)
+      glue.write_predictions(name, examples, preds, out_dir)
+
+  def headline(self, results) -> float:
+    return finetune_metrics.headline(self.name, results[self.name])
+
+
+class SquadTask:
+  """SQuAD v1.1 or v2.0: span head, windows, n-best post-processing, official metrics."""
+
+  def __init__(self, config, tokenizer):
+    self.config, self.tokenizer = config, tokenizer
+    self.version_2 = config.task == 'v2.0'
+    self.name = f'squad/{config.task}'
+    self.featurize = lambda examples, training: squad.featurize(
+        examples, tokenizer, max_seq_length=config.max_seq_length,
+        doc_stride=config.doc_stride, max_query_length=config.max_query_length,
+        training=training)
+    self.train, _ = self.featurize(self._load('train'), True)
+    self.dev = self._load('dev')
+    self.dev_features, self.dev_infos = self.featurize(self.dev, False)
+    self.answers = None  # dev answers of the last evaluation, for the prediction file
+
+  def _load(self, split: str):
+    if self.config.data_dir:
+      name = f'{split}-{self.config.task}.json'
+      return squad.read_json(os.path.join(self.config.data_dir, name))
+    return squad.read_tfds(self.config.task, 'train' if split == 'train' else 'validation',
+                           self.config.tfds_data_dir)
+
+  def build(self, model_config):
+    return models.build(model_config, head='span')
+
+  def loss_fn(self, model):
+    """Mean of the start and end cross-entropies (targets at [CLS] when no answer)."""
+    def loss_fn(params, batch, rng, totals):
+      deterministic = rng is None
+      _, start, end = model.apply({'params': params}, batch, deterministic=deterministic,
+                                  rngs=None if deterministic else {'dropout': rng})
+      ce = optax.softmax_cross_entropy_with_integer_labels
+      per_example = (ce(start, batch['start_positions']) +
+                     ce(end, batch['end_positions'])) / 2
+      return jnp.sum(per_example) / totals['examples'], {}
+    return loss_fn
+
+  def evaluate(self, run_model) -> Dict[str, Dict[str, float]]:
+    start, end = run_model(self.dev_features)
+    c = self.config
+    answers, null_diff = squad.postprocess(
+        self.dev, self.dev_infos, self.dev_features, start, end, self.tokenizer,
+        n_best_size=c.n_best_size, max_answer_length=c.max_answer_length,
+        version_2=self.version_2)
+    golds = {ex.qid: ex.answers for ex in self.dev}
+    if not self.version_2:
+      self.answers, self.null_diff = answers, {}
+      return {'squad': finetune_metrics.squad_v1(golds, answers)}
+    metrics = finetune_metrics.squad_v2(golds, answers, null_diff)
+    threshold = c.null_score_diff_threshold
+    if threshold is None:
+      threshold = metrics['best_f1_thresh']
+    self.answers = squad.apply_null_threshold(answers, null_diff, threshold)
+    self.null_diff = null_diff
+    metrics['null_score_diff_threshold'] = float(threshold)
+    if c.null_score_diff_threshold is not None:
+      metrics.update({f'thresholded_{k}': v for k, v in finetune_metrics.squad_v2(
+          golds, self.answers).items() if k in ('exact', 'f1')})
+    return {'squad': metrics}
+
+  def write_predictions(self, run_model, results, out_dir: str):
+    del run_model, results  # SQuAD's test sets are hidden: the dev answers are written
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'predictions.json'), 'w') as f:
+      json.dump(self.answers, f, indent=1)
+    if self.version_2:
+      with open(os.path.join(out_dir, 'null_odds.json'), 'w') as f:
+        json.dump(self.null_diff, f, indent=1)
+
+  def headline(self, results) -> float:
+    return finetune_metrics.headline(self.name, results['squad'])
+
+
+def make_task(config, tokenizer):
+  if config.get('benchmark', 'glue') == 'squad':
+    return SquadTask(config, tokenizer)
+  return GlueTask(config, tokenizer)
+
+
+# ------------------------------------------------------------------------------ main loop
+
+
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  task = glue.get_task(config.task)
-  if config.task in ('ax', 'mnli_mismatched'):
-    raise ValueError(f'{config.task} has no training set: fine-tune glue/mnli, which also '
-                     'evaluates mismatched dev and predicts AX')
   pre = pretrained_config(config.init_checkpoint)
   if config.max_seq_length > pre.model.max_len:
     raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained model\'s '
@@ -105,16 +238,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if tokenizer.vocab_size != pre.model.vocab_size:
     raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
                      f'checkpoint was trained with {pre.model.vocab_size}')
-  regression = not task.labels
-  featurize = lambda ex: glue.featurize(ex, tokenizer, config.max_seq_length, regression)
-  train_examples = load_examples(config, config.task, 'train')
-  train = featurize(train_examples)
-  evals = {config.task: load_examples(config, config.task, 'dev')}
-  tests = {config.task: load_examples(config, config.task, 'test')}
-  if config.task == 'mnli':
-    evals['mnli_mismatched'] = load_examples(config, 'mnli_mismatched', 'dev')
-    tests['mnli_mismatched'] = load_examples(config, 'mnli_mismatched', 'test')
-    tests['ax'] = load_examples(config, 'ax', 'test')
+  task = make_task(config, tokenizer)
+  train = task.train
+  num_train = len(train['input_ids'])
 
   mesh = partitioning.make_mesh(config.mesh)
   jax.set_mesh(mesh)
@@ -123,21 +249,20 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     raise ValueError(f'batch_size={config.batch_size} and eval_batch_size='
                      f'{config.eval_batch_size} must be multiples of the data-parallel size '
                      f'{dp} (mesh.data * mesh.fsdp)')
-  steps_per_epoch = len(train_examples) // config.batch_size
+  steps_per_epoch = num_train // config.batch_size
   if steps_per_epoch == 0:
-    raise ValueError(f'{len(train_examples)} training examples are fewer than one batch of '
+    raise ValueError(f'{num_train} training examples are fewer than one batch of '
                      f'{config.batch_size}; lower config.batch_size')
   num_steps = steps_per_epoch * config.num_epochs
   opt = ml_collections.ConfigDict(config.optimizer.to_dict())
   if opt.warmup_steps < 0:
     opt.warmup_steps = int(opt.warmup_fraction * num_steps)
 
-  model = models.build(pre.model, head='classification', num_labels=len(task.labels) or 1)
+  model = task.build(pre.model)
   tx, schedule = train_lib.make_optimizer(opt, num_steps)
   shapes = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
             for k, v in train.items()}
   abstract, shardings = train_lib.state_shardings(model, tx, shapes, mesh)
-
   # Restart order: this run's checkpoint, else the pretrained encoder (or scratch).
   os.makedirs(workdir, exist_ok=True)
   checkpoints.write_config(workdir, config)
@@ -160,37 +285,33 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
       state = state.replace(params=params, opt_state=jax.jit(
           tx.init, out_shardings=shardings.opt_state)(params))
 
-  loss_fn = classification_loss_fn(model, regression)
   train_step = train_lib.make_train_step(
-      loss_fn, tx, schedule, mesh=mesh, shardings=shardings, metrics_cls=FinetuneMetrics,
-      totals_fn=lambda b: {'examples': jnp.asarray(b['label'].shape[0], jnp.float32)},
+      task.loss_fn(model), tx, schedule, mesh=mesh, shardings=shardings,
+      metrics_cls=FinetuneMetrics,
+      totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
       seed=config.seed)
-  predict = jax.jit(lambda params, batch: model.apply({'params': params}, batch)[1])
+  predict = jax.jit(lambda params, batch: model.apply({'params': params}, batch)[1:])
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))
 
-  def predictions(params, examples):
-    feats = featurize(examples)
-    out = []
-    for batch, valid in batches(feats, config.eval_batch_size):
-      logits = np.asarray(predict(params, train_lib.global_batch(batch, mesh)))
-      out.append((logits[:, 0] if regression else logits.argmax(-1))[valid])
-    return np.concatenate(out), feats['label']
+  def run_model(params, features) -> Tuple[np.ndarray, ...]:
+    outs = []
+    for batch, valid in batches(features, config.eval_batch_size):
+      out = predict(params, train_lib.global_batch(batch, mesh))
+      outs.append([np.asarray(o)[valid] for o in out])
+    return tuple(np.concatenate(parts) for parts in zip(*outs))
 
   def evaluate(params, step):
-    results = {}
-    for name, examples in evals.items():
-      preds, labels = predictions(params, examples)
-      results[name] = finetune_metrics.glue_metrics(
-          'mnli' if name == 'mnli_mismatched' else name, preds, labels)
+    results = task.evaluate(lambda features: run_model(params, features))
+    for name, values in results.items():
       # metrics.jsonl lines {"step": s, "split": "dev_<task>", "accuracy": ...}
-      writer.write_scalars(step, {f'dev_{name}/{k}': v for k, v in results[name].items()})
-      logging.info('step %d dev %s: %s', step, name, results[name])
+      writer.write_scalars(step, {f'dev_{name}/{k}': v for k, v in values.items()})
+      logging.info('step %d dev %s: %s', step, name, values)
     return results
 
   step = int(state.step)
   results = None
   for epoch in range(step // steps_per_epoch, config.num_epochs):
-    order = np.random.default_rng([config.seed, epoch]).permutation(len(train_examples))
+    order = np.random.default_rng([config.seed, epoch]).permutation(num_train)
     window = None
     for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
       idx = order[i * config.batch_size:(i + 1) * config.batch_size]
@@ -210,11 +331,10 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   manager.wait_until_finished()
   if results is None:  # resumed after the last epoch
     results = evaluate(state.params, step)
-  for name, examples in tests.items():
-    preds, _ = predictions(state.params, examples)
-    glue.write_predictions(name, examples, preds, os.path.join(workdir, 'predictions'))
-  summary = {'task': config.task, 'step': step, 'dev': results,
-             'headline': finetune_metrics.headline(config.task, results[config.task])}
+  task.write_predictions(lambda features: run_model(state.params, features), results,
+                         os.path.join(workdir, 'predictions'))
+  summary = {'task': task.name, 'step': step, 'dev': results,
+             'headline': task.headline(results)}
   with open(os.path.join(workdir, 'results.json'), 'w') as f:
     json.dump(summary, f, indent=2)
   manager.close()

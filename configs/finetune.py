@@ -1,4 +1,4 @@
-r"""Fine-tuning a pretrained encoder on GLUE.
+r"""Fine-tuning a pretrained encoder on GLUE or SQuAD.
 
   python finetune.py --config configs/finetune.py:glue/sst2 --workdir /tmp/ft_sst2 \
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/glue
@@ -13,6 +13,15 @@ TSV folders (CoLA/, SST-2/, MRPC/, STS-B/, QQP/, MNLI/, QNLI/, RTE/, WNLI/, diag
 empty means tfds `glue/<task>`. Tasks: cola, sst2, mrpc, stsb, qqp, mnli (also evaluates
 mismatched and predicts AX), qnli, rte, wnli. Defaults follow BERT: lr 2e-5, batch 32,
 3 epochs, 10% warm-up. Unknown keys are errors (the config is locked).
+
+  python finetune.py --config configs/finetune.py:squad/v1.1 --workdir /tmp/ft_squad \
+      --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad
+
+SQuAD (`squad/v1.1`, `squad/v2.0`): data_dir holds train-v1.1.json and dev-v1.1.json (or the
+v2.0 files), empty means tfds `squad/<version>`. BERT's settings: lr 3e-5, batch 32,
+2 epochs, max_seq_length 384, doc_stride 128, max_query_length 64, n_best_size 20,
+max_answer_length 30. For v2.0 the null-score threshold is tuned on dev (best F1) unless
+null_score_diff_threshold is set.
 """
 
 import ml_collections
@@ -20,22 +29,33 @@ import ml_collections
 
 def get_config(arg: str = 'glue/sst2'):
   benchmark, _, task = (arg or 'glue/sst2').partition('/')
-  if benchmark != 'glue' or not task:
-    raise ValueError(f'config arg {arg!r}: use glue/<task>, e.g. glue/sst2')
+  if benchmark not in ('glue', 'squad') or not task:
+    raise ValueError(f'config arg {arg!r}: use glue/<task> (e.g. glue/sst2) or '
+                     'squad/v1.1, squad/v2.0')
+  if benchmark == 'squad' and task not in ('v1.1', 'v2.0'):
+    raise ValueError(f'config arg {arg!r}: SQuAD versions are v1.1 and v2.0')
+  squad = benchmark == 'squad'
   c = ml_collections.ConfigDict()
+  c.benchmark = benchmark
   c.task = task
   c.init_checkpoint = ''
   c.from_scratch = False
   c.data_dir = ''
   c.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
-  c.max_seq_length = 128
+  c.max_seq_length = 384 if squad else 128
   c.batch_size = 32
   c.eval_batch_size = 64
-  c.num_epochs = 3
+  c.num_epochs = 2 if squad else 3
+  # SQuAD only: windows, answer search, and v2.0's no-answer threshold (None = tune on dev).
+  c.doc_stride = 128
+  c.max_query_length = 64
+  c.n_best_size = 20
+  c.max_answer_length = 30
+  c.null_score_diff_threshold = ml_collections.FieldReference(None, field_type=float)
   c.seed = 0
   c.log_every_steps = 50
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.learning_rate = 2e-5
+  c.optimizer.learning_rate = 3e-5 if squad else 2e-5
   c.optimizer.schedule = 'linear'
   c.optimizer.warmup_fraction = 0.1
   c.optimizer.warmup_steps = -1  # set from warmup_fraction when negative

@@ -4,15 +4,20 @@
   MRPC, QQP       F1 of the positive class and accuracy
   STS-B           Pearson and Spearman correlation
   the others      accuracy (MNLI: matched and mismatched separately)
+  SQuAD           exact match and token F1 (v2.0: with the no-answer threshold tuned on dev)
 """
 
-from typing import Dict
+import collections
+import re
+import string
+from typing import Dict, List, Optional
 
 import numpy as np
 from scipy import stats
 from sklearn import metrics as skm
 
-HEADLINE = {'cola': 'mcc', 'mrpc': 'f1', 'qqp': 'f1', 'stsb': 'pearson'}
+HEADLINE = {'cola': 'mcc', 'mrpc': 'f1', 'qqp': 'f1', 'stsb': 'pearson',
+            'squad/v1.1': 'f1', 'squad/v2.0': 'best_f1'}
 
 
 def glue_metrics(task: str, predictions: np.ndarray, labels: np.ndarray) -> Dict[str, float]:
@@ -32,3 +37,99 @@ def glue_metrics(task: str, predictions: np.ndarray, labels: np.ndarray) -> Dict
 def headline(task: str, metrics: Dict[str, float]) -> float:
   """The number a GLUE table reports for the task (used to pick the best setting)."""
   return metrics[HEADLINE.get(task, 'accuracy')]
+
+
+# ---------------------------------------------------------------------------- SQuAD
+# The official evaluation scripts (evaluate-v1.1.py, evaluate-v2.0.py), reimplemented: the
+# same normalisation, token F1, max over gold answers, and for v2.0 the no-answer handling
+# and the threshold search. Scores are percentages, as the scripts print them.
+
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+  """Lower case, drop punctuation, drop the articles a/an/the, squeeze whitespace."""
+  text = ''.join(c for c in text.lower() if c not in _PUNCTUATION)
+  text = re.sub(r'\b(a|an|the)\b', ' ', text)
+  return ' '.join(text.split())
+
+
+def exact_match(prediction: str, gold: str) -> float:
+  return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def token_f1(prediction: str, gold: str, *, empty_matches_empty: bool = False) -> float:
+  """F1 of the normalised tokens. v1.1 scores empty vs empty as 0; v2.0 (empty_matches_empty)
+  scores an empty side as 1 when both are empty, else 0."""
+  pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+  if empty_matches_empty and (not pred or not ref):
+    return float(pred == ref)
+  same = sum((collections.Counter(pred) & collections.Counter(ref)).values())
+  if same == 0:
+    return 0.0
+  precision, recall = same / len(pred), same / len(ref)
+  return 2 * precision * recall / (precision + recall)
+
+
+def squad_v1(golds: Dict[str, List[str]], predictions: Dict[str, str]) -> Dict[str, float]:
+  """evaluate-v1.1.py: mean over questions of the max over gold answers (a question without
+  a prediction counts 0)."""
+  em = f1 = 0.0
+  for qid, answers in golds.items():
+    if qid in predictions:
+      em += max(exact_match(predictions[qid], a) for a in answers)
+      f1 += max(token_f1(predictions[qid], a) for a in answers)
+  return {'exact_match': 100.0 * em / len(golds), 'f1': 100.0 * f1 / len(golds)}
+
+
+def _best_threshold(scores, na_probs, has_answer, predictions):
+  """evaluate-v2.0.py's find_best_thresh: sweep the threshold over the sorted na_probs."""
+  current = best = sum(1 for q in scores if not has_answer[q])
+  best_threshold = 0.0
+  for qid in sorted(na_probs, key=lambda q: na_probs[q]):
+    if qid not in scores:
+      continue
+    if has_answer[qid]:
+      current += scores[qid]
+    elif predictions[qid]:
+      current -= 1
+    if current > best:
+      best, best_threshold = current, na_probs[qid]
+  return 100.0 * best / len(scores), best_threshold
+
+
+def squad_v2(golds: Dict[str, List[str]], predictions: Dict[str, str],
+             na_probs: Optional[Dict[str, float]] = None,
+             na_prob_thresh: float = 1.0) -> Dict[str, float]:
+  """evaluate-v2.0.py. golds: answer texts per question ([] = unanswerable); na_probs: the
+  no-answer score per question (here: null score - best span score). Returns exact, f1,
+  HasAns_/NoAns_ breakdowns and, with na_probs, best_exact/best_f1 and their thresholds."""
+  has_answer, exact, f1 = {}, {}, {}
+  for qid, answers in golds.items():
+    answers = [a for a in answers if normalize_answer(a)] or ['']
+    has_answer[qid] = answers != ['']
+    if qid not in predictions:
+      continue
+    exact[qid] = max(exact_match(predictions[qid], a) for a in answers)
+    f1[qid] = max(token_f1(predictions[qid], a, empty_matches_empty=True) for a in answers)
+  na_probs = na_probs if na_probs is not None else {q: 0.0 for q in golds}
+
+  def thresholded(raw):
+    return {q: float(not has_answer[q]) if na_probs[q] > na_prob_thresh else s
+            for q, s in raw.items()}
+
+  out = {}
+  for name, raw in (('exact', exact), ('f1', f1)):
+    scores = thresholded(raw)
+    out[name] = 100.0 * sum(scores.get(q, 0.0) for q in golds) / len(golds)
+    for prefix, keep in (('HasAns', True), ('NoAns', False)):
+      qids = [q for q in golds if has_answer[q] == keep]
+      if qids:
+        out[f'{prefix}_{name}'] = 100.0 * sum(scores.get(q, 0.0) for q in qids) / len(qids)
+    # The official script ranks questions without predictions as well; they score 0.
+    full = {q: raw.get(q, 0.0) for q in golds}
+    preds = {q: predictions.get(q, '') for q in golds}
+    out[f'best_{name}'], out[f'best_{name}_thresh'] = _best_threshold(
+        full, na_probs, has_answer, preds)
+  out['total'] = len(golds)
+  return out

@@ -133,3 +133,29 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
     finetune.finetune(ft_config('rte', ''), str(tmp_path / 'ft2'))
   with pytest.raises(ValueError, match='fewer than one batch'):
     finetune.finetune(ft_config('rte', pretrained, batch_size=64), str(tmp_path / 'ft3'))
+
+
+def test_grid_commands_and_summary(tmp_path, capsys):
+  from realformer import finetune_grid  # pylint: disable=g-import-not-at-top
+  root = str(tmp_path)
+  finetune_grid.main(['--tasks', 'rte,squad/v1.1', '--root', root, '--init_checkpoint', '/ck',
+                      '--seeds', '2', '--print_only', '--set', 'max_seq_length=96'])
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python')]
+  assert len(lines) == 2 * 5 * 2 * 3 * 2  # tasks x lr x batch x epochs x seeds
+  assert all('--config.init_checkpoint=/ck' in l and '--config.max_seq_length=96' in l
+             for l in lines)
+  assert any('configs/finetune.py:squad/v1.1' in l for l in lines)
+  # Finished runs of two settings: the best is the one with the higher median over seeds.
+  for lr, seed, headline in [(1e-5, 0, 0.9), (1e-5, 1, 0.5), (1e-5, 2, 0.5),
+                             (2e-5, 0, 0.6), (2e-5, 1, 0.6), (2e-5, 2, 0.1)]:
+    run = {'optimizer.learning_rate': lr, 'batch_size': 16, 'num_epochs': 2, 'seed': seed}
+    workdir = tmp_path / 'rte' / f'lr={lr},seed={seed}'
+    workdir.mkdir(parents=True)
+    (workdir / 'overrides.json').write_text(json.dumps(run))
+    (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
+  finetune_grid.main(['--tasks', 'rte', '--root', root, '--summarize_only'])
+  rows = open(tmp_path / 'results.csv').read().splitlines()
+  assert rows[0].split(',') == finetune_grid.HEADER
+  best = [r.split(',') for r in rows[1:] if r.endswith('best')]
+  assert len(best) == 1 and best[0][1] == '2e-05' and float(best[0][5]) == 0.6
+  assert '| rte | 1e-05 | 16 | 2 | 3 | 0.5000 |' in open(tmp_path / 'results.md').read()

@@ -1,0 +1,288 @@
+"""SQuAD v1.1 / v2.0: examples, windowed features, and n-best span post-processing.
+
+The classic BERT `run_squad` recipe, with the pretraining run's tokenizer:
+1. the context is split on whitespace into words, with a char -> word map (so a character
+   answer span becomes a word span);
+2. each word is tokenised on its own (`tokenizer.encode(word)`: with sentencepiece every word
+   then starts with a '▁' piece, as in the whole text), keeping a sub-token -> word map;
+3. [CLS] question [SEP] window [SEP], the question cut to max_query_length tokens and the
+   context cut into windows of the remaining length that start doc_stride tokens apart; each
+   token is scored in the window where it has the most context on both sides;
+4. training targets: the answer's sub-token span (narrowed to the tokens whose text is the
+   answer, when a word holds more than the answer), or [CLS] (position 0) when the answer is
+   outside the window or the question is unanswerable (v2.0);
+5. prediction: the n_best_size best start and end logits of every window, valid spans only
+   (inside the context, end >= start, at most max_answer_length tokens, start at its max-context
+   window), the best span's words mapped back to the original characters (`final_text`); for
+   v2.0 the null score is [CLS]'s start + end logit and the answer is empty when
+   null - best span > threshold (the threshold tuned on dev: see finetune_metrics.squad_v2).
+"""
+
+import dataclasses
+import json
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Example:
+  qid: str
+  question: str
+  context: str
+  words: List[str]             # the context split on whitespace
+  answers: List[str]           # every gold answer text ([] when unanswerable)
+  answer_text: str = ''        # the training answer (the first gold one)
+  start_word: int = -1         # its word span; -1 when unanswerable
+  end_word: int = -1
+
+  @property
+  def is_impossible(self) -> bool:
+    return not self.answers
+
+
+def _is_whitespace(c: str) -> bool:
+  return c in ' \t\r\n' or ord(c) == 0x202F
+
+
+def split_words(context: str) -> Tuple[List[str], List[int]]:
+  """Whitespace words and, for every character, the index of its word."""
+  words, char_to_word, new_word = [], [], True
+  for c in context:
+    if _is_whitespace(c):
+      new_word = True
+    else:
+      if new_word:
+        words.append(c)
+      else:
+        words[-1] += c
+      new_word = False
+    char_to_word.append(len(words) - 1)
+  return words, char_to_word
+
+
+def make_example(qid: str, question: str, context: str, answers: Sequence[str],
+                 answer_starts: Sequence[int]) -> Example:
+  """One question; answers/answer_starts are empty for an unanswerable (v2.0) question."""
+  words, char_to_word = split_words(context)
+  ex = Example(qid, question, context, words, list(answers))
+  if answers:
+    text, start = answers[0], answer_starts[0]
+    if context[start:start + len(text)] != text:
+      raise ValueError(f'question {qid}: answer {text!r} is not at character {start} of its '
+                       'context; is the file SQuAD JSON?')
+    ex.answer_text = text
+    ex.start_word = char_to_word[start]
+    ex.end_word = char_to_word[start + len(text) - 1]
+  return ex
+
+
+def read_json(path: str) -> List[Example]:
+  """Examples of an official SQuAD JSON file (train-v1.1.json, dev-v2.0.json, ...)."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path} not found; set config.data_dir to the folder holding the '
+                            'official SQuAD JSON files, or leave it empty for tfds')
+  with open(path, encoding='utf-8') as f:
+    data = json.load(f)['data']
+  examples = []
+  for article in data:
+    for paragraph in article['paragraphs']:
+      for qa in paragraph['qas']:
+        answers = [] if qa.get('is_impossible') else qa['answers']
+        examples.append(make_example(qa['id'], qa['question'], paragraph['context'],
+                                     [a['text'] for a in answers],
+                                     [a['answer_start'] for a in answers]))
+  return examples
+
+
+def read_tfds(version: str, split: str, data_dir: Optional[str] = None) -> List[Example]:
+  """Examples of tfds squad/v1.1 or squad/v2.0 ('train' or 'validation')."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  ds = tfds.load(f'squad/{version}', split=split, data_dir=data_dir, shuffle_files=False)
+  examples = []
+  for ex in tfds.as_numpy(ds):
+    dec = lambda x: x.decode('utf-8')
+    answers = ex['answers']
+    impossible = bool(ex.get('is_impossible', False))
+    texts = [] if impossible else [dec(t) for t in answers['text']]
+    starts = [] if impossible else [int(s) for s in answers['answer_start']]
+    examples.append(make_example(dec(ex['id']), dec(ex['question']), dec(ex['context']),
+                                 texts, starts))
+  return examples
+
+
+# ---------------------------------------------------------------------------- features
+
+@dataclasses.dataclass
+class FeatureInfo:
+  """What post-processing needs to know about one window."""
+  example_index: int
+  token_to_word: Dict[int, int]     # feature position -> context word
+  max_context: Dict[int, bool]      # feature position -> this window is its best
+
+
+def _max_context(spans: Sequence[Tuple[int, int]], span_index: int, position: int) -> bool:
+  """BERT's _check_is_max_context: the window with the most context around a token wins
+  (min of left and right context, plus a small bonus for longer windows)."""
+  best, best_index = None, None
+  for i, (start, length) in enumerate(spans):
+    end = start + length - 1
+    if not start <= position <= end:
+      continue
+    score = min(position - start, end - position) + 0.01 * length
+    if best is None or score > best:
+      best, best_index = score, i
+  return best_index == span_index
+
+
+def _normalize_text(text: str) -> str:
+  return ''.join(text.lower().split())
+
+
+def _improve_span(ids: List[int], start: int, end: int, tokenizer, answer: str):
+  """The narrowest sub-token span inside [start, end] whose text is the answer (a word such
+  as '(1858).' holds more than '1858'); compared as decoded text, since '▁' pieces differ."""
+  target = _normalize_text(answer)
+  for new_start in range(start, end + 1):
+    for new_end in range(end, new_start - 1, -1):
+      if _normalize_text(tokenizer.decode(ids[new_start:new_end + 1])) == target:
+        return new_start, new_end
+  return start, end
+
+
+def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
+              doc_stride: int, max_query_length: int, training: bool
+              ) -> Tuple[Dict[str, np.ndarray], List[FeatureInfo]]:
+  """Windows of every example -> arrays (input_ids, segment_ids, attention_mask,
+  start_positions, end_positions) and one FeatureInfo per window."""
+  if doc_stride <= 0:
+    raise ValueError(f'doc_stride={doc_stride} must be positive')
+  max_window = max_seq_length - min(max_query_length, max_seq_length) - 3
+  if max_window <= 0:
+    raise ValueError(f'max_seq_length={max_seq_length} leaves no room for the context after '
+                     f'max_query_length={max_query_length}; raise it or lower the other')
+  rows, infos = [], []
+  for example_index, ex in enumerate(examples):
+    query = tokenizer.encode(ex.question)[:max_query_length]
+    sub_to_word, word_to_sub, doc = [], [], []
+    for w, word in enumerate(ex.words):
+      word_to_sub.append(len(doc))
+      for piece in tokenizer.encode(word):
+        sub_to_word.append(w)
+        doc.append(piece)
+    answer_span = None
+    if training and not ex.is_impossible:
+      start = word_to_sub[ex.start_word]
+      end = (word_to_sub[ex.end_word + 1] - 1 if ex.end_word + 1 < len(ex.words)
+             else len(doc) - 1)
+      answer_span = _improve_span(doc, start, end, tokenizer, ex.answer_text)
+    spans, offset = [], 0
+    while True:
+      length = min(len(doc) - offset, max_window)
+      spans.append((offset, length))
+      if offset + length >= len(doc):
+        break
+      offset += min(length, doc_stride)
+    for span_index, (offset, length) in enumerate(spans):
+      ids = [tokenizer.cls_id] + query + [tokenizer.sep_id]
+      segments = [0] * len(ids)
+      token_to_word, max_context = {}, {}
+      for i in range(length):
+        token_to_word[len(ids)] = sub_to_word[offset + i]
+        max_context[len(ids)] = _max_context(spans, span_index, offset + i)
+        ids.append(doc[offset + i])
+      ids.append(tokenizer.sep_id)
+      segments += [1] * (length + 1)
+      start_position = end_position = 0
+      if answer_span is not None:
+        start, end = answer_span
+        if offset <= start and end < offset + length:
+          start_position = start - offset + len(query) + 2
+          end_position = end - offset + len(query) + 2
+      rows.append((ids, segments, start_position, end_position))
+      infos.append(FeatureInfo(example_index, token_to_word, max_context))
+  n = len(rows)
+  arrays = {'input_ids': np.full((n, max_seq_length), tokenizer.pad_id, np.int32),
+            'segment_ids': np.zeros((n, max_seq_length), np.int32),
+            'attention_mask': np.zeros((n, max_seq_length), np.int32),
+            'start_positions': np.zeros((n,), np.int32),
+            'end_positions': np.zeros((n,), np.int32)}
+  for i, (ids, segments, start, end) in enumerate(rows):
+    arrays['input_ids'][i, :len(ids)] = ids
+    arrays['segment_ids'][i, :len(ids)] = segments
+    arrays['attention_mask'][i, :len(ids)] = 1
+    arrays['start_positions'][i], arrays['end_positions'][i] = start, end
+  return arrays, infos
+
+
+# ---------------------------------------------------------------------------- predictions
+
+def final_text(predicted: str, original: str) -> str:
+  """The characters of `original` (whitespace words of the context) that the decoded tokens
+  `predicted` stand for: BERT's get_final_text, aligning the two with case and spaces
+  ignored; `original` itself when they cannot be aligned (e.g. normalised characters)."""
+  kept = [i for i, c in enumerate(original) if not c.isspace()]
+  squeezed = ''.join(original[i] for i in kept).lower()
+  target = _normalize_text(predicted)
+  if len(squeezed) != len(''.join(original.split())):  # lower() changed the length
+    return original
+  start = squeezed.find(target) if target else -1
+  if start < 0:
+    return original
+  return original[kept[start]:kept[start + len(target) - 1] + 1]
+
+
+def _top_indices(logits: np.ndarray, n: int) -> List[int]:
+  return list(np.argsort(-logits, kind='stable')[:n])
+
+
+def postprocess(examples: Sequence[Example], infos: Sequence[FeatureInfo],
+                features: Dict[str, np.ndarray], start_logits: np.ndarray,
+                end_logits: np.ndarray, tokenizer, *, n_best_size: int = 20,
+                max_answer_length: int = 30, version_2: bool = False
+                ) -> Tuple[Dict[str, str], Dict[str, float]]:
+  """Answer text per question id, and (v2.0) the null score minus the best span's score
+  (the official script's "na_prob": answer empty when it exceeds the threshold)."""
+  by_example = {}
+  for f, info in enumerate(infos):
+    by_example.setdefault(info.example_index, []).append(f)
+  answers, null_diff = {}, {}
+  for example_index, ex in enumerate(examples):
+    candidates, null_score = [], None
+    for f in by_example.get(example_index, []):
+      info, s_logits, e_logits = infos[f], start_logits[f], end_logits[f]
+      if version_2:
+        score = float(s_logits[0] + e_logits[0])
+        null_score = score if null_score is None else min(null_score, score)
+      for s in _top_indices(s_logits, n_best_size):
+        for e in _top_indices(e_logits, n_best_size):
+          if (s not in info.token_to_word or e not in info.token_to_word or e < s or
+              e - s + 1 > max_answer_length or not info.max_context.get(s, False)):
+            continue
+          candidates.append((float(s_logits[s] + e_logits[e]), f, s, e))
+    candidates.sort(key=lambda c: -c[0])
+    best_text, best_score, seen = None, None, set()
+    for score, f, s, e in candidates:
+      info = infos[f]
+      predicted = tokenizer.decode(features['input_ids'][f, s:e + 1].tolist())
+      original = ' '.join(ex.words[info.token_to_word[s]:info.token_to_word[e] + 1])
+      text = final_text(predicted, original)
+      if text in seen:
+        continue
+      seen.add(text)
+      if best_text is None:
+        best_text, best_score = text, score
+      if len(seen) >= n_best_size:
+        break
+    if version_2:
+      diff = null_score - best_score if best_score is not None else float('inf')
+      null_diff[ex.qid] = diff
+    answers[ex.qid] = best_text or ''
+  return answers, null_diff
+
+
+def apply_null_threshold(answers: Dict[str, str], null_diff: Dict[str, float],
+                         threshold: float) -> Dict[str, str]:
+  """v2.0: the empty answer where null score - best span score > threshold."""
+  return {q: '' if null_diff.get(q, -np.inf) > threshold else a for q, a in answers.items()}

@@ -1,0 +1,160 @@
+r"""The fine-tuning grid of the paper's practice, for one task or all of GLUE, over seeds.
+
+  python -m realformer.finetune_grid --tasks rte,mrpc --root /tmp/grid \
+      --init_checkpoint /tmp/bert_tiny --data_dir /data/glue --seeds 5
+  python -m realformer.finetune_grid --tasks glue ... --print_only --target slurm
+  python -m realformer.finetune_grid --tasks rte --root /tmp/grid --summarize_only
+
+Every (learning rate, batch size, epochs, seed) of every task is one finetune.py run in
+<root>/<task>/<its overrides> (realformer.sweep names, skips finished runs and resumes
+interrupted ones), run here one after another, or printed as launch commands for a cluster
+(--print_only). The summary (<root>/results.md and .csv) gives each setting's median
+(and mean, min, max) over seeds of the task's headline metric (GLUE's: MCC for CoLA, F1 for
+MRPC/QQP, Pearson for STS-B, accuracy elsewhere; SQuAD F1), and marks the best setting of
+each task by that median. Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli also
+reports mismatched and predicts AX) or squad/v1.1, squad/v2.0.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any, Dict, List, Sequence
+
+from realformer import sweep
+
+GLUE_TASKS = ('cola', 'sst2', 'mrpc', 'stsb', 'qqp', 'mnli', 'qnli', 'rte', 'wnli')
+GRID_KEYS = ('optimizer.learning_rate', 'batch_size', 'num_epochs')
+PROGRAM = 'finetune.py'
+
+
+def config_arg(task: str) -> str:
+  """'rte' -> configs/finetune.py:glue/rte; 'squad/v1.1' stays."""
+  name = task if '/' in task else f'glue/{task}'
+  return f'configs/finetune.py:{name}'
+
+
+def expand_tasks(tasks: str) -> List[str]:
+  names = []
+  for t in tasks.split(','):
+    names += list(GLUE_TASKS) if t == 'glue' else [t]
+  unknown = [t for t in names if t not in GLUE_TASKS and t not in ('squad/v1.1', 'squad/v2.0')]
+  if unknown:
+    raise ValueError(f'unknown tasks {unknown}; use GLUE names ({", ".join(GLUE_TASKS)}), '
+                     'glue (all nine), squad/v1.1 or squad/v2.0')
+  return names
+
+
+def grid(learning_rates: Sequence[float], batch_sizes: Sequence[int],
+         epochs: Sequence[int], seeds: int, fixed: Dict[str, Any]) -> List[sweep.Run]:
+  """The product of the grid and the seeds; `fixed` overrides go into every run."""
+  h = sweep.Hyper
+  runs = h.product([h.sweep('optimizer.learning_rate', learning_rates),
+                    h.sweep('batch_size', batch_sizes), h.sweep('num_epochs', epochs),
+                    [fixed], h.sweep('seed', range(seeds))])
+  return runs
+
+
+def task_root(root: str, task: str) -> str:
+  return os.path.join(root, task.replace('/', '_'))
+
+
+def collect(root: str) -> List[Dict[str, Any]]:
+  """(overrides, headline) of every finished run under one task's root."""
+  rows = []
+  for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    path = os.path.join(root, name, 'results.json')
+    if not os.path.exists(path):
+      continue
+    with open(os.path.join(root, name, sweep.OVERRIDES)) as f:
+      run = json.load(f)
+    with open(path) as f:
+      rows.append({'run': run, 'headline': json.load(f)['headline']})
+  return rows
+
+
+def _fmt(value):
+  return repr(value) if isinstance(value, float) else value  # 2e-05, not 0.0000
+
+
+def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
+  """One row per grid setting: task, lr, batch, epochs, n, median, mean, min, max, best."""
+  groups = {}
+  for row in rows:
+    key = tuple(_fmt(row['run'].get(k)) for k in GRID_KEYS)
+    groups.setdefault(key, []).append(row['headline'])
+  table = [[task, *key, len(v), statistics.median(v), statistics.mean(v), min(v), max(v), '']
+           for key, v in sorted(groups.items())]
+  if table:
+    max(table, key=lambda r: r[5])[-1] = 'best'
+  return table
+
+
+HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'median', 'mean', 'min',
+          'max', 'best']
+
+
+def write_summary(root: str, tasks: Sequence[str]) -> str:
+  table = []
+  for task in tasks:
+    table += summarize(task, collect(task_root(root, task)))
+  markdown = sweep.to_markdown(HEADER, table)
+  with open(os.path.join(root, 'results.md'), 'w') as f:
+    f.write(markdown)
+  with open(os.path.join(root, 'results.csv'), 'w') as f:
+    f.write(sweep.to_csv(HEADER, table))
+  return markdown
+
+
+def _floats(text):
+  return [float(v) for v in text.split(',')]
+
+
+def _ints(text):
+  return [int(v) for v in text.split(',')]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--tasks', required=True, help='comma-separated; glue = all nine')
+  p.add_argument('--root', required=True)
+  p.add_argument('--init_checkpoint', default='')
+  p.add_argument('--data_dir', default='', help='GLUE TSV / SQuAD JSON folder ('' = tfds)')
+  p.add_argument('--learning_rates', type=_floats, default=[1e-5, 2e-5, 3e-5, 4e-5, 5e-5])
+  p.add_argument('--batch_sizes', type=_ints, default=[16, 32])
+  p.add_argument('--epochs', type=_ints, default=[2, 3, 4])
+  p.add_argument('--seeds', type=int, default=5)
+  p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                 help='another fixed override, e.g. --set max_seq_length=128')
+  p.add_argument('--print_only', action='store_true', help='print launch commands instead')
+  p.add_argument('--target', default='local', choices=('local', 'tpu', 'slurm'))
+  p.add_argument('--summarize_only', action='store_true')
+  args = p.parse_args(argv)
+
+  tasks = expand_tasks(args.tasks)
+  if not args.summarize_only:
+    fixed = {'init_checkpoint': args.init_checkpoint, 'data_dir': args.data_dir}
+    for assignment in sweep.parse_assignments(args.set, multi=False):
+      fixed.update(assignment[0])
+    failed = []
+    for task in tasks:
+      runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
+      root = task_root(args.root, task)
+      if args.print_only:
+        print(sweep.launch_script(runs, root=root, program=PROGRAM, config=config_arg(task),
+                                  target=args.target), end='')
+        continue
+      codes = sweep.run_all(runs, root=root, program=PROGRAM, config=config_arg(task))
+      failed += [f'{task}/{n}' for n, c in codes.items() if c]
+    if args.print_only:
+      return 0
+    if failed:
+      print(f'failed runs: {", ".join(failed)}')
+  print(write_summary(args.root, tasks))
+  print(f'(written to {args.root}/results.md and {args.root}/results.csv)')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

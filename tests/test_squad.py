@@ -1,0 +1,145 @@
+"""SQuAD: the official metrics on hand-made cases, windows that map every answer back to its
+exact text, n-best post-processing, and fine-tuning end to end (v1.1 and v2.0)."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import finetune
+from configs import finetune as finetune_configs
+from data import squad
+from data import tokenizer as tokenizer_lib
+from realformer import finetune_metrics as fm
+from tests import test_finetune
+
+SQUAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'squad')
+pretrained = test_finetune.pretrained  # the tiny pretraining workdir fixture
+
+
+@pytest.fixture(scope='module')
+def tok():
+  return tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+
+
+def test_normalize_and_scores_follow_the_official_scripts():
+  assert fm.normalize_answer('The  Cat, a dog... AN apple!') == 'cat dog apple'
+  assert fm.normalize_answer('theatre') == 'theatre'  # articles only as whole words
+  assert fm.exact_match('the Eiffel Tower.', 'Eiffel tower') == 1.0
+  # pred tokens {saint, bernadette}, gold {saint, bernadette, soubirous}: P=1, R=2/3.
+  assert fm.token_f1('Saint Bernadette', 'Saint Bernadette Soubirous') == pytest.approx(0.8)
+  assert fm.token_f1('x b b', 'b b c') == pytest.approx(2 / 3)  # counts, not sets
+  assert fm.token_f1('', '') == 0.0  # v1.1 scores empty vs empty as 0 ...
+  assert fm.token_f1('', '', empty_matches_empty=True) == 1.0  # ... v2.0 as 1
+  assert fm.token_f1('x', '', empty_matches_empty=True) == 0.0
+  golds = {'q1': ['Denver Broncos', 'Broncos'], 'q2': ['1858'], 'q3': ['blue']}
+  out = fm.squad_v1(golds, {'q1': 'the Broncos', 'q2': 'in 1858', 'q3': 'red'})
+  assert out['exact_match'] == pytest.approx(100 / 3)  # q1 matches its second answer
+  assert out['f1'] == pytest.approx(100 * (1 + 2 / 3 + 0) / 3)
+
+
+def test_v2_no_answer_handling_and_threshold_search():
+  golds = {'a': ['Paris'], 'b': [], 'c': ['', ' .'], 'd': ['blue sky']}  # c: no real answer
+  preds = {'a': 'Paris', 'b': '', 'c': 'London', 'd': 'sky'}
+  out = fm.squad_v2(golds, preds)
+  assert out['exact'] == pytest.approx(50.0)  # a, b right; c wrong; d partial
+  assert out['f1'] == pytest.approx(100 * (1 + 1 + 0 + 2 / 3) / 4)
+  assert out['HasAns_exact'] == pytest.approx(50.0) and out['NoAns_exact'] == 50.0
+  # With no-answer scores, c (wrongly answered) is best abstained.
+  na = {'a': 0.1, 'b': 0.9, 'c': 0.5, 'd': 0.3}
+  out = fm.squad_v2(golds, preds, na, na_prob_thresh=0.4)
+  assert out['exact'] == pytest.approx(75.0)  # b and c abstain (both right), a right, d wrong
+  # The sweep in na order: start at 2 (abstain on all); a +1 (at 0.1), d +0 / +2/3 (at 0.3),
+  # c -1, b 0: exact peaks first at 0.1, F1 at 0.3.
+  assert out['best_exact'] == pytest.approx(75.0) and out['best_exact_thresh'] == 0.1
+  assert out['best_f1'] == pytest.approx(100 * (3 + 2 / 3) / 4)
+  assert out['best_f1_thresh'] == 0.3
+
+
+def _examples(version):
+  return squad.read_json(os.path.join(SQUAD_DIR, f'{version}.json'))
+
+
+def _ends_inside_a_word(ex):
+  end = ex.context.find(ex.answer_text) + len(ex.answer_text)
+  return end < len(ex.context) and ex.context[end - 1].isalnum() and ex.context[end].isalnum()
+
+
+@pytest.mark.parametrize('version', ['v1.1', 'v2.0'])
+def test_every_window_maps_its_answer_back_to_the_exact_text(version, tok):
+  examples = _examples(version)
+  feats, infos = squad.featurize(examples, tok, max_seq_length=48, doc_stride=16,
+                                 max_query_length=12, training=True)
+  assert len(infos) > 3 * len(examples)  # several windows per context
+  found = set()
+  for f, info in enumerate(infos):
+    ex = examples[info.example_index]
+    s, e = feats['start_positions'][f], feats['end_positions'][f]
+    if s == 0:
+      assert e == 0
+      continue
+    assert not ex.is_impossible and s in info.token_to_word and e in info.token_to_word
+    predicted = tok.decode(feats['input_ids'][f, s:e + 1].tolist())
+    original = ' '.join(ex.words[info.token_to_word[s]:info.token_to_word[e] + 1])
+    text = squad.final_text(predicted, original)
+    if _ends_inside_a_word(ex):  # the fixture's 'Father Julius Nieuwl' (of 'Nieuwland')
+      assert ex.answer_text in text
+    else:
+      assert text == ex.answer_text
+    found.add(info.example_index)
+  answerable = {i for i, ex in enumerate(examples) if not ex.is_impossible}
+  assert found == answerable  # every answer lies whole in at least one window
+  assert version == 'v1.1' or len(answerable) < len(examples)
+
+
+def test_postprocess_recovers_answers_from_oracle_logits(tok):
+  examples = _examples('v2.0')
+  kw = dict(max_seq_length=48, doc_stride=16, max_query_length=12)
+  train, _ = squad.featurize(examples, tok, training=True, **kw)
+  feats, infos = squad.featurize(examples, tok, training=False, **kw)
+  start = np.full(feats['input_ids'].shape, -5.0, np.float32)
+  end = start.copy()
+  rows = np.arange(len(infos))
+  start[rows, train['start_positions']] = 5.0  # the gold span (or [CLS]) of every window
+  end[rows, train['end_positions']] = 5.0
+  answers, null_diff = squad.postprocess(examples, infos, feats, start, end, tok,
+                                         n_best_size=5, max_answer_length=30, version_2=True)
+  golds = {ex.qid: ex.answers for ex in examples}
+  metrics = fm.squad_v2(golds, answers, null_diff)
+  assert metrics['best_exact'] == 100.0 and metrics['best_f1'] == 100.0
+  for ex in examples:
+    if not ex.is_impossible:
+      assert answers[ex.qid] == ex.answer_text
+  final = squad.apply_null_threshold(answers, null_diff, metrics['best_f1_thresh'])
+  assert fm.squad_v2(golds, final)['exact'] == 100.0
+  with pytest.raises(ValueError, match='leaves no room'):
+    squad.featurize(examples, tok, max_seq_length=16, doc_stride=8, max_query_length=16,
+                    training=True)
+
+
+def test_squad_v2_end_to_end(pretrained, tmp_path):
+  version = 'v2.0'  # v1.1 differs only in the metrics, tested above
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  for split in ('train', 'dev'):
+    shutil.copy(os.path.join(SQUAD_DIR, f'{version}.json'), data_dir / f'{split}-{version}.json')
+  c = finetune_configs.get_config(f'squad/{version}')
+  c.unlock()
+  c.init_checkpoint, c.data_dir = pretrained, str(data_dir)
+  c.max_seq_length, c.doc_stride, c.max_query_length = 64, 24, 16
+  c.batch_size, c.eval_batch_size, c.num_epochs = 4, 8, 1
+  c.optimizer.learning_rate = 1e-4
+  c.mesh.data, c.mesh.tensor = 1, -1
+  workdir = str(tmp_path / 'ft')
+  summary = finetune.finetune(c, workdir)
+  metrics = summary['dev']['squad']
+  answers = json.load(open(os.path.join(workdir, 'predictions', 'predictions.json')))
+  assert set(answers) == {ex.qid for ex in _examples(version)}
+  assert 0.0 <= metrics['f1'] <= metrics['best_f1'] <= 100.0
+  assert summary['headline'] == metrics['best_f1'] and metrics['total'] == len(answers)
+  null_odds = json.load(open(os.path.join(workdir, 'predictions', 'null_odds.json')))
+  assert set(null_odds) == set(answers)
+  records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  assert any(r['split'] == 'dev_squad' and 'best_f1_thresh' in r for r in records)
