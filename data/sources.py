@@ -6,9 +6,10 @@
   files:<glob>                    BERT's format: one sentence per line, a blank line between
                                   documents; gzip or plain (detected from the bytes)
   tfds:<name>[:<split>]           a tensorflow-datasets text dataset, e.g.
-                                  tfds:wikipedia/20230601.en or tfds:wikipedia/20230601.en:train[:10%];
-                                  each example's text feature ('text' unless told) is one
-                                  document, its paragraphs (lines) split into sentences
+                                  tfds:wikipedia/20230601.en (split 'train' by default) or
+                                  tfds:wikipedia/20230601.en:train[:10%]; each example's
+                                  text feature ('text' unless told) is one document, its
+                                  paragraphs (lines) split into sentences
 
 Every source streams a document (a list of sentence strings) at a time, so memory does not
 grow with the corpus. What is skipped is counted in `stats` (a collections.Counter):

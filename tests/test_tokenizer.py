@@ -1,7 +1,6 @@
 """data.tokenizer: BERT's special ids, byte fallback, whole-word starts, training (long
 lines split, not dropped), and the errors for vocabularies that are missing or malformed."""
 
-import collections
 import gzip
 import itertools
 import unicodedata
@@ -53,7 +52,8 @@ def test_real_sentences_round_trip_uncased_without_unknowns(tok, corpus_lines):
 
 
 def test_curly_quotes_accents_and_emoji_fall_back_to_bytes(tok):
-  text = 'The \u201cUnion\u201d is the President\u2019s \u2014 caf\u00e9 \u00c5land \u2603 \U0001f1fa\U0001f1f8.'
+  text = ('The \u201cUnion\u201d is the President\u2019s \u2014 caf\u00e9 \u00c5land \u2603 '
+          '\U0001f1fa\U0001f1f8.')
   ids = tok.encode(text)
   assert tok.unk_id not in ids
   assert any(tok.id_to_piece(i).startswith('<0x') for i in ids)  # bytes, not [UNK]
