@@ -10,7 +10,8 @@ config.data.prepared_dir is set). Writes train-XXXXX-of-NNNNN and eval-XXXXX-of-
 array_record shards (one sentence-pair instance per record, unmasked: masking is dynamic)
 and metadata.json (counts, skipped items, and the fingerprint of the settings that shaped the
 instances). Memory stays bounded: documents stream through a window of
-`data.document_window` documents and instances go straight to the shard writers.
+`data.document_window` documents and instances go straight to the shard writers, which start a
+new file every `data.records_per_file` records (default 32768).
 """
 
 import collections
@@ -72,6 +73,41 @@ def shard_paths(prepared_dir: str, split: str, num_shards: int):
           for i in range(num_shards)]
 
 
+class ShardWriters:
+  """`num_shards` array_record writers filled round-robin, each starting a new file after
+  `records_per_file` records: a writer holds a few hundred bytes per record written until it
+  is closed (about 100 MB per 200k records), so unbounded files would make preparation's
+  memory grow with the corpus. `close` names the files {split}-XXXXX-of-NNNNN."""
+
+  def __init__(self, directory: str, split: str, num_shards: int, records_per_file: int):
+    self._dir, self._split, self._per_file = directory, split, records_per_file
+    self._paths, self._written = [], 0
+    self._writers = [self._open(i) for i in range(num_shards)]
+    self._counts = [0] * num_shards
+
+  def _open(self, shard: int):
+    path = os.path.join(self._dir, f'{self._split}.part-{len(self._paths):05d}-{shard}')
+    self._paths.append(path)
+    return array_record_module.ArrayRecordWriter(path, 'group_size:1')
+
+  def write(self, record: bytes):
+    i = self._written % len(self._writers)
+    if self._counts[i] == self._per_file:
+      self._writers[i].close()
+      self._writers[i], self._counts[i] = self._open(i), 0
+    self._writers[i].write(record)
+    self._counts[i] += 1
+    self._written += 1
+
+  def close(self) -> int:
+    """Closes and names the files; returns how many there are."""
+    for w in self._writers:
+      w.close()
+    for path, final in zip(self._paths, shard_paths(self._dir, self._split, len(self._paths))):
+      os.rename(path, final)
+    return len(self._paths)
+
+
 def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dict:
   """Writes the shards and metadata.json into `out_dir` (atomically); returns the metadata.
 
@@ -84,23 +120,22 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dic
   tmp = f'{out_dir.rstrip("/")}.tmp-{os.getpid()}'
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
-  counts, stats, start = {}, collections.Counter(), time.time()
+  counts, files, stats, start = {}, {}, collections.Counter(), time.time()
   for split in SPLITS:
     split_stats = collections.Counter()
     docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=split_stats,
-                                  weights=d.weights, seed=config.seed)
+                                  weights=d.weights, seed=config.seed,
+                                  tfds_text_feature=d.get('tfds_text_feature', 'text'))
     docs = _tokenised(_split_stream(docs, split, d.eval_fraction), tokenizer, split_stats)
-    writers = [array_record_module.ArrayRecordWriter(p, 'group_size:1')
-               for p in shard_paths(tmp, split, d.num_shards)]
+    writers = ShardWriters(tmp, split, d.num_shards, d.get('records_per_file', 32768))
     n = 0
     for inst in pretraining.stream_instances(
         docs, max_seq_length=d.max_seq_length, short_seq_prob=d.short_seq_prob,
         dupe_factor=d.dupe_factor, seed=config.seed + (split == 'eval'), stats=split_stats,
         window=d.get('document_window', 1000)):
-      writers[n % len(writers)].write(inst.to_bytes())
+      writers.write(inst.to_bytes())
       n += 1
-    for w in writers:
-      w.close()
+    files[split] = writers.close()
     counts[split] = n
     stats.update({f'{split}/{k}': v for k, v in split_stats.items()})
   if counts['train'] == 0:
@@ -108,7 +143,8 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dic
     raise ValueError(f'config.data.sources={d.sources!r} gave no training examples '
                      f'({dict(stats) or "no documents"}); check the files and their format '
                      '(one sentence per line, blank line between documents)')
-  metadata = {'counts': counts, 'stats': dict(stats), 'fingerprint': fingerprint(config),
+  metadata = {'counts': counts, 'files': files, 'stats': dict(stats),
+              'fingerprint': fingerprint(config),
               'tokenizer_path': tokenizer.path, 'vocab_size': tokenizer.vocab_size,
               'max_seq_length': d.max_seq_length, 'seconds': round(time.time() - start, 1)}
   with open(os.path.join(tmp, METADATA), 'w') as f:

@@ -1,15 +1,14 @@
-"""The pretraining input: tokenizer, sources, BERT's instance creation and masking, prepared
-shards, and the deterministic, resumable, per-host stream."""
+"""The pretraining input: a tfds source prepared end to end, BERT's instance creation and
+masking, prepared shards, and the deterministic, resumable, per-host stream. (The tokenizer
+and the sources have their own files: test_tokenizer.py, test_sources.py.)"""
 
 import collections
-import gzip
 import itertools
 import os
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import sentencepiece as spm
 import tensorflow_datasets as tfds
 
 from configs import pretrain
@@ -29,83 +28,7 @@ def embedded_documents(n):
   return list(itertools.islice(sources.iter_documents('embedded'), n))
 
 
-# ------------------------------------------------------------------------------ tokenizer
-
-def test_embedded_tokenizer_has_bert_special_ids_and_round_trips(tok):
-  assert tok.vocab_size == 8000
-  assert [tok.id_to_piece(i) for i in range(5)] == ['[PAD]', '[UNK]', '[CLS]', '[SEP]',
-                                                    '[MASK]']
-  assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
-  for sentence in embedded_documents(3)[2][:20]:
-    ids = tok.encode(sentence)
-    assert tok.unk_id not in ids
-    assert tok.decode(ids) == sentence.lower()
-  curly = 'The \u201cUnion\u201d is the President\u2019s \u2014 caf\u00e9.'
-  assert tok.unk_id not in tok.encode(curly)  # byte fallback
-  assert tok.decode(tok.encode(curly)) == curly.lower()
-  starts = tok.word_start_mask()
-  ids = tok.encode('unconstitutionality')
-  assert starts[ids[0]] and not starts[ids[1:]].any()
-
-
-def test_training_splits_long_lines_and_rejects_vocabularies_without_specials(tmp_path):
-  lines = [s for doc in embedded_documents(4) for s in doc]
-  long_line = ' '.join(lines[:80])  # far over sentencepiece's 4192-byte limit
-  assert len(long_line.encode()) > tokenizer_lib.MAX_SENTENCE_BYTES
-  parts = tokenizer_lib.split_long_line(long_line)
-  assert len(parts) > 1 and ' '.join(parts).split() == long_line.split()
-  assert all(len(p.encode()) <= tokenizer_lib.MAX_SENTENCE_BYTES for p in parts)
-  stats = tokenizer_lib.train_sentencepiece(lines[:300] + [long_line], str(tmp_path / 'sp'),
-                                            400)
-  assert stats['long_lines_split'] == 1
-  assert tokenizer_lib.Tokenizer.load(str(tmp_path / 'sp.model')).vocab_size == 400
-
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:300]),
-                                 model_prefix=str(tmp_path / 'plain'), vocab_size=300,
-                                 minloglevel=2)
-  with pytest.raises(ValueError, match=r'does not have \[PAD\] at id 0; retrain'):
-    tokenizer_lib.Tokenizer.load(str(tmp_path / 'plain.model'))
-  with pytest.raises(FileNotFoundError, match='config.data.tokenizer'):
-    tokenizer_lib.Tokenizer.load(str(tmp_path / 'missing.model'))
-
-
-# ------------------------------------------------------------------------------ sources
-
-def test_sentence_splitter_keeps_abbreviations_and_initials():
-  text = ('Mr. Smith went to Washington on Jan. 5, 1790. The U.S. Senate met! Did J. Q. '
-          'Adams speak? "Yes." He spoke at 3 p.m. Then 2 members left.')
-  assert sources.split_sentences(text) == [
-      'Mr. Smith went to Washington on Jan. 5, 1790.', 'The U.S. Senate met!',
-      'Did J. Q. Adams speak?', '"Yes."', 'He spoke at 3 p.m. Then 2 members left.']
-
-
-def test_file_sources_gzip_plain_empty_and_bad_bytes(tmp_path):
-  (tmp_path / 'a.txt').write_bytes(b'First one.\nSecond one.\n\nOther doc.\n\xff\xfe bad\n')
-  with gzip.open(tmp_path / 'b.txt.gz', 'wb') as f:
-    f.write(b'Zipped sentence.\nAnother.\n')
-  (tmp_path / 'c.txt').write_bytes(b'')
-  stats = collections.Counter()
-  docs = list(sources.iter_documents(f'files:{tmp_path}/*', stats=stats))
-  assert docs == [['First one.', 'Second one.'], ['Other doc.'],
-                  ['Zipped sentence.', 'Another.']]
-  assert stats['non_utf8_lines'] == 1 and stats['empty_files'] == 1
-  with pytest.raises(FileNotFoundError, match='matches no file'):
-    list(sources.iter_documents(f'files:{tmp_path}/*.nothing'))
-  with pytest.raises(ValueError, match='unknown data source'):
-    list(sources.iter_documents('wikipedia'))
-
-
-def test_mixing_by_weights_is_deterministic(tmp_path):
-  for name in 'ab':
-    (tmp_path / f'{name}.txt').write_text(''.join(f'{name} {i}.\n\n' for i in range(50)))
-  spec = f'files:{tmp_path}/a.txt;files:{tmp_path}/b.txt'
-  first = [d[0] for d in sources.iter_documents(spec, weights='3;1', seed=1)]
-  again = [d[0] for d in sources.iter_documents(spec, weights='3;1', seed=1)]
-  assert first == again and len(first) == 100
-  assert sum(d.startswith('a') for d in first[:40]) > 24  # a is drawn 3x as often early on
-  with pytest.raises(ValueError, match='non-negative weights'):
-    list(sources.iter_documents(spec, weights='1'))
-
+# ------------------------------------------------------------------------------ tfds source
 
 class TinyWiki(tfds.core.GeneratorBasedBuilder):
   """A Wikipedia-shaped tfds dataset (title, text with paragraphs) built locally."""
