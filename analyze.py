@@ -8,6 +8,7 @@ divergence), attention.json and attention.md. See realformer/analysis.py for the
 """
 
 import argparse
+import os
 
 from realformer import analysis
 
@@ -21,6 +22,9 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.label and len(args.label) != len(args.workdir):
     p.error('give one --label per --workdir (or none)')
+  for w in args.workdir:
+    if not os.path.exists(os.path.join(w, 'config.json')):
+      p.error(f'{w} has no config.json: pass the --workdir of a train.py run')
   results = [analysis.analyze_run(w, args.num_examples) for w in args.workdir]
   analysis.write_report(results, args.out, args.label)
   with open(f'{args.out}/attention.md') as f:
