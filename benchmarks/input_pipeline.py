@@ -3,18 +3,21 @@ r"""Input pipeline: examples per second on one core, and the peak memory of prep
   python benchmarks/input_pipeline.py                 # embedded corpus, lengths 128 and 512
   python benchmarks/input_pipeline.py --scale 10      # + preparing a corpus 10x the embedded
 
-Preparation runs `python -m data.prepare` in a child process (its peak RSS is the child's
-ru_maxrss) on the embedded corpus written out once and `--scale` times: memory that does not
-grow with the corpus is the point. Reading is the grain stream of data/pipeline.py (decode,
-dynamic masking, batching) pinned to one core, worker_count 0.
+Preparation runs data.prepare.prepare (what `python -m data.prepare` runs) in a child process
+on the embedded corpus written out once and `--scale` times, with the default document window
+and records per file (1000, 65536) and with small ones (100, 2048) that the 1x corpus already
+fills: memory bounded by these limits, not by the corpus, is the point. The peak is the
+child's VmHWM (ru_maxrss would also count the parent's pages that the child held before its
+exec). Reading is the grain stream of data/pipeline.py (decode, dynamic masking, batching)
+pinned to one core, worker_count 0.
 """
 
 import argparse
 import datetime
 import gzip
+import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -30,18 +33,22 @@ from data import sources
 from data import tokenizer as tokenizer_lib
 
 
-def prepare_in_child(corpus: str, out_dir: str, seq_len: int):
-  """(seconds, peak RSS MiB) of `python -m data.prepare` on `corpus` in a fresh process."""
-  code = ('import resource, runpy\n'
-          'try:\n  runpy.run_module("data.prepare", run_name="__main__")\n'
-          'except SystemExit:\n  pass\n'
-          'print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)')
-  args = ['--config', os.path.join(REPO, 'configs', 'pretrain.py') + ':postln,tiny',
-          '--out_dir', out_dir, f'--config.data.sources=files:{corpus}',
-          f'--config.data.max_seq_length={seq_len}', f'--config.model.max_len={max(seq_len, 128)}']
+def prepare_in_child(corpus: str, out_dir: str, seq_len: int, window: int, per_file: int):
+  """(seconds, peak RSS MiB) of data.prepare.prepare on `corpus` in a fresh process."""
+  code = ('import json, sys\n'
+          'from configs import pretrain\n'
+          'from data import prepare\n'
+          'c = pretrain.get_config("postln,tiny")\n'
+          'c.unlock()\n'
+          'c.data.update(json.loads(sys.argv[1]))\n'
+          'c.model.max_len = max(c.data.max_seq_length, 128)\n'
+          'prepare.prepare(c, sys.argv[2])\n'
+          'print("PEAK_KB", open("/proc/self/status").read().split("VmHWM:")[1].split()[0])')
+  data = dict(sources=f'files:{corpus}', max_seq_length=seq_len, document_window=window,
+              records_per_file=per_file)
   start = time.time()
-  out = subprocess.run([sys.executable, '-c', code] + args, cwd=REPO, check=True,
-                       capture_output=True, text=True).stdout
+  out = subprocess.run([sys.executable, '-c', code, json.dumps(data), out_dir], cwd=REPO,
+                       check=True, capture_output=True, text=True).stdout
   return time.time() - start, int(out.rsplit('PEAK_KB', 1)[1].split()[0]) / 1024
 
 
@@ -81,26 +88,32 @@ def main():
   tmp = tempfile.mkdtemp()
   print(f'# {datetime.date.today()} {platform.node()} ({os.cpu_count()} cores); '
         f'{" ".join(sys.argv)}')
-  print('| what | corpus MB | seconds | peak RSS MiB | examples |')
-  print('|---|---|---|---|---|')
+  print('| prepare | corpus MB | document window | records per file | seconds | peak RSS MiB '
+        '| examples |')
+  print('|---|---|---|---|---|---|---|')
   prepared = {}
   for copies in sorted({1, args.scale}):
     corpus = os.path.join(tmp, f'corpus_x{copies}.txt')
     size = write_corpus(corpus, copies)
-    for seq_len in ((128, 512) if copies == 1 else (128,)):
-      out = os.path.join(tmp, f'prepared_x{copies}_{seq_len}')
-      seconds, peak = prepare_in_child(corpus, out, seq_len)
+    runs = [(128, 1000, 65536), (128, 100, 2048)]
+    runs += [(512, 1000, 65536)] if copies == 1 else []
+    for seq_len, window, per_file in runs:
+      out = os.path.join(tmp, f'prepared_x{copies}_{seq_len}_{window}')
+      seconds, peak = prepare_in_child(corpus, out, seq_len, window, per_file)
       count = pipeline.prepare_lib.read_metadata(out)['counts']['train']
-      print(f'| prepare x{copies}, length {seq_len} | {size / 1e6:.0f} | {seconds:.0f} | '
-            f'{peak:.0f} | {count:,} |')
-      prepared[(copies, seq_len)] = out
+      print(f'| x{copies}, length {seq_len} | {size / 1e6:.0f} | {window} | {per_file} | '
+            f'{seconds:.0f} | {peak:.0f} | {count:,} |')
+      prepared[(copies, seq_len, window)] = out
     os.remove(corpus)
-  print('\nPreparation holds at most data.document_window + 1 = 1001 documents: the 1x corpus '
-        '(233 documents) fits in the window, the larger one fills it.')
+  print('\nPreparation holds at most data.document_window + 1 documents and, in each of the 8 '
+        'shard writers, the records of its current file (array_record keeps a few hundred bytes '
+        'a record until the file is closed). At the defaults (1000, 65536) neither limit is '
+        'reached by the 1x corpus (233 documents, 21k records); with (100, 2048) both are '
+        'reached at 1x and 10x alike.')
   print('\n| stream (one core, batch %d) | examples/s |' % args.batch)
   print('|---|---|')
   for seq_len, sizes in ((128, 'tiny and base'), (512, 'base')):
-    rate = examples_per_second(prepared[(1, seq_len)], seq_len, args.batch, args.seconds)
+    rate = examples_per_second(prepared[(1, seq_len, 1000)], seq_len, args.batch, args.seconds)
     print(f'| {sizes}, length {seq_len}, {20 if seq_len == 128 else 80} predictions | '
           f'{rate:,.0f} |')
   shutil.rmtree(tmp)

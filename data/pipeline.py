@@ -68,8 +68,8 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
     raise ValueError(f'{prepared_dir} was prepared with a vocabulary of '
                      f'{metadata["vocab_size"]} pieces but the tokenizer has '
                      f'{tokenizer.vocab_size}; prepare again with this tokenizer')
-  num_shards = metadata['fingerprint']['num_shards']
-  paths = prepare_lib.shard_paths(prepared_dir, split, num_shards)
+  num_files = metadata.get('files', {}).get(split, metadata['fingerprint']['num_shards'])
+  paths = prepare_lib.shard_paths(prepared_dir, split, num_files)
   source = grain.ArrayRecordDataSource(paths)
   per_host = global_batch_size // process_count
   if len(source) // process_count < per_host:

@@ -174,3 +174,18 @@ def test_command_line(corpus, tmp_path):
   assert done.returncode == 0, done.stderr[-2000:]
   assert json.loads(done.stdout)['counts']['train'] > 100
   assert sorted(os.listdir(tmp_path / 'out'))[-1] == 'train-00007-of-00008'
+
+
+def test_files_rotate_so_writers_hold_a_bounded_number_of_records(corpus, tok, tmp_path):
+  config = tiny_config(corpus, records_per_file=30)
+  out = str(tmp_path / 'rotated')
+  metadata = prepare.prepare(config, out)
+  n = metadata['counts']['train']
+  per_writer = (n - n // 2, n // 2)  # 2 writers, round-robin, 30 records a file
+  assert n > 60 and metadata['files']['train'] == sum(-(-k // 30) for k in per_writer)
+  names = sorted(f for f in os.listdir(out) if f.startswith('train'))
+  assert names == [os.path.basename(p) for p in
+                   prepare.shard_paths(out, 'train', metadata['files']['train'])]
+  seen = sum(len(b['input_ids']) for b in pipeline.make_pretraining_iterator(
+      config.data, tok, out, global_batch_size=BATCH, seed=0, num_epochs=1))
+  assert seen == n // BATCH * BATCH
