@@ -20,7 +20,6 @@ import os
 from typing import Dict, Tuple
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
