@@ -88,7 +88,7 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
   # Reading threads contend for the GIL with the masking: on local shards, reading in the
   # consuming thread is fastest (3x on one core); raise data.read_threads for remote files.
   read_options = grain.ReadOptions(num_threads=config_data.get('read_threads', 0),
-                                   prefetch_buffer_size=config_data.get('prefetch', 64))
+                                   prefetch_buffer_size=64)
   loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
                             worker_count=config_data.worker_count, read_options=read_options)
   return iter(loader)
