@@ -110,6 +110,10 @@ def get_config(arg: str = 'postln,tiny'):
   c.data.eval_fraction = 0.01  # documents held out for evaluation
   c.data.num_shards = 8
   c.data.document_window = 1000  # documents held while preparing (random-next candidates)
+  # Shard files are rotated every this many records (array_record keeps ~500 B a record in
+  # memory until its file closes); hosts keep every file open: mind `ulimit -n`.
+  c.data.records_per_file = 65536
+  c.data.read_threads = 0  # grain reader threads (0: read in the consuming thread; raise for GCS)
   c.data.worker_count = 0  # grain worker processes per host
 
   c.train = ml_collections.ConfigDict()

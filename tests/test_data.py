@@ -118,7 +118,9 @@ def test_instances_on_real_text_fit_and_balance_nsp(corpus_instances):
   assert stats["documents"] == 40 and len(instances) > 1500
   assert all(1 <= len(i.tokens_a) and 1 <= len(i.tokens_b) for i in instances)
   assert all(len(i.tokens_a) + len(i.tokens_b) <= 125 for i in instances)
-  assert abs(np.mean([i.is_random_next for i in instances]) - 0.5) < 0.04
+  # One-sentence chunks always take a random next (as in BERT), so the share sits a little
+  # above one half (0.51-0.58 over seeds); test_pretraining_data.py checks long documents.
+  assert 0.45 < np.mean([i.is_random_next for i in instances]) < 0.62
 
 
 def masked_examples(tok, instances, whole_word=False, seed=0):
