@@ -5,7 +5,13 @@ HF transformers' BertForPreTraining in PyTorch on the same configuration and bat
   python benchmarks/train_step.py --sizes small --seq_len 512 --batch 4 --peer none \
       --variants postln,realformer,synth_dense,synth_random,synth_factorized_dense,\
 synth_factorized_random,synth_dense_vanilla,synth_random_vanilla
-  python benchmarks/train_step.py --sizes base --seq_len 512 --dtype bfloat16   # on a GPU
+  python benchmarks/train_step.py --sizes base --seq_len 512 --dtype bfloat16 --fused cudnn \
+      --variants postln,realformer --peer none                           # on a GPU
+  python benchmarks/train_step.py --sizes small --prng threefry2x32,unsafe_rbg --peer none
+
+`--prng` builds each variant once per PRNG implementation for its dropout masks (threefry is
+JAX's default; rbg / unsafe_rbg are much cheaper on CPU). train.py gets the same with the
+environment variable JAX_DEFAULT_PRNG_IMPL=unsafe_rbg.
 
 A step is the full update: forward, backward, global-norm clipping and AdamW (BERT's
 settings), with dropout 0.1 on both sides, MLM loss at max_predictions masked positions
@@ -81,8 +87,9 @@ def make_config(variant, size, args):
 class Ours:
   """Our jitted train step (train_lib.make_train_step) on a one-device mesh."""
 
-  def __init__(self, variant, size, args):
-    self.name = f'ours {variant}'
+  def __init__(self, variant, size, args, prng='threefry2x32'):
+    self.name = f'ours {variant}' + (f' [{prng}]' if prng != 'threefry2x32' else '')
+    jax.config.update('jax_default_prng_impl', prng)  # captured by the step at trace time
     config = make_config(variant, size, args)
     self.config = config
     mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
@@ -107,9 +114,11 @@ class Ours:
         metrics_cls=metrics_lib.PretrainingEvalMetrics)
     compiled = self.step_fn.lower(self.state, self.batch).compile()
     self.memory = compiled.memory_analysis()
-    self.step()
+    if not args.forward_only:
+      self.step()
     self.forward()
     self.compile_s = time.perf_counter() - t
+    jax.config.update('jax_default_prng_impl', 'threefry2x32')
     self.flops = train_lib.flops_per_example(config.model, args.seq_len,
                                              args.predictions) * args.batch
     self.params = sum(x.size for x in jax.tree.leaves(self.state.params))
@@ -139,7 +148,7 @@ class HF:
     self.torch = torch
     self.name = 'HF BertForPreTraining (torch)'
     torch.manual_seed(0)
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(args.threads)  # as many threads as XLA's CPU client uses
     layers, hidden, heads, mlp = pretrain.SIZES[size]
     cfg = transformers.BertConfig(vocab_size=args.vocab_size, hidden_size=hidden,
                                   num_hidden_layers=layers, num_attention_heads=heads,
@@ -160,7 +169,7 @@ class HF:
                        attention_mask=torch.ones_like(ids), labels=labels,
                        next_sentence_label=torch.tensor(rng.integers(0, 2, b)))
     t0 = time.perf_counter()
-    self.step()
+    self.forward() if args.forward_only else self.step()
     self.compile_s = time.perf_counter() - t0
     self.params = sum(p.numel() for p in self.model.parameters())
     self.memory = None
@@ -194,17 +203,20 @@ def median_ratio(a, b):
   return statistics.median(x / y for x, y in zip(a, b))
 
 
-def table(contenders, times, fwd_times, args, rate, device):
+def table(contenders, times, fwd_times, args, rate, device, forward_only=False):
+  """Markdown rows; with forward_only, `times` are forward passes (FLOPs = training / 3)."""
   first = contenders[0].name
   hf = next((c.name for c in contenders if c.name.startswith('HF')), None)
-  rows = ['| contender | params | step s (median) | fwd s | tokens/s | TFLOP/s | MFU | '
-          f'step / {first} | HF step / step | compile s | peak mem GiB |',
+  what = 'fwd' if forward_only else 'step'
+  rows = [f'| contender | params | {what} s (median) | fwd s | tokens/s | TFLOP/s | MFU | '
+          f'{what} / {first} | HF {what} / {what} | compile s | train step mem GiB |',
           '|---|---|---|---|---|---|---|---|---|---|---|']
   tokens = args.batch * args.seq_len
   for c in contenders:
     step = statistics.median(times[c.name])
     fwd = statistics.median(fwd_times[c.name]) if fwd_times else float('nan')
     flops = getattr(c, 'flops', None) or getattr(contenders[0], 'flops')
+    flops = flops / 3 if forward_only else flops
     tflops = flops / step / 1e12
     mfu = flops / step / rate if rate else float('nan')
     vs_hf = median_ratio(times[hf], times[c.name]) if hf else float('nan')
@@ -232,8 +244,15 @@ def main():
   p.add_argument('--vocab_size', type=int, default=30522)
   p.add_argument('--peer', default='hf', choices=('hf', 'none'))
   p.add_argument('--forward', action='store_true', help='also time the forward pass')
+  p.add_argument('--forward_only', action='store_true',
+                 help='time only the forward pass (evaluation mode, no dropout)')
+  p.add_argument('--prng', default='threefry2x32',
+                 help='comma-separated PRNG implementations for dropout: threefry2x32, '
+                      'philox4x32, rbg, unsafe_rbg (each variant is built once per implementation)')
+  p.add_argument('--threads', type=int, default=os.cpu_count(), help="torch's threads")
   args = p.parse_args()
-  args.predictions = args.predictions or max(1, round(args.seq_len * 0.15 + 0.8))
+  # BERT's max_predictions_per_seq: 20 at length 128, 80 at 512.
+  args.predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
   device = jax.devices()[0]
   on_cpu = device.platform == 'cpu'
   print(f'# {datetime.date.today()} {platform.node()} {device.device_kind} x'
@@ -249,15 +268,20 @@ def main():
   for size in args.sizes.split(','):
     contenders = []
     for variant in args.variants.split(','):
-      contenders.append(Ours(variant, size, args))
+      for prng in args.prng.split(','):
+        contenders.append(Ours(variant, size, args, prng))
     if args.peer == 'hf':
       contenders.append(HF(size, args))
     print(f'\n## {size}, batch {args.batch}, length {args.seq_len}, {args.predictions} '
           f'predictions, {args.dtype}, remat {args.remat}, scan {args.scan}, '
           f'{args.steps} rounds; ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB')
-    times = run_rounds(contenders, 'step', args.steps)
-    fwd = run_rounds(contenders, 'forward', args.steps) if args.forward else None
-    print(table(contenders, times, fwd, args, rate, device))
+    if args.forward_only:
+      times = run_rounds(contenders, 'forward', args.steps)
+      print(table(contenders, times, None, args, rate, device, forward_only=True))
+    else:
+      times = run_rounds(contenders, 'step', args.steps)
+      fwd = run_rounds(contenders, 'forward', args.steps) if args.forward else None
+      print(table(contenders, times, fwd, args, rate, device))
     del contenders
 
 

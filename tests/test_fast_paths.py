@@ -99,3 +99,53 @@ def test_vocabulary_is_padded_to_128_and_padding_is_never_predicted():
   assert logits.shape == (3, 2, 128)
   assert float(logits[..., 50:].max()) <= attn_lib.NEG_INF / 2
   assert bool((jax.nn.softmax(logits)[..., 50:] == 0).all())
+
+
+def _stack_layers(params, num_layers):
+  """Unrolled encoder params (layers_0, layers_1, ...) -> nn.scan's stacked 'layers'."""
+  params = dict(params)
+  layers = [params.pop(f'layers_{i}') for i in range(num_layers)]
+  params['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return params
+
+
+@pytest.mark.parametrize('variant,policy', [('realformer', 'none'), ('preln', 'dots'),
+                                            ('synth_dense_vanilla', 'full')])
+def test_scan_over_layers_matches_the_unrolled_stack(variant, policy):
+  batch = make_batch()
+  plain = models.build(small_config(variant), head='encoder')
+  scanned = models.build(small_config(variant, scan_layers=True, remat_policy=policy),
+                         head='encoder')
+  params = perturbed_params(plain, batch)
+  stacked = _stack_layers(params, plain.spec.num_layers)
+  shapes = jax.tree.map(jnp.shape, nn.unbox(jax.eval_shape(
+      scanned.init, jax.random.PRNGKey(0), batch)['params']))
+  assert jax.tree.map(jnp.shape, stacked) == shapes  # the layout scan expects
+  a = plain.apply({'params': params}, batch, capture_attention=True)
+  b = scanned.apply({'params': stacked}, batch, capture_attention=True)
+  np.testing.assert_allclose(b.hidden, a.hidden, rtol=1e-5, atol=1e-5)
+  for pa, pb in zip(a.attention, b.attention):
+    np.testing.assert_allclose(pb, pa, rtol=1e-5, atol=1e-6)
+  ga = _stack_layers(jax.grad(_loss(plain, batch))(params), plain.spec.num_layers)
+  gb = jax.grad(_loss(scanned, batch))(stacked)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-4)
+
+
+def test_realformer_carries_float32_scores_under_bfloat16():
+  batch = make_batch()
+  spec = resolve(small_config('realformer', dtype='bfloat16'))
+  block = models.Block(spec)
+  x = jnp.ones(batch['input_ids'].shape + (spec.hidden_size,), jnp.bfloat16)
+  bias = attn_lib.mask_bias(batch['attention_mask'])
+  prev = jnp.zeros((x.shape[0], spec.num_heads, x.shape[1], x.shape[1]), jnp.float32)
+  variables = block.init(jax.random.PRNGKey(0), (x, prev), 1, bias)
+  (y, scores), _ = block.apply(variables, (x, prev), 1, bias)
+  assert y.dtype == jnp.bfloat16 and scores.dtype == jnp.float32
+  plain = models.build(small_config('realformer'), head='encoder')
+  half = models.build(small_config('realformer', dtype='bfloat16'), head='encoder')
+  params = perturbed_params(plain, batch)
+  mask = np.asarray(batch['attention_mask'], bool)
+  np.testing.assert_allclose(
+      np.asarray(half.apply({'params': params}, batch).hidden, np.float32)[mask],
+      np.asarray(plain.apply({'params': params}, batch).hidden)[mask], atol=0.1)
