@@ -272,13 +272,17 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
       else:
         micro = split_microbatches(batch, k, mesh)
 
+        # The running gradient sum lives in the params' sharding (FSDP keeps it sharded).
+        like_params = lambda t: jax.lax.with_sharding_constraint(t, shardings.params)
+
         def body(carry, xs):
           grads_sum, loss_sum = carry
           i, mb = xs
           (l, st), g = grad_fn(state.params, mb, jax.random.fold_in(step_key, i), totals)
-          return (jax.tree.map(jnp.add, grads_sum, g), loss_sum + l), st
+          return (like_params(jax.tree.map(jnp.add, grads_sum, like_params(g))),
+                  loss_sum + l), st
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = like_params(jax.tree.map(jnp.zeros_like, state.params))
         (grads, loss), stacked = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
                                               (jnp.arange(k), micro))
         stats = jax.tree.map(lambda x: x[0], stacked)
