@@ -122,11 +122,13 @@ def get_config(arg: str = 'postln,tiny'):
   c.train.grad_accum_steps = 1  # microbatches per step (weighted by masked tokens)
   c.train.log_every_steps = 100
   c.train.eval_every_steps = 2000
-  c.train.eval_steps = 20
+  c.train.eval_steps = 20  # batches per evaluation on the held-out split (0: no evaluation)
   c.train.checkpoint_every_steps = 2000
   c.train.keep_checkpoints = 3
   c.train.init_checkpoint = ''  # restart order: workdir's checkpoint, else this, else scratch
   c.train.profile_steps = 0  # capture a profile of this many steps after warm-up (0: none)
+  # Peak FLOP/s of one device for MFU; 0 = look the device up (TPU v4-v6e, A100, H100, H200).
+  c.train.peak_flops_per_device = 0.0
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 1e-4
