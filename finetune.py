@@ -42,10 +42,6 @@ from realformer import partitioning
 from realformer import train_lib
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file(
-    'config', os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
-    'configs/finetune.py:glue/<task>', lock_config=True)
-flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and predictions.')
 
 
 @flax.struct.dataclass
@@ -349,5 +345,14 @@ def main(argv):
   print(json.dumps(summary, indent=2))
 
 
+def define_flags():
+  """Flags exist only when this file runs as a program (tests import it beside train.py)."""
+  config_flags.DEFINE_config_file(
+      'config', os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
+      'configs/finetune.py:glue/<task>', lock_config=True)
+  flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and predictions.')
+
+
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
