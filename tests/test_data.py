@@ -49,7 +49,8 @@ class TinyWiki(tfds.core.GeneratorBasedBuilder):
 
 
 def test_tfds_source_goes_through_the_wikipedia_path(tmp_path):
-  TinyWiki(data_dir=str(tmp_path)).download_and_prepare()
+  TinyWiki(data_dir=str(tmp_path)).download_and_prepare(
+      download_config=tfds.download.DownloadConfig(try_download_gcs=False))  # no network
   docs = list(sources.iter_documents('tfds:tiny_wiki:train', tfds_data_dir=str(tmp_path)))
   assert len(docs) == 6
   assert sorted(map(len, docs)) == sorted(map(len, embedded_documents(6)))
