@@ -225,6 +225,13 @@ def make_task(config, tokenizer):
 
 
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Fine-tunes, evaluates and predicts; returns {'task', 'step', 'dev', 'headline'}."""
+  mesh = partitioning.make_mesh(config.mesh)
+  with jax.set_mesh(mesh):  # scoped: the caller's mesh (or none) is back afterwards
+    return _finetune(config, workdir, mesh)
+
+
+def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   pre = pretrained_config(config.init_checkpoint)
   if config.max_seq_length > pre.model.max_len:
     raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained model\'s '
@@ -237,8 +244,6 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   train = task.train
   num_train = len(train['input_ids'])
 
-  mesh = partitioning.make_mesh(config.mesh)
-  jax.set_mesh(mesh)
   dp = partitioning.data_parallel_size(mesh)
   if config.batch_size % dp or config.eval_batch_size % dp:
     raise ValueError(f'batch_size={config.batch_size} and eval_batch_size='
