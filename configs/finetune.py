@@ -26,6 +26,8 @@ null_score_diff_threshold is set.
 
 import ml_collections
 
+from configs import pretrain
+
 
 def get_config(arg: str = 'glue/sst2'):
   benchmark, _, task = (arg or 'glue/sst2').partition('/')
@@ -54,19 +56,9 @@ def get_config(arg: str = 'glue/sst2'):
   c.null_score_diff_threshold = ml_collections.FieldReference(None, field_type=float)
   c.seed = 0
   c.log_every_steps = 50
-  c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.learning_rate = 3e-5 if squad else 2e-5
-  c.optimizer.schedule = 'linear'
+  c.optimizer = pretrain.optimizer_config(learning_rate=3e-5 if squad else 2e-5,
+                                          warmup_steps=-1)  # -1: from warmup_fraction
   c.optimizer.warmup_fraction = 0.1
-  c.optimizer.warmup_steps = -1  # set from warmup_fraction when negative
-  c.optimizer.weight_decay = 0.01
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.999
-  c.optimizer.eps = 1e-6
-  c.optimizer.clip_norm = 1.0
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
+  c.mesh = pretrain.mesh_config()
   c.lock()
   return c

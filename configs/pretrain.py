@@ -77,6 +77,29 @@ def model_config(variant='postln', size='base'):
   return m
 
 
+def optimizer_config(learning_rate: float, warmup_steps: int) -> ml_collections.ConfigDict:
+  """BERT's AdamW settings (shared by pretraining and fine-tuning configs)."""
+  o = ml_collections.ConfigDict()
+  o.learning_rate = learning_rate
+  o.schedule = 'linear'  # linear (BERT: warm-up then linear decay) | cosine | constant
+  o.warmup_steps = warmup_steps
+  o.weight_decay = 0.01  # not applied to LayerNorm parameters and biases
+  o.b1 = 0.9
+  o.b2 = 0.999
+  o.eps = 1e-6
+  o.clip_norm = 1.0
+  return o
+
+
+def mesh_config() -> ml_collections.ConfigDict:
+  """Device mesh: axis sizes, -1 = the rest of the devices."""
+  m = ml_collections.ConfigDict()
+  m.data = -1
+  m.fsdp = 1
+  m.tensor = 1
+  return m
+
+
 def get_config(arg: str = 'postln,tiny'):
   """`arg`: "<variant>,<size>" optionally followed by ",runlocal"."""
   parts = [p.strip() for p in (arg or 'postln,tiny').split(',') if p.strip()]
@@ -130,21 +153,8 @@ def get_config(arg: str = 'postln,tiny'):
   # Peak FLOP/s of one device for MFU; 0 = look the device up (TPU v4-v6e, A100, H100, H200).
   c.train.peak_flops_per_device = 0.0
 
-  c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.learning_rate = 1e-4
-  c.optimizer.schedule = 'linear'  # linear (BERT: warm-up then linear decay) | cosine | constant
-  c.optimizer.warmup_steps = 10_000
-  c.optimizer.weight_decay = 0.01  # not applied to LayerNorm parameters and biases
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.999
-  c.optimizer.eps = 1e-6
-  c.optimizer.clip_norm = 1.0
-
-  # Device mesh: axis sizes, -1 = the rest of the devices.
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
+  c.optimizer = optimizer_config(learning_rate=1e-4, warmup_steps=10_000)
+  c.mesh = mesh_config()
 
   if size == 'tiny':
     c.train.batch_size = 32
