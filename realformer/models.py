@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from realformer import attention as attn_lib
+from realformer import dropout as dropout_lib
 from realformer.spec import EncoderSpec, resolve
 
 
@@ -65,7 +66,7 @@ class Embeddings(nn.Module):
     x = x + _embed(s.type_vocab_size, s.hidden_size, (None, 'embed'), s,
                    'token_type_embeddings')(segment_ids)
     x = layer_norm(s, 'layer_norm')(x).astype(s.dtype)
-    return nn.Dropout(s.dropout_rate)(x, deterministic=deterministic)
+    return dropout_lib.Dropout(s.dropout_rate)(x, deterministic=deterministic)
 
 
 class Mlp(nn.Module):
@@ -91,7 +92,7 @@ class Block(nn.Module):
     x, scores = carry
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
     attention = attn_lib.SelfAttention(s, name='attention')
-    drop = lambda y: nn.Dropout(s.dropout_rate)(y, deterministic=self.deterministic)
+    drop = lambda y: dropout_lib.Dropout(s.dropout_rate)(y, deterministic=self.deterministic)
     kw = dict(deterministic=self.deterministic, capture_attention=self.capture_attention)
     if s.block == 'post_ln':  # BERT: LN(x + Sublayer(x))
       a, scores, probs = attention(x, bias, scores, layer_index, **kw)
@@ -164,6 +165,10 @@ class MlmHead(nn.Module):
     s = self.spec
     h = attn_lib.dense(s.hidden_size, ('embed', 'mlp'), s, 'transform')(hidden)
     h = layer_norm(s, 'layer_norm')(nn.gelu(h, approximate=False)).astype(s.dtype)
+    # FSDP's all-gather of the tied table, made explicit: left to the partitioner (table
+    # sharded over fsdp, rows over data x fsdp) the backward pass came out wrong on
+    # data x fsdp x tensor meshes with two rows per batch shard.
+    word_embeddings = nn.with_logical_constraint(word_embeddings, ('vocab', None))
     logits = jnp.einsum('bpd,vd->bpv', h, word_embeddings.astype(s.dtype),
                         preferred_element_type=jnp.float32)
     bias = self.param('output_bias', nn.with_logical_partitioning(nn.initializers.zeros,
@@ -176,8 +181,15 @@ class MlmHead(nn.Module):
 
 
 def gather_positions(hidden, positions):
-  """hidden [B, T, D], positions [B, P] -> [B, P, D] (BERT's gather_indexes)."""
-  return jnp.take_along_axis(hidden, positions[..., None].astype(jnp.int32), axis=1)
+  """hidden [B, T, D], positions [B, P] -> [B, P, D] (BERT's gather_indexes).
+
+  A one-hot contraction rather than take_along_axis: the same values, a negligible
+  B*P*T*D multiply-adds, and no gather for XLA's SPMD partitioner, which partitioned the
+  take_along_axis gather's backward pass wrongly on data x fsdp x tensor meshes with two rows
+  per batch shard (tests/test_train.py::test_gradients_on_three_axis_meshes_...).
+  """
+  onehot = jax.nn.one_hot(positions, hidden.shape[1], dtype=hidden.dtype)
+  return jnp.einsum('bpt,btd->bpd', onehot, hidden, precision=jax.lax.Precision.HIGHEST)
 
 
 class BertForPretraining(nn.Module):
@@ -210,7 +222,7 @@ class BertForSequenceClassification(nn.Module):
     s = self.spec
     out = Encoder(s, name='encoder')(batch, deterministic=deterministic,
                                      capture_attention=capture_attention)
-    pooled = nn.Dropout(s.dropout_rate)(out.pooled, deterministic=deterministic)
+    pooled = dropout_lib.Dropout(s.dropout_rate)(out.pooled, deterministic=deterministic)
     logits = attn_lib.dense(self.num_labels, ('mlp', None), s, 'classifier')(pooled)
     return out.replace(hidden=out.hidden), logits.astype(jnp.float32)
 
