@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from realformer import dropout as dropout_lib
 from realformer.spec import EncoderSpec
 from synthesizer.synthetic import SYNTHESIZERS
 
@@ -102,7 +103,7 @@ class SelfAttention(nn.Module):
       if s.running_mean:
         logits = logits / (jnp.asarray(layer_index, jnp.float32) + 1.0)
     probs = jax.nn.softmax(logits + bias, axis=-1)  # float32
-    dropped = nn.Dropout(s.attention_dropout_rate)(probs, deterministic=deterministic)
+    dropped = dropout_lib.Dropout(s.attention_dropout_rate)(probs, deterministic=deterministic)
     ctx = jnp.einsum('bhqk,bkhd->bqhd', dropped.astype(s.dtype), value)
     out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(x.shape))
     return out, carry, (probs if capture_attention else None)

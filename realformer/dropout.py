@@ -1,0 +1,91 @@
+"""Inverted dropout whose masks cost a quarter of flax.linen.Dropout's random numbers.
+
+nn.Dropout draws one float32 uniform per element, and with JAX's partitionable threefry
+(the default) every element then costs one whole threefry-2x32 block: 64 random bits of
+which it keeps 23. At BERT-base, batch 8, length 128 that is 38M blocks a step and about
+a third of a CPU train step. Here each block gives four 16-bit uniforms instead:
+
+    keep  = u16 >= round(rate * 2**16)      (u16 uniform on 0..65535)
+    out   = where(keep, x / P(keep), 0)     with P(keep) = 1 - round(rate * 2**16) / 2**16
+
+so the drop probability is `rate` to within 2**-17 (0.1 -> 0.100006) and the output is
+unbiased (it divides by the exact keep probability, not by 1 - rate).
+
+The blocks' counters are iotas over the mask's own shape (row = the flattened leading
+indices, column = the block along the last axis), so like jax.random under
+jax_threefry_partitionable the mask is partitionable: a sharded run draws the same mask as
+an unsharded one without generating the global array on every device. A key of another
+implementation (rbg, unsafe_rbg: see JAX_DEFAULT_PRNG_IMPL) draws 16-bit uniforms with
+jax.random.bits instead.
+"""
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry2x32_p
+
+_ONE = 1 << 16  # 16-bit uniforms
+
+
+def _threefry_u16(key_data: jax.Array, shape: Sequence[int]) -> jax.Array:
+  """uint16 uniforms of `shape`, four per threefry-2x32 block."""
+  *lead, n = shape
+  cols = -(-n // 4)
+  grid = (*lead, cols)
+  row = jnp.zeros(grid, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(lead))):
+    row = row + jax.lax.broadcasted_iota(jnp.uint32, grid, axis) * np.uint32(stride)
+    stride *= lead[axis]
+  col = jax.lax.broadcasted_iota(jnp.uint32, grid, len(lead))
+  k1, k2 = key_data[0], key_data[1]
+  b1, b2 = threefry2x32_p.bind(k1, k2, row, col)
+  words = jnp.stack([b1 & 0xFFFF, b1 >> 16, b2 & 0xFFFF, b2 >> 16], axis=-1)
+  return words.reshape(*lead, cols * 4)[..., :n].astype(jnp.uint16)
+
+
+def uniform_u16(key: jax.Array, shape: Sequence[int]) -> jax.Array:
+  """Uniform uint16 of `shape` from a dropout key (typed or legacy uint32 key)."""
+  shape = tuple(int(d) for d in shape)
+  if not shape:
+    return uniform_u16(key, (1,)).reshape(())
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    impl_threefry = str(jax.random.key_impl(key)) == 'threefry2x32'
+    data = jax.random.key_data(key)
+  else:
+    data = key
+    impl_threefry = key.shape == (2,)
+  if impl_threefry:
+    return _threefry_u16(data, shape)
+  return jax.random.bits(key, shape, jnp.uint16)
+
+
+def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]):
+  """(bool mask of kept elements, 1 / P(keep)) for drop probability `rate`."""
+  threshold = int(round(rate * _ONE))
+  if threshold >= _ONE:
+    raise ValueError(f'dropout rate {rate} leaves nothing; use a rate below 1')
+  keep = uniform_u16(key, shape) >= jnp.uint16(threshold)
+  return keep, _ONE / (_ONE - threshold)
+
+
+class Dropout(nn.Module):
+  """Drop-in for nn.Dropout(rate)(x, deterministic) with the cheaper masks above."""
+  rate: float
+  rng_collection: str = 'dropout'
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    if deterministic or self.rate == 0.0:
+      return x
+    keep, scale = keep_mask(self.make_rng(self.rng_collection), self.rate, x.shape)
+    return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
+
+
+def drop_fraction(rate: float) -> float:
+  """The exact drop probability that `rate` gives (round(rate * 2**16) / 2**16)."""
+  return int(round(rate * _ONE)) / _ONE
+

@@ -1,0 +1,74 @@
+"""realformer.dropout: the drop rate, unbiasedness, independence, partitionability and the
+fallback for non-threefry keys."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from realformer import dropout as dropout_lib
+
+
+@pytest.mark.parametrize('rate', [0.1, 0.5])
+def test_drop_rate_and_unbiased_scale(rate):
+  x = jnp.full((200, 16, 64), 2.0)
+  y = np.asarray(dropout_lib.Dropout(rate).apply({}, x, False,
+                                                  rngs={'dropout': jax.random.PRNGKey(0)}))
+  dropped = np.mean(y == 0)
+  n = y.size
+  assert abs(dropped - dropout_lib.drop_fraction(rate)) < 5 * np.sqrt(rate * (1 - rate) / n)
+  assert abs(dropout_lib.drop_fraction(rate) - rate) <= 2.0 ** -17
+  kept = y[y != 0]
+  np.testing.assert_allclose(kept, 2.0 / (1 - dropout_lib.drop_fraction(rate)), rtol=1e-6)
+  assert abs(y.mean() - 2.0) < 5 * 2.0 * np.sqrt(rate / (1 - rate) / n)  # E[y] = x
+
+
+def test_deterministic_and_zero_rate_are_the_identity():
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 7))
+  np.testing.assert_array_equal(dropout_lib.Dropout(0.1).apply({}, x, True), x)
+  np.testing.assert_array_equal(
+      dropout_lib.Dropout(0.0).apply({}, x, False, rngs={'dropout': jax.random.PRNGKey(0)}), x)
+
+
+def test_uniforms_are_uniform_and_neighbours_independent():
+  u = np.asarray(dropout_lib.uniform_u16(jax.random.PRNGKey(7), (64, 4, 33, 33)),
+                 np.float64) / 65535
+  assert u.shape == (64, 4, 33, 33)
+  hist = np.histogram(u, bins=16, range=(0, 1))[0] / u.size
+  np.testing.assert_allclose(hist, 1 / 16, atol=0.002)
+  flat = u.reshape(-1, 33)
+  for lag in (1, 2, 3, 4):  # the four 16-bit words of one block, and the next block
+    assert abs(np.corrcoef(flat[:, :-lag].ravel(), flat[:, lag:].ravel())[0, 1]) < 0.01
+  rows = u.reshape(-1, 33 * 33)
+  assert abs(np.corrcoef(rows[:-1].ravel(), rows[1:].ravel())[0, 1]) < 0.01
+  other = np.asarray(dropout_lib.uniform_u16(jax.random.PRNGKey(8), u.shape), np.float64)
+  assert abs(np.corrcoef(u.ravel(), other.ravel())[0, 1]) < 0.01
+
+
+def test_typed_and_legacy_threefry_keys_agree_and_other_impls_work():
+  a = dropout_lib.uniform_u16(jax.random.PRNGKey(3), (4, 9))
+  b = dropout_lib.uniform_u16(jax.random.key(3), (4, 9))
+  np.testing.assert_array_equal(a, b)
+  for impl in ('rbg', 'unsafe_rbg'):
+    c = dropout_lib.uniform_u16(jax.random.key(3, impl=impl), (4, 9))
+    assert c.shape == (4, 9) and c.dtype == jnp.uint16
+  assert dropout_lib.uniform_u16(jax.random.PRNGKey(3), ()).shape == ()
+
+
+def test_sharded_masks_equal_unsharded():
+  mesh = jax.make_mesh((4, 2), ('data', 'tensor'))
+  x = jnp.ones((8, 6, 16, 16))
+  f = lambda k, x: dropout_lib.Dropout(0.1).apply({}, x, False, rngs={'dropout': k})
+  key = jax.random.PRNGKey(11)
+  whole = np.asarray(jax.jit(f)(key, x))
+  spec = NamedSharding(mesh, P('data', 'tensor'))
+  sharded = jax.jit(f, out_shardings=spec)(key, jax.device_put(x, spec))
+  np.testing.assert_array_equal(np.asarray(sharded), whole)
+  hlo = jax.jit(f, out_shardings=spec).lower(key, jax.device_put(x, spec)).compile().as_text()
+  assert 'all-gather' not in hlo and 'f32[8,6,16,16]' not in hlo  # no global mask per device
+
+
+def test_rate_one_is_an_error():
+  with pytest.raises(ValueError, match='rate'):
+    dropout_lib.keep_mask(jax.random.PRNGKey(0), 1.0, (3,))
