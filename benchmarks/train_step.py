@@ -189,10 +189,18 @@ class HF:
     return None
 
 
-def run_rounds(contenders, what, steps):
+def run_rounds(contenders, what, steps, settle=1):
+  """Round-robin timing; in each round every contender first takes `settle` untimed calls.
+
+  The untimed calls matter: the first call after another framework's step pays for that
+  step's aftermath (memory the other allocator released and this one must fault back in,
+  thread pools waking up), about 1 s of a 3.5 s BERT-base CPU step whichever side follows.
+  """
   times = {c.name: [] for c in contenders}
   for _ in range(steps):
     for c in contenders:
+      for _ in range(settle):
+        getattr(c, what)()
       t = time.perf_counter()
       getattr(c, what)()
       times[c.name].append(time.perf_counter() - t)
