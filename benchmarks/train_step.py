@@ -10,14 +10,16 @@ synth_factorized_random,synth_dense_vanilla,synth_random_vanilla
   python benchmarks/train_step.py --sizes small --prng threefry2x32,unsafe_rbg --peer none
 
 `--prng` builds each variant once per PRNG implementation for its dropout masks (threefry is
-JAX's default; rbg / unsafe_rbg are much cheaper on CPU). train.py gets the same with the
-environment variable JAX_DEFAULT_PRNG_IMPL=unsafe_rbg.
+JAX's default, and realformer.dropout draws four 16-bit uniforms per threefry block; rbg /
+unsafe_rbg: XLA's CPU partitioner generates their whole global mask on every device). train.py gets
+another with the environment variable JAX_DEFAULT_PRNG_IMPL.
 
 A step is the full update: forward, backward, global-norm clipping and AdamW (BERT's
 settings), with dropout 0.1 on both sides, MLM loss at max_predictions masked positions
 and NSP. The input pipeline is excluded (one fixed batch; benchmarks/input_pipeline.py
 measures it). All contenders are compiled first, then stepped in turn, round after round, so
-that the machine's noise falls on all of them alike; the table gives medians and each
+that the machine's noise falls on all of them alike (each timed call follows one untimed
+call of the same contender: see run_rounds); the table gives medians and each
 contender's median per-round ratio to the first one (and to HF). FLOPs are
 realformer.train_lib.flops_per_example (attention included); MFU is against the device's peak
 where known, and on CPU against the float32 2048^3 matmul rate measured in the same run.

@@ -19,7 +19,7 @@ implementation (rbg, unsafe_rbg: see JAX_DEFAULT_PRNG_IMPL) draws 16-bit uniform
 jax.random.bits instead.
 """
 
-from typing import Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -30,21 +30,34 @@ from jax.extend.random import threefry2x32_p
 _ONE = 1 << 16  # 16-bit uniforms
 
 
-def _threefry_u16(key_data: jax.Array, shape: Sequence[int]) -> jax.Array:
-  """uint16 uniforms of `shape`, four per threefry-2x32 block."""
+def _threefry_quarters(key_data: jax.Array, shape: Sequence[int]) -> List[jax.Array]:
+  """Four uint32 arrays of 16-bit uniforms, each [*lead, ceil(n / 4)]: one threefry-2x32
+  block per column gives one element of each."""
   *lead, n = shape
-  cols = -(-n // 4)
-  grid = (*lead, cols)
+  grid = (*lead, -(-n // 4))
   row = jnp.zeros(grid, jnp.uint32)
   stride = 1
   for axis in reversed(range(len(lead))):
     row = row + jax.lax.broadcasted_iota(jnp.uint32, grid, axis) * np.uint32(stride)
     stride *= lead[axis]
   col = jax.lax.broadcasted_iota(jnp.uint32, grid, len(lead))
-  k1, k2 = key_data[0], key_data[1]
-  b1, b2 = threefry2x32_p.bind(k1, k2, row, col)
-  words = jnp.stack([b1 & 0xFFFF, b1 >> 16, b2 & 0xFFFF, b2 >> 16], axis=-1)
-  return words.reshape(*lead, cols * 4)[..., :n].astype(jnp.uint16)
+  b1, b2 = threefry2x32_p.bind(key_data[0], key_data[1], row, col)
+  return [b1 & 0xFFFF, b1 >> 16, b2 & 0xFFFF, b2 >> 16]
+
+
+def _interleave(parts: List[jax.Array], n: int) -> jax.Array:
+  """[*lead, c] x 4 -> [*lead, n]: element 4j + i is parts[i][..., j]."""
+  stacked = jnp.stack(parts, axis=-1)
+  return stacked.reshape(*stacked.shape[:-2], -1)[..., :n]
+
+
+def _quarters(key: jax.Array, shape: Tuple[int, ...]) -> Optional[List[jax.Array]]:
+  """_threefry_quarters for a threefry key (typed or legacy uint32[2]); None otherwise."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if str(jax.random.key_impl(key)) != 'threefry2x32':
+      return None
+    return _threefry_quarters(jax.random.key_data(key), shape)
+  return _threefry_quarters(key, shape) if key.shape == (2,) else None
 
 
 def uniform_u16(key: jax.Array, shape: Sequence[int]) -> jax.Array:
@@ -52,15 +65,10 @@ def uniform_u16(key: jax.Array, shape: Sequence[int]) -> jax.Array:
   shape = tuple(int(d) for d in shape)
   if not shape:
     return uniform_u16(key, (1,)).reshape(())
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    impl_threefry = str(jax.random.key_impl(key)) == 'threefry2x32'
-    data = jax.random.key_data(key)
-  else:
-    data = key
-    impl_threefry = key.shape == (2,)
-  if impl_threefry:
-    return _threefry_u16(data, shape)
-  return jax.random.bits(key, shape, jnp.uint16)
+  parts = _quarters(key, shape)
+  if parts is None:
+    return jax.random.bits(key, shape, jnp.uint16)
+  return _interleave(parts, shape[-1]).astype(jnp.uint16)
 
 
 def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]):
@@ -68,7 +76,12 @@ def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]):
   threshold = int(round(rate * _ONE))
   if threshold >= _ONE:
     raise ValueError(f'dropout rate {rate} leaves nothing; use a rate below 1')
-  keep = uniform_u16(key, shape) >= jnp.uint16(threshold)
+  shape = tuple(int(d) for d in shape)
+  parts = _quarters(key, shape) if shape else None
+  if parts is None:
+    keep = uniform_u16(key, shape) >= jnp.uint16(threshold)
+  else:  # compare before interleaving: the mask XLA keeps for the backward pass is bool
+    keep = _interleave([p >= np.uint32(threshold) for p in parts], shape[-1])
   return keep, _ONE / (_ONE - threshold)
 
 

@@ -72,3 +72,11 @@ def test_sharded_masks_equal_unsharded():
 def test_rate_one_is_an_error():
   with pytest.raises(ValueError, match='rate'):
     dropout_lib.keep_mask(jax.random.PRNGKey(0), 1.0, (3,))
+
+
+def test_keep_mask_is_the_thresholded_uniforms():
+  key = jax.random.PRNGKey(5)
+  for shape in [(3, 7, 10), (4, 9)]:
+    keep, _ = dropout_lib.keep_mask(key, 0.25, shape)
+    want = dropout_lib.uniform_u16(key, shape) >= round(0.25 * 65536)
+    np.testing.assert_array_equal(keep, want)
