@@ -321,9 +321,11 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
       step += 1
       if step % config.log_every_steps == 0 or i == steps_per_epoch - 1:
         values = metrics_lib.to_floats(window)
-        if not np.isfinite(values['loss']):
-          raise FloatingPointError(f'loss became {values["loss"]} at step {step}; lower '
-                                   'config.optimizer.learning_rate')
+        for name in ('loss', 'grad_norm'):  # an inf gradient has already made params nan
+          if not np.isfinite(values[name]):
+            raise FloatingPointError(f'{name} became {values[name]} by step {step}; nothing '
+                                     'was saved since the last epoch; lower '
+                                     'config.optimizer.learning_rate')
         writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
         window = None
     checkpoints.save(manager, step, state.to_checkpoint(), force=True)

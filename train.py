@@ -207,14 +207,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                                           first_profile=start_step + 10, every_secs=None))
 
   def check_finite(step: int, collected_step):
+    # The gradient too: a finite loss with an inf gradient has already made the new
+    # parameters nan, which the next save would write.
     loss = float(np.asarray(collected_step.loss.compute()))
-    if not np.isfinite(loss):
+    grad_norm = float(np.asarray(collected_step.grad_norm.compute()))
+    what, value = ('loss', loss) if not np.isfinite(loss) else ('gradient norm', grad_norm)
+    if not np.isfinite(value):
       manager.wait_until_finished()
       last = manager.latest_step()
       where = (f'the last good checkpoint is step {last} in {manager.directory}'
                if last is not None else 'no checkpoint was written')
       raise NonFiniteLossError(
-          f'loss became {loss} at step {step}; {where}; lower optimizer.learning_rate, '
+          f'{what} became {value} at step {step}; {where}; lower optimizer.learning_rate, '
           f'raise optimizer.warmup_steps or train in float32 (model.dtype)')
 
   def save(step: int):
@@ -260,6 +264,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         check_finite(*pending)
         save(step)
       if tc.eval_steps > 0 and (step % tc.eval_every_steps == 0 or last):
+        check_finite(*pending)
         summary['eval'] = evaluate(step)
       if preempted:
         logging.warning('stop signal: saved step %d in %s; run the same command to resume',

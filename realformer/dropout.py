@@ -10,7 +10,8 @@ attention-probability mask, [8, 12, 128, 128], on 2 CPU cores: 2.8 ms against nn
     out   = where(keep, x / P(keep), 0)     with P(keep) = 1 - round(rate * 2**16) / 2**16
 
 so the drop probability is `rate` to within 2**-17 (0.1 -> 0.100006) and the output is
-unbiased (it divides by the exact keep probability, not by 1 - rate).
+unbiased (it divides by the exact keep probability, not by 1 - rate; in float32 before
+rounding to a bfloat16 input's dtype).
 
 The blocks' counters are iotas over the mask's own shape (row = the flattened leading
 indices, column = the block along the last axis), so like jax.random under
@@ -36,6 +37,9 @@ def _threefry_quarters(key_data: jax.Array, shape: Sequence[int]) -> List[jax.Ar
   block per column gives one element of each."""
   *lead, n = shape
   grid = (*lead, -(-n // 4))
+  if np.prod(lead, dtype=np.int64) >= 2 ** 32 or grid[-1] >= 2 ** 32:
+    raise ValueError(f'dropout mask {tuple(shape)}: more than 2^32 rows or blocks per row; '
+                     'split the array')
   row = jnp.zeros(grid, jnp.uint32)
   stride = 1
   for axis in reversed(range(len(lead))):
@@ -58,7 +62,8 @@ def _quarters(key: jax.Array, shape: Tuple[int, ...]) -> Optional[List[jax.Array
     if str(jax.random.key_impl(key)) != 'threefry2x32':
       return None
     return _threefry_quarters(jax.random.key_data(key), shape)
-  return _threefry_quarters(key, shape) if key.shape == (2,) else None
+  threefry = key.shape == (2,) and jax.config.jax_default_prng_impl == 'threefry2x32'
+  return _threefry_quarters(key, shape) if threefry else None
 
 
 def uniform_u16(key: jax.Array, shape: Sequence[int]) -> jax.Array:
@@ -96,7 +101,8 @@ class Dropout(nn.Module):
     if deterministic or self.rate == 0.0:
       return x
     keep, scale = keep_mask(self.make_rng(self.rng_collection), self.rate, x.shape)
-    return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
+    kept = (x.astype(jnp.float32) * scale).astype(x.dtype)  # scale rounded once, not twice
+    return jnp.where(keep, kept, jnp.zeros((), x.dtype))
 
 
 def drop_fraction(rate: float) -> float:

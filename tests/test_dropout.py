@@ -80,3 +80,26 @@ def test_keep_mask_is_the_thresholded_uniforms():
     keep, _ = dropout_lib.keep_mask(key, 0.25, shape)
     want = dropout_lib.uniform_u16(key, shape) >= round(0.25 * 65536)
     np.testing.assert_array_equal(keep, want)
+
+
+def test_raw_keys_of_another_default_impl_do_not_take_the_threefry_path():
+  previous = jax.config.jax_default_prng_impl
+  jax.config.update('jax_default_prng_impl', 'philox4x32')
+  try:
+    key = jax.random.PRNGKey(3)  # raw uint32[2], like threefry's
+    assert key.shape == (2,)
+    np.testing.assert_array_equal(dropout_lib.uniform_u16(key, (4, 9)),
+                                  jax.random.bits(key, (4, 9), jnp.uint16))
+  finally:
+    jax.config.update('jax_default_prng_impl', previous)
+
+
+def test_bfloat16_is_scaled_in_float32_then_rounded_once():
+  x = jax.random.normal(jax.random.PRNGKey(2), (64, 256)).astype(jnp.bfloat16)
+  key = jax.random.PRNGKey(0)
+  y = dropout_lib.Dropout(0.1).apply({}, x, False, rngs={'dropout': key})
+  scale = 1 / (1 - dropout_lib.drop_fraction(0.1))
+  want = np.asarray((x.astype(jnp.float32) * scale).astype(jnp.bfloat16), np.float32)
+  got = np.asarray(y, np.float32)
+  assert y.dtype == jnp.bfloat16 and 0.05 < np.mean(got == 0) < 0.15
+  np.testing.assert_array_equal(got[got != 0], want[got != 0])

@@ -192,7 +192,8 @@ def test_layout_errors_come_before_compile(tmp_path):
 def test_nan_loss_stops_and_is_not_saved(tmp_path):
   c = tiny_config(num_steps=30, checkpoint_every_steps=2)
   c.optimizer.learning_rate, c.optimizer.clip_norm = 1e12, 0.0
-  with pytest.raises(train.NonFiniteLossError, match=r'loss became (nan|inf) at step \d+') as e:
+  with pytest.raises(train.NonFiniteLossError,
+                     match=r'(loss|gradient norm) became (nan|inf) at step \d+') as e:
     train.train_and_evaluate(c, str(tmp_path))
   bad_step = int(str(e.value).split(' at step ')[1].split(';')[0])
   saved = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
