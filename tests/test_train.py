@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import train
@@ -64,28 +65,52 @@ def test_sharded_and_accumulated_runs_equal_single_device(tmp_path):
     np.testing.assert_allclose(list(got[name].values()), single, rtol=2e-5, err_msg=name)
 
 
-@pytest.mark.parametrize('mesh_shape', [(2, 2, 2), (1, 4, 2)])
-def test_gradients_on_three_axis_meshes_with_two_rows_per_shard(mesh_shape):
-  """data x fsdp x tensor with 2 rows per batch shard: the MLM head's gradients equal the
-  1-device ones (XLA's SPMD partitioner got them wrong with a take_along_axis gather and a
-  decoder table sharded over fsdp; models.gather_positions / MlmHead avoid both)."""
+def _head_case(head):
+  """(model, numpy batch of 8, loss(params, batch)) for a head, as train.py / finetune.py."""
   c = tiny_config()
   c.model.dropout_rate = c.model.attention_dropout_rate = 0.0
-  model = models.build(c.model)
-  tx, _ = train_lib.make_optimizer(c.optimizer, 10)
   batch = next(train_lib.SyntheticPretrainingData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=1))
-  loss_fn = train_lib.pretraining_loss_fn(model)
+  ce = optax.softmax_cross_entropy_with_integer_labels
+  if head == 'pretraining':
+    model = models.build(c.model)
+    loss_fn = train_lib.pretraining_loss_fn(model)
+    return model, batch, lambda p, b: loss_fn(p, b, None, train_lib.pretraining_totals(b))[0]
+  rng = np.random.default_rng(0)
+  batch = {k: batch[k] for k in ('input_ids', 'segment_ids', 'attention_mask')}
+  if head == 'classification':
+    model = models.build(c.model, head='classification', num_labels=3)
+    batch['label'] = rng.integers(0, 3, 8).astype(np.int32)
+    return model, batch, lambda p, b: jnp.mean(ce(model.apply({'params': p}, b)[1], b['label']))
+  model = models.build(c.model, head='span')
+  batch['start_positions'] = rng.integers(0, 32, 8).astype(np.int32)
+  batch['end_positions'] = rng.integers(0, 32, 8).astype(np.int32)
+
+  def span_loss(p, b):
+    _, start, end = model.apply({'params': p}, b)
+    return jnp.mean(ce(start, b['start_positions']) + ce(end, b['end_positions']))
+  return model, batch, span_loss
+
+
+@pytest.mark.parametrize('head,mesh_shape', [
+    ('pretraining', (2, 2, 2)), ('pretraining', (1, 4, 2)),
+    ('classification', (2, 2, 2)), ('span', (2, 2, 2))])
+def test_gradients_on_three_axis_meshes_with_two_rows_per_shard(head, mesh_shape):
+  """data x fsdp x tensor with 2 rows per batch shard: every gradient equals the 1-device
+  one (XLA's SPMD partitioner got the MLM head's wrong with a take_along_axis gather and a
+  decoder table sharded over fsdp; models.gather_positions / MlmHead avoid both)."""
+  model, batch, loss = _head_case(head)
+  tx = optax.sgd(1.0)
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
   def grads(mesh_config, devices):
     mesh = partitioning.make_mesh(mesh_config, devices)
-    state, shardings = train_lib.create_train_state(
-        model, tx, train_lib.abstract_batch(8, 32, 5), mesh, 0)
+    state, shardings = train_lib.create_train_state(model, tx, shapes, mesh, 0)
     b = train_lib.global_batch(batch, mesh)
 
     def g(p, b):
       with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
-        return jax.grad(lambda q: loss_fn(q, b, None, train_lib.pretraining_totals(b))[0])(p)
+        return jax.grad(loss)(p, b)
     with jax.set_mesh(mesh):
       return jax.jit(g, out_shardings=shardings.params)(state.params, b)
 
