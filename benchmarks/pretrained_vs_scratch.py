@@ -34,12 +34,15 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SENTENCES = os.path.join(_REPO, 'tests', 'data', 'sentiment', 'amazon_cells_labelled.txt')
 
 
-def write_sst2_folder(out_dir: str, num_dev: int = 200, seed: int = 0) -> str:
-  """The labelled sentences as <out_dir>/SST-2/{train,dev,test}.tsv."""
+def write_sst2_folder(out_dir: str, num_dev: int = 200, seed: int = 0,
+                      num_train: int = 0) -> str:
+  """The labelled sentences as <out_dir>/SST-2/{train,dev,test}.tsv (num_train > 0: only
+  the first num_train of the 800 training sentences)."""
   with open(SENTENCES, encoding='utf-8') as f:
     rows = [line.rstrip('\n').rsplit('\t', 1) for line in f if line.strip()]
   order = np.random.default_rng(seed).permutation(len(rows))
   dev, train = [rows[i] for i in order[:num_dev]], [rows[i] for i in order[num_dev:]]
+  train = train[:num_train] if num_train > 0 else train
   folder = os.path.join(out_dir, 'SST-2')
   os.makedirs(folder, exist_ok=True)
   clean = lambda s: ' '.join(s.split())
@@ -58,6 +61,8 @@ def main(argv=None):
   p.add_argument('--workdir', required=True)
   p.add_argument('--init_checkpoint', default='', help='pretraining workdir ('' = pretrain)')
   p.add_argument('--seeds', type=int, default=3)
+  p.add_argument('--num_train', type=int, default=0,
+                 help='fine-tune on only this many of the 800 training sentences (0: all)')
   p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                  help='finetune.py overrides, e.g. --set num_epochs=5')
   args = p.parse_args(argv)
@@ -65,7 +70,7 @@ def main(argv=None):
   if not init:
     init = os.path.join(args.workdir, 'pretrain')
     subprocess.run([sys.executable, 'train.py', '--workdir', init], cwd=_REPO, check=True)
-  data_dir = write_sst2_folder(os.path.join(args.workdir, 'data'))
+  data_dir = write_sst2_folder(os.path.join(args.workdir, 'data'), num_train=args.num_train)
   defaults = ['num_epochs=5', 'batch_size=16', 'optimizer.learning_rate=1e-4',
               'max_seq_length=64']
   accuracy = {}
