@@ -108,4 +108,3 @@ class Dropout(nn.Module):
 def drop_fraction(rate: float) -> float:
   """The exact drop probability that `rate` gives (round(rate * 2**16) / 2**16)."""
   return int(round(rate * _ONE)) / _ONE
-

@@ -255,9 +255,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
   names loss_fn returns; the step merges loss_fn's metrics over the microbatches.
   The batch is a dict of global arrays sharded over (data, fsdp) on axis 0. Dropout keys
   are fold_in(fold_in(PRNGKey(seed), step), microbatch), so a resumed run draws the same
-  masks. A non-finite loss is left to the caller, which checks every step's loss before it
-  saves anything (train.py); guarding the state here would cost a copy of the optimizer
-  state per step (XLA cannot update it in place under a select), about 5% of a CPU step.
+  masks. A non-finite loss or gradient norm is left to the caller, which checks every
+  step's before it saves or evaluates (train.py); a select over the state here made XLA copy
+  both Adam moments every step (it cannot update them in place under the select).
   """
   k = int(grad_accum_steps)
   base_key = jax.random.PRNGKey(seed)
