@@ -77,9 +77,14 @@ def uniform_u16(key: jax.Array, shape: Sequence[int]) -> jax.Array:
   return _interleave(parts, shape[-1]).astype(jnp.uint16)
 
 
+def _threshold(rate: float) -> int:
+  """Elements whose 16-bit uniform falls below this are dropped."""
+  return int(round(rate * _ONE))
+
+
 def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]):
   """(bool mask of kept elements, 1 / P(keep)) for drop probability `rate`."""
-  threshold = int(round(rate * _ONE))
+  threshold = _threshold(rate)
   if threshold >= _ONE:
     raise ValueError(f'dropout rate {rate} leaves nothing; use a rate below 1')
   shape = tuple(int(d) for d in shape)
@@ -107,4 +112,4 @@ class Dropout(nn.Module):
 
 def drop_fraction(rate: float) -> float:
   """The exact drop probability that `rate` gives (round(rate * 2**16) / 2**16)."""
-  return int(round(rate * _ONE)) / _ONE
+  return _threshold(rate) / _ONE
