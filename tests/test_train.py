@@ -252,3 +252,89 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   assert mlm[60] < mlm[10] - 1.0, mlm
   assert summary['eval']['mlm_loss'] < np.log(c.model.vocab_size) - 1.0
   assert os.path.isdir(tmp_path / 'checkpoints' / '60')
+
+
+def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
+  """The whole train step against the peer a user would otherwise run: transformers'
+  BertForPreTraining under the usual PyTorch recipe (torch AdamW with no decay on biases and
+  LayerNorm weights, clip_grad_norm_, linear warm-up then decay). From the same weights on
+  the same padded batches, without dropout, every step's loss and the final parameters agree.
+  This pins the loss (masked-token weighting, NSP mean), the decay mask, clipping, Adam's
+  bias correction and the schedule's step indexing, beyond the forward pass."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  from realformer import interop  # pylint: disable=g-import-not-at-top
+  hc = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, intermediate_size=64,
+                               max_position_embeddings=32, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0)
+  torch.manual_seed(0)
+  hf = transformers.BertForPreTraining(hc).float()
+  with torch.no_grad():  # nonzero biases and LayerNorm weights, so that decaying them shows
+    for name, p in hf.named_parameters():
+      if name.endswith('bias') or 'LayerNorm' in name:
+        p.add_(0.1 * torch.randn_like(p))
+  hf.save_pretrained(str(tmp_path))
+  params, config, _ = interop.load_hf(str(tmp_path))
+  initial = interop.convert_from_params(params, config.model, fmt='hf')
+
+  num_steps, lr, warmup, wd = 5, 1e-2, 2, 0.1
+  opt = config.optimizer
+  opt.learning_rate, opt.warmup_steps, opt.weight_decay, opt.clip_norm = lr, warmup, wd, 1.0
+  spec = resolve(config.model)
+  model = models.build(spec)
+  tx, schedule = train_lib.make_optimizer(opt, num_steps)
+  mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
+  _, shardings = train_lib.state_shardings(model, tx, train_lib.abstract_batch(4, 16, 5), mesh)
+  params = jax.device_put(jax.tree.map(jnp.asarray, params), shardings.params)
+  state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=jax.jit(tx.init)(params))
+  step = train_lib.make_train_step(train_lib.pretraining_loss_fn(model), tx, schedule,
+                                   mesh=mesh, shardings=shardings,
+                                   metrics_cls=metrics_lib.PretrainingTrainMetrics)
+
+  no_decay = lambda name: name.endswith('bias') or 'LayerNorm' in name
+  named = list(hf.named_parameters())
+  torch_opt = torch.optim.AdamW(
+      [{'params': [p for n, p in named if not no_decay(n)], 'weight_decay': wd},
+       {'params': [p for n, p in named if no_decay(n)], 'weight_decay': 0.0}],
+      lr=lr, betas=(opt.b1, opt.b2), eps=opt.eps)
+  torch_schedule = transformers.get_linear_schedule_with_warmup(torch_opt, warmup, num_steps)
+  long = lambda x: torch.tensor(x, dtype=torch.long)
+
+  def torch_loss(b):
+    out = hf(input_ids=long(b['input_ids']), token_type_ids=long(b['segment_ids']),
+             attention_mask=long(b['attention_mask']))
+    pos = long(b['masked_lm_positions'])
+    logits = torch.gather(out.prediction_logits, 1,
+                          pos[..., None].expand(-1, -1, hc.vocab_size))
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                           long(b['masked_lm_ids']).flatten(), reduction='none')
+    w = torch.tensor(b['masked_lm_weights']).flatten()
+    nsp = torch.nn.functional.cross_entropy(out.seq_relationship_logits,
+                                            long(b['next_sentence_labels']))
+    return (ce * w).sum() / w.sum() + nsp
+
+  data = train_lib.SyntheticPretrainingData(vocab_size=120, seq_len=16, num_predictions=5,
+                                            global_batch_size=4, seed=1)
+  for i in range(num_steps):
+    b = next(data)
+    assert b['attention_mask'].min() == 0  # padding present
+    state, stats = step(state, train_lib.global_batch(b, mesh))
+    hf.train()
+    torch_opt.zero_grad()
+    loss = torch_loss(b)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+    torch_opt.step()
+    torch_schedule.step()
+    np.testing.assert_allclose(metrics_lib.to_floats(stats)['loss'], loss.item(), rtol=2e-5,
+                               err_msg=f'step {i}')
+
+  ours = interop.convert_from_params(jax.device_get(state.params), config.model, fmt='hf')
+  theirs = {n.removeprefix('bert.'): p.detach().numpy() for n, p in hf.state_dict().items()}
+  moved, atol = 0.0, 2e-5
+  for name, x in ours.items():
+    np.testing.assert_allclose(x, theirs[name], rtol=0, atol=atol, err_msg=name)
+    moved = max(moved, float(np.abs(theirs[name] - initial[name]).max()))
+  assert moved > 500 * atol  # Adam moved weights by about the summed learning rates, 0.025
