@@ -31,6 +31,7 @@ from clu import periodic_actions
 from ml_collections import config_flags
 
 from realformer import checkpoints
+from realformer import host_memory
 from realformer import metrics as metrics_lib
 from realformer import models
 from realformer import partitioning
@@ -318,6 +319,8 @@ def main(argv):
   if not flags.FLAGS.workdir:
     raise app.UsageError('--workdir is required: the directory for checkpoints and logs '
                          '(e.g. --workdir /tmp/bert_tiny)')
+  if host_memory.keep_freed_memory():
+    logging.info('CPU-only run: glibc malloc keeps freed memory (realformer/host_memory.py)')
   maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                flags.FLAGS.process_id)
   try:

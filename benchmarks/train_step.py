@@ -23,6 +23,11 @@ call of the same contender: see run_rounds); the table gives medians and each
 contender's median per-round ratio to the first one (and to HF). FLOPs are
 realformer.train_lib.flops_per_example (attention included); MFU is against the device's peak
 where known, and on CPU against the float32 2048^3 matmul rate measured in the same run.
+
+On a CPU-only install the script first sets glibc's malloc to keep freed memory, as train.py
+and finetune.py do (realformer/host_memory.py): both frameworks run in this one process, so
+both get it. `REALFORMER_MALLOC=default python benchmarks/train_step.py ...` measures glibc's
+defaults, under which every step page-faults its temporaries in afresh.
 """
 
 import argparse
@@ -41,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import pretrain
+from realformer import host_memory
 from realformer import metrics as metrics_lib
 from realformer import models
 from realformer import partitioning
@@ -263,11 +269,15 @@ def main():
   args = p.parse_args()
   # BERT's max_predictions_per_seq: 20 at length 128, 80 at 512.
   args.predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
+  # As train.py does; it applies to both frameworks (same process). REALFORMER_MALLOC=default
+  # keeps glibc's defaults.
+  kept = host_memory.keep_freed_memory()
   device = jax.devices()[0]
   on_cpu = device.platform == 'cpu'
   print(f'# {datetime.date.today()} {platform.node()} {device.device_kind} x'
         f'{jax.device_count()} ({os.cpu_count()} cores), jax {jax.__version__}')
   print(f'# {" ".join(sys.argv)}')
+  print(f'# host malloc: {"freed memory kept (realformer/host_memory.py)" if kept else "defaults"}')
   rate_jax = matmul_rate_jax() if on_cpu else None
   if on_cpu:
     line = f'# float32 2048^3 matmul: jax {rate_jax / 1e9:.0f} GFLOP/s'
