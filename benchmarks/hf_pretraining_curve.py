@@ -55,6 +55,10 @@ def main():
   torch.set_num_threads(args.threads)
   c = ml_collections.ConfigDict(checkpoints.read_config(args.workdir))
   tc, opt = c.train, c.optimizer
+  if opt.schedule != 'linear' or c.data.sources == 'synthetic' or not tc.eval_steps:
+    raise SystemExit(f'{args.workdir}: needs a run with the linear schedule, real data and '
+                     f'held-out evaluation (it has optimizer.schedule={opt.schedule!r}, '
+                     f'data.sources={c.data.sources!r}, train.eval_steps={tc.eval_steps})')
   tokenizer = tokenizer_lib.load_for_config(c.data)
   prepared = c.data.prepared_dir or os.path.join(args.workdir, 'data')
   batches = lambda split: pipeline.make_pretraining_iterator(

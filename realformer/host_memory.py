@@ -4,14 +4,18 @@ On a CPU backend XLA allocates each step's temporaries with glibc's malloc. Larg
 from mmap (or from per-thread arenas that glibc trims with MADV_DONTNEED) and go back to the
 kernel when freed, so every step touches fresh pages: a BERT-base train step at batch 8,
 length 128 took about 335,000 minor page faults (1.3 GB) and 0.5 s of system time. With one
-malloc arena, no mmap and no trimming, the memory freed by one step serves the next, and a
-warmed-up step takes no page faults at all (benchmarks/train_step.py reports the change in
-BENCHMARKS.md). The price: the process keeps its peak heap instead of returning it.
+malloc arena, no mmap and no trimming, the memory freed by one step serves the next, and
+warmed-up steps take almost no page faults (0 per BERT-base step here; now and then one 32 MB
+block while the heap settles). BENCHMARKS.md has the speed-up. The price: the process keeps
+its peak heap (data preparation's included) instead of returning it to the system, the heap
+can fragment (a few tens of percent more resident memory in tests/test_host_memory.py's
+program), and all threads share one malloc lock (measured on 2 cores only).
 
 `keep_freed_memory()` does this with mallopt(3), before JAX starts its thread pools (threads
 that already own an arena keep it). It changes nothing where an accelerator backend is
 installed or selected (the host's malloc is not on the step's path there), on a C library
-other than glibc, or when REALFORMER_MALLOC=default is set.
+other than glibc, when the user tunes malloc through the environment (MALLOC_* or
+GLIBC_TUNABLES) or preloads another allocator (LD_PRELOAD), or when REALFORMER_MALLOC=default.
 """
 
 import ctypes
@@ -61,11 +65,14 @@ def keep_freed_memory() -> bool:
   if _applied is not None:
     return _applied
   _applied = False
-  if os.environ.get('REALFORMER_MALLOC', '') == 'default' or not _glibc():
+  if os.environ.get('REALFORMER_MALLOC', '').strip().lower() in ('default', 'off', '0'):
     return False
-  if _accelerator_possible():
+  user_tuned = any(k.startswith('MALLOC_') or k in ('GLIBC_TUNABLES', 'LD_PRELOAD')
+                   for k in os.environ)
+  if user_tuned or not _glibc() or _accelerator_possible():
     return False
   libc = ctypes.CDLL(None)
   settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: never trim
-  _applied = all(libc.mallopt(param, value) == 1 for param, value in settings)
+  results = [libc.mallopt(param, value) == 1 for param, value in settings]  # apply all
+  _applied = all(results)
   return _applied

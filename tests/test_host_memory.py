@@ -29,7 +29,10 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _faults(env_extra):
-  env = dict(os.environ, JAX_PLATFORMS='cpu', **env_extra)
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith('MALLOC_') and k not in ('GLIBC_TUNABLES', 'LD_PRELOAD',
+                                                     'REALFORMER_MALLOC')}
+  env.update(JAX_PLATFORMS='cpu', **env_extra)
   out = subprocess.run([sys.executable, '-c', _PROGRAM.format(repo=REPO)], env=env,
                        capture_output=True, text=True, check=True, timeout=300)
   applied, faults = out.stdout.split()[-2:]
@@ -47,6 +50,12 @@ def test_warm_steps_take_no_page_faults():
   assert faults * 20 < default_faults, (faults, default_faults)
 
 
+@pytest.mark.skipif(not host_memory._glibc(), reason='mallopt settings are glibc-specific')
+def test_user_malloc_tuning_is_left_alone():
+  applied, _ = _faults({'MALLOC_ARENA_MAX': '4'})
+  assert not applied
+
+
 def test_accelerator_runs_are_left_alone(monkeypatch):
   monkeypatch.setenv('JAX_PLATFORMS', 'cuda,cpu')
   assert host_memory._accelerator_possible()
@@ -54,3 +63,8 @@ def test_accelerator_runs_are_left_alone(monkeypatch):
   assert host_memory._accelerator_possible()
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
   assert not host_memory._accelerator_possible()
+  monkeypatch.delenv('JAX_PLATFORMS')  # unset: decided by what is installed
+  real_find_spec = host_memory.importlib.util.find_spec
+  monkeypatch.setattr(host_memory.importlib.util, 'find_spec',
+                      lambda name: object() if name == 'libtpu' else real_find_spec(name))
+  assert host_memory._accelerator_possible()
