@@ -319,8 +319,7 @@ def main(argv):
   if not flags.FLAGS.workdir:
     raise app.UsageError('--workdir is required: the directory for checkpoints and logs '
                          '(e.g. --workdir /tmp/bert_tiny)')
-  if host_memory.keep_freed_memory():
-    logging.info('CPU-only run: glibc malloc keeps freed memory (realformer/host_memory.py)')
+  host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                flags.FLAGS.process_id)
   try:

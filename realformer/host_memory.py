@@ -23,6 +23,8 @@ import importlib.metadata
 import importlib.util
 import os
 
+from absl import logging
+
 # mallopt(3) parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -75,4 +77,6 @@ def keep_freed_memory() -> bool:
   settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: never trim
   results = [libc.mallopt(param, value) == 1 for param, value in settings]  # apply all
   _applied = all(results)
+  if _applied:
+    logging.info('CPU-only run: glibc malloc keeps freed memory (realformer/host_memory.py)')
   return _applied
