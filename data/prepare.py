@@ -24,6 +24,7 @@ import zlib
 from array_record.python import array_record_module
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from data import pretraining
@@ -138,6 +139,11 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dic
     files[split] = writers.close()
     counts[split] = n
     stats.update({f'{split}/{k}': v for k, v in split_stats.items()})
+  if stats['eval/documents'] == 1 and counts['eval']:
+    logging.warning('the eval split holds one document, so its random-next segments come from '
+                    'that same document and eval NSP accuracy means nothing; raise '
+                    'data.eval_fraction (now %g) to hold out at least two documents',
+                    d.eval_fraction)
   if counts['train'] == 0:
     shutil.rmtree(tmp, ignore_errors=True)
     raise ValueError(f'config.data.sources={d.sources!r} gave no training examples '

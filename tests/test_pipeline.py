@@ -145,6 +145,17 @@ def test_metadata_records_what_was_prepared(prepared):
   assert stats['eval/documents'] >= 1  # 1 in 5 held out by the hash of the index: 1 of 4
 
 
+def test_an_eval_split_of_one_document_is_flagged(corpus, tmp_path, caplog):
+  # One eval document draws its random-next segments from itself (BERT's fallback), so its
+  # NSP labels are noise: preparing says so. Two documents (0 and 2 of 4 at 0.25) do not.
+  for fraction, warned in ((0.2, True), (0.25, False)):
+    caplog.clear()
+    metadata = prepare.prepare(tiny_config(corpus, eval_fraction=fraction),
+                               str(tmp_path / str(fraction)))
+    assert metadata['stats']['eval/documents'] == (1 if warned else 2)
+    assert ('eval NSP accuracy means nothing' in caplog.text) == warned
+
+
 def test_hosts_wait_for_process_zero_and_finished_preparations_are_kept(
     prepared, tmp_path, monkeypatch):
   config = prepared[0].copy_and_resolve_references()
