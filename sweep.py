@@ -60,7 +60,7 @@ def main(argv=None):
                               target=args.target), end='')
     return 0
   codes = sweep.run_all(runs, root=args.root, program=args.program, config=args.config)
-  failed = [n for n, c in codes.items() if c and c != sweep.RUNNING_ELSEWHERE]
+  failed = [n for n, c in codes.items() if c and c != sweep.RUNNING_ELSEWHERE]  # OTHER_RUN too
   elsewhere = [n for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
   print(f'{list(codes.values()).count(0)}/{len(codes)} runs finished' +
         (f'; failed: {", ".join(failed)}' if failed else '') +

@@ -6,13 +6,15 @@ r"""The fine-tuning grid of the paper's practice, for one task or all of GLUE, o
   python -m realformer.finetune_grid --tasks rte --root /tmp/grid --summarize_only
 
 Every (learning rate, batch size, epochs, seed) of every task is one finetune.py run in
-<root>/<task>/<its overrides> (realformer.sweep names, skips finished runs and resumes
-interrupted ones), run here one after another, or printed as launch commands for a cluster
-(--print_only). The summary (<root>/results.md and .csv) gives each setting's median
-(and mean, min, max) over seeds of the task's headline metric (GLUE's: MCC for CoLA, F1 for
-MRPC/QQP, Pearson for STS-B, accuracy elsewhere; SQuAD F1), and marks the best setting of
-each task by that median. Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli also
-reports mismatched and predicts AX) or squad/v1.1, squad/v2.0.
+<root>/<task>/<its grid values and other varying overrides> (realformer.sweep names, skips
+finished runs and resumes interrupted ones, so a grid can be extended in the same root; a
+directory holding a run with other fixed overrides is refused, never reused), run here one
+after another, or printed as launch commands for a cluster (--print_only). The summary
+(<root>/results.md and .csv) gives each setting's median (and mean, min, max) over seeds of
+the task's headline metric (GLUE's: MCC for CoLA, F1 for MRPC/QQP, Pearson for STS-B,
+accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median.
+Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli also reports mismatched and
+predicts AX) or squad/v1.1, squad/v2.0.
 """
 
 import argparse
@@ -143,9 +145,10 @@ def main(argv=None):
       root = task_root(args.root, task)
       if args.print_only:
         print(sweep.launch_script(runs, root=root, program=PROGRAM, config=config_arg(task),
-                                  target=args.target), end='')
+                                  target=args.target, always=GRID_KEYS), end='')
         continue
-      codes = sweep.run_all(runs, root=root, program=PROGRAM, config=config_arg(task))
+      codes = sweep.run_all(runs, root=root, program=PROGRAM, config=config_arg(task),
+                            always=GRID_KEYS)
       failed += [f'{task}/{n}' for n, c in codes.items() if c]
     if args.print_only:
       return 0

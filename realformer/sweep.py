@@ -39,6 +39,7 @@ Run = Dict[str, Any]
 DONE = 'DONE'
 LOCK = 'LOCK'
 RUNNING_ELSEWHERE = -1000  # run_all's code for a run that another sweep process holds
+OTHER_RUN = -1001  # run_all's code for a run whose directory holds a run of other overrides
 OVERRIDES = 'overrides.json'
 
 
@@ -135,9 +136,22 @@ def run_name(run: Run, keys: Optional[Sequence[str]] = None) -> str:
   return name or 'default'
 
 
-def run_names(runs: Sequence[Run]) -> List[str]:
-  keys = varying_keys(runs)
+def run_names(runs: Sequence[Run], always: Sequence[str] = ()) -> List[str]:
+  """Names from the varying keys, plus the keys `always` (a grid's axes: one-value grids
+  run into the same root then get names of their own)."""
+  keys = sorted(set(varying_keys(runs)) | set(always))
   return [run_name(r, keys) for r in runs]
+
+
+def other_run(workdir: str, run: Run) -> List[str]:
+  """The keys on which the run recorded in `workdir` differs from `run` ([] if none is)."""
+  path = os.path.join(workdir, OVERRIDES)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    recorded = json.load(f)
+  run = json.loads(json.dumps(run))  # the types JSON gives back
+  return sorted(k for k in set(recorded) | set(run) if recorded.get(k) != run.get(k))
 
 
 def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
@@ -211,12 +225,19 @@ def release(workdir: str):
 
 
 def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
-            echo=print) -> Dict[str, int]:
+            echo=print, always: Sequence[str] = ()) -> Dict[str, int]:
   """Runs one after another; returns {name: exit code}: 0 for finished runs (also those
-  skipped as finished), RUNNING_ELSEWHERE for runs another live sweep holds."""
+  skipped as finished), RUNNING_ELSEWHERE for runs another live sweep holds, OTHER_RUN for
+  names whose directory holds a run with other overrides (never reused, never resumed)."""
   codes = {}
-  for i, (run, name) in enumerate(zip(runs, run_names(runs))):
+  for i, (run, name) in enumerate(zip(runs, run_names(runs, always))):
     workdir = os.path.join(root, name)
+    differ = other_run(workdir, run)
+    if differ:
+      echo(f'[{i + 1}/{len(runs)}] {name}: {workdir} holds a run with other '
+           f'{", ".join(differ)}; left alone. Give this sweep its own --root')
+      codes[name] = OTHER_RUN
+      continue
     if is_done(workdir, run):
       echo(f'[{i + 1}/{len(runs)}] {name}: finished, skipped')
       codes[name] = 0
@@ -244,10 +265,11 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
 
 
 def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
-                  target: str, tpu: str = '$TPU', zone: str = '$ZONE') -> str:
+                  target: str, tpu: str = '$TPU', zone: str = '$ZONE',
+                  always: Sequence[str] = ()) -> str:
   """A shell script, one launch per run, for a TPU pod slice or a SLURM GPU cluster."""
   lines = ['#!/usr/bin/env bash', f'# {len(runs)} runs of {program} {config}', 'set -e']
-  for run, name in zip(runs, run_names(runs)):
+  for run, name in zip(runs, run_names(runs, always)):
     argv = command(program, config, os.path.join(root, name), run)
     argv[0] = 'python'  # the cluster's interpreter, not this one
     cmd = shlex.join(argv)

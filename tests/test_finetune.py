@@ -145,6 +145,12 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   assert all('--config.init_checkpoint=/ck' in l and '--config.max_seq_length=96' in l
              for l in lines)
   assert any('configs/finetune.py:squad/v1.1' in l for l in lines)
+  finetune_grid.main(['--tasks', 'rte', '--root', root, '--learning_rates', '1e-4',
+                      '--batch_sizes', '16', '--epochs', '3', '--seeds', '1', '--print_only'])
+  one = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python')]
+  # One value per axis: the grid's values still name the run (grids extend in one root).
+  assert len(one) == 1 and (f'--workdir {root}/rte/batch_size=16,num_epochs=3,'
+                            'optimizer.learning_rate=0.0001,seed=0 ') in one[0]
   # Finished runs of two settings: the best is the one with the higher median over seeds.
   for lr, seed, headline in [(1e-5, 0, 0.9), (1e-5, 1, 0.5), (1e-5, 2, 0.5),
                              (2e-5, 0, 0.6), (2e-5, 1, 0.6), (2e-5, 2, 0.1)]:

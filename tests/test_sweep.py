@@ -108,6 +108,30 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
   assert (root / 'summary.csv').read_text().splitlines()[0].startswith('optimizer.')
 
 
+def test_a_directory_holding_another_run_is_never_reused(tmp_path, capsys):
+  # The fixed overrides do not name a run, so a second sweep into the same root with
+  # another --set reaches the first one's directories: refused, not skipped as finished.
+  program = tmp_path / 'fake_train.py'
+  program.write_text(FAKE_PROGRAM)
+  root = tmp_path / 'sweep'
+  args = ['run', '--root', str(root), '--program', str(program), '--config', 'cfg',
+          '--sweep', 'optimizer.learning_rate=1e-4,2e-4']
+  assert sweep_cli.main(args + ['--set', 'train.num_steps=2']) == 0
+  capsys.readouterr()
+  assert sweep_cli.main(args + ['--set', 'train.num_steps=3']) == 1
+  out = capsys.readouterr().out
+  assert 'holds a run with other train.num_steps; left alone' in out
+  assert '0/2 runs finished; failed: optimizer.learning_rate=0.0001,seed=0' in out
+  for name in os.listdir(root):
+    assert (root / name / 'calls.txt').read_text().count('call') == 1
+    assert json.loads((root / name / sweep.OVERRIDES).read_text())['train.num_steps'] == 2
+  # A grid's axes always name its runs, so a one-value grid does not collide.
+  runs = sweep.expand(['num_epochs=2'], ['batch_size=16'])
+  assert sweep.run_names(runs) == ['seed=0']
+  assert sweep.run_names(runs, always=['batch_size', 'num_epochs']) == [
+      'batch_size=16,num_epochs=2,seed=0']
+
+
 def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path):
   program = tmp_path / 'fake_train.py'
   program.write_text(FAKE_PROGRAM)
