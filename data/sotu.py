@@ -12,7 +12,8 @@ pretrained on speeches:
 The split is by speech: every fifth speech (index % 5 == 2, spread over all 231 years) is
 held out for dev, the training sentences come from the other speeches, and
 `write_era_task` also writes the pretraining corpus without the held-out speeches, so a
-model pretrained on it has never seen a dev sentence, not even unlabelled.
+model pretrained on it has never seen a dev sentence, not even unlabelled. (The embedded
+tokenizer's piece inventory was learnt from the whole corpus; it holds no labels.)
 """
 
 import collections
@@ -69,7 +70,10 @@ def write_era_task(out_dir: str, num_train: int = 800, num_dev: int = 400, seed:
   """Writes <out_dir>/SST-2/{train,dev,test}.tsv (sentence, label: 1 = from `cutoff` on;
   balanced, sentences of at least `min_words` words, dev from the held-out speeches only)
   and <out_dir>/pretraining_corpus.txt (the corpus without the held-out speeches, BERT's
-  format). Returns out_dir."""
+  format). Returns out_dir.
+
+  Smaller training sets are nested: num_train <= 800 takes the first num_train / 2 of each
+  class of the 800 drawn, and the dev set is the same for all of them."""
   if num_train % 2 or num_dev % 2:
     raise ValueError(f'num_train ({num_train}) and num_dev ({num_dev}) must be even: the '
                      'two classes are sampled equally')
@@ -83,13 +87,20 @@ def write_era_task(out_dir: str, num_train: int = 800, num_dev: int = 400, seed:
   rng = random.Random(seed)
   folder = os.path.join(out_dir, 'SST-2')
   os.makedirs(folder, exist_ok=True)
-  for split, n in (('train', num_train), ('dev', num_dev)):
+  for split, n in (('train', max(num_train, 800)), ('dev', num_dev)):
     for label in (0, 1):
       if len(pools[split, label]) < n // 2:
         raise ValueError(f'only {len(pools[split, label])} {split} sentences of class {label} '
                          f'for the {n // 2} asked; lower num_{split} or min_words')
     rows = [(s, label) for label in (0, 1) for s in rng.sample(pools[split, label], n // 2)]
     rng.shuffle(rows)
+    if split == 'train':  # nested: the first num_train / 2 of each class, in shuffled order
+      taken, nested = collections.Counter(), []
+      for row in rows:
+        taken[row[1]] += 1
+        if taken[row[1]] <= num_train // 2:
+          nested.append(row)
+      rows = nested
     _write_tsv(os.path.join(folder, f'{split}.tsv'), ('sentence', 'label'), rows)
     if split == 'dev':  # GLUE's test layout, unlabelled, so finetune.py writes predictions
       _write_tsv(os.path.join(folder, 'test.tsv'), ('index', 'sentence'),

@@ -61,12 +61,17 @@ def test_era_task_holds_out_whole_speeches(tmp_path, speeches):
   assert [sentence for _, sentence in test] == [sentence for sentence, _ in dev]
 
 
-def test_era_task_is_reproducible_and_seeded(tmp_path, speeches):
-  read = lambda d: (tmp_path / d / 'SST-2' / 'train.tsv').read_text()
-  for name, seed in (('a', 0), ('b', 0), ('c', 1)):
-    sotu.write_era_task(str(tmp_path / name), num_train=20, num_dev=10, seed=seed,
+def test_era_task_is_reproducible_seeded_and_nested(tmp_path, speeches):
+  read = lambda d, split='train': (tmp_path / d / 'SST-2' / f'{split}.tsv').read_text()
+  for name, seed, n in (('a', 0, 800), ('b', 0, 800), ('c', 1, 800), ('small', 0, 20)):
+    sotu.write_era_task(str(tmp_path / name), num_train=n, num_dev=10, seed=seed,
                         speeches=speeches)
   assert read('a') == read('b') != read('c')
+  # A smaller training set is a balanced subset of the 800, with the very same dev set.
+  small = read_tsv(tmp_path / 'small' / 'SST-2' / 'train.tsv')
+  assert len(small) == 20 and sum(label == '1' for _, label in small) == 10
+  assert {tuple(r) for r in small} < {tuple(r) for r in read_tsv(tmp_path / 'a/SST-2/train.tsv')}
+  assert read('small', 'dev') == read('a', 'dev')
 
 
 def test_era_task_bad_requests(tmp_path, speeches):
