@@ -68,12 +68,15 @@ def write_era_task(out_dir: str, num_train: int = 800, num_dev: int = 400, seed:
                    cutoff: int = 1900, min_words: int = 8,
                    speeches: Sequence[Speech] = ()) -> str:
   """Writes <out_dir>/SST-2/{train,dev,test}.tsv (sentence, label: 1 = from `cutoff` on;
-  balanced, sentences of at least `min_words` words, dev from the held-out speeches only)
-  and <out_dir>/pretraining_corpus.txt (the corpus without the held-out speeches, BERT's
-  format). Returns out_dir.
+  sentences of at least `min_words` words; training sentences balanced; dev drawn balanced
+  from the held-out speeches, less the few that also occur verbatim in a training speech, so
+  no dev sentence is in the training speeches or the pretraining corpus) and
+  <out_dir>/pretraining_corpus.txt (the corpus without the held-out speeches, BERT's format).
+  Returns out_dir.
 
   Smaller training sets are nested: num_train <= 800 takes the first num_train / 2 of each
-  class of the 800 drawn, and the dev set is the same for all of them."""
+  class of the 800 drawn, and the dev set is the same for all of them (above 800 the draw,
+  and so the dev set, changes)."""
   if num_train % 2 or num_dev % 2:
     raise ValueError(f'num_train ({num_train}) and num_dev ({num_dev}) must be even: the '
                      'two classes are sampled equally')
@@ -84,6 +87,7 @@ def write_era_task(out_dir: str, num_train: int = 800, num_dev: int = 400, seed:
     label = era_label(speech.year, cutoff)
     pools[split, label] += [' '.join(s.split()) for s in speech.sentences
                             if len(s.split()) >= min_words]
+  train_sentences = set(pools['train', 0] + pools['train', 1])
   rng = random.Random(seed)
   folder = os.path.join(out_dir, 'SST-2')
   os.makedirs(folder, exist_ok=True)
@@ -94,6 +98,8 @@ def write_era_task(out_dir: str, num_train: int = 800, num_dev: int = 400, seed:
                          f'for the {n // 2} asked; lower num_{split} or min_words')
     rows = [(s, label) for label in (0, 1) for s in rng.sample(pools[split, label], n // 2)]
     rng.shuffle(rows)
+    if split == 'dev':  # a few sentences recur verbatim in a president's next address
+      rows = [r for r in rows if r[0] not in train_sentences]
     if split == 'train':  # nested: the first num_train / 2 of each class, in shuffled order
       taken, nested = collections.Counter(), []
       for row in rows:

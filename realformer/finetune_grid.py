@@ -156,7 +156,7 @@ def main(argv=None):
       print(f'failed runs: {", ".join(failed)}')
   print(write_summary(args.root, tasks))
   print(f'(written to {args.root}/results.md and {args.root}/results.csv)')
-  return 0
+  return 1 if not args.summarize_only and failed else 0
 
 
 if __name__ == '__main__':

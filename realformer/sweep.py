@@ -144,14 +144,15 @@ def run_names(runs: Sequence[Run], always: Sequence[str] = ()) -> List[str]:
 
 
 def other_run(workdir: str, run: Run) -> List[str]:
-  """The keys on which the run recorded in `workdir` differs from `run` ([] if none is)."""
+  """How the run recorded in `workdir` differs from `run`, key by key ([] if it does not)."""
   path = os.path.join(workdir, OVERRIDES)
   if not os.path.exists(path):
     return []
   with open(path) as f:
     recorded = json.load(f)
   run = json.loads(json.dumps(run))  # the types JSON gives back
-  return sorted(k for k in set(recorded) | set(run) if recorded.get(k) != run.get(k))
+  return [f'{k} {recorded.get(k)!r} (asked {run.get(k)!r})'
+          for k in sorted(set(recorded) | set(run)) if recorded.get(k) != run.get(k)]
 
 
 def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
@@ -234,8 +235,8 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
     workdir = os.path.join(root, name)
     differ = other_run(workdir, run)
     if differ:
-      echo(f'[{i + 1}/{len(runs)}] {name}: {workdir} holds a run with other '
-           f'{", ".join(differ)}; left alone. Give this sweep its own --root')
+      echo(f'[{i + 1}/{len(runs)}] {name}: {workdir} holds a run with other overrides '
+           f'({"; ".join(differ)}); left alone. Give this sweep its own --root')
       codes[name] = OTHER_RUN
       continue
     if is_done(workdir, run):

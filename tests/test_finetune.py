@@ -3,6 +3,7 @@ pretraining checkpoint to dev metrics and submission files (resume and mismatch 
 
 import json
 import os
+from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -145,6 +146,10 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   assert all('--config.init_checkpoint=/ck' in l and '--config.max_seq_length=96' in l
              for l in lines)
   assert any('configs/finetune.py:squad/v1.1' in l for l in lines)
+  # A failed (or refused) run makes the grid's exit code non-zero, after the summary.
+  with mock.patch.object(finetune_grid.sweep, 'run_all', return_value={'seed=0': 3}):
+    assert finetune_grid.main(['--tasks', 'rte', '--root', root, '--seeds', '1']) == 1
+  assert 'failed runs: rte/seed=0' in capsys.readouterr().out
   finetune_grid.main(['--tasks', 'rte', '--root', root, '--learning_rates', '1e-4',
                       '--batch_sizes', '16', '--epochs', '3', '--seeds', '1', '--print_only'])
   one = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python')]

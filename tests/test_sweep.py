@@ -120,7 +120,7 @@ def test_a_directory_holding_another_run_is_never_reused(tmp_path, capsys):
   capsys.readouterr()
   assert sweep_cli.main(args + ['--set', 'train.num_steps=3']) == 1
   out = capsys.readouterr().out
-  assert 'holds a run with other train.num_steps; left alone' in out
+  assert 'holds a run with other overrides (train.num_steps 2 (asked 3)); left alone' in out
   assert '0/2 runs finished; failed: optimizer.learning_rate=0.0001,seed=0' in out
   for name in os.listdir(root):
     assert (root / name / 'calls.txt').read_text().count('call') == 1
