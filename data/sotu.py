@@ -28,6 +28,7 @@ from data import sources
 SPEECH_INDEX = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'embedded',
                             'sotu_speeches.tsv')
 INDEX_FIELDS = ('year', 'name', 'party')
+NESTED_TRAIN = 800  # training sets up to this size are nested and share one dev set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ def _write_tsv(path: str, header: Sequence[str], rows):
     f.writelines('\t'.join(str(v) for v in row) + '\n' for row in rows)
 
 
-def write_era_task(out_dir: str, num_train: int = 800, num_dev: int = 400, seed: int = 0,
+def write_era_task(out_dir: str, num_train: int = NESTED_TRAIN, num_dev: int = 400, seed: int = 0,
                    cutoff: int = 1900, min_words: int = 8,
                    speeches: Sequence[Speech] = ()) -> str:
   """Writes <out_dir>/SST-2/{train,dev,test}.tsv (sentence, label: 1 = from `cutoff` on;
@@ -91,7 +92,7 @@ def write_era_task(out_dir: str, num_train: int = 800, num_dev: int = 400, seed:
   rng = random.Random(seed)
   folder = os.path.join(out_dir, 'SST-2')
   os.makedirs(folder, exist_ok=True)
-  for split, n in (('train', max(num_train, 800)), ('dev', num_dev)):
+  for split, n in (('train', max(num_train, NESTED_TRAIN)), ('dev', num_dev)):
     for label in (0, 1):
       if len(pools[split, label]) < n // 2:
         raise ValueError(f'only {len(pools[split, label])} {split} sentences of class {label} '
