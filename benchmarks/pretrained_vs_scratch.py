@@ -45,7 +45,8 @@ import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
-from data import sotu  # pylint: disable=g-import-not-at-top
+from data import glue  # pylint: disable=g-import-not-at-top
+from data import sotu
 from realformer import finetune_grid  # pylint: disable=g-import-not-at-top
 
 SENTENCES = os.path.join(_REPO, 'tests', 'data', 'sentiment', 'amazon_cells_labelled.txt')
@@ -60,17 +61,7 @@ def write_sst2_folder(out_dir: str, num_dev: int = 200, seed: int = 0,
   order = np.random.default_rng(seed).permutation(len(rows))
   dev, train = [rows[i] for i in order[:num_dev]], [rows[i] for i in order[num_dev:]]
   train = train[:num_train] if num_train > 0 else train
-  folder = os.path.join(out_dir, 'SST-2')
-  os.makedirs(folder, exist_ok=True)
-  clean = lambda s: ' '.join(s.split())
-  for name, part in (('train', train), ('dev', dev)):
-    with open(os.path.join(folder, f'{name}.tsv'), 'w', encoding='utf-8') as f:
-      f.write('sentence\tlabel\n')
-      f.writelines(f'{clean(s)}\t{y}\n' for s, y in part)
-  with open(os.path.join(folder, 'test.tsv'), 'w', encoding='utf-8') as f:
-    f.write('index\tsentence\n')
-    f.writelines(f'{i}\t{clean(s)}\n' for i, (s, _) in enumerate(dev))
-  return out_dir
+  return glue.write_sst2_layout(out_dir, train, dev)
 
 
 def task_adaptive_pretraining(init: str, data_dir: str, workdir: str, steps: int) -> str:

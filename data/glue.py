@@ -184,3 +184,21 @@ def write_predictions(task_name: str, examples: Sequence[Example], predictions: 
       value = (f'{float(p):.3f}' if not task.labels else task.labels[int(p)])
       f.write(f'{ex.guid if ex.guid.isdigit() else i}\t{value}\n')
   return path
+
+
+def write_sst2_layout(out_dir: str, train: Sequence[Tuple[str, int]],
+                      dev: Sequence[Tuple[str, int]]) -> str:
+  """(sentence, label) pairs as <out_dir>/SST-2/{train,dev}.tsv in GLUE's layout, and the dev
+  sentences again as an unlabelled test.tsv, so finetune.py also writes predictions for them
+  (whitespace inside a sentence becomes single spaces). Returns out_dir."""
+  folder = os.path.join(out_dir, FOLDERS['sst2'])
+  os.makedirs(folder, exist_ok=True)
+  clean = lambda s: ' '.join(s.split())
+  for name, rows in (('train', train), ('dev', dev)):
+    with open(os.path.join(folder, f'{name}.tsv'), 'w', encoding='utf-8') as f:
+      f.write('sentence\tlabel\n')
+      f.writelines(f'{clean(s)}\t{y}\n' for s, y in rows)
+  with open(os.path.join(folder, 'test.tsv'), 'w', encoding='utf-8') as f:
+    f.write('index\tsentence\n')
+    f.writelines(f'{i}\t{clean(s)}\n' for i, (s, _) in enumerate(dev))
+  return out_dir

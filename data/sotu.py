@@ -23,6 +23,7 @@ import os
 import random
 from typing import List, Sequence
 
+from data import glue
 from data import sources
 
 SPEECH_INDEX = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'embedded',
@@ -59,12 +60,6 @@ def era_label(year: int, cutoff: int = 1900) -> int:
   return int(year >= cutoff)
 
 
-def _write_tsv(path: str, header: Sequence[str], rows):
-  with open(path, 'w', encoding='utf-8') as f:
-    f.write('\t'.join(header) + '\n')
-    f.writelines('\t'.join(str(v) for v in row) + '\n' for row in rows)
-
-
 def write_era_task(out_dir: str, num_train: int = NESTED_TRAIN, num_dev: int = 400, seed: int = 0,
                    cutoff: int = 1900, min_words: int = 8,
                    speeches: Sequence[Speech] = ()) -> str:
@@ -90,8 +85,7 @@ def write_era_task(out_dir: str, num_train: int = NESTED_TRAIN, num_dev: int = 4
                             if len(s.split()) >= min_words]
   train_sentences = set(pools['train', 0] + pools['train', 1])
   rng = random.Random(seed)
-  folder = os.path.join(out_dir, 'SST-2')
-  os.makedirs(folder, exist_ok=True)
+  drawn = {}
   for split, n in (('train', max(num_train, NESTED_TRAIN)), ('dev', num_dev)):
     for label in (0, 1):
       if len(pools[split, label]) < n // 2:
@@ -108,10 +102,8 @@ def write_era_task(out_dir: str, num_train: int = NESTED_TRAIN, num_dev: int = 4
         if taken[row[1]] <= num_train // 2:
           nested.append(row)
       rows = nested
-    _write_tsv(os.path.join(folder, f'{split}.tsv'), ('sentence', 'label'), rows)
-    if split == 'dev':  # GLUE's test layout, unlabelled, so finetune.py writes predictions
-      _write_tsv(os.path.join(folder, 'test.tsv'), ('index', 'sentence'),
-                 [(k, s) for k, (s, _) in enumerate(rows)])
+    drawn[split] = rows
+  glue.write_sst2_layout(out_dir, drawn['train'], drawn['dev'])
   with open(os.path.join(out_dir, 'pretraining_corpus.txt'), 'w', encoding='utf-8') as f:
     f.writelines('\n'.join(s.sentences) + '\n\n'
                  for i, s in enumerate(speeches) if not is_dev_speech(i))
