@@ -148,13 +148,20 @@ class Ours:
 
 
 class HF:
-  """transformers' BertForPreTraining (PyTorch, float32) with torch.optim.AdamW."""
+  """transformers' BertForPreTraining (PyTorch) with torch.optim.AdamW.
+
+  float32 parameters and optimizer as ours; with --dtype bfloat16 (or float16) the step runs
+  under torch.autocast in that dtype, PyTorch's mixed precision: the same split as our
+  model.dtype (matmuls in the low precision, softmax/LayerNorm/loss in float32).
+  """
 
   def __init__(self, size, args):
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
     self.torch = torch
-    self.name = 'HF BertForPreTraining (torch)'
+    self.autocast = None if args.dtype == 'float32' else getattr(torch, args.dtype)
+    self.name = 'HF BertForPreTraining (torch' + (
+        f', autocast {args.dtype})' if self.autocast else ')')
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)  # as many threads as XLA's CPU client uses
     layers, hidden, heads, mlp = pretrain.SIZES[size]
@@ -182,15 +189,20 @@ class HF:
     self.params = sum(p.numel() for p in self.model.parameters())
     self.memory = None
 
+  def _autocast(self):
+    # The peer runs on the CPU (on a GPU machine, time ours with --peer none).
+    return self.torch.autocast('cpu', dtype=self.autocast, enabled=self.autocast is not None)
+
   def step(self):
     self.opt.zero_grad(set_to_none=True)
-    loss = self.model(**self.inputs).loss
+    with self._autocast():
+      loss = self.model(**self.inputs).loss
     loss.backward()
     self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
     self.opt.step()
 
   def forward(self):
-    with self.torch.no_grad():
+    with self.torch.no_grad(), self._autocast():
       self.model(**self.inputs)
 
   def peak_bytes(self):

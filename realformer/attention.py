@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from realformer import dropout as dropout_lib
+from realformer.dense import dense
 from realformer.spec import EncoderSpec
 from synthesizer.synthetic import SYNTHESIZERS
 
@@ -31,14 +32,6 @@ def mask_bias(attention_mask: jax.Array) -> jax.Array:
   """[B, T] (1 = real token) -> additive float32 bias [B, 1, 1, T]."""
   real = attention_mask.astype(bool)[:, None, None, :]
   return jnp.where(real, 0.0, NEG_INF).astype(jnp.float32)
-
-
-def dense(features, axes, spec: EncoderSpec, name: str):
-  """nn.Dense with BERT's init and logical axis names on kernel and bias."""
-  init = nn.initializers.normal(spec.initializer_range)
-  return nn.Dense(features, dtype=spec.dtype, param_dtype=jnp.float32, name=name,
-                  kernel_init=nn.with_logical_partitioning(init, axes),
-                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]))
 
 
 def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from realformer import attention as attn_lib
 from realformer import dropout as dropout_lib
+from realformer.dense import dense
 from realformer.spec import EncoderSpec, resolve
 
 
@@ -75,9 +76,9 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
     s = self.spec
-    h = attn_lib.dense(s.mlp_dim, ('embed', 'mlp'), s, 'intermediate')(x)
+    h = dense(s.mlp_dim, ('embed', 'mlp'), s, 'intermediate')(x)
     h = nn.gelu(h, approximate=False)  # BERT's exact erf GELU
-    return attn_lib.dense(s.hidden_size, ('mlp', 'embed'), s, 'output')(h)
+    return dense(s.hidden_size, ('mlp', 'embed'), s, 'output')(h)
 
 
 class Block(nn.Module):
@@ -152,7 +153,7 @@ class Encoder(nn.Module):
       probs = tuple(probs) if capture_attention else None
     if s.block == 'pre_ln':
       x = layer_norm(s, 'final_layer_norm')(x).astype(s.dtype)
-    pooled = jnp.tanh(attn_lib.dense(s.hidden_size, ('embed', 'mlp'), s, 'pooler')(x[:, 0]))
+    pooled = jnp.tanh(dense(s.hidden_size, ('embed', 'mlp'), s, 'pooler')(x[:, 0]))
     return EncoderOutput(hidden=x, pooled=pooled, attention=probs)
 
 
@@ -163,7 +164,7 @@ class MlmHead(nn.Module):
   @nn.compact
   def __call__(self, hidden, word_embeddings):
     s = self.spec
-    h = attn_lib.dense(s.hidden_size, ('embed', 'mlp'), s, 'transform')(hidden)
+    h = dense(s.hidden_size, ('embed', 'mlp'), s, 'transform')(hidden)
     h = layer_norm(s, 'layer_norm')(nn.gelu(h, approximate=False)).astype(s.dtype)
     # FSDP's all-gather of the tied table, made explicit: left to the partitioner (table
     # sharded over fsdp, rows over data x fsdp) the backward pass came out wrong on
@@ -207,7 +208,7 @@ class BertForPretraining(nn.Module):
     table = enc.variables['params']['embeddings']['word_embeddings']['embedding']
     table = nn.meta.unbox(table)
     mlm_logits = MlmHead(s, name='mlm_head')(hidden, table)
-    nsp_logits = attn_lib.dense(2, ('mlp', None), s, 'nsp_head')(out.pooled)
+    nsp_logits = dense(2, ('mlp', None), s, 'nsp_head')(out.pooled)
     return PretrainingOutput(hidden=out.hidden, pooled=out.pooled, mlm_logits=mlm_logits,
                              nsp_logits=nsp_logits.astype(jnp.float32), attention=out.attention)
 
@@ -223,7 +224,7 @@ class BertForSequenceClassification(nn.Module):
     out = Encoder(s, name='encoder')(batch, deterministic=deterministic,
                                      capture_attention=capture_attention)
     pooled = dropout_lib.Dropout(s.dropout_rate)(out.pooled, deterministic=deterministic)
-    logits = attn_lib.dense(self.num_labels, ('mlp', None), s, 'classifier')(pooled)
+    logits = dense(self.num_labels, ('mlp', None), s, 'classifier')(pooled)
     return out.replace(hidden=out.hidden), logits.astype(jnp.float32)
 
 
@@ -236,7 +237,7 @@ class BertForQuestionAnswering(nn.Module):
     s = self.spec
     out = Encoder(s, name='encoder')(batch, deterministic=deterministic,
                                      capture_attention=capture_attention)
-    logits = attn_lib.dense(2, ('embed', None), s, 'span_head')(out.hidden).astype(jnp.float32)
+    logits = dense(2, ('embed', None), s, 'span_head')(out.hidden).astype(jnp.float32)
     mask = batch.get('attention_mask', jnp.ones_like(batch['input_ids'])).astype(bool)
     logits = jnp.where(mask[..., None], logits, attn_lib.NEG_INF)
     return out, logits[..., 0], logits[..., 1]

@@ -18,18 +18,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from realformer.dense import dense
+
 
 def _check_length(length: int, max_len: int, name: str):
   if length > max_len:
     raise ValueError(f'sequence length {length} exceeds model.max_len={max_len} of the '
                      f'{name} synthesizer; shorten the input or raise model.max_len')
-
-
-def _dense(features, axes, spec, name):
-  init = nn.initializers.normal(spec.initializer_range)
-  return nn.Dense(features, dtype=spec.dtype, name=name,
-                  kernel_init=nn.with_logical_partitioning(init, axes),
-                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]))
 
 
 class DenseSynthesizer(nn.Module):
@@ -40,8 +35,8 @@ class DenseSynthesizer(nn.Module):
     s = self.spec
     b, t, _ = x.shape
     _check_length(t, s.max_len, 'dense')
-    h = nn.relu(_dense(s.hidden_size, ('embed', 'mlp'), s, 'hidden')(x))
-    logits = _dense(s.num_heads * s.max_len, ('mlp', 'synth_len'), s, 'logits')(h)
+    h = nn.relu(dense(s.hidden_size, ('embed', 'mlp'), s, 'hidden')(x))
+    logits = dense(s.num_heads * s.max_len, ('mlp', 'synth_len'), s, 'logits')(h)
     logits = logits.reshape(b, t, s.num_heads, s.max_len)[..., :t]  # [B, Tq, H, Tk]
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)  # [B, H, Tq, Tk]
 
@@ -72,8 +67,8 @@ class FactorizedDenseSynthesizer(nn.Module):
     _check_length(t, s.max_len, 'factorized dense')
     fa, fb = s.factorized_ab
     h = s.num_heads
-    a = _dense(h * fa, ('embed', 'synth_len'), s, 'factor_a')(x).reshape(b, t, h, 1, fa)
-    c = _dense(h * fb, ('embed', 'synth_len'), s, 'factor_b')(x).reshape(b, t, h, fb, 1)
+    a = dense(h * fa, ('embed', 'synth_len'), s, 'factor_a')(x).reshape(b, t, h, 1, fa)
+    c = dense(h * fb, ('embed', 'synth_len'), s, 'factor_b')(x).reshape(b, t, h, fb, 1)
     logits = (a * c).reshape(b, t, h, fa * fb)[..., :t]  # index j*a + m = A[m] * B[j]
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)
 

@@ -92,6 +92,20 @@ def _head_case(head):
   return model, batch, span_loss
 
 
+def grads_on_mesh(model, loss, batch, mesh_config, devices=None):
+  """jax.grad(loss)(params, batch) with params and batch sharded as train.py shards them."""
+  mesh = partitioning.make_mesh(mesh_config, devices)
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+  state, shardings = train_lib.create_train_state(model, optax.sgd(1.0), shapes, mesh, 0)
+  b = train_lib.global_batch(batch, mesh)
+
+  def g(p, b):
+    with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+      return jax.grad(loss)(p, b)
+  with jax.set_mesh(mesh):
+    return jax.jit(g, out_shardings=shardings.params)(state.params, b)
+
+
 @pytest.mark.parametrize('head,mesh_shape', [
     ('pretraining', (2, 2, 2)), ('pretraining', (1, 4, 2)),
     ('classification', (2, 2, 2)), ('span', (2, 2, 2))])
@@ -100,22 +114,9 @@ def test_gradients_on_three_axis_meshes_with_two_rows_per_shard(head, mesh_shape
   one (XLA's SPMD partitioner got the MLM head's wrong with a take_along_axis gather and a
   decoder table sharded over fsdp; models.gather_positions / MlmHead avoid both)."""
   model, batch, loss = _head_case(head)
-  tx = optax.sgd(1.0)
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-
-  def grads(mesh_config, devices):
-    mesh = partitioning.make_mesh(mesh_config, devices)
-    state, shardings = train_lib.create_train_state(model, tx, shapes, mesh, 0)
-    b = train_lib.global_batch(batch, mesh)
-
-    def g(p, b):
-      with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
-        return jax.grad(loss)(p, b)
-    with jax.set_mesh(mesh):
-      return jax.jit(g, out_shardings=shardings.params)(state.params, b)
-
-  one = grads({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
-  many = grads(dict(zip(('data', 'fsdp', 'tensor'), mesh_shape)), None)
+  one = grads_on_mesh(model, loss, batch, {'data': 1, 'fsdp': 1, 'tensor': 1},
+                      jax.devices()[:1])
+  many = grads_on_mesh(model, loss, batch, dict(zip(('data', 'fsdp', 'tensor'), mesh_shape)))
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(many)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6,
                                err_msg=jax.tree_util.keystr(path))
