@@ -22,7 +22,8 @@ that the machine's noise falls on all of them alike (each timed call follows one
 call of the same contender: see run_rounds); the table gives medians and each
 contender's median per-round ratio to the first one (and to HF). FLOPs are
 realformer.train_lib.flops_per_example (attention included); MFU is against the device's peak
-where known, and on CPU against the float32 2048^3 matmul rate measured in the same run.
+where known, and on CPU against the 2048^3 matmul rate measured in the same run in the
+run's dtype (bfloat16: bf16 operands, float32 accumulation, as our dense layers).
 
 On a CPU-only install the script first sets glibc's malloc to keep freed memory, as train.py
 and finetune.py do (realformer/host_memory.py): both frameworks run in this one process, so
@@ -53,9 +54,10 @@ from realformer import partitioning
 from realformer import train_lib
 
 
-def matmul_rate_jax(n=2048, repeats=5) -> float:
-  a = jnp.ones((n, n), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
+def matmul_rate_jax(dtype='float32', n=2048, repeats=5) -> float:
+  """FLOP/s of an n^3 matmul in `dtype` with float32 accumulation (our dense layers' dot)."""
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
   f(a).block_until_ready()
   times = []
   for _ in range(repeats):
@@ -65,9 +67,9 @@ def matmul_rate_jax(n=2048, repeats=5) -> float:
   return 2 * n ** 3 / statistics.median(times)
 
 
-def matmul_rate_torch(n=2048, repeats=5) -> float:
+def matmul_rate_torch(dtype='float32', n=2048, repeats=5) -> float:
   import torch  # pylint: disable=g-import-not-at-top
-  a = torch.ones(n, n)
+  a = torch.ones(n, n, dtype=getattr(torch, dtype))
   a @ a
   times = []
   for _ in range(repeats):
@@ -86,6 +88,7 @@ def make_config(variant, size, args):
   c.model.remat_policy = args.remat
   c.model.scan_layers = args.scan
   c.model.fused_attention = args.fused
+  c.model.dense_impl = args.dense_impl
   c.data.max_seq_length = args.seq_len
   c.data.max_predictions_per_seq = args.predictions
   c.train.batch_size = args.batch
@@ -269,6 +272,7 @@ def main():
   p.add_argument('--remat', default='none')
   p.add_argument('--scan', action='store_true')
   p.add_argument('--fused', default='auto')
+  p.add_argument('--dense_impl', default='auto', help='model.dense_impl: auto | flax | cpu')
   p.add_argument('--vocab_size', type=int, default=30522)
   p.add_argument('--peer', default='hf', choices=('hf', 'none'))
   p.add_argument('--forward', action='store_true', help='also time the forward pass')
@@ -290,11 +294,11 @@ def main():
         f'{jax.device_count()} ({os.cpu_count()} cores), jax {jax.__version__}')
   print(f'# {" ".join(sys.argv)}')
   print(f'# host malloc: {"freed memory kept (realformer/host_memory.py)" if kept else "defaults"}')
-  rate_jax = matmul_rate_jax() if on_cpu else None
+  rate_jax = matmul_rate_jax(args.dtype) if on_cpu else None
   if on_cpu:
-    line = f'# float32 2048^3 matmul: jax {rate_jax / 1e9:.0f} GFLOP/s'
+    line = f'# {args.dtype} 2048^3 matmul: jax {rate_jax / 1e9:.0f} GFLOP/s'
     if args.peer == 'hf':
-      line += f', torch {matmul_rate_torch() / 1e9:.0f} GFLOP/s'
+      line += f', torch {matmul_rate_torch(args.dtype) / 1e9:.0f} GFLOP/s'
     print(line + ' (MFU on CPU = FLOP/s / the jax rate)')
   rate = rate_jax if on_cpu else metrics_lib.peak_flops_per_device(device)
   for size in args.sizes.split(','):

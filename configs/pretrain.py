@@ -74,7 +74,7 @@ def model_config(variant='postln', size='base'):
   m.scan_layers = False  # nn.scan over layers (faster compile for deep models)
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
   m.fused_attention = 'auto'  # auto | xla | cudnn | off (jax.nn.dot_product_attention)
-  m.matmul = 'auto'  # auto | xla | row_major (bf16 on CPU: realformer/dense.py)
+  m.dense_impl = 'auto'  # auto | flax | cpu (custom VJP for XLA:CPU: realformer/dense.py)
   return m
 
 

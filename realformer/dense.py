@@ -1,38 +1,44 @@
-"""The encoder's dense layer, and its bfloat16 matmul for CPUs with bf16 matrix units.
+"""The encoder's dense layer, with a custom-VJP version for XLA:CPU.
 
-    layer = dense(features, ('embed', 'mlp'), spec, 'intermediate')   # nn.Dense, BERT's init
+    layer = dense(features, ('embed', 'mlp'), spec, 'intermediate')   # BERT's init, axis names
 
 Every projection of every variant (Q, K, V, output, MLP, pooler, heads, synthesizers) goes
-through `dense`, so `model.matmul` picks the matmul of all of them:
+through `dense`, so `model.dense_impl` picks the implementation of all of them:
 
-  xla        lax.dot_general, as nn.Dense does. Right for GPUs and TPUs, whose compilers take
-             the transposed operands of the backward pass as they come.
-  row_major  for bfloat16 on CPU. XLA:CPU sends a bf16 x bf16 -> f32 dot to YNNPACK's
-             bf16 kernels (AMX / AVX512-BF16: 1.3-1.8 TFLOP/s on a 2-core Sapphire Rapids,
-             against 0.3 for float32) only when both operands are row-major and the
-             contraction is [M, K] x [K, N]. Autodiff's backward dots, dx = g W^T and
-             dW = x^T g, are not: XLA upcasts them to float32, and a bf16 Dense ran no
-             faster than a float32 one. Here a custom VJP does all three matmuls in that
-             form, with float32 accumulation, and materialises the transposed operand
-             (W^T [N, K], x^T [K, M]) as a row-major copy first. The copy passes through an
-             optimization barrier, flattened: otherwise XLA folds the transpose back into
-             the dot as a column-major layout and upcasts again.
-  auto       row_major where it pays (CPU backend and dtype bfloat16), else xla.
+  flax   flax.linen.Dense: lax.dot_general, then the bias. Right for GPUs and TPUs, whose
+         compilers take autodiff's backward pass as it comes.
+  cpu    CpuDense: the same parameters (kernel [K, N], bias [N], float32) and the same
+         function, y = x W + b, through one custom VJP written for XLA:CPU, on [M, K] rows
+         (M = every leading axis):
+           - the bias is added to the float32 accumulator before the cast to `dtype`, and
+             its gradient is a column sum of the 2-D cotangent. Autodiff's sum over the
+             leading axes of [B, T, N] became reduce-window trees that took ~10 ms each
+             for N = 3072 on the 2-core CPU; the 2-D column sum takes 0.5 ms.
+           - in bfloat16, all three matmuls (y = x W, dx = g W^T, dW = x^T g) are
+             [M, K] x [K, N] dots with float32 accumulation. XLA:CPU runs only that form on
+             YNNPACK's bf16 kernels (AMX / AVX512-BF16: 1.3-1.8 TFLOP/s on two Sapphire
+             Rapids cores, against 0.3 for float32); autodiff's transposed backward dots were
+             upcast to float32. The transposed operand (W^T, x^T) is materialised row-major
+             first, flattened through an optimization barrier: otherwise XLA folds the
+             transpose back into the dot as a column-major layout and upcasts again.
+  auto   cpu on the CPU backend, else flax.
 
-The values are the same up to float32 summation order: both paths multiply the same bf16
-operands and accumulate in float32 (tests/test_dense.py).
+The values are the plain dense layer's up to float32 summation order (and, in bfloat16, the
+bias added before rounding rather than after): tests/test_dense.py checks both against
+float64 NumPy and against each other.
 """
+
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-def uses_row_major(matmul: str, dtype) -> bool:
-  """Whether `model.matmul` resolves to the row-major bf16 path for this dtype and backend."""
-  if matmul == 'auto':
-    return jax.default_backend() == 'cpu' and jnp.dtype(dtype) == jnp.bfloat16
-  return matmul == 'row_major'
+
+def uses_cpu_dense(impl: str) -> bool:
+  """Whether `model.dense_impl` resolves to CpuDense on this backend."""
+  return impl == 'cpu' or (impl == 'auto' and jax.default_backend() == 'cpu')
 
 
 def _row_major_transpose(a: jax.Array) -> jax.Array:
@@ -46,44 +52,49 @@ def _dot(a, b, dtype):
 
 
 @jax.custom_vjp
-def row_major_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [M, K] @ w [K, N], float32 accumulation, result in x's dtype."""
-  return _dot(x, w, x.dtype)
+def affine(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+  """x [M, K] @ w [K, N] + b [N] (float32), float32 accumulation, result in x's dtype."""
+  return (jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(x.dtype)
 
 
-def _matmul_fwd(x, w):
-  return row_major_matmul(x, w), (x, w)
+def _affine_fwd(x, w, b):
+  return affine(x, w, b), (x, w)
 
 
-def _matmul_bwd(residuals, g):
+def _affine_bwd(residuals, g):
   x, w = residuals
-  dx = _dot(g, _row_major_transpose(w), x.dtype)   # [M, N] x [N, K]
-  dw = _dot(_row_major_transpose(x), g, w.dtype)   # [K, M] x [M, N]
-  return dx, dw
+  if x.dtype == jnp.bfloat16:  # every dot [M, K] x [K, N]: YNNPACK's bf16 kernels
+    dx = _dot(g, _row_major_transpose(w), x.dtype)   # [M, N] x [N, K]
+    dw = _dot(_row_major_transpose(x), g, w.dtype)   # [K, M] x [M, N]
+  else:  # float32: XLA's own dots are as fast as any layout here
+    dx, dw = _dot(g, w.T, x.dtype), _dot(x.T, g, w.dtype)
+  return dx, dw, jnp.sum(g.astype(jnp.float32), axis=0)
 
 
-row_major_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+affine.defvjp(_affine_fwd, _affine_bwd)
 
 
-def row_major_dot_general(x, kernel, dimension_numbers, precision=None,
-                          preferred_element_type=None):
-  """nn.Dense's dot_general ([..., K] x [K, N]) through row_major_matmul."""
-  del precision, preferred_element_type  # bf16 operands, float32 accumulation, always
-  (lhs_contract, rhs_contract), batch = dimension_numbers
-  if lhs_contract != (x.ndim - 1,) or rhs_contract != (0,) or batch != ((), ()):
-    raise ValueError(f'row_major_dot_general takes [..., K] x [K, N]; got dimension numbers '
-                     f'{dimension_numbers}')
-  y = row_major_matmul(x.reshape(-1, x.shape[-1]), kernel)
-  return y.reshape(x.shape[:-1] + kernel.shape[1:])
+class CpuDense(nn.Module):
+  """nn.Dense's parameters and function through `affine` (float32 parameters)."""
+  features: int
+  dtype: Any
+  kernel_init: Callable
+  bias_init: Callable
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param('kernel', self.kernel_init, (x.shape[-1], self.features), jnp.float32)
+    bias = self.param('bias', self.bias_init, (self.features,), jnp.float32)
+    y = affine(x.reshape(-1, x.shape[-1]).astype(self.dtype), kernel.astype(self.dtype), bias)
+    return y.reshape(x.shape[:-1] + (self.features,))
 
 
-def dense(features: int, axes, spec, name: str) -> nn.Dense:
-  """nn.Dense with BERT's init, logical axis names on kernel and bias, and spec's matmul."""
-  init = nn.initializers.normal(spec.initializer_range)
-  extra = {}
-  if uses_row_major(spec.matmul, spec.dtype):
-    extra['dot_general'] = row_major_dot_general
+def dense(features: int, axes, spec, name: str) -> nn.Module:
+  """A dense layer with BERT's init, logical axis names on kernel and bias, spec's impl."""
+  kernel_init = nn.with_logical_partitioning(nn.initializers.normal(spec.initializer_range),
+                                             axes)
+  bias_init = nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:])
+  if uses_cpu_dense(spec.dense_impl):
+    return CpuDense(features, spec.dtype, kernel_init, bias_init, name=name)
   return nn.Dense(features, dtype=spec.dtype, param_dtype=jnp.float32, name=name,
-                  kernel_init=nn.with_logical_partitioning(init, axes),
-                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]),
-                  **extra)
+                  kernel_init=kernel_init, bias_init=bias_init)

@@ -28,7 +28,7 @@ LOGIT_COMPONENTS = ('dot', 'dense', 'random', 'factorized_dense', 'factorized_ra
 BLOCKS = ('post_ln', 'pre_ln')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'off')
-MATMULS = ('auto', 'xla', 'row_major')  # realformer/dense.py
+DENSE_IMPLS = ('auto', 'flax', 'cpu')  # realformer/dense.py
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -64,7 +64,7 @@ class EncoderSpec:
   scan_layers: bool = False
   remat_policy: str = 'none'
   fused_attention: str = 'auto'
-  matmul: str = 'auto'
+  dense_impl: str = 'auto'
   variant: str = 'postln'
 
   @property
@@ -130,8 +130,9 @@ def resolve(cfg) -> EncoderSpec:
   if spec.fused_attention not in FUSED_ATTENTION:
     raise ValueError(f'model.fused_attention={spec.fused_attention!r}; choose one of '
                      f'{", ".join(FUSED_ATTENTION)}')
-  if spec.matmul not in MATMULS:
-    raise ValueError(f'model.matmul={spec.matmul!r}; choose one of {", ".join(MATMULS)}')
+  if spec.dense_impl not in DENSE_IMPLS:
+    raise ValueError(f'model.dense_impl={spec.dense_impl!r}; choose one of '
+                     f'{", ".join(DENSE_IMPLS)}')
   if 'factorized_dense' in components:
     spec.factorized_ab  # validates a * b = max_len
   return spec
