@@ -8,6 +8,11 @@ synth_factorized_random,synth_dense_vanilla,synth_random_vanilla
   python benchmarks/train_step.py --sizes base --seq_len 512 --dtype bfloat16 --fused cudnn \
       --variants postln,realformer --peer none                           # on a GPU
   python benchmarks/train_step.py --sizes small --prng threefry2x32,unsafe_rbg --peer none
+  python benchmarks/train_step.py --sizes base --dtype bfloat16 --dense_impl auto,flax
+
+`--dense_impl auto,flax` builds each variant once per dense implementation (realformer/dense.py:
+on CPU, auto is the custom-VJP CpuDense and flax is nn.Dense). With --dtype bfloat16 the HF
+peer runs under torch.autocast(bfloat16), PyTorch's mixed precision.
 
 `--prng` builds each variant once per PRNG implementation for its dropout masks (threefry is
 JAX's default, and realformer.dropout draws four 16-bit uniforms per threefry block; rbg /
@@ -88,7 +93,6 @@ def make_config(variant, size, args):
   c.model.remat_policy = args.remat
   c.model.scan_layers = args.scan
   c.model.fused_attention = args.fused
-  c.model.dense_impl = args.dense_impl
   c.data.max_seq_length = args.seq_len
   c.data.max_predictions_per_seq = args.predictions
   c.train.batch_size = args.batch
@@ -98,10 +102,12 @@ def make_config(variant, size, args):
 class Ours:
   """Our jitted train step (train_lib.make_train_step) on a one-device mesh."""
 
-  def __init__(self, variant, size, args, prng='threefry2x32'):
-    self.name = f'ours {variant}' + (f' [{prng}]' if prng != 'threefry2x32' else '')
+  def __init__(self, variant, size, args, prng='threefry2x32', dense_impl='auto'):
+    self.name = (f'ours {variant}' + (f' [{prng}]' if prng != 'threefry2x32' else '')
+                 + (f' [dense {dense_impl}]' if dense_impl != 'auto' else ''))
     jax.config.update('jax_default_prng_impl', prng)  # captured by the step at trace time
     config = make_config(variant, size, args)
+    config.model.dense_impl = dense_impl
     self.config = config
     mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
     jax.set_mesh(mesh)
@@ -272,7 +278,9 @@ def main():
   p.add_argument('--remat', default='none')
   p.add_argument('--scan', action='store_true')
   p.add_argument('--fused', default='auto')
-  p.add_argument('--dense_impl', default='auto', help='model.dense_impl: auto | flax | cpu')
+  p.add_argument('--dense_impl', default='auto',
+                 help='comma-separated model.dense_impl values (auto, flax, cpu); each variant '
+                      'is built once per value')
   p.add_argument('--vocab_size', type=int, default=30522)
   p.add_argument('--peer', default='hf', choices=('hf', 'none'))
   p.add_argument('--forward', action='store_true', help='also time the forward pass')
@@ -305,7 +313,8 @@ def main():
     contenders = []
     for variant in args.variants.split(','):
       for prng in args.prng.split(','):
-        contenders.append(Ours(variant, size, args, prng))
+        for impl in args.dense_impl.split(','):
+          contenders.append(Ours(variant, size, args, prng, impl))
     if args.peer == 'hf':
       contenders.append(HF(size, args))
     print(f'\n## {size}, batch {args.batch}, length {args.seq_len}, {args.predictions} '
