@@ -97,6 +97,24 @@ def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
   return optax.join_schedules([warm, after], [warmup])
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm's transformation, g * min(1, max_norm / ||g||), as a multiply.
+
+  optax writes the clip as select(||g|| < max_norm, g, g / ||g|| * max_norm). XLA will not
+  duplicate that divide into AdamW's two moment updates, so the clipped gradient is written
+  out and read back, two extra passes over every parameter; a scalar multiply is fused into
+  the moment updates instead. For BERT-base's 109M parameters on the 2-core CPU, clipping
+  plus AdamW takes 124 ms against optax's 230 (benchmarks/optimizer.py). The values are
+  optax's up to one rounding (t * (m / n) rather than t / n * m); the state is optax's
+  (empty), so checkpoints are interchangeable. A NaN norm gives NaN updates, as optax's does.
+  """
+  def update_fn(updates, state, params=None):
+    del params
+    scale = jnp.minimum(1.0, max_norm / optax.tree.norm(updates))
+    return jax.tree.map(lambda t: t * scale.astype(t.dtype), updates), state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
 def make_optimizer(opt_config, num_steps: int, *,
                    frozen: Optional[Callable[[Any], Any]] = None
                    ) -> Tuple[optax.GradientTransformation, optax.Schedule]:
@@ -109,7 +127,7 @@ def make_optimizer(opt_config, num_steps: int, *,
   schedule = make_schedule(opt_config, num_steps)
   parts = []
   if opt_config.clip_norm and opt_config.clip_norm > 0:
-    parts.append(optax.clip_by_global_norm(float(opt_config.clip_norm)))
+    parts.append(clip_by_global_norm(float(opt_config.clip_norm)))
   parts.append(optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
                            weight_decay=opt_config.weight_decay, mask=decay_mask))
   tx = optax.chain(*parts)

@@ -165,6 +165,27 @@ def test_weight_decay_mask_and_fixed_random_synthesizer():
   assert float(jnp.abs(att['value']['kernel']).max()) > 0.0
 
 
+@pytest.mark.parametrize('max_norm', [0.5, 1e3])  # clipped, and left alone
+def test_clip_by_global_norm_matches_numpy_and_optax(max_norm):
+  rng = np.random.default_rng(0)
+  grads = {'w': rng.normal(size=(7, 5)), 'b': rng.normal(size=(5,)), 'z': np.zeros((3,))}
+  norm = np.sqrt(sum((g ** 2).sum() for g in grads.values()))
+  want = {k: g * min(1.0, max_norm / norm) for k, g in grads.items()}
+  g32 = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads)
+  ours, state = train_lib.clip_by_global_norm(max_norm).update(g32, optax.EmptyState())
+  theirs, _ = optax.clip_by_global_norm(max_norm).update(g32, optax.EmptyState())
+  for k in grads:
+    np.testing.assert_allclose(ours[k], want[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6, atol=1e-7)
+  assert state == optax.clip_by_global_norm(max_norm).init(g32)  # checkpoints interchange
+  zero, _ = train_lib.clip_by_global_norm(max_norm).update(
+      {'z': jnp.zeros(3)}, optax.EmptyState())
+  np.testing.assert_array_equal(zero['z'], 0.0)  # a zero gradient is not 0/0
+  bad, _ = train_lib.clip_by_global_norm(max_norm).update(
+      {'w': jnp.array([1.0, jnp.nan])}, optax.EmptyState())
+  assert np.isnan(bad['w']).all()  # a NaN norm poisons the update, as optax's does
+
+
 def test_schedules():
   opt = pretrain.get_config('postln,tiny').optimizer
   opt.learning_rate, opt.warmup_steps = 1.0, 10
