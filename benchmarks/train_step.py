@@ -9,10 +9,15 @@ synth_factorized_random,synth_dense_vanilla,synth_random_vanilla
       --variants postln,realformer --peer none                           # on a GPU
   python benchmarks/train_step.py --sizes small --prng threefry2x32,unsafe_rbg --peer none
   python benchmarks/train_step.py --sizes base --dtype bfloat16 --dense_impl auto,flax
+  python benchmarks/train_step.py --sizes base --last_layer predicted,all
 
 `--dense_impl auto,flax` builds each variant once per dense implementation (realformer/dense.py:
 on CPU, auto is the custom-VJP CpuDense and flax is nn.Dense). With --dtype bfloat16 the HF
 peer runs under torch.autocast(bfloat16), PyTorch's mixed precision.
+
+`--last_layer predicted,all` builds each variant with the last layer computing only [CLS] and
+the masked positions (the default) and with every row (as HF's BertForPreTraining does); the
+FLOPs of each are the ones it performs (train_lib.flops_per_example).
 
 `--prng` builds each variant once per PRNG implementation for its dropout masks (threefry is
 JAX's default, and realformer.dropout draws four 16-bit uniforms per threefry block; rbg /
@@ -102,12 +107,15 @@ def make_config(variant, size, args):
 class Ours:
   """Our jitted train step (train_lib.make_train_step) on a one-device mesh."""
 
-  def __init__(self, variant, size, args, prng='threefry2x32', dense_impl='auto'):
+  def __init__(self, variant, size, args, prng='threefry2x32', dense_impl='auto',
+               last_layer='predicted'):
     self.name = (f'ours {variant}' + (f' [{prng}]' if prng != 'threefry2x32' else '')
-                 + (f' [dense {dense_impl}]' if dense_impl != 'auto' else ''))
+                 + (f' [dense {dense_impl}]' if dense_impl != 'auto' else '')
+                 + (f' [last layer {last_layer}]' if last_layer != 'predicted' else ''))
     jax.config.update('jax_default_prng_impl', prng)  # captured by the step at trace time
     config = make_config(variant, size, args)
     config.model.dense_impl = dense_impl
+    config.model.last_layer = last_layer
     self.config = config
     mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
     jax.set_mesh(mesh)
@@ -281,6 +289,9 @@ def main():
   p.add_argument('--dense_impl', default='auto',
                  help='comma-separated model.dense_impl values (auto, flax, cpu); each variant '
                       'is built once per value')
+  p.add_argument('--last_layer', default='predicted',
+                 help='comma-separated model.last_layer values (predicted: the last layer '
+                      'computes only [CLS] and the masked rows; all: every row)')
   p.add_argument('--vocab_size', type=int, default=30522)
   p.add_argument('--peer', default='hf', choices=('hf', 'none'))
   p.add_argument('--forward', action='store_true', help='also time the forward pass')
@@ -314,7 +325,8 @@ def main():
     for variant in args.variants.split(','):
       for prng in args.prng.split(','):
         for impl in args.dense_impl.split(','):
-          contenders.append(Ours(variant, size, args, prng, impl))
+          for last in args.last_layer.split(','):
+            contenders.append(Ours(variant, size, args, prng, impl, last))
     if args.peer == 'hf':
       contenders.append(HF(size, args))
     print(f'\n## {size}, batch {args.batch}, length {args.seq_len}, {args.predictions} '

@@ -75,6 +75,9 @@ def model_config(variant='postln', size='base'):
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
   m.fused_attention = 'auto'  # auto | xla | cudnn | off (jax.nn.dot_product_attention)
   m.dense_impl = 'auto'  # auto | flax | cpu (custom VJP for XLA:CPU: realformer/dense.py)
+  # predicted: in the pretraining loss the last layer computes only [CLS] and the masked
+  # positions, the rows the losses read (same loss); all: every row.
+  m.last_layer = 'predicted'
   return m
 
 

@@ -7,6 +7,11 @@
     probs = dropout(softmax(logits + mask))  (mask: 0 for real keys, NEG_INF for padding)
     out   = W_o (probs @ V)
 
+Given `rows` [B, S] (the last layer of pretraining: [CLS] and the masked positions, the only
+rows the losses read), only those query rows are computed: keys and values still come from
+every token, and each variant's logits are its full logits' rows (RealFormer's carried
+scores included), so the selected outputs equal the full layer's.
+
 The RealFormer scores passed to the next layer are `cur`: the running sum of the layers'
 own scaled scores, without mask, mean division or dropout (official realformer.py). The
 vanilla component is Q K^T / sqrt(d_head), scaled before anything is added.
@@ -21,6 +26,7 @@ import jax.numpy as jnp
 
 from realformer import dropout as dropout_lib
 from realformer.dense import dense
+from realformer.rows import take_rows
 from realformer.spec import EncoderSpec
 from synthesizer.synthetic import SYNTHESIZERS
 
@@ -55,30 +61,32 @@ class SelfAttention(nn.Module):
     return y.reshape(x.shape[:2] + (s.num_heads, s.head_dim))  # [B, T, H, dh]
 
   @nn.compact
-  def __call__(self, x, bias, residual_scores=None, layer_index=0, *, deterministic=True,
-               capture_attention=False):
-    """x [B, T, D]; bias [B, 1, 1, T]; residual_scores [B, H, T, T] float32 or None.
+  def __call__(self, x, bias, residual_scores=None, layer_index=0, rows=None, *,
+               deterministic=True, capture_attention=False):
+    """x [B, T, D]; bias [B, 1, 1, T]; residual_scores [B, H, T, T] float32 or None;
+    rows [B, S] query rows to compute, or None for all (S = T below).
 
-    Returns (output [B, T, D], scores to carry or None, probabilities [B, H, T, T] or None).
+    Returns (output [B, S, D], scores to carry or None, probabilities [B, H, S, T] or None).
     """
     s = self.spec
+    xq = x if rows is None else take_rows(x, rows)
     value = self._heads(x, 'value')
     fused = _use_fused(s, deterministic, capture_attention)
     if fused is not None:
-      query, key = self._heads(x, 'query'), self._heads(x, 'key')
+      query, key = self._heads(xq, 'query'), self._heads(x, 'key')
       ctx = jax.nn.dot_product_attention(query, key, value, bias=bias.astype(s.dtype),
                                          implementation=fused)
-      out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(x.shape))
+      out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
       return out, None, None
 
     components = []
     for name in s.attention:
       if name == 'dot':
-        query, key = self._heads(x, 'query'), self._heads(x, 'key')
+        query, key = self._heads(xq, 'query'), self._heads(x, 'key')
         own = jnp.einsum('bqhd,bkhd->bhqk', query, key, preferred_element_type=jnp.float32)
         components.append(own.astype(jnp.float32) / math.sqrt(s.head_dim))
       else:
-        components.append(SYNTHESIZERS[name](s, name=f'synth_{name}')(x))
+        components.append(SYNTHESIZERS[name](s, name=f'synth_{name}')(x, rows))
     if len(components) == 1:
       logits = components[0]
     else:
@@ -91,12 +99,13 @@ class SelfAttention(nn.Module):
     carry = None
     if s.residual_attention:
       if residual_scores is not None:
-        logits = logits + residual_scores
+        logits = logits + (residual_scores if rows is None
+                           else take_rows(residual_scores, rows, axis=2))
       carry = logits  # the running sum: unmasked, undivided, before dropout
       if s.running_mean:
         logits = logits / (jnp.asarray(layer_index, jnp.float32) + 1.0)
     probs = jax.nn.softmax(logits + bias, axis=-1)  # float32
     dropped = dropout_lib.Dropout(s.attention_dropout_rate)(probs, deterministic=deterministic)
     ctx = jnp.einsum('bhqk,bkhd->bqhd', dropped.astype(s.dtype), value)
-    out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(x.shape))
+    out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
     return out, carry, (probs if capture_attention else None)

@@ -29,6 +29,7 @@ BLOCKS = ('post_ln', 'pre_ln')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'off')
 DENSE_IMPLS = ('auto', 'flax', 'cpu')  # realformer/dense.py
+LAST_LAYER = ('predicted', 'all')  # rows the last layer computes for the pretraining loss
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -65,6 +66,7 @@ class EncoderSpec:
   remat_policy: str = 'none'
   fused_attention: str = 'auto'
   dense_impl: str = 'auto'
+  last_layer: str = 'predicted'
   variant: str = 'postln'
 
   @property
@@ -133,6 +135,9 @@ def resolve(cfg) -> EncoderSpec:
   if spec.dense_impl not in DENSE_IMPLS:
     raise ValueError(f'model.dense_impl={spec.dense_impl!r}; choose one of '
                      f'{", ".join(DENSE_IMPLS)}')
+  if spec.last_layer not in LAST_LAYER:
+    raise ValueError(f'model.last_layer={spec.last_layer!r}; choose one of '
+                     f'{", ".join(LAST_LAYER)}')
   if 'factorized_dense' in components:
     spec.factorized_ab  # validates a * b = max_len
   return spec

@@ -225,7 +225,7 @@ def pretraining_loss_fn(model: nn.Module) -> Callable:
   def loss_fn(params, batch, rng, totals):
     deterministic = rng is None
     out = model.apply({'params': params}, batch, deterministic=deterministic,
-                      rngs=None if deterministic else {'dropout': rng})
+                      rngs=None if deterministic else {'dropout': rng}, full_hidden=False)
     mlm_logits = out.mlm_logits.astype(jnp.float32)                    # [b, P, V]
     weights = batch['masked_lm_weights'].astype(jnp.float32)           # [b, P]
     mlm_ce = optax.softmax_cross_entropy_with_integer_labels(mlm_logits, batch['masked_lm_ids'])
@@ -390,32 +390,42 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
   """Training FLOPs of one example (matmuls only; 2 FLOPs per multiply-add).
 
   With T = seq_len, P = num_predictions, D = hidden, F = mlp_dim, H = heads,
-  L = layers, V = the padded vocabulary, M = max_len, forward FLOPs are
+  L = layers, V = the padded vocabulary, M = max_len, and R = the rows a layer computes
+  (T, or P + 1 in the last layer with model.last_layer='predicted' and unscanned layers),
+  forward FLOPs are
 
-    per layer:  value + output projections            4 T D^2
-                query + key projections (if 'dot')     4 T D^2
-                Q K^T and probs @ V                    4 T^2 D   (QK^T only if 'dot': 2 T^2 D)
-                Synthesizer dense                      2 T D^2 + 2 T D H M
-                Synthesizer factorized dense           2 T D H (a + b)
-                MLP                                    4 T D F
+    per layer:  value projection (all T rows)          2 T D^2
+                output projection                      2 R D^2
+                query + key projections (if 'dot')     2 R D^2 + 2 T D^2
+                Q K^T and probs @ V                    4 R T D   (QK^T only if 'dot': 2 R T D)
+                Synthesizer dense                      2 R D^2 + 2 R D H M
+                Synthesizer factorized dense           2 R D H (a + b)
+                MLP                                    4 R D F
     heads:      pooler + NSP                           2 D^2 + 4 D
                 MLM transform + tied decoder (P slots) 2 P D^2 + 2 P D V
 
   and training = 3 x forward (the backward pass costs two forwards). Embedding lookups,
-  softmax, LayerNorm and the batch-independent random synthesizers are not counted.
+  softmax, LayerNorm, the one-hot row selections and the batch-independent random
+  synthesizers are not counted. These are the FLOPs the step performs: a last layer over
+  every row (HF's BertForPreTraining) does more work for the same loss.
   """
   s = model_config if isinstance(model_config, EncoderSpec) else resolve(model_config)
   t, p, d, f, h = seq_len, num_predictions, s.hidden_size, s.mlp_dim, s.num_heads
-  layer = 4 * t * d * d + 2 * t * t * d + 4 * t * d * f
-  if 'dot' in s.attention:
-    layer += 4 * t * d * d + 2 * t * t * d
-  if 'dense' in s.attention:
-    layer += 2 * t * d * d + 2 * t * d * h * s.max_len
-  if 'factorized_dense' in s.attention:
-    a, b = s.factorized_ab
-    layer += 2 * t * d * h * (a + b)
+
+  def layer(r):
+    flops = 2 * t * d * d + 2 * r * d * d + 2 * r * t * d + 4 * r * d * f
+    if 'dot' in s.attention:
+      flops += 2 * r * d * d + 2 * t * d * d + 2 * r * t * d
+    if 'dense' in s.attention:
+      flops += 2 * r * d * d + 2 * r * d * h * s.max_len
+    if 'factorized_dense' in s.attention:
+      a, b = s.factorized_ab
+      flops += 2 * r * d * h * (a + b)
+    return flops
+
+  last = p + 1 if (s.last_layer == 'predicted' and not s.scan_layers and p) else t
   heads = 2 * d * d + 4 * d + 2 * p * d * d + 2 * p * d * s.padded_vocab_size
-  return 3.0 * (s.num_layers * layer + heads)
+  return 3.0 * ((s.num_layers - 1) * layer(t) + layer(last) + heads)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Synthetic attention logits (Tay et al. 2020, arXiv 2005.00743), one module per variant.
 
 Each module maps the layer input x [B, T, D] to logits [B or 1, H, T, T] in float32, before
-the padding mask (added by the shared attention path for every variant). Lengths beyond
+the padding mask (added by the shared attention path for every variant). Given `rows`
+[B, S], only those query rows are made: logits [B, H, S, T], row s being row rows[b, s] of the
+full matrix (the last layer of pretraining, which only [CLS] and the masked positions read). Lengths beyond
 `max_len` are an error: the synthesized matrices have exactly max_len rows and columns and
 are sliced to the sequence length, never wrapped.
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from realformer.dense import dense
+from realformer.rows import take_rows
 
 
 def _check_length(length: int, max_len: int, name: str):
@@ -31,13 +34,14 @@ class DenseSynthesizer(nn.Module):
   spec: 'EncoderSpec'
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, rows=None):
     s = self.spec
     b, t, _ = x.shape
     _check_length(t, s.max_len, 'dense')
+    x = x if rows is None else take_rows(x, rows)  # F sees each query token alone
     h = nn.relu(dense(s.hidden_size, ('embed', 'mlp'), s, 'hidden')(x))
     logits = dense(s.num_heads * s.max_len, ('mlp', 'synth_len'), s, 'logits')(h)
-    logits = logits.reshape(b, t, s.num_heads, s.max_len)[..., :t]  # [B, Tq, H, Tk]
+    logits = logits.reshape(b, x.shape[1], s.num_heads, s.max_len)[..., :t]  # [B, Tq, H, Tk]
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)  # [B, H, Tq, Tk]
 
 
@@ -45,7 +49,7 @@ class RandomSynthesizer(nn.Module):
   spec: 'EncoderSpec'
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, rows=None):
     s = self.spec
     t = x.shape[1]
     _check_length(t, s.max_len, 'random')
@@ -54,22 +58,25 @@ class RandomSynthesizer(nn.Module):
     r = self.param('random_logits', init, (s.num_heads, s.max_len, s.max_len), jnp.float32)
     if not s.synth_random_trainable:
       r = jax.lax.stop_gradient(r)  # fixed: the optimizer also leaves it alone (see train)
-    return r[None, :, :t, :t]
+    r = r[:, :t, :t]
+    return r[None] if rows is None else take_rows(r, rows, axis=1, batched=False)
 
 
 class FactorizedDenseSynthesizer(nn.Module):
   spec: 'EncoderSpec'
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, rows=None):
     s = self.spec
     b, t, _ = x.shape
     _check_length(t, s.max_len, 'factorized dense')
     fa, fb = s.factorized_ab
     h = s.num_heads
-    a = dense(h * fa, ('embed', 'synth_len'), s, 'factor_a')(x).reshape(b, t, h, 1, fa)
-    c = dense(h * fb, ('embed', 'synth_len'), s, 'factor_b')(x).reshape(b, t, h, fb, 1)
-    logits = (a * c).reshape(b, t, h, fa * fb)[..., :t]  # index j*a + m = A[m] * B[j]
+    x = x if rows is None else take_rows(x, rows)
+    q = x.shape[1]
+    a = dense(h * fa, ('embed', 'synth_len'), s, 'factor_a')(x).reshape(b, q, h, 1, fa)
+    c = dense(h * fb, ('embed', 'synth_len'), s, 'factor_b')(x).reshape(b, q, h, fb, 1)
+    logits = (a * c).reshape(b, q, h, fa * fb)[..., :t]  # index j*a + m = A[m] * B[j]
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)
 
 
@@ -77,7 +84,7 @@ class FactorizedRandomSynthesizer(nn.Module):
   spec: 'EncoderSpec'
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, rows=None):
     s = self.spec
     t = x.shape[1]
     _check_length(t, s.max_len, 'factorized random')
@@ -88,7 +95,10 @@ class FactorizedRandomSynthesizer(nn.Module):
     r2 = self.param('random_factor_2', init, shape, jnp.float32)[:, :t]
     if not s.synth_random_trainable:
       r1, r2 = jax.lax.stop_gradient(r1), jax.lax.stop_gradient(r2)
-    return jnp.einsum('hqk,hsk->hqs', r1, r2)[None]
+    if rows is None:
+      return jnp.einsum('hqk,hsk->hqs', r1, r2)[None]
+    r1 = take_rows(r1, rows, axis=1, batched=False)  # [B, H, S, k]
+    return jnp.einsum('bhqk,hsk->bhqs', r1, r2)
 
 
 SYNTHESIZERS = {

@@ -112,7 +112,7 @@ def grads_on_mesh(model, loss, batch, mesh_config, devices=None):
 def test_gradients_on_three_axis_meshes_with_two_rows_per_shard(head, mesh_shape):
   """data x fsdp x tensor with 2 rows per batch shard: every gradient equals the 1-device
   one (XLA's SPMD partitioner got the MLM head's wrong with a take_along_axis gather and a
-  decoder table sharded over fsdp; models.gather_positions / MlmHead avoid both)."""
+  decoder table sharded over fsdp; rows.take_rows / MlmHead avoid both)."""
   model, batch, loss = _head_case(head)
   one = grads_on_mesh(model, loss, batch, {'data': 1, 'fsdp': 1, 'tensor': 1},
                       jax.devices()[:1])
@@ -207,6 +207,7 @@ def test_flops_per_example_matches_xla_count(variant):
   c = tiny_config(variant)
   c.model.vocab_pad_multiple = 1
   c.model.hidden_size, c.model.mlp_dim, c.model.num_heads = 128, 512, 4
+  c.model.last_layer = 'all'  # apply's default output: every row of the last layer
   model = models.build(c.model)
   batch = next(train_lib.SyntheticPretrainingData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=4, seed=0))

@@ -1,0 +1,173 @@
+"""model.last_layer='predicted': in the pretraining loss the last layer computes only [CLS]
+and the masked positions. Every variant gives the full layer's logits and gradients (float32
+and bfloat16), the FLOPs drop as train_lib.flops_per_example says, and the paths that must
+see every row (scanned layers, captured attention, the public contract) keep them."""
+
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realformer import models
+from realformer import rows as rows_lib
+from realformer import train_lib
+from realformer.spec import resolve
+from tests.test_models import VARIANTS, make_batch, perturbed_params, small_config
+
+# Masked positions per row, padding ones included (weight 0), repeats and position 0 too.
+POSITIONS = [[0, 3, 11, 5], [1, 2, 6, 6], [0, 1, 2, 0]]
+
+
+def pretraining_batch():
+  batch = make_batch()
+  b, p = len(POSITIONS), len(POSITIONS[0])
+  return dict(batch, masked_lm_positions=jnp.asarray(POSITIONS, jnp.int32),
+              masked_lm_ids=jnp.asarray(np.arange(b * p).reshape(b, p) % 40 + 5, jnp.int32),
+              masked_lm_weights=jnp.asarray([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]],
+                                            jnp.float32),
+              next_sentence_labels=jnp.asarray([0, 1, 1], jnp.int32))
+
+
+def _loss(model):
+  loss_fn = train_lib.pretraining_loss_fn(model)
+  return lambda p, b: loss_fn(p, b, None, train_lib.pretraining_totals(b))[0]
+
+
+def _compare(variant, dtype='float32', **extra):
+  batch = pretraining_batch()
+  build = lambda rows: models.build(small_config(variant, dtype=dtype, last_layer=rows,
+                                                 **extra))
+  full, pruned = build('all'), build('predicted')
+  params = perturbed_params(full, batch)
+  apply = lambda m: m.apply({'params': params}, batch, full_hidden=False)
+  a, b = apply(full), apply(pruned)
+  tol = 0.05 if dtype == 'bfloat16' else 2e-5
+  for name in ('mlm_logits', 'nsp_logits', 'pooled', 'hidden'):
+    np.testing.assert_allclose(np.asarray(getattr(b, name), np.float32),
+                               np.asarray(getattr(a, name), np.float32), atol=tol,
+                               rtol=tol, err_msg=name)
+  assert a.hidden.shape == (3, 4, 32)  # only the masked rows, in both
+  ga, gb = jax.grad(_loss(full))(params, batch), jax.grad(_loss(pruned))(params, batch)
+  scale = max(float(jnp.abs(u).max()) for u in jax.tree.leaves(ga))
+  for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(np.asarray(v) / scale, np.asarray(u) / scale, atol=tol,
+                               err_msg=jax.tree_util.keystr(path))
+  return full, pruned, params, batch
+
+
+@pytest.mark.parametrize('variant', VARIANTS)
+def test_every_variant_gives_the_full_layers_logits_and_gradients(variant):
+  _compare(variant)
+
+
+@pytest.mark.parametrize('variant,extra', [
+    ('realformer', {'running_mean': True}), ('realformer', {'block': 'pre_ln'}),
+    ('synth_random_vanilla', {'remat_policy': 'full'}),
+    ('postln', {'fused_attention': 'xla'})])
+def test_layouts_remat_and_fused_attention(variant, extra):
+  _compare(variant, **extra)
+
+
+@pytest.mark.parametrize('variant', ['postln', 'realformer'])
+def test_bfloat16(variant):
+  _compare(variant, dtype='bfloat16')
+
+
+def model_matmul_flops(jaxpr) -> int:
+  """2 x multiply-adds of every dot_general in a jaxpr (nested ones included), leaving out
+  rows.take_rows's one-hot selections (the only dots at Precision.HIGHEST)."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      precision = eqn.params['precision']
+      if jax.lax.Precision.HIGHEST not in (precision if isinstance(precision, tuple)
+                                           else (precision,)):
+        (contracting, _), _ = eqn.params['dimension_numbers']
+        lhs = eqn.invars[0].aval.shape
+        total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
+            lhs[i] for i in contracting)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+          total += model_matmul_flops(getattr(sub, 'jaxpr', sub))
+  return total
+
+
+@pytest.mark.parametrize('variant', ['postln', 'synth_dense_vanilla', 'synth_factorized_dense'])
+def test_train_step_matmuls_are_exactly_flops_per_example(variant):
+  """The gradient's matmuls, counted in its jaxpr, are train_lib.flops_per_example (the figure
+  the benchmarks divide by) exactly, for every row and for the pruned last layer."""
+  batch = pretraining_batch()
+  b, t = batch['input_ids'].shape
+  p = batch['masked_lm_positions'].shape[1]
+  counted = {}
+  for rows in ('all', 'predicted'):
+    config = small_config(variant, last_layer=rows)
+    model = models.build(config)
+    params = perturbed_params(model, batch)
+    jaxpr = jax.make_jaxpr(jax.grad(_loss(model)))(params, batch).jaxpr
+    counted[rows] = model_matmul_flops(jaxpr)
+    assert counted[rows] == b * train_lib.flops_per_example(config, t, p), rows
+  assert counted['predicted'] < 0.9 * counted['all']
+
+
+def test_contract_paths_keep_every_row():
+  full, pruned, params, batch = _compare('synth_dense_vanilla')
+  # The public contract: by default hidden is every row, whatever last_layer says.
+  out = pruned.apply({'params': params}, batch)
+  assert out.hidden.shape == (3, 12, 32)
+  np.testing.assert_allclose(out.mlm_logits, full.apply({'params': params}, batch).mlm_logits,
+                             atol=2e-5)
+  # Captured attention needs every row of every layer: the pruned model then computes them.
+  captured = pruned.apply({'params': params}, batch, capture_attention=True, full_hidden=False)
+  assert captured.attention[-1].shape == (3, 4, 12, 12)
+  np.testing.assert_allclose(captured.mlm_logits, out.mlm_logits, atol=2e-5)
+
+
+def test_scanned_layers_pick_the_rows_from_the_full_output():
+  batch = pretraining_batch()
+  model = models.build(small_config('realformer', scan_layers=True))
+  params = perturbed_params(model, batch)
+  a = model.apply({'params': params}, batch, full_hidden=False)
+  b = model.apply({'params': params}, batch)
+  np.testing.assert_allclose(a.hidden, rows_lib.take_rows(b.hidden, batch['masked_lm_positions']),
+                             atol=1e-6)
+  np.testing.assert_allclose(a.mlm_logits, b.mlm_logits, atol=1e-6)
+
+
+def test_dropout_runs_on_the_selected_rows():
+  """Training mode: the masks are drawn over the pruned shapes (same distribution, other
+  bits); with zero rates the two paths agree exactly as in evaluation."""
+  batch = pretraining_batch()
+  build = lambda rows, rate: models.build(small_config(
+      'realformer', last_layer=rows, dropout_rate=rate, attention_dropout_rate=rate))
+  params = perturbed_params(build('all', 0.0), batch)
+  run = lambda m: m.apply({'params': params}, batch, deterministic=False, full_hidden=False,
+                          rngs={'dropout': jax.random.PRNGKey(3)}).mlm_logits
+  np.testing.assert_allclose(run(build('predicted', 0.0)), run(build('all', 0.0)), atol=2e-5)
+  dropped = run(build('predicted', 0.5))
+  assert np.isfinite(dropped).all()
+  assert not np.allclose(dropped, run(build('predicted', 0.0)), atol=1e-3)
+
+
+def test_take_rows_against_numpy():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((3, 4, 12, 5)).astype(np.float32)
+  rows = np.asarray(POSITIONS)
+  got = rows_lib.take_rows(jnp.asarray(x), jnp.asarray(rows), axis=2)
+  np.testing.assert_array_equal(got, np.stack([x[b][:, rows[b]] for b in range(3)]))
+  shared = x[0]  # [H, T, K], no batch axis
+  got = rows_lib.take_rows(jnp.asarray(shared), jnp.asarray(rows), axis=1, batched=False)
+  np.testing.assert_array_equal(got, np.stack([shared[:, rows[b]] for b in range(3)]))
+  bf = jnp.asarray(x[:, 0], jnp.bfloat16)  # [B, T, D]: exact in bfloat16 too
+  np.testing.assert_array_equal(np.asarray(rows_lib.take_rows(bf, jnp.asarray(rows)), np.float32),
+                                np.stack([np.asarray(bf, np.float32)[b][rows[b]]
+                                          for b in range(3)]))
+
+
+def test_bad_value_is_clear():
+  with pytest.raises(ValueError, match=r"model.last_layer='masked'; choose one of predicted, all"):
+    resolve(small_config('postln', last_layer='masked'))
