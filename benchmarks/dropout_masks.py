@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from realformer import dropout as dropout_lib
+from benchmarks import machine
 
 
 def median_seconds(f, args, repeats):
@@ -51,8 +52,8 @@ def main():
       ('realformer.dropout (unsafe_rbg)', jitted(dropout_lib.Dropout(args.rate)),
        jax.random.key(0, impl='unsafe_rbg')),
   ]
-  print(f'# {jax.devices()[0].platform} x{jax.device_count()}, jax {jax.__version__}, '
-        f'mask {shape}, rate {args.rate}, median of {args.repeats}')
+  print(machine.describe())
+  print(f'# mask {shape}, rate {args.rate}, median of {args.repeats}')
   print('| contender | ms | vs flax |\n|---|---|---|')
   base = None
   for name, f, key in contenders:

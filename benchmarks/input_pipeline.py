@@ -13,11 +13,9 @@ pinned to one core, worker_count 0.
 """
 
 import argparse
-import datetime
 import gzip
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -28,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from configs import pretrain  # pylint: disable=g-import-not-at-top
+from benchmarks import machine
 from data import pipeline
 from data import sources
 from data import tokenizer as tokenizer_lib
@@ -86,8 +85,8 @@ def main():
   if hasattr(os, 'sched_setaffinity'):
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
   tmp = tempfile.mkdtemp()
-  print(f'# {datetime.date.today()} {platform.node()} ({os.cpu_count()} cores); '
-        f'{" ".join(sys.argv)}')
+  print(machine.describe())
+  print(f'# {" ".join(sys.argv)}')
   print('| prepare | corpus MB | document window | records per file | seconds | peak RSS MiB '
         '| examples |')
   print('|---|---|---|---|---|---|---|')

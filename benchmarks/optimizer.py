@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from configs import pretrain
+from benchmarks import machine
 from realformer import models
 from realformer import train_lib
 
@@ -105,6 +106,7 @@ def main():
       times[c.name].append(time.perf_counter() - t)
 
   n = sum(int(np.prod(s)) for s in shapes)
+  print(machine.describe())
   print(f'## {args.size}: {n / 1e6:.1f}M parameters in {len(shapes)} arrays, '
         f'{args.rounds} rounds, {jax.devices()[0].device_kind}')
   print('| contender | update ms (median) | GB/s (8 passes of float32) | time / ours |')

@@ -42,9 +42,7 @@ defaults, under which every step page-faults its temporaries in afresh.
 """
 
 import argparse
-import datetime
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -57,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import pretrain
+from benchmarks import machine
 from realformer import host_memory
 from realformer import metrics as metrics_lib
 from realformer import models
@@ -309,8 +308,7 @@ def main():
   kept = host_memory.keep_freed_memory()
   device = jax.devices()[0]
   on_cpu = device.platform == 'cpu'
-  print(f'# {datetime.date.today()} {platform.node()} {device.device_kind} x'
-        f'{jax.device_count()} ({os.cpu_count()} cores), jax {jax.__version__}')
+  print(machine.describe())
   print(f'# {" ".join(sys.argv)}')
   print(f'# host malloc: {"freed memory kept (realformer/host_memory.py)" if kept else "defaults"}')
   rate_jax = matmul_rate_jax(args.dtype) if on_cpu else None
