@@ -30,8 +30,9 @@ and NSP. The input pipeline is excluded (one fixed batch; benchmarks/input_pipel
 measures it). All contenders are compiled first, then stepped in turn, round after round, so
 that the machine's noise falls on all of them alike (each timed call follows one untimed
 call of the same contender: see run_rounds); the table gives medians and each
-contender's median per-round ratio to the first one (and to HF). FLOPs are
-realformer.train_lib.flops_per_example (attention included); MFU is against the device's peak
+contender's median per-round ratio to the first one (and to HF). FLOPs are the ones each
+contender performs, counted by realformer.train_lib.flops_per_example (attention included;
+HF's: every row of the last layer and its decoder at all T positions); MFU is against the device's peak
 where known, and on CPU against the 2048^3 matmul rate measured in the same run in the
 run's dtype (bfloat16: bf16 operands, float32 accumulation, as our dense layers).
 
@@ -204,6 +205,11 @@ class HF:
     self.compile_s = time.perf_counter() - t0
     self.params = sum(p.numel() for p in self.model.parameters())
     self.memory = None
+    # The FLOPs it performs: every row of the last layer, and the MLM decoder at all T
+    # positions (BertForPreTraining scores every token and ignores the unmasked ones).
+    config = make_config('postln', size, args).model
+    config.last_layer, config.vocab_pad_multiple = 'all', 1  # HF's vocabulary is unpadded
+    self.flops = train_lib.flops_per_example(config, t, t) * b
 
   def _autocast(self):
     # The peer runs on the CPU (on a GPU machine, time ours with --peer none).
@@ -259,7 +265,7 @@ def table(contenders, times, fwd_times, args, rate, device, forward_only=False):
   for c in contenders:
     step = statistics.median(times[c.name])
     fwd = statistics.median(fwd_times[c.name]) if fwd_times else float('nan')
-    flops = getattr(c, 'flops', None) or getattr(contenders[0], 'flops')
+    flops = c.flops
     flops = flops / 3 if forward_only else flops
     tflops = flops / step / 1e12
     mfu = flops / step / rate if rate else float('nan')

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from realformer import dropout as dropout_lib
 from realformer.dense import dense
-from realformer.rows import take_rows
+from realformer.rows import gather_rows, take_rows
 from realformer.spec import EncoderSpec
 from synthesizer.synthetic import SYNTHESIZERS
 
@@ -100,7 +100,7 @@ class SelfAttention(nn.Module):
     if s.residual_attention:
       if residual_scores is not None:
         logits = logits + (residual_scores if rows is None
-                           else take_rows(residual_scores, rows, axis=2))
+                           else gather_rows(residual_scores, rows, axis=2))
       carry = logits  # the running sum: unmasked, undivided, before dropout
       if s.running_mean:
         logits = logits / (jnp.asarray(layer_index, jnp.float32) + 1.0)

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from realformer import metrics as metrics_lib
 from realformer import partitioning
+from realformer import rows as rows_lib
 from realformer.spec import EncoderSpec, resolve
 
 
@@ -391,7 +392,8 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
 
   With T = seq_len, P = num_predictions, D = hidden, F = mlp_dim, H = heads,
   L = layers, V = the padded vocabulary, M = max_len, and R = the rows a layer computes
-  (T, or P + 1 in the last layer with model.last_layer='predicted' and unscanned layers),
+  (T, or in the last layer with model.last_layer='predicted' and unscanned layers P + 1
+  rounded up to a multiple of 8 where that is fewer: rows.num_last_layer_rows),
   forward FLOPs are
 
     per layer:  value projection (all T rows)          2 T D^2
@@ -405,8 +407,8 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
                 MLM transform + tied decoder (P slots) 2 P D^2 + 2 P D V
 
   and training = 3 x forward (the backward pass costs two forwards). Embedding lookups,
-  softmax, LayerNorm, the one-hot row selections and the batch-independent random
-  synthesizers are not counted. These are the FLOPs the step performs: a last layer over
+  softmax, LayerNorm, the row selections and the random synthesizers' products (batch-
+  independent but for the factorized one's rows in a pruned last layer) are not counted. These are the FLOPs the step performs: a last layer over
   every row (HF's BertForPreTraining) does more work for the same loss.
   """
   s = model_config if isinstance(model_config, EncoderSpec) else resolve(model_config)
@@ -423,7 +425,8 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
       flops += 2 * r * d * h * (a + b)
     return flops
 
-  last = p + 1 if (s.last_layer == 'predicted' and not s.scan_layers and p) else t
+  pruned = s.last_layer == 'predicted' and not s.scan_layers
+  last = rows_lib.num_last_layer_rows(p, t) if pruned else t
   heads = 2 * d * d + 4 * d + 2 * p * d * d + 2 * p * d * s.padded_vocab_size
   return 3.0 * ((s.num_layers - 1) * layer(t) + layer(last) + heads)
 

@@ -2,9 +2,9 @@
 
 Each module maps the layer input x [B, T, D] to logits [B or 1, H, T, T] in float32, before
 the padding mask (added by the shared attention path for every variant). Given `rows`
-[B, S], only those query rows are made: logits [B, H, S, T], row s being row rows[b, s] of the
-full matrix (the last layer of pretraining, which only [CLS] and the masked positions read). Lengths beyond
-`max_len` are an error: the synthesized matrices have exactly max_len rows and columns and
+[B, S], only those query rows are made: logits [B, H, S, T], row s being row rows[b, s] of
+the full matrix (the last layer of pretraining, whose loss reads only [CLS] and the masked
+positions). Lengths beyond `max_len` are an error: the synthesized matrices have exactly max_len rows and columns and
 are sliced to the sequence length, never wrapped.
 
   Dense:             B_i = F(X_i) = W2 relu(W1 X_i + b1) + b2, W1: D->D, W2: D->H*max_len
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from realformer.dense import dense
-from realformer.rows import take_rows
+from realformer.rows import gather_rows, take_rows
 
 
 def _check_length(length: int, max_len: int, name: str):
@@ -59,7 +59,7 @@ class RandomSynthesizer(nn.Module):
     if not s.synth_random_trainable:
       r = jax.lax.stop_gradient(r)  # fixed: the optimizer also leaves it alone (see train)
     r = r[:, :t, :t]
-    return r[None] if rows is None else take_rows(r, rows, axis=1, batched=False)
+    return r[None] if rows is None else gather_rows(r, rows, axis=1, batched=False)
 
 
 class FactorizedDenseSynthesizer(nn.Module):
@@ -97,7 +97,7 @@ class FactorizedRandomSynthesizer(nn.Module):
       r1, r2 = jax.lax.stop_gradient(r1), jax.lax.stop_gradient(r2)
     if rows is None:
       return jnp.einsum('hqk,hsk->hqs', r1, r2)[None]
-    r1 = take_rows(r1, rows, axis=1, batched=False)  # [B, H, S, k]
+    r1 = gather_rows(r1, rows, axis=1, batched=False)  # [B, H, S, k]
     return jnp.einsum('bhqk,hsk->bhqs', r1, r2)
 
 

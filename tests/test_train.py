@@ -65,9 +65,9 @@ def test_sharded_and_accumulated_runs_equal_single_device(tmp_path):
     np.testing.assert_allclose(list(got[name].values()), single, rtol=2e-5, err_msg=name)
 
 
-def _head_case(head):
+def _head_case(head, variant='postln'):
   """(model, numpy batch of 8, loss(params, batch)) for a head, as train.py / finetune.py."""
-  c = tiny_config()
+  c = tiny_config(variant)
   c.model.dropout_rate = c.model.attention_dropout_rate = 0.0
   batch = next(train_lib.SyntheticPretrainingData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=1))
@@ -106,14 +106,16 @@ def grads_on_mesh(model, loss, batch, mesh_config, devices=None):
     return jax.jit(g, out_shardings=shardings.params)(state.params, b)
 
 
-@pytest.mark.parametrize('head,mesh_shape', [
-    ('pretraining', (2, 2, 2)), ('pretraining', (1, 4, 2)),
-    ('classification', (2, 2, 2)), ('span', (2, 2, 2))])
-def test_gradients_on_three_axis_meshes_with_two_rows_per_shard(head, mesh_shape):
+@pytest.mark.parametrize('head,mesh_shape,variant', [
+    ('pretraining', (2, 2, 2), 'postln'), ('pretraining', (1, 4, 2), 'postln'),
+    ('pretraining', (2, 2, 2), 'realformer'), ('pretraining', (2, 2, 2), 'synth_random_vanilla'),
+    ('classification', (2, 2, 2), 'postln'), ('span', (2, 2, 2), 'postln')])
+def test_gradients_on_three_axis_meshes_with_two_rows_per_shard(head, mesh_shape, variant):
   """data x fsdp x tensor with 2 rows per batch shard: every gradient equals the 1-device
   one (XLA's SPMD partitioner got the MLM head's wrong with a take_along_axis gather and a
-  decoder table sharded over fsdp; rows.take_rows / MlmHead avoid both)."""
-  model, batch, loss = _head_case(head)
+  decoder table sharded over fsdp; rows.take_rows / MlmHead avoid both). RealFormer and the
+  random synthesizer add the pruned last layer's gathers of [.., T, T] rows."""
+  model, batch, loss = _head_case(head, variant)
   one = grads_on_mesh(model, loss, batch, {'data': 1, 'fsdp': 1, 'tensor': 1},
                       jax.devices()[:1])
   many = grads_on_mesh(model, loss, batch, dict(zip(('data', 'fsdp', 'tensor'), mesh_shape)))
