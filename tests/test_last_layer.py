@@ -190,6 +190,26 @@ def test_last_layer_rows_are_cls_positions_and_filler_to_a_multiple_of_8():
   assert layer_rows(0) == layer_rows(7) < layer_rows(8) < 0
 
 
+def test_pruned_query_rows_pass_cudnns_fused_attention_checks(monkeypatch):
+  """On NVIDIA GPUs in bfloat16, Post-LN and Pre-LN take cuDNN's flash attention
+  (fused_attention='auto'), which refuses an odd query length in training with a bias: the
+  last layer's P + 1 = 21 rows at BERT's P = 20 would crash. The rows are padded to a multiple
+  of 8. CI has no GPU: jax's own shape check runs here, with the device check faking an H100."""
+  fa = pytest.importorskip('jax._src.cudnn.fused_attention_stablehlo')
+  monkeypatch.setattr(fa, 'check_compute_capability', lambda capability: True)
+  monkeypatch.setattr(fa, 'is_cuda_compute_capability_equal', lambda capability: False)
+
+  def check(q_len, kv_len):
+    q = jax.ShapeDtypeStruct((8, q_len, 12, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((8, kv_len, 12, 64), jnp.bfloat16)
+    fa.check_is_flash_attention(q, kv, kv, fa.AttentionLayout.BTNH.value, 91000,
+                                has_bias=True, is_training=True)
+  for t, p in ((128, 20), (512, 76), (512, 80), (128, 0)):
+    check(rows_lib.num_last_layer_rows(p, t), t)
+  with pytest.raises(NotImplementedError):
+    check(21, 128)  # what an unpadded last layer would send
+
+
 def test_bad_value_is_clear():
   with pytest.raises(ValueError, match=r"model.last_layer='masked'; choose one of predicted, all"):
     resolve(small_config('postln', last_layer='masked'))
