@@ -32,9 +32,9 @@ that the machine's noise falls on all of them alike (each timed call follows one
 call of the same contender: see run_rounds); the table gives medians and each
 contender's median per-round ratio to the first one (and to HF). FLOPs are the ones each
 contender performs, counted by realformer.train_lib.flops_per_example (attention included;
-HF's: every row of the last layer and its decoder at all T positions); MFU is against the device's peak
-where known, and on CPU against the 2048^3 matmul rate measured in the same run in the
-run's dtype (bfloat16: bf16 operands, float32 accumulation, as our dense layers).
+HF's: every row of the last layer and its decoder at all T positions); MFU is against the
+device's peak where known, and on CPU against the 2048^3 matmul rate measured in the same
+run in the run's dtype (bfloat16: bf16 operands, float32 accumulation, as our dense layers).
 
 On a CPU-only install the script first sets glibc's malloc to keep freed memory, as train.py
 and finetune.py do (realformer/host_memory.py): both frameworks run in this one process, so

@@ -408,8 +408,9 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
 
   and training = 3 x forward (the backward pass costs two forwards). Embedding lookups,
   softmax, LayerNorm, the row selections and the random synthesizers' products (batch-
-  independent but for the factorized one's rows in a pruned last layer) are not counted. These are the FLOPs the step performs: a last layer over
-  every row (HF's BertForPreTraining) does more work for the same loss.
+  independent but for the factorized one's rows in a pruned last layer) are not counted.
+  These are the FLOPs the step performs: a last layer over every row (HF's
+  BertForPreTraining) does more work for the same loss.
   """
   s = model_config if isinstance(model_config, EncoderSpec) else resolve(model_config)
   t, p, d, f, h = seq_len, num_predictions, s.hidden_size, s.mlp_dim, s.num_heads

@@ -4,8 +4,8 @@ Each module maps the layer input x [B, T, D] to logits [B or 1, H, T, T] in floa
 the padding mask (added by the shared attention path for every variant). Given `rows`
 [B, S], only those query rows are made: logits [B, H, S, T], row s being row rows[b, s] of
 the full matrix (the last layer of pretraining, whose loss reads only [CLS] and the masked
-positions). Lengths beyond `max_len` are an error: the synthesized matrices have exactly max_len rows and columns and
-are sliced to the sequence length, never wrapped.
+positions). Lengths beyond `max_len` are an error: the synthesized matrices have exactly
+max_len rows and columns and are sliced to the sequence length, never wrapped.
 
   Dense:             B_i = F(X_i) = W2 relu(W1 X_i + b1) + b2, W1: D->D, W2: D->H*max_len
                      (per head in W2; F is applied to each token independently).
