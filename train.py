@@ -33,7 +33,6 @@ from ml_collections import config_flags
 from realformer import checkpoints
 from realformer import host_memory
 from realformer import metrics as metrics_lib
-from realformer import models
 from realformer import partitioning
 from realformer import train_lib
 from realformer.spec import resolve
@@ -48,6 +47,16 @@ flags.DEFINE_string('coordinator_address', None,
                     ' TPU pods and SLURM are detected without it.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes (or $JAX_NUM_PROCESSES).')
 flags.DEFINE_integer('process_id', None, 'This process (or $JAX_PROCESS_ID).')
+flags.DEFINE_string('compile_for', None,
+                    'Compile the train step ahead of time instead of training, and print '
+                    'memory per chip, FLOPs and collectives (realformer/launch.py): a TPU '
+                    'slice such as v5p:4x4x4 or v5e:2x2 (needs requirements-tpu.txt; any '
+                    'host), or "local" (this machine\'s devices; then times a few steps).')
+flags.DEFINE_bool('find_max_batch', False,
+                  'With --compile_for: also search the largest global batch that fits.')
+flags.DEFINE_integer('measure_steps', 5,
+                     'With --compile_for=local: steps to time after compiling (0: none).')
+flags.DEFINE_string('launch_json', '', 'With --compile_for: also write the facts as JSON here.')
 
 
 class NonFiniteLossError(RuntimeError):
@@ -144,14 +153,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), jax.device_count(),
                jax.process_count())
 
-  # ---- Model, optimizer, shardings (nothing allocated yet). ----
-  spec = resolve(config.model)
-  model = models.build(spec)
-  tx, schedule = train_lib.make_optimizer(config.optimizer, tc.num_steps,
-                                          frozen=train_lib.fixed_params_fn(spec))
-  seq_len, preds = config.data.max_seq_length, config.data.max_predictions_per_seq
-  batch_shapes = train_lib.abstract_batch(tc.batch_size, seq_len, preds)
-  abstract, shardings = train_lib.state_shardings(model, tx, batch_shapes, mesh)
+  # ---- Model, optimizer, shardings, the jitted step (nothing allocated yet). ----
+  program = train_lib.pretraining_program(config, mesh)
+  model, tx = program.model, program.tx
+  batch_shapes, abstract, shardings = program.batch_shapes, program.abstract, program.shardings
+  seq_len = config.data.max_seq_length
 
   # ---- Restart: this workdir's checkpoint, else init_checkpoint params, else scratch. ----
   make_input = make_input_fn(config, workdir)
@@ -177,11 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   start_step = int(state.step)
 
   # ---- Compiled steps. ----
-  loss_fn = train_lib.pretraining_loss_fn(model)
-  train_step = train_lib.make_train_step(
-      loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
-      metrics_cls=metrics_lib.PretrainingTrainMetrics, grad_accum_steps=tc.grad_accum_steps,
-      seed=config.seed)
+  train_step, loss_fn = program.train_step, program.loss_fn
   eval_step = train_lib.make_eval_step(loss_fn, mesh=mesh, params_sharding=shardings.params,
                                        metrics_cls=metrics_lib.PretrainingEvalMetrics)
 
@@ -197,7 +199,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     return values
 
   # ---- Performance bookkeeping. ----
-  flops = train_lib.flops_per_example(spec, seq_len, preds)
+  flops = program.flops_per_example
   peak = metrics_lib.peak_flops_per_device(mesh.devices.flat[0],
                                            config.train.get('peak_flops_per_device', None))
   report = periodic_actions.ReportProgress(num_train_steps=tc.num_steps, writer=writer,
@@ -305,6 +307,19 @@ def maybe_initialize_distributed(coordinator_address: Optional[str] = None,
     jax.distributed.initialize()
 
 
+def check_launch():
+  """--compile_for: compile the step for a TPU slice or the local devices and report."""
+  from realformer import launch
+  try:
+    if flags.FLAGS.compile_for != 'local':
+      launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
+    config = resolved_config(flags.FLAGS.config)
+    launch.run(config, flags.FLAGS.compile_for, max_batch=flags.FLAGS.find_max_batch,
+               measure_steps=flags.FLAGS.measure_steps, json_path=flags.FLAGS.launch_json)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f'error: {e}') from None
+
+
 class _QuietLibraries(logging_std.Filter):
   """Keep the console readable: drop orbax's per-save INFO lines (warnings still show)."""
 
@@ -316,6 +331,9 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]}; settings go in --config.*')
+  if flags.FLAGS.compile_for:
+    check_launch()
+    return
   if not flags.FLAGS.workdir:
     raise app.UsageError('--workdir is required: the directory for checkpoints and logs '
                          '(e.g. --workdir /tmp/bert_tiny)')

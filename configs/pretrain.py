@@ -71,6 +71,10 @@ def model_config(variant='postln', size='base'):
   # Computation: float32 parameters, activations in `dtype` (bfloat16 on accelerators);
   # softmax, LayerNorm and the carried RealFormer scores are float32 whatever `dtype` is.
   m.dtype = 'float32'
+  # RealFormer's carried scores ([B, H, T, T] per layer, kept for the backward pass):
+  # float32 (the official code's) or bfloat16 (half the memory; the sum is still formed in
+  # float32 within each layer, only the carried copy is rounded).
+  m.residual_dtype = 'float32'
   m.scan_layers = False  # nn.scan over layers (faster compile for deep models)
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
   m.fused_attention = 'auto'  # auto | xla | cudnn | off (jax.nn.dot_product_attention)

@@ -46,7 +46,7 @@ def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optiona
       or capture or (not deterministic and spec.attention_dropout_rate > 0)):
     return None
   if spec.fused_attention == 'auto':
-    on_gpu = jax.default_backend() == 'gpu'
+    on_gpu = spec.target_platform == 'gpu'
     return 'cudnn' if on_gpu and spec.dtype in (jnp.bfloat16, jnp.float16) else None
   return spec.fused_attention  # 'xla' or 'cudnn', as asked
 
@@ -63,7 +63,7 @@ class SelfAttention(nn.Module):
   @nn.compact
   def __call__(self, x, bias, residual_scores=None, layer_index=0, rows=None, *,
                deterministic=True, capture_attention=False):
-    """x [B, T, D]; bias [B, 1, 1, T]; residual_scores [B, H, T, T] float32 or None;
+    """x [B, T, D]; bias [B, 1, 1, T]; residual_scores [B, H, T, T] (model.residual_dtype) or None;
     rows [B, S] query rows to compute, or None for all (S = T below).
 
     Returns (output [B, S, D], scores to carry or None, probabilities [B, H, S, T] or None).
@@ -101,7 +101,9 @@ class SelfAttention(nn.Module):
       if residual_scores is not None:
         logits = logits + (residual_scores if rows is None
                            else gather_rows(residual_scores, rows, axis=2))
-      carry = logits  # the running sum: unmasked, undivided, before dropout
+      # The running sum: unmasked, undivided, before dropout; stored in residual_dtype
+      # (float32 by default; bfloat16 halves the [B, H, T, T] tensor kept per layer).
+      carry = logits.astype(s.residual_dtype)
       if s.running_mean:
         logits = logits / (jnp.asarray(layer_index, jnp.float32) + 1.0)
     probs = jax.nn.softmax(logits + bias, axis=-1)  # float32

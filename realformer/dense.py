@@ -21,7 +21,7 @@ through `dense`, so `model.dense_impl` picks the implementation of all of them:
              upcast to float32. The transposed operand (W^T, x^T) is materialised row-major
              first, flattened through an optimization barrier: otherwise XLA folds the
              transpose back into the dot as a column-major layout and upcasts again.
-  auto   cpu on the CPU backend, else flax.
+  auto   cpu when the program is compiled for a CPU (spec.target_platform), else flax.
 
 The values are the plain dense layer's up to float32 summation order (and, in bfloat16, the
 bias added before rounding rather than after): tests/test_dense.py checks both against
@@ -36,9 +36,11 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def uses_cpu_dense(impl: str) -> bool:
-  """Whether `model.dense_impl` resolves to CpuDense on this backend."""
-  return impl == 'cpu' or (impl == 'auto' and jax.default_backend() == 'cpu')
+def uses_cpu_dense(spec) -> bool:
+  """Whether `spec.dense_impl` resolves to CpuDense on the target platform (spec.platform,
+  else this process's backend: a TPU compile from a CPU host gets nn.Dense)."""
+  return spec.dense_impl == 'cpu' or (spec.dense_impl == 'auto' and
+                                      spec.target_platform == 'cpu')
 
 
 def _row_major_transpose(a: jax.Array) -> jax.Array:
@@ -94,7 +96,7 @@ def dense(features: int, axes, spec, name: str) -> nn.Module:
   kernel_init = nn.with_logical_partitioning(nn.initializers.normal(spec.initializer_range),
                                              axes)
   bias_init = nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:])
-  if uses_cpu_dense(spec.dense_impl):
+  if uses_cpu_dense(spec):
     return CpuDense(features, spec.dtype, kernel_init, bias_init, name=name)
   return nn.Dense(features, dtype=spec.dtype, param_dtype=jnp.float32, name=name,
                   kernel_init=kernel_init, bias_init=bias_init)

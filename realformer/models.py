@@ -144,7 +144,8 @@ class Encoder(nn.Module):
     mask = batch.get('attention_mask', jnp.ones_like(input_ids))
     bias = attn_lib.mask_bias(mask)
     x = Embeddings(s, name='embeddings')(input_ids, segment_ids, deterministic)
-    scores = (jnp.zeros((b, s.num_heads, t, t), jnp.float32) if s.residual_attention else None)
+    scores = (jnp.zeros((b, s.num_heads, t, t), s.residual_dtype) if s.residual_attention
+              else None)
 
     rows = None  # the last layer's rows, when it computes only some: [CLS], output_rows, filler
     if (output_rows is not None and s.last_layer == 'predicted' and not s.scan_layers

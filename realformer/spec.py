@@ -9,6 +9,7 @@
 import dataclasses
 from typing import Any, Tuple
 
+import jax
 import jax.numpy as jnp
 
 # variant: (block, '+'-joined attention logit components, residual attention, random trainable)
@@ -67,7 +68,17 @@ class EncoderSpec:
   fused_attention: str = 'auto'
   dense_impl: str = 'auto'
   last_layer: str = 'predicted'
+  residual_dtype: Any = jnp.float32  # dtype of RealFormer's carried scores
   variant: str = 'postln'
+  # The platform the program is compiled for ('cpu', 'gpu', 'tpu'); '' = jax's default
+  # backend. Not a config key: realformer/launch.py sets it when compiling for a TPU slice
+  # from a CPU host, so the backend-dependent choices ('auto' dense layer and fused
+  # attention) follow the target, not the compiling machine.
+  platform: str = ''
+
+  @property
+  def target_platform(self) -> str:
+    return self.platform or jax.default_backend()
 
   @property
   def head_dim(self) -> int:
@@ -89,9 +100,26 @@ class EncoderSpec:
     return a, self.max_len // a
 
 
-def resolve(cfg) -> EncoderSpec:
-  """`config.model` (ConfigDict or dict) -> EncoderSpec, with one-line errors for bad values."""
+PLATFORMS = ('', 'cpu', 'gpu', 'tpu')
+
+
+def _dtype(key: str, value):
+  if isinstance(value, str):
+    if value not in DTYPES:
+      raise ValueError(f'model.{key}={value!r}; choose one of {", ".join(DTYPES)}')
+    return DTYPES[value]
+  return value
+
+
+def resolve(cfg, platform: str = '') -> EncoderSpec:
+  """`config.model` (ConfigDict or dict) -> EncoderSpec, with one-line errors for bad values.
+
+  platform: the target platform of the compiled program ('' = jax's default backend).
+  """
+  if platform not in PLATFORMS:
+    raise ValueError(f'platform {platform!r}; choose one of cpu, gpu, tpu')
   c = dict(cfg.to_dict() if hasattr(cfg, 'to_dict') else cfg)
+  c.pop('platform', None)
   variant = c.pop('variant', 'postln')
   if variant not in VARIANTS:
     raise ValueError(f'model.variant={variant!r} is unknown; choose one of {", ".join(VARIANTS)}')
@@ -112,17 +140,17 @@ def resolve(cfg) -> EncoderSpec:
                      f'from {", ".join(LOGIT_COMPONENTS)}')
   if block not in BLOCKS:
     raise ValueError(f'model.block={block!r}; choose one of {", ".join(BLOCKS)}')
-  dtype = c.pop('dtype', 'float32')
-  if isinstance(dtype, str):
-    if dtype not in DTYPES:
-      raise ValueError(f'model.dtype={dtype!r}; choose one of {", ".join(DTYPES)}')
-    dtype = DTYPES[dtype]
+  dtype = _dtype('dtype', c.pop('dtype', 'float32'))
+  residual_dtype = _dtype('residual_dtype', c.pop('residual_dtype', 'float32'))
+  if residual_dtype not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f'model.residual_dtype={residual_dtype}; choose float32 or bfloat16')
   fields = {f.name for f in dataclasses.fields(EncoderSpec)}
   unknown = sorted(set(c) - fields)
   if unknown:
     raise ValueError(f'unknown model config keys {unknown}; remove them or check their spelling')
   spec = EncoderSpec(block=block, attention=components, residual_attention=bool(residual),
-                     synth_random_trainable=bool(trainable), dtype=dtype, variant=variant, **c)
+                     synth_random_trainable=bool(trainable), dtype=dtype,
+                     residual_dtype=residual_dtype, variant=variant, platform=platform, **c)
   if spec.hidden_size % spec.num_heads:
     raise ValueError(f'model.hidden_size={spec.hidden_size} is not divisible by '
                      f'model.num_heads={spec.num_heads}')

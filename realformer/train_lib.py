@@ -14,6 +14,7 @@ step's batch, so the microbatch losses add up to the loss of one big batch and a
 over k microbatches gives the same gradient as one batch of k times the size.
 """
 
+import dataclasses
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import flax
@@ -25,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from realformer import metrics as metrics_lib
+from realformer import models
 from realformer import partitioning
 from realformer import rows as rows_lib
 from realformer.spec import EncoderSpec, resolve
@@ -356,6 +358,47 @@ def abstract_batch(global_batch_size: int, seq_len: int, num_predictions: int) -
 
 
 # --------------------------------------------------------------------------------------
+# The pretraining program: what train.py compiles, also compiled ahead of time by launch.py.
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PretrainingProgram:
+  """Everything train.py builds for a (resolved) config on a mesh, before any allocation."""
+  spec: EncoderSpec
+  model: nn.Module
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  batch_shapes: dict          # ShapeDtypeStructs of one global batch
+  abstract: TrainState        # ShapeDtypeStructs with their shardings
+  shardings: TrainState
+  loss_fn: Callable
+  train_step: Callable        # jitted (state, batch) -> (state, metrics)
+  flops_per_example: float
+
+
+def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
+  """The model, optimizer, shardings and jitted train step of `config` on `mesh`.
+
+  platform: the platform the step is compiled for ('' = this process's backend); the
+  backend-dependent 'auto' choices of the model follow it (spec.platform).
+  """
+  tc = config.train
+  spec = resolve(config.model, platform=platform)
+  model = models.build(spec)
+  tx, schedule = make_optimizer(config.optimizer, tc.num_steps, frozen=fixed_params_fn(spec))
+  seq_len, preds = config.data.max_seq_length, config.data.max_predictions_per_seq
+  batch_shapes = abstract_batch(tc.batch_size, seq_len, preds)
+  abstract, shardings = state_shardings(model, tx, batch_shapes, mesh)
+  loss_fn = pretraining_loss_fn(model)
+  train_step = make_train_step(
+      loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
+      metrics_cls=metrics_lib.PretrainingTrainMetrics, grad_accum_steps=tc.grad_accum_steps,
+      seed=config.seed)
+  return PretrainingProgram(spec, model, tx, schedule, batch_shapes, abstract, shardings,
+                            loss_fn, train_step, flops_per_example(spec, seq_len, preds))
+
+
+# --------------------------------------------------------------------------------------
 # Checks made before anything compiles.
 # --------------------------------------------------------------------------------------
 
@@ -376,8 +419,12 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
                      f'mesh.fsdp); make the microbatch a multiple of {dp}')
   # Each host feeds its own batch_size / process_count rows, so the hosts must hold
   # distinct rows: the tensor axis (batch replicated over it) must stay within a host.
-  rows = partitioning.batch_sharding(mesh).addressable_devices_indices_map((b,))
-  local_rows = len({tuple(idx[0].indices(b)) for idx in rows.values()}) * (b // dp)
+  # (Counted for the first process of the mesh, from the devices' process indices, so this
+  # also works for the compile-only devices of a TPU slice that is not attached.)
+  first = min(d.process_index for d in mesh.devices.flat)
+  rows = partitioning.batch_sharding(mesh).devices_indices_map((b,))
+  local_rows = len({tuple(idx[0].indices(b)) for d, idx in rows.items()
+                    if d.process_index == first}) * (b // dp)
   if local_rows * process_count != b:
     raise ValueError(f'mesh {dict(mesh.shape)}: the tensor axis spans several processes, so '
                      f'they would share batch rows; keep mesh.tensor within one host')

@@ -1,0 +1,144 @@
+r"""The launch table of docs/launching.md: train.py's step compiled for one slice of each TPU
+generation, for sizes x variants x lengths x meshes, with the largest global batch that fits.
+
+  python benchmarks/launch_table.py --out benchmarks/results/launch_table.jsonl \
+      [--shard 0/2]                       # run two shards side by side on two cores
+  python benchmarks/launch_table.py --out benchmarks/results/launch_table.jsonl --markdown
+
+Every cell is `realformer.launch.find_max_batch` on the config
+`configs/pretrain.py:<variant>,<size>` with bfloat16 activations, scanned layers (compile
+time: an unrolled 12-layer step took ~8 minutes on 2 cores, scanned ~25 s), no remat, the
+synthetic source (a 30,000-token vocabulary), 20 predictions per sequence at length 128 and
+80 at 512, on a 4-chip slice (v4:2x2x1, v5e:2x2, v5p:2x2x1, v6e:2x2) with mesh data=4 or
+fsdp=4. The reference batch is 128 sequences (32 per chip); the search looks for the
+largest fitting multiple of 64 (16 per chip) in at most 6 compiles (each 20-40 s on 2 cores;
+a refusal takes ~3 s) and reports the largest batch that compiled and fitted, and the
+smallest that did not when the search got that far. Finished cells are kept: rerunning
+continues (a cell takes 1-3 minutes).
+Needs libtpu (requirements-tpu.txt).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SLICES = ('v5e:2x2', 'v5p:2x2x1', 'v6e:2x2', 'v4:2x2x1')  # in the order they run
+SIZES = ('base', 'large', 'xlarge')
+VARIANTS = ('postln', 'realformer', 'realformer+bf16carry', 'synth_dense_vanilla')
+LENGTHS = ((128, 20), (512, 80))
+MESHES = ('data', 'fsdp')
+REFERENCE_BATCH, MULTIPLE, MAX_COMPILES = 128, 64, 6
+
+
+def cells():
+  for target in SLICES:
+    for length, preds in LENGTHS:
+      for mesh in MESHES:
+        for size in SIZES:
+          for variant in VARIANTS:
+            if variant.endswith('bf16carry') and mesh != 'fsdp':
+              continue  # the carry's effect is the same question on either mesh
+            yield dict(target=target, size=size, variant=variant, length=length,
+                       predictions=preds, mesh=mesh)
+
+
+def key(cell):
+  return '|'.join(str(cell[k]) for k in ('target', 'size', 'variant', 'length', 'mesh'))
+
+
+def make_config(cell):
+  from configs import pretrain
+  variant = cell['variant'].split('+')[0]
+  c = pretrain.get_config(f'{variant},{cell["size"]}').copy_and_resolve_references()
+  c.data.sources = 'synthetic'
+  c.data.max_seq_length, c.data.max_predictions_per_seq = cell['length'], cell['predictions']
+  c.model.dtype, c.model.scan_layers = 'bfloat16', True
+  if cell['variant'].endswith('bf16carry'):
+    c.model.residual_dtype = 'bfloat16'
+  c.mesh.data, c.mesh.fsdp = (-1, 1) if cell['mesh'] == 'data' else (1, -1)
+  c.train.batch_size = REFERENCE_BATCH
+  return c
+
+
+def run(args):
+  from realformer import launch
+  done = set()
+  if os.path.exists(args.out):
+    with open(args.out) as f:
+      done = {key(json.loads(l)['cell']) for l in f if l.strip()}
+  index, count = (int(x) for x in args.shard.split('/'))
+  todo = [c for i, c in enumerate(cells()) if i % count == index and key(c) not in done]
+  targets = {}
+  for cell in todo:
+    start = time.time()
+    if cell['target'] not in targets:
+      targets[cell['target']] = launch.tpu_target(cell['target'])
+    target = targets[cell['target']]
+    config = make_config(cell)
+    reports = launch.find_max_batch(config, target, multiple=MULTIPLE, max_compiles=MAX_COMPILES,
+                                    log=lambda *_: None)
+    reference = next(r for r in reports if r.batch_size == REFERENCE_BATCH)
+    fitting = [r for r in reports if r.fits]
+    best = max(fitting, key=lambda r: r.batch_size) if fitting else None
+    failing = [r.batch_size for r in reports if not r.fits]
+    line = {'cell': cell, 'hbm_gib': target.hbm_bytes / launch.GiB,
+            'reference': {'batch': REFERENCE_BATCH, 'fits': reference.fits,
+                          'gib': reference.total_bytes / launch.GiB,
+                          'state_gib': reference.state_bytes / launch.GiB,
+                          'temp_gib': reference.temp_bytes / launch.GiB,
+                          'flop_ratio': reference.flop_ratio,
+                          'refusal': reference.refusal},
+            'max_batch': best.batch_size if best else 0,
+            'max_batch_gib': best.total_bytes / launch.GiB if best else None,
+            'first_failing': min(failing) if failing else None,
+            'compiles': len(reports), 'seconds': time.time() - start}
+    with open(args.out, 'a') as f:
+      f.write(json.dumps(line) + '\n')
+    print(key(cell), line['reference']['fits'], f"{line['reference']['gib']:.2f}",
+          line['max_batch'], f"{line['seconds']:.0f}s", flush=True)
+
+
+def markdown(args):
+  rows = {}
+  with open(args.out) as f:
+    for l in f:
+      if l.strip():
+        r = json.loads(l)
+        rows[key(r['cell'])] = r
+  out = []
+  for target in SLICES:
+    out += [f'\n**{target}** ({rows and next((r["hbm_gib"] for r in rows.values() if r["cell"]["target"] == target), 0):.0f} GiB HBM per chip, 4 chips)\n',
+            '| length | mesh | size | ' + ' | '.join(VARIANTS) + ' |',
+            '|---|---|---|' + '---|' * len(VARIANTS)]
+    for length, _ in LENGTHS:
+      for mesh in MESHES:
+        for size in SIZES:
+          cellsout = []
+          for variant in VARIANTS:
+            r = rows.get(key(dict(target=target, size=size, variant=variant, length=length,
+                                  mesh=mesh)))
+            if r is None:
+              cellsout.append('' if variant.endswith('bf16carry') and mesh != 'fsdp'
+                              else 'not run')
+              continue
+            ref = r['reference']
+            at128 = f'{ref["gib"]:.1f} GiB' if ref['fits'] else 'no'
+            cap = (f'max {r["max_batch"]}' if r['max_batch'] else 'none fits')
+            if r['max_batch'] and r['first_failing'] is None:
+              cap = f'>= {r["max_batch"]}'
+            cellsout.append(f'{at128}; {cap}')
+          out.append(f'| {length} | {mesh} | {size} | ' + ' | '.join(cellsout) + ' |')
+  print('\n'.join(out))
+
+
+if __name__ == '__main__':
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--out', required=True)
+  p.add_argument('--shard', default='0/1', help='i/n: run every n-th cell from i')
+  p.add_argument('--markdown', action='store_true', help='print the table from --out')
+  a = p.parse_args()
+  markdown(a) if a.markdown else run(a)

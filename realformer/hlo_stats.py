@@ -1,0 +1,309 @@
+"""What a compiled program does per step, read from its optimized HLO text.
+
+    stats = hlo_stats.analyze(compiled.as_text())
+    stats.matmul_flops        # dot and convolution FLOPs, loop bodies times their trip counts
+    stats.collectives         # {'all-gather': Collective(count, bytes), ...}, per step
+
+XLA's own `compiled.cost_analysis()['flops']` counts a while loop's body once, so a program
+with scanned layers (nn.scan) or gradient accumulation (lax.scan over microbatches) is
+undercounted by the trip counts; the FSDP all-gathers inside a scanned layer run once per
+layer, not once. This walks the module from ENTRY, multiplying every computation by the
+number of times it runs: a while body by its trip count (the backend's known_trip_count
+where the HLO states it, else the bound of the loop condition's `counter < N` compare, the
+form jax's scan and fori_loop lower to), a fusion, call or async wrapper by its caller's.
+
+Counted:
+  dot          2 * prod(result dims) * prod(lhs contracting dims)
+  convolution  2 * (result batch x feature elements) * (window taps that land on real
+               input elements, per output position) * (rhs input features) *
+               (lhs batch / result batch). TPUs lower matmuls to convolutions and write
+               a batched matmul's batch dimensions as spatial ones whose window covers a
+               dilated input: one real tap per output, as XLA's cost analysis counts it.
+  A contraction with a boolean (one-hot) operand is a row selection (rows.take_rows), which
+  flops_per_example leaves out: counted apart, as selection_flops.
+  collectives  all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute,
+               including their async -start forms (-done halves are not counted, and the
+               copies of one op that share a channel_id, TPU's start / continuation / done
+               fusions, count once);
+               bytes are the larger of the operands and the result (the full buffer: an
+               all-gather's result, a reduce-scatter's operand), summed over executions.
+Element-wise work, reductions and data movement are not FLOPs here, like
+train_lib.flops_per_example, which this is compared with.
+"""
+
+import dataclasses
+import re
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+DTYPE_BYTES = {
+    'pred': 1, 's4': 1, 'u4': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1,
+    'f8e4m3b11fnuz': 1, 'f8e4m3fnuz': 1, 'f8e5m2fnuz': 1, 'f8e3m4': 1, 'f8e4m3': 1,
+    'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2,
+    'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8, 'c64': 8, 'c128': 16,
+}
+COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
+               'collective-permute')
+
+_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$')
+_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*')
+_CALLEE_ATTRS = re.compile(r'\b(calls|to_apply|body|condition|true_computation|'
+                           r'false_computation)=%?([\w.\-]+)')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_DIMS = lambda name: re.compile(name + r'=\{([0-9,]*)\}')
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  type_text: str            # the result type: 'bf16[8,128]{1,0}' or a tuple '(f32[], ...)'
+  opcode: str
+  operands: List[str]       # operand names
+  attrs: str                # everything after the operand list
+
+
+@dataclasses.dataclass
+class Collective:
+  count: int = 0            # executions per step
+  bytes: float = 0.0        # bytes per step (see the module docstring)
+
+
+@dataclasses.dataclass
+class HloStats:
+  matmul_flops: float       # dots and convolutions, row selections excluded
+  selection_flops: float    # contractions with a one-hot (boolean) operand
+  collectives: Dict[str, Collective]
+  unknown_trip_counts: int  # while loops whose trip count could not be read (counted once)
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the bracket group opening at text[start] ('(' or '{')."""
+  pairs = {'(': ')', '{': '}', '[': ']'}
+  stack = []
+  for i in range(start, len(text)):
+    c = text[i]
+    if c in pairs:
+      stack.append(pairs[c])
+    elif stack and c == stack[-1]:
+      stack.pop()
+      if not stack:
+        return i + 1
+  return len(text)
+
+
+def _parse_instruction(line: str) -> Optional[Instruction]:
+  m = _NAME.match(line)
+  if not m:
+    return None
+  rest = line[m.end():]
+  if rest.startswith('('):
+    end = _balanced(rest, 0)
+    type_text, rest = rest[:end], rest[end:].lstrip()
+  else:
+    type_text, _, rest = rest.partition(' ')
+  op = re.match(r'([\w\-]+)\(', rest)
+  if not op:
+    return None
+  end = _balanced(rest, op.end() - 1)
+  operand_text, attrs = rest[op.end():end - 1], rest[end:]
+  operands = re.findall(r'%?([\w.\-]+)\s*(?:,|$)', _strip_types(operand_text))
+  return Instruction(m.group(1), type_text, op.group(1), operands, attrs)
+
+
+def _strip_types(operand_text: str) -> str:
+  """'bf16[8,4]{1,0} %a, f32[] %b' -> '%a, %b' (CPU HLO prints operand types; TPU not)."""
+  out, i = [], 0
+  while i < len(operand_text):
+    c = operand_text[i]
+    if c in '([{':
+      i = _balanced(operand_text, i)
+      continue
+    out.append(c)
+    i += 1
+  return re.sub(r'\b[a-z][a-z0-9]*\s+(?=%)', '', ''.join(out))
+
+
+def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], Optional[str]]:
+  """HLO module text -> ({computation name: instructions}, entry computation name)."""
+  computations, entry, current = {}, None, None
+  for line in text.splitlines():
+    if current is None:
+      m = _HEADER.match(line)
+      if m:
+        current = m.group(2)
+        computations[current] = []
+        if m.group(1):
+          entry = current
+      continue
+    if line.strip() == '}':
+      current = None
+      continue
+    inst = _parse_instruction(line)
+    if inst is not None:
+      computations[current].append(inst)
+  return computations, entry
+
+
+def _arrays(type_text: str) -> List[Tuple[str, Tuple[int, ...]]]:
+  """Every array type in a (possibly tuple) type: [(dtype, dims), ...]; layouts ignored."""
+  without_layouts = re.sub(r'\{[^{}]*\}', '', type_text)
+  return [(d, tuple(int(x) for x in dims.split(',') if x))
+          for d, dims in _ARRAY.findall(without_layouts) if d in DTYPE_BYTES]
+
+
+def type_bytes(type_text: str) -> int:
+  total = 0
+  for dtype, dims in _arrays(type_text):
+    n = 1
+    for x in dims:
+      n *= x
+    total += n * DTYPE_BYTES[dtype]
+  return total
+
+
+def _prod(xs) -> int:
+  n = 1
+  for x in xs:
+    n *= x
+  return n
+
+
+def _dims_attr(attrs: str, name: str) -> List[int]:
+  m = _DIMS(name).search(attrs)
+  return [int(x) for x in m.group(1).split(',') if x] if m else []
+
+
+def _shape(types: Dict[str, str], name: str) -> Tuple[int, ...]:
+  arrays = _arrays(types.get(name, ''))
+  return arrays[0][1] if arrays else ()
+
+
+def _window(attrs: str, spatial: int) -> Dict[str, list]:
+  """A convolution's window attribute per spatial dimension, with XLA's defaults."""
+  w = {'size': [1] * spatial, 'stride': [1] * spatial, 'pad': [(0, 0)] * spatial,
+       'lhs_dilate': [1] * spatial, 'rhs_dilate': [1] * spatial}
+  m = re.search(r'window=\{([^}]*)\}', attrs)
+  for key, value in re.findall(r'(\w+)=([0-9_x\-]+)', m.group(1) if m else ''):
+    parts = value.split('x')
+    if key == 'pad':
+      w['pad'] = [tuple(int(v) for v in p.split('_')) for p in parts]
+    elif key in w:
+      w[key] = [int(v) for v in parts]
+  return w
+
+
+def _valid_taps(out: int, size: int, n: int, stride: int, pad_low: int, lhs_dilate: int,
+                rhs_dilate: int) -> int:
+  """(output position, window tap) pairs of one spatial dimension that land on a real input
+  element (not padding, not a hole of lhs dilation). TPUs write the batch dimensions of a
+  batched matmul as such spatial dimensions (window = size = lhs_dilate): one tap each."""
+  p = (np.arange(out)[:, None] * stride + np.arange(size)[None, :] * rhs_dilate - pad_low)
+  valid = (p >= 0) & (p <= (n - 1) * lhs_dilate) & (p % lhs_dilate == 0)
+  return int(valid.sum())
+
+
+def matmul_flops(inst: Instruction, types: Dict[str, str]) -> float:
+  """FLOPs of one dot or convolution (0 for anything else)."""
+  out = _arrays(inst.type_text)
+  if inst.opcode not in ('dot', 'convolution') or not out or not inst.operands:
+    return 0.0
+  out_shape = out[0][1]
+  lhs = _shape(types, inst.operands[0])
+  if inst.opcode == 'dot':
+    contracting = _dims_attr(inst.attrs, 'lhs_contracting_dims')
+    return 2.0 * _prod(out_shape) * _prod(lhs[i] for i in contracting)
+  labels = re.search(r'dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)', inst.attrs)
+  if not labels or len(inst.operands) < 2:
+    return 0.0
+  lhs_l, rhs_l, out_l = labels.groups()
+  rhs = _shape(types, inst.operands[1])
+  if len(rhs) != len(rhs_l) or len(lhs) != len(lhs_l) or len(out_shape) != len(out_l):
+    return 0.0
+  spatial = sum(c.isdigit() for c in out_l)
+  w = _window(inst.attrs, spatial)
+  taps = 1
+  for d in range(spatial):
+    taps *= _valid_taps(out_shape[out_l.index(str(d))], rhs[rhs_l.index(str(d))],
+                        lhs[lhs_l.index(str(d))], w['stride'][d], w['pad'][d][0],
+                        w['lhs_dilate'][d], w['rhs_dilate'][d])
+  other = _prod(n for n, l in zip(out_shape, out_l) if not l.isdigit())  # batch x features
+  batch_groups = lhs[lhs_l.index('b')] // max(out_shape[out_l.index('b')], 1)
+  return 2.0 * other * taps * rhs[rhs_l.index('i')] * batch_groups
+
+
+def _is_selection(inst: Instruction, types: Dict[str, str]) -> bool:
+  """A contraction with a boolean operand: a one-hot row selection (rows.take_rows)."""
+  return any(_arrays(types.get(o, ''))[:1] and _arrays(types[o])[0][0] == 'pred'
+             for o in inst.operands[:2])
+
+
+def analyze(text: str) -> HloStats:
+  """Matmul FLOPs and collectives per execution of the module (see the module docstring)."""
+  computations, entry = parse_module(text)
+  constant_values = {}
+  for line in text.splitlines():  # constants keep their value inside the operand list
+    m = re.match(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[\]\S*\s+constant\((-?\d+)\)',
+                 line)
+    if m:
+      constant_values[m.group(1)] = int(m.group(2))
+  flops, selection, unknown = 0.0, 0.0, 0
+  # One entry per collective: TPU splits an async collective into a start fusion, a
+  # continuation and a done fusion, each holding a copy of the op with the same channel_id.
+  seen = {}
+
+  def trip_count(inst):
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+    if m:
+      return int(m.group(1))
+    cond = re.search(r'\bcondition=%?([\w.\-]+)', inst.attrs)
+    for i in computations.get(cond.group(1), []) if cond else []:
+      if i.opcode == 'compare' and 'direction=LT' in i.attrs and len(i.operands) == 2:
+        if i.operands[1] in constant_values:
+          return constant_values[i.operands[1]]
+    return None
+
+  def visit(name: str, times: float):
+    nonlocal flops, selection, unknown
+    insts = computations.get(name, [])
+    types = {i.name: i.type_text for i in insts}
+    for inst in insts:
+      f = times * matmul_flops(inst, types)
+      if f and _is_selection(inst, types):
+        selection += f
+      else:
+        flops += f
+      kind = next((c for c in COLLECTIVES
+                   if inst.opcode in (c, c + '-start')), None)
+      if kind is not None:
+        operand_bytes = sum(type_bytes(types.get(o, '')) for o in inst.operands)
+        result_bytes = type_bytes(inst.type_text)
+        if inst.opcode.endswith('-start'):  # the result tuple repeats the operands
+          result_bytes -= operand_bytes
+        channel = re.search(r'\bchannel_id=(\d+)', inst.attrs)
+        key = ('channel', channel.group(1)) if channel else ('op', len(seen), inst.name)
+        times_seen = seen.get(key, (kind, 0.0, 0))[1]
+        seen[key] = (kind, max(times, times_seen), max(operand_bytes, result_bytes))
+      for attr, callee in _CALLEE_ATTRS.findall(inst.attrs):
+        if attr == 'condition' or (attr == 'to_apply' and inst.opcode != 'call'):
+          continue  # loop conditions and reducers do no matmuls or collectives
+        factor = 1
+        if inst.opcode == 'while' and attr == 'body':
+          n = trip_count(inst)
+          if n is None:
+            unknown += 1
+          factor = n or 1
+        visit(callee, times * factor)
+      for group in _BRANCHES.findall(inst.attrs):
+        for callee in re.findall(r'%?([\w.\-]+)', group):
+          visit(callee, times)
+
+  if entry is not None:
+    visit(entry, 1.0)
+  collectives = {}
+  for kind, times, nbytes in seen.values():
+    c = collectives.setdefault(kind, Collective())
+    c.count += int(times)
+    c.bytes += times * nbytes
+  return HloStats(flops, selection, collectives, unknown)

@@ -1,0 +1,467 @@
+r"""Launch facts before a slice is paid for: train.py's step compiled ahead of time.
+
+    python train.py --config configs/pretrain.py:realformer,large --compile_for v5p:4x4x4 \
+        --config.model.dtype=bfloat16 --config.mesh.fsdp=4 [--find_max_batch]
+    python train.py --config ... --compile_for local     # this machine's devices: compile,
+                                                         # then time a few steps
+
+For a TPU slice, the compile-only devices of the named topology come from libtpu
+(`pip install -r requirements-tpu.txt`) on any machine, the TPU's own devices unattached:
+jax runs on the CPU (JAX_PLATFORMS=cpu is set) and XLA:TPU compiles for the slice. A
+multi-host slice (v5p:4x4x4 is 64 chips on 16 hosts) compiles from one process. What is
+compiled is exactly train.py's step (train_lib.pretraining_program): the config's mesh over
+the slice's devices, the batch shapes of the data config, gradient accumulation, dtype,
+remat, scan and last_layer, with the backend-dependent 'auto' choices made for the target
+platform (spec.platform), not for the compiling host.
+
+Printed per chip: parameter + optimizer bytes, the compiled program's arguments, outputs
+and temporaries (memory_analysis) and their total against the chip's HBM (HBM_GIB), a
+verdict (the TPU compiler itself refuses a program that does not fit: that is "does not
+fit" too); the compiled matmul FLOPs per step (hlo_stats, loop bodies times their trip
+counts) against train_lib.flops_per_example (their ratio: 1 up to the partitioner's
+redundant work, above 1 with remat, which recomputes the forward pass); the collectives of
+the compiled HLO with their counts and bytes per step. --find_max_batch searches the
+largest global batch that fits: the memory of two compiles fixes a line (memory is affine
+in the batch), its crossing with HBM is tried next, and bisection between the largest batch
+that fitted and the smallest that did not finishes; every answer is a compile.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import jax
+import numpy as np
+
+from realformer import hlo_stats
+from realformer import metrics as metrics_lib
+from realformer import partitioning
+from realformer import train_lib
+
+GiB = 1024 ** 3
+
+# HBM per chip (GiB) of the TPU generations a topology may name.
+HBM_GIB = {'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
+# chip_config_name of the generations with two TensorCores per chip: 'megacore' makes one
+# device per chip, as jax shows those chips on a TPU VM.
+_MEGACORE = ('v4', 'v5p')
+
+
+class LaunchError(ValueError):
+  """A user error with a one-line message naming the fix."""
+
+
+@dataclasses.dataclass
+class Target:
+  name: str                    # 'v5p:4x4x4' or 'local'
+  platform: str                # 'tpu', 'gpu', 'cpu'
+  devices: list
+  num_hosts: int
+  device_kind: str
+  hbm_bytes: Optional[int]     # per chip; None when unknown (CPU)
+
+
+def _ensure_cpu_host():
+  """Compile-only TPU devices need jax on the CPU: a host with libtpu would otherwise try
+  to start a TPU backend. Only possible before jax has started a backend."""
+  try:
+    jax.config.update('jax_platforms', 'cpu')
+  except Exception:  # a backend is already up (e.g. tests): fine if it is the CPU
+    pass
+
+
+def tpu_target(name: str) -> Target:
+  """The compile-only devices of a TPU slice named '<generation>:<AxB[xC]>'."""
+  generation, _, shape = name.partition(':')
+  if generation not in HBM_GIB:
+    raise LaunchError(f'--compile_for={name!r}: unknown TPU generation {generation!r}; name a '
+                      f'slice as <generation>:<topology> with generation one of '
+                      f'{", ".join(HBM_GIB)} (e.g. v5p:4x4x4, v5e:4x4), or use local')
+  if not re.fullmatch(r'\d+x\d+(x\d+)?', shape):
+    raise LaunchError(f'--compile_for={name!r}: topology {shape!r} is not AxB or AxBxC '
+                      f'(chips per dimension, e.g. v5e:2x2, v5p:2x2x1)')
+  if importlib.util.find_spec('libtpu') is None:
+    raise LaunchError('compiling for a TPU slice needs libtpu, which is not installed: '
+                      'pip install -r requirements-tpu.txt')
+  _ensure_cpu_host()
+  # Compiling loads libtpu, which otherwise takes a machine-wide lock: two compiles (or two
+  # test workers) at once would fail.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  from jax.experimental import topologies
+  kw = {'chip_config_name': 'megacore'} if generation in _MEGACORE else {}
+  try:
+    desc = topologies.get_topology_desc(topology_name=name, platform='tpu', **kw)
+  except Exception as e:  # libtpu's message: first line only
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if 'INVALID_ARGUMENT' not in first:
+      raise LaunchError(f'--compile_for={name!r}: libtpu failed: {first}') from None
+    raise LaunchError(f'--compile_for={name!r}: libtpu does not know this topology ({first}); '
+                      f'use a slice shape the generation offers (e.g. v5e:2x2, v5e:4x4, '
+                      f'v5p:2x2x1, v5p:4x4x4, v4:2x2x4, v6e:4x8)') from None
+  devices = list(desc.devices)
+  hosts = len({d.process_index for d in devices})
+  return Target(name, 'tpu', devices, hosts, devices[0].device_kind,
+                HBM_GIB[generation] * GiB)
+
+
+def local_target() -> Target:
+  """This process's devices (a GPU node, a TPU VM, or the CPU)."""
+  devices = jax.devices()
+  limit = None
+  try:
+    limit = (devices[0].memory_stats() or {}).get('bytes_limit')
+  except Exception:  # CPU devices keep no memory statistics
+    pass
+  return Target('local', jax.default_backend(), devices, jax.process_count(),
+                devices[0].device_kind, limit)
+
+
+def target_for(name: str) -> Target:
+  return local_target() if name == 'local' else tpu_target(name)
+
+
+# --------------------------------------------------------------------------------------
+# One compile.
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Report:
+  """The facts of one compile, per chip unless said otherwise (bytes, FLOPs)."""
+  batch_size: int
+  fits: bool
+  state_bytes: int = 0           # parameters + optimizer state, this chip's shards
+  argument_bytes: int = 0
+  output_bytes: int = 0
+  alias_bytes: int = 0
+  temp_bytes: int = 0
+  code_bytes: int = 0
+  total_bytes: int = 0           # arguments + outputs - aliased + temporaries + code
+  hbm_bytes: Optional[int] = None
+  compiled_flops: float = 0.0    # matmuls, trip counts applied (hlo_stats)
+  selection_flops: float = 0.0   # one-hot row selections (not in flops_per_example)
+  model_flops: float = 0.0       # flops_per_example * batch / chips
+  xla_flops: float = 0.0         # cost_analysis()['flops'] (loop bodies once)
+  collectives: Dict[str, dict] = dataclasses.field(default_factory=dict)
+  compile_seconds: float = 0.0
+  refusal: str = ''              # the compiler's one-line reason when it would not fit
+  refused_temp_bytes: int = 0    # the temporaries it said the program needed, if it said
+  unknown_trip_counts: int = 0
+
+  @property
+  def flop_ratio(self) -> float:
+    return self.compiled_flops / self.model_flops if self.model_flops else float('nan')
+
+
+def _with_batch(config, batch_size: int):
+  config = config.copy_and_resolve_references()
+  config.train.batch_size = int(batch_size)
+  return config
+
+
+def _state_bytes(abstract) -> int:
+  """Bytes of this chip's shards of the train state (the largest shard per leaf)."""
+  total = 0
+  for leaf in jax.tree.leaves(abstract):
+    shape = leaf.sharding.shard_shape(leaf.shape)
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _out_of_memory(error: Exception) -> Optional[str]:
+  text = str(error)
+  if any(k in text for k in ('RESOURCE_EXHAUSTED', 'Ran out of memory', 'out of memory',
+                             'exceeds the memory')):
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    useful = [l for l in lines if 'memory' in l.lower()] or lines
+    return useful[0][:300]
+  return None
+
+
+def build(config, target: Target, batch_size: Optional[int] = None):
+  """(mesh, program, abstract batch) for `config` on the target's devices; one-line errors
+  for a mesh that does not divide the slice and a batch that does not split."""
+  if batch_size is not None:
+    config = _with_batch(config, batch_size)
+  try:
+    mesh = partitioning.make_mesh(config.mesh, target.devices)
+  except ValueError as e:
+    raise LaunchError(f'{e} (the target {target.name} has {len(target.devices)} chips)') from None
+  train_lib.check_batch_layout(config.train.batch_size, config.train.grad_accum_steps, mesh,
+                               target.num_hosts)
+  program = train_lib.pretraining_program(config, mesh, platform=target.platform)
+  data = partitioning.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data)
+           for k, v in program.batch_shapes.items()}
+  return mesh, program, batch
+
+
+def compile_step(config, target: Target, batch_size: Optional[int] = None):
+  """Compile train.py's step for the target: (Report, compiled executable or None)."""
+  batch_size = int(batch_size or config.train.batch_size)
+  mesh, program, batch = build(config, target, batch_size)
+  chips = len(target.devices)
+  report = Report(batch_size=batch_size, fits=False, hbm_bytes=target.hbm_bytes,
+                  state_bytes=_state_bytes(program.abstract),
+                  model_flops=program.flops_per_example * batch_size / chips)
+  start = time.time()
+  with jax.set_mesh(mesh):
+    lowered = program.train_step.lower(program.abstract, batch)
+    try:
+      compiled = lowered.compile()
+    except Exception as e:  # XLA's errors are not a public type
+      reason = _out_of_memory(e)
+      if reason is None:
+        raise
+      report.refusal, report.compile_seconds = reason, time.time() - start
+      need = re.search(r'temporaries \((\d+(?:\.\d+)?)([KMGT])\)', reason)
+      if need:
+        scale = 1024 ** ('KMGT'.index(need.group(2)) + 1)
+        report.refused_temp_bytes = int(float(need.group(1)) * scale)
+      return report, None
+  report.compile_seconds = time.time() - start
+  mem = compiled.memory_analysis()
+  report.argument_bytes = int(mem.argument_size_in_bytes)
+  report.output_bytes = int(mem.output_size_in_bytes)
+  report.alias_bytes = int(mem.alias_size_in_bytes)
+  report.temp_bytes = int(mem.temp_size_in_bytes)
+  report.code_bytes = int(mem.generated_code_size_in_bytes)
+  report.total_bytes = (report.argument_bytes + report.output_bytes - report.alias_bytes +
+                        report.temp_bytes + report.code_bytes)
+  report.fits = target.hbm_bytes is None or report.total_bytes <= target.hbm_bytes
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  report.xla_flops = float((cost or {}).get('flops', 0.0))
+  stats = hlo_stats.analyze(compiled.as_text())
+  report.compiled_flops = stats.matmul_flops
+  report.selection_flops = stats.selection_flops
+  report.unknown_trip_counts = stats.unknown_trip_counts
+  report.collectives = {k: dataclasses.asdict(v) for k, v in sorted(stats.collectives.items())}
+  return report, compiled
+
+
+def batch_unit(config, target: Target, multiple: int = 1) -> int:
+  """The step of valid global batch sizes: microbatches split over data x fsdp and the
+  batch over the hosts (and a multiple of `multiple`)."""
+  shape = partitioning.mesh_shape(config.mesh, len(target.devices))
+  dp = shape[0] * shape[1]
+  k = int(config.train.grad_accum_steps)
+  return math.lcm(dp * k, target.num_hosts, max(1, int(multiple)))
+
+
+def _estimated_total(r: Report, fitted: Optional[Report]) -> Optional[float]:
+  """A compile's total bytes per chip; for a refusal, the temporaries the compiler said it
+  needed plus a fitting compile's non-temporary bytes (which do not grow with the batch but
+  for the batch itself)."""
+  if r.total_bytes:
+    return float(r.total_bytes)
+  if r.refused_temp_bytes and fitted is not None:
+    return float(r.refused_temp_bytes + fitted.total_bytes - fitted.temp_bytes)
+  return None
+
+
+def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: int = 12,
+                   limit: int = 1 << 20, log=print) -> List[Report]:
+  """Every compile of the search for the largest global batch that fits, in order; the
+  answer is max(r.batch_size for r in reports if r.fits) (none fits: an empty answer).
+
+  Memory per chip is close to affine in the batch, so each guess is where the line through
+  the two nearest compiles (a refusal counts with the temporaries the compiler said it
+  needed) crosses HBM, kept strictly inside the bracket (largest fitting, smallest failing);
+  a line guess that does not close the bracket is followed by a bisection step. The search
+  ends when the bracket is one unit wide, or after `max_compiles`.
+  """
+  if target.hbm_bytes is None:
+    raise LaunchError(f'--find_max_batch needs the chips\' memory size, unknown for '
+                      f'{target.device_kind}; compile for a TPU slice or a GPU')
+  unit = batch_unit(config, target, multiple)
+  reports: List[Report] = []
+  lo = hi = None  # largest fitting, smallest failing
+  b = max(unit, -(-int(config.train.batch_size) // unit) * unit)
+  bisect_next = False
+  for _ in range(max_compiles):
+    r, _ = compile_step(config, target, b)
+    reports.append(r)
+    log(f'  batch {b}: ' + (f'{r.total_bytes / GiB:.2f} GiB per chip, '
+                            f'{"fits" if r.fits else "does not fit"}' if not r.refusal
+                            else f'refused ({r.refusal})'))
+    if r.fits:
+      lo = r if lo is None or r.batch_size > lo.batch_size else lo
+    else:
+      hi = r if hi is None or r.batch_size < hi.batch_size else hi
+    if hi is not None and hi.batch_size == unit and not r.fits and lo is None:
+      break  # not even the smallest batch fits
+    if lo is not None and hi is not None and hi.batch_size - lo.batch_size <= unit:
+      break
+    if lo is not None and lo.batch_size >= limit:
+      break
+    b = _next_guess(reports, lo, hi, target.hbm_bytes, unit, limit, bisect_next)
+    bisect_next = not bisect_next
+  return reports
+
+
+def _next_guess(reports, lo, hi, hbm, unit, limit, bisect: bool) -> int:
+  floor = lo.batch_size if lo is not None else 0
+  ceiling = hi.batch_size if hi is not None else limit + unit
+  guess = None
+  if not bisect:
+    points = sorted({r.batch_size: _estimated_total(r, lo) for r in reports
+                     if _estimated_total(r, lo) is not None}.items())
+    # The two points nearest the bracket: its ends when both are known.
+    ends = [p for p in points if p[0] in (floor, ceiling)]
+    pair = ends if len(ends) == 2 else points[-2:] if len(points) >= 2 else None
+    if pair is not None:
+      (b0, m0), (b1, m1) = pair
+      if b1 != b0 and m1 > m0:
+        guess = b0 + (hbm - m0) * (b1 - b0) / (m1 - m0)
+    elif points:  # one point: memory proportional to the batch
+      b0, m0 = points[0]
+      guess = b0 * hbm / max(m0, 1)
+  if guess is not None:
+    guess = int(guess // unit * unit)
+    if not floor < guess < ceiling:
+      guess = None
+  if guess is None:  # bisection (doubling / halving while one side is open)
+    if hi is None:
+      guess = min(limit, max(unit, floor * 2))
+    elif lo is None:
+      guess = max(unit, (ceiling // 2) // unit * unit)
+    else:
+      guess = (floor + ceiling) // 2 // unit * unit
+      guess = min(max(guess, floor + unit), ceiling - unit)
+  return guess
+
+
+# --------------------------------------------------------------------------------------
+# Measuring on local devices.
+# --------------------------------------------------------------------------------------
+
+def measure(config, target: Target, compiled, steps: int) -> dict:
+  """Run the compiled step `steps` + 1 times on synthetic batches of the real format:
+  median step time (the first run excluded) and MFU."""
+  mesh, program, _ = build(config, target)
+  tc = config.train
+  state, _ = train_lib.create_train_state(program.model, program.tx, program.batch_shapes,
+                                          mesh, config.seed)
+  data = train_lib.SyntheticPretrainingData(
+      vocab_size=program.spec.vocab_size, seq_len=config.data.max_seq_length,
+      num_predictions=config.data.max_predictions_per_seq,
+      global_batch_size=tc.batch_size, seed=config.seed,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  times = []
+  with jax.set_mesh(mesh):
+    for _ in range(steps + 1):
+      batch = train_lib.global_batch(next(data), mesh)
+      start = time.perf_counter()
+      state, out = compiled(state, batch)
+      jax.block_until_ready((state, out))
+      times.append(time.perf_counter() - start)
+  step = statistics.median(times[1:]) if steps else times[0]
+  peak = metrics_lib.peak_flops_per_device(target.devices[0],
+                                           tc.get('peak_flops_per_device', None))
+  flops = program.flops_per_example * tc.batch_size / len(target.devices)
+  result = {'step_seconds': step, 'steps': steps,
+            'examples_per_s': tc.batch_size / step,
+            'tflops_per_device': flops / step / 1e12}
+  if peak:
+    result['mfu'] = flops / step / peak
+  return result
+
+
+# --------------------------------------------------------------------------------------
+# The report.
+# --------------------------------------------------------------------------------------
+
+def describe(config, target: Target) -> str:
+  m, tc = config.model, config.train
+  shape = partitioning.mesh_shape(config.mesh, len(target.devices))
+  mesh = ' '.join(f'{a}={n}' for a, n in zip(partitioning.MESH_AXES, shape))
+  hosts = f', {target.num_hosts} hosts' if target.num_hosts > 1 else ''
+  flags = [m.dtype, f'remat {m.remat_policy}', f'last_layer {m.last_layer}']
+  if m.scan_layers:
+    flags.insert(1, 'scan_layers')
+  if m.get('residual_dtype', 'float32') != 'float32':
+    flags.append(f'residual_dtype {m.residual_dtype}')
+  return (f'{m.variant}, {m.num_layers} layers x {m.hidden_size} on {target.name} '
+          f'({len(target.devices)} x {target.device_kind}{hosts}); mesh {mesh}; '
+          f'{", ".join(flags)}; grad_accum_steps {tc.grad_accum_steps}')
+
+
+def format_report(config, target: Target, r: Report) -> str:
+  t, p = config.data.max_seq_length, config.data.max_predictions_per_seq
+  chips = len(target.devices)
+  lines = [describe(config, target),
+           f'global batch {r.batch_size} x {t} tokens ({r.batch_size / chips:g} per chip), '
+           f'{p} predictions per sequence; compiled in {r.compile_seconds:.0f} s']
+  hbm = f'{r.hbm_bytes / GiB:.1f} GiB' if r.hbm_bytes else 'unknown'
+  if r.refusal:
+    lines += [f'does not fit: the compiler refused the program for {hbm} of HBM per chip: '
+              f'{r.refusal}']
+    return '\n'.join(lines)
+  g = lambda n: f'{n / GiB:9.3f}'
+  lines += ['per chip                              GiB',
+            f'  parameters + optimizer state  {g(r.state_bytes)}',
+            f'  arguments (state + batch)     {g(r.argument_bytes)}',
+            f'  outputs not aliased           {g(r.output_bytes - r.alias_bytes)}',
+            f'  temporaries                   {g(r.temp_bytes)}',
+            f'  program code                  {g(r.code_bytes)}',
+            f'  total                         {g(r.total_bytes)}   of {hbm} HBM' +
+            (f' ({r.total_bytes / r.hbm_bytes:.0%})' if r.hbm_bytes else '')]
+  verdict = ('fits' if r.hbm_bytes and r.fits else 'does not fit' if r.hbm_bytes
+             else 'no memory limit known for this device')
+  lines.append(f'verdict: {verdict}')
+  note = ''
+  if config.model.remat_policy != 'none':
+    note = ' (remat recomputes the forward pass: expect about 4/3)'
+  if r.unknown_trip_counts:
+    note += f' ({r.unknown_trip_counts} loops of unknown trip count counted once)'
+  lines += [f'FLOPs per chip per step: compiled matmuls {r.compiled_flops:.4g}, model '
+            f'(flops_per_example) {r.model_flops:.4g}, ratio {r.flop_ratio:.3f}{note}',
+            f'  (plus one-hot row selections {r.selection_flops:.3g}; XLA\'s cost_analysis '
+            f'says {r.xla_flops:.4g}, counting each loop body once)']
+  if r.collectives:
+    lines.append('collectives per chip per step')
+    for kind, c in r.collectives.items():
+      lines.append(f'  {kind:<20} {c["count"]:6d} x   {c["bytes"] / GiB:9.3f} GiB')
+  else:
+    lines.append('collectives: none')
+  return '\n'.join(lines)
+
+
+def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int = 5,
+        json_path: str = '', batch_multiple: int = 1, log=print) -> dict:
+  """The --compile_for command: compile, report, optionally search the batch and measure."""
+  target = target_for(compile_for)
+  report, compiled = compile_step(config, target)
+  log(format_report(config, target, report))
+  result = {'target': target.name, 'chips': len(target.devices), 'hosts': target.num_hosts,
+            'device_kind': target.device_kind, 'report': dataclasses.asdict(report)}
+  if max_batch:
+    log(f'searching the largest global batch that fits (multiples of '
+        f'{batch_unit(config, target, batch_multiple)}):')
+    tried = find_max_batch(config, target, multiple=batch_multiple, log=log)
+    fitting = [r for r in tried if r.fits]
+    best = max(fitting, key=lambda r: r.batch_size) if fitting else None
+    result['max_batch'] = best.batch_size if best else 0
+    result['max_batch_total_bytes'] = best.total_bytes if best else 0
+    result['search'] = [dataclasses.asdict(r) for r in tried]
+    log(f'largest global batch that fits: {best.batch_size} '
+        f'({best.total_bytes / GiB:.2f} GiB per chip)' if best
+        else 'no batch fits: shard the state further (mesh.fsdp), remat (model.remat_policy) '
+             'or shorten data.max_seq_length')
+  if target.name == 'local' and compiled is not None and measure_steps > 0:
+    m = measure(config, target, compiled, measure_steps)
+    result['measured'] = m
+    mfu = f', MFU {m["mfu"]:.1%}' if 'mfu' in m else ''
+    log(f'measured over {measure_steps} steps (synthetic data): {m["step_seconds"]:.4f} s '
+        f'per step (median), {m["examples_per_s"]:.1f} examples/s, '
+        f'{m["tflops_per_device"]:.2f} TFLOP/s per device{mfu}')
+  if json_path:
+    with open(json_path, 'w') as f:
+      json.dump(result, f, indent=1)
+  return result

@@ -1,0 +1,253 @@
+"""train.py --compile_for: the step compiled ahead of time for TPU slices (libtpu, no TPU),
+hlo_stats' FLOP and collective counts, the batch search, and the one-line errors."""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from configs import pretrain
+from realformer import hlo_stats
+from realformer import launch
+from realformer import models
+from realformer.dense import uses_cpu_dense
+from realformer.spec import resolve
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_LIBTPU = importlib.util.find_spec('libtpu') is not None
+needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU and not os.environ.get('CI'),
+                                  reason='pip install -r requirements-tpu.txt')
+
+
+def tiny(variant='postln', **overrides):
+  c = pretrain.get_config(f'{variant},tiny').copy_and_resolve_references()
+  c.data.sources = 'synthetic'
+  c.data.max_seq_length, c.data.max_predictions_per_seq = 64, 10
+  c.model.max_len = 64
+  c.model.dtype = 'bfloat16'
+  for k, v in overrides.items():
+    section, name = k.split('__')
+    c[section][name] = v
+  return c
+
+
+# --------------------------------------------------------------------------------------
+# hlo_stats on programs whose FLOPs and collectives are known.
+# --------------------------------------------------------------------------------------
+
+def _scanned_mlp(w, x):
+  def body(h, wi):
+    return jnp.tanh(h @ wi), None
+  y, _ = jax.lax.scan(body, x, w)
+  return jnp.sum(y ** 2)
+
+
+def test_hlo_stats_counts_scanned_matmuls_times_their_trip_count():
+  layers, b, d = 5, 16, 32
+  w = jax.ShapeDtypeStruct((layers, d, d), jnp.float32)
+  x = jax.ShapeDtypeStruct((b, d), jnp.float32)
+  compiled = jax.jit(jax.grad(_scanned_mlp)).lower(w, x).compile()
+  stats = hlo_stats.analyze(compiled.as_text())
+  # forward h @ w, backward dh (layers 1..L-1 need it; XLA may keep layer 0's) and dw.
+  per_matmul = 2 * b * d * d
+  assert stats.unknown_trip_counts == 0
+  assert stats.matmul_flops in (3 * layers * per_matmul, (3 * layers - 1) * per_matmul)
+  xla = compiled.cost_analysis()
+  xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+  assert xla['flops'] < stats.matmul_flops / 2  # XLA counts the loop body once
+
+
+def test_hlo_stats_convolution_flops_match_xla_on_an_unlooped_program():
+  # Strided, padded, dilated and grouped convolutions: XLA's cost analysis counts them
+  # exactly when there is no loop; the walker must agree.
+  lhs = jax.ShapeDtypeStruct((2, 8, 13, 11), jnp.float32)   # N C H W
+  rhs = jax.ShapeDtypeStruct((12, 4, 3, 2), jnp.float32)    # O I/groups H W
+  def f(a, k):
+    return jax.lax.conv_general_dilated(a, k, window_strides=(2, 1), padding=((1, 2), (0, 1)),
+                                        lhs_dilation=(1, 2), rhs_dilation=(2, 1),
+                                        feature_group_count=2)
+  compiled = jax.jit(f).lower(lhs, rhs).compile()
+  stats = hlo_stats.analyze(compiled.as_text())
+  xla = compiled.cost_analysis()
+  xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+  assert stats.matmul_flops == pytest.approx(xla['flops'], rel=0.02)
+
+
+def test_hlo_stats_valid_taps_against_brute_force():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    n, size = rng.integers(1, 9), rng.integers(1, 6)
+    stride, ld, rd = rng.integers(1, 4), rng.integers(1, 4), rng.integers(1, 3)
+    lo, hi = rng.integers(0, 3), rng.integers(0, 3)
+    span = (n - 1) * ld + 1 + lo + hi
+    out = max(0, (span - ((size - 1) * rd + 1)) // stride + 1)
+    brute = sum(1 for o in range(out) for j in range(size)
+                if 0 <= o * stride + j * rd - lo <= (n - 1) * ld
+                and (o * stride + j * rd - lo) % ld == 0)
+    assert hlo_stats._valid_taps(out, size, n, stride, lo, ld, rd) == brute
+
+
+def test_hlo_stats_counts_collectives_in_loops():
+  mesh = jax.make_mesh((4,), ('fsdp',), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  layers, b, d = 3, 16, 64
+  grad = jax.jit(jax.grad(_scanned_mlp),
+                 in_shardings=(NamedSharding(mesh, PartitionSpec(None, 'fsdp')),
+                               NamedSharding(mesh, PartitionSpec('fsdp'))))
+  w = jax.ShapeDtypeStruct((layers, d, d), jnp.float32)
+  x = jax.ShapeDtypeStruct((b, d), jnp.float32)
+  stats = hlo_stats.analyze(grad.lower(w, x).compile().as_text())
+  gathers = stats.collectives['all-gather']
+  # FSDP: every layer's weight is gathered in the forward and again in the backward pass.
+  assert gathers.count >= 2 * layers and gathers.count % layers == 0
+  assert gathers.bytes >= 2 * layers * d * d * 4
+
+
+# --------------------------------------------------------------------------------------
+# Compiling for TPU slices.
+# --------------------------------------------------------------------------------------
+
+def test_backend_choices_follow_the_target_platform():
+  cfg = tiny().model
+  assert uses_cpu_dense(resolve(cfg))                 # this host: the CPU dense layer
+  assert not uses_cpu_dense(resolve(cfg, platform='tpu'))
+  from realformer import attention
+  assert attention._use_fused(resolve(cfg, platform='gpu'), True, False) == 'cudnn'
+  assert attention._use_fused(resolve(cfg, platform='tpu'), True, False) is None
+  with pytest.raises(ValueError, match='platform'):
+    resolve(cfg, platform='ipu')
+
+
+@needs_libtpu
+@pytest.mark.parametrize('variant,overrides', [
+    ('postln', {}),
+    ('realformer', {'mesh__fsdp': 4, 'mesh__data': 1, 'model__scan_layers': True,
+                    'train__grad_accum_steps': 2}),
+    ('synth_dense_vanilla', {'mesh__fsdp': 2, 'mesh__data': 2, 'model__remat_policy': 'none'}),
+])
+def test_tiny_compiles_for_v5e_2x2(variant, overrides):
+  config = tiny(variant, **overrides)
+  target = launch.tpu_target('v5e:2x2')
+  assert (len(target.devices), target.num_hosts, target.platform) == (4, 1, 'tpu')
+  report, compiled = launch.compile_step(config, target)
+  assert compiled is not None and report.fits
+  assert 0 < report.total_bytes < target.hbm_bytes
+  assert report.temp_bytes > 0 and report.argument_bytes >= report.state_bytes > 0
+  # Parameters and both Adam moments in float32, sharded over fsdp (replicated over data).
+  spec = resolve(config.model, platform='tpu')
+  params = models.build(spec).init(jax.random.PRNGKey(0), {
+      k: jnp.zeros((1, 64), jnp.int32) for k in ('input_ids', 'segment_ids',
+                                                  'attention_mask')})['params']
+  n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  fsdp = config.mesh.fsdp
+  assert 3 * n * 4 / fsdp * 0.95 < report.state_bytes < 3 * n * 4 / fsdp * 1.2 + 4096
+  # The compiled matmuls equal the model's FLOPs (loops counted with their trip counts).
+  assert report.flop_ratio == pytest.approx(1.0, abs=0.05), report
+  assert report.collectives.get('all-reduce') or report.collectives.get('reduce-scatter')
+  if fsdp > 1:
+    assert report.collectives['all-gather']['count'] > 0
+  text = launch.format_report(config, target, report)
+  assert 'verdict: fits' in text and 'TPU v5 lite' in text
+
+
+@needs_libtpu
+def test_multi_host_slice_compiles_from_one_process():
+  config = tiny('realformer', mesh__fsdp=4, mesh__data=-1, model__scan_layers=True)
+  config.train.batch_size = 64
+  target = launch.tpu_target('v5p:4x4x4')
+  assert (len(target.devices), target.num_hosts) == (64, 16)
+  report, _ = launch.compile_step(config, target)
+  assert report.fits and report.flop_ratio == pytest.approx(1.0, abs=0.05)
+
+
+@needs_libtpu
+def test_a_program_too_big_for_hbm_is_refused_not_crashed():
+  config = tiny()
+  config.model.num_layers, config.model.hidden_size, config.model.mlp_dim = 2, 256, 1024
+  config.train.batch_size = 1 << 17
+  report, compiled = launch.compile_step(config, launch.tpu_target('v5e:2x2'))
+  assert compiled is None and not report.fits and 'HBM' in report.refusal
+  assert report.refused_temp_bytes > 16 * launch.GiB
+
+
+def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
+  # An affine memory model with a kink, standing in for compiles.
+  hbm = 100 * launch.GiB
+  def fake_compile(config, target, b):
+    total = int((2 + 0.37 * b + (0.05 * (b - 150) if b > 150 else 0)) * launch.GiB)
+    if total > 3 * hbm:
+      return launch.Report(batch_size=b, fits=False, refusal='Ran out of memory on HBM',
+                           refused_temp_bytes=total - 2 * launch.GiB), None
+    return launch.Report(batch_size=b, fits=total <= hbm, total_bytes=total,
+                         temp_bytes=total - 2 * launch.GiB), object()
+  monkeypatch.setattr(launch, 'compile_step', fake_compile)
+  target = launch.Target('fake', 'tpu', jax.devices()[:4], 1, 'fake', hbm)
+  config = tiny()
+  for start in (4, 32, 1024):
+    config.train.batch_size = start
+    tried = launch.find_max_batch(config, target, log=lambda *_: None)
+    best = max(r.batch_size for r in tried if r.fits)
+    fails = min(r.batch_size for r in tried if not r.fits)
+    truth = max(b for b in range(4, 4000, 4) if fake_compile(None, None, b)[0].fits)
+    assert (best, fails) == (truth, truth + 4)
+    assert len(tried) <= 8
+
+
+# --------------------------------------------------------------------------------------
+# The command and its errors.
+# --------------------------------------------------------------------------------------
+
+def test_errors_are_one_line_and_name_the_fix(monkeypatch):
+  with pytest.raises(launch.LaunchError, match='unknown TPU generation'):
+    launch.tpu_target('v9:2x2')
+  with pytest.raises(launch.LaunchError, match='AxB'):
+    launch.tpu_target('v5e:2by2')
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, 'find_spec',
+                      lambda name, *a: None if name == 'libtpu' else real(name, *a))
+  with pytest.raises(launch.LaunchError, match='requirements-tpu.txt'):
+    launch.tpu_target('v5e:2x2')
+
+
+@needs_libtpu
+def test_slice_errors(monkeypatch):
+  with pytest.raises(launch.LaunchError, match='does not know this topology'):
+    launch.tpu_target('v5e:3x5')
+  target = launch.tpu_target('v5e:2x2')
+  config = tiny(mesh__fsdp=3)
+  with pytest.raises(launch.LaunchError, match='does not divide.*v5e:2x2 has 4 chips'):
+    launch.compile_step(config, target)
+  config = tiny()
+  config.train.batch_size = 30
+  with pytest.raises(ValueError, match='multiple of 4'):
+    launch.compile_step(config, target)
+
+
+def test_compile_for_local_measures_steps():
+  config = tiny(mesh__fsdp=2, mesh__data=-1)
+  config.model.dtype = 'float32'
+  result = launch.run(config, 'local', measure_steps=2, log=lambda *_: None)
+  assert result['report']['fits'] and result['measured']['step_seconds'] > 0
+  assert result['report']['flop_ratio'] if 'flop_ratio' in result['report'] else True
+  assert result['report']['compiled_flops'] == pytest.approx(
+      result['report']['model_flops'], rel=0.05)
+
+
+@needs_libtpu
+def test_command_line_error_is_one_line():
+  env = dict(os.environ, JAX_PLATFORMS='')
+  proc = subprocess.run(
+      [sys.executable, 'train.py', '--compile_for', 'v5e:2x2', '--config.mesh.fsdp=3',
+       '--config.data.sources=synthetic'],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and 'v5e:2x2 has 4 chips' in errors[0], proc.stderr[-2000:]
+  assert 'Traceback' not in proc.stderr
