@@ -11,9 +11,11 @@ time: an unrolled 12-layer step took ~8 minutes on 2 cores, scanned ~25 s), no r
 synthetic source (a 30,000-token vocabulary), 20 predictions per sequence at length 128 and
 80 at 512, on a 4-chip slice (v4:2x2x1, v5e:2x2, v5p:2x2x1, v6e:2x2) with mesh data=4 or
 fsdp=4. The reference batch is 128 sequences (32 per chip); the search looks for the
-largest fitting multiple of 64 (16 per chip) in at most 6 compiles (each 20-40 s on 2 cores;
-a refusal takes ~3 s) and reports the largest batch that compiled and fitted, and the
-smallest that did not when the search got that far. Finished cells are kept: rerunning
+largest fitting multiple of 64 (16 per chip) in at most 3 compiles (each 20-40 s on 2 cores;
+a refusal takes ~3 s): the reference, the batch where memory proportional to the batch
+would fill HBM, and where the line through the two meets HBM. It reports the largest batch
+that compiled and fitted and the smallest that did not: the answer lies between them
+(`launch.py --find_max_batch` searches until they are one unit apart). Finished cells are kept: rerunning
 continues (a cell takes 1-3 minutes).
 Needs libtpu (requirements-tpu.txt).
 """
@@ -26,24 +28,27 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SLICES = ('v5e:2x2', 'v5p:2x2x1', 'v6e:2x2', 'v4:2x2x1')  # in the order they run
+SLICES = ('v5e:2x2', 'v5p:2x2x1', 'v6e:2x2', 'v4:2x2x1')
 SIZES = ('base', 'large', 'xlarge')
 VARIANTS = ('postln', 'realformer', 'realformer+bf16carry', 'synth_dense_vanilla')
 LENGTHS = ((128, 20), (512, 80))
 MESHES = ('data', 'fsdp')
-REFERENCE_BATCH, MULTIPLE, MAX_COMPILES = 128, 64, 6
+REFERENCE_BATCH, MULTIPLE, MAX_COMPILES = 128, 64, 3
 
 
 def cells():
-  for target in SLICES:
-    for length, preds in LENGTHS:
-      for mesh in MESHES:
-        for size in SIZES:
-          for variant in VARIANTS:
-            if variant.endswith('bf16carry') and mesh != 'fsdp':
-              continue  # the carry's effect is the same question on either mesh
-            yield dict(target=target, size=size, variant=variant, length=length,
-                       predictions=preds, mesh=mesh)
+  """Every cell, the most telling first (the run may be cut short and resumed): base and
+  large before xlarge, the fsdp mesh before pure data parallelism, every slice for each."""
+  for sizes in (('base', 'large'), ('xlarge',)):
+    for mesh in ('fsdp', 'data'):
+      for length, preds in LENGTHS:
+        for target in SLICES:
+          for size in sizes:
+            for variant in VARIANTS:
+              if variant.endswith('bf16carry') and mesh != 'fsdp':
+                continue  # the carry's effect is the same question on either mesh
+              yield dict(target=target, size=size, variant=variant, length=length,
+                         predictions=preds, mesh=mesh)
 
 
 def key(cell):

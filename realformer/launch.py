@@ -273,7 +273,7 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
   Memory per chip is close to affine in the batch, so each guess is where the line through
   the two nearest compiles (a refusal counts with the temporaries the compiler said it
   needed) crosses HBM, kept strictly inside the bracket (largest fitting, smallest failing);
-  a line guess that does not close the bracket is followed by a bisection step. The search
+  when two compiles in a row land on the same side, one bisection step follows. The search
   ends when the bracket is one unit wide, or after `max_compiles`.
   """
   if target.hbm_bytes is None:
@@ -283,7 +283,7 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
   reports: List[Report] = []
   lo = hi = None  # largest fitting, smallest failing
   b = max(unit, -(-int(config.train.batch_size) // unit) * unit)
-  bisect_next = False
+  bisect_next, sides = False, []
   for _ in range(max_compiles):
     r, _ = compile_step(config, target, b)
     reports.append(r)
@@ -300,8 +300,11 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
       break
     if lo is not None and lo.batch_size >= limit:
       break
+    # After a line guess that moved the same end of the bracket as the compile before it
+    # (the line keeps missing on one side), bisect once.
+    sides.append(r.fits)
+    bisect_next = (not bisect_next and len(sides) >= 3 and sides[-1] == sides[-2])
     b = _next_guess(reports, lo, hi, target.hbm_bytes, unit, limit, bisect_next)
-    bisect_next = not bisect_next
   return reports
 
 

@@ -269,3 +269,32 @@ def test_sharded_init_and_apply_equal_single_device():
     sharded = jax.jit(lambda v, b: model.apply(v, b).hidden)(variables, batch)
   single = model.apply(jax.device_get(nn.unbox(variables)), batch).hidden
   np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
+
+
+def test_realformer_bfloat16_carry_is_close_to_float32_and_carried_in_bfloat16():
+  batch = make_batch()
+  f32 = models.build(small_config('realformer'), head='encoder')
+  bf16 = models.build(small_config('realformer', residual_dtype='bfloat16'), head='encoder')
+  scanned = models.build(small_config('realformer', residual_dtype='bfloat16',
+                                      scan_layers=True), head='encoder')
+  params = perturbed_params(f32, batch)
+  a = f32.apply({'params': params}, batch, capture_attention=True)
+  b = bf16.apply({'params': params}, batch, capture_attention=True)
+  np.testing.assert_array_equal(b.attention[0], a.attention[0])  # layer 0 carries nothing in
+  assert float(jnp.abs(b.attention[-1] - a.attention[-1]).max()) > 0  # rounding shows later
+  for pa, pb in zip(a.attention, b.attention):
+    np.testing.assert_allclose(pb, pa, atol=2e-2)
+  np.testing.assert_allclose(b.hidden, a.hidden, atol=5e-2)
+  # The carried scores really are bfloat16: in a float32 model nothing else of shape
+  # [B, H, T, T] is (the scanned stack's carry, in its jaxpr).
+  jaxpr = str(jax.make_jaxpr(lambda p: scanned.apply({'params': p}, batch).hidden)(
+      _stack_layers(params, 3)))
+  t = batch['input_ids'].shape[1]
+  assert f'bf16[3,4,{t},{t}]' in jaxpr
+  scanned_f32 = models.build(small_config('realformer', scan_layers=True), head='encoder')
+  assert f'bf16[3,4,{t},{t}]' not in str(jax.make_jaxpr(
+      lambda p: scanned_f32.apply({'params': p}, batch).hidden)(_stack_layers(params, 3)))
+  c = scanned.apply({'params': _stack_layers(params, 3)}, batch)
+  np.testing.assert_allclose(c.hidden, b.hidden, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match='residual_dtype'):
+    resolve(small_config('realformer', residual_dtype='float16'))
