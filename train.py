@@ -316,7 +316,7 @@ def check_launch():
     config = resolved_config(flags.FLAGS.config)
     launch.run(config, flags.FLAGS.compile_for, max_batch=flags.FLAGS.find_max_batch,
                measure_steps=flags.FLAGS.measure_steps, json_path=flags.FLAGS.launch_json)
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, OSError) as e:
     raise SystemExit(f'error: {e}') from None
 
 
@@ -334,6 +334,10 @@ def main(argv):
   if flags.FLAGS.compile_for:
     check_launch()
     return
+  for name in ('find_max_batch', 'launch_json'):
+    if flags.FLAGS[name].present:
+      raise app.UsageError(f'--{name} needs --compile_for (a TPU slice such as v5e:2x2, or '
+                           f'local); without it train.py trains')
   if not flags.FLAGS.workdir:
     raise app.UsageError('--workdir is required: the directory for checkpoints and logs '
                          '(e.g. --workdir /tmp/bert_tiny)')

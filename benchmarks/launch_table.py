@@ -3,7 +3,8 @@ generation, for sizes x variants x lengths x meshes, with the largest global bat
 
   python benchmarks/launch_table.py --out benchmarks/results/launch_table.jsonl \
       [--shard 0/2]                       # run two shards side by side on two cores
-  python benchmarks/launch_table.py --out benchmarks/results/launch_table.jsonl --markdown
+  python benchmarks/launch_table.py --out benchmarks/results/launch_table.jsonl \
+      --markdown
 
 Every cell is `realformer.launch.find_max_batch` on the config
 `configs/pretrain.py:<variant>,<size>` with bfloat16 activations, scanned layers (compile
@@ -87,9 +88,8 @@ def run(args):
     reports = launch.find_max_batch(config, target, multiple=MULTIPLE, max_compiles=MAX_COMPILES,
                                     log=lambda *_: None)
     reference = next(r for r in reports if r.batch_size == REFERENCE_BATCH)
-    fitting = [r for r in reports if r.fits]
-    best = max(fitting, key=lambda r: r.batch_size) if fitting else None
-    failing = [r.batch_size for r in reports if not r.fits]
+    summary = launch.search_summary(reports, launch.batch_unit(config, target, MULTIPLE))
+    best = next((r for r in reports if r.fits and r.batch_size == summary['max_batch']), None)
     line = {'cell': cell, 'hbm_gib': target.hbm_bytes / launch.GiB,
             'reference': {'batch': REFERENCE_BATCH, 'fits': reference.fits,
                           'gib': reference.total_bytes / launch.GiB,
@@ -99,12 +99,33 @@ def run(args):
                           'refusal': reference.refusal},
             'max_batch': best.batch_size if best else 0,
             'max_batch_gib': best.total_bytes / launch.GiB if best else None,
-            'first_failing': min(failing) if failing else None,
+            'first_failing': summary['first_failing'],
+            'converged': summary['converged'],
             'compiles': len(reports), 'seconds': time.time() - start}
     with open(args.out, 'a') as f:
       f.write(json.dumps(line) + '\n')
     print(key(cell), line['reference']['fits'], f"{line['reference']['gib']:.2f}",
           line['max_batch'], f"{line['seconds']:.0f}s", flush=True)
+
+
+def _cell(r):
+  if r is None:
+    return 'not run'
+  ref = r['reference']
+  at = f'{ref["gib"]:.2f} GiB' if ref['fits'] else 'no'
+  if not r['max_batch']:
+    return f'{at}; none fits'
+  if not r['first_failing']:
+    return f'{at}; >= {r["max_batch"]}'
+  return f'{at}; {r["max_batch"]} fits, {r["first_failing"]} not'
+
+
+def _carry_gib(cell, chips=4):
+  """Arithmetic: RealFormer's float32 carries of every layer, per chip at the reference
+  batch: layers x batch per chip x heads x T^2 x 4 bytes."""
+  from configs import pretrain
+  layers, _, heads, _ = pretrain.SIZES[cell['size']]
+  return layers * REFERENCE_BATCH / chips * heads * cell['length'] ** 2 * 4 / 1024 ** 3
 
 
 def markdown(args):
@@ -114,29 +135,53 @@ def markdown(args):
       if l.strip():
         r = json.loads(l)
         rows[key(r['cell'])] = r
-  out = []
+  get = lambda **c: rows.get(key(c))
+  out = ['Each cell: GiB per chip at global batch 128 (32 per chip; "no" = does not fit), '
+         'then the largest global batch that compiled and fitted and the smallest that did '
+         'not (the largest batch lies between).', '',
+         '| slice (HBM) | length | mesh | size | ' + ' | '.join(VARIANTS) + ' |',
+         '|---|---|---|---|' + '---|' * len(VARIANTS)]
   for target in SLICES:
-    out += [f'\n**{target}** ({rows and next((r["hbm_gib"] for r in rows.values() if r["cell"]["target"] == target), 0):.0f} GiB HBM per chip, 4 chips)\n',
-            '| length | mesh | size | ' + ' | '.join(VARIANTS) + ' |',
-            '|---|---|---|' + '---|' * len(VARIANTS)]
+    gen = target.split(':')[0]
+    from realformer import launch
     for length, _ in LENGTHS:
-      for mesh in MESHES:
+      for mesh in MESHES[::-1]:
         for size in SIZES:
-          cellsout = []
-          for variant in VARIANTS:
-            r = rows.get(key(dict(target=target, size=size, variant=variant, length=length,
-                                  mesh=mesh)))
-            if r is None:
-              cellsout.append('' if variant.endswith('bf16carry') and mesh != 'fsdp'
-                              else 'not run')
-              continue
-            ref = r['reference']
-            at128 = f'{ref["gib"]:.1f} GiB' if ref['fits'] else 'no'
-            cap = (f'max {r["max_batch"]}' if r['max_batch'] else 'none fits')
-            if r['max_batch'] and r['first_failing'] is None:
-              cap = f'>= {r["max_batch"]}'
-            cellsout.append(f'{at128}; {cap}')
-          out.append(f'| {length} | {mesh} | {size} | ' + ' | '.join(cellsout) + ' |')
+          cells_ = [get(target=target, size=size, variant=v, length=length, mesh=mesh)
+                    for v in VARIANTS]
+          if all(c is None for c in cells_):
+            continue
+          text = ['' if v.endswith('bf16carry') and mesh != 'fsdp' else _cell(c)
+                  for v, c in zip(VARIANTS, cells_)]
+          out.append(f'| {target} ({launch.HBM_GIB[gen]} GiB) | {length} | {mesh} | {size} | '
+                     + ' | '.join(text) + ' |')
+  out += ['', "RealFormer's extra memory over Post-LN as the compiler sees it (fsdp mesh, "
+          'global batch 128), against the size of the float32 carries if all were kept for the '
+          'backward pass (layers x 32 x heads x T^2 x 4 bytes per chip), and what a bfloat16 '
+          'carry '
+          '(`model.residual_dtype=bfloat16`) changes:', '',
+          '| slice | length | size | Post-LN GiB | RealFormer GiB | extra | carry arithmetic '
+          '| bf16 carry GiB | largest fitting batch found: Post-LN / RealFormer / bf16 carry |',
+          '|---|---|---|---|---|---|---|---|---|']
+  for target in SLICES:
+    for length, _ in LENGTHS:
+      for size in SIZES:
+        c = dict(target=target, size=size, length=length, mesh='fsdp')
+        pl, rf, bf = (get(variant=v, **c) for v in ('postln', 'realformer',
+                                                     'realformer+bf16carry'))
+        if pl is None or rf is None:
+          continue
+        g = lambda r: (f'{r["reference"]["gib"]:.2f}' if r and r['reference']['fits']
+                       else 'no' if r else 'not run')
+        extra = (f'{rf["reference"]["gib"] - pl["reference"]["gib"]:+.2f}'
+                 if pl['reference']['fits'] and rf['reference']['fits'] else '')
+        mb = lambda r: (str(r['max_batch']) if r else 'not run')
+        out.append(f'| {target} | {length} | {size} | {g(pl)} | {g(rf)} | {extra} | '
+                   f'{_carry_gib(dict(c, variant="realformer")):.2f} | {g(bf)} | '
+                   f'{mb(pl)} / {mb(rf)} / {mb(bf)} |')
+  done = len(rows)
+  total = len(list(cells()))
+  out += ['', f'{done} of {total} cells compiled.']
   print('\n'.join(out))
 
 

@@ -69,7 +69,8 @@ def model_config(variant='postln', size='base'):
   m.synth_factorized_rank = 8  # k of Factorized Random: R = R1 R2^T
   m.synth_factorized_a = 0  # a of Factorized Dense (a * b = max_len); 0: nearest sqrt
   # Computation: float32 parameters, activations in `dtype` (bfloat16 on accelerators);
-  # softmax, LayerNorm and the carried RealFormer scores are float32 whatever `dtype` is.
+  # softmax and LayerNorm are float32 whatever `dtype` is (RealFormer's carried scores:
+  # residual_dtype below).
   m.dtype = 'float32'
   # RealFormer's carried scores ([B, H, T, T] per layer, kept for the backward pass):
   # float32 (the official code's) or bfloat16 (half the memory; the sum is still formed in

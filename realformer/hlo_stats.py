@@ -9,14 +9,15 @@ with scanned layers (nn.scan) or gradient accumulation (lax.scan over microbatch
 undercounted by the trip counts; the FSDP all-gathers inside a scanned layer run once per
 layer, not once. This walks the module from ENTRY, multiplying every computation by the
 number of times it runs: a while body by its trip count (the backend's known_trip_count
-where the HLO states it, else the bound of the loop condition's `counter < N` compare, the
-form jax's scan and fori_loop lower to), a fusion, call or async wrapper by its caller's.
+where the HLO states it, else from the loop condition's compare of the counter with a
+constant, the counter's start in the loop's initial tuple and its step in the body; where
+start or step cannot be read, jax's 0 and 1 are assumed and the loop is counted in
+assumed_trip_counts), a fusion, call or async wrapper by its caller's.
 
 Counted:
   dot          2 * prod(result dims) * prod(lhs contracting dims)
   convolution  2 * (result batch x feature elements) * (window taps that land on real
-               input elements, per output position) * (rhs input features) *
-               (lhs batch / result batch). TPUs lower matmuls to convolutions and write
+               input elements, per output position) * (rhs input features). TPUs lower matmuls to convolutions and write
                a batched matmul's batch dimensions as spatial ones whose window covers a
                dilated input: one real tap per output, as XLA's cost analysis counts it.
   A contraction with a boolean (one-hot) operand is a row selection (rows.take_rows), which
@@ -47,7 +48,7 @@ COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
                'collective-permute')
 
 _ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
-_HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$')
+_HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$')
 _NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*')
 _CALLEE_ATTRS = re.compile(r'\b(calls|to_apply|body|condition|true_computation|'
                            r'false_computation)=%?([\w.\-]+)')
@@ -62,6 +63,7 @@ class Instruction:
   opcode: str
   operands: List[str]       # operand names
   attrs: str                # everything after the operand list
+  root: bool = False        # the computation's ROOT
 
 
 @dataclasses.dataclass
@@ -76,6 +78,7 @@ class HloStats:
   selection_flops: float    # contractions with a one-hot (boolean) operand
   collectives: Dict[str, Collective]
   unknown_trip_counts: int  # while loops whose trip count could not be read (counted once)
+  assumed_trip_counts: int = 0  # bound read, start and step taken as jax's 0 and 1
 
 
 def _balanced(text: str, start: int) -> int:
@@ -109,7 +112,8 @@ def _parse_instruction(line: str) -> Optional[Instruction]:
   end = _balanced(rest, op.end() - 1)
   operand_text, attrs = rest[op.end():end - 1], rest[end:]
   operands = re.findall(r'%?([\w.\-]+)\s*(?:,|$)', _strip_types(operand_text))
-  return Instruction(m.group(1), type_text, op.group(1), operands, attrs)
+  return Instruction(m.group(1), type_text, op.group(1), operands, attrs,
+                     line.lstrip().startswith('ROOT '))
 
 
 def _strip_types(operand_text: str) -> str:
@@ -228,9 +232,24 @@ def matmul_flops(inst: Instruction, types: Dict[str, str]) -> float:
     taps *= _valid_taps(out_shape[out_l.index(str(d))], rhs[rhs_l.index(str(d))],
                         lhs[lhs_l.index(str(d))], w['stride'][d], w['pad'][d][0],
                         w['lhs_dilate'][d], w['rhs_dilate'][d])
+  # Each output element sums rhs 'i' input features (already per feature group) over its
+  # window taps; with batch_group_count, output features are split over batch groups and
+  # the result's batch is the lhs batch / groups: still rhs 'i' x taps products each.
   other = _prod(n for n, l in zip(out_shape, out_l) if not l.isdigit())  # batch x features
-  batch_groups = lhs[lhs_l.index('b')] // max(out_shape[out_l.index('b')], 1)
-  return 2.0 * other * taps * rhs[rhs_l.index('i')] * batch_groups
+  return 2.0 * other * taps * rhs[rhs_l.index('i')]
+
+
+def _cost_of(computations, name: str, depth: int = 0) -> float:
+  """Matmul FLOPs of one computation and what it calls (loops once): to pick a branch."""
+  if depth > 20:
+    return 0.0
+  insts = computations.get(name, [])
+  types = {i.name: i.type_text for i in insts}
+  total = sum(matmul_flops(i, types) for i in insts)
+  for i in insts:
+    for _, callee in _CALLEE_ATTRS.findall(i.attrs):
+      total += _cost_of(computations, callee, depth + 1)
+  return total
 
 
 def _is_selection(inst: Instruction, types: Dict[str, str]) -> bool:
@@ -248,26 +267,87 @@ def analyze(text: str) -> HloStats:
                  line)
     if m:
       constant_values[m.group(1)] = int(m.group(2))
-  flops, selection, unknown = 0.0, 0.0, 0
+  flops, selection, unknown, assumed = 0.0, 0.0, 0, 0
   # One entry per collective: TPU splits an async collective into a start fusion, a
   # continuation and a done fusion, each holding a copy of the op with the same channel_id.
   seen = {}
 
-  def trip_count(inst):
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
-    if m:
-      return int(m.group(1))
-    cond = re.search(r'\bcondition=%?([\w.\-]+)', inst.attrs)
-    for i in computations.get(cond.group(1), []) if cond else []:
-      if i.opcode == 'compare' and 'direction=LT' in i.attrs and len(i.operands) == 2:
-        if i.operands[1] in constant_values:
-          return constant_values[i.operands[1]]
+  def value(insts_by_name, name, depth=0) -> Optional[int]:
+    """The integer a scalar instruction holds, through copies and converts."""
+    inst = insts_by_name.get(name)
+    if name in constant_values:
+      return constant_values[name]
+    if inst is None or depth > 8 or inst.opcode not in ('copy', 'convert', 'bitcast'):
+      return None
+    return value(insts_by_name, inst.operands[0], depth + 1)
+
+  def tuple_index(insts_by_name, name, depth=0) -> Optional[int]:
+    """k when `name` is get-tuple-element(param, index=k), through copies."""
+    inst = insts_by_name.get(name)
+    if inst is None or depth > 8:
+      return None
+    if inst.opcode == 'get-tuple-element':
+      m = re.search(r'\bindex=(\d+)', inst.attrs)
+      return int(m.group(1)) if m else None
+    if inst.opcode in ('copy', 'convert', 'bitcast'):
+      return tuple_index(insts_by_name, inst.operands[0], depth + 1)
     return None
 
+  def trip_count(inst, caller):
+    """(trip count or None, whether start and step had to be assumed)."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+    if m:
+      return int(m.group(1)), False
+    cond = re.search(r'\bcondition=%?([\w.\-]+)', inst.attrs)
+    body = re.search(r'\bbody=%?([\w.\-]+)', inst.attrs)
+    cond_insts = computations.get(cond.group(1), []) if cond else []
+    by_name = {i.name: i for i in cond_insts}
+    compare = next((i for i in reversed(cond_insts) if i.root and i.opcode == 'compare'),
+                   None)
+    if compare is None or len(compare.operands) != 2:
+      return None, False
+    direction = re.search(r'direction=(\w+)', compare.attrs)
+    direction = direction.group(1) if direction else ''
+    a, b = compare.operands
+    k, bound = tuple_index(by_name, a), value(by_name, b)
+    if k is None or bound is None:  # the constant first: N > i is i < N
+      k, bound = tuple_index(by_name, b), value(by_name, a)
+      direction = {'GT': 'LT', 'GE': 'LE', 'LT': 'GT', 'LE': 'GE'}.get(direction, '')
+    if k is None or bound is None or direction not in ('LT', 'LE', 'GT', 'GE'):
+      return None, False
+    # Start: operand k of the loop's initial tuple; step: the body's update of element k.
+    start = step = None
+    init = caller.get(inst.operands[0]) if inst.operands else None
+    while init is not None and init.opcode == 'copy':
+      init = caller.get(init.operands[0])
+    if init is not None and init.opcode == 'tuple' and k < len(init.operands):
+      start = value(caller, init.operands[k])
+    body_insts = computations.get(body.group(1), []) if body else []
+    body_by_name = {i.name: i for i in body_insts}
+    root = next((i for i in body_insts if i.root), None)
+    if root is not None and root.opcode == 'tuple' and k < len(root.operands):
+      update = body_by_name.get(root.operands[k])
+      if update is not None and update.opcode in ('add', 'subtract'):
+        x, y = update.operands[:2]
+        c = value(body_by_name, y) if tuple_index(body_by_name, x) == k else (
+            value(body_by_name, x) if update.opcode == 'add' and
+            tuple_index(body_by_name, y) == k else None)
+        if c is not None:
+          step = c if update.opcode == 'add' else -c
+    assumed = start is None or step is None
+    start = 0 if start is None else start  # jax's scan and fori_loop: from 0, by 1
+    step = (1 if direction in ('LT', 'LE') else -1) if step is None else step
+    if step == 0:
+      return None, False
+    end = bound + (1 if direction == 'LE' else -1 if direction == 'GE' else 0)
+    n = -(-(end - start) // step) if step > 0 else -(-(start - end) // -step)
+    return max(0, n), assumed
+
   def visit(name: str, times: float):
-    nonlocal flops, selection, unknown
+    nonlocal flops, selection, unknown, assumed
     insts = computations.get(name, [])
     types = {i.name: i.type_text for i in insts}
+    by_name = {i.name: i for i in insts}
     for inst in insts:
       f = times * matmul_flops(inst, types)
       if f and _is_selection(inst, types):
@@ -285,25 +365,31 @@ def analyze(text: str) -> HloStats:
         key = ('channel', channel.group(1)) if channel else ('op', len(seen), inst.name)
         times_seen = seen.get(key, (kind, 0.0, 0))[1]
         seen[key] = (kind, max(times, times_seen), max(operand_bytes, result_bytes))
+      if inst.opcode in ('async-update', 'async-done'):
+        continue  # the wrapped computation runs once, counted at async-start
       for attr, callee in _CALLEE_ATTRS.findall(inst.attrs):
         if attr == 'condition' or (attr == 'to_apply' and inst.opcode != 'call'):
           continue  # loop conditions and reducers do no matmuls or collectives
         factor = 1
         if inst.opcode == 'while' and attr == 'body':
-          n = trip_count(inst)
-          if n is None:
-            unknown += 1
-          factor = n or 1
+          n, guessed = trip_count(inst, by_name)
+          unknown += n is None
+          assumed += guessed and n is not None
+          factor = 1 if n is None else n
         visit(callee, times * factor)
       for group in _BRANCHES.findall(inst.attrs):
-        for callee in re.findall(r'%?([\w.\-]+)', group):
-          visit(callee, times)
+        # A conditional runs one branch: counted as its costliest (an upper bound).
+        branches = re.findall(r'%?([\w.\-]+)', group)
+        costs = [_cost_of(computations, b) for b in branches]
+        if costs:
+          visit(branches[costs.index(max(costs))], times)
 
-  if entry is not None:
-    visit(entry, 1.0)
+  if entry is None:
+    raise ValueError('no ENTRY computation in the HLO text: pass compiled.as_text()')
+  visit(entry, 1.0)
   collectives = {}
   for kind, times, nbytes in seen.values():
     c = collectives.setdefault(kind, Collective())
     c.count += int(times)
     c.bytes += times * nbytes
-  return HloStats(flops, selection, collectives, unknown)
+  return HloStats(flops, selection, collectives, unknown, assumed)

@@ -152,6 +152,7 @@ class Report:
   refusal: str = ''              # the compiler's one-line reason when it would not fit
   refused_temp_bytes: int = 0    # the temporaries it said the program needed, if it said
   unknown_trip_counts: int = 0
+  assumed_trip_counts: int = 0
 
   @property
   def flop_ratio(self) -> float:
@@ -219,9 +220,9 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
       if reason is None:
         raise
       report.refusal, report.compile_seconds = reason, time.time() - start
-      need = re.search(r'temporaries \((\d+(?:\.\d+)?)([KMGT])\)', reason)
+      need = re.search(r'temporaries \((\d+(?:\.\d+)?)([KMGT]?)B?\)', str(e))
       if need:
-        scale = 1024 ** ('KMGT'.index(need.group(2)) + 1)
+        scale = 1024 ** ('_KMGT'.index(need.group(2) or '_'))
         report.refused_temp_bytes = int(float(need.group(1)) * scale)
       return report, None
   report.compile_seconds = time.time() - start
@@ -241,6 +242,7 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   report.compiled_flops = stats.matmul_flops
   report.selection_flops = stats.selection_flops
   report.unknown_trip_counts = stats.unknown_trip_counts
+  report.assumed_trip_counts = stats.assumed_trip_counts
   report.collectives = {k: dataclasses.asdict(v) for k, v in sorted(stats.collectives.items())}
   return report, compiled
 
@@ -266,7 +268,8 @@ def _estimated_total(r: Report, fitted: Optional[Report]) -> Optional[float]:
 
 
 def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: int = 12,
-                   limit: int = 1 << 20, log=print) -> List[Report]:
+                   limit: int = 1 << 20, first: Optional[Report] = None,
+                   log=print) -> List[Report]:
   """Every compile of the search for the largest global batch that fits, in order; the
   answer is max(r.batch_size for r in reports if r.fits) (none fits: an empty answer).
 
@@ -280,12 +283,16 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
     raise LaunchError(f'--find_max_batch needs the chips\' memory size, unknown for '
                       f'{target.device_kind}; compile for a TPU slice or a GPU')
   unit = batch_unit(config, target, multiple)
+  limit = max(unit, limit // unit * unit)
   reports: List[Report] = []
   lo = hi = None  # largest fitting, smallest failing
-  b = max(unit, -(-int(config.train.batch_size) // unit) * unit)
+  b = min(limit, max(unit, -(-int(config.train.batch_size) // unit) * unit))
   bisect_next, sides = False, []
   for _ in range(max_compiles):
-    r, _ = compile_step(config, target, b)
+    if first is not None and first.batch_size == b:  # already compiled by the caller
+      r, first = first, None
+    else:
+      r, _ = compile_step(config, target, b)
     reports.append(r)
     log(f'  batch {b}: ' + (f'{r.total_bytes / GiB:.2f} GiB per chip, '
                             f'{"fits" if r.fits else "does not fit"}' if not r.refusal
@@ -306,6 +313,17 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
     bisect_next = (not bisect_next and len(sides) >= 3 and sides[-1] == sides[-2])
     b = _next_guess(reports, lo, hi, target.hbm_bytes, unit, limit, bisect_next)
   return reports
+
+
+def search_summary(reports: List[Report], unit: int) -> dict:
+  """max_batch (largest that fitted, 0 if none), first_failing (smallest that did not, or
+  None), converged (they are one unit apart, or the smallest batch does not fit)."""
+  fitting = [r.batch_size for r in reports if r.fits]
+  failing = [r.batch_size for r in reports if not r.fits]
+  best = max(fitting, default=0)
+  above = min((b for b in failing if b > best), default=None)
+  converged = above is not None and (above - best <= unit)
+  return {'max_batch': best, 'first_failing': above, 'converged': converged}
 
 
 def _next_guess(reports, lo, hi, hbm, unit, limit, bisect: bool) -> int:
@@ -423,6 +441,9 @@ def format_report(config, target: Target, r: Report) -> str:
     note = ' (remat recomputes the forward pass: expect about 4/3)'
   if r.unknown_trip_counts:
     note += f' ({r.unknown_trip_counts} loops of unknown trip count counted once)'
+  if r.assumed_trip_counts:
+    note += (f' ({r.assumed_trip_counts} loops counted from 0 by 1 to their bound: start or '
+             f'step not readable)')
   lines += [f'FLOPs per chip per step: compiled matmuls {r.compiled_flops:.4g}, model '
             f'(flops_per_example) {r.model_flops:.4g}, ratio {r.flop_ratio:.3f}{note}',
             f'  (plus one-hot row selections {r.selection_flops:.3g}; XLA\'s cost_analysis '
@@ -436,27 +457,45 @@ def format_report(config, target: Target, r: Report) -> str:
   return '\n'.join(lines)
 
 
+def _as_dict(r: Report) -> dict:
+  return dict(dataclasses.asdict(r), flop_ratio=r.flop_ratio)
+
+
 def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int = 5,
         json_path: str = '', batch_multiple: int = 1, log=print) -> dict:
   """The --compile_for command: compile, report, optionally search the batch and measure."""
+  if json_path:  # fail before the compiles, not after
+    folder = os.path.dirname(os.path.abspath(json_path))
+    if os.path.isdir(json_path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+      raise LaunchError(f'--launch_json={json_path!r} cannot be written; name a file in an '
+                        f'existing, writable folder')
   target = target_for(compile_for)
   report, compiled = compile_step(config, target)
   log(format_report(config, target, report))
   result = {'target': target.name, 'chips': len(target.devices), 'hosts': target.num_hosts,
-            'device_kind': target.device_kind, 'report': dataclasses.asdict(report)}
+            'device_kind': target.device_kind, 'report': _as_dict(report)}
   if max_batch:
     log(f'searching the largest global batch that fits (multiples of '
         f'{batch_unit(config, target, batch_multiple)}):')
-    tried = find_max_batch(config, target, multiple=batch_multiple, log=log)
-    fitting = [r for r in tried if r.fits]
-    best = max(fitting, key=lambda r: r.batch_size) if fitting else None
-    result['max_batch'] = best.batch_size if best else 0
+    unit = batch_unit(config, target, batch_multiple)
+    tried = find_max_batch(config, target, multiple=batch_multiple, first=report, log=log)
+    summary = search_summary(tried, unit)
+    best = next((r for r in tried if r.fits and r.batch_size == summary['max_batch']), None)
+    result.update(summary)
     result['max_batch_total_bytes'] = best.total_bytes if best else 0
-    result['search'] = [dataclasses.asdict(r) for r in tried]
-    log(f'largest global batch that fits: {best.batch_size} '
-        f'({best.total_bytes / GiB:.2f} GiB per chip)' if best
-        else 'no batch fits: shard the state further (mesh.fsdp), remat (model.remat_policy) '
-             'or shorten data.max_seq_length')
+    result['search'] = [_as_dict(r) for r in tried]
+    if best is None:
+      log('no batch fits: shard the state further (mesh.fsdp), remat (model.remat_policy) '
+          'or shorten data.max_seq_length')
+    elif summary['converged']:
+      log(f'largest global batch that fits: {best.batch_size} '
+          f'({best.total_bytes / GiB:.2f} GiB per chip; {summary["first_failing"]} does not)')
+    else:
+      above = (f'; {summary["first_failing"]} did not' if summary['first_failing']
+               else '')
+      log(f'largest global batch that fits: at least {best.batch_size} '
+          f'({best.total_bytes / GiB:.2f} GiB per chip{above}; the search stopped after '
+          f'{len(tried)} compiles)')
   if target.name == 'local' and compiled is not None and measure_steps > 0:
     m = measure(config, target, compiled, measure_steps)
     result['measured'] = m

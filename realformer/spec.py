@@ -141,9 +141,10 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   if block not in BLOCKS:
     raise ValueError(f'model.block={block!r}; choose one of {", ".join(BLOCKS)}')
   dtype = _dtype('dtype', c.pop('dtype', 'float32'))
-  residual_dtype = _dtype('residual_dtype', c.pop('residual_dtype', 'float32'))
-  if residual_dtype not in (jnp.float32, jnp.bfloat16):
-    raise ValueError(f'model.residual_dtype={residual_dtype}; choose float32 or bfloat16')
+  residual_dtype = c.pop('residual_dtype', 'float32')
+  if residual_dtype not in ('float32', 'bfloat16', jnp.float32, jnp.bfloat16):
+    raise ValueError(f'model.residual_dtype={residual_dtype!r}; choose float32 or bfloat16')
+  residual_dtype = _dtype('residual_dtype', residual_dtype)
   fields = {f.name for f in dataclasses.fields(EncoderSpec)}
   unknown = sorted(set(c) - fields)
   if unknown:
@@ -160,6 +161,8 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   if spec.fused_attention not in FUSED_ATTENTION:
     raise ValueError(f'model.fused_attention={spec.fused_attention!r}; choose one of '
                      f'{", ".join(FUSED_ATTENTION)}')
+  if spec.fused_attention == 'cudnn' and platform not in ('', 'gpu'):
+    raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
   if spec.dense_impl not in DENSE_IMPLS:
     raise ValueError(f'model.dense_impl={spec.dense_impl!r}; choose one of '
                      f'{", ".join(DENSE_IMPLS)}')

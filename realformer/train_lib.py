@@ -419,13 +419,13 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
                      f'mesh.fsdp); make the microbatch a multiple of {dp}')
   # Each host feeds its own batch_size / process_count rows, so the hosts must hold
   # distinct rows: the tensor axis (batch replicated over it) must stay within a host.
-  # (Counted for the first process of the mesh, from the devices' process indices, so this
-  # also works for the compile-only devices of a TPU slice that is not attached.)
-  first = min(d.process_index for d in mesh.devices.flat)
+  # (Counted from the devices' process indices, for every process, so this also works for
+  # the compile-only devices of a TPU slice that is not attached.)
   rows = partitioning.batch_sharding(mesh).devices_indices_map((b,))
-  local_rows = len({tuple(idx[0].indices(b)) for d, idx in rows.items()
-                    if d.process_index == first}) * (b // dp)
-  if local_rows * process_count != b:
+  per_process = {}
+  for d, idx in rows.items():
+    per_process.setdefault(d.process_index, set()).add(tuple(idx[0].indices(b)))
+  if any(len(blocks) * (b // dp) * process_count != b for blocks in per_process.values()):
     raise ValueError(f'mesh {dict(mesh.shape)}: the tensor axis spans several processes, so '
                      f'they would share batch rows; keep mesh.tensor within one host')
 

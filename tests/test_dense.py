@@ -55,8 +55,11 @@ def test_cpu_dense_keeps_leading_axes_and_flax_dense_parameters():
 
 def test_auto_picks_cpu_dense_on_cpu_and_bad_values_are_clear():
   assert jax.default_backend() == 'cpu'
-  assert dense_lib.uses_cpu_dense('auto') and dense_lib.uses_cpu_dense('cpu')
-  assert not dense_lib.uses_cpu_dense('flax')
+  spec = lambda impl, platform='': resolve(small_config('postln', dense_impl=impl), platform)
+  assert dense_lib.uses_cpu_dense(spec('auto')) and dense_lib.uses_cpu_dense(spec('cpu'))
+  assert not dense_lib.uses_cpu_dense(spec('flax'))
+  # The target platform decides, not this host: a TPU compile gets nn.Dense.
+  assert not dense_lib.uses_cpu_dense(spec('auto', 'tpu'))
   with pytest.raises(ValueError, match=r"model.dense_impl='fast'; choose one of auto, flax, cpu"):
     resolve(small_config('postln', dense_impl='fast'))
 
