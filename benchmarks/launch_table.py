@@ -38,18 +38,17 @@ REFERENCE_BATCH, MULTIPLE, MAX_COMPILES = 128, 64, 3
 
 
 def cells():
-  """Every cell, the most telling first (the run may be cut short and resumed): base and
-  large before xlarge, the fsdp mesh before pure data parallelism, every slice for each."""
-  for sizes in (('base', 'large'), ('xlarge',)):
-    for mesh in ('fsdp', 'data'):
-      for length, preds in LENGTHS:
-        for target in SLICES:
-          for size in sizes:
-            for variant in VARIANTS:
-              if variant.endswith('bf16carry') and mesh != 'fsdp':
-                continue  # the carry's effect is the same question on either mesh
-              yield dict(target=target, size=size, variant=variant, length=length,
-                         predictions=preds, mesh=mesh)
+  """Every cell, the most telling first (the run may be cut short and resumed): the fsdp
+  mesh before pure data parallelism, length 128 before 512, every slice for each."""
+  for mesh in ('fsdp', 'data'):
+    for length, preds in LENGTHS:
+      for target in SLICES:
+        for size in SIZES:
+          for variant in VARIANTS:
+            if variant.endswith('bf16carry') and mesh != 'fsdp':
+              continue  # the carry's effect is the same question on either mesh
+            yield dict(target=target, size=size, variant=variant, length=length,
+                       predictions=preds, mesh=mesh)
 
 
 def key(cell):

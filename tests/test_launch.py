@@ -214,9 +214,8 @@ def test_multi_host_slice_compiles_from_one_process():
 
 @needs_libtpu
 def test_a_program_too_big_for_hbm_is_refused_not_crashed():
-  config = tiny()
-  config.model.num_layers, config.model.hidden_size, config.model.mlp_dim = 2, 256, 1024
-  config.train.batch_size = 1 << 17
+  config = tiny(model__scan_layers=True)  # scanned: the compiler refuses sooner
+  config.train.batch_size = 1 << 16
   report, compiled = launch.compile_step(config, launch.tpu_target('v5e:2x2'))
   assert compiled is None and not report.fits and 'HBM' in report.refusal
   assert report.refused_temp_bytes > 16 * launch.GiB
