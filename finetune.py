@@ -35,12 +35,14 @@ from data import glue
 from data import squad
 from data import tokenizer as tokenizer_lib
 from realformer import checkpoints
+from realformer import cli
 from realformer import finetune_metrics
 from realformer import host_memory
 from realformer import metrics as metrics_lib
 from realformer import models
 from realformer import partitioning
 from realformer import train_lib
+from realformer import workdir as workdir_lib
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -228,7 +230,10 @@ def make_task(config, tokenizer):
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Fine-tunes, evaluates and predicts; returns {'task', 'step', 'dev', 'headline'}."""
   mesh = partitioning.make_mesh(config.mesh)
-  with jax.set_mesh(mesh):  # scoped: the caller's mesh (or none) is back afterwards
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  # scoped: the caller's mesh (or none) is back afterwards; the lock before any write
+  with jax.set_mesh(mesh), workdir_lib.Lock(workdir, 'finetune.py'):
+    workdir_lib.check_resume_config(workdir, config, checkpoints.has_complete_step(workdir))
     return _finetune(config, workdir, mesh)
 
 
@@ -255,9 +260,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
     raise ValueError(f'{num_train} training examples are fewer than one batch of '
                      f'{config.batch_size}; lower config.batch_size')
   num_steps = steps_per_epoch * config.num_epochs
-  opt = ml_collections.ConfigDict(config.optimizer.to_dict())
-  if opt.warmup_steps < 0:
-    opt.warmup_steps = int(opt.warmup_fraction * num_steps)
+  opt = config.optimizer
 
   model = task.build(pre.model)
   tx, schedule = train_lib.make_optimizer(opt, num_steps)
@@ -265,8 +268,6 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
             for k, v in train.items()}
   abstract, shardings = train_lib.state_shardings(model, tx, shapes, mesh)
   # Restart order: this run's checkpoint, else the pretrained encoder (or scratch).
-  os.makedirs(workdir, exist_ok=True)
-  checkpoints.write_config(workdir, config)
   manager = checkpoints.make_manager(workdir, keep=1, item_names=('state',))
   latest = checkpoints.latest_complete_step(manager)
   if latest is not None:
@@ -286,6 +287,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
       state = state.replace(params=params, opt_state=jax.jit(
           tx.init, out_shardings=shardings.opt_state)(params))
 
+  # Every check has passed (config, model, checkpoint): the workdir now describes this run.
+  checkpoints.write_config(workdir, config)
   train_step = train_lib.make_train_step(
       task.loss_fn(model), tx, schedule, mesh=mesh, shardings=shardings,
       metrics_cls=FinetuneMetrics,
@@ -350,18 +353,22 @@ def main(argv):
   if not flags.FLAGS.workdir:
     raise app.UsageError('--workdir is required')
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
-  summary = finetune(flags.FLAGS.config, flags.FLAGS.workdir)
+  try:
+    summary = finetune(flags.FLAGS.config, flags.FLAGS.workdir)
+  except (ValueError, FileNotFoundError, workdir_lib.WorkdirInUseError) as e:
+    raise SystemExit(f'error: {e}') from None
   print(json.dumps(summary, indent=2))
 
 
 def define_flags():
   """Flags exist only when this file runs as a program (tests import it beside train.py)."""
-  config_flags.DEFINE_config_file(
-      'config', os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
-      'configs/finetune.py:glue/<task>', lock_config=True)
+  with cli.config_overrides():  # an unknown --config.<key> fails here: one line
+    config_flags.DEFINE_config_file(
+        'config', os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
+        'configs/finetune.py:glue/<task>', lock_config=True)
   flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and predictions.')
 
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -16,6 +16,7 @@ same format (throughput checks only).
 import logging as logging_std
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -31,16 +32,19 @@ from clu import periodic_actions
 from ml_collections import config_flags
 
 from realformer import checkpoints
+from realformer import cli
 from realformer import host_memory
 from realformer import metrics as metrics_lib
 from realformer import partitioning
 from realformer import train_lib
+from realformer import workdir as workdir_lib
 from realformer.spec import resolve
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
-config_flags.DEFINE_config_file(
-    'config', os.path.join(_REPO, 'configs', 'pretrain.py') + ':postln,tiny',
-    'Config file and its argument, e.g. configs/pretrain.py:realformer,base', lock_config=True)
+with cli.config_overrides():  # an unknown --config.<key> fails here: one line
+  config_flags.DEFINE_config_file(
+      'config', os.path.join(_REPO, 'configs', 'pretrain.py') + ':postln,tiny',
+      'Config file and its argument, e.g. configs/pretrain.py:realformer,base', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and config.json.')
 flags.DEFINE_string('coordinator_address', None,
                     'host:port of process 0 for multi-process runs (or $JAX_COORDINATOR_ADDRESS);'
@@ -61,6 +65,11 @@ flags.DEFINE_string('launch_json', '', 'With --compile_for: also write the facts
 
 class NonFiniteLossError(RuntimeError):
   """The loss became nan/inf; the bad state was not saved."""
+
+
+# Exit status of a run stopped by SIGTERM (preemption) after saving: not finished, to be
+# run again (sysexits.h EX_TEMPFAIL). docs/launching.md shows how schedulers use it.
+EXIT_NOT_FINISHED = 75
 
 
 # --------------------------------------------------------------------------------------
@@ -143,12 +152,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     raise ValueError('--workdir is required: the directory for checkpoints and logs')
   workdir = os.path.abspath(os.path.expanduser(workdir))
   config = resolved_config(config)
-  tc = config.train
   mesh = partitioning.make_mesh(config.mesh, devices)
-  train_lib.check_batch_layout(tc.batch_size, tc.grad_accum_steps, mesh, jax.process_count())
+  train_lib.check_batch_layout(config.train.batch_size, config.train.grad_accum_steps, mesh,
+                               jax.process_count())
+  with workdir_lib.Lock(workdir, 'train.py'):  # before anything is written
+    workdir_lib.check_resume_config(workdir, config, checkpoints.has_complete_step(workdir))
+    return _train_and_evaluate(config, workdir, mesh)
+
+
+def _train_and_evaluate(config, workdir: str, mesh) -> dict:
+  tc = config.train
   is_chief = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
-  checkpoints.write_config(workdir, config)
   writer = metrics_lib.create_writer(workdir, jax.process_index())
   logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), jax.device_count(),
                jax.process_count())
@@ -181,6 +195,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       logging.info('initialized params from %s (%d kept fresh)', tc.init_checkpoint,
                    len(missing))
   start_step = int(state.step)
+  # Every check has passed (config, model, checkpoint): the workdir now describes this run.
+  checkpoints.write_config(workdir, config)
 
   # ---- Compiled steps. ----
   train_step, loss_fn = program.train_step, program.loss_fn
@@ -272,6 +288,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       if preempted:
         logging.warning('stop signal: saved step %d in %s; run the same command to resume',
                         step, manager.directory)
+        summary['preempted'] = step
         break
   manager.wait_until_finished()
   manager.close()
@@ -346,10 +363,15 @@ def main(argv):
                                flags.FLAGS.process_id)
   try:
     summary = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-  except (NonFiniteLossError, ValueError, FileNotFoundError) as e:
+  except (NonFiniteLossError, ValueError, FileNotFoundError,
+          workdir_lib.WorkdirInUseError) as e:
     raise SystemExit(f'error: {e}') from None
+  if 'preempted' in summary:
+    print(f'not finished: stopped by SIGTERM after saving step {summary["preempted"]}; run '
+          f'the same command to resume (exit status {EXIT_NOT_FINISHED})', file=sys.stderr)
+    sys.exit(EXIT_NOT_FINISHED)
   logging.info('done: %s', summary)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -29,6 +29,7 @@ from data import pipeline  # pylint: disable=g-import-not-at-top
 from data import tokenizer as tokenizer_lib
 from realformer import checkpoints
 from realformer import metrics as metrics_lib
+from realformer import train_lib
 
 
 def hf_model(model_config, transformers):
@@ -55,6 +56,7 @@ def main():
   torch.set_num_threads(args.threads)
   c = ml_collections.ConfigDict(checkpoints.read_config(args.workdir))
   tc, opt = c.train, c.optimizer
+  warmup = train_lib.warmup_steps(opt, tc.num_steps)
   if opt.schedule != 'linear' or c.data.sources == 'synthetic' or not tc.eval_steps:
     raise SystemExit(f'{args.workdir}: needs a run with the linear schedule, real data and '
                      f'held-out evaluation (it has optimizer.schedule={opt.schedule!r}, '
@@ -71,7 +73,7 @@ def main():
       [{'params': [q for n, q in named if not no_decay(n)], 'weight_decay': opt.weight_decay},
        {'params': [q for n, q in named if no_decay(n)], 'weight_decay': 0.0}],
       lr=opt.learning_rate, betas=(opt.b1, opt.b2), eps=opt.eps)
-  schedule = transformers.get_linear_schedule_with_warmup(optimizer, opt.warmup_steps,
+  schedule = transformers.get_linear_schedule_with_warmup(optimizer, warmup,
                                                           tc.num_steps)
   vocab = c.model.vocab_size
   long = lambda x: torch.tensor(x, dtype=torch.long)
@@ -92,7 +94,7 @@ def main():
   ours = metrics_lib.read_jsonl(os.path.join(args.workdir, 'metrics.jsonl'), 'eval')
   steps = args.steps or tc.num_steps
   print(f'# {args.workdir}: {c.model.variant} {c.model.num_layers}x{c.model.hidden_size}, '
-        f'batch {tc.batch_size}, lr {opt.learning_rate}, warm-up {opt.warmup_steps} of '
+        f'batch {tc.batch_size}, lr {opt.learning_rate}, warm-up {warmup} of '
         f'{tc.num_steps} steps, dropout {c.model.dropout_rate}')
   print('| step | ours eval MLM loss | HF eval MLM loss | HF eval NSP loss |\n|---|---|---|---|')
   train, start = batches('train'), time.time()

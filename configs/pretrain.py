@@ -91,7 +91,8 @@ def optimizer_config(learning_rate: float, warmup_steps: int) -> ml_collections.
   o = ml_collections.ConfigDict()
   o.learning_rate = learning_rate
   o.schedule = 'linear'  # linear (BERT: warm-up then linear decay) | cosine | constant
-  o.warmup_steps = warmup_steps
+  o.warmup_steps = warmup_steps  # -1: warmup_fraction of the run's steps
+  o.warmup_fraction = 0.1
   o.weight_decay = 0.01  # not applied to LayerNorm parameters and biases
   o.b1 = 0.9
   o.b2 = 0.999
@@ -173,7 +174,7 @@ def get_config(arg: str = 'postln,tiny'):
     c.train.eval_steps = 4
     c.train.checkpoint_every_steps = 100
     c.optimizer.learning_rate = 1e-3
-    c.optimizer.warmup_steps = 30
+    c.optimizer.warmup_steps = -1  # 10% of num_steps: a short run needs no new warm-up
     c.model.max_len = 128
   if runlocal:
     c.train.batch_size = 8
@@ -182,7 +183,7 @@ def get_config(arg: str = 'postln,tiny'):
     c.train.eval_every_steps = 10
     c.train.eval_steps = 2
     c.train.checkpoint_every_steps = 10
-    c.optimizer.warmup_steps = 2
+    c.optimizer.warmup_steps = -1
 
   c.lock()
   return c

@@ -51,6 +51,13 @@ def is_complete(step_dir: str) -> bool:
   return os.path.isfile(os.path.join(step_dir, COMMIT_FILE))
 
 
+def has_complete_step(workdir: str) -> bool:
+  """Whether <workdir>/checkpoints holds a finalized step (read-only; no manager)."""
+  root = os.path.join(workdir, CHECKPOINT_DIR)
+  return os.path.isdir(root) and any(
+      name.isdigit() and is_complete(os.path.join(root, name)) for name in os.listdir(root))
+
+
 def latest_complete_step(manager: ocp.CheckpointManager) -> Optional[int]:
   """The newest finalized step with orbax's commit marker (None: no checkpoint).
 

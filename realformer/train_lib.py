@@ -78,13 +78,26 @@ def fixed_params_fn(spec: EncoderSpec) -> Optional[Callable[[Any], Any]]:
       lambda path, _: _names(path)[-1] in FIXED_RANDOM_PARAMS, params)
 
 
-def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
-  """linear: BERT's warm-up from 0 to the peak, then linear decay to 0 at num_steps;
-  cosine: the same warm-up, then cosine decay to 0; constant: warm-up, then the peak."""
-  lr, warmup = float(opt_config.learning_rate), int(opt_config.warmup_steps)
+def warmup_steps(opt_config, num_steps: int) -> int:
+  """optimizer.warmup_steps, or with -1, int(optimizer.warmup_fraction * num_steps)."""
+  warmup = int(opt_config.warmup_steps)
+  if warmup == -1:
+    fraction = float(opt_config.get('warmup_fraction', 0.0))
+    if not 0.0 <= fraction <= 1.0:
+      raise ValueError(f'optimizer.warmup_fraction={fraction} must lie in [0, 1]')
+    return int(fraction * num_steps)
   if warmup > num_steps or warmup < 0:
     raise ValueError(f'optimizer.warmup_steps={warmup} must lie in [0, train.num_steps='
-                     f'{num_steps}]; lower it')
+                     f'{num_steps}]; lower it, or set it to -1 to warm up for '
+                     f'optimizer.warmup_fraction of the run')
+  return warmup
+
+
+def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
+  """linear: BERT's warm-up from 0 to the peak, then linear decay to 0 at num_steps;
+  cosine: the same warm-up, then cosine decay to 0; constant: warm-up, then the peak.
+  The warm-up: warmup_steps(opt_config, num_steps)."""
+  lr, warmup = float(opt_config.learning_rate), warmup_steps(opt_config, num_steps)
   warm = optax.linear_schedule(0.0, lr, max(warmup, 1))
   if opt_config.schedule == 'linear':
     after = optax.linear_schedule(lr, 0.0, max(num_steps - warmup, 1))

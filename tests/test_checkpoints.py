@@ -99,7 +99,7 @@ def test_sigterm_saves_current_step_and_resume_is_exact(tmp_path, reference, mon
     return step
 
   monkeypatch.setattr(train_lib, 'make_train_step', terminating_make_step)
-  run(tiny_config(num_steps=NUM_STEPS), tmp_path)
+  assert run(tiny_config(num_steps=NUM_STEPS), tmp_path)['preempted'] == 3  # not finished
   assert checkpoints.latest_complete_step(checkpoints.make_manager(str(tmp_path))) == 3
   assert max(losses(tmp_path)) == 3
   monkeypatch.setattr(train_lib, 'make_train_step', make_step)

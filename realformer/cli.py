@@ -1,0 +1,63 @@
+"""Command-line entry points: flag and config-override mistakes as one line, status 1.
+
+    app.run(main, flags_parser=cli.parse_flags)
+
+absl parses `--config.<key>=<value>` overrides while it parses flags; an unknown key raises
+ml_collections' AttributeError from deep inside (a 49-line traceback whose last line holds
+the suggestion), and a value of the wrong type a two-line "FATAL Flags parsing error".
+Both become `error: ...` with the fix. `--verbose_errors` (or REALFORMER_VERBOSE_ERRORS=1)
+keeps the traceback.
+"""
+
+import contextlib
+import os
+import re
+import sys
+
+from absl import flags
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e).strip()
+  if isinstance(e, (AttributeError, KeyError)):
+    text = text.strip('\'"')
+    m = re.search(r"'?\\?'?(\w+)\\?'?.*?Did you mean \"(\w+)\"", text, re.S)
+    if m:
+      return (f'unknown config key {m.group(1)!r} (did you mean {m.group(2)!r}?); the fields '
+              f'and their meaning are in the config file')
+    key = re.sub(r'[\\\'"]', '', text.splitlines()[0]) if text else '?'
+    return f'unknown config key {key!r}; check its spelling against the config file'
+  return ' '.join(text.split())
+
+
+_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError)
+
+
+def _verbose(argv) -> bool:
+  return '--verbose_errors' in argv or os.environ.get('REALFORMER_VERBOSE_ERRORS') == '1'
+
+
+@contextlib.contextmanager
+def config_overrides():
+  """Around config_flags.DEFINE_config_file, which applies the command line's
+  --config.<key>=<value> overrides when it is called (an unknown key fails there)."""
+  try:
+    yield
+  except _ERRORS as e:
+    if _verbose(sys.argv):
+      raise
+    print(f'error: {_one_line(e)}', file=sys.stderr)
+    sys.exit(1)
+
+
+def parse_flags(argv):
+  """flags_parser for absl's app.run."""
+  verbose = _verbose(argv)
+  argv = [a for a in argv if a != '--verbose_errors']
+  try:
+    return flags.FLAGS(argv)
+  except _ERRORS as e:
+    if verbose:
+      raise
+    print(f'error: {_one_line(e)}', file=sys.stderr)
+    sys.exit(1)

@@ -1,0 +1,165 @@
+"""One run per workdir, and a workdir that keeps describing its own checkpoints.
+
+    with workdir.Lock(path):                      # before anything is written
+      stored = workdir.check_resume_config(path, config, has_checkpoint)
+      ...                                         # every other check, the restore
+      checkpoints.write_config(path, config)      # only then
+
+The lock: <workdir>/.lock, held with flock(2) for the whole run by process 0 (the only
+process that writes files other than checkpoint shards). It records host, pid and start
+time, so a second run is refused with one line naming the holder. A run that dies leaves
+the file but not the flock (the kernel drops it with the process): on the same host the
+next run takes it over and says so. A record left by another host (network filesystems do
+not always carry flock) is refused, naming the file to delete if that run is dead. A clean
+exit empties the file.
+
+On resume (the workdir has a checkpoint), the stored config.json is compared with the new
+config: every field must match except the ones listed in RESUMABLE, which change how a run
+is executed or reported but not what it computes; their changes are logged.
+"""
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+from typing import Dict, List, Optional
+
+import jax
+from absl import logging
+
+LOCK_FILE = '.lock'
+
+# Fields that may change when a run resumes (prefix match on dotted keys). Everything else
+# (model, data, optimizer, seed, batch size) defines the run and must match its checkpoint.
+RESUMABLE = (
+    'train.num_steps',            # run longer or shorter (the schedule follows num_steps)
+    'train.log_every_steps', 'train.eval_every_steps', 'train.eval_steps',
+    'train.checkpoint_every_steps', 'train.keep_checkpoints', 'train.profile_steps',
+    'train.peak_flops_per_device',
+    'train.init_checkpoint',      # read only when a run starts from nothing
+    'train.grad_accum_steps',     # the same gradient in fewer or more microbatches
+    'mesh.',                      # checkpoints are restored into any sharding
+    'model.remat_policy', 'model.fused_attention', 'model.dense_impl',  # how, not what
+    'data.read_threads', 'data.worker_count', 'data.prepared_dir',
+    # fine-tuning (finetune.py)
+    'eval_batch_size', 'keep_checkpoints', 'log_every_steps',
+)
+
+
+class WorkdirInUseError(RuntimeError):
+  """Another run holds the workdir."""
+
+
+def _describe(holder: dict) -> str:
+  return (f'pid {holder.get("pid")} on {holder.get("host")} (since {holder.get("since")}, '
+          f'{holder.get("program", "a run")})')
+
+
+def _read(fd: int) -> Optional[dict]:
+  os.lseek(fd, 0, os.SEEK_SET)
+  text = os.read(fd, 65536).decode('utf-8', 'replace').strip()
+  if not text:
+    return None
+  try:
+    return json.loads(text)
+  except ValueError:
+    return {'pid': '?', 'host': '?', 'since': '?', 'program': 'unreadable lock record'}
+
+
+class Lock:
+  """flock on <workdir>/.lock for the life of the run (process 0 only)."""
+
+  def __init__(self, workdir: str, program: str = 'train.py'):
+    self.workdir, self.program = workdir, program
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self._fd = None
+
+  def __enter__(self):
+    if jax.process_index() != 0:
+      return self
+    os.makedirs(self.workdir, exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      holder = _read(fd) or {}
+      os.close(fd)
+      raise WorkdirInUseError(
+          f'{self.workdir} is in use by {_describe(holder)}; wait for that run to finish '
+          f'or stop it, or use another --workdir') from None
+    previous = _read(fd)
+    if previous is not None:
+      if previous.get('host') != socket.gethostname():
+        os.close(fd)
+        raise WorkdirInUseError(
+            f'{self.workdir} is locked by {_describe(previous)}, another host; if that run '
+            f'is no longer running, delete {self.path}')
+      logging.warning('taking over the lock of %s in %s: that process is gone',
+                      _describe(previous), self.workdir)
+    record = {'host': socket.gethostname(), 'pid': os.getpid(), 'program': self.program,
+              'since': datetime.datetime.now().isoformat(timespec='seconds')}
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, (json.dumps(record) + '\n').encode())
+    os.fsync(fd)
+    self._fd = fd
+    return self
+
+  def __exit__(self, *exc):
+    if self._fd is not None:
+      os.ftruncate(self._fd, 0)  # released
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+      os.close(self._fd)
+      self._fd = None
+
+
+def _flatten(tree, prefix='') -> Dict[str, object]:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def _resumable(key: str) -> bool:
+  return any(key == r or (r.endswith('.') and key.startswith(r)) for r in RESUMABLE)
+
+
+def config_differences(stored: dict, new: dict):
+  """(fields that may not change but did, fields that may change and did, fields the
+  stored config lacks), each a sorted list of dotted keys."""
+  a, b = _flatten(stored), _flatten(new)
+  changed = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+  return ([k for k in changed if not _resumable(k)], [k for k in changed if _resumable(k)],
+          sorted(b.keys() - a.keys()))
+
+
+def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]:
+  """Refuse to resume a checkpoint under another config; log the allowed changes.
+
+  Returns the resumable fields that changed. A workdir without a checkpoint has nothing
+  to protect: its config.json is simply replaced later."""
+  path = os.path.join(workdir, 'config.json')
+  if not has_checkpoint or not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    stored = json.load(f)
+  new = json.loads(config.to_json_best_effort())
+  fixed, allowed, added = config_differences(stored, new)
+  if fixed:
+    a, b = _flatten(stored), _flatten(new)
+    shown = ', '.join(f'{k}: {a[k]!r} -> {b[k]!r}' for k in fixed[:6])
+    more = f' (and {len(fixed) - 6} more)' if len(fixed) > 6 else ''
+    raise ValueError(
+        f'{workdir} holds a checkpoint of another config: {shown}{more}; resume with the '
+        f'stored values (its config.json) or start a new --workdir')
+  for k in allowed:
+    logging.info('resuming with %s changed: %r -> %r', k, _flatten(stored)[k],
+                 _flatten(new)[k])
+  if added:
+    logging.info('fields absent from the stored config (added since), taken as given: %s',
+                 ', '.join(added))
+  return allowed

@@ -1,0 +1,144 @@
+"""A workdir is never damaged by a second run or a changed config; preemption exits
+"not finished"; short runs warm up for a fraction of the run."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import ml_collections
+import pytest
+
+import train
+from configs import pretrain
+from realformer import checkpoints
+from realformer import train_lib
+from realformer import workdir as workdir_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(**train_overrides):
+  c = pretrain.get_config('postln,tiny')
+  c.unlock()
+  c.data.sources = 'synthetic'
+  c.model.num_layers, c.model.hidden_size, c.model.num_heads, c.model.mlp_dim = 1, 32, 2, 64
+  c.model.vocab_size, c.model.max_len = 100, 32
+  c.data.max_seq_length, c.data.max_predictions_per_seq = 32, 5
+  c.train.batch_size, c.train.num_steps, c.train.eval_steps = 4, 2, 0
+  c.train.log_every_steps = c.train.checkpoint_every_steps = 1
+  for k, v in train_overrides.items():
+    c.train[k] = v
+  return c
+
+
+def run(config, workdir):
+  return train.train_and_evaluate(config, str(workdir), devices=jax.devices()[:1])
+
+
+def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplog):
+  with workdir_lib.Lock(str(tmp_path)):
+    with pytest.raises(workdir_lib.WorkdirInUseError,
+                       match=f'in use by pid {os.getpid()} on {socket.gethostname()}'):
+      workdir_lib.Lock(str(tmp_path)).__enter__()
+  assert (tmp_path / '.lock').read_text() == ''  # released
+  # A record left by a process that died on this host (its flock went with it).
+  (tmp_path / '.lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': 999999,
+                                              'since': 'earlier'}))
+  with workdir_lib.Lock(str(tmp_path)):
+    assert json.loads((tmp_path / '.lock').read_text())['pid'] == os.getpid()
+  assert 'taking over the lock of pid 999999' in caplog.text
+  # Another host's record: that run may be alive on a filesystem without flock.
+  (tmp_path / '.lock').write_text(json.dumps({'host': 'other-host', 'pid': 1, 'since': 'x'}))
+  with pytest.raises(workdir_lib.WorkdirInUseError, match='delete .*/.lock'):
+    workdir_lib.Lock(str(tmp_path)).__enter__()
+
+
+def test_resume_with_another_model_is_refused_and_config_json_kept(tmp_path, caplog):
+  run(tiny_config(), tmp_path)
+  stored = (tmp_path / 'config.json').read_text()
+  other = tiny_config()
+  other.model.variant = 'realformer'  # same shapes: would resume silently as another model
+  with pytest.raises(ValueError, match=r"model.variant: 'postln' -> 'realformer'.*new --workdir"):
+    run(other, tmp_path)
+  other = tiny_config()
+  other.model.hidden_size = 64
+  with pytest.raises(ValueError, match='model.hidden_size: 32 -> 64'):
+    run(other, tmp_path)
+  assert (tmp_path / 'config.json').read_text() == stored
+  # What may change on resume does, and is logged.
+  caplog.set_level('INFO')
+  run(tiny_config(num_steps=3), tmp_path)
+  assert checkpoints.latest_complete_step(checkpoints.make_manager(str(tmp_path))) == 3
+  assert 'resuming with train.num_steps changed: 2 -> 3' in caplog.text
+  assert json.loads((tmp_path / 'config.json').read_text())['train']['num_steps'] == 3
+
+
+def test_a_run_without_a_checkpoint_may_be_restarted_with_another_config(tmp_path):
+  (tmp_path / 'config.json').write_text(json.dumps({'model': {'variant': 'preln'}}))
+  run(tiny_config(), tmp_path)
+  assert json.loads((tmp_path / 'config.json').read_text())['model']['variant'] == 'postln'
+
+
+def test_warmup_as_a_fraction_of_the_run():
+  opt = ml_collections.ConfigDict({'warmup_steps': -1, 'warmup_fraction': 0.1})
+  assert train_lib.warmup_steps(opt, 5) == 0 and train_lib.warmup_steps(opt, 300) == 30
+  opt.warmup_steps = 10
+  with pytest.raises(ValueError, match='warmup_steps=10 must lie.*set it to -1'):
+    train_lib.warmup_steps(opt, 5)
+  assert pretrain.get_config('postln,tiny').optimizer.warmup_steps == -1
+  assert pretrain.get_config('postln,tiny,runlocal').optimizer.warmup_steps == -1
+
+
+def test_command_line_second_run_refused_and_preemption_exits_not_finished(tmp_path):
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  args = [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
+          '--config.model.num_layers=1', '--config.model.hidden_size=32',
+          '--config.model.mlp_dim=64', '--config.model.vocab_size=100',
+          '--config.data.max_seq_length=32', '--config.data.max_predictions_per_seq=5',
+          '--config.train.batch_size=4', '--config.train.num_steps=100000',
+          '--config.train.log_every_steps=1', '--config.train.eval_steps=0',
+          '--config.train.checkpoint_every_steps=100000']
+  first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 240
+    metrics = tmp_path / 'metrics.jsonl'
+    while not (metrics.exists() and metrics.read_text().strip()):  # training has begun
+      assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+      time.sleep(0.5)
+    second = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert second.returncode == 1
+    errors = [l for l in second.stderr.splitlines() if l.startswith('error:')]
+    assert len(errors) == 1 and f'in use by pid {first.pid}' in errors[0], second.stderr[-3000:]
+    assert 'Traceback' not in second.stderr
+    first.send_signal(signal.SIGTERM)  # a scheduler's preemption notice
+    _, err = first.communicate(timeout=240)
+    assert first.returncode == train.EXIT_NOT_FINISHED, err[-3000:]
+    assert 'not finished: stopped by SIGTERM after saving step' in err
+    assert checkpoints.has_complete_step(str(tmp_path))
+  finally:
+    if first.poll() is None:
+      first.kill()
+
+
+@pytest.mark.parametrize('program,override,expected', [
+    ('train.py', '--config.train.num_stepz=5',
+     "error: unknown config key 'num_stepz' (did you mean 'num_steps'?)"),
+    ('train.py', '--config.train.num_steps=abc',
+     "error: flag --config.train.num_steps=abc: invalid literal for int() with base 10: 'abc'"),
+    ('finetune.py', '--config.batch_sise=3',
+     "error: unknown config key 'batch_sise' (did you mean 'batch_size'?)"),
+])
+def test_config_mistakes_are_one_line(tmp_path, program, override, expected):
+  proc = subprocess.run([sys.executable, program, f'--workdir={tmp_path}', override], cwd=REPO,
+                        capture_output=True, text=True, timeout=240)
+  lines = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+  assert 'Traceback' not in proc.stderr
+  assert not os.listdir(tmp_path)  # nothing written
