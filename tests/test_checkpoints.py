@@ -185,7 +185,8 @@ def test_params_only_partial_restore_and_mismatch_errors(reference):
 def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):
   """An encoder-only checkpoint (as interop imports write) initializes a pretraining run:
   the encoder comes from it, the MLM/NSP heads keep their fresh initialization; resuming
-  that run with another model shape is an error naming the parameter."""
+  that run with another model shape is refused (workdir.check_resume_config), and a
+  checkpoint of another shape is an error naming the parameter."""
   config = tiny_config()
   encoder = checkpoints.restore_params(str(reference[0]), _abstract_params(config)['encoder'],
                                        subtree=('encoder',))[0]
@@ -204,9 +205,15 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):
   assert np.abs(got['mlm_head']['transform']['kernel']).max() > 0  # fresh, not zeros
   config = tiny_config(num_steps=2)
   config.model.mlp_dim = 128
+  # Resuming under another model is refused before the checkpoint is touched ...
+  with pytest.raises(ValueError, match=r'another config: model.mlp_dim: 64 -> 128'):
+    run(config, tmp_path / 'run')
+  # ... and a checkpoint that does not fit the model names the parameter.
+  config = tiny_config(num_steps=1, init_checkpoint=str(tmp_path / 'imported'))
+  config.model.mlp_dim = 128
   with pytest.raises(ValueError, match=r'model: params/encoder/layers_0/mlp/intermediate/'
                                        r'\w+ has shape \S*64\S* in the checkpoint but \S*128'):
-    run(config, tmp_path / 'run')
+    run(config, tmp_path / 'run2')
 
 
 def _abstract_params(config):
