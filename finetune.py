@@ -352,6 +352,7 @@ def main(argv):
   del argv
   if not flags.FLAGS.workdir:
     raise app.UsageError('--workdir is required')
+  logging.get_absl_handler().addFilter(cli.QuietLibraries())
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   try:
     summary = finetune(flags.FLAGS.config, flags.FLAGS.workdir)

@@ -13,7 +13,6 @@ and GPU cluster launches. `config.data.sources=synthetic` trains on random token
 same format (throughput checks only).
 """
 
-import logging as logging_std
 import os
 import signal
 import sys
@@ -337,15 +336,8 @@ def check_launch():
     raise SystemExit(f'error: {e}') from None
 
 
-class _QuietLibraries(logging_std.Filter):
-  """Keep the console readable: drop orbax's per-save INFO lines (warnings still show)."""
-
-  def filter(self, record):
-    return record.levelno >= logging_std.WARNING or '/orbax/' not in record.pathname
-
-
 def main(argv):
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  logging.get_absl_handler().addFilter(cli.QuietLibraries())
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]}; settings go in --config.*')
   if flags.FLAGS.compile_for:

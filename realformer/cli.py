@@ -10,6 +10,7 @@ keeps the traceback.
 """
 
 import contextlib
+import logging as logging_std
 import os
 import re
 import sys
@@ -61,3 +62,16 @@ def parse_flags(argv):
       raise
     print(f'error: {_one_line(e)}', file=sys.stderr)
     sys.exit(1)
+
+
+class QuietLibraries(logging_std.Filter):
+  """Keep the console readable: drop orbax's per-save INFO lines, and its warning that an
+  item directory has no _CHECKPOINT_METADATA (orbax writes that file per step, not per
+  item, and warns about its absence at every restore). Other warnings still show."""
+
+  def filter(self, record):
+    if '/orbax/' not in record.pathname:
+      return True
+    if record.levelno < logging_std.WARNING:
+      return False
+    return not str(record.msg).startswith('Metadata file does not exist')

@@ -142,3 +142,19 @@ def test_config_mistakes_are_one_line(tmp_path, program, override, expected):
   assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
   assert 'Traceback' not in proc.stderr
   assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_a_normal_resume_prints_no_warning(tmp_path):
+  args = [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
+          '--config.model.num_layers=1', '--config.model.hidden_size=32',
+          '--config.model.mlp_dim=64', '--config.model.vocab_size=100',
+          '--config.data.max_seq_length=32', '--config.data.max_predictions_per_seq=5',
+          '--config.train.batch_size=4', '--config.train.eval_steps=0',
+          '--config.train.checkpoint_every_steps=1']
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  for steps in (2, 3):
+    proc = subprocess.run(args + [f'--config.train.num_steps={steps}'], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  warnings = [l for l in proc.stderr.splitlines() if l[:1] in 'WE' and l[1:2].isdigit()]
+  assert 'resuming from' in proc.stderr and not warnings, warnings
