@@ -101,7 +101,8 @@ class GlueTask:
 
   def _load(self, task: str, split: str):
     if self.config.data_dir:
-      return glue.read_tsv(task, self.config.data_dir, split)
+      return glue.read_tsv(task, self.config.data_dir, split,
+                           skip_malformed=self.config.skip_malformed_rows)
     return glue.read_tfds(task, split, self.config.tfds_data_dir)
 
   def build(self, model_config):

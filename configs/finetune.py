@@ -43,6 +43,9 @@ def get_config(arg: str = 'glue/sst2'):
   c.init_checkpoint = ''
   c.from_scratch = False
   c.data_dir = ''
+  # GLUE TSV rows with too few columns are an error naming file and line; True skips them
+  # and reports how many (the official QQP and MNLI files hold a few).
+  c.skip_malformed_rows = False
   c.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
   c.max_seq_length = 384 if squad else 128
   c.batch_size = 32

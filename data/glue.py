@@ -15,6 +15,7 @@ import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
+from absl import logging
 
 
 class Task(NamedTuple):
@@ -82,16 +83,25 @@ def get_task(name: str) -> Task:
   return TASKS[name]
 
 
-def _label_value(task: Task, raw: str) -> float:
+def _label_value(task: Task, raw: str, where: str = '') -> float:
   if not task.labels:
-    return float(raw)
+    try:
+      return float(raw)
+    except ValueError:
+      raise ValueError(f'{where}{task.name}: label {raw!r} is not a number') from None
   if raw not in task.labels:
-    raise ValueError(f'{task.name}: label {raw!r} is not one of {task.labels}')
+    raise ValueError(f'{where}{task.name}: label {raw!r} is not one of {task.labels}')
   return task.labels.index(raw)
 
 
-def read_tsv(task_name: str, data_dir: str, split: str) -> List[Example]:
-  """Examples of one split from the official GLUE TSV files under data_dir/<Task>/."""
+def read_tsv(task_name: str, data_dir: str, split: str,
+             skip_malformed: bool = False) -> List[Example]:
+  """Examples of one split from the official GLUE TSV files under data_dir/<Task>/.
+
+  A row with too few columns is an error naming the file and line; with skip_malformed
+  such rows are skipped, counted and reported (GLUE's own QQP and MNLI files hold a few).
+  A bad label is an error naming the file and line.
+  """
   task = get_task(task_name)
   if split not in task.splits:
     raise ValueError(f'{task.name} has no {split} split (it has {", ".join(task.splits)})')
@@ -100,28 +110,53 @@ def read_tsv(task_name: str, data_dir: str, split: str) -> List[Example]:
     raise FileNotFoundError(f'{path} not found; set config.data_dir to the directory holding '
                             f'the GLUE task folders (CoLA/, SST-2/, ...) or use tfds')
   csv.field_size_limit(sys.maxsize)
-  with open(path, encoding='utf-8-sig') as f:
-    rows = list(csv.reader(f, delimiter='\t', quoting=csv.QUOTE_NONE))
-  if task_name == 'cola' and split != 'test':  # no header: source, label, mark, sentence
-    return [Example(f'{split}-{i}', r[3], None, _label_value(task, r[1]))
-            for i, r in enumerate(rows)]
-  header = [h.strip().lstrip('\ufeff') for h in rows[0]]
-  col = {h: i for i, h in enumerate(header)}
-  missing = [c for c in task.text if c not in col]
-  if missing:
-    raise ValueError(f'{path}: columns {missing} missing (header {header}); is it the '
-                     f'{task.name} file?')
+  try:
+    with open(path, encoding='utf-8-sig') as f:
+      rows = list(csv.reader(f, delimiter='\t', quoting=csv.QUOTE_NONE))
+  except UnicodeDecodeError as e:
+    raise ValueError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to '
+                     f'UTF-8') from None
+  if not rows:
+    raise ValueError(f'{path} is empty; is it the {task.name} file?')
+  skipped = []
+
+  def usable(row, line, width, names) -> bool:
+    if len(row) >= width:
+      return True
+    if not skip_malformed:
+      raise ValueError(f'{path}:{line}: {len(row)} columns where {width} are expected '
+                       f'({names}); fix the row, or set config.skip_malformed_rows=True to '
+                       f'skip such rows')
+    skipped.append(line)
+    return False
+
   examples = []
-  for i, r in enumerate(rows[1:]):
-    if len(r) < len(header):
-      continue  # GLUE's files have a few truncated lines; the official loaders skip them
-    a = r[col[task.text[0]]]
-    b = r[col[task.text[1]]] if len(task.text) > 1 else None
-    guid = r[col['index']] if 'index' in col else r[col['id']] if 'id' in col else str(i)
-    label = None
-    if split != 'test' and task.label:
-      label = _label_value(task, r[col[task.label]])
-    examples.append(Example(guid, a, b, label))
+  if task_name == 'cola' and split != 'test':  # no header: source, label, mark, sentence
+    for i, r in enumerate(rows):
+      if usable(r, i + 1, 4, 'source, label, mark, sentence'):
+        examples.append(Example(f'{split}-{i}', r[3], None,
+                                _label_value(task, r[1], f'{path}:{i + 1}: ')))
+  else:
+    header = [h.strip().lstrip('\ufeff') for h in rows[0]]
+    col = {h: i for i, h in enumerate(header)}
+    missing = [c for c in task.text if c not in col]
+    if missing:
+      raise ValueError(f'{path}: columns {missing} missing (header {header}); is it the '
+                       f'{task.name} file?')
+    for i, r in enumerate(rows[1:]):
+      line = i + 2
+      if not usable(r, line, len(header), ', '.join(header)):
+        continue
+      a = r[col[task.text[0]]]
+      b = r[col[task.text[1]]] if len(task.text) > 1 else None
+      guid = r[col['index']] if 'index' in col else r[col['id']] if 'id' in col else str(i)
+      label = None
+      if split != 'test' and task.label:
+        label = _label_value(task, r[col[task.label]], f'{path}:{line}: ')
+      examples.append(Example(guid, a, b, label))
+  if skipped:
+    logging.warning('skipped %d malformed rows of %s (lines %s%s)', len(skipped), path,
+                    ', '.join(map(str, skipped[:5])), ', ...' if len(skipped) > 5 else '')
   return examples
 
 

@@ -41,6 +41,32 @@ def test_every_task_reads_its_official_tsvs(task):
     glue.get_task('sst-5')
 
 
+def test_malformed_glue_rows_name_file_and_line(tmp_path, caplog):
+  rte = tmp_path / 'RTE'
+  rte.mkdir()
+  (rte / 'train.tsv').write_text('index\tsentence1\tsentence2\tlabel\n'
+                                 '0\tA man.\tA person.\tentailment\n'
+                                 '1\tcut short\n'
+                                 '2\tA dog.\tA cat.\tnot_entailment\n')
+  with pytest.raises(ValueError, match=r'RTE/train.tsv:3: 2 columns where 4 are expected.*'
+                                       r'skip_malformed_rows'):
+    glue.read_tsv('rte', str(tmp_path), 'train')
+  examples = glue.read_tsv('rte', str(tmp_path), 'train', skip_malformed=True)
+  assert [e.guid for e in examples] == ['0', '2']
+  assert 'skipped 1 malformed rows' in caplog.text and 'lines 3' in caplog.text
+  cola = tmp_path / 'CoLA'
+  cola.mkdir()
+  (cola / 'train.tsv').write_text('gj04\t1\t\tGood.\ngj04\t0\n')  # CoLA: was IndexError
+  with pytest.raises(ValueError, match=r'CoLA/train.tsv:2: 2 columns where 4'):
+    glue.read_tsv('cola', str(tmp_path), 'train')
+  (cola / 'train.tsv').write_text('gj04\t1\t\tGood.\ngj04\tmaybe\t\tBad.\n')
+  with pytest.raises(ValueError, match=r"CoLA/train.tsv:2: CoLA: label 'maybe'"):
+    glue.read_tsv('cola', str(tmp_path), 'train')
+  (cola / 'train.tsv').write_bytes(b'gj04\t1\t\t\xff\xfe bad bytes\n')
+  with pytest.raises(ValueError, match='not UTF-8'):
+    glue.read_tsv('cola', str(tmp_path), 'train')
+
+
 def test_featurize_pairs_truncates_the_longer_side():
   tok = tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
   ex = [glue.Example('0', 'the union is strong ' * 10, 'peace', 1)]
