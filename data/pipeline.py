@@ -73,9 +73,13 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
   source = grain.ArrayRecordDataSource(paths)
   per_host = global_batch_size // process_count
   if len(source) // process_count < per_host:
+    stats = metadata.get('stats', {})
+    undecodable = max(stats.get('train/non_utf8_lines', 0), stats.get('eval/non_utf8_lines', 0))
+    why = (f' ({undecodable} lines of the corpus were not UTF-8 and were skipped: convert the '
+           f'files to UTF-8 and prepare again)' if undecodable else '')
     raise ValueError(f'the {split} split has {len(source)} examples, fewer than one batch of '
-                     f'{per_host} per process; use a larger corpus, a smaller batch, or (for '
-                     'eval) a larger data.eval_fraction')
+                     f'{per_host} per process{why}; use a larger corpus, a smaller batch, or '
+                     '(for eval) a larger data.eval_fraction')
   sampler = grain.IndexSampler(
       num_records=len(source), shuffle=True, seed=seed, num_epochs=num_epochs,
       shard_options=grain.ShardOptions(shard_index=process_index, shard_count=process_count,

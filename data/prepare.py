@@ -121,6 +121,14 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dic
   tmp = f'{out_dir.rstrip("/")}.tmp-{os.getpid()}'
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
+  try:
+    return _prepare_into(config, tokenizer, tmp, out_dir, overwrite)
+  finally:  # nothing half-made is left behind, whatever went wrong
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare_into(config, tokenizer, tmp: str, out_dir: str, overwrite: bool) -> dict:
+  d = config.data
   counts, files, stats, start = {}, {}, collections.Counter(), time.time()
   for split in SPLITS:
     split_stats = collections.Counter()
@@ -144,8 +152,13 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dic
                     'that same document and eval NSP accuracy means nothing; raise '
                     'data.eval_fraction (now %g) to hold out at least two documents',
                     d.eval_fraction)
+  # Each split's pass reads every file: the count of one pass is the corpus's.
+  undecodable = max(stats['train/non_utf8_lines'], stats['eval/non_utf8_lines'])
+  if undecodable:
+    logging.warning('%d lines of config.data.sources=%r are not UTF-8 and were skipped; '
+                    'convert the files to UTF-8 (e.g. iconv -f latin1 -t utf-8)', undecodable,
+                    d.sources)
   if counts['train'] == 0:
-    shutil.rmtree(tmp, ignore_errors=True)
     raise ValueError(f'config.data.sources={d.sources!r} gave no training examples '
                      f'({dict(stats) or "no documents"}); check the files and their format '
                      '(one sentence per line, blank line between documents)')
@@ -157,7 +170,6 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dic
     json.dump(metadata, f, indent=2)
   if os.path.exists(out_dir):
     if not overwrite and os.path.exists(os.path.join(out_dir, METADATA)):
-      shutil.rmtree(tmp)
       return read_metadata(out_dir)
     shutil.rmtree(out_dir)
   try:
@@ -165,7 +177,6 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dic
   except OSError:  # another process renamed its preparation into place first
     if overwrite or not os.path.exists(os.path.join(out_dir, METADATA)):
       raise
-    shutil.rmtree(tmp)
     return read_metadata(out_dir)
   return metadata
 

@@ -293,3 +293,17 @@ def test_bad_inputs_are_clear_errors(prepared, tok, tmp_path):
   with pytest.raises(ValueError, match='fewer than one batch'):
     pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, split='eval',
                                        global_batch_size=4096, seed=0)
+
+
+def test_failed_preparation_leaves_nothing_and_names_undecodable_lines(tmp_path, tok, caplog):
+  with pytest.raises(FileNotFoundError, match='matches no file'):
+    prepare.prepare(tiny_config(f'files:{tmp_path}/nothing*.txt'), str(tmp_path / 'data'))
+  assert os.listdir(tmp_path) == []  # no orphan data.tmp-<pid>
+  # Latin-1 text: every line with an accent is undecodable as UTF-8.
+  lines = [f'Le caf\xe9 num\xe9ro {i} est ferm\xe9.' for i in range(40)]
+  text = '\n\n'.join('\n'.join(lines[i:i + 4]) for i in range(0, 40, 4)) + '\n'
+  (tmp_path / 'latin1.txt').write_bytes(text.encode('latin-1'))
+  with pytest.raises(ValueError, match='no training examples.*non_utf8_lines'):
+    prepare.prepare(tiny_config(f'files:{tmp_path}/latin1.txt'), str(tmp_path / 'data'))
+  assert '40 lines of config.data.sources' in caplog.text and 'not UTF-8' in caplog.text
+  assert sorted(os.listdir(tmp_path)) == ['latin1.txt']
