@@ -11,6 +11,7 @@ import argparse
 import os
 
 from realformer import analysis
+from realformer import cli
 
 
 def main(argv=None):
@@ -21,10 +22,10 @@ def main(argv=None):
   p.add_argument('--num_examples', type=int, default=32)
   args = p.parse_args(argv)
   if args.label and len(args.label) != len(args.workdir):
-    p.error('give one --label per --workdir (or none)')
+    raise ValueError('give one --label per --workdir (or none)')
   for w in args.workdir:
     if not os.path.exists(os.path.join(w, 'config.json')):
-      p.error(f'{w} has no config.json: pass the --workdir of a train.py run')
+      raise FileNotFoundError(f'{w} has no config.json: pass the --workdir of a train.py run')
   results = [analysis.analyze_run(w, args.num_examples) for w in args.workdir]
   analysis.write_report(results, args.out, args.label)
   with open(f'{args.out}/attention.md') as f:
@@ -32,4 +33,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  main()
+  cli.run_main(main)

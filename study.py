@@ -22,6 +22,7 @@ import shutil
 
 from realformer import analysis
 from realformer import sweep
+from realformer import cli
 
 VARIANTS = ('postln', 'preln', 'realformer', 'synth_random_vanilla', 'synth_dense_vanilla')
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -126,4 +127,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  raise SystemExit(main())
+  raise SystemExit(cli.run_main(main))

@@ -18,6 +18,7 @@ import os
 import sys
 
 from realformer import sweep
+from realformer import cli
 
 
 def _add_run_args(p):
@@ -55,6 +56,7 @@ def main(argv=None):
     print(markdown + f'\n(written to {out}.md and {out}.csv)')
     return 0
   runs = sweep.expand(args.sweep, args.set, args.seeds, args.sweep_file)
+  sweep.check_keys(args.config, runs)
   if args.cmd == 'print':
     print(sweep.launch_script(runs, root=args.root, program=args.program, config=args.config,
                               target=args.target), end='')
@@ -69,4 +71,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  sys.exit(cli.run_main(main))

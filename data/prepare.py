@@ -30,6 +30,7 @@ from ml_collections import config_flags
 from data import pretraining
 from data import sources
 from data import tokenizer as tokenizer_lib
+from realformer import cli
 
 METADATA = 'metadata.json'
 SPLITS = ('train', 'eval')
@@ -204,7 +205,8 @@ def main(argv):
 
 if __name__ == '__main__':
   # Flags are defined only when run as a program: train.py imports this module.
-  config_flags.DEFINE_config_file('config', None, 'configs/pretrain.py:<variant>,<size>')
+  with cli.config_overrides():
+    config_flags.DEFINE_config_file('config', None, 'configs/pretrain.py:<variant>,<size>')
   flags.DEFINE_string('out_dir', None, 'Where to write the shards.')
   flags.mark_flags_as_required(['config', 'out_dir'])
-  app.run(main)
+  app.run(lambda argv: cli.run_main(main, argv), flags_parser=cli.parse_flags)

@@ -75,3 +75,25 @@ class QuietLibraries(logging_std.Filter):
     if record.levelno < logging_std.WARNING:
       return False
     return not str(record.msg).startswith('Metadata file does not exist')
+
+
+# The user errors every entry point reports as one line (a bad path, a bad value, a busy
+# workdir); anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+               PermissionError)
+
+
+def run_main(main, *args):
+  """main(*args) with user errors as `error: <message>` and exit status 1 (the traceback
+  with --verbose_errors or REALFORMER_VERBOSE_ERRORS=1). Returns main's result."""
+  from realformer import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  verbose = _verbose(sys.argv)
+  if '--verbose_errors' in sys.argv:
+    sys.argv.remove('--verbose_errors')
+  try:
+    return main(*args)
+  except USER_ERRORS + (workdir_lib.WorkdirInUseError,) as e:
+    if verbose:
+      raise
+    print(f'error: {" ".join(str(e).split())}', file=sys.stderr)
+    sys.exit(1)

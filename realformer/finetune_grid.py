@@ -25,6 +25,7 @@ import sys
 from typing import Any, Dict, List, Sequence
 
 from realformer import sweep
+from realformer import cli
 
 GLUE_TASKS = ('cola', 'sst2', 'mrpc', 'stsb', 'qqp', 'mnli', 'qnli', 'rte', 'wnli')
 GRID_KEYS = ('optimizer.learning_rate', 'batch_size', 'num_epochs')
@@ -139,9 +140,17 @@ def main(argv=None):
     fixed = {'init_checkpoint': args.init_checkpoint, 'data_dir': args.data_dir}
     for assignment in sweep.parse_assignments(args.set, multi=False):
       fixed.update(assignment[0])
+    if not args.print_only and not fixed.get('from_scratch') and not os.path.isfile(
+        os.path.join(os.path.expanduser(args.init_checkpoint or '.'), 'config.json')):
+      raise ValueError(f'--init_checkpoint={args.init_checkpoint!r} is not a train.py or '
+                       f'import workdir (no config.json); pass one, or --set from_scratch=True')
+    if (not args.print_only and args.data_dir and
+        not os.path.isdir(os.path.expanduser(args.data_dir))):
+      raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')
     failed = []
     for task in tasks:
       runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
+      sweep.check_keys(config_arg(task), runs)
       root = task_root(args.root, task)
       if args.print_only:
         print(sweep.launch_script(runs, root=root, program=PROGRAM, config=config_arg(task),
@@ -160,4 +169,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  sys.exit(cli.run_main(main))

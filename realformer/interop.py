@@ -45,6 +45,7 @@ from configs import pretrain as pretrain_configs
 from data import wordpiece
 from realformer import checkpoints
 from realformer import models
+from realformer import cli
 from realformer.spec import resolve
 
 HF_CONFIG = 'config.json'
@@ -600,4 +601,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == '__main__':
-  main()
+  cli.run_main(main)

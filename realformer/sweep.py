@@ -162,6 +162,42 @@ def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
   return argv
 
 
+def load_config(config: str):
+  """`path.py[:arg]` -> the ConfigDict its get_config(arg) returns (paths relative to the
+  repository root, where the programs run)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  path, _, arg = config.partition(':')
+  full = path if os.path.isabs(path) else os.path.join(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+  if not os.path.isfile(full):
+    raise FileNotFoundError(f'config file {path} not found')
+  spec = importlib.util.spec_from_file_location('_sweep_config', full)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def check_keys(config: str, runs: Sequence[Run]):
+  """A one-line error for an override key the config does not have, before any run
+  starts (each run would otherwise fail the same way)."""
+  import difflib  # pylint: disable=g-import-not-at-top
+  if not config.partition(':')[0].endswith('.py'):
+    return  # not a config file this can read (another program's argument)
+  cfg = load_config(config)
+
+  def flat(c, prefix=''):
+    out = []
+    for k, v in c.items():
+      out += flat(v, f'{prefix}{k}.') if hasattr(v, 'items') else [f'{prefix}{k}']
+    return out
+  known = set(flat(cfg))
+  for key in sorted({k for run in runs for k in run}):
+    if key not in known:
+      close = difflib.get_close_matches(key, sorted(known), n=1)
+      hint = f' (did you mean {close[0]}?)' if close else ''
+      raise ValueError(f'{key} is not a field of {config}{hint}; fix the --sweep/--set key')
+
+
 def last_step(workdir: str) -> int:
   """The largest 'step' in <workdir>/metrics.jsonl (-1 without one)."""
   path = os.path.join(workdir, 'metrics.jsonl')

@@ -174,7 +174,11 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   assert any('configs/finetune.py:squad/v1.1' in l for l in lines)
   # A failed (or refused) run makes the grid's exit code non-zero, after the summary.
   with mock.patch.object(finetune_grid.sweep, 'run_all', return_value={'seed=0': 3}):
-    assert finetune_grid.main(['--tasks', 'rte', '--root', root, '--seeds', '1']) == 1
+    assert finetune_grid.main(['--tasks', 'rte', '--root', root, '--seeds', '1',
+                               '--set', 'from_scratch=True']) == 1
+  # Before any run starts: a pretrained checkpoint that is not there.
+  with pytest.raises(ValueError, match="--init_checkpoint='/ck' is not a train.py"):
+    finetune_grid.main(['--tasks', 'rte', '--root', root, '--init_checkpoint', '/ck'])
   assert 'failed runs: rte/seed=0' in capsys.readouterr().out
   finetune_grid.main(['--tasks', 'rte', '--root', root, '--learning_rates', '1e-4',
                       '--batch_sizes', '16', '--epochs', '3', '--seeds', '1', '--print_only'])

@@ -158,3 +158,25 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
   warnings = [l for l in proc.stderr.splitlines() if l[:1] in 'WE' and l[1:2].isdigit()]
   assert 'resuming from' in proc.stderr and not warnings, warnings
+
+
+@pytest.mark.parametrize('argv,expected', [
+    (['sweep.py', 'run', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
+      '--sweep', 'model.varient=postln'], 'model.varient is not a field'),
+    (['-m', 'realformer.finetune_grid', '--tasks', 'rte', '--root', '{tmp}/g',
+      '--init_checkpoint', '{tmp}/none'], 'is not a train.py or import workdir'),
+    (['-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny', '--out_dir',
+      '{tmp}/p', '--config.data.sources=files:{tmp}/none*'], 'matches no file'),
+    (['analyze.py', '--workdir', '{tmp}/none', '--out', '{tmp}/a'], 'has no config.json'),
+    (['-m', 'realformer.interop', 'import-hf', '--src', '{tmp}/none', '--out', '{tmp}/x'],
+     'not found'),
+    (['study.py', '--root', '{tmp}/st', '--seeds', '0'], 'need at least one seed'),
+])
+def test_every_entry_point_reports_user_errors_in_one_line(tmp_path, argv, expected):
+  argv = [a.format(tmp=tmp_path) for a in argv]
+  proc = subprocess.run([sys.executable] + argv, cwd=REPO, capture_output=True, text=True,
+                        timeout=240)
+  errors = [l for l in proc.stderr.splitlines() if 'error:' in l]
+  assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], proc.stderr
+  assert 'Traceback' not in proc.stderr
+  assert sorted(os.listdir(tmp_path)) == []  # nothing half-made left behind
