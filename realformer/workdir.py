@@ -73,11 +73,12 @@ class Lock:
   def __init__(self, workdir: str, program: str = 'train.py'):
     self.workdir, self.program = workdir, program
     self.path = os.path.join(workdir, LOCK_FILE)
-    self._fd = None
+    self._fd, self._created = None, False
 
   def __enter__(self):
     if jax.process_index() != 0:
       return self
+    self._created = not os.path.exists(self.workdir)
     os.makedirs(self.workdir, exist_ok=True)
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -112,6 +113,10 @@ class Lock:
       fcntl.flock(self._fd, fcntl.LOCK_UN)
       os.close(self._fd)
       self._fd = None
+      # A run that failed before writing anything leaves no empty workdir behind.
+      if self._created and os.listdir(self.workdir) == [LOCK_FILE]:
+        os.remove(self.path)
+        os.rmdir(self.workdir)
 
 
 def _flatten(tree, prefix='') -> Dict[str, object]:
