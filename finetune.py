@@ -358,6 +358,8 @@ def main(argv):
   try:
     summary = finetune(flags.FLAGS.config, flags.FLAGS.workdir)
   except (ValueError, FileNotFoundError, workdir_lib.WorkdirInUseError) as e:
+    if cli.verbose_errors():
+      raise
     raise SystemExit(f'error: {e}') from None
   print(json.dumps(summary, indent=2))
 

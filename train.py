@@ -357,6 +357,8 @@ def main(argv):
     summary = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (NonFiniteLossError, ValueError, FileNotFoundError,
           workdir_lib.WorkdirInUseError) as e:
+    if cli.verbose_errors():
+      raise
     raise SystemExit(f'error: {e}') from None
   if 'preempted' in summary:
     print(f'not finished: stopped by SIGTERM after saving step {summary["preempted"]}; run '

@@ -16,8 +16,8 @@ largest fitting multiple of 64 (16 per chip) in at most 3 compiles (each 20-40 s
 a refusal takes ~3 s): the reference, the batch where memory proportional to the batch
 would fill HBM, and where the line through the two meets HBM. It reports the largest batch
 that compiled and fitted and the smallest that did not: the answer lies between them
-(`launch.py --find_max_batch` searches until they are one unit apart). Finished cells are kept: rerunning
-continues (a cell takes 1-3 minutes).
+(`launch.py --find_max_batch` searches until they are one unit apart). Finished cells are
+kept: rerunning continues (a cell takes 1-5 minutes).
 Needs libtpu (requirements-tpu.txt).
 """
 

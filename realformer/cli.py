@@ -38,6 +38,11 @@ def _verbose(argv) -> bool:
   return '--verbose_errors' in argv or os.environ.get('REALFORMER_VERBOSE_ERRORS') == '1'
 
 
+def verbose_errors() -> bool:
+  """Whether the user asked for tracebacks (--verbose_errors or REALFORMER_VERBOSE_ERRORS=1)."""
+  return _verbose(sys.argv)
+
+
 @contextlib.contextmanager
 def config_overrides():
   """Around config_flags.DEFINE_config_file, which applies the command line's

@@ -17,9 +17,10 @@ assumed_trip_counts), a fusion, call or async wrapper by its caller's.
 Counted:
   dot          2 * prod(result dims) * prod(lhs contracting dims)
   convolution  2 * (result batch x feature elements) * (window taps that land on real
-               input elements, per output position) * (rhs input features). TPUs lower matmuls to convolutions and write
-               a batched matmul's batch dimensions as spatial ones whose window covers a
-               dilated input: one real tap per output, as XLA's cost analysis counts it.
+               input elements, per output position) * (rhs input features). TPUs
+               lower matmuls to convolutions and write a batched matmul's batch
+               dimensions as spatial ones whose window covers a dilated input: one
+               real tap per output, as XLA's cost analysis counts it.
   A contraction with a boolean (one-hot) operand is a row selection (rows.take_rows), which
   flops_per_example leaves out: counted apart, as selection_flops.
   collectives  all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute,

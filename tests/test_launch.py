@@ -120,13 +120,14 @@ ENTRY %main (x: f32[4,8], g: f32[6,6,6,7], k: f32[3,2,7,12]) -> f32[4,8] {
   %x = f32[4,8] parameter(0)
   %g = f32[6,6,6,7] parameter(1)
   %k = f32[3,2,7,12] parameter(2)
-  %c = f32[3,4,5,12] convolution(%g, %k), window={size=3x2}, dim_labels=b01f_01io->b01f, batch_group_count=2
+  %c = f32[3,4,5,12] CONVOLUTION
   %start = s32[] constant(3)
   %init = (s32[], f32[4,8]) tuple(%start, %x)
   %loop = (s32[], f32[4,8]) while(%init), condition=%cond, body=%body
   ROOT %out = f32[4,8] get-tuple-element(%loop), index=1
 }
-'''
+'''.replace('CONVOLUTION', 'convolution(%g, %k), window={size=3x2}, '
+            'dim_labels=b01f_01io->b01f, batch_group_count=2')
 
 
 def test_hlo_stats_reads_start_and_step_and_batch_groups_from_hand_written_hlo():

@@ -158,6 +158,13 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
   warnings = [l for l in proc.stderr.splitlines() if l[:1] in 'WE' and l[1:2].isdigit()]
   assert 'resuming from' in proc.stderr and not warnings, warnings
+  stored = (tmp_path / 'config.json').read_text()
+  proc = subprocess.run(args + ['--config.train.num_steps=4', '--config.model.variant=realformer'],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+  assert "model.variant: 'postln' -> 'realformer'" in errors[0]
+  assert (tmp_path / 'config.json').read_text() == stored
 
 
 @pytest.mark.parametrize('argv,expected', [
@@ -171,6 +178,9 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     (['-m', 'realformer.interop', 'import-hf', '--src', '{tmp}/none', '--out', '{tmp}/x'],
      'not found'),
     (['study.py', '--root', '{tmp}/st', '--seeds', '0'], 'need at least one seed'),
+    (['finetune.py', '--workdir', '{tmp}/ft'], 'config.init_checkpoint is empty'),
+    (['finetune.py', '--workdir', '{tmp}/ft', '--config.init_checkpoint={tmp}/none'],
+     'config.json'),
 ])
 def test_every_entry_point_reports_user_errors_in_one_line(tmp_path, argv, expected):
   argv = [a.format(tmp=tmp_path) for a in argv]
