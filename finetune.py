@@ -93,11 +93,20 @@ class GlueTask:
                                                self.regression)
     self.train = self.featurize(self._load(config.task, 'train'))
     self.evals = {config.task: self._load(config.task, 'dev')}
-    self.tests = {config.task: self._load(config.task, 'test')}
+    # GLUE's test sets are optional: without test.tsv the run trains and evaluates only.
+    self.tests = {config.task: self._load_test(config.task)}
     if config.task == 'mnli':
       self.evals['mnli_mismatched'] = self._load('mnli_mismatched', 'dev')
-      self.tests['mnli_mismatched'] = self._load('mnli_mismatched', 'test')
-      self.tests['ax'] = self._load('ax', 'test')
+      self.tests['mnli_mismatched'] = self._load_test('mnli_mismatched')
+      self.tests['ax'] = self._load_test('ax')
+
+  def _load_test(self, task: str):
+    try:
+      return self._load(task, 'test')
+    except FileNotFoundError:
+      if not self.config.data_dir:
+        raise
+      return None
 
   def _load(self, task: str, split: str):
     if self.config.data_dir:
@@ -137,9 +146,15 @@ class GlueTask:
 
   def write_predictions(self, run_model, results, out_dir: str):
     del results
+    missing = [n for n, examples in self.tests.items() if examples is None]
     for name, examples in self.tests.items():
-      preds, _ = self._predict(run_model, examples)
-      glue.write_predictions(name, examples, preds, out_dir)
+      if examples is not None:
+        preds, _ = self._predict(run_model, examples)
+        glue.write_predictions(name, examples, preds, out_dir)
+    if missing:
+      logging.info('no test.tsv for %s in %s: trained and evaluated; no predictions were '
+                   'written for %s', ', '.join(missing), self.config.data_dir,
+                   'it' if len(missing) == 1 else 'them')
 
   def headline(self, results) -> float:
     return finetune_metrics.headline(self.name, results[self.name])

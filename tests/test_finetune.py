@@ -3,6 +3,7 @@ pretraining checkpoint to dev metrics and submission files (resume and mismatch 
 
 import json
 import os
+import shutil
 from unittest import mock
 
 import flax.linen as nn
@@ -145,6 +146,19 @@ def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
   scratch = finetune.finetune(ft_config('sst2', pretrained, from_scratch=True),
                               str(tmp_path / 'b'))
   assert 'accuracy' in scratch['dev']['sst2']
+
+
+def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_path, caplog):
+  data = tmp_path / 'glue' / 'RTE'
+  data.mkdir(parents=True)
+  for split in ('train.tsv', 'dev.tsv'):
+    shutil.copy(os.path.join(GLUE_DIR, 'RTE', split), data / split)
+  caplog.set_level('INFO')
+  summary = finetune.finetune(ft_config('rte', pretrained, data_dir=str(tmp_path / 'glue')),
+                              str(tmp_path / 'ft'))
+  assert 'accuracy' in summary['dev']['rte']
+  assert not (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').exists()
+  assert 'no test.tsv for rte' in caplog.text and 'no predictions were written' in caplog.text
 
 
 def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
