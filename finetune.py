@@ -54,10 +54,24 @@ class FinetuneMetrics(clu_metrics.Collection):
   grad_norm: clu_metrics.Average
 
 
-def pretrained_config(path: str) -> ml_collections.ConfigDict:
+def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
+  """The pretraining config: a workdir's config.json, or, for a random-init baseline
+  (from_scratch=True), a pretraining config file such as configs/pretrain.py:postln,tiny,
+  with config.tokenizer (or that config's data.tokenizer) giving the vocabulary."""
   if not path:
     raise ValueError('config.init_checkpoint is empty: name the pretraining workdir (its '
                      'config.json gives the architecture and the tokenizer)')
+  if path.partition(':')[0].endswith('.py'):
+    if config is None or not config.from_scratch:
+      raise ValueError(f'config.init_checkpoint={path!r} is a config file, which holds no '
+                       f'weights: set config.from_scratch=True for a random-init baseline, '
+                       f'or name a pretraining workdir')
+    from realformer import sweep  # pylint: disable=g-import-not-at-top
+    pre = sweep.load_config(path).copy_and_resolve_references()
+    if config.get('tokenizer'):
+      pre.data.tokenizer = config.tokenizer
+    pre.model.vocab_size = tokenizer_lib.load_for_config(pre.data).vocab_size
+    return pre
   if not os.path.exists(os.path.join(path, checkpoints.CONFIG_FILE)):
     raise FileNotFoundError(f'{path} has no {checkpoints.CONFIG_FILE}; config.init_checkpoint '
                             'must be a workdir written by train.py or realformer.interop')
@@ -254,7 +268,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
-  pre = pretrained_config(config.init_checkpoint)
+  pre = pretrained_config(config.init_checkpoint, config)
   if config.max_seq_length > pre.model.max_len:
     raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained model\'s '
                      f'positions ({pre.model.max_len}); lower config.max_seq_length')

@@ -40,8 +40,11 @@ def get_config(arg: str = 'glue/sst2'):
   c = ml_collections.ConfigDict()
   c.benchmark = benchmark
   c.task = task
+  # A pretraining workdir (train.py or realformer.interop); with from_scratch=True also a
+  # pretraining config file such as configs/pretrain.py:postln,tiny (architecture only).
   c.init_checkpoint = ''
   c.from_scratch = False
+  c.tokenizer = ''  # with a config file: the sentencepiece model ('' = that config's)
   c.data_dir = ''
   # GLUE TSV rows with too few columns are an error naming file and line; True skips them
   # and reports how many (the official QQP and MNLI files hold a few).

@@ -161,6 +161,17 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   assert 'no test.tsv for rte' in caplog.text and 'no predictions were written' in caplog.text
 
 
+def test_random_init_baseline_from_a_pretraining_config(tmp_path):
+  config = ft_config('rte', 'configs/pretrain.py:postln,tiny', from_scratch=True)
+  summary = finetune.finetune(config, str(tmp_path / 'ft'))
+  assert 'accuracy' in summary['dev']['rte']
+  stored = json.load(open(tmp_path / 'ft' / 'config.json'))
+  assert stored['init_checkpoint'] == 'configs/pretrain.py:postln,tiny'
+  with pytest.raises(ValueError, match='holds no weights: set config.from_scratch=True'):
+    finetune.finetune(ft_config('rte', 'configs/pretrain.py:postln,tiny'),
+                      str(tmp_path / 'ft2'))
+
+
 def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
   other = str(tmp_path / 'other')
   os.makedirs(other)
