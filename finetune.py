@@ -15,8 +15,10 @@ SQuAD: predictions/predictions.json of dev, plus null_odds.json for v2.0).
 The grid of the paper's practice: `python -m realformer.finetune_grid` (see its docstring).
 """
 
+import datetime
 import json
 import os
+import time
 from typing import Dict, Tuple
 
 import flax
@@ -344,15 +346,23 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
 
   step = int(state.step)
   results = None
+  seq_len = train['input_ids'].shape[1]
+  first_step = step
   for epoch in range(step // steps_per_epoch, config.num_epochs):
     order = np.random.default_rng([config.seed, epoch]).permutation(num_train)
-    window = None
+    window, window_tokens, window_steps = None, 0, 0
+    epoch_start = window_start = time.time()
     for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
       idx = order[i * config.batch_size:(i + 1) * config.batch_size]
       state, m = train_step(state, train_lib.global_batch({k: v[idx] for k, v in train.items()},
                                                           mesh))
       window = metrics_lib.merge(window, m)
+      window_tokens += int(train['attention_mask'][idx].sum())
+      window_steps += 1
       step += 1
+      if step == first_step + 1:  # leave compilation out of the throughput
+        jax.block_until_ready(m)
+        window_tokens, window_steps, window_start = 0, 0, time.time()
       if step % config.log_every_steps == 0 or i == steps_per_epoch - 1:
         values = metrics_lib.to_floats(window)
         for name in ('loss', 'grad_norm'):  # an inf gradient has already made params nan
@@ -360,8 +370,26 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
             raise FloatingPointError(f'{name} became {values[name]} by step {step}; nothing '
                                      'was saved since the last epoch; lower '
                                      'config.optimizer.learning_rate')
+        seconds = time.time() - window_start
+        if window_steps and seconds > 0:
+          steps_per_s = window_steps / seconds
+          values.update({'steps_per_s': steps_per_s,
+                         'examples_per_s': steps_per_s * config.batch_size,
+                         'tokens_per_s': window_tokens / seconds,  # real tokens
+                         'padded_tokens_per_s': steps_per_s * config.batch_size * seq_len})
+          eta = (num_steps - step) / steps_per_s
+          logging.info('step %d/%d (epoch %d): loss %.4f, %.2f steps/s, %.1f examples/s, '
+                       '%.0f tokens/s (%.0f with padding, %.0f%% real), ETA %s', step,
+                       num_steps, epoch + 1, values['loss'], steps_per_s,
+                       values['examples_per_s'], values['tokens_per_s'],
+                       values['padded_tokens_per_s'],
+                       100 * values['tokens_per_s'] / values['padded_tokens_per_s'],
+                       datetime.timedelta(seconds=int(eta)))
         writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
-        window = None
+        window, window_tokens, window_steps, window_start = None, 0, 0, time.time()
+    epoch_seconds = time.time() - epoch_start
+    logging.info('epoch %d/%d: %.1f s', epoch + 1, config.num_epochs, epoch_seconds)
+    writer.write_scalars(step, {'train/epoch_seconds': epoch_seconds})
     checkpoints.save(manager, step, state.to_checkpoint(), force=True)
     results = evaluate(state.params, step)
   manager.wait_until_finished()
@@ -386,7 +414,8 @@ def main(argv):
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   try:
     summary = finetune(flags.FLAGS.config, flags.FLAGS.workdir)
-  except (ValueError, FileNotFoundError, workdir_lib.WorkdirInUseError) as e:
+  except (ValueError, FileNotFoundError, FloatingPointError,
+          workdir_lib.WorkdirInUseError) as e:
     if cli.verbose_errors():
       raise
     raise SystemExit(f'error: {e}') from None

@@ -133,6 +133,9 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   assert len(open(os.path.join(workdir, 'predictions', 'AX.tsv')).readlines()) == 4
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [r['step'] for r in records if r['split'] == 'dev_mnli'] == [1, 2]
+  train_records = [r for r in records if r['split'] == 'train']
+  assert sum('epoch_seconds' in r for r in train_records) == 2  # one per epoch
+  assert any(0 < r.get('tokens_per_s', 0) <= r['padded_tokens_per_s'] for r in train_records)
   # Running again resumes after the last epoch: no new training, the same results.
   again = finetune.finetune(ft_config('mnli', pretrained), workdir)
   assert again['step'] == summary['step'] and again['dev'] == summary['dev']
