@@ -187,7 +187,13 @@ def markdown(args):
                    f'{mb(pl)} / {mb(rf)} / {mb(bf)} |')
   done = len(rows)
   total = len(list(cells()))
-  out += ['', f'{done} of {total} cells compiled.']
+  ratios = [r['reference']['flop_ratio'] for r in rows.values() if r['reference']['fits']]
+  seconds = [r['seconds'] / max(r['compiles'], 1) for r in rows.values()]
+  out += ['', f'{done} of {total} cells compiled ({sum(r["compiles"] for r in rows.values())} '
+          f'compiles, median {sorted(seconds)[len(seconds) // 2]:.0f} s each on the 2-core '
+          f'box, two at a time). Compiled matmul FLOPs / flops_per_example over every '
+          f'reference compile that fitted: {min(ratios):.4f} to {max(ratios):.4f}.'
+          if ratios else f'{done} of {total} cells compiled.']
   print('\n'.join(out))
 
 

@@ -439,6 +439,9 @@ def format_report(config, target: Target, r: Report) -> str:
   note = ''
   if config.model.remat_policy != 'none':
     note = ' (remat recomputes the forward pass: expect about 4/3)'
+  elif r.flop_ratio > 1.05:
+    note = (' (above 1 without remat: XLA recomputed work to fit in memory, which happens '
+            'near the HBM limit, or the partitioner duplicated it)')
   if r.unknown_trip_counts:
     note += f' ({r.unknown_trip_counts} loops of unknown trip count counted once)'
   if r.assumed_trip_counts:
