@@ -412,13 +412,8 @@ def main(argv):
     raise app.UsageError('--workdir is required')
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
-  try:
-    summary = finetune(flags.FLAGS.config, flags.FLAGS.workdir)
-  except (ValueError, FileNotFoundError, FloatingPointError,
-          workdir_lib.WorkdirInUseError) as e:
-    if cli.verbose_errors():
-      raise
-    raise SystemExit(f'error: {e}') from None
+  summary = cli.run_main(finetune, flags.FLAGS.config, flags.FLAGS.workdir,
+                         also=(FloatingPointError,))
   print(json.dumps(summary, indent=2))
 
 

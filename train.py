@@ -353,13 +353,8 @@ def main(argv):
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                flags.FLAGS.process_id)
-  try:
-    summary = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-  except (NonFiniteLossError, ValueError, FileNotFoundError,
-          workdir_lib.WorkdirInUseError) as e:
-    if cli.verbose_errors():
-      raise
-    raise SystemExit(f'error: {e}') from None
+  summary = cli.run_main(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir,
+                         also=(NonFiniteLossError,))
   if 'preempted' in summary:
     print(f'not finished: stopped by SIGTERM after saving step {summary["preempted"]}; run '
           f'the same command to resume (exit status {EXIT_NOT_FINISHED})', file=sys.stderr)

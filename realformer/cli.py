@@ -38,11 +38,6 @@ def _verbose(argv) -> bool:
   return '--verbose_errors' in argv or os.environ.get('REALFORMER_VERBOSE_ERRORS') == '1'
 
 
-def verbose_errors() -> bool:
-  """Whether the user asked for tracebacks (--verbose_errors or REALFORMER_VERBOSE_ERRORS=1)."""
-  return _verbose(sys.argv)
-
-
 @contextlib.contextmanager
 def config_overrides():
   """Around config_flags.DEFINE_config_file, which applies the command line's
@@ -88,16 +83,17 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryEr
                PermissionError)
 
 
-def run_main(main, *args):
-  """main(*args) with user errors as `error: <message>` and exit status 1 (the traceback
-  with --verbose_errors or REALFORMER_VERBOSE_ERRORS=1). Returns main's result."""
+def run_main(main, *args, also=()):
+  """main(*args) with user errors (USER_ERRORS, a busy workdir, and the types in `also`)
+  as `error: <message>` and exit status 1 (the traceback with --verbose_errors or
+  REALFORMER_VERBOSE_ERRORS=1). Returns main's result."""
   from realformer import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   verbose = _verbose(sys.argv)
   if '--verbose_errors' in sys.argv:
     sys.argv.remove('--verbose_errors')
   try:
     return main(*args)
-  except USER_ERRORS + (workdir_lib.WorkdirInUseError,) as e:
+  except USER_ERRORS + (workdir_lib.WorkdirInUseError,) + tuple(also) as e:
     if verbose:
       raise
     print(f'error: {" ".join(str(e).split())}', file=sys.stderr)
