@@ -156,7 +156,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   data.mkdir(parents=True)
   for split in ('train.tsv', 'dev.tsv'):
     shutil.copy(os.path.join(GLUE_DIR, 'RTE', split), data / split)
-  caplog.set_level('INFO')
+  caplog.set_level('INFO', logger='absl')
   summary = finetune.finetune(ft_config('rte', pretrained, data_dir=str(tmp_path / 'glue')),
                               str(tmp_path / 'ft'))
   assert 'accuracy' in summary['dev']['rte']

@@ -71,7 +71,7 @@ def test_resume_with_another_model_is_refused_and_config_json_kept(tmp_path, cap
     run(other, tmp_path)
   assert (tmp_path / 'config.json').read_text() == stored
   # What may change on resume does, and is logged.
-  caplog.set_level('INFO')
+  caplog.set_level('INFO', logger='absl')
   run(tiny_config(num_steps=3), tmp_path)
   assert checkpoints.latest_complete_step(checkpoints.make_manager(str(tmp_path))) == 3
   assert 'resuming with train.num_steps changed: 2 -> 3' in caplog.text
