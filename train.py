@@ -326,14 +326,14 @@ def maybe_initialize_distributed(coordinator_address: Optional[str] = None,
 def check_launch():
   """--compile_for: compile the step for a TPU slice or the local devices and report."""
   from realformer import launch
-  try:
+
+  def compile_and_report():
     if flags.FLAGS.compile_for != 'local':
       launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
-    config = resolved_config(flags.FLAGS.config)
-    launch.run(config, flags.FLAGS.compile_for, max_batch=flags.FLAGS.find_max_batch,
-               measure_steps=flags.FLAGS.measure_steps, json_path=flags.FLAGS.launch_json)
-  except (ValueError, OSError) as e:
-    raise SystemExit(f'error: {e}') from None
+    launch.run(resolved_config(flags.FLAGS.config), flags.FLAGS.compile_for,
+               max_batch=flags.FLAGS.find_max_batch, measure_steps=flags.FLAGS.measure_steps,
+               json_path=flags.FLAGS.launch_json)
+  cli.run_main(compile_and_report, also=(OSError,))
 
 
 def main(argv):
