@@ -33,6 +33,7 @@ from absl import logging
 from clu import metrics as clu_metrics
 from ml_collections import config_flags
 
+from data import buckets as buckets_lib
 from data import glue
 from data import squad
 from data import tokenizer as tokenizer_lib
@@ -80,14 +81,46 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(checkpoints.read_config(path))
 
 
-def batches(features: Dict[str, np.ndarray], batch_size: int):
-  """Fixed-size batches covering every row; the last one is padded (weight 0)."""
-  n = len(features['input_ids'])
-  for start in range(0, n, batch_size):
-    idx = np.arange(start, start + batch_size)
-    valid = idx < n
-    idx = np.where(valid, idx, 0)
-    yield {k: v[idx] for k, v in features.items()}, valid
+def full_batch(batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
+  """A global batch that every host holds whole -> arrays sharded over (data, fsdp); each
+  device takes its own rows (multi-host safe, whatever the device order)."""
+  sharding = partitioning.batch_sharding(mesh)
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+          for k, v in batch.items()}
+
+
+def length_buckets(config, task) -> Tuple[int, ...]:
+  """The compiled sequence lengths: chosen from the training lengths, the longest covering
+  every split; (max_seq_length,) when config.length_buckets is 0."""
+  if not config.length_buckets:
+    return (config.max_seq_length,)
+  lengths = buckets_lib.lengths_of(task.train)
+  cover = max((int(buckets_lib.lengths_of(f).max(initial=0)) for f in task.eval_features()),
+              default=0)
+  chosen = buckets_lib.choose_lengths(lengths, config.length_buckets, config.bucket_multiple,
+                                      config.max_seq_length, cover=cover)
+  logging.info('%s (config.length_buckets=0 pads every batch to max_seq_length)',
+               buckets_lib.describe(lengths, chosen, config.max_seq_length))
+  return chosen
+
+
+def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
+              token_outputs: bool) -> Tuple[np.ndarray, ...]:
+  """`predict`'s outputs for every row of `features`, in order: batches within each length
+  bucket; per-token outputs padded back to max_seq_length with -inf."""
+  n, max_len = features['input_ids'].shape
+  lengths = buckets_lib.lengths_of(features)
+  outs = None
+  for length, idx, valid in buckets_lib.eval_batches(lengths, buckets, batch_size):
+    out = predict(params, full_batch(buckets_lib.take(features, idx, length), mesh))
+    out = [np.asarray(o)[valid] for o in out]
+    if token_outputs:
+      out = [np.pad(o, ((0, 0), (0, max_len - length)), constant_values=-np.inf) for o in out]
+    if outs is None:
+      outs = [np.empty((n,) + o.shape[1:], o.dtype) for o in out]
+    for full, o in zip(outs, out):
+      full[idx[valid]] = o
+  return tuple(outs)
 
 
 # ------------------------------------------------------------------------------ tasks
@@ -97,6 +130,7 @@ def batches(features: Dict[str, np.ndarray], batch_size: int):
 
 class GlueTask:
   """One GLUE task (mnli also evaluates mismatched dev and predicts AX)."""
+  token_outputs = False  # the head's outputs are per example
 
   def __init__(self, config, tokenizer):
     self.config, self.name = config, config.task
@@ -115,6 +149,9 @@ class GlueTask:
       self.evals['mnli_mismatched'] = self._load('mnli_mismatched', 'dev')
       self.tests['mnli_mismatched'] = self._load_test('mnli_mismatched')
       self.tests['ax'] = self._load_test('ax')
+    self.features = {(split, name): self.featurize(examples)  # tokenised once
+                     for split, sets in (('dev', self.evals), ('test', self.tests))
+                     for name, examples in sets.items() if examples is not None}
 
   def _load_test(self, task: str):
     try:
@@ -147,15 +184,19 @@ class GlueTask:
       return jnp.sum(per_example) / totals['examples'], {}
     return loss_fn
 
-  def _predict(self, run_model, examples):
-    feats = self.featurize(examples)
+  def eval_features(self):
+    """Every feature set that is only evaluated or predicted (their lengths matter too)."""
+    return list(self.features.values())
+
+  def _predict(self, run_model, split, name):
+    feats = self.features[split, name]
     (logits,) = run_model(feats)
     return (logits[:, 0] if self.regression else logits.argmax(-1)), feats['label']
 
   def evaluate(self, run_model) -> Dict[str, Dict[str, float]]:
     results = {}
-    for name, examples in self.evals.items():
-      preds, labels = self._predict(run_model, examples)
+    for name in self.evals:
+      preds, labels = self._predict(run_model, 'dev', name)
       results[name] = finetune_metrics.glue_metrics(
           'mnli' if name == 'mnli_mismatched' else name, preds, labels)
     return results
@@ -165,7 +206,7 @@ class GlueTask:
     missing = [n for n, examples in self.tests.items() if examples is None]
     for name, examples in self.tests.items():
       if examples is not None:
-        preds, _ = self._predict(run_model, examples)
+        preds, _ = self._predict(run_model, 'test', name)
         glue.write_predictions(name, examples, preds, out_dir)
     if missing:
       logging.info('no test.tsv for %s in %s: trained and evaluated; no predictions were '
@@ -178,6 +219,7 @@ class GlueTask:
 
 class SquadTask:
   """SQuAD v1.1 or v2.0: span head, windows, n-best post-processing, official metrics."""
+  token_outputs = True  # start and end logits per position
 
   def __init__(self, config, tokenizer):
     self.config, self.tokenizer = config, tokenizer
@@ -214,8 +256,15 @@ class SquadTask:
       return jnp.sum(per_example) / totals['examples'], {}
     return loss_fn
 
+  def eval_features(self):
+    return [self.dev_features]
+
   def evaluate(self, run_model) -> Dict[str, Dict[str, float]]:
-    start, end = run_model(self.dev_features)
+    # Padding positions never compete for the n best starts and ends (BERT's run_squad
+    # lets them, then drops them: fewer real candidates, and answers that would depend on
+    # how far a batch is padded).
+    padding = self.dev_features['attention_mask'] == 0
+    start, end = (np.where(padding, -np.inf, logits) for logits in run_model(self.dev_features))
     c = self.config
     answers, null_diff = squad.postprocess(
         self.dev, self.dev_infos, self.dev_features, start, end, self.tokenizer,
@@ -328,16 +377,16 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
       seed=config.seed)
   predict = jax.jit(lambda params, batch: model.apply({'params': params}, batch)[1:])
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))
+  buckets = length_buckets(config, task)
+  lengths = buckets_lib.lengths_of(train)
 
-  def run_model(params, features) -> Tuple[np.ndarray, ...]:
-    outs = []
-    for batch, valid in batches(features, config.eval_batch_size):
-      out = predict(params, train_lib.global_batch(batch, mesh))
-      outs.append([np.asarray(o)[valid] for o in out])
-    return tuple(np.concatenate(parts) for parts in zip(*outs))
+  def infer(params):  # features -> the head's outputs for every row
+    return lambda features: run_model(predict, params, features, mesh=mesh, buckets=buckets,
+                                      batch_size=config.eval_batch_size,
+                                      token_outputs=task.token_outputs)
 
   def evaluate(params, step):
-    results = task.evaluate(lambda features: run_model(params, features))
+    results = task.evaluate(infer(params))
     for name, values in results.items():
       # metrics.jsonl lines {"step": s, "split": "dev_<task>", "accuracy": ...}
       writer.write_scalars(step, {f'dev_{name}/{k}': v for k, v in values.items()})
@@ -346,23 +395,28 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
 
   step = int(state.step)
   results = None
-  seq_len = train['input_ids'].shape[1]
-  first_step = step
+  compiled = set()  # batch lengths compiled so far: leave their first step out of throughput
   for epoch in range(step // steps_per_epoch, config.num_epochs):
-    order = np.random.default_rng([config.seed, epoch]).permutation(num_train)
-    window, window_tokens, window_steps = None, 0, 0
+    plan = buckets_lib.train_batches(lengths, buckets, config.batch_size, config.seed, epoch)
+    window, window_tokens, window_padded, window_steps = None, 0, 0, 0
     epoch_start = window_start = time.time()
     for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
-      idx = order[i * config.batch_size:(i + 1) * config.batch_size]
-      state, m = train_step(state, train_lib.global_batch({k: v[idx] for k, v in train.items()},
-                                                          mesh))
+      length, idx = plan[i]
+      first = length not in compiled  # this length compiles now: not throughput
+      if first:
+        jax.block_until_ready(state)
+        compiled.add(length)
+      t0 = time.time()
+      state, m = train_step(state, full_batch(buckets_lib.take(train, idx, length), mesh))
       window = metrics_lib.merge(window, m)
-      window_tokens += int(train['attention_mask'][idx].sum())
-      window_steps += 1
       step += 1
-      if step == first_step + 1:  # leave compilation out of the throughput
+      if first:
         jax.block_until_ready(m)
-        window_tokens, window_steps, window_start = 0, 0, time.time()
+        window_start += time.time() - t0
+      else:
+        window_tokens += int(lengths[idx].sum())
+        window_padded += length * len(idx)
+        window_steps += 1
       if step % config.log_every_steps == 0 or i == steps_per_epoch - 1:
         values = metrics_lib.to_floats(window)
         for name in ('loss', 'grad_norm'):  # an inf gradient has already made params nan
@@ -376,7 +430,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
           values.update({'steps_per_s': steps_per_s,
                          'examples_per_s': steps_per_s * config.batch_size,
                          'tokens_per_s': window_tokens / seconds,  # real tokens
-                         'padded_tokens_per_s': steps_per_s * config.batch_size * seq_len})
+                         'padded_tokens_per_s': window_padded / seconds})
           eta = (num_steps - step) / steps_per_s
           logging.info('step %d/%d (epoch %d): loss %.4f, %.2f steps/s, %.1f examples/s, '
                        '%.0f tokens/s (%.0f with padding, %.0f%% real), ETA %s', step,
@@ -386,7 +440,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
                        100 * values['tokens_per_s'] / values['padded_tokens_per_s'],
                        datetime.timedelta(seconds=int(eta)))
         writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
-        window, window_tokens, window_steps, window_start = None, 0, 0, time.time()
+        window, window_tokens, window_padded, window_steps = None, 0, 0, 0
+        window_start = time.time()
     epoch_seconds = time.time() - epoch_start
     logging.info('epoch %d/%d: %.1f s', epoch + 1, config.num_epochs, epoch_seconds)
     writer.write_scalars(step, {'train/epoch_seconds': epoch_seconds})
@@ -395,8 +450,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   manager.wait_until_finished()
   if results is None:  # resumed after the last epoch
     results = evaluate(state.params, step)
-  task.write_predictions(lambda features: run_model(state.params, features), results,
-                         os.path.join(workdir, 'predictions'))
+  task.write_predictions(infer(state.params), results, os.path.join(workdir, 'predictions'))
   summary = {'task': task.name, 'step': step, 'dev': results,
              'headline': task.headline(results)}
   with open(os.path.join(workdir, 'results.json'), 'w') as f:

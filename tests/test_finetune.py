@@ -136,6 +136,8 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   train_records = [r for r in records if r['split'] == 'train']
   assert sum('epoch_seconds' in r for r in train_records) == 2  # one per epoch
   assert any(0 < r.get('tokens_per_s', 0) <= r['padded_tokens_per_s'] for r in train_records)
+  stored = json.load(open(os.path.join(workdir, 'config.json')))
+  assert stored['length_buckets'] == 4  # on by default
   # Running again resumes after the last epoch: no new training, the same results.
   again = finetune.finetune(ft_config('mnli', pretrained), workdir)
   assert again['step'] == summary['step'] and again['dev'] == summary['dev']
@@ -162,6 +164,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   assert 'accuracy' in summary['dev']['rte']
   assert not (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').exists()
   assert 'no test.tsv for rte' in caplog.text and 'no predictions were written' in caplog.text
+  assert 'compiled lengths' in caplog.text  # the length buckets say how many shapes compile
 
 
 def test_random_init_baseline_from_a_pretraining_config(tmp_path):

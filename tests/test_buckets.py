@@ -1,0 +1,130 @@
+"""Length buckets for fine-tuning: the chosen lengths are optimal, the training plan is a
+deterministic, resumable cover of the epoch, evaluation sees every example once, and the
+bucketed model predicts what the model padded to max_seq_length predicts, for every variant."""
+
+import itertools
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import finetune
+from configs import pretrain
+from data import buckets
+from realformer import models
+from realformer import partitioning
+
+
+def _padded(lengths, chosen):
+  return buckets.padded_tokens(np.asarray(lengths), chosen)
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_chosen_lengths_pad_least_of_every_choice(seed):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(3, 97, size=rng.integers(1, 60))  # at most max_len
+  k, multiple, max_len, cover = int(rng.integers(1, 4)), 8, 96, int(rng.integers(0, 97))
+  chosen = buckets.choose_lengths(lengths, k, multiple, max_len, cover=cover)
+  top = min(-(-max(lengths.max(), cover) // multiple) * multiple, max_len)
+  assert chosen[-1] == top and len(chosen) <= k
+  assert all(c % multiple == 0 or c == max_len for c in chosen)
+  # Brute force: every set of at most k lengths (multiples, or max_len) ending at `top`.
+  grid = sorted({min(m, max_len) for m in range(multiple, top + multiple, multiple)})
+  best = min(_padded(lengths, tuple(sorted(set(rest) | {top})))
+             for r in range(k) for rest in itertools.combinations(grid[:-1], r))
+  assert _padded(lengths, chosen) == best
+
+
+def test_chosen_lengths_edge_cases():
+  assert buckets.choose_lengths([5, 5, 5], 4, 16, 128) == (16,)  # one length is enough
+  assert buckets.choose_lengths([200], 2, 16, 128) == (128,)  # capped at max_seq_length
+  assert buckets.choose_lengths([10, 100], 2, 16, 100) == (16, 100)
+  with pytest.raises(ValueError, match='num_buckets >= 1'):
+    buckets.choose_lengths([5], 0, 16, 128)
+  with pytest.raises(ValueError, match='longer than the longest length bucket'):
+    buckets.bucket_index(np.array([40]), (16, 32))
+
+
+def test_training_plan_is_a_deterministic_cover_of_the_epoch():
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(2, 64, size=203)
+  chosen = buckets.choose_lengths(lengths, 3, 16, 64)
+  plan = buckets.train_batches(lengths, chosen, 8, seed=1, epoch=0)
+  assert len(plan) == 203 // 8
+  seen = np.concatenate([idx for _, idx in plan])
+  assert len(seen) == len(set(seen.tolist())) == 25 * 8  # no example twice
+  assert all(len(idx) == 8 and lengths[idx].max() <= length and length in chosen
+             for length, idx in plan)
+  assert len({length for length, _ in plan}) > 1  # batches of several lengths, interleaved
+  again = buckets.train_batches(lengths, chosen, 8, seed=1, epoch=0)  # what a resume sees
+  assert all(a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(plan, again))
+  other = buckets.train_batches(lengths, chosen, 8, seed=1, epoch=1)
+  assert not all(np.array_equal(a[1], b[1]) for a, b in zip(plan, other))
+  # One bucket: the plain shuffled batches of max_seq_length.
+  single = buckets.train_batches(lengths, (64,), 8, seed=1, epoch=0)
+  assert len(single) == 25 and {length for length, _ in single} == {64}
+
+
+def test_evaluation_covers_every_example_once_in_order():
+  lengths = np.array([3, 40, 17, 5, 64, 33, 9, 2, 50, 18, 7])
+  chosen = (16, 32, 64)
+  seen = []
+  for length, idx, valid in buckets.eval_batches(lengths, chosen, 4):
+    assert len(idx) == len(valid) == 4 and lengths[idx].max() <= length
+    seen += idx[valid].tolist()
+  assert sorted(seen) == list(range(len(lengths)))
+
+
+VARIANTS = ('postln', 'preln', 'realformer', 'synth_dense', 'synth_random',
+            'synth_factorized_dense', 'synth_factorized_random', 'synth_dense_vanilla')
+
+
+@pytest.mark.parametrize('variant', VARIANTS)
+@pytest.mark.parametrize('head', ['classification', 'span'])
+def test_bucketed_predictions_equal_the_padded_ones(variant, head):
+  """The outputs of run_model with buckets equal those padded to max_seq_length."""
+  config = pretrain.get_config(f'{variant},tiny')
+  config.unlock()
+  m = config.model
+  m.num_layers, m.hidden_size, m.num_heads, m.mlp_dim, m.max_len = 2, 32, 2, 64, 64
+  m.vocab_size = 50
+  model = models.build(m, head=head, **({'num_labels': 3} if head == 'classification' else {}))
+  rng = np.random.default_rng(0)
+  n, max_len = 13, 64
+  lengths = rng.integers(3, 40, size=n)
+  features = {'input_ids': np.zeros((n, max_len), np.int32),
+              'segment_ids': np.zeros((n, max_len), np.int32),
+              'attention_mask': (np.arange(max_len) < lengths[:, None]).astype(np.int32)}
+  features['input_ids'][:] = np.where(features['attention_mask'],
+                                      rng.integers(5, 50, (n, max_len)), 0)
+  features['segment_ids'][:] = (np.arange(max_len) > lengths[:, None] // 2) * \
+      features['attention_mask']
+  params = nn.unbox(model.init(jax.random.PRNGKey(1),
+                               {k: v[:2] for k, v in features.items()})['params'])
+  predict = jax.jit(lambda p, b: model.apply({'params': p}, b)[1:])
+  mesh = partitioning.make_mesh(ml_mesh(data=2))
+  run = lambda chosen: finetune.run_model(predict, params, features, batch_size=4,
+                                          buckets=chosen, mesh=mesh,
+                                          token_outputs=head == 'span')
+  chosen = buckets.choose_lengths(lengths, 3, 8, max_len)
+  assert chosen[-1] < max_len  # the buckets are shorter than the padded length
+  with jax.set_mesh(mesh):
+    fixed, bucketed = run((max_len,)), run(chosen)
+  for a, b in zip(fixed, bucketed):
+    if head == 'span':  # real positions equal; the bucket's padding beyond is -inf
+      real = features['attention_mask'] == 1
+      np.testing.assert_allclose(b[real], a[real], rtol=1e-5, atol=1e-5)
+      assert np.all(np.isneginf(b[:, chosen[-1]:]))
+    else:
+      np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+      assert np.array_equal(b.argmax(-1), a.argmax(-1))
+
+
+def ml_mesh(**axes):
+  mesh = pretrain.mesh_config()
+  mesh.unlock()
+  for k, v in axes.items():
+    mesh[k] = v
+  mesh.fsdp, mesh.tensor = 1, -1
+  return mesh
