@@ -8,10 +8,16 @@ r"""Fine-tune a pretrained encoder on a GLUE task or SQuAD; evaluate on dev; wri
 The encoder is restored from the newest checkpoint of `init_checkpoint` (only the encoder:
 the pretraining heads and optimizer are not read); a checkpoint whose architecture or
 vocabulary does not match its config.json is an error naming the parameter. The run is
-resumable: its own checkpoints (one per epoch) are in <workdir>/checkpoints and running the
-same command again continues. Outputs: metrics.jsonl (train loss, dev metrics per epoch),
-results.json (the final dev metrics) and predictions/<Task>.tsv (GLUE submission format;
-SQuAD: predictions/predictions.json of dev, plus null_odds.json for v2.0).
+resumable: its resume checkpoint (written each epoch) is in <workdir>/checkpoints and running
+the same command again continues. Checkpoints are lean: <workdir>/best holds the params of the
+best dev epoch, and a finished run keeps only its params in <workdir>/final, without the
+optimizer state (config.keep_best, config.keep_optimizer_state); both are params-only
+checkpoints with the pretraining config.json, usable as another run's init_checkpoint.
+Batches are padded to a few length buckets chosen from the data, not to max_seq_length
+(data/buckets.py; config.length_buckets=0 turns it off). Outputs: metrics.jsonl (train loss,
+throughput, dev metrics per epoch), results.json (the final and the best dev metrics) and
+predictions/<Task>.tsv (GLUE submission format, from the final params; SQuAD:
+predictions/predictions.json of dev, plus null_odds.json for v2.0).
 The grid of the paper's practice: `python -m realformer.finetune_grid` (see its docstring).
 """
 
@@ -48,6 +54,8 @@ from realformer import train_lib
 from realformer import workdir as workdir_lib
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
+BEST_DIR = 'best'    # params of the best dev epoch (config.keep_best)
+FINAL_DIR = 'final'  # params of a finished run (its optimizer state dropped)
 
 
 @flax.struct.dataclass
@@ -314,7 +322,9 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   # scoped: the caller's mesh (or none) is back afterwards; the lock before any write
   with jax.set_mesh(mesh), workdir_lib.Lock(workdir, 'finetune.py'):
-    workdir_lib.check_resume_config(workdir, config, checkpoints.has_complete_step(workdir))
+    workdir_lib.check_resume_config(workdir, config, checkpoints.has_complete_step(workdir) or
+                                    checkpoints.has_complete_step(os.path.join(workdir,
+                                                                               FINAL_DIR)))
     return _finetune(config, workdir, mesh)
 
 
@@ -348,13 +358,22 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   shapes = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
             for k, v in train.items()}
   abstract, shardings = train_lib.state_shardings(model, tx, shapes, mesh)
-  # Restart order: this run's checkpoint, else the pretrained encoder (or scratch).
+  # Restart order: this run's resume checkpoint, else its final params (a finished run whose
+  # optimizer state was dropped), else the pretrained encoder (or scratch).
   manager = checkpoints.make_manager(workdir, keep=1, item_names=('state',))
   latest = checkpoints.latest_complete_step(manager)
+  final_dir = os.path.join(workdir, FINAL_DIR)
   if latest is not None:
     tree, _ = checkpoints.restore(manager, latest, abstract.to_checkpoint())
     state = train_lib.TrainState.from_checkpoint(tree)
     logging.info('resuming from step %d', latest)
+  elif checkpoints.has_complete_step(final_dir):
+    state, _ = train_lib.create_train_state(model, tx, shapes, mesh, config.seed)
+    params, _ = checkpoints.restore_params(final_dir, abstract.params)
+    final_step = int(os.path.basename(checkpoints.resolve_step_dir(final_dir)))
+    state = state.replace(params=params, step=jnp.asarray(final_step, state.step.dtype))
+    logging.info('the run finished at step %d: evaluating its final params (%s)', final_step,
+                 final_dir)
   else:
     state, _ = train_lib.create_train_state(model, tx, shapes, mesh, config.seed)
     if not config.from_scratch:
@@ -395,6 +414,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
 
   step = int(state.step)
   results = None
+  best = BestCheckpoint(workdir, task, pre, config.keep_best)
   compiled = set()  # batch lengths compiled so far: leave their first step out of throughput
   for epoch in range(step // steps_per_epoch, config.num_epochs):
     plan = buckets_lib.train_batches(lengths, buckets, config.batch_size, config.seed, epoch)
@@ -445,19 +465,70 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
     epoch_seconds = time.time() - epoch_start
     logging.info('epoch %d/%d: %.1f s', epoch + 1, config.num_epochs, epoch_seconds)
     writer.write_scalars(step, {'train/epoch_seconds': epoch_seconds})
-    checkpoints.save(manager, step, state.to_checkpoint(), force=True)
     results = evaluate(state.params, step)
+    best.offer(state.params, step, epoch + 1, results)  # before the resume point moves on
+    checkpoints.save(manager, step, state.to_checkpoint(), force=True)
   manager.wait_until_finished()
   if results is None:  # resumed after the last epoch
     results = evaluate(state.params, step)
   task.write_predictions(infer(state.params), results, os.path.join(workdir, 'predictions'))
   summary = {'task': task.name, 'step': step, 'dev': results,
-             'headline': task.headline(results)}
-  with open(os.path.join(workdir, 'results.json'), 'w') as f:
-    json.dump(summary, f, indent=2)
+             'headline': task.headline(results), 'best': best.summary()}
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'results.json'), 'w') as f:
+      json.dump(summary, f, indent=2)
+  if checkpoints.latest_complete_step(manager) is not None and not config.keep_optimizer_state:
+    drop_optimizer_state(manager, state.params, step, pre, final_dir)
   manager.close()
   writer.close()
   return summary
+
+
+class BestCheckpoint:
+  """<workdir>/best: the params of the epoch with the best dev headline so far, as a
+  params-only checkpoint with the pretraining config.json (so another fine-tuning can start
+  from it) and best/results.json (its step, epoch and dev metrics)."""
+
+  def __init__(self, workdir: str, task, pretraining_config, enabled: bool):
+    self.dir, self.task, self.config = os.path.join(workdir, BEST_DIR), task, pretraining_config
+    self.enabled = enabled
+    path = os.path.join(self.dir, 'results.json')
+    self.best = json.load(open(path)) if enabled and os.path.isfile(path) else None
+
+  def offer(self, params, step: int, epoch: int, results):
+    headline = self.task.headline(results)
+    if not self.enabled or not np.isfinite(headline) or (
+        self.best is not None and headline <= self.best['headline']):
+      return
+    manager = checkpoints.make_manager(self.dir, keep=1, item_names=('state',))
+    checkpoints.save(manager, step, {'step': step, 'params': params}, force=True)
+    manager.wait_until_finished()
+    manager.close()
+    checkpoints.write_config(self.dir, self.config)
+    self.best = {'step': step, 'epoch': epoch, 'headline': headline, 'dev': results}
+    if jax.process_index() == 0:
+      with open(os.path.join(self.dir, 'results.json.tmp'), 'w') as f:
+        json.dump(self.best, f, indent=2)
+      os.replace(os.path.join(self.dir, 'results.json.tmp'),
+                 os.path.join(self.dir, 'results.json'))
+    logging.info('best dev %s so far (epoch %d): params saved to %s', self.task.name, epoch,
+                 self.dir)
+
+  def summary(self):
+    return dict(self.best, dir=self.dir) if self.best else None
+
+
+def drop_optimizer_state(manager, params, step: int, pretraining_config, final_dir: str):
+  """A finished run needs no optimizer state: keep its params in <workdir>/final (a
+  params-only checkpoint that a rerun evaluates and another fine-tuning can start from) and
+  delete the resume checkpoint (config.keep_optimizer_state=True keeps it)."""
+  checkpoints.save_params(final_dir, params, pretraining_config, step=step)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  multihost_utils.sync_global_devices('finetune final params saved')
+  for old in manager.all_steps():
+    manager.delete(old)
+  logging.info('finished: final params in %s; the optimizer state was dropped '
+               '(config.keep_optimizer_state=True keeps it)', final_dir)
 
 
 def main(argv):

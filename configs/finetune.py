@@ -64,6 +64,11 @@ def get_config(arg: str = 'glue/sst2'):
   c.n_best_size = 20
   c.max_answer_length = 30
   c.null_score_diff_threshold = ml_collections.FieldReference(None, field_type=float)
+  # Checkpoints: the latest resume state while training; <workdir>/best holds the params of
+  # the best dev epoch; when the run finishes, its params go to <workdir>/final and the
+  # optimizer state (twice the params) is dropped unless keep_optimizer_state.
+  c.keep_best = True
+  c.keep_optimizer_state = False
   c.seed = 0
   c.log_every_steps = 50
   c.optimizer = pretrain.optimizer_config(learning_rate=3e-5 if squad else 2e-5,

@@ -43,7 +43,7 @@ RESUMABLE = (
     'model.remat_policy', 'model.fused_attention', 'model.dense_impl',  # how, not what
     'data.read_threads', 'data.worker_count', 'data.prepared_dir',
     # fine-tuning (finetune.py)
-    'eval_batch_size', 'log_every_steps',
+    'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
 )
 
 

@@ -138,9 +138,29 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   assert any(0 < r.get('tokens_per_s', 0) <= r['padded_tokens_per_s'] for r in train_records)
   stored = json.load(open(os.path.join(workdir, 'config.json')))
   assert stored['length_buckets'] == 4  # on by default
-  # Running again resumes after the last epoch: no new training, the same results.
+  # Lean: the finished run keeps its params (final/) and the best dev epoch's (best/), no
+  # optimizer state; both are params-only checkpoints another fine-tuning can start from.
+  assert not checkpoints.has_complete_step(workdir)
+  for kept in ('final', 'best'):
+    step_dir = checkpoints.resolve_step_dir(os.path.join(workdir, kept))
+    assert set(checkpoints.stored_tree(step_dir)) == {'step', 'params'}
+    assert finetune.pretrained_config(os.path.join(workdir, kept)).model.hidden_size == 32
+  best = json.load(open(os.path.join(workdir, 'best', 'results.json')))
+  assert best['epoch'] in (1, 2) and summary['best']['step'] == best['step']
+  dev = [r['accuracy'] for r in records if r['split'] == 'dev_mnli']
+  assert best['headline'] == max(dev) and best['epoch'] == dev.index(max(dev)) + 1
+  # Running again evaluates the final params: no new training, the same results.
   again = finetune.finetune(ft_config('mnli', pretrained), workdir)
   assert again['step'] == summary['step'] and again['dev'] == summary['dev']
+
+
+def test_keep_optimizer_state_keeps_the_resume_checkpoint(pretrained, tmp_path):
+  workdir = str(tmp_path / 'rte')
+  finetune.finetune(ft_config('rte', pretrained, keep_optimizer_state=True, keep_best=False,
+                              num_epochs=1), workdir)
+  assert checkpoints.has_complete_step(workdir)
+  assert not os.path.exists(os.path.join(workdir, 'final'))
+  assert not os.path.exists(os.path.join(workdir, 'best'))
 
 
 def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
