@@ -53,8 +53,8 @@ def get_config(arg: str = 'glue/sst2'):
   c.max_seq_length = 384 if squad else 128
   # Length buckets: batches padded to at most `length_buckets` compiled lengths (multiples of
   # bucket_multiple, chosen from the data to pad least) instead of max_seq_length; 0 = off.
-  c.length_buckets = 4
-  c.bucket_multiple = 16
+  c.length_buckets = 5
+  c.bucket_multiple = 8
   c.batch_size = 32
   c.eval_batch_size = 64
   c.num_epochs = 2 if squad else 3

@@ -137,7 +137,7 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   assert sum('epoch_seconds' in r for r in train_records) == 2  # one per epoch
   assert any(0 < r.get('tokens_per_s', 0) <= r['padded_tokens_per_s'] for r in train_records)
   stored = json.load(open(os.path.join(workdir, 'config.json')))
-  assert stored['length_buckets'] == 4  # on by default
+  assert stored['length_buckets'] == 5  # on by default
   # Lean: the finished run keeps its params (final/) and the best dev epoch's (best/), no
   # optimizer state; both are params-only checkpoints another fine-tuning can start from.
   assert not checkpoints.has_complete_step(workdir)
