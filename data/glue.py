@@ -188,9 +188,12 @@ def featurize(examples: Sequence[Example], tokenizer, max_seq_length: int,
   ids = np.full((n, max_seq_length), tokenizer.pad_id, np.int32)
   seg = np.zeros((n, max_seq_length), np.int32)
   mask = np.zeros((n, max_seq_length), np.int32)
+  encoded_a = tokenizer.encode_batch([ex.text_a for ex in examples])
+  encoded_b = iter(tokenizer.encode_batch([ex.text_b for ex in examples
+                                           if ex.text_b is not None]))
   for i, ex in enumerate(examples):
-    a = tokenizer.encode(ex.text_a)
-    b = tokenizer.encode(ex.text_b) if ex.text_b is not None else []
+    a = encoded_a[i]
+    b = next(encoded_b) if ex.text_b is not None else []
     truncate_pair(a, b, max_seq_length - (3 if ex.text_b is not None else 2))
     tokens = [tokenizer.cls_id] + a + [tokenizer.sep_id]
     segments = [0] * len(tokens)

@@ -3,8 +3,10 @@
 The classic BERT `run_squad` recipe, with the pretraining run's tokenizer:
 1. the context is split on whitespace into words, with a char -> word map (so a character
    answer span becomes a word span);
-2. each word is tokenised on its own (`tokenizer.encode(word)`: with sentencepiece every word
-   then starts with a '▁' piece, as in the whole text), keeping a sub-token -> word map;
+2. each word is tokenised on its own (`tokenizer.encode_words(words)`, one call per context:
+   with sentencepiece every word then starts with a '▁' piece, as in the whole text; with
+   WordPiece the tokenizers library maps each piece to its word), keeping a sub-token ->
+   word map;
 3. [CLS] question [SEP] window [SEP], the question cut to max_query_length tokens and the
    context cut into windows of the remaining length that start doc_stride tokens apart; each
    token is scored in the window where it has the most context on both sides;
@@ -165,12 +167,9 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
   rows, infos = [], []
   for example_index, ex in enumerate(examples):
     query = tokenizer.encode(ex.question)[:max_query_length]
-    sub_to_word, word_to_sub, doc = [], [], []
-    for w, word in enumerate(ex.words):
-      word_to_sub.append(len(doc))
-      for piece in tokenizer.encode(word):
-        sub_to_word.append(w)
-        doc.append(piece)
+    doc, sub_to_word = tokenizer.encode_words(ex.words)  # each word on its own, as BERT does
+    pieces_per_word = np.bincount(np.asarray(sub_to_word, np.int64), minlength=len(ex.words))
+    word_to_sub = np.concatenate([[0], np.cumsum(pieces_per_word)[:-1]]).tolist()
     answer_span = None
     if training and not ex.is_impossible:
       start = word_to_sub[ex.start_word]

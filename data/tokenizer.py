@@ -23,7 +23,7 @@ sentencepiece's 4192-byte limit, which it would skip silently, are split first a
 import argparse
 import collections
 import os
-from typing import Iterable, Iterator, List, Sequence, Union
+from typing import Iterable, Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 import sentencepiece as spm
@@ -84,6 +84,19 @@ class Tokenizer:
 
   def encode(self, text: str) -> List[int]:
     return self._sp.encode(text, out_type=int)
+
+  def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+    """encode() of every text, in parallel (sentencepiece's threads)."""
+    return self._sp.encode(list(texts), out_type=int)
+
+  def encode_words(self, words: Sequence[str]) -> Tuple[List[int], List[int]]:
+    """Pre-split words -> (piece ids, the index of each piece's word), each word encoded on
+    its own (so each starts with its own '\u2581' piece, as in the whole text)."""
+    ids, word_index = [], []
+    for w, pieces in enumerate(self.encode_batch(words) if words else []):
+      ids += pieces
+      word_index += [w] * len(pieces)
+    return ids, word_index
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._sp.decode([int(i) for i in ids])

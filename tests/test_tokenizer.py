@@ -51,6 +51,16 @@ def test_real_sentences_round_trip_uncased_without_unknowns(tok, corpus_lines):
     assert tok.decode(ids) == ' '.join(expected.split())
 
 
+def test_batch_and_word_encodings_equal_one_by_one(tok, corpus_lines):
+  lines = corpus_lines[:200]
+  assert tok.encode_batch(lines) == [tok.encode(line) for line in lines]
+  words = ' '.join(lines[:5]).split()
+  ids, word_index = tok.encode_words(words)
+  per_word = [tok.encode(w) for w in words]
+  assert ids == [i for p in per_word for i in p]
+  assert word_index == [w for w, p in enumerate(per_word) for _ in p]
+
+
 def test_curly_quotes_accents_and_emoji_fall_back_to_bytes(tok):
   text = ('The \u201cUnion\u201d is the President\u2019s \u2014 caf\u00e9 \u00c5land \u2603 '
           '\U0001f1fa\U0001f1f8.')

@@ -166,3 +166,40 @@ def test_errors(tmp_path):
   bad.write_bytes('\n'.join(TINY).encode() + b'\ncaf\xe9\n')
   with pytest.raises(ValueError, match='not a UTF-8'):
     wordpiece.WordPieceTokenizer.load(str(bad))
+
+
+def shipped_sentences():
+  """The real sentences the repository ships: the Amazon reviews and the SQuAD fixtures."""
+  import json  # pylint: disable=g-import-not-at-top
+  here = os.path.dirname(os.path.abspath(__file__))
+  with open(os.path.join(here, 'data', 'sentiment', 'amazon_cells_labelled.txt'),
+            encoding='utf-8') as f:
+    texts = [line.rsplit('\t', 1)[0] for line in f if line.strip()]
+  for version in ('v1.1', 'v2.0'):
+    with open(os.path.join(here, 'data', 'squad', f'{version}.json'), encoding='utf-8') as f:
+      for article in json.load(f)['data']:
+        for paragraph in article['paragraphs']:
+          texts.append(paragraph['context'])
+          texts += [qa['question'] for qa in paragraph['qas']]
+  return texts
+
+
+@needs_minilm
+def test_batch_and_word_encodings_equal_transformers_on_shipped_text():
+  """encode_batch and encode_words (SQuAD's per-word encoding) give BertTokenizer's ids."""
+  from transformers import BertTokenizer  # pylint: disable=g-import-not-at-top
+  vocab = os.path.join(MINILM, 'vocab.txt')
+  ours = wordpiece.WordPieceTokenizer.load(vocab)
+  theirs = BertTokenizer(vocab=vocab)
+  texts = shipped_sentences()
+  assert len(texts) > 1000
+  want = [theirs(t, add_special_tokens=False)['input_ids'] for t in texts]
+  assert ours.encode_batch(texts) == want
+  assert [ours.encode(t) for t in texts[-40:]] == want[-40:]
+  for text in texts[-40:]:  # the SQuAD contexts and questions, split on whitespace
+    words = text.split()
+    ids, word_index = ours.encode_words(words)
+    per_word = [theirs(w, add_special_tokens=False)['input_ids'] for w in words]
+    assert ids == [i for p in per_word for i in p]
+    assert word_index == [w for w, p in enumerate(per_word) for _ in p]
+  assert ours.encode_words([]) == ([], [])
