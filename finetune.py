@@ -495,7 +495,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
     with open(os.path.join(workdir, 'results.json'), 'w') as f:
       json.dump(summary, f, indent=2)
   if checkpoints.latest_complete_step(manager) is not None and not config.keep_optimizer_state:
-    drop_optimizer_state(manager, state.params, step, pre, final_dir)
+    drop_optimizer_state(manager, state.params, step, pre, final_dir, best)
   manager.close()
   writer.close()
   return summary
@@ -535,11 +535,17 @@ class BestCheckpoint:
     return dict(self.best, dir=self.dir) if self.best else None
 
 
-def drop_optimizer_state(manager, params, step: int, pretraining_config, final_dir: str):
+def drop_optimizer_state(manager, params, step: int, pretraining_config, final_dir: str,
+                         best: BestCheckpoint):
   """A finished run needs no optimizer state: keep its params in <workdir>/final (a
-  params-only checkpoint that a rerun evaluates and another fine-tuning can start from) and
-  delete the resume checkpoint (config.keep_optimizer_state=True keeps it)."""
-  checkpoints.save_params(final_dir, params, pretraining_config, step=step)
+  params-only checkpoint that a rerun evaluates and another fine-tuning can start from; a
+  link to best/ when the last epoch was the best) and delete the resume checkpoint
+  (config.keep_optimizer_state=True keeps it)."""
+  if best.best is not None and best.best['step'] == step:
+    if jax.process_index() == 0:
+      os.symlink(BEST_DIR, final_dir)
+  else:
+    checkpoints.save_params(final_dir, params, pretraining_config, step=step)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   multihost_utils.sync_global_devices('finetune final params saved')
   for old in manager.all_steps():

