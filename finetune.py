@@ -41,6 +41,7 @@ from ml_collections import config_flags
 
 from data import buckets as buckets_lib
 from data import glue
+from data import sources
 from data import squad
 from data import tokenizer as tokenizer_lib
 from realformer import checkpoints
@@ -177,12 +178,14 @@ class GlueTask:
   def _load_test(self, task: str):
     try:
       return self._load(task, 'test')
-    except FileNotFoundError:
+    except (FileNotFoundError, sources.SplitNotFoundError):
       if not self.config.data_dir:
         raise
       return None
 
   def _load(self, task: str, split: str):
+    if self.config.data_dir.startswith('hf:'):
+      return glue.read_hf(task, split, self.config.data_dir[len('hf:'):])
     if self.config.data_dir:
       return glue.read_tsv(task, self.config.data_dir, split,
                            skip_malformed=self.config.skip_malformed_rows)
@@ -256,6 +259,9 @@ class SquadTask:
     self.answers = None  # dev answers of the last evaluation, for the prediction file
 
   def _load(self, split: str):
+    if self.config.data_dir.startswith('hf:'):
+      return squad.read_hf(self.config.task, 'train' if split == 'train' else 'validation',
+                           self.config.data_dir[len('hf:'):])
     if self.config.data_dir:
       name = f'{split}-{self.config.task}.json'
       return squad.read_json(os.path.join(self.config.data_dir, name))

@@ -132,6 +132,7 @@ def get_config(arg: str = 'postln,tiny'):
   c.data.weights = ''  # mixing weights, ';'-joined like `sources` ('' = proportional)
   c.data.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
   c.data.tfds_text_feature = 'text'  # the tfds feature holding the text (paragraphs at newlines)
+  c.data.hf_text_column = 'text'  # the same for hf:<dataset> sources
   c.data.tokenizer = ''  # sentencepiece model path; '' = the embedded corpus's tokenizer
   c.data.prepared_dir = ''  # array_record shards; '' = <workdir>/data
   c.data.max_seq_length = 128

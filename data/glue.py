@@ -4,7 +4,8 @@ tokenised as BERT pairs ([CLS] A [SEP] B [SEP]) with the pretraining run's token
 The official TSVs (https://gluebenchmark.com/tasks, unpacked as <data_dir>/<Task>/*.tsv) are
 read by column name (CoLA's train/dev have no header), without quote handling, as GLUE's
 own files need. tfds (`glue/<task>`) is the other source: its labels use the same order as
-LABELS below. Test labels are unknown (None); test predictions are written in the submission
+LABELS below. Hugging Face datasets (`hf:nyu-mll/glue`, or a local copy) are the third, with
+tfds's configs, columns and label order. Test labels are unknown (None); test predictions are written in the submission
 format: <Task>.tsv with `index<TAB>prediction` and label names for classification.
 """
 
@@ -171,6 +172,30 @@ def read_tfds(task_name: str, split: str, data_dir: Optional[str] = None) -> Lis
     text = [ex[k].decode('utf-8') for k in task.tfds_text]
     label = None if split == 'test' else float(ex['label'])
     examples.append(Example(str(int(ex['idx'])), text[0], text[1] if len(text) > 1 else None,
+                            label))
+  return examples
+
+
+def read_hf(task_name: str, split: str, dataset: str = 'nyu-mll/glue') -> List[Example]:
+  """Examples of one split from a Hugging Face GLUE dataset (`config.data_dir=hf:<dataset>`:
+  the hub's nyu-mll/glue, or a local copy in its layout: <dir>/<task>/<split>-*.parquet).
+  Its configs, splits, columns and label order are tfds's."""
+  from data import sources  # pylint: disable=g-import-not-at-top
+  task = get_task(task_name)
+  dataset = dataset or 'nyu-mll/glue'
+  config = 'mnli' if task_name == 'mnli_mismatched' else task_name
+  ds = sources.load_hf(dataset, config, task.tfds_splits[split], streaming=False,
+                       what='config.data_dir')
+  missing = [c for c in task.tfds_text + ('label', 'idx') if c not in ds.column_names]
+  if missing:
+    raise ValueError(f'hf:{dataset} {config}/{task.tfds_splits[split]} has no columns '
+                     f'{missing} (it has {ds.column_names}); is it GLUE in nyu-mll/glue\'s '
+                     'layout?')
+  examples = []
+  for row in ds:
+    text = [row[k] for k in task.tfds_text]
+    label = None if split == 'test' else float(row['label'])
+    examples.append(Example(str(row['idx']), text[0], text[1] if len(text) > 1 else None,
                             label))
   return examples
 

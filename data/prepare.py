@@ -4,6 +4,9 @@ r"""Prepares pretraining instances once, streaming, into array_record shards.
   python -m data.prepare --config configs/pretrain.py:realformer,base \
       --config.data.sources='tfds:wikipedia/20230601.en;tfds:bookcorpus' \
       --config.data.tokenizer=/data/wiki_30k.model --out_dir gs://bucket/prepared
+  python -m data.prepare --config configs/pretrain.py:postln,base \
+      --config.data.sources='hf:wikimedia/wikipedia:20231101.en;hf:rojagtap/bookcorpus' \
+      --config.data.weights='3;1' --out_dir /data/prepared
 
 train.py calls the same code on first start (into <workdir>/data unless
 config.data.prepared_dir is set). Writes train-XXXXX-of-NNNNN and eval-XXXXX-of-NNNNN
@@ -42,7 +45,8 @@ def fingerprint(config) -> dict:
   return {'sources': d.sources, 'weights': d.weights, 'tokenizer': d.tokenizer or 'embedded',
           'max_seq_length': d.max_seq_length, 'short_seq_prob': d.short_seq_prob,
           'dupe_factor': d.dupe_factor, 'eval_fraction': d.eval_fraction,
-          'num_shards': d.num_shards, 'seed': config.seed}
+          'num_shards': d.num_shards, 'seed': config.seed,
+          **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {})}
 
 
 def check_lengths(config):
@@ -135,7 +139,8 @@ def _prepare_into(config, tokenizer, tmp: str, out_dir: str, overwrite: bool) ->
     split_stats = collections.Counter()
     docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=split_stats,
                                   weights=d.weights, seed=config.seed,
-                                  tfds_text_feature=d.get('tfds_text_feature', 'text'))
+                                  tfds_text_feature=d.get('tfds_text_feature', 'text'),
+                                  hf_text_column=d.get('hf_text_column', 'text'))
     docs = _tokenised(_split_stream(docs, split, d.eval_fraction), tokenizer, split_stats)
     writers = ShardWriters(tmp, split, d.num_shards, d.get('records_per_file', 65536))
     n = 0

@@ -10,11 +10,21 @@
                                   tfds:wikipedia/20230601.en:train[:10%]; each example's
                                   text feature ('text' unless told) is one document, its
                                   paragraphs (lines) split into sentences
+  hf:<dataset>[:<config>][:<split>]
+                                  a Hugging Face dataset, streamed, e.g.
+                                  hf:wikimedia/wikipedia:20231101.en or
+                                  hf:HuggingFaceFW/fineweb-edu:sample-10BT:train (split
+                                  'train' by default); <dataset> may also be a local directory
+                                  (parquet/json/csv files, or one written by save_to_disk).
+                                  Each row's text column ('text' unless config.data.
+                                  hf_text_column says) is one document, split like tfds's
 
 Every source streams a document (a list of sentence strings) at a time, so memory does not
 grow with the corpus. What is skipped is counted in `stats` (a collections.Counter):
 'empty_files' (files with no document), 'non_utf8_lines', 'empty_documents'.
 
+Hugging Face datasets stream from the hub (network, or its cache with HF_HUB_OFFLINE=1) or
+from a local directory; nothing is downloaded in the tests or the default run.
 tfds datasets are read, never downloaded here: build them once where there is network
 (`tfds build wikipedia/20230601.en --data_dir=DIR`, which needs apache-beam and
 mwparserfromhell) and set `config.data.tfds_data_dir=DIR`.
@@ -32,7 +42,8 @@ import numpy as np
 
 EMBEDDED_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'embedded',
                                'sotu.txt.gz')
-_SOURCES_HELP = ('use embedded, files:<glob> or tfds:<name>[:<split>], several joined by ";"')
+_SOURCES_HELP = ('use embedded, files:<glob>, tfds:<name>[:<split>] or '
+                 'hf:<dataset>[:<config>][:<split>], several joined by ";"')
 
 # Words that end with a period without ending the sentence.
 _ABBREVIATIONS = frozenset("""
@@ -173,24 +184,96 @@ def _tfds_stream(spec: str, data_dir: Optional[str], text_feature: str,
     total = builder.info.splits[split].num_examples
   except (KeyError, ValueError):
     total = 0
-  for i, example in enumerate(tfds.as_numpy(ds.map(lambda ex: ex[text_feature])), 1):
-    text = example.decode('utf-8', errors='replace') if isinstance(example, bytes) else str(
-        example)
-    doc = [s for para in text.split('\n') for s in split_sentences(para)]
+  texts = (t.decode('utf-8', errors='replace') if isinstance(t, bytes) else str(t)
+           for t in tfds.as_numpy(ds.map(lambda ex: ex[text_feature])))
+  yield from _text_documents(texts, total, stats)
+
+
+def _text_documents(texts: Iterable[str], total: int, stats: collections.Counter) -> _Stream:
+  """Texts (one per document; paragraphs on their own lines) -> sentence lists."""
+  for i, text in enumerate(texts, 1):
+    doc = [s for para in (text or '').split('\n') for s in split_sentences(para)]
     if doc:
       yield doc, min(1.0, i / total) if total else None
     else:
       stats['empty_documents'] += 1
 
 
+class SplitNotFoundError(ValueError):
+  """A Hugging Face dataset without the asked split (e.g. GLUE's optional test)."""
+
+
+def load_hf(name: str, config: str = '', split: str = 'train', streaming: bool = True,
+            what: str = 'config.data.sources'):
+  """One split of a Hugging Face dataset: a hub name, a local directory of data files (its
+  subdirectory `config`, if given), or a directory written by save_to_disk."""
+  try:
+    import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ValueError(f'hf:{name} in {what} needs the datasets package: pip install -r '
+                     'requirements.txt') from None
+  datasets.logging.set_verbosity_error()
+  datasets.disable_progress_bars()
+  local = os.path.isdir(name)
+  saved = os.path.join(name, config) if config else name
+  try:
+    if local and (os.path.isfile(os.path.join(saved, 'dataset_dict.json')) or
+                  os.path.isfile(os.path.join(saved, 'state.json'))):
+      ds = datasets.load_from_disk(saved)
+      if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+          raise SplitNotFoundError(f'hf:{name} in {what}: no split {split!r} in {saved} (it '
+                                   f'has {list(ds)})')
+        ds = ds[split]
+      return ds
+    if local:
+      return datasets.load_dataset(name, data_dir=config or None, split=split,
+                                   streaming=streaming)
+    return datasets.load_dataset(name, config or None, split=split, streaming=streaming)
+  except SplitNotFoundError:
+    raise
+  except ValueError as e:
+    error = SplitNotFoundError if 'split' in str(e).lower() else ValueError
+    raise error(f'hf:{name} in {what}: {str(e).splitlines()[0]}') from None
+  except (FileNotFoundError, ConnectionError, OSError,
+          datasets.exceptions.DatasetNotFoundError) as e:
+    hint = ('check the path' if local or name.startswith(('/', '.')) else
+            'check the name on huggingface.co/datasets (it needs network, or the hub cache '
+            'with HF_HUB_OFFLINE=1)')
+    raise ValueError(f'Hugging Face dataset {name!r} (config {config or "default"}, split '
+                     f'{split!r}) in {what} could not be loaded: '
+                     f'{str(e).splitlines()[0] if str(e) else type(e).__name__}; {hint}'
+                     ) from None
+
+
+def _hf_stream(spec: str, text_column: str, stats: collections.Counter) -> _Stream:
+  name, _, rest = spec.partition(':')
+  config, _, split = rest.partition(':')
+  ds = load_hf(name, config, split or 'train')
+  columns = ds.column_names or list(getattr(ds, 'features', None) or {})
+  if columns and text_column not in columns:
+    raise ValueError(f'Hugging Face dataset hf:{spec} has no column {text_column!r} (it has '
+                     f'{columns}); name its text column with config.data.hf_text_column')
+  total = 0
+  try:
+    total = len(ds)
+  except TypeError:  # streaming: the split's size, when the dataset card gives it
+    splits = getattr(ds.info, 'splits', None) or {}
+    info = splits.get((split or 'train').split('[')[0]) if hasattr(splits, 'get') else None
+    total = getattr(info, 'num_examples', 0) or 0
+  yield from _text_documents((row[text_column] for row in ds), total, stats)
+
+
 def _stream(spec: str, tfds_data_dir: Optional[str], tfds_text_feature: str,
-            stats: collections.Counter) -> _Stream:
+            stats: collections.Counter, hf_text_column: str = 'text') -> _Stream:
   if spec == 'embedded':
     return _file_stream(EMBEDDED_CORPUS, stats)
   if spec.startswith('files:'):
     return _files_stream(spec[len('files:'):], stats)
   if spec.startswith('tfds:'):
     return _tfds_stream(spec[len('tfds:'):], tfds_data_dir, tfds_text_feature, stats)
+  if spec.startswith('hf:'):
+    return _hf_stream(spec[len('hf:'):], hf_text_column, stats)
   raise ValueError(f'unknown data source {spec!r} in config.data.sources; {_SOURCES_HELP}')
 
 
@@ -212,7 +295,8 @@ def parse_weights(weights: Union[str, Sequence[float], None], n: int) -> Optiona
 def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
                    stats: Optional[collections.Counter] = None,
                    weights: Union[str, Sequence[float], None] = None, seed: int = 0,
-                   tfds_text_feature: str = 'text') -> Iterator[List[str]]:
+                   tfds_text_feature: str = 'text',
+                   hf_text_column: str = 'text') -> Iterator[List[str]]:
   """Yields the documents (lists of sentences) of `config.data.sources`, streaming.
 
   Several sources are interleaved until every one is exhausted. With `weights`, each next
@@ -227,7 +311,8 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
   if not specs:
     raise ValueError(f'config.data.sources is empty; {_SOURCES_HELP}')
   probs = parse_weights(weights, len(specs))
-  streams = [_stream(s, tfds_data_dir, tfds_text_feature, stats) for s in specs]
+  streams = [_stream(s, tfds_data_dir, tfds_text_feature, stats, hf_text_column)
+             for s in specs]
   rng = np.random.default_rng(seed)
   progress = [0.0] * len(streams)
   live = [i for i in range(len(streams)) if probs is None or probs[i] > 0]

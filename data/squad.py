@@ -114,6 +114,21 @@ def read_tfds(version: str, split: str, data_dir: Optional[str] = None) -> List[
   return examples
 
 
+def read_hf(version: str, split: str, dataset: str = '') -> List[Example]:
+  """Examples of a Hugging Face SQuAD dataset ('train' or 'validation'; `config.data_dir=
+  hf:<dataset>`, e.g. hf:rajpurkar/squad or hf:rajpurkar/squad_v2, or a local copy): columns
+  id, question, context, answers {text, answer_start} (empty for unanswerable)."""
+  from data import sources  # pylint: disable=g-import-not-at-top
+  dataset = dataset or ('rajpurkar/squad_v2' if version == 'v2.0' else 'rajpurkar/squad')
+  ds = sources.load_hf(dataset, '', split, streaming=False, what='config.data_dir')
+  missing = [c for c in ('id', 'question', 'context', 'answers') if c not in ds.column_names]
+  if missing:
+    raise ValueError(f'hf:{dataset} has no columns {missing} (it has {ds.column_names}); is '
+                     'it SQuAD in rajpurkar/squad\'s layout?')
+  return [make_example(row['id'], row['question'], row['context'], row['answers']['text'],
+                       row['answers']['answer_start']) for row in ds]
+
+
 # ---------------------------------------------------------------------------- features
 
 @dataclasses.dataclass

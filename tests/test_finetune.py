@@ -253,3 +253,37 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   best = [r.split(',') for r in rows[1:] if r.endswith('best')]
   assert len(best) == 1 and best[0][1] == '2e-05' and float(best[0][5]) == 0.6
   assert '| rte | 1e-05 | 16 | 2 | 3 | 0.5000 |' in open(tmp_path / 'results.md').read()
+
+
+def _write_hf_glue(root, task, splits):
+  """The shipped TSV rows of `task` as a local Hugging Face GLUE copy in nyu-mll/glue's
+  layout (<root>/<task>/<split>-00000-of-00001.parquet), with tfds's column names."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  t = glue.get_task(task)
+  for split in splits:
+    examples = glue.read_tsv(task, GLUE_DIR, split)
+    columns = {t.tfds_text[0]: [e.text_a for e in examples],
+               'label': [-1 if e.label is None else int(e.label) for e in examples],
+               'idx': [int(e.guid) if e.guid.isdigit() else i for i, e in enumerate(examples)]}
+    if len(t.tfds_text) > 1:
+      columns[t.tfds_text[1]] = [e.text_b for e in examples]
+    os.makedirs(os.path.join(root, task), exist_ok=True)
+    datasets.Dataset.from_dict(columns).to_parquet(
+        os.path.join(root, task, f'{t.tfds_splits[split]}-00000-of-00001.parquet'))
+
+
+def test_glue_from_a_hugging_face_dataset(pretrained, tmp_path, caplog):
+  root = str(tmp_path / 'hf_glue')
+  _write_hf_glue(root, 'rte', ('train', 'dev'))  # no test split
+  for split in ('train', 'dev'):
+    got, want = glue.read_hf('rte', split, root), glue.read_tsv('rte', GLUE_DIR, split)
+    assert [(e.text_a, e.text_b, e.label) for e in got] == \
+        [(e.text_a, e.text_b, e.label) for e in want]
+  caplog.set_level('INFO', logger='absl')
+  summary = finetune.finetune(ft_config('rte', pretrained, data_dir=f'hf:{root}',
+                                        num_epochs=1), str(tmp_path / 'hf'))
+  tsv = finetune.finetune(ft_config('rte', pretrained, num_epochs=1), str(tmp_path / 'tsv'))
+  assert summary['dev'] == tsv['dev']  # the same examples: the same run
+  assert 'no predictions were written' in caplog.text
+  with pytest.raises(ValueError, match='could not be loaded'):
+    glue.read_hf('rte', 'train', str(tmp_path / 'missing'))

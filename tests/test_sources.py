@@ -203,3 +203,76 @@ def test_build_embedded_corpus_from_the_npm_layout(tmp_path):
       tmp_path / 'out1/sotu.txt.gz').read_bytes()  # byte for byte, whatever the input form
   with pytest.raises(FileNotFoundError, match='no speeches'):
     build_embedded.build_corpus(str(tmp_path / 'out0'), str(tmp_path / 'none.gz'))
+
+
+# ---------------------------------------------------------------------------- hf:<dataset>
+# Hugging Face datasets written locally by the tests (no network): a save_to_disk directory
+# and a directory of parquet files with a config subdirectory, the layout of hub repositories.
+
+HF_TEXTS = ['First article. It has two sentences.\nA second paragraph here.',
+            '',  # an empty row: counted, skipped
+            'Another document! With a question? Yes.',
+            'One line only']
+
+
+def _hf_expected():
+  return [[s for para in t.split('\n') for s in sources.split_sentences(para)]
+          for t in HF_TEXTS if t]
+
+
+def test_hf_source_from_save_to_disk_and_parquet(tmp_path):
+  import datasets  # pylint: disable=g-import-not-at-top
+  rows = {'text': HF_TEXTS, 'id': list(range(len(HF_TEXTS)))}
+  saved = tmp_path / 'saved'
+  datasets.DatasetDict({'train': datasets.Dataset.from_dict(rows)}).save_to_disk(str(saved))
+  stats = collections.Counter()
+  assert list(sources.iter_documents(f'hf:{saved}', stats=stats)) == _hf_expected()
+  assert stats['empty_documents'] == 1
+  (tmp_path / 'hub' / 'en').mkdir(parents=True)  # <dataset>/<config>/<split>-*.parquet
+  datasets.Dataset.from_dict({'body': HF_TEXTS}).to_parquet(
+      str(tmp_path / 'hub' / 'en' / 'validation-00000-of-00001.parquet'))
+  docs = sources.iter_documents(f'hf:{tmp_path / "hub"}:en:validation', hf_text_column='body')
+  assert list(docs) == _hf_expected()
+  # Mixed with another source by weights, like any other.
+  mixed = list(sources.iter_documents(f'hf:{saved};embedded', weights='1;0'))
+  assert mixed == _hf_expected()
+
+
+def test_hf_source_errors_are_one_line(tmp_path):
+  import datasets  # pylint: disable=g-import-not-at-top
+  saved = tmp_path / 'saved'
+  datasets.Dataset.from_dict({'content': HF_TEXTS}).save_to_disk(str(saved))
+  with pytest.raises(ValueError, match="no column 'text'.*config.data.hf_text_column"):
+    next(sources.iter_documents(f'hf:{saved}'))
+  with pytest.raises(ValueError, match='could not be loaded.*check the path') as e:
+    next(sources.iter_documents(f'hf:{tmp_path / "missing"}'))
+  assert '\n' not in str(e.value)
+  dd = tmp_path / 'dd'
+  datasets.DatasetDict({'train': datasets.Dataset.from_dict({'text': HF_TEXTS})}
+                       ).save_to_disk(str(dd))
+  with pytest.raises(ValueError, match="no split 'test'"):
+    next(sources.iter_documents(f'hf:{dd}::test'))
+
+
+def test_hf_source_prepares_the_same_instances_as_the_same_text_in_files(tmp_path):
+  """Preparation through hf: gives what the same documents give as BERT-format files."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  from configs import pretrain  # pylint: disable=g-import-not-at-top
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  docs = list(itertools.islice(sources.iter_documents('embedded'), 40))
+  datasets.Dataset.from_dict({'text': [' '.join(d) for d in docs]}).save_to_disk(
+      str(tmp_path / 'hf'))
+  expected = [[s for s in sources.split_sentences(' '.join(d))] for d in docs]
+  (tmp_path / 'corpus.txt').write_text('\n\n'.join('\n'.join(d) for d in expected) + '\n',
+                                       encoding='utf-8')
+  results = {}
+  for name, spec in (('hf', f'hf:{tmp_path / "hf"}'), ('files', f'files:{tmp_path}/*.txt')):
+    config = pretrain.get_config('postln,tiny')
+    config.data.sources = spec
+    config.data.num_shards = 1
+    metadata = prepare.prepare(config, str(tmp_path / f'prepared_{name}'))
+    with open(prepare.shard_paths(str(tmp_path / f'prepared_{name}'), 'train', 1)[0],
+              'rb') as f:
+      results[name] = (metadata['counts'], f.read())
+  assert results['hf'][0] == results['files'][0] and results['hf'][0]['train'] > 0
+  assert results['hf'][1] == results['files'][1]  # byte for byte

@@ -143,3 +143,28 @@ def test_squad_v2_end_to_end(pretrained, tmp_path):
   assert set(null_odds) == set(answers)
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert any(r['split'] == 'dev_squad' and 'best_f1_thresh' in r for r in records)
+
+
+def test_squad_from_a_hugging_face_dataset(tmp_path):
+  """rajpurkar/squad's layout (id, title, context, question, answers) read like the JSON."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  path = os.path.join(SQUAD_DIR, 'v2.0.json')
+  with open(path, encoding='utf-8') as f:
+    data = json.load(f)['data']
+  rows = {'id': [], 'title': [], 'context': [], 'question': [], 'answers': []}
+  for article in data:
+    for paragraph in article['paragraphs']:
+      for qa in paragraph['qas']:
+        answers = [] if qa.get('is_impossible') else qa['answers']
+        rows['id'].append(qa['id'])
+        rows['title'].append(article.get('title', ''))
+        rows['context'].append(paragraph['context'])
+        rows['question'].append(qa['question'])
+        rows['answers'].append({'text': [a['text'] for a in answers],
+                                'answer_start': [a['answer_start'] for a in answers]})
+  datasets.Dataset.from_dict(rows).to_parquet(
+      str(tmp_path / 'validation-00000-of-00001.parquet'))
+  got, want = squad.read_hf('v2.0', 'validation', str(tmp_path)), squad.read_json(path)
+  assert [(e.qid, e.words, e.answers, e.start_word, e.end_word) for e in got] == \
+      [(e.qid, e.words, e.answers, e.start_word, e.end_word) for e in want]
+  assert any(not e.answers for e in got) and any(e.answers for e in got)
