@@ -133,6 +133,9 @@ def get_config(arg: str = 'postln,tiny'):
   c.data.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
   c.data.tfds_text_feature = 'text'  # the tfds feature holding the text (paragraphs at newlines)
   c.data.hf_text_column = 'text'  # the same for hf:<dataset> sources
+  # Processes per host that prepare the shards (each tokenises its share of the documents;
+  # the result is the same for any number): raise it to the host's cores for a big corpus.
+  c.data.prepare_workers = 1
   c.data.tokenizer = ''  # sentencepiece model path; '' = the embedded corpus's tokenizer
   c.data.prepared_dir = ''  # array_record shards; '' = <workdir>/data
   c.data.max_seq_length = 128
@@ -143,7 +146,7 @@ def get_config(arg: str = 'postln,tiny'):
   c.data.whole_word_masking = False
   c.data.eval_fraction = 0.01  # documents held out for evaluation
   c.data.num_shards = 8
-  c.data.document_window = 1000  # documents held while preparing (random-next candidates)
+  c.data.document_window = 1000  # documents per block while preparing (random-next from it)
   # Shard files are rotated every this many records (array_record keeps ~500 B a record in
   # memory until its file closes); hosts keep every file open: mind `ulimit -n`.
   c.data.records_per_file = 65536

@@ -108,7 +108,8 @@ def iterator_checkpoint_args(it, mode: str):
 
 
 def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
-  """Prepares the shards once (process 0 writes; the others wait) and returns their dir.
+  """Prepares the shards once (every host its share; process 0 gathers them and writes
+  metadata.json, the others wait for it) and returns their dir.
 
   An existing preparation made with other settings is a clear error, never silently reused.
   """
@@ -117,9 +118,11 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
   prepare_lib.check_lengths(config)
   metadata = os.path.join(prepared_dir, prepare_lib.METADATA)
   if not os.path.exists(metadata):
-    if jax.process_index() == 0:
-      prepare_lib.prepare(config, prepared_dir, overwrite=False)
-    else:
+    # Every host prepares its share (data.prepare_workers processes each); process 0 gathers.
+    prepare_lib.prepare(config, prepared_dir, overwrite=False,
+                        process_index=jax.process_index(),
+                        process_count=jax.process_count(), timeout_s=timeout_s)
+    if jax.process_index() != 0:
       deadline = time.time() + timeout_s
       while not os.path.exists(metadata):
         if time.time() > deadline:

@@ -12,17 +12,35 @@ train.py calls the same code on first start (into <workdir>/data unless
 config.data.prepared_dir is set). Writes train-XXXXX-of-NNNNN and eval-XXXXX-of-NNNNN
 array_record shards (one sentence-pair instance per record, unmasked: masking is dynamic)
 and metadata.json (counts, skipped items, and the fingerprint of the settings that shaped the
-instances). Memory stays bounded: documents stream through a window of
-`data.document_window` documents and instances go straight to the shard writers, which start a
-new file every `data.records_per_file` records (default 65536: at most ~200 MB in 8 writers).
+instances). Memory stays bounded: documents stream in blocks of `data.document_window`
+documents (a document's random-next segments come from its block) and instances go straight
+to the shard writers, which start a new file every `data.records_per_file` records (default
+65536: at most ~200 MB in 8 writers).
+
+Parallel: each split's document stream is cut into those blocks, numbered in stream order,
+and block b goes to worker b mod W, where W = `data.prepare_workers` processes on each of the
+run's hosts (train.py: every host of a multi-host run prepares its share; the command line:
+--process_index/--process_count). A block's instances depend only on its documents, the seed,
+the split and b, so the prepared set (instances, split, counts) is the same whatever W and
+the host count are. Every worker reads the whole stream and tokenises only its own blocks
+(tokenising is most of the work). Workers write into <out_dir>.tmp/worker-XXXXX/ and mark
+themselves done; process 0 gathers them into <out_dir>. An interrupted preparation resumes:
+finished workers (same settings, same W) are kept, the others start their share again.
 """
 
 import collections
+import concurrent.futures
+import fcntl
+import importlib
 import json
+import multiprocessing
 import os
 import shutil
 import time
 import zlib
+from typing import List, Optional
+
+import numpy as np
 
 from array_record.python import array_record_module
 from absl import app
@@ -67,13 +85,6 @@ def _split_stream(documents, split, eval_fraction):
       yield doc
 
 
-def _tokenised(documents, tokenizer, stats):
-  for doc in documents:
-    ids = [tokenizer.encode(s) for s in doc]
-    stats['empty_sentences'] += sum(not s for s in ids)  # nothing left after tokenising
-    yield [s for s in ids if s]
-
-
 def shard_paths(prepared_dir: str, split: str, num_shards: int):
   return [os.path.join(prepared_dir, f'{split}-{i:05d}-of-{num_shards:05d}')
           for i in range(num_shards)]
@@ -105,54 +116,210 @@ class ShardWriters:
     self._counts[i] += 1
     self._written += 1
 
-  def close(self) -> int:
-    """Closes and names the files; returns how many there are."""
+  def close(self) -> List[str]:
+    """Closes the files; returns their paths, in order (named by `name_files`)."""
     for w in self._writers:
       w.close()
-    for path, final in zip(self._paths, shard_paths(self._dir, self._split, len(self._paths))):
-      os.rename(path, final)
-    return len(self._paths)
+    return list(self._paths)
 
 
-def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True) -> dict:
+def name_files(paths: List[str], directory: str, split: str) -> int:
+  """Moves the files to {split}-XXXXX-of-NNNNN in `directory`; returns how many."""
+  for path, final in zip(paths, shard_paths(directory, split, len(paths))):
+    os.rename(path, final)
+  return len(paths)
+
+
+def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
+            process_index: int = 0, process_count: int = 1, timeout_s: float = 6 * 3600
+            ) -> dict:
   """Writes the shards and metadata.json into `out_dir` (atomically); returns the metadata.
 
-  With overwrite=False a preparation that another process finished first is kept (and its
-  metadata returned) instead of being replaced.
+  Runs this host's `data.prepare_workers` workers; process 0 then waits for every host's and
+  gathers them (the other processes return None: they wait for metadata.json, as
+  data.pipeline.ensure_prepared does). With overwrite=False a preparation that another
+  process finished first is kept (and its metadata returned) instead of being replaced.
+  A failure (bad input) removes what this host wrote; a killed run leaves finished workers
+  for the next attempt to keep.
   """
+  started = time.time()
   check_lengths(config)
   d = config.data
   tokenizer = tokenizer or tokenizer_lib.load_for_config(d)
-  tmp = f'{out_dir.rstrip("/")}.tmp-{os.getpid()}'
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
+  workers = int(d.get('prepare_workers', 1) or 1)
+  if workers < 1 or process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f'data.prepare_workers={workers} must be >= 1 (and process '
+                     f'{process_index} of {process_count} valid)')
+  tmp = f'{out_dir.rstrip("/")}.tmp'
+  os.makedirs(tmp, exist_ok=True)
+  lock = _single_host_lock(tmp) if process_count == 1 else None
   try:
-    return _prepare_into(config, tokenizer, tmp, out_dir, overwrite)
-  finally:  # nothing half-made is left behind, whatever went wrong
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not overwrite and os.path.exists(os.path.join(out_dir, METADATA)):
+      return read_metadata(out_dir)  # another process finished while this one waited
+    total = workers * process_count
+    ids = [process_index * workers + w for w in range(workers)]
+    try:
+      _run_workers(config, tokenizer, tmp, ids, total)
+    except BaseException:
+      for i in ids:  # nothing half-made of this host's is left behind
+        shutil.rmtree(_worker_dir(tmp, i), ignore_errors=True)
+      if process_count == 1:
+        shutil.rmtree(tmp, ignore_errors=True)
+      raise
+    if process_index != 0:
+      return None
+    _wait_for_workers(tmp, total, fingerprint(config), timeout_s)
+    return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
+  finally:
+    if lock is not None:
+      lock.close()
 
 
-def _prepare_into(config, tokenizer, tmp: str, out_dir: str, overwrite: bool) -> dict:
+class _single_host_lock:  # pylint: disable=invalid-name
+  """Concurrent preparations on one host take turns: an flock on the output's parent
+  directory (no lock file is left behind)."""
+
+  def __init__(self, tmp: str):
+    self._fd = os.open(os.path.dirname(os.path.abspath(tmp)), os.O_RDONLY)
+    fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+  def close(self):
+    os.close(self._fd)  # releases the lock
+
+
+def _worker_dir(tmp: str, worker: int) -> str:
+  return os.path.join(tmp, f'worker-{worker:05d}')
+
+
+def _done(tmp: str, worker: int, total: int, fp: dict) -> Optional[dict]:
+  """The worker's result, if it finished with these settings and this worker count."""
+  path = os.path.join(_worker_dir(tmp, worker), 'done.json')
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    done = json.load(f)
+  return done if done['fingerprint'] == fp and done['workers'] == total else None
+
+
+def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int):
+  fp = fingerprint(config)
+  todo = [i for i in ids if _done(tmp, i, total, fp) is None]
+  if len(todo) < len(ids):
+    logging.info('preparation: %d of this host\'s %d workers finished before; resuming the '
+                 'others', len(ids) - len(todo), len(ids))
+  if not todo:
+    return
+  if len(todo) == 1 and len(ids) == 1:  # in this process: no start-up cost
+    _work(config, tokenizer, tmp, todo[0], total)
+    return
+  context = multiprocessing.get_context('spawn')  # never fork a process that runs JAX
+  work = importlib.import_module('data.prepare')._work  # by its module name, also under -m
+  with concurrent.futures.ProcessPoolExecutor(len(todo), mp_context=context) as pool:
+    for future in [pool.submit(work, config, tokenizer.path, tmp, i, total) for i in todo]:
+      future.result()
+
+
+def _own_blocks(documents, block_size: int, worker: int, total: int, transform):
+  """(block number, its documents through `transform`) of the blocks b with
+  b % total == worker; the other documents are passed over, untransformed."""
+  block, docs = 0, []
+  for i, doc in enumerate(documents):
+    b = i // block_size
+    if b != block:
+      if docs:
+        yield block, docs
+      block, docs = b, []
+    if b % total == worker:
+      docs.append(transform(doc))
+  if docs:
+    yield block, docs
+
+
+def _work(config, tokenizer, tmp: str, worker: int, total: int):
+  """One worker: its blocks of both splits into <tmp>/worker-XXXXX/, then done.json."""
   d = config.data
-  counts, files, stats, start = {}, {}, collections.Counter(), time.time()
+  if isinstance(tokenizer, str):  # a spawned process loads its own
+    tokenizer = tokenizer_lib.Tokenizer.load(tokenizer)
+  out = _worker_dir(tmp, worker)
+  shutil.rmtree(out, ignore_errors=True)
+  os.makedirs(out)
+  block_size = d.get('document_window', 1000)
+  per_worker = max(1, -(-d.num_shards // total))  # about num_shards files in all
+  result = {'fingerprint': fingerprint(config), 'workers': total, 'counts': {}, 'files': {},
+            'read_stats': {}, 'stats': {}}
   for split in SPLITS:
-    split_stats = collections.Counter()
-    docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=split_stats,
+    read_stats, stats = collections.Counter(), collections.Counter()
+    docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=read_stats,
                                   weights=d.weights, seed=config.seed,
                                   tfds_text_feature=d.get('tfds_text_feature', 'text'),
                                   hf_text_column=d.get('hf_text_column', 'text'))
-    docs = _tokenised(_split_stream(docs, split, d.eval_fraction), tokenizer, split_stats)
-    writers = ShardWriters(tmp, split, d.num_shards, d.get('records_per_file', 65536))
+    writers = ShardWriters(out, split, per_worker, d.get('records_per_file', 65536))
     n = 0
-    for inst in pretraining.stream_instances(
-        docs, max_seq_length=d.max_seq_length, short_seq_prob=d.short_seq_prob,
-        dupe_factor=d.dupe_factor, seed=config.seed + (split == 'eval'), stats=split_stats,
-        window=d.get('document_window', 1000)):
-      writers.write(inst.to_bytes())
-      n += 1
-    files[split] = writers.close()
-    counts[split] = n
-    stats.update({f'{split}/{k}': v for k, v in split_stats.items()})
+
+    def tokenise(doc, stats=stats):  # compact at once: a block holds block_size documents
+      ids = tokenizer.encode_batch(doc)
+      stats['empty_sentences'] += sum(not s for s in ids)  # nothing left after tokenising
+      return [np.asarray(s, np.int32) for s in ids if s]
+
+    for block, block_docs in _own_blocks(_split_stream(docs, split, d.eval_fraction),
+                                         block_size, worker, total, tokenise):
+      seed = int(np.random.SeedSequence([config.seed, SPLITS.index(split), block]
+                                        ).generate_state(1)[0])
+      for inst in pretraining.stream_instances(
+          block_docs, max_seq_length=d.max_seq_length,
+          short_seq_prob=d.short_seq_prob, dupe_factor=d.dupe_factor, seed=seed, stats=stats,
+          window=block_size):
+        writers.write(inst.to_bytes())
+        n += 1
+    result['files'][split] = [os.path.basename(p) for p in writers.close()]
+    result['counts'][split] = n
+    result['read_stats'].update({f'{split}/{k}': v for k, v in read_stats.items()})
+    result['stats'].update({f'{split}/{k}': v for k, v in stats.items()})
+  with open(os.path.join(out, 'done.json.tmp'), 'w') as f:
+    json.dump(result, f)
+  os.replace(os.path.join(out, 'done.json.tmp'), os.path.join(out, 'done.json'))
+
+
+def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float):
+  deadline = time.time() + timeout_s
+  while True:
+    missing = [i for i in range(total) if _done(tmp, i, total, fp) is None]
+    if not missing:
+      return
+    if time.time() > deadline:
+      raise TimeoutError(f'preparation workers {missing[:8]} of {total} did not finish in '
+                         f'{timeout_s:.0f} s; is every host running it?')
+    time.sleep(2)
+
+
+def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
+            started: float) -> dict:
+  """Process 0: every worker's files under their final names, and metadata.json."""
+  fp = fingerprint(config)
+  results = [_done(tmp, i, total, fp) for i in range(total)]
+  counts, files, stats = {}, {}, collections.Counter()
+  for split in SPLITS:
+    paths = [os.path.join(_worker_dir(tmp, i), name)
+             for i, r in enumerate(results) for name in r['files'][split]]
+    files[split] = name_files(paths, tmp, split)
+    counts[split] = sum(r['counts'][split] for r in results)
+  for r in results:  # counts of each worker's own documents add up ...
+    stats.update(r['stats'])
+  stats.update(results[0]['read_stats'])  # ... every worker read the whole stream
+  stats = collections.Counter({k: v for k, v in stats.items() if v})
+  for name in os.listdir(tmp):  # this run's workers, and any left by an attempt with another
+    if name.startswith('worker-'):  # worker count
+      shutil.rmtree(os.path.join(tmp, name))
+  try:
+    return _finish(config, tokenizer, tmp, out_dir, overwrite, counts, files, stats,
+                   total, started)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _finish(config, tokenizer, tmp: str, out_dir: str, overwrite: bool, counts, files, stats,
+            workers: int, started: float) -> dict:
+  d = config.data
   if stats['eval/documents'] == 1 and counts['eval']:
     logging.warning('the eval split holds one document, so its random-next segments come from '
                     'that same document and eval NSP accuracy means nothing; raise '
@@ -171,7 +338,8 @@ def _prepare_into(config, tokenizer, tmp: str, out_dir: str, overwrite: bool) ->
   metadata = {'counts': counts, 'files': files, 'stats': dict(stats),
               'fingerprint': fingerprint(config),
               'tokenizer_path': tokenizer.path, 'vocab_size': tokenizer.vocab_size,
-              'max_seq_length': d.max_seq_length, 'seconds': round(time.time() - start, 1)}
+              'max_seq_length': d.max_seq_length, 'workers': workers,
+              'seconds': round(time.time() - started, 1)}
   with open(os.path.join(tmp, METADATA), 'w') as f:
     json.dump(metadata, f, indent=2)
   if os.path.exists(out_dir):
@@ -205,7 +373,10 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
 
 def main(argv):
   del argv
-  print(json.dumps(prepare(flags.FLAGS.config, flags.FLAGS.out_dir), indent=2))
+  f = flags.FLAGS
+  metadata = prepare(f.config, f.out_dir, process_index=f.process_index,
+                     process_count=f.process_count)
+  print(json.dumps(metadata or {'worker_process': f.process_index, 'done': True}, indent=2))
 
 
 if __name__ == '__main__':
@@ -213,5 +384,7 @@ if __name__ == '__main__':
   with cli.config_overrides():
     config_flags.DEFINE_config_file('config', None, 'configs/pretrain.py:<variant>,<size>')
   flags.DEFINE_string('out_dir', None, 'Where to write the shards.')
+  flags.DEFINE_integer('process_index', 0, 'This host (0 gathers every host\'s workers).')
+  flags.DEFINE_integer('process_count', 1, 'Hosts preparing together (a shared out_dir).')
   flags.mark_flags_as_required(['config', 'out_dir'])
   app.run(lambda argv: cli.run_main(main, argv), flags_parser=cli.parse_flags)

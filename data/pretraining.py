@@ -117,7 +117,7 @@ def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
       yield from instances_from_document(doc, others, max_seq_length, short_seq_prob, rng)
 
   for doc in documents:
-    doc = [s for s in doc if s]
+    doc = [s for s in doc if len(s)]
     if not doc:
       stats['empty_documents'] += 1
       continue

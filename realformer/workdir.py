@@ -41,7 +41,7 @@ RESUMABLE = (
     'train.grad_accum_steps',     # the same gradient in fewer or more microbatches
     'mesh.',                      # checkpoints are restored into any sharding
     'model.remat_policy', 'model.fused_attention', 'model.dense_impl',  # how, not what
-    'data.read_threads', 'data.worker_count', 'data.prepared_dir',
+    'data.read_threads', 'data.worker_count', 'data.prepared_dir', 'data.prepare_workers',
     # fine-tuning (finetune.py)
     'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
 )

@@ -160,7 +160,8 @@ def test_hosts_wait_for_process_zero_and_finished_preparations_are_kept(
     prepared, tmp_path, monkeypatch):
   config = prepared[0].copy_and_resolve_references()
   config.data.prepared_dir = str(tmp_path / 'shared')
-  monkeypatch.setattr(jax, 'process_index', lambda: 1)
+  monkeypatch.setattr(jax, 'process_index', lambda: 1)  # the second of two hosts: it
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)  # prepares its share, then waits
   with pytest.raises(TimeoutError, match='did not finish preparing'):
     pipeline.ensure_prepared(config, str(tmp_path), timeout_s=0.1)
   writer = threading.Timer(0.5, prepare.prepare, (config, config.data.prepared_dir))
@@ -200,3 +201,54 @@ def test_files_rotate_so_writers_hold_a_bounded_number_of_records(corpus, tok, t
   seen = sum(len(b['input_ids']) for b in pipeline.make_pretraining_iterator(
       config.data, tok, out, global_batch_size=BATCH, seed=0, num_epochs=1))
   assert seen == n // BATCH * BATCH
+
+
+def _records(prepared_dir, metadata):
+  """The prepared records of each split, as a sorted list (the set, with multiplicity)."""
+  from array_record.python import array_record_data_source  # pylint: disable=g-import-not-at-top
+  out = {}
+  for split in prepare.SPLITS:
+    paths = prepare.shard_paths(prepared_dir, split, metadata['files'][split])
+    source = array_record_data_source.ArrayRecordDataSource(paths)
+    out[split] = sorted(source[i] for i in range(len(source)))
+  return out
+
+
+def test_parallel_preparation_gives_the_same_set_for_any_workers_and_hosts(corpus, tmp_path):
+  """One worker, two worker processes, and two hosts (one worker each, the second host
+  first, as hosts start at any time): the same instances, split and counts."""
+  config = tiny_config(corpus, document_window=5)  # several blocks in this small corpus
+  one = prepare.prepare(config, str(tmp_path / 'one'))
+  config.data.prepare_workers = 2
+  two = prepare.prepare(config, str(tmp_path / 'two'))
+  config.data.prepare_workers = 1
+  assert prepare.prepare(config, str(tmp_path / 'hosts'), process_index=1,
+                         process_count=2) is None  # a worker host: no gathering
+  hosts = prepare.prepare(config, str(tmp_path / 'hosts'), process_index=0, process_count=2)
+  assert (one['workers'], two['workers'], hosts['workers']) == (1, 2, 2)
+  assert one['counts']['train'] > 100 and one['counts']['eval'] > 0
+  for other in (two, hosts):
+    assert other['counts'] == one['counts'] and other['stats'] == one['stats']
+  records = _records(str(tmp_path / 'one'), one)
+  assert _records(str(tmp_path / 'two'), two) == records
+  assert _records(str(tmp_path / 'hosts'), hosts) == records
+  assert sorted(os.listdir(tmp_path)) == ['hosts', 'one', 'two']  # nothing else left
+
+
+def test_an_interrupted_preparation_keeps_finished_workers(corpus, tmp_path, caplog):
+  config = tiny_config(corpus, document_window=5)
+  config.data.prepare_workers = 2
+  out = str(tmp_path / 'out')
+  # A killed run: worker 1 finished, worker 0 left half a directory without done.json.
+  prepare._work(config, prepare.tokenizer_lib.load_for_config(config.data), out + '.tmp', 1,
+                2)
+  os.makedirs(out + '.tmp/worker-00000')
+  open(out + '.tmp/worker-00000/train.part-00000-0', 'w').close()
+  done = os.path.getmtime(out + '.tmp/worker-00001/done.json')
+  caplog.set_level('INFO', logger='absl')
+  resumed = prepare.prepare(config, out)
+  assert '1 of this host\'s 2 workers finished before' in caplog.text
+  fresh = prepare.prepare(config, str(tmp_path / 'fresh'))
+  assert resumed['counts'] == fresh['counts']
+  assert _records(out, resumed) == _records(str(tmp_path / 'fresh'), fresh)
+  assert done < time.time() and not os.path.exists(out + '.tmp')

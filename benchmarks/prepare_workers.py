@@ -1,0 +1,85 @@
+r"""Parallel preparation: data.prepare with 1 and with N worker processes on the same corpus.
+
+  python benchmarks/prepare_workers.py --scale 10 --workers 1,2 --rounds 2
+
+The embedded corpus written out `--scale` times; each setting prepares it (length 128, the
+default block of 1000 documents) in a fresh process, settings alternating round after round.
+Prints wall seconds, prepared instances per second, the main process's peak RSS (VmHWM) and
+the largest worker process's peak RSS (with one worker, the work runs in the main process),
+and checks that every setting prepared the same counts.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks import input_pipeline  # pylint: disable=g-import-not-at-top
+from benchmarks import machine
+
+CHILD = '''import json, resource, sys
+from configs import pretrain
+from data import prepare
+c = pretrain.get_config("postln,tiny")
+c.unlock()
+c.data.update(json.loads(sys.argv[1]))
+m = prepare.prepare(c, sys.argv[2])
+peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+print("RESULT", json.dumps({"counts": m["counts"], "peak_kb": peak,
+      "workers_peak_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+'''
+
+
+def run(corpus: str, out_dir: str, workers: int):
+  data = dict(sources=f'files:{corpus}', max_seq_length=128, prepare_workers=workers)
+  start = time.time()
+  out = subprocess.run([sys.executable, '-c', CHILD, json.dumps(data), out_dir], cwd=REPO,
+                       check=True, capture_output=True, text=True).stdout
+  seconds = time.time() - start
+  shutil.rmtree(out_dir)
+  return seconds, json.loads(out.rsplit('RESULT', 1)[1])
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--scale', type=int, default=10)
+  p.add_argument('--workers', default='1,2')
+  p.add_argument('--rounds', type=int, default=2)
+  args = p.parse_args()
+  print(machine.describe())
+  print(f'# {" ".join(sys.argv)}')
+  tmp = tempfile.mkdtemp()
+  corpus = os.path.join(tmp, 'corpus.txt')
+  size = input_pipeline.write_corpus(corpus, args.scale)
+  settings = [int(w) for w in args.workers.split(',')]
+  results = {w: [] for w in settings}
+  for _ in range(args.rounds):
+    for w in settings:
+      results[w].append(run(corpus, os.path.join(tmp, 'out'), w))
+  counts = {json.dumps(r['counts']) for rs in results.values() for _, r in rs}
+  assert len(counts) == 1, counts
+  n = sum(json.loads(counts.pop()).values())
+  print(f'corpus {size / 1e6:.0f} MB, {n:,} instances (train + eval), the same for every '
+        f'setting; median of {args.rounds} rounds')
+  print('| workers | seconds | instances/s | main process peak MiB | largest worker peak MiB |')
+  print('|---|---|---|---|---|')
+  for w, rs in results.items():
+    seconds = statistics.median(s for s, _ in rs)
+    main_peak = statistics.median(r['peak_kb'] for _, r in rs) / 1024
+    worker_peak = statistics.median(r['workers_peak_kb'] for _, r in rs) / 1024
+    print(f'| {w} | {seconds:.0f} | {n / seconds:,.0f} | {main_peak:.0f} | '
+          f'{worker_peak:.0f} |' if w > 1 else
+          f'| {w} | {seconds:.0f} | {n / seconds:,.0f} | {main_peak:.0f} | (in main) |')
+  shutil.rmtree(tmp)
+
+
+if __name__ == '__main__':
+  main()
