@@ -13,6 +13,7 @@ and GPU cluster launches. `config.data.sources=synthetic` trains on random token
 same format (throughput checks only).
 """
 
+import json
 import os
 import signal
 import sys
@@ -64,6 +65,70 @@ flags.DEFINE_string('launch_json', '', 'With --compile_for: also write the facts
 
 class NonFiniteLossError(RuntimeError):
   """The loss became nan/inf; the bad state was not saved."""
+
+
+class TimeBudget:
+  """train.time_budget_minutes (Geiping & Goldstein's Cramming): the run trains for that much
+  wall time and its learning-rate schedule follows the clock, reaching zero when the time is
+  spent, so a slower variant gets fewer steps of the same schedule.
+
+  Progress is max(step / num_steps, time spent / budget): the configured schedule (warm-up,
+  decay) is read at that fraction of num_steps, which stays an upper bound. Time is counted
+  from the end of the first (compiling) step, without evaluation; it is saved beside each
+  checkpoint (time_spent.json), so a resumed run continues the budget. On several hosts,
+  process 0's clock decides. A budgeted run is not bit-reproducible (its steps follow the
+  clock).
+  """
+  FILE = 'time_spent.json'
+
+  def __init__(self, config, schedule, workdir: str, start_step: int):
+    tc = config.train
+    self.seconds = float(tc.time_budget_minutes) * 60
+    self.num_steps = tc.num_steps
+    grid = np.linspace(0.0, tc.num_steps, 2049)  # the schedule, tabulated once
+    self._grid = grid
+    self._table = np.asarray(jax.vmap(schedule)(grid)) / float(config.optimizer.learning_rate)
+    self._path = os.path.join(workdir, self.FILE)
+    self._record = {}
+    if os.path.exists(self._path):
+      with open(self._path) as f:
+        self._record = json.load(f)
+    self.before = float(self._record.get(str(start_step), 0.0))
+    if start_step and str(start_step) not in self._record:
+      logging.warning('no time record for step %d in %s: counting the budget from 0 again',
+                      start_step, self._path)
+    self._clock_from, self._excluded, self.spent = None, 0.0, self.before
+
+  def start(self):
+    self._clock_from = time.time()
+
+  def exclude(self, seconds: float):
+    self._excluded += seconds
+
+  def update(self) -> float:
+    """Time spent so far (process 0's, on every process)."""
+    spent = self.before
+    if self._clock_from is not None:
+      spent += time.time() - self._clock_from - self._excluded
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      spent = float(multihost_utils.broadcast_one_to_all(np.float64(spent)))
+    self.spent = spent
+    return spent
+
+  def factor(self, step: int) -> np.ndarray:
+    progress = min(1.0, max(step / self.num_steps, self.spent / self.seconds))
+    return np.float32(np.interp(progress * self.num_steps, self._grid, self._table))
+
+  def over(self) -> bool:
+    return self.spent >= self.seconds
+
+  def save(self, step: int):
+    self._record[str(step)] = self.spent
+    if jax.process_index() == 0:
+      with open(self._path + '.tmp', 'w') as f:
+        json.dump(self._record, f)
+      os.replace(self._path + '.tmp', self._path)
 
 
 # Exit status of a run stopped by SIGTERM (preemption) after saving: not finished, to be
@@ -202,7 +267,18 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
   eval_step = train_lib.make_eval_step(loss_fn, mesh=mesh, params_sharding=shardings.params,
                                        metrics_cls=metrics_lib.PretrainingEvalMetrics)
 
+  budget = (None if program.budget_schedule is None else
+            TimeBudget(config, program.budget_schedule, workdir, start_step))
+
   def evaluate(step: int) -> dict:
+    started = time.time()
+    try:
+      return _evaluate(step)
+    finally:
+      if budget is not None:  # evaluation does not spend the training budget
+        budget.exclude(time.time() - started)
+
+  def _evaluate(step: int) -> dict:
     eval_iter = make_input('eval', config.seed)  # the same batches at every evaluation
     collected = None
     for _ in range(tc.eval_steps):
@@ -242,6 +318,8 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
   def save(step: int):
     checkpoints.save(manager, step, state.to_checkpoint(),
                      data_checkpoint_args(train_iter, 'save'), force=True)
+    if budget is not None:
+      budget.save(step)
 
   # ---- The loop. ----
   summary = {'train': {}, 'eval': {}}
@@ -249,9 +327,12 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
   timed_from, window_start = start_step, time.time()
   step = start_step
   with jax.set_mesh(mesh), StopSignal() as stop:
-    while step < tc.num_steps:
+    while step < tc.num_steps and not (budget is not None and budget.over()):
       batch = train_lib.global_batch(next(train_iter), mesh)
-      state, step_metrics = train_step(state, batch)
+      if budget is None:
+        state, step_metrics = train_step(state, batch)
+      else:
+        state, step_metrics = train_step(state, batch, budget.factor(step))
       step += 1
       if pending is not None:  # check the previous step while this one runs
         check_finite(*pending)
@@ -262,12 +343,19 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
       if step == start_step + 1:  # leave compilation out of the throughput
         check_finite(*pending)
         timed_from, window_start = step, time.time()
+        if budget is not None:
+          budget.start()
       preempted = stop.event.is_set() or (jax.process_count() > 1 and
                                           manager.reached_preemption(step))
       last = step == tc.num_steps
+      if budget is not None:
+        budget.update()
+        last = last or budget.over()
       if step % tc.log_every_steps == 0 or last:
         check_finite(*pending)
         values = metrics_lib.to_floats(window)
+        if budget is not None:
+          values['budget_spent_fraction'] = budget.spent / budget.seconds
         now = time.time()
         if step > timed_from:
           values.update(metrics_lib.throughput(
@@ -289,6 +377,14 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
                         step, manager.directory)
         summary['preempted'] = step
         break
+      if last:
+        break
+  if budget is not None:
+    summary['time_budget'] = {'minutes': budget.seconds / 60, 'spent_minutes':
+                              budget.spent / 60, 'steps': step}
+    if budget.over():
+      logging.info('time budget of %.1f minutes spent after step %d of at most %d',
+                   budget.seconds / 60, step, tc.num_steps)
   manager.wait_until_finished()
   manager.close()
   writer.close()

@@ -156,6 +156,12 @@ def get_config(arg: str = 'postln,tiny'):
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 256  # global, over all hosts
   c.train.num_steps = 100_000
+  # > 0: train for this many minutes of wall time (compilation and evaluation not counted);
+  # the learning-rate schedule follows the clock and reaches 0 when the time is spent, so
+  # num_steps is only an upper bound (Cramming's budget; train.py's TimeBudget). The
+  # schedule is read at max(step, spent share x num_steps): give the warm-up as
+  # optimizer.warmup_fraction (warmup_steps=-1) so that it is a share of the budget.
+  c.train.time_budget_minutes = 0.0
   c.train.grad_accum_steps = 1  # microbatches per step (weighted by masked tokens)
   c.train.log_every_steps = 100
   c.train.eval_every_steps = 2000

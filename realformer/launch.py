@@ -37,6 +37,7 @@ import time
 from typing import Dict, List, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from realformer import hlo_stats
@@ -212,7 +213,9 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
                   model_flops=program.flops_per_example * batch_size / chips)
   start = time.time()
   with jax.set_mesh(mesh):
-    lowered = program.train_step.lower(program.abstract, batch)
+    factor = (() if program.budget_schedule is None else  # a time-budgeted run's lr factor
+              (jax.ShapeDtypeStruct((), jnp.float32),))
+    lowered = program.train_step.lower(program.abstract, batch, *factor)
     try:
       compiled = lowered.compile()
     except Exception as e:  # XLA's errors are not a public type

@@ -21,6 +21,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -280,8 +281,14 @@ def split_microbatches(batch, k: int, mesh):
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, *, mesh, shardings: TrainState,
                     metrics_cls, totals_fn: Callable = pretraining_totals,
-                    grad_accum_steps: int = 1, seed: int = 0) -> Callable:
+                    grad_accum_steps: int = 1, seed: int = 0,
+                    lr_factor: bool = False) -> Callable:
   """A jitted (state, batch) -> (state, metrics) with the state donated.
+
+  lr_factor: the step takes a third argument, a float32 scalar that multiplies the
+  optimizer's updates: with AdamW (decoupled decay, clipping before it) and a constant
+  schedule that is exactly AdamW at that fraction of the learning rate. A time-budgeted run
+  (train.time_budget_minutes) sets it from the clock each step.
 
   loss_fn(params, microbatch, rng, totals) -> (loss, {name: clu Metric}); totals_fn(batch)
   gives the whole batch's normalizers (see the module docstring). metrics_cls: a clu
@@ -296,7 +303,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
   k = int(grad_accum_steps)
   base_key = jax.random.PRNGKey(seed)
 
-  def step_fn(state: TrainState, batch):
+  def step_fn(state: TrainState, batch, factor=None):
     with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
       totals = totals_fn(batch)
       step_key = jax.random.fold_in(base_key, state.step)
@@ -326,19 +333,23 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
                    for n, m in stats.items()}
       grad_norm = optax.tree.norm(grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      learning_rate = schedule(state.step)
+      if factor is not None:
+        updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
+        learning_rate = learning_rate * factor
       params = optax.apply_updates(state.params, updates)
       new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
       out = metrics_lib.collection(
           metrics_cls, loss=metrics_lib.average(loss, 1.0),
                         grad_norm=metrics_lib.average(grad_norm, 1.0),
-                        learning_rate=metrics_lib.last_value(schedule(state.step)),
+                        learning_rate=metrics_lib.last_value(learning_rate),
                         **stats)
       return new, out
 
   data = partitioning.batch_sharding(mesh)
-  return jax.jit(step_fn, in_shardings=(shardings, data),
-                 out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
-                 donate_argnums=(0,))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.jit(step_fn, in_shardings=(shardings, data) + ((replicated,) if lr_factor else ()),
+                 out_shardings=(shardings, replicated), donate_argnums=(0,))
 
 
 def make_eval_step(loss_fn: Callable, *, mesh, params_sharding, metrics_cls,
@@ -385,8 +396,11 @@ class PretrainingProgram:
   abstract: TrainState        # ShapeDtypeStructs with their shardings
   shardings: TrainState
   loss_fn: Callable
-  train_step: Callable        # jitted (state, batch) -> (state, metrics)
+  train_step: Callable        # jitted (state, batch[, lr factor]) -> (state, metrics)
   flops_per_example: float
+  # With train.time_budget_minutes: the configured schedule over num_steps, which the clock
+  # drives (tx then runs at the constant peak, scaled by the step's factor); else None.
+  budget_schedule: Optional[optax.Schedule] = None
 
 
 def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
@@ -398,7 +412,13 @@ def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
   tc = config.train
   spec = resolve(config.model, platform=platform)
   model = models.build(spec)
-  tx, schedule = make_optimizer(config.optimizer, tc.num_steps, frozen=fixed_params_fn(spec))
+  budgeted = float(tc.get('time_budget_minutes', 0) or 0) > 0
+  opt = config.optimizer
+  if budgeted:  # the peak, constant; the clock's factor makes the schedule (train.py)
+    budget_schedule = make_schedule(opt, tc.num_steps)
+    opt = ml_collections.ConfigDict(opt.to_dict())
+    opt.schedule, opt.warmup_steps = 'constant', 0
+  tx, schedule = make_optimizer(opt, tc.num_steps, frozen=fixed_params_fn(spec))
   seq_len, preds = config.data.max_seq_length, config.data.max_predictions_per_seq
   batch_shapes = abstract_batch(tc.batch_size, seq_len, preds)
   abstract, shardings = state_shardings(model, tx, batch_shapes, mesh)
@@ -406,9 +426,10 @@ def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
   train_step = make_train_step(
       loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
       metrics_cls=metrics_lib.PretrainingTrainMetrics, grad_accum_steps=tc.grad_accum_steps,
-      seed=config.seed)
+      seed=config.seed, lr_factor=budgeted)
   return PretrainingProgram(spec, model, tx, schedule, batch_shapes, abstract, shardings,
-                            loss_fn, train_step, flops_per_example(spec, seq_len, preds))
+                            loss_fn, train_step, flops_per_example(spec, seq_len, preds),
+                            budget_schedule if budgeted else None)
 
 
 # --------------------------------------------------------------------------------------

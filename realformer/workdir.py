@@ -34,6 +34,7 @@ LOCK_FILE = '.lock'
 # (model, data, optimizer, seed, batch size) defines the run and must match its checkpoint.
 RESUMABLE = (
     'train.num_steps',            # run longer or shorter (the schedule follows num_steps)
+    'train.time_budget_minutes',  # likewise, in wall time
     'train.log_every_steps', 'train.eval_every_steps', 'train.eval_steps',
     'train.checkpoint_every_steps', 'train.keep_checkpoints', 'train.profile_steps',
     'train.peak_flops_per_device',

@@ -1,6 +1,7 @@
 """train.py and realformer/train_lib.py: sharding invariance, accumulation, optimizer masks,
 FLOP count, clear errors, nan stop, and a short real run on the embedded corpus."""
 
+import json
 import os
 import subprocess
 import sys
@@ -363,3 +364,52 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
     np.testing.assert_allclose(x, theirs[name], rtol=0, atol=atol, err_msg=name)
     moved = max(moved, float(np.abs(theirs[name] - initial[name]).max()))
   assert moved > 500 * atol  # Adam moved weights by about the summed learning rates, 0.025
+
+
+def test_lr_factor_is_adamw_at_that_fraction_of_the_learning_rate():
+  """The time budget's factor: AdamW at peak x f equals AdamW at peak with updates x f."""
+  mesh = partitioning.make_mesh(tiny_config().mesh, jax.devices()[:1])
+  batch = None
+  params = {}
+  for name, budget, lr in (('scaled', 1.0, 3e-3), ('plain', 0.0, 3e-3 * 0.3)):
+    config = tiny_config(time_budget_minutes=budget)
+    config.optimizer.learning_rate = lr
+    program = train_lib.pretraining_program(config, mesh)
+    assert (program.budget_schedule is not None) == (budget > 0)
+    state, _ = train_lib.create_train_state(program.model, program.tx, program.batch_shapes,
+                                            mesh, config.seed)
+    if batch is None:
+      batch = {k: np.asarray(v) for k, v in next(
+          train.make_input_fn(config, '')('train', 0)).items()}
+    with jax.set_mesh(mesh):
+      for _ in range(2):
+        args = (np.float32(0.3),) if budget else ()
+        state, metrics = program.train_step(state, train_lib.global_batch(batch, mesh), *args)
+    params[name] = state.params
+    assert np.isclose(float(metrics.learning_rate.compute()), 3e-3 * 0.3)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               params['scaled'], params['plain'])
+
+
+def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
+  config = tiny_config(num_steps=100_000, time_budget_minutes=0.05, log_every_steps=5,
+                       checkpoint_every_steps=40)
+  config.optimizer.schedule, config.optimizer.warmup_steps = 'linear', 10
+  workdir = str(tmp_path / 'budget')
+  summary = train.train_and_evaluate(config, workdir)
+  budget = summary['time_budget']
+  assert budget['spent_minutes'] * 60 >= 3.0 and 10 < budget['steps'] < 100_000
+  # The schedule follows the clock: after the warm-up, BERT's linear decay at the fraction
+  # of the budget spent (peak x (1 - fraction), the fraction read before the step).
+  rates = losses(workdir, key='learning_rate')
+  fractions = losses(workdir, key='budget_spent_fraction')
+  steps = sorted(rates)
+  assert fractions[steps[-1]] >= 1.0
+  for before, step in zip(steps[1:], steps[2:]):
+    share = rates[step] / 3e-3
+    assert 1 - fractions[step] - 0.02 <= share <= 1 - fractions[before] + 0.02, (step, share)
+  spent = json.load(open(os.path.join(workdir, train.TimeBudget.FILE)))
+  assert str(budget['steps']) in spent
+  # Resuming a spent budget trains no further.
+  again = train.train_and_evaluate(config, workdir)
+  assert again['time_budget']['steps'] == budget['steps']
