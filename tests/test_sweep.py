@@ -212,3 +212,42 @@ def test_study_plan_and_learning_curves(tmp_path, capsys):
         f.write(json.dumps({'step': step, 'split': 'eval', 'mlm_accuracy': step / 100}) + '\n')
   study.curves(str(tmp_path), runs, names, str(tmp_path / 'curves.png'))
   assert (tmp_path / 'curves.png').stat().st_size > 1000
+
+
+def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys):
+  import study  # pylint: disable=g-import-not-at-top
+  assert study.main(['stability', '--root', 'gs://b/study', '--print_only']) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  assert len(lines) == 3 * 4 * 2  # variants x learning rates x warm-ups, one seed
+  assert all('--config.model.num_layers=12' in l and '--config.train.num_steps=300' in l
+             for l in lines)
+  assert study.main(['--root', 'gs://b/wall', '--minutes', '20', '--print_only']) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  assert all('--config.train.time_budget_minutes=20' in l and
+             '--config.optimizer.warmup_steps=-1' in l for l in lines)
+  # Cells: a finished run, one whose loss rose, one stopped by a nan loss, one never run.
+  cells = {}
+  for name, losses, log in (('ok', [9.0, 7.0], ''), ('rose', [9.0, 9.5], ''),
+                            ('nan', [9.0], 'NonFiniteLossError: loss became nan at step 37; '
+                                           'the last good checkpoint ...'), ('missing', None, '')):
+    workdir = tmp_path / name
+    workdir.mkdir()
+    if losses:
+      with open(workdir / 'metrics.jsonl', 'w') as f:
+        for step, loss in enumerate(losses):
+          f.write(json.dumps({'step': 10 * (step + 1), 'split': 'train', 'loss': loss}) + '\n')
+    (workdir / 'log.txt').write_text(log)
+    if name in ('ok', 'rose'):
+      (workdir / sweep.DONE).write_text('')
+    assert study.mark_diverged(str(workdir)) == (name == 'nan')
+    cells[name] = study.stability_cell(str(workdir))
+  assert [cells[n]['status'] for n in ('ok', 'rose', 'nan', 'missing')] == [
+      'ok', 'rose', 'diverged', 'missing']
+  assert cells['nan']['step'] == 37 and cells['ok']['final'] == 7.0
+  grid = {('postln', 1e-3, 0): cells['ok'], ('postln', 2e-3, 0): cells['nan'],
+          ('realformer', 1e-3, 0): cells['rose'], ('realformer', 2e-3, 0): cells['missing']}
+  table = study.stability_report(grid, ['postln', 'realformer'], [1e-3, 2e-3], [0],
+                                 str(tmp_path))
+  assert '| postln | 0 | 7.000 | NaN at 37 |' in table
+  assert '| realformer | 0 | 9.500 (rose) | (not run) |' in table
+  assert (tmp_path / 'stability.png').stat().st_size > 1000
