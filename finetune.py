@@ -98,11 +98,28 @@ def full_batch(batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
           for k, v in batch.items()}
 
 
-def length_buckets(config, task) -> Tuple[int, ...]:
+BUCKETS_FILE = 'length_buckets.json'
+
+
+def length_buckets(config, task, workdir: str, resuming: bool) -> Tuple[int, ...]:
   """The compiled sequence lengths: chosen from the training lengths, the longest covering
-  every split; (max_seq_length,) when config.length_buckets is 0."""
+  every split; (max_seq_length,) when config.length_buckets is 0. Stored in the workdir: a
+  resumed run keeps them (they shape the epoch's batches), whatever dev or test files
+  changed."""
   if not config.length_buckets:
     return (config.max_seq_length,)
+  path = os.path.join(workdir, BUCKETS_FILE)
+  if resuming and os.path.isfile(path):
+    with open(path) as f:
+      return tuple(json.load(f))
+  chosen = _choose_buckets(config, task)
+  if jax.process_index() == 0:
+    with open(path, 'w') as f:
+      json.dump(list(chosen), f)
+  return chosen
+
+
+def _choose_buckets(config, task) -> Tuple[int, ...]:
   lengths = buckets_lib.lengths_of(task.train)
   cover = max((int(buckets_lib.lengths_of(f).max(initial=0)) for f in task.eval_features()),
               default=0)
@@ -414,7 +431,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
       totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
       seed=config.seed)
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))
-  buckets = length_buckets(config, task)
+  buckets = length_buckets(config, task, workdir, resuming=int(state.step) > 0)
   lengths = buckets_lib.lengths_of(train)
   sharding = partitioning.batch_sharding(mesh)
 
@@ -426,8 +443,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
 
   steps = compile_lengths(train_step, (state,), batch_of(config.batch_size, train), buckets,
                           'train step')
-  predictions = compile_lengths(  # predictions read the model's inputs only
-      jax.jit(lambda params, batch: model.apply({'params': params}, batch)[1:]),
+  predictions = compile_lengths(  # the model's inputs only; outputs whole on every host
+      jax.jit(lambda params, batch: model.apply({'params': params}, batch)[1:],
+              out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
       (state.params,), batch_of(config.eval_batch_size, buckets_lib.SEQUENCE_KEYS), buckets,
       'prediction')
   predict = lambda params, batch: predictions[batch['input_ids'].shape[1]](params, batch)
@@ -524,6 +542,9 @@ class BestCheckpoint:
         self.best is not None and headline <= self.best['headline']):
       return
     manager = checkpoints.make_manager(self.dir, keep=1, item_names=('state',))
+    for old in manager.all_steps():  # an epoch redone after a kill saves its step again
+      if old >= step:
+        manager.delete(old)
     checkpoints.save(manager, step, {'step': step, 'params': params}, force=True)
     manager.wait_until_finished()
     manager.close()
@@ -547,7 +568,9 @@ def drop_optimizer_state(manager, params, step: int, pretraining_config, final_d
   params-only checkpoint that a rerun evaluates and another fine-tuning can start from; a
   link to best/ when the last epoch was the best) and delete the resume checkpoint
   (config.keep_optimizer_state=True keeps it)."""
-  if best.best is not None and best.best['step'] == step:
+  if os.path.islink(final_dir) or checkpoints.has_complete_step(final_dir):
+    pass  # written by an attempt killed before the resume checkpoint was deleted
+  elif best.best is not None and best.best['step'] == step:
     if jax.process_index() == 0:
       os.symlink(BEST_DIR, final_dir)
   else:

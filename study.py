@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import sys
 
 from realformer import analysis
 from realformer import sweep
@@ -252,12 +251,13 @@ def main(argv=None):
                  help='compare: the variants at one budget (default); stability: the '
                  'learning-rate x warm-up grid of a deep encoder')
   p.add_argument('--root', required=True)
-  p.add_argument('--variants', default=','.join(VARIANTS))
+  p.add_argument('--variants', default=None,
+                 help=f'default {",".join(VARIANTS)} (stability: postln,preln,realformer)')
   p.add_argument('--size', default='tiny')
-  p.add_argument('--seeds', type=int, default=2)
-  p.add_argument('--steps', type=int, default=150)
+  p.add_argument('--seeds', type=int, default=None, help='default 2 (stability: 1)')
+  p.add_argument('--steps', type=int, default=None, help='default 150 (stability: 300)')
   p.add_argument('--batch', type=int, default=16)
-  p.add_argument('--layers', type=int, default=4)
+  p.add_argument('--layers', type=int, default=None, help='default 4 (stability: 12)')
   p.add_argument('--seq_len', type=int, default=64)
   p.add_argument('--learning_rate', type=float, default=1e-3)
   p.add_argument('--minutes', type=float, default=0.0,
@@ -271,16 +271,14 @@ def main(argv=None):
   stab.add_argument('--warmups', default='0,30', help='warm-up steps, e.g. none and short')
   stab.add_argument('--log_every', type=int, default=10)
   args = p.parse_args(argv)
-  if args.part == 'stability':
-    given = set(argv if argv is not None else sys.argv[1:])
-    if '--variants' not in given:
-      args.variants = 'postln,preln,realformer'
-    if '--layers' not in given:
-      args.layers = 12
-    if '--steps' not in given:
-      args.steps = 300
-    if '--seeds' not in given:
-      args.seeds = 1
+  stable = args.part == 'stability'
+  defaults = {'variants': 'postln,preln,realformer' if stable else ','.join(VARIANTS),
+              'layers': 12 if stable else 4, 'steps': 300 if stable else 150,
+              'seeds': 1 if stable else 2}
+  for key, value in defaults.items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  if stable:
     return stability(args)
 
   config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'

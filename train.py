@@ -74,7 +74,8 @@ class TimeBudget:
 
   Progress is max(step / num_steps, time spent / budget): the configured schedule (warm-up,
   decay) is read at that fraction of num_steps, which stays an upper bound. Time is counted
-  from the end of the first (compiling) step, without evaluation; it is saved beside each
+  from the end of the first (compiling) step, without evaluation (checkpoint saves, mostly
+  asynchronous, count); it is saved beside each
   checkpoint (time_spent.json), so a resumed run continues the budget. On several hosts,
   process 0's clock decides. A budgeted run is not bit-reproducible (its steps follow the
   clock).
@@ -105,12 +106,18 @@ class TimeBudget:
   def exclude(self, seconds: float):
     self._excluded += seconds
 
-  def update(self) -> float:
-    """Time spent so far (process 0's, on every process)."""
+  SYNC_EVERY = 10  # steps between agreements of the hosts on the time spent
+
+  def update(self, step: int) -> float:
+    """Time spent so far. On several hosts, process 0's, agreed every SYNC_EVERY steps
+    (the factor and the stop must be the same everywhere; a broadcast every step would
+    block each step on the hosts' slowest)."""
     spent = self.before
     if self._clock_from is not None:
       spent += time.time() - self._clock_from - self._excluded
     if jax.process_count() > 1:
+      if step % self.SYNC_EVERY:
+        return self.spent
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       spent = float(multihost_utils.broadcast_one_to_all(np.float64(spent)))
     self.spent = spent
@@ -349,7 +356,7 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
                                           manager.reached_preemption(step))
       last = step == tc.num_steps
       if budget is not None:
-        budget.update()
+        budget.update(step)
         last = last or budget.over()
       if step % tc.log_every_steps == 0 or last:
         check_finite(*pending)

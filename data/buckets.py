@@ -12,7 +12,8 @@ Training: an epoch's batches are a pure function of (seed, epoch) and the length
 resumes at any step, and every host computes the same plan (multi-host safe). Examples left
 over in a bucket (fewer than a batch) move up to the next longer bucket, so an epoch has
 exactly len(examples) // batch_size batches, as without buckets; the fewer than batch_size
-examples left at the end differ from epoch to epoch. Evaluation: every example exactly once,
+examples left out of an epoch are drawn at random (not by length) and differ from epoch to
+epoch. Evaluation: every example exactly once,
 batched within its bucket, results put back in the original order.
 
 The bucketed model computes what the padded one computes: attention masks the padding keys and
@@ -96,14 +97,15 @@ def train_batches(lengths: np.ndarray, buckets: Sequence[int], batch_size: int, 
   shuffled order; each batch's examples fit its length."""
   rng = np.random.default_rng([seed, epoch])
   order = rng.permutation(len(lengths))
-  index = bucket_index(np.asarray(lengths)[order], buckets)
+  order = order[:len(order) // batch_size * batch_size]  # the epoch's few left out: random,
+  index = bucket_index(np.asarray(lengths)[order], buckets)  # not the longest
   plan, carry = [], order[:0]
   for b, length in enumerate(buckets):
     members = np.concatenate([carry, order[index == b]])
     full = len(members) // batch_size * batch_size
     plan += [(int(length), members[i:i + batch_size]) for i in range(0, full, batch_size)]
     carry = members[full:]  # too few for a batch: padded to the next length up
-  return [plan[i] for i in rng.permutation(len(plan))]
+  return [plan[i] for i in rng.permutation(len(plan))]  # (no carry is left at the end)
 
 
 def eval_batches(lengths: np.ndarray, buckets: Sequence[int], batch_size: int

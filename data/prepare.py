@@ -64,6 +64,7 @@ def fingerprint(config) -> dict:
           'max_seq_length': d.max_seq_length, 'short_seq_prob': d.short_seq_prob,
           'dupe_factor': d.dupe_factor, 'eval_fraction': d.eval_fraction,
           'num_shards': d.num_shards, 'seed': config.seed,
+          'document_window': d.get('document_window', 1000),  # the blocks' layout
           **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {})}
 
 
@@ -158,13 +159,19 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       return read_metadata(out_dir)  # another process finished while this one waited
     total = workers * process_count
     ids = [process_index * workers + w for w in range(workers)]
+    failed = os.path.join(tmp, f'failed-{process_index:05d}.txt')
+    if os.path.exists(failed):
+      os.remove(failed)
     try:
       _run_workers(config, tokenizer, tmp, ids, total)
-    except BaseException:
+    except BaseException as e:
       for i in ids:  # nothing half-made of this host's is left behind
         shutil.rmtree(_worker_dir(tmp, i), ignore_errors=True)
       if process_count == 1:
         shutil.rmtree(tmp, ignore_errors=True)
+      else:  # process 0 stops waiting for this host
+        with open(failed, 'w') as f:
+          f.write(f'{type(e).__name__}: {e}')
       raise
     if process_index != 0:
       return None
@@ -198,7 +205,12 @@ def _done(tmp: str, worker: int, total: int, fp: dict) -> Optional[dict]:
     return None
   with open(path) as f:
     done = json.load(f)
-  return done if done['fingerprint'] == fp and done['workers'] == total else None
+  if done['fingerprint'] != fp or done['workers'] != total:
+    return None
+  names = [n for split in SPLITS for n in done['files'][split]]
+  if not all(os.path.isfile(os.path.join(_worker_dir(tmp, worker), n)) for n in names):
+    return None  # a gathering was cut short after moving its files: redo this worker
+  return done
 
 
 def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int):
@@ -265,10 +277,9 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
                                          block_size, worker, total, tokenise):
       seed = int(np.random.SeedSequence([config.seed, SPLITS.index(split), block]
                                         ).generate_state(1)[0])
-      for inst in pretraining.stream_instances(
+      for inst in pretraining.block_instances(
           block_docs, max_seq_length=d.max_seq_length,
-          short_seq_prob=d.short_seq_prob, dupe_factor=d.dupe_factor, seed=seed, stats=stats,
-          window=block_size):
+          short_seq_prob=d.short_seq_prob, dupe_factor=d.dupe_factor, seed=seed, stats=stats):
         writers.write(inst.to_bytes())
         n += 1
     result['files'][split] = [os.path.basename(p) for p in writers.close()]
@@ -286,6 +297,10 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float):
     missing = [i for i in range(total) if _done(tmp, i, total, fp) is None]
     if not missing:
       return
+    for name in sorted(os.listdir(tmp)):
+      if name.startswith('failed-'):
+        with open(os.path.join(tmp, name)) as f:
+          raise RuntimeError(f'preparation failed on host {int(name[7:12])}: {f.read()}')
     if time.time() > deadline:
       raise TimeoutError(f'preparation workers {missing[:8]} of {total} did not finish in '
                          f'{timeout_s:.0f} s; is every host running it?')
@@ -297,6 +312,9 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
   """Process 0: every worker's files under their final names, and metadata.json."""
   fp = fingerprint(config)
   results = [_done(tmp, i, total, fp) for i in range(total)]
+  for name in os.listdir(tmp):  # shards of a gathering that was cut short
+    if name.startswith(tuple(f'{split}-' for split in SPLITS)) or name == METADATA:
+      os.remove(os.path.join(tmp, name))
   counts, files, stats = {}, {}, collections.Counter()
   for split in SPLITS:
     paths = [os.path.join(_worker_dir(tmp, i), name)
@@ -362,8 +380,11 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
                             '`python -m data.prepare` or let train.py prepare it')
   with open(path) as f:
     metadata = json.load(f)
-  if config is not None and metadata['fingerprint'] != fingerprint(config):
-    want, have = fingerprint(config), metadata['fingerprint']
+  # Keys added to the fingerprint since a preparation was made are not held against it.
+  want = {k: v for k, v in (fingerprint(config) if config is not None else {}).items()
+          if k in metadata['fingerprint']}
+  if config is not None and metadata['fingerprint'] != want:
+    have = metadata['fingerprint']
     diff = {k: (have.get(k), want[k]) for k in want if have.get(k) != want[k]}
     raise ValueError(f'prepared data in {prepared_dir} was made with other settings '
                      f'(prepared, configured): {diff}; point config.data.prepared_dir '

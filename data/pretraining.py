@@ -11,11 +11,12 @@ Instances follow google-research/bert's create_pretraining_data.py:
   - the pair is truncated to max_seq_length - 3 tokens, one token at a time from the longer
     side, from its front or back at random;
   - the example is [CLS] A [SEP] B [SEP] with segment ids 0 for [CLS] A [SEP] and 1 after.
-One deviation, forced by streaming: the random other document is drawn from a bounded window
-of neighbouring documents (the `window` documents that follow it in the stream, default 1000;
-config.data.document_window; for the last document, those before it) instead of the whole
-corpus, so memory does not grow with the corpus. Sources that keep related documents together
-therefore draw random-next segments from nearby documents; a window of 1000 keeps them varied.
+One deviation, forced by streaming: the random other document is drawn from a bounded set of
+neighbouring documents instead of the whole corpus, so memory does not grow with the corpus:
+data/prepare.py cuts the stream into blocks of config.data.document_window documents (default
+1000) and draws from the other documents of the same block (`block_instances`;
+`stream_instances` is the sliding-window form). Sources that keep related documents together
+therefore draw random-next segments from nearby documents; 1000 keeps them varied.
 
 Masking (`Masker`): masked_lm_prob of the tokens (at least one, at most
 max_predictions_per_seq), never [CLS], [SEP] or [PAD] (no special token); each chosen token
@@ -133,6 +134,46 @@ def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
     first = pending.popleft()
     yield from emit(first, pending or done)
     done.append(first)
+
+
+class _AllBut:
+  """The documents of a block but one, as a sequence (no copy)."""
+
+  def __init__(self, docs, skip: int):
+    self._docs, self._skip = docs, skip
+
+  def __len__(self):
+    return len(self._docs) - 1
+
+  def __getitem__(self, i):
+    return self._docs[i if i < self._skip else i + 1]
+
+
+def block_instances(documents: Iterable[Document], *, max_seq_length: int,
+                    short_seq_prob: float, dupe_factor: int, seed: int,
+                    stats: collections.Counter) -> Iterator[Instance]:
+  """Instances of one block of documents held whole (data/prepare.py's unit of work): each
+  document's random next segments come from any other document of the block, as BERT's come
+  from any other of the corpus; only a block of one document draws from itself."""
+  if max_seq_length < 5:
+    raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP] '
+                     'B [SEP]; use at least 5 (BERT uses 128 and 512)')
+  rng = random.Random(seed)
+  docs = []
+  for doc in documents:
+    doc = [np.asarray(s, np.int32) for s in doc if len(s)]
+    if not doc:
+      stats['empty_documents'] += 1
+      continue
+    stats['documents'] += 1
+    if len(doc) == 1:
+      stats['single_sentence_documents'] += 1  # used as BERT does: always a random next
+    docs.append(doc)
+  for j, doc in enumerate(docs):
+    lists = [s.tolist() for s in doc]
+    for _ in range(dupe_factor):
+      yield from instances_from_document(lists, _AllBut(docs, j), max_seq_length,
+                                         short_seq_prob, rng)
 
 
 def make_features(instance: Instance, *, cls_id: int, sep_id: int, pad_id: int,

@@ -226,9 +226,15 @@ def load_hf(name: str, config: str = '', split: str = 'train', streaming: bool =
                                    f'has {list(ds)})')
         ds = ds[split]
       return ds
-    if local:
-      return datasets.load_dataset(name, data_dir=config or None, split=split,
-                                   streaming=streaming)
+    if local:  # the hub's file names, <split>-*.parquet (or <split>.jsonl, ...), by split
+      base = split.split('[')[0]
+      patterns = [p for p in (f'{base}-*', f'{base}.*') if glob_lib.glob(os.path.join(saved, p))]
+      if not patterns:
+        raise SplitNotFoundError(f'hf:{name} in {what}: no data files {base}-* or {base}.* in '
+                                 f'{saved}')
+      prefix = f'{config}/' if config else ''
+      return datasets.load_dataset(name, data_files={base: [prefix + p for p in patterns]},
+                                   split=split, streaming=streaming)
     return datasets.load_dataset(name, config or None, split=split, streaming=streaming)
   except SplitNotFoundError:
     raise

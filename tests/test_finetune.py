@@ -15,6 +15,7 @@ import finetune
 from configs import finetune as finetune_configs
 from configs import pretrain
 from data import glue
+from data import sources
 from data import tokenizer as tokenizer_lib
 from realformer import checkpoints
 from realformer import finetune_metrics
@@ -267,9 +268,10 @@ def _write_hf_glue(root, task, splits):
                'idx': [int(e.guid) if e.guid.isdigit() else i for i, e in enumerate(examples)]}
     if len(t.tfds_text) > 1:
       columns[t.tfds_text[1]] = [e.text_b for e in examples]
-    os.makedirs(os.path.join(root, task), exist_ok=True)
+    folder = os.path.join(root, 'mnli' if task == 'mnli_mismatched' else task)
+    os.makedirs(folder, exist_ok=True)
     datasets.Dataset.from_dict(columns).to_parquet(
-        os.path.join(root, task, f'{t.tfds_splits[split]}-00000-of-00001.parquet'))
+        os.path.join(folder, f'{t.tfds_splits[split]}-00000-of-00001.parquet'))
 
 
 def test_glue_from_a_hugging_face_dataset(pretrained, tmp_path, caplog):
@@ -287,3 +289,11 @@ def test_glue_from_a_hugging_face_dataset(pretrained, tmp_path, caplog):
   assert 'no predictions were written' in caplog.text
   with pytest.raises(ValueError, match='could not be loaded'):
     glue.read_hf('rte', 'train', str(tmp_path / 'missing'))
+  # MNLI's splits share prefixes (validation_matched, validation_mismatched, test_matched...).
+  _write_hf_glue(root, 'mnli', ('train', 'dev', 'test'))
+  _write_hf_glue(root, 'mnli_mismatched', ('dev',))
+  for task, split in (('mnli', 'dev'), ('mnli_mismatched', 'dev'), ('mnli', 'test')):
+    got, want = glue.read_hf(task, split, root), glue.read_tsv(task, GLUE_DIR, split)
+    assert [(e.text_a, e.label) for e in got] == [(e.text_a, e.label) for e in want]
+  with pytest.raises(sources.SplitNotFoundError):
+    glue.read_hf('rte', 'test', root)

@@ -184,3 +184,30 @@ def test_records_round_trip_and_overlong_records_are_clear_errors():
   assert pretraining.Instance.from_bytes(inst.to_bytes()) == inst
   with pytest.raises(ValueError, match='prepare again'):
     features(list(range(5, 15)), [5], length=8)
+
+
+def test_block_instances_draw_random_next_from_every_other_document_of_the_block():
+  rng = np.random.default_rng(2)
+  docs = [doc(k, rng.integers(2, 9, rng.integers(30, 40)).tolist()) for k in range(12)]
+  docs.insert(3, [[]])  # an empty document is counted and left out
+  stats = collections.Counter()
+  instances = list(pretraining.block_instances(docs, max_seq_length=24, short_seq_prob=0.1,
+                                               dupe_factor=2, seed=5, stats=stats))
+  assert stats['documents'] == 12 and stats['empty_documents'] == 1
+  random_next = [i for i in instances if i.is_random_next]
+  assert all(i.tokens_a[0] != i.tokens_b[0] for i in random_next)  # never its own document
+  assert 0.4 < len(random_next) / len(instances) < 0.65  # one-sentence chunks: always random
+  # Every document (the last one too) draws from documents before and after it.
+  sources = collections.defaultdict(set)
+  for i in random_next:
+    sources[i.tokens_a[0]].add(i.tokens_b[0])
+  pairs = {(a, b) for a, bs in sources.items() for b in bs}
+  assert len(pairs) > 0.5 * 12 * 11  # most of the 132 (document, other document) pairs
+  assert any(b < a for a, b in pairs if a < 111)  # not only the documents after it
+  again = list(pretraining.block_instances(docs, max_seq_length=24, short_seq_prob=0.1,
+                                           dupe_factor=2, seed=5, stats=collections.Counter()))
+  assert again == instances
+  single = list(pretraining.block_instances([doc(7, [3, 3])], max_seq_length=16,
+                                            short_seq_prob=0.0, dupe_factor=1, seed=0,
+                                            stats=collections.Counter()))
+  assert single  # a block of one document draws from itself, as BERT's one-document corpus
