@@ -96,6 +96,18 @@ def instances_from_document(document: Document, others: Sequence[Document],
   return instances
 
 
+def _compact(doc, stats: collections.Counter):
+  """A document's non-empty sentences as int32 arrays, counted; None when none is left."""
+  doc = [np.asarray(s, np.int32) for s in doc if len(s)]
+  if not doc:
+    stats['empty_documents'] += 1
+    return None
+  stats['documents'] += 1
+  if len(doc) == 1:
+    stats['single_sentence_documents'] += 1  # used as BERT does: always a random next
+  return doc
+
+
 def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
                      short_seq_prob: float, dupe_factor: int, seed: int,
                      stats: collections.Counter, window: int = 1000) -> Iterator[Instance]:
@@ -118,14 +130,10 @@ def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
       yield from instances_from_document(doc, others, max_seq_length, short_seq_prob, rng)
 
   for doc in documents:
-    doc = [s for s in doc if len(s)]
-    if not doc:
-      stats['empty_documents'] += 1
+    doc = _compact(doc, stats)  # compact while it waits
+    if doc is None:
       continue
-    stats['documents'] += 1
-    if len(doc) == 1:
-      stats['single_sentence_documents'] += 1  # used as BERT does: always a random next
-    pending.append([np.asarray(s, np.int32) for s in doc])  # compact while it waits
+    pending.append(doc)
     if len(pending) > window:
       first = pending.popleft()
       yield from emit(first, pending)
@@ -159,16 +167,7 @@ def block_instances(documents: Iterable[Document], *, max_seq_length: int,
     raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP] '
                      'B [SEP]; use at least 5 (BERT uses 128 and 512)')
   rng = random.Random(seed)
-  docs = []
-  for doc in documents:
-    doc = [np.asarray(s, np.int32) for s in doc if len(s)]
-    if not doc:
-      stats['empty_documents'] += 1
-      continue
-    stats['documents'] += 1
-    if len(doc) == 1:
-      stats['single_sentence_documents'] += 1  # used as BERT does: always a random next
-    docs.append(doc)
+  docs = [d for d in (_compact(doc, stats) for doc in documents) if d is not None]
   for j, doc in enumerate(docs):
     lists = [s.tolist() for s in doc]
     for _ in range(dupe_factor):
