@@ -227,9 +227,11 @@ def stability(args) -> int:
     return 0
   todo = [r for r, n in zip(runs, names)
           if not os.path.exists(os.path.join(root, n, DIVERGED))]
-  codes = sweep.run_all(todo, root=root, program=os.path.join(REPO, 'train.py'),
-                        config=config, always=STABILITY_AXES)
-  failed = [n for n, c in codes.items() if c and not mark_diverged(os.path.join(root, n))]
+  codes = {} if args.report_only else sweep.run_all(
+      todo, root=root, program=os.path.join(REPO, 'train.py'), config=config,
+      always=STABILITY_AXES)
+  failed = [n for n, c in codes.items() if c not in (0, sweep.RUNNING_ELSEWHERE) and
+            not mark_diverged(os.path.join(root, n))]
   cells = {}
   for run, name in zip(runs, names):
     if run['seed'] == 0:
@@ -270,6 +272,9 @@ def main(argv=None):
   stab.add_argument('--learning_rates', default='5e-4,1e-3,2e-3,4e-3')
   stab.add_argument('--warmups', default='0,30', help='warm-up steps, e.g. none and short')
   stab.add_argument('--log_every', type=int, default=10)
+  stab.add_argument('--report_only', action='store_true',
+                    help='only the table and figure of the runs there are (cells not run '
+                    'are marked so)')
   args = p.parse_args(argv)
   stable = args.part == 'stability'
   defaults = {'variants': 'postln,preln,realformer' if stable else ','.join(VARIANTS),
