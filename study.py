@@ -19,6 +19,7 @@ Runs that finished are skipped; rerunning the command resumes an interrupted stu
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -117,7 +118,8 @@ def curves(root: str, runs, names, out_path: str):
 # Claim 1 (RealFormer): residual attention stabilises training where Post-LN is fragile. A
 # deep, narrow encoder over a grid of peak learning rates (x2 apart) and warm-up (none or a
 # short one), one run per cell; a cell diverged when the loss became nan/inf (train.py stops
-# with an error) or the last logged loss is above the first.
+# with an error) or the last logged loss is above the first; a loss that went half a nat
+# above a random model's (ln vocabulary + ln 2) and came back is shown as a spike.
 
 STABILITY_AXES = ('model.variant', 'optimizer.learning_rate', 'optimizer.warmup_steps')
 DIVERGED = 'diverged.json'  # written into a run whose loss became nan/inf: not rerun
@@ -144,8 +146,13 @@ def stability_cell(workdir: str) -> dict:
     losses = [(r['step'], r['loss']) for r in map(json.loads, f)
               if r.get('split') == 'train' and 'loss' in r]
   start, final = losses[0][1], losses[-1][1]
-  return {'status': 'rose' if final > start else 'ok', 'start': start, 'final': final,
-          'step': losses[-1][0]}
+  cell = {'status': 'rose' if final > start else 'ok', 'start': start, 'final': final,
+          'step': losses[-1][0], 'peak': max(loss for _, loss in losses)}
+  config = os.path.join(workdir, 'config.json')
+  if os.path.exists(config):  # a random model's loss: ln(vocabulary) + ln 2 (MLM + NSP)
+    with open(config) as f:
+      cell['chance'] = math.log(json.load(f)['model']['vocab_size']) + math.log(2)
+  return cell
 
 
 def mark_diverged(workdir: str) -> bool:
@@ -175,7 +182,9 @@ def stability_report(cells, variants, rates, warmups, out_dir: str) -> str:
       return f'NaN at {c["step"]}'
     if c['status'] == 'missing':
       return '(not run)'
-    return f'{c["final"]:.3f}' + (' (rose)' if c['status'] == 'rose' else '')
+    spiked = c.get('chance') and c['peak'] > c['chance'] + 0.5  # a transient: recovered
+    return (f'{c["final"]:.3f}' + (' (rose)' if c['status'] == 'rose' else '') +
+            (f' (spiked to {c["peak"]:.1f})' if spiked else ''))
 
   lines = ['| variant | warm-up steps | ' + ' | '.join(f'lr {r:g}' for r in rates) + ' |',
            '|---|---|' + '---|' * len(rates)]
