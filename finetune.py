@@ -441,8 +441,10 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
                                                  else train[k].shape[1:]), train[k].dtype,
                                 sharding=sharding) for k in keys}
 
-  steps = compile_lengths(train_step, (state,), batch_of(config.batch_size, train), buckets,
-                          'train step')
+  steps = {}  # a finished run (rerun to evaluate and predict) compiles no train step
+  if int(state.step) < num_steps:
+    steps = compile_lengths(train_step, (state,), batch_of(config.batch_size, train), buckets,
+                            'train step')
   predictions = compile_lengths(  # the model's inputs only; outputs whole on every host
       jax.jit(lambda params, batch: model.apply({'params': params}, batch)[1:],
               out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
