@@ -1,20 +1,25 @@
-r"""The papers' comparison in one command: pretrain Post-LN, Pre-LN, RealFormer and two
-Synthesizer mixtures at the same size and budget on the embedded corpus, several seeds each,
-then report held-out MLM and NSP accuracy, learning curves and the attention analysis.
+r"""The papers' claims, tested in one resumable command per part on the embedded speeches:
 
-  python study.py --root /tmp/study --seeds 2 --steps 150 --batch 16 --seq_len 64 \
-      --figures docs/figures                     # ~40 minutes on 2 busy CPU cores
-  python study.py --root /tmp/study --print_only --target tpu      # launch commands instead
-  python study.py stability --root /tmp/study --figures docs/figures
-      # claim 1: Post-LN, Pre-LN, RealFormer at 12 layers over peak lr x warm-up
+  python study.py budget   --root R   # claim 2's budget: the cheapest (layers, length, steps)
+                                      # whose held-out MLM accuracy is 2x the majority baseline
+  python study.py compare  --root R   # claims 2 and 3: five variants x 3 seeds at that budget
+  python study.py compare  --root R --minutes auto   # claim 2 at equal wall-clock time
+  python study.py finetune --root R   # claim 4: the pretrained encoders vs random init
+  python study.py stability --root R  # claim 1: a 12-layer encoder over peak lr x warm-up
 
-The budget (tiny width: 4 layers, 128 hidden, 2 heads; 150 steps of 16 sequences of 64
-tokens) only fits a CPU; the numbers it gives and what they can show are in docs/study.md.
-Raise --steps, --batch, --seq_len, --size for a real comparison on accelerators.
+Each part is a sweep (realformer/sweep.py): one train.py / finetune.py run per workdir under
+R/<part>/, finished runs skipped, interrupted ones resumed, so rerunning a command resumes it
+and two processes can share a part (per-run locks). The budget and compare parts pretrain on
+the speeches less the 47 that the fine-tuning task of part 4 holds out (R/era/, written by
+data/sotu.py), so the fine-tuning dev sentences are never seen in pretraining. compare reads
+the budget from R/budget.json (explicit --steps/--layers/--seq_len/--batch/--learning_rate
+win). `--print_only --target tpu|slurm` prints the launch commands instead of running.
 
-Writes <root>/summary.{md,csv} (mean, median, spread over seeds), <root>/learning_curves.png
-and <root>/attention/ (entropy violins, JS heatmaps, numbers) from seed 0 of each variant.
-Runs that finished are skipped; rerunning the command resumes an interrupted study.
+Writes, per part: summary.{md,csv} (mean, median, spread over seeds), claims.md (the tables
+of docs/study.md, each number from a run's metrics.jsonl), learning_curves.png,
+attention/ (seed 0) and attention_seeds.md (every seed), finetune.md, stability.{md,png};
+--figures DIR copies the figures. docs/study.md has the budget of the whole study (about
+four hours of 2 CPU cores) and the results.
 """
 
 import argparse
@@ -23,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 
 from realformer import analysis
 from realformer import sweep
@@ -30,21 +36,90 @@ from realformer import cli
 
 VARIANTS = ('postln', 'preln', 'realformer', 'synth_random_vanilla', 'synth_dense_vanilla')
 REPO = os.path.dirname(os.path.abspath(__file__))
+BUDGET_FILE = 'budget.json'
+# compare's settings when neither a flag nor R/budget.json gives them.
+COMPARE_DEFAULTS = {'steps': 150, 'layers': 4, 'seq_len': 64, 'batch': 32,
+                    'learning_rate': 2e-3}
+# The papers' orderings (claim 2), each tested as "first above second".
+CLAIMED_ORDER = (('realformer', 'postln'), ('postln', 'preln'), ('realformer', 'preln'))
 
 
-def budget(args):
-  """The fixed settings every variant shares. With --minutes, the equal wall-clock view:
-  every run trains that long (train.time_budget_minutes; --steps is then an upper bound and
-  the warm-up a tenth of the time), so a slower variant gets fewer steps."""
-  fixed = [f'train.num_steps={args.steps}', f'train.batch_size={args.batch}',
+def corpus_settings(args) -> list:
+  """data.sources for the pretraining parts: the speeches less the fine-tuning task's held-out
+  ones (R/era/pretraining_corpus.txt, written once), or the whole embedded corpus."""
+  if args.corpus == 'embedded':
+    return ['data.sources=embedded']
+  era = os.path.join(args.root, 'era') if args.print_only else era_task(args.root)
+  return [f'data.sources=files:{os.path.join(era, "pretraining_corpus.txt")}']
+
+
+def era_task(root: str) -> str:
+  """R/era: the fine-tuning task (SST-2 layout) and its pretraining corpus, written once (to a
+  temporary folder renamed into place, so a second study process never reads half of it)."""
+  from data import sotu  # pylint: disable=g-import-not-at-top
+  out = os.path.join(root, 'era')
+  if not os.path.exists(os.path.join(out, 'pretraining_corpus.txt')):
+    os.makedirs(root, exist_ok=True)
+    tmp = f'{out}.tmp-{os.getpid()}'
+    sotu.write_era_task(tmp)
+    try:
+      os.rename(tmp, out)
+    except OSError:  # another process was first: its copy is the same
+      shutil.rmtree(tmp, ignore_errors=True)
+  return out
+
+
+def fixed_settings(args) -> list:
+  """The settings every variant shares. With --minutes, the equal wall-clock view: every run
+  trains that long (train.time_budget_minutes; --steps x 3 is then only an upper bound and the
+  warm-up a tenth of the time), so a slower variant gets fewer steps."""
+  steps = args.steps * 3 if args.minutes else args.steps
+  fixed = [f'train.num_steps={steps}', f'train.batch_size={args.batch}',
            f'model.num_layers={args.layers}', f'data.max_seq_length={args.seq_len}',
            f'model.max_len={max(args.seq_len, 128)}',
            f'optimizer.learning_rate={args.learning_rate}',
            f'optimizer.warmup_steps={-1 if args.minutes else max(1, args.steps // 10)}',
            f'train.log_every_steps={max(1, args.steps // 20)}',
-           f'train.eval_every_steps={max(1, args.steps // 4)}', 'train.eval_steps=8',
-           f'train.checkpoint_every_steps={args.steps}']
+           f'train.eval_every_steps={max(1, args.steps // 4)}',
+           f'train.eval_steps={args.eval_steps}', f'data.eval_fraction={args.eval_fraction}',
+           f'train.checkpoint_every_steps={args.steps}'] + corpus_settings(args)
   return fixed + ([f'train.time_budget_minutes={args.minutes}'] if args.minutes else [])
+
+
+def held_out(workdir: str) -> dict:
+  """The final evaluation of a pretraining run, with the majority baseline and their ratio."""
+  final = sweep.final_metrics(workdir)
+  if 'eval/mlm_accuracy' not in final:
+    return {}
+  out = {k.split('/', 1)[1]: v for k, v in final.items()}
+  base = out.get('mlm_majority_accuracy')
+  out['ratio'] = out['mlm_accuracy'] / base if base else None
+  return out
+
+
+def spread(values, digits: int = 4) -> str:
+  """'mean (min-max)' of the values that exist, '-' if none."""
+  values = [v for v in values if v is not None]
+  if not values:
+    return '-'
+  if min(values) == max(values):
+    return f'{values[0]:.{digits}f}'
+  return (f'{statistics.mean(values):.{digits}f} '
+          f'({min(values):.{digits}f}-{max(values):.{digits}f})')
+
+
+def ordering(per_variant: dict, first: str, second: str) -> str:
+  """Whether `first` is above `second` beyond the spread over seeds: held when every seed of
+  `first` is above every seed of `second`, reversed when the other way round, else
+  undecided; with the paired count (same seed: same held-out batches and data)."""
+  a, b = per_variant.get(first, {}), per_variant.get(second, {})
+  if not a or not b:
+    return 'not run'
+  seeds = sorted(set(a) & set(b))
+  wins = sum(a[s] > b[s] for s in seeds)
+  verdict = ('held' if min(a.values()) > max(b.values()) else
+             'reversed' if max(a.values()) < min(b.values()) else 'undecided')
+  return f'{verdict} ({first} ahead on {wins} of {len(seeds)} paired seeds)'
 
 
 def attention_over_seeds(root: str, runs, names, codes) -> str:
@@ -256,27 +331,339 @@ def stability(args) -> int:
   return 1 if failed else 0
 
 
+# ---------------------------------------------------------------------------- budget
+# Claim 2 needs models past the unigram plateau, where every variant sits after a few hundred
+# steps. The search trains the reference variant (seed 0) at candidate budgets, cheapest
+# first (layers x length x steps), and stops at the first whose final held-out MLM accuracy
+# is at least --target_ratio times the majority baseline on the same held-out batches
+# (train.py's eval/mlm_majority_accuracy: always predicting the most frequent masked token).
+
+BUDGET_AXES = ('model.num_layers', 'data.max_seq_length', 'train.num_steps')
+
+
+def _ints(text: str) -> list:
+  return [int(v) for v in text.split(',')]
+
+
+def budget_candidates(args) -> list:
+  """(layers, seq_len, steps), cheapest first (ties: fewer steps)."""
+  grid = [(l, t, n) for l in _ints(args.budget_layers) for t in _ints(args.budget_seq_lens)
+          for n in _ints(args.budget_steps)]
+  return sorted(grid, key=lambda c: (c[0] * c[1] * c[2], c[2]))
+
+
+def budget_table(root: str, found) -> str:
+  """Every finished budget run under root (this search's and earlier ones), cheapest first."""
+  rows = []
+  for name in sorted(os.listdir(root)):
+    workdir = os.path.join(root, name)
+    if not (os.path.exists(os.path.join(workdir, sweep.OVERRIDES)) and sweep.is_done(workdir)):
+      continue
+    with open(os.path.join(workdir, sweep.OVERRIDES)) as f:
+      run = json.load(f)
+    r = held_out(workdir)
+    if r:
+      rows.append(([run[k] for k in BUDGET_AXES], run['model.variant'], r, workdir))
+  lines = ['| layers | length | steps | variant | held-out MLM accuracy | majority baseline | '
+           'ratio |', '|---|---|---|---|---|---|---|']
+  for (layers, seq_len, steps), variant, r, workdir in sorted(
+      rows, key=lambda row: (row[0][0] * row[0][1] * row[0][2], row[0][2])):
+    mark = ' **chosen**' if found and workdir == found['run'] else ''
+    lines.append(f'| {layers} | {seq_len} | {steps} | {variant} | {r["mlm_accuracy"]:.4f} | '
+                 f'{r["mlm_majority_accuracy"]:.4f} | {r["ratio"]:.2f}{mark} |')
+  return '\n'.join(lines) + '\n'
+
+
+def budget_search(args) -> int:
+  root = os.path.join(args.root, 'budget')
+  config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
+  found, scripts = None, []
+  for layers, seq_len, steps in budget_candidates(args):
+    cand = argparse.Namespace(**dict(vars(args), layers=layers, seq_len=seq_len, steps=steps,
+                                     minutes=0))
+    runs = sweep.expand([f'model.variant={args.reference}'], fixed_settings(cand), 1)
+    if args.print_only:
+      scripts.append(sweep.launch_script(runs, root=root, program='train.py',
+                                         config=f'configs/pretrain.py:postln,{args.size}',
+                                         target=args.target, always=BUDGET_AXES))
+      continue
+    name = sweep.run_names(runs, always=BUDGET_AXES)[0]
+    codes = sweep.run_all(runs, root=root, program=os.path.join(REPO, 'train.py'),
+                          config=config, always=BUDGET_AXES)
+    if codes[name] != 0:
+      raise RuntimeError(f'the budget run {root}/{name} did not finish (exit {codes[name]}); '
+                         'see its log.txt, then run the same command again to resume')
+    result = dict(held_out(os.path.join(root, name)), layers=layers, seq_len=seq_len,
+                  steps=steps, run=os.path.join(root, name))
+    if result.get('ratio') and result['ratio'] >= args.target_ratio:
+      found = result
+      break
+  if args.print_only:
+    print('# candidates, cheapest first: the budget is the first whose final eval/'
+          f'mlm_accuracy is {args.target_ratio}x eval/mlm_majority_accuracy')
+    print(''.join(scripts), end='')
+    return 0
+  table = budget_table(root, found)
+  with open(os.path.join(root, 'budget.md'), 'w') as f:
+    f.write(table)
+  print(table)
+  if found is None:
+    print(f'no candidate reached {args.target_ratio}x the majority baseline: add larger '
+          '--budget_steps (or --budget_layers, --budget_seq_lens)')
+    return 1
+  chosen = {'layers': found['layers'], 'seq_len': found['seq_len'], 'steps': found['steps'],
+            'batch': args.batch, 'learning_rate': args.learning_rate, 'corpus': args.corpus,
+            'reference': args.reference, 'target_ratio': args.target_ratio,
+            'evidence': {k: found[k] for k in ('run', 'mlm_accuracy', 'mlm_majority_accuracy',
+                                                'ratio')}}
+  with open(os.path.join(args.root, BUDGET_FILE), 'w') as f:
+    json.dump(chosen, f, indent=1)
+  print(f'budget: {found["layers"]} layers, length {found["seq_len"]}, {found["steps"]} steps '
+        f'(written to {os.path.join(args.root, BUDGET_FILE)}; compare reads it)')
+  return 0
+
+
+# --------------------------------------------------------------------------- compare
+
+def resolve_budget(args) -> dict:
+  """Fills compare's unset settings from R/budget.json, else COMPARE_DEFAULTS."""
+  path = os.path.join(args.root, BUDGET_FILE)
+  found = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      found = json.load(f)
+  for key, default in COMPARE_DEFAULTS.items():
+    if getattr(args, key) is None:
+      setattr(args, key, found.get(key, default))
+  return found
+
+
+def compare_runs(args, minutes: float = 0.0):
+  """(runs, names, root) of the variants x seeds at the budget (equal time: its own root)."""
+  view = argparse.Namespace(**dict(vars(args), minutes=minutes))
+  runs = sweep.expand([f'model.variant={args.variants}'], fixed_settings(view), args.seeds)
+  root = os.path.join(args.root, 'equal_time' if minutes else 'compare')
+  return runs, sweep.run_names(runs), root
+
+
+def training_seconds(workdir: str, steps: int) -> float:
+  """Training time of a finished run at its steady rate: steps / the median logged steps/s
+  (the first window, which compiles, left out)."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rates = [r['steps_per_sec'] for r in map(json.loads, f)
+             if r.get('split') == 'train' and 'steps_per_sec' in r]
+  return steps / statistics.median(rates[1:] or rates)
+
+
+def equal_minutes(args) -> float:
+  """--minutes auto: the reference variant's median training time in the steps view."""
+  runs, names, root = compare_runs(args)
+  seconds = [training_seconds(os.path.join(root, n), args.steps) for r, n in zip(runs, names)
+             if r['model.variant'] == args.reference and
+             sweep.is_done(os.path.join(root, n))]
+  if not seconds:
+    raise ValueError(f'--minutes auto takes the time of {args.reference} in {root}: run '
+                     '`study.py compare` (the steps view) first, or give --minutes M')
+  return round(statistics.median(seconds) / 60, 2)
+
+
+def claims_report(args, runs, names, root, minutes: float) -> str:
+  """Claim 2's table and orderings (markdown), from each run's final evaluation."""
+  per_variant, rows = {}, {}
+  for run, name in zip(runs, names):
+    workdir = os.path.join(root, name)
+    r = held_out(workdir) if sweep.is_done(workdir) else {}
+    if r:
+      per_variant.setdefault(run['model.variant'], {})[run['seed']] = r['mlm_accuracy']
+      rows.setdefault(run['model.variant'], []).append(dict(
+          r, steps=sweep.last_step(workdir),
+          steps_per_sec=args.steps / training_seconds(workdir, args.steps)))
+  view = (f'equal wall-clock time: {minutes} minutes of training per run' if minutes else
+          f'equal steps: {args.steps} steps per run')
+  lines = [f'{view}; {args.layers} layers, length {args.seq_len}, batch {args.batch}, '
+           f'peak lr {args.learning_rate:g}. Mean over seeds (min-max).', '',
+           '| variant | seeds | steps | held-out MLM accuracy | x majority baseline | '
+           'held-out MLM loss | NSP accuracy | steps/s |', '|---|---|---|---|---|---|---|---|']
+  for variant in args.variants.split(','):
+    got = rows.get(variant, [])
+    lines.append(
+        f'| {variant} | {len(got)} | {spread([r["steps"] for r in got], 0)} | '
+        f'{spread([r["mlm_accuracy"] for r in got])} | '
+        f'{spread([r["ratio"] for r in got], 2)} | {spread([r["mlm_loss"] for r in got])} | '
+        f'{spread([r["nsp_accuracy"] for r in got])} | '
+        f'{spread([r["steps_per_sec"] for r in got], 2)} |')
+  base = [r['mlm_majority_accuracy'] for got in rows.values() for r in got]
+  lines += ['', f'Majority baseline on the held-out batches: {spread(base)} (per seed; the '
+            'same batches for every variant of a seed).', '',
+            'Orderings (held: every seed of the first above every seed of the second):', '']
+  lines += [f'- {a} > {b}: {ordering(per_variant, a, b)}' for a, b in CLAIMED_ORDER]
+  return '\n'.join(lines) + '\n'
+
+
+def compare(args) -> int:
+  resolve_budget(args)
+  minutes = 0.0
+  if args.minutes:
+    minutes = equal_minutes(args) if args.minutes == 'auto' else float(args.minutes)
+  runs, names, root = compare_runs(args, minutes)
+  config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
+  if args.print_only:
+    print(sweep.launch_script(runs, root=root, program='train.py',
+                              config=f'configs/pretrain.py:postln,{args.size}',
+                              target=args.target), end='')
+    return 0
+  if minutes:
+    print(f'equal wall-clock time: {minutes} minutes of training per run (run these one at '
+          'a time on an otherwise idle machine: the time decides the steps)')
+  codes = sweep.run_all(runs, root=root, program=os.path.join(REPO, 'train.py'), config=config)
+  metrics = ['eval/mlm_accuracy', 'eval/mlm_majority_accuracy', 'eval/mlm_loss',
+             'eval/nsp_accuracy', 'train/loss']
+  header, table = sweep.summarize(sweep.collect(root, metrics), metrics)
+  with open(os.path.join(root, 'summary.md'), 'w') as f:
+    f.write(sweep.to_markdown(header, table))
+  with open(os.path.join(root, 'summary.csv'), 'w') as f:
+    f.write(sweep.to_csv(header, table))
+  report = claims_report(args, runs, names, root, minutes)
+  curves(root, runs, names, os.path.join(root, 'learning_curves.png'))
+  first = [(r['model.variant'], n) for r, n in zip(runs, names)
+           if r['seed'] == 0 and codes.get(n) == 0]
+  results = [analysis.analyze_run(os.path.join(root, n)) for _, n in first]
+  attention_dir = os.path.join(root, 'attention')
+  if results:
+    analysis.write_report(results, attention_dir, [v for v, _ in first])
+    report += '\nAttention (claim 3), every seed: mean (min-max) over seeds\n\n'
+    report += attention_over_seeds(root, runs, names, codes)
+  with open(os.path.join(root, 'claims.md'), 'w') as f:
+    f.write(report)
+  print(report)
+  if args.figures:
+    os.makedirs(args.figures, exist_ok=True)
+    prefix = 'equal_time_' if minutes else ''
+    shutil.copy(os.path.join(root, 'learning_curves.png'),
+                os.path.join(args.figures, f'{prefix}learning_curves.png'))
+    for name in ('attention_entropy.png', 'attention_js.png'):
+      if os.path.exists(os.path.join(attention_dir, name)):
+        shutil.copy(os.path.join(attention_dir, name),
+                    os.path.join(args.figures, prefix + name))
+  return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+# -------------------------------------------------------------------------- finetune
+# Claim 4: each pretrained encoder of compare (every variant, every seed) fine-tuned on the
+# era task (data/sotu.py: dating a speech sentence before / from 1900; its dev speeches are
+# not in the pretraining corpus), against the same architecture from random init, fine-tuning
+# seed = pretraining seed.
+
+def finetune_runs(args, workdir: str, seed: int, scratch: bool) -> dict:
+  return {'init_checkpoint': workdir, 'from_scratch': scratch,
+          'data_dir': os.path.join(args.root, 'era'), 'max_seq_length': 64,
+          'batch_size': args.ft_batch, 'num_epochs': args.ft_epochs,
+          'optimizer.learning_rate': args.ft_learning_rate, 'seed': seed}
+
+
+def dev_accuracy(workdir: str):
+  path = os.path.join(workdir, 'results.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)['headline']
+
+
+def finetune(args) -> int:
+  resolve_budget(args)
+  runs, names, root = compare_runs(args)
+  config = os.path.join(REPO, 'configs', 'finetune.py') + ':glue/sst2'
+  scores, codes, script = {}, {}, []
+  for run, name in zip(runs, names):
+    pretrained = os.path.join(root, name)
+    if not args.print_only and not sweep.is_done(pretrained):
+      print(f'{name}: not pretrained yet (study.py compare), left out')
+      continue
+    for arm in ('pretrained', 'scratch'):
+      ft = [finetune_runs(args, pretrained, run['seed'], arm == 'scratch')]
+      ft_root = os.path.join(args.root, 'finetune', arm, name)
+      if args.print_only:
+        script.append(sweep.launch_script(ft, root=ft_root, program='finetune.py',
+                                          config='configs/finetune.py:glue/sst2',
+                                          target=args.target))
+        continue
+      codes.update({f'{arm}/{name}/{k}': c for k, c in sweep.run_all(
+          ft, root=ft_root, program=os.path.join(REPO, 'finetune.py'), config=config).items()})
+      acc = dev_accuracy(os.path.join(ft_root, sweep.run_names(ft)[0]))
+      scores.setdefault(arm, {}).setdefault(run['model.variant'], {})[run['seed']] = acc
+  if args.print_only:
+    print(''.join(script), end='')
+    return 0
+  report = finetune_report(args, scores)
+  with open(os.path.join(args.root, 'finetune', 'finetune.md'), 'w') as f:
+    f.write(report)
+  print(report)
+  return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+def finetune_report(args, scores: dict) -> str:
+  pre, scratch = scores.get('pretrained', {}), scores.get('scratch', {})
+  lines = [f'era task dev accuracy (396 sentences), lr {args.ft_learning_rate:g}, batch '
+           f'{args.ft_batch}, {args.ft_epochs} epochs; mean over seeds (min-max).', '',
+           '| variant | seeds | pretrained | random init | gain (paired by seed) |',
+           '|---|---|---|---|---|']
+  clean = {}
+  for variant in args.variants.split(','):
+    p, s = pre.get(variant, {}), scratch.get(variant, {})
+    gains = [p[k] - s[k] for k in p if p[k] is not None and s.get(k) is not None]
+    clean[variant] = {k: v for k, v in p.items() if v is not None}
+    lines.append(f'| {variant} | {len(clean[variant])} | {spread(list(p.values()))} | '
+                 f'{spread(list(s.values()))} | {spread(gains)} |')
+  lines += ['', 'Orderings of the pretrained encoders after fine-tuning:', '']
+  lines += [f'- {a} > {b}: {ordering(clean, a, b)}' for a, b in CLAIMED_ORDER]
+  return '\n'.join(lines) + '\n'
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('part', nargs='?', default='compare', choices=('compare', 'stability'),
-                 help='compare: the variants at one budget (default); stability: the '
-                 'learning-rate x warm-up grid of a deep encoder')
+  p.add_argument('part', nargs='?', default='compare',
+                 choices=('budget', 'compare', 'finetune', 'stability'),
+                 help='budget: the cheapest budget past the unigram plateau; compare: the '
+                 'variants at that budget (default); finetune: the pretrained encoders on the '
+                 'era task; stability: the learning-rate x warm-up grid of a deep encoder')
   p.add_argument('--root', required=True)
   p.add_argument('--variants', default=None,
                  help=f'default {",".join(VARIANTS)} (stability: postln,preln,realformer)')
-  p.add_argument('--size', default='tiny')
-  p.add_argument('--seeds', type=int, default=None, help='default 2 (stability: 1)')
-  p.add_argument('--steps', type=int, default=None, help='default 150 (stability: 300)')
-  p.add_argument('--batch', type=int, default=16)
-  p.add_argument('--layers', type=int, default=None, help='default 4 (stability: 12)')
-  p.add_argument('--seq_len', type=int, default=64)
-  p.add_argument('--learning_rate', type=float, default=1e-3)
-  p.add_argument('--minutes', type=float, default=0.0,
+  p.add_argument('--size', default='tiny', help='the width (configs/pretrain.py sizes)')
+  p.add_argument('--seeds', type=int, default=None, help='default 3 (stability: 1)')
+  p.add_argument('--steps', type=int, default=None,
+                 help='default: R/budget.json, else 150 (stability: 300)')
+  p.add_argument('--batch', type=int, default=None, help='default: R/budget.json, else 32 '
+                 '(stability: 16)')
+  p.add_argument('--layers', type=int, default=None,
+                 help='default: R/budget.json, else 4 (stability: 12)')
+  p.add_argument('--seq_len', type=int, default=None, help='default: R/budget.json, else 64')
+  p.add_argument('--learning_rate', type=float, default=None,
+                 help='default: R/budget.json, else 2e-3')
+  p.add_argument('--corpus', default='era', choices=('era', 'embedded'),
+                 help='era: the speeches less those the fine-tuning task holds out (default); '
+                 'embedded: all of them')
+  p.add_argument('--eval_steps', type=int, default=16, help='held-out batches per evaluation')
+  p.add_argument('--eval_fraction', type=float, default=0.03,
+                 help='share of the documents held out for the evaluation')
+  p.add_argument('--minutes', default='',
                  help='compare at equal wall-clock time: each run trains this long '
-                 '(train.time_budget_minutes); use its own --root')
+                 '(train.time_budget_minutes); "auto": the reference variant\'s median '
+                 'training time in the steps view')
+  p.add_argument('--reference', default='postln', help='the variant the budget is found for')
   p.add_argument('--print_only', action='store_true')
   p.add_argument('--target', default='local', choices=('local', 'tpu', 'slurm'))
   p.add_argument('--figures', default=None, help='also copy the figures here (e.g. docs/figures)')
+  bud = p.add_argument_group('budget (candidates, tried cheapest first)')
+  bud.add_argument('--budget_layers', default='4')
+  bud.add_argument('--budget_seq_lens', default='64')
+  bud.add_argument('--budget_steps', default='500,1000,2000,4000')
+  bud.add_argument('--target_ratio', type=float, default=2.0,
+                   help='held-out MLM accuracy over the majority baseline to reach')
+  ft = p.add_argument_group('finetune (one setting for every encoder)')
+  ft.add_argument('--ft_learning_rate', type=float, default=3e-4)
+  ft.add_argument('--ft_epochs', type=int, default=10)
+  ft.add_argument('--ft_batch', type=int, default=16)
   stab = p.add_argument_group('stability (defaults for that part: --layers 12 --steps 300)')
   stab.add_argument('--learning_rates', default='5e-4,1e-3,2e-3,4e-3')
   stab.add_argument('--warmups', default='0,30', help='warm-up steps, e.g. none and short')
@@ -285,51 +672,30 @@ def main(argv=None):
                     help='only the table and figure of the runs there are (cells not run '
                     'are marked so)')
   args = p.parse_args(argv)
-  stable = args.part == 'stability'
-  defaults = {'variants': 'postln,preln,realformer' if stable else ','.join(VARIANTS),
-              'layers': 12 if stable else 4, 'steps': 300 if stable else 150,
-              'seeds': 1 if stable else 2}
-  for key, value in defaults.items():
-    if getattr(args, key) is None:
-      setattr(args, key, value)
-  if stable:
+  if args.minutes and args.minutes != 'auto':
+    try:
+      if float(args.minutes) <= 0:
+        raise ValueError
+    except ValueError:
+      p.error(f'--minutes {args.minutes}: give a positive number of minutes or auto')
+  if args.minutes and args.part != 'compare':
+    p.error('--minutes is for the compare part')
+  if args.seeds is not None and args.seeds < 1:
+    p.error(f'--seeds={args.seeds}: need at least one seed')
+  if args.part == 'stability':
+    for key, value in {'variants': 'postln,preln,realformer', 'layers': 12, 'steps': 300,
+                       'seeds': 1, 'batch': 16, 'seq_len': 64}.items():
+      if getattr(args, key) is None:
+        setattr(args, key, value)
     return stability(args)
-
-  config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
-  program = os.path.join(REPO, 'train.py')
-  runs = sweep.expand([f'model.variant={args.variants}'], budget(args), args.seeds)
-  names = sweep.run_names(runs)
-  if args.print_only:
-    print(sweep.launch_script(runs, root=args.root, program='train.py',
-                              config=f'configs/pretrain.py:postln,{args.size}',
-                              target=args.target), end='')
-    return 0
-  codes = sweep.run_all(runs, root=args.root, program=program, config=config)
-  metrics = ['eval/mlm_accuracy', 'eval/nsp_accuracy', 'eval/mlm_loss', 'train/loss']
-  header, table = sweep.summarize(sweep.collect(args.root, metrics), metrics)
-  with open(os.path.join(args.root, 'summary.md'), 'w') as f:
-    f.write(sweep.to_markdown(header, table))
-  with open(os.path.join(args.root, 'summary.csv'), 'w') as f:
-    f.write(sweep.to_csv(header, table))
-  curves(args.root, runs, names, os.path.join(args.root, 'learning_curves.png'))
-  first = [(r['model.variant'], n) for r, n in zip(runs, names)
-           if r['seed'] == 0 and codes.get(n) == 0]
-  results = [analysis.analyze_run(os.path.join(args.root, n)) for _, n in first]
-  attention_dir = os.path.join(args.root, 'attention')
-  if results:
-    analysis.write_report(results, attention_dir, [v for v, _ in first])
-  print(sweep.to_markdown(header, table))
-  if results:
-    with open(os.path.join(attention_dir, 'attention.md')) as f:
-      print(f.read())
-    print(attention_over_seeds(args.root, runs, names, codes))
-  if args.figures:
-    os.makedirs(args.figures, exist_ok=True)
-    shutil.copy(os.path.join(args.root, 'learning_curves.png'), args.figures)
-    for name in ('attention_entropy.png', 'attention_js.png'):
-      if os.path.exists(os.path.join(attention_dir, name)):
-        shutil.copy(os.path.join(attention_dir, name), args.figures)
-  return 0 if all(c == 0 for c in codes.values()) else 1
+  args.variants = args.variants or ','.join(VARIANTS)
+  args.seeds = args.seeds or 3
+  if args.part == 'budget':
+    for key in ('batch', 'learning_rate'):
+      if getattr(args, key) is None:
+        setattr(args, key, COMPARE_DEFAULTS[key])
+    return budget_search(args)
+  return compare(args) if args.part == 'compare' else finetune(args)
 
 
 if __name__ == '__main__':

@@ -285,13 +285,21 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
       if budget is not None:  # evaluation does not spend the training budget
         budget.exclude(time.time() - started)
 
+  label_counts = train_lib.make_label_counts(mesh, config.model.vocab_size)
+  baselines = {}  # the majority predictors' accuracies on the evaluation batches (fixed)
+
   def _evaluate(step: int) -> dict:
     eval_iter = make_input('eval', config.seed)  # the same batches at every evaluation
-    collected = None
+    collected, counts = None, None
     for _ in range(tc.eval_steps):
-      collected = metrics_lib.merge(
-          collected, eval_step(state.params, train_lib.global_batch(next(eval_iter), mesh)))
-    values = metrics_lib.to_floats(collected)
+      batch = train_lib.global_batch(next(eval_iter), mesh)
+      collected = metrics_lib.merge(collected, eval_step(state.params, batch))
+      if not baselines:
+        counts = jax.tree.map(lambda a, b: a + b, counts, label_counts(batch)) if counts else (
+            label_counts(batch))
+    if not baselines:
+      baselines.update(train_lib.majority_baselines(counts))
+    values = dict(metrics_lib.to_floats(collected), **baselines)
     writer.write_scalars(step, {f'eval/{k}': v for k, v in values.items()})
     writer.flush()
     return values

@@ -364,6 +364,29 @@ def make_eval_step(loss_fn: Callable, *, mesh, params_sharding, metrics_cls,
                  out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+def make_label_counts(mesh, vocab_size: int) -> Callable:
+  """A jitted batch -> {'mlm': [vocab] masked-token weight per label id, 'nsp': [2]}.
+
+  Summed over the evaluation batches, these give the trivial baselines on exactly those
+  batches: always predicting the most frequent masked token, always the majority NSP label
+  (what a model that has learned only token frequencies scores)."""
+  def counts(batch):
+    mlm = jnp.zeros((vocab_size,), jnp.float32).at[batch['masked_lm_ids'].reshape(-1)].add(
+        batch['masked_lm_weights'].astype(jnp.float32).reshape(-1))
+    nsp = jnp.zeros((2,), jnp.float32).at[batch['next_sentence_labels'].reshape(-1)].add(1.0)
+    return {'mlm': mlm, 'nsp': nsp}
+
+  return jax.jit(counts, in_shardings=(partitioning.batch_sharding(mesh),),
+                 out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def majority_baselines(counts: Dict[str, Any]) -> Dict[str, float]:
+  """eval metrics of the constant predictors from summed make_label_counts outputs."""
+  mlm, nsp = np.asarray(counts['mlm']), np.asarray(counts['nsp'])
+  return {'mlm_majority_accuracy': float(mlm.max() / max(mlm.sum(), 1e-6)),
+          'nsp_majority_accuracy': float(nsp.max() / max(nsp.sum(), 1e-6))}
+
+
 def global_batch(local_batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
   """This host's rows -> global arrays sharded over (data, fsdp) (multi-host safe)."""
   sharding = partitioning.batch_sharding(mesh)

@@ -1,9 +1,11 @@
 """Sweeps: expansion, naming, skip-finished and resume, launch scripts, summaries; and one
 real two-run sweep of train.py."""
 
+import argparse
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -251,3 +253,90 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys):
   assert '| postln | 0 | 7.000 | NaN at 37 |' in table
   assert '| realformer | 0 | 9.500 (rose) | (not run) |' in table
   assert (tmp_path / 'stability.png').stat().st_size > 1000
+
+
+def _write_run(workdir, steps, accuracy, baseline, rate=10.0):
+  """A finished pretraining run's metrics.jsonl (train records with steps/s, a final eval)."""
+  workdir.mkdir(parents=True, exist_ok=True)
+  with open(workdir / 'metrics.jsonl', 'w') as f:
+    for step in range(steps // 4, steps + 1, steps // 4):
+      f.write(json.dumps({'step': step, 'split': 'train', 'loss': 7.0,
+                          'steps_per_sec': 1.0 if step == steps // 4 else rate}) + '\n')
+    f.write(json.dumps({'step': steps, 'split': 'eval', 'mlm_accuracy': accuracy,
+                        'mlm_majority_accuracy': baseline, 'mlm_loss': 6.0,
+                        'nsp_accuracy': 0.6}) + '\n')
+  (workdir / sweep.DONE).write_text('')
+
+
+def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, capsys,
+                                                                  monkeypatch):
+  import study  # pylint: disable=g-import-not-at-top
+  assert study.main(['budget', '--root', str(tmp_path), '--print_only', '--budget_layers',
+                     '2,4', '--budget_steps', '500,1000']) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  order = [(re.search(r'num_layers=(\d+)', l).group(1), re.search(r'num_steps=(\d+)',
+                                                                   l).group(1)) for l in lines]
+  assert order == [('2', '500'), ('4', '500'), ('2', '1000'), ('4', '1000')]  # cost, steps
+  ran = []
+
+  def fake_run_all(runs, *, root, always, **_):  # accuracy grows with layers x steps
+    name = sweep.run_names(runs, always=always)[0]
+    layers, steps = runs[0]['model.num_layers'], runs[0]['train.num_steps']
+    ran.append((layers, steps))
+    _write_run(tmp_path / 'budget' / name, steps, 0.05 + layers * steps / 40000, 0.07)
+    (tmp_path / 'budget' / name / sweep.OVERRIDES).write_text(json.dumps(runs[0]))
+    return {name: 0}
+
+  monkeypatch.setattr(study.sweep, 'run_all', fake_run_all)
+  args = ['budget', '--root', str(tmp_path), '--budget_layers', '2,4', '--budget_steps',
+          '500,1000', '--corpus', 'embedded']
+  assert study.main(args) == 0  # 2x500: 0.075, 4x500: 0.1, 2x1000: 0.1, 4x1000: 0.15, ...
+  assert ran == [(2, 500), (4, 500), (2, 1000), (4, 1000)]
+  chosen = json.loads((tmp_path / 'budget.json').read_text())
+  assert (chosen['layers'], chosen['steps']) == (4, 1000)
+  assert chosen['evidence']['ratio'] == pytest.approx(0.15 / 0.07)
+  assert '| 4 | 64 | 1000 | postln | 0.1500 | 0.0700 | 2.14 **chosen** |' in (
+      tmp_path / 'budget' / 'budget.md').read_text()
+  # compare takes its budget from there; a flag wins.
+  capsys.readouterr()
+  assert study.main(['--root', str(tmp_path), '--print_only']) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  assert len(lines) == 15 and all('--config.train.num_steps=1000' in l and
+                                  '--config.model.num_layers=4' in l for l in lines)
+  assert study.main(['--root', str(tmp_path), '--print_only', '--steps', '300']) == 0
+  assert '--config.train.num_steps=300\n' in capsys.readouterr().out
+  # Nothing reaches the target: exit 1, no budget written.
+  (tmp_path / 'budget.json').unlink()
+  assert study.main(args + ['--target_ratio', '5']) == 1
+  assert not (tmp_path / 'budget.json').exists()
+
+
+def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
+  import study  # pylint: disable=g-import-not-at-top
+  args = argparse.Namespace(root=str(tmp_path), variants='postln,preln,realformer', seeds=3,
+                            steps=400, layers=4, seq_len=64, batch=32, learning_rate=2e-3,
+                            corpus='embedded', eval_steps=16, eval_fraction=0.03, minutes=0,
+                            print_only=False, reference='postln', ft_learning_rate=3e-4,
+                            ft_batch=16, ft_epochs=10)
+  runs, names, root = study.compare_runs(args)
+  accuracy = {'postln': [0.20, 0.21, 0.22], 'preln': [0.19, 0.215, 0.23],
+              'realformer': [0.23, 0.24, 0.25]}
+  for run, name in zip(runs, names):
+    _write_run(tmp_path / 'compare' / name, 400, accuracy[run['model.variant']][run['seed']],
+               0.08, rate=8.0 if run['model.variant'] == 'postln' else 10.0)
+  report = study.claims_report(args, runs, names, root, 0.0)
+  assert '| realformer | 3 | 400 | 0.2400 (0.2300-0.2500) | 3.00 (2.88-3.12) |' in report
+  assert '- realformer > postln: held (realformer ahead on 3 of 3 paired seeds)' in report
+  assert '- postln > preln: undecided (postln ahead on 1 of 3 paired seeds)' in report
+  # Equal time: postln's median steady rate is 8 steps/s, so 400 steps are 50 s.
+  assert study.equal_minutes(args) == pytest.approx(round(50 / 60, 2))
+  assert study.ordering({'a': {0: 0.1}, 'b': {0: 0.2}}, 'a', 'b').startswith('reversed')
+  scores = {'pretrained': {'postln': {0: 0.80, 1: 0.82}, 'realformer': {0: 0.84, 1: 0.85}},
+            'scratch': {'postln': {0: 0.70, 1: 0.74}, 'realformer': {0: 0.71, 1: None}}}
+  report = study.finetune_report(argparse.Namespace(**dict(vars(args),
+                                                           variants='postln,realformer')),
+                                 scores)
+  assert '| postln | 2 | 0.8100 (0.8000-0.8200) | 0.7200 (0.7000-0.7400) | ' \
+         '0.0900 (0.0800-0.1000) |' in report
+  assert '| realformer | 2 | 0.8450 (0.8400-0.8500) | 0.7100 | 0.1300 |' in report
+  assert '- realformer > postln: held (realformer ahead on 2 of 2 paired seeds)' in report

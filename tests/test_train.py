@@ -278,6 +278,32 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   assert mlm[60] < mlm[10] - 1.0, mlm
   assert summary['eval']['mlm_loss'] < np.log(c.model.vocab_size) - 1.0
   assert os.path.isdir(tmp_path / 'checkpoints' / '60')
+  # The majority baselines on the same evaluation batches, recounted in NumPy.
+  eval_iter = train.make_input_fn(c, str(tmp_path))('eval', c.seed)
+  batches = [next(eval_iter) for _ in range(t.eval_steps)]
+  ids = np.concatenate([b['masked_lm_ids'].ravel() for b in batches])
+  weights = np.concatenate([b['masked_lm_weights'].ravel() for b in batches])
+  counts = np.bincount(ids, weights=weights, minlength=c.model.vocab_size)
+  labels = np.concatenate([b['next_sentence_labels'].ravel() for b in batches])
+  np.testing.assert_allclose(summary['eval']['mlm_majority_accuracy'],
+                             counts.max() / weights.sum(), rtol=1e-6)
+  np.testing.assert_allclose(summary['eval']['nsp_majority_accuracy'],
+                             max(labels.mean(), 1 - labels.mean()), rtol=1e-6)
+
+
+def test_label_counts_sum_over_a_sharded_batch():
+  mesh = partitioning.make_mesh(pretrain.mesh_config())  # 8 devices on the data axis
+  rng = np.random.default_rng(0)
+  batch = {'masked_lm_ids': rng.integers(0, 11, (16, 5)).astype(np.int32),
+           'masked_lm_weights': (rng.random((16, 5)) < 0.7).astype(np.float32),
+           'next_sentence_labels': rng.integers(0, 2, (16,)).astype(np.int32)}
+  counts = train_lib.make_label_counts(mesh, 11)(train_lib.global_batch(batch, mesh))
+  want = np.bincount(batch['masked_lm_ids'].ravel(), batch['masked_lm_weights'].ravel(), 11)
+  np.testing.assert_allclose(np.asarray(counts['mlm']), want)
+  np.testing.assert_allclose(np.asarray(counts['nsp']),
+                             np.bincount(batch['next_sentence_labels'], minlength=2))
+  base = train_lib.majority_baselines(counts)
+  assert base['mlm_majority_accuracy'] == pytest.approx(want.max() / want.sum())
 
 
 def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
