@@ -108,45 +108,51 @@ def spread(values, digits: int = 4) -> str:
           f'({min(values):.{digits}f}-{max(values):.{digits}f})')
 
 
-def ordering(per_variant: dict, first: str, second: str) -> str:
-  """Whether `first` is above `second` beyond the spread over seeds: held when every seed of
-  `first` is above every seed of `second`, reversed when the other way round, else
-  undecided; with the paired count (same seed: same held-out batches and data)."""
+def ordering(per_variant: dict, first: str, second: str, lower: bool = False) -> str:
+  """Whether `first` is above (lower: below) `second` beyond the spread over seeds: held when
+  every seed of `first` is beyond every seed of `second`, reversed when the other way round,
+  else undecided; with the paired count (same seed: same held-out batches and data)."""
   a, b = per_variant.get(first, {}), per_variant.get(second, {})
   if not a or not b:
     return 'not run'
+  sign = -1 if lower else 1
   seeds = sorted(set(a) & set(b))
-  wins = sum(a[s] > b[s] for s in seeds)
-  verdict = ('held' if min(a.values()) > max(b.values()) else
-             'reversed' if max(a.values()) < min(b.values()) else 'undecided')
-  return f'{verdict} ({first} ahead on {wins} of {len(seeds)} paired seeds)'
+  wins = sum(sign * (a[s] - b[s]) > 0 for s in seeds)
+  sa, sb = [sign * v for v in a.values()], [sign * v for v in b.values()]
+  verdict = 'held' if min(sa) > max(sb) else 'reversed' if max(sa) < min(sb) else 'undecided'
+  return (f'{verdict} ({first} {"below" if lower else "ahead"} on {wins} of {len(seeds)} '
+          'paired seeds)')
 
 
 def attention_over_seeds(root: str, runs, names, codes) -> str:
-  """Claim 3 on every finished run, not one checkpoint: per variant, the mean attention
-  entropy (over layers, heads and real tokens) and the mean JS divergence between adjacent
-  layers, each as the mean over seeds with (min-max). Writes attention_seeds.{json,md}."""
+  """Claim 3 on every finished run, not one checkpoint: per variant, the attention entropy
+  (nats; mean over layers, heads and real query positions, and in the last layer, where the
+  paper sees the largest gap) and the JS divergence between adjacent layers (mean over the
+  pairs), each as the mean over seeds (min-max), and the claimed orderings (RealFormer lower)
+  beyond that spread. Writes attention_seeds.{json,md}."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   per_variant = {}
   for run, name in zip(runs, names):
     if codes.get(name) != 0:
       continue
     r = analysis.analyze_run(os.path.join(root, name))
-    per_variant.setdefault(run['model.variant'], []).append(
-        {'seed': run['seed'], 'entropy': float(np.mean(r['entropy_mean'])),
-         'js_adjacent': float(np.mean(r['js_adjacent'])) if r['js_adjacent'] else None})
-  lines = ['| variant | seeds | attention entropy (nats) | JS, adjacent layers |',
-           '|---|---|---|---|']
-
-  def spread(values):
-    values = [v for v in values if v is not None]
-    if not values:
-      return '-'
-    return f'{np.mean(values):.4f} ({min(values):.4f}-{max(values):.4f})'
-
-  for variant, rows in per_variant.items():
-    lines.append(f'| {variant} | {len(rows)} | {spread([r["entropy"] for r in rows])} | '
-                 f'{spread([r["js_adjacent"] for r in rows])} |')
+    per_variant.setdefault(run['model.variant'], {})[run['seed']] = {
+        'entropy': float(np.mean(r['entropy_mean'])), 'entropy_last': r['entropy_mean'][-1],
+        'js_adjacent': float(np.mean(r['js_adjacent'])) if r['js_adjacent'] else None}
+  keys = ('entropy', 'entropy_last', 'js_adjacent')
+  lines = ['| variant | seeds | attention entropy (nats) | entropy, last layer | '
+           'JS, adjacent layers |', '|---|---|---|---|---|']
+  for variant, seeds in per_variant.items():
+    lines.append(f'| {variant} | {len(seeds)} | ' +
+                 ' | '.join(spread([v[k] for v in seeds.values()]) for k in keys) + ' |')
+  lines += ['', 'Claimed (RealFormer lower; held: every seed below every seed of the other):',
+            '']
+  for key, label in zip(keys, ('entropy', 'last-layer entropy', 'adjacent-layer JS')):
+    values = {v: {s: m[key] for s, m in seeds.items() if m[key] is not None}
+              for v, seeds in per_variant.items()}
+    lines += [f'- {label}: realformer < {other}: '
+              f'{ordering(values, "realformer", other, lower=True)}'
+              for other in ('postln', 'preln')]
   table = '\n'.join(lines) + '\n'
   with open(os.path.join(root, 'attention_seeds.json'), 'w') as f:
     json.dump(per_variant, f, indent=1)
@@ -161,13 +167,15 @@ def curves(root: str, runs, names, out_path: str):
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  series = {}
+  series, baselines = {}, []
   for run, name in zip(runs, names):
     path = os.path.join(root, name, 'metrics.jsonl')
     if not os.path.exists(path):
       continue
     with open(path) as f:
       records = [json.loads(line) for line in f]
+    baselines += [r['mlm_majority_accuracy'] for r in records
+                  if r.get('split') == 'eval' and 'mlm_majority_accuracy' in r][-1:]
     for split, metric in (('train', 'loss'), ('eval', 'mlm_accuracy')):
       points = {r['step']: r[metric] for r in records if r.get('split') == split and metric in r}
       series.setdefault((split, metric), {}).setdefault(run['model.variant'], []).append(points)
@@ -183,6 +191,11 @@ def curves(root: str, runs, names, out_path: str):
     ax.set_xlabel('step')
     ax.set_ylabel(f'{key[0]} {key[1]}')
     ax.grid(alpha=0.3)
+  if baselines:  # the majority predictor on the held-out batches, and the budget's target
+    for factor, style in ((1, ':'), (2, '--')):
+      axes[1].axhline(factor * float(np.mean(baselines)), color='gray', linestyle=style,
+                      label=f'{factor}x majority baseline' if factor > 1 else
+                      'majority baseline')
   axes[1].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(out_path, dpi=110)

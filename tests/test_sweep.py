@@ -340,3 +340,24 @@ def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
          '0.0900 (0.0800-0.1000) |' in report
   assert '| realformer | 2 | 0.8450 (0.8400-0.8500) | 0.7100 | 0.1300 |' in report
   assert '- realformer > postln: held (realformer ahead on 2 of 2 paired seeds)' in report
+
+
+def test_study_attention_over_seeds_tests_the_claimed_orderings(tmp_path, monkeypatch):
+  import study  # pylint: disable=g-import-not-at-top
+  runs = [{'model.variant': v, 'seed': s} for v in ('postln', 'preln', 'realformer')
+          for s in (0, 1)]
+  names = sweep.run_names(runs)
+  entropy = {'postln': (3.0, 3.2), 'preln': (2.5, 2.9), 'realformer': (2.6, 2.7)}
+
+  def fake_analyze(workdir):
+    run = runs[names.index(os.path.basename(workdir))]
+    e = entropy[run['model.variant']][run['seed']]
+    return {'entropy_mean': [e + 0.1, e - 0.1], 'js_adjacent': [e / 100]}
+
+  monkeypatch.setattr(study.analysis, 'analyze_run', fake_analyze)
+  table = study.attention_over_seeds(str(tmp_path), runs, names, dict.fromkeys(names, 0))
+  assert '| realformer | 2 | 2.6500 (2.6000-2.7000) | 2.5500 (2.5000-2.6000) |' in table
+  assert '- entropy: realformer < postln: held (realformer below on 2 of 2 paired seeds)' in table
+  assert '- entropy: realformer < preln: undecided (realformer below on 1 of 2' in table
+  assert json.loads((tmp_path / 'attention_seeds.json').read_text())['preln']['1'][
+      'js_adjacent'] == pytest.approx(0.029)
