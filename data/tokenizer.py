@@ -178,6 +178,28 @@ def _training_sentences(lines: Iterable[str], stats: collections.Counter) -> Ite
       yield from parts
 
 
+def _input_lines(inputs, stats: collections.Counter) -> Iterator[str]:
+  """Sentences of a path, a list of paths (BERT-format files) or an iterable of sentences."""
+  if isinstance(inputs, str):
+    inputs = [inputs]
+  if isinstance(inputs, (list, tuple)) and inputs and all(
+      isinstance(p, str) and os.path.isfile(p) for p in inputs):
+    return (s for path in inputs for doc in sources.iter_file_documents(path, stats)
+            for s in doc)
+  return iter(inputs)
+
+
+def train_wordpiece(inputs: Union[str, Sequence[str], Iterable[str]], out_dir: str,
+                    vocab_size: int, *, lowercase: bool = True) -> collections.Counter:
+  """A BERT WordPiece vocabulary (<out_dir>/vocab.txt, data/wordpiece.py) from the same
+  inputs as train_sentencepiece; returns the same counts."""
+  from data import wordpiece  # pylint: disable=g-import-not-at-top
+  stats = collections.Counter()
+  wordpiece.train_wordpiece(_training_sentences(_input_lines(inputs, stats), stats), out_dir,
+                            vocab_size, do_lower_case=lowercase)
+  return stats
+
+
 def train_sentencepiece(inputs: Union[str, Sequence[str], Iterable[str]], model_prefix: str,
                         vocab_size: int, *, model_type: str = 'unigram',
                         lowercase: bool = True, character_coverage: float = 0.9999,
@@ -206,14 +228,7 @@ def train_sentencepiece(inputs: Union[str, Sequence[str], Iterable[str]], model_
     and then whitespace), and what the sources skipped ('non_utf8_lines', 'empty_files').
   """
   stats = collections.Counter()
-  if isinstance(inputs, str):
-    inputs = [inputs]
-  if isinstance(inputs, (list, tuple)) and inputs and all(
-      isinstance(p, str) and os.path.isfile(p) for p in inputs):
-    lines = (s for path in inputs for doc in sources.iter_file_documents(path, stats)
-             for s in doc)
-  else:
-    lines = iter(inputs)
+  lines = _input_lines(inputs, stats)
   os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
   trainer_args = dict(
       sentence_iterator=_training_sentences(lines, stats), model_prefix=model_prefix,
@@ -242,13 +257,16 @@ def train_sentencepiece(inputs: Union[str, Sequence[str], Iterable[str]], model_
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description='Train a sentencepiece vocabulary with '
-                                   "BERT's special tokens at ids 0-4.")
+  parser = argparse.ArgumentParser(description='Train a sentencepiece (or BERT WordPiece) '
+                                   "vocabulary with BERT's special tokens at ids 0-4.")
   parser.add_argument('--input', nargs='+', required=True,
                       help="BERT-format text files (one sentence per line), gzip or plain")
-  parser.add_argument('--model_prefix', required=True)
+  parser.add_argument('--model_prefix', required=True,
+                      help='sentencepiece: writes <prefix>.model; wordpiece: the folder of '
+                      'vocab.txt')
   parser.add_argument('--vocab_size', type=int, default=30000)
-  parser.add_argument('--model_type', default='unigram', choices=('unigram', 'bpe'))
+  parser.add_argument('--model_type', default='unigram', choices=('unigram', 'bpe', 'wordpiece'),
+                      help="wordpiece: BERT's tokenizer (the tokenizers library's trainer)")
   parser.add_argument('--cased', action='store_true', help='keep case (default: uncased)')
   parser.add_argument('--input_sentence_size', type=int, default=10_000_000,
                       help='sentences sentencepiece samples from the stream (memory bound)')
@@ -256,6 +274,11 @@ def main(argv=None):
   missing = [p for p in args.input if not os.path.exists(p)]
   if missing:
     parser.error(f'input files not found: {", ".join(missing)}')
+  if args.model_type == 'wordpiece':
+    stats = train_wordpiece(args.input, args.model_prefix, args.vocab_size,
+                            lowercase=not args.cased)
+    print(f'wrote {os.path.join(args.model_prefix, "vocab.txt")} ({dict(stats)})')
+    return
   stats = train_sentencepiece(args.input, args.model_prefix, args.vocab_size,
                               model_type=args.model_type, lowercase=not args.cased,
                               input_sentence_size=args.input_sentence_size)
@@ -263,4 +286,5 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  main()
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  cli.run_main(main)

@@ -23,13 +23,14 @@ becomes 'σ', where Python's str.lower() in google-research/bert gives 'ς'.
 
 import json
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tokenizers
 from tokenizers import models
 from tokenizers import normalizers
 from tokenizers import pre_tokenizers
+from tokenizers import trainers
 
 SPECIAL_TOKENS = {'pad': '[PAD]', 'unk': '[UNK]', 'cls': '[CLS]', 'sep': '[SEP]',
                   'mask': '[MASK]'}
@@ -147,3 +148,43 @@ class WordPieceTokenizer:
     mask = np.array([not p.startswith(CONTINUATION) for p in self._pieces], dtype=bool)
     mask[list(self.special_ids)] = True
     return mask
+
+
+def train_wordpiece(sentences: Iterable[str], out_dir: str, vocab_size: int, *,
+                    do_lower_case: bool = True, min_frequency: int = 2,
+                    limit_alphabet: int = 1000) -> str:
+  """Learns a WordPiece vocabulary as BERT's uncased 30k one was made: over BERT's
+  normalisation and pre-tokenisation (the classes above), with the tokenizers library's
+  WordPieceTrainer (Google's own WordPiece trainer was never released; this is the one
+  transformers' users train with).
+
+  Writes <out_dir>/vocab.txt, BERT's special tokens [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0-4
+  (the ids of the sentencepiece vocabularies trained here) then the pieces, and an HF
+  tokenizer_config.json holding do_lower_case; returns the vocab.txt path, which
+  config.data.tokenizer takes. `sentences` is streamed (one sentence or paragraph per item).
+  """
+  tokenizer = tokenizers.Tokenizer(models.WordPiece(
+      unk_token=SPECIAL_TOKENS['unk'], continuing_subword_prefix=CONTINUATION,
+      max_input_chars_per_word=MAX_CHARS_PER_WORD))
+  tokenizer.normalizer = _normalizer(do_lower_case)
+  tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  trainer = trainers.WordPieceTrainer(
+      vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+      special_tokens=list(SPECIAL_TOKENS.values()), limit_alphabet=limit_alphabet,
+      continuing_subword_prefix=CONTINUATION)
+  tokenizer.train_from_iterator(sentences, trainer=trainer)
+  vocab = tokenizer.get_vocab()
+  if len(vocab) <= len(SPECIAL_TOKENS):
+    raise ValueError('no text to learn a WordPiece vocabulary from; check the input files')
+  pieces = sorted(vocab, key=vocab.get)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, 'vocab.txt')
+  for name, text in ((path, '\n'.join(pieces) + '\n'),
+                     (os.path.join(out_dir, TOKENIZER_CONFIG),
+                      json.dumps({'do_lower_case': do_lower_case,
+                                  'tokenizer_class': 'BertTokenizer'}, indent=1) + '\n')):
+    with open(name + '.tmp', 'w', encoding='utf-8') as f:
+      f.write(text)
+    os.replace(name + '.tmp', name)
+  WordPieceTokenizer.load(path)  # the special tokens are where they belong
+  return path

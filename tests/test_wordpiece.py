@@ -6,6 +6,7 @@ offline.
 """
 import glob
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +15,9 @@ import pytest
 from data import sources
 from data import tokenizer as tokenizer_lib
 from data import wordpiece
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SENTENCES = os.path.join(REPO, 'tests', 'data', 'sentiment', 'amazon_cells_labelled.txt')
 
 
 def minilm_dir():
@@ -203,3 +207,34 @@ def test_batch_and_word_encodings_equal_transformers_on_shipped_text():
     assert ids == [i for p in per_word for i in p]
     assert word_index == [w for w, p in enumerate(per_word) for _ in p]
   assert ours.encode_words([]) == ([], [])
+
+
+def test_trained_vocabulary_loads_and_matches_transformers(tmp_path):
+  """A WordPiece vocabulary learnt from the shipped sentences (the command line, as a user
+  runs it): BERT's specials at ids 0-4, '##' pieces, and the same ids as transformers'
+  BertTokenizer over that vocab.txt on held-back sentences."""
+  transformers = pytest.importorskip('transformers')
+  sentences = [line.rsplit('\t', 1)[0] for line in open(SENTENCES, encoding='utf-8')
+               if line.strip()]
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_text('\n'.join(sentences[:800]) + '\n', encoding='utf-8')
+  out = tmp_path / 'wp'
+  result = subprocess.run([sys.executable, '-m', 'data.tokenizer', '--input', str(corpus),
+                           '--model_prefix', str(out), '--model_type', 'wordpiece',
+                           '--vocab_size', '1200'], cwd=REPO, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+  tok = tokenizer_lib.Tokenizer.load(str(out / 'vocab.txt'))
+  assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
+  assert 1000 <= tok.vocab_size <= 1200 and tok.do_lower_case
+  assert any(tok.id_to_piece(i).startswith('##') for i in range(tok.vocab_size))
+  hf = transformers.BertTokenizer(str(out / 'vocab.txt'), do_lower_case=True)
+  for sentence in sentences[800:]:
+    assert tok.encode(sentence) == hf.encode(sentence, add_special_tokens=False), sentence
+  # Empty input is a one-line error.
+  (tmp_path / 'empty.txt').write_text('\n')
+  result = subprocess.run([sys.executable, '-m', 'data.tokenizer', '--input',
+                           str(tmp_path / 'empty.txt'), '--model_prefix', str(tmp_path / 'e'),
+                           '--model_type', 'wordpiece', '--vocab_size', '100'], cwd=REPO,
+                          capture_output=True, text=True)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith('error: no text to learn')
