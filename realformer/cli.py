@@ -88,6 +88,9 @@ def run_main(main, *args, also=()):
   as `error: <message>` and exit status 1 (the traceback with --verbose_errors or
   REALFORMER_VERBOSE_ERRORS=1). Returns main's result."""
   from realformer import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  absl_logger = logging_std.getLogger('absl')  # also where absl's app.run does not handle it
+  if not any(isinstance(f, QuietLibraries) for f in absl_logger.filters):
+    absl_logger.addFilter(QuietLibraries())
   verbose = _verbose(sys.argv)
   if '--verbose_errors' in sys.argv:
     sys.argv.remove('--verbose_errors')

@@ -190,3 +190,22 @@ def test_every_entry_point_reports_user_errors_in_one_line(tmp_path, argv, expec
   assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], proc.stderr
   assert 'Traceback' not in proc.stderr
   assert sorted(os.listdir(tmp_path)) == []  # nothing half-made left behind
+
+
+def test_entry_points_without_absl_app_drop_orbax_restore_warning():
+  """study.py, analyze.py, sweep.py read checkpoints outside absl's app.run: cli.run_main
+  quiets orbax's missing-_CHECKPOINT_METADATA warning there too, and only that one."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  cli.run_main(lambda: None)
+  cli.run_main(lambda: None)  # installed once
+  absl_logger = logging.getLogger('absl')
+  assert sum(isinstance(f, cli.QuietLibraries) for f in absl_logger.filters) == 1
+
+  def record(msg, path='/site-packages/orbax/checkpoint/x.py'):
+    return logging.LogRecord('absl', logging.WARNING, path, 1, msg, None, None)
+
+  assert not absl_logger.filter(record('Metadata file does not exist: /w/checkpoints/3'))
+  assert absl_logger.filter(record('Something else went wrong'))
+  assert absl_logger.filter(record('Metadata file does not exist', path='/work/train.py'))
+
