@@ -353,12 +353,14 @@ def test_study_attention_over_seeds_tests_the_claimed_orderings(tmp_path, monkey
   def fake_analyze(workdir):
     run = runs[names.index(os.path.basename(workdir))]
     e = entropy[run['model.variant']][run['seed']]
-    return {'entropy_mean': [e + 0.1, e - 0.1], 'js_adjacent': [e / 100]}
+    return {'entropy_mean': [e + 0.1, e - 0.1], 'js_adjacent': [e / 100],
+            'js_all_pairs': [[0.0, e / 100], [e / 100, 0.0]]}
 
   monkeypatch.setattr(study.analysis, 'analyze_run', fake_analyze)
   table = study.attention_over_seeds(str(tmp_path), runs, names, dict.fromkeys(names, 0))
   assert '| realformer | 2 | 2.6500 (2.6000-2.7000) | 2.5500 (2.5000-2.6000) |' in table
   assert '- entropy: realformer < postln: held (realformer below on 2 of 2 paired seeds)' in table
   assert '- entropy: realformer < preln: undecided (realformer below on 1 of 2' in table
-  assert json.loads((tmp_path / 'attention_seeds.json').read_text())['preln']['1'][
-      'js_adjacent'] == pytest.approx(0.029)
+  stored = json.loads((tmp_path / 'attention_seeds.json').read_text())['preln']['1']
+  assert stored['js_adjacent'] == stored['js_all_pairs'] == pytest.approx(0.029)
+  assert '- JS over all layer pairs: realformer < postln: held' in table
