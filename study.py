@@ -605,8 +605,10 @@ def finetune(args) -> int:
                                           config='configs/finetune.py:glue/sst2',
                                           target=args.target))
         continue
-      codes.update({f'{arm}/{name}/{k}': c for k, c in sweep.run_all(
-          ft, root=ft_root, program=os.path.join(REPO, 'finetune.py'), config=config).items()})
+      if not args.report_only:
+        codes.update({f'{arm}/{name}/{k}': c for k, c in sweep.run_all(
+            ft, root=ft_root, program=os.path.join(REPO, 'finetune.py'),
+            config=config).items()})
       acc = dev_accuracy(os.path.join(ft_root, sweep.run_names(ft)[0]))
       scores.setdefault(arm, {}).setdefault(run['model.variant'], {})[run['seed']] = acc
     scores.setdefault('mlm', {}).setdefault(run['model.variant'], {})[run['seed']] = (
@@ -615,6 +617,7 @@ def finetune(args) -> int:
     print(''.join(script), end='')
     return 0
   report = finetune_report(args, scores)
+  os.makedirs(os.path.join(args.root, 'finetune'), exist_ok=True)
   with open(os.path.join(args.root, 'finetune', 'finetune.md'), 'w') as f:
     f.write(report)
   print(report)
@@ -696,9 +699,9 @@ def main(argv=None):
   stab.add_argument('--learning_rates', default='5e-4,1e-3,2e-3,4e-3')
   stab.add_argument('--warmups', default='0,30', help='warm-up steps, e.g. none and short')
   stab.add_argument('--log_every', type=int, default=10)
-  stab.add_argument('--report_only', action='store_true',
-                    help='only the table and figure of the runs there are (cells not run '
-                    'are marked so)')
+  p.add_argument('--report_only', action='store_true',
+                 help='stability, finetune: only the tables (and figure) of the runs there '
+                 'are, nothing run')
   args = p.parse_args(argv)
   if args.minutes and args.minutes != 'auto':
     try:
