@@ -53,6 +53,13 @@ def corpus_settings(args) -> list:
   return [f'data.sources=files:{os.path.join(era, "pretraining_corpus.txt")}']
 
 
+def print_era_note(args):
+  """--print_only: the launches read R/era, which the printing machine does not write."""
+  if args.corpus == 'era' or args.part == 'finetune':
+    print(f'# first, where the runs can read it: python -c "from data import sotu; '
+          f'sotu.write_era_task({os.path.join(args.root, "era")!r})"')
+
+
 def era_task(root: str) -> str:
   """R/era: the fine-tuning task (SST-2 layout) and its pretraining corpus, written once (to a
   temporary folder renamed into place, so a second study process never reads half of it)."""
@@ -419,6 +426,7 @@ def budget_search(args) -> int:
   if args.print_only:
     print('# candidates, cheapest first: the budget is the first whose final eval/'
           f'mlm_accuracy is {args.target_ratio}x eval/mlm_majority_accuracy')
+    print_era_note(args)
     print(''.join(scripts), end='')
     return 0
   table = budget_table(root, found)
@@ -526,6 +534,7 @@ def compare(args) -> int:
   runs, names, root = compare_runs(args, minutes)
   config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
   if args.print_only:
+    print_era_note(args)
     print(sweep.launch_script(runs, root=root, program='train.py',
                               config=f'configs/pretrain.py:postln,{args.size}',
                               target=args.target), end='')
@@ -614,6 +623,7 @@ def finetune(args) -> int:
     scores.setdefault('mlm', {}).setdefault(run['model.variant'], {})[run['seed']] = (
         held_out(pretrained).get('mlm_accuracy'))
   if args.print_only:
+    print_era_note(args)
     print(''.join(script), end='')
     return 0
   report = finetune_report(args, scores)

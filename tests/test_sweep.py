@@ -300,7 +300,9 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   # compare takes its budget from there; a flag wins.
   capsys.readouterr()
   assert study.main(['--root', str(tmp_path), '--print_only']) == 0
-  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  out = capsys.readouterr().out
+  assert f"sotu.write_era_task({str(tmp_path / 'era')!r})" in out  # the launches read it
+  lines = [l for l in out.splitlines() if l.startswith('python train.py')]
   assert len(lines) == 15 and all('--config.train.num_steps=1000' in l and
                                   '--config.model.num_layers=4' in l for l in lines)
   assert study.main(['--root', str(tmp_path), '--print_only', '--steps', '300']) == 0
