@@ -722,7 +722,7 @@ def main(argv=None):
   if args.minutes and args.part != 'compare':
     p.error('--minutes is for the compare part')
   if args.seeds is not None and args.seeds < 1:
-    p.error(f'--seeds={args.seeds}: need at least one seed')
+    raise ValueError(f'--seeds={args.seeds}: need at least one seed')
   if args.part == 'stability':
     for key, value in {'variants': 'postln,preln,realformer', 'layers': 12, 'steps': 300,
                        'seeds': 1, 'batch': 16, 'seq_len': 64}.items():
