@@ -369,11 +369,17 @@ def _ints(text: str) -> list:
   return [int(v) for v in text.split(',')]
 
 
+def budget_order(candidate) -> tuple:
+  """Sort key of a (layers, seq_len, steps) budget: its cost, then fewer steps."""
+  layers, seq_len, steps = candidate
+  return layers * seq_len * steps, steps
+
+
 def budget_candidates(args) -> list:
-  """(layers, seq_len, steps), cheapest first (ties: fewer steps)."""
+  """(layers, seq_len, steps), cheapest first."""
   grid = [(l, t, n) for l in _ints(args.budget_layers) for t in _ints(args.budget_seq_lens)
           for n in _ints(args.budget_steps)]
-  return sorted(grid, key=lambda c: (c[0] * c[1] * c[2], c[2]))
+  return sorted(grid, key=budget_order)
 
 
 def budget_table(root: str, found) -> str:
@@ -391,7 +397,7 @@ def budget_table(root: str, found) -> str:
   lines = ['| layers | length | steps | variant | held-out MLM accuracy | majority baseline | '
            'ratio |', '|---|---|---|---|---|---|---|']
   for (layers, seq_len, steps), variant, r, workdir in sorted(
-      rows, key=lambda row: (row[0][0] * row[0][1] * row[0][2], row[0][2])):
+      rows, key=lambda row: budget_order(row[0])):
     mark = ' **chosen**' if found and workdir == found['run'] else ''
     lines.append(f'| {layers} | {seq_len} | {steps} | {variant} | {r["mlm_accuracy"]:.4f} | '
                  f'{r["mlm_majority_accuracy"]:.4f} | {r["ratio"]:.2f}{mark} |')
