@@ -76,7 +76,7 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
     stats = metadata.get('stats', {})
     undecodable = max(stats.get('train/non_utf8_lines', 0), stats.get('eval/non_utf8_lines', 0))
     why = (f' ({undecodable} lines of the corpus were not UTF-8 and were skipped: convert the '
-           f'files to UTF-8 and prepare again)' if undecodable else '')
+           f'files to UTF-8 and delete {prepared_dir} to prepare again)' if undecodable else '')
     raise ValueError(f'the {split} split has {len(source)} examples, fewer than one batch of '
                      f'{per_host} per process{why}; use a larger corpus, a smaller batch, or '
                      '(for eval) a larger data.eval_fraction')
@@ -118,6 +118,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
   prepare_lib.check_lengths(config)
   metadata = os.path.join(prepared_dir, prepare_lib.METADATA)
   if not os.path.exists(metadata):
+    started = time.time() - 1  # file times may be coarser than time.time()
     # Every host prepares its share (data.prepare_workers processes each); process 0 gathers.
     prepare_lib.prepare(config, prepared_dir, overwrite=False,
                         process_index=jax.process_index(),
@@ -125,6 +126,9 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
     if jax.process_index() != 0:
       deadline = time.time() + timeout_s
       while not os.path.exists(metadata):
+        failed = prepare_lib.failure_since(prepared_dir, started)
+        if failed:
+          raise RuntimeError(f'preparing {prepared_dir} failed on host {failed}')
         if time.time() > deadline:
           raise TimeoutError(f'process 0 did not finish preparing {prepared_dir}')
         time.sleep(2)

@@ -65,7 +65,8 @@ def fingerprint(config) -> dict:
           'dupe_factor': d.dupe_factor, 'eval_fraction': d.eval_fraction,
           'num_shards': d.num_shards, 'seed': config.seed,
           'document_window': d.get('document_window', 1000),  # the blocks' layout
-          **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {})}
+          **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {}),
+          **({'files': files} if (files := sources.files_signature(d.sources)) else {})}
 
 
 def check_lengths(config):
@@ -160,8 +161,10 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
     total = workers * process_count
     ids = [process_index * workers + w for w in range(workers)]
     failed = os.path.join(tmp, f'failed-{process_index:05d}.txt')
-    if os.path.exists(failed):
-      os.remove(failed)
+    for stale in [failed] + ([os.path.join(tmp, 'failed-gather.txt')] if process_index == 0
+                             else []):
+      if os.path.exists(stale):
+        os.remove(stale)
     try:
       _run_workers(config, tokenizer, tmp, ids, total)
     except BaseException as e:
@@ -175,8 +178,15 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       raise
     if process_index != 0:
       return None
-    _wait_for_workers(tmp, total, fingerprint(config), timeout_s)
-    return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
+    try:
+      _wait_for_workers(tmp, total, fingerprint(config), timeout_s)
+      return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
+    except BaseException as e:
+      if process_count > 1:  # the other hosts, waiting for metadata.json, stop too
+        os.makedirs(tmp, exist_ok=True)
+        with open(os.path.join(tmp, 'failed-gather.txt'), 'w') as f:
+          f.write(f'{type(e).__name__}: {e}')
+      raise
   finally:
     if lock is not None:
       lock.close()
@@ -298,13 +308,32 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float):
     if not missing:
       return
     for name in sorted(os.listdir(tmp)):
-      if name.startswith('failed-'):
+      if name.startswith('failed-') and name[7:12].isdigit():
         with open(os.path.join(tmp, name)) as f:
           raise RuntimeError(f'preparation failed on host {int(name[7:12])}: {f.read()}')
     if time.time() > deadline:
       raise TimeoutError(f'preparation workers {missing[:8]} of {total} did not finish in '
                          f'{timeout_s:.0f} s; is every host running it?')
     time.sleep(2)
+
+
+def failure_since(out_dir: str, since: float) -> Optional[str]:
+  """The message of a host's failed preparation of `out_dir` written after `since` (a
+  host waiting for metadata.json stops on it), or None."""
+  tmp = f'{out_dir.rstrip("/")}.tmp'
+  try:
+    names = sorted(n for n in os.listdir(tmp) if n.startswith('failed-'))
+  except FileNotFoundError:
+    return None
+  for name in names:
+    path = os.path.join(tmp, name)
+    try:
+      if os.path.getmtime(path) >= since:
+        with open(path) as f:
+          return f'{name[len("failed-"):-len(".txt")]}: {f.read()}'
+    except FileNotFoundError:
+      continue
+  return None
 
 
 def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
@@ -386,7 +415,8 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
   if config is not None and metadata['fingerprint'] != want:
     have = metadata['fingerprint']
     diff = {k: (have.get(k), want[k]) for k in want if have.get(k) != want[k]}
-    raise ValueError(f'prepared data in {prepared_dir} was made with other settings '
+    what = 'other corpus files' if set(diff) == {'files'} else 'other settings'
+    raise ValueError(f'prepared data in {prepared_dir} was made with {what} '
                      f'(prepared, configured): {diff}; point config.data.prepared_dir '
                      'elsewhere or delete the directory to prepare again')
   return metadata

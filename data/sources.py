@@ -283,6 +283,24 @@ def _stream(spec: str, tfds_data_dir: Optional[str], tfds_text_feature: str,
   raise ValueError(f'unknown data source {spec!r} in config.data.sources; {_SOURCES_HELP}')
 
 
+def files_signature(sources: str) -> Optional[str]:
+  """What the `files:` sources of `sources` match now, as a short string: the number of
+  files, their bytes, and a digest of every file's name and size. A prepared corpus records
+  it, so an edited, converted, added or removed file is noticed instead of silently reusing
+  instances made from the old text (names and sizes, not paths or times: a copy of the corpus
+  on another host or in another folder matches). None without `files:` sources."""
+  matched = []
+  for spec in (s.strip() for s in sources.split(';')):
+    if spec.startswith('files:'):
+      pattern = os.path.expanduser(spec[len('files:'):])
+      matched += [(os.path.basename(p), os.path.getsize(p))
+                  for p in sorted(glob_lib.glob(pattern)) if os.path.isfile(p)]
+  if not matched:
+    return None
+  digest = zlib.crc32(repr(matched).encode())
+  return f'{len(matched)} files, {sum(n for _, n in matched)} bytes, crc {digest:08x}'
+
+
 def parse_weights(weights: Union[str, Sequence[float], None], n: int) -> Optional[np.ndarray]:
   """Mixing probabilities from ';'-joined weights (or numbers); None when none are given."""
   if weights is None or (isinstance(weights, str) and not weights.strip()):

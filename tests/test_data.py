@@ -5,6 +5,7 @@ and the sources have their own files: test_tokenizer.py, test_sources.py.)"""
 import collections
 import itertools
 import os
+import shutil
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -293,6 +294,32 @@ def test_bad_inputs_are_clear_errors(prepared, tok, tmp_path):
   with pytest.raises(ValueError, match='fewer than one batch'):
     pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, split='eval',
                                        global_batch_size=4096, seed=0)
+
+
+def test_a_changed_corpus_is_not_silently_reused(tmp_path):
+  """Prepared data records what its files: sources matched (names, sizes): a file that is
+  converted, edited, added or removed afterwards is an error naming the change; a copy of
+  the corpus elsewhere (another host's folder) still matches."""
+  corpus = tmp_path / 'a' / 'corpus.txt'
+  corpus.parent.mkdir()
+  corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in embedded_documents(8)))
+  config = tiny_config(f'files:{tmp_path}/a/*.txt', prepared_dir=str(tmp_path / 'shards'))
+  prepare.prepare(config, config.data.prepared_dir)
+  assert prepare.read_metadata(config.data.prepared_dir)['fingerprint']['files'].startswith(
+      '1 files, ')
+  shutil.copytree(tmp_path / 'a', tmp_path / 'b')
+  moved = tiny_config(f'files:{tmp_path}/b/*.txt', prepared_dir=str(tmp_path / 'shards'))
+  with pytest.raises(ValueError, match='made with other settings'):  # sources differ
+    pipeline.ensure_prepared(moved, str(tmp_path))
+  assert (prepare.fingerprint(moved)['files'] == prepare.fingerprint(config)['files'])
+  pipeline.ensure_prepared(config, str(tmp_path))  # unchanged: reused
+  with open(corpus, 'a') as f:
+    f.write('One more sentence was added.\n')
+  with pytest.raises(ValueError, match='made with other corpus files.*delete the directory'):
+    pipeline.ensure_prepared(config, str(tmp_path))
+  (tmp_path / 'a' / 'more.txt').write_text('Another file.\n')
+  with pytest.raises(ValueError, match="'2 files, "):
+    pipeline.ensure_prepared(config, str(tmp_path))
 
 
 def test_failed_preparation_leaves_nothing_and_names_undecodable_lines(tmp_path, tok, caplog):

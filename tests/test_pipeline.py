@@ -175,6 +175,28 @@ def test_hosts_wait_for_process_zero_and_finished_preparations_are_kept(
   assert prepare.prepare(config, config.data.prepared_dir, overwrite=False) == first
 
 
+def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, monkeypatch):
+  """Process 0 fails to gather (an empty corpus gives no examples): the other hosts stop
+  with its message instead of waiting hours for metadata.json."""
+  (tmp_path / 'empty.txt').write_text('')
+  config = prepared[0].copy_and_resolve_references()
+  config.data.sources = f'files:{tmp_path}/empty.txt'
+  config.data.prepared_dir = str(tmp_path / 'shared')
+  monkeypatch.setattr(jax, 'process_index', lambda: 1)
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+
+  def process_zero():
+    with pytest.raises(ValueError, match='gave no training examples'):
+      prepare.prepare(config, config.data.prepared_dir, process_index=0, process_count=2)
+  host = threading.Timer(0.5, process_zero)
+  host.start()
+  start = time.time()
+  with pytest.raises(RuntimeError, match='failed on host gather: .*no training examples'):
+    pipeline.ensure_prepared(config, str(tmp_path))
+  host.join()
+  assert time.time() - start < 60
+
+
 def test_command_line(corpus, tmp_path):
   def run(*flags):
     return subprocess.run(
