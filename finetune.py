@@ -84,10 +84,7 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
       pre.data.tokenizer = config.tokenizer
     pre.model.vocab_size = tokenizer_lib.load_for_config(pre.data).vocab_size
     return pre
-  if not os.path.exists(os.path.join(path, checkpoints.CONFIG_FILE)):
-    raise FileNotFoundError(f'{path} has no {checkpoints.CONFIG_FILE}; config.init_checkpoint '
-                            'must be a workdir written by train.py or realformer.interop')
-  return ml_collections.ConfigDict(checkpoints.read_config(path))
+  return ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
 
 
 def full_batch(batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
@@ -468,50 +465,69 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   step = int(state.step)
   results = None
   best = BestCheckpoint(workdir, task, pre, config.keep_best)
-  for epoch in range(step // steps_per_epoch, config.num_epochs):
-    plan = buckets_lib.train_batches(lengths, buckets, config.batch_size, config.seed, epoch)
-    window, window_tokens, window_padded, window_steps = None, 0, 0, 0
-    epoch_start = window_start = time.time()
-    for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
-      length, idx = plan[i]
-      state, m = steps[length](state, full_batch(buckets_lib.take(train, idx, length), mesh))
-      window = metrics_lib.merge(window, m)
-      step += 1
-      window_tokens += int(lengths[idx].sum())
-      window_padded += length * len(idx)
-      window_steps += 1
-      if step % config.log_every_steps == 0 or i == steps_per_epoch - 1:
-        values = metrics_lib.to_floats(window)
-        for name in ('loss', 'grad_norm'):  # an inf gradient has already made params nan
-          if not np.isfinite(values[name]):
-            raise FloatingPointError(f'{name} became {values[name]} by step {step}; nothing '
-                                     'was saved since the last epoch; lower '
-                                     'config.optimizer.learning_rate')
-        seconds = time.time() - window_start
-        if window_steps and seconds > 0:
-          steps_per_s = window_steps / seconds
-          values.update({'steps_per_s': steps_per_s,
-                         'examples_per_s': steps_per_s * config.batch_size,
-                         'tokens_per_s': window_tokens / seconds,  # real tokens
-                         'padded_tokens_per_s': window_padded / seconds})
-          eta = (num_steps - step) / steps_per_s
-          logging.info('step %d/%d (epoch %d): loss %.4f, %.2f steps/s, %.1f examples/s, '
-                       '%.0f tokens/s (%.0f with padding, %.0f%% real), ETA %s', step,
-                       num_steps, epoch + 1, values['loss'], steps_per_s,
-                       values['examples_per_s'], values['tokens_per_s'],
-                       values['padded_tokens_per_s'],
-                       100 * values['tokens_per_s'] / values['padded_tokens_per_s'],
-                       datetime.timedelta(seconds=int(eta)))
-        writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
-        window, window_tokens, window_padded, window_steps = None, 0, 0, 0
-        window_start = time.time()
-    epoch_seconds = time.time() - epoch_start
-    logging.info('epoch %d/%d: %.1f s', epoch + 1, config.num_epochs, epoch_seconds)
-    writer.write_scalars(step, {'train/epoch_seconds': epoch_seconds})
-    results = evaluate(state.params, step)
-    best.offer(state.params, step, epoch + 1, results)  # before the resume point moves on
-    checkpoints.save(manager, step, state.to_checkpoint(), force=True)
+  preempted = None
+  with workdir_lib.StopSignal() as stop:
+    for epoch in range(step // steps_per_epoch, config.num_epochs):
+      plan = buckets_lib.train_batches(lengths, buckets, config.batch_size, config.seed, epoch)
+      window, window_tokens, window_padded, window_steps = None, 0, 0, 0
+      epoch_start = window_start = time.time()
+      for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
+        length, idx = plan[i]
+        state, m = steps[length](state, full_batch(buckets_lib.take(train, idx, length), mesh))
+        window = metrics_lib.merge(window, m)
+        step += 1
+        window_tokens += int(lengths[idx].sum())
+        window_padded += length * len(idx)
+        window_steps += 1
+        if step % config.log_every_steps == 0 or i == steps_per_epoch - 1:
+          values = metrics_lib.to_floats(window)
+          for name in ('loss', 'grad_norm'):  # an inf gradient has already made params nan
+            if not np.isfinite(values[name]):
+              raise FloatingPointError(f'{name} became {values[name]} by step {step}; nothing '
+                                       'was saved since the last epoch; lower '
+                                       'config.optimizer.learning_rate')
+          seconds = time.time() - window_start
+          if window_steps and seconds > 0:
+            steps_per_s = window_steps / seconds
+            values.update({'steps_per_s': steps_per_s,
+                           'examples_per_s': steps_per_s * config.batch_size,
+                           'tokens_per_s': window_tokens / seconds,  # real tokens
+                           'padded_tokens_per_s': window_padded / seconds})
+            eta = (num_steps - step) / steps_per_s
+            logging.info('step %d/%d (epoch %d): loss %.4f, %.2f steps/s, %.1f examples/s, '
+                         '%.0f tokens/s (%.0f with padding, %.0f%% real), ETA %s', step,
+                         num_steps, epoch + 1, values['loss'], steps_per_s,
+                         values['examples_per_s'], values['tokens_per_s'],
+                         values['padded_tokens_per_s'],
+                         100 * values['tokens_per_s'] / values['padded_tokens_per_s'],
+                         datetime.timedelta(seconds=int(eta)))
+          writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
+          window, window_tokens, window_padded, window_steps = None, 0, 0, 0
+          window_start = time.time()
+        # Preempted: save here, a rerun resumes mid-epoch (an epoch's last step is saved
+        # below, after its evaluation).
+        if i < steps_per_epoch - 1 and stop.reached(manager, step):
+          checkpoints.save(manager, step, state.to_checkpoint(), force=True)
+          preempted = step
+          break
+      if preempted is not None:
+        break
+      epoch_seconds = time.time() - epoch_start
+      logging.info('epoch %d/%d: %.1f s', epoch + 1, config.num_epochs, epoch_seconds)
+      writer.write_scalars(step, {'train/epoch_seconds': epoch_seconds})
+      results = evaluate(state.params, step)
+      best.offer(state.params, step, epoch + 1, results)  # before the resume point moves on
+      checkpoints.save(manager, step, state.to_checkpoint(), force=True)
+      if epoch + 1 < config.num_epochs and stop.reached(manager, step):
+        preempted = step
+        break
   manager.wait_until_finished()
+  if preempted is not None:
+    logging.warning('stop signal: saved step %d in %s; run the same command to resume',
+                    preempted, manager.directory)
+    manager.close()
+    writer.close()
+    return {'task': task.name, 'step': step, 'preempted': preempted}
   if results is None:  # resumed after the last epoch
     results = evaluate(state.params, step)
   task.write_predictions(infer(state.params), results, os.path.join(workdir, 'predictions'))
@@ -588,11 +604,14 @@ def drop_optimizer_state(manager, params, step: int, pretraining_config, final_d
 def main(argv):
   del argv
   if not flags.FLAGS.workdir:
-    raise app.UsageError('--workdir is required')
+    cli.fail('--workdir is required: the directory for checkpoints, metrics and predictions '
+             '(e.g. --workdir /tmp/ft_sst2)')
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   summary = cli.run_main(finetune, flags.FLAGS.config, flags.FLAGS.workdir,
                          also=(FloatingPointError,))
+  if 'preempted' in summary:
+    workdir_lib.exit_not_finished(summary['preempted'])
   print(json.dumps(summary, indent=2))
 
 

@@ -15,9 +15,6 @@ same format (throughput checks only).
 
 import json
 import os
-import signal
-import sys
-import threading
 import time
 from typing import Optional
 
@@ -138,11 +135,6 @@ class TimeBudget:
       os.replace(self._path + '.tmp', self._path)
 
 
-# Exit status of a run stopped by SIGTERM (preemption) after saving: not finished, to be
-# run again (sysexits.h EX_TEMPFAIL). docs/launching.md shows how schedulers use it.
-EXIT_NOT_FINISHED = 75
-
-
 # --------------------------------------------------------------------------------------
 # Setup: config, tokenizer, mesh.
 # --------------------------------------------------------------------------------------
@@ -189,24 +181,6 @@ def set_data_state(it, restored):
     it.set_state(restored)
 
 
-class StopSignal:
-  """Set by SIGTERM (preemption): the loop saves at the current step and exits."""
-
-  def __init__(self):
-    self.event = threading.Event()
-    self._previous = None
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-      # Several processes: jax's preemption notifier owns SIGTERM (manager.reached_preemption).
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-
 # --------------------------------------------------------------------------------------
 # The run.
 # --------------------------------------------------------------------------------------
@@ -234,7 +208,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 def _train_and_evaluate(config, workdir: str, mesh) -> dict:
   tc = config.train
   is_chief = jax.process_index() == 0
-  writer = metrics_lib.create_writer(workdir, jax.process_index())
   logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), jax.device_count(),
                jax.process_count())
 
@@ -268,6 +241,7 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
   start_step = int(state.step)
   # Every check has passed (config, model, checkpoint): the workdir now describes this run.
   checkpoints.write_config(workdir, config)
+  writer = metrics_lib.create_writer(workdir, jax.process_index())
 
   # ---- Compiled steps. ----
   train_step, loss_fn = program.train_step, program.loss_fn
@@ -341,7 +315,7 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
   window, pending = None, None  # metrics since the last log; the unchecked step
   timed_from, window_start = start_step, time.time()
   step = start_step
-  with jax.set_mesh(mesh), StopSignal() as stop:
+  with jax.set_mesh(mesh), workdir_lib.StopSignal() as stop:
     while step < tc.num_steps and not (budget is not None and budget.over()):
       batch = train_lib.global_batch(next(train_iter), mesh)
       if budget is None:
@@ -360,8 +334,7 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
         timed_from, window_start = step, time.time()
         if budget is not None:
           budget.start()
-      preempted = stop.event.is_set() or (jax.process_count() > 1 and
-                                          manager.reached_preemption(step))
+      preempted = stop.reached(manager, step)
       last = step == tc.num_steps
       if budget is not None:
         budget.update(step)
@@ -450,16 +423,16 @@ def check_launch():
 def main(argv):
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments {argv[1:]}; settings go in --config.*')
+    cli.fail(f'unexpected arguments {argv[1:]}; settings go in --config.*')
   if flags.FLAGS.compile_for:
     check_launch()
     return
   for name in ('find_max_batch', 'launch_json'):
     if flags.FLAGS[name].present:
-      raise app.UsageError(f'--{name} needs --compile_for (a TPU slice such as v5e:2x2, or '
+      cli.fail(f'--{name} needs --compile_for (a TPU slice such as v5e:2x2, or '
                            f'local); without it train.py trains')
   if not flags.FLAGS.workdir:
-    raise app.UsageError('--workdir is required: the directory for checkpoints and logs '
+    cli.fail('--workdir is required: the directory for checkpoints and logs '
                          '(e.g. --workdir /tmp/bert_tiny)')
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
@@ -467,9 +440,7 @@ def main(argv):
   summary = cli.run_main(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir,
                          also=(NonFiniteLossError,))
   if 'preempted' in summary:
-    print(f'not finished: stopped by SIGTERM after saving step {summary["preempted"]}; run '
-          f'the same command to resume (exit status {EXIT_NOT_FINISHED})', file=sys.stderr)
-    sys.exit(EXIT_NOT_FINISHED)
+    workdir_lib.exit_not_finished(summary['preempted'])
   logging.info('done: %s', summary)
 
 

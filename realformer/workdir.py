@@ -22,13 +22,21 @@ import datetime
 import fcntl
 import json
 import os
+import shutil
+import signal
 import socket
+import sys
+import threading
 from typing import Dict, List, Optional
 
 import jax
 from absl import logging
 
 LOCK_FILE = '.lock'
+
+# Exit status of a run stopped by SIGTERM (preemption) after saving: not finished, to be
+# run again (sysexits.h EX_TEMPFAIL). docs/launching.md shows how schedulers use it.
+EXIT_NOT_FINISHED = 75
 
 # Fields that may change when a run resumes (prefix match on dotted keys). Everything else
 # (model, data, optimizer, seed, batch size) defines the run and must match its checkpoint.
@@ -45,6 +53,7 @@ RESUMABLE = (
     'data.read_threads', 'data.worker_count', 'data.prepared_dir', 'data.prepare_workers',
     # fine-tuning (finetune.py)
     'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
+    'init_checkpoint', 'data_dir',  # where the encoder and the task's files are read from
 )
 
 
@@ -114,10 +123,17 @@ class Lock:
       fcntl.flock(self._fd, fcntl.LOCK_UN)
       os.close(self._fd)
       self._fd = None
-      # A run that failed before writing anything leaves no empty workdir behind.
-      if self._created and os.listdir(self.workdir) == [LOCK_FILE]:
-        os.remove(self.path)
-        os.rmdir(self.workdir)
+      # A run that failed before writing anything (a file) leaves no workdir behind.
+      if self._created and _holds_only_the_lock(self.workdir):
+        shutil.rmtree(self.workdir)
+
+
+def _holds_only_the_lock(workdir: str) -> bool:
+  """No file in `workdir` but the lock: at most empty folders (a checkpoint manager's)."""
+  for root, _, files in os.walk(workdir):
+    if any(root != workdir or f != LOCK_FILE for f in files):
+      return False
+  return True
 
 
 def _flatten(tree, prefix='') -> Dict[str, object]:
@@ -155,6 +171,11 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
     stored = json.load(f)
   new = json.loads(config.to_json_best_effort())
   fixed, allowed, added = config_differences(stored, new)
+  if len(added) * 2 > len(_flatten(new)):  # fields added since are few; this is another file
+    raise ValueError(
+        f'{path} is not a config of this program (it lacks {len(added)} of its '
+        f'{len(_flatten(new))} fields, e.g. {added[0]}), yet {workdir} holds checkpoints; '
+        'use another --workdir')
   if fixed:
     a, b = _flatten(stored), _flatten(new)
     shown = ', '.join(f'{k}: {a[k]!r} -> {b[k]!r}' for k in fixed[:6])
@@ -169,3 +190,33 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
     logging.info('fields absent from the stored config (added since), taken as given: %s',
                  ', '.join(added))
   return allowed
+
+
+class StopSignal:
+  """Set by SIGTERM (preemption): train.py's and finetune.py's loops save at the current
+  step and return; the program then calls exit_not_finished."""
+
+  def __init__(self):
+    self.event = threading.Event()
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+      # Several processes: jax's preemption notifier owns SIGTERM (manager.reached_preemption).
+      self._previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+  def reached(self, manager, step: int) -> bool:
+    """SIGTERM here, or (several processes) jax's preemption notice for this step."""
+    return self.event.is_set() or (jax.process_count() > 1 and
+                                   manager.reached_preemption(step))
+
+
+def exit_not_finished(step: int):
+  print(f'not finished: stopped by SIGTERM after saving step {step}; run the same command '
+        f'to resume (exit status {EXIT_NOT_FINISHED})', file=sys.stderr)
+  sys.exit(EXIT_NOT_FINISHED)

@@ -166,6 +166,23 @@ def test_keep_optimizer_state_keeps_the_resume_checkpoint(pretrained, tmp_path):
   assert not os.path.exists(os.path.join(workdir, 'best'))
 
 
+def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_path):
+  """SIGTERM (here: the stop signal reached at step 2 of 3 in an epoch) saves that step and
+  returns 'preempted'; running again resumes there and ends where an uninterrupted run
+  ends."""
+  config = lambda: ft_config('rte', pretrained, keep_best=False, batch_size=1)
+  whole = finetune.finetune(config(), str(tmp_path / 'whole'))
+  workdir = str(tmp_path / 'cut')
+  with mock.patch.object(finetune.workdir_lib.StopSignal, 'reached',
+                         lambda self, manager, step: step == 2):
+    cut = finetune.finetune(config(), workdir)
+  assert cut == {'task': 'rte', 'step': 2, 'preempted': 2}
+  assert checkpoints.latest_complete_step(checkpoints.make_manager(workdir)) == 2
+  assert not os.path.exists(os.path.join(workdir, 'results.json'))
+  resumed = finetune.finetune(config(), workdir)
+  assert resumed['step'] == whole['step'] and resumed['dev'] == whole['dev']
+
+
 def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
   summary = finetune.finetune(ft_config('stsb', pretrained, batch_size=1), str(tmp_path / 'a'))
   assert set(summary['dev']['stsb']) == {'pearson', 'spearman'}
