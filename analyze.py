@@ -7,7 +7,6 @@ Writes attention_entropy.png (violins per layer), attention_js.png (layer x laye
 divergence), attention.json and attention.md. See realformer/analysis.py for the definitions.
 """
 
-import argparse
 import os
 
 from realformer import analysis
@@ -15,7 +14,7 @@ from realformer import cli
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p = cli.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--workdir', action='append', required=True, help='a pretraining workdir')
   p.add_argument('--label', action='append', default=None, help='one per --workdir')
   p.add_argument('--out', required=True)

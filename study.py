@@ -667,7 +667,7 @@ def finetune_report(args, scores: dict) -> str:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p = cli.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('part', nargs='?', default='compare',
                  choices=('budget', 'compare', 'finetune', 'stability'),
                  help='budget: the cheapest budget past the unigram plateau; compare: the '
@@ -729,6 +729,13 @@ def main(argv=None):
     p.error('--minutes is for the compare part')
   if args.seeds is not None and args.seeds < 1:
     raise ValueError(f'--seeds={args.seeds}: need at least one seed')
+  from configs import pretrain  # pylint: disable=g-import-not-at-top
+  unknown = [v for v in (args.variants or '').split(',') if v and v not in pretrain.VARIANTS]
+  if unknown or args.reference not in pretrain.VARIANTS:
+    raise ValueError(f'unknown variant {(unknown or [args.reference])[0]!r} in --variants or '
+                     f'--reference; choose from {", ".join(pretrain.VARIANTS)}')
+  if args.size not in pretrain.SIZES:
+    raise ValueError(f'--size {args.size!r}: choose one of {", ".join(pretrain.SIZES)}')
   if args.part == 'stability':
     for key, value in {'variants': 'postln,preln,realformer', 'layers': 12, 'steps': 300,
                        'seeds': 1, 'batch': 16, 'seq_len': 64}.items():

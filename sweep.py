@@ -13,7 +13,6 @@ get_hyper(h) (see realformer/sweep.py). Each run lives in <root>/<its overrides>
 runs are skipped and interrupted ones resume. `--program finetune.py` sweeps fine-tuning.
 """
 
-import argparse
 import os
 import sys
 
@@ -32,7 +31,7 @@ def _add_run_args(p):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = cli.ArgumentParser(description=__doc__.split('\n')[0])
   sub = parser.add_subparsers(dest='cmd', required=True)
   _add_run_args(sub.add_parser('run', help='run every unfinished run, one after another'))
   pp = sub.add_parser('print', help='print a launch script instead of running')

@@ -91,7 +91,8 @@ def _label_value(task: Task, raw: str, where: str = '') -> float:
     except ValueError:
       raise ValueError(f'{where}{task.name}: label {raw!r} is not a number') from None
   if raw not in task.labels:
-    raise ValueError(f'{where}{task.name}: label {raw!r} is not one of {task.labels}')
+    raise ValueError(f'{where}{task.name}: label {raw!r} is not one of {task.labels}; fix '
+                     'the row (is the file in the official GLUE layout?)')
   return task.labels.index(raw)
 
 

@@ -85,16 +85,26 @@ def read_json(path: str) -> List[Example]:
   if not os.path.exists(path):
     raise FileNotFoundError(f'{path} not found; set config.data_dir to the folder holding the '
                             'official SQuAD JSON files, or leave it empty for tfds')
-  with open(path, encoding='utf-8') as f:
-    data = json.load(f)['data']
+  try:
+    with open(path, encoding='utf-8') as f:
+      data = json.load(f)['data']
+  except (ValueError, KeyError, TypeError) as e:  # JSON, UTF-8, or no 'data' list
+    raise ValueError(f'{path} is not a SQuAD JSON file ({type(e).__name__}: {e}); pass the '
+                     'official train/dev JSON files') from None
   examples = []
-  for article in data:
-    for paragraph in article['paragraphs']:
-      for qa in paragraph['qas']:
-        answers = [] if qa.get('is_impossible') else qa['answers']
-        examples.append(make_example(qa['id'], qa['question'], paragraph['context'],
-                                     [a['text'] for a in answers],
-                                     [a['answer_start'] for a in answers]))
+  for a, article in enumerate(data):
+    for p, paragraph in enumerate(article.get('paragraphs', ())):
+      for q, qa in enumerate(paragraph.get('qas', ())):
+        where = f'{path}: data[{a}].paragraphs[{p}].qas[{q}] (id {qa.get("id")!r})'
+        try:
+          answers = [] if qa.get('is_impossible') else qa['answers']
+          examples.append(make_example(qa['id'], qa['question'], paragraph['context'],
+                                       [x['text'] for x in answers],
+                                       [int(x['answer_start']) for x in answers]))
+        except (KeyError, TypeError, ValueError) as e:
+          raise ValueError(f'{where} is malformed ({type(e).__name__}: {e}); every question '
+                           'needs id, question and answers [{text, answer_start}] (or '
+                           'is_impossible) and its paragraph a context') from None
   return examples
 
 

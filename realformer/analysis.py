@@ -59,7 +59,7 @@ def load_run(workdir: str):
 
   Only state/params/encoder is read, so pretraining runs and params-only imports both work.
   """
-  config = ml_collections.ConfigDict(checkpoints.read_config(workdir))
+  config = ml_collections.ConfigDict(checkpoints.read_pretraining_config(workdir))
   model = models.build(config.model, head='encoder')
   t = config.data.max_seq_length
   batch = {k: np.zeros((1, t), np.int32) for k in ('input_ids', 'segment_ids',

@@ -87,6 +87,26 @@ def read_config(workdir: str) -> dict:
     return json.load(f)
 
 
+def read_pretraining_config(workdir: str) -> dict:
+  """config.json of a workdir that holds an encoder (train.py, an import, or a
+  fine-tuning run's best/ and final/), with a one-line error for anything else."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{workdir} has no {CONFIG_FILE}: pass a workdir written by '
+                            'train.py or realformer.interop')
+  try:
+    config = read_config(workdir)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f'{path} is not valid JSON ({e}); pass a workdir written by train.py '
+                     'or realformer.interop') from None
+  if not isinstance(config, dict) or not isinstance(config.get('model'), dict):
+    what = ('a fine-tuning run' if isinstance(config, dict) and 'task' in config else
+            'not a pretraining config')
+    raise ValueError(f'{workdir} is {what} ({CONFIG_FILE} has no model section): pass a '
+                     'pretraining workdir, or a fine-tuning run\'s best/ or final/ folder')
+  return config
+
+
 def save(manager: ocp.CheckpointManager, step: int, state_tree: dict, data_args=None, *,
          force: bool = False) -> bool:
   """Start an async save of {'step','params','opt_state'} (+ the data iterator's args)."""

@@ -9,6 +9,7 @@ Both become `error: ...` with the fix. `--verbose_errors` (or REALFORMER_VERBOSE
 keeps the traceback.
 """
 
+import argparse
 import contextlib
 import logging as logging_std
 import os
@@ -17,9 +18,14 @@ import sys
 
 from absl import flags
 
+# Where a message embeds a traceback (ml_collections wraps a config file's own exception in
+# one), its last line is the message.
+_EMBEDDED = re.compile(r'Traceback \(most recent call last\):.*\n(?:\w+\.)*\w+(?:Error|Exception): ',
+                       re.S)
+
 
 def _one_line(e: BaseException) -> str:
-  text = str(e).strip()
+  text = _EMBEDDED.sub('', str(e)).strip()
   if isinstance(e, (AttributeError, KeyError)):
     text = text.strip('\'"')
     m = re.search(r"'?\\?'?(\w+)\\?'?.*?Did you mean \"(\w+)\"", text, re.S)
@@ -28,7 +34,10 @@ def _one_line(e: BaseException) -> str:
               f'and their meaning are in the config file')
     key = re.sub(r'[\\\'"]', '', text.splitlines()[0]) if text else '?'
     return f'unknown config key {key!r}; check its spelling against the config file'
-  return ' '.join(text.split())
+  text = ' '.join(text.split())
+  if isinstance(e, flags.IllegalFlagValueError) and text.startswith('flag --config.'):
+    text += "; give a value of the field's type (the config file shows it)"
+  return text
 
 
 _ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError)
@@ -51,17 +60,49 @@ def config_overrides():
     sys.exit(1)
 
 
+def fail(message: str):
+  """A usage mistake found outside run_main: `error: <message>`, exit status 1."""
+  print(f'error: {" ".join(message.split())}', file=sys.stderr)
+  sys.exit(1)
+
+
+def _config_load_error(e: OSError) -> str:
+  """ml_collections' deferred 'Failed loading config file' (a config file that cannot be
+  read), without its list of attempted paths."""
+  errno = re.findall(r'\[Errno \d+\] (.+)', str(e))
+  why = errno[-1] if errno else ' '.join(str(e).split())
+  return (f'cannot load the --config file: {why}; pass a config file such as '
+          'configs/pretrain.py:<variant>,<size>')
+
+
 def parse_flags(argv):
-  """flags_parser for absl's app.run."""
+  """flags_parser for absl's app.run. A --config file that cannot be read is reported
+  here: ml_collections defers that error to the config's first use."""
   verbose = _verbose(argv)
   argv = [a for a in argv if a != '--verbose_errors']
   try:
-    return flags.FLAGS(argv)
+    remaining = flags.FLAGS(argv)
+    for name in flags.FLAGS:
+      value = flags.FLAGS[name].value
+      if type(value).__name__ == '_ErrorConfig':
+        value.lock  # raises the deferred OSError  # pylint: disable=pointless-statement
+    return remaining
   except _ERRORS as e:
     if verbose:
       raise
-    print(f'error: {_one_line(e)}', file=sys.stderr)
-    sys.exit(1)
+    fail(_one_line(e))
+  except OSError as e:
+    if verbose:
+      raise
+    fail(_config_load_error(e))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse with its mistakes as one line and exit status 1, like the absl programs
+  (argparse itself prints the usage block and exits 2)."""
+
+  def error(self, message):
+    fail(f'{message} (see {self.prog} --help)')
 
 
 class QuietLibraries(logging_std.Filter):

@@ -17,7 +17,6 @@ Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli also reports mismatc
 predicts AX) or squad/v1.1, squad/v2.0.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -119,7 +118,7 @@ def _ints(text):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p = cli.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--tasks', required=True, help='comma-separated; glue = all nine')
   p.add_argument('--root', required=True)
   p.add_argument('--init_checkpoint', default='')

@@ -27,7 +27,6 @@ Reading safetensors needs only `safetensors` + NumPy; pytorch_model.bin needs to
 checkpoints need TensorFlow (the CPU build is enough).
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -46,6 +45,7 @@ from data import wordpiece
 from realformer import checkpoints
 from realformer import models
 from realformer import cli
+from realformer import workdir as workdir_lib
 from realformer.spec import resolve
 
 HF_CONFIG = 'config.json'
@@ -288,24 +288,39 @@ def convert_from_params(params: dict, model_config, *, fmt: str = 'hf') -> Dict[
 def write_workdir(out: str, params: dict, config: ml_collections.ConfigDict, vocab: str,
                   do_lower_case: bool) -> str:
   """<out>/vocab.txt (+ tokenizer_config.json), config.json and checkpoints/0/state."""
-  out = os.path.abspath(out)
-  if os.path.isdir(os.path.join(out, checkpoints.CHECKPOINT_DIR)):
-    raise ValueError(f'{out} already has checkpoints; choose an empty --out directory')
-  os.makedirs(out, exist_ok=True)
-  vocab_out = os.path.join(out, VOCAB)
-  if os.path.abspath(vocab) != vocab_out:
-    shutil.copyfile(vocab, vocab_out)
-  with open(os.path.join(out, wordpiece.TOKENIZER_CONFIG), 'w') as f:
-    json.dump({'do_lower_case': do_lower_case, 'tokenizer_class': 'BertTokenizer'}, f)
-  tokenizer = wordpiece.WordPieceTokenizer.load(vocab_out)  # checks the special tokens
+  out = _new_out(out)
+  tokenizer = wordpiece.WordPieceTokenizer.load(vocab)  # checks the special tokens
   if tokenizer.vocab_size != config.model.vocab_size:
     raise ValueError(f'{vocab} has {tokenizer.vocab_size} pieces but the checkpoint\'s config '
                      f'says vocab_size={config.model.vocab_size}; pass the vocab.txt that '
                      'belongs to the checkpoint')
-  config.data.tokenizer = vocab_out
-  step_dir = checkpoints.save_params(out, params, config, step=0)
+  with workdir_lib.Lock(out, 'interop'):
+    try:
+      vocab_out = os.path.join(out, VOCAB)
+      shutil.copyfile(vocab, vocab_out)
+      with open(os.path.join(out, wordpiece.TOKENIZER_CONFIG), 'w') as f:
+        json.dump({'do_lower_case': do_lower_case, 'tokenizer_class': 'BertTokenizer'}, f)
+      config.data.tokenizer = vocab_out
+      step_dir = checkpoints.save_params(out, params, config, step=0)
+    except BaseException:  # nothing half-made: the folder was new or empty
+      for name in os.listdir(out):
+        if name != workdir_lib.LOCK_FILE:
+          path = os.path.join(out, name)
+          if os.path.isdir(path):
+            shutil.rmtree(path)
+          else:
+            os.remove(path)
+      raise
   logging.info('wrote %s', step_dir)
   return step_dir
+
+
+def _new_out(out: str) -> str:
+  """An import writes a new workdir: `out` must not exist or be an empty folder."""
+  out = os.path.abspath(out)
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise ValueError(f'--out {out} exists and is not an empty directory; choose a new --out')
+  return out
 
 
 def _check_vocab(vocab: str) -> None:
@@ -418,8 +433,11 @@ def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, bool]:
 
 def import_hf(src: str, out: str) -> str:
   """Import an HF BERT checkpoint directory into a params-only workdir; returns its step dir."""
+  _new_out(out)
   vocab = os.path.join(src, VOCAB)
-  _check_vocab(vocab)
+  if not os.path.isfile(vocab):
+    raise FileNotFoundError(f'{src} has no {VOCAB}; put the checkpoint\'s {VOCAB} beside its '
+                            'config.json (the tokenizer files of its hub repository)')
   params, config, do_lower_case = load_hf(src)
   return write_workdir(out, params, config, vocab, do_lower_case)
 
@@ -476,6 +494,7 @@ def load_tf1(prefix: str, bert_config: str, *, variant: str = 'realformer'
 def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
                variant: str = 'realformer', do_lower_case: bool = True) -> str:
   """Import a TF1 BERT / RealFormer checkpoint into a params-only workdir."""
+  _new_out(out)
   _check_vocab(vocab)
   params, config = load_tf1(prefix, bert_config, variant=variant)
   return write_workdir(out, params, config, vocab, do_lower_case)
@@ -526,7 +545,12 @@ def export_hf(workdir: str, out: str) -> str:
   """A workdir (pretraining run or import) -> an HF directory that
   `transformers.BertModel.from_pretrained(out)` (or BertForPreTraining with both heads)
   loads: config.json, model.safetensors, and vocab.txt when the run used a WordPiece one."""
-  config = ml_collections.ConfigDict(checkpoints.read_config(workdir))
+  out = os.path.abspath(out)
+  if (os.path.isdir(os.path.join(out, checkpoints.CHECKPOINT_DIR)) or
+      os.path.exists(os.path.join(out, workdir_lib.LOCK_FILE))):
+    raise ValueError(f'--out {out} is a workdir of this project (it holds checkpoints); '
+                     'export to another directory')
+  config = ml_collections.ConfigDict(checkpoints.read_pretraining_config(workdir))
   check_exportable(config.model)
   model_config = config.model
   stored = checkpoints.stored_tree(checkpoints.resolve_step_dir(workdir))['params']
@@ -572,8 +596,8 @@ def export_hf(workdir: str, out: str) -> str:
 # ----------------------------------------------------------------------------------------
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog='python -m realformer.interop',
-                                   description=__doc__.split('\n\n')[0])
+  parser = cli.ArgumentParser(prog='python -m realformer.interop',
+                              description=__doc__.split('\n\n')[0])
   sub = parser.add_subparsers(dest='command', required=True)
   p = sub.add_parser('import-hf', help='HF BERT directory -> params-only workdir')
   p.add_argument('--src', required=True, help='config.json, model.safetensors|pytorch_model.bin,'

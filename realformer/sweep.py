@@ -178,24 +178,35 @@ def load_config(config: str):
 
 
 def check_keys(config: str, runs: Sequence[Run]):
-  """A one-line error for an override key the config does not have, before any run
-  starts (each run would otherwise fail the same way)."""
+  """One-line errors, before any run starts (each run would otherwise fail the same way):
+  an override key the config does not have, or a value its field cannot take (the runs
+  pass values as --config.<key>=<text>, which the field's type parses)."""
   import difflib  # pylint: disable=g-import-not-at-top
   if not config.partition(':')[0].endswith('.py'):
     return  # not a config file this can read (another program's argument)
   cfg = load_config(config)
 
   def flat(c, prefix=''):
-    out = []
+    out = {}
     for k, v in c.items():
-      out += flat(v, f'{prefix}{k}.') if hasattr(v, 'items') else [f'{prefix}{k}']
+      out.update(flat(v, f'{prefix}{k}.') if hasattr(v, 'items') else {f'{prefix}{k}': c})
     return out
-  known = set(flat(cfg))
+  known = flat(cfg)  # dotted key -> the ConfigDict holding it
   for key in sorted({k for run in runs for k in run}):
     if key not in known:
       close = difflib.get_close_matches(key, sorted(known), n=1)
       hint = f' (did you mean {close[0]}?)' if close else ''
       raise ValueError(f'{key} is not a field of {config}{hint}; fix the --sweep/--set key')
+  for run in runs:
+    for key, value in run.items():
+      holder, name = known[key], key.rpartition('.')[2]
+      if isinstance(holder[name], str) or holder[name] is None:
+        continue  # text (or a field without a set type) takes any value
+      try:
+        holder.copy_and_resolve_references()[name] = value
+      except TypeError:
+        raise ValueError(f'{key}={value!r} does not fit the field ({type(holder[name]).__name__}'
+                         f', now {holder[name]!r}); fix the --sweep/--set value') from None
 
 
 def last_step(workdir: str) -> int:

@@ -464,6 +464,8 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
   """One-line errors for batch sizes the mesh, the hosts or the accumulation cannot split."""
   dp = partitioning.data_parallel_size(mesh)
   b, k = int(global_batch_size), int(grad_accum_steps)
+  if b < 1:
+    raise ValueError(f'train.batch_size={b}: give a positive number of sequences per step')
   if k < 1 or b % k:
     raise ValueError(f'train.grad_accum_steps={k} does not divide train.batch_size={b}; pick '
                      f'a divisor of the batch size')

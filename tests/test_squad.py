@@ -168,3 +168,19 @@ def test_squad_from_a_hugging_face_dataset(tmp_path):
   assert [(e.qid, e.words, e.answers, e.start_word, e.end_word) for e in got] == \
       [(e.qid, e.words, e.answers, e.start_word, e.end_word) for e in want]
   assert any(not e.answers for e in got) and any(e.answers for e in got)
+
+
+def test_a_malformed_squad_file_names_the_entry(tmp_path):
+  bad = {'data': [{'paragraphs': [{'context': 'Paris is in France.', 'qas': [
+      {'id': 'q1', 'question': 'Where?', 'answers': [{'text': 'France', 'answer_start': 12}]},
+      {'id': 'q2', 'question': 'What?'}]}]}]}
+  path = tmp_path / 'dev-v1.1.json'
+  path.write_text(json.dumps(bad))
+  with pytest.raises(ValueError, match=r"qas\[1\] \(id 'q2'\) is malformed \(KeyError"):
+    squad.read_json(str(path))
+  path.write_text('{"version": "1.1"}')
+  with pytest.raises(ValueError, match='is not a SQuAD JSON file'):
+    squad.read_json(str(path))
+  bad['data'][0]['paragraphs'][0]['qas'].pop()
+  path.write_text(json.dumps(bad))
+  assert [e.answer_text for e in squad.read_json(str(path))] == ['France']

@@ -119,7 +119,7 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(tmp_p
     assert 'Traceback' not in second.stderr
     first.send_signal(signal.SIGTERM)  # a scheduler's preemption notice
     _, err = first.communicate(timeout=240)
-    assert first.returncode == train.EXIT_NOT_FINISHED, err[-3000:]
+    assert first.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
     assert 'not finished: stopped by SIGTERM after saving step' in err
     assert checkpoints.has_complete_step(str(tmp_path))
   finally:
@@ -176,11 +176,29 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
       '{tmp}/p', '--config.data.sources=files:{tmp}/none*'], 'matches no file'),
     (['analyze.py', '--workdir', '{tmp}/none', '--out', '{tmp}/a'], 'has no config.json'),
     (['-m', 'realformer.interop', 'import-hf', '--src', '{tmp}/none', '--out', '{tmp}/x'],
-     'not found'),
+     'has no vocab.txt'),
     (['study.py', '--root', '{tmp}/st', '--seeds', '0'], 'need at least one seed'),
     (['finetune.py', '--workdir', '{tmp}/ft'], 'config.init_checkpoint is empty'),
     (['finetune.py', '--workdir', '{tmp}/ft', '--config.init_checkpoint={tmp}/none'],
      'config.json'),
+    (['train.py', '--workdir', '{tmp}/w', '--config', 'configs/nope.py:postln,tiny'],
+     "cannot load the --config file: No such file or directory: 'configs/nope.py'"),
+    (['train.py', '--workdir', '{tmp}/w', '--config', 'configs/pretrain.py:foo,tiny'],
+     "unknown variant 'foo'; choose one of postln"),
+    (['train.py'], '--workdir is required'),
+    (['train.py', '--workdir', '{tmp}/w', '--config.optimizer.schedule=cosin'], 'cosin'),
+    (['train.py', '--workdir', '{tmp}/w', '--config.data.sources=files:{tmp}/none*'],
+     'matches no file'),
+    (['finetune.py'], '--workdir is required'),
+    (['train.py', '--workdir', '{tmp}/w', '--config.train.batch_size=-4'],
+     'train.batch_size=-4: give a positive number'),
+    (['study.py', '--root', '{tmp}/st', '--seeds', 'abc'], "invalid int value: 'abc'"),
+    (['study.py', 'compare', '--root', '{tmp}/st', '--variants', 'postln,foo', '--print_only'],
+     "unknown variant 'foo'"),
+    (['study.py', '--root', '{tmp}/st', '--size', 'huge', '--print_only'], "--size 'huge'"),
+    (['analyze.py', '--out', '{tmp}/a'], 'the following arguments are required: --workdir'),
+    (['sweep.py', 'print', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
+      '--set', 'train.num_steps=abc'], "train.num_steps='abc' does not fit the field (int"),
 ])
 def test_every_entry_point_reports_user_errors_in_one_line(tmp_path, argv, expected):
   argv = [a.format(tmp=tmp_path) for a in argv]
@@ -209,3 +227,36 @@ def test_entry_points_without_absl_app_drop_orbax_restore_warning():
   assert absl_logger.filter(record('Something else went wrong'))
   assert absl_logger.filter(record('Metadata file does not exist', path='/work/train.py'))
 
+
+
+def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):
+  """A fine-tuning run's folder where a pretraining workdir belongs (analyze, fine-tune,
+  export), an export into a train.py workdir, an import into a non-empty folder."""
+  ft = tmp_path / 'ft'
+  ft.mkdir()
+  (ft / 'config.json').write_text(json.dumps({'benchmark': 'glue', 'task': 'sst2'}))
+  run_dir = tmp_path / 'run'
+  (run_dir / 'checkpoints').mkdir(parents=True)
+  (run_dir / 'config.json').write_text('{}')
+  cases = [
+      (['analyze.py', '--workdir', ft, '--out', tmp_path / 'a'], 'is a fine-tuning run'),
+      (['finetune.py', '--workdir', tmp_path / 'f2', f'--config.init_checkpoint={ft}'],
+       'is a fine-tuning run'),
+      (['-m', 'realformer.interop', 'export-hf', '--workdir', ft, '--out', tmp_path / 'hf'],
+       'is a fine-tuning run'),
+      (['-m', 'realformer.interop', 'export-hf', '--workdir', ft, '--out', run_dir],
+       'is a workdir of this project'),
+      (['-m', 'realformer.interop', 'import-hf', '--src', ft, '--out', run_dir],
+       'exists and is not an empty directory'),
+  ]
+  procs = [(subprocess.Popen([sys.executable] + [str(a) for a in argv], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            expected) for argv, expected in cases]
+  for proc, expected in procs:
+    _, err = proc.communicate(timeout=240)
+    errors = [l for l in err.splitlines() if 'error:' in l]
+    assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err
+    assert 'Traceback' not in err
+  assert sorted(os.listdir(tmp_path)) == ['ft', 'run']
+  assert sorted(os.listdir(run_dir)) == ['checkpoints', 'config.json']
+  assert json.loads((ft / 'config.json').read_text())['task'] == 'sst2'
