@@ -260,3 +260,34 @@ def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ['ft', 'run']
   assert sorted(os.listdir(run_dir)) == ['checkpoints', 'config.json']
   assert json.loads((ft / 'config.json').read_text())['task'] == 'sst2'
+
+
+def test_data_file_mistakes_through_the_command_line(tmp_path):
+  """A malformed GLUE row (finetune.py) and a corpus of undecodable lines (train.py): one
+  line naming the file (and line) or the undecodable lines, and no workdir left behind."""
+  rte = tmp_path / 'glue' / 'RTE'
+  rte.mkdir(parents=True)
+  (rte / 'train.tsv').write_text('index\tsentence1\tsentence2\tlabel\n'
+                                 '0\tA man.\tA person.\tentailment\n1\tcut short\n')
+  (rte / 'dev.tsv').write_text('index\tsentence1\tsentence2\tlabel\n'
+                               '0\tA dog.\tA cat.\tnot_entailment\n')
+  lines = [f'Le caf\xe9 num\xe9ro {i} est ferm\xe9.' for i in range(40)]
+  (tmp_path / 'latin1.txt').write_bytes(
+      '\n\n'.join('\n'.join(lines[i:i + 4]) for i in range(0, 40, 4)).encode('latin-1'))
+  cases = [
+      (['finetune.py', '--workdir', tmp_path / 'ft', '--config', 'configs/finetune.py:glue/rte',
+        '--config.init_checkpoint=configs/pretrain.py:postln,tiny', '--config.from_scratch=True',
+        f'--config.data_dir={tmp_path}/glue'],
+       'RTE/train.tsv:3: 2 columns where 4 are expected'),
+      (['train.py', '--workdir', tmp_path / 'tr',
+        f'--config.data.sources=files:{tmp_path}/latin1.txt'], "'train/non_utf8_lines': 40"),
+  ]
+  procs = [(subprocess.Popen([sys.executable] + [str(a) for a in argv], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            expected) for argv, expected in cases]
+  for proc, expected in procs:
+    _, err = proc.communicate(timeout=240)
+    errors = [l for l in err.splitlines() if 'error:' in l]
+    assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
+    assert 'Traceback' not in err
+  assert sorted(os.listdir(tmp_path)) == ['glue', 'latin1.txt']
