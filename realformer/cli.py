@@ -20,8 +20,8 @@ from absl import flags
 
 # Where a message embeds a traceback (ml_collections wraps a config file's own exception in
 # one), its last line is the message.
-_EMBEDDED = re.compile(r'Traceback \(most recent call last\):.*\n(?:\w+\.)*\w+(?:Error|Exception): ',
-                       re.S)
+_EMBEDDED = re.compile(
+    r'Traceback \(most recent call last\):.*\n(?:\w+\.)*\w+(?:Error|Exception): ', re.S)
 
 
 def _one_line(e: BaseException) -> str:
