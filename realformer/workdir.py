@@ -54,6 +54,7 @@ RESUMABLE = (
     # fine-tuning (finetune.py)
     'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
     'init_checkpoint', 'data_dir',  # where the encoder and the task's files are read from
+    'length_buckets', 'bucket_multiple',  # how batches are padded, not what is computed
 )
 
 

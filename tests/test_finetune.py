@@ -183,6 +183,19 @@ def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_
   assert resumed['step'] == whole['step'] and resumed['dev'] == whole['dev']
 
 
+def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretrained, tmp_path):
+  """A run trained with length buckets (the default), evaluated again with them off
+  (config.length_buckets=0: every batch padded to max_seq_length): the same dev metrics and
+  the same predictions, through finetune.py's own evaluation."""
+  workdir = tmp_path / 'mrpc'
+  bucketed = finetune.finetune(ft_config('mrpc', pretrained), str(workdir))
+  assert min(json.load(open(workdir / finetune.BUCKETS_FILE))) < 64  # some shorter: padded less
+  predictions = (workdir / 'predictions' / 'MRPC.tsv').read_text()
+  padded = finetune.finetune(ft_config('mrpc', pretrained, length_buckets=0), str(workdir))
+  assert padded['step'] == bucketed['step'] and padded['dev'] == bucketed['dev']
+  assert (workdir / 'predictions' / 'MRPC.tsv').read_text() == predictions
+
+
 def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
   summary = finetune.finetune(ft_config('stsb', pretrained, batch_size=1), str(tmp_path / 'a'))
   assert set(summary['dev']['stsb']) == {'pearson', 'spearman'}
