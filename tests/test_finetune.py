@@ -240,6 +240,7 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
   os.symlink(os.path.join(pretrained, 'checkpoints'), os.path.join(other, 'checkpoints'))
   with pytest.raises(ValueError, match=r'encoder/embeddings/\S+ has shape'):
     finetune.finetune(ft_config('rte', other), str(tmp_path / 'ft'))
+  assert not (tmp_path / 'ft').exists()  # no lock, no empty checkpoints/ left behind
   with pytest.raises(ValueError, match='init_checkpoint is empty'):
     finetune.finetune(ft_config('rte', ''), str(tmp_path / 'ft2'))
   with pytest.raises(ValueError, match='fewer than one batch'):
