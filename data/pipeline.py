@@ -128,7 +128,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
       while not os.path.exists(metadata):
         failed = prepare_lib.failure_since(prepared_dir, started)
         if failed:
-          raise RuntimeError(f'preparing {prepared_dir} failed on host {failed}')
+          raise ValueError(f'preparing {prepared_dir} failed on {failed}')
         if time.time() > deadline:
           raise TimeoutError(f'process 0 did not finish preparing {prepared_dir}')
         time.sleep(2)

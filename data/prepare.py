@@ -179,7 +179,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
     if process_index != 0:
       return None
     try:
-      _wait_for_workers(tmp, total, fingerprint(config), timeout_s)
+      _wait_for_workers(tmp, total, fingerprint(config), timeout_s, since=started - 1)
       return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
     except BaseException as e:
       if process_count > 1:  # the other hosts, waiting for metadata.json, stop too
@@ -301,12 +301,27 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
   os.replace(os.path.join(out, 'done.json.tmp'), os.path.join(out, 'done.json'))
 
 
-def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float):
+def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: float):
   deadline = time.time() + timeout_s
   while True:
     missing = [i for i in range(total) if _done(tmp, i, total, fp) is None]
     if not missing:
       return
+    for i in missing:  # finished in this attempt, but from other settings or corpus files
+      path = os.path.join(_worker_dir(tmp, i), 'done.json')
+      try:
+        if os.path.getmtime(path) < since:
+          continue  # an earlier attempt's: the worker will redo it
+        with open(path) as f:
+          theirs = json.load(f)['fingerprint']
+      except (FileNotFoundError, ValueError, KeyError):
+        continue
+      diff = {k: (theirs.get(k), fp.get(k)) for k in sorted(set(theirs) | set(fp))
+              if theirs.get(k) != fp.get(k)}
+      if diff:
+        raise ValueError(f'preparation worker {i} of {total} saw other settings or corpus '
+                         f'files than process 0 (worker, process 0): {diff}; give every '
+                         'host the same corpus and config')
     for name in sorted(os.listdir(tmp)):
       if name.startswith('failed-') and name[7:12].isdigit():
         with open(os.path.join(tmp, name)) as f:
@@ -329,8 +344,10 @@ def failure_since(out_dir: str, since: float) -> Optional[str]:
     path = os.path.join(tmp, name)
     try:
       if os.path.getmtime(path) >= since:
+        who = name[len('failed-'):-len('.txt')]
+        who = 'process 0 (gathering)' if who == 'gather' else f'host {int(who)}'
         with open(path) as f:
-          return f'{name[len("failed-"):-len(".txt")]}: {f.read()}'
+          return f'{who}: {f.read()}'
     except FileNotFoundError:
       continue
   return None
@@ -409,12 +426,19 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
                             '`python -m data.prepare` or let train.py prepare it')
   with open(path) as f:
     metadata = json.load(f)
+  if config is None:
+    return metadata
+  have = metadata['fingerprint']
   # Keys added to the fingerprint since a preparation was made are not held against it.
-  want = {k: v for k, v in (fingerprint(config) if config is not None else {}).items()
-          if k in metadata['fingerprint']}
-  if config is not None and metadata['fingerprint'] != want:
-    have = metadata['fingerprint']
-    diff = {k: (have.get(k), want[k]) for k in want if have.get(k) != want[k]}
+  want = {k: v for k, v in fingerprint(config).items() if k in have}
+  if 'files' in have and 'files' not in want:  # the raw corpus is not on this machine
+    logging.warning('the corpus files of %s are not here (config.data.sources=%r matches '
+                    'none): using the prepared data without checking them against it',
+                    prepared_dir, config.data.sources)
+    want['files'] = have['files']
+  if have != want:
+    diff = {k: (have.get(k), want.get(k)) for k in sorted(set(have) | set(want))
+            if have.get(k) != want.get(k)}
     what = 'other corpus files' if set(diff) == {'files'} else 'other settings'
     raise ValueError(f'prepared data in {prepared_dir} was made with {what} '
                      f'(prepared, configured): {diff}; point config.data.prepared_dir '

@@ -287,8 +287,9 @@ def files_signature(sources: str) -> Optional[str]:
   """What the `files:` sources of `sources` match now, as a short string: the number of
   files, their bytes, and a digest of every file's name and size. A prepared corpus records
   it, so an edited, converted, added or removed file is noticed instead of silently reusing
-  instances made from the old text (names and sizes, not paths or times: a copy of the corpus
-  on another host or in another folder matches). None without `files:` sources."""
+  instances made from the old text (names and sizes, not folders or times: a copy of the
+  corpus at the same path on another host matches). None without `files:` sources or when
+  they match nothing here (prepared data can be used where the raw text is not)."""
   matched = []
   for spec in (s.strip() for s in sources.split(';')):
     if spec.startswith('files:'):

@@ -92,19 +92,22 @@ def read_json(path: str) -> List[Example]:
     raise ValueError(f'{path} is not a SQuAD JSON file ({type(e).__name__}: {e}); pass the '
                      'official train/dev JSON files') from None
   examples = []
-  for a, article in enumerate(data):
-    for p, paragraph in enumerate(article.get('paragraphs', ())):
-      for q, qa in enumerate(paragraph.get('qas', ())):
-        where = f'{path}: data[{a}].paragraphs[{p}].qas[{q}] (id {qa.get("id")!r})'
-        try:
+  where = path
+  try:
+    for a, article in enumerate(data):
+      where = f'{path}: data[{a}]'
+      for p, paragraph in enumerate(article['paragraphs']):
+        where = f'{path}: data[{a}].paragraphs[{p}]'
+        for q, qa in enumerate(paragraph['qas']):
+          where = f'{path}: data[{a}].paragraphs[{p}].qas[{q}] (id {qa.get("id")!r})'
           answers = [] if qa.get('is_impossible') else qa['answers']
           examples.append(make_example(qa['id'], qa['question'], paragraph['context'],
                                        [x['text'] for x in answers],
                                        [int(x['answer_start']) for x in answers]))
-        except (KeyError, TypeError, ValueError) as e:
-          raise ValueError(f'{where} is malformed ({type(e).__name__}: {e}); every question '
-                           'needs id, question and answers [{text, answer_start}] (or '
-                           'is_impossible) and its paragraph a context') from None
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    raise ValueError(f'{where} is malformed ({type(e).__name__}: {e}); SQuAD JSON has '
+                     'data[].paragraphs[] with a context and qas[], each with id, question '
+                     'and answers [{text, answer_start}] (or is_impossible)') from None
   return examples
 
 

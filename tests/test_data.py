@@ -320,6 +320,26 @@ def test_a_changed_corpus_is_not_silently_reused(tmp_path):
   (tmp_path / 'a' / 'more.txt').write_text('Another file.\n')
   with pytest.raises(ValueError, match="'2 files, "):
     pipeline.ensure_prepared(config, str(tmp_path))
+  # Where the raw text is not (deleted, or another machine), the prepared data is used.
+  shutil.rmtree(tmp_path / 'a')
+  assert pipeline.ensure_prepared(config, str(tmp_path)) == config.data.prepared_dir
+
+
+def test_a_worker_that_saw_other_corpus_files_stops_the_gathering(tmp_path, monkeypatch):
+  """The corpus changed while it was being prepared (or a host's copy differs): process 0
+  stops at once with the difference instead of waiting for a worker that never matches."""
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in embedded_documents(8)))
+  config = tiny_config(f'files:{corpus}')
+  work = prepare._work
+
+  def work_then_append(*args, **kwargs):
+    work(*args, **kwargs)
+    with open(corpus, 'a') as f:
+      f.write('Appended while the worker ran.\n')
+  monkeypatch.setattr(prepare, '_work', work_then_append)
+  with pytest.raises(ValueError, match="worker 0 of 1 saw other settings or corpus files.*'files'"):
+    prepare.prepare(config, str(tmp_path / 'data'), timeout_s=600)
 
 
 def test_failed_preparation_leaves_nothing_and_names_undecodable_lines(tmp_path, tok, caplog):

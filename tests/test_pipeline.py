@@ -191,7 +191,8 @@ def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, m
   host = threading.Timer(0.5, process_zero)
   host.start()
   start = time.time()
-  with pytest.raises(RuntimeError, match='failed on host gather: .*no training examples'):
+  with pytest.raises(ValueError,
+                     match=r'failed on process 0 \(gathering\): .*no training examples'):
     pipeline.ensure_prepared(config, str(tmp_path))
   host.join()
   assert time.time() - start < 60
