@@ -98,18 +98,27 @@ def full_batch(batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
 BUCKETS_FILE = 'length_buckets.json'
 
 
-def length_buckets(config, task, workdir: str, resuming: bool) -> Tuple[int, ...]:
+def length_buckets(config, task, workdir: str, resuming: bool,
+                   mid_epoch: bool = False) -> Tuple[int, ...]:
   """The compiled sequence lengths: chosen from the training lengths, the longest covering
   every split; (max_seq_length,) when config.length_buckets is 0. Stored in the workdir: a
   resumed run keeps them (they shape the epoch's batches), whatever dev or test files
-  changed."""
-  if not config.length_buckets:
-    return (config.max_seq_length,)
+  changed. Turning buckets on or off takes effect at an epoch's start; in mid-epoch it is
+  an error (the rest of the epoch would be drawn from another plan)."""
   path = os.path.join(workdir, BUCKETS_FILE)
+  stored = None
   if resuming and os.path.isfile(path):
     with open(path) as f:
-      return tuple(json.load(f))
-  chosen = _choose_buckets(config, task)
+      stored = tuple(json.load(f))
+  if not config.length_buckets:
+    chosen = (config.max_seq_length,)
+  else:
+    chosen = stored if stored and stored != (config.max_seq_length,) else (
+        _choose_buckets(config, task))
+  if mid_epoch and stored is not None and chosen != stored:
+    raise ValueError(f'this run stopped in mid-epoch with length buckets {list(stored)}; '
+                     f'resume with config.length_buckets as it was, and change it once the '
+                     f'epoch is over')
   if jax.process_index() == 0:
     with open(path, 'w') as f:
       json.dump(list(chosen), f)
@@ -428,7 +437,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
       totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
       seed=config.seed)
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))
-  buckets = length_buckets(config, task, workdir, resuming=int(state.step) > 0)
+  buckets = length_buckets(config, task, workdir, resuming=int(state.step) > 0,
+                           mid_epoch=int(state.step) % steps_per_epoch != 0)
   lengths = buckets_lib.lengths_of(train)
   sharding = partitioning.batch_sharding(mesh)
 
@@ -471,7 +481,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
       plan = buckets_lib.train_batches(lengths, buckets, config.batch_size, config.seed, epoch)
       window, window_tokens, window_padded, window_steps = None, 0, 0, 0
       epoch_start = window_start = time.time()
-      for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
+      first_step = step - epoch * steps_per_epoch
+      for i in range(first_step, steps_per_epoch):
         length, idx = plan[i]
         state, m = steps[length](state, full_batch(buckets_lib.take(train, idx, length), mesh))
         window = metrics_lib.merge(window, m)
@@ -479,12 +490,15 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
         window_tokens += int(lengths[idx].sum())
         window_padded += length * len(idx)
         window_steps += 1
-        if step % config.log_every_steps == 0 or i == steps_per_epoch - 1:
+        # Preempted: save here, a rerun resumes mid-epoch (an epoch's last step is saved
+        # below, after its evaluation).
+        stopping = i < steps_per_epoch - 1 and stop.reached(manager, step)
+        if step % config.log_every_steps == 0 or i == steps_per_epoch - 1 or stopping:
           values = metrics_lib.to_floats(window)
           for name in ('loss', 'grad_norm'):  # an inf gradient has already made params nan
             if not np.isfinite(values[name]):
               raise FloatingPointError(f'{name} became {values[name]} by step {step}; nothing '
-                                       'was saved since the last epoch; lower '
+                                       'was saved since the last checkpoint; lower '
                                        'config.optimizer.learning_rate')
           seconds = time.time() - window_start
           if window_steps and seconds > 0:
@@ -504,9 +518,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
           writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
           window, window_tokens, window_padded, window_steps = None, 0, 0, 0
           window_start = time.time()
-        # Preempted: save here, a rerun resumes mid-epoch (an epoch's last step is saved
-        # below, after its evaluation).
-        if i < steps_per_epoch - 1 and stop.reached(manager, step):
+        if stopping:
           checkpoints.save(manager, step, state.to_checkpoint(), force=True)
           preempted = step
           break
@@ -514,7 +526,8 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
         break
       epoch_seconds = time.time() - epoch_start
       logging.info('epoch %d/%d: %.1f s', epoch + 1, config.num_epochs, epoch_seconds)
-      writer.write_scalars(step, {'train/epoch_seconds': epoch_seconds})
+      if first_step == 0:  # a whole epoch in this process (not the rest of one)
+        writer.write_scalars(step, {'train/epoch_seconds': epoch_seconds})
       results = evaluate(state.params, step)
       best.offer(state.params, step, epoch + 1, results)  # before the resume point moves on
       checkpoints.save(manager, step, state.to_checkpoint(), force=True)

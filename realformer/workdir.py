@@ -53,8 +53,9 @@ RESUMABLE = (
     'data.read_threads', 'data.worker_count', 'data.prepared_dir', 'data.prepare_workers',
     # fine-tuning (finetune.py)
     'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
-    'init_checkpoint', 'data_dir',  # where the encoder and the task's files are read from
-    'length_buckets', 'bucket_multiple',  # how batches are padded, not what is computed
+    # how later batches are padded (a resumed run refuses a change in mid-epoch: the epoch's
+    # batches are already drawn)
+    'length_buckets', 'bucket_multiple',
 )
 
 
@@ -100,6 +101,9 @@ class Lock:
       raise WorkdirInUseError(
           f'{self.workdir} is in use by {_describe(holder)}; wait for that run to finish '
           f'or stop it, or use another --workdir') from None
+    if not _same_file(fd, self.path):  # a run that made this folder removed it meanwhile
+      os.close(fd)
+      return self.__enter__()
     previous = _read(fd)
     if previous is not None:
       if previous.get('host') != socket.gethostname():
@@ -121,17 +125,34 @@ class Lock:
   def __exit__(self, *exc):
     if self._fd is not None:
       os.ftruncate(self._fd, 0)  # released
+      # A run that failed before writing anything (a file) leaves no workdir behind:
+      # removed while the lock is held (a run waiting for it then sees the file is gone).
+      if self._created and _holds_only_the_lock(self.workdir):
+        try:
+          shutil.rmtree(self.workdir)
+        except OSError as e:  # never hide the run's own error behind this one
+          logging.warning('could not remove the empty workdir %s: %s', self.workdir, e)
       fcntl.flock(self._fd, fcntl.LOCK_UN)
       os.close(self._fd)
       self._fd = None
-      # A run that failed before writing anything (a file) leaves no workdir behind.
-      if self._created and _holds_only_the_lock(self.workdir):
-        shutil.rmtree(self.workdir)
+
+
+def _same_file(fd: int, path: str) -> bool:
+  try:
+    return os.path.samestat(os.fstat(fd), os.stat(path))
+  except FileNotFoundError:
+    return False
 
 
 def _holds_only_the_lock(workdir: str) -> bool:
   """No file in `workdir` but the lock: at most empty folders (a checkpoint manager's)."""
-  for root, _, files in os.walk(workdir):
+  def unreadable(e):
+    raise e
+  try:
+    walked = list(os.walk(workdir, onerror=unreadable))
+  except OSError:
+    return False  # a folder it cannot read may hold anything
+  for root, _, files in walked:
     if any(root != workdir or f != LOCK_FILE for f in files):
       return False
   return True
