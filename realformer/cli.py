@@ -92,7 +92,7 @@ def parse_flags(argv):
       raise
     fail(_one_line(e))
   except OSError as e:
-    if verbose:
+    if verbose or 'Failed loading config file' not in str(e):
       raise
     fail(_config_load_error(e))
 

@@ -434,6 +434,9 @@ def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, bool]:
 def import_hf(src: str, out: str) -> str:
   """Import an HF BERT checkpoint directory into a params-only workdir; returns its step dir."""
   _new_out(out)
+  if not os.path.isdir(src):
+    raise FileNotFoundError(f'--src {src} not found: pass the folder of an HF BERT checkpoint '
+                            '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
   vocab = os.path.join(src, VOCAB)
   if not os.path.isfile(vocab):
     raise FileNotFoundError(f'{src} has no {VOCAB}; put the checkpoint\'s {VOCAB} beside its '

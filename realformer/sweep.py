@@ -200,13 +200,20 @@ def check_keys(config: str, runs: Sequence[Run]):
   for run in runs:
     for key, value in run.items():
       holder, name = known[key], key.rpartition('.')[2]
-      if isinstance(holder[name], str) or holder[name] is None:
+      current = holder[name]
+      if isinstance(current, str) or current is None:
         continue  # text (or a field without a set type) takes any value
       try:
-        holder.copy_and_resolve_references()[name] = value
+        if isinstance(current, bool):  # absl reads true/false and 1/0 (parse_value: bool, int)
+          if value not in (True, False) or isinstance(value, float):
+            raise TypeError
+        elif isinstance(value, bool):
+          raise TypeError  # a bool is an int to Python, not to absl
+        else:
+          holder.copy_and_resolve_references()[name] = value
       except TypeError:
-        raise ValueError(f'{key}={value!r} does not fit the field ({type(holder[name]).__name__}'
-                         f', now {holder[name]!r}); fix the --sweep/--set value') from None
+        raise ValueError(f'{key}={value!r} does not fit the field ({type(current).__name__}, '
+                         f'now {current!r}); fix the --sweep/--set value') from None
 
 
 def last_step(workdir: str) -> int:

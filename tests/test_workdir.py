@@ -176,7 +176,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
       '{tmp}/p', '--config.data.sources=files:{tmp}/none*'], 'matches no file'),
     (['analyze.py', '--workdir', '{tmp}/none', '--out', '{tmp}/a'], 'has no config.json'),
     (['-m', 'realformer.interop', 'import-hf', '--src', '{tmp}/none', '--out', '{tmp}/x'],
-     'has no vocab.txt'),
+     'none not found: pass the folder of an HF BERT checkpoint'),
     (['study.py', '--root', '{tmp}/st', '--seeds', '0'], 'need at least one seed'),
     (['finetune.py', '--workdir', '{tmp}/ft'], 'config.init_checkpoint is empty'),
     (['finetune.py', '--workdir', '{tmp}/ft', '--config.init_checkpoint={tmp}/none'],
