@@ -479,45 +479,20 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   with workdir_lib.StopSignal() as stop:
     for epoch in range(step // steps_per_epoch, config.num_epochs):
       plan = buckets_lib.train_batches(lengths, buckets, config.batch_size, config.seed, epoch)
-      window, window_tokens, window_padded, window_steps = None, 0, 0, 0
-      epoch_start = window_start = time.time()
+      window = TrainWindow()
+      epoch_start = time.time()
       first_step = step - epoch * steps_per_epoch
       for i in range(first_step, steps_per_epoch):
         length, idx = plan[i]
         state, m = steps[length](state, full_batch(buckets_lib.take(train, idx, length), mesh))
-        window = metrics_lib.merge(window, m)
         step += 1
-        window_tokens += int(lengths[idx].sum())
-        window_padded += length * len(idx)
-        window_steps += 1
+        window.add(m, real=int(lengths[idx].sum()), padded=length * len(idx))
         # Preempted: save here, a rerun resumes mid-epoch (an epoch's last step is saved
         # below, after its evaluation).
         stopping = i < steps_per_epoch - 1 and stop.reached(manager, step)
         if step % config.log_every_steps == 0 or i == steps_per_epoch - 1 or stopping:
-          values = metrics_lib.to_floats(window)
-          for name in ('loss', 'grad_norm'):  # an inf gradient has already made params nan
-            if not np.isfinite(values[name]):
-              raise FloatingPointError(f'{name} became {values[name]} by step {step}; nothing '
-                                       'was saved since the last checkpoint; lower '
-                                       'config.optimizer.learning_rate')
-          seconds = time.time() - window_start
-          if window_steps and seconds > 0:
-            steps_per_s = window_steps / seconds
-            values.update({'steps_per_s': steps_per_s,
-                           'examples_per_s': steps_per_s * config.batch_size,
-                           'tokens_per_s': window_tokens / seconds,  # real tokens
-                           'padded_tokens_per_s': window_padded / seconds})
-            eta = (num_steps - step) / steps_per_s
-            logging.info('step %d/%d (epoch %d): loss %.4f, %.2f steps/s, %.1f examples/s, '
-                         '%.0f tokens/s (%.0f with padding, %.0f%% real), ETA %s', step,
-                         num_steps, epoch + 1, values['loss'], steps_per_s,
-                         values['examples_per_s'], values['tokens_per_s'],
-                         values['padded_tokens_per_s'],
-                         100 * values['tokens_per_s'] / values['padded_tokens_per_s'],
-                         datetime.timedelta(seconds=int(eta)))
+          values = window.report(step, num_steps, epoch, config.batch_size)
           writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
-          window, window_tokens, window_padded, window_steps = None, 0, 0, 0
-          window_start = time.time()
         if stopping:
           checkpoints.save(manager, step, state.to_checkpoint(), force=True)
           preempted = step
@@ -554,6 +529,47 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   manager.close()
   writer.close()
   return summary
+
+
+class TrainWindow:
+  """The train metrics and throughput of the steps since the last report."""
+
+  def __init__(self):
+    self._reset()
+
+  def _reset(self):
+    self.metrics, self.real, self.padded, self.steps = None, 0, 0, 0
+    self.start = time.time()
+
+  def add(self, step_metrics, real: int, padded: int):
+    """One step's metrics and its real and padded token counts."""
+    self.metrics = metrics_lib.merge(self.metrics, step_metrics)
+    self.real, self.padded, self.steps = self.real + real, self.padded + padded, self.steps + 1
+
+  def report(self, step: int, num_steps: int, epoch: int, batch_size: int) -> dict:
+    """The window's values (logged; a non-finite loss or gradient raises), then a new
+    window."""
+    values = metrics_lib.to_floats(self.metrics)
+    for name in ('loss', 'grad_norm'):  # an inf gradient has already made params nan
+      if not np.isfinite(values[name]):
+        raise FloatingPointError(f'{name} became {values[name]} by step {step}; nothing was '
+                                 'saved since the last checkpoint; lower '
+                                 'config.optimizer.learning_rate')
+    seconds = time.time() - self.start
+    if self.steps and seconds > 0:
+      steps_per_s = self.steps / seconds
+      values.update({'steps_per_s': steps_per_s, 'examples_per_s': steps_per_s * batch_size,
+                     'tokens_per_s': self.real / seconds,  # real tokens
+                     'padded_tokens_per_s': self.padded / seconds})
+      eta = (num_steps - step) / steps_per_s
+      logging.info('step %d/%d (epoch %d): loss %.4f, %.2f steps/s, %.1f examples/s, '
+                   '%.0f tokens/s (%.0f with padding, %.0f%% real), ETA %s', step, num_steps,
+                   epoch + 1, values['loss'], steps_per_s, values['examples_per_s'],
+                   values['tokens_per_s'], values['padded_tokens_per_s'],
+                   100 * values['tokens_per_s'] / values['padded_tokens_per_s'],
+                   datetime.timedelta(seconds=int(eta)))
+    self._reset()
+    return values
 
 
 class BestCheckpoint:
