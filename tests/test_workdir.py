@@ -249,14 +249,7 @@ def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):
       (['-m', 'realformer.interop', 'import-hf', '--src', ft, '--out', run_dir],
        'exists and is not an empty directory'),
   ]
-  procs = [(subprocess.Popen([sys.executable] + [str(a) for a in argv], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-            expected) for argv, expected in cases]
-  for proc, expected in procs:
-    _, err = proc.communicate(timeout=240)
-    errors = [l for l in err.splitlines() if 'error:' in l]
-    assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err
-    assert 'Traceback' not in err
+  expect_one_line_errors(cases)
   assert sorted(os.listdir(tmp_path)) == ['ft', 'run']
   assert sorted(os.listdir(run_dir)) == ['checkpoints', 'config.json']
   assert json.loads((ft / 'config.json').read_text())['task'] == 'sst2'
@@ -282,6 +275,13 @@ def test_data_file_mistakes_through_the_command_line(tmp_path):
       (['train.py', '--workdir', tmp_path / 'tr',
         f'--config.data.sources=files:{tmp_path}/latin1.txt'], "'train/non_utf8_lines': 40"),
   ]
+  expect_one_line_errors(cases)
+  assert sorted(os.listdir(tmp_path)) == ['glue', 'latin1.txt']
+
+
+def expect_one_line_errors(cases):
+  """Runs every (argv, expected) side by side: each exits 1 with one `error:` line holding
+  `expected`, and no traceback."""
   procs = [(subprocess.Popen([sys.executable] + [str(a) for a in argv], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
             expected) for argv, expected in cases]
@@ -290,4 +290,3 @@ def test_data_file_mistakes_through_the_command_line(tmp_path):
     errors = [l for l in err.splitlines() if 'error:' in l]
     assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
     assert 'Traceback' not in err
-  assert sorted(os.listdir(tmp_path)) == ['glue', 'latin1.txt']
