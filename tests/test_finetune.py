@@ -199,6 +199,44 @@ def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretraine
   assert (workdir / 'predictions' / 'MRPC.tsv').read_text() == predictions
 
 
+def _marker_task(root, seed=0, sizes=(('train', 320), ('dev', 200))):
+  """An SST-2-format task a tiny encoder learns from random init in a few epochs: a sentence
+  of 3 to 40 filler words holds 'peace' (label 1) or 'war' (label 0) at a random place."""
+  rng = np.random.default_rng(seed)
+  words = ('the people of this nation have made great progress in every year and we shall '
+           'continue to work for our country with the congress').split()
+  folder = os.path.join(root, 'SST-2')
+  os.makedirs(folder)
+  for split, n in sizes:
+    rows = []
+    for label in rng.integers(2, size=n):
+      sentence = list(rng.choice(words, size=int(rng.integers(2, 40))))
+      sentence.insert(int(rng.integers(len(sentence) + 1)), 'peace' if label else 'war')
+      rows.append(f'{" ".join(sentence)}\t{label}\n')
+    with open(os.path.join(folder, f'{split}.tsv'), 'w') as f:
+      f.write('sentence\tlabel\n' + ''.join(rows))
+
+
+def test_training_with_length_buckets_reaches_the_accuracy_of_padded_training(pretrained,
+                                                                              tmp_path):
+  """Trained from random init on a task with sentences of 3 to 40 words, length buckets
+  (batches drawn within a bucket, padded to it) and padding every batch to max_seq_length
+  both learn the task; buckets that mixed up examples, labels or masks stay near 0.5."""
+  _marker_task(str(tmp_path / 'glue'))
+  results = {}
+  for buckets_ in (2, 0):
+    config = ft_config('sst2', pretrained, data_dir=str(tmp_path / 'glue'), batch_size=16,
+                       eval_batch_size=50, num_epochs=6, length_buckets=buckets_,
+                       keep_best=False)
+    config.optimizer.learning_rate = 3e-3
+    workdir = tmp_path / f'buckets_{buckets_}'
+    results[buckets_] = finetune.finetune(config, str(workdir))['dev']['sst2']['accuracy']
+    records = [json.loads(l) for l in open(workdir / 'metrics.jsonl')]
+    real = [r['tokens_per_s'] / r['padded_tokens_per_s'] for r in records if 'tokens_per_s' in r]
+    assert (min(real) > 0.5) == (buckets_ > 0)  # the buckets padded less
+  assert min(results.values()) >= 0.95, results  # 0.5 is chance; both reached 1.0 at seeds 0-1
+
+
 def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
   summary = finetune.finetune(ft_config('stsb', pretrained, batch_size=1), str(tmp_path / 'a'))
   assert set(summary['dev']['stsb']) == {'pearson', 'spearman'}
