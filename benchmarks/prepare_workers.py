@@ -1,17 +1,23 @@
 r"""Parallel preparation: data.prepare with 1 and with N worker processes on the same corpus.
 
   python benchmarks/prepare_workers.py --scale 10 --workers 1,2 --rounds 2
+  python benchmarks/prepare_workers.py --scale 10 --workers 1,2 --document_window 100
 
-The embedded corpus written out `--scale` times; each setting prepares it (length 128, the
-default block of 1000 documents) in a fresh process, settings alternating round after round.
-Prints wall seconds, prepared instances per second, the main process's peak RSS (VmHWM) and
-the largest worker process's peak RSS (with one worker, the work runs in the main process),
-and checks that every setting prepared the same counts.
+The embedded corpus written out `--scale` times; each setting prepares it (length 128, blocks
+of `--document_window` documents, 1000 by default) in a fresh process, settings alternating
+round after round. Blocks are the unit handed to workers (block b to worker b mod W): the
+10x corpus holds only 2,330 documents (speeches), 3 blocks of 1000, so 2 workers get 2 and 1
+blocks; a real corpus (millions of documents) has thousands, which a smaller window models.
+Prints wall seconds, CPU seconds (user + system of the child and its workers), prepared
+instances per second, the main process's peak RSS (VmHWM) and the largest worker process's
+peak RSS (with one worker, the work runs in the main process), and checks that every setting
+prepared the same counts.
 """
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -38,14 +44,18 @@ print("RESULT", json.dumps({"counts": m["counts"], "peak_kb": peak,
 '''
 
 
-def run(corpus: str, out_dir: str, workers: int):
-  data = dict(sources=f'files:{corpus}', max_seq_length=128, prepare_workers=workers)
-  start = time.time()
+def run(corpus: str, out_dir: str, workers: int, window: int):
+  data = dict(sources=f'files:{corpus}', max_seq_length=128, prepare_workers=workers,
+              document_window=window)
+  start, before = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
   out = subprocess.run([sys.executable, '-c', CHILD, json.dumps(data), out_dir], cwd=REPO,
                        check=True, capture_output=True, text=True).stdout
-  seconds = time.time() - start
+  seconds, after = time.time() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+  cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
   shutil.rmtree(out_dir)
-  return seconds, json.loads(out.rsplit('RESULT', 1)[1])
+  result = json.loads(out.rsplit('RESULT', 1)[1])
+  result['cpu_seconds'] = cpu
+  return seconds, result
 
 
 def main():
@@ -53,6 +63,7 @@ def main():
   p.add_argument('--scale', type=int, default=10)
   p.add_argument('--workers', default='1,2')
   p.add_argument('--rounds', type=int, default=2)
+  p.add_argument('--document_window', type=int, default=1000)
   args = p.parse_args()
   print(machine.describe())
   print(f'# {" ".join(sys.argv)}')
@@ -63,21 +74,23 @@ def main():
   results = {w: [] for w in settings}
   for _ in range(args.rounds):
     for w in settings:
-      results[w].append(run(corpus, os.path.join(tmp, 'out'), w))
+      results[w].append(run(corpus, os.path.join(tmp, 'out'), w, args.document_window))
   counts = {json.dumps(r['counts']) for rs in results.values() for _, r in rs}
   assert len(counts) == 1, counts
   n = sum(json.loads(counts.pop()).values())
-  print(f'corpus {size / 1e6:.0f} MB, {n:,} instances (train + eval), the same for every '
-        f'setting; median of {args.rounds} rounds')
-  print('| workers | seconds | instances/s | main process peak MiB | largest worker peak MiB |')
-  print('|---|---|---|---|---|')
+  print(f'corpus {size / 1e6:.0f} MB, blocks of {args.document_window} documents, {n:,} '
+        f'instances (train + eval), the same for every setting; median of {args.rounds} rounds')
+  print('| workers | seconds | CPU seconds | instances/s | main process peak MiB '
+        '| largest worker peak MiB |')
+  print('|---|---|---|---|---|---|')
   for w, rs in results.items():
     seconds = statistics.median(s for s, _ in rs)
+    cpu = statistics.median(r['cpu_seconds'] for _, r in rs)
     main_peak = statistics.median(r['peak_kb'] for _, r in rs) / 1024
     worker_peak = statistics.median(r['workers_peak_kb'] for _, r in rs) / 1024
-    print(f'| {w} | {seconds:.0f} | {n / seconds:,.0f} | {main_peak:.0f} | '
-          f'{worker_peak:.0f} |' if w > 1 else
-          f'| {w} | {seconds:.0f} | {n / seconds:,.0f} | {main_peak:.0f} | (in main) |')
+    worker = f'{worker_peak:.0f}' if w > 1 else '(in main)'
+    print(f'| {w} | {seconds:.1f} | {cpu:.1f} | {n / seconds:,.0f} | {main_peak:.0f} '
+          f'| {worker} |')
   shutil.rmtree(tmp)
 
 
