@@ -275,9 +275,11 @@ def test_slice_errors(monkeypatch):
     launch.compile_step(config, target)
 
 
-def test_compile_for_local_measures_steps():
+@pytest.mark.parametrize('time_budget', [0.0, 1.0])
+def test_compile_for_local_measures_steps(time_budget):
   config = tiny(mesh__fsdp=2, mesh__data=-1)
   config.model.dtype = 'float32'
+  config.train.time_budget_minutes = time_budget  # the budgeted step takes a third argument
   result = launch.run(config, 'local', measure_steps=2, log=lambda *_: None)
   assert result['report']['fits'] and result['measured']['step_seconds'] > 0
   assert result['report']['flop_ratio'] == pytest.approx(1.0, abs=0.05)
