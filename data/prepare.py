@@ -25,7 +25,10 @@ the split and b, so the prepared set (instances, split, counts) is the same what
 the host count are. Every worker reads the whole stream and tokenises only its own blocks
 (tokenising is most of the work). Workers write into <out_dir>.tmp/worker-XXXXX/ and mark
 themselves done; process 0 gathers them into <out_dir>. An interrupted preparation resumes:
-finished workers (same settings, same W) are kept, the others start their share again.
+finished workers (same settings, same W) are kept, the others start their share again. The
+gathering links the workers' files into <out_dir>.tmp/gathered/ and renames that to
+<out_dir>, so a worker's files stay in place until <out_dir> is complete: a host that
+arrives late sees its share done (or <out_dir> made) and never redoes it.
 """
 
 import collections
@@ -126,10 +129,21 @@ class ShardWriters:
 
 
 def name_files(paths: List[str], directory: str, split: str) -> int:
-  """Moves the files to {split}-XXXXX-of-NNNNN in `directory`; returns how many."""
+  """Links the files as {split}-XXXXX-of-NNNNN in `directory` (copies them where the
+  filesystem has no hard links); returns how many."""
   for path, final in zip(paths, shard_paths(directory, split, len(paths))):
-    os.rename(path, final)
+    try:
+      os.link(path, final)
+    except OSError:
+      shutil.copyfile(path, final)
   return len(paths)
+
+
+def _interrupted(error: BaseException) -> bool:
+  """Ctrl-C, a signal's exit or a worker process killed (e.g. out of memory): not the
+  input's fault, so finished workers are kept for the next attempt."""
+  return isinstance(error, (KeyboardInterrupt, SystemExit,
+                            concurrent.futures.BrokenExecutor))
 
 
 def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
@@ -141,8 +155,8 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   gathers them (the other processes return None: they wait for metadata.json, as
   data.pipeline.ensure_prepared does). With overwrite=False a preparation that another
   process finished first is kept (and its metadata returned) instead of being replaced.
-  A failure (bad input) removes what this host wrote; a killed run leaves finished workers
-  for the next attempt to keep.
+  A failure (bad input) removes what this host wrote; an interrupted or killed run leaves
+  finished workers for the next attempt to keep.
   """
   started = time.time()
   check_lengths(config)
@@ -166,12 +180,18 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       if os.path.exists(stale):
         os.remove(stale)
     try:
-      _run_workers(config, tokenizer, tmp, ids, total)
+      _run_workers(config, tokenizer, tmp, ids, total,
+                   made_since=os.path.join(out_dir, METADATA) if process_index else None,
+                   since=started - 1)
     except BaseException as e:
+      keep = _interrupted(e)
+      fp = fingerprint(config)
       for i in ids:  # nothing half-made of this host's is left behind
-        shutil.rmtree(_worker_dir(tmp, i), ignore_errors=True)
+        if not (keep and _done(tmp, i, total, fp)):
+          shutil.rmtree(_worker_dir(tmp, i), ignore_errors=True)
       if process_count == 1:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not keep or not any(n.startswith('worker-') for n in os.listdir(tmp)):
+          shutil.rmtree(tmp, ignore_errors=True)
       else:  # process 0 stops waiting for this host
         with open(failed, 'w') as f:
           f.write(f'{type(e).__name__}: {e}')
@@ -223,12 +243,19 @@ def _done(tmp: str, worker: int, total: int, fp: dict) -> Optional[dict]:
   return done
 
 
-def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int):
+def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
+                 made_since: Optional[str] = None, since: float = 0.0):
+  """Runs the workers among `ids` that have not finished. `made_since`: a host other than
+  process 0 passes <out_dir>/metadata.json; written since `since`, it means process 0 has
+  gathered this attempt's workers (and removed them) while this host looked."""
   fp = fingerprint(config)
   todo = [i for i in ids if _done(tmp, i, total, fp) is None]
   if len(todo) < len(ids):
     logging.info('preparation: %d of this host\'s %d workers finished before; resuming the '
                  'others', len(ids) - len(todo), len(ids))
+  if todo and made_since and os.path.exists(made_since) and (
+      os.path.getmtime(made_since) >= since):
+    return
   if not todo:
     return
   if len(todo) == 1 and len(ids) == 1:  # in this process: no start-up cost
@@ -322,10 +349,9 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: f
         raise ValueError(f'preparation worker {i} of {total} saw other settings or corpus '
                          f'files than process 0 (worker, process 0): {diff}; give every '
                          'host the same corpus and config')
-    for name in sorted(os.listdir(tmp)):
-      if name.startswith('failed-') and name[7:12].isdigit():
-        with open(os.path.join(tmp, name)) as f:
-          raise RuntimeError(f'preparation failed on host {int(name[7:12])}: {f.read()}')
+    failed = _failure(tmp, since, hosts_only=True)
+    if failed:
+      raise RuntimeError(f'preparation failed on {failed}')
     if time.time() > deadline:
       raise TimeoutError(f'preparation workers {missing[:8]} of {total} did not finish in '
                          f'{timeout_s:.0f} s; is every host running it?')
@@ -335,9 +361,15 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: f
 def failure_since(out_dir: str, since: float) -> Optional[str]:
   """The message of a host's failed preparation of `out_dir` written after `since` (a
   host waiting for metadata.json stops on it), or None."""
-  tmp = f'{out_dir.rstrip("/")}.tmp'
+  return _failure(f'{out_dir.rstrip("/")}.tmp', since)
+
+
+def _failure(tmp: str, since: float, hosts_only: bool = False) -> Optional[str]:
+  """'<who>: <message>' of a failure file in `tmp` written since `since` (an earlier
+  attempt's is not this one's), or None; `hosts_only` passes over process 0's gathering."""
   try:
-    names = sorted(n for n in os.listdir(tmp) if n.startswith('failed-'))
+    names = sorted(n for n in os.listdir(tmp) if n.startswith('failed-') and
+                   (n[7:12].isdigit() or not hosts_only))
   except FileNotFoundError:
     return None
   for name in names:
@@ -358,31 +390,34 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
   """Process 0: every worker's files under their final names, and metadata.json."""
   fp = fingerprint(config)
   results = [_done(tmp, i, total, fp) for i in range(total)]
-  for name in os.listdir(tmp):  # shards of a gathering that was cut short
-    if name.startswith(tuple(f'{split}-' for split in SPLITS)) or name == METADATA:
-      os.remove(os.path.join(tmp, name))
-  counts, files, stats = {}, {}, collections.Counter()
-  for split in SPLITS:
-    paths = [os.path.join(_worker_dir(tmp, i), name)
-             for i, r in enumerate(results) for name in r['files'][split]]
-    files[split] = name_files(paths, tmp, split)
-    counts[split] = sum(r['counts'][split] for r in results)
-  for r in results:  # counts of each worker's own documents add up ...
-    stats.update(r['stats'])
-  stats.update(results[0]['read_stats'])  # ... every worker read the whole stream
-  stats = collections.Counter({k: v for k, v in stats.items() if v})
-  for name in os.listdir(tmp):  # this run's workers, and any left by an attempt with another
-    if name.startswith('worker-'):  # worker count
-      shutil.rmtree(os.path.join(tmp, name))
+  gathered = os.path.join(tmp, 'gathered')
+  shutil.rmtree(gathered, ignore_errors=True)  # a gathering that was cut short
+  os.makedirs(gathered)
   try:
-    return _finish(config, tokenizer, tmp, out_dir, overwrite, counts, files, stats,
-                   total, started)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+    counts, files, stats = {}, {}, collections.Counter()
+    for split in SPLITS:
+      paths = [os.path.join(_worker_dir(tmp, i), name)
+               for i, r in enumerate(results) for name in r['files'][split]]
+      files[split] = name_files(paths, gathered, split)
+      counts[split] = sum(r['counts'][split] for r in results)
+    for r in results:  # counts of each worker's own documents add up ...
+      stats.update(r['stats'])
+    stats.update(results[0]['read_stats'])  # ... every worker read the whole stream
+    stats = collections.Counter({k: v for k, v in stats.items() if v})
+    metadata = _finish(config, tokenizer, gathered, out_dir, overwrite, counts, files, stats,
+                       total, started)
+  except BaseException as e:
+    if _interrupted(e):  # the workers stay for the next attempt
+      shutil.rmtree(gathered, ignore_errors=True)
+    else:
+      shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  shutil.rmtree(tmp, ignore_errors=True)  # the workers, and any of another worker count
+  return metadata
 
 
-def _finish(config, tokenizer, tmp: str, out_dir: str, overwrite: bool, counts, files, stats,
-            workers: int, started: float) -> dict:
+def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, counts, files,
+            stats, workers: int, started: float) -> dict:
   d = config.data
   if stats['eval/documents'] == 1 and counts['eval']:
     logging.warning('the eval split holds one document, so its random-next segments come from '
@@ -404,14 +439,14 @@ def _finish(config, tokenizer, tmp: str, out_dir: str, overwrite: bool, counts, 
               'tokenizer_path': tokenizer.path, 'vocab_size': tokenizer.vocab_size,
               'max_seq_length': d.max_seq_length, 'workers': workers,
               'seconds': round(time.time() - started, 1)}
-  with open(os.path.join(tmp, METADATA), 'w') as f:
+  with open(os.path.join(gathered, METADATA), 'w') as f:
     json.dump(metadata, f, indent=2)
   if os.path.exists(out_dir):
     if not overwrite and os.path.exists(os.path.join(out_dir, METADATA)):
       return read_metadata(out_dir)
     shutil.rmtree(out_dir)
   try:
-    os.rename(tmp, out_dir)
+    os.rename(gathered, out_dir)
   except OSError:  # another process renamed its preparation into place first
     if overwrite or not os.path.exists(os.path.join(out_dir, METADATA)):
       raise

@@ -275,3 +275,80 @@ def test_an_interrupted_preparation_keeps_finished_workers(corpus, tmp_path, cap
   assert resumed['counts'] == fresh['counts']
   assert _records(out, resumed) == _records(str(tmp_path / 'fresh'), fresh)
   assert done < time.time() and not os.path.exists(out + '.tmp')
+
+
+@pytest.mark.parametrize('interruption', [
+    KeyboardInterrupt(), prepare.concurrent.futures.BrokenExecutor('a worker was killed')])
+def test_an_interruption_keeps_the_workers_that_finished_before(corpus, tmp_path, monkeypatch,
+                                                                interruption):
+  """Ctrl-C, or a worker process killed (out of memory), while the unfinished workers run:
+  the finished ones stay for the next attempt; a bad input (ValueError) removes it all."""
+  config = tiny_config(corpus, document_window=5, prepare_workers=2)
+  out, tok = str(tmp_path / 'out'), tokenizer_lib.load_for_config(config.data)
+  prepare._work(config, tok, out + '.tmp', 1, 2)  # an earlier attempt finished worker 1
+  os.makedirs(out + '.tmp/worker-00000')  # ... and left worker 0 half-made
+
+  def run_workers(*args, **kwargs):
+    raise interruption
+  monkeypatch.setattr(prepare, '_run_workers', run_workers)
+  with pytest.raises(type(interruption)):
+    prepare.prepare(config, out)
+  assert sorted(os.listdir(out + '.tmp')) == ['worker-00001']
+  assert prepare._done(out + '.tmp', 1, 2, prepare.fingerprint(config))
+  monkeypatch.undo()
+  resumed = prepare.prepare(config, out)
+  fresh = prepare.prepare(config, str(tmp_path / 'fresh'))
+  assert _records(out, resumed) == _records(str(tmp_path / 'fresh'), fresh)
+
+  prepare._work(config, tok, out + '2.tmp', 1, 2)
+  monkeypatch.setattr(prepare, '_run_workers', lambda *a, **k: (_ for _ in ()).throw(
+      ValueError('bad input')))
+  with pytest.raises(ValueError, match='bad input'):
+    prepare.prepare(config, out + '2')
+  assert not os.path.exists(out + '2.tmp')
+
+
+def test_an_interrupted_gathering_keeps_every_worker(corpus, tmp_path, monkeypatch):
+  config = tiny_config(corpus, document_window=5, prepare_workers=2)
+  out = str(tmp_path / 'out')
+  finish = prepare._finish
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(prepare, '_finish', interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    prepare.prepare(config, out)
+  assert sorted(os.listdir(out + '.tmp')) == ['worker-00000', 'worker-00001']
+  monkeypatch.setattr(prepare, '_finish', finish)
+  monkeypatch.setattr(prepare, '_work', lambda *a: pytest.fail('a finished worker redone'))
+  resumed = prepare.prepare(config, out)
+  assert resumed['counts']['train'] > 100 and not os.path.exists(out + '.tmp')
+
+
+def test_a_host_arriving_while_process_zero_gathers_does_not_redo_its_share(
+    corpus, tmp_path, monkeypatch):
+  """Two hosts whose workers all finished in an earlier attempt: process 0 gathers at once,
+  and host 1 looks while it does. Host 1 finds its share done (the gathering links the
+  files, it does not move them) and the output holds only the shards. A failure file of the
+  earlier attempt does not stop this one."""
+  config = tiny_config(corpus, document_window=5)
+  out, tok = str(tmp_path / 'out'), tokenizer_lib.load_for_config(config.data)
+  for worker in (0, 1):
+    prepare._work(config, tok, out + '.tmp', worker, 2)
+  stale = out + '.tmp/failed-00001.txt'
+  with open(stale, 'w') as f:
+    f.write('ConnectionError: an earlier attempt')
+  os.utime(stale, (time.time() - 3600,) * 2)
+  finish, redone = prepare._finish, []
+  monkeypatch.setattr(prepare, '_work', lambda *a: redone.append(a[3]))
+
+  def host_one_looks_meanwhile(*args, **kwargs):
+    assert prepare.prepare(config, out, process_index=1, process_count=2) is None
+    return finish(*args, **kwargs)
+  monkeypatch.setattr(prepare, '_finish', host_one_looks_meanwhile)
+  gathered = prepare.prepare(config, out, process_index=0, process_count=2)
+  assert redone == [] and not os.path.exists(out + '.tmp')
+  assert not [n for n in os.listdir(out) if n.startswith('worker-')]
+  monkeypatch.undo()
+  fresh = prepare.prepare(config, str(tmp_path / 'fresh'))
+  assert _records(out, gathered) == _records(str(tmp_path / 'fresh'), fresh)
