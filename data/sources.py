@@ -284,18 +284,26 @@ def _stream(spec: str, tfds_data_dir: Optional[str], tfds_text_feature: str,
 
 
 def files_signature(sources: str) -> Optional[str]:
-  """What the `files:` sources of `sources` match now, as a short string: the number of
-  files, their bytes, and a digest of every file's name and size. A prepared corpus records
-  it, so an edited, converted, added or removed file is noticed instead of silently reusing
-  instances made from the old text (names and sizes, not folders or times: a copy of the
-  corpus at the same path on another host matches). None without `files:` sources or when
-  they match nothing here (prepared data can be used where the raw text is not)."""
+  """What the `files:` sources, and the `hf:` sources that are local directories, of
+  `sources` hold now, as a short string: the number of files, their bytes, and a digest of
+  every file's name and size. A prepared corpus records it, so an edited, converted, added
+  or removed file is noticed instead of silently reusing instances made from the old text
+  (names and sizes, not folders or times: a copy of the corpus at the same path on another
+  host matches). None without such sources or when they match nothing here (prepared data
+  can be used where the raw text is not). A hub dataset is known by its name only."""
   matched = []
   for spec in (s.strip() for s in sources.split(';')):
     if spec.startswith('files:'):
       pattern = os.path.expanduser(spec[len('files:'):])
       matched += [(os.path.basename(p), os.path.getsize(p))
                   for p in sorted(glob_lib.glob(pattern)) if os.path.isfile(p)]
+    elif spec.startswith('hf:') and os.path.isdir(spec[3:].split(':')[0]):
+      name, _, rest = spec[3:].partition(':')
+      config = rest.partition(':')[0]
+      folder = os.path.join(name, config) if config else name
+      matched += [(os.path.relpath(os.path.join(root, f), folder),
+                   os.path.getsize(os.path.join(root, f)))
+                  for root, _, names in sorted(os.walk(folder)) for f in sorted(names)]
   if not matched:
     return None
   digest = zlib.crc32(repr(matched).encode())

@@ -6,6 +6,8 @@ import collections
 import gzip
 import itertools
 import json
+import os
+import shutil
 import tarfile
 
 import pytest
@@ -276,3 +278,27 @@ def test_hf_source_prepares_the_same_instances_as_the_same_text_in_files(tmp_pat
       results[name] = (metadata['counts'], f.read())
   assert results['hf'][0] == results['files'][0] and results['hf'][0]['train'] > 0
   assert results['hf'][1] == results['files'][1]  # byte for byte
+
+
+def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
+  """A local hf: directory is signed like files: sources, so data prepared from it (and an
+  interrupted preparation's finished workers) are not reused once its files change."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  from configs import pretrain  # pylint: disable=g-import-not-at-top
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  folder = tmp_path / 'hf'
+  datasets.Dataset.from_dict({'text': HF_TEXTS}).save_to_disk(str(folder))
+  config = pretrain.get_config('postln,tiny')
+  config.data.sources = f'hf:{folder}'
+  config.data.num_shards = 1
+  before = prepare.fingerprint(config)
+  assert before['files'].startswith(f'{len(os.listdir(folder))} files')
+  prepare.prepare(config, str(tmp_path / 'prepared'))
+  prepare.read_metadata(str(tmp_path / 'prepared'), config)  # unchanged: reused
+  datasets.Dataset.from_dict({'text': HF_TEXTS[::-1] + ['One more document.']}).save_to_disk(
+      str(tmp_path / 'hf2'))
+  shutil.rmtree(folder)
+  os.rename(tmp_path / 'hf2', folder)
+  assert prepare.fingerprint(config)['files'] != before['files']
+  with pytest.raises(ValueError, match='made with other corpus files'):
+    prepare.read_metadata(str(tmp_path / 'prepared'), config)
