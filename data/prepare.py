@@ -3,7 +3,7 @@ r"""Prepares pretraining instances once, streaming, into array_record shards.
   python -m data.prepare --config configs/pretrain.py:postln,tiny --out_dir /tmp/prepared
   python -m data.prepare --config configs/pretrain.py:realformer,base \
       --config.data.sources='tfds:wikipedia/20230601.en;tfds:bookcorpus' \
-      --config.data.tokenizer=/data/wiki_30k.model --out_dir gs://bucket/prepared
+      --config.data.tokenizer=/data/wiki_30k.model --out_dir /mnt/bucket/prepared
   python -m data.prepare --config configs/pretrain.py:postln,base \
       --config.data.sources='hf:wikimedia/wikipedia:20231101.en;hf:rojagtap/bookcorpus' \
       --config.data.weights='3;1' --out_dir /data/prepared
@@ -160,6 +160,10 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   """
   started = time.time()
   check_lengths(config)
+  if '://' in out_dir:
+    raise ValueError(f'{out_dir!r}: prepared data is written to a local or mounted folder; '
+                     'mount the bucket (e.g. gcsfuse gs://bucket /mnt/bucket) and give that '
+                     'path (config.data.prepared_dir or --out_dir)')
   d = config.data
   tokenizer = tokenizer or tokenizer_lib.load_for_config(d)
   workers = int(d.get('prepare_workers', 1) or 1)
