@@ -101,27 +101,36 @@ BUCKETS_FILE = 'length_buckets.json'
 def length_buckets(config, task, workdir: str, resuming: bool,
                    mid_epoch: bool = False) -> Tuple[int, ...]:
   """The compiled sequence lengths: chosen from the training lengths, the longest covering
-  every split; (max_seq_length,) when config.length_buckets is 0. Stored in the workdir: a
-  resumed run keeps them (they shape the epoch's batches), whatever dev or test files
-  changed. Turning buckets on or off takes effect at an epoch's start; in mid-epoch it is
+  every split; (max_seq_length,) when config.length_buckets is 0. Stored in the workdir with
+  the settings that chose them: a resumed run with the same length_buckets and
+  bucket_multiple keeps them (they shape the epoch's batches), whatever dev or test files
+  changed. A change of either setting takes effect at an epoch's start; in mid-epoch it is
   an error (the rest of the epoch would be drawn from another plan)."""
   path = os.path.join(workdir, BUCKETS_FILE)
-  stored = None
+  settings = {'length_buckets': int(config.length_buckets),
+              'bucket_multiple': int(config.bucket_multiple)}
+  stored, stored_settings = None, None
   if resuming and os.path.isfile(path):
     with open(path) as f:
-      stored = tuple(json.load(f))
+      saved = json.load(f)
+    if isinstance(saved, list):  # written before the settings were stored with them
+      stored = tuple(saved)
+    else:
+      stored, stored_settings = tuple(saved['lengths']), saved['settings']
   if not config.length_buckets:
     chosen = (config.max_seq_length,)
+  elif stored and stored != (config.max_seq_length,) and stored_settings in (None, settings):
+    chosen = stored
   else:
-    chosen = stored if stored and stored != (config.max_seq_length,) else (
-        _choose_buckets(config, task))
+    chosen = _choose_buckets(config, task)
   if mid_epoch and stored is not None and chosen != stored:
-    raise ValueError(f'this run stopped in mid-epoch with length buckets {list(stored)}; '
-                     f'resume with config.length_buckets as it was, and change it once the '
-                     f'epoch is over')
+    raise ValueError(f'this run stopped in mid-epoch with length buckets {list(stored)}'
+                     f'{f" ({stored_settings})" if stored_settings else ""}; resume with '
+                     f'config.length_buckets and config.bucket_multiple as they were, and '
+                     f'change them once the epoch is over')
   if jax.process_index() == 0:
     with open(path, 'w') as f:
-      json.dump(list(chosen), f)
+      json.dump({'lengths': list(chosen), 'settings': settings}, f)
   return chosen
 
 

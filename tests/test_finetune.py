@@ -4,10 +4,12 @@ pretraining checkpoint to dev metrics and submission files (resume and mismatch 
 import json
 import os
 import shutil
+import types
 from unittest import mock
 
 import flax.linen as nn
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -192,11 +194,33 @@ def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretraine
   the same predictions, through finetune.py's own evaluation."""
   workdir = tmp_path / 'mrpc'
   bucketed = finetune.finetune(ft_config('mrpc', pretrained), str(workdir))
-  assert min(json.load(open(workdir / finetune.BUCKETS_FILE))) < 64  # some shorter: padded less
+  stored = json.load(open(workdir / finetune.BUCKETS_FILE))['lengths']
+  assert min(stored) < 64  # some shorter: padded less
   predictions = (workdir / 'predictions' / 'MRPC.tsv').read_text()
   padded = finetune.finetune(ft_config('mrpc', pretrained, length_buckets=0), str(workdir))
   assert padded['step'] == bucketed['step'] and padded['dev'] == bucketed['dev']
   assert (workdir / 'predictions' / 'MRPC.tsv').read_text() == predictions
+
+
+def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epoch(tmp_path):
+  """The stored buckets are kept on resume only while length_buckets and bucket_multiple
+  are the ones that chose them (dev or test files may change meanwhile)."""
+  lengths = np.random.default_rng(0).integers(3, 120, size=500)
+  features = {'attention_mask': (np.arange(128) < lengths[:, None]).astype(np.int32)}
+  task = types.SimpleNamespace(train=features, eval_features=lambda: [features])
+  config = lambda n, m: ml_collections.ConfigDict(
+      {'length_buckets': n, 'bucket_multiple': m, 'max_seq_length': 128})
+  workdir = str(tmp_path)
+  first = finetune.length_buckets(config(5, 8), task, workdir, resuming=False)
+  (tmp_path / 'fresh').mkdir()
+  other = finetune.length_buckets(config(2, 32), task, str(tmp_path / 'fresh'), resuming=False)
+  assert len(first) == 5 and len(other) == 2 and first != other
+  for mid_epoch in (False, True):  # the same settings: kept
+    assert finetune.length_buckets(config(5, 8), task, workdir, True, mid_epoch) == first
+  with pytest.raises(ValueError, match='stopped in mid-epoch with length buckets'):
+    finetune.length_buckets(config(2, 32), task, workdir, resuming=True, mid_epoch=True)
+  assert finetune.length_buckets(config(2, 32), task, workdir, resuming=True) == other
+  assert finetune.length_buckets(config(0, 8), task, workdir, resuming=True) == (128,)
 
 
 def _marker_task(root, seed=0, sizes=(('train', 320), ('dev', 200))):
