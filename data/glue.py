@@ -159,6 +159,11 @@ def read_tsv(task_name: str, data_dir: str, split: str,
   if skipped:
     logging.warning('skipped %d malformed rows of %s (lines %s%s)', len(skipped), path,
                     ', '.join(map(str, skipped[:5])), ', ...' if len(skipped) > 5 else '')
+  if not examples:
+    what = 'every row was malformed and skipped' if skipped else 'no rows below the header'
+    fix = ('; remove the file to train and evaluate without predictions' if split == 'test'
+           else '')
+    raise ValueError(f'{path} holds no examples ({what}); is it the {task.name} file?{fix}')
   return examples
 
 

@@ -108,6 +108,9 @@ def read_json(path: str) -> List[Example]:
     raise ValueError(f'{where} is malformed ({type(e).__name__}: {e}); SQuAD JSON has '
                      'data[].paragraphs[] with a context and qas[], each with id, question '
                      'and answers [{text, answer_start}] (or is_impossible)') from None
+  if not examples:
+    raise ValueError(f'{path} holds no questions (data[].paragraphs[].qas[] are empty); pass '
+                     'the official train/dev JSON files')
   return examples
 
 

@@ -69,6 +69,13 @@ def test_malformed_glue_rows_name_file_and_line(tmp_path, caplog):
   (cola / 'train.tsv').write_bytes(b'gj04\t1\t\t\xff\xfe bad bytes\n')
   with pytest.raises(ValueError, match='not UTF-8'):
     glue.read_tsv('cola', str(tmp_path), 'train')
+  (rte / 'test.tsv').write_text('index\tsentence1\tsentence2\n')  # a header only: it used
+  with pytest.raises(ValueError, match=r'RTE/test.tsv holds no examples \(no rows below the '
+                                       r'header\).*remove the file'):  # to fail after training
+    glue.read_tsv('rte', str(tmp_path), 'test')
+  (rte / 'dev.tsv').write_text('index\tsentence1\tsentence2\tlabel\n1\tcut short\n')
+  with pytest.raises(ValueError, match='RTE/dev.tsv holds no examples \\(every row was'):
+    glue.read_tsv('rte', str(tmp_path), 'dev', skip_malformed=True)
 
 
 def test_featurize_pairs_truncates_the_longer_side():

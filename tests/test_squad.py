@@ -187,6 +187,9 @@ def test_a_malformed_squad_file_names_the_entry(tmp_path):
   path.write_text('{"data": [{"paragraphs": [{"context": "c", "qas": ["a question"]}]}]}')
   with pytest.raises(ValueError, match=r'paragraphs\[0\] is malformed \(AttributeError'):
     squad.read_json(str(path))
+  path.write_text('{"data": [{"paragraphs": [{"context": "c", "qas": []}]}]}')
+  with pytest.raises(ValueError, match='holds no questions'):
+    squad.read_json(str(path))
   bad['data'][0]['paragraphs'][0]['qas'].pop()
   path.write_text(json.dumps(bad))
   assert [e.answer_text for e in squad.read_json(str(path))] == ['France']
