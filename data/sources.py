@@ -203,10 +203,41 @@ class SplitNotFoundError(ValueError):
   """A Hugging Face dataset without the asked split (e.g. GLUE's optional test)."""
 
 
+def _split_slice(name: str, split: str, what: str) -> Tuple[str, Optional[slice]]:
+  """'train[1000:5000]' -> ('train', slice(1000, 5000)): rows by index, which a streamed
+  split can skip and take (datasets' own slicing, percentages included, needs the whole
+  split downloaded)."""
+  base, bracket, rest = split.partition('[')
+  if not bracket:
+    return split, None
+  m = re.fullmatch(r'(\d*):(\d*)\]', rest)
+  if not m:
+    raise ValueError(f'hf:{name} in {what}: split {split!r} is not <split>[<start>:<stop>] '
+                     f'with row numbers (e.g. {base}[:100000]; percentages are not supported)')
+  start, stop = (int(x) if x else None for x in m.groups())
+  return base, slice(start, stop)
+
+
+def _sliced(ds, rows: Optional[slice]):
+  if rows is None:
+    return ds
+  start = rows.start or 0
+  if hasattr(ds, '__len__'):  # a Dataset in memory or on disk
+    return ds.select(range(min(start, len(ds)), min(rows.stop or len(ds), len(ds))))
+  ds = ds.skip(start) if start else ds
+  return ds if rows.stop is None else ds.take(max(0, rows.stop - start))
+
+
 def load_hf(name: str, config: str = '', split: str = 'train', streaming: bool = True,
             what: str = 'config.data.sources'):
   """One split of a Hugging Face dataset: a hub name, a local directory of data files (its
-  subdirectory `config`, if given), or a directory written by save_to_disk."""
+  subdirectory `config`, if given), or a directory written by save_to_disk. The split may
+  take rows by number, e.g. 'train[:100000]'."""
+  split, rows = _split_slice(name, split, what)
+  return _sliced(_load_hf(name, config, split, streaming, what), rows)
+
+
+def _load_hf(name: str, config: str, split: str, streaming: bool, what: str):
   try:
     import datasets  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -227,7 +258,7 @@ def load_hf(name: str, config: str = '', split: str = 'train', streaming: bool =
         ds = ds[split]
       return ds
     if local:  # the hub's file names, <split>-*.parquet (or <split>.jsonl, ...), by split
-      base = split.split('[')[0]
+      base = split
       patterns = [p for p in (f'{base}-*', f'{base}.*') if glob_lib.glob(os.path.join(saved, p))]
       if not patterns:
         raise SplitNotFoundError(f'hf:{name} in {what}: no data files {base}-* or {base}.* in '
@@ -264,9 +295,13 @@ def _hf_stream(spec: str, text_column: str, stats: collections.Counter) -> _Stre
   try:
     total = len(ds)
   except TypeError:  # streaming: the split's size, when the dataset card gives it
+    base, rows = _split_slice(name, split or 'train', 'config.data.sources')
     splits = getattr(ds.info, 'splits', None) or {}
-    info = splits.get((split or 'train').split('[')[0]) if hasattr(splits, 'get') else None
+    info = splits.get(base) if hasattr(splits, 'get') else None
     total = getattr(info, 'num_examples', 0) or 0
+    if rows is not None:  # the rows taken of it
+      total = (len(range(total)[rows]) if total else
+               rows.stop - (rows.start or 0) if rows.stop is not None else 0)
   yield from _text_documents((row[text_column] for row in ds), total, stats)
 
 

@@ -238,6 +238,13 @@ def test_hf_source_from_save_to_disk_and_parquet(tmp_path):
   # Mixed with another source by weights, like any other.
   mixed = list(sources.iter_documents(f'hf:{saved};embedded', weights='1;0'))
   assert mixed == _hf_expected()
+  # Rows by number, from a streamed split (parquet) and from one on disk (save_to_disk).
+  for spec in (f'hf:{tmp_path / "hub"}:en:validation[2:]', f'hf:{saved}::train[2:]'):
+    column = 'body' if 'hub' in spec else 'text'
+    assert list(sources.iter_documents(spec, hf_text_column=column)) == _hf_expected()[1:]
+  assert list(sources.iter_documents(f'hf:{saved}::train[:1]')) == _hf_expected()[:1]
+  with pytest.raises(ValueError, match='percentages are not supported'):
+    next(sources.iter_documents(f'hf:{saved}::train[:50%]'))
 
 
 def test_hf_source_errors_are_one_line(tmp_path):
