@@ -8,9 +8,11 @@ re-masks every instance differently and a restored iterator continues with exact
 an uninterrupted run would have seen.
 """
 
+import json
 import os
 import time
-from typing import Dict
+import zlib
+from typing import Dict, List
 
 from absl import flags
 import grain.python as grain
@@ -39,6 +41,48 @@ class _Mask(grain.RandomMapTransform):
 
   def random_map(self, features, rng: np.random.Generator):
     return self._masker(features, rng)
+
+
+class PreparedShards(grain.ArrayRecordDataSource):
+  """One split's prepared array_record shards, named in the iterator's checkpoint by their
+  file names and record count rather than by their folder (grain's default hashes the
+  absolute paths): a moved workdir, or data.prepared_dir pointed at a copy, resumes."""
+
+  def __init__(self, paths: List[str]):
+    super().__init__(paths)
+    self._names = [os.path.basename(p) for p in paths]
+
+  def __repr__(self) -> str:
+    crc = zlib.crc32('\n'.join(self._names).encode())
+    return f'PreparedShards(files={len(self._names)}, names_crc={crc:08x}, records={len(self)})'
+
+
+class _Iterator:
+  """The data loader's iterator, restoring states saved before PreparedShards named the
+  shards (grain's path hash then stood for them; the prepared data's fingerprint has been
+  checked against the config, so they are taken as these shards)."""
+
+  def __init__(self, iterator, source: PreparedShards):
+    self._iterator, self._source = iterator, source
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return next(self._iterator)
+
+  def get_state(self) -> bytes:
+    return self._iterator.get_state()
+
+  def set_state(self, state: bytes):
+    decoded = json.loads(state.decode())
+    if str(decoded.get('data_source', '')).startswith('ArrayRecordDataSource('):
+      decoded['data_source'] = repr(self._source)
+      state = json.dumps(decoded).encode()
+    self._iterator.set_state(state)
+
+  def start_prefetch(self):
+    self._iterator.start_prefetch()
 
 
 def make_masker(config_data, tokenizer) -> pretraining.Masker:
@@ -70,7 +114,7 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
                      f'{tokenizer.vocab_size}; prepare again with this tokenizer')
   num_files = metadata.get('files', {}).get(split, metadata['fingerprint']['num_shards'])
   paths = prepare_lib.shard_paths(prepared_dir, split, num_files)
-  source = grain.ArrayRecordDataSource(paths)
+  source = PreparedShards(paths)
   per_host = global_batch_size // process_count
   if len(source) // process_count < per_host:
     stats = metadata.get('stats', {})
@@ -95,7 +139,7 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
                                    prefetch_buffer_size=64)
   loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
                             worker_count=config_data.worker_count, read_options=read_options)
-  return iter(loader)
+  return _Iterator(iter(loader), source)
 
 
 def iterator_checkpoint_args(it, mode: str):

@@ -4,6 +4,7 @@ and the sources have their own files: test_tokenizer.py, test_sources.py.)"""
 
 import collections
 import itertools
+import json
 import os
 import shutil
 
@@ -55,7 +56,7 @@ def test_tfds_source_goes_through_the_wikipedia_path(tmp_path):
   docs = list(sources.iter_documents('tfds:tiny_wiki:train', tfds_data_dir=str(tmp_path)))
   assert len(docs) == 6
   assert sorted(map(len, docs)) == sorted(map(len, embedded_documents(6)))
-  config = tiny_config(f'tfds:tiny_wiki', tfds_data_dir=str(tmp_path))
+  config = tiny_config('tfds:tiny_wiki', tfds_data_dir=str(tmp_path))
   metadata = prepare.prepare(config, str(tmp_path / 'prepared'))
   assert metadata['counts']['train'] > 100
   with pytest.raises(FileNotFoundError, match='tfds build'):
@@ -250,6 +251,29 @@ def test_restored_iterator_continues_exactly(prepared, tok, tmp_path):
     got = next(fresh)
     for k in want:
       np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_a_moved_preparation_resumes_and_old_states_restore(prepared, tok, tmp_path):
+  """The iterator's state names the shards by file names and record count, not their
+  folder: restored over a copy at another path (a moved workdir, another prepared_dir) it
+  continues exactly; a state saved before (grain's path hash) restores too."""
+  config, prepared_dir, _ = prepared
+  _, expected = batches(config, tok, prepared_dir, 5)
+  it, _ = batches(config, tok, prepared_dir, 3)
+  state = it.get_state()
+  assert b'PreparedShards(files=' in state and prepared_dir.encode() not in state
+  copy = str(tmp_path / 'moved')
+  shutil.copytree(prepared_dir, copy)
+  old = json.loads(state)
+  old['data_source'] = 'ArrayRecordDataSource(hash_of_paths=0123abcd)'
+  for directory, saved in ((copy, state), (prepared_dir, json.dumps(old).encode())):
+    fresh = pipeline.make_pretraining_iterator(config.data, tok, directory, global_batch_size=8,
+                                               seed=3)
+    fresh.set_state(saved)
+    for want in expected[3:]:
+      got = next(fresh)
+      for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
 
 
 def _originals(batch):
