@@ -141,7 +141,8 @@ def read_tsv(task_name: str, data_dir: str, split: str,
   else:
     header = [h.strip().lstrip('\ufeff') for h in rows[0]]
     col = {h: i for i, h in enumerate(header)}
-    missing = [c for c in task.text if c not in col]
+    needed = list(task.text) + ([task.label] if split != 'test' and task.label else [])
+    missing = [c for c in needed if c not in col]
     if missing:
       raise ValueError(f'{path}: columns {missing} missing (header {header}); is it the '
                        f'{task.name} file?')

@@ -73,6 +73,9 @@ def test_malformed_glue_rows_name_file_and_line(tmp_path, caplog):
   with pytest.raises(ValueError, match=r'RTE/test.tsv holds no examples \(no rows below the '
                                        r'header\).*remove the file'):  # to fail after training
     glue.read_tsv('rte', str(tmp_path), 'test')
+  (rte / 'dev.tsv').write_text('index\tsentence1\tsentence2\tlabels\n1\tA.\tB.\tentailment\n')
+  with pytest.raises(ValueError, match=r"RTE/dev.tsv: columns \['label'\] missing"):
+    glue.read_tsv('rte', str(tmp_path), 'dev')  # was a KeyError
   (rte / 'dev.tsv').write_text('index\tsentence1\tsentence2\tlabel\n1\tcut short\n')
   with pytest.raises(ValueError, match='RTE/dev.tsv holds no examples \\(every row was'):
     glue.read_tsv('rte', str(tmp_path), 'dev', skip_malformed=True)
