@@ -369,6 +369,9 @@ def make_task(config, tokenizer):
 
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Fine-tunes, evaluates and predicts; returns {'task', 'step', 'dev', 'headline'}."""
+  for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs'):
+    if config[name] <= 0:  # a cadence of 0 divided by zero after the workdir was written
+      raise ValueError(f'config.{name}={config[name]}: give a positive number')
   mesh = partitioning.make_mesh(config.mesh)
   workdir = os.path.abspath(os.path.expanduser(workdir))
   # scoped: the caller's mesh (or none) is back afterwards; the lock before any write
@@ -646,6 +649,7 @@ def main(argv):
              '(e.g. --workdir /tmp/ft_sst2)')
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
+  workdir_lib.exit_on_sigterm()  # the loop's own handler saves first
   summary = cli.run_main(finetune, flags.FLAGS.config, flags.FLAGS.workdir,
                          also=(FloatingPointError,))
   if 'preempted' in summary:

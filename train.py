@@ -146,7 +146,21 @@ def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     from data import tokenizer as tokenizer_lib
     config.model.vocab_size = tokenizer_lib.load_for_config(config.data).vocab_size
   resolve(config.model)  # one-line errors for bad model settings, before any compile
+  check_counts(config.train)
   return config
+
+
+def check_counts(tc) -> None:
+  """One-line errors for a step count or a cadence that cannot be (a cadence of 0 used to
+  fail with a division by zero after the workdir was written)."""
+  fields = ['num_steps', 'log_every_steps', 'checkpoint_every_steps']
+  if tc.eval_steps > 0:
+    fields.append('eval_every_steps')
+  for name in fields:
+    if int(tc[name]) < 1:
+      raise ValueError(f'train.{name}={tc[name]}: give a positive number of steps' +
+                       (' (train.eval_steps=0 turns evaluation off)'
+                        if name == 'eval_every_steps' else ''))
 
 
 def make_input_fn(config, workdir: str):
@@ -437,6 +451,7 @@ def main(argv):
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                flags.FLAGS.process_id)
+  workdir_lib.exit_on_sigterm()  # the loop's own handler saves first
   summary = cli.run_main(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir,
                          also=(NonFiniteLossError,))
   if 'preempted' in summary:

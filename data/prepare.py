@@ -267,9 +267,16 @@ def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
     return
   context = multiprocessing.get_context('spawn')  # never fork a process that runs JAX
   work = importlib.import_module('data.prepare')._work  # by its module name, also under -m
-  with concurrent.futures.ProcessPoolExecutor(len(todo), mp_context=context) as pool:
+  pool = concurrent.futures.ProcessPoolExecutor(len(todo), mp_context=context)
+  try:
     for future in [pool.submit(work, config, tokenizer.path, tmp, i, total) for i in todo]:
       future.result()
+  except BaseException:  # a failed worker, Ctrl-C or SIGTERM: stop the others now rather
+    for child in multiprocessing.active_children():  # than wait for their whole share
+      child.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+    raise
+  pool.shutdown()
 
 
 def _own_blocks(documents, block_size: int, worker: int, total: int, transform):

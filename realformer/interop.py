@@ -549,6 +549,8 @@ def export_hf(workdir: str, out: str) -> str:
   `transformers.BertModel.from_pretrained(out)` (or BertForPreTraining with both heads)
   loads: config.json, model.safetensors, and vocab.txt when the run used a WordPiece one."""
   out = os.path.abspath(out)
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ValueError(f'--out {out} is a file; export to a new or existing directory')
   if (os.path.isdir(os.path.join(out, checkpoints.CHECKPOINT_DIR)) or
       os.path.exists(os.path.join(out, workdir_lib.LOCK_FILE))):
     raise ValueError(f'--out {out} is a workdir of this project (it holds checkpoints); '

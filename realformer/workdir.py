@@ -91,7 +91,11 @@ class Lock:
     if jax.process_index() != 0:
       return self
     self._created = not os.path.exists(self.workdir)
-    os.makedirs(self.workdir, exist_ok=True)
+    try:
+      os.makedirs(self.workdir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # it, or a folder above it, is a file
+      raise ValueError(f'--workdir {self.workdir} cannot be a folder: it or a folder above it '
+                       'is a file; choose another --workdir') from None
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -185,19 +189,30 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   """Refuse to resume a checkpoint under another config; log the allowed changes.
 
   Returns the resumable fields that changed. A workdir without a checkpoint has nothing
-  to protect: its config.json is simply replaced later."""
+  to protect (its config.json is simply replaced later) unless its config.json is another
+  program's: a finished fine-tuning run keeps no checkpoint in checkpoints/, yet its
+  best/, final/ and metrics would be mixed with a pretraining run's."""
   path = os.path.join(workdir, 'config.json')
-  if not has_checkpoint or not os.path.isfile(path):
+  if not os.path.isfile(path):
     return []
-  with open(path) as f:
-    stored = json.load(f)
+  try:
+    with open(path) as f:
+      stored = json.load(f)
+  except ValueError as e:
+    if not has_checkpoint:
+      return []
+    raise ValueError(f'{path} is not readable JSON ({e}), yet {workdir} holds checkpoints; '
+                     'restore the file or use another --workdir') from None
   new = json.loads(config.to_json_best_effort())
   fixed, allowed, added = config_differences(stored, new)
   if len(added) * 2 > len(_flatten(new)):  # fields added since are few; this is another file
+    where = (f'yet {workdir} holds checkpoints' if has_checkpoint else
+             f'so {workdir} is another program\'s run (e.g. a fine-tuning run\'s folder)')
     raise ValueError(
         f'{path} is not a config of this program (it lacks {len(added)} of its '
-        f'{len(_flatten(new))} fields, e.g. {added[0]}), yet {workdir} holds checkpoints; '
-        'use another --workdir')
+        f'{len(_flatten(new))} fields, e.g. {added[0]}), {where}; use another --workdir')
+  if not has_checkpoint:
+    return []
   if fixed:
     a, b = _flatten(stored), _flatten(new)
     shown = ', '.join(f'{k}: {a[k]!r} -> {b[k]!r}' for k in fixed[:6])
@@ -236,6 +251,21 @@ class StopSignal:
     """SIGTERM here, or (several processes) jax's preemption notice for this step."""
     return self.event.is_set() or (jax.process_count() > 1 and
                                    manager.reached_preemption(step))
+
+
+def exit_on_sigterm() -> None:
+  """Outside the training loop (preparing the data, compiling, the final evaluation) a
+  SIGTERM stops the run at once with the not-finished status, as the loop's StopSignal
+  does after saving: a scheduler then requeues it, and the rerun resumes from the last
+  complete checkpoint (an interrupted preparation keeps its finished workers). Several
+  processes: jax's preemption notifier owns SIGTERM."""
+  def stop(*_):
+    print(f'not finished: stopped by SIGTERM outside the training loop (preparing, compiling '
+          f'or finishing); run the same command to resume from the last complete checkpoint '
+          f'(exit status {EXIT_NOT_FINISHED})', file=sys.stderr)
+    raise SystemExit(EXIT_NOT_FINISHED)
+  if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+    signal.signal(signal.SIGTERM, stop)
 
 
 def exit_not_finished(step: int):

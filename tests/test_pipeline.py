@@ -278,7 +278,8 @@ def test_an_interrupted_preparation_keeps_finished_workers(corpus, tmp_path, cap
 
 
 @pytest.mark.parametrize('interruption', [
-    KeyboardInterrupt(), prepare.concurrent.futures.BrokenExecutor('a worker was killed')])
+    KeyboardInterrupt(), SystemExit(75),  # Ctrl-C, SIGTERM (train.py's handler)
+    prepare.concurrent.futures.BrokenExecutor('a worker was killed')])
 def test_an_interruption_keeps_the_workers_that_finished_before(corpus, tmp_path, monkeypatch,
                                                                 interruption):
   """Ctrl-C, or a worker process killed (out of memory), while the unfinished workers run:

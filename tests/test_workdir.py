@@ -79,9 +79,22 @@ def test_resume_with_another_model_is_refused_and_config_json_kept(tmp_path, cap
 
 
 def test_a_run_without_a_checkpoint_may_be_restarted_with_another_config(tmp_path):
-  (tmp_path / 'config.json').write_text(json.dumps({'model': {'variant': 'preln'}}))
+  earlier = train.resolved_config(tiny_config())
+  earlier.model.variant = 'preln'  # an earlier start that stopped before its first checkpoint
+  (tmp_path / 'config.json').write_text(earlier.to_json_best_effort())
   run(tiny_config(), tmp_path)
   assert json.loads((tmp_path / 'config.json').read_text())['model']['variant'] == 'postln'
+
+
+def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
+  """A finished fine-tuning run keeps no checkpoint in checkpoints/ (its params are in
+  best/ and final/): train.py must still see that the folder is another program's."""
+  (tmp_path / 'config.json').write_text(json.dumps({'task': 'rte', 'batch_size': 8}))
+  (tmp_path / 'final').mkdir()
+  with pytest.raises(ValueError, match="is another program's run"):
+    run(tiny_config(), tmp_path)
+  assert sorted(set(os.listdir(tmp_path)) - {workdir_lib.LOCK_FILE}) == ['config.json', 'final']
+  assert json.loads((tmp_path / 'config.json').read_text())['task'] == 'rte'
 
 
 def test_warmup_as_a_fraction_of_the_run():
@@ -125,6 +138,31 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(tmp_p
   finally:
     if first.poll() is None:
       first.kill()
+
+
+def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
+  """Preparing or compiling: a SIGTERM stops the run at once with the not-finished status
+  (a scheduler requeues it), not the default 143 that a supervising loop reads as final."""
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  proc = subprocess.Popen(
+      [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
+       '--config.model.num_layers=1', '--config.model.hidden_size=32',
+       '--config.model.mlp_dim=64', '--config.model.vocab_size=100',
+       '--config.data.max_seq_length=32', '--config.data.max_predictions_per_seq=5',
+       '--config.train.batch_size=4', '--config.train.num_steps=100000'],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 240
+    while not (tmp_path / workdir_lib.LOCK_FILE).exists():  # the run has begun its setup
+      assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+      time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
+  assert 'not finished: stopped by SIGTERM' in err and 'Traceback' not in err
 
 
 @pytest.mark.parametrize('program,override,expected', [
@@ -192,6 +230,12 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     (['finetune.py'], '--workdir is required'),
     (['train.py', '--workdir', '{tmp}/w', '--config.train.batch_size=-4'],
      'train.batch_size=-4: give a positive number'),
+    (['train.py', '--workdir', '{tmp}/w', '--config.train.log_every_steps=0'],
+     'train.log_every_steps=0: give a positive number of steps'),
+    (['train.py', '--workdir', '{tmp}/w', '--config.train.num_steps=-3'],
+     'train.num_steps=-3: give a positive number of steps'),
+    (['finetune.py', '--workdir', '{tmp}/ft', '--config.log_every_steps=0'],
+     'config.log_every_steps=0: give a positive number'),
     (['study.py', '--root', '{tmp}/st', '--seeds', 'abc'], "invalid int value: 'abc'"),
     (['study.py', 'compare', '--root', '{tmp}/st', '--variants', 'postln,foo', '--print_only'],
      "unknown variant 'foo'"),
@@ -238,7 +282,13 @@ def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):
   run_dir = tmp_path / 'run'
   (run_dir / 'checkpoints').mkdir(parents=True)
   (run_dir / 'config.json').write_text('{}')
+  afile = tmp_path / 'afile'
+  afile.write_text('not a folder')
   cases = [
+      (['train.py', '--workdir', afile, '--config.data.sources=synthetic'],
+       'cannot be a folder: it or a folder above it is a file'),
+      (['-m', 'realformer.interop', 'export-hf', '--workdir', run_dir, '--out', afile],
+       'is a file; export to a new or existing directory'),
       (['analyze.py', '--workdir', ft, '--out', tmp_path / 'a'], 'is a fine-tuning run'),
       (['finetune.py', '--workdir', tmp_path / 'f2', f'--config.init_checkpoint={ft}'],
        'is a fine-tuning run'),
@@ -250,7 +300,7 @@ def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):
        'exists and is not an empty directory'),
   ]
   expect_one_line_errors(cases)
-  assert sorted(os.listdir(tmp_path)) == ['ft', 'run']
+  assert sorted(os.listdir(tmp_path)) == ['afile', 'ft', 'run']
   assert sorted(os.listdir(run_dir)) == ['checkpoints', 'config.json']
   assert json.loads((ft / 'config.json').read_text())['task'] == 'sst2'
 
