@@ -415,8 +415,15 @@ def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, bool]:
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{src} has no {HF_CONFIG}; pass an HF checkpoint directory '
                             '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
-  with open(config_path) as f:
-    bert = json.load(f)
+  try:
+    with open(config_path) as f:
+      bert = json.load(f)
+  except ValueError as e:
+    raise ValueError(f'{config_path} is not readable JSON ({e}); pass an HF checkpoint '
+                     'directory with its own config.json') from None
+  if not isinstance(bert, dict):
+    raise ValueError(f'{config_path} is not an HF model config (a JSON object); pass an HF '
+                     'checkpoint directory with its own config.json')
   model_type = bert.get('model_type', 'bert')
   if model_type != 'bert':
     raise ValueError(f'{config_path} has model_type={model_type!r}; only BERT checkpoints '

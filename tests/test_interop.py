@@ -301,6 +301,9 @@ def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
   (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, model_type='roberta')))
   with pytest.raises(ValueError, match="model_type='roberta'"):
     interop.load_hf(str(hf_dir))
+  (hf_dir / 'config.json').write_text('{"hidden_size": 16,\n')  # cut short
+  with pytest.raises(ValueError, match=r'roberta/config.json is not readable JSON \('):
+    interop.load_hf(str(hf_dir))
   (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, model_type='bert')))
   save_file({'roberta.embeddings.word_embeddings.weight': np.zeros((60, 16), np.float32)},
             str(hf_dir / 'model.safetensors'))
