@@ -214,6 +214,22 @@ def check_keys(config: str, runs: Sequence[Run]):
       except TypeError:
         raise ValueError(f'{key}={value!r} does not fit the field ({type(current).__name__}, '
                          f'now {current!r}); fix the --sweep/--set value') from None
+  if 'model' in cfg and 'variant' in cfg.model:  # a pretraining config: its model settings
+    from realformer.spec import resolve  # pylint: disable=g-import-not-at-top
+    for run in runs:  # as train.py checks them (a variant, an attention kind, ...)
+      model = cfg.model.copy_and_resolve_references()
+      for key, value in run.items():
+        if key.startswith('model.'):
+          *path, name = key.split('.')[1:]
+          holder = model
+          for part in path:
+            holder = holder[part]
+          holder[name] = bool(value) if isinstance(holder[name], bool) else value  # 1/0
+      try:
+        resolve(model)
+      except ValueError as e:
+        changed = ', '.join(f'{k}={v}' for k, v in run.items() if k.startswith('model.'))
+        raise ValueError(f'the run with {changed}: {e}; fix the --sweep/--set value') from None
 
 
 def last_step(workdir: str) -> int:

@@ -370,10 +370,14 @@ def test_study_attention_over_seeds_tests_the_claimed_orderings(tmp_path, monkey
 
 def test_sweep_values_are_checked_against_their_fields_as_the_command_line_reads_them():
   config = 'configs/pretrain.py:postln,tiny'
-  for fine in ({'model.scan_layers': 0}, {'model.scan_layers': True}, {'model.variant': 3},
-               {'optimizer.learning_rate': 3}, {'train.num_steps': 10}):
+  for fine in ({'model.scan_layers': 0}, {'model.scan_layers': True},
+               {'model.variant': 'synth_dense_vanilla'}, {'optimizer.learning_rate': 3},
+               {'train.num_steps': 10}):
     sweep.check_keys(config, [fine])
   for bad in ({'train.num_steps': 'abc'}, {'train.num_steps': 2.5}, {'train.num_steps': True},
               {'model.scan_layers': 2}, {'model.scan_layers': 'yes'}):
     with pytest.raises(ValueError, match='does not fit the field'):
       sweep.check_keys(config, [{'model.variant': 'postln'}, bad])
+  # A text field's value as train.py would check it, before the first run starts.
+  with pytest.raises(ValueError, match="the run with model.variant=foo: model.variant='foo' is unknown"):
+    sweep.check_keys(config, [{'model.variant': 'postln'}, {'model.variant': 'foo'}])
