@@ -117,12 +117,13 @@ def length_buckets(config, task, workdir: str, resuming: bool,
       stored = tuple(saved)
     else:
       stored, stored_settings = tuple(saved['lengths']), saved['settings']
+  # Settings unknown (an older file): kept to finish an epoch, chosen again at the next.
+  same = stored_settings == settings or (stored_settings is None and mid_epoch)
+  kept = bool(config.length_buckets and stored and stored != (config.max_seq_length,) and same)
   if not config.length_buckets:
     chosen = (config.max_seq_length,)
-  elif stored and stored != (config.max_seq_length,) and stored_settings in (None, settings):
-    chosen = stored
   else:
-    chosen = _choose_buckets(config, task)
+    chosen = stored if kept else _choose_buckets(config, task)
   if mid_epoch and stored is not None and chosen != stored:
     raise ValueError(f'this run stopped in mid-epoch with length buckets {list(stored)}'
                      f'{f" ({stored_settings})" if stored_settings else ""}; resume with '
@@ -130,7 +131,8 @@ def length_buckets(config, task, workdir: str, resuming: bool,
                      f'change them once the epoch is over')
   if jax.process_index() == 0:
     with open(path, 'w') as f:
-      json.dump({'lengths': list(chosen), 'settings': settings}, f)
+      json.dump({'lengths': list(chosen),
+                 'settings': None if kept and stored_settings is None else settings}, f)
   return chosen
 
 

@@ -139,11 +139,12 @@ def name_files(paths: List[str], directory: str, split: str) -> int:
   return len(paths)
 
 
-def _interrupted(error: BaseException) -> bool:
-  """Ctrl-C, a signal's exit or a worker process killed (e.g. out of memory): not the
-  input's fault, so finished workers are kept for the next attempt."""
-  return isinstance(error, (KeyboardInterrupt, SystemExit,
-                            concurrent.futures.BrokenExecutor))
+def _keeps_workers(error: BaseException) -> bool:
+  """Only bad input (a ValueError: no examples, an undecodable or missing corpus) throws the
+  finished workers away. Ctrl-C, SIGTERM's exit, a worker process killed (out of memory) or
+  a storage fault (a full disk, a mount that refuses a rename) are not the workers' fault:
+  they stay for the next attempt."""
+  return not isinstance(error, ValueError)
 
 
 def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
@@ -155,8 +156,8 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   gathers them (the other processes return None: they wait for metadata.json, as
   data.pipeline.ensure_prepared does). With overwrite=False a preparation that another
   process finished first is kept (and its metadata returned) instead of being replaced.
-  A failure (bad input) removes what this host wrote; an interrupted or killed run leaves
-  finished workers for the next attempt to keep.
+  Bad input (a ValueError) removes what this host wrote; anything else (an interrupted or
+  killed run, a storage fault) leaves finished workers for the next attempt to keep.
   """
   started = time.time()
   check_lengths(config)
@@ -170,6 +171,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   if workers < 1 or process_count < 1 or not 0 <= process_index < process_count:
     raise ValueError(f'data.prepare_workers={workers} must be >= 1 (and process '
                      f'{process_index} of {process_count} valid)')
+  fp = fingerprint(config)  # reads the corpus files' names and sizes: fails before any write
   tmp = f'{out_dir.rstrip("/")}.tmp'
   os.makedirs(tmp, exist_ok=True)
   lock = _single_host_lock(tmp) if process_count == 1 else None
@@ -188,8 +190,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
                    made_since=os.path.join(out_dir, METADATA) if process_index else None,
                    since=started - 1)
     except BaseException as e:
-      keep = _interrupted(e)
-      fp = fingerprint(config)
+      keep = _keeps_workers(e)
       for i in ids:  # nothing half-made of this host's is left behind
         if not (keep and _done(tmp, i, total, fp)):
           shutil.rmtree(_worker_dir(tmp, i), ignore_errors=True)
@@ -201,9 +202,13 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
           f.write(f'{type(e).__name__}: {e}')
       raise
     if process_index != 0:
+      try:  # left empty when process 0 had gathered everything before this host looked
+        os.rmdir(tmp)
+      except OSError:
+        pass
       return None
     try:
-      _wait_for_workers(tmp, total, fingerprint(config), timeout_s, since=started - 1)
+      _wait_for_workers(tmp, total, fp, timeout_s, since=started - 1)
       return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
     except BaseException as e:
       if process_count > 1:  # the other hosts, waiting for metadata.json, stop too
@@ -267,13 +272,16 @@ def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
     return
   context = multiprocessing.get_context('spawn')  # never fork a process that runs JAX
   work = importlib.import_module('data.prepare')._work  # by its module name, also under -m
+  before = set(multiprocessing.active_children())
   pool = concurrent.futures.ProcessPoolExecutor(len(todo), mp_context=context)
   try:
-    for future in [pool.submit(work, config, tokenizer.path, tmp, i, total) for i in todo]:
+    futures = [pool.submit(work, config, tokenizer.path, tmp, i, total) for i in todo]
+    done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    for future in done:  # the first failure, as soon as it happens
       future.result()
-  except BaseException:  # a failed worker, Ctrl-C or SIGTERM: stop the others now rather
-    for child in multiprocessing.active_children():  # than wait for their whole share
-      child.terminate()
+  except BaseException:  # a failed worker, Ctrl-C or SIGTERM: stop the pool's other workers
+    for child in set(multiprocessing.active_children()) - before:  # now, not after their
+      child.terminate()                                            # whole share
     pool.shutdown(wait=False, cancel_futures=True)
     raise
   pool.shutdown()
@@ -418,7 +426,7 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
     metadata = _finish(config, tokenizer, gathered, out_dir, overwrite, counts, files, stats,
                        total, started)
   except BaseException as e:
-    if _interrupted(e):  # the workers stay for the next attempt
+    if _keeps_workers(e):  # the workers stay for the next attempt
       shutil.rmtree(gathered, ignore_errors=True)
     else:
       shutil.rmtree(tmp, ignore_errors=True)

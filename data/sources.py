@@ -33,6 +33,7 @@ mwparserfromhell) and set `config.data.tfds_data_dir=DIR`.
 import collections
 import glob as glob_lib
 import gzip
+import json
 import os
 import re
 import zlib
@@ -333,16 +334,40 @@ def files_signature(sources: str) -> Optional[str]:
       matched += [(os.path.basename(p), os.path.getsize(p))
                   for p in sorted(glob_lib.glob(pattern)) if os.path.isfile(p)]
     elif spec.startswith('hf:') and os.path.isdir(spec[3:].split(':')[0]):
-      name, _, rest = spec[3:].partition(':')
-      config = rest.partition(':')[0]
-      folder = os.path.join(name, config) if config else name
-      matched += [(os.path.relpath(os.path.join(root, f), folder),
-                   os.path.getsize(os.path.join(root, f)))
-                  for root, _, names in sorted(os.walk(folder)) for f in sorted(names)]
+      matched += _hf_local_files(spec[3:])
   if not matched:
     return None
   digest = zlib.crc32(repr(matched).encode())
   return f'{len(matched)} files, {sum(n for _, n in matched)} bytes, crc {digest:08x}'
+
+
+def _hf_local_files(spec: str) -> List[Tuple[str, int]]:
+  """(name, size) of the files a local hf:<dir>[:<config>][:<split>] source reads: the
+  split's data files (<split>-*, <split>.*), or a save_to_disk folder's files (of the split,
+  for a DatasetDict); not the folder's other files (caches, READMEs, other splits)."""
+  name, _, rest = spec.partition(':')
+  config, _, split = rest.partition(':')
+  split = (split or 'train').partition('[')[0]
+  saved = os.path.join(name, config) if config else name
+
+  def saved_dataset(folder):  # state.json names the arrow files
+    try:
+      with open(os.path.join(folder, 'state.json')) as f:
+        data = [d['filename'] for d in json.load(f).get('_data_files', [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+      data = []
+    return [os.path.join(folder, n) for n in ['state.json', 'dataset_info.json'] + data]
+
+  if os.path.isfile(os.path.join(saved, 'dataset_dict.json')):
+    paths = [os.path.join(saved, 'dataset_dict.json')] + saved_dataset(
+        os.path.join(saved, split))
+  elif os.path.isfile(os.path.join(saved, 'state.json')):
+    paths = saved_dataset(saved)
+  else:
+    paths = [p for pattern in (f'{split}-*', f'{split}.*')
+             for p in glob_lib.glob(os.path.join(saved, pattern))]
+  return [(os.path.relpath(p, saved), os.path.getsize(p)) for p in sorted(set(paths))
+          if os.path.isfile(p)]  # glob passes over dot-files; a dangling link is no file
 
 
 def parse_weights(weights: Union[str, Sequence[float], None], n: int) -> Optional[np.ndarray]:

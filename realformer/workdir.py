@@ -198,6 +198,8 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   try:
     with open(path) as f:
       stored = json.load(f)
+    if not isinstance(stored, dict):
+      raise ValueError(f'a JSON {type(stored).__name__}, not an object')
   except ValueError as e:
     if not has_checkpoint:
       return []

@@ -231,6 +231,12 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
     finetune.length_buckets(config(2, 32), task, workdir, resuming=True, mid_epoch=True)
   assert finetune.length_buckets(config(2, 32), task, workdir, resuming=True) == other
   assert finetune.length_buckets(config(0, 8), task, workdir, resuming=True) == (128,)
+  # A file of an older version (the lengths alone): kept to finish the epoch, then chosen
+  # again with the settings of the day.
+  with open(tmp_path / finetune.BUCKETS_FILE, 'w') as f:
+    json.dump(list(first), f)
+  assert finetune.length_buckets(config(2, 32), task, workdir, True, mid_epoch=True) == first
+  assert finetune.length_buckets(config(2, 32), task, workdir, resuming=True) == other
 
 
 def _marker_task(root, seed=0, sizes=(('train', 320), ('dev', 200))):

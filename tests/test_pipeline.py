@@ -279,11 +279,13 @@ def test_an_interrupted_preparation_keeps_finished_workers(corpus, tmp_path, cap
 
 @pytest.mark.parametrize('interruption', [
     KeyboardInterrupt(), SystemExit(75),  # Ctrl-C, SIGTERM (train.py's handler)
-    prepare.concurrent.futures.BrokenExecutor('a worker was killed')])
+    prepare.concurrent.futures.BrokenExecutor('a worker was killed'),
+    OSError(28, 'No space left on device')])
 def test_an_interruption_keeps_the_workers_that_finished_before(corpus, tmp_path, monkeypatch,
                                                                 interruption):
-  """Ctrl-C, or a worker process killed (out of memory), while the unfinished workers run:
-  the finished ones stay for the next attempt; a bad input (ValueError) removes it all."""
+  """Ctrl-C, SIGTERM, a worker process killed (out of memory) or a full disk while the
+  unfinished workers run: the finished ones stay for the next attempt; bad input
+  (ValueError) removes it all."""
   config = tiny_config(corpus, document_window=5, prepare_workers=2)
   out, tok = str(tmp_path / 'out'), tokenizer_lib.load_for_config(config.data)
   prepare._work(config, tok, out + '.tmp', 1, 2)  # an earlier attempt finished worker 1

@@ -299,9 +299,14 @@ def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
   config.data.sources = f'hf:{folder}'
   config.data.num_shards = 1
   before = prepare.fingerprint(config)
-  assert before['files'].startswith(f'{len(os.listdir(folder))} files')
+  assert before['files'].startswith(f'{len(os.listdir(folder))} files')  # all read: saved
   prepare.prepare(config, str(tmp_path / 'prepared'))
   prepare.read_metadata(str(tmp_path / 'prepared'), config)  # unchanged: reused
+  (folder / 'README.md').write_text('notes')  # files the source does not read do not count
+  (folder / '.cache').mkdir()
+  (folder / '.cache' / 'lock').write_text('')
+  os.symlink(folder / 'gone', folder / 'dangling')
+  assert prepare.fingerprint(config) == before
   datasets.Dataset.from_dict({'text': HF_TEXTS[::-1] + ['One more document.']}).save_to_disk(
       str(tmp_path / 'hf2'))
   shutil.rmtree(folder)

@@ -86,6 +86,14 @@ def test_a_run_without_a_checkpoint_may_be_restarted_with_another_config(tmp_pat
   assert json.loads((tmp_path / 'config.json').read_text())['model']['variant'] == 'postln'
 
 
+@pytest.mark.parametrize('text', ['[1, 2]', '{"model": {"variant": "postln"', '"text"'])
+def test_a_config_json_that_is_no_config_object(tmp_path, text):
+  (tmp_path / 'config.json').write_text(text)
+  assert workdir_lib.check_resume_config(str(tmp_path), tiny_config(), False) == []
+  with pytest.raises(ValueError, match='is not readable JSON.*holds checkpoints'):
+    workdir_lib.check_resume_config(str(tmp_path), tiny_config(), True)
+
+
 def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
   """A finished fine-tuning run keeps no checkpoint in checkpoints/ (its params are in
   best/ and final/): train.py must still see that the folder is another program's."""
