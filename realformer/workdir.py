@@ -257,15 +257,22 @@ class StopSignal:
 
 def exit_on_sigterm() -> None:
   """Outside the training loop (preparing the data, compiling, the final evaluation) a
-  SIGTERM stops the run at once with the not-finished status, as the loop's StopSignal
-  does after saving: a scheduler then requeues it, and the rerun resumes from the last
-  complete checkpoint (an interrupted preparation keeps its finished workers). Several
-  processes: jax's preemption notifier owns SIGTERM."""
+  SIGTERM stops the run with the not-finished status, as the loop's StopSignal does after
+  saving: a scheduler then requeues it, and the rerun resumes from the last complete
+  checkpoint. The exit is immediate, as a kill's (os._exit: an exception raised wherever the
+  signal lands could be swallowed, or crash the interpreter's shutdown under XLA's
+  threads), and what a kill leaves is what resuming already handles: an unfinished
+  checkpoint step is passed over, a preparation keeps its finished workers (its worker
+  processes are stopped first), and the lock of a process that is gone is taken over.
+  Several processes: jax's preemption notifier owns SIGTERM."""
   def stop(*_):
+    import multiprocessing  # pylint: disable=g-import-not-at-top
+    for child in multiprocessing.active_children():  # a preparation's workers
+      child.terminate()
     print(f'not finished: stopped by SIGTERM outside the training loop (preparing, compiling '
           f'or finishing); run the same command to resume from the last complete checkpoint '
-          f'(exit status {EXIT_NOT_FINISHED})', file=sys.stderr)
-    raise SystemExit(EXIT_NOT_FINISHED)
+          f'(exit status {EXIT_NOT_FINISHED})', file=sys.stderr, flush=True)
+    os._exit(EXIT_NOT_FINISHED)  # pylint: disable=protected-access
   if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
     signal.signal(signal.SIGTERM, stop)
 
