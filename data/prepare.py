@@ -208,7 +208,8 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
         pass
       return None
     try:
-      _wait_for_workers(tmp, total, fp, timeout_s, since=started - 1)
+      # Signed again: a corpus that changed while it was prepared is an error, not a mix.
+      _wait_for_workers(tmp, total, fingerprint(config), timeout_s, since=started - 1)
       return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
     except BaseException as e:
       if process_count > 1:  # the other hosts, waiting for metadata.json, stop too
