@@ -284,9 +284,15 @@ def _load_hf(name: str, config: str, split: str, streaming: bool, what: str):
                      ) from None
 
 
-def _hf_stream(spec: str, text_column: str, stats: collections.Counter) -> _Stream:
+def _hf_parts(spec: str) -> Tuple[str, str, str]:
+  """'<dataset>[:<config>][:<split>]' (after 'hf:') -> (dataset, config, split)."""
   name, _, rest = spec.partition(':')
   config, _, split = rest.partition(':')
+  return name, config, split
+
+
+def _hf_stream(spec: str, text_column: str, stats: collections.Counter) -> _Stream:
+  name, config, split = _hf_parts(spec)
   ds = load_hf(name, config, split or 'train')
   columns = ds.column_names or list(getattr(ds, 'features', None) or {})
   if columns and text_column not in columns:
@@ -333,7 +339,7 @@ def files_signature(sources: str) -> Optional[str]:
       pattern = os.path.expanduser(spec[len('files:'):])
       matched += [(os.path.basename(p), os.path.getsize(p))
                   for p in sorted(glob_lib.glob(pattern)) if os.path.isfile(p)]
-    elif spec.startswith('hf:') and os.path.isdir(spec[3:].split(':')[0]):
+    elif spec.startswith('hf:') and os.path.isdir(_hf_parts(spec[3:])[0]):
       matched += _hf_local_files(spec[3:])
   if not matched:
     return None
@@ -345,8 +351,7 @@ def _hf_local_files(spec: str) -> List[Tuple[str, int]]:
   """(name, size) of the files a local hf:<dir>[:<config>][:<split>] source reads: the
   split's data files (<split>-*, <split>.*), or a save_to_disk folder's files (of the split,
   for a DatasetDict); not the folder's other files (caches, READMEs, other splits)."""
-  name, _, rest = spec.partition(':')
-  config, _, split = rest.partition(':')
+  name, config, split = _hf_parts(spec)
   split = (split or 'train').partition('[')[0]
   saved = os.path.join(name, config) if config else name
 
