@@ -22,6 +22,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.label and len(args.label) != len(args.workdir):
     raise ValueError('give one --label per --workdir (or none)')
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    raise ValueError(f'--out {args.out} is a file; give a folder for the report')
   for w in args.workdir:
     if not os.path.exists(os.path.join(w, 'config.json')):
       raise FileNotFoundError(f'{w} has no config.json: pass the --workdir of a train.py run')

@@ -49,7 +49,8 @@ def corpus_settings(args) -> list:
   ones (R/era/pretraining_corpus.txt, written once), or the whole embedded corpus."""
   if args.corpus == 'embedded':
     return ['data.sources=embedded']
-  era = os.path.join(args.root, 'era') if args.print_only else era_task(args.root)
+  era = (os.path.join(args.root, 'era') if args.print_only or args.report_only else
+         era_task(args.root))
   return [f'data.sources=files:{os.path.join(era, "pretraining_corpus.txt")}']
 
 
@@ -333,6 +334,9 @@ def stability(args) -> int:
                               config=f'configs/pretrain.py:postln,{args.size}',
                               target=args.target), end='')
     return 0
+  if args.report_only and not any(os.path.isdir(os.path.join(root, n)) for n in names):
+    raise ValueError(f'no run of this grid under {root}; run study.py stability without '
+                     '--report_only first (with the same options)')
   todo = [r for r, n in zip(runs, names)
           if not os.path.exists(os.path.join(root, n, DIVERGED))]
   codes = {} if args.report_only else sweep.run_all(
@@ -548,7 +552,14 @@ def compare(args) -> int:
   if minutes:
     print(f'equal wall-clock time: {minutes} minutes of training per run (run these one at '
           'a time on an otherwise idle machine: the time decides the steps)')
-  codes = sweep.run_all(runs, root=root, program=os.path.join(REPO, 'train.py'), config=config)
+  if args.report_only:  # the finished runs there are, nothing run
+    codes = {n: 0 for n in names if sweep.is_done(os.path.join(root, n))}
+    if not codes:
+      raise ValueError(f'no finished run under {root}; run study.py compare without '
+                       '--report_only first (with the same options)')
+  else:
+    codes = sweep.run_all(runs, root=root, program=os.path.join(REPO, 'train.py'),
+                          config=config)
   metrics = ['eval/mlm_accuracy', 'eval/mlm_majority_accuracy', 'eval/mlm_loss',
              'eval/nsp_accuracy', 'train/loss']
   header, table = sweep.summarize(sweep.collect(root, metrics), metrics)
@@ -716,8 +727,8 @@ def main(argv=None):
   stab.add_argument('--warmups', default='0,30', help='warm-up steps, e.g. none and short')
   stab.add_argument('--log_every', type=int, default=10)
   p.add_argument('--report_only', action='store_true',
-                 help='stability, finetune: only the tables (and figure) of the runs there '
-                 'are, nothing run')
+                 help='stability, compare, finetune: only the tables (and figures) of the '
+                 'runs there are, nothing run')
   args = p.parse_args(argv)
   if args.minutes and args.minutes != 'auto':
     try:
@@ -729,6 +740,20 @@ def main(argv=None):
     p.error('--minutes is for the compare part')
   if args.seeds is not None and args.seeds < 1:
     raise ValueError(f'--seeds={args.seeds}: need at least one seed')
+  for name in ('steps', 'batch', 'layers', 'seq_len', 'eval_steps', 'ft_epochs', 'ft_batch',
+               'log_every'):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
+      raise ValueError(f'--{name}={getattr(args, name)}: give a positive number')
+  for name, kind in (('learning_rates', float), ('warmups', int)):
+    try:
+      if any(kind(x) < 0 for x in getattr(args, name).split(',')):
+        raise ValueError
+    except ValueError:
+      raise ValueError(f'--{name} {getattr(args, name)!r}: give comma-separated '
+                       f'{"numbers" if kind is float else "whole numbers"} >= 0, e.g. '
+                       f'{p.get_default(name)}') from None
+  if args.report_only and args.part == 'budget':
+    p.error('--report_only is for the stability, compare and finetune parts')
   from configs import pretrain  # pylint: disable=g-import-not-at-top
   unknown = [v for v in (args.variants or '').split(',') if v and v not in pretrain.VARIANTS]
   if unknown or args.reference not in pretrain.VARIANTS:

@@ -30,6 +30,7 @@ from ml_collections import config_flags
 
 from realformer import checkpoints
 from realformer import cli
+from realformer import config_checks
 from realformer import host_memory
 from realformer import metrics as metrics_lib
 from realformer import partitioning
@@ -140,27 +141,16 @@ class TimeBudget:
 # --------------------------------------------------------------------------------------
 
 def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """An unlocked copy with model.vocab_size set from the tokenizer (not for 'synthetic')."""
+  """An unlocked copy with model.vocab_size set from the tokenizer (not for 'synthetic'),
+  after the checks of everything the config alone shows (one-line errors, before any
+  preparation or compile)."""
   config = config.copy_and_resolve_references()
+  config_checks.check_config(config)
   if config.data.sources != 'synthetic':
     from data import tokenizer as tokenizer_lib
     config.model.vocab_size = tokenizer_lib.load_for_config(config.data).vocab_size
-  resolve(config.model)  # one-line errors for bad model settings, before any compile
-  check_counts(config.train)
+    resolve(config.model)  # with the tokenizer's vocabulary
   return config
-
-
-def check_counts(tc) -> None:
-  """One-line errors for a step count or a cadence that cannot be (a cadence of 0 used to
-  fail with a division by zero after the workdir was written)."""
-  fields = ['num_steps', 'log_every_steps', 'checkpoint_every_steps']
-  if tc.eval_steps > 0:
-    fields.append('eval_every_steps')
-  for name in fields:
-    if int(tc[name]) < 1:
-      raise ValueError(f'train.{name}={tc[name]}: give a positive number of steps' +
-                       (' (train.eval_steps=0 turns evaluation off)'
-                        if name == 'eval_every_steps' else ''))
 
 
 def make_input_fn(config, workdir: str):
@@ -237,6 +227,10 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
   manager = checkpoints.make_manager(workdir, keep=tc.keep_checkpoints)
   latest = checkpoints.latest_complete_step(manager)
   if latest is not None:
+    if latest > tc.num_steps:
+      raise ValueError(f'{workdir} holds a checkpoint at step {latest}, past '
+                       f'train.num_steps={tc.num_steps}; give train.num_steps >= {latest} '
+                       '(a run may be extended on resume, not shortened)')
     logging.info('resuming from %s/checkpoints/%d', workdir, latest)
     tree, data_state = checkpoints.restore(manager, latest, abstract.to_checkpoint(),
                                            data_checkpoint_args(train_iter, 'restore'))

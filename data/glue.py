@@ -18,6 +18,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 from absl import logging
 
+from data import sources
+
 
 class Task(NamedTuple):
   name: str                  # official directory / submission name
@@ -170,12 +172,13 @@ def read_tsv(task_name: str, data_dir: str, split: str,
 
 def read_tfds(task_name: str, split: str, data_dir: Optional[str] = None) -> List[Example]:
   """Examples of one split of tfds glue/<task> (needs network or a prepared data_dir)."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   task = get_task(task_name)
   name = 'glue/' + ('mnli' if task_name == 'mnli_mismatched' else task_name)
-  ds = tfds.load(name, split=task.tfds_splits[split], data_dir=data_dir, shuffle_files=False)
   examples = []
-  for ex in tfds.as_numpy(ds):
+  for ex in sources.load_tfds_task(
+      name, task.tfds_splits[split], data_dir,
+      offline='pass config.data_dir=<a folder with the task\'s official TSV files> or '
+      'hf:<a local copy of nyu-mll/glue>'):
     text = [ex[k].decode('utf-8') for k in task.tfds_text]
     label = None if split == 'test' else float(ex['label'])
     examples.append(Example(str(int(ex['idx'])), text[0], text[1] if len(text) > 1 else None,

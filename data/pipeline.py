@@ -20,6 +20,7 @@ import numpy as np
 
 from data import prepare as prepare_lib
 from data import pretraining
+from realformer import config_checks
 
 
 class _Decode(grain.MapTransform):
@@ -159,7 +160,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
   """
   import jax  # pylint: disable=g-import-not-at-top
   prepared_dir = config.data.prepared_dir or os.path.join(workdir, 'data')
-  prepare_lib.check_lengths(config)
+  config_checks.check_lengths(config)
   metadata = os.path.join(prepared_dir, prepare_lib.METADATA)
   if not os.path.exists(metadata):
     started = time.time() - 1  # file times may be coarser than time.time()

@@ -55,6 +55,7 @@ from data import pretraining
 from data import sources
 from data import tokenizer as tokenizer_lib
 from realformer import cli
+from realformer import config_checks
 
 METADATA = 'metadata.json'
 SPLITS = ('train', 'eval')
@@ -70,13 +71,6 @@ def fingerprint(config) -> dict:
           'document_window': d.get('document_window', 1000),  # the blocks' layout
           **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {}),
           **({'files': files} if (files := sources.files_signature(d.sources)) else {})}
-
-
-def check_lengths(config):
-  if config.data.max_seq_length > config.model.max_len:
-    raise ValueError(f'data.max_seq_length={config.data.max_seq_length} exceeds the model\'s '
-                     f'positions (model.max_len={config.model.max_len}); lower the first or '
-                     'raise the second')
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
@@ -160,11 +154,14 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   killed run, a storage fault) leaves finished workers for the next attempt to keep.
   """
   started = time.time()
-  check_lengths(config)
+  config_checks.check_lengths(config)
   if '://' in out_dir:
     raise ValueError(f'{out_dir!r}: prepared data is written to a local or mounted folder; '
                      'mount the bucket (e.g. gcsfuse gs://bucket /mnt/bucket) and give that '
                      'path (config.data.prepared_dir or --out_dir)')
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f'{out_dir} is a file; the prepared data needs a folder there: give '
+                     'another path (config.data.prepared_dir or --out_dir)')
   d = config.data
   tokenizer = tokenizer or tokenizer_lib.load_for_config(d)
   workers = int(d.get('prepare_workers', 1) or 1)
@@ -504,6 +501,10 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
 def main(argv):
   del argv
   f = flags.FLAGS
+  if f.config is None or not f.out_dir:
+    raise ValueError(('--config is required: e.g. --config configs/pretrain.py:postln,base'
+                      if f.config is None else '--out_dir is required: the folder for the '
+                      'prepared shards (give it to train.py as config.data.prepared_dir)'))
   metadata = prepare(f.config, f.out_dir, process_index=f.process_index,
                      process_count=f.process_count)
   print(json.dumps(metadata or {'worker_process': f.process_index, 'done': True}, indent=2))
@@ -516,5 +517,4 @@ if __name__ == '__main__':
   flags.DEFINE_string('out_dir', None, 'Where to write the shards.')
   flags.DEFINE_integer('process_index', 0, 'This host (0 gathers every host\'s workers).')
   flags.DEFINE_integer('process_count', 1, 'Hosts preparing together (a shared out_dir).')
-  flags.mark_flags_as_required(['config', 'out_dir'])
   app.run(lambda argv: cli.run_main(main, argv), flags_parser=cli.parse_flags)

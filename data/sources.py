@@ -150,13 +150,29 @@ def iter_file_documents(path: str, stats: collections.Counter) -> Iterator[List[
 def _files_stream(pattern: str, stats: collections.Counter) -> _Stream:
   paths = sorted(p for p in glob_lib.glob(os.path.expanduser(pattern)) if os.path.isfile(p))
   if not paths:
-    raise FileNotFoundError(f'data source files:{pattern} matches no file; check the path in '
-                            'config.data.sources')
+    folder = os.path.isdir(os.path.expanduser(pattern))
+    raise FileNotFoundError(f'data source files:{pattern} matches no file; ' + (
+        f'it is a folder: give its files, files:{pattern.rstrip("/")}/*' if folder else
+        'check the path in config.data.sources'))
   sizes = [os.path.getsize(p) for p in paths]
   done = 0
   for path, size in zip(paths, sizes):
     yield from _file_stream(path, stats, done, sum(sizes))
     done += size
+
+
+def load_tfds_task(name: str, split: str, data_dir: Optional[str], offline: str):
+  """tfds.load of a fine-tuning task, which tfds downloads and prepares on first use; a
+  failure (most often no network, after tfds's retries) is one line with the offline route
+  (`offline`: what to pass instead). Yields numpy examples."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  try:
+    return tfds.as_numpy(tfds.load(name, split=split, data_dir=data_dir,
+                                   shuffle_files=False))
+  except Exception as e:  # pylint: disable=broad-except (requests, tfds, OSError, ...)
+    why = ' '.join((str(e).strip().splitlines() or [''])[0].split())[:160]
+    raise ValueError(f'tfds could not load {name} ({type(e).__name__}: {why}); without '
+                     f'network, {offline}') from e
 
 
 def _tfds_stream(spec: str, data_dir: Optional[str], text_feature: str,

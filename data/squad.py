@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from data import sources
+
 
 @dataclasses.dataclass
 class Example:
@@ -116,10 +118,11 @@ def read_json(path: str) -> List[Example]:
 
 def read_tfds(version: str, split: str, data_dir: Optional[str] = None) -> List[Example]:
   """Examples of tfds squad/v1.1 or squad/v2.0 ('train' or 'validation')."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  ds = tfds.load(f'squad/{version}', split=split, data_dir=data_dir, shuffle_files=False)
   examples = []
-  for ex in tfds.as_numpy(ds):
+  for ex in sources.load_tfds_task(
+      f'squad/{version}', split, data_dir,
+      offline='pass config.data_dir=<a folder with the official train-v1.1.json and '
+      'dev-v1.1.json (v2.0: train-v2.0.json, dev-v2.0.json)>'):
     dec = lambda x: x.decode('utf-8')
     answers = ex['answers']
     impossible = bool(ex.get('is_impossible', False))

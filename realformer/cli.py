@@ -11,10 +11,12 @@ keeps the traceback.
 
 import argparse
 import contextlib
+import errno
 import logging as logging_std
 import os
 import re
 import sys
+import traceback
 
 from absl import flags
 
@@ -75,9 +77,26 @@ def _config_load_error(e: OSError) -> str:
           'configs/pretrain.py:<variant>,<size>')
 
 
+def code_error(what: str, e: BaseException) -> str:
+  """A user's Python file (a --config file, a sweep file) failed in its own code: a syntax
+  error, an exception while it ran. Where (the innermost frame) and what, in one line."""
+  if isinstance(e, SyntaxError):
+    where, why = f'{e.filename}, line {e.lineno}', f'SyntaxError: {e.msg}'
+  else:
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    where, why = f'{frame.filename}, line {frame.lineno}', f'{type(e).__name__}: {e}'
+  return f'{what} failed ({where}): {why}; fix the file (--verbose_errors shows the traceback)'
+
+
+def _config_code_error(e: BaseException) -> str:
+  return code_error('the --config file', e)
+
+
 def parse_flags(argv):
   """flags_parser for absl's app.run. A --config file that cannot be read is reported
-  here: ml_collections defers that error to the config's first use."""
+  here: ml_collections defers that error to the config's first use. While flags are
+  parsed the only user code that runs is the --config file, so any other exception is
+  that file's own failure (a syntax error, get_config raising)."""
   verbose = _verbose(argv)
   argv = [a for a in argv if a != '--verbose_errors']
   try:
@@ -87,14 +106,27 @@ def parse_flags(argv):
       if type(value).__name__ == '_ErrorConfig':
         value.lock  # raises the deferred OSError  # pylint: disable=pointless-statement
     return remaining
+  except AttributeError as e:
+    if verbose:
+      raise
+    if re.search(r'has no attribute .?get_config', str(e)):
+      fail('the --config file defines no get_config(); give a config file such as '
+           'configs/pretrain.py:<variant>,<size>')
+    fail(_one_line(e))
   except _ERRORS as e:
     if verbose:
       raise
     fail(_one_line(e))
   except OSError as e:
-    if verbose or 'Failed loading config file' not in str(e):
+    if verbose:
       raise
-    fail(_config_load_error(e))
+    if ('Failed loading config file' in str(e) or 'earlier failure to load' in str(e)):
+      fail(_config_load_error(e))
+    fail(_config_code_error(e))
+  except Exception as e:  # pylint: disable=broad-except
+    if verbose:
+      raise
+    fail(_config_code_error(e))
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -121,7 +153,28 @@ class QuietLibraries(logging_std.Filter):
 # The user errors every entry point reports as one line (a bad path, a bad value, a busy
 # workdir); anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-               PermissionError)
+               PermissionError, FileExistsError)
+
+# The fix for an operating system's refusal of a path the user gave (by errno).
+_PATH_FIXES = {
+    errno.ENOENT: 'check the path',
+    errno.EEXIST: 'a file is in the way: choose another path or move the file',
+    errno.ENOTDIR: 'a part of the path is a file, not a folder: choose another path',
+    errno.EISDIR: 'give a file there, not a folder',
+    errno.EACCES: 'choose a path you may write, or change its permissions',
+    errno.EPERM: 'choose a path you may write, or change its permissions',
+    errno.EROFS: 'the file system is read-only: choose a writable path',
+    errno.ENOSPC: 'the disk is full: free space or choose another disk',
+}
+
+
+def _message(e: BaseException) -> str:
+  """One line; an OSError straight from the operating system ('[Errno 17] File exists:
+  ...') gets the path and the fix."""
+  if (isinstance(e, OSError) and e.filename is not None and e.errno in _PATH_FIXES
+      and str(e).startswith('[Errno')):
+    return f'{e.strerror}: {e.filename!r}; {_PATH_FIXES[e.errno]}'
+  return ' '.join(str(e).split())
 
 
 def run_main(main, *args, also=()):
@@ -140,5 +193,10 @@ def run_main(main, *args, also=()):
   except USER_ERRORS + (workdir_lib.WorkdirInUseError,) + tuple(also) as e:
     if verbose:
       raise
-    print(f'error: {" ".join(str(e).split())}', file=sys.stderr)
+    print(f'error: {_message(e)}', file=sys.stderr)
+    sys.exit(1)
+  except OSError as e:  # a path the system refused (read-only, full, ...); others are bugs
+    if verbose or e.errno not in _PATH_FIXES or e.filename is None:
+      raise
+    print(f'error: {_message(e)}', file=sys.stderr)
     sys.exit(1)

@@ -349,14 +349,27 @@ def read_hf_tensors(src: str) -> Dict[str, np.ndarray]:
   single = os.path.join(src, HF_SAFETENSORS)
   index = os.path.join(src, HF_SAFETENSORS_INDEX)
   if os.path.isfile(single) or os.path.isfile(index):
+    from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
     from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+
+    def load(path):
+      try:
+        return load_file(path)
+      except SafetensorError as e:
+        raise ValueError(f'{path} is not a readable safetensors file ({e}); download it '
+                         'again (an interrupted download or a Git LFS pointer reads so)'
+                         ) from None
     if os.path.isfile(single):
-      return dict(load_file(single))
-    with open(index) as f:
-      files = sorted(set(json.load(f)['weight_map'].values()))
+      return dict(load(single))
+    try:
+      with open(index) as f:
+        files = sorted(set(json.load(f)['weight_map'].values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+      raise ValueError(f'{index} is not a safetensors index (JSON with a weight_map); '
+                       'download it again') from None
     tensors = {}
     for name in files:
-      tensors.update(load_file(os.path.join(src, name)))
+      tensors.update(load(os.path.join(src, name)))
     return tensors
   binary = os.path.join(src, HF_TORCH_BIN)
   if os.path.isfile(binary):
@@ -442,7 +455,9 @@ def import_hf(src: str, out: str) -> str:
   """Import an HF BERT checkpoint directory into a params-only workdir; returns its step dir."""
   _new_out(out)
   if not os.path.isdir(src):
-    raise FileNotFoundError(f'--src {src} not found: pass the folder of an HF BERT checkpoint '
+    raise FileNotFoundError(f'--src {src} ' + ('is a file' if os.path.exists(src) else
+                                                'not found') +
+                            ': pass the folder of an HF BERT checkpoint '
                             '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
   vocab = os.path.join(src, VOCAB)
   if not os.path.isfile(vocab):
@@ -466,12 +481,20 @@ def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
                       ) from None
   try:
     reader = tf.train.load_checkpoint(prefix)
-  except (ValueError, tf.errors.NotFoundError, tf.errors.DataLossError) as e:
+  except (ValueError, tf.errors.NotFoundError) as e:
     raise FileNotFoundError(f'no TF checkpoint at {prefix!r} ({str(e).splitlines()[0]}); pass '
                             'the prefix, e.g. .../bert_model.ckpt (without .index)') from None
-  names = reader.get_variable_to_shape_map()
-  return {n: reader.get_tensor(n) for n in names
-          if not any(n.endswith(s) for s in _TF1_IGNORED_SUFFIXES)}
+  except tf.errors.OpError as e:  # DataLossError, a truncated .index, ...
+    reader, damage = None, e
+  try:
+    if reader is not None:
+      names = reader.get_variable_to_shape_map()
+      return {n: reader.get_tensor(n) for n in names
+              if not any(n.endswith(s) for s in _TF1_IGNORED_SUFFIXES)}
+  except tf.errors.OpError as e:  # a truncated .data-* file
+    damage = e
+  raise ValueError(f'the TF checkpoint {prefix!r} is damaged ({str(damage).splitlines()[0]}); '
+                   'download or copy its .index and .data-* files again')
 
 
 def load_tf1(prefix: str, bert_config: str, *, variant: str = 'realformer'

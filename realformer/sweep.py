@@ -35,6 +35,8 @@ import sys
 import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from realformer.cli import code_error as _code_error
+
 Run = Dict[str, Any]
 DONE = 'DONE'
 LOCK = 'LOCK'
@@ -99,12 +101,20 @@ def expand(sweeps: Sequence[str] = (), fixed: Sequence[str] = (), seeds: int = 1
   """Runs of the command-line sweep (and/or a sweep file), each with a 'seed'."""
   lists = parse_assignments(sweeps, multi=True) + parse_assignments(fixed, multi=False)
   if sweep_file:
+    if not os.path.isfile(sweep_file):
+      raise ValueError(f'--sweep_file {sweep_file} not found; give a Python file that '
+                       'defines get_hyper(h)')
     namespace = {}
-    with open(sweep_file) as f:
-      exec(compile(f.read(), sweep_file, 'exec'), namespace)  # pylint: disable=exec-used
-    if 'get_hyper' not in namespace:
-      raise ValueError(f'{sweep_file} defines no get_hyper(h)')
-    lists.append(namespace['get_hyper'](Hyper))
+    try:
+      with open(sweep_file) as f:
+        exec(compile(f.read(), sweep_file, 'exec'), namespace)  # pylint: disable=exec-used
+      if 'get_hyper' not in namespace:
+        raise ValueError(f'{sweep_file} defines no get_hyper(h); see realformer/sweep.py')
+      lists.append(namespace['get_hyper'](Hyper))
+    except ValueError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(_code_error(f'--sweep_file {sweep_file}', e)) from e
   if seeds < 1:
     raise ValueError(f'--seeds={seeds}: need at least one seed')
   lists.append(Hyper.sweep('seed', range(first_seed, first_seed + seeds)))
@@ -170,11 +180,20 @@ def load_config(config: str):
   full = path if os.path.isabs(path) else os.path.join(
       os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
   if not os.path.isfile(full):
-    raise FileNotFoundError(f'config file {path} not found')
+    raise FileNotFoundError(f'config file {path} not found; give a config file such as '
+                            'configs/pretrain.py:<variant>,<size>')
   spec = importlib.util.spec_from_file_location('_sweep_config', full)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+  try:
+    spec.loader.exec_module(module)
+    if not hasattr(module, 'get_config'):
+      raise ValueError(f'the --config file {path} defines no get_config(); give a config '
+                       'file such as configs/pretrain.py:<variant>,<size>')
+    return module.get_config(arg) if arg else module.get_config()
+  except ValueError:
+    raise  # the config's own message for a bad argument (an unknown size, ...)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(_code_error(f'the --config file {path}', e)) from e
 
 
 def check_keys(config: str, runs: Sequence[Run]):
@@ -214,21 +233,22 @@ def check_keys(config: str, runs: Sequence[Run]):
       except TypeError:
         raise ValueError(f'{key}={value!r} does not fit the field ({type(current).__name__}, '
                          f'now {current!r}); fix the --sweep/--set value') from None
-  if 'model' in cfg and 'variant' in cfg.model:  # a pretraining config: its model settings
-    from realformer.spec import resolve  # pylint: disable=g-import-not-at-top
-    for run in runs:  # as train.py checks them (a variant, an attention kind, ...)
-      model = cfg.model.copy_and_resolve_references()
+  if 'model' in cfg and 'variant' in cfg.model and 'train' in cfg:  # a pretraining config:
+    from realformer import config_checks  # pylint: disable=g-import-not-at-top
+    for run in runs:  # each run's whole config, as train.py checks it (a variant, a step
+      full = cfg.copy_and_resolve_references()  # count, the warm-up, the lengths, ...)
       for key, value in run.items():
-        if key.startswith('model.'):
-          *path, name = key.split('.')[1:]
-          holder = model
-          for part in path:
-            holder = holder[part]
-          holder[name] = bool(value) if isinstance(holder[name], bool) else value  # 1/0
+        if key == 'seed':
+          continue
+        *path, name = key.split('.')
+        holder = full
+        for part in path:
+          holder = holder[part]
+        holder[name] = bool(value) if isinstance(holder[name], bool) else value  # 1/0
       try:
-        resolve(model)
+        config_checks.check_config(full)
       except ValueError as e:
-        changed = ', '.join(f'{k}={v}' for k, v in run.items() if k.startswith('model.'))
+        changed = ', '.join(f'{k}={v}' for k, v in run.items() if k != 'seed')
         raise ValueError(f'the run with {changed}: {e}; fix the --sweep/--set value') from None
 
 

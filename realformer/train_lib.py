@@ -30,6 +30,7 @@ from realformer import metrics as metrics_lib
 from realformer import models
 from realformer import partitioning
 from realformer import rows as rows_lib
+from realformer.config_checks import warmup_steps
 from realformer.spec import EncoderSpec, resolve
 
 
@@ -77,21 +78,6 @@ def fixed_params_fn(spec: EncoderSpec) -> Optional[Callable[[Any], Any]]:
     return None
   return lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: _names(path)[-1] in FIXED_RANDOM_PARAMS, params)
-
-
-def warmup_steps(opt_config, num_steps: int) -> int:
-  """optimizer.warmup_steps, or with -1, int(optimizer.warmup_fraction * num_steps)."""
-  warmup = int(opt_config.warmup_steps)
-  if warmup == -1:
-    fraction = float(opt_config.get('warmup_fraction', 0.0))
-    if not 0.0 <= fraction <= 1.0:
-      raise ValueError(f'optimizer.warmup_fraction={fraction} must lie in [0, 1]')
-    return int(fraction * num_steps)
-  if warmup > num_steps or warmup < 0:
-    raise ValueError(f'optimizer.warmup_steps={warmup} must lie in [0, train.num_steps='
-                     f'{num_steps}]; lower it, or set it to -1 to warm up for '
-                     f'optimizer.warmup_fraction of the run')
-  return warmup
 
 
 def make_schedule(opt_config, num_steps: int) -> optax.Schedule:

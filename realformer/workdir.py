@@ -194,6 +194,10 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   best/, final/ and metrics would be mixed with a pretraining run's."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.isfile(path):
+    if has_checkpoint:  # config.json is written before the first checkpoint: removed since
+      raise ValueError(f'{workdir} holds checkpoints but no config.json, so the config they '
+                       'were trained with is unknown; restore config.json (a copy of the '
+                       'run\'s config) or use another --workdir')
     return []
   try:
     with open(path) as f:

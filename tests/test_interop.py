@@ -314,6 +314,17 @@ def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
     interop.load_hf(str(hf_dir))
   with pytest.raises(FileNotFoundError, match='neither model.safetensors nor pytorch_model.bin'):
     interop.read_hf_tensors(str(tmp_path))
+  # Damaged files: an interrupted download, a Git LFS pointer in place of the weights.
+  (hf_dir / 'model.safetensors').write_text('version https://git-lfs.github.com/spec/v1\n')
+  with pytest.raises(ValueError, match='model.safetensors is not a readable safetensors file'):
+    interop.read_hf_tensors(str(hf_dir))
+  damaged = tmp_path / 'damaged'
+  damaged.mkdir()
+  for path in ck['root'].iterdir():
+    if path.name.startswith('bert_model.ckpt'):
+      (damaged / path.name).write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+  with pytest.raises(ValueError, match="TF checkpoint '.*bert_model.ckpt' is damaged"):
+    interop.read_tf1_tensors(str(damaged / 'bert_model.ckpt'))
 
 
 def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):

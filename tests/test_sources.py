@@ -314,3 +314,21 @@ def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
   assert prepare.fingerprint(config)['files'] != before['files']
   with pytest.raises(ValueError, match='made with other corpus files'):
     prepare.read_metadata(str(tmp_path / 'prepared'), config)
+
+
+def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
+  """GLUE and SQuAD without data_dir go through tfds.load, which downloads: without network
+  its failure (after tfds's retries) names the offline route instead of a long traceback."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from data import glue, squad  # pylint: disable=g-import-not-at-top
+
+  def no_network(name, **kw):
+    raise ConnectionError(f"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'\n"
+                          f'({name}, {kw["split"]})')
+  monkeypatch.setattr(tfds, 'load', no_network)
+  with pytest.raises(ValueError, match=r"^tfds could not load glue/rte \(ConnectionError: "
+                     r"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'\); "
+                     r"without network, pass config.data_dir=<a folder with the task's "):
+    glue.read_tfds('rte', 'train')
+  with pytest.raises(ValueError, match=r'load squad/v2.0 .*train-v2.0.json'):
+    squad.read_tfds('v2.0', 'train')

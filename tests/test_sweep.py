@@ -381,3 +381,29 @@ def test_sweep_values_are_checked_against_their_fields_as_the_command_line_reads
   # A text field's value as train.py would check it, before the first run starts.
   with pytest.raises(ValueError, match="the run with model.variant=foo: model.variant='foo' is unknown"):
     sweep.check_keys(config, [{'model.variant': 'postln'}, {'model.variant': 'foo'}])
+  # Every run's whole config as train.py checks it: step counts, the warm-up, the masking
+  # (a negative num_steps used to pass as 'finished': its last step -1 is past -5).
+  for bad, message in (({'train.num_steps': -5}, 'train.num_steps=-5: give a positive'),
+                       ({'data.masked_lm_prob': 2}, 'masked_lm_prob=2.0 must be in'),
+                       ({'train.num_steps': 5, 'optimizer.warmup_steps': 10},
+                        'warmup_steps=10 must lie')):
+    with pytest.raises(ValueError, match=f'the run with .*{message}.*fix the --sweep/--set'):
+      sweep.check_keys(config, [{'model.variant': 'postln'}, bad])
+
+
+def test_a_config_or_sweep_file_that_fails_is_one_line_naming_file_and_line(tmp_path):
+  broken = tmp_path / 'broken.py'
+  broken.write_text('def get_config(:\n  pass\n')
+  raising = tmp_path / 'raising.py'
+  raising.write_text('def get_config():\n  return 1 / 0\n')
+  hyper = tmp_path / 'hyper.py'
+  hyper.write_text('def get_hyper(h):\n  return h.sweep("seed", undefined)\n')
+  for args, message in (
+      (['--config', str(broken)], rf'{broken} failed \({broken}, line 1\): SyntaxError'),
+      (['--config', str(raising)], r'line 2\): ZeroDivisionError: division by zero'),
+      (['--sweep_file', str(hyper)], r'line 2\): NameError'),
+      (['--sweep_file', str(tmp_path / 'none.py')], 'not found; give a Python file')):
+    proc = subprocess.run([sys.executable, 'sweep.py', 'print', '--root', str(tmp_path / 'r'),
+                           *args], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr
+    assert re.fullmatch(f'error: .*{message}.*\n', proc.stderr), proc.stderr

@@ -211,6 +211,19 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
   assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
   assert "model.variant: 'postln' -> 'realformer'" in errors[0]
   assert (tmp_path / 'config.json').read_text() == stored
+  # A run is extended on resume, never shortened; a workdir whose config.json is gone does
+  # not say what its checkpoints are (it resumed as whatever model was asked for).
+  def refused(steps):
+    proc = subprocess.run(args + [f'--config.train.num_steps={steps}'], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+  assert 'checkpoint at step 3, past train.num_steps=2; give train.num_steps >= 3' in refused(2)
+  assert (tmp_path / 'config.json').read_text() == stored
+  os.remove(tmp_path / 'config.json')
+  assert 'holds checkpoints but no config.json' in refused(4)
+  assert not (tmp_path / 'config.json').exists()
 
 
 @pytest.mark.parametrize('argv,expected', [
@@ -248,18 +261,39 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     (['study.py', 'compare', '--root', '{tmp}/st', '--variants', 'postln,foo', '--print_only'],
      "unknown variant 'foo'"),
     (['study.py', '--root', '{tmp}/st', '--size', 'huge', '--print_only'], "--size 'huge'"),
+    (['study.py', 'compare', '--root', '{tmp}/st', '--report_only'],
+     'no finished run under'),  # --report_only ran the whole study
+    (['study.py', 'stability', '--root', '{tmp}/st', '--learning_rates', '1e-3,fast',
+      '--print_only'], "--learning_rates '1e-3,fast': give comma-separated numbers"),
+    (['study.py', 'compare', '--root', '{tmp}/st', '--steps', '-5', '--print_only'],
+     '--steps=-5: give a positive number'),
+    (['sweep.py', 'run', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
+      '--set', 'train.num_steps=-5'], 'train.num_steps=-5: give a positive number'),
+    (['-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny'],
+     '--out_dir is required'),
+    (['-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny', '--out_dir',
+      '{tmp}/a_file'], 'a_file is a file; the prepared data needs a folder'),
+    (['-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny', '--out_dir',
+      '{tmp}/p', '--config.data.sources=files:{tmp}'], 'it is a folder: give its files'),
+    (['analyze.py', '--workdir', '{tmp}', '--out', '{tmp}/a_file'], 'a_file is a file'),
+    (['-m', 'realformer.interop', 'import-hf', '--src', '{tmp}/a_file', '--out', '{tmp}/x'],
+     'a_file is a file: pass the folder of an HF BERT checkpoint'),
+    (['train.py', '--workdir', '{tmp}/a_file/w', '--config.data.sources=synthetic'],
+     'cannot be a folder: it or a folder above it is a file'),
     (['analyze.py', '--out', '{tmp}/a'], 'the following arguments are required: --workdir'),
     (['sweep.py', 'print', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
       '--set', 'train.num_steps=abc'], "train.num_steps='abc' does not fit the field (int"),
 ])
 def test_every_entry_point_reports_user_errors_in_one_line(tmp_path, argv, expected):
   argv = [a.format(tmp=tmp_path) for a in argv]
+  expected = expected.format(tmp=tmp_path)
+  (tmp_path / 'a_file').write_text('in the way\n')
   proc = subprocess.run([sys.executable] + argv, cwd=REPO, capture_output=True, text=True,
                         timeout=240)
   errors = [l for l in proc.stderr.splitlines() if 'error:' in l]
   assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], proc.stderr
   assert 'Traceback' not in proc.stderr
-  assert sorted(os.listdir(tmp_path)) == []  # nothing half-made left behind
+  assert os.listdir(tmp_path) == ['a_file']  # nothing half-made left behind
 
 
 def test_entry_points_without_absl_app_drop_orbax_restore_warning():
@@ -348,3 +382,21 @@ def expect_one_line_errors(cases):
     errors = [l for l in err.splitlines() if 'error:' in l]
     assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
     assert 'Traceback' not in err
+
+
+def test_a_config_file_that_fails_to_load_is_one_line(tmp_path):
+  """The --config file is the user's own code: a syntax error, an exception in get_config,
+  no get_config at all, or a folder given for it."""
+  (tmp_path / 'broken.py').write_text('def get_config(:\n  pass\n')
+  (tmp_path / 'raising.py').write_text('def get_config():\n  return 1 / 0\n')
+  (tmp_path / 'empty.py').write_text('x = 1\n')
+  for name, expected in (('broken.py', 'broken.py, line 1): SyntaxError: invalid syntax'),
+                         ('raising.py', 'raising.py, line 2): ZeroDivisionError'),
+                         ('empty.py', 'defines no get_config()'),
+                         ('', 'cannot load the --config file: Is a directory')):
+    proc = subprocess.run([sys.executable, 'train.py', f'--workdir={tmp_path}/w',
+                           f'--config={tmp_path / name}'], cwd=REPO, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 1 and proc.stderr.count('\n') == 1, proc.stderr
+    assert proc.stderr.startswith('error: ') and expected in proc.stderr, proc.stderr
+    assert not (tmp_path / 'w').exists()

@@ -1,0 +1,64 @@
+"""What a pretraining config alone shows to be wrong, as one-line ValueErrors naming the fix.
+
+train.py checks a config with `check_config` before anything is prepared, compiled or
+written; sweep.py checks every run's config before the first run starts; data.prepare checks
+the lengths. No jax at import (data preparation's worker processes import this).
+"""
+
+
+def warmup_steps(opt_config, num_steps: int) -> int:
+  """optimizer.warmup_steps, or with -1, int(optimizer.warmup_fraction * num_steps)."""
+  warmup = int(opt_config.warmup_steps)
+  if warmup == -1:
+    fraction = float(opt_config.get('warmup_fraction', 0.0))
+    if not 0.0 <= fraction <= 1.0:
+      raise ValueError(f'optimizer.warmup_fraction={fraction} must lie in [0, 1]')
+    return int(fraction * num_steps)
+  if warmup > num_steps or warmup < 0:
+    raise ValueError(f'optimizer.warmup_steps={warmup} must lie in [0, train.num_steps='
+                     f'{num_steps}]; lower it, or set it to -1 to warm up for '
+                     f'optimizer.warmup_fraction of the run')
+  return warmup
+
+
+def check_counts(tc) -> None:
+  """A step count or a cadence that cannot be (a cadence of 0 used to fail with a division
+  by zero after the workdir was written)."""
+  fields = ['num_steps', 'log_every_steps', 'checkpoint_every_steps']
+  if tc.eval_steps > 0:
+    fields.append('eval_every_steps')
+  for name in fields:
+    if int(tc[name]) < 1:
+      raise ValueError(f'train.{name}={tc[name]}: give a positive number of steps' +
+                       (' (train.eval_steps=0 turns evaluation off)'
+                        if name == 'eval_every_steps' else ''))
+  if int(tc.batch_size) < 1:
+    raise ValueError(f'train.batch_size={tc.batch_size}: give a positive number of examples '
+                     '(the global batch, over all hosts)')
+
+
+def check_lengths(config) -> None:
+  if config.data.max_seq_length > config.model.max_len:
+    raise ValueError(f'data.max_seq_length={config.data.max_seq_length} exceeds the model\'s '
+                     f'positions (model.max_len={config.model.max_len}); lower the first or '
+                     'raise the second')
+
+
+def check_masking(data) -> None:
+  if not 0 < float(data.masked_lm_prob) < 1:
+    raise ValueError(f'data.masked_lm_prob={data.masked_lm_prob} must be in (0, 1); BERT '
+                     'uses 0.15')
+  if int(data.max_predictions_per_seq) < 1:
+    raise ValueError(f'data.max_predictions_per_seq={data.max_predictions_per_seq}: give at '
+                     'least 1 (BERT: 20 at length 128, 80 at 512)')
+
+
+def check_config(config) -> None:
+  """Everything the pretraining config alone can show: the model's settings, step counts
+  and cadences, the warm-up, the lengths, the masking."""
+  from realformer.spec import resolve  # pylint: disable=g-import-not-at-top (jax)
+  resolve(config.model)
+  check_counts(config.train)
+  warmup_steps(config.optimizer, int(config.train.num_steps))
+  check_lengths(config)
+  check_masking(config.data)
