@@ -15,6 +15,7 @@ same format (throughput checks only).
 
 import json
 import os
+import sys
 import time
 from typing import Optional
 
@@ -418,6 +419,8 @@ def maybe_initialize_distributed(coordinator_address: Optional[str] = None,
 def check_launch():
   """--compile_for: compile the step for a TPU slice or the local devices and report."""
   from realformer import launch
+
+  launch.ensure_unlimited_stack(sys.argv)  # XLA:TPU's compiler may need more than 8 MiB
 
   def compile_and_report():
     if flags.FLAGS.compile_for != 'local':

@@ -114,16 +114,38 @@ def run(args):
           line['max_batch'], f"{line['seconds']:.0f}s", flush=True)
 
 
+def rejudged(r):
+  """A stored cell judged against the usable HBM (launch.USABLE_HBM_GIB; the cells of
+  2026-11-24 were judged against the nominal HBM_GIB). A compile whose total is above the
+  usable figure does not fit: the reference batch becomes "no", and a largest batch found
+  above it becomes the smallest known not to fit, the reference (if it fits) the largest
+  known to."""
+  from realformer import launch
+  usable = launch.USABLE_HBM_GIB[r['cell']['target'].split(':')[0]]
+  r = json.loads(json.dumps(r))
+  ref = r['reference']
+  if ref['fits'] and ref['gib'] > usable:
+    ref['fits'] = False
+  if r['max_batch'] and (r['max_batch_gib'] or 0) > usable:
+    r['first_failing'] = r['max_batch']
+    r['max_batch'], r['max_batch_gib'] = ((ref['batch'], ref['gib']) if ref['fits'] and
+                                          ref['batch'] < r['max_batch'] else (0, None))
+    r['rejudged'] = True
+  return r
+
+
 def _cell(r):
   if r is None:
     return 'not run'
   ref = r['reference']
   at = f'{ref["gib"]:.2f} GiB' if ref['fits'] else 'no'
+  star = '*' if r.get('rejudged') else ''
   if not r['max_batch']:
-    return f'{at}; none fits'
+    return (f'{at}; {r["first_failing"]} not, smaller not tried*' if star else
+            f'{at}; none fits')
   if not r['first_failing']:
     return f'{at}; >= {r["max_batch"]}'
-  return f'{at}; {r["max_batch"]} fits, {r["first_failing"]} not'
+  return f'{at}; {r["max_batch"]} fits, {r["first_failing"]} not{star}'
 
 
 def _carry_gib(cell, chips=4):
@@ -139,12 +161,14 @@ def markdown(args):
   with open(args.out) as f:
     for l in f:
       if l.strip():
-        r = json.loads(l)
+        r = rejudged(json.loads(l))
         rows[key(r['cell'])] = r
   get = lambda **c: rows.get(key(c))
   out = ['Each cell: GiB per chip at global batch 128 (32 per chip; "no" = does not fit), '
          'then the largest global batch that compiled and fitted and the smallest that did '
-         'not (the largest batch lies between).', '',
+         'not (the largest batch lies between). The slice\'s HBM is what a program may use '
+         '(the compiler\'s "available HBM"); a cell marked * was re-judged against it from '
+         'its stored compile (judged against the nominal HBM when it was made).', '',
          '| slice (HBM) | length | mesh | size | ' + ' | '.join(VARIANTS) + ' |',
          '|---|---|---|---|' + '---|' * len(VARIANTS)]
   for target in SLICES:
@@ -159,7 +183,8 @@ def markdown(args):
             continue
           text = ['' if v.endswith('bf16carry') and mesh != 'fsdp' else _cell(c)
                   for v, c in zip(VARIANTS, cells_)]
-          out.append(f'| {target} ({launch.HBM_GIB[gen]} GiB) | {length} | {mesh} | {size} | '
+          out.append(f'| {target} ({launch.USABLE_HBM_GIB[gen]} GiB) | {length} | {mesh} | '
+                     f'{size} | '
                      + ' | '.join(text) + ' |')
   out += ['', "RealFormer's extra memory over Post-LN as the compiler sees it (fsdp mesh, "
           'global batch 128), against the size of the float32 carries if all were kept for the '

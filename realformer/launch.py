@@ -47,8 +47,14 @@ from realformer import train_lib
 
 GiB = 1024 ** 3
 
-# HBM per chip (GiB) of the TPU generations a topology may name.
+# HBM per chip (GiB) of the TPU generations a topology may name, as sold.
 HBM_GIB = {'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
+# What a program may use of it: the "available HBM" in the TPU compiler's own refusals
+# (libtpu 0.0.42.1: "... exceeds available HBM (15.75G)"); the rest is the runtime's. The
+# verdict compares a program's total (arguments, outputs, temporaries, code) with this: the
+# compiler itself checks only the temporaries, so a program can compile and still not fit.
+# A refusal that names another figure replaces it (_available_from).
+USABLE_HBM_GIB = {'v4': 30.75, 'v5e': 15.75, 'v5p': 95.74, 'v6e': 31.25}
 # chip_config_name of the generations with two TensorCores per chip: 'megacore' makes one
 # device per chip, as jax shows those chips on a TPU VM.
 _MEGACORE = ('v4', 'v5p')
@@ -75,6 +81,32 @@ def _ensure_cpu_host():
     jax.config.update('jax_platforms', 'cpu')
   except Exception:  # a backend is already up (e.g. tests): fine if it is the CPU
     pass
+
+
+STACK_ENV = 'REALFORMER_STACK_RAISED'
+
+
+def ensure_unlimited_stack(argv) -> None:
+  """Re-run this program with an unlimited stack (`ulimit -s unlimited`), once, before jax
+  starts: XLA:TPU's compiler overflows the default 8 MiB stack on some programs (bfloat16
+  with remat 'full' or 'dots_no_batch': a segmentation fault, libtpu 0.0.42.1). The limit
+  is read when the process starts, so raising it needs a new process. Where the hard limit
+  forbids it, say so and go on."""
+  import resource  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+  if soft == resource.RLIM_INFINITY or os.environ.get(STACK_ENV):
+    return
+  if hard != resource.RLIM_INFINITY:
+    print(f'note: the stack limit is {soft >> 20} MiB and may not be raised (hard limit); if '
+          'the compile crashes with a segmentation fault, run it where `ulimit -s unlimited` '
+          'is allowed', file=sys.stderr)
+    return
+  resource.setrlimit(resource.RLIMIT_STACK, (resource.RLIM_INFINITY, hard))
+  os.environ[STACK_ENV] = '1'
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execv(sys.executable, [sys.executable] + list(argv))
 
 
 def tpu_target(name: str) -> Target:
@@ -108,7 +140,7 @@ def tpu_target(name: str) -> Target:
   devices = list(desc.devices)
   hosts = len({d.process_index for d in devices})
   return Target(name, 'tpu', devices, hosts, devices[0].device_kind,
-                HBM_GIB[generation] * GiB)
+                int(USABLE_HBM_GIB[generation] * GiB))
 
 
 def local_target() -> Target:
@@ -151,6 +183,8 @@ class Report:
   collectives: Dict[str, dict] = dataclasses.field(default_factory=dict)
   compile_seconds: float = 0.0
   refusal: str = ''              # the compiler's one-line reason when it would not fit
+  eval_total_bytes: int = 0      # the evaluation step (the whole global batch at once, no
+  eval_refusal: str = ''         #   accumulation) beside the train state; 0: not compiled
   refused_temp_bytes: int = 0    # the temporaries it said the program needed, if it said
   unknown_trip_counts: int = 0
   assumed_trip_counts: int = 0
@@ -183,6 +217,14 @@ def _out_of_memory(error: Exception) -> Optional[str]:
     useful = [l for l in lines if 'memory' in l.lower()] or lines
     return useful[0][:300]
   return None
+
+
+def _bytes_after(label: str, text: str) -> Optional[int]:
+  """'... <label> (15.75G) ...' in a compiler message -> bytes."""
+  m = re.search(label + r' \((\d+(?:\.\d+)?)([KMGT]?)B?\)', text)
+  if not m:
+    return None
+  return int(float(m.group(1)) * 1024 ** ('_KMGT'.index(m.group(2) or '_')))
 
 
 def build(config, target: Target, batch_size: Optional[int] = None):
@@ -223,10 +265,10 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
       if reason is None:
         raise
       report.refusal, report.compile_seconds = reason, time.time() - start
-      need = re.search(r'temporaries \((\d+(?:\.\d+)?)([KMGT]?)B?\)', str(e))
-      if need:
-        scale = 1024 ** ('_KMGT'.index(need.group(2) or '_'))
-        report.refused_temp_bytes = int(float(need.group(1)) * scale)
+      report.refused_temp_bytes = _bytes_after(r'temporaries', str(e)) or 0
+      available = _bytes_after(r'available HBM', str(e))
+      if available and target.platform == 'tpu':  # the compiler's own figure rules
+        target.hbm_bytes = report.hbm_bytes = available
       return report, None
   report.compile_seconds = time.time() - start
   mem = compiled.memory_analysis()
@@ -237,7 +279,9 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   report.code_bytes = int(mem.generated_code_size_in_bytes)
   report.total_bytes = (report.argument_bytes + report.output_bytes - report.alias_bytes +
                         report.temp_bytes + report.code_bytes)
-  report.fits = target.hbm_bytes is None or report.total_bytes <= target.hbm_bytes
+  if int(config.train.eval_steps) > 0:
+    _compile_eval(program, mesh, batch, report)
+  report.fits = judge(report, target.hbm_bytes)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   report.xla_flops = float((cost or {}).get('flops', 0.0))
@@ -248,6 +292,37 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   report.assumed_trip_counts = stats.assumed_trip_counts
   report.collectives = {k: dataclasses.asdict(v) for k, v in sorted(stats.collectives.items())}
   return report, compiled
+
+
+def judge(report: Report, hbm_bytes: Optional[int]) -> bool:
+  """Fits: both compiled programs (the train step, and the evaluation step when there is
+  one) within the HBM a program may use (always, when that is unknown)."""
+  if report.refusal or report.eval_refusal:
+    return False
+  return hbm_bytes is None or max(report.total_bytes, report.eval_total_bytes) <= hbm_bytes
+
+
+def _compile_eval(program, mesh, batch, report: Report) -> None:
+  """train.py's evaluation step: forward only, but on the whole global batch at once (no
+  accumulation), while the train state stays in HBM. With grad_accum_steps it can need
+  more memory than the train step; the verdict covers both."""
+  eval_step = train_lib.make_eval_step(program.loss_fn, mesh=mesh,
+                                       params_sharding=program.shardings.params,
+                                       metrics_cls=metrics_lib.PretrainingEvalMetrics)
+  with jax.set_mesh(mesh):
+    try:
+      compiled = eval_step.lower(program.abstract.params, batch).compile()
+    except Exception as e:  # XLA's errors are not a public type
+      reason = _out_of_memory(e)
+      if reason is None:
+        raise
+      report.eval_refusal = reason
+      return
+  mem = compiled.memory_analysis()
+  params = _state_bytes(program.abstract.params)
+  report.eval_total_bytes = int(report.state_bytes + mem.argument_size_in_bytes - params +
+                                mem.output_size_in_bytes - mem.alias_size_in_bytes +
+                                mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
 
 
 def batch_unit(config, target: Target, multiple: int = 1) -> int:
@@ -264,7 +339,7 @@ def _estimated_total(r: Report, fitted: Optional[Report]) -> Optional[float]:
   needed plus a fitting compile's non-temporary bytes (which do not grow with the batch but
   for the batch itself)."""
   if r.total_bytes:
-    return float(r.total_bytes)
+    return float(max(r.total_bytes, r.eval_total_bytes))
   if r.refused_temp_bytes and fitted is not None:
     return float(r.refused_temp_bytes + fitted.total_bytes - fitted.temp_bytes)
   return None
@@ -408,9 +483,11 @@ def describe(config, target: Target) -> str:
   shape = partitioning.mesh_shape(config.mesh, len(target.devices))
   mesh = ' '.join(f'{a}={n}' for a, n in zip(partitioning.MESH_AXES, shape))
   hosts = f', {target.num_hosts} hosts' if target.num_hosts > 1 else ''
-  flags = [m.dtype, f'remat {m.remat_policy}', f'last_layer {m.last_layer}']
-  if m.scan_layers:
+  flags = [m.dtype, f'remat {m.remat_policy}']
+  if m.scan_layers:  # every row of every layer: last_layer does not apply
     flags.insert(1, 'scan_layers')
+  else:
+    flags.append(f'last_layer {m.last_layer}')
   if m.get('residual_dtype', 'float32') != 'float32':
     flags.append(f'residual_dtype {m.residual_dtype}')
   return (f'{m.variant}, {m.num_layers} layers x {m.hidden_size} on {target.name} '
@@ -420,11 +497,18 @@ def describe(config, target: Target) -> str:
 
 def format_report(config, target: Target, r: Report) -> str:
   t, p = config.data.max_seq_length, config.data.max_predictions_per_seq
-  chips = len(target.devices)
+  shape = partitioning.mesh_shape(config.mesh, len(target.devices))
+  k = int(config.train.grad_accum_steps)
+  rows = r.batch_size / (shape[0] * shape[1]) / k  # a tensor group shares its rows
+  per = (f'{rows:g} sequences per chip per microbatch' +
+         (f', {k} microbatches' if k > 1 else '') +
+         (f'; {r.batch_size / target.num_hosts:g} per host' if target.num_hosts > 1 else ''))
   lines = [describe(config, target),
-           f'global batch {r.batch_size} x {t} tokens ({r.batch_size / chips:g} per chip), '
-           f'{p} predictions per sequence; compiled in {r.compile_seconds:.0f} s']
-  hbm = f'{r.hbm_bytes / GiB:.1f} GiB' if r.hbm_bytes else 'unknown'
+           f'global batch {r.batch_size} x {t} tokens ({per}), {p} predictions per '
+           f'sequence; compiled in {r.compile_seconds:.0f} s']
+  hbm = f'{r.hbm_bytes / GiB:.2f} GiB' if r.hbm_bytes else 'unknown'
+  if r.hbm_bytes and target.platform == 'tpu':
+    hbm += ' usable'
   if r.refusal:
     lines += [f'does not fit: the compiler refused the program for {hbm} of HBM per chip: '
               f'{r.refusal}']
@@ -438,12 +522,21 @@ def format_report(config, target: Target, r: Report) -> str:
             f'  program code                  {g(r.code_bytes)}',
             f'  total                         {g(r.total_bytes)}   of {hbm} HBM' +
             (f' ({r.total_bytes / r.hbm_bytes:.0%})' if r.hbm_bytes else '')]
+  if r.eval_refusal:
+    lines.append(f'  evaluation step: refused by the compiler ({r.eval_refusal}); it runs the '
+                 'global batch at once: lower train.batch_size or set train.eval_steps=0')
+  elif r.eval_total_bytes:
+    lines.append(f'  evaluation step, total        {g(r.eval_total_bytes)}   (forward only, the '
+                 'global batch at once, beside the train state)')
   verdict = ('fits' if r.hbm_bytes and r.fits else 'does not fit' if r.hbm_bytes
              else 'no memory limit known for this device')
   lines.append(f'verdict: {verdict}')
   note = ''
   if config.model.remat_policy != 'none':
-    note = ' (remat recomputes the forward pass: expect about 4/3)'
+    note = {'full': ' (remat full recomputes the forward pass: expect about 4/3)',
+            'dots': ' (remat dots saves the matmuls: expect about 1)',
+            'dots_no_batch': ' (remat dots_no_batch recomputes the batched attention '
+                             'matmuls: a little above 1)'}.get(config.model.remat_policy, '')
   elif r.flop_ratio > 1.05:
     note = (' (above 1 without remat: XLA recomputed work to fit in memory, which happens '
             'near the HBM limit, or the partitioner duplicated it)')
@@ -478,6 +571,9 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
       raise LaunchError(f'--launch_json={json_path!r} cannot be written; name a file in an '
                         f'existing, writable folder')
   target = target_for(compile_for)
+  if max_batch and target.hbm_bytes is None:
+    raise LaunchError(f'--find_max_batch needs the chips\' memory size, unknown for '
+                      f'{target.device_kind}; compile for a TPU slice or a GPU')
   report, compiled = compile_step(config, target)
   log(format_report(config, target, report))
   result = {'target': target.name, 'chips': len(target.devices), 'hosts': target.num_hosts,

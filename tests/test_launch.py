@@ -222,6 +222,24 @@ def test_a_program_too_big_for_hbm_is_refused_not_crashed():
   assert report.refused_temp_bytes > 16 * launch.GiB
 
 
+@needs_libtpu
+def test_the_evaluation_step_is_judged_too():
+  """train.py evaluates the whole global batch at once (no accumulation) beside the train
+  state: with many microbatches that is the larger program, and it decides the verdict."""
+  config = tiny(model__scan_layers=True, train__grad_accum_steps=16)
+  config.train.batch_size = 4096
+  target = launch.tpu_target('v5e:2x2')
+  report, _ = launch.compile_step(config, target)
+  assert report.fits and report.eval_total_bytes > report.total_bytes > 0
+  assert 'evaluation step, total' in launch.format_report(config, target, report)
+  between = (report.total_bytes + report.eval_total_bytes) // 2
+  assert not launch.judge(report, between)
+  report.hbm_bytes, report.fits = between, False
+  assert 'verdict: does not fit' in launch.format_report(config, target, report)
+  report.eval_total_bytes = 0  # train.eval_steps=0: only the train step counts
+  assert launch.judge(report, between)
+
+
 def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
   # An affine memory model with a kink, standing in for compiles.
   hbm = 100 * launch.GiB
@@ -307,3 +325,18 @@ def test_every_variant_compiles_to_its_model_flops(variant):
   config.model.dtype = 'float32'
   report, _ = launch.compile_step(config, launch.local_target())
   assert report.flop_ratio == pytest.approx(1.0, abs=0.05), (variant, report.flop_ratio)
+
+
+@needs_libtpu
+def test_bfloat16_with_remat_compiles_from_the_command_line():
+  """XLA:TPU's compiler overflowed the default 8 MiB stack on bfloat16 with remat 'full' (a
+  segmentation fault, status -11): --compile_for re-runs itself with an unlimited stack."""
+  proc = subprocess.run(
+      [sys.executable, 'train.py', '--compile_for', 'v5e:2x2', '--config.model.dtype=bfloat16',
+       '--config.model.remat_policy=full', '--config.model.scan_layers=True',
+       '--config.data.sources=synthetic', '--config.data.max_seq_length=64',
+       '--config.model.max_len=64', '--config.data.max_predictions_per_seq=10'],
+      cwd=REPO, capture_output=True, text=True, timeout=500,
+      env={k: v for k, v in os.environ.items() if k != launch.STACK_ENV})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'verdict: fits' in proc.stdout and 'remat full recomputes' in proc.stdout, proc.stdout
