@@ -425,6 +425,9 @@ def check_launch():
   def compile_and_report():
     if flags.FLAGS.compile_for != 'local':
       launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
+    else:  # every host of a multi-host TPU VM or SLURM job, as train.py would see them
+      maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                                   flags.FLAGS.process_id)
     launch.run(resolved_config(flags.FLAGS.config), flags.FLAGS.compile_for,
                max_batch=flags.FLAGS.find_max_batch, measure_steps=flags.FLAGS.measure_steps,
                json_path=flags.FLAGS.launch_json)

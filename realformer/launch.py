@@ -550,7 +550,8 @@ def format_report(config, target: Target, r: Report) -> str:
             f'  (plus one-hot row selections {r.selection_flops:.3g}; XLA\'s cost_analysis '
             f'says {r.xla_flops:.4g}, counting each loop body once)']
   if r.collectives:
-    lines.append('collectives per chip per step')
+    lines.append('collectives per chip per step (count x the sizes of their buffers, not '
+                 'bytes on the wire)')
     for kind, c in r.collectives.items():
       lines.append(f'  {kind:<20} {c["count"]:6d} x   {c["bytes"] / GiB:9.3f} GiB')
   else:
