@@ -57,6 +57,11 @@ flags.DEFINE_string('compile_for', None,
                     'host), or "local" (this machine\'s devices; then times a few steps).')
 flags.DEFINE_bool('find_max_batch', False,
                   'With --compile_for: also search the largest global batch that fits.')
+flags.DEFINE_integer('max_compiles', 12,
+                     'With --find_max_batch: compiles the search may spend (each one is a '
+                     'compile of the step: minutes for a large model).')
+flags.DEFINE_integer('batch_multiple', 1,
+                     'With --find_max_batch: search only multiples of this global batch.')
 flags.DEFINE_integer('measure_steps', 5,
                      'With --compile_for=local: steps to time after compiling (0: none).')
 flags.DEFINE_string('launch_json', '', 'With --compile_for: also write the facts as JSON here.')
@@ -430,7 +435,8 @@ def check_launch():
                                    flags.FLAGS.process_id)
     launch.run(resolved_config(flags.FLAGS.config), flags.FLAGS.compile_for,
                max_batch=flags.FLAGS.find_max_batch, measure_steps=flags.FLAGS.measure_steps,
-               json_path=flags.FLAGS.launch_json)
+               json_path=flags.FLAGS.launch_json, max_compiles=flags.FLAGS.max_compiles,
+               batch_multiple=flags.FLAGS.batch_multiple)
   cli.run_main(compile_and_report, also=(OSError,))
 
 
@@ -441,7 +447,7 @@ def main(argv):
   if flags.FLAGS.compile_for:
     check_launch()
     return
-  for name in ('find_max_batch', 'launch_json'):
+  for name in ('find_max_batch', 'launch_json', 'max_compiles', 'batch_multiple'):
     if flags.FLAGS[name].present:
       cli.fail(f'--{name} needs --compile_for (a TPU slice such as v5e:2x2, or '
                            f'local); without it train.py trains')

@@ -564,8 +564,12 @@ def _as_dict(r: Report) -> dict:
 
 
 def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int = 5,
-        json_path: str = '', batch_multiple: int = 1, log=print) -> dict:
+        json_path: str = '', batch_multiple: int = 1, max_compiles: int = 12,
+        log=print) -> dict:
   """The --compile_for command: compile, report, optionally search the batch and measure."""
+  if max_compiles < 1 or batch_multiple < 1:
+    raise LaunchError(f'--max_compiles={max_compiles} and --batch_multiple={batch_multiple} '
+                      'must be at least 1')
   if json_path:  # fail before the compiles, not after
     folder = os.path.dirname(os.path.abspath(json_path))
     if os.path.isdir(json_path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
@@ -583,7 +587,8 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
     log(f'searching the largest global batch that fits (multiples of '
         f'{batch_unit(config, target, batch_multiple)}):')
     unit = batch_unit(config, target, batch_multiple)
-    tried = find_max_batch(config, target, multiple=batch_multiple, first=report, log=log)
+    tried = find_max_batch(config, target, multiple=batch_multiple, first=report, log=log,
+                           max_compiles=max_compiles)
     summary = search_summary(tried, unit)
     best = next((r for r in tried if r.fits and r.batch_size == summary['max_batch']), None)
     result.update(summary)
@@ -600,7 +605,8 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
                else '')
       log(f'largest global batch that fits: at least {best.batch_size} '
           f'({best.total_bytes / GiB:.2f} GiB per chip{above}; the search stopped after '
-          f'{len(tried)} compiles)')
+          f'{len(tried)} compiles: raise --max_compiles, or --batch_multiple for coarser '
+          'steps)')
   if target.name == 'local' and compiled is not None and measure_steps > 0:
     m = measure(config, target, compiled, measure_steps)
     result['measured'] = m

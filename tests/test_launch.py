@@ -243,7 +243,8 @@ def test_the_evaluation_step_is_judged_too():
 def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
   # An affine memory model with a kink, standing in for compiles.
   hbm = 100 * launch.GiB
-  def fake_compile(config, target, b):
+  def fake_compile(config, target, b=None):
+    b = b or config.train.batch_size
     total = int((2 + 0.37 * b + (0.05 * (b - 150) if b > 150 else 0)) * launch.GiB)
     if total > 3 * hbm:
       return launch.Report(batch_size=b, fits=False, refusal='Ran out of memory on HBM',
@@ -261,6 +262,16 @@ def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
     truth = max(b for b in range(4, 4000, 4) if fake_compile(None, None, b)[0].fits)
     assert (best, fails) == (truth, truth + 4)
     assert len(tried) <= 10
+  # The command's --max_compiles bounds the search (and says how to go on).
+  monkeypatch.setattr(launch, 'target_for', lambda name: target)
+  monkeypatch.setattr(launch, 'format_report', lambda *a: '')
+  lines = []
+  config.train.batch_size = 4
+  result = launch.run(config, 'fake', max_batch=True, max_compiles=3, log=lines.append)
+  assert len(result['search']) == 3 and not result['converged']
+  assert 'raise --max_compiles' in lines[-1]
+  with pytest.raises(launch.LaunchError, match='--max_compiles=0'):
+    launch.run(config, 'fake', max_batch=True, max_compiles=0)
 
 
 # --------------------------------------------------------------------------------------

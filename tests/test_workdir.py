@@ -245,6 +245,8 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     (['train.py', '--workdir', '{tmp}/w', '--config', 'configs/pretrain.py:foo,tiny'],
      "unknown variant 'foo'; choose one of postln"),
     (['train.py'], '--workdir is required'),
+    (['train.py', '--workdir', '{tmp}/w', '--max_compiles=3'],
+     '--max_compiles needs --compile_for'),
     (['train.py', '--workdir', '{tmp}/w', '--config.optimizer.schedule=cosin'], 'cosin'),
     (['train.py', '--workdir', '{tmp}/w', '--config.data.sources=files:{tmp}/none*'],
      'matches no file'),
