@@ -479,22 +479,23 @@ def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
   except ImportError:
     raise ImportError('reading a TF1 checkpoint needs tensorflow (pip install tensorflow-cpu)'
                       ) from None
+
+  def damaged(e):  # a truncated .index or .data-* file (DataLossError, ...)
+    return ValueError(f'the TF checkpoint {prefix!r} is damaged ({str(e).splitlines()[0]}); '
+                      'download or copy its .index and .data-* files again')
   try:
     reader = tf.train.load_checkpoint(prefix)
   except (ValueError, tf.errors.NotFoundError) as e:
     raise FileNotFoundError(f'no TF checkpoint at {prefix!r} ({str(e).splitlines()[0]}); pass '
                             'the prefix, e.g. .../bert_model.ckpt (without .index)') from None
-  except tf.errors.OpError as e:  # DataLossError, a truncated .index, ...
-    reader, damage = None, e
+  except tf.errors.OpError as e:
+    raise damaged(e) from None
   try:
-    if reader is not None:
-      names = reader.get_variable_to_shape_map()
-      return {n: reader.get_tensor(n) for n in names
-              if not any(n.endswith(s) for s in _TF1_IGNORED_SUFFIXES)}
-  except tf.errors.OpError as e:  # a truncated .data-* file
-    damage = e
-  raise ValueError(f'the TF checkpoint {prefix!r} is damaged ({str(damage).splitlines()[0]}); '
-                   'download or copy its .index and .data-* files again')
+    names = reader.get_variable_to_shape_map()
+    return {n: reader.get_tensor(n) for n in names
+            if not any(n.endswith(s) for s in _TF1_IGNORED_SUFFIXES)}
+  except tf.errors.OpError as e:
+    raise damaged(e) from None
 
 
 def load_tf1(prefix: str, bert_config: str, *, variant: str = 'realformer'

@@ -32,7 +32,9 @@ import json
 import math
 import os
 import re
+import resource
 import statistics
+import sys
 import time
 from typing import Dict, List, Optional
 
@@ -53,7 +55,7 @@ HBM_GIB = {'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
 # (libtpu 0.0.42.1: "... exceeds available HBM (15.75G)"); the rest is the runtime's. The
 # verdict compares a program's total (arguments, outputs, temporaries, code) with this: the
 # compiler itself checks only the temporaries, so a program can compile and still not fit.
-# A refusal that names another figure replaces it (_available_from).
+# A refusal that names another figure replaces it (compile_step).
 USABLE_HBM_GIB = {'v4': 30.75, 'v5e': 15.75, 'v5p': 95.74, 'v6e': 31.25}
 # chip_config_name of the generations with two TensorCores per chip: 'megacore' makes one
 # device per chip, as jax shows those chips on a TPU VM.
@@ -92,8 +94,6 @@ def ensure_unlimited_stack(argv) -> None:
   with remat 'full' or 'dots_no_batch': a segmentation fault, libtpu 0.0.42.1). The limit
   is read when the process starts, so raising it needs a new process. Where the hard limit
   forbids it, say so and go on."""
-  import resource  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
   if soft == resource.RLIM_INFINITY or os.environ.get(STACK_ENV):
     return
@@ -345,6 +345,12 @@ def _estimated_total(r: Report, fitted: Optional[Report]) -> Optional[float]:
   return None
 
 
+def _check_memory_known(target: Target) -> None:
+  if target.hbm_bytes is None:
+    raise LaunchError(f'--find_max_batch needs the chips\' memory size, unknown for '
+                      f'{target.device_kind}; compile for a TPU slice or a GPU')
+
+
 def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: int = 12,
                    limit: int = 1 << 20, first: Optional[Report] = None,
                    log=print) -> List[Report]:
@@ -357,9 +363,7 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
   when two compiles in a row land on the same side, one bisection step follows. The search
   ends when the bracket is one unit wide, or after `max_compiles`.
   """
-  if target.hbm_bytes is None:
-    raise LaunchError(f'--find_max_batch needs the chips\' memory size, unknown for '
-                      f'{target.device_kind}; compile for a TPU slice or a GPU')
+  _check_memory_known(target)
   unit = batch_unit(config, target, multiple)
   limit = max(unit, limit // unit * unit)
   reports: List[Report] = []
@@ -576,9 +580,8 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
       raise LaunchError(f'--launch_json={json_path!r} cannot be written; name a file in an '
                         f'existing, writable folder')
   target = target_for(compile_for)
-  if max_batch and target.hbm_bytes is None:
-    raise LaunchError(f'--find_max_batch needs the chips\' memory size, unknown for '
-                      f'{target.device_kind}; compile for a TPU slice or a GPU')
+  if max_batch:
+    _check_memory_known(target)
   report, compiled = compile_step(config, target)
   log(format_report(config, target, report))
   result = {'target': target.name, 'chips': len(target.devices), 'hosts': target.num_hosts,
