@@ -94,6 +94,37 @@ def fixed_settings(args) -> list:
   return fixed + ([f'train.time_budget_minutes={args.minutes}'] if args.minutes else [])
 
 
+# What a report is made from, copied by --record into a folder that can be kept with the
+# docs (each run's metrics and settings, each part's tables and figures; never checkpoints,
+# prepared data or predictions, which can be regenerated and are large).
+RECORD_RUN_FILES = ('metrics.jsonl', 'config.json', 'results.json', 'time_spent.json',
+                    'diverged.json', 'overrides.json', 'DONE')
+RECORD_SUFFIXES = ('.md', '.csv', '.json', '.png')
+RECORD_SKIP_DIRS = ('checkpoints', 'data', 'predictions', 'best', 'final', 'era')
+
+
+def record(args, part_root: str) -> None:
+  """--record DIR: DIR/<part>/... mirrors part_root with only the files the reports read (and
+  R/budget.json), so every number of docs/study.md stays traceable after the runs' root is
+  gone. Rerunning overwrites the copies; files of runs no longer there are kept."""
+  if not args.record:
+    return
+  dest_root = os.path.join(args.record, os.path.relpath(part_root, args.root))
+  copied = 0
+  for dirpath, dirnames, filenames in os.walk(part_root):
+    dirnames[:] = sorted(d for d in dirnames if d not in RECORD_SKIP_DIRS)
+    is_run = sweep.OVERRIDES in filenames or 'results.json' in filenames
+    for name in filenames:
+      if name in RECORD_RUN_FILES if is_run else name.endswith(RECORD_SUFFIXES):
+        dest = os.path.join(dest_root, os.path.relpath(dirpath, part_root))
+        os.makedirs(dest, exist_ok=True)
+        shutil.copy(os.path.join(dirpath, name), dest)
+        copied += 1
+  if os.path.exists(os.path.join(args.root, BUDGET_FILE)):
+    shutil.copy(os.path.join(args.root, BUDGET_FILE), args.record)
+  print(f'recorded {copied} files of {part_root} under {dest_root}')
+
+
 def held_out(workdir: str) -> dict:
   """The final evaluation of a pretraining run, with the majority baseline and their ratio."""
   final = sweep.final_metrics(workdir)
@@ -198,8 +229,12 @@ def curves(root: str, runs, names, out_path: str):
       if not steps:
         continue
       values = np.array([[p[s] for s in steps] for p in per_seed])
-      ax.plot(steps, values.mean(0), label=variant)
+      line, = ax.plot(steps, values.mean(0), label=variant)
       ax.fill_between(steps, values.min(0), values.max(0), alpha=0.2)
+      ends = [max(p) for p in per_seed]
+      if any(end != steps[-1] for end in ends):  # the seeds stopped at different steps (equal
+        ax.plot(ends, [p[end] for p, end in zip(per_seed, ends)], linestyle='none',  # time):
+                marker='o', markersize=4, color=line.get_color())  # each seed's last value
     ax.set_xlabel('step')
     ax.set_ylabel(f'{key[0]} {key[1]}')
     ax.grid(alpha=0.3)
@@ -245,13 +280,17 @@ def stability_cell(workdir: str) -> dict:
   with open(path) as f:
     losses = [(r['step'], r['loss']) for r in map(json.loads, f)
               if r.get('split') == 'train' and 'loss' in r]
-  start, final = losses[0][1], losses[-1][1]
-  cell = {'status': 'rose' if final > start else 'ok', 'start': start, 'final': final,
-          'step': losses[-1][0], 'peak': max(loss for _, loss in losses)}
+  cell = {'final': losses[-1][1], 'step': losses[-1][0],
+          'peak': max(loss for _, loss in losses)}
+  # The start: the first logged loss (a mean over the first log_every steps, which may hold an
+  # early spike), or a random model's loss, ln(vocabulary) + ln 2 (MLM + NSP), if lower.
+  cell['start'] = losses[0][1]
   config = os.path.join(workdir, 'config.json')
-  if os.path.exists(config):  # a random model's loss: ln(vocabulary) + ln 2 (MLM + NSP)
+  if os.path.exists(config):
     with open(config) as f:
       cell['chance'] = math.log(json.load(f)['model']['vocab_size']) + math.log(2)
+    cell['start'] = min(cell['start'], cell['chance'])
+  cell['status'] = 'rose' if cell['final'] > cell['start'] else 'ok'
   return cell
 
 
@@ -354,6 +393,7 @@ def stability(args) -> int:
   if args.figures:
     os.makedirs(args.figures, exist_ok=True)
     shutil.copy(os.path.join(root, 'stability.png'), args.figures)
+  record(args, root)
   if failed:
     print(f'{len(failed)} runs failed for another reason than a nan/inf loss: {failed}')
   return 1 if failed else 0
@@ -444,6 +484,7 @@ def budget_search(args) -> int:
     f.write(table)
   print(table)
   if found is None:
+    record(args, root)
     print(f'no candidate reached {args.target_ratio}x the majority baseline: add larger '
           '--budget_steps (or --budget_layers, --budget_seq_lens)')
     return 1
@@ -454,6 +495,7 @@ def budget_search(args) -> int:
                                                 'ratio')}}
   with open(os.path.join(args.root, BUDGET_FILE), 'w') as f:
     json.dump(chosen, f, indent=1)
+  record(args, root)
   print(f'budget: {found["layers"]} layers, length {found["seq_len"]}, {found["steps"]} steps '
         f'(written to {os.path.join(args.root, BUDGET_FILE)}; compare reads it)')
   return 0
@@ -589,6 +631,7 @@ def compare(args) -> int:
       if os.path.exists(os.path.join(attention_dir, name)):
         shutil.copy(os.path.join(attention_dir, name),
                     os.path.join(args.figures, prefix + name))
+  record(args, root)
   return 0 if all(c == 0 for c in codes.values()) else 1
 
 
@@ -648,6 +691,7 @@ def finetune(args) -> int:
   with open(os.path.join(args.root, 'finetune', 'finetune.md'), 'w') as f:
     f.write(report)
   print(report)
+  record(args, os.path.join(args.root, 'finetune'))
   return 0 if all(c == 0 for c in codes.values()) else 1
 
 
@@ -712,6 +756,10 @@ def main(argv=None):
   p.add_argument('--print_only', action='store_true')
   p.add_argument('--target', default='local', choices=('local', 'tpu', 'slurm'))
   p.add_argument('--figures', default=None, help='also copy the figures here (e.g. docs/figures)')
+  p.add_argument('--record', default=None,
+                 help='also copy what the reports are made from (each run\'s metrics.jsonl, '
+                 'config and results, the tables; no checkpoints) to DIR/<part>/, e.g. '
+                 'docs/study_runs, so the numbers stay traceable once R is gone')
   bud = p.add_argument_group('budget (candidates, tried cheapest first)')
   bud.add_argument('--budget_layers', default='4')
   bud.add_argument('--budget_seq_lens', default='64')

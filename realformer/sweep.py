@@ -43,6 +43,7 @@ LOCK = 'LOCK'
 RUNNING_ELSEWHERE = -1000  # run_all's code for a run that another sweep process holds
 OTHER_RUN = -1001  # run_all's code for a run whose directory holds a run of other overrides
 OVERRIDES = 'overrides.json'
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where programs run
 
 
 class Hyper:
@@ -177,8 +178,7 @@ def load_config(config: str):
   repository root, where the programs run)."""
   import importlib.util  # pylint: disable=g-import-not-at-top
   path, _, arg = config.partition(':')
-  full = path if os.path.isabs(path) else os.path.join(
-      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+  full = path if os.path.isabs(path) else os.path.join(_ROOT, path)
   if not os.path.isfile(full):
     raise FileNotFoundError(f'config file {path} not found; give a config file such as '
                             'configs/pretrain.py:<variant>,<size>')
@@ -201,7 +201,11 @@ def check_keys(config: str, runs: Sequence[Run]):
   an override key the config does not have, or a value its field cannot take (the runs
   pass values as --config.<key>=<text>, which the field's type parses)."""
   import difflib  # pylint: disable=g-import-not-at-top
-  if not config.partition(':')[0].endswith('.py'):
+  path = config.partition(':')[0]
+  if os.path.isdir(path if os.path.isabs(path) else os.path.join(_ROOT, path)):
+    raise ValueError(f'--config {path} is a folder; give a config file such as '
+                     'configs/pretrain.py:<variant>,<size>')
+  if not path.endswith('.py'):
     return  # not a config file this can read (another program's argument)
   cfg = load_config(config)
 

@@ -206,10 +206,10 @@ def test_study_plan_and_learning_curves(tmp_path, capsys):
   assert sum('--config.model.variant=synth_dense_vanilla' in l for l in lines) == 3
   runs = [{'model.variant': v, 'seed': s} for v in ('postln', 'realformer') for s in (0, 1)]
   names = sweep.run_names(runs)
-  for run, name in zip(runs, names):
+  for i, (run, name) in enumerate(zip(runs, names)):
     (tmp_path / name).mkdir()
     with open(tmp_path / name / 'metrics.jsonl', 'w') as f:
-      for step in (10, 20):
+      for step in (10, 20, 30)[:2 + i % 2]:  # seeds ending at different steps (equal time)
         f.write(json.dumps({'step': step, 'split': 'train', 'loss': 5.0 - step / 10}) + '\n')
         f.write(json.dumps({'step': step, 'split': 'eval', 'mlm_accuracy': step / 100}) + '\n')
   study.curves(str(tmp_path), runs, names, str(tmp_path / 'curves.png'))
@@ -246,6 +246,17 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys):
   assert [cells[n]['status'] for n in ('ok', 'rose', 'nan', 'missing')] == [
       'ok', 'rose', 'diverged', 'missing']
   assert cells['nan']['step'] == 37 and cells['ok']['final'] == 7.0
+  # A first logged window that spiked (20 nats) is no start: a random model's loss is.
+  spike = tmp_path / 'spike'
+  spike.mkdir()
+  (spike / 'metrics.jsonl').write_text(''.join(
+      json.dumps({'step': s, 'split': 'train', 'loss': v}) + '\n'
+      for s, v in ((10, 20.0), (20, 12.0), (30, 10.0))))
+  (spike / 'config.json').write_text(json.dumps({'model': {'vocab_size': 8000}}))
+  (spike / sweep.DONE).write_text('')
+  cell = study.stability_cell(str(spike))
+  assert cell['start'] == pytest.approx(math.log(8000) + math.log(2))  # 9.68 < 10.0
+  assert cell['status'] == 'rose' and cell['peak'] == 20.0
   grid = {('postln', 1e-3, 0): cells['ok'], ('postln', 2e-3, 0): cells['nan'],
           ('realformer', 1e-3, 0): cells['rose'], ('realformer', 2e-3, 0): cells['missing']}
   table = study.stability_report(grid, ['postln', 'realformer'], [1e-3, 2e-3], [0],
@@ -253,6 +264,28 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys):
   assert '| postln | 0 | 7.000 | NaN at 37 |' in table
   assert '| realformer | 0 | 9.500 (rose) | (not run) |' in table
   assert (tmp_path / 'stability.png').stat().st_size > 1000
+
+
+def test_study_record_keeps_what_the_reports_read_and_no_checkpoints(tmp_path):
+  import study  # pylint: disable=g-import-not-at-top
+  root, kept = tmp_path / 'R', tmp_path / 'kept'
+  run = root / 'compare' / 'model.variant=postln,seed=0'
+  for path, text in ((run / 'metrics.jsonl', '{}'), (run / 'overrides.json', '{}'),
+                     (run / 'config.json', '{}'), (run / sweep.DONE, ''),
+                     (run / 'log.txt', 'log'), (run / 'checkpoints' / '1000' / 'x.json', '{}'),
+                     (run / 'data' / 'metadata.json', '{}'),
+                     (root / 'compare' / 'claims.md', '| table |'),
+                     (root / 'compare' / 'attention' / 'attention_entropy.png', 'png'),
+                     (root / study.BUDGET_FILE, '{"steps": 1000}')):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+  args = argparse.Namespace(root=str(root), record=str(kept))
+  study.record(args, str(root / 'compare'))
+  got = sorted(str(p.relative_to(kept)) for p in kept.rglob('*') if p.is_file())
+  assert got == ['budget.json', 'compare/attention/attention_entropy.png', 'compare/claims.md',
+                 *(f'compare/model.variant=postln,seed=0/{n}' for n in
+                   (sweep.DONE, 'config.json', 'metrics.jsonl', 'overrides.json'))], got
+  study.record(argparse.Namespace(root=str(root), record=None), str(root / 'compare'))  # off
 
 
 def _write_run(workdir, steps, accuracy, baseline, rate=10.0):
@@ -402,7 +435,8 @@ def test_a_config_or_sweep_file_that_fails_is_one_line_naming_file_and_line(tmp_
       (['--config', str(broken)], rf'{broken} failed \({broken}, line 1\): SyntaxError'),
       (['--config', str(raising)], r'line 2\): ZeroDivisionError: division by zero'),
       (['--sweep_file', str(hyper)], r'line 2\): NameError'),
-      (['--sweep_file', str(tmp_path / 'none.py')], 'not found; give a Python file')):
+      (['--sweep_file', str(tmp_path / 'none.py')], 'not found; give a Python file'),
+      (['--config', 'configs/'], 'configs/ is a folder; give a config file')):
     proc = subprocess.run([sys.executable, 'sweep.py', 'print', '--root', str(tmp_path / 'r'),
                            *args], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 1, proc.stderr
