@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
@@ -287,32 +288,63 @@ def convert_from_params(params: dict, model_config, *, fmt: str = 'hf') -> Dict[
 
 def write_workdir(out: str, params: dict, config: ml_collections.ConfigDict, vocab: str,
                   do_lower_case: bool) -> str:
-  """<out>/vocab.txt (+ tokenizer_config.json), config.json and checkpoints/0/state."""
+  """<out>/vocab.txt (+ tokenizer_config.json), config.json and checkpoints/0/state.
+
+  Written into a sibling folder <out>.import-<host>-<pid> and renamed to `out` when complete,
+  so `out` is never half-made, whatever stops the import (kill -9 included); such a folder
+  left by a dead import on this host is removed by the next import to the same `out`."""
   out = _new_out(out)
   tokenizer = wordpiece.WordPieceTokenizer.load(vocab)  # checks the special tokens
   if tokenizer.vocab_size != config.model.vocab_size:
     raise ValueError(f'{vocab} has {tokenizer.vocab_size} pieces but the checkpoint\'s config '
                      f'says vocab_size={config.model.vocab_size}; pass the vocab.txt that '
                      'belongs to the checkpoint')
-  with workdir_lib.Lock(out, 'interop'):
-    try:
-      vocab_out = os.path.join(out, VOCAB)
-      shutil.copyfile(vocab, vocab_out)
-      with open(os.path.join(out, wordpiece.TOKENIZER_CONFIG), 'w') as f:
-        json.dump({'do_lower_case': do_lower_case, 'tokenizer_class': 'BertTokenizer'}, f)
-      config.data.tokenizer = vocab_out
-      step_dir = checkpoints.save_params(out, params, config, step=0)
-    except BaseException:  # nothing half-made: the folder was new or empty
-      for name in os.listdir(out):
-        if name != workdir_lib.LOCK_FILE:
-          path = os.path.join(out, name)
-          if os.path.isdir(path):
-            shutil.rmtree(path)
-          else:
-            os.remove(path)
-      raise
+  _remove_dead_imports(out)
+  tmp = f'{out}.import-{socket.gethostname()}-{os.getpid()}'
+  try:
+    os.makedirs(tmp)
+    shutil.copyfile(vocab, os.path.join(tmp, VOCAB))
+    with open(os.path.join(tmp, wordpiece.TOKENIZER_CONFIG), 'w') as f:
+      json.dump({'do_lower_case': do_lower_case, 'tokenizer_class': 'BertTokenizer'}, f)
+    config.data.tokenizer = os.path.join(out, VOCAB)  # where it will be
+    step = os.path.relpath(checkpoints.save_params(tmp, params, config, step=0), tmp)
+    if os.path.isdir(out):
+      os.rmdir(out)  # the empty folder _new_out allowed (an error if it filled meanwhile)
+    os.rename(tmp, out)
+  except OSError as e:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.exists(out) and os.listdir(out):
+      raise ValueError(f'--out {out} was filled by something else during the import; choose '
+                       'a new --out') from e
+    raise
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  step_dir = os.path.join(out, step)
   logging.info('wrote %s', step_dir)
   return step_dir
+
+
+def _remove_dead_imports(out: str) -> None:
+  """The <out>.import-<this host>-<pid> folders of imports that were killed."""
+  prefix = f'{os.path.basename(out)}.import-{socket.gethostname()}-'
+  parent = os.path.dirname(out)
+  for name in os.listdir(parent) if os.path.isdir(parent) else []:
+    pid = name[len(prefix):]
+    if name.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+      logging.warning('removing %s, left by an import that was stopped',
+                      os.path.join(parent, name))
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
 
 
 def _new_out(out: str) -> str:

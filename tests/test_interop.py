@@ -349,3 +349,44 @@ def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):
   assert a.keys() == b.keys()
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_an_import_killed_midway_leaves_no_half_made_workdir(tf1_checkpoint, tmp_path):
+  """kill -9 while writing: --out does not exist (the import writes a sibling folder and
+  renames it), a retry succeeds and removes the dead import's folder; a failure inside the
+  import removes its own folder."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  ck = tf1_checkpoint
+  out = tmp_path / 'w'
+  argv = [sys.executable, '-m', 'realformer.interop', 'import-tf1', '--ckpt', ck['prefix'],
+          '--bert_config', ck['config'], '--vocab', ck['vocab'], '--out', str(out)]
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen(argv, cwd=repo, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 240
+  while not list(tmp_path.glob('w.import-*/vocab.txt')) and time.time() < deadline:
+    assert proc.poll() is None, 'the import finished before it could be killed'
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not out.exists()
+  [left] = tmp_path.glob('w.import-*')  # the dead import's folder
+  real_save = checkpoints.save_params
+
+  def failing_save(*args, **kwargs):
+    raise RuntimeError('disk full')
+
+  checkpoints.save_params = failing_save
+  try:
+    with pytest.raises(RuntimeError, match='disk full'):
+      interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(out))
+  finally:
+    checkpoints.save_params = real_save
+  assert sorted(os.listdir(tmp_path)) == []  # its own folder and the dead one are gone
+  out.mkdir()  # an empty folder is a valid --out
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(out), variant='postln')
+  params, cfg = _restore_all(str(out))
+  assert cfg.data.tokenizer == str(out / 'vocab.txt') and os.listdir(tmp_path) == ['w']
+  assert params['encoder']['embeddings']['word_embeddings']['embedding'].shape == (128, 16)
