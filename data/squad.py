@@ -5,17 +5,19 @@ The classic BERT `run_squad` recipe, with the pretraining run's tokenizer:
    answer span becomes a word span);
 2. each word is tokenised on its own (`tokenizer.encode_words(words)`, one call per context:
    with sentencepiece every word then starts with a '▁' piece, as in the whole text; with
-   WordPiece the tokenizers library maps each piece to its word), keeping a sub-token ->
-   word map;
+   WordPiece the tokenizers library maps each piece to its word and to its characters in
+   the context, through lower-casing and stripped accents), keeping a sub-token -> word map;
 3. [CLS] question [SEP] window [SEP], the question cut to max_query_length tokens and the
    context cut into windows of the remaining length that start doc_stride tokens apart; each
    token is scored in the window where it has the most context on both sides;
-4. training targets: the answer's sub-token span (narrowed to the tokens whose text is the
-   answer, when a word holds more than the answer), or [CLS] (position 0) when the answer is
-   outside the window or the question is unanswerable (v2.0);
+4. training targets: the answer's sub-token span (WordPiece: the pieces whose characters
+   overlap the answer's; sentencepiece: the answer's words narrowed to the tokens whose text
+   is the answer, when a word holds more than the answer), or [CLS] (position 0) when the
+   answer is outside the window or the question is unanswerable (v2.0);
 5. prediction: the n_best_size best start and end logits of every window, valid spans only
    (inside the context, end >= start, at most max_answer_length tokens, start at its max-context
-   window), the best span's words mapped back to the original characters (`final_text`); for
+   window), the best span's characters of the context (WordPiece: the offsets of its first
+   and last piece; sentencepiece: its words aligned by `final_text`, as BERT does); for
    v2.0 the null score is [CLS]'s start + end logit and the answer is empty when
    null - best span > threshold (the threshold tuned on dev: see finetune_metrics.squad_v2).
 """
@@ -40,6 +42,7 @@ class Example:
   answer_text: str = ''        # the training answer (the first gold one)
   start_word: int = -1         # its word span; -1 when unanswerable
   end_word: int = -1
+  answer_start: int = -1       # its first character in the context
 
   @property
   def is_impossible(self) -> bool:
@@ -76,7 +79,7 @@ def make_example(qid: str, question: str, context: str, answers: Sequence[str],
     if context[start:start + len(text)] != text:
       raise ValueError(f'question {qid}: answer {text!r} is not at character {start} of its '
                        'context; is the file SQuAD JSON?')
-    ex.answer_text = text
+    ex.answer_text, ex.answer_start = text, start
     ex.start_word = char_to_word[start]
     ex.end_word = char_to_word[start + len(text) - 1]
   return ex
@@ -156,6 +159,9 @@ class FeatureInfo:
   example_index: int
   token_to_word: Dict[int, int]     # feature position -> context word
   max_context: Dict[int, bool]      # feature position -> this window is its best
+  # feature position -> its characters [start, end) in the context, for tokenizers that
+  # give offsets (WordPiece, through the tokenizers library); None for sentencepiece
+  token_to_chars: Optional[Dict[int, Tuple[int, int]]] = None
 
 
 def _max_context(spans: Sequence[Tuple[int, int]], span_index: int, position: int) -> bool:
@@ -187,6 +193,41 @@ def _improve_span(ids: List[int], start: int, end: int, tokenizer, answer: str):
   return start, end
 
 
+def word_starts(context: str) -> List[int]:
+  """The index in `context` of the first character of each whitespace word."""
+  return [i for i, c in enumerate(context)
+          if not _is_whitespace(c) and (i == 0 or _is_whitespace(context[i - 1]))]
+
+
+def _encode_context(ex: Example, tokenizer):
+  """(piece ids, each piece's word, each piece's characters [start, end) in the context or
+  None): every word tokenised on its own, as BERT does; the characters come from the
+  tokenizers library's offsets, which point into the original text whatever the normaliser
+  did (lower-casing, stripped accents)."""
+  if not hasattr(tokenizer, 'encode_words_with_offsets'):
+    return (*tokenizer.encode_words(ex.words), None)
+  ids, sub_to_word, offsets = tokenizer.encode_words_with_offsets(ex.words)
+  starts = word_starts(ex.context)
+  return ids, sub_to_word, [(starts[w] + a, starts[w] + b)
+                            for w, (a, b) in zip(sub_to_word, offsets)]
+
+
+def _answer_span(ex: Example, doc: List[int], sub_to_word: List[int], chars, tokenizer,
+                 word_to_sub: List[int]) -> Tuple[int, int]:
+  """The training answer's sub-token span: with offsets, the pieces whose characters overlap
+  the answer's (as Hugging Face's run_qa); without, BERT's word span narrowed to the pieces
+  whose text is the answer."""
+  if chars is not None:
+    first, last = ex.answer_start, ex.answer_start + len(ex.answer_text)
+    inside = [i for i, (a, b) in enumerate(chars) if a < last and b > first]
+    if inside:
+      return inside[0], inside[-1]
+  start = word_to_sub[ex.start_word]
+  end = (word_to_sub[ex.end_word + 1] - 1 if ex.end_word + 1 < len(ex.words)
+         else len(doc) - 1)
+  return _improve_span(doc, start, end, tokenizer, ex.answer_text)
+
+
 def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
               doc_stride: int, max_query_length: int, training: bool
               ) -> Tuple[Dict[str, np.ndarray], List[FeatureInfo]]:
@@ -201,15 +242,12 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
   rows, infos = [], []
   for example_index, ex in enumerate(examples):
     query = tokenizer.encode(ex.question)[:max_query_length]
-    doc, sub_to_word = tokenizer.encode_words(ex.words)  # each word on its own, as BERT does
+    doc, sub_to_word, chars = _encode_context(ex, tokenizer)
     pieces_per_word = np.bincount(np.asarray(sub_to_word, np.int64), minlength=len(ex.words))
     word_to_sub = np.concatenate([[0], np.cumsum(pieces_per_word)[:-1]]).tolist()
     answer_span = None
     if training and not ex.is_impossible:
-      start = word_to_sub[ex.start_word]
-      end = (word_to_sub[ex.end_word + 1] - 1 if ex.end_word + 1 < len(ex.words)
-             else len(doc) - 1)
-      answer_span = _improve_span(doc, start, end, tokenizer, ex.answer_text)
+      answer_span = _answer_span(ex, doc, sub_to_word, chars, tokenizer, word_to_sub)
     spans, offset = [], 0
     while True:
       length = min(len(doc) - offset, max_window)
@@ -221,9 +259,12 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
       ids = [tokenizer.cls_id] + query + [tokenizer.sep_id]
       segments = [0] * len(ids)
       token_to_word, max_context = {}, {}
+      token_to_chars = None if chars is None else {}
       for i in range(length):
         token_to_word[len(ids)] = sub_to_word[offset + i]
         max_context[len(ids)] = _max_context(spans, span_index, offset + i)
+        if chars is not None:
+          token_to_chars[len(ids)] = chars[offset + i]
         ids.append(doc[offset + i])
       ids.append(tokenizer.sep_id)
       segments += [1] * (length + 1)
@@ -234,7 +275,7 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
           start_position = start - offset + len(query) + 2
           end_position = end - offset + len(query) + 2
       rows.append((ids, segments, start_position, end_position))
-      infos.append(FeatureInfo(example_index, token_to_word, max_context))
+      infos.append(FeatureInfo(example_index, token_to_word, max_context, token_to_chars))
   n = len(rows)
   arrays = {'input_ids': np.full((n, max_seq_length), tokenizer.pad_id, np.int32),
             'segment_ids': np.zeros((n, max_seq_length), np.int32),
@@ -298,9 +339,12 @@ def postprocess(examples: Sequence[Example], infos: Sequence[FeatureInfo],
     best_text, best_score, seen = None, None, set()
     for score, f, s, e in candidates:
       info = infos[f]
-      predicted = tokenizer.decode(features['input_ids'][f, s:e + 1].tolist())
-      original = ' '.join(ex.words[info.token_to_word[s]:info.token_to_word[e] + 1])
-      text = final_text(predicted, original)
+      if info.token_to_chars is not None:  # the context's own characters, exactly
+        text = ex.context[info.token_to_chars[s][0]:info.token_to_chars[e][1]]
+      else:
+        predicted = tokenizer.decode(features['input_ids'][f, s:e + 1].tolist())
+        original = ' '.join(ex.words[info.token_to_word[s]:info.token_to_word[e] + 1])
+        text = final_text(predicted, original)
       if text in seen:
         continue
       seen.add(text)

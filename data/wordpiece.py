@@ -7,7 +7,8 @@ The work is done by Hugging Face's `tokenizers` library (Rust; the engine of tra
 BertTokenizer), set up as BERT's algorithm (google-research/bert tokenization.py):
   1. BertNormalizer: drop NUL, U+FFFD and control characters, turn whitespace into spaces,
      put spaces around CJK ideographs; when uncased, lower-case and strip accents (NFD, drop
-     combining marks);
+     combining marks); HF's tokenizer_config.json beside the vocab.txt may set
+     do_lower_case, strip_accents and tokenize_chinese_chars otherwise, as for BertTokenizer;
   2. BertPreTokenizer: split on whitespace and off every punctuation character (ASCII
      symbols count as punctuation, as in BERT);
   3. WordPiece: greedy longest-match-first over the vocabulary, continuation pieces carry a
@@ -36,12 +37,16 @@ SPECIAL_TOKENS = {'pad': '[PAD]', 'unk': '[UNK]', 'cls': '[CLS]', 'sep': '[SEP]'
                   'mask': '[MASK]'}
 MAX_CHARS_PER_WORD = 100
 CONTINUATION = '##'
-TOKENIZER_CONFIG = 'tokenizer_config.json'  # HF's file; only its do_lower_case is read
+TOKENIZER_CONFIG = 'tokenizer_config.json'  # HF's file; its normalisation settings are read
+# BERT's normalisation settings as HF's tokenizer_config.json names them, with BertTokenizer's
+# defaults (strip_accents None: strip when lower-casing).
+NORMALIZATION = {'do_lower_case': True, 'strip_accents': None, 'tokenize_chinese_chars': True}
 
 
-def _normalizer(do_lower_case: bool):
-  return normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
-                                    strip_accents=None, lowercase=do_lower_case)
+def _normalizer(do_lower_case: bool, strip_accents: Optional[bool] = None,
+                tokenize_chinese_chars: bool = True):
+  return normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=tokenize_chinese_chars,
+                                    strip_accents=strip_accents, lowercase=do_lower_case)
 
 
 def basic_tokenize(text: str, do_lower_case: bool = True) -> List[str]:
@@ -50,22 +55,33 @@ def basic_tokenize(text: str, do_lower_case: bool = True) -> List[str]:
   return [word for word, _ in pre_tokenizers.BertPreTokenizer().pre_tokenize_str(normalized)]
 
 
-def read_do_lower_case(directory: str, default: bool = True) -> bool:
-  """`do_lower_case` from an HF tokenizer_config.json in `directory` (default if absent)."""
+def read_normalization(directory: str) -> dict:
+  """NORMALIZATION's settings from an HF tokenizer_config.json in `directory` (BertTokenizer's
+  defaults for those it does not give, or without the file)."""
+  settings = dict(NORMALIZATION)
   path = os.path.join(directory, TOKENIZER_CONFIG)
-  if not os.path.isfile(path):
-    return default
-  with open(path, encoding='utf-8') as f:
-    value = json.load(f).get('do_lower_case', default)
-  return bool(default if value is None else value)
+  if os.path.isfile(path):
+    try:
+      with open(path, encoding='utf-8') as f:
+        stored = json.load(f)
+    except ValueError as e:
+      raise ValueError(f'{path} is not JSON ({e}); fix or remove it (it holds the vocabulary\'s '
+                       'do_lower_case and strip_accents)') from None
+    for key, default in NORMALIZATION.items():
+      value = stored.get(key, default) if isinstance(stored, dict) else default
+      settings[key] = default if value is None else bool(value)
+  return settings
 
 
 class WordPieceTokenizer:
   """A WordPiece vocabulary (one piece per line; the line number is the id)."""
 
-  def __init__(self, pieces: Sequence[str], do_lower_case: bool = True, path: str = ''):
+  def __init__(self, pieces: Sequence[str], do_lower_case: bool = True, path: str = '',
+               strip_accents: Optional[bool] = None, tokenize_chinese_chars: bool = True):
     self.path = path
     self.do_lower_case = do_lower_case
+    self.normalization = {'do_lower_case': do_lower_case, 'strip_accents': strip_accents,
+                          'tokenize_chinese_chars': tokenize_chinese_chars}
     self._pieces = list(pieces)
     self._ids: Dict[str, int] = {p: i for i, p in enumerate(self._pieces)}
     ids = {}
@@ -81,7 +97,8 @@ class WordPieceTokenizer:
     self._tokenizer = tokenizers.Tokenizer(models.WordPiece(
         self._ids, unk_token=SPECIAL_TOKENS['unk'], continuing_subword_prefix=CONTINUATION,
         max_input_chars_per_word=MAX_CHARS_PER_WORD))
-    self._tokenizer.normalizer = _normalizer(do_lower_case)
+    self._tokenizer.normalizer = _normalizer(do_lower_case, strip_accents,
+                                             tokenize_chinese_chars)
     self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
 
   @classmethod
@@ -90,12 +107,15 @@ class WordPieceTokenizer:
 
     do_lower_case: False for cased vocabularies (e.g. bert-base-cased); None reads it from
     an HF `tokenizer_config.json` beside the vocab.txt (the imports write one), else True.
+    strip_accents and tokenize_chinese_chars are read from that file too (BertTokenizer's
+    defaults without it).
     """
     if not os.path.isfile(path):
       raise FileNotFoundError(f'WordPiece vocabulary {path!r} not found; pass the vocab.txt '
                               'that came with the checkpoint')
-    if do_lower_case is None:
-      do_lower_case = read_do_lower_case(os.path.dirname(path))
+    settings = read_normalization(os.path.dirname(path))
+    if do_lower_case is not None:
+      settings['do_lower_case'] = do_lower_case
     try:
       with open(path, encoding='utf-8') as f:
         pieces = [line.rstrip('\n') for line in f]
@@ -104,7 +124,7 @@ class WordPieceTokenizer:
                        'with the checkpoint') from None
     while pieces and not pieces[-1]:  # a trailing blank line is not a piece
       pieces.pop()
-    return cls(pieces, do_lower_case=do_lower_case, path=path)
+    return cls(pieces, path=path, **settings)
 
   @property
   def vocab_size(self) -> int:
@@ -129,6 +149,16 @@ class WordPieceTokenizer:
     encoding = self._tokenizer.encode(list(words), is_pretokenized=True,
                                       add_special_tokens=False)
     return encoding.ids, list(encoding.word_ids)
+
+  def encode_words_with_offsets(self, words: Sequence[str]
+                                ) -> Tuple[List[int], List[int], List[Tuple[int, int]]]:
+    """encode_words() and each piece's characters [start, end) within its word (of the
+    original text: 'Café' -> 'cafe' spans (0, 4)), for SQuAD's answer mapping."""
+    if not words:
+      return [], [], []
+    encoding = self._tokenizer.encode(list(words), is_pretokenized=True,
+                                      add_special_tokens=False)
+    return encoding.ids, list(encoding.word_ids), list(encoding.offsets)
 
   def decode(self, ids: Sequence[int]) -> str:
     """Ids -> text: pieces joined by spaces, '##' pieces glued to the one before; [PAD],

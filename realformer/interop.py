@@ -287,8 +287,9 @@ def convert_from_params(params: dict, model_config, *, fmt: str = 'hf') -> Dict[
 # ----------------------------------------------------------------------------------------
 
 def write_workdir(out: str, params: dict, config: ml_collections.ConfigDict, vocab: str,
-                  do_lower_case: bool) -> str:
-  """<out>/vocab.txt (+ tokenizer_config.json), config.json and checkpoints/0/state.
+                  normalization: dict) -> str:
+  """<out>/vocab.txt (+ tokenizer_config.json with the `normalization` settings:
+  do_lower_case, strip_accents, tokenize_chinese_chars), config.json and checkpoints/0/state.
 
   Written into a sibling folder <out>.import-<host>-<pid> and renamed to `out` when complete,
   so `out` is never half-made, whatever stops the import (kill -9 included); such a folder
@@ -305,7 +306,7 @@ def write_workdir(out: str, params: dict, config: ml_collections.ConfigDict, voc
     os.makedirs(tmp)
     shutil.copyfile(vocab, os.path.join(tmp, VOCAB))
     with open(os.path.join(tmp, wordpiece.TOKENIZER_CONFIG), 'w') as f:
-      json.dump({'do_lower_case': do_lower_case, 'tokenizer_class': 'BertTokenizer'}, f)
+      json.dump(dict(normalization, tokenizer_class='BertTokenizer'), f)
     config.data.tokenizer = os.path.join(out, VOCAB)  # where it will be
     step = os.path.relpath(checkpoints.save_params(tmp, params, config, step=0), tmp)
     if os.path.isdir(out):
@@ -454,8 +455,9 @@ def _warn_unused(tensors, used, ignored: Callable[[str], bool], source: str) -> 
     logging.warning('%s: %d tensors not imported, e.g. %s', source, len(unused), unused[:5])
 
 
-def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, bool]:
-  """An HF BERT directory -> (params, run config, do_lower_case), nothing written."""
+def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, dict]:
+  """An HF BERT directory -> (params, run config, its tokenizer's normalisation settings:
+  do_lower_case, strip_accents, tokenize_chinese_chars), nothing written."""
   config_path = os.path.join(src, HF_CONFIG)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{src} has no {HF_CONFIG}; pass an HF checkpoint directory '
@@ -479,8 +481,7 @@ def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, bool]:
   heads = _present_heads(tensors, 'cls.predictions.', 'cls.seq_relationship.')
   params, used = convert_to_params(tensors, config.model, fmt='hf', source=source, heads=heads)
   _warn_unused(tensors, used, lambda n: n in _HF_IGNORED, source)
-  do_lower_case = wordpiece.read_do_lower_case(src)
-  return params, config, do_lower_case
+  return params, config, wordpiece.read_normalization(src)
 
 
 def import_hf(src: str, out: str) -> str:
@@ -495,8 +496,8 @@ def import_hf(src: str, out: str) -> str:
   if not os.path.isfile(vocab):
     raise FileNotFoundError(f'{src} has no {VOCAB}; put the checkpoint\'s {VOCAB} beside its '
                             'config.json (the tokenizer files of its hub repository)')
-  params, config, do_lower_case = load_hf(src)
-  return write_workdir(out, params, config, vocab, do_lower_case)
+  params, config, normalization = load_hf(src)
+  return write_workdir(out, params, config, vocab, normalization)
 
 
 # ----------------------------------------------------------------------------------------
@@ -563,7 +564,8 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
   _new_out(out)
   _check_vocab(vocab)
   params, config = load_tf1(prefix, bert_config, variant=variant)
-  return write_workdir(out, params, config, vocab, do_lower_case)
+  return write_workdir(out, params, config, vocab,
+                       dict(wordpiece.NORMALIZATION, do_lower_case=do_lower_case))
 
 
 # ----------------------------------------------------------------------------------------
@@ -646,8 +648,8 @@ def export_hf(workdir: str, out: str) -> str:
     pad_id = tokenizer.pad_id
     shutil.copyfile(tokenizer_path, os.path.join(out, VOCAB))
     with open(os.path.join(out, wordpiece.TOKENIZER_CONFIG), 'w') as f:
-      json.dump({'do_lower_case': tokenizer.do_lower_case, 'tokenizer_class': 'BertTokenizer',
-                 'model_max_length': int(model_config.max_len)}, f)
+      json.dump(dict(tokenizer.normalization, tokenizer_class='BertTokenizer',
+                     model_max_length=int(model_config.max_len)), f)
   else:
     logging.warning('the run\'s tokenizer %r is not a WordPiece vocab.txt: exported weights '
                     'only (HF\'s BertTokenizer cannot read a sentencepiece model)',

