@@ -24,6 +24,7 @@ The grid of the paper's practice: `python -m realformer.finetune_grid` (see its 
 import datetime
 import json
 import os
+import shutil
 import time
 from typing import Dict, Tuple
 
@@ -129,17 +130,39 @@ def length_buckets(config, task, workdir: str, resuming: bool,
                      f'{f" ({stored_settings})" if stored_settings else ""}; resume with '
                      f'config.length_buckets and config.bucket_multiple as they were, and '
                      f'change them once the epoch is over')
-  if jax.process_index() == 0:
-    with open(path, 'w') as f:
+  if jax.process_index() == 0:  # replaced whole: another host may be reading it
+    with open(path + '.tmp', 'w') as f:
       json.dump({'lengths': list(chosen),
                  'settings': None if kept and stored_settings is None else settings}, f)
+    os.replace(path + '.tmp', path)
   return chosen
+
+
+def _longest_eval(task) -> int:
+  """The longest example of the splits that are only evaluated (dev, test)."""
+  return max((int(buckets_lib.lengths_of(f).max(initial=0)) for f in task.eval_features()),
+             default=0)
+
+
+def eval_lengths(config, task, buckets: Tuple[int, ...]) -> Tuple[int, ...]:
+  """The lengths evaluation and predictions compile: the training buckets, and one more
+  when a dev or test example is longer than the longest of them (buckets kept by a resumed
+  run cover the splits as they were: a test.tsv added since, a dev file changed). The
+  training batches keep the stored buckets, so an epoch's plan does not change."""
+  longest = _longest_eval(task)
+  if longest <= max(buckets):
+    return buckets
+  extra = min(config.max_seq_length, -(-longest // config.bucket_multiple) *
+              config.bucket_multiple)
+  logging.info('a dev/test example of %d tokens is longer than the stored length buckets %s: '
+               'evaluation and predictions also compile length %d', longest, list(buckets),
+               extra)
+  return tuple(buckets) + (extra,)
 
 
 def _choose_buckets(config, task) -> Tuple[int, ...]:
   lengths = buckets_lib.lengths_of(task.train)
-  cover = max((int(buckets_lib.lengths_of(f).max(initial=0)) for f in task.eval_features()),
-              default=0)
+  cover = _longest_eval(task)
   chosen = buckets_lib.choose_lengths(lengths, config.length_buckets, config.bucket_multiple,
                                       config.max_seq_length, cover=cover)
   logging.info('%s (config.length_buckets=0 pads every batch to max_seq_length)',
@@ -371,9 +394,13 @@ def make_task(config, tokenizer):
 
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Fine-tunes, evaluates and predicts; returns {'task', 'step', 'dev', 'headline'}."""
-  for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs'):
+  for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs',
+               'bucket_multiple'):
     if config[name] <= 0:  # a cadence of 0 divided by zero after the workdir was written
       raise ValueError(f'config.{name}={config[name]}: give a positive number')
+  if config.length_buckets < 0:
+    raise ValueError(f'config.length_buckets={config.length_buckets}: give the number of '
+                     'compiled lengths (0 pads every batch to max_seq_length)')
   mesh = partitioning.make_mesh(config.mesh)
   workdir = os.path.abspath(os.path.expanduser(workdir))
   # scoped: the caller's mesh (or none) is back afterwards; the lock before any write
@@ -453,6 +480,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))
   buckets = length_buckets(config, task, workdir, resuming=int(state.step) > 0,
                            mid_epoch=int(state.step) % steps_per_epoch != 0)
+  eval_buckets = eval_lengths(config, task, buckets)
   lengths = buckets_lib.lengths_of(train)
   sharding = partitioning.batch_sharding(mesh)
 
@@ -469,12 +497,13 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
   predictions = compile_lengths(  # the model's inputs only; outputs whole on every host
       jax.jit(lambda params, batch: model.apply({'params': params}, batch)[1:],
               out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
-      (state.params,), batch_of(config.eval_batch_size, buckets_lib.SEQUENCE_KEYS), buckets,
-      'prediction')
+      (state.params,), batch_of(config.eval_batch_size, buckets_lib.SEQUENCE_KEYS),
+      eval_buckets, 'prediction')
   predict = lambda params, batch: predictions[batch['input_ids'].shape[1]](params, batch)
 
   def infer(params):  # features -> the head's outputs for every row
-    return lambda features: run_model(predict, params, features, mesh=mesh, buckets=buckets,
+    return lambda features: run_model(predict, params, features, mesh=mesh,
+                                      buckets=eval_buckets,
                                       batch_size=config.eval_batch_size,
                                       token_outputs=task.token_outputs)
 
@@ -488,7 +517,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
 
   step = int(state.step)
   results = None
-  best = BestCheckpoint(workdir, task, pre, config.keep_best)
+  best = BestCheckpoint(workdir, task, pre, config.keep_best, fresh=step == 0)
   preempted = None
   with workdir_lib.StopSignal() as stop:
     for epoch in range(step // steps_per_epoch, config.num_epochs):
@@ -591,10 +620,17 @@ class BestCheckpoint:
   params-only checkpoint with the pretraining config.json (so another fine-tuning can start
   from it) and best/results.json (its step, epoch and dev metrics)."""
 
-  def __init__(self, workdir: str, task, pretraining_config, enabled: bool):
+  def __init__(self, workdir: str, task, pretraining_config, enabled: bool, fresh: bool):
     self.dir, self.task, self.config = os.path.join(workdir, BEST_DIR), task, pretraining_config
     self.enabled = enabled
     path = os.path.join(self.dir, 'results.json')
+    if fresh and os.path.exists(self.dir):  # a run starting at step 0: best/ is another's
+      logging.warning('removing %s: it holds the best epoch of an earlier run in this workdir '
+                      '(this run starts from step 0)', self.dir)
+      if jax.process_index() == 0:
+        shutil.rmtree(self.dir)
+      self.best = None
+      return
     self.best = json.load(open(path)) if enabled and os.path.isfile(path) else None
 
   def offer(self, params, step: int, epoch: int, results):
@@ -605,7 +641,7 @@ class BestCheckpoint:
     manager = checkpoints.make_manager(self.dir, keep=1, item_names=('state',))
     for old in manager.all_steps():  # an epoch redone after a kill saves its step again
       if old >= step:
-        manager.delete(old)
+        checkpoints.delete_step(manager, old)
     checkpoints.save(manager, step, {'step': step, 'params': params}, force=True)
     manager.wait_until_finished()
     manager.close()
@@ -639,7 +675,7 @@ def drop_optimizer_state(manager, params, step: int, pretraining_config, final_d
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   multihost_utils.sync_global_devices('finetune final params saved')
   for old in manager.all_steps():
-    manager.delete(old)
+    checkpoints.delete_step(manager, old)
   logging.info('finished: final params in %s; the optimizer state was dropped '
                '(config.keep_optimizer_state=True keeps it)', final_dir)
 

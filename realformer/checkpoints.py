@@ -58,6 +58,18 @@ def has_complete_step(workdir: str) -> bool:
       name.isdigit() and is_complete(os.path.join(root, name)) for name in os.listdir(root))
 
 
+def delete_step(manager: ocp.CheckpointManager, step: int) -> None:
+  """Deletes a step so that a kill at any moment leaves no step that looks complete: the
+  commit marker goes first (orbax removes the folder in no particular order; a step left
+  without its state but with its marker would be restored and fail)."""
+  if jax.process_index() == 0:
+    try:
+      os.remove(os.path.join(str(manager.directory), str(step), COMMIT_FILE))
+    except FileNotFoundError:
+      pass
+  manager.delete(step)
+
+
 def latest_complete_step(manager: ocp.CheckpointManager) -> Optional[int]:
   """The newest finalized step with orbax's commit marker (None: no checkpoint).
 

@@ -221,3 +221,22 @@ def _abstract_params(config):
   batch = next(train_lib.SyntheticPretrainingData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
   return nn.unbox(jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch)))['params']
+
+
+def test_a_step_killed_while_being_deleted_never_looks_complete(tmp_path, monkeypatch):
+  """delete_step removes the commit marker before the files: a kill in the middle (here the
+  deletion itself never runs) leaves a step that is incomplete, which the next start deletes
+  instead of restoring."""
+  manager = checkpoints.make_manager(str(tmp_path), keep=None, item_names=('state',))
+  for step in (1, 2):
+    checkpoints.save(manager, step, {'step': step, 'params': {'w': np.ones(3)}}, force=True)
+  manager.wait_until_finished()
+  monkeypatch.setattr(type(manager), 'delete', lambda self, step: None)  # killed here
+  checkpoints.delete_step(manager, 2)
+  monkeypatch.undo()
+  assert os.path.isdir(tmp_path / 'checkpoints' / '2')  # its files are still there
+  assert checkpoints.latest_complete_step(manager) == 1
+  assert manager.all_steps() == [1]  # the half-deleted step is gone
+  checkpoints.delete_step(manager, 1)
+  assert not checkpoints.has_complete_step(str(tmp_path))
+  manager.close()

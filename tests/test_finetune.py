@@ -169,6 +169,18 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   assert again['step'] == summary['step'] and again['dev'] == summary['dev']
 
 
+def test_best_dev_checkpoint_of_an_earlier_run_is_not_taken_for_this_one(tmp_path):
+  """best/ left by an earlier run (its final/ and resume checkpoint deleted, a new config):
+  a run starting at step 0 removes it instead of comparing its epochs with the old best."""
+  best_dir = tmp_path / finetune.BEST_DIR
+  best_dir.mkdir()
+  (best_dir / 'results.json').write_text(json.dumps({'step': 9, 'epoch': 3, 'headline': 0.99}))
+  resumed = finetune.BestCheckpoint(str(tmp_path), None, None, True, fresh=False)
+  assert resumed.best['headline'] == 0.99  # a resumed run keeps its own best
+  fresh = finetune.BestCheckpoint(str(tmp_path), None, None, True, fresh=True)
+  assert fresh.best is None and not best_dir.exists()
+
+
 def test_keep_optimizer_state_keeps_the_resume_checkpoint(pretrained, tmp_path):
   workdir = str(tmp_path / 'rte')
   finetune.finetune(ft_config('rte', pretrained, keep_optimizer_state=True, keep_best=False,
@@ -231,6 +243,11 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
     finetune.length_buckets(config(2, 32), task, workdir, resuming=True, mid_epoch=True)
   assert finetune.length_buckets(config(2, 32), task, workdir, resuming=True) == other
   assert finetune.length_buckets(config(0, 8), task, workdir, resuming=True) == (128,)
+  longer = {'attention_mask': np.ones((1, 100), np.int32)}  # a dev file changed since
+  task_now = types.SimpleNamespace(train=features, eval_features=lambda: [longer])
+  assert finetune.eval_lengths(config(2, 32), task_now, (64, 96)) == (64, 96, 128)
+  assert finetune.eval_lengths(config(5, 8), task_now, (64, 96)) == (64, 96, 104)
+  assert finetune.eval_lengths(config(5, 8), task, (64, 120)) == (64, 120)
   # A file of an older version (the lengths alone): kept to finish the epoch, then chosen
   # again with the settings of the day.
   with open(tmp_path / finetune.BUCKETS_FILE, 'w') as f:
@@ -293,12 +310,25 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   for split in ('train.tsv', 'dev.tsv'):
     shutil.copy(os.path.join(GLUE_DIR, 'RTE', split), data / split)
   caplog.set_level('INFO', logger='absl')
-  summary = finetune.finetune(ft_config('rte', pretrained, data_dir=str(tmp_path / 'glue')),
-                              str(tmp_path / 'ft'))
+  config = lambda: ft_config('rte', pretrained, data_dir=str(tmp_path / 'glue'),
+                             max_seq_length=128)
+  summary = finetune.finetune(config(), str(tmp_path / 'ft'))
   assert 'accuracy' in summary['dev']['rte']
   assert not (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').exists()
   assert 'no test.tsv for rte' in caplog.text and 'no predictions were written' in caplog.text
   assert 'compiled lengths' in caplog.text  # the length buckets say how many shapes compile
+  # A test.tsv added afterwards, longer than every stored bucket: the rerun predicts it
+  # (one more compiled length for evaluation), the stored training buckets unchanged.
+  stored = json.loads((tmp_path / 'ft' / finetune.BUCKETS_FILE).read_text())['lengths']
+  long = ' '.join(['word'] * 80)
+  (data / 'test.tsv').write_text(f'index\tsentence1\tsentence2\n0\t{long}\tA short one.\n'
+                                 '1\tA man.\tA person.\n')
+  again = finetune.finetune(config(), str(tmp_path / 'ft'))
+  assert again['dev'] == summary['dev']
+  assert max(stored) < 96 and 'evaluation and predictions also compile length' in caplog.text
+  rows = (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').read_text().splitlines()
+  assert [r.split('\t')[0] for r in rows] == ['index', '0', '1']
+  assert json.loads((tmp_path / 'ft' / finetune.BUCKETS_FILE).read_text())['lengths'] == stored
 
 
 def test_random_init_baseline_from_a_pretraining_config(tmp_path):

@@ -283,6 +283,10 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     (['train.py', '--workdir', '{tmp}/a_file/w', '--config.data.sources=synthetic'],
      'cannot be a folder: it or a folder above it is a file'),
     (['analyze.py', '--out', '{tmp}/a'], 'the following arguments are required: --workdir'),
+    (['finetune.py', '--workdir', '{tmp}/f', '--config.bucket_multiple=0'],
+     'config.bucket_multiple=0: give a positive number'),
+    (['finetune.py', '--workdir', '{tmp}/f', '--config.length_buckets=-2'],
+     'config.length_buckets=-2: give the number of compiled lengths'),
     (['sweep.py', 'print', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
       '--set', 'train.num_steps=abc'], "train.num_steps='abc' does not fit the field (int"),
 ])
