@@ -39,6 +39,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import threading
 import time
 import zlib
 from typing import List, Optional
@@ -137,8 +138,10 @@ def _keeps_workers(error: BaseException) -> bool:
   """Only bad input (a ValueError: no examples, an undecodable or missing corpus) throws the
   finished workers away. Ctrl-C, SIGTERM's exit, a worker process killed (out of memory) or
   a storage fault (a full disk, a mount that refuses a rename) are not the workers' fault:
-  they stay for the next attempt."""
-  return not isinstance(error, ValueError)
+  they stay for the next attempt, as they do when a Hugging Face source could not be loaded
+  (no network, the hub rate-limiting the workers' requests)."""
+  return (not isinstance(error, ValueError) or
+          isinstance(error, sources.SourceUnavailableError))
 
 
 def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
@@ -250,6 +253,18 @@ def _done(tmp: str, worker: int, total: int, fp: dict) -> Optional[dict]:
   return done
 
 
+def die_with_parent(parent: int, poll_s: float = 0.5) -> None:
+  """A worker process's initializer: exit as soon as `parent` is gone. A parent killed with
+  SIGKILL (the OOM killer picks the large process) cannot stop its workers, which would
+  otherwise finish their shares and write into the folder that a restarted preparation is
+  rewriting."""
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(poll_s)
+    os._exit(1)  # pylint: disable=protected-access
+  threading.Thread(target=watch, daemon=True, name='die_with_parent').start()
+
+
 def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
                  made_since: Optional[str] = None, since: float = 0.0):
   """Runs the workers among `ids` that have not finished. `made_since`: a host other than
@@ -271,7 +286,9 @@ def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
   context = multiprocessing.get_context('spawn')  # never fork a process that runs JAX
   work = importlib.import_module('data.prepare')._work  # by its module name, also under -m
   before = set(multiprocessing.active_children())
-  pool = concurrent.futures.ProcessPoolExecutor(len(todo), mp_context=context)
+  pool = concurrent.futures.ProcessPoolExecutor(len(todo), mp_context=context,
+                                               initializer=die_with_parent,
+                                               initargs=(os.getpid(),))
   try:
     futures = [pool.submit(work, config, tokenizer.path, tmp, i, total) for i in todo]
     done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)

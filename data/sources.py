@@ -220,6 +220,12 @@ class SplitNotFoundError(ValueError):
   """A Hugging Face dataset without the asked split (e.g. GLUE's optional test)."""
 
 
+class SourceUnavailableError(ValueError):
+  """A Hugging Face dataset that could not be loaded (no network, the hub refusing, a path
+  not there): a one-line error, after which a preparation keeps its finished workers (the
+  next attempt, with the source back, reuses them)."""
+
+
 def _split_slice(name: str, split: str, what: str) -> Tuple[str, Optional[slice]]:
   """'train[1000:5000]' -> ('train', slice(1000, 5000)): rows by index, which a streamed
   split can skip and take (datasets' own slicing, percentages included, needs the whole
@@ -294,17 +300,29 @@ def _load_hf(name: str, config: str, split: str, streaming: bool, what: str):
     hint = ('check the path' if local or name.startswith(('/', '.')) else
             'check the name on huggingface.co/datasets (it needs network, or the hub cache '
             'with HF_HUB_OFFLINE=1)')
-    raise ValueError(f'Hugging Face dataset {name!r} (config {config or "default"}, split '
-                     f'{split!r}) in {what} could not be loaded: '
+    raise SourceUnavailableError(
+        f'Hugging Face dataset {name!r} (config {config or "default"}, split '
+        f'{split!r}) in {what} could not be loaded: '
                      f'{str(e).splitlines()[0] if str(e) else type(e).__name__}; {hint}'
                      ) from None
 
 
 def _hf_parts(spec: str) -> Tuple[str, str, str]:
-  """'<dataset>[:<config>][:<split>]' (after 'hf:') -> (dataset, config, split)."""
-  name, _, rest = spec.partition(':')
-  config, _, split = rest.partition(':')
-  return name, config, split
+  """'<dataset>[:<config>][:<split>]' (after 'hf:') -> (dataset, config, split). Colons
+  inside a split's brackets ('train[:1000]') are the split's; a single field with brackets
+  after the dataset is a split ('hf:<dataset>:train[:1000]', no config)."""
+  fields, depth, current = [], 0, ''
+  for c in spec:
+    depth += (c == '[') - (c == ']')
+    if c == ':' and depth == 0:
+      fields.append(current)
+      current = ''
+    else:
+      current += c
+  name, rest = fields[0] if fields else current, (fields + [current])[1:]
+  if len(rest) == 1 and '[' in rest[0]:
+    return name, '', rest[0]
+  return name, rest[0] if rest else '', ':'.join(rest[1:])
 
 
 def _hf_stream(spec: str, text_column: str, stats: collections.Counter) -> _Stream:
@@ -325,7 +343,15 @@ def _hf_stream(spec: str, text_column: str, stats: collections.Counter) -> _Stre
     if rows is not None:  # the rows taken of it
       total = (len(range(total)[rows]) if total else
                rows.stop - (rows.start or 0) if rows.stop is not None else 0)
-  yield from _text_documents((row[text_column] for row in ds), total, stats)
+
+  def texts():
+    for row in ds:
+      if text_column not in row:  # a streamed dataset whose columns were not known ahead
+        raise ValueError(f'Hugging Face dataset hf:{spec} has no column {text_column!r} (its '
+                         f'rows have {sorted(row)}); name its text column with '
+                         'config.data.hf_text_column')
+      yield row[text_column]
+  yield from _text_documents(texts(), total, stats)
 
 
 def _stream(spec: str, tfds_data_dir: Optional[str], tfds_text_feature: str,

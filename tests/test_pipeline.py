@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import textwrap
 import time
 
 import jax
@@ -240,7 +241,9 @@ def _records(prepared_dir, metadata):
 def test_parallel_preparation_gives_the_same_set_for_any_workers_and_hosts(corpus, tmp_path):
   """One worker, two worker processes, and two hosts (one worker each, the second host
   first, as hosts start at any time): the same instances, split and counts."""
-  config = tiny_config(corpus, document_window=5)  # several blocks in this small corpus
+  # One document per block: the 3 training documents of this corpus are 3 blocks, which the
+  # two workers (and the two hosts) share out 2 + 1.
+  config = tiny_config(corpus, document_window=1)
   one = prepare.prepare(config, str(tmp_path / 'one'))
   config.data.prepare_workers = 2
   two = prepare.prepare(config, str(tmp_path / 'two'))
@@ -280,10 +283,12 @@ def test_an_interrupted_preparation_keeps_finished_workers(corpus, tmp_path, cap
 @pytest.mark.parametrize('interruption', [
     KeyboardInterrupt(), SystemExit(75),  # Ctrl-C, SIGTERM (train.py's handler)
     prepare.concurrent.futures.BrokenExecutor('a worker was killed'),
-    OSError(28, 'No space left on device')])
+    OSError(28, 'No space left on device'),
+    sources.SourceUnavailableError("Hugging Face dataset 'x' could not be loaded: 429")])
 def test_an_interruption_keeps_the_workers_that_finished_before(corpus, tmp_path, monkeypatch,
                                                                 interruption):
-  """Ctrl-C, SIGTERM, a worker process killed (out of memory) or a full disk while the
+  """Ctrl-C, SIGTERM, a worker process killed (out of memory), a full disk or a Hugging
+  Face source that could not be loaded (the hub rate-limiting the workers) while the
   unfinished workers run: the finished ones stay for the next attempt; bad input
   (ValueError) removes it all."""
   config = tiny_config(corpus, document_window=5, prepare_workers=2)
@@ -362,3 +367,45 @@ def test_a_bucket_url_as_output_is_an_error_not_a_local_folder(corpus, tmp_path,
   with pytest.raises(ValueError, match='mount the bucket'):
     prepare.prepare(tiny_config(corpus), 'gs://bucket/prepared')
   assert os.listdir(tmp_path) == []
+
+
+def test_worker_processes_exit_when_their_parent_is_killed(tmp_path):
+  """The preparation's worker pool (spawned, with prepare.die_with_parent as initializer):
+  kill -9 of the parent ends its workers within seconds instead of leaving them writing."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  pids = tmp_path / 'pids'
+  parent = subprocess.Popen([sys.executable, '-c', textwrap.dedent(f'''
+      import concurrent.futures, multiprocessing, os, time
+      from data import prepare
+      pool = concurrent.futures.ProcessPoolExecutor(
+          2, mp_context=multiprocessing.get_context('spawn'),
+          initializer=prepare.die_with_parent, initargs=(os.getpid(),))
+      workers = [pool.submit(os.getpid) for _ in range(4)]
+      waiting = [pool.submit(time.sleep, 120) for _ in range(2)]
+      with open({str(pids)!r}, 'w') as f:
+        f.write(' '.join(str(p) for p in {{w.result() for w in workers}}))
+      time.sleep(120)
+      ''')], cwd=REPO)
+  deadline = time.time() + 120
+  while not (pids.exists() and pids.read_text()) and time.time() < deadline:
+    assert parent.poll() is None
+    time.sleep(0.1)
+  workers = [int(p) for p in pids.read_text().split()]
+  assert workers and parent.pid not in workers
+  parent.send_signal(signal.SIGKILL)
+  parent.wait()
+
+  def alive(pid):
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return False
+    with open(f'/proc/{pid}/stat') as f:  # a zombie waiting for init to reap it is gone
+      return f.read().split(') ')[-1][0] != 'Z'
+
+  deadline = time.time() + 10
+  while any(alive(p) for p in workers) and time.time() < deadline:
+    time.sleep(0.1)
+  assert not any(alive(p) for p in workers)

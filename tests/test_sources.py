@@ -243,6 +243,11 @@ def test_hf_source_from_save_to_disk_and_parquet(tmp_path):
     column = 'body' if 'hub' in spec else 'text'
     assert list(sources.iter_documents(spec, hf_text_column=column)) == _hf_expected()[1:]
   assert list(sources.iter_documents(f'hf:{saved}::train[:1]')) == _hf_expected()[:1]
+  # A split with brackets right after the dataset: no config (the README's form).
+  assert list(sources.iter_documents(f'hf:{saved}:train[:1]')) == _hf_expected()[:1]
+  assert sources._hf_parts('a/b:train[:1000]') == ('a/b', '', 'train[:1000]')
+  assert sources._hf_parts('a/b:en:train[10:20]') == ('a/b', 'en', 'train[10:20]')
+  assert sources._hf_parts('a/b:en') == ('a/b', 'en', '')
   with pytest.raises(ValueError, match='percentages are not supported'):
     next(sources.iter_documents(f'hf:{saved}::train[:50%]'))
 
@@ -261,6 +266,10 @@ def test_hf_source_errors_are_one_line(tmp_path):
                        ).save_to_disk(str(dd))
   with pytest.raises(ValueError, match="no split 'test'"):
     next(sources.iter_documents(f'hf:{dd}::test'))
+  (tmp_path / 'json').mkdir()  # streamed: the columns are known only from the rows
+  (tmp_path / 'json' / 'train.jsonl').write_text('{"body": "A sentence. Another one."}\n')
+  with pytest.raises(ValueError, match=r"no column 'text' \(its rows have \['body'\]\)"):
+    list(sources.iter_documents(f'hf:{tmp_path / "json"}'))
 
 
 def test_hf_source_prepares_the_same_instances_as_the_same_text_in_files(tmp_path):
