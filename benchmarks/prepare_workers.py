@@ -2,6 +2,7 @@ r"""Parallel preparation: data.prepare with 1 and with N worker processes on the
 
   python benchmarks/prepare_workers.py --scale 10 --workers 1,2 --rounds 2
   python benchmarks/prepare_workers.py --scale 10 --workers 1,2 --document_window 100
+  python benchmarks/prepare_workers.py --scale 10 --workers 1,2 --source hf
 
 The embedded corpus written out `--scale` times; each setting prepares it (length 128, blocks
 of `--document_window` documents, 1000 by default) in a fresh process, settings alternating
@@ -11,7 +12,9 @@ blocks; a real corpus (millions of documents) has thousands, which a smaller win
 Prints wall seconds, CPU seconds (user + system of the child and its workers), prepared
 instances per second, the main process's peak RSS (VmHWM) and the largest worker process's
 peak RSS (with one worker, the work runs in the main process), and checks that every setting
-prepared the same counts.
+prepared the same counts. `--source hf`: the same documents as a local Hugging Face dataset
+(parquet, one document per row, its sentences joined by spaces), read through `hf:`, whose
+sentences the preparation splits (the files are in BERT's format, one sentence per line).
 """
 
 import argparse
@@ -44,8 +47,19 @@ print("RESULT", json.dumps({"counts": m["counts"], "peak_kb": peak,
 '''
 
 
-def run(corpus: str, out_dir: str, workers: int, window: int):
-  data = dict(sources=f'files:{corpus}', max_seq_length=128, prepare_workers=workers,
+def write_hf(corpus: str, out_dir: str) -> str:
+  """The documents of a BERT-format corpus as <out_dir>/train-00000-of-00001.parquet."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  from data import sources  # pylint: disable=g-import-not-at-top
+  texts = [' '.join(doc) for doc in sources.iter_documents(f'files:{corpus}')]
+  os.makedirs(out_dir)
+  datasets.Dataset.from_dict({'text': texts}).to_parquet(
+      os.path.join(out_dir, 'train-00000-of-00001.parquet'))
+  return f'hf:{out_dir}'
+
+
+def run(source: str, out_dir: str, workers: int, window: int):
+  data = dict(sources=source, max_seq_length=128, prepare_workers=workers,
               document_window=window)
   start, before = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
   out = subprocess.run([sys.executable, '-c', CHILD, json.dumps(data), out_dir], cwd=REPO,
@@ -64,21 +78,24 @@ def main():
   p.add_argument('--workers', default='1,2')
   p.add_argument('--rounds', type=int, default=2)
   p.add_argument('--document_window', type=int, default=1000)
+  p.add_argument('--source', default='files', choices=('files', 'hf'))
   args = p.parse_args()
   print(machine.describe())
   print(f'# {" ".join(sys.argv)}')
   tmp = tempfile.mkdtemp()
   corpus = os.path.join(tmp, 'corpus.txt')
   size = input_pipeline.write_corpus(corpus, args.scale)
+  source = (f'files:{corpus}' if args.source == 'files' else
+            write_hf(corpus, os.path.join(tmp, 'hf')))
   settings = [int(w) for w in args.workers.split(',')]
   results = {w: [] for w in settings}
   for _ in range(args.rounds):
     for w in settings:
-      results[w].append(run(corpus, os.path.join(tmp, 'out'), w, args.document_window))
+      results[w].append(run(source, os.path.join(tmp, 'out'), w, args.document_window))
   counts = {json.dumps(r['counts']) for rs in results.values() for _, r in rs}
   assert len(counts) == 1, counts
   n = sum(json.loads(counts.pop()).values())
-  print(f'corpus {size / 1e6:.0f} MB, blocks of {args.document_window} documents, {n:,} '
+  print(f'corpus {size / 1e6:.0f} MB ({args.source}), blocks of {args.document_window} documents, {n:,} '
         f'instances (train + eval), the same for every setting; median of {args.rounds} rounds')
   print('| workers | seconds | CPU seconds | instances/s | main process peak MiB '
         '| largest worker peak MiB |')

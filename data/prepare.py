@@ -335,12 +335,13 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
     docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=read_stats,
                                   weights=d.weights, seed=config.seed,
                                   tfds_text_feature=d.get('tfds_text_feature', 'text'),
-                                  hf_text_column=d.get('hf_text_column', 'text'))
+                                  hf_text_column=d.get('hf_text_column', 'text'),
+                                  lazy=True)  # sentences split only in the owned blocks
     writers = ShardWriters(out, split, per_worker, d.get('records_per_file', 65536))
     n = 0
 
     def tokenise(doc, stats=stats):  # compact at once: a block holds block_size documents
-      ids = tokenizer.encode_batch(doc)
+      ids = tokenizer.encode_batch(sources.sentences(doc))
       stats['empty_sentences'] += sum(not s for s in ids)  # nothing left after tokenising
       return [np.asarray(s, np.int32) for s in ids if s]
 

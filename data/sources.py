@@ -206,12 +206,27 @@ def _tfds_stream(spec: str, data_dir: Optional[str], text_feature: str,
   yield from _text_documents(texts, total, stats)
 
 
+class Unsplit(str):
+  """The text of one document (paragraphs on their own lines, not blank) whose sentences are
+  split only when asked (`sentences`): iter_documents(lazy=True) yields these, so that each
+  preparation worker splits only the documents it owns, not every document of the stream."""
+
+
+def sentences(doc: Union[List[str], 'Unsplit']) -> List[str]:
+  """A document's sentences: split_sentences of each paragraph of an Unsplit text; a list of
+  sentences as it is."""
+  if isinstance(doc, Unsplit):
+    return [s for para in doc.split('\n') for s in split_sentences(para)]
+  return doc
+
+
 def _text_documents(texts: Iterable[str], total: int, stats: collections.Counter) -> _Stream:
-  """Texts (one per document; paragraphs on their own lines) -> sentence lists."""
+  """Texts (one per document; paragraphs on their own lines) -> Unsplit documents; a blank
+  text is counted and dropped (a text that is not blank has at least one sentence: the
+  splitter keeps every non-blank character, so emptiness needs no split)."""
   for i, text in enumerate(texts, 1):
-    doc = [s for para in (text or '').split('\n') for s in split_sentences(para)]
-    if doc:
-      yield doc, min(1.0, i / total) if total else None
+    if text and text.strip():
+      yield Unsplit(text), min(1.0, i / total) if total else None
     else:
       stats['empty_documents'] += 1
 
@@ -436,8 +451,10 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
                    stats: Optional[collections.Counter] = None,
                    weights: Union[str, Sequence[float], None] = None, seed: int = 0,
                    tfds_text_feature: str = 'text',
-                   hf_text_column: str = 'text') -> Iterator[List[str]]:
-  """Yields the documents (lists of sentences) of `config.data.sources`, streaming.
+                   hf_text_column: str = 'text', lazy: bool = False) -> Iterator[List[str]]:
+  """Yields the documents (lists of sentences) of `config.data.sources`, streaming; with
+  lazy=True, the documents of tfds and hf sources as Unsplit texts (`sentences(doc)` splits
+  one), the same documents in the same order.
 
   Several sources are interleaved until every one is exhausted. With `weights`, each next
   document comes from a source drawn with those probabilities (renormalised over the sources
@@ -471,6 +488,9 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
       live.remove(i)
       continue
     doc, progress[i] = item
+    if isinstance(doc, Unsplit):
+      yield doc if lazy else sentences(doc)
+      continue
     doc = [s for s in doc if s.strip()]
     if doc:
       yield doc

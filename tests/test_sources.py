@@ -294,6 +294,20 @@ def test_hf_source_prepares_the_same_instances_as_the_same_text_in_files(tmp_pat
       results[name] = (metadata['counts'], f.read())
   assert results['hf'][0] == results['files'][0] and results['hf'][0]['train'] > 0
   assert results['hf'][1] == results['files'][1]  # byte for byte
+  # lazy=True: the same documents, unsplit until asked; a worker splits only its own blocks.
+  lazy = list(sources.iter_documents(f'hf:{tmp_path / "hf"}', lazy=True))
+  assert all(isinstance(d, sources.Unsplit) for d in lazy)
+  assert [sources.sentences(d) for d in lazy] == expected
+  calls = []
+  real_split = sources.split_sentences
+  sources.split_sentences = lambda text: calls.append(text) or real_split(text)
+  try:
+    config.data.sources, config.data.document_window = f'hf:{tmp_path / "hf"}', 4
+    prepare._work(config, prepare.tokenizer_lib.load_for_config(config.data),
+                  str(tmp_path / 'w'), 0, 2)  # worker 0 of 2: blocks 0, 2, 4, ... of each split
+  finally:
+    sources.split_sentences = real_split
+  assert 0 < len(calls) <= 24  # its documents (20 or so of the 40), not all 40
 
 
 def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
