@@ -95,7 +95,8 @@ def main():
   counts = {json.dumps(r['counts']) for rs in results.values() for _, r in rs}
   assert len(counts) == 1, counts
   n = sum(json.loads(counts.pop()).values())
-  print(f'corpus {size / 1e6:.0f} MB ({args.source}), blocks of {args.document_window} documents, {n:,} '
+  print(f'corpus {size / 1e6:.0f} MB ({args.source}), blocks of {args.document_window} '
+        f'documents, {n:,} '
         f'instances (train + eval), the same for every setting; median of {args.rounds} rounds')
   print('| workers | seconds | CPU seconds | instances/s | main process peak MiB '
         '| largest worker peak MiB |')
