@@ -10,11 +10,14 @@
                                   tfds:wikipedia/20230601.en:train[:10%]; each example's
                                   text feature ('text' unless told) is one document, its
                                   paragraphs (lines) split into sentences
-  hf:<dataset>[:<config>][:<split>]
+  hf:<dataset>[@<revision>][:<config>][:<split>]
                                   a Hugging Face dataset, streamed, e.g.
                                   hf:wikimedia/wikipedia:20231101.en or
                                   hf:HuggingFaceFW/fineweb-edu:sample-10BT:train (split
-                                  'train' by default); <dataset> may also be a local directory
+                                  'train' by default); @<revision> pins a hub commit or tag
+                                  (prepared data is known by the source's text, so a pinned
+                                  revision is what makes a resumed preparation read the same
+                                  rows); <dataset> may also be a local directory
                                   (parquet/json/csv files, or one written by save_to_disk).
                                   Each row's text column ('text' unless config.data.
                                   hf_text_column says) is one document, split like tfds's
@@ -44,7 +47,7 @@ import numpy as np
 EMBEDDED_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'embedded',
                                'sotu.txt.gz')
 _SOURCES_HELP = ('use embedded, files:<glob>, tfds:<name>[:<split>] or '
-                 'hf:<dataset>[:<config>][:<split>], several joined by ";"')
+                 'hf:<dataset>[@<revision>][:<config>][:<split>], several joined by ";"')
 
 # Words that end with a period without ending the sentence.
 _ABBREVIATIONS = frozenset("""
@@ -285,6 +288,8 @@ def _load_hf(name: str, config: str, split: str, streaming: bool, what: str):
   datasets.disable_progress_bars()
   local = os.path.isdir(name)
   saved = os.path.join(name, config) if config else name
+  name, revision = (name, None) if local else (name.partition('@')[0],
+                                               name.partition('@')[2] or None)
   try:
     if local and (os.path.isfile(os.path.join(saved, 'dataset_dict.json')) or
                   os.path.isfile(os.path.join(saved, 'state.json'))):
@@ -304,7 +309,8 @@ def _load_hf(name: str, config: str, split: str, streaming: bool, what: str):
       prefix = f'{config}/' if config else ''
       return datasets.load_dataset(name, data_files={base: [prefix + p for p in patterns]},
                                    split=split, streaming=streaming)
-    return datasets.load_dataset(name, config or None, split=split, streaming=streaming)
+    return datasets.load_dataset(name, config or None, split=split, streaming=streaming,
+                                 revision=revision)
   except SplitNotFoundError:
     raise
   except ValueError as e:
@@ -389,7 +395,8 @@ def files_signature(sources: str) -> Optional[str]:
   or removed file is noticed instead of silently reusing instances made from the old text
   (names and sizes, not folders or times: a copy of the corpus at the same path on another
   host matches). None without such sources or when they match nothing here (prepared data
-  can be used where the raw text is not). A hub dataset is known by its name only."""
+  can be used where the raw text is not). A hub dataset is known by its name only: pin it
+  with hf:<dataset>@<revision> so that a resumed or repeated preparation reads the same rows."""
   matched = []
   for spec in (s.strip() for s in sources.split(';')):
     if spec.startswith('files:'):

@@ -252,6 +252,25 @@ def test_hf_source_from_save_to_disk_and_parquet(tmp_path):
     next(sources.iter_documents(f'hf:{saved}::train[:50%]'))
 
 
+def test_hf_hub_sources_pass_their_name_config_split_and_revision(monkeypatch):
+  """The hub path (no network here): what reaches datasets.load_dataset for each form."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  calls = []
+
+  def load_dataset(name, config=None, **kwargs):
+    calls.append((name, config, kwargs['split'], kwargs.get('revision'), kwargs['streaming']))
+    return datasets.Dataset.from_dict({'text': HF_TEXTS})
+  monkeypatch.setattr(datasets, 'load_dataset', load_dataset)
+  for spec in ('hf:org/corpus', 'hf:org/corpus:en', 'hf:org/corpus:en:validation',
+               'hf:org/corpus@v1.2:en:train[:2]', 'hf:org/corpus@0a1b2c:train[1:]'):
+    assert list(sources.iter_documents(spec))
+  assert calls == [('org/corpus', None, 'train', None, True),
+                   ('org/corpus', 'en', 'train', None, True),
+                   ('org/corpus', 'en', 'validation', None, True),
+                   ('org/corpus', 'en', 'train', 'v1.2', True),
+                   ('org/corpus', None, 'train', '0a1b2c', True)]
+
+
 def test_hf_source_errors_are_one_line(tmp_path):
   import datasets  # pylint: disable=g-import-not-at-top
   saved = tmp_path / 'saved'
