@@ -324,8 +324,7 @@ def _load_hf(name: str, config: str, split: str, streaming: bool, what: str):
     raise SourceUnavailableError(
         f'Hugging Face dataset {name!r} (config {config or "default"}, split '
         f'{split!r}) in {what} could not be loaded: '
-                     f'{str(e).splitlines()[0] if str(e) else type(e).__name__}; {hint}'
-                     ) from None
+        f'{str(e).splitlines()[0] if str(e) else type(e).__name__}; {hint}') from None
 
 
 def _hf_parts(spec: str) -> Tuple[str, str, str]:
