@@ -258,6 +258,9 @@ def curves(root: str, runs, names, out_path: str):
 
 STABILITY_AXES = ('model.variant', 'optimizer.learning_rate', 'optimizer.warmup_steps')
 DIVERGED = 'diverged.json'  # written into a run whose loss became nan/inf: not rerun
+# The default grid: 5e-4 (5x BERT's peak) to 0.128, x2 apart, every rate with and without
+# warm-up, so one command runs the whole claim-1 grid (3 variants x 9 x 2 = 54 runs).
+STABILITY_RATES = '5e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2,6.4e-2,1.28e-1'
 
 
 def stability_fixed(args):
@@ -771,8 +774,10 @@ def main(argv=None):
   ft.add_argument('--ft_epochs', type=int, default=10)
   ft.add_argument('--ft_batch', type=int, default=16)
   stab = p.add_argument_group('stability (defaults for that part: --layers 12 --steps 300)')
-  stab.add_argument('--learning_rates', default='5e-4,1e-3,2e-3,4e-3')
-  stab.add_argument('--warmups', default='0,30', help='warm-up steps, e.g. none and short')
+  stab.add_argument('--learning_rates', default=STABILITY_RATES,
+                    help='peak learning rates, each twice the one before by default')
+  stab.add_argument('--warmups', default='0,30',
+                    help='warm-up steps, none and a short one (10%% of 300 steps) by default')
   stab.add_argument('--log_every', type=int, default=10)
   p.add_argument('--report_only', action='store_true',
                  help='stability, compare, finetune: only the tables (and figures) of the '

@@ -20,7 +20,6 @@ vocabulary becomes its UTF-8 byte pieces (<0xE2>...), never [UNK]. Lines over
 sentencepiece's 4192-byte limit, which it would skip silently, are split first and counted.
 """
 
-import argparse
 import collections
 import os
 from typing import Iterable, Iterator, List, Sequence, Tuple, Union
@@ -257,7 +256,8 @@ def train_sentencepiece(inputs: Union[str, Sequence[str], Iterable[str]], model_
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description='Train a sentencepiece (or BERT WordPiece) '
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  parser = cli.ArgumentParser(description='Train a sentencepiece (or BERT WordPiece) '
                                    "vocabulary with BERT's special tokens at ids 0-4.")
   parser.add_argument('--input', nargs='+', required=True,
                       help="BERT-format text files (one sentence per line), gzip or plain")

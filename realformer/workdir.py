@@ -79,8 +79,15 @@ def _read(fd: int) -> Optional[dict]:
     return {'pid': '?', 'host': '?', 'since': '?', 'program': 'unreadable lock record'}
 
 
+# The lock files this process holds (fd), emptied by exit_on_sigterm's immediate exit as by
+# a clean one, so the requeued run takes the workdir without a take-over warning.
+_HELD = set()
+
+
 class Lock:
-  """flock on <workdir>/.lock for the life of the run (process 0 only)."""
+  """flock on <workdir>/.lock for the life of the run, taken by process 0; with several
+  processes every process learns whether it was taken, so all of them stop with the one
+  line (the others would otherwise run on and wait for process 0 at the first collective)."""
 
   def __init__(self, workdir: str, program: str = 'train.py'):
     self.workdir, self.program = workdir, program
@@ -88,8 +95,26 @@ class Lock:
     self._fd, self._created = None, False
 
   def __enter__(self):
-    if jax.process_index() != 0:
-      return self
+    if jax.process_count() == 1:
+      return self._take()
+    error = None
+    if jax.process_index() == 0:
+      try:
+        self._take()
+      except (WorkdirInUseError, ValueError) as e:
+        error = e
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    taken = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    if error is not None:
+      raise error
+    if not taken:
+      raise WorkdirInUseError(f'process 0 could not take the lock of {self.workdir} (its log '
+                              'names the holder); wait for that run to finish or stop it, or '
+                              'use another --workdir')
+    return self
+
+  def _take(self):
     self._created = not os.path.exists(self.workdir)
     try:
       os.makedirs(self.workdir, exist_ok=True)
@@ -107,7 +132,7 @@ class Lock:
           f'or stop it, or use another --workdir') from None
     if not _same_file(fd, self.path):  # a run that made this folder removed it meanwhile
       os.close(fd)
-      return self.__enter__()
+      return self._take()
     previous = _read(fd)
     if previous is not None:
       if previous.get('host') != socket.gethostname():
@@ -119,6 +144,7 @@ class Lock:
                       _describe(previous), self.workdir)
     record = {'host': socket.gethostname(), 'pid': os.getpid(), 'program': self.program,
               'since': datetime.datetime.now().isoformat(timespec='seconds')}
+    _HELD.add(fd)  # before the record is written: a SIGTERM from here on empties it
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, (json.dumps(record) + '\n').encode())
@@ -128,6 +154,7 @@ class Lock:
 
   def __exit__(self, *exc):
     if self._fd is not None:
+      _HELD.discard(self._fd)
       os.ftruncate(self._fd, 0)  # released
       # A run that failed before writing anything (a file) leaves no workdir behind:
       # removed while the lock is held (a run waiting for it then sees the file is gone).
@@ -221,10 +248,10 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
     return []
   if fixed:
     a, b = _flatten(stored), _flatten(new)
-    shown = ', '.join(f'{k}: {a[k]!r} -> {b[k]!r}' for k in fixed[:6])
-    more = f' (and {len(fixed) - 6} more)' if len(fixed) > 6 else ''
+    shown = ', '.join(f'{k}: {a[k]!r} -> {b[k]!r}' for k in fixed)  # every one of them
     raise ValueError(
-        f'{workdir} holds a checkpoint of another config: {shown}{more}; resume with the '
+        f'{workdir} holds a checkpoint of another config ({len(fixed)} '
+        f'field{"s" if len(fixed) > 1 else ""}): {shown}; resume with the '
         f'stored values (its config.json) or start a new --workdir')
   for k in allowed:
     logging.info('resuming with %s changed: %r -> %r', k, _flatten(stored)[k],
@@ -273,6 +300,8 @@ def exit_on_sigterm() -> None:
     import multiprocessing  # pylint: disable=g-import-not-at-top
     for child in multiprocessing.active_children():  # a preparation's workers
       child.terminate()
+    for fd in list(_HELD):  # released, as on a clean exit (the kernel drops the flock)
+      os.ftruncate(fd, 0)
     print(f'not finished: stopped by SIGTERM outside the training loop (preparing, compiling '
           f'or finishing); run the same command to resume from the last complete checkpoint '
           f'(exit status {EXIT_NOT_FINISHED})', file=sys.stderr, flush=True)

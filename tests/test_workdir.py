@@ -171,6 +171,8 @@ def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
       proc.kill()
   assert proc.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
   assert 'not finished: stopped by SIGTERM' in err and 'Traceback' not in err
+  # Released as on a clean exit: the requeued run takes the workdir without a warning.
+  assert (tmp_path / workdir_lib.LOCK_FILE).read_text() == ''
 
 
 @pytest.mark.parametrize('program,override,expected', [
@@ -211,6 +213,21 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
   assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
   assert "model.variant: 'postln' -> 'realformer'" in errors[0]
   assert (tmp_path / 'config.json').read_text() == stored
+  proc = subprocess.run(args + ['--config.train.num_steps=4', '--config.model.hidden_size=64',
+                                '--config.model.num_heads=4'],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+  assert ('another config (2 fields): model.hidden_size: 32 -> 64, model.num_heads: 2 -> 4'
+          in errors[0])
+  assert (tmp_path / 'config.json').read_text() == stored
+  # The record of a run that died on this host (kill -9: its flock went with it).
+  (tmp_path / workdir_lib.LOCK_FILE).write_text(json.dumps(
+      {'host': socket.gethostname(), 'pid': 999999, 'since': 'earlier', 'program': 'train.py'}))
+  proc = subprocess.run(args + ['--config.train.num_steps=3'], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'taking over the lock of pid 999999' in proc.stderr
   # A run is extended on resume, never shortened; a workdir whose config.json is gone does
   # not say what its checkpoints are (it resumed as whatever model was asked for).
   def refused(steps):
@@ -245,6 +262,11 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     (['train.py', '--workdir', '{tmp}/w', '--config', 'configs/pretrain.py:foo,tiny'],
      "unknown variant 'foo'; choose one of postln"),
     (['train.py'], '--workdir is required'),
+    (['train.py', '--workdir', '{tmp}/w', '--config.train.num_steps=5',
+      '--config.optimizer.warmup_steps=30'],
+     'optimizer.warmup_steps=30 must lie in [0, train.num_steps=5]'),
+    (['-m', 'data.tokenizer', '--input', '{tmp}/none.txt'],
+     'the following arguments are required: --model_prefix'),
     (['train.py', '--workdir', '{tmp}/w', '--max_compiles=3'],
      '--max_compiles needs --compile_for'),
     (['train.py', '--workdir', '{tmp}/w', '--config.optimizer.schedule=cosin'], 'cosin'),
@@ -363,8 +385,13 @@ def test_data_file_mistakes_through_the_command_line(tmp_path):
   (rte / 'dev.tsv').write_text('index\tsentence1\tsentence2\tlabel\n'
                                '0\tA dog.\tA cat.\tnot_entailment\n')
   lines = [f'Le caf\xe9 num\xe9ro {i} est ferm\xe9.' for i in range(40)]
-  (tmp_path / 'latin1.txt').write_bytes(
-      '\n\n'.join('\n'.join(lines[i:i + 4]) for i in range(0, 40, 4)).encode('latin-1'))
+  latin1 = '\n\n'.join('\n'.join(lines[i:i + 4]) for i in range(0, 40, 4)).encode('latin-1')
+  (tmp_path / 'latin1.txt').write_bytes(latin1)
+  # Mostly undecodable: preparation keeps the few UTF-8 documents, and the split that is
+  # too small for a batch says why (it once said only "the train split has 1 examples").
+  (tmp_path / 'mostly_latin1.txt').write_bytes(
+      b'The union is strong.\nWe shall prevail.\nPeace is near.\n\nThe economy grows.\n'
+      b'Taxes fall.\nJobs rise.\n\n' + latin1)
   cases = [
       (['finetune.py', '--workdir', tmp_path / 'ft', '--config', 'configs/finetune.py:glue/rte',
         '--config.init_checkpoint=configs/pretrain.py:postln,tiny', '--config.from_scratch=True',
@@ -372,9 +399,16 @@ def test_data_file_mistakes_through_the_command_line(tmp_path):
        'RTE/train.tsv:3: 2 columns where 4 are expected'),
       (['train.py', '--workdir', tmp_path / 'tr',
         f'--config.data.sources=files:{tmp_path}/latin1.txt'], "'train/non_utf8_lines': 40"),
+      (['train.py', '--workdir', tmp_path / 'tr2',
+        f'--config.data.sources=files:{tmp_path}/mostly_latin1.txt'],
+       'fewer than one batch of 32 per process (40 lines of the corpus were not UTF-8 and '
+       'were skipped: convert the files to UTF-8'),
   ]
   expect_one_line_errors(cases)
-  assert sorted(os.listdir(tmp_path)) == ['glue', 'latin1.txt']
+  # The one workdir left holds only the complete prepared data (reused after a fix of the
+  # batch size, or deleted as the message says), no config.json and no checkpoint.
+  assert sorted(os.listdir(tmp_path)) == ['glue', 'latin1.txt', 'mostly_latin1.txt', 'tr2']
+  assert sorted(os.listdir(tmp_path / 'tr2')) == ['.lock', 'data']
 
 
 def expect_one_line_errors(cases):
@@ -406,3 +440,124 @@ def test_a_config_file_that_fails_to_load_is_one_line(tmp_path):
     assert proc.returncode == 1 and proc.stderr.count('\n') == 1, proc.stderr
     assert proc.stderr.startswith('error: ') and expected in proc.stderr, proc.stderr
     assert not (tmp_path / 'w').exists()
+
+
+def _glue_rte(folder, rows: int, malformed_at: int = 0):
+  """An RTE folder of made-up pairs (train and dev, no test.tsv); with malformed_at, a row
+  cut short at that line of train.tsv."""
+  import random  # pylint: disable=g-import-not-at-top
+  rng = random.Random(0)
+  words = 'the union state nation people congress war peace law trade money year'.split()
+
+  def pair(i):
+    s = [' '.join(rng.choice(words) for _ in range(rng.randint(3, 12))) + '.' for _ in (0, 1)]
+    return f'{i}\t{s[0]}\t{s[1]}\t{rng.choice(["entailment", "not_entailment"])}'
+
+  folder.mkdir(parents=True)
+  header = 'index\tsentence1\tsentence2\tlabel'
+  train = [header] + [pair(i) for i in range(rows)]
+  if malformed_at:
+    train.insert(malformed_at - 1, f'{rows}\tcut short')
+  (folder / 'train.tsv').write_text('\n'.join(train) + '\n')
+  (folder / 'dev.tsv').write_text('\n'.join([header] + [pair(i) for i in range(20)]) + '\n')
+
+
+def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_path):
+  """finetune.py as a user runs it: a held workdir is refused naming the holder; a skipped
+  malformed row is counted; SIGTERM saves and exits 'not finished' (75); a resume under
+  another config is refused with config.json kept; the plain resume finishes with no
+  warning and none of orbax's lines."""
+  _glue_rte(tmp_path / 'glue' / 'RTE', rows=400, malformed_at=6)
+  workdir = tmp_path / 'ft'
+  args = [sys.executable, 'finetune.py', f'--workdir={workdir}',
+          '--config=configs/finetune.py:glue/rte',
+          '--config.init_checkpoint=configs/pretrain.py:postln,tiny',
+          '--config.from_scratch=True', f'--config.data_dir={tmp_path}/glue',
+          '--config.batch_size=8', '--config.num_epochs=8', '--config.length_buckets=1',
+          '--config.max_seq_length=32', '--config.log_every_steps=1',
+          '--config.skip_malformed_rows=True']
+
+  def one_error(proc):
+    errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert 'Traceback' not in proc.stderr
+    return errors[0]
+
+  with workdir_lib.Lock(str(workdir), 'a test'):
+    held = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
+  assert f'in use by pid {os.getpid()} on {socket.gethostname()}' in one_error(held)
+  first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+  try:
+    deadline = time.time() + 240
+    metrics = workdir / 'metrics.jsonl'
+    while not (metrics.exists() and metrics.read_text().strip()):  # training has begun
+      assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+      time.sleep(0.02)
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=240)
+  finally:
+    if first.poll() is None:
+      first.kill()
+  assert first.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
+  assert 'not finished: stopped by SIGTERM after saving step' in err
+  assert 'skipped 1 malformed rows' in err and 'RTE/train.tsv (lines 6)' in err
+  stored = (workdir / 'config.json').read_text()
+  other = subprocess.run(args + ['--config.optimizer.learning_rate=1e-3'], cwd=REPO,
+                         capture_output=True, text=True, timeout=240)
+  assert ('holds a checkpoint of another config (1 field): optimizer.learning_rate'
+          in one_error(other))
+  assert (workdir / 'config.json').read_text() == stored
+  resumed = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'resuming from step' in resumed.stderr
+  warnings = [l for l in resumed.stderr.splitlines()
+              if l[:1] in 'WE' and l[1:2].isdigit() and 'malformed rows' not in l]
+  assert not warnings, warnings
+  assert 'orbax' not in resumed.stderr and 'checkpoint_manager.py' not in resumed.stderr
+  assert json.loads((workdir / 'results.json').read_text())['dev']['rte']['accuracy'] >= 0
+
+
+def test_finetune_data_and_checkpoint_mistakes_through_the_command_line(tmp_path):
+  """A task folder that is not there, a CoLA row cut short (it was an IndexError), a bad
+  label, and a checkpoint its config.json no longer describes: one line each, no workdir."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from realformer import models  # pylint: disable=g-import-not-at-top
+  cola = tmp_path / 'glue' / 'CoLA'
+  cola.mkdir(parents=True)
+  (cola / 'train.tsv').write_text('gj04\t1\t\tGood.\ngj04\t0\n')
+  bad_label = tmp_path / 'glue2' / 'CoLA'
+  bad_label.mkdir(parents=True)
+  (bad_label / 'train.tsv').write_text('gj04\t1\t\tGood.\ngj04\tmaybe\t\tBad.\n')
+  (tmp_path / 'empty').mkdir()
+  _glue_rte(tmp_path / 'rte' / 'RTE', rows=40)
+  config = pretrain.get_config('postln,tiny')
+  config.unlock()
+  config.model.num_layers, config.model.hidden_size, config.model.mlp_dim = 1, 32, 64
+  batch = {k: np.zeros((1, 8), np.int32) for k in ('input_ids', 'segment_ids',
+                                                   'attention_mask')}
+  params = nn.unbox(models.build(config.model).init(jax.random.PRNGKey(0), batch)['params'])
+  pretrained = tmp_path / 'pretrained'
+  checkpoints.save_params(str(pretrained), params, config, step=1)
+  stored = json.loads((pretrained / 'config.json').read_text())
+  stored['model']['hidden_size'] = 48  # the config no longer describes the checkpoint
+  (pretrained / 'config.json').write_text(json.dumps(stored))
+  scratch = ['--config.init_checkpoint=configs/pretrain.py:postln,tiny',
+             '--config.from_scratch=True']
+  cases = [
+      (['finetune.py', '--workdir', tmp_path / 'w1', '--config=configs/finetune.py:glue/rte',
+        f'--config.data_dir={tmp_path}/empty'] + scratch,
+       'RTE/train.tsv not found; set config.data_dir'),
+      (['finetune.py', '--workdir', tmp_path / 'w2', '--config=configs/finetune.py:glue/cola',
+        f'--config.data_dir={tmp_path}/glue'] + scratch,
+       'CoLA/train.tsv:2: 2 columns where 4 are expected'),
+      (['finetune.py', '--workdir', tmp_path / 'w3', '--config=configs/finetune.py:glue/cola',
+        f'--config.data_dir={tmp_path}/glue2'] + scratch,
+       "CoLA/train.tsv:2: CoLA: label 'maybe'"),
+      (['finetune.py', '--workdir', tmp_path / 'w4', '--config=configs/finetune.py:glue/rte',
+        f'--config.init_checkpoint={pretrained}', f'--config.data_dir={tmp_path}/rte',
+        '--config.batch_size=8'], 'has shape (32,) in the checkpoint but (48,) in the model'),
+  ]
+  expect_one_line_errors(cases)
+  assert sorted(os.listdir(tmp_path)) == ['empty', 'glue', 'glue2', 'pretrained', 'rte']
