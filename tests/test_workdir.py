@@ -561,3 +561,30 @@ def test_finetune_data_and_checkpoint_mistakes_through_the_command_line(tmp_path
   ]
   expect_one_line_errors(cases)
   assert sorted(os.listdir(tmp_path)) == ['empty', 'glue', 'glue2', 'pretrained', 'rte']
+
+
+def test_every_process_of_a_multi_host_run_stops_when_the_workdir_is_held(tmp_path):
+  """Two processes (gloo collectives stand in for hosts): process 0 cannot take the lock, and
+  both stop with one line instead of process 1 running on to wait at the first collective."""
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  with workdir_lib.Lock(str(tmp_path), 'a test'):
+    procs = [subprocess.Popen(
+        [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
+         f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+      errs = [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+  for proc, err, expected in zip(procs, errs, (f'in use by pid {os.getpid()}',
+                                               'process 0 could not take the lock of')):
+    errors = [l for l in err.splitlines() if l.startswith('error:')]
+    assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
+  assert not (tmp_path / 'config.json').exists()
