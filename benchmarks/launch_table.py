@@ -134,18 +134,50 @@ def rejudged(r):
   return r
 
 
-def _cell(r):
+def estimated_max(raw):
+  """The largest multiple of 64 that the line through a cell's two stored compiles (the
+  reference batch and the largest that fitted; memory per chip is the state, which does not
+  grow with the batch, plus temporaries that grow about linearly) puts under the usable HBM,
+  kept inside what the compiles showed (at least the largest that fitted, below the smallest
+  that did not). None where the cell holds fewer than two compiles with a total."""
+  from realformer import launch
+  usable = launch.USABLE_HBM_GIB[raw['cell']['target'].split(':')[0]]
+  ref = raw['reference']
+  points = {(ref['batch'], ref['gib'])} if ref.get('gib') else set()
+  if raw['max_batch'] and raw.get('max_batch_gib'):
+    points.add((raw['max_batch'], raw['max_batch_gib']))
+  if len({b for b, _ in points}) < 2:
+    return None
+  (b1, g1), (b2, g2) = sorted(points)
+  slope = (g2 - g1) / (b2 - b1)
+  if slope <= 0:
+    return None
+  estimate = int((b1 + (usable - g1) / slope) // MULTIPLE * MULTIPLE)
+  judged = rejudged(raw)
+  low = judged['max_batch'] or 0
+  high = (judged['first_failing'] - MULTIPLE) if judged['first_failing'] else estimate
+  return max(low, min(estimate, high))
+
+
+def resolved(r) -> bool:
+  """The largest batch is known to the search's unit: none fits at 64, or a bracket of 64."""
+  return bool(r['first_failing']) and r['first_failing'] - (r['max_batch'] or 0) <= MULTIPLE
+
+
+def _cell(r, estimate=None):
   if r is None:
     return 'not run'
   ref = r['reference']
   at = f'{ref["gib"]:.2f} GiB' if ref['fits'] else 'no'
   star = '*' if r.get('rejudged') else ''
+  est = (f' (est. {estimate})' if estimate is not None and not resolved(r) and
+         estimate != r['max_batch'] else '')
   if not r['max_batch']:
     return (f'{at}; {r["first_failing"]} not, smaller not tried*' if star else
             f'{at}; none fits')
   if not r['first_failing']:
-    return f'{at}; >= {r["max_batch"]}'
-  return f'{at}; {r["max_batch"]} fits, {r["first_failing"]} not{star}'
+    return f'{at}; >= {r["max_batch"]}{est}'
+  return f'{at}; {r["max_batch"]} fits, {r["first_failing"]} not{star}{est}'
 
 
 def _carry_gib(cell, chips=4):
@@ -157,13 +189,16 @@ def _carry_gib(cell, chips=4):
 
 
 def markdown(args):
-  rows = {}
+  rows, estimates = {}, {}
   with open(args.out) as f:
     for l in f:
       if l.strip():
-        r = rejudged(json.loads(l))
+        raw = json.loads(l)
+        r = rejudged(raw)
         rows[key(r['cell'])] = r
+        estimates[key(r['cell'])] = estimated_max(raw)
   get = lambda **c: rows.get(key(c))
+  est = lambda r: estimates.get(key(r['cell'])) if r else None
   out = ['Each cell: GiB per chip at global batch 128 (32 per chip; "no" = does not fit), '
          'then the largest global batch that compiled and fitted and the smallest that did '
          'not (the largest batch lies between). The slice\'s HBM is what a program may use '
@@ -181,7 +216,7 @@ def markdown(args):
                     for v in VARIANTS]
           if all(c is None for c in cells_):
             continue
-          text = ['' if v.endswith('bf16carry') and mesh != 'fsdp' else _cell(c)
+          text = ['' if v.endswith('bf16carry') and mesh != 'fsdp' else _cell(c, est(c))
                   for v, c in zip(VARIANTS, cells_)]
           out.append(f'| {target} ({launch.USABLE_HBM_GIB[gen]} GiB) | {length} | {mesh} | '
                      f'{size} | '
@@ -206,7 +241,8 @@ def markdown(args):
                        else 'no' if r else 'not run')
         extra = (f'{rf["reference"]["gib"] - pl["reference"]["gib"]:+.2f}'
                  if pl['reference']['fits'] and rf['reference']['fits'] else '')
-        mb = lambda r: (str(r['max_batch']) if r else 'not run')
+        mb = lambda r: ('not run' if not r else str(r['max_batch']) if resolved(r) or
+                        est(r) in (None, r['max_batch']) else f'{r["max_batch"]} (est. {est(r)})')
         out.append(f'| {target} | {length} | {size} | {g(pl)} | {g(rf)} | {extra} | '
                    f'{_carry_gib(dict(c, variant="realformer")):.2f} | {g(bf)} | '
                    f'{mb(pl)} / {mb(rf)} / {mb(bf)} |')
@@ -222,10 +258,58 @@ def markdown(args):
   print('\n'.join(out))
 
 
+def checks_path(out: str) -> str:
+  return os.path.splitext(out)[0] + '_estimates.jsonl'
+
+
+def check_estimates(args):
+  """Compile unresolved cells at their estimate and at one unit (64) more: the estimate is
+  right when the first fits and the second does not. Cells are taken one per (slice,
+  length), the widest bracket first; finished checks are kept (rerunning continues)."""
+  from realformer import launch
+  done = {}
+  if os.path.exists(checks_path(args.out)):
+    with open(checks_path(args.out)) as f:
+      done = {key(json.loads(l)['cell']) for l in f if l.strip()}
+  with open(args.out) as f:
+    raws = [json.loads(l) for l in f if l.strip()]
+  picked, seen = [], set()
+  candidates = [(r, estimated_max(r)) for r in raws
+                if not resolved(rejudged(r)) and estimated_max(r)]
+  width = lambda r: (rejudged(r)['first_failing'] or 10 ** 6) - rejudged(r)['max_batch']
+  for raw, estimate in sorted(candidates, key=lambda c: -width(c[0])):
+    group = (raw['cell']['target'], raw['cell']['length'])
+    if group not in seen and len(picked) < args.check_estimates:
+      seen.add(group)
+      picked.append((raw, estimate))
+  targets = {}
+  for raw, estimate in picked:
+    cell = raw['cell']
+    if key(cell) in done:
+      continue
+    if cell['target'] not in targets:
+      targets[cell['target']] = launch.tpu_target(cell['target'])
+    config = make_config(cell)
+    config.train.eval_steps = 0  # as the table's cells were compiled: the train step alone
+    fits = {}
+    for batch in (estimate, estimate + MULTIPLE):
+      report, _ = launch.compile_step(config, targets[cell['target']], batch)
+      fits[batch] = {'fits': report.fits, 'gib': report.total_bytes / launch.GiB,
+                     'refusal': report.refusal}
+    line = {'cell': cell, 'estimate': estimate, 'compiled': fits,
+            'right': fits[estimate]['fits'] and not fits[estimate + MULTIPLE]['fits']}
+    with open(checks_path(args.out), 'a') as f:
+      f.write(json.dumps(line) + '\n')
+    print(key(cell), estimate, line['right'], flush=True)
+
+
 if __name__ == '__main__':
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--out', required=True)
   p.add_argument('--shard', default='0/1', help='i/n: run every n-th cell from i')
   p.add_argument('--markdown', action='store_true', help='print the table from --out')
+  p.add_argument('--check_estimates', type=int, default=0,
+                 help='compile this many unresolved cells at their estimated largest batch '
+                 'and 64 more, one per slice and length')
   a = p.parse_args()
-  markdown(a) if a.markdown else run(a)
+  check_estimates(a) if a.check_estimates else markdown(a) if a.markdown else run(a)

@@ -261,6 +261,79 @@ def test_parallel_preparation_gives_the_same_set_for_any_workers_and_hosts(corpu
   assert sorted(os.listdir(tmp_path)) == ['hosts', 'one', 'two']  # nothing else left
 
 
+@pytest.fixture(scope='module')
+def many_documents(tmp_path_factory):
+  """30 documents of 8 sentences (the speeches cut up): with eval_fraction 0.2 several go to
+  eval, so the eval split too is shared out over blocks, workers and hosts."""
+  path = tmp_path_factory.mktemp('many') / 'corpus.txt'
+  sentences = itertools.chain.from_iterable(sources.iter_documents('embedded'))
+  docs = [list(itertools.islice(sentences, 8)) for _ in range(30)]
+  path.write_text(''.join('\n'.join(d) + '\n\n' for d in docs))
+  return str(path)
+
+
+def test_the_same_set_for_uneven_workers_and_hosts_with_several_workers(many_documents,
+                                                                        tmp_path):
+  """Blocks of 3 documents (10 blocks, the eval documents in several of them) over 1
+  worker, 3 workers (4 + 3 + 3 blocks), and 2 hosts x 2 workers (worker ids 0-3 across the
+  hosts, 3 + 3 + 2 + 2 blocks, host 1 first): the same instances of both splits, and the
+  same counts."""
+  config = tiny_config(many_documents, document_window=3)
+  one = prepare.prepare(config, str(tmp_path / 'one'))
+  assert one['stats']['eval/documents'] >= 3 and one['counts']['eval'] > 0
+  config.data.prepare_workers = 3
+  three = prepare.prepare(config, str(tmp_path / 'three'))
+  config.data.prepare_workers = 2
+  assert prepare.prepare(config, str(tmp_path / 'hosts'), process_index=1,
+                         process_count=2) is None
+  hosts = prepare.prepare(config, str(tmp_path / 'hosts'), process_index=0, process_count=2)
+  assert (three['workers'], hosts['workers']) == (3, 4)
+  records = _records(str(tmp_path / 'one'), one)
+  for name, other in (('three', three), ('hosts', hosts)):
+    assert other['counts'] == one['counts'] and other['stats'] == one['stats']
+    assert _records(str(tmp_path / name), other) == records, name
+  assert sorted(os.listdir(tmp_path)) == ['hosts', 'one', 'three']
+
+
+def test_a_preparation_killed_midway_resumes_to_the_same_set(many_documents, tmp_path):
+  """`python -m data.prepare` with 3 workers killed with SIGKILL once a worker has
+  finished (its workers exit with it); the rerun keeps the finished workers, redoes the
+  rest, and gives the instances of an uninterrupted preparation."""
+  import signal  # pylint: disable=g-import-not-at-top
+  out = tmp_path / 'out'
+  args = [sys.executable, '-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny',
+          f'--config.data.sources=files:{many_documents}', '--config.data.max_seq_length=32',
+          '--config.data.max_predictions_per_seq=5', '--config.data.num_shards=2',
+          '--config.data.eval_fraction=0.2', '--config.data.document_window=1',
+          '--config.data.prepare_workers=3', '--out_dir', str(out)]
+  proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  tmp = tmp_path / 'out.tmp'
+  try:
+    deadline = time.time() + 240
+    while not (tmp.exists() and any((w / 'done.json').exists() for w in tmp.iterdir()
+                                    if w.name.startswith('worker-'))):
+      assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+      time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert not (out / prepare.METADATA).exists()  # it was killed before the end
+  finished = [w.name for w in tmp.iterdir() if (w / 'done.json').exists()]
+  assert finished
+  resumed = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f'{len(finished)} of this host\'s 3 workers finished before' in resumed.stderr
+  config = tiny_config(many_documents, document_window=1)
+  fresh = prepare.prepare(config, str(tmp_path / 'fresh'))
+  metadata = json.loads((out / prepare.METADATA).read_text())
+  assert metadata['counts'] == fresh['counts']
+  assert _records(str(out), metadata) == _records(str(tmp_path / 'fresh'), fresh)
+  assert not tmp.exists()
+
+
 def test_an_interrupted_preparation_keeps_finished_workers(corpus, tmp_path, caplog):
   config = tiny_config(corpus, document_window=5)
   config.data.prepare_workers = 2

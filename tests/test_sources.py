@@ -235,9 +235,16 @@ def test_hf_source_from_save_to_disk_and_parquet(tmp_path):
       str(tmp_path / 'hub' / 'en' / 'validation-00000-of-00001.parquet'))
   docs = sources.iter_documents(f'hf:{tmp_path / "hub"}:en:validation', hf_text_column='body')
   assert list(docs) == _hf_expected()
-  # Mixed with another source by weights, like any other.
+  # Mixed with another source by weights, like any other: weight 0 leaves a source out,
+  # weights 1;1 interleave the two.
   mixed = list(sources.iter_documents(f'hf:{saved};embedded', weights='1;0'))
   assert mixed == _hf_expected()
+  embedded = list(itertools.islice(sources.iter_documents('embedded'), 50))
+  both = list(itertools.islice(sources.iter_documents(f'hf:{saved};embedded', weights='1;1'),
+                               len(_hf_expected()) + 10))
+  from_hf = [d for d in both if d in _hf_expected()]
+  assert from_hf == _hf_expected()  # every hf document, in its order
+  assert [d for d in both if d not in from_hf] == embedded[:len(both) - len(from_hf)]
   # Rows by number, from a streamed split (parquet) and from one on disk (save_to_disk).
   for spec in (f'hf:{tmp_path / "hub"}:en:validation[2:]', f'hf:{saved}::train[2:]'):
     column = 'body' if 'hub' in spec else 'text'
@@ -289,6 +296,39 @@ def test_hf_source_errors_are_one_line(tmp_path):
   (tmp_path / 'json' / 'train.jsonl').write_text('{"body": "A sentence. Another one."}\n')
   with pytest.raises(ValueError, match=r"no column 'text' \(its rows have \['body'\]\)"):
     list(sources.iter_documents(f'hf:{tmp_path / "json"}'))
+  # Fine-tuning data without the task's columns (data_dir=hf:...).
+  from data import glue  # pylint: disable=g-import-not-at-top
+  from data import squad  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'glue' / 'rte').mkdir(parents=True)
+  datasets.Dataset.from_dict({'premise': ['A man.'], 'label': [0], 'idx': [0]}).to_parquet(
+      str(tmp_path / 'glue' / 'rte' / 'validation-00000-of-00001.parquet'))
+  with pytest.raises(ValueError, match=r"has no columns \['sentence1', 'sentence2'\] \(it has "
+                                       r"\['premise', 'label', 'idx'\]\); is it GLUE") as e:
+    glue.read_hf('rte', 'dev', str(tmp_path / 'glue'))
+  assert '\n' not in str(e.value)
+  (tmp_path / 'squad').mkdir()
+  datasets.Dataset.from_dict({'id': ['q'], 'question': ['Where?'], 'context': ['Here.']}
+                             ).to_parquet(str(tmp_path / 'squad' / 'train-00000.parquet'))
+  with pytest.raises(ValueError, match=r"has no columns \['answers'\].*rajpurkar/squad"):
+    squad.read_hf('v1.1', 'train', str(tmp_path / 'squad'))
+
+
+def test_a_hub_dataset_that_does_not_exist_is_one_line(monkeypatch):
+  """What the hub answers for a name it does not have (no network here: datasets' own
+  exception, raised where load_dataset would raise it)."""
+  import datasets  # pylint: disable=g-import-not-at-top
+
+  def load_dataset(name, *args, **kwargs):
+    raise datasets.exceptions.DatasetNotFoundError(
+        f"Dataset '{name}' doesn't exist on the Hub or cannot be accessed.\nMore lines.")
+  monkeypatch.setattr(datasets, 'load_dataset', load_dataset)
+  with pytest.raises(sources.SourceUnavailableError,
+                     match=r"Hugging Face dataset 'org/no-such' \(config default, split "
+                           r"'train'\) in config.data.sources could not be loaded: Dataset "
+                           r"'org/no-such' doesn't exist on the Hub or cannot be accessed.; "
+                           r"check the name on huggingface.co/datasets") as e:
+    next(sources.iter_documents('hf:org/no-such'))
+  assert '\n' not in str(e.value)
 
 
 def test_hf_source_prepares_the_same_instances_as_the_same_text_in_files(tmp_path):
