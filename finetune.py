@@ -37,6 +37,7 @@ import optax
 from absl import app
 from absl import flags
 from absl import logging
+from clu import metric_writers
 from clu import metrics as clu_metrics
 from ml_collections import config_flags
 
@@ -47,6 +48,7 @@ from data import squad
 from data import tokenizer as tokenizer_lib
 from realformer import checkpoints
 from realformer import cli
+from realformer import distributed
 from realformer import finetune_metrics
 from realformer import host_memory
 from realformer import metrics as metrics_lib
@@ -287,8 +289,9 @@ class GlueTask:
     missing = [n for n, examples in self.tests.items() if examples is None]
     for name, examples in self.tests.items():
       if examples is not None:
-        preds, _ = self._predict(run_model, 'test', name)
-        glue.write_predictions(name, examples, preds, out_dir)
+        preds, _ = self._predict(run_model, 'test', name)  # every process: collectives
+        if jax.process_index() == 0:
+          glue.write_predictions(name, examples, preds, out_dir)
     if missing:
       logging.info('no test.tsv for %s in %s: trained and evaluated; no predictions were '
                    'written for %s', ', '.join(missing), self.config.data_dir,
@@ -372,6 +375,8 @@ class SquadTask:
 
   def write_predictions(self, run_model, results, out_dir: str):
     del run_model, results  # SQuAD's test sets are hidden: the dev answers are written
+    if jax.process_index() != 0:
+      return
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'predictions.json'), 'w') as f:
       json.dump(self.answers, f, indent=1)
@@ -477,7 +482,9 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
       metrics_cls=FinetuneMetrics,
       totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
       seed=config.seed)
-  writer = metrics_lib.JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))
+  # Only process 0 writes files (metrics, predictions, results); every process computes.
+  writer = (metrics_lib.JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))
+            if jax.process_index() == 0 else metric_writers.MultiWriter([]))
   buckets = length_buckets(config, task, workdir, resuming=int(state.step) > 0,
                            mid_epoch=int(state.step) % steps_per_epoch != 0)
   eval_buckets = eval_lengths(config, task, buckets)
@@ -687,6 +694,7 @@ def main(argv):
              '(e.g. --workdir /tmp/ft_sst2)')
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
+  distributed.initialize_from_flags()  # several hosts: one run over all their devices
   workdir_lib.exit_on_sigterm()  # the loop's own handler saves first
   summary = cli.run_main(finetune, flags.FLAGS.config, flags.FLAGS.workdir,
                          also=(FloatingPointError,))
@@ -702,6 +710,7 @@ def define_flags():
         'config', os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
         'configs/finetune.py:glue/<task>', lock_config=True)
   flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and predictions.')
+  distributed.define_flags()
 
 
 if __name__ == '__main__':

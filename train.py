@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from typing import Optional
 
 import jax
 import ml_collections
@@ -32,6 +31,7 @@ from ml_collections import config_flags
 from realformer import checkpoints
 from realformer import cli
 from realformer import config_checks
+from realformer import distributed
 from realformer import host_memory
 from realformer import metrics as metrics_lib
 from realformer import partitioning
@@ -45,11 +45,7 @@ with cli.config_overrides():  # an unknown --config.<key> fails here: one line
       'config', os.path.join(_REPO, 'configs', 'pretrain.py') + ':postln,tiny',
       'Config file and its argument, e.g. configs/pretrain.py:realformer,base', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and config.json.')
-flags.DEFINE_string('coordinator_address', None,
-                    'host:port of process 0 for multi-process runs (or $JAX_COORDINATOR_ADDRESS);'
-                    ' TPU pods and SLURM are detected without it.')
-flags.DEFINE_integer('num_processes', None, 'Number of processes (or $JAX_NUM_PROCESSES).')
-flags.DEFINE_integer('process_id', None, 'This process (or $JAX_PROCESS_ID).')
+distributed.define_flags()
 flags.DEFINE_string('compile_for', None,
                     'Compile the train step ahead of time instead of training, and print '
                     'memory per chip, FLOPs and collectives (realformer/launch.py): a TPU '
@@ -397,28 +393,8 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
 # Entry point.
 # --------------------------------------------------------------------------------------
 
-def maybe_initialize_distributed(coordinator_address: Optional[str] = None,
-                                 num_processes: Optional[int] = None,
-                                 process_id: Optional[int] = None):
-  """jax.distributed.initialize() when several processes take part.
-
-  Explicit values (flags, else $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES /
-  $JAX_PROCESS_ID) win; otherwise jax detects TPU pod slices and SLURM jobs
-  (SLURM_NTASKS > 1) by itself. A single process on one machine initializes nothing.
-  """
-  env = os.environ
-  coordinator_address = coordinator_address or env.get('JAX_COORDINATOR_ADDRESS')
-  num_processes = num_processes or (int(env['JAX_NUM_PROCESSES'])
-                                    if 'JAX_NUM_PROCESSES' in env else None)
-  if process_id is None and 'JAX_PROCESS_ID' in env:
-    process_id = int(env['JAX_PROCESS_ID'])
-  if coordinator_address or (num_processes or 1) > 1:
-    if jax.config.jax_platforms == 'cpu' or env.get('JAX_PLATFORMS') == 'cpu':
-      jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
-  elif int(env.get('SLURM_NTASKS', '1')) > 1 or ',' in env.get('TPU_WORKER_HOSTNAMES', ''):
-    jax.distributed.initialize()
+# Kept under its old name: tests and scripts launch processes through it.
+maybe_initialize_distributed = distributed.maybe_initialize
 
 
 def check_launch():
@@ -431,8 +407,7 @@ def check_launch():
     if flags.FLAGS.compile_for != 'local':
       launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
     else:  # every host of a multi-host TPU VM or SLURM job, as train.py would see them
-      maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
-                                   flags.FLAGS.process_id)
+      distributed.initialize_from_flags()
     launch.run(resolved_config(flags.FLAGS.config), flags.FLAGS.compile_for,
                max_batch=flags.FLAGS.find_max_batch, measure_steps=flags.FLAGS.measure_steps,
                json_path=flags.FLAGS.launch_json, max_compiles=flags.FLAGS.max_compiles,
@@ -455,8 +430,7 @@ def main(argv):
     cli.fail('--workdir is required: the directory for checkpoints and logs '
                          '(e.g. --workdir /tmp/bert_tiny)')
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
-  maybe_initialize_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
-                               flags.FLAGS.process_id)
+  distributed.initialize_from_flags()
   workdir_lib.exit_on_sigterm()  # the loop's own handler saves first
   summary = cli.run_main(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir,
                          also=(NonFiniteLossError,))

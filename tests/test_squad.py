@@ -179,6 +179,14 @@ def test_squad_v2_end_to_end(pretrained, tmp_path):
   assert set(null_odds) == set(answers)
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert any(r['split'] == 'dev_squad' and 'best_f1_thresh' in r for r in records)
+  # The finished run evaluated again with every window padded to max_seq_length: the same
+  # metrics and the same answers as its length buckets gave (some windows are shorter).
+  assert min(json.load(open(os.path.join(workdir, finetune.BUCKETS_FILE)))['lengths']) < 64
+  c.length_buckets = 0
+  padded = finetune.finetune(c, workdir)
+  assert padded['dev'] == summary['dev']
+  assert json.load(open(os.path.join(workdir, 'predictions', 'predictions.json'))) == answers
+  assert json.load(open(os.path.join(workdir, 'predictions', 'null_odds.json'))) == null_odds
 
 
 def test_squad_from_a_hugging_face_dataset(tmp_path):

@@ -442,9 +442,9 @@ def test_a_config_file_that_fails_to_load_is_one_line(tmp_path):
     assert not (tmp_path / 'w').exists()
 
 
-def _glue_rte(folder, rows: int, malformed_at: int = 0):
-  """An RTE folder of made-up pairs (train and dev, no test.tsv); with malformed_at, a row
-  cut short at that line of train.tsv."""
+def _glue_rte(folder, rows: int, malformed_at: int = 0, test: bool = False):
+  """An RTE folder of made-up pairs (train and dev; test.tsv with `test`); with
+  malformed_at, a row cut short at that line of train.tsv."""
   import random  # pylint: disable=g-import-not-at-top
   rng = random.Random(0)
   words = 'the union state nation people congress war peace law trade money year'.split()
@@ -460,6 +460,10 @@ def _glue_rte(folder, rows: int, malformed_at: int = 0):
     train.insert(malformed_at - 1, f'{rows}\tcut short')
   (folder / 'train.tsv').write_text('\n'.join(train) + '\n')
   (folder / 'dev.tsv').write_text('\n'.join([header] + [pair(i) for i in range(20)]) + '\n')
+  if test:
+    (folder / 'test.tsv').write_text('\n'.join(
+        ['index\tsentence1\tsentence2'] + [pair(i).rpartition('\t')[0] for i in range(12)])
+                                     + '\n')
 
 
 def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_path):
@@ -588,3 +592,47 @@ def test_every_process_of_a_multi_host_run_stops_when_the_workdir_is_held(tmp_pa
     errors = [l for l in err.splitlines() if l.startswith('error:')]
     assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
   assert not (tmp_path / 'config.json').exists()
+
+
+def test_finetune_on_two_processes_is_one_run(tmp_path):
+  """finetune.py on two processes with one device each (gloo collectives stand in for two
+  hosts) is the run of one process with two devices: the same length buckets, dev metrics
+  and test predictions, and the files written once (by process 0)."""
+  _glue_rte(tmp_path / 'glue' / 'RTE', rows=96, test=True)
+  args = ['--config=configs/finetune.py:glue/rte',
+          '--config.init_checkpoint=configs/pretrain.py:postln,tiny',
+          '--config.from_scratch=True', f'--config.data_dir={tmp_path}/glue',
+          '--config.batch_size=8', '--config.eval_batch_size=8', '--config.num_epochs=2',
+          '--config.log_every_steps=4']
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  one = subprocess.Popen(
+      [sys.executable, 'finetune.py', f'--workdir={tmp_path}/one'] + args, cwd=REPO,
+      env=dict(env, XLA_FLAGS='--xla_force_host_platform_device_count=2'),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  two = [subprocess.Popen(
+      [sys.executable, 'finetune.py', f'--workdir={tmp_path}/two', f'--process_id={i}',
+       f'--coordinator_address=localhost:{port}', '--num_processes=2'] + args, cwd=REPO,
+      env=dict(env, XLA_FLAGS='--xla_force_host_platform_device_count=1'),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    for proc in [one] + two:
+      _, err = proc.communicate(timeout=400)
+      assert proc.returncode == 0, err[-3000:]
+  finally:
+    for proc in [one] + two:
+      if proc.poll() is None:
+        proc.kill()
+  a, b = tmp_path / 'one', tmp_path / 'two'
+  results = [json.loads((d / 'results.json').read_text()) for d in (a, b)]
+  assert results[0]['step'] == results[1]['step'] == 24
+  assert results[1]['dev']['rte']['accuracy'] == pytest.approx(
+      results[0]['dev']['rte']['accuracy'])
+  assert (b / 'predictions' / 'RTE.tsv').read_text() == (a / 'predictions' / 'RTE.tsv'
+                                                         ).read_text()
+  assert json.loads((b / 'length_buckets.json').read_text()) == json.loads(
+      (a / 'length_buckets.json').read_text())
+  steps = lambda d: [json.loads(l)['step'] for l in (d / 'metrics.jsonl').read_text().splitlines()]
+  assert steps(b) == steps(a)  # one line per step and split: process 0's alone
