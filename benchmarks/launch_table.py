@@ -255,6 +255,18 @@ def markdown(args):
           f'box, two at a time). Compiled matmul FLOPs / flops_per_example over every '
           f'reference compile that fitted: {min(ratios):.4f} to {max(ratios):.4f}.'
           if ratios else f'{done} of {total} cells compiled.']
+  if os.path.exists(checks_path(args.out)):
+    with open(checks_path(args.out)) as f:
+      checks = [json.loads(l) for l in f if l.strip()]
+    right = sum(c['right'] for c in checks)
+    out += ['', f'"est.": the largest multiple of 64 under the usable HBM on the line through '
+            f'the cell\'s two compiles (`estimated_max`), for cells whose search stopped '
+            f'before it was one unit wide. Checked by compiling {len(checks)} of them at the '
+            f'estimate and at 64 more (`--check_estimates`): {right} of {len(checks)} fitted '
+            f'at the estimate and not above it (' + '; '.join(
+                f'{c["cell"]["target"]} {c["cell"]["size"]} {c["cell"]["variant"]} '
+                f'{c["cell"]["length"]} {c["cell"]["mesh"]}: {c["estimate"]} '
+                f'{"right" if c["right"] else "wrong"}' for c in checks) + ').']
   print('\n'.join(out))
 
 
@@ -279,7 +291,10 @@ def check_estimates(args):
   width = lambda r: (rejudged(r)['first_failing'] or 10 ** 6) - rejudged(r)['max_batch']
   for raw, estimate in sorted(candidates, key=lambda c: -width(c[0])):
     group = (raw['cell']['target'], raw['cell']['length'])
-    if group not in seen and len(picked) < args.check_estimates:
+    if args.check_cells:  # named cells, e.g. v4:2x2x1|base|realformer|128|fsdp
+      if key(raw['cell']) in args.check_cells.split(','):
+        picked.append((raw, estimate))
+    elif group not in seen and len(picked) < args.check_estimates:
       seen.add(group)
       picked.append((raw, estimate))
   targets = {}
@@ -311,5 +326,8 @@ if __name__ == '__main__':
   p.add_argument('--check_estimates', type=int, default=0,
                  help='compile this many unresolved cells at their estimated largest batch '
                  'and 64 more, one per slice and length')
+  p.add_argument('--check_cells', default='',
+                 help='with --check_estimates: these cells (comma-separated keys '
+                 'target|size|variant|length|mesh) instead of one per slice and length')
   a = p.parse_args()
   check_estimates(a) if a.check_estimates else markdown(a) if a.markdown else run(a)
