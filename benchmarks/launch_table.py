@@ -170,8 +170,7 @@ def _cell(r, estimate=None):
   ref = r['reference']
   at = f'{ref["gib"]:.2f} GiB' if ref['fits'] else 'no'
   star = '*' if r.get('rejudged') else ''
-  est = (f' (est. {estimate})' if estimate is not None and not resolved(r) and
-         estimate != r['max_batch'] else '')
+  est = f' (est. {estimate})' if estimate is not None and not resolved(r) else ''
   if not r['max_batch']:
     return (f'{at}; {r["first_failing"]} not, smaller not tried*' if star else
             f'{at}; none fits')
@@ -242,7 +241,7 @@ def markdown(args):
         extra = (f'{rf["reference"]["gib"] - pl["reference"]["gib"]:+.2f}'
                  if pl['reference']['fits'] and rf['reference']['fits'] else '')
         mb = lambda r: ('not run' if not r else str(r['max_batch']) if resolved(r) or
-                        est(r) in (None, r['max_batch']) else f'{r["max_batch"]} (est. {est(r)})')
+                        est(r) is None else f'{r["max_batch"]} (est. {est(r)})')
         out.append(f'| {target} | {length} | {size} | {g(pl)} | {g(rf)} | {extra} | '
                    f'{_carry_gib(dict(c, variant="realformer")):.2f} | {g(bf)} | '
                    f'{mb(pl)} / {mb(rf)} / {mb(bf)} |')
