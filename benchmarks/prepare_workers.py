@@ -11,8 +11,9 @@ round after round. Blocks are the unit handed to workers (block b to worker b mo
 blocks; a real corpus (millions of documents) has thousands, which a smaller window models.
 Prints wall seconds, CPU seconds (user + system of the child and its workers), prepared
 instances per second, the main process's peak RSS (VmHWM) and the largest worker process's
-peak RSS (with one worker, the work runs in the main process), and checks that every setting
-prepared the same counts. `--source hf`: the same documents as a local Hugging Face dataset
+peak RSS (with one worker, the work runs in the main process), and the bound on all the
+processes together (main + workers x the largest worker's peak; the peaks need not coincide),
+and checks that every setting prepared the same counts. `--source hf`: the same documents as a local Hugging Face dataset
 (parquet, one document per row, its sentences joined by spaces), read through `hf:`, whose
 sentences the preparation splits (the files are in BERT's format, one sentence per line).
 """
@@ -99,16 +100,18 @@ def main():
         f'documents, {n:,} '
         f'instances (train + eval), the same for every setting; median of {args.rounds} rounds')
   print('| workers | seconds | CPU seconds | instances/s | main process peak MiB '
-        '| largest worker peak MiB |')
-  print('|---|---|---|---|---|---|')
+        '| largest worker peak MiB | all processes, at most MiB |')
+  print('|---|---|---|---|---|---|---|')
   for w, rs in results.items():
     seconds = statistics.median(s for s, _ in rs)
     cpu = statistics.median(r['cpu_seconds'] for _, r in rs)
     main_peak = statistics.median(r['peak_kb'] for _, r in rs) / 1024
     worker_peak = statistics.median(r['workers_peak_kb'] for _, r in rs) / 1024
     worker = f'{worker_peak:.0f}' if w > 1 else '(in main)'
+    # Peaks of different processes need not coincide: main + W x the largest is a bound.
+    total = main_peak + (w * worker_peak if w > 1 else 0)
     print(f'| {w} | {seconds:.1f} | {cpu:.1f} | {n / seconds:,.0f} | {main_peak:.0f} '
-          f'| {worker} |')
+          f'| {worker} | {total:.0f} |')
   shutil.rmtree(tmp)
 
 

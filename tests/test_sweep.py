@@ -220,7 +220,7 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys):
   import study  # pylint: disable=g-import-not-at-top
   assert study.main(['stability', '--root', 'gs://b/study', '--print_only']) == 0
   lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
-  assert len(lines) == 3 * 9 * 2  # variants x learning rates x warm-ups, one seed
+  assert len(lines) == 3 * (9 + 4)  # variants x (rates + those up to 4e-3 with warm-up)
   assert all('--config.model.num_layers=12' in l and '--config.train.num_steps=300' in l
              for l in lines)
   assert study.main(['--root', 'gs://b/wall', '--minutes', '20', '--print_only']) == 0
