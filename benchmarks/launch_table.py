@@ -153,6 +153,8 @@ def estimated_max(raw):
   if slope <= 0:
     return None
   estimate = int((b1 + (usable - g1) / slope) // MULTIPLE * MULTIPLE)
+  if estimate <= 0:  # both compiles above the usable HBM: the line says nothing fits
+    return None
   judged = rejudged(raw)
   low = judged['max_batch'] or 0
   high = (judged['first_failing'] - MULTIPLE) if judged['first_failing'] else estimate

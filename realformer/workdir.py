@@ -101,17 +101,22 @@ class Lock:
     if jax.process_index() == 0:
       try:
         self._take()
-      except (WorkdirInUseError, ValueError) as e:
+      except Exception as e:  # pylint: disable=broad-except  (re-raised after the broadcast)
         error = e
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
-    taken = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    # 0: taken; 1: another run holds it; 2: process 0 failed otherwise (its log says why).
+    code = 0 if error is None else 1 if isinstance(error, WorkdirInUseError) else 2
+    code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
     if error is not None:
       raise error
-    if not taken:
+    if code == 1:
       raise WorkdirInUseError(f'process 0 could not take the lock of {self.workdir} (its log '
                               'names the holder); wait for that run to finish or stop it, or '
                               'use another --workdir')
+    if code == 2:
+      raise ValueError(f'process 0 could not set up the workdir {self.workdir}; its log says '
+                       'why')
     return self
 
   def _take(self):
@@ -154,8 +159,8 @@ class Lock:
 
   def __exit__(self, *exc):
     if self._fd is not None:
-      _HELD.discard(self._fd)
-      os.ftruncate(self._fd, 0)  # released
+      os.ftruncate(self._fd, 0)  # released (before it leaves _HELD: a SIGTERM between the
+      _HELD.discard(self._fd)    # two still finds the record emptied)
       # A run that failed before writing anything (a file) leaves no workdir behind:
       # removed while the lock is held (a run waiting for it then sees the file is gone).
       if self._created and _holds_only_the_lock(self.workdir):

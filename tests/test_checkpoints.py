@@ -206,7 +206,7 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):
   config = tiny_config(num_steps=2)
   config.model.mlp_dim = 128
   # Resuming under another model is refused before the checkpoint is touched ...
-  with pytest.raises(ValueError, match=r'another config: model.mlp_dim: 64 -> 128'):
+  with pytest.raises(ValueError, match=r'another config \(2 fields\): model.mlp_dim: 64 -> 128'):
     run(config, tmp_path / 'run')
   # ... and a checkpoint that does not fit the model names the parameter.
   config = tiny_config(num_steps=1, init_checkpoint=str(tmp_path / 'imported'))

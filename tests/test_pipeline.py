@@ -295,14 +295,20 @@ def test_the_same_set_for_uneven_workers_and_hosts_with_several_workers(many_doc
   assert sorted(os.listdir(tmp_path)) == ['hosts', 'one', 'three']
 
 
-def test_a_preparation_killed_midway_resumes_to_the_same_set(many_documents, tmp_path):
+def test_a_preparation_killed_midway_resumes_to_the_same_set(tmp_path):
   """`python -m data.prepare` with 3 workers killed with SIGKILL once a worker has
   finished (its workers exit with it); the rerun keeps the finished workers, redoes the
-  rest, and gives the instances of an uninterrupted preparation."""
+  rest, and gives the instances of an uninterrupted preparation. Worker 0's documents (every
+  third, one per block) are short and the others' long, so it finishes well before them."""
   import signal  # pylint: disable=g-import-not-at-top
+  sentences = itertools.cycle(itertools.chain.from_iterable(itertools.islice(
+      sources.iter_documents('embedded'), 20)))
+  docs = [list(itertools.islice(sentences, 2 if i % 3 == 0 else 1500)) for i in range(15)]
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in docs))
   out = tmp_path / 'out'
   args = [sys.executable, '-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny',
-          f'--config.data.sources=files:{many_documents}', '--config.data.max_seq_length=32',
+          f'--config.data.sources=files:{corpus}', '--config.data.max_seq_length=32',
           '--config.data.max_predictions_per_seq=5', '--config.data.num_shards=2',
           '--config.data.eval_fraction=0.2', '--config.data.document_window=1',
           '--config.data.prepare_workers=3', '--out_dir', str(out)]
@@ -326,7 +332,7 @@ def test_a_preparation_killed_midway_resumes_to_the_same_set(many_documents, tmp
   resumed = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f'{len(finished)} of this host\'s 3 workers finished before' in resumed.stderr
-  config = tiny_config(many_documents, document_window=1)
+  config = tiny_config(str(corpus), document_window=1)
   fresh = prepare.prepare(config, str(tmp_path / 'fresh'))
   metadata = json.loads((out / prepare.METADATA).read_text())
   assert metadata['counts'] == fresh['counts']
