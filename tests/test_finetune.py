@@ -22,6 +22,7 @@ from data import tokenizer as tokenizer_lib
 from realformer import checkpoints
 from realformer import finetune_metrics
 from realformer import models
+from tests import test_wordpiece
 
 GLUE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'glue')
 
@@ -340,6 +341,22 @@ def test_random_init_baseline_from_a_pretraining_config(tmp_path):
   with pytest.raises(ValueError, match='holds no weights: set config.from_scratch=True'):
     finetune.finetune(ft_config('rte', 'configs/pretrain.py:postln,tiny'),
                       str(tmp_path / 'ft2'))
+
+
+@test_wordpiece.needs_minilm
+def test_a_random_init_baseline_takes_the_tokenizer_it_is_given():
+  """config.tokenizer replaces the pretraining config's vocabulary, and the model's
+  embedding table follows it (here a real BERT WordPiece vocab.txt, 30,522 pieces)."""
+  vocab = os.path.join(test_wordpiece.MINILM, 'vocab.txt')
+  config = ft_config('rte', 'configs/pretrain.py:postln,tiny', from_scratch=True,
+                     tokenizer=vocab)
+  pre = finetune.pretrained_config(config.init_checkpoint, config)
+  assert pre.data.tokenizer == vocab and pre.model.vocab_size == 30522
+  assert tokenizer_lib.load_for_config(pre.data).vocab_size == 30522
+  default = finetune.pretrained_config(config.init_checkpoint,
+                                       ft_config('rte', config.init_checkpoint,
+                                                 from_scratch=True))
+  assert default.model.vocab_size == 8000  # the embedded 8k sentencepiece vocabulary
 
 
 def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
