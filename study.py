@@ -274,14 +274,16 @@ def stability_fixed(args):
           'train.eval_steps=4', f'train.checkpoint_every_steps={args.steps}']
 
 
-def stability_cell(workdir: str) -> dict:
-  """{'status': 'diverged' | 'rose' | 'ok' | 'missing', 'final', 'start', 'step'} of a run."""
+def stability_cell(workdir: str, run=None) -> dict:
+  """{'status': 'diverged' | 'rose' | 'ok' | 'missing', 'final', 'start', 'step'} of a run
+  (finished as the sweep judges it: its DONE marker, or, given the run, its metrics at the
+  run's last step, e.g. a run whose sweep process was killed as it finished)."""
   marker = os.path.join(workdir, DIVERGED)
   if os.path.exists(marker):
     with open(marker) as f:
       return dict(json.load(f), status='diverged')
   path = os.path.join(workdir, 'metrics.jsonl')
-  if not os.path.exists(path) or not os.path.exists(os.path.join(workdir, sweep.DONE)):
+  if not os.path.exists(path) or not sweep.is_done(workdir, run):
     return {'status': 'missing'}
   with open(path) as f:
     losses = [(r['step'], r['loss']) for r in map(json.loads, f)
@@ -397,7 +399,7 @@ def stability(args) -> int:
   for run, name in zip(runs, names):
     if run['seed'] == 0:
       cells[run['model.variant'], run['optimizer.learning_rate'],
-            run['optimizer.warmup_steps']] = stability_cell(os.path.join(root, name))
+            run['optimizer.warmup_steps']] = stability_cell(os.path.join(root, name), run)
   table = stability_report(cells, variants, rates, warmups, root)
   print(table)
   if args.figures:
