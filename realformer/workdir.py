@@ -150,10 +150,15 @@ class Lock:
     record = {'host': socket.gethostname(), 'pid': os.getpid(), 'program': self.program,
               'since': datetime.datetime.now().isoformat(timespec='seconds')}
     _HELD.add(fd)  # before the record is written: a SIGTERM from here on empties it
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, (json.dumps(record) + '\n').encode())
-    os.fsync(fd)
+    try:
+      os.ftruncate(fd, 0)
+      os.lseek(fd, 0, os.SEEK_SET)
+      os.write(fd, (json.dumps(record) + '\n').encode())
+      os.fsync(fd)
+    except OSError:  # a full disk: not held (the error goes to the user as one line)
+      _HELD.discard(fd)
+      os.close(fd)
+      raise
     self._fd = fd
     return self
 

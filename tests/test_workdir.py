@@ -22,6 +22,14 @@ from realformer import workdir as workdir_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _wait_for(proc, condition, every: float = 0.02, timeout: float = 240):
+  """Polls `condition` while `proc` runs; fails with its stderr if it exits or times out."""
+  deadline = time.time() + timeout
+  while not condition():
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(every)
+
+
 def tiny_config(**train_overrides):
   c = pretrain.get_config('postln,tiny')
   c.unlock()
@@ -127,11 +135,8 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(tmp_p
   first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
   try:
-    deadline = time.time() + 240
     metrics = tmp_path / 'metrics.jsonl'
-    while not (metrics.exists() and metrics.read_text().strip()):  # training has begun
-      assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
-      time.sleep(0.5)
+    _wait_for(first, lambda: metrics.exists() and metrics.read_text().strip(), every=0.5)
     second = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=240)
     assert second.returncode == 1
@@ -160,10 +165,7 @@ def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
        '--config.train.batch_size=4', '--config.train.num_steps=100000'],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
-    deadline = time.time() + 240
-    while not (tmp_path / workdir_lib.LOCK_FILE).exists():  # the run has begun its setup
-      assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-      time.sleep(0.02)
+    _wait_for(proc, (tmp_path / workdir_lib.LOCK_FILE).exists)  # the run has begun its setup
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
   finally:
@@ -496,11 +498,8 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_pat
   first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
   try:
-    deadline = time.time() + 240
     metrics = workdir / 'metrics.jsonl'
-    while not (metrics.exists() and metrics.read_text().strip()):  # training has begun
-      assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
-      time.sleep(0.02)
+    _wait_for(first, lambda: metrics.exists() and metrics.read_text().strip())  # training began
     first.send_signal(signal.SIGTERM)
     _, err = first.communicate(timeout=240)
   finally:
