@@ -51,6 +51,7 @@ from realformer import cli
 from realformer import distributed
 from realformer import finetune_metrics
 from realformer import host_memory
+from realformer import machine
 from realformer import metrics as metrics_lib
 from realformer import models
 from realformer import partitioning
@@ -477,6 +478,7 @@ def _finetune(config: ml_collections.ConfigDict, workdir: str, mesh) -> dict:
 
   # Every check has passed (config, model, checkpoint): the workdir now describes this run.
   checkpoints.write_config(workdir, config)
+  machine.record(workdir)
   train_step = train_lib.make_train_step(
       task.loss_fn(model), tx, schedule, mesh=mesh, shardings=shardings,
       metrics_cls=FinetuneMetrics,

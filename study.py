@@ -99,7 +99,7 @@ def fixed_settings(args) -> list:
 # docs (each run's metrics and settings, each part's tables and figures; never checkpoints,
 # prepared data or predictions, which can be regenerated and are large).
 RECORD_RUN_FILES = ('metrics.jsonl', 'config.json', 'results.json', 'time_spent.json',
-                    'diverged.json', 'overrides.json', 'DONE')
+                    'diverged.json', 'overrides.json', 'machine.jsonl', 'DONE')
 RECORD_SUFFIXES = ('.md', '.csv', '.json', '.png')
 RECORD_SKIP_DIRS = ('checkpoints', 'data', 'predictions', 'best', 'final', 'era')
 

@@ -8,7 +8,8 @@ Everything comes from the config (configs/pretrain.py; unknown keys are errors):
 (data x fsdp x tensor), batch, accumulation, optimizer, checkpoints. Running the same command
 again continues the run in DIR (checkpoints.py states the restart order). Outputs in DIR:
 config.json, checkpoints/<step>/{state,data}, TensorBoard events, metrics.jsonl (one JSON
-line per logged step and split; see realformer/metrics.py). docs/launching.md shows TPU pod
+line per logged step and split; see realformer/metrics.py), machine.jsonl (the machine of
+each start: realformer/machine.py). docs/launching.md shows TPU pod
 and GPU cluster launches. `config.data.sources=synthetic` trains on random tokens of the
 same format (throughput checks only).
 """
@@ -33,6 +34,7 @@ from realformer import cli
 from realformer import config_checks
 from realformer import distributed
 from realformer import host_memory
+from realformer import machine
 from realformer import metrics as metrics_lib
 from realformer import partitioning
 from realformer import train_lib
@@ -251,6 +253,7 @@ def _train_and_evaluate(config, workdir: str, mesh) -> dict:
   start_step = int(state.step)
   # Every check has passed (config, model, checkpoint): the workdir now describes this run.
   checkpoints.write_config(workdir, config)
+  machine.record(workdir)
   writer = metrics_lib.create_writer(workdir, jax.process_index())
 
   # ---- Compiled steps. ----

@@ -16,6 +16,7 @@ import pytest
 
 import train
 from realformer import checkpoints
+from realformer import machine
 from realformer import models
 from realformer import train_lib
 from tests.test_train import REPO, losses, tiny_config
@@ -105,6 +106,10 @@ def test_sigterm_saves_current_step_and_resume_is_exact(tmp_path, reference, mon
   monkeypatch.setattr(train_lib, 'make_train_step', make_step)
   run(tiny_config(num_steps=NUM_STEPS), tmp_path)
   assert_same_losses(tmp_path, reference[1])
+  # Each start appended the machine it ran on (a resumed run lists every machine).
+  starts = [json.loads(l) for l in open(tmp_path / machine.MACHINE_FILE)]
+  assert len(starts) == 2 and all(s['cpu'] == machine.cpu() for s in starts), starts
+  assert starts[0]['jax'] == jax.__version__ and starts[0]['devices'] == jax.device_count()
 
 
 def test_sigkill_then_resume_is_exact_and_half_written_steps_are_ignored(tmp_path, reference):

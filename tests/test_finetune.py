@@ -152,6 +152,8 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   assert any(0 < r.get('tokens_per_s', 0) <= r['padded_tokens_per_s'] for r in train_records)
   stored = json.load(open(os.path.join(workdir, 'config.json')))
   assert stored['length_buckets'] == 5  # on by default
+  started = json.loads(open(os.path.join(workdir, 'machine.jsonl')).readline())
+  assert started['backend'] == jax.default_backend() and started['cores'] == os.cpu_count()
   # Lean: the finished run keeps its params (final/) and the best dev epoch's (best/), no
   # optimizer state; both are params-only checkpoints another fine-tuning can start from.
   assert not checkpoints.has_complete_step(workdir)

@@ -272,6 +272,7 @@ def test_study_record_keeps_what_the_reports_read_and_no_checkpoints(tmp_path):
   run = root / 'compare' / 'model.variant=postln,seed=0'
   for path, text in ((run / 'metrics.jsonl', '{}'), (run / 'overrides.json', '{}'),
                      (run / 'config.json', '{}'), (run / sweep.DONE, ''),
+                     (run / 'machine.jsonl', '{}'),
                      (run / 'log.txt', 'log'), (run / 'checkpoints' / '1000' / 'x.json', '{}'),
                      (run / 'data' / 'metadata.json', '{}'),
                      (root / 'compare' / 'claims.md', '| table |'),
@@ -284,7 +285,8 @@ def test_study_record_keeps_what_the_reports_read_and_no_checkpoints(tmp_path):
   got = sorted(str(p.relative_to(kept)) for p in kept.rglob('*') if p.is_file())
   assert got == ['budget.json', 'compare/attention/attention_entropy.png', 'compare/claims.md',
                  *(f'compare/model.variant=postln,seed=0/{n}' for n in
-                   (sweep.DONE, 'config.json', 'metrics.jsonl', 'overrides.json'))], got
+                   (sweep.DONE, 'config.json', 'machine.jsonl', 'metrics.jsonl',
+                    'overrides.json'))], got
   study.record(argparse.Namespace(root=str(root), record=None), str(root / 'compare'))  # off
 
 

@@ -1,0 +1,65 @@
+"""What machine a run or a benchmark ran on.
+
+CPU figures are only comparable on the same processor: the 2-core development box has been
+an Intel Sapphire Rapids (AMX: bf16 matmuls at 1.3-1.6 TFLOP/s) on one day and an AMD EPYC
+Zen 4 (AVX512-BF16, no AMX; float32 matmuls at ~105 GFLOP/s a core) on another, and the
+ratio to PyTorch moved with it. Results move too: the same run on two such machines ends a few
+masked tokens apart (docs/study.md, "a rerun is itself a spread"), while on one machine it is
+bit-identical. So every benchmark prints `describe()` first, and train.py and finetune.py
+append `record(workdir)` to <workdir>/machine.jsonl each time they start (a resumed run shows
+every machine it ran on).
+"""
+
+import datetime
+import json
+import os
+import platform
+
+import jax
+
+MACHINE_FILE = 'machine.jsonl'
+
+# ISA features that decide which matmul kernels XLA:CPU and PyTorch can use.
+_FLAGS = ('avx512f', 'avx512_bf16', 'amx_bf16', 'amx_tile')
+
+
+def cpu() -> str:
+  """'AMD EPYC (vendor AuthenticAMD family 25 model 17; avx512f avx512_bf16)' or the arch."""
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8') as f:
+      info = {}
+      for line in f:
+        if not line.strip():
+          break  # the first processor is enough
+        key, _, value = line.partition(':')
+        info[key.strip()] = value.strip()
+  except OSError:
+    return platform.processor() or platform.machine()
+  flags = set(info.get('flags', '').split())
+  have = ' '.join(f for f in _FLAGS if f in flags) or 'none of ' + ' '.join(_FLAGS)
+  return (f"{info.get('model name', '?')} (vendor {info.get('vendor_id', '?')} family "
+          f"{info.get('cpu family', '?')} model {info.get('model', '?')}; {have})")
+
+
+def describe() -> str:
+  """Date, host, processor, cores and JAX's device, as one '# ...' line."""
+  device = jax.devices()[0]
+  return (f'# {datetime.date.today()} {platform.node()}: {cpu()}, {os.cpu_count()} cores; '
+          f'jax {jax.__version__} on {device.device_kind} x{jax.device_count()}')
+
+
+def facts() -> dict:
+  """The machine as one JSON-able record (process 0's view of the job)."""
+  return {'time': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          'host': platform.node(), 'cpu': cpu(), 'cores': os.cpu_count(),
+          'jax': jax.__version__, 'backend': jax.default_backend(),
+          'device_kind': jax.devices()[0].device_kind, 'devices': jax.device_count(),
+          'processes': jax.process_count()}
+
+
+def record(workdir: str) -> None:
+  """Appends facts() to <workdir>/machine.jsonl (process 0 only)."""
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, MACHINE_FILE), 'a', encoding='utf-8') as f:
+      f.write(json.dumps(facts()) + '\n')
