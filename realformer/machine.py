@@ -41,13 +41,6 @@ def cpu() -> str:
           f"{info.get('cpu family', '?')} model {info.get('model', '?')}; {have})")
 
 
-def describe() -> str:
-  """Date, host, processor, cores and JAX's device, as one '# ...' line."""
-  device = jax.devices()[0]
-  return (f'# {datetime.date.today()} {platform.node()}: {cpu()}, {os.cpu_count()} cores; '
-          f'jax {jax.__version__} on {device.device_kind} x{jax.device_count()}')
-
-
 def facts() -> dict:
   """The machine as one JSON-able record (process 0's view of the job)."""
   return {'time': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
@@ -55,6 +48,13 @@ def facts() -> dict:
           'jax': jax.__version__, 'backend': jax.default_backend(),
           'device_kind': jax.devices()[0].device_kind, 'devices': jax.device_count(),
           'processes': jax.process_count()}
+
+
+def describe() -> str:
+  """facts() as one '# <date> <host>: <cpu>, <cores> cores; jax <v> on <device> x<n>' line."""
+  f = facts()
+  return (f"# {f['time'][:10]} {f['host']}: {f['cpu']}, {f['cores']} cores; "
+          f"jax {f['jax']} on {f['device_kind']} x{f['devices']}")
 
 
 def record(workdir: str) -> None:
