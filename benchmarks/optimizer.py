@@ -32,6 +32,7 @@ from configs import pretrain
 from benchmarks import machine
 from realformer import models
 from realformer import train_lib
+from realformer.spec import resolve
 
 
 class Jax:
@@ -85,7 +86,8 @@ def main():
            for k, v in train_lib.abstract_batch(1, 8, 2).items()}
   abstract = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), batch)['params'])
   shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract)]
-  tx, _ = train_lib.make_optimizer(config.optimizer, config.train.num_steps)
+  tx, _ = train_lib.make_optimizer(config.optimizer, config.train.num_steps,
+                                  resolve(config.model))
   optax_clip = optax.chain(
       optax.clip_by_global_norm(float(config.optimizer.clip_norm)),
       optax.adamw(train_lib.make_schedule(config.optimizer, config.train.num_steps),

@@ -126,7 +126,7 @@ class Ours:
         num_predictions=args.predictions, global_batch_size=args.batch, seed=0)
     self.batch = train_lib.global_batch(next(data), mesh)
     tx, schedule = train_lib.make_optimizer(config.optimizer, config.train.num_steps,
-                                            frozen=train_lib.fixed_params_fn(spec))
+                                            spec)
     abstract = train_lib.abstract_batch(args.batch, args.seq_len, args.predictions)
     t = time.perf_counter()
     self.state, shardings = train_lib.create_train_state(model, tx, abstract, mesh, 0)

@@ -119,12 +119,11 @@ def read_pretraining_config(workdir: str) -> dict:
   return config
 
 
-def save(manager: ocp.CheckpointManager, step: int, state_tree: dict, data_args=None, *,
-         force: bool = False) -> bool:
-  """Start an async save of {'step','params','opt_state'} (+ the data iterator's args)."""
-  items = {'state': ocp.args.StandardSave(state_tree)}
-  if data_args is not None:
-    items['data'] = data_args
+def save(manager: ocp.CheckpointManager, step: int, state_tree: dict,
+         extra_items: Optional[dict] = None, *, force: bool = False) -> bool:
+  """Start an async save of {'step','params','opt_state'} as item 'state', beside
+  `extra_items` ({name: Orbax save args}, e.g. the data iterator's 'data')."""
+  items = {'state': ocp.args.StandardSave(state_tree), **(extra_items or {})}
   return manager.save(step, args=ocp.args.Composite(**items), force=force)
 
 
@@ -180,15 +179,15 @@ def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: dict,
-            data_args=None) -> Tuple[dict, Any]:
-  """Restore {'step','params','opt_state'} into the target's shardings (+ the data item)."""
+            extra_items: Optional[dict] = None) -> Tuple[dict, dict]:
+  """Restore {'step','params','opt_state'} into the target's shardings, and the
+  `extra_items` ({name: Orbax restore args}): (state tree, {name: restored item})."""
   step_dir = os.path.join(str(manager.directory), str(step))
   check_matches(step_dir, abstract_state)
-  items = {'state': ocp.args.StandardRestore(abstract_state)}
-  if data_args is not None:
-    items['data'] = data_args
+  extra_items = extra_items or {}
+  items = {'state': ocp.args.StandardRestore(abstract_state), **extra_items}
   restored = manager.restore(step, args=ocp.args.Composite(**items))
-  return restored['state'], restored.get('data') if data_args is not None else None
+  return restored['state'], {name: restored[name] for name in extra_items}
 
 
 def resolve_step_dir(path: str) -> str:

@@ -2,7 +2,7 @@
 
 The pieces are independent of the head and the loss, so fine-tuning reuses them:
 
-    tx, schedule = make_optimizer(config.optimizer, num_steps, frozen=fixed_params_fn(spec))
+    tx, schedule = make_optimizer(config.optimizer, num_steps, spec)
     state, shardings = create_train_state(model, tx, example_batch, mesh, seed)
     step = make_train_step(loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
                            metrics_cls=..., grad_accum_steps=k, seed=seed)
@@ -118,15 +118,17 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def make_optimizer(opt_config, num_steps: int, *,
-                   frozen: Optional[Callable[[Any], Any]] = None
+def make_optimizer(opt_config, num_steps: int, spec: EncoderSpec
                    ) -> Tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with global-norm clipping, decay masked by path, frozen params set to zero.
+  """The optimizer of every program: AdamW with global-norm clipping, weight decay masked
+  by path (decay_mask), and the encoder's fixed parameters (fixed_params_fn(spec)) never
+  updated, so neither pretraining nor fine-tuning moves them.
 
   opt_config: config.optimizer (learning_rate, schedule, warmup_steps, weight_decay, b1, b2,
-  eps, clip_norm). frozen: params -> bool tree (True = never updated), e.g.
-  fixed_params_fn(spec). Works on boxed (nn.Partitioned) or plain param trees.
+  eps, clip_norm). spec: the encoder's resolved spec. Works on boxed (nn.Partitioned) or
+  plain param trees whose fixed parameters may sit under any prefix (e.g. 'encoder').
   """
+  frozen = fixed_params_fn(spec)
   schedule = make_schedule(opt_config, num_steps)
   parts = []
   if opt_config.clip_norm and opt_config.clip_norm > 0:
@@ -427,7 +429,7 @@ def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
     budget_schedule = make_schedule(opt, tc.num_steps)
     opt = ml_collections.ConfigDict(opt.to_dict())
     opt.schedule, opt.warmup_steps = 'constant', 0
-  tx, schedule = make_optimizer(opt, tc.num_steps, frozen=fixed_params_fn(spec))
+  tx, schedule = make_optimizer(opt, tc.num_steps, spec)
   seq_len, preds = config.data.max_seq_length, config.data.max_predictions_per_seq
   batch_shapes = abstract_batch(tc.batch_size, seq_len, preds)
   abstract, shardings = state_shardings(model, tx, batch_shapes, mesh)

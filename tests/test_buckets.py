@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-import finetune
+from realformer.finetune import task as finetune_task
 from configs import pretrain
 from data import buckets
 from realformer import models
@@ -104,7 +104,7 @@ def test_bucketed_predictions_equal_the_padded_ones(variant, head):
                                {k: v[:2] for k, v in features.items()})['params'])
   predict = jax.jit(lambda p, b: model.apply({'params': p}, b)[1:])
   mesh = partitioning.make_mesh(ml_mesh(data=2))
-  run = lambda chosen: finetune.run_model(predict, params, features, batch_size=4,
+  run = lambda chosen: finetune_task.run_model(predict, params, features, batch_size=4,
                                           buckets=chosen, mesh=mesh,
                                           token_outputs=head == 'span')
   chosen = buckets.choose_lengths(lengths, 3, 8, max_len)

@@ -31,11 +31,12 @@ import json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
 args = json.loads({args!r})
 import train
+from realformer import distributed
 from realformer import train_lib
 from tests.test_train import tiny_config
 if args.get('num_processes'):
-  train.maybe_initialize_distributed(args['coordinator'], args['num_processes'],
-                                     args['process_id'])
+  distributed.maybe_initialize(args['coordinator'], args['num_processes'],
+                               args['process_id'])
 if args.get('kill_after'):
   make_step = train_lib.make_train_step
   def killing_make_step(*a, **kw):

@@ -14,6 +14,10 @@ import numpy as np
 import pytest
 
 import finetune
+from realformer import workdir as workdir_lib
+from realformer.finetune import task as finetune_task
+from realformer.train import trainer
+from realformer.train.run_dir import RunDir
 from configs import finetune as finetune_configs
 from configs import pretrain
 from data import glue
@@ -111,15 +115,22 @@ def test_metrics_match_their_definitions():
 def pretrained(tmp_path_factory):
   """A tiny pretraining workdir: a BertForPretraining checkpoint + config.json."""
   workdir = str(tmp_path_factory.mktemp('pretrained'))
-  config = pretrain.get_config('postln,tiny')
+  save_tiny_encoder(workdir, 'postln', num_layers=2, num_heads=2, step=10)
+  return workdir
+
+
+def save_tiny_encoder(workdir: str, variant: str, num_layers: int, num_heads: int,
+                      step: int):
+  """A params-only pretraining checkpoint of a freshly initialized tiny encoder; its params."""
+  config = pretrain.get_config(f'{variant},tiny')
   config.unlock()
-  config.model.num_layers, config.model.hidden_size, config.model.num_heads = 2, 32, 2
-  config.model.mlp_dim = 64
+  config.model.num_layers, config.model.hidden_size = num_layers, 32
+  config.model.num_heads, config.model.mlp_dim = num_heads, 64
   batch = {k: np.zeros((1, 8), np.int32) for k in ('input_ids', 'segment_ids',
                                                    'attention_mask')}
   params = nn.unbox(models.build(config.model).init(jax.random.PRNGKey(0), batch)['params'])
-  checkpoints.save_params(workdir, params, config, step=10)
-  return workdir
+  checkpoints.save_params(workdir, params, config, step=step)
+  return params
 
 
 def ft_config(task, init, **overrides):
@@ -152,6 +163,8 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   assert any(0 < r.get('tokens_per_s', 0) <= r['padded_tokens_per_s'] for r in train_records)
   stored = json.load(open(os.path.join(workdir, 'config.json')))
   assert stored['length_buckets'] == 5  # on by default
+  # TensorBoard as well as metrics.jsonl: the trainer's writer, for both programs.
+  assert any(name.startswith('events.out.tfevents') for name in os.listdir(workdir))
   started = json.loads(open(os.path.join(workdir, 'machine.jsonl')).readline())
   assert started['backend'] == jax.default_backend() and started['cores'] == os.cpu_count()
   # Lean: the finished run keeps its params (final/) and the best dev epoch's (best/), no
@@ -160,7 +173,7 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   for kept in ('final', 'best'):
     step_dir = checkpoints.resolve_step_dir(os.path.join(workdir, kept))
     assert set(checkpoints.stored_tree(step_dir)) == {'step', 'params'}
-    assert finetune.pretrained_config(os.path.join(workdir, kept)).model.hidden_size == 32
+    assert finetune_task.pretrained_config(os.path.join(workdir, kept)).model.hidden_size == 32
   best = json.load(open(os.path.join(workdir, 'best', 'results.json')))
   # The last epoch's params are stored once: final/ links to best/ when it was the best.
   assert os.path.islink(os.path.join(workdir, 'final')) == (best['step'] == summary['step'])
@@ -175,13 +188,38 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
 def test_best_dev_checkpoint_of_an_earlier_run_is_not_taken_for_this_one(tmp_path):
   """best/ left by an earlier run (its final/ and resume checkpoint deleted, a new config):
   a run starting at step 0 removes it instead of comparing its epochs with the old best."""
-  best_dir = tmp_path / finetune.BEST_DIR
+  best_dir = tmp_path / RunDir.BEST
   best_dir.mkdir()
   (best_dir / 'results.json').write_text(json.dumps({'step': 9, 'epoch': 3, 'headline': 0.99}))
-  resumed = finetune.BestCheckpoint(str(tmp_path), None, None, True, fresh=False)
+  resumed = trainer.BestParams(RunDir(tmp_path), None, True, fresh=False)
   assert resumed.best['headline'] == 0.99  # a resumed run keeps its own best
-  fresh = finetune.BestCheckpoint(str(tmp_path), None, None, True, fresh=True)
+  fresh = trainer.BestParams(RunDir(tmp_path), None, True, fresh=True)
   assert fresh.best is None and not best_dir.exists()
+
+
+def test_fixed_synthesizer_parameters_do_not_move_in_fine_tuning(tmp_path):
+  """synth_random_fixed: the random attention logits are fixed (gradient stopped, and the
+  optimizer must leave them alone: AdamW's weight decay alone would shrink them). After a
+  fine-tuning run with a large weight decay they are bit-identical to the pretrained ones,
+  while the encoder's other weights moved."""
+  pretrained = str(tmp_path / 'pretrained')
+  # 8 heads: the fixed logits [heads, T, T] shard over the 8 fake devices' tensor axis.
+  params = save_tiny_encoder(pretrained, 'synth_random_fixed', num_layers=1, num_heads=8,
+                             step=1)
+  c = ft_config('rte', pretrained, num_epochs=1, keep_best=False)
+  c.optimizer.weight_decay, c.optimizer.learning_rate = 0.5, 1e-2
+  finetune.finetune(c, str(tmp_path / 'ft'))
+  before = jax.tree_util.tree_flatten_with_path(params['encoder'])[0]
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params['encoder'])
+  after, _ = checkpoints.restore_params(str(tmp_path / 'ft' / 'final'), abstract,
+                                        subtree=('encoder',))
+  after = dict((jax.tree_util.keystr(p), x) for p, x in
+               jax.tree_util.tree_flatten_with_path(after)[0])
+  fixed = [k for k, _ in before if 'random_logits' in jax.tree_util.keystr(k)]
+  assert fixed, 'synth_random_fixed has random_logits'
+  for path, value in before:
+    same = np.array_equal(np.asarray(after[jax.tree_util.keystr(path)]), np.asarray(value))
+    assert same == (path in fixed), jax.tree_util.keystr(path)
 
 
 def test_keep_optimizer_state_keeps_the_resume_checkpoint(pretrained, tmp_path):
@@ -200,7 +238,7 @@ def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_
   config = lambda: ft_config('rte', pretrained, keep_best=False, batch_size=1)
   whole = finetune.finetune(config(), str(tmp_path / 'whole'))
   workdir = str(tmp_path / 'cut')
-  with mock.patch.object(finetune.workdir_lib.StopSignal, 'reached',
+  with mock.patch.object(workdir_lib.StopSignal, 'reached',
                          lambda self, manager, step: step == 2):
     cut = finetune.finetune(config(), workdir)
   assert cut == {'task': 'rte', 'step': 2, 'preempted': 2}
@@ -219,7 +257,7 @@ def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretraine
   the same predictions, through finetune.py's own evaluation."""
   workdir = tmp_path / 'mrpc'
   bucketed = finetune.finetune(ft_config('mrpc', pretrained), str(workdir))
-  stored = json.load(open(workdir / finetune.BUCKETS_FILE))['lengths']
+  stored = json.load(open(workdir / RunDir.LENGTH_BUCKETS))['lengths']
   assert min(stored) < 64  # some shorter: padded less
   predictions = (workdir / 'predictions' / 'MRPC.tsv').read_text()
   padded = finetune.finetune(ft_config('mrpc', pretrained, length_buckets=0), str(workdir))
@@ -235,28 +273,28 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
   task = types.SimpleNamespace(train=features, eval_features=lambda: [features])
   config = lambda n, m: ml_collections.ConfigDict(
       {'length_buckets': n, 'bucket_multiple': m, 'max_seq_length': 128})
-  workdir = str(tmp_path)
-  first = finetune.length_buckets(config(5, 8), task, workdir, resuming=False)
+  workdir = RunDir(tmp_path)
+  first = finetune_task.length_buckets(config(5, 8), task, workdir, resuming=False)
   (tmp_path / 'fresh').mkdir()
-  other = finetune.length_buckets(config(2, 32), task, str(tmp_path / 'fresh'), resuming=False)
+  other = finetune_task.length_buckets(config(2, 32), task, RunDir(tmp_path / 'fresh'), resuming=False)
   assert len(first) == 5 and len(other) == 2 and first != other
   for mid_epoch in (False, True):  # the same settings: kept
-    assert finetune.length_buckets(config(5, 8), task, workdir, True, mid_epoch) == first
+    assert finetune_task.length_buckets(config(5, 8), task, workdir, True, mid_epoch) == first
   with pytest.raises(ValueError, match='stopped in mid-epoch with length buckets'):
-    finetune.length_buckets(config(2, 32), task, workdir, resuming=True, mid_epoch=True)
-  assert finetune.length_buckets(config(2, 32), task, workdir, resuming=True) == other
-  assert finetune.length_buckets(config(0, 8), task, workdir, resuming=True) == (128,)
+    finetune_task.length_buckets(config(2, 32), task, workdir, resuming=True, mid_epoch=True)
+  assert finetune_task.length_buckets(config(2, 32), task, workdir, resuming=True) == other
+  assert finetune_task.length_buckets(config(0, 8), task, workdir, resuming=True) == (128,)
   longer = {'attention_mask': np.ones((1, 100), np.int32)}  # a dev file changed since
   task_now = types.SimpleNamespace(train=features, eval_features=lambda: [longer])
-  assert finetune.eval_lengths(config(2, 32), task_now, (64, 96)) == (64, 96, 128)
-  assert finetune.eval_lengths(config(5, 8), task_now, (64, 96)) == (64, 96, 104)
-  assert finetune.eval_lengths(config(5, 8), task, (64, 120)) == (64, 120)
+  assert finetune_task.eval_lengths(config(2, 32), task_now, (64, 96)) == (64, 96, 128)
+  assert finetune_task.eval_lengths(config(5, 8), task_now, (64, 96)) == (64, 96, 104)
+  assert finetune_task.eval_lengths(config(5, 8), task, (64, 120)) == (64, 120)
   # A file of an older version (the lengths alone): kept to finish the epoch, then chosen
   # again with the settings of the day.
-  with open(tmp_path / finetune.BUCKETS_FILE, 'w') as f:
+  with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
     json.dump(list(first), f)
-  assert finetune.length_buckets(config(2, 32), task, workdir, True, mid_epoch=True) == first
-  assert finetune.length_buckets(config(2, 32), task, workdir, resuming=True) == other
+  assert finetune_task.length_buckets(config(2, 32), task, workdir, True, mid_epoch=True) == first
+  assert finetune_task.length_buckets(config(2, 32), task, workdir, resuming=True) == other
 
 
 def _marker_task(root, seed=0, sizes=(('train', 320), ('dev', 200))):
@@ -322,7 +360,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   assert 'compiled lengths' in caplog.text  # the length buckets say how many shapes compile
   # A test.tsv added afterwards, longer than every stored bucket: the rerun predicts it
   # (one more compiled length for evaluation), the stored training buckets unchanged.
-  stored = json.loads((tmp_path / 'ft' / finetune.BUCKETS_FILE).read_text())['lengths']
+  stored = json.loads((tmp_path / 'ft' / RunDir.LENGTH_BUCKETS).read_text())['lengths']
   long = ' '.join(['word'] * 80)
   (data / 'test.tsv').write_text(f'index\tsentence1\tsentence2\n0\t{long}\tA short one.\n'
                                  '1\tA man.\tA person.\n')
@@ -331,7 +369,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   assert max(stored) < 96 and 'evaluation and predictions also compile length' in caplog.text
   rows = (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').read_text().splitlines()
   assert [r.split('\t')[0] for r in rows] == ['index', '0', '1']
-  assert json.loads((tmp_path / 'ft' / finetune.BUCKETS_FILE).read_text())['lengths'] == stored
+  assert json.loads((tmp_path / 'ft' / RunDir.LENGTH_BUCKETS).read_text())['lengths'] == stored
 
 
 def test_random_init_baseline_from_a_pretraining_config(tmp_path):
@@ -352,10 +390,10 @@ def test_a_random_init_baseline_takes_the_tokenizer_it_is_given():
   vocab = os.path.join(test_wordpiece.MINILM, 'vocab.txt')
   config = ft_config('rte', 'configs/pretrain.py:postln,tiny', from_scratch=True,
                      tokenizer=vocab)
-  pre = finetune.pretrained_config(config.init_checkpoint, config)
+  pre = finetune_task.pretrained_config(config.init_checkpoint, config)
   assert pre.data.tokenizer == vocab and pre.model.vocab_size == 30522
   assert tokenizer_lib.load_for_config(pre.data).vocab_size == 30522
-  default = finetune.pretrained_config(config.init_checkpoint,
+  default = finetune_task.pretrained_config(config.init_checkpoint,
                                        ft_config('rte', config.init_checkpoint,
                                                  from_scratch=True))
   assert default.model.vocab_size == 8000  # the embedded 8k sentencepiece vocabulary

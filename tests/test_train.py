@@ -20,6 +20,9 @@ from realformer import models
 from realformer import partitioning
 from realformer import train_lib
 from realformer.spec import resolve
+from realformer.train import pretraining
+from realformer.train import trainer
+from realformer.train.run_dir import RunDir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,7 +163,7 @@ def test_weight_decay_mask_and_fixed_random_synthesizer():
   assert mask['encoder']['embeddings']['word_embeddings']['embedding']
   assert not mask['mlm_head']['output_bias'] and not mask['mlm_head']['layer_norm']['scale']
   c.optimizer.weight_decay = 0.5  # large, so a decayed parameter would visibly move
-  tx, _ = train_lib.make_optimizer(c.optimizer, 10, frozen=train_lib.fixed_params_fn(spec))
+  tx, _ = train_lib.make_optimizer(c.optimizer, 10, spec)
   grads = jax.tree.map(jnp.ones_like, params)  # even a nonzero gradient must not move R
   updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
   att = updates['encoder']['layers_0']['attention']
@@ -243,7 +246,7 @@ def test_layout_errors_come_before_compile(tmp_path):
 def test_nan_loss_stops_and_is_not_saved(tmp_path):
   c = tiny_config(num_steps=30, checkpoint_every_steps=2)
   c.optimizer.learning_rate, c.optimizer.clip_norm = 1e12, 0.0
-  with pytest.raises(train.NonFiniteLossError,
+  with pytest.raises(trainer.NonFiniteLossError,
                      match=r'(loss|gradient norm) became (nan|inf) at step \d+') as e:
     train.train_and_evaluate(c, str(tmp_path))
   bad_step = int(str(e.value).split(' at step ')[1].split(';')[0])
@@ -279,7 +282,7 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   assert summary['eval']['mlm_loss'] < np.log(c.model.vocab_size) - 1.0
   assert os.path.isdir(tmp_path / 'checkpoints' / '60')
   # The majority baselines on the same evaluation batches, recounted in NumPy.
-  eval_iter = train.make_input_fn(c, str(tmp_path))('eval', c.seed)
+  eval_iter = pretraining.make_input_fn(c, str(tmp_path))('eval', c.seed)
   batches = [next(eval_iter) for _ in range(t.eval_steps)]
   ids = np.concatenate([b['masked_lm_ids'].ravel() for b in batches])
   weights = np.concatenate([b['masked_lm_weights'].ravel() for b in batches])
@@ -335,7 +338,7 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
   opt.learning_rate, opt.warmup_steps, opt.weight_decay, opt.clip_norm = lr, warmup, wd, 1.0
   spec = resolve(config.model)
   model = models.build(spec)
-  tx, schedule = train_lib.make_optimizer(opt, num_steps)
+  tx, schedule = train_lib.make_optimizer(opt, num_steps, spec)
   mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
   _, shardings = train_lib.state_shardings(model, tx, train_lib.abstract_batch(4, 16, 5), mesh)
   params = jax.device_put(jax.tree.map(jnp.asarray, params), shardings.params)
@@ -406,7 +409,7 @@ def test_lr_factor_is_adamw_at_that_fraction_of_the_learning_rate():
                                             mesh, config.seed)
     if batch is None:
       batch = {k: np.asarray(v) for k, v in next(
-          train.make_input_fn(config, '')('train', 0)).items()}
+          pretraining.make_input_fn(config, '')('train', 0)).items()}
     with jax.set_mesh(mesh):
       for _ in range(2):
         args = (np.float32(0.3),) if budget else ()
@@ -434,7 +437,7 @@ def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
   for before, step in zip(steps[1:], steps[2:]):
     share = rates[step] / 3e-3
     assert 1 - fractions[step] - 0.02 <= share <= 1 - fractions[before] + 0.02, (step, share)
-  spent = json.load(open(os.path.join(workdir, train.TimeBudget.FILE)))
+  spent = json.load(open(os.path.join(workdir, RunDir.TIME_SPENT)))
   assert str(budget['steps']) in spent
   # Resuming a spent budget trains no further.
   again = train.train_and_evaluate(config, workdir)

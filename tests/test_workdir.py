@@ -18,6 +18,7 @@ from configs import pretrain
 from realformer import checkpoints
 from realformer import train_lib
 from realformer import workdir as workdir_lib
+from realformer.train import pretraining
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +88,7 @@ def test_resume_with_another_model_is_refused_and_config_json_kept(tmp_path, cap
 
 
 def test_a_run_without_a_checkpoint_may_be_restarted_with_another_config(tmp_path):
-  earlier = train.resolved_config(tiny_config())
+  earlier = pretraining.resolved_config(tiny_config())
   earlier.model.variant = 'preln'  # an earlier start that stopped before its first checkpoint
   (tmp_path / 'config.json').write_text(earlier.to_json_best_effort())
   run(tiny_config(), tmp_path)

@@ -1,0 +1,1 @@
+"""Fine-tuning on GLUE and SQuAD: the tasks the trainer runs (task.py), one per benchmark."""

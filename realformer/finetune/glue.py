@@ -1,0 +1,113 @@
+"""GLUE fine-tuning (Wang et al. 2019): the nine tasks' data, head, loss, metrics and
+submission files, as a FinetuneTask.
+
+Data: config.data_dir holds the official TSV folders (CoLA/, SST-2/, ...; test.tsv is
+optional), or `hf:<dataset>` reads Hugging Face's copy, or empty reads tfds glue/<task>.
+"""
+
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+
+from data import glue
+from data import sources
+from realformer import finetune_metrics
+from realformer import models
+from realformer.finetune.task import FinetuneTask
+
+
+class GlueTask(FinetuneTask):
+  """One GLUE task (mnli also evaluates mismatched dev and predicts AX): a classifier (a
+  regressor for STS-B) on [CLS]'s pooled output, GLUE's metrics, the submission files."""
+  token_outputs = False  # the head's outputs are per example
+
+  def load(self, tokenizer):
+    config = self.config
+    self.name = config.task
+    if config.task in ('ax', 'mnli_mismatched'):
+      raise ValueError(f'{config.task} has no training set: fine-tune glue/mnli, which also '
+                       'evaluates mismatched dev and predicts AX')
+    self.task = glue.get_task(config.task)
+    self.regression = not self.task.labels
+    self.featurize = lambda ex: glue.featurize(ex, tokenizer, config.max_seq_length,
+                                               self.regression)
+    self.train = self.featurize(self._load(config.task, 'train'))
+    self.evals = {config.task: self._load(config.task, 'dev')}
+    # GLUE's test sets are optional: without test.tsv the run trains and evaluates only.
+    self.tests = {config.task: self._load_test(config.task)}
+    if config.task == 'mnli':
+      self.evals['mnli_mismatched'] = self._load('mnli_mismatched', 'dev')
+      self.tests['mnli_mismatched'] = self._load_test('mnli_mismatched')
+      self.tests['ax'] = self._load_test('ax')
+    self.features = {(split, name): self.featurize(examples)  # tokenised once
+                     for split, sets in (('dev', self.evals), ('test', self.tests))
+                     for name, examples in sets.items() if examples is not None}
+
+  def _load_test(self, task: str):
+    try:
+      return self._load(task, 'test')
+    except (FileNotFoundError, sources.SplitNotFoundError):
+      if not self.config.data_dir:
+        raise
+      return None
+
+  def _load(self, task: str, split: str):
+    if self.config.data_dir.startswith('hf:'):
+      return glue.read_hf(task, split, self.config.data_dir[len('hf:'):])
+    if self.config.data_dir:
+      return glue.read_tsv(task, self.config.data_dir, split,
+                           skip_malformed=self.config.skip_malformed_rows)
+    return glue.read_tfds(task, split, self.config.tfds_data_dir)
+
+  def build(self, spec):
+    return models.build(spec, head='classification',
+                        num_labels=len(self.task.labels) or 1)
+
+  def loss_fn(self, model):
+    """CE over the classes (MSE for regression), mean over the step's examples."""
+    def loss_fn(params, batch, rng, totals):
+      deterministic = rng is None
+      _, logits = model.apply({'params': params}, batch, deterministic=deterministic,
+                              rngs=None if deterministic else {'dropout': rng})
+      if self.regression:
+        per_example = (logits[:, 0] - batch['label']) ** 2
+      else:
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch['label'])
+      return jnp.sum(per_example) / totals['examples'], {}
+    return loss_fn
+
+  def eval_features(self):
+    """Every feature set that is only evaluated or predicted (their lengths matter too)."""
+    return list(self.features.values())
+
+  def _predictions(self, run_model, split, name):
+    feats = self.features[split, name]
+    (logits,) = run_model(feats)
+    return (logits[:, 0] if self.regression else logits.argmax(-1)), feats['label']
+
+  def evaluate_outputs(self, run_model) -> Dict[str, Dict[str, float]]:
+    results = {}
+    for name in self.evals:
+      preds, labels = self._predictions(run_model, 'dev', name)
+      results[name] = finetune_metrics.glue_metrics(
+          'mnli' if name == 'mnli_mismatched' else name, preds, labels)
+    return results
+
+  def write_predictions(self, run_model, results, out_dir: str):
+    del results
+    missing = [n for n, examples in self.tests.items() if examples is None]
+    for name, examples in self.tests.items():
+      if examples is not None:
+        preds, _ = self._predictions(run_model, 'test', name)  # every process: collectives
+        if jax.process_index() == 0:
+          glue.write_predictions(name, examples, preds, out_dir)
+    if missing:
+      logging.info('no test.tsv for %s in %s: trained and evaluated; no predictions were '
+                   'written for %s', ', '.join(missing), self.config.data_dir,
+                   'it' if len(missing) == 1 else 'them')
+
+  def dev_headline(self, dev) -> float:
+    return finetune_metrics.headline(self.name, dev[self.name])

@@ -1,0 +1,108 @@
+"""SQuAD fine-tuning (Rajpurkar et al. 2016, 2018): windows over the paragraphs, a span head,
+n-best post-processing and the official v1.1 / v2.0 metrics, as a FinetuneTask.
+
+Data: config.data_dir holds {train,dev}-v1.1.json or -v2.0.json, or `hf:<dataset>` reads
+Hugging Face's copy, or empty reads tfds squad. SQuAD's test sets are hidden: the prediction
+files are of dev (predictions/predictions.json, and null_odds.json for v2.0).
+"""
+
+import json
+import os
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from data import squad
+from realformer import finetune_metrics
+from realformer import models
+from realformer.finetune.task import FinetuneTask
+
+
+class SquadTask(FinetuneTask):
+  """SQuAD v1.1 or v2.0: span head, windows, n-best post-processing, official metrics."""
+  token_outputs = True  # start and end logits per position
+
+  def load(self, tokenizer):
+    config, self.tokenizer = self.config, tokenizer
+    self.version_2 = config.task == 'v2.0'
+    self.name = f'squad/{config.task}'
+    self.featurize = lambda examples, training: squad.featurize(
+        examples, tokenizer, max_seq_length=config.max_seq_length,
+        doc_stride=config.doc_stride, max_query_length=config.max_query_length,
+        training=training)
+    self.train, _ = self.featurize(self._load('train'), True)
+    self.dev = self._load('dev')
+    self.dev_features, self.dev_infos = self.featurize(self.dev, False)
+    self.answers = None  # dev answers of the last evaluation, for the prediction file
+
+  def _load(self, split: str):
+    if self.config.data_dir.startswith('hf:'):
+      return squad.read_hf(self.config.task, 'train' if split == 'train' else 'validation',
+                           self.config.data_dir[len('hf:'):])
+    if self.config.data_dir:
+      name = f'{split}-{self.config.task}.json'
+      return squad.read_json(os.path.join(self.config.data_dir, name))
+    return squad.read_tfds(self.config.task, 'train' if split == 'train' else 'validation',
+                           self.config.tfds_data_dir)
+
+  def build(self, spec):
+    return models.build(spec, head='span')
+
+  def loss_fn(self, model):
+    """Mean of the start and end cross-entropies (targets at [CLS] when no answer)."""
+    def loss_fn(params, batch, rng, totals):
+      deterministic = rng is None
+      _, start, end = model.apply({'params': params}, batch, deterministic=deterministic,
+                                  rngs=None if deterministic else {'dropout': rng})
+      ce = optax.softmax_cross_entropy_with_integer_labels
+      per_example = (ce(start, batch['start_positions']) +
+                     ce(end, batch['end_positions'])) / 2
+      return jnp.sum(per_example) / totals['examples'], {}
+    return loss_fn
+
+  def eval_features(self):
+    return [self.dev_features]
+
+  def evaluate_outputs(self, run_model) -> Dict[str, Dict[str, float]]:
+    # Padding positions never compete for the n best starts and ends (BERT's run_squad
+    # lets them, then drops them: fewer real candidates, and answers that would depend on
+    # how far a batch is padded).
+    padding = self.dev_features['attention_mask'] == 0
+    start, end = (np.where(padding, -np.inf, logits) for logits in run_model(self.dev_features))
+    c = self.config
+    answers, null_diff = squad.postprocess(
+        self.dev, self.dev_infos, self.dev_features, start, end, self.tokenizer,
+        n_best_size=c.n_best_size, max_answer_length=c.max_answer_length,
+        version_2=self.version_2)
+    golds = {ex.qid: ex.answers for ex in self.dev}
+    if not self.version_2:
+      self.answers, self.null_diff = answers, {}
+      return {'squad': finetune_metrics.squad_v1(golds, answers)}
+    metrics = finetune_metrics.squad_v2(golds, answers, null_diff)
+    threshold = c.null_score_diff_threshold
+    if threshold is None:
+      threshold = metrics['best_f1_thresh']
+    self.answers = squad.apply_null_threshold(answers, null_diff, threshold)
+    self.null_diff = null_diff
+    metrics['null_score_diff_threshold'] = float(threshold)
+    if c.null_score_diff_threshold is not None:
+      metrics.update({f'thresholded_{k}': v for k, v in finetune_metrics.squad_v2(
+          golds, self.answers).items() if k in ('exact', 'f1')})
+    return {'squad': metrics}
+
+  def write_predictions(self, run_model, results, out_dir: str):
+    del run_model, results  # SQuAD's test sets are hidden: the dev answers are written
+    if jax.process_index() != 0:
+      return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'predictions.json'), 'w') as f:
+      json.dump(self.answers, f, indent=1)
+    if self.version_2:
+      with open(os.path.join(out_dir, 'null_odds.json'), 'w') as f:
+        json.dump(self.null_diff, f, indent=1)
+
+  def dev_headline(self, dev) -> float:
+    return finetune_metrics.headline(self.name, dev['squad'])

@@ -1,0 +1,352 @@
+"""What fine-tuning on GLUE and SQuAD gives the trainer: the common part of both.
+
+A `FinetuneTask` is a trainer.Task over a pretrained encoder with a task head:
+
+  params      the encoder from `config.init_checkpoint` (a pretraining run directory, or a
+              fine-tuning run's best/ or final/; only the encoder is read, and a checkpoint
+              that lacks a parameter is an error naming it), the head fresh; with
+              `from_scratch=True` everything fresh, the architecture from a pretraining
+              config file such as configs/pretrain.py:postln,tiny;
+  batches     epochs of the training features, shuffled by (seed, epoch), each batch padded
+              to one of a few length buckets chosen from the data (data/buckets.py) and
+              compiled before the first step; `length_buckets=0` pads to max_seq_length;
+  evaluation  the dev sets at the end of every epoch, batched within buckets as well;
+              the best epoch's params kept in <run>/best (keep_best);
+  a finished run  writes the test predictions and <run>/results.json, and keeps its params in
+              <run>/final without the optimizer state (unless keep_optimizer_state).
+
+Subclasses (glue.GlueTask, squad.SquadTask) load and featurize their data and say what the
+head, loss, metrics and prediction files are.
+"""
+
+import abc
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from clu import metrics as clu_metrics
+
+from data import buckets as buckets_lib
+from data import tokenizer as tokenizer_lib
+from realformer import checkpoints
+from realformer import partitioning
+from realformer import train_lib
+from realformer.spec import resolve
+from realformer.train import trainer
+from realformer.train.run_dir import RunDir
+
+
+@flax.struct.dataclass
+class FinetuneMetrics(clu_metrics.Collection):
+  loss: clu_metrics.Average
+  learning_rate: clu_metrics.LastValue
+  grad_norm: clu_metrics.Average
+
+
+def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
+  """The pretraining config: a run directory's config.json, or, for a random-init baseline
+  (from_scratch=True), a pretraining config file such as configs/pretrain.py:postln,tiny,
+  with config.tokenizer (or that config's data.tokenizer) giving the vocabulary."""
+  if not path:
+    raise ValueError('config.init_checkpoint is empty: name the pretraining workdir (its '
+                     'config.json gives the architecture and the tokenizer)')
+  if path.partition(':')[0].endswith('.py'):
+    if config is None or not config.from_scratch:
+      raise ValueError(f'config.init_checkpoint={path!r} is a config file, which holds no '
+                       f'weights: set config.from_scratch=True for a random-init baseline, '
+                       f'or name a pretraining workdir')
+    from realformer import sweep  # pylint: disable=g-import-not-at-top
+    pre = sweep.load_config(path).copy_and_resolve_references()
+    if config.get('tokenizer'):
+      pre.data.tokenizer = config.tokenizer
+    pre.model.vocab_size = tokenizer_lib.load_for_config(pre.data).vocab_size
+    return pre
+  return ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
+
+
+def check_config(config) -> None:
+  """One-line errors for settings that would fail after the run directory was written."""
+  for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs',
+               'bucket_multiple'):
+    if config[name] <= 0:
+      raise ValueError(f'config.{name}={config[name]}: give a positive number')
+  if config.length_buckets < 0:
+    raise ValueError(f'config.length_buckets={config.length_buckets}: give the number of '
+                     'compiled lengths (0 pads every batch to max_seq_length)')
+
+
+def full_batch(batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
+  """A global batch that every host holds whole -> arrays sharded over (data, fsdp); each
+  device takes its own rows (multi-host safe, whatever the device order)."""
+  sharding = partitioning.batch_sharding(mesh)
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+          for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------------------ buckets
+
+def length_buckets(config, task, run: RunDir, resuming: bool,
+                   mid_epoch: bool = False) -> Tuple[int, ...]:
+  """The compiled sequence lengths: chosen from the training lengths, the longest covering
+  every split; (max_seq_length,) when config.length_buckets is 0. Stored in the run
+  directory with the settings that chose them: a resumed run with the same length_buckets
+  and bucket_multiple keeps them (they shape the epoch's batches), whatever dev or test
+  files changed. A change of either setting takes effect at an epoch's start; in mid-epoch
+  it is an error (the rest of the epoch would be drawn from another plan)."""
+  settings = {'length_buckets': int(config.length_buckets),
+              'bucket_multiple': int(config.bucket_multiple)}
+  stored, stored_settings = None, None
+  saved = run.read_json(RunDir.LENGTH_BUCKETS) if resuming else None
+  if isinstance(saved, list):  # written before the settings were stored with them
+    stored = tuple(saved)
+  elif saved is not None:
+    stored, stored_settings = tuple(saved['lengths']), saved['settings']
+  # Settings unknown (an older file): kept to finish an epoch, chosen again at the next.
+  same = stored_settings == settings or (stored_settings is None and mid_epoch)
+  kept = bool(config.length_buckets and stored and stored != (config.max_seq_length,) and same)
+  if not config.length_buckets:
+    chosen = (config.max_seq_length,)
+  else:
+    chosen = stored if kept else _choose_buckets(config, task)
+  if mid_epoch and stored is not None and chosen != stored:
+    raise ValueError(f'this run stopped in mid-epoch with length buckets {list(stored)}'
+                     f'{f" ({stored_settings})" if stored_settings else ""}; resume with '
+                     f'config.length_buckets and config.bucket_multiple as they were, and '
+                     f'change them once the epoch is over')
+  run.write_json(RunDir.LENGTH_BUCKETS, {
+      'lengths': list(chosen), 'settings': None if kept and stored_settings is None
+                                           else settings})
+  return chosen
+
+
+def _longest_eval(task) -> int:
+  """The longest example of the splits that are only evaluated (dev, test)."""
+  return max((int(buckets_lib.lengths_of(f).max(initial=0)) for f in task.eval_features()),
+             default=0)
+
+
+def eval_lengths(config, task, buckets: Tuple[int, ...]) -> Tuple[int, ...]:
+  """The lengths evaluation and predictions compile: the training buckets, and one more
+  when a dev or test example is longer than the longest of them (buckets kept by a resumed
+  run cover the splits as they were: a test.tsv added since, a dev file changed). The
+  training batches keep the stored buckets, so an epoch's plan does not change."""
+  longest = _longest_eval(task)
+  if longest <= max(buckets):
+    return buckets
+  extra = min(config.max_seq_length, -(-longest // config.bucket_multiple) *
+              config.bucket_multiple)
+  logging.info('a dev/test example of %d tokens is longer than the stored length buckets %s: '
+               'evaluation and predictions also compile length %d', longest, list(buckets),
+               extra)
+  return tuple(buckets) + (extra,)
+
+
+def _choose_buckets(config, task) -> Tuple[int, ...]:
+  lengths = buckets_lib.lengths_of(task.train)
+  cover = _longest_eval(task)
+  chosen = buckets_lib.choose_lengths(lengths, config.length_buckets, config.bucket_multiple,
+                                      config.max_seq_length, cover=cover)
+  logging.info('%s (config.length_buckets=0 pads every batch to max_seq_length)',
+               buckets_lib.describe(lengths, chosen, config.max_seq_length))
+  return chosen
+
+
+def compile_lengths(step, args, batch_of_length, buckets, name: str) -> dict:
+  """{length: `step` compiled for a batch of that length}, every length up front, so the
+  log says what compiles and no step of the run waits for a compilation."""
+  start = time.time()
+  compiled = {length: step.lower(*args, batch_of_length(length)).compile()
+              for length in buckets}
+  logging.info('compiled the %s for %d lengths (%s) in %.1f s', name, len(buckets),
+               ', '.join(map(str, buckets)), time.time() - start)
+  return compiled
+
+
+def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
+              token_outputs: bool) -> Tuple[np.ndarray, ...]:
+  """`predict`'s outputs for every row of `features`, in order: batches within each length
+  bucket; per-token outputs padded back to max_seq_length with -inf."""
+  n, max_len = features['input_ids'].shape
+  lengths = buckets_lib.lengths_of(features)
+  outs = None
+  for length, idx, valid in buckets_lib.eval_batches(lengths, buckets, batch_size):
+    inputs = {k: features[k] for k in buckets_lib.SEQUENCE_KEYS}
+    out = predict(params, full_batch(buckets_lib.take(inputs, idx, length), mesh))
+    out = [np.asarray(o)[valid] for o in out]
+    if token_outputs:
+      out = [np.pad(o, ((0, 0), (0, max_len - length)), constant_values=-np.inf) for o in out]
+    if outs is None:
+      outs = [np.empty((n,) + o.shape[1:], o.dtype) for o in out]
+    for full, o in zip(outs, out):
+      full[idx[valid]] = o
+  return tuple(outs)
+
+
+# ------------------------------------------------------------------------------ the task
+
+class FinetuneTask(trainer.Task, abc.ABC):
+  """A fine-tuning run of configs/finetune.py's `config` on `mesh` (see the module
+  docstring). Subclasses implement the methods marked abstract below, and set `name`,
+  `train` (the training features: dict of [N, max_seq_length] arrays + labels) and
+  `token_outputs` (whether the head's outputs are per token) in `load`."""
+  program = 'finetune.py'
+  token_outputs = False
+  train: Dict[str, np.ndarray]
+
+  def __init__(self, config, mesh, run: RunDir):
+    self.config, self.mesh, self.run, self.seed = config, mesh, run, config.seed
+    pre = pretrained_config(config.init_checkpoint, config)
+    if config.max_seq_length > pre.model.max_len:
+      raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained '
+                       f'model\'s positions ({pre.model.max_len}); lower '
+                       f'config.max_seq_length')
+    tokenizer = tokenizer_lib.load_for_config(pre.data)
+    if tokenizer.vocab_size != pre.model.vocab_size:
+      raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
+                       f'checkpoint was trained with {pre.model.vocab_size}')
+    self.params_config = pre  # best/ and final/ are encoders another run can start from
+    self.load(tokenizer)
+    num_train = len(self.train['input_ids'])
+    dp = partitioning.data_parallel_size(mesh)
+    if config.batch_size % dp or config.eval_batch_size % dp:
+      raise ValueError(f'batch_size={config.batch_size} and eval_batch_size='
+                       f'{config.eval_batch_size} must be multiples of the data-parallel size '
+                       f'{dp} (mesh.data * mesh.fsdp)')
+    self.steps_per_epoch = num_train // config.batch_size
+    if self.steps_per_epoch == 0:
+      raise ValueError(f'{num_train} training examples are fewer than one batch of '
+                       f'{config.batch_size}; lower config.batch_size')
+    num_steps = self.steps_per_epoch * config.num_epochs
+    self.cadence = trainer.Cadence(
+        num_steps=num_steps, log_every=config.log_every_steps,
+        eval_every=self.steps_per_epoch, checkpoint_every=self.steps_per_epoch,
+        keep_checkpoints=1, keep_best=config.keep_best,
+        keep_optimizer_state=config.keep_optimizer_state, eval_period_name='epoch',
+        steps_setting='num_epochs', steps_per_unit=self.steps_per_epoch)
+    self.spec = resolve(pre.model)
+    self.model = self.build(self.spec)
+    self.tx, self.schedule = train_lib.make_optimizer(config.optimizer, num_steps, self.spec)
+    self.example_batch = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
+                          for k, v in self.train.items()}
+    self.abstract, self.shardings = train_lib.state_shardings(
+        self.model, self.tx, self.example_batch, mesh)
+    if not config.from_scratch:
+      self.init_checkpoint = trainer.InitCheckpoint(config.init_checkpoint, ('encoder',),
+                                                    allow_missing=False)
+    self.lengths = buckets_lib.lengths_of(self.train)
+    # Counted as the pretraining encoder over every row with no masked positions: the
+    # encoder, the pooler and a two-way classifier (the heads here differ by a few D x k).
+    all_rows = dataclasses.replace(self.spec, last_layer='all')
+    self._flops = lambda length: train_lib.flops_per_example(all_rows, length, 0)
+
+  # ---- What each benchmark supplies.
+
+  @abc.abstractmethod
+  def load(self, tokenizer) -> None:
+    """Reads and featurizes the splits; sets self.name and self.train."""
+
+  @abc.abstractmethod
+  def build(self, spec):
+    """The encoder with this task's head (models.build)."""
+
+  @abc.abstractmethod
+  def loss_fn(self, model) -> Callable:
+    """(params, batch, rng, totals) -> (mean loss over totals['examples'], {})."""
+
+  @abc.abstractmethod
+  def eval_features(self) -> List[Dict[str, np.ndarray]]:
+    """Every feature set that is only evaluated or predicted (their lengths matter too)."""
+
+  @abc.abstractmethod
+  def evaluate_outputs(self, outputs) -> Dict[str, Dict[str, float]]:
+    """{dev set name: metrics}, from outputs(features) -> the head's outputs per row."""
+
+  @abc.abstractmethod
+  def write_predictions(self, outputs, results, out_dir) -> None:
+    """The prediction files (process 0 writes; every process computes)."""
+
+  @abc.abstractmethod
+  def dev_headline(self, dev: Dict[str, Dict[str, float]]) -> float:
+    """The task's headline dev metric (higher is better)."""
+
+  # ---- trainer.Task.
+
+  def prepare(self, start_step: int) -> None:
+    c = self.config
+    self.buckets = length_buckets(c, self, self.run, resuming=start_step > 0,
+                                  mid_epoch=start_step % self.steps_per_epoch != 0)
+    self.eval_buckets = eval_lengths(c, self, self.buckets)
+    predictions = compile_lengths(  # the model's inputs only; outputs whole on every host
+        jax.jit(lambda params, batch: self.model.apply({'params': params}, batch)[1:],
+                out_shardings=jax.sharding.NamedSharding(self.mesh,
+                                                         jax.sharding.PartitionSpec())),
+        (self.abstract.params,), self._batch_of(c.eval_batch_size, buckets_lib.SEQUENCE_KEYS),
+        self.eval_buckets, 'prediction')
+    self._predict = lambda params, batch: predictions[batch['input_ids'].shape[1]](params,
+                                                                                  batch)
+
+  def _batch_of(self, batch_size, keys):
+    """length -> the abstract batch of that length."""
+    sharding = partitioning.batch_sharding(self.mesh)
+    return lambda length: {
+        k: jax.ShapeDtypeStruct((batch_size,) + ((length,) if k in buckets_lib.SEQUENCE_KEYS
+                                                 else self.train[k].shape[1:]),
+                                self.train[k].dtype, sharding=sharding) for k in keys}
+
+  def compile_train_step(self, state):
+    step = train_lib.make_train_step(
+        self.loss_fn(self.model), self.tx, self.schedule, mesh=self.mesh,
+        shardings=self.shardings, metrics_cls=FinetuneMetrics,
+        totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
+        seed=self.seed)
+    steps = compile_lengths(step, (self.abstract,),
+                            self._batch_of(self.config.batch_size, self.train), self.buckets,
+                            'train step')
+    return lambda state, batch: steps[batch['input_ids'].shape[1]](state, batch)
+
+  def batches(self, start_step: int):
+    spe, bs = self.steps_per_epoch, self.config.batch_size
+    for epoch in range(start_step // spe, self.config.num_epochs):
+      plan = buckets_lib.train_batches(self.lengths, self.buckets, bs, self.seed, epoch)
+      for i in range(start_step - epoch * spe if epoch == start_step // spe else 0, spe):
+        length, idx = plan[i]
+        cost = trainer.StepCost(examples=len(idx), padded_tokens=length * len(idx),
+                                real_tokens=int(self.lengths[idx].sum()),
+                                flops=self._flops(length) * len(idx))
+        yield full_batch(buckets_lib.take(self.train, idx, length), self.mesh), cost
+
+  def outputs(self, params):
+    """features -> the head's outputs for every row."""
+    return lambda features: run_model(self._predict, params, features, mesh=self.mesh,
+                                      buckets=self.eval_buckets,
+                                      batch_size=self.config.eval_batch_size,
+                                      token_outputs=self.token_outputs)
+
+  def evaluate(self, params, step: int) -> trainer.Results:
+    # metrics.jsonl lines {"step": s, "split": "dev_<set>", "accuracy": ...}
+    return {f'dev_{name}': values
+            for name, values in self.evaluate_outputs(self.outputs(params)).items()}
+
+  @staticmethod
+  def dev_results(results: trainer.Results) -> Dict[str, Dict[str, float]]:
+    return {split[len('dev_'):]: values for split, values in results.items()}
+
+  def headline(self, results: trainer.Results) -> float:
+    return self.dev_headline(self.dev_results(results))
+
+  def best_record(self, step: int, results: trainer.Results) -> dict:
+    return {'epoch': step // self.steps_per_epoch, 'dev': self.dev_results(results)}
+
+  def finish(self, params, step, results, run: RunDir, best: Optional[dict]) -> dict:
+    dev = self.dev_results(results)
+    self.write_predictions(self.outputs(params), dev, str(run.path(RunDir.PREDICTIONS)))
+    summary = {'task': self.name, 'step': step, 'dev': dev,
+               'headline': self.dev_headline(dev), 'best': best}
+    run.write_json(RunDir.RESULTS, summary, indent=2)
+    return summary

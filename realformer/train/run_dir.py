@@ -1,0 +1,126 @@
+"""The run directory: every file of one training or fine-tuning run, in one place.
+
+    run = RunDir('/tmp/bert_tiny')
+    with run.hold('train.py', config):        # the lock, then the resume check
+      ...                                      # restore or init
+      run.write_config(config)                 # once every check has passed
+
+Layout (every name a program writes is here and nowhere else):
+
+  .lock                 the run's holder (host, pid, program, start); see workdir.Lock
+  config.json           the run's full config (model, data.tokenizer, ...)
+  checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
+                        stream's position, pretraining only)
+  metrics.jsonl         one JSON line per logged step and split (metrics.JsonlWriter)
+  events.out.tfevents.* TensorBoard events (clu's writer)
+  machine.jsonl         one line per start: processor, cores, jax, devices (machine.facts)
+  time_spent.json       {step: seconds} of a time-budgeted run (train.time_budget_minutes)
+  length_buckets.json   the compiled sequence lengths of a fine-tuning run and their settings
+  best/                 params of the best evaluation so far, params-only, + config.json and
+                        results.json (fine-tuning)
+  final/                params of a finished run whose optimizer state was dropped
+  predictions/          test-set predictions (fine-tuning)
+  results.json          the finished run's summary (fine-tuning)
+  data/                 prepared pretraining shards when data.prepared_dir is empty
+
+Paths are `etils.epath.Path`s, the path type Orbax itself uses. Only process 0 writes the
+small files; every process may read them. JSON files are replaced whole (written beside,
+then renamed), so a reader never sees half a file.
+"""
+
+import contextlib
+import json
+import os
+from typing import Any, Optional, Tuple
+
+import jax
+from absl import logging
+from etils import epath
+
+from realformer import checkpoints
+from realformer import machine
+from realformer import metrics as metrics_lib
+from realformer import workdir as workdir_lib
+
+
+class RunDir:
+  """The files of one run under `root` (a local folder; `~` is expanded)."""
+
+  CONFIG = checkpoints.CONFIG_FILE
+  CHECKPOINTS = checkpoints.CHECKPOINT_DIR
+  METRICS = 'metrics.jsonl'
+  MACHINE = machine.MACHINE_FILE
+  TIME_SPENT = 'time_spent.json'
+  LENGTH_BUCKETS = 'length_buckets.json'
+  BEST = 'best'
+  FINAL = 'final'
+  PREDICTIONS = 'predictions'
+  RESULTS = 'results.json'
+
+  def __init__(self, root):
+    if not str(root):
+      raise ValueError('--workdir is required: the directory for checkpoints and logs')
+    self.root = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
+
+  def __str__(self) -> str:
+    return os.fspath(self.root)
+
+  def path(self, *names: str) -> epath.Path:
+    return self.root.joinpath(*names)
+
+  def sub(self, name: str) -> 'RunDir':
+    """A folder of this run that is itself a params-only run directory (best/, final/)."""
+    return RunDir(self.path(name))
+
+  # ---- Ownership: one run per directory, and a directory that describes its checkpoints.
+
+  @contextlib.contextmanager
+  def hold(self, program: str, config):
+    """Holds the lock for the body, after refusing a resume under another config."""
+    with workdir_lib.Lock(str(self), program):
+      workdir_lib.check_resume_config(str(self), config, self.has_checkpoint())
+      yield self
+
+  def has_checkpoint(self) -> bool:
+    """A complete resume checkpoint, or the final params of a finished run."""
+    return (checkpoints.has_complete_step(str(self)) or
+            checkpoints.has_complete_step(str(self.path(self.FINAL))))
+
+  def checkpoint_manager(self, keep: Optional[int], item_names: Tuple[str, ...]):
+    return checkpoints.make_manager(str(self), keep=keep, item_names=item_names)
+
+  # ---- Small files (process 0 writes; replaced whole).
+
+  def write_json(self, name: str, value: Any, indent: Optional[int] = None) -> epath.Path:
+    path = self.path(name)
+    if jax.process_index() == 0:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      tmp = path.parent / (path.name + '.tmp')
+      tmp.write_text(json.dumps(value, indent=indent))
+      tmp.replace(path)
+    return path
+
+  def read_json(self, name: str, default: Any = None) -> Any:
+    path = self.path(name)
+    return json.loads(path.read_text()) if path.exists() else default
+
+  def write_config(self, config) -> epath.Path:
+    """config.json: written only once every check of a start has passed."""
+    return checkpoints.write_config(str(self), config)
+
+  def record_machine(self) -> None:
+    machine.record(str(self))
+
+  def metric_writer(self):
+    """TensorBoard + console + metrics.jsonl (process 0; the others log to the console)."""
+    return metrics_lib.create_writer(str(self), jax.process_index())
+
+  def remove(self, name: str) -> None:
+    """Deletes a file or folder of the run (process 0)."""
+    path = self.path(name)
+    if jax.process_index() == 0 and path.exists():
+      logging.info('removing %s', path)
+      if path.is_dir():
+        path.rmtree()
+      else:
+        path.unlink()

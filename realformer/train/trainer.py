@@ -1,0 +1,552 @@
+"""The one training loop, shared by pretraining (MLM + NSP), GLUE and SQuAD fine-tuning.
+
+A `Task` supplies what differs between them: the model and its train step, the batches
+(fixed-length or length-bucketed), the evaluation, what a checkpoint holds besides the train
+state, and what a finished run writes (predictions, results). The `Trainer` owns the rest,
+once for every program:
+
+  restart order   1. this run's newest complete checkpoint: the train state and the task's
+                     data state, so the run continues exactly where it stopped;
+                  2. else the params of a finished run whose optimizer state was dropped
+                     (<run>/final): the run is over; it is evaluated and finished again;
+                  3. else the task's init checkpoint: params only (a subtree of them, for
+                     fine-tuning's encoder), then a fresh optimizer state for those params;
+                  4. else a seeded init.
+  ownership       the run directory's lock and resume check before anything is written;
+                  config.json and machine.jsonl once every check of the start has passed.
+  the loop        one jitted step per batch; a non-finite loss or gradient norm stops the run
+                  (NonFiniteLossError) before anything computed from it is saved or evaluated:
+                  each step's values are checked while the next step runs;
+                  logging every `log_every` steps (TensorBoard + metrics.jsonl): the train
+                  metrics averaged over the window, steps/s, examples/s, tokens/s, TFLOP/s per
+                  device and MFU, compilation left out; evaluation every `eval_every` steps
+                  and at the end; the best evaluation's params kept in <run>/best when asked;
+                  a checkpoint every `checkpoint_every` steps and at the end;
+                  SIGTERM (preemption): save the current step and return {'preempted': step},
+                  which the program turns into exit status 75;
+                  a time budget (Cramming): train for so many minutes, the learning-rate
+                  schedule following the clock (TimeBudget).
+  teardown        the finished run's evaluation and the task's outputs; optionally the
+                  optimizer state dropped (final/ keeps the params); writers and the
+                  checkpoint manager closed.
+"""
+
+import abc
+import dataclasses
+import datetime
+import os
+import time
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from clu import periodic_actions
+
+from realformer import checkpoints
+from realformer import metrics as metrics_lib
+from realformer import partitioning
+from realformer import train_lib
+from realformer import workdir as workdir_lib
+from realformer.train.run_dir import RunDir
+
+TrainState = train_lib.TrainState
+Results = Dict[str, Dict[str, float]]  # {log split, e.g. 'eval' or 'dev_rte': {name: value}}
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss or gradient norm became nan/inf; nothing computed from it was saved."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+  """When the loop logs, evaluates and saves, and how long it runs (steps count updates)."""
+  num_steps: int
+  log_every: int
+  eval_every: int                      # 0: no evaluation
+  checkpoint_every: int
+  keep_checkpoints: Optional[int] = 3  # None: keep every checkpoint
+  profile_steps: int = 0               # a profile of this many steps after warm-up
+  time_budget_minutes: float = 0.0     # > 0: train that long (TimeBudget)
+  peak_flops_per_device: float = 0.0   # 0: looked up from the device kind (for MFU)
+  keep_best: bool = False              # <run>/best: params of the best task.headline
+  keep_optimizer_state: bool = True    # False: a finished run keeps params only (final/)
+  eval_period_name: str = ''           # e.g. 'epoch': log train/epoch_seconds per period
+  # The config field that sets num_steps, in units of this many steps (for error messages).
+  steps_setting: str = 'train.num_steps'
+  steps_per_unit: int = 1
+
+  def check(self):
+    for name in ('num_steps', 'log_every', 'checkpoint_every'):
+      if getattr(self, name) <= 0:
+        raise ValueError(f'{name}={getattr(self, name)}: give a positive number of steps')
+    if self.eval_every < 0:
+      raise ValueError(f'eval_every={self.eval_every}: give a number of steps (0: never)')
+
+
+@dataclasses.dataclass(frozen=True)
+class InitCheckpoint:
+  """Where a fresh run takes its params from (restart order, step 3)."""
+  path: str
+  subtree: Tuple[str, ...] = ()  # where in the model's params the checkpoint's go
+  allow_missing: bool = True     # parameters the checkpoint lacks keep their fresh init
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """What one step processed, for the throughput log."""
+  examples: int
+  padded_tokens: int
+  flops: float
+  real_tokens: Optional[int] = None  # None: not counted (tokens_per_s counts padding)
+
+
+class Task(abc.ABC):
+  """What a program trains. Subclasses set these attributes in __init__:
+
+    program   the program's name, for the lock record ('train.py')
+    name      the task's name for logs and summaries
+    config    the run's config, written to config.json
+    cadence   a Cadence
+    mesh      the device mesh
+    model     the flax module; tx, schedule: the optimizer (train_lib.make_optimizer) and
+              its learning-rate schedule
+    abstract, shardings: TrainStates of ShapeDtypeStructs and of NamedShardings
+    example_batch: a dict of arrays or ShapeDtypeStructs with one step's batch shapes (init)
+    seed      of the init and of the dropout masks
+  """
+  program: str
+  name: str
+  config: Any
+  cadence: Cadence
+  mesh: jax.sharding.Mesh
+  model: Any
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  abstract: TrainState
+  shardings: TrainState
+  example_batch: Dict[str, Any]
+  seed: int
+  init_checkpoint: Optional[InitCheckpoint] = None
+  # With a time budget: the configured schedule over num_steps, which the clock drives (tx
+  # then runs at the constant peak and the step takes the clock's factor); else None.
+  budget_schedule: Optional[optax.Schedule] = None
+  # The config.json beside params-only checkpoints (best/, final/); None: self.config.
+  params_config: Any = None
+
+  def data_items(self) -> Tuple[str, ...]:
+    """Checkpoint items besides 'state' (e.g. ('data',) for a stream's position)."""
+    return ()
+
+  def data_checkpoint_args(self, mode: str) -> Dict[str, Any]:
+    """{item: Orbax args} that save ('save') or restore ('restore') the data state."""
+    return {}
+
+  def restore_data(self, restored: Dict[str, Any]) -> None:
+    """Takes the restored data items ({item: value}, e.g. a stream's position)."""
+
+  def prepare(self, start_step: int) -> None:
+    """Called once the train state is known, before any step (e.g. choose buckets)."""
+
+  @abc.abstractmethod
+  def compile_train_step(self, state: TrainState) -> Callable:
+    """(state, batch[, lr factor]) -> (state, metrics), compiled for every batch shape the
+    run will feed; metrics is a clu Collection with at least loss and grad_norm."""
+
+  @abc.abstractmethod
+  def batches(self, start_step: int) -> Iterator[Tuple[Dict[str, jax.Array], StepCost]]:
+    """The global batches of steps start_step + 1, start_step + 2, ... with their costs."""
+
+  @abc.abstractmethod
+  def evaluate(self, params, step: int) -> Results:
+    """Evaluation results by log split (every process takes part; all may compute)."""
+
+  def headline(self, results: Results) -> float:
+    """The number that decides the best evaluation (higher is better)."""
+    raise NotImplementedError(f'{type(self).__name__} has no headline metric')
+
+  def best_record(self, step: int, results: Results) -> dict:
+    """What <run>/best/results.json records of the best evaluation besides its step and
+    headline."""
+    del step
+    return {'results': results}
+
+  def finish(self, params, step: int, results: Optional[Results], run: RunDir,
+             best: Optional[dict]) -> dict:
+    """Outputs of a finished run (predictions, results files); returns summary entries."""
+    del params, step, results, run, best
+    return {}
+
+  # ---- Helpers for subclasses.
+
+  def init_state(self) -> TrainState:
+    state, _ = train_lib.create_train_state(self.model, self.tx, self.example_batch,
+                                            self.mesh, self.seed)
+    return state
+
+
+class TimeBudget:
+  """Cramming's budget (Geiping & Goldstein 2022): the run trains for cadence.
+  time_budget_minutes of wall time and its learning-rate schedule follows the clock,
+  reaching its end when the time is spent, so a slower variant gets fewer steps of the
+  same schedule.
+
+  Progress is max(step / num_steps, time spent / budget): the configured schedule (warm-up,
+  decay) is read at that fraction of num_steps, which stays an upper bound. Time is counted
+  from the end of the first step, without evaluation (checkpoint saves, mostly
+  asynchronous, count); it is saved beside each checkpoint (<run>/time_spent.json), so a
+  resumed run continues the budget. On several hosts, process 0's clock decides, agreed
+  every SYNC_EVERY steps. A budgeted run is not bit-reproducible (its steps follow the
+  clock).
+  """
+  SYNC_EVERY = 10
+
+  def __init__(self, cadence: Cadence, schedule: optax.Schedule, peak_lr: float,
+               run: RunDir, start_step: int):
+    self.seconds = float(cadence.time_budget_minutes) * 60
+    self.num_steps = cadence.num_steps
+    self._grid = np.linspace(0.0, cadence.num_steps, 2049)  # the schedule, tabulated once
+    self._table = np.asarray(jax.vmap(schedule)(self._grid)) / float(peak_lr)
+    self._run = run
+    self._record = run.read_json(RunDir.TIME_SPENT, {})
+    self.before = float(self._record.get(str(start_step), 0.0))
+    if start_step and str(start_step) not in self._record:
+      logging.warning('no time record for step %d in %s: counting the budget from 0 again',
+                      start_step, run.path(RunDir.TIME_SPENT))
+    self._clock_from, self._excluded, self.spent = None, 0.0, self.before
+
+  def start(self):
+    self._clock_from = time.time()
+
+  def exclude(self, seconds: float):
+    self._excluded += seconds
+
+  def update(self, step: int) -> float:
+    spent = self.before
+    if self._clock_from is not None:
+      spent += time.time() - self._clock_from - self._excluded
+    if jax.process_count() > 1:
+      if step % self.SYNC_EVERY:
+        return self.spent
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      spent = float(multihost_utils.broadcast_one_to_all(np.float64(spent)))
+    self.spent = spent
+    return spent
+
+  def factor(self, step: int) -> np.ndarray:
+    progress = min(1.0, max(step / self.num_steps, self.spent / self.seconds))
+    return np.float32(np.interp(progress * self.num_steps, self._grid, self._table))
+
+  def over(self) -> bool:
+    return self.spent >= self.seconds
+
+  def save(self, step: int):
+    self._record[str(step)] = self.spent
+    self._run.write_json(RunDir.TIME_SPENT, self._record)
+
+
+class Window:
+  """The train metrics and costs of the steps since the last log."""
+
+  def __init__(self):
+    self.metrics, self.steps, self.start = None, 0, time.time()
+    self.examples = self.padded = self.flops = 0
+    self.real: Optional[int] = 0
+
+  def add(self, step_metrics, cost: StepCost, timed: bool):
+    self.metrics = metrics_lib.merge(self.metrics, step_metrics)
+    if not timed:  # the first step of a start (it may compile): its metrics, not its time
+      self.start = time.time()
+      return
+    self.steps += 1
+    self.examples += cost.examples
+    self.padded += cost.padded_tokens
+    self.flops += cost.flops
+    self.real = None if cost.real_tokens is None or self.real is None else (
+        self.real + cost.real_tokens)
+
+  def values(self, num_devices: int, peak_flops: Optional[float]) -> dict:
+    values = metrics_lib.to_floats(self.metrics)
+    seconds = time.time() - self.start
+    if self.steps and seconds > 0:
+      flops_per_device = self.flops / seconds / num_devices
+      values.update(
+          steps_per_s=self.steps / seconds, examples_per_s=self.examples / seconds,
+          tokens_per_s=(self.padded if self.real is None else self.real) / seconds,
+          padded_tokens_per_s=self.padded / seconds,
+          tflops_per_device=flops_per_device / 1e12)
+      if peak_flops:
+        values['mfu'] = flops_per_device / peak_flops
+    return values
+
+
+class Trainer:
+  """Runs a Task in a RunDir (see the module docstring for what it owns)."""
+
+  def __init__(self, task: Task, run: RunDir):
+    task.cadence.check()
+    self.task, self.run_dir, self.cadence = task, run, task.cadence
+
+  # ---- Restart order.
+
+  def _restore_or_init(self, manager) -> TrainState:
+    task, run = self.task, self.run_dir
+    latest = checkpoints.latest_complete_step(manager)
+    final = run.path(RunDir.FINAL)
+    if latest is not None:
+      if latest > self.cadence.num_steps:
+        c = self.cadence
+        raise ValueError(f'{run} holds a checkpoint at step {latest}, past '
+                         f'{c.steps_setting}={c.num_steps // c.steps_per_unit}; give '
+                         f'{c.steps_setting} >= {-(-latest // c.steps_per_unit)} '
+                         '(a run may be extended on resume, not shortened)')
+      logging.info('resuming from step %d (%s)', latest, manager.directory / str(latest))
+      tree, data = checkpoints.restore(manager, latest, task.abstract.to_checkpoint(),
+                                       task.data_checkpoint_args('restore'))
+      task.restore_data(data)
+      return TrainState.from_checkpoint(tree)
+    state = task.init_state()
+    if checkpoints.has_complete_step(str(final)):
+      params, _ = checkpoints.restore_params(str(final), task.abstract.params)
+      step = int(os.path.basename(checkpoints.resolve_step_dir(str(final))))
+      logging.info('the run finished at step %d: its final params are in %s', step, final)
+      return state.replace(params=params, step=jnp.asarray(step, state.step.dtype))
+    init = task.init_checkpoint
+    if init is None or not init.path:
+      return state
+    target = task.abstract.params
+    for key in init.subtree:
+      target = target[key]
+    loaded, missing = checkpoints.restore_params(init.path, target, subtree=init.subtree)
+    if missing and not init.allow_missing:
+      raise ValueError(f'checkpoint {init.path} does not match the model: it has no '
+                       f'{missing[0]} ({len(missing)} missing)')
+    fresh = state.params
+    for key in init.subtree:
+      fresh = fresh[key]
+    loaded = jax.tree.map(lambda new, old: old if new is None else new, loaded, fresh,
+                          is_leaf=lambda x: x is None)
+    params = loaded
+    for depth in range(len(init.subtree), 0, -1):  # put the subtree back in its place
+      parent = state.params
+      for key in init.subtree[:depth - 1]:
+        parent = parent[key]
+      params = dict(parent, **{init.subtree[depth - 1]: params})
+    logging.info('initialized params from %s (%d kept fresh)', init.path, len(missing))
+    opt_state = jax.jit(task.tx.init, out_shardings=task.shardings.opt_state)(params)
+    return state.replace(params=params, opt_state=opt_state)
+
+  # ---- The run.
+
+  def run(self) -> dict:
+    """Trains to the end (or the budget, or a stop signal); returns the summary:
+    {'step', 'train': last logged values, 'eval': last results, ...task.finish's entries,
+    'preempted': step (stopped by a signal after saving), 'time_budget': {...}}."""
+    task, run, c = self.task, self.run_dir, self.cadence
+    manager = run.checkpoint_manager(c.keep_checkpoints, ('state',) + task.data_items())
+    state = self._restore_or_init(manager)
+    start = int(state.step)
+    # Every check has passed (config, model, checkpoint): the run directory describes it.
+    run.write_config(task.config)
+    run.record_machine()
+    writer = run.metric_writer()
+    best = BestParams(run, task, enabled=c.keep_best, fresh=start == 0)
+    task.prepare(start)
+    budget = None
+    if task.budget_schedule is not None:
+      budget = TimeBudget(c, task.budget_schedule, float(task.config.optimizer.learning_rate),
+                          run, start)
+    peak = metrics_lib.peak_flops_per_device(task.mesh.devices.flat[0],
+                                             c.peak_flops_per_device)
+    hooks = [periodic_actions.ReportProgress(num_train_steps=c.num_steps, writer=writer,
+                                             every_steps=c.log_every, every_secs=None)]
+    if c.profile_steps and jax.process_index() == 0:
+      hooks.append(periodic_actions.Profile(logdir=str(run), num_profile_steps=c.profile_steps,
+                                            first_profile=start + 10, every_secs=None))
+
+    def check_finite(step: int, step_metrics):
+      # The gradient too: a finite loss with an inf gradient has already made the new
+      # parameters nan, which the next save would write.
+      for name, what in (('loss', 'loss'), ('grad_norm', 'gradient norm')):
+        value = float(np.asarray(getattr(step_metrics, name).compute()))
+        if not np.isfinite(value):
+          manager.wait_until_finished()
+          last = manager.latest_step()
+          where = (f'the last good checkpoint is step {last} in {manager.directory}'
+                   if last is not None else 'no checkpoint was written')
+          raise NonFiniteLossError(
+              f'{what} became {value} at step {step}; {where}; lower '
+              'optimizer.learning_rate, raise optimizer.warmup_steps or train in float32 '
+              '(model.dtype)')
+
+    def evaluate(step: int) -> Results:
+      started = time.time()
+      results = task.evaluate(state.params, step)
+      for split, values in results.items():
+        writer.write_scalars(step, {f'{split}/{k}': v for k, v in values.items()})
+        logging.info('step %d %s: %s', step, split, values)
+      writer.flush()
+      if budget is not None:  # evaluation does not spend the training budget
+        budget.exclude(time.time() - started)
+      return results
+
+    def save(step: int):
+      checkpoints.save(manager, step, state.to_checkpoint(),
+                       task.data_checkpoint_args('save'), force=True)
+      if budget is not None:
+        budget.save(step)
+
+    summary: Dict[str, Any] = {'train': {}, 'eval': {}}
+    results: Optional[Results] = None
+    step, preempted = start, None
+    train_step = task.compile_train_step(state) if step < c.num_steps else None
+    window, pending = Window(), None  # the steps since the last log; the unchecked step
+    period_start = time.time()
+    with jax.set_mesh(task.mesh), workdir_lib.StopSignal() as stop:
+      batches = task.batches(step)
+      while step < c.num_steps and not (budget is not None and budget.over()):
+        batch, cost = next(batches)
+        if budget is None:
+          state, step_metrics = train_step(state, batch)
+        else:
+          state, step_metrics = train_step(state, batch, budget.factor(step))
+        step += 1
+        if pending is not None:  # check the previous step while this one runs
+          check_finite(*pending)
+        pending = (step, step_metrics)
+        first = step == start + 1
+        window.add(step_metrics, cost, timed=not first)
+        for hook in hooks:
+          hook(step)
+        if first:
+          check_finite(*pending)
+          if budget is not None:
+            budget.start()
+        stopping = stop.reached(manager, step)
+        last = step == c.num_steps
+        if budget is not None:
+          budget.update(step)
+          last = last or budget.over()
+        evaluating = c.eval_every > 0 and (step % c.eval_every == 0 or last)
+        saving = step % c.checkpoint_every == 0 or last or stopping
+        if step % c.log_every == 0 or last or evaluating or saving:
+          check_finite(*pending)
+          values = window.values(task.mesh.size, peak)
+          if budget is not None:
+            values['budget_spent_fraction'] = budget.spent / budget.seconds
+          if evaluating and c.eval_period_name and step - c.eval_every >= start:
+            values[f'{c.eval_period_name}_seconds'] = time.time() - period_start
+          writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
+          writer.flush()
+          _log_progress(step, c.num_steps, values)
+          summary['train'] = values
+          window = Window()
+        if evaluating:
+          results = evaluate(step)
+          best.offer(state.params, step, results)  # before the resume point moves on
+        if saving:
+          save(step)
+        if evaluating:
+          period_start = time.time()
+          window = Window()  # evaluation is not training time
+        if stopping and not last:
+          preempted = step
+          break
+    manager.wait_until_finished()
+    summary['step'] = step
+    if budget is not None:
+      summary['time_budget'] = {'minutes': budget.seconds / 60,
+                                'spent_minutes': budget.spent / 60, 'steps': step}
+      if budget.over():
+        logging.info('time budget of %.1f minutes spent after step %d of at most %d',
+                     budget.seconds / 60, step, c.num_steps)
+    if preempted is not None:
+      logging.warning('stop signal: saved step %d in %s; run the same command to resume',
+                      preempted, manager.directory)
+      summary['preempted'], summary['eval'] = preempted, results or {}
+    else:
+      if results is None and c.eval_every > 0:  # resumed at the end: evaluate once more
+        with jax.set_mesh(task.mesh):
+          results = evaluate(step)
+      summary['eval'] = results or {}
+      summary.update(task.finish(state.params, step, results, run, best.summary()))
+      if not c.keep_optimizer_state and checkpoints.latest_complete_step(manager) is not None:
+        _drop_optimizer_state(manager, state.params, step, run, best, task)
+    manager.close()
+    writer.close()
+    return summary
+
+
+def _log_progress(step: int, num_steps: int, values: dict):
+  if 'steps_per_s' not in values:
+    return
+  eta = datetime.timedelta(seconds=int((num_steps - step) / values['steps_per_s']))
+  real = values['tokens_per_s'] / values['padded_tokens_per_s']
+  logging.info('step %d/%d: loss %.4f, %.2f steps/s, %.1f examples/s, %.0f tokens/s '
+               '(%.0f%% of them real), %.3f TFLOP/s per device%s, ETA %s', step, num_steps,
+               values['loss'], values['steps_per_s'], values['examples_per_s'],
+               values['tokens_per_s'], 100 * real, values['tflops_per_device'],
+               f', MFU {values["mfu"]:.1%}' if 'mfu' in values else '', eta)
+
+
+class BestParams:
+  """<run>/best: the params of the evaluation with the best task.headline so far, as a
+  params-only checkpoint with the task's params_config as config.json (so another run can
+  start from it) and best/results.json (its step and results). A run that starts from step
+  0 removes a best/ left by an earlier run in the same directory."""
+
+  def __init__(self, run: RunDir, task: Task, enabled: bool, fresh: bool):
+    self.run, self.task, self.enabled = run, task, enabled
+    self.dir = run.sub(RunDir.BEST)
+    if fresh and self.dir.root.exists():
+      logging.warning('removing %s: it holds the best evaluation of an earlier run in this '
+                      'directory (this run starts from step 0)', self.dir)
+      run.remove(RunDir.BEST)
+      self.best = None
+      return
+    self.best = self.dir.read_json(RunDir.RESULTS) if enabled else None
+
+  def offer(self, params, step: int, results: Results):
+    if not self.enabled:
+      return
+    headline = self.task.headline(results)
+    if not np.isfinite(headline) or (self.best is not None and
+                                     headline <= self.best['headline']):
+      return
+    manager = self.dir.checkpoint_manager(1, ('state',))
+    for old in manager.all_steps():  # a period redone after a kill saves its step again
+      if old >= step:
+        checkpoints.delete_step(manager, old)
+    checkpoints.save(manager, step, {'step': step, 'params': params}, force=True)
+    manager.wait_until_finished()
+    manager.close()
+    self.dir.write_config(self.task.params_config or self.task.config)
+    self.best = {'step': step, 'headline': headline, **self.task.best_record(step, results)}
+    self.dir.write_json(RunDir.RESULTS, self.best, indent=2)
+    logging.info('best %s so far at step %d: params saved to %s', self.task.name, step,
+                 self.dir)
+
+  def summary(self) -> Optional[dict]:
+    return dict(self.best, dir=str(self.dir)) if self.best else None
+
+
+def _drop_optimizer_state(manager, params, step: int, run: RunDir, best: BestParams,
+                          task: Task):
+  """A finished run needs no optimizer state: keep its params in <run>/final (a
+  params-only checkpoint that a rerun evaluates and another run can start from; a link to
+  best/ when the last evaluation was the best) and delete the resume checkpoint."""
+  final = run.path(RunDir.FINAL)
+  if os.path.islink(final) or checkpoints.has_complete_step(str(final)):
+    pass  # written by an attempt killed before the resume checkpoint was deleted
+  elif best.best is not None and best.best['step'] == step:
+    if jax.process_index() == 0:
+      os.symlink(RunDir.BEST, final)
+  else:
+    checkpoints.save_params(str(final), params, task.params_config or task.config, step=step)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  multihost_utils.sync_global_devices('final params saved')
+  for old in manager.all_steps():
+    checkpoints.delete_step(manager, old)
+  logging.info('finished: final params in %s; the optimizer state was dropped', final)
