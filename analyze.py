@@ -4,13 +4,13 @@ r"""Attention analysis of pretraining checkpoints (entropy per layer, JS diverge
       --workdir /tmp/study/model.variant=realformer,seed=0 --out /tmp/study/attention
 
 Writes attention_entropy.png (violins per layer), attention_js.png (layer x layer JS
-divergence), attention.json and attention.md. See realformer/analysis.py for the definitions.
+divergence), attention.json and attention.md. See realformer/tools/analysis.py for the definitions.
 """
 
 import os
 
-from realformer import analysis
 from realformer import cli
+from realformer.tools import analysis
 
 
 def main(argv=None):

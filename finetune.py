@@ -18,7 +18,9 @@ Batches are padded to a few length buckets chosen from the data, not to max_seq_
 throughput, dev metrics per epoch), results.json (the final and the best dev metrics) and
 predictions/<Task>.tsv (GLUE submission format, from the final params; SQuAD:
 predictions/predictions.json of dev, plus null_odds.json for v2.0).
-The grid of the paper's practice: `python -m realformer.finetune_grid` (see its docstring).
+The program is flags -> GlueTask / SquadTask (realformer/finetune/) -> the trainer that
+pretraining uses too (realformer/train/trainer.py). The grid of the paper's practice:
+`python -m realformer.tools.finetune_grid` (see its docstring).
 """
 
 import json
@@ -31,14 +33,14 @@ from absl import logging
 from ml_collections import config_flags
 
 from realformer import cli
-from realformer import distributed
-from realformer import host_memory
-from realformer import partitioning
-from realformer import workdir as workdir_lib
 from realformer.finetune import task as task_lib
 from realformer.finetune.glue import GlueTask
 from realformer.finetune.squad import SquadTask
+from realformer.train import distributed
+from realformer.train import host_memory
+from realformer.train import partitioning
 from realformer.train import trainer
+from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
 
 _REPO = os.path.dirname(os.path.abspath(__file__))

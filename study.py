@@ -7,7 +7,7 @@ r"""The papers' claims, tested in one resumable command per part on the embedded
   python study.py finetune --root R   # claim 4: the pretrained encoders vs random init
   python study.py stability --root R  # claim 1: a 12-layer encoder over peak lr x warm-up
 
-Each part is a sweep (realformer/sweep.py): one train.py / finetune.py run per workdir under
+Each part is a sweep (realformer/tools/sweep.py): one train.py / finetune.py run per workdir under
 R/<part>/, finished runs skipped, interrupted ones resumed, so rerunning a command resumes it
 and two processes can share a part (per-run locks). The budget and compare parts pretrain on
 the speeches less the 47 that the fine-tuning task of part 4 holds out (R/era/, written by
@@ -31,9 +31,9 @@ import re
 import shutil
 import statistics
 
-from realformer import analysis
-from realformer import sweep
 from realformer import cli
+from realformer.tools import analysis
+from realformer.tools import sweep
 
 VARIANTS = ('postln', 'preln', 'realformer', 'synth_random_vanilla', 'synth_dense_vanilla')
 REPO = os.path.dirname(os.path.abspath(__file__))

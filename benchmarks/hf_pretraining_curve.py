@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data import pipeline  # pylint: disable=g-import-not-at-top
 from data import tokenizer as tokenizer_lib
-from realformer import checkpoints
-from realformer import metrics as metrics_lib
-from realformer import train_lib
+from realformer.train import checkpoints
+from realformer.train import metrics as metrics_lib
+from realformer.train import train_lib
 
 
 def hf_model(model_config, transformers):

@@ -6,7 +6,7 @@ generation, for sizes x variants x lengths x meshes, with the largest global bat
   python benchmarks/launch_table.py --out benchmarks/results/launch_table.jsonl \
       --markdown
 
-Every cell is `realformer.launch.find_max_batch` on the config
+Every cell is `realformer.tools.launch.find_max_batch` on the config
 `configs/pretrain.py:<variant>,<size>` with bfloat16 activations, scanned layers (compile
 time: an unrolled 12-layer step took ~8 minutes on 2 cores, scanned ~25 s), no remat, the
 synthetic source (a 30,000-token vocabulary), 20 predictions per sequence at length 128 and
@@ -77,7 +77,7 @@ def make_config(cell):
 
 
 def run(args):
-  from realformer import launch
+  from realformer.tools import launch
   done = set()
   if os.path.exists(args.out):
     with open(args.out) as f:
@@ -120,7 +120,7 @@ def rejudged(r):
   usable figure does not fit: the reference batch becomes "no", and a largest batch found
   above it becomes the smallest known not to fit, the reference (if it fits) the largest
   known to."""
-  from realformer import launch
+  from realformer.tools import launch
   usable = launch.USABLE_HBM_GIB[r['cell']['target'].split(':')[0]]
   r = json.loads(json.dumps(r))
   ref = r['reference']
@@ -140,7 +140,7 @@ def estimated_max(raw):
   grow with the batch, plus temporaries that grow about linearly) puts under the usable HBM,
   kept inside what the compiles showed (at least the largest that fitted, below the smallest
   that did not). None where the cell holds fewer than two compiles with a total."""
-  from realformer import launch
+  from realformer.tools import launch
   usable = launch.USABLE_HBM_GIB[raw['cell']['target'].split(':')[0]]
   ref = raw['reference']
   points = {(ref['batch'], ref['gib'])} if ref.get('gib') else set()
@@ -209,7 +209,7 @@ def markdown(args):
          '|---|---|---|---|' + '---|' * len(VARIANTS)]
   for target in SLICES:
     gen = target.split(':')[0]
-    from realformer import launch
+    from realformer.tools import launch
     for length, _ in LENGTHS:
       for mesh in MESHES[::-1]:
         for size in SIZES:
@@ -279,7 +279,7 @@ def check_estimates(args):
   """Compile unresolved cells at their estimate and at one unit (64) more: the estimate is
   right when the first fits and the second does not. Cells are taken one per (slice,
   length), the widest bracket first; finished checks are kept (rerunning continues)."""
-  from realformer import launch
+  from realformer.tools import launch
   done = {}
   if os.path.exists(checks_path(args.out)):
     with open(checks_path(args.out)) as f:

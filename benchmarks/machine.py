@@ -1,3 +1,3 @@
-"""One header line naming the machine a benchmark ran on (realformer/machine.py says why)."""
+"""One header line naming the machine a benchmark ran on (realformer/train/machine.py says why)."""
 
-from realformer.machine import cpu, describe  # pylint: disable=unused-import
+from realformer.train.machine import cpu, describe  # pylint: disable=unused-import

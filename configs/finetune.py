@@ -6,7 +6,7 @@ r"""Fine-tuning a pretrained encoder on GLUE or SQuAD.
       --config.init_checkpoint=/tmp/rf_base --config.optimizer.learning_rate=3e-5
 
 `init_checkpoint` is a pretraining workdir (train.py's, or one written by
-`python -m realformer.interop import-hf`): the encoder is restored from its newest checkpoint,
+`python -m realformer.tools.interop import-hf`): the encoder is restored from its newest checkpoint,
 the architecture and tokenizer come from its config.json; `from_scratch=True` trains the same
 architecture from random initialisation (the baseline). `data_dir` holds the official GLUE
 TSV folders (CoLA/, SST-2/, MRPC/, STS-B/, QQP/, MNLI/, QNLI/, RTE/, WNLI/, diagnostic/);
@@ -40,7 +40,7 @@ def get_config(arg: str = 'glue/sst2'):
   c = ml_collections.ConfigDict()
   c.benchmark = benchmark
   c.task = task
-  # A pretraining workdir (train.py or realformer.interop); with from_scratch=True also a
+  # A pretraining workdir (train.py or realformer.tools.interop); with from_scratch=True also a
   # pretraining config file such as configs/pretrain.py:postln,tiny (architecture only).
   c.init_checkpoint = ''
   c.from_scratch = False

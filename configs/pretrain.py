@@ -6,7 +6,7 @@ Pick the encoder family and size with `get_config("<variant>,<size>[,runlocal]")
   python train.py --config configs/pretrain.py:postln,tiny --workdir /tmp/tiny \
       --config.optimizer.learning_rate=5e-4 --config.model.dtype=bfloat16
 
-Variants (DESIGN.md): postln, preln, realformer, synth_dense, synth_random,
+Variants (docs/design.md): postln, preln, realformer, synth_dense, synth_random,
 synth_random_fixed, synth_factorized_dense, synth_factorized_random, synth_dense_vanilla,
 synth_random_vanilla. Sizes: tiny (tests and CPU demos), and the RealFormer paper's small
 (4/512/8/2048), base (12/768/12/3072), large (24/1024/16/4096), xlarge (36/1536/24/6144).
@@ -17,6 +17,8 @@ Unknown keys on the command line are an error (the config is locked).
 
 import ml_collections
 
+from realformer.model import spec
+
 # name: (num_layers, hidden_size, num_heads, mlp_dim)
 SIZES = {
     'tiny': (2, 128, 2, 512),
@@ -26,11 +28,7 @@ SIZES = {
     'xlarge': (36, 1536, 24, 6144),
 }
 
-VARIANTS = (
-    'postln', 'preln', 'realformer', 'synth_dense', 'synth_random', 'synth_random_fixed',
-    'synth_factorized_dense', 'synth_factorized_random', 'synth_dense_vanilla',
-    'synth_random_vanilla',
-)
+VARIANTS = tuple(spec.VARIANTS)  # the presets, defined once with what each one sets
 
 
 def model_config(variant='postln', size='base'):
@@ -79,7 +77,7 @@ def model_config(variant='postln', size='base'):
   m.scan_layers = False  # nn.scan over layers (faster compile for deep models)
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
   m.fused_attention = 'auto'  # auto | xla | cudnn | off (jax.nn.dot_product_attention)
-  m.dense_impl = 'auto'  # auto | flax | cpu (custom VJP for XLA:CPU: realformer/dense.py)
+  m.dense_impl = 'auto'  # auto | flax | cpu (custom VJP for XLA:CPU: realformer/layers/dense.py)
   # predicted: in the pretraining loss the last layer computes only [CLS] and the masked
   # positions, the rows the losses read (same loss); all: every row.
   m.last_layer = 'predicted'

@@ -1,6 +1,6 @@
 """BERT's WordPiece tokenizer over an HF / TF1 `vocab.txt`, with data.tokenizer's interface.
 
-For checkpoints imported from elsewhere (realformer/interop.py), whose embeddings are indexed
+For checkpoints imported from elsewhere (realformer/tools/interop.py), whose embeddings are indexed
 by their own vocabulary. `data.tokenizer.Tokenizer.load('.../vocab.txt')` dispatches here.
 
 The work is done by Hugging Face's `tokenizers` library (Rust; the engine of transformers'

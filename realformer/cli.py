@@ -20,6 +20,9 @@ import traceback
 
 from absl import flags
 
+# The repository root: where the programs run and config file paths are relative to.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # Where a message embeds a traceback (ml_collections wraps a config file's own exception in
 # one), its last line is the message.
 _EMBEDDED = re.compile(
@@ -150,10 +153,38 @@ class QuietLibraries(logging_std.Filter):
     return not str(record.msg).startswith('Metadata file does not exist')
 
 
+def load_config(config: str):
+  """`path.py[:arg]` -> the ConfigDict its get_config(arg) returns (paths relative to the
+  repository root, where the programs run)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  path, _, arg = config.partition(':')
+  full = path if os.path.isabs(path) else os.path.join(REPO, path)
+  if not os.path.isfile(full):
+    raise FileNotFoundError(f'config file {path} not found; give a config file such as '
+                            'configs/pretrain.py:<variant>,<size>')
+  spec = importlib.util.spec_from_file_location('_config_file', full)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    if not hasattr(module, 'get_config'):
+      raise ValueError(f'the --config file {path} defines no get_config(); give a config '
+                       'file such as configs/pretrain.py:<variant>,<size>')
+    return module.get_config(arg) if arg else module.get_config()
+  except ValueError:
+    raise  # the config's own message for a bad argument (an unknown size, ...)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(code_error(f'the --config file {path}', e)) from e
+
+
 # The user errors every entry point reports as one line (a bad path, a bad value, a busy
 # workdir); anything else is a bug and keeps its traceback.
+class UserError(Exception):
+  """A state of the user's making whose message says what to do (e.g. a run directory
+  held by another run): reported as one line, like the USER_ERRORS."""
+
+
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-               PermissionError, FileExistsError)
+               PermissionError, FileExistsError, UserError)
 
 # The fix for an operating system's refusal of a path the user gave (by errno).
 _PATH_FIXES = {
@@ -181,7 +212,6 @@ def run_main(main, *args, also=()):
   """main(*args) with user errors (USER_ERRORS, a busy workdir, and the types in `also`)
   as `error: <message>` and exit status 1 (the traceback with --verbose_errors or
   REALFORMER_VERBOSE_ERRORS=1). Returns main's result."""
-  from realformer import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   absl_logger = logging_std.getLogger('absl')  # also where absl's app.run does not handle it
   if not any(isinstance(f, QuietLibraries) for f in absl_logger.filters):
     absl_logger.addFilter(QuietLibraries())
@@ -190,7 +220,7 @@ def run_main(main, *args, also=()):
     sys.argv.remove('--verbose_errors')
   try:
     return main(*args)
-  except USER_ERRORS + (workdir_lib.WorkdirInUseError,) + tuple(also) as e:
+  except USER_ERRORS + tuple(also) as e:
     if verbose:
       raise
     print(f'error: {_message(e)}', file=sys.stderr)

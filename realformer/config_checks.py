@@ -22,8 +22,8 @@ def warmup_steps(opt_config, num_steps: int) -> int:
 
 
 def check_counts(tc) -> None:
-  """A step count or a cadence that cannot be (a cadence of 0 used to fail with a division
-  by zero after the workdir was written)."""
+  """One-line errors for a step count or a cadence that cannot be (not positive), before
+  the run directory is written."""
   fields = ['num_steps', 'log_every_steps', 'checkpoint_every_steps']
   if tc.eval_steps > 0:
     fields.append('eval_every_steps')
@@ -56,7 +56,7 @@ def check_masking(data) -> None:
 def check_config(config) -> None:
   """Everything the pretraining config alone can show: the model's settings, step counts
   and cadences, the warm-up, the lengths, the masking."""
-  from realformer.spec import resolve  # pylint: disable=g-import-not-at-top (jax)
+  from realformer.model.spec import resolve  # pylint: disable=g-import-not-at-top (jax)
   resolve(config.model)
   check_counts(config.train)
   warmup_steps(config.optimizer, int(config.train.num_steps))

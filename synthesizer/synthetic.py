@@ -20,8 +20,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from realformer.dense import dense
-from realformer.rows import gather_rows, take_rows
+from realformer.layers.dense import dense
+from realformer.layers.rows import gather_rows, take_rows
 
 
 def _check_length(length: int, max_len: int, name: str):

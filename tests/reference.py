@@ -1,5 +1,5 @@
 """An independent NumPy (float64) reference of every encoder variant, written from the
-definitions in DESIGN.md and the papers, not from the Flax code. Parameters are read from a
+definitions in docs/design.md and the papers, not from the Flax code. Parameters are read from a
 Flax parameter tree (unrolled layers) and cast to float64."""
 
 import math

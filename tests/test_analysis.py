@@ -12,9 +12,9 @@ import pytest
 
 import analyze
 from configs import pretrain
-from realformer import analysis
-from realformer import checkpoints
 from realformer import models
+from realformer.tools import analysis
+from realformer.train import checkpoints
 
 
 def rows(*dists):

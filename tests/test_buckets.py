@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from realformer.finetune import task as finetune_task
 from configs import pretrain
 from data import buckets
 from realformer import models
-from realformer import partitioning
+from realformer.finetune import task as finetune_task
+from realformer.train import partitioning
 
 
 def _padded(lengths, chosen):

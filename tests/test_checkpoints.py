@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import train
-from realformer import checkpoints
-from realformer import machine
 from realformer import models
-from realformer import train_lib
+from realformer.train import checkpoints
+from realformer.train import machine
+from realformer.train import train_lib
 from tests.test_train import REPO, losses, tiny_config
 
 NUM_STEPS = 8
@@ -31,8 +31,8 @@ import json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
 args = json.loads({args!r})
 import train
-from realformer import distributed
-from realformer import train_lib
+from realformer.train import distributed
+from realformer.train import train_lib
 from tests.test_train import tiny_config
 if args.get('num_processes'):
   distributed.maybe_initialize(args['coordinator'], args['num_processes'],

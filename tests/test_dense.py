@@ -1,4 +1,4 @@
-"""realformer/dense.py: CpuDense's custom VJP gives the dense layer's values and gradients
+"""realformer/layers/dense.py: CpuDense's custom VJP gives the dense layer's values and gradients
 (float64 NumPy reference on the same operands) in float32 and bfloat16, equals flax's
 nn.Dense in every variant, under remat and scan, and sharded; `model.dense_impl` resolves
 and validates."""
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realformer import dense as dense_lib
 from realformer import models
-from realformer import train_lib
-from realformer.spec import resolve
+from realformer.layers import dense as dense_lib
+from realformer.model.spec import resolve
+from realformer.train import train_lib
 from tests.test_models import make_batch, perturbed_params, small_config
 from tests.test_train import grads_on_mesh
 

@@ -1,4 +1,4 @@
-"""realformer.dropout: the drop rate, unbiasedness, independence, partitionability and the
+"""realformer.layers.dropout: the drop rate, unbiasedness, independence, partitionability and the
 fallback for non-threefry keys."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from realformer import dropout as dropout_lib
+from realformer.layers import dropout as dropout_lib
 
 
 @pytest.mark.parametrize('rate', [0.1, 0.5])

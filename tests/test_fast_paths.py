@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from realformer import attention as attn_lib
 from realformer import models
-from realformer.spec import resolve
+from realformer.model import attention as attn_lib
+from realformer.model.spec import resolve
 from tests.test_models import make_batch, perturbed_params, small_config
 
 

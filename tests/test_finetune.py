@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 
 import finetune
-from realformer import workdir as workdir_lib
-from realformer.finetune import task as finetune_task
-from realformer.train import trainer
-from realformer.train.run_dir import RunDir
 from configs import finetune as finetune_configs
 from configs import pretrain
 from data import glue
 from data import sources
 from data import tokenizer as tokenizer_lib
-from realformer import checkpoints
-from realformer import finetune_metrics
 from realformer import models
+from realformer.finetune import metrics as finetune_metrics
+from realformer.finetune import task as finetune_task
+from realformer.train import checkpoints
+from realformer.train import trainer
+from realformer.train import workdir as workdir_lib
+from realformer.train.run_dir import RunDir
 from tests import test_wordpiece
 
 GLUE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'glue')
@@ -416,7 +416,7 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
 
 
 def test_grid_commands_and_summary(tmp_path, capsys):
-  from realformer import finetune_grid  # pylint: disable=g-import-not-at-top
+  from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
   root = str(tmp_path)
   finetune_grid.main(['--tasks', 'rte,squad/v1.1', '--root', root, '--init_checkpoint', '/ck',
                       '--seeds', '2', '--print_only', '--set', 'max_seq_length=96'])

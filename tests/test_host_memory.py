@@ -1,4 +1,4 @@
-"""realformer/host_memory.py: a warmed-up CPU step takes no page faults once applied."""
+"""realformer/train/host_memory.py: a warmed-up CPU step takes no page faults once applied."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from realformer import host_memory
+from realformer.train import host_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PROGRAM = r"""
 import resource, sys
 sys.path.insert(0, {repo!r})
-from realformer import host_memory
+from realformer.train import host_memory
 applied = host_memory.keep_freed_memory()
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum() + jnp.exp(jnp.sin(x) * 2).sum())

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from data import wordpiece
-from realformer import checkpoints
-from realformer import interop
 from realformer import models
+from realformer.tools import interop
+from realformer.train import checkpoints
 
 SENTENCES = [
     'The quick brown fox jumps over the lazy dog.',
@@ -367,7 +367,7 @@ def test_an_import_killed_midway_leaves_no_half_made_workdir(tf1_checkpoint, tmp
   import time  # pylint: disable=g-import-not-at-top
   ck = tf1_checkpoint
   out = tmp_path / 'w'
-  argv = [sys.executable, '-m', 'realformer.interop', 'import-tf1', '--ckpt', ck['prefix'],
+  argv = [sys.executable, '-m', 'realformer.tools.interop', 'import-tf1', '--ckpt', ck['prefix'],
           '--bert_config', ck['config'], '--vocab', ck['vocab'], '--out', str(out)]
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   proc = subprocess.Popen(argv, cwd=repo, stderr=subprocess.DEVNULL)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from realformer import models
-from realformer import rows as rows_lib
-from realformer import train_lib
-from realformer.spec import resolve
+from realformer.layers import rows as rows_lib
+from realformer.model.spec import resolve
+from realformer.train import train_lib
 from tests.test_models import VARIANTS, make_batch, perturbed_params, small_config
 
 # Masked positions per row, padding ones included (weight 0), repeats and position 0 too.

@@ -14,11 +14,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import pretrain
-from realformer import hlo_stats
-from realformer import launch
 from realformer import models
-from realformer.dense import uses_cpu_dense
-from realformer.spec import resolve
+from realformer.layers.dense import uses_cpu_dense
+from realformer.model.spec import resolve
+from realformer.tools import hlo_stats
+from realformer.tools import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_LIBTPU = importlib.util.find_spec('libtpu') is not None
@@ -164,7 +164,7 @@ def test_backend_choices_follow_the_target_platform():
   cfg = tiny().model
   assert uses_cpu_dense(resolve(cfg))                 # this host: the CPU dense layer
   assert not uses_cpu_dense(resolve(cfg, platform='tpu'))
-  from realformer import attention
+  from realformer.model import attention
   assert attention._use_fused(resolve(cfg, platform='gpu'), True, False) == 'cudnn'
   assert attention._use_fused(resolve(cfg, platform='tpu'), True, False) is None
   with pytest.raises(ValueError, match='platform'):

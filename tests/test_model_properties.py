@@ -12,7 +12,7 @@ import pytest
 
 from configs import pretrain
 from realformer import models
-from realformer.spec import resolve
+from realformer.model.spec import resolve
 from tests.test_models import VARIANTS, make_batch, small_config
 
 # Published BERT-base (uncased, vocab 30522) counts, as HF transformers reports them.

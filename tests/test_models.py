@@ -12,8 +12,8 @@ import pytest
 
 from configs import pretrain
 from realformer import models
-from realformer import partitioning
-from realformer.spec import resolve
+from realformer.model.spec import resolve
+from realformer.train import partitioning
 from tests import reference
 
 VARIANTS = pretrain.VARIANTS

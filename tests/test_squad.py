@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import finetune
-from realformer.train.run_dir import RunDir
 from configs import finetune as finetune_configs
 from data import squad
 from data import tokenizer as tokenizer_lib
-from realformer import finetune_metrics as fm
+from realformer.finetune import metrics as fm
+from realformer.train.run_dir import RunDir
 from tests import test_finetune
 from tests import test_wordpiece
 

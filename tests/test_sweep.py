@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 import sweep as sweep_cli
-from realformer import sweep
+from realformer.tools import sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""train.py and realformer/train_lib.py: sharding invariance, accumulation, optimizer masks,
+"""train.py and realformer/train/train_lib.py: sharding invariance, accumulation, optimizer masks,
 FLOP count, clear errors, nan stop, and a short real run on the embedded corpus."""
 
 import json
@@ -15,12 +15,12 @@ import pytest
 
 import train
 from configs import pretrain
-from realformer import metrics as metrics_lib
 from realformer import models
-from realformer import partitioning
-from realformer import train_lib
-from realformer.spec import resolve
+from realformer.model.spec import resolve
+from realformer.train import metrics as metrics_lib
+from realformer.train import partitioning
 from realformer.train import pretraining
+from realformer.train import train_lib
 from realformer.train import trainer
 from realformer.train.run_dir import RunDir
 
@@ -318,7 +318,7 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
   bias correction and the schedule's step indexing, beyond the forward pass."""
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
-  from realformer import interop  # pylint: disable=g-import-not-at-top
+  from realformer.tools import interop  # pylint: disable=g-import-not-at-top
   hc = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2,
                                num_attention_heads=2, intermediate_size=64,
                                max_position_embeddings=32, hidden_dropout_prob=0.0,

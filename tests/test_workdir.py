@@ -15,10 +15,10 @@ import pytest
 
 import train
 from configs import pretrain
-from realformer import checkpoints
-from realformer import train_lib
-from realformer import workdir as workdir_lib
+from realformer.train import checkpoints
 from realformer.train import pretraining
+from realformer.train import train_lib
+from realformer.train import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -249,12 +249,12 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
 @pytest.mark.parametrize('argv,expected', [
     (['sweep.py', 'run', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
       '--sweep', 'model.varient=postln'], 'model.varient is not a field'),
-    (['-m', 'realformer.finetune_grid', '--tasks', 'rte', '--root', '{tmp}/g',
+    (['-m', 'realformer.tools.finetune_grid', '--tasks', 'rte', '--root', '{tmp}/g',
       '--init_checkpoint', '{tmp}/none'], 'is not a train.py or import workdir'),
     (['-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny', '--out_dir',
       '{tmp}/p', '--config.data.sources=files:{tmp}/none*'], 'matches no file'),
     (['analyze.py', '--workdir', '{tmp}/none', '--out', '{tmp}/a'], 'has no config.json'),
-    (['-m', 'realformer.interop', 'import-hf', '--src', '{tmp}/none', '--out', '{tmp}/x'],
+    (['-m', 'realformer.tools.interop', 'import-hf', '--src', '{tmp}/none', '--out', '{tmp}/x'],
      'none not found: pass the folder of an HF BERT checkpoint'),
     (['study.py', '--root', '{tmp}/st', '--seeds', '0'], 'need at least one seed'),
     (['finetune.py', '--workdir', '{tmp}/ft'], 'config.init_checkpoint is empty'),
@@ -303,7 +303,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     (['-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny', '--out_dir',
       '{tmp}/p', '--config.data.sources=files:{tmp}'], 'it is a folder: give its files'),
     (['analyze.py', '--workdir', '{tmp}', '--out', '{tmp}/a_file'], 'a_file is a file'),
-    (['-m', 'realformer.interop', 'import-hf', '--src', '{tmp}/a_file', '--out', '{tmp}/x'],
+    (['-m', 'realformer.tools.interop', 'import-hf', '--src', '{tmp}/a_file', '--out', '{tmp}/x'],
      'a_file is a file: pass the folder of an HF BERT checkpoint'),
     (['train.py', '--workdir', '{tmp}/a_file/w', '--config.data.sources=synthetic'],
      'cannot be a folder: it or a folder above it is a file'),
@@ -360,16 +360,16 @@ def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):
   cases = [
       (['train.py', '--workdir', afile, '--config.data.sources=synthetic'],
        'cannot be a folder: it or a folder above it is a file'),
-      (['-m', 'realformer.interop', 'export-hf', '--workdir', run_dir, '--out', afile],
+      (['-m', 'realformer.tools.interop', 'export-hf', '--workdir', run_dir, '--out', afile],
        'is a file; export to a new or existing directory'),
       (['analyze.py', '--workdir', ft, '--out', tmp_path / 'a'], 'is a fine-tuning run'),
       (['finetune.py', '--workdir', tmp_path / 'f2', f'--config.init_checkpoint={ft}'],
        'is a fine-tuning run'),
-      (['-m', 'realformer.interop', 'export-hf', '--workdir', ft, '--out', tmp_path / 'hf'],
+      (['-m', 'realformer.tools.interop', 'export-hf', '--workdir', ft, '--out', tmp_path / 'hf'],
        'is a fine-tuning run'),
-      (['-m', 'realformer.interop', 'export-hf', '--workdir', ft, '--out', run_dir],
+      (['-m', 'realformer.tools.interop', 'export-hf', '--workdir', ft, '--out', run_dir],
        'is a workdir of this project'),
-      (['-m', 'realformer.interop', 'import-hf', '--src', ft, '--out', run_dir],
+      (['-m', 'realformer.tools.interop', 'import-hf', '--src', ft, '--out', run_dir],
        'exists and is not an empty directory'),
   ]
   expect_one_line_errors(cases)

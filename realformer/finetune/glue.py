@@ -14,8 +14,8 @@ from absl import logging
 
 from data import glue
 from data import sources
-from realformer import finetune_metrics
 from realformer import models
+from realformer.finetune import metrics as finetune_metrics
 from realformer.finetune.task import FinetuneTask
 
 

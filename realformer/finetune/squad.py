@@ -16,8 +16,8 @@ import numpy as np
 import optax
 
 from data import squad
-from realformer import finetune_metrics
 from realformer import models
+from realformer.finetune import metrics as finetune_metrics
 from realformer.finetune.task import FinetuneTask
 
 

@@ -34,10 +34,11 @@ from clu import metrics as clu_metrics
 
 from data import buckets as buckets_lib
 from data import tokenizer as tokenizer_lib
-from realformer import checkpoints
-from realformer import partitioning
-from realformer import train_lib
-from realformer.spec import resolve
+from realformer import cli
+from realformer.model.spec import resolve
+from realformer.train import checkpoints
+from realformer.train import partitioning
+from realformer.train import train_lib
 from realformer.train import trainer
 from realformer.train.run_dir import RunDir
 
@@ -61,8 +62,7 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
       raise ValueError(f'config.init_checkpoint={path!r} is a config file, which holds no '
                        f'weights: set config.from_scratch=True for a random-init baseline, '
                        f'or name a pretraining workdir')
-    from realformer import sweep  # pylint: disable=g-import-not-at-top
-    pre = sweep.load_config(path).copy_and_resolve_references()
+    pre = cli.load_config(path).copy_and_resolve_references()
     if config.get('tokenizer'):
       pre.data.tokenizer = config.tokenizer
     pre.model.vocab_size = tokenizer_lib.load_for_config(pre.data).vocab_size

@@ -15,9 +15,9 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from realformer import config_checks
-from realformer import metrics as metrics_lib
-from realformer import train_lib
-from realformer.spec import resolve
+from realformer.model.spec import resolve
+from realformer.train import metrics as metrics_lib
+from realformer.train import train_lib
 from realformer.train import trainer
 from realformer.train.run_dir import RunDir
 

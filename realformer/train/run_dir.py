@@ -37,10 +37,10 @@ import jax
 from absl import logging
 from etils import epath
 
-from realformer import checkpoints
-from realformer import machine
-from realformer import metrics as metrics_lib
-from realformer import workdir as workdir_lib
+from realformer.train import checkpoints
+from realformer.train import machine
+from realformer.train import metrics as metrics_lib
+from realformer.train import workdir as workdir_lib
 
 
 class RunDir:

@@ -45,11 +45,11 @@ import optax
 from absl import logging
 from clu import periodic_actions
 
-from realformer import checkpoints
-from realformer import metrics as metrics_lib
-from realformer import partitioning
-from realformer import train_lib
-from realformer import workdir as workdir_lib
+from realformer.train import checkpoints
+from realformer.train import metrics as metrics_lib
+from realformer.train import partitioning
+from realformer.train import train_lib
+from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
 
 TrainState = train_lib.TrainState

@@ -24,10 +24,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from realformer import dropout as dropout_lib
-from realformer.dense import dense
-from realformer.rows import gather_rows, take_rows
-from realformer.spec import EncoderSpec
+from realformer.layers import dropout as dropout_lib
+from realformer.layers.dense import dense
+from realformer.layers.rows import gather_rows, take_rows
+from realformer.model.spec import EncoderSpec
 from synthesizer.synthetic import SYNTHESIZERS
 
 # Finite, so a row with every key masked gives a uniform distribution, never NaN.

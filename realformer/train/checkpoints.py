@@ -105,12 +105,12 @@ def read_pretraining_config(workdir: str) -> dict:
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{workdir} has no {CONFIG_FILE}: pass a workdir written by '
-                            'train.py or realformer.interop')
+                            'train.py or realformer.tools.interop')
   try:
     config = read_config(workdir)
   except (ValueError, UnicodeDecodeError) as e:
     raise ValueError(f'{path} is not valid JSON ({e}); pass a workdir written by train.py '
-                     'or realformer.interop') from None
+                     'or realformer.tools.interop') from None
   if not isinstance(config, dict) or not isinstance(config.get('model'), dict):
     what = ('a fine-tuning run' if isinstance(config, dict) and 'task' in config else
             'not a pretraining config')

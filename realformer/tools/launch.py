@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realformer import hlo_stats
-from realformer import metrics as metrics_lib
-from realformer import partitioning
-from realformer import train_lib
+from realformer.tools import hlo_stats
+from realformer.train import metrics as metrics_lib
+from realformer.train import partitioning
+from realformer.train import train_lib
 
 GiB = 1024 ** 3
 

@@ -35,7 +35,7 @@ import sys
 import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from realformer.cli import code_error as _code_error
+from realformer import cli
 
 Run = Dict[str, Any]
 DONE = 'DONE'
@@ -43,7 +43,7 @@ LOCK = 'LOCK'
 RUNNING_ELSEWHERE = -1000  # run_all's code for a run that another sweep process holds
 OTHER_RUN = -1001  # run_all's code for a run whose directory holds a run of other overrides
 OVERRIDES = 'overrides.json'
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where programs run
+_ROOT = cli.REPO  # where programs run
 
 
 class Hyper:
@@ -110,12 +110,12 @@ def expand(sweeps: Sequence[str] = (), fixed: Sequence[str] = (), seeds: int = 1
       with open(sweep_file) as f:
         exec(compile(f.read(), sweep_file, 'exec'), namespace)  # pylint: disable=exec-used
       if 'get_hyper' not in namespace:
-        raise ValueError(f'{sweep_file} defines no get_hyper(h); see realformer/sweep.py')
+        raise ValueError(f'{sweep_file} defines no get_hyper(h); see realformer/tools/sweep.py')
       lists.append(namespace['get_hyper'](Hyper))
     except ValueError:
       raise
     except Exception as e:  # pylint: disable=broad-except
-      raise ValueError(_code_error(f'--sweep_file {sweep_file}', e)) from e
+      raise ValueError(cli.code_error(f'--sweep_file {sweep_file}', e)) from e
   if seeds < 1:
     raise ValueError(f'--seeds={seeds}: need at least one seed')
   lists.append(Hyper.sweep('seed', range(first_seed, first_seed + seeds)))
@@ -173,29 +173,6 @@ def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
   return argv
 
 
-def load_config(config: str):
-  """`path.py[:arg]` -> the ConfigDict its get_config(arg) returns (paths relative to the
-  repository root, where the programs run)."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  path, _, arg = config.partition(':')
-  full = path if os.path.isabs(path) else os.path.join(_ROOT, path)
-  if not os.path.isfile(full):
-    raise FileNotFoundError(f'config file {path} not found; give a config file such as '
-                            'configs/pretrain.py:<variant>,<size>')
-  spec = importlib.util.spec_from_file_location('_sweep_config', full)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    if not hasattr(module, 'get_config'):
-      raise ValueError(f'the --config file {path} defines no get_config(); give a config '
-                       'file such as configs/pretrain.py:<variant>,<size>')
-    return module.get_config(arg) if arg else module.get_config()
-  except ValueError:
-    raise  # the config's own message for a bad argument (an unknown size, ...)
-  except Exception as e:  # pylint: disable=broad-except
-    raise ValueError(_code_error(f'the --config file {path}', e)) from e
-
-
 def check_keys(config: str, runs: Sequence[Run]):
   """One-line errors, before any run starts (each run would otherwise fail the same way):
   an override key the config does not have, or a value its field cannot take (the runs
@@ -207,7 +184,7 @@ def check_keys(config: str, runs: Sequence[Run]):
                      'configs/pretrain.py:<variant>,<size>')
   if not path.endswith('.py'):
     return  # not a config file this can read (another program's argument)
-  cfg = load_config(config)
+  cfg = cli.load_config(config)
 
   def flat(c, prefix=''):
     out = {}

@@ -1,6 +1,6 @@
 """The encoder's resolved hyper-parameters: a frozen, hashable view of `config.model`.
 
-`config.model.variant` names a preset (DESIGN.md); the fields `block`, `attention`,
+`config.model.variant` names a preset (docs/design.md); the fields `block`, `attention`,
 `residual_attention` and `synth_random_trainable` override it where they are not None, so
 `--config.model.variant=preln` on the command line changes the whole family and
 `--config.model.residual_attention=True` adds RealFormer's residual scores to any of them.
@@ -29,7 +29,7 @@ LOGIT_COMPONENTS = ('dot', 'dense', 'random', 'factorized_dense', 'factorized_ra
 BLOCKS = ('post_ln', 'pre_ln')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'off')
-DENSE_IMPLS = ('auto', 'flax', 'cpu')  # realformer/dense.py
+DENSE_IMPLS = ('auto', 'flax', 'cpu')  # realformer/layers/dense.py
 LAST_LAYER = ('predicted', 'all')  # rows the last layer computes for the pretraining loss
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
@@ -71,7 +71,7 @@ class EncoderSpec:
   residual_dtype: Any = jnp.float32  # dtype of RealFormer's carried scores
   variant: str = 'postln'
   # The platform the program is compiled for ('cpu', 'gpu', 'tpu'); '' = jax's default
-  # backend. Not a config key: realformer/launch.py sets it when compiling for a TPU slice
+  # backend. Not a config key: realformer/tools/launch.py sets it when compiling for a TPU slice
   # from a CPU host, so the backend-dependent choices ('auto' dense layer and fused
   # attention) follow the target, not the compiling machine.
   platform: str = ''

@@ -2,9 +2,8 @@
 
 nn.Dropout draws one float32 uniform per element, and with JAX's partitionable threefry
 (the default) every element then costs one whole threefry-2x32 block: 64 random bits of
-which it keeps 23. Here each block gives four 16-bit uniforms instead (one BERT-base
-attention-probability mask, [8, 12, 128, 128], on 2 CPU cores: 4.5 ms against nn.Dropout's
-6.9 ms; a [8, 128, 768] hidden-state mask 1.8 against 4.6 ms; benchmarks/dropout_masks.py):
+which it keeps 23. Here each block gives four 16-bit uniforms instead (timings against
+nn.Dropout: benchmarks/dropout_masks.py, figures in BENCHMARKS.md):
 
     keep  = u16 >= round(rate * 2**16)      (u16 uniform on 0..65535)
     out   = where(keep, x / P(keep), 0)     with P(keep) = 1 - round(rate * 2**16) / 2**16

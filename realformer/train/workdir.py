@@ -32,6 +32,8 @@ from typing import Dict, List, Optional
 import jax
 from absl import logging
 
+from realformer import cli
+
 LOCK_FILE = '.lock'
 
 # Exit status of a run stopped by SIGTERM (preemption) after saving: not finished, to be
@@ -59,7 +61,7 @@ RESUMABLE = (
 )
 
 
-class WorkdirInUseError(RuntimeError):
+class WorkdirInUseError(cli.UserError):
   """Another run holds the workdir."""
 
 

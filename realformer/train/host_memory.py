@@ -78,5 +78,5 @@ def keep_freed_memory() -> bool:
   results = [libc.mallopt(param, value) == 1 for param, value in settings]  # apply all
   _applied = all(results)
   if _applied:
-    logging.info('CPU-only run: glibc malloc keeps freed memory (realformer/host_memory.py)')
+    logging.info('CPU-only run: glibc malloc keeps freed memory (realformer/train/host_memory.py)')
   return _applied

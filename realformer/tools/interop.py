@@ -1,13 +1,13 @@
 r"""Checkpoint interop: HF BERT and TF1 BERT / RealFormer checkpoints <-> our encoder.
 
-  python -m realformer.interop import-hf --src /path/to/hf_bert_dir --out /tmp/minilm
-  python -m realformer.interop import-tf1 --ckpt /ckpt/model.ckpt-1000000 \
+  python -m realformer.tools.interop import-hf --src /path/to/hf_bert_dir --out /tmp/minilm
+  python -m realformer.tools.interop import-tf1 --ckpt /ckpt/model.ckpt-1000000 \
       --bert_config /ckpt/bert_config.json --vocab /ckpt/vocab.txt --out /tmp/rf_base \
       [--variant realformer|postln] [--cased]
-  python -m realformer.interop export-hf --workdir /tmp/minilm --out /tmp/minilm_hf
+  python -m realformer.tools.interop export-hf --workdir /tmp/minilm --out /tmp/minilm_hf
 
 An import writes a params-only workdir that fine-tuning and `train.init_checkpoint` read
-like any other (realformer/checkpoints.py):
+like any other (realformer/train/checkpoints.py):
   <out>/checkpoints/0/state   {'step': 0, 'params': {'encoder', ['mlm_head'], ['nsp_head']}}
   <out>/config.json           configs/pretrain.py's config with the checkpoint's sizes;
                               data.tokenizer = <out>/vocab.txt
@@ -41,13 +41,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from configs import pretrain as pretrain_configs
 from data import wordpiece
-from realformer import checkpoints
-from realformer import models
 from realformer import cli
-from realformer import workdir as workdir_lib
-from realformer.spec import resolve
+from realformer import models
+from realformer.model.spec import resolve
+from realformer.train import checkpoints
+from realformer.train import workdir as workdir_lib
 
 HF_CONFIG = 'config.json'
 HF_SAFETENSORS = 'model.safetensors'
@@ -162,7 +161,7 @@ def model_config_from_bert(bert: dict, *, variant: str = 'postln',
   if position != 'absolute':
     raise ValueError(f'{source} has position_embedding_type={position!r}; only learned '
                      'absolute positions are implemented')
-  config = pretrain_configs.get_config(f'{variant},base')
+  config = cli.load_config(f'configs/pretrain.py:{variant},base')
   m = config.model
   m.num_layers = int(bert['num_hidden_layers'])
   m.hidden_size = int(bert['hidden_size'])
@@ -666,7 +665,7 @@ def export_hf(workdir: str, out: str) -> str:
 # ----------------------------------------------------------------------------------------
 
 def main(argv=None) -> None:
-  parser = cli.ArgumentParser(prog='python -m realformer.interop',
+  parser = cli.ArgumentParser(prog='python -m realformer.tools.interop',
                               description=__doc__.split('\n\n')[0])
   sub = parser.add_subparsers(dest='command', required=True)
   p = sub.add_parser('import-hf', help='HF BERT directory -> params-only workdir')

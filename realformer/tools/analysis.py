@@ -19,8 +19,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from realformer import checkpoints
 from realformer import models
+from realformer.train import checkpoints
 
 
 def _xlogx(p):

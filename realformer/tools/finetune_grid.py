@@ -1,12 +1,12 @@
 r"""The fine-tuning grid of the paper's practice, for one task or all of GLUE, over seeds.
 
-  python -m realformer.finetune_grid --tasks rte,mrpc --root /tmp/grid \
+  python -m realformer.tools.finetune_grid --tasks rte,mrpc --root /tmp/grid \
       --init_checkpoint /tmp/bert_tiny --data_dir /data/glue --seeds 5
-  python -m realformer.finetune_grid --tasks glue ... --print_only --target slurm
-  python -m realformer.finetune_grid --tasks rte --root /tmp/grid --summarize_only
+  python -m realformer.tools.finetune_grid --tasks glue ... --print_only --target slurm
+  python -m realformer.tools.finetune_grid --tasks rte --root /tmp/grid --summarize_only
 
 Every (learning rate, batch size, epochs, seed) of every task is one finetune.py run in
-<root>/<task>/<its grid values and other varying overrides> (realformer.sweep names, skips
+<root>/<task>/<its grid values and other varying overrides> (realformer.tools.sweep names, skips
 finished runs and resumes interrupted ones, so a grid can be extended in the same root; a
 directory holding a run with other fixed overrides is refused, never reused), run here one
 after another, or printed as launch commands for a cluster (--print_only). The summary
@@ -23,8 +23,8 @@ import statistics
 import sys
 from typing import Any, Dict, List, Sequence
 
-from realformer import sweep
 from realformer import cli
+from realformer.tools import sweep
 
 GLUE_TASKS = ('cola', 'sst2', 'mrpc', 'stsb', 'qqp', 'mnli', 'qnli', 'rte', 'wnli')
 GRID_KEYS = ('optimizer.learning_rate', 'batch_size', 'num_epochs')

@@ -26,12 +26,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from realformer import metrics as metrics_lib
 from realformer import models
-from realformer import partitioning
-from realformer import rows as rows_lib
 from realformer.config_checks import warmup_steps
-from realformer.spec import EncoderSpec, resolve
+from realformer.layers import rows as rows_lib
+from realformer.model.spec import EncoderSpec, resolve
+from realformer.train import metrics as metrics_lib
+from realformer.train import partitioning
 
 
 @flax.struct.dataclass
@@ -106,8 +106,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   optax writes the clip as select(||g|| < max_norm, g, g / ||g|| * max_norm). XLA will not
   duplicate that divide into AdamW's two moment updates, so the clipped gradient is written
   out and read back, two extra passes over every parameter; a scalar multiply is fused into
-  the moment updates instead. For BERT-base's 109M parameters on the 2-core CPU, clipping
-  plus AdamW takes 124 ms against optax's 230 (benchmarks/optimizer.py). The values are
+  the moment updates instead (benchmarks/optimizer.py times both; BENCHMARKS.md). The values are
   optax's up to one rounding (t * (m / n) rather than t / n * m); the state is optax's
   (empty), so checkpoints are interchangeable. A NaN norm gives NaN updates, as optax's does.
   """

@@ -1,0 +1,1 @@
+"""Building blocks with no knowledge of the variants: dense layers, dropout, row selection."""
