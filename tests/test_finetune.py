@@ -222,6 +222,17 @@ def test_fixed_synthesizer_parameters_do_not_move_in_fine_tuning(tmp_path):
     assert same == (path in fixed), jax.tree_util.keystr(path)
 
 
+def test_a_nan_loss_stops_fine_tuning_with_one_line_naming_the_fix(pretrained, tmp_path):
+  """The trainer's check, as in pretraining: nothing of the bad step is saved, and the
+  message names fine-tuning's own setting."""
+  c = ft_config('mrpc', pretrained, num_epochs=1, keep_best=False)  # 5 steps an epoch
+  c.optimizer.learning_rate = float('inf')  # LayerNorm keeps a merely huge one finite
+  with pytest.raises(trainer.NonFiniteLossError, match=r'became (nan|inf) at step \d+; .*'
+                                                       r'lower config.optimizer.learning_rate'):
+    finetune.finetune(c, str(tmp_path / 'ft'))
+  assert not checkpoints.has_complete_step(str(tmp_path / 'ft'))
+
+
 def test_keep_optimizer_state_keeps_the_resume_checkpoint(pretrained, tmp_path):
   workdir = str(tmp_path / 'rte')
   finetune.finetune(ft_config('rte', pretrained, keep_optimizer_state=True, keep_best=False,

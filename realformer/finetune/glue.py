@@ -83,25 +83,25 @@ class GlueTask(FinetuneTask):
     """Every feature set that is only evaluated or predicted (their lengths matter too)."""
     return list(self.features.values())
 
-  def _predictions(self, run_model, split, name):
+  def _predictions(self, outputs, split, name):
     feats = self.features[split, name]
-    (logits,) = run_model(feats)
+    (logits,) = outputs(feats)
     return (logits[:, 0] if self.regression else logits.argmax(-1)), feats['label']
 
-  def evaluate_outputs(self, run_model) -> Dict[str, Dict[str, float]]:
+  def evaluate_outputs(self, outputs) -> Dict[str, Dict[str, float]]:
     results = {}
     for name in self.evals:
-      preds, labels = self._predictions(run_model, 'dev', name)
+      preds, labels = self._predictions(outputs, 'dev', name)
       results[name] = finetune_metrics.glue_metrics(
           'mnli' if name == 'mnli_mismatched' else name, preds, labels)
     return results
 
-  def write_predictions(self, run_model, results, out_dir: str):
+  def write_predictions(self, outputs, results, out_dir: str):
     del results
     missing = [n for n, examples in self.tests.items() if examples is None]
     for name, examples in self.tests.items():
       if examples is not None:
-        preds, _ = self._predictions(run_model, 'test', name)  # every process: collectives
+        preds, _ = self._predictions(outputs, 'test', name)  # every process: collectives
         if jax.process_index() == 0:
           glue.write_predictions(name, examples, preds, out_dir)
     if missing:

@@ -66,12 +66,12 @@ class SquadTask(FinetuneTask):
   def eval_features(self):
     return [self.dev_features]
 
-  def evaluate_outputs(self, run_model) -> Dict[str, Dict[str, float]]:
+  def evaluate_outputs(self, outputs) -> Dict[str, Dict[str, float]]:
     # Padding positions never compete for the n best starts and ends (BERT's run_squad
     # lets them, then drops them: fewer real candidates, and answers that would depend on
     # how far a batch is padded).
     padding = self.dev_features['attention_mask'] == 0
-    start, end = (np.where(padding, -np.inf, logits) for logits in run_model(self.dev_features))
+    start, end = (np.where(padding, -np.inf, logits) for logits in outputs(self.dev_features))
     c = self.config
     answers, null_diff = squad.postprocess(
         self.dev, self.dev_infos, self.dev_features, start, end, self.tokenizer,
@@ -93,8 +93,8 @@ class SquadTask(FinetuneTask):
           golds, self.answers).items() if k in ('exact', 'f1')})
     return {'squad': metrics}
 
-  def write_predictions(self, run_model, results, out_dir: str):
-    del run_model, results  # SQuAD's test sets are hidden: the dev answers are written
+  def write_predictions(self, outputs, results, out_dir: str):
+    del outputs, results  # SQuAD's test sets are hidden: the dev answers are written
     if jax.process_index() != 0:
       return
     os.makedirs(out_dir, exist_ok=True)

@@ -192,15 +192,17 @@ def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
 
 class FinetuneTask(trainer.Task, abc.ABC):
   """A fine-tuning run of configs/finetune.py's `config` on `mesh` (see the module
-  docstring). Subclasses implement the methods marked abstract below, and set `name`,
-  `train` (the training features: dict of [N, max_seq_length] arrays + labels) and
-  `token_outputs` (whether the head's outputs are per token) in `load`."""
+  docstring). Subclasses implement the methods marked abstract below and set `name` and
+  `train` (the training features: dict of [N, max_seq_length] arrays + labels) in `load`."""
   program = 'finetune.py'
-  token_outputs = False
+  token_outputs = False  # whether the head's outputs are per token (SQuAD's spans)
+  needs_final_results = True  # the predictions and results.json of a rerun
+  nonfinite_hint = ('lower config.optimizer.learning_rate or raise '
+                    'config.optimizer.warmup_fraction')
   train: Dict[str, np.ndarray]
 
   def __init__(self, config, mesh, run: RunDir):
-    self.config, self.mesh, self.run, self.seed = config, mesh, run, config.seed
+    self.config, self.mesh, self.run_dir, self.seed = config, mesh, run, config.seed
     pre = pretrained_config(config.init_checkpoint, config)
     if config.max_seq_length > pre.model.max_len:
       raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained '
@@ -279,7 +281,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   def prepare(self, start_step: int) -> None:
     c = self.config
-    self.buckets = length_buckets(c, self, self.run, resuming=start_step > 0,
+    self.buckets = length_buckets(c, self, self.run_dir, resuming=start_step > 0,
                                   mid_epoch=start_step % self.steps_per_epoch != 0)
     self.eval_buckets = eval_lengths(c, self, self.buckets)
     predictions = compile_lengths(  # the model's inputs only; outputs whole on every host
@@ -299,7 +301,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
                                                  else self.train[k].shape[1:]),
                                 self.train[k].dtype, sharding=sharding) for k in keys}
 
-  def compile_train_step(self, state):
+  def compile_train_step(self):
     step = train_lib.make_train_step(
         self.loss_fn(self.model), self.tx, self.schedule, mesh=self.mesh,
         shardings=self.shardings, metrics_cls=FinetuneMetrics,

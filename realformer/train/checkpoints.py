@@ -1,24 +1,17 @@
-"""Orbax checkpoints of a training run, and where a run starts from.
+"""Orbax checkpoints of a run: saving, complete-step detection, restoring, partial restores.
 
-Layout of a workdir:
+  <run>/checkpoints/<step>/state    {'step', 'params', 'opt_state'} (StandardSave); a
+                                    params-only checkpoint has {'step', 'params'}
+  <run>/checkpoints/<step>/data     the input iterator's state (pretraining)
 
-  <workdir>/config.json                      the run's full config (model, data.tokenizer, ...)
-  <workdir>/checkpoints/<step>/state         {'step', 'params', 'opt_state'} (StandardSave);
-                                             a params-only checkpoint has {'step', 'params'}
-  <workdir>/checkpoints/<step>/data          the input iterator's state
-
-Restart order (the one place it is written down):
-  1. this workdir's newest COMPLETE checkpoint: state, optimizer and data iterator, so the
-     run continues exactly where it stopped. Orbax writes a step into a temporary directory
-     and renames it when every host has finished, and lists only finalized steps, so a step
-     left half-written by a crash is never restored (it is removed at the next start);
-  2. else config.train.init_checkpoint: params only (a workdir, its checkpoints/ directory,
-     or one step directory), restored partially: parameters the checkpoint lacks keep their
-     fresh initialization, extra ones are ignored, a shape mismatch is an error; the
-     optimizer and the data start fresh;
-  3. else from scratch.
-A checkpoint that does not match the model (a missing or reshaped parameter) is a one-line
-ValueError naming the parameter, raised before anything is read.
+Orbax writes a step into a temporary directory and renames it when every host has finished,
+and lists only finalized steps, so a step left half-written by a crash is never restored (it
+is removed at the next start). A params-only restore (an init checkpoint: a run directory,
+its checkpoints/ directory or one step directory) is partial: parameters the checkpoint lacks
+are reported for the caller to keep fresh, extra ones are ignored. A checkpoint that does not
+match the model (a missing or reshaped parameter) is a one-line ValueError naming the
+parameter, raised before anything is read. The restart order that uses these is the
+trainer's (realformer/train/trainer.py).
 """
 
 import json

@@ -102,20 +102,6 @@ def peak_flops_per_device(device: jax.Device, override: Optional[float] = None
   return None
 
 
-def throughput(*, steps: int, seconds: float, global_batch_size: int, seq_len: int,
-               flops_per_example: float, num_devices: int,
-               peak_flops: Optional[float]) -> dict:
-  """tokens/s (padding included), TFLOP/s per device and MFU over a window of steps."""
-  examples_per_s = steps * global_batch_size / max(seconds, 1e-9)
-  flops_per_device = examples_per_s * flops_per_example / num_devices
-  out = {'tokens_per_s': examples_per_s * seq_len,
-         'examples_per_s': examples_per_s,
-         'tflops_per_device': flops_per_device / 1e12}
-  if peak_flops:
-    out['mfu'] = flops_per_device / peak_flops
-  return out
-
-
 class JsonlWriter(metric_writers.MetricWriter):
   """metrics.jsonl: one JSON object per (step, split), the machine-readable log.
 

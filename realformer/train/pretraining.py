@@ -69,6 +69,8 @@ class PretrainingTask(trainer.Task):
   """MLM + NSP on config.data's sources (config: a resolved_config)."""
   program = 'train.py'
   name = 'pretraining'
+  nonfinite_hint = ('lower optimizer.learning_rate, raise optimizer.warmup_steps or train '
+                    'in float32 (model.dtype)')
 
   def __init__(self, config, mesh, run: RunDir):
     self.config, self.mesh, self.seed = config, mesh, config.seed
@@ -108,7 +110,7 @@ class PretrainingTask(trainer.Task):
 
   # ---- Training.
 
-  def compile_train_step(self, state):
+  def compile_train_step(self):
     return self.step_program.train_step
 
   def batches(self, start_step: int):

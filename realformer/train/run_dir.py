@@ -34,7 +34,6 @@ import os
 from typing import Any, Optional, Tuple
 
 import jax
-from absl import logging
 from etils import epath
 
 from realformer.train import checkpoints
@@ -58,7 +57,7 @@ class RunDir:
   RESULTS = 'results.json'
 
   def __init__(self, root):
-    if not str(root):
+    if root is None or not os.fspath(root):
       raise ValueError('--workdir is required: the directory for checkpoints and logs')
     self.root = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
 
@@ -119,7 +118,6 @@ class RunDir:
     """Deletes a file or folder of the run (process 0)."""
     path = self.path(name)
     if jax.process_index() == 0 and path.exists():
-      logging.info('removing %s', path)
       if path.is_dir():
         path.rmtree()
       else:

@@ -8,7 +8,8 @@ once for every program:
   restart order   1. this run's newest complete checkpoint: the train state and the task's
                      data state, so the run continues exactly where it stopped;
                   2. else the params of a finished run whose optimizer state was dropped
-                     (<run>/final): the run is over; it is evaluated and finished again;
+                     (<run>/final): the run is over and is finished again (its outputs
+                     written anew); the resume check has made sure its config is the same;
                   3. else the task's init checkpoint: params only (a subtree of them, for
                      fine-tuning's encoder), then a fresh optimizer state for those params;
                   4. else a seeded init.
@@ -17,13 +18,16 @@ once for every program:
   the loop        one jitted step per batch; a non-finite loss or gradient norm stops the run
                   (NonFiniteLossError) before anything computed from it is saved or evaluated:
                   each step's values are checked while the next step runs;
-                  logging every `log_every` steps (TensorBoard + metrics.jsonl): the train
-                  metrics averaged over the window, steps/s, examples/s, tokens/s, TFLOP/s per
-                  device and MFU, compilation left out; evaluation every `eval_every` steps
-                  and at the end; the best evaluation's params kept in <run>/best when asked;
-                  a checkpoint every `checkpoint_every` steps and at the end;
+                  logging every `log_every` steps, at the end, at the end of each evaluation
+                  period (an epoch) when it is named, and when stopping (TensorBoard under
+                  train/ and eval splits, and metrics.jsonl): the train metrics averaged over
+                  the window, steps/s, examples/s, tokens/s, TFLOP/s per device and MFU, the
+                  first step of a start (compilation) left out; evaluation every `eval_every`
+                  steps and at the end; the best evaluation's params kept in <run>/best when
+                  asked; a checkpoint every `checkpoint_every` steps and at the end;
                   SIGTERM (preemption): save the current step and return {'preempted': step},
-                  which the program turns into exit status 75;
+                  which the program turns into exit status 75 (a signal at the last step
+                  lets the run finish);
                   a time budget (Cramming): train for so many minutes, the learning-rate
                   schedule following the clock (TimeBudget).
   teardown        the finished run's evaluation and the task's outputs; optionally the
@@ -47,7 +51,6 @@ from clu import periodic_actions
 
 from realformer.train import checkpoints
 from realformer.train import metrics as metrics_lib
-from realformer.train import partitioning
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
@@ -111,8 +114,7 @@ class Task(abc.ABC):
     config    the run's config, written to config.json
     cadence   a Cadence
     mesh      the device mesh
-    model     the flax module; tx, schedule: the optimizer (train_lib.make_optimizer) and
-              its learning-rate schedule
+    model     the flax module; tx: its optimizer (train_lib.make_optimizer)
     abstract, shardings: TrainStates of ShapeDtypeStructs and of NamedShardings
     example_batch: a dict of arrays or ShapeDtypeStructs with one step's batch shapes (init)
     seed      of the init and of the dropout masks
@@ -124,7 +126,6 @@ class Task(abc.ABC):
   mesh: jax.sharding.Mesh
   model: Any
   tx: optax.GradientTransformation
-  schedule: optax.Schedule
   abstract: TrainState
   shardings: TrainState
   example_batch: Dict[str, Any]
@@ -135,6 +136,10 @@ class Task(abc.ABC):
   budget_schedule: Optional[optax.Schedule] = None
   # The config.json beside params-only checkpoints (best/, final/); None: self.config.
   params_config: Any = None
+  # A run restarted after its last step evaluates again (its outputs need the results).
+  needs_final_results: bool = False
+  # What to do when the loss or gradient norm becomes nan/inf (ends the error message).
+  nonfinite_hint: str = 'lower optimizer.learning_rate'
 
   def data_items(self) -> Tuple[str, ...]:
     """Checkpoint items besides 'state' (e.g. ('data',) for a stream's position)."""
@@ -151,7 +156,7 @@ class Task(abc.ABC):
     """Called once the train state is known, before any step (e.g. choose buckets)."""
 
   @abc.abstractmethod
-  def compile_train_step(self, state: TrainState) -> Callable:
+  def compile_train_step(self) -> Callable:
     """(state, batch[, lr factor]) -> (state, metrics), compiled for every batch shape the
     run will feed; metrics is a clu Collection with at least loss and grad_norm."""
 
@@ -248,18 +253,23 @@ class TimeBudget:
 
 
 class Window:
-  """The train metrics and costs of the steps since the last log."""
+  """The train metrics and costs of the steps since the last log. Throughput names:
+  tokens_per_s counts the real (non-padding) tokens where the task counts them (fine-tuning),
+  padded_tokens_per_s then every token computed; where it does not (pretraining, whose
+  sequences are mostly full), tokens_per_s counts every token. TFLOP/s and MFU count the
+  FLOPs the task gives for each step's batch."""
 
   def __init__(self):
-    self.metrics, self.steps, self.start = None, 0, time.time()
-    self.examples = self.padded = self.flops = 0
+    self.metrics = None
+    self.restart_clock()
+
+  def restart_clock(self):
+    """Counts time and costs from now (the metrics so far are kept)."""
+    self.start, self.steps, self.examples, self.padded, self.flops = time.time(), 0, 0, 0, 0.0
     self.real: Optional[int] = 0
 
-  def add(self, step_metrics, cost: StepCost, timed: bool):
+  def add(self, step_metrics, cost: StepCost):
     self.metrics = metrics_lib.merge(self.metrics, step_metrics)
-    if not timed:  # the first step of a start (it may compile): its metrics, not its time
-      self.start = time.time()
-      return
     self.steps += 1
     self.examples += cost.examples
     self.padded += cost.padded_tokens
@@ -272,11 +282,13 @@ class Window:
     seconds = time.time() - self.start
     if self.steps and seconds > 0:
       flops_per_device = self.flops / seconds / num_devices
-      values.update(
-          steps_per_s=self.steps / seconds, examples_per_s=self.examples / seconds,
-          tokens_per_s=(self.padded if self.real is None else self.real) / seconds,
-          padded_tokens_per_s=self.padded / seconds,
-          tflops_per_device=flops_per_device / 1e12)
+      values.update(steps_per_s=self.steps / seconds, examples_per_s=self.examples / seconds,
+                    tflops_per_device=flops_per_device / 1e12)
+      if self.real is None:  # padding counted
+        values['tokens_per_s'] = self.padded / seconds
+      else:
+        values.update(tokens_per_s=self.real / seconds,
+                      padded_tokens_per_s=self.padded / seconds)
       if peak_flops:
         values['mfu'] = flops_per_device / peak_flops
     return values
@@ -291,8 +303,8 @@ class Trainer:
 
   # ---- Restart order.
 
-  def _restore_or_init(self, manager) -> TrainState:
-    task, run = self.task, self.run_dir
+  def _restore_or_init(self) -> TrainState:
+    task, run, manager = self.task, self.run_dir, self.manager
     latest = checkpoints.latest_complete_step(manager)
     final = run.path(RunDir.FINAL)
     if latest is not None:
@@ -316,24 +328,14 @@ class Trainer:
     init = task.init_checkpoint
     if init is None or not init.path:
       return state
-    target = task.abstract.params
-    for key in init.subtree:
-      target = target[key]
-    loaded, missing = checkpoints.restore_params(init.path, target, subtree=init.subtree)
+    loaded, missing = checkpoints.restore_params(
+        init.path, _subtree(task.abstract.params, init.subtree), subtree=init.subtree)
     if missing and not init.allow_missing:
       raise ValueError(f'checkpoint {init.path} does not match the model: it has no '
                        f'{missing[0]} ({len(missing)} missing)')
-    fresh = state.params
-    for key in init.subtree:
-      fresh = fresh[key]
-    loaded = jax.tree.map(lambda new, old: old if new is None else new, loaded, fresh,
-                          is_leaf=lambda x: x is None)
-    params = loaded
-    for depth in range(len(init.subtree), 0, -1):  # put the subtree back in its place
-      parent = state.params
-      for key in init.subtree[:depth - 1]:
-        parent = parent[key]
-      params = dict(parent, **{init.subtree[depth - 1]: params})
+    loaded = jax.tree.map(lambda new, fresh: fresh if new is None else new, loaded,
+                          _subtree(state.params, init.subtree), is_leaf=lambda x: x is None)
+    params = _with_subtree(state.params, init.subtree, loaded)
     logging.info('initialized params from %s (%d kept fresh)', init.path, len(missing))
     opt_state = jax.jit(task.tx.init, out_shardings=task.shardings.opt_state)(params)
     return state.replace(params=params, opt_state=opt_state)
@@ -345,149 +347,193 @@ class Trainer:
     {'step', 'train': last logged values, 'eval': last results, ...task.finish's entries,
     'preempted': step (stopped by a signal after saving), 'time_budget': {...}}."""
     task, run, c = self.task, self.run_dir, self.cadence
-    manager = run.checkpoint_manager(c.keep_checkpoints, ('state',) + task.data_items())
-    state = self._restore_or_init(manager)
-    start = int(state.step)
+    self.manager = run.checkpoint_manager(c.keep_checkpoints, ('state',) + task.data_items())
+    self.state = self._restore_or_init()
+    start = int(self.state.step)
     # Every check has passed (config, model, checkpoint): the run directory describes it.
     run.write_config(task.config)
     run.record_machine()
-    writer = run.metric_writer()
-    best = BestParams(run, task, enabled=c.keep_best, fresh=start == 0)
-    task.prepare(start)
-    budget = None
+    self.writer = run.metric_writer()
+    self.best = BestParams(run, task, enabled=c.keep_best, fresh=start == 0)
+    self.budget = None
     if task.budget_schedule is not None:
-      budget = TimeBudget(c, task.budget_schedule, float(task.config.optimizer.learning_rate),
-                          run, start)
-    peak = metrics_lib.peak_flops_per_device(task.mesh.devices.flat[0],
-                                             c.peak_flops_per_device)
-    hooks = [periodic_actions.ReportProgress(num_train_steps=c.num_steps, writer=writer,
-                                             every_steps=c.log_every, every_secs=None)]
-    if c.profile_steps and jax.process_index() == 0:
-      hooks.append(periodic_actions.Profile(logdir=str(run), num_profile_steps=c.profile_steps,
-                                            first_profile=start + 10, every_secs=None))
+      self.budget = TimeBudget(c, task.budget_schedule,
+                               float(task.config.optimizer.learning_rate), run, start)
+    task.prepare(start)
+    self.results: Optional[Results] = None
+    self.last_logged: Dict[str, float] = {}
+    with jax.set_mesh(task.mesh):
+      preempted = self._train(start)
+      self.manager.wait_until_finished()
+      summary = self._finish(preempted)
+    self.manager.close()
+    self.writer.close()
+    return summary
 
-    def check_finite(step: int, step_metrics):
-      # The gradient too: a finite loss with an inf gradient has already made the new
-      # parameters nan, which the next save would write.
-      for name, what in (('loss', 'loss'), ('grad_norm', 'gradient norm')):
-        value = float(np.asarray(getattr(step_metrics, name).compute()))
-        if not np.isfinite(value):
-          manager.wait_until_finished()
-          last = manager.latest_step()
-          where = (f'the last good checkpoint is step {last} in {manager.directory}'
-                   if last is not None else 'no checkpoint was written')
-          raise NonFiniteLossError(
-              f'{what} became {value} at step {step}; {where}; lower '
-              'optimizer.learning_rate, raise optimizer.warmup_steps or train in float32 '
-              '(model.dtype)')
-
-    def evaluate(step: int) -> Results:
-      started = time.time()
-      results = task.evaluate(state.params, step)
-      for split, values in results.items():
-        writer.write_scalars(step, {f'{split}/{k}': v for k, v in values.items()})
-        logging.info('step %d %s: %s', step, split, values)
-      writer.flush()
-      if budget is not None:  # evaluation does not spend the training budget
-        budget.exclude(time.time() - started)
-      return results
-
-    def save(step: int):
-      checkpoints.save(manager, step, state.to_checkpoint(),
-                       task.data_checkpoint_args('save'), force=True)
-      if budget is not None:
-        budget.save(step)
-
-    summary: Dict[str, Any] = {'train': {}, 'eval': {}}
-    results: Optional[Results] = None
-    step, preempted = start, None
-    train_step = task.compile_train_step(state) if step < c.num_steps else None
-    window, pending = Window(), None  # the steps since the last log; the unchecked step
-    period_start = time.time()
-    with jax.set_mesh(task.mesh), workdir_lib.StopSignal() as stop:
-      batches = task.batches(step)
+  def _train(self, start: int) -> Optional[int]:
+    """The loop, from step `start`; returns the step a stop signal saved, else None."""
+    task, c, budget = self.task, self.cadence, self.budget
+    if start >= c.num_steps:
+      return None
+    train_step = task.compile_train_step()
+    hooks = self._hooks(start)
+    window, pending, step = Window(), None, start  # pending: the step not yet checked
+    self.period_start = time.time()
+    with workdir_lib.StopSignal() as stop:
+      batches = task.batches(start)
       while step < c.num_steps and not (budget is not None and budget.over()):
         batch, cost = next(batches)
-        if budget is None:
-          state, step_metrics = train_step(state, batch)
-        else:
-          state, step_metrics = train_step(state, batch, budget.factor(step))
+        factor = () if budget is None else (budget.factor(step),)
+        self.state, step_metrics = train_step(self.state, batch, *factor)
         step += 1
         if pending is not None:  # check the previous step while this one runs
-          check_finite(*pending)
+          self._check_finite(*pending)
         pending = (step, step_metrics)
-        first = step == start + 1
-        window.add(step_metrics, cost, timed=not first)
+        window.add(step_metrics, cost)
         for hook in hooks:
           hook(step)
-        if first:
-          check_finite(*pending)
+        if step == start + 1:  # compiled and done: throughput and budget count from here
+          self._check_finite(*pending)
+          window.restart_clock()
           if budget is not None:
             budget.start()
-        stopping = stop.reached(manager, step)
         last = step == c.num_steps
         if budget is not None:
           budget.update(step)
           last = last or budget.over()
         evaluating = c.eval_every > 0 and (step % c.eval_every == 0 or last)
-        saving = step % c.checkpoint_every == 0 or last or stopping
-        if step % c.log_every == 0 or last or evaluating or saving:
-          check_finite(*pending)
-          values = window.values(task.mesh.size, peak)
-          if budget is not None:
-            values['budget_spent_fraction'] = budget.spent / budget.seconds
-          if evaluating and c.eval_period_name and step - c.eval_every >= start:
-            values[f'{c.eval_period_name}_seconds'] = time.time() - period_start
-          writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
-          writer.flush()
-          _log_progress(step, c.num_steps, values)
-          summary['train'] = values
+        logging_now = step % c.log_every == 0 or last or (evaluating and
+                                                           bool(c.eval_period_name))
+        if logging_now or evaluating:
+          self._check_finite(*pending)
+        if logging_now:
+          self._log(step, window, whole_period=evaluating and step - c.eval_every >= start)
           window = Window()
         if evaluating:
-          results = evaluate(step)
-          best.offer(state.params, step, results)  # before the resume point moves on
-        if saving:
-          save(step)
-        if evaluating:
-          period_start = time.time()
-          window = Window()  # evaluation is not training time
-        if stopping and not last:
-          preempted = step
-          break
-    manager.wait_until_finished()
-    summary['step'] = step
-    if budget is not None:
-      summary['time_budget'] = {'minutes': budget.seconds / 60,
-                                'spent_minutes': budget.spent / 60, 'steps': step}
-      if budget.over():
+          self._evaluate(step)
+        # After the evaluation: a signal that came during it is seen at this step.
+        stopping = stop.reached(self.manager, step) and not last
+        if stopping and not logging_now:  # the steps since the last log, before leaving
+          self._check_finite(*pending)
+          self._log(step, window, whole_period=False)
+        if step % c.checkpoint_every == 0 or last or stopping:
+          self._check_finite(*pending)
+          self._save(step)
+        if stopping:
+          return step
+        if evaluating:  # evaluation is not training time
+          window, self.period_start = Window(), time.time()
+    return None
+
+  def _hooks(self, start: int) -> list:
+    hooks = [periodic_actions.ReportProgress(num_train_steps=self.cadence.num_steps,
+                                             writer=self.writer,
+                                             every_steps=self.cadence.log_every,
+                                             every_secs=None)]
+    if self.cadence.profile_steps and jax.process_index() == 0:
+      hooks.append(periodic_actions.Profile(
+          logdir=str(self.run_dir), num_profile_steps=self.cadence.profile_steps,
+          first_profile=start + 10, every_secs=None))
+    return hooks
+
+  def _check_finite(self, step: int, step_metrics):
+    # The gradient too: a finite loss with an inf gradient has already made the new
+    # parameters nan, which the next save would write.
+    for name, what in (('loss', 'loss'), ('grad_norm', 'gradient norm')):
+      value = float(np.asarray(getattr(step_metrics, name).compute()))
+      if not np.isfinite(value):
+        self.manager.wait_until_finished()
+        last = self.manager.latest_step()
+        where = (f'the last good checkpoint is step {last} in {self.manager.directory}'
+                 if last is not None else 'no checkpoint was written')
+        raise NonFiniteLossError(f'{what} became {value} at step {step}; {where}; '
+                                 f'{self.task.nonfinite_hint}')
+
+  def _log(self, step: int, window: 'Window', whole_period: bool):
+    """The window's train metrics and throughput, to the writer and the log."""
+    task, c = self.task, self.cadence
+    values = window.values(task.mesh.size, metrics_lib.peak_flops_per_device(
+        task.mesh.devices.flat[0], c.peak_flops_per_device))
+    if self.budget is not None:
+      values['budget_spent_fraction'] = self.budget.spent / self.budget.seconds
+    if whole_period and c.eval_period_name:  # a whole period (epoch) ran in this process
+      values[f'{c.eval_period_name}_seconds'] = time.time() - self.period_start
+    self.writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
+    self.writer.flush()
+    _log_progress(step, c.num_steps, values)
+    self.last_logged = values
+
+  def _evaluate(self, step: int):
+    started = time.time()
+    self.results = self.task.evaluate(self.state.params, step)
+    for split, values in self.results.items():
+      self.writer.write_scalars(step, {f'{split}/{k}': v for k, v in values.items()})
+      logging.info('step %d %s: %s', step, split, values)
+    self.writer.flush()
+    self.best.offer(self.state.params, step, self.results)  # before the resume point moves
+    if self.budget is not None:  # evaluation does not spend the training budget
+      self.budget.exclude(time.time() - started)
+
+  def _save(self, step: int):
+    checkpoints.save(self.manager, step, self.state.to_checkpoint(),
+                     self.task.data_checkpoint_args('save'), force=True)
+    if self.budget is not None:
+      self.budget.save(step)
+
+  def _finish(self, preempted: Optional[int]) -> dict:
+    """The summary; a finished run's last evaluation, outputs and lean params."""
+    task, c = self.task, self.cadence
+    step = int(self.state.step)
+    summary: Dict[str, Any] = {'step': step, 'train': self.last_logged}
+    if self.budget is not None:
+      summary['time_budget'] = {'minutes': self.budget.seconds / 60,
+                                'spent_minutes': self.budget.spent / 60, 'steps': step}
+      if self.budget.over():
         logging.info('time budget of %.1f minutes spent after step %d of at most %d',
-                     budget.seconds / 60, step, c.num_steps)
+                     self.budget.seconds / 60, step, c.num_steps)
     if preempted is not None:
       logging.warning('stop signal: saved step %d in %s; run the same command to resume',
-                      preempted, manager.directory)
-      summary['preempted'], summary['eval'] = preempted, results or {}
-    else:
-      if results is None and c.eval_every > 0:  # resumed at the end: evaluate once more
-        with jax.set_mesh(task.mesh):
-          results = evaluate(step)
-      summary['eval'] = results or {}
-      summary.update(task.finish(state.params, step, results, run, best.summary()))
-      if not c.keep_optimizer_state and checkpoints.latest_complete_step(manager) is not None:
-        _drop_optimizer_state(manager, state.params, step, run, best, task)
-    manager.close()
-    writer.close()
+                      preempted, self.manager.directory)
+      return dict(summary, preempted=preempted, eval=self.results or {})
+    if self.results is None and task.needs_final_results:  # resumed at the end
+      self._evaluate(step)
+    summary['eval'] = self.results or {}
+    summary.update(task.finish(self.state.params, step, self.results, self.run_dir,
+                               self.best.summary()))
+    if (not c.keep_optimizer_state and
+        checkpoints.latest_complete_step(self.manager) is not None):
+      _drop_optimizer_state(self.manager, self.state.params, step, self.run_dir, self.best,
+                            task)
     return summary
+
+
+def _params_config(task: Task):
+  return task.config if task.params_config is None else task.params_config
+
+
+def _subtree(tree, keys: Tuple[str, ...]):
+  for key in keys:
+    tree = tree[key]
+  return tree
+
+
+def _with_subtree(tree, keys: Tuple[str, ...], value):
+  """`tree` with the subtree at `keys` replaced by `value` (dicts copied, not changed)."""
+  if not keys:
+    return value
+  return dict(tree, **{keys[0]: _with_subtree(tree[keys[0]], keys[1:], value)})
 
 
 def _log_progress(step: int, num_steps: int, values: dict):
   if 'steps_per_s' not in values:
     return
   eta = datetime.timedelta(seconds=int((num_steps - step) / values['steps_per_s']))
-  real = values['tokens_per_s'] / values['padded_tokens_per_s']
-  logging.info('step %d/%d: loss %.4f, %.2f steps/s, %.1f examples/s, %.0f tokens/s '
-               '(%.0f%% of them real), %.3f TFLOP/s per device%s, ETA %s', step, num_steps,
-               values['loss'], values['steps_per_s'], values['examples_per_s'],
-               values['tokens_per_s'], 100 * real, values['tflops_per_device'],
+  real = (f' ({values["tokens_per_s"] / values["padded_tokens_per_s"]:.0%} of the padded)'
+          if 'padded_tokens_per_s' in values else '')
+  logging.info('step %d/%d: loss %.4f, %.2f steps/s, %.1f examples/s, %.0f tokens/s%s, '
+               '%.3f TFLOP/s per device%s, ETA %s', step, num_steps, values['loss'],
+               values['steps_per_s'], values['examples_per_s'], values['tokens_per_s'], real,
+               values['tflops_per_device'],
                f', MFU {values["mfu"]:.1%}' if 'mfu' in values else '', eta)
 
 
@@ -522,7 +568,7 @@ class BestParams:
     checkpoints.save(manager, step, {'step': step, 'params': params}, force=True)
     manager.wait_until_finished()
     manager.close()
-    self.dir.write_config(self.task.params_config or self.task.config)
+    self.dir.write_config(_params_config(self.task))
     self.best = {'step': step, 'headline': headline, **self.task.best_record(step, results)}
     self.dir.write_json(RunDir.RESULTS, self.best, indent=2)
     logging.info('best %s so far at step %d: params saved to %s', self.task.name, step,
@@ -544,7 +590,7 @@ def _drop_optimizer_state(manager, params, step: int, run: RunDir, best: BestPar
     if jax.process_index() == 0:
       os.symlink(RunDir.BEST, final)
   else:
-    checkpoints.save_params(str(final), params, task.params_config or task.config, step=step)
+    checkpoints.save_params(str(final), params, _params_config(task), step=step)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   multihost_utils.sync_global_devices('final params saved')
   for old in manager.all_steps():

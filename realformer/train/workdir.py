@@ -275,7 +275,7 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
 
 
 class StopSignal:
-  """Set by SIGTERM (preemption): train.py's and finetune.py's loops save at the current
+  """Set by SIGTERM (preemption): the trainer's loop saves at the current
   step and return; the program then calls exit_not_finished."""
 
   def __init__(self):
