@@ -36,6 +36,7 @@ from realformer import cli
 from realformer.finetune import task as task_lib
 from realformer.finetune.glue import GlueTask
 from realformer.finetune.squad import SquadTask
+from realformer.train import compile_cache
 from realformer.train import distributed
 from realformer.train import host_memory
 from realformer.train import partitioning
@@ -74,6 +75,7 @@ def main(argv):
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   distributed.initialize_from_flags()  # several hosts: one run over all their devices
+  compile_cache.enable_from_flags()  # after the hosts are joined: it asks for the devices
   workdir_lib.exit_on_sigterm()  # the loop's own handler saves first
   summary = cli.run_main(finetune, flags.FLAGS.config, flags.FLAGS.workdir,
                          also=(FloatingPointError,))
@@ -90,6 +92,7 @@ def define_flags():
         'configs/finetune.py:glue/<task>', lock_config=True)
   flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and predictions.')
   distributed.define_flags()
+  compile_cache.define_flags()
 
 
 if __name__ == '__main__':

@@ -25,6 +25,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from realformer import cli
+from realformer.train import compile_cache
 from realformer.train import distributed
 from realformer.train import host_memory
 from realformer.train import partitioning
@@ -41,6 +42,7 @@ with cli.config_overrides():  # an unknown --config.<key> fails here: one line
       'Config file and its argument, e.g. configs/pretrain.py:realformer,base', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and config.json.')
 distributed.define_flags()
+compile_cache.define_flags()
 flags.DEFINE_string('compile_for', None,
                     'Compile the train step ahead of time instead of training, and print '
                     'memory per chip, FLOPs and collectives (realformer/tools/launch.py): a TPU '
@@ -98,6 +100,7 @@ def check_launch():
       launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
     else:  # every host of a multi-host TPU VM or SLURM job, as train.py would see them
       distributed.initialize_from_flags()
+    compile_cache.enable_from_flags()
     launch.run(pretraining.resolved_config(flags.FLAGS.config), flags.FLAGS.compile_for,
                max_batch=flags.FLAGS.find_max_batch, measure_steps=flags.FLAGS.measure_steps,
                json_path=flags.FLAGS.launch_json, max_compiles=flags.FLAGS.max_compiles,
@@ -121,6 +124,7 @@ def main(argv):
                          '(e.g. --workdir /tmp/bert_tiny)')
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   distributed.initialize_from_flags()
+  compile_cache.enable_from_flags()  # after the hosts are joined: it asks for the devices
   workdir_lib.exit_on_sigterm()  # the loop's own handler saves first
   summary = cli.run_main(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir,
                          also=(trainer.NonFiniteLossError,))

@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices (sharding tests) and the repository root on sys.path."""
 import os
 import sys
+import tempfile
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
@@ -9,4 +10,6 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Nothing is downloaded in the tests: Hugging Face datasets come from local directories.
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
+# The programs the tests start compile into this session's own cache, not the user's.
+os.environ.setdefault('REALFORMER_COMPILATION_CACHE', tempfile.mkdtemp(prefix='realformer_xla_'))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

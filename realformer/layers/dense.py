@@ -11,21 +11,20 @@ through `dense`, so `model.dense_impl` picks the implementation of all of them:
          function, y = x W + b, through one custom VJP written for XLA:CPU, on [M, K] rows
          (M = every leading axis):
            - the bias is added to the float32 accumulator before the cast to `dtype`, and
-             its gradient is a column sum of the 2-D cotangent. Autodiff's sum over the
-             leading axes of [B, T, N] became reduce-window trees that took ~10 ms each
-             for N = 3072 on the 2-core CPU; the 2-D column sum takes 0.5 ms.
+             its gradient is a column sum of the 2-D cotangent (autodiff's sum over the
+             leading axes of [B, T, N] becomes reduce-window trees on XLA:CPU, many
+             times slower).
            - in bfloat16, all three matmuls (y = x W, dx = g W^T, dW = x^T g) are
              [M, K] x [K, N] dots with float32 accumulation. XLA:CPU runs only that form on
-             YNNPACK's bf16 kernels (AMX / AVX512-BF16: 1.3-1.8 TFLOP/s on two Sapphire
-             Rapids cores, against 0.3 for float32); autodiff's transposed backward dots were
-             upcast to float32. The transposed operand (W^T, x^T) is materialised row-major
+             YNNPACK's bf16 kernels (AMX / AVX512-BF16); autodiff's transposed backward dots
+             are upcast to float32. The transposed operand (W^T, x^T) is materialised row-major
              first, flattened through an optimization barrier: otherwise XLA folds the
              transpose back into the dot as a column-major layout and upcasts again.
   auto   cpu when the program is compiled for a CPU (spec.target_platform), else flax.
 
 The values are the plain dense layer's up to float32 summation order (and, in bfloat16, the
 bias added before rounding rather than after): tests/test_dense.py checks both against
-float64 NumPy and against each other.
+float64 NumPy and against each other; BENCHMARKS.md has the timings.
 """
 
 from typing import Any, Callable

@@ -1,13 +1,11 @@
 """What machine a run or a benchmark ran on.
 
-CPU figures are only comparable on the same processor: the 2-core development box has been
-an Intel Sapphire Rapids (AMX: bf16 matmuls at 1.3-1.6 TFLOP/s) on one day and an AMD EPYC
-Zen 4 (AVX512-BF16, no AMX; float32 matmuls at ~105 GFLOP/s a core) on another, and the
-ratio to PyTorch moved with it. Results move too: the same run on two such machines ends a few
-masked tokens apart (docs/study.md, "a rerun is itself a spread"), while on one machine it is
-bit-identical. So every benchmark prints `describe()` first, and train.py and finetune.py
-append `record(workdir)` to <workdir>/machine.jsonl each time they start (a resumed run shows
-every machine it ran on).
+CPU figures are only comparable on the same processor (matrix units such as AMX or
+AVX512-BF16 change speeds and ratios to peers; BENCHMARKS.md), and results move too: the same
+run on two processors ends a few masked tokens apart, while on one machine it is
+bit-identical (docs/study.md). So every benchmark prints `describe()` first, and the trainer
+appends `record(workdir)` to <workdir>/machine.jsonl each time a run starts (a resumed run
+shows every machine it ran on).
 """
 
 import datetime

@@ -50,6 +50,7 @@ from absl import logging
 from clu import periodic_actions
 
 from realformer.train import checkpoints
+from realformer.train import compile_cache
 from realformer.train import metrics as metrics_lib
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
@@ -394,6 +395,7 @@ class Trainer:
           hook(step)
         if step == start + 1:  # compiled and done: throughput and budget count from here
           self._check_finite(*pending)
+          compile_cache.log_stats('compiling the train step')
           window.restart_clock()
           if budget is not None:
             budget.start()

@@ -1,0 +1,113 @@
+"""A persistent compilation cache for every program: a start loads what an earlier one compiled.
+
+    compile_cache.define_flags()        # --compilation_cache, beside the program's flags
+    compile_cache.enable_from_flags()   # before anything compiles
+    compile_cache.stats()               # {'hits': programs loaded, 'misses': compiled anew}
+
+It is jax's own persistent cache, pointed at a folder: --compilation_cache DIR, else
+$REALFORMER_COMPILATION_CACHE, else ~/.cache/realformer/xla; `off` turns it off. Every run
+on a machine shares it (the runs of a sweep or a fine-tuning grid compile the same programs),
+and a restarted or preempted run loads its programs instead of compiling them again.
+
+A program compiled for another machine is never loaded. jax's key already covers the
+computation, the compile options, the XLA flags, the jaxlib version, the backend's platform
+version and the device kind. XLA:CPU compiles for the host processor's instruction set,
+which that key does not name, so programs live in a subfolder per (jax version, backend,
+device kind, processor): <dir>/<backend>-<hash of those>.
+
+With several processes jax writes the cache from process 0 only and every process reads it,
+so a multi-host run wants a folder all hosts share. Only programs that took longer to
+compile than jax's threshold are written
+(jax_persistent_cache_min_compile_time_secs, 1 s by default), so the many small ones of a
+run cost nothing.
+"""
+
+import hashlib
+import os
+import threading
+from typing import Dict, Optional
+
+import jax
+from absl import flags
+from absl import logging
+
+from realformer.train import machine
+
+DEFAULT_DIR = os.path.join('~', '.cache', 'realformer', 'xla')
+ENV = 'REALFORMER_COMPILATION_CACHE'
+OFF = 'off'
+
+_counts = {'hits': 0, 'misses': 0}
+_lock = threading.Lock()
+_listening = False
+
+
+def define_flags() -> None:
+  flags.DEFINE_string('compilation_cache', None,
+                      f'Folder of the persistent compilation cache (default: ${ENV}, else '
+                      f'{DEFAULT_DIR}); "{OFF}" turns it off.')
+
+
+def fingerprint(facts: Dict[str, object]) -> str:
+  """The subfolder name for a machine's facts (machine.facts(): jax, backend, device_kind,
+  cpu): programs compiled under other facts are in another subfolder."""
+  keyed = {k: str(facts.get(k)) for k in ('jax', 'backend', 'device_kind', 'cpu')}
+  digest = hashlib.sha256(repr(sorted(keyed.items())).encode()).hexdigest()[:16]
+  return f'{keyed["backend"]}-{digest}'
+
+
+def folder(setting: Optional[str] = None) -> Optional[str]:
+  """The cache folder for this machine, or None when the setting (flag, else environment,
+  else the default) is `off`."""
+  root = setting or os.environ.get(ENV) or DEFAULT_DIR
+  if root.strip().lower() == OFF:
+    return None
+  return os.path.join(os.path.abspath(os.path.expanduser(root)), fingerprint(machine.facts()))
+
+
+def enable(setting: Optional[str] = None) -> Optional[str]:
+  """Points jax's persistent cache at folder(setting) and counts its hits and misses.
+  Returns the folder (None: off)."""
+  path = folder(setting)
+  if path is None:
+    logging.info('compilation cache: off')
+    return None
+  jax.config.update('jax_compilation_cache_dir', path)
+  _listen()
+  logging.info('compilation cache: %s', path)
+  return path
+
+
+def enable_from_flags() -> Optional[str]:
+  return enable(flags.FLAGS.compilation_cache)
+
+
+def _listen() -> None:
+  global _listening
+  with _lock:
+    if _listening:
+      return
+    _listening = True
+
+  def count(event: str, **kwargs):
+    del kwargs
+    name = {'/jax/compilation_cache/cache_hits': 'hits',
+            '/jax/compilation_cache/cache_misses': 'misses'}.get(event)
+    if name:
+      with _lock:
+        _counts[name] += 1
+  jax.monitoring.register_event_listener(count)
+
+
+def stats() -> Dict[str, int]:
+  """Programs of this process loaded from the cache (hits) and compiled and written to it
+  (misses); only programs over jax's compile-time threshold are looked up at all."""
+  with _lock:
+    return dict(_counts)
+
+
+def log_stats(what: str) -> None:
+  if _listening:
+    counts = stats()
+    logging.info('compilation cache after %s: %d programs loaded from it, %d compiled and '
+                 'written to it', what, counts['hits'], counts['misses'])

@@ -1,0 +1,64 @@
+"""The persistent compilation cache: a second start loads its programs and computes the same
+losses; a program compiled under another jax, backend, device kind or processor is not
+looked up; `off` turns it off."""
+
+import json
+import os
+import subprocess
+import sys
+
+from realformer.train import compile_cache
+from realformer.train import machine
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train(workdir, cache, *extra):
+  args = [sys.executable, 'train.py', f'--workdir={workdir}', f'--compilation_cache={cache}',
+          '--config=configs/pretrain.py:postln,tiny,runlocal', '--config.train.num_steps=2',
+          '--config.train.log_every_steps=1', '--config.train.eval_steps=0',
+          '--config.model.num_layers=1', '--config.model.hidden_size=32',
+          '--config.model.num_heads=2', '--config.model.mlp_dim=64', *extra]
+  # Every program is written, however fast it compiled (jax's threshold is 1 s).
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1',
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stderr
+
+
+def _counts(log: str):
+  """(programs loaded from the cache, programs compiled and written) by the first step."""
+  line = [l for l in log.splitlines() if 'programs loaded from it' in l][-1]
+  loaded = int(line.split(' programs loaded from it')[0].split()[-1])
+  written = int(line.split(' compiled and written')[0].split()[-1])
+  return loaded, written
+
+
+def _losses(workdir) -> list:
+  return [r['loss'] for r in map(json.loads, open(os.path.join(workdir, 'metrics.jsonl')))
+          if r['split'] == 'train' and 'loss' in r]
+
+
+def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path):
+  cache = tmp_path / 'cache'
+  first = _train(tmp_path / 'a', cache)
+  loaded, written = _counts(first)
+  assert written > 0  # (a program built twice in one process is loaded the second time)
+  (folder,) = os.listdir(cache)  # one machine: one subfolder
+  assert folder == compile_cache.fingerprint(machine.facts())
+  assert len(os.listdir(cache / folder)) > 0
+  second = _train(tmp_path / 'b', cache)
+  assert _counts(second) == (loaded + written, 0)  # everything loaded, nothing compiled
+  assert _losses(tmp_path / 'a') == _losses(tmp_path / 'b') and _losses(tmp_path / 'a')
+  off = _train(tmp_path / 'c', 'off')
+  assert 'compilation cache: off' in off and 'programs loaded from it' not in off
+
+
+def test_programs_of_another_machine_are_in_another_folder():
+  facts = machine.facts()
+  here = compile_cache.fingerprint(facts)
+  for key, other in (('jax', '0.0.1'), ('device_kind', 'TPU v5 lite'), ('backend', 'gpu'),
+                     ('cpu', 'another processor')):
+    assert compile_cache.fingerprint(dict(facts, **{key: other})) != here, key
+  assert compile_cache.fingerprint(dict(facts, time='later', host='elsewhere')) == here
