@@ -256,6 +256,24 @@ def test_nan_loss_stops_and_is_not_saved(tmp_path):
     assert f'last good checkpoint is step {saved[-1]}' in str(e.value)
 
 
+def test_tensorboard_events_hold_the_logged_values_and_tensorflow_is_not_imported(tmp_path):
+  """The trainer writes TensorBoard's event format itself: the events hold metrics.jsonl's
+  values under train/ and eval/, and a run imports no TensorFlow (it costs seconds)."""
+  from tensorboard.backend.event_processing import event_file_loader
+  train.train_and_evaluate(tiny_config(num_steps=2, eval_every_steps=2, eval_steps=1),
+                           str(tmp_path))
+  (name,) = [n for n in os.listdir(tmp_path) if n.startswith('events.out.tfevents.')]
+  events = {(e.step, v.tag): v.tensor.float_val[0]
+            for e in event_file_loader.EventFileLoader(str(tmp_path / name)).Load()
+            for v in e.summary.value}
+  for step, loss in losses(tmp_path).items():
+    assert events[step, 'train/loss'] == pytest.approx(loss, rel=1e-7)
+  assert events[2, 'eval/loss'] == pytest.approx(losses(tmp_path, 'eval')[2], rel=1e-7)
+  probe = ('import sys, train; from realformer.train import trainer; '
+           'sys.exit(int(any(m.split(".")[0] == "tensorflow" for m in sys.modules)))')
+  assert subprocess.run([sys.executable, '-c', probe], cwd=REPO).returncode == 0
+
+
 def test_cli_unknown_key_and_missing_workdir():
   out = subprocess.run([sys.executable, 'train.py', '--workdir', '/tmp/unused_realformer',
                         '--config.train.bogus_key=1'], cwd=REPO, capture_output=True,

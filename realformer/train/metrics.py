@@ -17,13 +17,15 @@ not used here.
 
 import json
 import os
+import socket
+import time
 from typing import Any, Mapping, Optional
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from clu import metric_writers
+from absl import logging
 from clu import metrics
 
 
@@ -102,7 +104,7 @@ def peak_flops_per_device(device: jax.Device, override: Optional[float] = None
   return None
 
 
-class JsonlWriter(metric_writers.MetricWriter):
+class JsonlWriter:
   """metrics.jsonl: one JSON object per (step, split), the machine-readable log.
 
   Line format: {"step": int, "split": "train"|"eval", "<metric>": float, ...}. A name
@@ -135,26 +137,68 @@ class JsonlWriter(metric_writers.MetricWriter):
     self.flush()
     self._file.close()
 
-  def write_summaries(self, step, values, metadata=None):
+
+class TensorBoardWriter:
+  """Scalars as TensorBoard events: one events.out.tfevents.* file in `logdir`, written with
+  tensorboard's record format (TFRecord framing, masked CRC32C) by plain file writes, so no
+  TensorFlow is imported (tensorboard's own event writer goes through tf.io.gfile, which
+  loads TensorFlow wherever it is installed)."""
+
+  def __init__(self, logdir: str):
+    from tensorboard.summary.writer import record_writer  # pylint: disable=g-import-not-at-top
+    os.makedirs(logdir, exist_ok=True)
+    name = f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}'
+    self._writer = record_writer.RecordWriter(open(os.path.join(logdir, name), 'wb'))
+    self._write(file_version='brain.Event:2')
+
+  def _write(self, **event):
+    from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    self._writer.write(event_pb2.Event(wall_time=time.time(), **event).SerializeToString())
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    from tensorboard.compat.proto import summary_pb2  # pylint: disable=g-import-not-at-top
+    values = [summary_pb2.Summary.Value(tag=name, simple_value=float(np.asarray(value)))
+              for name, value in scalars.items()]
+    self._write(step=int(step), summary=summary_pb2.Summary(value=values))
+
+  def flush(self):
+    self._writer.flush()
+
+  def close(self):
+    self._writer.close()
+
+
+class LogWriter:
+  """Scalars to the log, one line per write ('[step] name=value, ...')."""
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    logging.info('[%d] %s', step, ', '.join(f'{name}={float(np.asarray(value)):.6g}'
+                                            for name, value in scalars.items()))
+
+  def flush(self):
     pass
 
-  def write_images(self, step, images):
+  def close(self):
     pass
 
-  def write_videos(self, step, videos):
-    pass
 
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
+class MultiWriter:
+  """Every write, flush and close goes to each of `writers`."""
 
-  def write_texts(self, step, texts):
-    pass
+  def __init__(self, writers):
+    self.writers = list(writers)
 
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    for writer in self.writers:
+      writer.write_scalars(step, scalars)
 
-  def write_hparams(self, hparams):
-    pass
+  def flush(self):
+    for writer in self.writers:
+      writer.flush()
+
+  def close(self):
+    for writer in self.writers:
+      writer.close()
 
 
 def read_jsonl(path: str, split: str = 'train') -> dict:
@@ -168,11 +212,9 @@ def read_jsonl(path: str, split: str = 'train') -> dict:
   return out
 
 
-def create_writer(workdir: str, process_index: int) -> metric_writers.MetricWriter:
-  """TensorBoard + console (clu's default writer) and metrics.jsonl; only process 0 writes."""
-  writer = metric_writers.create_default_writer(workdir, just_logging=process_index > 0,
-                                                asynchronous=False)
+def create_writer(workdir: str, process_index: int) -> MultiWriter:
+  """The log on every process; TensorBoard events and metrics.jsonl from process 0 only."""
   if process_index > 0:
-    return writer
-  return metric_writers.MultiWriter([writer, JsonlWriter(os.path.join(workdir,
-                                                                     'metrics.jsonl'))])
+    return MultiWriter([LogWriter()])
+  return MultiWriter([LogWriter(), TensorBoardWriter(workdir),
+                      JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))])

@@ -12,7 +12,7 @@ Layout (every name a program writes is here and nowhere else):
   checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
                         stream's position, pretraining only)
   metrics.jsonl         one JSON line per logged step and split (metrics.JsonlWriter)
-  events.out.tfevents.* TensorBoard events (clu's writer)
+  events.out.tfevents.* TensorBoard events (metrics.TensorBoardWriter)
   machine.jsonl         one line per start: processor, cores, jax, devices (machine.facts)
   time_spent.json       {step: seconds} of a time-budgeted run (train.time_budget_minutes)
   length_buckets.json   the compiled sequence lengths of a fine-tuning run and their settings

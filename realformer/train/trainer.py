@@ -36,6 +36,7 @@ once for every program:
 """
 
 import abc
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -47,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
-from clu import periodic_actions
 
 from realformer.train import checkpoints
 from realformer.train import compile_cache
@@ -283,7 +283,7 @@ class Window:
     seconds = time.time() - self.start
     if self.steps and seconds > 0:
       flops_per_device = self.flops / seconds / num_devices
-      values.update(steps_per_s=self.steps / seconds, examples_per_s=self.examples / seconds,
+      values.update(steps_per_sec=self.steps / seconds, examples_per_s=self.examples / seconds,
                     tflops_per_device=flops_per_device / 1e12)
       if self.real is None:  # padding counted
         values['tokens_per_s'] = self.padded / seconds
@@ -293,6 +293,28 @@ class Window:
       if peak_flops:
         values['mfu'] = flops_per_device / peak_flops
     return values
+
+
+class _Profile:
+  """A jax profiler trace of `num_steps` steps from step start + 10 (warmed up) into `logdir`
+  (TensorBoard's profile plugin reads it); process 0 only; nothing when num_steps is 0. A
+  run that ends inside the window ends the trace (close)."""
+
+  def __init__(self, num_steps: int, logdir: str, start: int):
+    self.first = start + 10 if num_steps and jax.process_index() == 0 else None
+    self.last, self.logdir, self.tracing = start + 10 + num_steps, logdir, False
+
+  def step(self, step: int):
+    if self.first is not None and step == self.first:
+      jax.profiler.start_trace(self.logdir)
+      self.tracing = True
+    elif self.tracing and step == self.last:
+      self.close()
+
+  def close(self):
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False
 
 
 class Trainer:
@@ -348,6 +370,7 @@ class Trainer:
     {'step', 'train': last logged values, 'eval': last results, ...task.finish's entries,
     'preempted': step (stopped by a signal after saving), 'time_budget': {...}}."""
     task, run, c = self.task, self.run_dir, self.cadence
+    self.started = time.time()
     self.manager = run.checkpoint_manager(c.keep_checkpoints, ('state',) + task.data_items())
     self.state = self._restore_or_init()
     start = int(self.state.step)
@@ -377,10 +400,10 @@ class Trainer:
     if start >= c.num_steps:
       return None
     train_step = task.compile_train_step()
-    hooks = self._hooks(start)
+    profile = _Profile(self.cadence.profile_steps, str(self.run_dir), start)
     window, pending, step = Window(), None, start  # pending: the step not yet checked
     self.period_start = time.time()
-    with workdir_lib.StopSignal() as stop:
+    with workdir_lib.StopSignal() as stop, contextlib.closing(profile):
       batches = task.batches(start)
       while step < c.num_steps and not (budget is not None and budget.over()):
         batch, cost = next(batches)
@@ -391,8 +414,7 @@ class Trainer:
           self._check_finite(*pending)
         pending = (step, step_metrics)
         window.add(step_metrics, cost)
-        for hook in hooks:
-          hook(step)
+        profile.step(step)
         if step == start + 1:  # compiled and done: throughput and budget count from here
           self._check_finite(*pending)
           compile_cache.log_stats('compiling the train step')
@@ -427,17 +449,6 @@ class Trainer:
           window, self.period_start = Window(), time.time()
     return None
 
-  def _hooks(self, start: int) -> list:
-    hooks = [periodic_actions.ReportProgress(num_train_steps=self.cadence.num_steps,
-                                             writer=self.writer,
-                                             every_steps=self.cadence.log_every,
-                                             every_secs=None)]
-    if self.cadence.profile_steps and jax.process_index() == 0:
-      hooks.append(periodic_actions.Profile(
-          logdir=str(self.run_dir), num_profile_steps=self.cadence.profile_steps,
-          first_profile=start + 10, every_secs=None))
-    return hooks
-
   def _check_finite(self, step: int, step_metrics):
     # The gradient too: a finite loss with an inf gradient has already made the new
     # parameters nan, which the next save would write.
@@ -456,6 +467,7 @@ class Trainer:
     task, c = self.task, self.cadence
     values = window.values(task.mesh.size, metrics_lib.peak_flops_per_device(
         task.mesh.devices.flat[0], c.peak_flops_per_device))
+    values['uptime'] = time.time() - self.started  # seconds since this process started the run
     if self.budget is not None:
       values['budget_spent_fraction'] = self.budget.spent / self.budget.seconds
     if whole_period and c.eval_period_name:  # a whole period (epoch) ran in this process
@@ -527,14 +539,14 @@ def _with_subtree(tree, keys: Tuple[str, ...], value):
 
 
 def _log_progress(step: int, num_steps: int, values: dict):
-  if 'steps_per_s' not in values:
+  if 'steps_per_sec' not in values:
     return
-  eta = datetime.timedelta(seconds=int((num_steps - step) / values['steps_per_s']))
+  eta = datetime.timedelta(seconds=int((num_steps - step) / values['steps_per_sec']))
   real = (f' ({values["tokens_per_s"] / values["padded_tokens_per_s"]:.0%} of the padded)'
           if 'padded_tokens_per_s' in values else '')
   logging.info('step %d/%d: loss %.4f, %.2f steps/s, %.1f examples/s, %.0f tokens/s%s, '
                '%.3f TFLOP/s per device%s, ETA %s', step, num_steps, values['loss'],
-               values['steps_per_s'], values['examples_per_s'], values['tokens_per_s'], real,
+               values['steps_per_sec'], values['examples_per_s'], values['tokens_per_s'], real,
                values['tflops_per_device'],
                f', MFU {values["mfu"]:.1%}' if 'mfu' in values else '', eta)
 
