@@ -354,3 +354,9 @@ def test_bfloat16_with_remat_compiles_from_the_command_line():
       env={k: v for k, v in os.environ.items() if k != launch.STACK_ENV})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'verdict: fits' in proc.stdout and 'remat full recomputes' in proc.stdout, proc.stdout
+  # No start-up noise before the report: no TensorFlow banner (nothing imports it), no
+  # libtpu complaint about the TPU VM description a CPU host lacks (launch.tpu_target
+  # gives one), no cache warning (a compile-only target uses no compilation cache).
+  for noise in ('TensorFlow', 'oneDNN', 'INVALID_ARGUMENT', 'TPU_ACCELERATOR_TYPE',
+                'persistent compilation cache'):
+    assert noise not in proc.stderr, (noise, proc.stderr[-3000:])

@@ -109,6 +109,14 @@ def ensure_unlimited_stack(argv) -> None:
   os.execv(sys.executable, [sys.executable] + list(argv))
 
 
+# Cloud TPU accelerator type names: v4 and v5p count TensorCores (two a chip), v5e and v6e
+# count chips.
+_ACCELERATOR_TYPE = {'v4': lambda chips: f'v4-{2 * chips}',
+                     'v5e': lambda chips: f'v5litepod-{chips}',
+                     'v5p': lambda chips: f'v5p-{2 * chips}',
+                     'v6e': lambda chips: f'v6e-{chips}'}
+
+
 def tpu_target(name: str) -> Target:
   """The compile-only devices of a TPU slice named '<generation>:<AxB[xC]>'."""
   generation, _, shape = name.partition(':')
@@ -126,6 +134,13 @@ def tpu_target(name: str) -> Target:
   # Compiling loads libtpu, which otherwise takes a machine-wide lock: two compiles (or two
   # test workers) at once would fail.
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  # libtpu reads a TPU VM's description when it loads; anywhere else, give it one, so that
+  # it neither asks the cloud's metadata server nor prints errors about what is missing
+  # (the compile follows the topology named below, not these).
+  chips = math.prod(int(n) for n in shape.split('x'))
+  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', _ACCELERATOR_TYPE[generation](chips))
   from jax.experimental import topologies
   kw = {'chip_config_name': 'megacore'} if generation in _MEGACORE else {}
   try:

@@ -4,7 +4,9 @@
     compile_cache.enable_from_flags()   # before anything compiles
     compile_cache.stats()               # {'hits': programs loaded, 'misses': compiled anew}
 
-It is jax's own persistent cache, pointed at a folder: --compilation_cache DIR, else
+train.py (also with --compile_for local) and finetune.py use it; the launch check for a TPU
+slice does not (its compile-only devices have no client to load a program into). It is
+jax's own persistent cache, pointed at a folder: --compilation_cache DIR, else
 $REALFORMER_COMPILATION_CACHE, else ~/.cache/realformer/xla; `off` turns it off. Every run
 on a machine shares it (the runs of a sweep or a fine-tuning grid compile the same programs),
 and a restarted or preempted run loads its programs instead of compiling them again.
