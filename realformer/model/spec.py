@@ -155,20 +155,13 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   if spec.hidden_size % spec.num_heads:
     raise ValueError(f'model.hidden_size={spec.hidden_size} is not divisible by '
                      f'model.num_heads={spec.num_heads}')
-  if spec.remat_policy not in REMAT_POLICIES:
-    raise ValueError(f'model.remat_policy={spec.remat_policy!r}; choose one of '
-                     f'{", ".join(REMAT_POLICIES)}')
-  if spec.fused_attention not in FUSED_ATTENTION:
-    raise ValueError(f'model.fused_attention={spec.fused_attention!r}; choose one of '
-                     f'{", ".join(FUSED_ATTENTION)}')
+  for field, choices in (('remat_policy', REMAT_POLICIES), ('fused_attention', FUSED_ATTENTION),
+                         ('dense_impl', DENSE_IMPLS), ('last_layer', LAST_LAYER)):
+    value = getattr(spec, field)
+    if value not in choices:
+      raise ValueError(f'model.{field}={value!r}; choose one of {", ".join(choices)}')
   if spec.fused_attention == 'cudnn' and platform not in ('', 'gpu'):
     raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
-  if spec.dense_impl not in DENSE_IMPLS:
-    raise ValueError(f'model.dense_impl={spec.dense_impl!r}; choose one of '
-                     f'{", ".join(DENSE_IMPLS)}')
-  if spec.last_layer not in LAST_LAYER:
-    raise ValueError(f'model.last_layer={spec.last_layer!r}; choose one of '
-                     f'{", ".join(LAST_LAYER)}')
   if 'factorized_dense' in components:
     spec.factorized_ab  # validates a * b = max_len
   return spec
