@@ -18,9 +18,10 @@ is reported, and the rest still run):
               sentences, finetune.py against HF with dynamic padding
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy
 
-Each contender is compiled, warmed up and timed before the next is built (GPU times are steady
-enough, and a part cut off by its time cap keeps what it measured): the step time is the
-median over blocks of back-to-back steps. FLOPs are train_lib.flops_per_example's (HF's: every
+A part's contenders run as processes, half the host's cores of them at a time: each builds its
+state and compiles its step while the others do, then takes the device alone (a lock) to warm
+up and time it, and its row is written as soon as it is done, so a part cut off by its time cap
+keeps what it measured. The step time is the median over blocks of back-to-back steps. FLOPs are train_lib.flops_per_example's (HF's: every
 row of its last layer and of its MLM decoder), as in benchmarks/train_step.py.
 
 Prepare here once (wheels of the pure-Python packages the GPU image lacks, and a float16 copy
@@ -201,12 +202,14 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool) -> None:
     if entry[0] == 'hf':
       if not has('torch') or not has('transformers'):
         raise ImportError('skipped: torch or transformers is not installed')
-      c = train_step.HF(s['size'], args)
+      c = train_step.HF(s['size'], args, first_step=False)
     else:
       _, variant, overrides, label = entry
       overrides = dict(overrides)
       args.fused = overrides.pop('fused', 'auto')
-      c = train_step.Ours(variant, s['size'], args, overrides=overrides, label=label)
+      c = train_step.Ours(variant, s['size'], args, overrides=overrides, label=label,
+                          first_step=False)
+    # Compiled, not yet run: a waiting contender holds its state, not a step's temporaries.
     with open(os.path.join(scratch, 'device.lock'), 'w') as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)  # one contender on the device at a time
       per_step = _time_steps(c, s)
@@ -346,6 +349,13 @@ def markdown(results: dict) -> str:
   return '\n'.join(lines)
 
 
+def _kill_group(proc) -> None:
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+
+
 def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float) -> int:
   """Runs each part in its own process under its time cap; returns the number that failed."""
   os.makedirs(out, exist_ok=True)
@@ -365,7 +375,8 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float) -> in
     else:
       cmd = [sys.executable, os.path.abspath(__file__), '--part', part, '--out', out,
              '--scratch', scratch] + (['--smoke'] if smoke else [])
-      # Its own process group, so that a part stopped at its cap takes its contenders along.
+      # Its own process group, so that a part stopped at its cap (or by ^C here) takes its
+      # contenders along.
       proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=sys.stdout,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
       try:
@@ -373,9 +384,11 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float) -> in
         if proc.returncode:
           status, error = f'failed (exit {proc.returncode})', stderr.strip()[-1500:]
       except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc)
         _, stderr = proc.communicate()
         status, error = 'stopped at its time cap', stderr.strip()[-800:]
+      finally:
+        _kill_group(proc)  # contenders left behind
       sys.stderr.write(stderr[-4000:])
     data = None
     path = os.path.join(out, f'{part}.json')

@@ -6,7 +6,9 @@ tests/data/sentiment/ (800 train / 200 dev, the split of benchmarks/pretrained_v
 by each framework with its own best practice, the same recipe (batch, learning rate, epochs,
 10% warm-up then linear decay, AdamW with decay off for biases and LayerNorm, clipping at 1):
 
-  ours        finetune.py with its defaults: length buckets (data/buckets.py)
+  ours        finetune.py with its defaults: length buckets (data/buckets.py), compiling
+              into an empty compilation cache (cold)
+  ours_warm   the same again, its programs now in the cache (after `ours` of the same seed)
   ours_fixed  finetune.py with config.length_buckets=0: every batch padded to max_seq_length
   hf          BertForSequenceClassification, a PyTorch loop over a DataLoader with
               DataCollatorWithPadding (each batch padded to its longest sentence), the HF
@@ -22,6 +24,7 @@ our first epoch also compiles one program per length bucket, so it is reported a
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # pylint: disable=g-import-not-at-top
 import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
 
-ARMS = ('hf', 'ours', 'ours_fixed')
+ARMS = ('hf', 'ours', 'ours_warm', 'ours_fixed')
 
 
 def read_split(data_dir: str, split: str):
@@ -97,7 +100,7 @@ def hf_worker(args):
                     'threads': torch.get_num_threads()}))
 
 
-def run_ours(args, init: str, workdir: str, buckets: bool) -> dict:
+def run_ours(args, init: str, workdir: str, buckets: bool, cache: str) -> dict:
   wall = None
   if not os.path.isfile(os.path.join(workdir, 'results.json')):
     start = time.perf_counter()
@@ -108,6 +111,7 @@ def run_ours(args, init: str, workdir: str, buckets: bool) -> dict:
          f'--config.batch_size={args.batch_size}', f'--config.num_epochs={args.epochs}',
          f'--config.optimizer.learning_rate={args.learning_rate}',
          f'--config.max_seq_length={args.max_seq_length}', '--config.log_every_steps=1000',
+         f'--compilation_cache={cache}',
          *([] if buckets else ['--config.length_buckets=0'])] + [f'--config.{kv}' for kv in args.set],
         cwd=_REPO, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -151,6 +155,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--arms', default=','.join(ARMS))
   p.add_argument('--num_train', type=int, default=0,
                  help='train on the first N of the 800 training sentences (0: all)')
+  p.add_argument('--repeat', type=int, default=1,
+                 help='the training sentences this many times over (4: 3,200 sentences)')
   p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                  help='an extra finetune.py config override for our arms, e.g. length_buckets=6')
   p.add_argument('--hf_worker', action='store_true', help=argparse.SUPPRESS)
@@ -174,6 +180,12 @@ def race(args) -> dict:
   args.workdir = os.path.abspath(args.workdir)
   args.data_dir = pretrained_vs_scratch.write_sst2_folder(os.path.join(args.workdir, 'data'),
                                                           num_train=args.num_train)
+  if args.repeat > 1:  # the training sentences N times over: a larger set of the same kind
+    train = os.path.join(args.data_dir, 'SST-2', 'train.tsv')
+    with open(train, encoding='utf-8') as f:
+      header, *rows = f.readlines()
+    with open(train, 'w', encoding='utf-8') as f:
+      f.writelines([header] + rows * args.repeat)
   init = os.path.join(args.workdir, 'imported')
   if not os.path.isfile(os.path.join(init, 'config.json')):
     subprocess.run([sys.executable, '-m', 'realformer.tools.interop', 'import-hf', '--src',
@@ -184,10 +196,13 @@ def race(args) -> dict:
     args.seed = seed
     for arm in arms:
       run_dir = os.path.join(args.workdir, f'{arm}_seed{seed}')
+      cache = os.path.join(args.workdir, f'xla_cache_seed{seed}')
       if arm == 'hf':
         r = run_hf(args, run_dir + '.json')
       else:
-        r = run_ours(args, init, run_dir, buckets=arm == 'ours')
+        if arm != 'ours_warm':
+          shutil.rmtree(cache, ignore_errors=True)
+        r = run_ours(args, init, run_dir, buckets=arm != 'ours_fixed', cache=cache)
       results[arm].append(r)
       print(f'seed {seed} {arm:10s} epochs ' + ' '.join(f'{s:.1f}' for s in r['epoch_seconds'])
             + f' s, dev accuracy {r["accuracy"]:.3f}', flush=True)
@@ -199,12 +214,19 @@ def summarize(args, results: dict) -> None:
   later = lambda r: statistics.median(r['epoch_seconds'][1:] or r['epoch_seconds'])
   print(f'\n{args.seeds} seeds, {args.epochs} epochs, batch {args.batch_size}, lr '
         f'{args.learning_rate}, max_seq_length {args.max_seq_length}')
-  print('arm         epoch 1 s   later epochs s   dev accuracy (median; per seed)')
+  wall = lambda rs: (f'{statistics.median(r["wall_s"] for r in rs):7.1f}'
+                     if all(r.get('wall_s') for r in rs) else '      -')
+  print('arm         epoch 1 s   later epochs s   whole process s   dev accuracy (median; per seed)')
   for arm, rs in results.items():
     print(f'{arm:10s}  {statistics.median(r["epoch_seconds"][0] for r in rs):9.1f}   '
-          f'{statistics.median(later(r) for r in rs):14.1f}   '
+          f'{statistics.median(later(r) for r in rs):14.1f}   {wall(rs):>15s}   '
           f'{statistics.median(r["accuracy"] for r in rs):.3f}; '
           + ' '.join(f'{r["accuracy"]:.3f}' for r in rs))
+  if 'hf' in results and all(r.get('wall_s') for rs in results.values() for r in rs):
+    for arm in (a for a in arms if a != 'hf'):
+      ratios = [h['wall_s'] / o['wall_s'] for h, o in zip(results['hf'], results[arm])]
+      print(f'HF / {arm} whole process: median {statistics.median(ratios):.2f}x (per seed '
+            + ' '.join(f'{x:.2f}' for x in ratios) + ')')
   if 'hf' in results:
     for arm in (a for a in arms if a != 'hf'):
       for name, pick in (('epoch 1', lambda r: r['epoch_seconds'][0]), ('later epochs', later)):

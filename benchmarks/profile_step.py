@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,11 +58,15 @@ def main():
   overrides = {}
   for kv in args.set:
     key, value = kv.split('=', 1)
-    overrides[key] = json.loads(value) if value[:1] in '0123456789-[{tf' else value
+    try:
+      overrides[key] = json.loads(value)  # numbers, true/false
+    except ValueError:
+      overrides[key] = value  # names: cudnn, bfloat16, ...
   step_args = device_suite._step_args(args.seq_len, args.batch, args.dtype)  # pylint: disable=protected-access
   step_args.fused = overrides.pop('fused_attention', 'auto')
   c = train_step.Ours(args.variant, args.size, step_args, overrides=overrides)
   c.step(3)
+  shutil.rmtree(args.out, ignore_errors=True)  # device_events reads the one trace there
   with jax.profiler.trace(args.out):
     c.step(args.steps)
   events = device_events(args.out)

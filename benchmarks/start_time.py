@@ -1,11 +1,16 @@
-r"""Time to the first training step, with the persistent compilation cache cold and warm.
+r"""Time to the first training step: a fresh run with the persistent compilation cache cold
+and warm, and a resume.
 
   python benchmarks/start_time.py --config configs/pretrain.py:postln,base --repeats 2
+  python benchmarks/start_time.py --config configs/pretrain.py:postln,base --prepared
 
-Each repeat runs train.py twice in fresh workdirs: once with an empty cache folder (cold),
-once with the folder the cold run filled (warm). Reported per arm: seconds from the process's
-start to the end of its first step (the log line that counts the cache's programs), and the
-whole process, as medians; synthetic data (no preparation), one step, no evaluation.
+Each repeat runs train.py three times, two steps each with a checkpoint after every step: in
+a fresh workdir with an empty cache folder (cold); in another fresh workdir with the folder the
+cold run filled (warm); and in the cold run's workdir again, its step-2 checkpoint removed
+(resume: the same command after a preemption, restoring step 1, with the cache warm).
+Reported per arm: seconds from the process's start to the end of its first step (the log line
+that counts the cache's programs), and the whole process, as medians; no evaluation. Synthetic data by default; --prepared first prepares the config's
+corpus once (`python -m data.prepare`, not timed) and every run reads it.
 """
 
 import argparse
@@ -24,16 +29,15 @@ sys.path.insert(0, REPO)
 from realformer.train import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
-def run_once(config: str, cache: str, batch: int, extra) -> dict:
-  workdir = tempfile.mkdtemp(prefix='start_time_')
+def run_once(config: str, cache: str, batch: int, extra, workdir: str,
+             data=('--config.data.sources=synthetic',)) -> dict:
   args = [sys.executable, 'train.py', f'--workdir={workdir}', f'--config={config}',
-          f'--compilation_cache={cache}', '--config.data.sources=synthetic',
-          '--config.train.num_steps=1', '--config.train.eval_steps=0',
+          f'--compilation_cache={cache}', *data, '--config.train.num_steps=2',
+          '--config.train.checkpoint_every_steps=1', '--config.train.eval_steps=0',
           f'--config.train.batch_size={batch}', *extra]
   start = time.time()
   proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
   whole = time.time() - start
-  shutil.rmtree(workdir, ignore_errors=True)
   if proc.returncode:
     raise SystemExit(proc.stderr[-3000:])
   line = next(l for l in proc.stderr.splitlines() if 'programs loaded from it' in l)
@@ -50,15 +54,29 @@ def main():
   parser.add_argument('--config', default='configs/pretrain.py:postln,base')
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--repeats', type=int, default=2)
+  parser.add_argument('--prepared', action='store_true',
+                      help="prepare the config's corpus once and train from it")
   args, extra = parser.parse_known_args()
   print(machine.describe())
-  arms = {'cold': [], 'warm': []}
-  for _ in range(args.repeats):
-    cache = tempfile.mkdtemp(prefix='start_time_cache_')
-    arms['cold'].append(run_once(args.config, cache, args.batch, extra))
-    arms['warm'].append(run_once(args.config, cache, args.batch, extra))
-    shutil.rmtree(cache, ignore_errors=True)
-  print(f'{args.config}, batch {args.batch}, synthetic data, 1 step; medians of '
+  scratch = tempfile.mkdtemp(prefix='start_time_')
+  data = ('--config.data.sources=synthetic',)
+  if args.prepared:
+    prepared = os.path.join(scratch, 'prepared')
+    subprocess.run([sys.executable, '-m', 'data.prepare', f'--config={args.config}',
+                    f'--out_dir={prepared}', *extra], cwd=REPO, check=True, capture_output=True)
+    data = (f'--config.data.prepared_dir={prepared}',)
+  arms = {'cold': [], 'warm': [], 'resume': []}
+  for i in range(args.repeats):
+    cache = os.path.join(scratch, f'cache{i}')
+    first, other = os.path.join(scratch, f'run{i}'), os.path.join(scratch, f'warm{i}')
+    run = lambda workdir: run_once(args.config, cache, args.batch, extra, workdir, data)
+    arms['cold'].append(run(first))
+    arms['warm'].append(run(other))
+    shutil.rmtree(os.path.join(first, 'checkpoints', '2'))  # as if preempted after step 1
+    arms['resume'].append(run(first))
+  shutil.rmtree(scratch, ignore_errors=True)
+  print(f'{args.config}, batch {args.batch}, '
+        f'{"prepared" if args.prepared else "synthetic"} data, 2 steps; medians of '
         f'{args.repeats}')
   print('| cache | to the first step (s) | whole process (s) | programs loaded |')
   print('|---|---|---|---|')

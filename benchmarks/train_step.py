@@ -108,8 +108,9 @@ class Ours:
   """Our jitted train step (train_lib.make_train_step) on a one-device mesh."""
 
   def __init__(self, variant, size, args, prng='threefry2x32', dense_impl='auto',
-               last_layer='predicted', overrides=None, label=''):
-    """`overrides`: further model config values, named in the contender's name by `label`."""
+               last_layer='predicted', overrides=None, label='', first_step=True):
+    """`overrides`: further model config values, named in the contender's name by `label`;
+    first_step=False compiles without running (no step's temporaries held yet)."""
     self.name = (f'ours {variant}' + (f' [{prng}]' if prng != 'threefry2x32' else '')
                  + (f' [dense {dense_impl}]' if dense_impl != 'auto' else '')
                  + (f' [last layer {last_layer}]' if last_layer != 'predicted' else '')
@@ -142,7 +143,7 @@ class Ours:
         metrics_cls=metrics_lib.PretrainingEvalMetrics)
     compiled = self.step_fn.lower(self.state, self.batch).compile()
     self.memory = compiled.memory_analysis()
-    if not args.forward_only:
+    if first_step and not args.forward_only:
       self.step()
     if args.forward or args.forward_only:
       self.forward()
@@ -180,7 +181,7 @@ class HF:
   the GPU when jax does (attention through torch's SDPA kernels), else on the CPU.
   """
 
-  def __init__(self, size, args):
+  def __init__(self, size, args, first_step=True):
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
     self.torch = torch
@@ -214,7 +215,8 @@ class HF:
     if self.device == 'cuda':
       torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    self.forward() if args.forward_only else self.step()
+    if first_step:
+      self.forward() if args.forward_only else self.step()
     self.compile_s = time.perf_counter() - t0
     self.params = sum(p.numel() for p in self.model.parameters())
     self.memory = None

@@ -55,6 +55,16 @@ def get_config(arg: str = 'glue/sst2'):
   # bucket_multiple, chosen from the data to pad least) instead of max_seq_length; 0 = off.
   c.length_buckets = 5
   c.bucket_multiple = 8
+  # How many of them: as many as pay for their compilation over the run (finetune/task.py:
+  # compile_cost_in_tokens): a length costs about bucket_compile_seconds to compile, a padded
+  # token its training FLOPs at bucket_flops_per_second (0: 40% of the device's peak, or 1e11
+  # where the peak is unknown, as on a CPU). Lower bucket_compile_seconds when the compilation
+  # cache holds the programs.
+  c.bucket_compile_seconds = 8.0
+  c.bucket_flops_per_second = 0.0
+  # Compile the lengths in a background thread while training runs (the first step waits for
+  # its own length only); False compiles every length before the first step.
+  c.compile_in_background = True
   c.batch_size = 32
   c.eval_batch_size = 64
   c.num_epochs = 2 if squad else 3

@@ -38,8 +38,12 @@ def _round_up(n, multiple: int):
 
 
 def choose_lengths(lengths: Sequence[int], num_buckets: int, multiple: int,
-                   max_seq_length: int, cover: int = 0) -> Tuple[int, ...]:
-  """The bucket lengths that minimise the padded tokens of `lengths`.
+                   max_seq_length: int, cover: int = 0, epochs: float = 1.0,
+                   tokens_per_compile: float = 0.0) -> Tuple[int, ...]:
+  """The bucket lengths that cost the run least: `epochs` x the padded tokens of `lengths`,
+  plus `tokens_per_compile` for every length (a length is one more compilation; its cost is
+  stated as the padded tokens the run would process in the same time: plan_cost). With
+  tokens_per_compile 0: the lengths that pad least.
 
   At most `num_buckets` lengths, each a multiple of `multiple` (or max_seq_length itself),
   the longest covering max(lengths) and `cover` (the longest example of the splits that are
@@ -69,7 +73,9 @@ def choose_lengths(lengths: Sequence[int], num_buckets: int, multiple: int,
         value = cost[k - 1][i] + size[j] * (prefix[j + 1] - prefix[i + 1])
         if value < cost[k][j]:
           cost[k][j], parent[k][j] = value, i
-  k = int(np.argmin(cost[:, c - 1]))  # fewer buckets when more would not pad less
+  run_cost = (epochs * cost[:, c - 1].astype(np.float64)
+              + tokens_per_compile * np.arange(1, num_buckets + 1))
+  k = int(np.argmin(run_cost))  # fewer buckets when more would not cost less
   chosen, j = [], c - 1
   while j >= 0 and k >= 0:
     chosen.append(candidates[j])

@@ -128,3 +128,22 @@ def ml_mesh(**axes):
     mesh[k] = v
   mesh.fsdp, mesh.tensor = 1, -1
   return mesh
+
+
+def test_each_length_must_pay_for_its_compilation_over_the_run():
+  """choose_lengths with a compile cost: the number of lengths minimises epochs x padded
+  tokens + lengths x tokens_per_compile (brute force over the count); a short run gets few
+  lengths, a long one as many as allowed, and a free compile pads least."""
+  rng = np.random.default_rng(0)
+  lengths = np.minimum(rng.lognormal(3.0, 0.6, size=3200).astype(int) + 2, 128)
+  least = {k: _padded(lengths, buckets.choose_lengths(lengths, k, 8, 128)) for k in range(1, 6)}
+  cost = 20_000
+  for epochs in (0.1, 1, 3, 30, 300):
+    chosen = buckets.choose_lengths(lengths, 5, 8, 128, epochs=epochs, tokens_per_compile=cost)
+    best = min(epochs * least[k] + k * cost for k in least)
+    assert epochs * _padded(lengths, chosen) + len(chosen) * cost == pytest.approx(best)
+  counts = [len(buckets.choose_lengths(lengths, 5, 8, 128, epochs=e, tokens_per_compile=cost))
+            for e in (0.01, 1, 300)]
+  assert counts[0] == 1 and counts[0] < counts[1] < counts[2] == 5
+  assert buckets.choose_lengths(lengths, 5, 8, 128, epochs=0.01, tokens_per_compile=0) == \
+      buckets.choose_lengths(lengths, 5, 8, 128)

@@ -1,6 +1,7 @@
 """GLUE fine-tuning: the task files, the metrics' definitions, and the whole path from a
 pretraining checkpoint to dev metrics and submission files (resume and mismatch included)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,9 @@ from data import tokenizer as tokenizer_lib
 from realformer import models
 from realformer.finetune import metrics as finetune_metrics
 from realformer.finetune import task as finetune_task
+from realformer.model.spec import resolve
 from realformer.train import checkpoints
+from realformer.train import train_lib
 from realformer.train import trainer
 from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
@@ -140,6 +143,7 @@ def ft_config(task, init, **overrides):
   c.batch_size, c.eval_batch_size, c.num_epochs, c.max_seq_length = 2, 4, 2, 64
   c.optimizer.learning_rate = 1e-4
   c.mesh.data, c.mesh.tensor = 1, -1  # 8 fake devices, tensor parallel: any batch size
+  c.bucket_compile_seconds = 0.0  # the lengths that pad least: several, even for a tiny run
   for k, v in overrides.items():
     c[k] = v
   return c
@@ -276,6 +280,22 @@ def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretraine
   assert (workdir / 'predictions' / 'MRPC.tsv').read_text() == predictions
 
 
+def test_compiling_in_the_background_trains_exactly_as_compiling_first(pretrained, tmp_path):
+  """config.compile_in_background (the default) compiles each length while training runs:
+  the same programs, so the same losses, dev results and predictions as compiling first."""
+  def run(background):
+    workdir = tmp_path / f'background_{background}'
+    summary = finetune.finetune(ft_config('mrpc', pretrained, compile_in_background=background),
+                                str(workdir))
+    losses = [r['loss'] for r in map(json.loads, open(workdir / 'metrics.jsonl'))
+              if r['split'] == 'train']
+    return summary['dev'], losses, (workdir / 'predictions' / 'MRPC.tsv').read_text()
+  first, background = run(False), run(True)
+  assert len(first[1]) > 1 and background == first
+  order = json.load(open(tmp_path / 'background_True' / RunDir.LENGTH_BUCKETS))['lengths']
+  assert len(order) > 1  # several programs, compiled while the run went on
+
+
 def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epoch(tmp_path):
   """The stored buckets are kept on resume only while length_buckets and bucket_multiple
   are the ones that chose them (dev or test files may change meanwhile)."""
@@ -283,7 +303,8 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
   features = {'attention_mask': (np.arange(128) < lengths[:, None]).astype(np.int32)}
   task = types.SimpleNamespace(train=features, eval_features=lambda: [features])
   config = lambda n, m: ml_collections.ConfigDict(
-      {'length_buckets': n, 'bucket_multiple': m, 'max_seq_length': 128})
+      {'length_buckets': n, 'bucket_multiple': m, 'max_seq_length': 128, 'num_epochs': 1,
+       'bucket_compile_seconds': 0.0, 'bucket_flops_per_second': 0.0})
   workdir = RunDir(tmp_path)
   first = finetune_task.length_buckets(config(5, 8), task, workdir, resuming=False)
   (tmp_path / 'fresh').mkdir()
@@ -306,6 +327,14 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
     json.dump(list(first), f)
   assert finetune_task.length_buckets(config(2, 32), task, workdir, True, mid_epoch=True) == first
   assert finetune_task.length_buckets(config(2, 32), task, workdir, resuming=True) == other
+  # A file that stored fewer settings (before the compile cost): the ones it names must
+  # match to finish the epoch; the rest are unknown.
+  with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
+    json.dump({'lengths': list(first), 'settings': {'length_buckets': 5, 'bucket_multiple': 8}},
+              f)
+  assert finetune_task.length_buckets(config(5, 8), task, workdir, True, mid_epoch=True) == first
+  with pytest.raises(ValueError, match='resume with the bucket settings as they were'):
+    finetune_task.length_buckets(config(2, 32), task, workdir, True, mid_epoch=True)
 
 
 def _marker_task(root, seed=0, sizes=(('train', 320), ('dev', 200))):
@@ -507,3 +536,27 @@ def test_glue_from_a_hugging_face_dataset(pretrained, tmp_path, caplog):
     assert [(e.text_a, e.label) for e in got] == [(e.text_a, e.label) for e in want]
   with pytest.raises(sources.SplitNotFoundError):
     glue.read_hf('rte', 'test', root)
+
+
+def test_the_bucket_count_follows_the_runs_length(tmp_path):
+  """finetune's plan: a padded token costs the model's training FLOPs at the device's rate, a
+  length config.bucket_compile_seconds; 1 epoch of a small set gets fewer lengths than 300."""
+  lengths = np.minimum(np.random.default_rng(0).lognormal(3.0, 0.6, 3200).astype(int) + 2, 128)
+  features = {'attention_mask': (np.arange(128) < lengths[:, None]).astype(np.int32)}
+  spec = resolve(pretrain.get_config('postln,small').model)
+  task = types.SimpleNamespace(train=features, eval_features=lambda: [features], spec=spec)
+  config = lambda epochs: ml_collections.ConfigDict(
+      {'length_buckets': 5, 'bucket_multiple': 8, 'max_seq_length': 128, 'num_epochs': epochs,
+       'bucket_compile_seconds': 8.0, 'bucket_flops_per_second': 1e11})
+  per_token, worth = finetune_task.compile_cost_in_tokens(config(1), spec)
+  every_row = dataclasses.replace(spec, last_layer='all')
+  assert per_token == pytest.approx(
+      train_lib.flops_per_example(every_row, 128, 0) / 128 / 1e11)
+  assert worth == pytest.approx(8.0 / per_token)
+  short = finetune_task.length_buckets(config(1), task, RunDir(tmp_path), resuming=False)
+  (tmp_path / 'long').mkdir()
+  long = finetune_task.length_buckets(config(300), task, RunDir(tmp_path / 'long'),
+                                      resuming=False)
+  assert len(short) < len(long) == 5 and short[-1] == long[-1] == 128
+  stored = json.loads((tmp_path / 'long' / RunDir.LENGTH_BUCKETS).read_text())
+  assert stored['settings']['bucket_compile_seconds'] == 8.0

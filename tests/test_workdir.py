@@ -312,6 +312,8 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
      'config.bucket_multiple=0: give a positive number'),
     (['finetune.py', '--workdir', '{tmp}/f', '--config.length_buckets=-2'],
      'config.length_buckets=-2: give the number of compiled lengths'),
+    (['finetune.py', '--workdir', '{tmp}/f', '--config.bucket_compile_seconds=-1'],
+     'config.bucket_compile_seconds=-1.0: give a number >= 0'),
     (['sweep.py', 'print', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
       '--set', 'train.num_steps=abc'], "train.num_steps='abc' does not fit the field (int"),
 ])

@@ -20,6 +20,7 @@ head, loss, metrics and prediction files are.
 """
 
 import abc
+from concurrent import futures
 import dataclasses
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -37,6 +38,7 @@ from data import tokenizer as tokenizer_lib
 from realformer import cli
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
+from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
 from realformer.train import train_lib
 from realformer.train import trainer
@@ -76,6 +78,9 @@ def check_config(config) -> None:
                'bucket_multiple'):
     if config[name] <= 0:
       raise ValueError(f'config.{name}={config[name]}: give a positive number')
+  for name in ('bucket_compile_seconds', 'bucket_flops_per_second'):
+    if config[name] < 0:
+      raise ValueError(f'config.{name}={config[name]}: give a number >= 0')
   if config.length_buckets < 0:
     raise ValueError(f'config.length_buckets={config.length_buckets}: give the number of '
                      'compiled lengths (0 pads every batch to max_seq_length)')
@@ -95,20 +100,26 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
                    mid_epoch: bool = False) -> Tuple[int, ...]:
   """The compiled sequence lengths: chosen from the training lengths, the longest covering
   every split; (max_seq_length,) when config.length_buckets is 0. Stored in the run
-  directory with the settings that chose them: a resumed run with the same length_buckets
-  and bucket_multiple keeps them (they shape the epoch's batches), whatever dev or test
-  files changed. A change of either setting takes effect at an epoch's start; in mid-epoch
-  it is an error (the rest of the epoch would be drawn from another plan)."""
+  directory with the settings that chose them: a resumed run with the same bucket settings
+  (length_buckets, bucket_multiple, bucket_compile_seconds, bucket_flops_per_second) keeps
+  them (they shape the epoch's batches), whatever dev or test files changed. A change of a
+  setting takes effect at an epoch's start; in mid-epoch it is an error (the rest of the
+  epoch would be drawn from another plan)."""
   settings = {'length_buckets': int(config.length_buckets),
-              'bucket_multiple': int(config.bucket_multiple)}
+              'bucket_multiple': int(config.bucket_multiple),
+              'bucket_compile_seconds': float(config.bucket_compile_seconds),
+              'bucket_flops_per_second': float(config.bucket_flops_per_second)}
   stored, stored_settings = None, None
   saved = run.read_json(RunDir.LENGTH_BUCKETS) if resuming else None
   if isinstance(saved, list):  # written before the settings were stored with them
     stored = tuple(saved)
   elif saved is not None:
     stored, stored_settings = tuple(saved['lengths']), saved['settings']
-  # Settings unknown (an older file): kept to finish an epoch, chosen again at the next.
-  same = stored_settings == settings or (stored_settings is None and mid_epoch)
+  # Settings unknown (an older file: none, or fewer of them): kept to finish an epoch,
+  # chosen again at the next.
+  known = (stored_settings is not None
+           and all(settings.get(k) == v for k, v in stored_settings.items()))
+  same = stored_settings == settings or (mid_epoch and (stored_settings is None or known))
   kept = bool(config.length_buckets and stored and stored != (config.max_seq_length,) and same)
   if not config.length_buckets:
     chosen = (config.max_seq_length,)
@@ -117,11 +128,10 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
   if mid_epoch and stored is not None and chosen != stored:
     raise ValueError(f'this run stopped in mid-epoch with length buckets {list(stored)}'
                      f'{f" ({stored_settings})" if stored_settings else ""}; resume with '
-                     f'config.length_buckets and config.bucket_multiple as they were, and '
-                     f'change them once the epoch is over')
-  run.write_json(RunDir.LENGTH_BUCKETS, {
-      'lengths': list(chosen), 'settings': None if kept and stored_settings is None
-                                           else settings})
+                     f'the bucket settings as they were, and change them once the epoch is '
+                     f'over')
+  run.write_json(RunDir.LENGTH_BUCKETS, {  # kept: the settings that chose them, as known
+      'lengths': list(chosen), 'settings': stored_settings if kept else settings})
   return chosen
 
 
@@ -147,25 +157,82 @@ def eval_lengths(config, task, buckets: Tuple[int, ...]) -> Tuple[int, ...]:
   return tuple(buckets) + (extra,)
 
 
+def compile_cost_in_tokens(config, spec) -> Tuple[float, float]:
+  """(seconds per padded token, padded tokens one more compiled length is worth).
+
+  A length costs config.bucket_compile_seconds of compiling (its train step and its
+  prediction program); a padded token costs the training FLOPs of one token at
+  max_seq_length (train_lib.flops_per_example, every row) at config.bucket_flops_per_second:
+  0 = 40% of the device's peak where metrics.PEAK_FLOPS_PER_DEVICE knows it, else 1e11 (the
+  order of a few CPU cores). Both are estimates, fixed by the config and the device kind, so
+  the plan (and with it the run's batches) does not depend on a timing."""
+  rate = config.bucket_flops_per_second
+  if not rate:
+    peak = metrics_lib.peak_flops_per_device(jax.devices()[0])
+    rate = 0.4 * peak if peak else 1e11
+  every_row = dataclasses.replace(spec, last_layer='all')
+  per_token = train_lib.flops_per_example(every_row, config.max_seq_length, 0) / (
+      config.max_seq_length * rate)
+  return per_token, config.bucket_compile_seconds / per_token
+
+
 def _choose_buckets(config, task) -> Tuple[int, ...]:
   lengths = buckets_lib.lengths_of(task.train)
   cover = _longest_eval(task)
+  per_token, tokens_per_compile = (compile_cost_in_tokens(config, task.spec)
+                                   if config.bucket_compile_seconds else (0.0, 0.0))
+  epochs = config.num_epochs
   chosen = buckets_lib.choose_lengths(lengths, config.length_buckets, config.bucket_multiple,
-                                      config.max_seq_length, cover=cover)
-  logging.info('%s (config.length_buckets=0 pads every batch to max_seq_length)',
-               buckets_lib.describe(lengths, chosen, config.max_seq_length))
+                                      config.max_seq_length, cover=cover, epochs=epochs,
+                                      tokens_per_compile=tokens_per_compile)
+  padded = buckets_lib.padded_tokens(lengths, chosen) * epochs
+  logging.info('%s; %d epochs of %.3g padded tokens (~%.0f s at ~%.2g s a token) against %d '
+               'compiles of ~%g s (config.length_buckets=%d at most, 0 pads every batch to '
+               'max_seq_length; config.bucket_compile_seconds=0 pads least)',
+               buckets_lib.describe(lengths, chosen, config.max_seq_length), epochs, padded,
+               padded * per_token, per_token, len(chosen), config.bucket_compile_seconds,
+               config.length_buckets)
   return chosen
 
 
-def compile_lengths(step, args, batch_of_length, buckets, name: str) -> dict:
-  """{length: `step` compiled for a batch of that length}, every length up front, so the
-  log says what compiles and no step of the run waits for a compilation."""
-  start = time.time()
-  compiled = {length: step.lower(*args, batch_of_length(length)).compile()
-              for length in buckets}
-  logging.info('compiled the %s for %d lengths (%s) in %.1f s', name, len(buckets),
-               ', '.join(map(str, buckets)), time.time() - start)
-  return compiled
+class Programs:
+  """`step` compiled for a batch of each length, called as `step` is: a call runs the program
+  of its batch's length.
+
+  With a `compiler` (an executor), its thread compiles them in the order given while the run
+  goes on, and a call waits only for its own length's program: the first step starts after
+  one compilation, and on a GPU or TPU the host compiles the rest while the device trains.
+  Without, every length is compiled here, before the first step. The programs are the same
+  either way."""
+
+  def __init__(self, step, args, batch_of_length, lengths, name: str, mesh,
+               compiler: Optional[futures.Executor]):
+    start = time.time()
+
+    def compile_one(length):
+      with jax.set_mesh(mesh):  # the mesh context is per thread
+        return step.lower(*args, batch_of_length(length)).compile()
+
+    def log(done=None):
+      if done is None or (not done.cancelled() and done.exception() is None):
+        logging.info('compiled the %s for %d lengths (%s) in %.1f s%s', name, len(lengths),
+                     ', '.join(map(str, lengths)), time.time() - start,
+                     ', while the run went on' if compiler else '')
+
+    self._programs = {}
+    for length in lengths:
+      if compiler:
+        self._programs[length] = compiler.submit(compile_one, length)
+      else:
+        self._programs[length] = futures.Future()
+        self._programs[length].set_result(compile_one(length))
+    if compiler:
+      self._programs[lengths[-1]].add_done_callback(log)
+    else:
+      log()
+
+  def __call__(self, first, batch, *rest):
+    return self._programs[batch['input_ids'].shape[1]].result()(first, batch, *rest)
 
 
 def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
@@ -284,14 +351,28 @@ class FinetuneTask(trainer.Task, abc.ABC):
     self.buckets = length_buckets(c, self, self.run_dir, resuming=start_step > 0,
                                   mid_epoch=start_step % self.steps_per_epoch != 0)
     self.eval_buckets = eval_lengths(c, self, self.buckets)
-    predictions = compile_lengths(  # the model's inputs only; outputs whole on every host
-        jax.jit(lambda params, batch: self.model.apply({'params': params}, batch)[1:],
-                out_shardings=jax.sharding.NamedSharding(self.mesh,
-                                                         jax.sharding.PartitionSpec())),
-        (self.abstract.params,), self._batch_of(c.eval_batch_size, buckets_lib.SEQUENCE_KEYS),
-        self.eval_buckets, 'prediction')
-    self._predict = lambda params, batch: predictions[batch['input_ids'].shape[1]](params,
-                                                                                  batch)
+    self._start_step = start_step
+    # One thread compiles in the background, the train step's lengths first (in the order
+    # the run needs them), then the prediction's.
+    self._compiler = (futures.ThreadPoolExecutor(1, thread_name_prefix='compile')
+                      if c.compile_in_background else None)
+    self._predict = None
+
+  def _prediction(self) -> Programs:
+    """The prediction programs (the model's inputs only; outputs whole on every host)."""
+    if self._predict is None:
+      self._predict = Programs(
+          jax.jit(lambda params, batch: self.model.apply({'params': params}, batch)[1:],
+                  out_shardings=jax.sharding.NamedSharding(self.mesh,
+                                                           jax.sharding.PartitionSpec())),
+          (self.abstract.params,),
+          self._batch_of(self.config.eval_batch_size, buckets_lib.SEQUENCE_KEYS),
+          self.eval_buckets, 'prediction', self.mesh, self._compiler)
+    return self._predict
+
+  def close(self) -> None:
+    if self._compiler is not None:  # a run that stops early leaves compilations queued
+      self._compiler.shutdown(wait=False, cancel_futures=True)
 
   def _batch_of(self, batch_size, keys):
     """length -> the abstract batch of that length."""
@@ -307,10 +388,19 @@ class FinetuneTask(trainer.Task, abc.ABC):
         shardings=self.shardings, metrics_cls=FinetuneMetrics,
         totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
         seed=self.seed)
-    steps = compile_lengths(step, (self.abstract,),
-                            self._batch_of(self.config.batch_size, self.train), self.buckets,
-                            'train step')
-    return lambda state, batch: steps[batch['input_ids'].shape[1]](state, batch)
+    programs = Programs(step, (self.abstract,),
+                        self._batch_of(self.config.batch_size, self.train),
+                        self._lengths_by_first_use(), 'train step', self.mesh, self._compiler)
+    self._prediction()  # queued behind the train step's lengths
+    return programs
+
+  def _lengths_by_first_use(self) -> List[int]:
+    """The bucket lengths in the order the run's next steps need them."""
+    spe, start = self.steps_per_epoch, self._start_step
+    plan = buckets_lib.train_batches(self.lengths, self.buckets, self.config.batch_size,
+                                     self.seed, start // spe)
+    order = [length for length, _ in plan[start % spe:]] + list(self.buckets)
+    return list(dict.fromkeys(order))
 
   def batches(self, start_step: int):
     spe, bs = self.steps_per_epoch, self.config.batch_size
@@ -325,7 +415,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   def outputs(self, params):
     """features -> the head's outputs for every row."""
-    return lambda features: run_model(self._predict, params, features, mesh=self.mesh,
+    return lambda features: run_model(self._prediction(), params, features, mesh=self.mesh,
                                       buckets=self.eval_buckets,
                                       batch_size=self.config.eval_batch_size,
                                       token_outputs=self.token_outputs)

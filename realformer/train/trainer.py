@@ -156,6 +156,9 @@ class Task(abc.ABC):
   def prepare(self, start_step: int) -> None:
     """Called once the train state is known, before any step (e.g. choose buckets)."""
 
+  def close(self) -> None:
+    """Called when the run ends, however it ends (e.g. stops background compilations)."""
+
   @abc.abstractmethod
   def compile_train_step(self) -> Callable:
     """(state, batch[, lr factor]) -> (state, metrics), compiled for every batch shape the
@@ -386,10 +389,13 @@ class Trainer:
     task.prepare(start)
     self.results: Optional[Results] = None
     self.last_logged: Dict[str, float] = {}
-    with jax.set_mesh(task.mesh):
-      preempted = self._train(start)
-      self.manager.wait_until_finished()
-      summary = self._finish(preempted)
+    try:
+      with jax.set_mesh(task.mesh):
+        preempted = self._train(start)
+        self.manager.wait_until_finished()
+        summary = self._finish(preempted)
+    finally:
+      task.close()
     self.manager.close()
     self.writer.close()
     return summary
