@@ -59,6 +59,10 @@ class RunDir:
   def __init__(self, root):
     if root is None or not os.fspath(root):
       raise ValueError('--workdir is required: the directory for checkpoints and logs')
+    if '://' in os.fspath(root):  # else a local folder named 'gs:' would take the run
+      raise ValueError(f'--workdir {os.fspath(root)!r}: a run directory is a folder on a local '
+                       'or shared file system (NFS, Filestore); object-storage URLs are not '
+                       'supported yet')
     self.root = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
 
   def __str__(self) -> str:
