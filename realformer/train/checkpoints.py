@@ -4,9 +4,11 @@
                                     params-only checkpoint has {'step', 'params'}
   <run>/checkpoints/<step>/data     the input iterator's state (pretraining)
 
-Orbax writes a step into a temporary directory and renames it when every host has finished,
-and lists only finalized steps, so a step left half-written by a crash is never restored (it
-is removed at the next start). A params-only restore (an init checkpoint: a run directory,
+Orbax writes a step into a temporary directory and renames it when every host has finished
+(on gs://, where a rename copies every object, it writes the step in place and finalizes it
+with its commit file instead), and lists only finalized steps, so a step left half-written by
+a crash is never restored (it is removed at the next start). Paths are local folders or
+gs:// URLs (realformer/train/storage.py). A params-only restore (an init checkpoint: a run directory,
 its checkpoints/ directory or one step directory) is partial: parameters the checkpoint lacks
 are reported for the caller to keep fresh, extra ones are ignored. A checkpoint that does not
 match the model (a missing or reshaped parameter) is a one-line ValueError naming the
@@ -15,7 +17,6 @@ trainer's (realformer/train/trainer.py).
 """
 
 import json
-import os
 import re
 from typing import Any, Optional, Tuple
 
@@ -23,10 +24,13 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from realformer.train import storage
+
 CHECKPOINT_DIR = 'checkpoints'
 CONFIG_FILE = 'config.json'
-# Orbax writes this into a step as the last act before the rename that finalizes it; a step
-# directory without it (e.g. a partial copy of a workdir) is not complete.
+# Orbax writes this into a step as the last act before the rename that finalizes it (on
+# gs://: as the act that finalizes it); a step directory without it (e.g. a partial copy of
+# a workdir, or a step cut short on gs://) is not complete.
 COMMIT_FILE = 'commit_success.txt'
 
 
@@ -36,19 +40,18 @@ def make_manager(workdir: str, *, keep: Optional[int] = 3, read_only: bool = Fal
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=not read_only, read_only=read_only,
       cleanup_tmp_directories=not read_only, enable_async_checkpointing=not read_only)
-  return ocp.CheckpointManager(os.path.join(workdir, CHECKPOINT_DIR), item_names=item_names,
+  return ocp.CheckpointManager(storage.path(workdir) / CHECKPOINT_DIR, item_names=item_names,
                                options=options)
 
 
-def is_complete(step_dir: str) -> bool:
-  return os.path.isfile(os.path.join(step_dir, COMMIT_FILE))
+def is_complete(step_dir) -> bool:
+  return (storage.path(step_dir) / COMMIT_FILE).exists()
 
 
-def has_complete_step(workdir: str) -> bool:
+def has_complete_step(workdir) -> bool:
   """Whether <workdir>/checkpoints holds a finalized step (read-only; no manager)."""
-  root = os.path.join(workdir, CHECKPOINT_DIR)
-  return os.path.isdir(root) and any(
-      name.isdigit() and is_complete(os.path.join(root, name)) for name in os.listdir(root))
+  root = storage.path(workdir) / CHECKPOINT_DIR
+  return root.is_dir() and any(d.name.isdigit() and is_complete(d) for d in root.iterdir())
 
 
 def delete_step(manager: ocp.CheckpointManager, step: int) -> None:
@@ -57,7 +60,7 @@ def delete_step(manager: ocp.CheckpointManager, step: int) -> None:
   without its state but with its marker would be restored and fail)."""
   if jax.process_index() == 0:
     try:
-      os.remove(os.path.join(str(manager.directory), str(step), COMMIT_FILE))
+      (storage.path(manager.directory) / str(step) / COMMIT_FILE).unlink()
     except FileNotFoundError:
       pass
   manager.delete(step)
@@ -68,7 +71,7 @@ def latest_complete_step(manager: ocp.CheckpointManager) -> Optional[int]:
 
   Incomplete step directories newer than it are deleted."""
   for step in sorted(manager.all_steps(), reverse=True):
-    step_dir = os.path.join(str(manager.directory), str(step))
+    step_dir = storage.path(manager.directory) / str(step)
     if is_complete(step_dir):
       return step
     logging.warning('deleting incomplete checkpoint %s (no %s)', step_dir, COMMIT_FILE)
@@ -76,27 +79,31 @@ def latest_complete_step(manager: ocp.CheckpointManager) -> Optional[int]:
   return None
 
 
-def write_config(workdir: str, config) -> str:
-  """<workdir>/config.json (process 0 only; other processes return the path)."""
-  path = os.path.join(workdir, CONFIG_FILE)
+def write_config(workdir, config) -> str:
+  """<workdir>/config.json (process 0 only; other processes return the path). Locally through
+  a temporary file and a rename; on object storage one upload is already all or nothing."""
+  path = storage.path(workdir) / CONFIG_FILE
   if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(path + '.tmp', 'w') as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(path + '.tmp', path)
-  return path
+    text = config.to_json_best_effort(indent=2, sort_keys=True)
+    if storage.is_url(path):
+      path.write_text(text)
+    else:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      tmp = path.with_name(CONFIG_FILE + '.tmp')
+      tmp.write_text(text)
+      tmp.replace(path)
+  return str(path)
 
 
-def read_config(workdir: str) -> dict:
-  with open(os.path.join(workdir, CONFIG_FILE)) as f:
-    return json.load(f)
+def read_config(workdir) -> dict:
+  return json.loads((storage.path(workdir) / CONFIG_FILE).read_text())
 
 
 def read_pretraining_config(workdir: str) -> dict:
   """config.json of a workdir that holds an encoder (train.py, an import, or a
   fine-tuning run's best/ and final/), with a one-line error for anything else."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.isfile(path):
+  path = storage.path(workdir) / CONFIG_FILE
+  if not path.is_file():
     raise FileNotFoundError(f'{workdir} has no {CONFIG_FILE}: pass a workdir written by '
                             'train.py or realformer.tools.interop')
   try:
@@ -128,7 +135,7 @@ def save_params(workdir: str, params, config, step: int = 0) -> str:
   save(manager, step, {'step': step, 'params': params}, force=True)
   manager.wait_until_finished()
   manager.close()
-  return os.path.join(str(manager.directory), str(step))
+  return str(storage.path(manager.directory) / str(step))
 
 
 def _path_str(path) -> str:
@@ -145,7 +152,7 @@ def _shapes(tree) -> dict:
 
 def stored_tree(step_dir: str) -> Any:
   """The tree of array metadata (shape, dtype) of <step_dir>/state, without reading arrays."""
-  meta = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, 'state'))
+  meta = ocp.PyTreeCheckpointer().metadata(storage.path(step_dir) / 'state')
   return getattr(meta, 'item_metadata', meta)
 
 
@@ -175,7 +182,7 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: dict,
             extra_items: Optional[dict] = None) -> Tuple[dict, dict]:
   """Restore {'step','params','opt_state'} into the target's shardings, and the
   `extra_items` ({name: Orbax restore args}): (state tree, {name: restored item})."""
-  step_dir = os.path.join(str(manager.directory), str(step))
+  step_dir = str(storage.path(manager.directory) / str(step))
   check_matches(step_dir, abstract_state)
   extra_items = extra_items or {}
   items = {'state': ocp.args.StandardRestore(abstract_state), **extra_items}
@@ -185,20 +192,20 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: dict,
 
 def resolve_step_dir(path: str) -> str:
   """A workdir, its checkpoints/ dir or one step dir -> the step dir to read (newest step)."""
-  path = os.path.abspath(os.path.expanduser(path))
-  if os.path.isdir(os.path.join(path, 'state')):
-    return path
-  if os.path.isdir(os.path.join(path, CHECKPOINT_DIR)):
-    path = os.path.join(path, CHECKPOINT_DIR)
-  if not os.path.isdir(path):
+  path = storage.path(path)
+  if (path / 'state').is_dir():
+    return str(path)
+  if (path / CHECKPOINT_DIR).is_dir():
+    path = path / CHECKPOINT_DIR
+  if not path.is_dir():
     raise FileNotFoundError(f'checkpoint {path} does not exist; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')
-  steps = sorted(int(d) for d in os.listdir(path)
-                 if re.fullmatch(r'\d+', d) and is_complete(os.path.join(path, d)))
+  steps = sorted(int(d.name) for d in path.iterdir()
+                 if re.fullmatch(r'\d+', d.name) and is_complete(d))
   if not steps:
     raise FileNotFoundError(f'no complete checkpoint under {path}; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')
-  return os.path.join(path, str(steps[-1]))
+  return str(path / str(steps[-1]))
 
 
 def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] = ()
@@ -223,7 +230,7 @@ def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] 
   present = jax.tree_util.tree_map_with_path(
       lambda p, x: None if _path_str(p) in missing else x, target)
   restored = ocp.PyTreeCheckpointer().restore(
-      os.path.join(step_dir, 'state'),
+      storage.path(step_dir) / 'state',
       args=ocp.args.PyTreeRestore(item=present, partial_restore=True,
                                   restore_args=ocp.checkpoint_utils.construct_restore_args(
                                       present)))
