@@ -2,7 +2,13 @@
 memory) on 127.0.0.1, with the environment that points every client at it and at nothing
 else: gcsfs (etils.epath) through STORAGE_EMULATOR_HOST, tensorstore (Orbax's arrays) through
 TENSORSTORE_GCS_HTTP_URL and a test token, google-cloud-storage anonymously; the metadata
-server that credential discovery would ask is a closed loopback port."""
+server that credential discovery would ask is a closed loopback port.
+
+A limit of this server (gcp-storage-emulator 2026.7.19): it sends no x-goog-generation header
+and ignores ifGenerationMatch, so tensorstore's OCDBT store, which Orbax writes a step's arrays
+into, fails on its read-modify-write of the manifest ("Malformed StorageGeneration") once a
+save holds more than about 30 arrays (a real model). The tests here save few; a wrapper that
+adds generations and preconditions to the server's handlers is the next step."""
 
 import contextlib
 import os
