@@ -1,14 +1,9 @@
 """A Cloud Storage server for the tests: gcp-storage-emulator (the GCS JSON API, objects in
-memory) on 127.0.0.1, with the environment that points every client at it and at nothing
-else: gcsfs (etils.epath) through STORAGE_EMULATOR_HOST, tensorstore (Orbax's arrays) through
-TENSORSTORE_GCS_HTTP_URL and a test token, google-cloud-storage anonymously; the metadata
-server that credential discovery would ask is a closed loopback port.
-
-A limit of this server (gcp-storage-emulator 2026.7.19): it sends no x-goog-generation header
-and ignores ifGenerationMatch, so tensorstore's OCDBT store, which Orbax writes a step's arrays
-into, fails on its read-modify-write of the manifest ("Malformed StorageGeneration") once a
-save holds more than about 30 arrays (a real model). The tests here save few; a wrapper that
-adds generations and preconditions to the server's handlers is the next step."""
+memory) with object generations and preconditions (tests/gcs_emulator.py) on 127.0.0.1, and
+the environment that points every client at it and at nothing else: gcsfs (etils.epath)
+through STORAGE_EMULATOR_HOST, tensorstore (Orbax's arrays) through TENSORSTORE_GCS_HTTP_URL
+and a test token, google-cloud-storage anonymously; the metadata server that credential
+discovery would ask is a closed loopback port."""
 
 import contextlib
 import os
@@ -33,8 +28,8 @@ def gcs_server():
   """Yields gs://<bucket> served on a fresh loopback port; the server stops on exit."""
   port = _free_port()
   proc = subprocess.Popen(
-      [sys.executable, '-m', 'gcp_storage_emulator', 'start', '--host', '127.0.0.1',
-       '--port', str(port), '--in-memory', '--default-bucket', BUCKET, '-q'],
+      [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                    'gcs_emulator.py'), '--port', str(port), '--bucket', BUCKET],
       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   url = f'http://127.0.0.1:{port}'
   env = {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,

@@ -1,6 +1,8 @@
 """Checkpoints on Cloud Storage (a GCS server on 127.0.0.1: tests/gcs_server.py): Orbax
 commits a step with its commit file, never by a rename; a step cut short (no commit file) is
-never restored; params-only checkpoints and config.json round-trip through gs://."""
+never restored; a model's worth of arrays round-trips; params-only checkpoints and config.json
+round-trip through gs://. And the server itself keeps Cloud Storage's generation
+preconditions, which tensorstore and a lock object rely on."""
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +73,39 @@ def test_params_and_config_round_trip_through_a_bucket(gcs):
   np.testing.assert_array_equal(params['w'], _state(7)['params']['w'])
   with pytest.raises(FileNotFoundError, match='nothing_here does not exist; pass a workdir'):
     checkpoints.resolve_step_dir(f'{gcs}/nothing_here')
+
+
+def test_a_save_of_many_arrays_round_trips(gcs):
+  """Orbax's OCDBT store rewrites its manifest under generation preconditions as a save
+  grows: a model's worth of arrays (here 120) must survive that against the server."""
+  run = f'{gcs}/many'
+  tree = {'step': 3, 'params': {f'layer_{i}': {'kernel': jnp.full((8, 8), float(i)),
+                                               'bias': jnp.arange(8.0) + i}
+                                for i in range(60)}}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.asarray(x).dtype),
+                          tree)
+  manager = checkpoints.make_manager(run, item_names=('state',))
+  checkpoints.save(manager, 3, tree, force=True)
+  manager.wait_until_finished()
+  restored, _ = checkpoints.restore(manager, 3, abstract)
+  for i in (0, 31, 59):
+    np.testing.assert_array_equal(restored['params'][f'layer_{i}']['kernel'], float(i))
+  manager.close()
+
+
+def test_the_server_keeps_generation_preconditions(gcs):
+  from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+  from google.cloud import storage as gcs_client  # pylint: disable=g-import-not-at-top
+  bucket = gcs_client.Client().bucket(gcs[len('gs://'):])
+  blob = bucket.blob('preconditions/.lock')
+  blob.upload_from_string('first', if_generation_match=0)  # create only if absent
+  first = blob.generation
+  with pytest.raises(exceptions.PreconditionFailed):
+    bucket.blob('preconditions/.lock').upload_from_string('second', if_generation_match=0)
+  blob.upload_from_string('refreshed', if_generation_match=first)
+  assert blob.generation != first
+  with pytest.raises(exceptions.PreconditionFailed):  # a stale holder cannot delete it
+    bucket.blob('preconditions/.lock').delete(if_generation_match=first)
+  assert bucket.blob('preconditions/.lock').download_as_text() == 'refreshed'
+  blob.delete(if_generation_match=blob.generation)
+  assert not bucket.blob('preconditions/.lock').exists()
