@@ -198,10 +198,13 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool) -> None:
   rate = metrics_lib.peak_flops_per_device(jax.devices()[0])
   entry = _contenders(part, jax.devices()[0].platform)[index]
   path = os.path.join(scratch, f'{part}.{index}.json')
+  name = 'HF' if entry[0] == 'hf' else f'{entry[1]} {entry[3]}'.strip()
+  if entry[0] == 'hf' and not (has('torch') and has('transformers')):
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump({'note': 'HF: skipped: torch or transformers is not installed'}, f)
+    return
   try:
     if entry[0] == 'hf':
-      if not has('torch') or not has('transformers'):
-        raise ImportError('skipped: torch or transformers is not installed')
       c = train_step.HF(s['size'], args, first_step=False)
     else:
       _, variant, overrides, label = entry
@@ -215,10 +218,8 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool) -> None:
       per_step = _time_steps(c, s)
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
-    name = 'HF' if entry[0] == 'hf' else f'{entry[1]} {entry[3]}'.strip()
     with open(path, 'w', encoding='utf-8') as f:
-      json.dump({'note': f'{name}: {"" if "skipped" in str(e) else "failed: "}'
-                         f'{type(e).__name__}: {str(e)[:400]}'}, f)
+      json.dump({'note': f'{name}: failed: {type(e).__name__}: {str(e)[:400]}'}, f)
     return
   step = statistics.median(per_step)
   peak = c.peak_bytes()
@@ -326,7 +327,7 @@ def markdown(results: dict) -> str:
     if part in ('step512', 'step128', 'attention') and rows:
       lines.append(f'{data["size"]}, length {data["seq_len"]}, batch {data["batch"]}, '
                    f'{data["dtype"]}; {data["timing"]}')
-      lines += ['', '| contender | ms/step | tokens/s | TFLOP/s | MFU | vs first | '
+      lines += ['', f'| contender | ms/step | tokens/s | TFLOP/s | MFU | vs {rows[0]["contender"]} | '
                 'compile s | memory GiB |', '|---|---|---|---|---|---|---|---|']
       first = rows[0]['step_s']
       for x in rows:
