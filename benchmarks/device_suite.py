@@ -167,14 +167,6 @@ def _time_steps(contender, s: dict) -> list:
   return per_step
 
 
-def _step_args(seq_len: int, batch: int, dtype: str = 'bfloat16') -> argparse.Namespace:
-  """benchmarks/train_step.py's arguments for one shape."""
-  return argparse.Namespace(
-      vocab_size=30522, dtype=dtype, seq_len=seq_len, batch=batch,
-      predictions=max(1, round(seq_len * 20 / 128)), remat='none', scan=False, fused='auto',
-      forward=False, forward_only=False, threads=os.cpu_count())
-
-
 def _contenders(part: str, platform: str) -> list:
   """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',)."""
   if part == 'attention':
@@ -194,7 +186,7 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool) -> None:
   import train_step  # pylint: disable=g-import-not-at-top
   from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   s = sizes(smoke)
-  args = _step_args(*s[part])
+  args = train_step.step_args(*s[part])
   rate = metrics_lib.peak_flops_per_device(jax.devices()[0])
   entry = _contenders(part, jax.devices()[0].platform)[index]
   path = os.path.join(scratch, f'{part}.{index}.json')
@@ -237,10 +229,11 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str) -> None:
   """Runs the part's contenders as processes, `parallel` at a time (their compiles overlap;
   the timing is one at a time), and collects their rows in the contenders' order."""
   import jax  # pylint: disable=g-import-not-at-top
+  import train_step  # pylint: disable=g-import-not-at-top
   from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   s = sizes(smoke)
   seq_len, batch = s[part]
-  args = _step_args(seq_len, batch)
+  args = train_step.step_args(seq_len, batch)
   device = jax.devices()[0]
   entries = _contenders(part, device.platform)
   rec = Record(out, part, size=s['size'], seq_len=seq_len, batch=batch, dtype=args.dtype,

@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # pylint: disable=g-import-not-at-top
 
-import device_suite  # pylint: disable=g-import-not-at-top
 import train_step  # pylint: disable=g-import-not-at-top
 
 
@@ -62,7 +61,7 @@ def main():
       overrides[key] = json.loads(value)  # numbers, true/false
     except ValueError:
       overrides[key] = value  # names: cudnn, bfloat16, ...
-  step_args = device_suite._step_args(args.seq_len, args.batch, args.dtype)  # pylint: disable=protected-access
+  step_args = train_step.step_args(args.seq_len, args.batch, args.dtype)
   step_args.fused = overrides.pop('fused_attention', 'auto')
   c = train_step.Ours(args.variant, args.size, step_args, overrides=overrides)
   c.step(3)

@@ -89,6 +89,15 @@ def matmul_rate_torch(dtype='float32', n=2048, repeats=5) -> float:
   return 2 * n ** 3 / statistics.median(times)
 
 
+def step_args(seq_len: int, batch: int, dtype: str = 'bfloat16') -> argparse.Namespace:
+  """This script's arguments for one shape, BERT's masked positions, the other defaults (for
+  the programs that build contenders without its command line: device_suite, profile_step)."""
+  return argparse.Namespace(
+      vocab_size=30522, dtype=dtype, seq_len=seq_len, batch=batch,
+      predictions=max(1, round(seq_len * 20 / 128)), remat='none', scan=False, fused='auto',
+      forward=False, forward_only=False, threads=os.cpu_count())
+
+
 def make_config(variant, size, args):
   c = pretrain.get_config(f'{variant},{size}')
   c.unlock()
