@@ -31,7 +31,7 @@ from configs import pretrain  # pylint: disable=g-import-not-at-top,wrong-import
 from realformer import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realformer.train import checkpoints  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realformer.train import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
-from realformer.train import storage  # pylint: disable=g-import-not-at-top,wrong-import-position
+from realformer import storage  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realformer.train import train_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tests.gcs_server import gcs_server  # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -11,6 +11,7 @@ format: <Task>.tsv with `index<TAB>prediction` and label names for classificatio
 
 import csv
 import dataclasses
+import io
 import os
 import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -19,6 +20,7 @@ import numpy as np
 from absl import logging
 
 from data import sources
+from realformer import storage
 
 
 class Task(NamedTuple):
@@ -109,14 +111,15 @@ def read_tsv(task_name: str, data_dir: str, split: str,
   task = get_task(task_name)
   if split not in task.splits:
     raise ValueError(f'{task.name} has no {split} split (it has {", ".join(task.splits)})')
-  path = os.path.join(data_dir, FOLDERS[task_name], task.splits[split] + '.tsv')
-  if not os.path.exists(path):
+  path = f'{str(data_dir).rstrip("/")}/{FOLDERS[task_name]}/{task.splits[split]}.tsv'
+  if not storage.path(path).exists():
     raise FileNotFoundError(f'{path} not found; set config.data_dir to the directory holding '
                             f'the GLUE task folders (CoLA/, SST-2/, ...) or use tfds')
   csv.field_size_limit(sys.maxsize)
   try:
-    with open(path, encoding='utf-8-sig') as f:
-      rows = list(csv.reader(f, delimiter='\t', quoting=csv.QUOTE_NONE))
+    text = storage.path(path).read_bytes().decode('utf-8-sig')
+    rows = list(csv.reader(io.StringIO(text, newline=''), delimiter='\t',
+                           quoting=csv.QUOTE_NONE))
   except UnicodeDecodeError as e:
     raise ValueError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to '
                      f'UTF-8') from None
@@ -249,14 +252,11 @@ def write_predictions(task_name: str, examples: Sequence[Example], predictions: 
                       out_dir: str) -> str:
   """<out_dir>/<Task>.tsv in GLUE's submission format."""
   task = get_task(task_name)
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f'{task.name}.tsv')
-  with open(path, 'w') as f:
-    f.write('index\tprediction\n')
-    for i, (ex, p) in enumerate(zip(examples, predictions)):
-      value = (f'{float(p):.3f}' if not task.labels else task.labels[int(p)])
-      f.write(f'{ex.guid if ex.guid.isdigit() else i}\t{value}\n')
-  return path
+  lines = ['index\tprediction\n']
+  for i, (ex, p) in enumerate(zip(examples, predictions)):
+    value = (f'{float(p):.3f}' if not task.labels else task.labels[int(p)])
+    lines.append(f'{ex.guid if ex.guid.isdigit() else i}\t{value}\n')
+  return str(storage.write_text(f'{str(out_dir).rstrip("/")}/{task.name}.tsv', ''.join(lines)))
 
 
 def write_sst2_layout(out_dir: str, train: Sequence[Tuple[str, int]],

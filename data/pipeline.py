@@ -21,6 +21,7 @@ import numpy as np
 from data import prepare as prepare_lib
 from data import pretraining
 from realformer import config_checks
+from realformer import storage
 
 
 class _Decode(grain.MapTransform):
@@ -154,15 +155,17 @@ def iterator_checkpoint_args(it, mode: str):
 
 def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
   """Prepares the shards once (every host its share; process 0 gathers them and writes
-  metadata.json, the others wait for it) and returns their dir.
+  metadata.json, the others wait for it) and returns the local folder to read them from:
+  the prepared folder itself, or for a bucket (gs://) this host's copy of it, checked
+  against the bucket (storage.local_copy).
 
   An existing preparation made with other settings is a clear error, never silently reused.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  prepared_dir = config.data.prepared_dir or os.path.join(workdir, 'data')
+  prepared_dir = config.data.prepared_dir or f'{str(workdir).rstrip("/")}/data'
   config_checks.check_lengths(config)
-  metadata = os.path.join(prepared_dir, prepare_lib.METADATA)
-  if not os.path.exists(metadata):
+  metadata = storage.path(prepared_dir) / prepare_lib.METADATA
+  if not metadata.exists():
     started = time.time() - 1  # file times may be coarser than time.time()
     # Every host prepares its share (data.prepare_workers processes each); process 0 gathers.
     prepare_lib.prepare(config, prepared_dir, overwrite=False,
@@ -170,12 +173,18 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
                         process_count=jax.process_count(), timeout_s=timeout_s)
     if jax.process_index() != 0:
       deadline = time.time() + timeout_s
-      while not os.path.exists(metadata):
+      while not metadata.exists():
         failed = prepare_lib.failure_since(prepared_dir, started)
         if failed:
           raise ValueError(f'preparing {prepared_dir} failed on {failed}')
         if time.time() > deadline:
           raise TimeoutError(f'process 0 did not finish preparing {prepared_dir}')
         time.sleep(2)
-  prepare_lib.read_metadata(prepared_dir, config)
-  return prepared_dir
+  found = prepare_lib.read_metadata(prepared_dir, config)
+  if not storage.is_url(prepared_dir):
+    return prepared_dir
+  names = [prepare_lib.METADATA] + [
+      os.path.basename(p) for split in prepare_lib.SPLITS for p in prepare_lib.shard_paths(
+          prepared_dir, split, found.get('files', {}).get(split,
+                                                          found['fingerprint']['num_shards']))]
+  return storage.local_copy(prepared_dir, names)

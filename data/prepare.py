@@ -29,6 +29,14 @@ finished workers (same settings, same W) are kept, the others start their share 
 gathering links the workers' files into <out_dir>.tmp/gathered/ and renames that to
 <out_dir>, so a worker's files stay in place until <out_dir> is complete: a host that
 arrives late sees its share done (or <out_dir> made) and never redoes it.
+
+Into a bucket (out_dir gs://...): object storage has no rename, so the same protocol runs
+with objects. Each host's workers write into a local staging folder and upload their files,
+then their done.json, to <out_dir>.tmp/worker-XXXXX/; process 0 copies them under their final
+names into <out_dir> (server-side copies) and writes metadata.json last: a preparation is
+complete exactly when its metadata.json exists. Failure notices (failed-*.txt) are objects
+there too. Training reads a bucket's shards through a local copy checked against the bucket
+(data/pipeline.py, local_copy).
 """
 
 import collections
@@ -57,6 +65,7 @@ from data import sources
 from data import tokenizer as tokenizer_lib
 from realformer import cli
 from realformer import config_checks
+from realformer import storage
 
 METADATA = 'metadata.json'
 SPLITS = ('train', 'eval')
@@ -157,12 +166,13 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   killed run, a storage fault) leaves finished workers for the next attempt to keep.
   """
   started = time.time()
+  storage.refuse_gcsfuse(out_dir, 'the prepared data folder')
   config_checks.check_lengths(config)
-  if '://' in out_dir:
-    raise ValueError(f'{out_dir!r}: prepared data is written to a local or mounted folder; '
-                     'mount the bucket (e.g. gcsfuse gs://bucket /mnt/bucket) and give that '
-                     'path (config.data.prepared_dir or --out_dir)')
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+  remote = storage.is_url(out_dir)
+  if remote and not out_dir.startswith('gs://'):
+    raise ValueError(f'{out_dir!r}: object storage is supported for gs:// (Cloud Storage) '
+                     'URLs; give a gs:// URL or a local folder')
+  if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ValueError(f'{out_dir} is a file; the prepared data needs a folder there: give '
                      'another path (config.data.prepared_dir or --out_dir)')
   d = config.data
@@ -172,40 +182,48 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
     raise ValueError(f'data.prepare_workers={workers} must be >= 1 (and process '
                      f'{process_index} of {process_count} valid)')
   fp = fingerprint(config)  # reads the corpus files' names and sizes: fails before any write
-  tmp = f'{out_dir.rstrip("/")}.tmp'
-  os.makedirs(tmp, exist_ok=True)
-  lock = _single_host_lock(tmp) if process_count == 1 else None
+  out_dir = out_dir.rstrip('/')
+  tmp = f'{out_dir}.tmp'  # the workers' results, where process 0 finds them
+  staging = staging_dir(out_dir) if remote else tmp  # where this host's workers write
+  os.makedirs(staging, exist_ok=True)
+  lock = _single_host_lock(staging) if process_count == 1 or remote else None
   try:
-    if not overwrite and os.path.exists(os.path.join(out_dir, METADATA)):
+    if not overwrite and _path(out_dir, METADATA).exists():
       return read_metadata(out_dir)  # another process finished while this one waited
     total = workers * process_count
     ids = [process_index * workers + w for w in range(workers)]
-    failed = os.path.join(tmp, f'failed-{process_index:05d}.txt')
-    for stale in [failed] + ([os.path.join(tmp, 'failed-gather.txt')] if process_index == 0
+    failed = _path(tmp, f'failed-{process_index:05d}.txt')
+    for stale in [failed] + ([_path(tmp, 'failed-gather.txt')] if process_index == 0
                              else []):
-      if os.path.exists(stale):
-        os.remove(stale)
+      if stale.exists():
+        stale.unlink()
+    todo = [i for i in ids if not (remote and _done(tmp, i, total, fp))]
     try:
-      _run_workers(config, tokenizer, tmp, ids, total,
-                   made_since=os.path.join(out_dir, METADATA) if process_index else None,
+      _run_workers(config, tokenizer, staging, todo, total,
+                   made_since=_path(out_dir, METADATA) if process_index else None,
                    since=started - 1)
+      if remote:  # each worker's files, then its done.json (the mark that it finished)
+        for i in todo:
+          _upload_worker(staging, tmp, i)
     except BaseException as e:
       keep = _keeps_workers(e)
       for i in ids:  # nothing half-made of this host's is left behind
-        if not (keep and _done(tmp, i, total, fp)):
-          shutil.rmtree(_worker_dir(tmp, i), ignore_errors=True)
+        if not (keep and _done(staging, i, total, fp)):
+          shutil.rmtree(_worker_dir(staging, i), ignore_errors=True)
       if process_count == 1:
-        if not keep or not any(n.startswith('worker-') for n in os.listdir(tmp)):
-          shutil.rmtree(tmp, ignore_errors=True)
+        if not keep or not any(n.startswith('worker-') for n in os.listdir(staging)):
+          shutil.rmtree(staging, ignore_errors=True)
       else:  # process 0 stops waiting for this host
-        with open(failed, 'w') as f:
-          f.write(f'{type(e).__name__}: {e}')
+        failed.write_text(f'{type(e).__name__}: {e}')
       raise
+    if remote:
+      shutil.rmtree(staging, ignore_errors=True)  # uploaded
     if process_index != 0:
-      try:  # left empty when process 0 had gathered everything before this host looked
-        os.rmdir(tmp)
-      except OSError:
-        pass
+      if not remote:
+        try:  # left empty when process 0 had gathered everything before this host looked
+          os.rmdir(tmp)
+        except OSError:
+          pass
       return None
     try:
       # Signed again: a corpus that changed while it was prepared is an error, not a mix.
@@ -213,9 +231,8 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
     except BaseException as e:
       if process_count > 1:  # the other hosts, waiting for metadata.json, stop too
-        os.makedirs(tmp, exist_ok=True)
-        with open(os.path.join(tmp, 'failed-gather.txt'), 'w') as f:
-          f.write(f'{type(e).__name__}: {e}')
+        _path(tmp, 'failed-gather.txt').parent.mkdir(parents=True, exist_ok=True)
+        _path(tmp, 'failed-gather.txt').write_text(f'{type(e).__name__}: {e}')
       raise
   finally:
     if lock is not None:
@@ -234,21 +251,37 @@ class _single_host_lock:  # pylint: disable=invalid-name
     os.close(self._fd)  # releases the lock
 
 
+def _path(*parts: str):
+  """A local path or an object URL, as an etils.epath.Path."""
+  return storage.path(parts[0]).joinpath(*parts[1:])
+
+
 def _worker_dir(tmp: str, worker: int) -> str:
   return os.path.join(tmp, f'worker-{worker:05d}')
 
 
+def staging_dir(url: str) -> str:
+  """The local folder where this host's workers write a preparation bound for `url`."""
+  return os.path.join(storage.cache_dir('prepared'), storage.cache_key(url) + '.staging')
+
+
+def _upload_worker(staging: str, tmp: str, worker: int) -> None:
+  local, remote = _worker_dir(staging, worker), _worker_dir(tmp, worker)
+  done = json.loads(_path(local, 'done.json').read_text())
+  for name in [n for split in SPLITS for n in done['files'][split]] + ['done.json']:
+    storage.upload(os.path.join(local, name), remote + '/' + name)
+
+
 def _done(tmp: str, worker: int, total: int, fp: dict) -> Optional[dict]:
   """The worker's result, if it finished with these settings and this worker count."""
-  path = os.path.join(_worker_dir(tmp, worker), 'done.json')
-  if not os.path.isfile(path):
+  path = _path(_worker_dir(tmp, worker), 'done.json')
+  if not path.is_file():
     return None
-  with open(path) as f:
-    done = json.load(f)
+  done = json.loads(path.read_text())
   if done['fingerprint'] != fp or done['workers'] != total:
     return None
   names = [n for split in SPLITS for n in done['files'][split]]
-  if not all(os.path.isfile(os.path.join(_worker_dir(tmp, worker), n)) for n in names):
+  if not all(_path(_worker_dir(tmp, worker), n).is_file() for n in names):
     return None  # a gathering was cut short after moving its files: redo this worker
   return done
 
@@ -266,7 +299,7 @@ def die_with_parent(parent: int, poll_s: float = 0.5) -> None:
 
 
 def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
-                 made_since: Optional[str] = None, since: float = 0.0):
+                 made_since=None, since: float = 0.0):
   """Runs the workers among `ids` that have not finished. `made_since`: a host other than
   process 0 passes <out_dir>/metadata.json; written since `since`, it means process 0 has
   gathered this attempt's workers (and removed them) while this host looked."""
@@ -275,8 +308,7 @@ def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
   if len(todo) < len(ids):
     logging.info('preparation: %d of this host\'s %d workers finished before; resuming the '
                  'others', len(ids) - len(todo), len(ids))
-  if todo and made_since and os.path.exists(made_since) and (
-      os.path.getmtime(made_since) >= since):
+  if todo and made_since and made_since.exists() and made_since.stat().mtime >= int(since):
     return
   if not todo:
     return
@@ -370,12 +402,11 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: f
     if not missing:
       return
     for i in missing:  # finished in this attempt, but from other settings or corpus files
-      path = os.path.join(_worker_dir(tmp, i), 'done.json')
+      path = _path(_worker_dir(tmp, i), 'done.json')
       try:
-        if os.path.getmtime(path) < since:
+        if path.stat().mtime < int(since):
           continue  # an earlier attempt's: the worker will redo it
-        with open(path) as f:
-          theirs = json.load(f)['fingerprint']
+        theirs = json.loads(path.read_text())['fingerprint']
       except (FileNotFoundError, ValueError, KeyError):
         continue
       diff = {k: (theirs.get(k), fp.get(k)) for k in sorted(set(theirs) | set(fp))
@@ -403,18 +434,17 @@ def _failure(tmp: str, since: float, hosts_only: bool = False) -> Optional[str]:
   """'<who>: <message>' of a failure file in `tmp` written since `since` (an earlier
   attempt's is not this one's), or None; `hosts_only` passes over process 0's gathering."""
   try:
-    names = sorted(n for n in os.listdir(tmp) if n.startswith('failed-') and
-                   (n[7:12].isdigit() or not hosts_only))
+    names = sorted(p.name for p in _path(tmp).iterdir() if p.name.startswith('failed-') and
+                   (p.name[7:12].isdigit() or not hosts_only))
   except FileNotFoundError:
     return None
   for name in names:
-    path = os.path.join(tmp, name)
+    path = _path(tmp, name)
     try:
-      if os.path.getmtime(path) >= since:
+      if path.stat().mtime >= int(since):
         who = name[len('failed-'):-len('.txt')]
         who = 'process 0 (gathering)' if who == 'gather' else f'host {int(who)}'
-        with open(path) as f:
-          return f'{who}: {f.read()}'
+        return f'{who}: {path.read_text()}'
     except FileNotFoundError:
       continue
   return None
@@ -425,6 +455,8 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
   """Process 0: every worker's files under their final names, and metadata.json."""
   fp = fingerprint(config)
   results = [_done(tmp, i, total, fp) for i in range(total)]
+  if storage.is_url(out_dir):
+    return _gather_objects(config, tokenizer, tmp, out_dir, total, overwrite, started, results)
   gathered = os.path.join(tmp, 'gathered')
   shutil.rmtree(gathered, ignore_errors=True)  # a gathering that was cut short
   os.makedirs(gathered)
@@ -451,8 +483,54 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
   return metadata
 
 
+def _gather_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
+                    started: float, results) -> dict:
+  """_gather into a bucket: the workers' objects copied under their final names, then
+  metadata.json (written last: the preparation's commit)."""
+  if _path(out_dir, METADATA).exists():
+    if not overwrite:
+      return read_metadata(out_dir)
+    _path(out_dir, METADATA).unlink()  # first: never a metadata.json over mixed shards
+  if _path(out_dir).exists():
+    _path(out_dir).rmtree()  # shards of an earlier attempt cut short
+  counts, files, stats = {}, {}, collections.Counter()
+  for split in SPLITS:
+    paths = [_worker_dir(tmp, i) + '/' + name
+             for i, r in enumerate(results) for name in r['files'][split]]
+    for path, final in zip(paths, shard_paths(out_dir, split, len(paths))):
+      _path(path).copy(_path(final), overwrite=True)
+    files[split] = len(paths)
+    counts[split] = sum(r['counts'][split] for r in results)
+  for r in results:
+    stats.update(r['stats'])
+  stats.update(results[0]['read_stats'])
+  stats = collections.Counter({k: v for k, v in stats.items() if v})
+  metadata = _metadata(config, tokenizer, counts, files, stats, total, started)
+  _path(out_dir, METADATA).write_text(json.dumps(metadata, indent=2))
+  _path(tmp).rmtree()
+  return metadata
+
+
 def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, counts, files,
             stats, workers: int, started: float) -> dict:
+  metadata = _metadata(config, tokenizer, counts, files, stats, workers, started)
+  with open(os.path.join(gathered, METADATA), 'w') as f:
+    json.dump(metadata, f, indent=2)
+  if os.path.exists(out_dir):
+    if not overwrite and os.path.exists(os.path.join(out_dir, METADATA)):
+      return read_metadata(out_dir)
+    shutil.rmtree(out_dir)
+  try:
+    os.rename(gathered, out_dir)
+  except OSError:  # another process renamed its preparation into place first
+    if overwrite or not os.path.exists(os.path.join(out_dir, METADATA)):
+      raise
+    return read_metadata(out_dir)
+  return metadata
+
+
+def _metadata(config, tokenizer, counts, files, stats, workers: int, started: float) -> dict:
+  """metadata.json of a gathered preparation; bad input (no training example) raises."""
   d = config.data
   if stats['eval/documents'] == 1 and counts['eval']:
     logging.warning('the eval split holds one document, so its random-next segments come from '
@@ -469,33 +547,19 @@ def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, cou
     raise ValueError(f'config.data.sources={d.sources!r} gave no training examples '
                      f'({dict(stats) or "no documents"}); check the files and their format '
                      '(one sentence per line, blank line between documents)')
-  metadata = {'counts': counts, 'files': files, 'stats': dict(stats),
-              'fingerprint': fingerprint(config),
-              'tokenizer_path': tokenizer.path, 'vocab_size': tokenizer.vocab_size,
-              'max_seq_length': d.max_seq_length, 'workers': workers,
-              'seconds': round(time.time() - started, 1)}
-  with open(os.path.join(gathered, METADATA), 'w') as f:
-    json.dump(metadata, f, indent=2)
-  if os.path.exists(out_dir):
-    if not overwrite and os.path.exists(os.path.join(out_dir, METADATA)):
-      return read_metadata(out_dir)
-    shutil.rmtree(out_dir)
-  try:
-    os.rename(gathered, out_dir)
-  except OSError:  # another process renamed its preparation into place first
-    if overwrite or not os.path.exists(os.path.join(out_dir, METADATA)):
-      raise
-    return read_metadata(out_dir)
-  return metadata
+  return {'counts': counts, 'files': files, 'stats': dict(stats),
+          'fingerprint': fingerprint(config),
+          'tokenizer_path': tokenizer.path, 'vocab_size': tokenizer.vocab_size,
+          'max_seq_length': d.max_seq_length, 'workers': workers,
+          'seconds': round(time.time() - started, 1)}
 
 
 def read_metadata(prepared_dir: str, config=None) -> dict:
-  path = os.path.join(prepared_dir, METADATA)
-  if not os.path.exists(path):
+  path = _path(prepared_dir, METADATA)
+  if not path.exists():
     raise FileNotFoundError(f'{prepared_dir} holds no prepared data ({METADATA} missing); run '
                             '`python -m data.prepare` or let train.py prepare it')
-  with open(path) as f:
-    metadata = json.load(f)
+  metadata = json.loads(path.read_text())
   if config is None:
     return metadata
   have = metadata['fingerprint']

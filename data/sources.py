@@ -44,6 +44,8 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from realformer import storage
+
 EMBEDDED_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'embedded',
                                'sotu.txt.gz')
 _SOURCES_HELP = ('use embedded, files:<glob>, tfds:<name>[:<split>] or '
@@ -90,10 +92,10 @@ def split_sentences(text: str) -> List[str]:
 _Stream = Iterator[Tuple[List[str], Optional[float]]]
 
 
-def _open_binary(raw):
-  """(lines, fraction read): `raw` itself, or a gzip reader over it (recognised by its magic
-  bytes), with a function telling how far through the file the reader is."""
-  size = os.fstat(raw.fileno()).st_size
+def _open_binary(raw, size: int):
+  """(lines, fraction read): `raw` (a file of `size` bytes) itself, or a gzip reader over it
+  (recognised by its magic bytes), with a function telling how far through the file the
+  reader is."""
   if raw.read(2) != b'\x1f\x8b':
     raw.seek(0)
     return raw, lambda: raw.tell() / max(size, 1)
@@ -115,11 +117,11 @@ def _file_stream(path: str, stats: collections.Counter, done_bytes: int = 0,
                  total_bytes: int = 0) -> _Stream:
   """Documents of one BERT-format file, with the progress through `total_bytes` (the sizes
   of all files of its source, of which `done_bytes` were read before this one)."""
-  size = os.path.getsize(path)
+  size = storage.path(path).stat().length
   total_bytes = total_bytes or size
   n = 0
-  with open(path, 'rb') as raw:
-    lines, fraction = _open_binary(raw)
+  with storage.open_binary(path) as raw:
+    lines, fraction = _open_binary(raw, size)
     progress = lambda: min(1.0, (done_bytes + fraction() * size) / max(total_bytes, 1))
     try:
       doc = []
@@ -151,13 +153,13 @@ def iter_file_documents(path: str, stats: collections.Counter) -> Iterator[List[
 
 
 def _files_stream(pattern: str, stats: collections.Counter) -> _Stream:
-  paths = sorted(p for p in glob_lib.glob(os.path.expanduser(pattern)) if os.path.isfile(p))
-  if not paths:
-    folder = os.path.isdir(os.path.expanduser(pattern))
+  found = storage.glob_files(pattern)
+  if not found:
+    folder = storage.path(pattern).is_dir()
     raise FileNotFoundError(f'data source files:{pattern} matches no file; ' + (
         f'it is a folder: give its files, files:{pattern.rstrip("/")}/*' if folder else
         'check the path in config.data.sources'))
-  sizes = [os.path.getsize(p) for p in paths]
+  paths, sizes = [p for p, _ in found], [n for _, n in found]
   done = 0
   for path, size in zip(paths, sizes):
     yield from _file_stream(path, stats, done, sum(sizes))
@@ -399,9 +401,8 @@ def files_signature(sources: str) -> Optional[str]:
   matched = []
   for spec in (s.strip() for s in sources.split(';')):
     if spec.startswith('files:'):
-      pattern = os.path.expanduser(spec[len('files:'):])
-      matched += [(os.path.basename(p), os.path.getsize(p))
-                  for p in sorted(glob_lib.glob(pattern)) if os.path.isfile(p)]
+      matched += [(os.path.basename(p), n)
+                  for p, n in storage.glob_files(spec[len('files:'):])]
     elif spec.startswith('hf:') and os.path.isdir(_hf_parts(spec[3:])[0]):
       matched += _hf_local_files(spec[3:])
   if not matched:

@@ -24,12 +24,12 @@ The classic BERT `run_squad` recipe, with the pretraining run's tokenizer:
 
 import dataclasses
 import json
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from data import sources
+from realformer import storage
 
 
 @dataclasses.dataclass
@@ -87,12 +87,11 @@ def make_example(qid: str, question: str, context: str, answers: Sequence[str],
 
 def read_json(path: str) -> List[Example]:
   """Examples of an official SQuAD JSON file (train-v1.1.json, dev-v2.0.json, ...)."""
-  if not os.path.exists(path):
+  if not storage.path(path).exists():
     raise FileNotFoundError(f'{path} not found; set config.data_dir to the folder holding the '
                             'official SQuAD JSON files, or leave it empty for tfds')
   try:
-    with open(path, encoding='utf-8') as f:
-      data = json.load(f)['data']
+    data = json.loads(storage.path(path).read_bytes().decode('utf-8'))['data']
   except (ValueError, KeyError, TypeError) as e:  # JSON, UTF-8, or no 'data' list
     raise ValueError(f'{path} is not a SQuAD JSON file ({type(e).__name__}: {e}); pass the '
                      'official train/dev JSON files') from None

@@ -28,6 +28,7 @@ import numpy as np
 import sentencepiece as spm
 
 from data import sources
+from realformer import storage
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 EMBEDDED_CORPUS = sources.EMBEDDED_CORPUS
@@ -58,8 +59,12 @@ class Tokenizer:
 
   @classmethod
   def load(cls, path: str):
-    """A sentencepiece .model, or an HF WordPiece vocab.txt (dispatched to data.wordpiece)."""
-    if not os.path.exists(path):
+    """A sentencepiece .model, or an HF WordPiece vocab.txt (dispatched to data.wordpiece);
+    a gs:// URL is read through this host's copy of it (storage.local_copy)."""
+    if storage.is_url(path) and storage.path(path).exists():
+      folder, _, name = path.rpartition('/')
+      path = os.path.join(storage.local_copy(folder, [name], kind='tokenizers'), name)
+    if not storage.path(path).exists():
       raise FileNotFoundError(f'tokenizer {path!r} not found; set config.data.tokenizer to a '
                               'sentencepiece .model (or a WordPiece vocab.txt), or train one '
                               'with `python -m data.tokenizer`')

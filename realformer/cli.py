@@ -227,6 +227,24 @@ def run_main(main, *args, also=()):
     sys.exit(1)
   except OSError as e:  # a path the system refused (read-only, full, ...); others are bugs
     if verbose or e.errno not in _PATH_FIXES or e.filename is None:
+      if not verbose:
+        _storage_fault(e)
       raise
     print(f'error: {_message(e)}', file=sys.stderr)
+    sys.exit(1)
+  except Exception as e:  # pylint: disable=broad-except
+    if not verbose:
+      _storage_fault(e)
+    raise
+
+
+def _storage_fault(e: BaseException) -> None:
+  """Object storage that stopped answering: one line, exit status 1 (what was committed
+  before it, a checkpoint, prepared data, is complete and kept)."""
+  from realformer import storage  # pylint: disable=g-import-not-at-top
+  cause = storage.fault(e)
+  if cause is not None:
+    print(f'error: storage failed ({type(cause).__name__}: {_message(cause)}); what was '
+          'committed before it is kept: run the same command again once the storage '
+          'answers', file=sys.stderr)
     sys.exit(1)

@@ -10,6 +10,11 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Nothing is downloaded in the tests: Hugging Face datasets come from local directories.
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
+# Nothing asks a cloud metadata server: Google credential discovery (google-auth, gcsfs)
+# would try 169.254.169.254; here it finds a closed loopback port at once.
+os.environ['GCE_METADATA_HOST'] = os.environ['GCE_METADATA_IP'] = '127.0.0.1:9'
+# Local copies of bucket data (prepared shards) go to this session's own folder.
+os.environ.setdefault('REALFORMER_CACHE', tempfile.mkdtemp(prefix='realformer_cache_'))
 # The programs the tests start compile into this session's own cache, not the user's.
 os.environ.setdefault('REALFORMER_COMPILATION_CACHE', tempfile.mkdtemp(prefix='realformer_xla_'))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

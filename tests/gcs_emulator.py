@@ -100,10 +100,14 @@ def main():
   parser.add_argument('--host', default='127.0.0.1')
   parser.add_argument('--port', type=int, required=True)
   parser.add_argument('--bucket', required=True)
+  parser.add_argument('--data_dir', default='',
+                      help='keep the objects in this folder (a restarted server finds them); '
+                           'default: in memory')
   args = parser.parse_args()
   logging.disable(logging.WARNING)
   patch_handlers()
-  server.create_server(args.host, args.port, in_memory=True, default_bucket=args.bucket).run()
+  server.create_server(args.host, args.port, in_memory=not args.data_dir,
+                       default_bucket=args.bucket, data_dir=args.data_dir or None).run()
 
 
 if __name__ == '__main__':

@@ -23,37 +23,57 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def gcs_server():
-  """Yields gs://<bucket> served on a fresh loopback port; the server stops on exit."""
-  port = _free_port()
-  proc = subprocess.Popen(
-      [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                    'gcs_emulator.py'), '--port', str(port), '--bucket', BUCKET],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  url = f'http://127.0.0.1:{port}'
-  env = {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
-         'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'test', 'EPATH_USE_TF': 'false',
-         'FSSPEC_GCS': '{"token": "anon"}', 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
-         'GCE_METADATA_HOST': '127.0.0.1:9', 'GCE_METADATA_IP': '127.0.0.1:9'}
-  try:
+class GcsServer:
+  """The server as a process on a fixed loopback port: start() and stop() (a restart keeps the
+  objects when they live in `data_dir`, else they are lost with the process)."""
+
+  def __init__(self, data_dir: str = ''):
+    self.port, self.data_dir, self._proc = _free_port(), data_dir, None
+    self.root = f'gs://{BUCKET}'
+    url = f'http://127.0.0.1:{self.port}'
+    self.env = {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
+                'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'test', 'EPATH_USE_TF': 'false',
+                'FSSPEC_GCS': '{"token": "anon"}', 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
+                'GCE_METADATA_HOST': '127.0.0.1:9', 'GCE_METADATA_IP': '127.0.0.1:9'}
+
+  def start(self):
+    self._proc = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      'gcs_emulator.py'), '--port', str(self.port),
+         '--bucket', BUCKET, '--data_dir', self.data_dir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 30
     while True:
       try:
-        socket.create_connection(('127.0.0.1', port), timeout=1).close()
-        break
+        socket.create_connection(('127.0.0.1', self.port), timeout=1).close()
+        return
       except OSError:
-        if proc.poll() is not None or time.time() > deadline:
+        if self._proc.poll() is not None or time.time() > deadline:
+          self.stop()
           raise RuntimeError('the GCS test server did not start (pip install '
                              'gcp-storage-emulator)') from None
         time.sleep(0.2)
+
+  def stop(self):
+    if self._proc is not None:
+      self._proc.kill()
+      self._proc.wait()
+      self._proc = None
+
+
+@contextlib.contextmanager
+def gcs_server(data_dir: str = ''):
+  """Yields gs://<bucket> served on a fresh loopback port, with the environment pointing
+  every client at it; the server stops on exit."""
+  server = GcsServer(data_dir)
+  server.start()
+  try:
     with pytest.MonkeyPatch.context() as mp:
-      for key, value in env.items():
+      for key, value in server.env.items():
         mp.setenv(key, value)
-      yield f'gs://{BUCKET}'
+      yield server.root
   finally:
-    proc.kill()
-    proc.wait()
+    server.stop()
 
 
 @pytest.fixture(scope='module')

@@ -101,7 +101,8 @@ def test_no_import_cycle_between_packages():
 
 @pytest.mark.parametrize('prefix,allowed', [
     ('synthesizer', ('realformer.layers',)),
-    ('data', ('realformer.cli', 'realformer.config_checks', 'realformer.model.spec')),
+    ('data', ('realformer.cli', 'realformer.config_checks', 'realformer.model.spec',
+              'realformer.storage')),
     ('realformer.layers', ()),
     ('realformer.model', ('realformer.layers', 'synthesizer')),
 ])

@@ -441,10 +441,11 @@ def test_a_host_arriving_while_process_zero_gathers_does_not_redo_its_share(
   assert _records(out, gathered) == _records(str(tmp_path / 'fresh'), fresh)
 
 
-def test_a_bucket_url_as_output_is_an_error_not_a_local_folder(corpus, tmp_path, monkeypatch):
+def test_an_unsupported_storage_url_is_an_error_not_a_local_folder(corpus, tmp_path,
+                                                                   monkeypatch):
   monkeypatch.chdir(tmp_path)
-  with pytest.raises(ValueError, match='mount the bucket'):
-    prepare.prepare(tiny_config(corpus), 'gs://bucket/prepared')
+  with pytest.raises(ValueError, match='supported for gs://'):
+    prepare.prepare(tiny_config(corpus), 's3://bucket/prepared')
   assert os.listdir(tmp_path) == []
 
 

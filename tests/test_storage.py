@@ -4,6 +4,13 @@ never restored; a model's worth of arrays round-trips; params-only checkpoints a
 round-trip through gs://. And the server itself keeps Cloud Storage's generation
 preconditions, which tensorstore and a lock object rely on."""
 
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -11,7 +18,9 @@ import numpy as np
 import pytest
 
 from realformer.train import checkpoints
-from realformer.train import storage
+from realformer import storage
+from realformer.train import workdir
+from realformer.train.run_dir import RunDir
 from tests.gcs_server import gcs  # pylint: disable=unused-import
 
 
@@ -109,3 +118,148 @@ def test_the_server_keeps_generation_preconditions(gcs):
   assert bucket.blob('preconditions/.lock').download_as_text() == 'refreshed'
   blob.delete(if_generation_match=blob.generation)
   assert not bucket.blob('preconditions/.lock').exists()
+
+
+# ---- The lock object of a run directory on Cloud Storage (workdir.ObjectLease).
+
+def _lock_blob(url):
+  from google.cloud import storage as gcs_client  # pylint: disable=g-import-not-at-top
+  bucket, _, name = url[len('gs://'):].partition('/')
+  return gcs_client.Client().bucket(bucket).blob(f'{name}/{workdir.LOCK_FILE}')
+
+
+def _plant_holder(url, **record):
+  """A lock object as another run would have left it."""
+  holder = {'host': 'elsewhere', 'pid': 1, 'program': 'train.py', 'since': 'then',
+            'lease_seconds': workdir.LEASE_SECONDS, **record}
+  _lock_blob(url).upload_from_string(json.dumps(holder), if_generation_match=0)
+
+
+def test_a_lock_object_admits_one_run_and_is_released(gcs):
+  url = f'{gcs}/locked'
+  with workdir.Lock(url, 'train.py'):
+    held = json.loads(_lock_blob(url).download_as_text())
+    assert held['host'] == socket.gethostname() and held['pid'] == os.getpid()
+    with pytest.raises(workdir.WorkdirInUseError,
+                       match=rf'in use by pid {os.getpid()} on .*delete {url}/\.lock'):
+      with workdir.Lock(url, 'train.py'):
+        pass
+  assert not _lock_blob(url).exists()  # released: the next run takes it at once
+  with workdir.Lock(url, 'train.py'):
+    assert _lock_blob(url).exists()
+
+
+def test_a_dead_holder_is_taken_over_and_a_live_one_is_not(gcs, monkeypatch, caplog):
+  # On this host, a process that no longer exists: taken over at once.
+  gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                        capture_output=True, text=True, check=True)
+  url = f'{gcs}/gone'
+  _plant_holder(url, host=socket.gethostname(), pid=int(gone.stdout))
+  with caplog.at_level('WARNING'):
+    with workdir.Lock(url, 'train.py'):
+      assert json.loads(_lock_blob(url).download_as_text())['pid'] == os.getpid()
+  assert 'that process is gone' in caplog.text
+  # On another host: refused while its lease runs, taken over once it has expired.
+  url = f'{gcs}/elsewhere'
+  _plant_holder(url, lease_seconds=1.0)
+  with pytest.raises(workdir.WorkdirInUseError, match='on elsewhere.*wait [01] s'):
+    with workdir.Lock(url, 'train.py'):
+      pass
+  time.sleep(1.5)
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    with workdir.Lock(url, 'train.py'):
+      pass
+  assert 'its lease expired' in caplog.text
+
+
+def test_the_lease_is_refreshed_and_a_lost_one_stops_the_run(gcs, monkeypatch):
+  monkeypatch.setattr(workdir, 'REFRESH_SECONDS', 0.2)
+  url = f'{gcs}/refreshed'
+  run = RunDir(url)
+  with run.hold('train.py', ml_collections.ConfigDict({'seed': 0})):
+    first = _lock_blob(url)
+    first.reload()
+    time.sleep(0.8)
+    second = _lock_blob(url)
+    second.reload()
+    assert second.generation != first.generation  # rewritten by the refresh
+    assert 'renewed' in json.loads(second.download_as_text())
+    run.check_held()
+    # Another run takes the lock over (as after a lease that could not be refreshed).
+    second.delete()
+    _plant_holder(url)
+    time.sleep(0.8)
+    with pytest.raises(workdir.WorkdirInUseError, match='taken over by another run'):
+      run.check_held()
+  assert json.loads(_lock_blob(url).download_as_text())['host'] == 'elsewhere'  # not deleted
+
+
+def test_a_run_directory_on_a_gcsfuse_mount_is_refused_naming_the_bucket(tmp_path, monkeypatch):
+  """/proc/mounts as a host with a gcsfuse mount shows it (no test can mount one): the
+  workdir and the prepared data on the mount are refused, naming the gs:// URL; other
+  folders, and a folder under a nested local mount, are not."""
+  mounts = tmp_path / 'mounts'
+  mounts.write_text(f'/dev/sda1 / ext4 rw 0 0\n'
+                    f'my-bucket {tmp_path}/gcs fuse.gcsfuse rw,nosuid,nodev 0 0\n'
+                    f'tmpfs {tmp_path}/gcs/scratch tmpfs rw 0 0\n')
+  monkeypatch.setattr(storage, 'MOUNTS', str(mounts))
+  with pytest.raises(ValueError, match=rf'--workdir {tmp_path}/gcs/runs/a is on a gcsfuse '
+                                       r'mount of the bucket my-bucket .*instead: '
+                                       r'gs://my-bucket/runs/a$'):
+    RunDir(tmp_path / 'gcs' / 'runs' / 'a')
+  with pytest.raises(ValueError, match=r'instead: gs://my-bucket/data$'):
+    from data import prepare  # pylint: disable=g-import-not-at-top
+    prepare.prepare(ml_collections.ConfigDict({'data': {}}), str(tmp_path / 'gcs' / 'data'))
+  RunDir(tmp_path / 'local')
+  RunDir(tmp_path / 'gcs' / 'scratch' / 'run')
+
+
+def test_a_growing_file_in_a_bucket_is_uploaded_whole_and_continued_on_resume(gcs):
+  url = f'{gcs}/growing/metrics.jsonl'
+  f = storage.GrowingFile(url, upload_every=3600.0)
+  f.write('{"step": 1}\n')
+  f.flush()  # within the upload interval: kept in the spool
+  assert not storage.path(url).exists()
+  f.flush(force=True)  # as with each checkpoint
+  assert storage.path(url).read_text() == '{"step": 1}\n'
+  f.write('{"step": 2}\n')
+  f.close()
+  assert storage.path(url).read_text() == '{"step": 1}\n{"step": 2}\n'
+  again = storage.GrowingFile(url, upload_every=0.0)  # a resumed run appends to it
+  again.write('{"step": 3}\n')
+  again.flush()
+  assert storage.path(url).read_text().splitlines()[-1] == '{"step": 3}'
+  again.close()
+
+
+def test_a_tokenizer_in_a_bucket_is_read_through_a_checked_local_copy(gcs):
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  local = tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+  url = f'{gcs}/tokenizers/{os.path.basename(tokenizer_lib.EMBEDDED_TOKENIZER)}'
+  with open(tokenizer_lib.EMBEDDED_TOKENIZER, 'rb') as f:
+    storage.path(url).write_bytes(f.read())
+  remote = tokenizer_lib.Tokenizer.load(url)
+  assert remote.vocab_size == local.vocab_size
+  assert remote.encode('the residual attention') == local.encode('the residual attention')
+  with pytest.raises(FileNotFoundError, match='not found'):
+    tokenizer_lib.Tokenizer.load(f'{gcs}/tokenizers/missing.model')
+
+
+def test_a_corpus_in_a_bucket_reads_as_the_same_files_on_disk(gcs, tmp_path):
+  """files:<glob> on gs://: the same documents (a gzip file among them), the same signature
+  (names and sizes), and the same one-line error for a glob that matches nothing."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  from data import sources  # pylint: disable=g-import-not-at-top
+  texts = {'a.txt': 'One sentence.\nTwo.\n\nAnother document.\n',
+           'b.txt.gz': gzip.compress(b'Zipped line one.\nZipped two.\n\nLast doc.\n')}
+  for name, text in texts.items():
+    data = text if isinstance(text, bytes) else text.encode()
+    (tmp_path / name).write_bytes(data)
+    storage.path(f'{gcs}/corpus/{name}').write_bytes(data)
+  local, remote = f'files:{tmp_path}/*.txt*', f'files:{gcs}/corpus/*.txt*'
+  assert list(sources.iter_documents(remote)) == list(sources.iter_documents(local))
+  assert len(list(sources.iter_documents(remote))) == 4
+  assert sources.files_signature(remote) == sources.files_signature(local) is not None
+  with pytest.raises(FileNotFoundError, match=rf'files:{gcs}/corpus/\*.md matches no file'):
+    list(sources.iter_documents(f'files:{gcs}/corpus/*.md'))

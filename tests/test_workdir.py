@@ -314,9 +314,11 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
      'config.length_buckets=-2: give the number of compiled lengths'),
     (['finetune.py', '--workdir', '{tmp}/f', '--config.bucket_compile_seconds=-1'],
      'config.bucket_compile_seconds=-1.0: give a number >= 0'),
+    (['train.py', '--workdir', 's3://bucket/run', '--config.data.sources=synthetic'],
+     "--workdir 's3://bucket/run': object storage is supported for gs:// (Cloud Storage) "
+     'URLs; give a gs:// URL or a local folder'),
     (['train.py', '--workdir', 'gs://bucket/run', '--config.data.sources=synthetic'],
-     "--workdir 'gs://bucket/run': a run directory is a folder on a local or shared file "
-     'system (NFS, Filestore); object-storage URLs are not supported yet'),
+     'cannot reach Cloud Storage for gs://bucket/run/.lock: '),
     (['sweep.py', 'print', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
       '--set', 'train.num_steps=abc'], "train.num_steps='abc' does not fit the field (int"),
 ])

@@ -7,7 +7,6 @@ files are of dev (predictions/predictions.json, and null_odds.json for v2.0).
 """
 
 import json
-import os
 from typing import Dict
 
 import jax
@@ -19,6 +18,7 @@ from data import squad
 from realformer import models
 from realformer.finetune import metrics as finetune_metrics
 from realformer.finetune.task import FinetuneTask
+from realformer import storage
 
 
 class SquadTask(FinetuneTask):
@@ -44,7 +44,7 @@ class SquadTask(FinetuneTask):
                            self.config.data_dir[len('hf:'):])
     if self.config.data_dir:
       name = f'{split}-{self.config.task}.json'
-      return squad.read_json(os.path.join(self.config.data_dir, name))
+      return squad.read_json(f'{self.config.data_dir.rstrip("/")}/{name}')
     return squad.read_tfds(self.config.task, 'train' if split == 'train' else 'validation',
                            self.config.tfds_data_dir)
 
@@ -97,12 +97,9 @@ class SquadTask(FinetuneTask):
     del outputs, results  # SQuAD's test sets are hidden: the dev answers are written
     if jax.process_index() != 0:
       return
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, 'predictions.json'), 'w') as f:
-      json.dump(self.answers, f, indent=1)
+    storage.write_text(f'{out_dir}/predictions.json', json.dumps(self.answers, indent=1))
     if self.version_2:
-      with open(os.path.join(out_dir, 'null_odds.json'), 'w') as f:
-        json.dump(self.null_diff, f, indent=1)
+      storage.write_text(f'{out_dir}/null_odds.json', json.dumps(self.null_diff, indent=1))
 
   def dev_headline(self, dev) -> float:
     return finetune_metrics.headline(self.name, dev['squad'])

@@ -8,7 +8,7 @@ Orbax writes a step into a temporary directory and renames it when every host ha
 (on gs://, where a rename copies every object, it writes the step in place and finalizes it
 with its commit file instead), and lists only finalized steps, so a step left half-written by
 a crash is never restored (it is removed at the next start). Paths are local folders or
-gs:// URLs (realformer/train/storage.py). A params-only restore (an init checkpoint: a run directory,
+gs:// URLs (realformer/storage.py). A params-only restore (an init checkpoint: a run directory,
 its checkpoints/ directory or one step directory) is partial: parameters the checkpoint lacks
 are reported for the caller to keep fresh, extra ones are ignored. A checkpoint that does not
 match the model (a missing or reshaped parameter) is a one-line ValueError naming the
@@ -24,7 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from realformer.train import storage
+from realformer import storage
 
 CHECKPOINT_DIR = 'checkpoints'
 CONFIG_FILE = 'config.json'
@@ -80,18 +80,11 @@ def latest_complete_step(manager: ocp.CheckpointManager) -> Optional[int]:
 
 
 def write_config(workdir, config) -> str:
-  """<workdir>/config.json (process 0 only; other processes return the path). Locally through
-  a temporary file and a rename; on object storage one upload is already all or nothing."""
+  """<workdir>/config.json, replaced whole (storage.write_text; process 0 only, other
+  processes return the path)."""
   path = storage.path(workdir) / CONFIG_FILE
   if jax.process_index() == 0:
-    text = config.to_json_best_effort(indent=2, sort_keys=True)
-    if storage.is_url(path):
-      path.write_text(text)
-    else:
-      path.parent.mkdir(parents=True, exist_ok=True)
-      tmp = path.with_name(CONFIG_FILE + '.tmp')
-      tmp.write_text(text)
-      tmp.replace(path)
+    storage.write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
   return str(path)
 
 

@@ -58,6 +58,7 @@ def describe() -> str:
 def record(workdir: str) -> None:
   """Appends facts() to <workdir>/machine.jsonl (process 0 only)."""
   if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, MACHINE_FILE), 'a', encoding='utf-8') as f:
-      f.write(json.dumps(facts()) + '\n')
+    from realformer import storage  # pylint: disable=g-import-not-at-top
+    f = storage.GrowingFile(storage.path(workdir) / MACHINE_FILE)
+    f.write(json.dumps(facts()) + '\n')
+    f.close()

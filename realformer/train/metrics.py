@@ -28,6 +28,8 @@ import numpy as np
 from absl import logging
 from clu import metrics
 
+from realformer import storage
+
 
 def average(total, count) -> metrics.Average:
   """An Average from a sum and its weight (both summed again when merged)."""
@@ -115,8 +117,7 @@ class JsonlWriter:
   """
 
   def __init__(self, path: str):
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    self._file = open(path, 'a')
+    self._file = storage.GrowingFile(path)
     self._step, self._pending = None, {}
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
@@ -127,11 +128,13 @@ class JsonlWriter:
       split, _, key = name.rpartition('/')
       self._pending.setdefault(split or 'train', {})[key] = float(np.asarray(value))
 
-  def flush(self):
+  def flush(self, force: bool = False):
+    """Writes the gathered lines; in a bucket they reach the object at most every 30 s, or
+    now with `force` (storage.GrowingFile)."""
     for split, values in self._pending.items():
       self._file.write(json.dumps({'step': int(self._step), 'split': split, **values}) + '\n')
     self._pending = {}
-    self._file.flush()
+    self._file.flush(force)
 
   def close(self):
     self.flush()
@@ -139,16 +142,17 @@ class JsonlWriter:
 
 
 class TensorBoardWriter:
-  """Scalars as TensorBoard events: one events.out.tfevents.* file in `logdir`, written with
-  tensorboard's record format (TFRecord framing, masked CRC32C) by plain file writes, so no
-  TensorFlow is imported (tensorboard's own event writer goes through tf.io.gfile, which
-  loads TensorFlow wherever it is installed)."""
+  """Scalars as TensorBoard events: one events.out.tfevents.* file per start in `logdir` (a
+  folder or a gs:// URL: storage.GrowingFile), written with tensorboard's record format
+  (TFRecord framing, masked CRC32C) by plain file writes, so no TensorFlow is imported
+  (tensorboard's own event writer goes through tf.io.gfile, which loads TensorFlow wherever
+  it is installed)."""
 
   def __init__(self, logdir: str):
     from tensorboard.summary.writer import record_writer  # pylint: disable=g-import-not-at-top
-    os.makedirs(logdir, exist_ok=True)
     name = f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}'
-    self._writer = record_writer.RecordWriter(open(os.path.join(logdir, name), 'wb'))
+    self._file = storage.GrowingFile(storage.path(logdir) / name, binary=True)
+    self._writer = record_writer.RecordWriter(self._file)
     self._write(file_version='brain.Event:2')
 
   def _write(self, **event):
@@ -161,11 +165,12 @@ class TensorBoardWriter:
               for name, value in scalars.items()]
     self._write(step=int(step), summary=summary_pb2.Summary(value=values))
 
-  def flush(self):
+  def flush(self, force: bool = False):
     self._writer.flush()
+    self._file.flush(force)
 
   def close(self):
-    self._writer.close()
+    self._file.close()
 
 
 class LogWriter:
@@ -175,7 +180,7 @@ class LogWriter:
     logging.info('[%d] %s', step, ', '.join(f'{name}={float(np.asarray(value)):.6g}'
                                             for name, value in scalars.items()))
 
-  def flush(self):
+  def flush(self, force: bool = False):
     pass
 
   def close(self):
@@ -192,9 +197,11 @@ class MultiWriter:
     for writer in self.writers:
       writer.write_scalars(step, scalars)
 
-  def flush(self):
+  def flush(self, force: bool = False):
+    """force: also make what was written durable where the writers keep it (a bucket's
+    objects; the trainer forces a flush with each checkpoint)."""
     for writer in self.writers:
-      writer.flush()
+      writer.flush(force)
 
   def close(self):
     for writer in self.writers:
@@ -204,8 +211,8 @@ class MultiWriter:
 def read_jsonl(path: str, split: str = 'train') -> dict:
   """metrics.jsonl -> {step: record} for one split; a re-logged step keeps its last record."""
   out = {}
-  with open(path) as f:
-    for line in f:
+  for line in storage.path(path).read_text().splitlines():
+    if line.strip():
       record = json.loads(line)
       if record.get('split') == split:
         out[record['step']] = record  # a later line for the same step (a resume) wins
@@ -217,4 +224,4 @@ def create_writer(workdir: str, process_index: int) -> MultiWriter:
   if process_index > 0:
     return MultiWriter([LogWriter()])
   return MultiWriter([LogWriter(), TensorBoardWriter(workdir),
-                      JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))])
+                      JsonlWriter(storage.path(workdir) / 'metrics.jsonl')])

@@ -7,7 +7,8 @@
 
 Layout (every name a program writes is here and nowhere else):
 
-  .lock                 the run's holder (host, pid, program, start); see workdir.Lock
+  .lock                 the run's holder (host, pid, program, start); see workdir.Lock (a
+                        leased object on gs://: workdir.ObjectLease)
   config.json           the run's full config (model, data.tokenizer, ...)
   checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
                         stream's position, pretraining only)
@@ -23,9 +24,10 @@ Layout (every name a program writes is here and nowhere else):
   results.json          the finished run's summary (fine-tuning)
   data/                 prepared pretraining shards when data.prepared_dir is empty
 
-Paths are `etils.epath.Path`s, the path type Orbax itself uses. Only process 0 writes the
-small files; every process may read them. JSON files are replaced whole (written beside,
-then renamed), so a reader never sees half a file.
+The root is a local folder or a gs:// URL; paths are `etils.epath.Path`s, the path type
+Orbax itself uses (storage.py says how each kind of file reaches a bucket). Only process 0
+writes the small files; every process may read them. JSON files are replaced whole, so a
+reader never sees half a file.
 """
 
 import contextlib
@@ -39,11 +41,12 @@ from etils import epath
 from realformer.train import checkpoints
 from realformer.train import machine
 from realformer.train import metrics as metrics_lib
+from realformer import storage
 from realformer.train import workdir as workdir_lib
 
 
 class RunDir:
-  """The files of one run under `root` (a local folder; `~` is expanded)."""
+  """The files of one run under `root` (a local folder, `~` expanded; or a gs:// URL)."""
 
   CONFIG = checkpoints.CONFIG_FILE
   CHECKPOINTS = checkpoints.CHECKPOINT_DIR
@@ -59,11 +62,12 @@ class RunDir:
   def __init__(self, root):
     if root is None or not os.fspath(root):
       raise ValueError('--workdir is required: the directory for checkpoints and logs')
-    if '://' in os.fspath(root):  # else a local folder named 'gs:' would take the run
-      raise ValueError(f'--workdir {os.fspath(root)!r}: a run directory is a folder on a local '
-                       'or shared file system (NFS, Filestore); object-storage URLs are not '
-                       'supported yet')
-    self.root = epath.Path(os.path.abspath(os.path.expanduser(os.fspath(root))))
+    if storage.is_url(root) and not os.fspath(root).startswith('gs://'):
+      raise ValueError(f'--workdir {os.fspath(root)!r}: object storage is supported for gs:// '
+                       '(Cloud Storage) URLs; give a gs:// URL or a local folder')
+    storage.refuse_gcsfuse(root, '--workdir')
+    self.root = storage.path(root)
+    self._lock: Optional[workdir_lib.Lock] = None
 
   def __str__(self) -> str:
     return os.fspath(self.root)
@@ -80,9 +84,20 @@ class RunDir:
   @contextlib.contextmanager
   def hold(self, program: str, config):
     """Holds the lock for the body, after refusing a resume under another config."""
-    with workdir_lib.Lock(str(self), program):
+    with workdir_lib.Lock(str(self), program) as lock:
       workdir_lib.check_resume_config(str(self), config, self.has_checkpoint())
-      yield self
+      self._lock = lock
+      try:
+        yield self
+      finally:
+        self._lock = None
+
+  def check_held(self) -> None:
+    """Raises WorkdirInUseError if the lock this run holds was taken over (a lease on
+    object storage that could not be refreshed in time): nothing more may be written."""
+    if self._lock is not None and self._lock.lost:
+      raise workdir_lib.WorkdirInUseError(f'{self._lock.lost}; this run stopped without '
+                                          'saving; only one run may write to a workdir')
 
   def has_checkpoint(self) -> bool:
     """A complete resume checkpoint, or the final params of a finished run."""
@@ -97,10 +112,7 @@ class RunDir:
   def write_json(self, name: str, value: Any, indent: Optional[int] = None) -> epath.Path:
     path = self.path(name)
     if jax.process_index() == 0:
-      path.parent.mkdir(parents=True, exist_ok=True)
-      tmp = path.parent / (path.name + '.tmp')
-      tmp.write_text(json.dumps(value, indent=indent))
-      tmp.replace(path)
+      storage.write_text(path, json.dumps(value, indent=indent))
     return path
 
   def read_json(self, name: str, default: Any = None) -> Any:

@@ -40,6 +40,8 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import shutil
+import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
@@ -52,6 +54,7 @@ from absl import logging
 from realformer.train import checkpoints
 from realformer.train import compile_cache
 from realformer.train import metrics as metrics_lib
+from realformer import storage
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
@@ -300,16 +303,20 @@ class Window:
 
 class _Profile:
   """A jax profiler trace of `num_steps` steps from step start + 10 (warmed up) into `logdir`
-  (TensorBoard's profile plugin reads it); process 0 only; nothing when num_steps is 0. A
-  run that ends inside the window ends the trace (close)."""
+  (TensorBoard's profile plugin reads it; for a gs:// run the trace is written to a local
+  folder, then copied there); process 0 only; nothing when num_steps is 0. A run that ends
+  inside the window ends the trace (close)."""
 
   def __init__(self, num_steps: int, logdir: str, start: int):
     self.first = start + 10 if num_steps and jax.process_index() == 0 else None
     self.last, self.logdir, self.tracing = start + 10 + num_steps, logdir, False
+    self._local = None
 
   def step(self, step: int):
     if self.first is not None and step == self.first:
-      jax.profiler.start_trace(self.logdir)
+      if storage.is_url(self.logdir):
+        self._local = tempfile.mkdtemp(prefix='realformer-profile-')
+      jax.profiler.start_trace(self._local or self.logdir)
       self.tracing = True
     elif self.tracing and step == self.last:
       self.close()
@@ -318,6 +325,9 @@ class _Profile:
     if self.tracing:
       jax.profiler.stop_trace()
       self.tracing = False
+      if self._local is not None:
+        storage.copy_tree(self._local, self.logdir)
+        shutil.rmtree(self._local, ignore_errors=True)
 
 
 class Trainer:
@@ -495,6 +505,10 @@ class Trainer:
       self.budget.exclude(time.time() - started)
 
   def _save(self, step: int):
+    self.run_dir.check_held()
+    # The logs up to a checkpoint reach a bucket before it (and a storage that stopped
+    # answering is found here, before a checkpoint is begun).
+    self.writer.flush(force=True)
     checkpoints.save(self.manager, step, self.state.to_checkpoint(),
                      self.task.data_checkpoint_args('save'), force=True)
     if self.budget is not None:
@@ -601,12 +615,13 @@ class BestParams:
 def _drop_optimizer_state(manager, params, step: int, run: RunDir, best: BestParams,
                           task: Task):
   """A finished run needs no optimizer state: keep its params in <run>/final (a
-  params-only checkpoint that a rerun evaluates and another run can start from; a link to
-  best/ when the last evaluation was the best) and delete the resume checkpoint."""
+  params-only checkpoint that a rerun evaluates and another run can start from; on a local
+  disk a link to best/ when the last evaluation was the best) and delete the resume
+  checkpoint."""
   final = run.path(RunDir.FINAL)
   if os.path.islink(final) or checkpoints.has_complete_step(str(final)):
     pass  # written by an attempt killed before the resume checkpoint was deleted
-  elif best.best is not None and best.best['step'] == step:
+  elif best.best is not None and best.best['step'] == step and not storage.is_url(final):
     if jax.process_index() == 0:
       os.symlink(RunDir.BEST, final)
   else:

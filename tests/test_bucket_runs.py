@@ -1,0 +1,276 @@
+"""Runs that live in a Cloud Storage bucket (the loopback GCS server of tests/gcs_server.py,
+its objects in a folder so that it can be stopped and started again):
+
+  a. pretraining with its workdir and its prepared data in gs:// logs the losses of the same
+     run on local disk; data prepared into the bucket by 2 workers on 2 hosts holds the same
+     instances as a local preparation by one;
+  b. kill -9 while a checkpoint is being written, then the same command: the cut step is never
+     restored and the resumed run matches an uninterrupted one;
+  c. a second run on a gs:// workdir that a run holds is refused with one line;
+  d. fine-tuning from a gs:// pretraining workdir into a gs:// workdir, reading GLUE from the
+     bucket, writes results and predictions there, the same as on local disk;
+  e. the server stopped mid-run: the run stops with one line naming the storage error, and
+     the same command resumes once the server is back, as if nothing had happened;
+  f. the programs of b and e open connections to 127.0.0.1 only (Python's socket audit
+     events: gcsfs and google-cloud-storage; tensorstore's own connections go to
+     TENSORSTORE_GCS_HTTP_URL, the same server), and credential discovery asks no metadata
+     server.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import finetune
+import train
+from data import prepare
+from realformer.train import checkpoints
+from realformer.train import metrics as metrics_lib
+from realformer import storage
+from tests import test_finetune
+from tests import test_pipeline
+from tests.gcs_server import GcsServer
+from tests.test_train import REPO, tiny_config
+
+DEVICES = 2
+NUM_STEPS = 12
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory):
+  """One server for the module (gcsfs and tensorstore keep their endpoint per process)."""
+  srv = GcsServer(str(tmp_path_factory.mktemp('gcs_objects')))
+  srv.start()
+  with pytest.MonkeyPatch.context() as mp:
+    for key, value in srv.env.items():
+      mp.setenv(key, value)
+    yield srv
+  srv.stop()
+
+
+def _run(config, workdir):
+  return train.train_and_evaluate(config, str(workdir), devices=jax.devices()[:DEVICES])
+
+
+def _losses(workdir):
+  records = metrics_lib.read_jsonl(f'{workdir}/metrics.jsonl')
+  return {s: r['loss'] for s, r in sorted(records.items())}
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """An uninterrupted run on local disk (dropout on: a resume must redraw the same masks)."""
+  workdir = tmp_path_factory.mktemp('local')
+  _run(tiny_config(num_steps=NUM_STEPS, checkpoint_every_steps=3), workdir)
+  return _losses(workdir)
+
+
+def _assert_same(got, want):
+  assert sorted(got) == sorted(want)
+  np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)],
+                             rtol=1e-6)
+
+
+# A training program in a fresh process, as train.py runs it (cli.run_main: errors as one
+# line). It records every host it resolves or connects to (f). step_seconds slows each
+# step; kill_in_save=k SIGKILLs it once step k's checkpoint has begun to reach the bucket
+# (objects there, before its commit file).
+_CHILD = r'''
+import json, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+args = json.loads({args!r})
+
+def audit(event, a, seen=set()):
+  if event == 'socket.connect' and isinstance(a[1], tuple):
+    host = str(a[1][0])
+  elif event == 'socket.getaddrinfo':
+    host = str(a[0])
+  else:
+    return
+  if host not in seen:
+    seen.add(host)
+    with open(args['hosts'], 'a') as f:
+      f.write(host + '\n')
+sys.addaudithook(audit)
+
+import train
+from realformer import cli
+from realformer.train import checkpoints, train_lib
+from tests.test_train import tiny_config
+if args.get('step_seconds'):
+  make_step = train_lib.make_train_step
+  def slow_make_step(*a, **kw):
+    step_fn = make_step(*a, **kw)
+    def step(state, batch):
+      time.sleep(args['step_seconds'])
+      return step_fn(state, batch)
+    return step
+  train_lib.make_train_step = slow_make_step
+if args.get('kill_in_save'):
+  from google.cloud import storage as gcs
+  bucket, _, prefix = args['workdir'][len('gs://'):].partition('/')
+  save = checkpoints.save
+  def killing_save(manager, step, *a, **kw):
+    out = save(manager, step, *a, **kw)
+    if step == args['kill_in_save']:
+      listing = gcs.Client().bucket(bucket)
+      while not list(listing.list_blobs(prefix=f'{{prefix}}/checkpoints/{{step}}/')):
+        pass
+      os.kill(os.getpid(), signal.SIGKILL)
+    return out
+  checkpoints.save = killing_save
+cli.run_main(train.train_and_evaluate, tiny_config(**args['train']), args['workdir'])
+'''
+
+
+def _child(server, tmp_path, **args):
+  args.setdefault('hosts', str(tmp_path / 'hosts.txt'))
+  env = dict(os.environ, **server.env, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={DEVICES}')
+  return subprocess.Popen([sys.executable, '-c', _CHILD.format(repo=REPO,
+                                                               args=json.dumps(args))],
+                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def _assert_loopback_only(hosts_file):
+  hosts = set(open(hosts_file).read().split())
+  assert hosts and hosts <= {'127.0.0.1', 'localhost'}, hosts
+
+
+def test_a_pretraining_run_in_a_bucket_logs_the_losses_of_a_local_run(server, tmp_path):
+  config = tiny_config(num_steps=4, eval_steps=1, eval_every_steps=2)
+  config.data.sources = 'embedded'
+  config.data.max_predictions_per_seq = 5
+  config.model.vocab_size = 0  # from the tokenizer
+  _run(config, tmp_path / 'local')
+  url = f'{server.root}/a'
+  summary = _run(config, url)
+  _assert_same(_losses(url), _losses(tmp_path / 'local'))
+  local_eval = metrics_lib.read_jsonl(tmp_path / 'local' / 'metrics.jsonl', 'eval')[4]
+  assert summary['eval']['mlm_loss'] == pytest.approx(local_eval['mlm_loss'], rel=1e-6)
+  names = {p.name for p in storage.path(url).iterdir()}
+  assert {'config.json', 'machine.jsonl', 'metrics.jsonl', 'checkpoints', 'data'} <= names
+  assert any(n.startswith('events.out.tfevents.') for n in names)
+  assert '.lock' not in names  # released
+  assert (storage.path(url) / 'data' / prepare.METADATA).exists()  # prepared into the bucket
+  assert checkpoints.has_complete_step(url)
+
+
+def test_data_prepared_into_a_bucket_by_workers_on_hosts_matches_a_local_preparation(
+    server, tmp_path, corpus):
+  config = test_pipeline.tiny_config(corpus, document_window=1)
+  one = prepare.prepare(config, str(tmp_path / 'one'))
+  config.data.prepare_workers = 2
+  url = f'{server.root}/prepared'
+  assert prepare.prepare(config, url, process_index=1, process_count=2) is None  # host 1
+  hosts = prepare.prepare(config, url, process_index=0, process_count=2)  # host 0 gathers
+  assert hosts['workers'] == 4 and hosts['counts'] == one['counts']
+  assert not storage.path(f'{url}.tmp').exists()  # the workers' objects are gone
+  names = [prepare.METADATA] + [os.path.basename(p) for split in prepare.SPLITS
+                                for p in prepare.shard_paths(url, split,
+                                                             hosts['files'][split])]
+  local = storage.local_copy(url, names)
+  assert test_pipeline._records(local, hosts) == test_pipeline._records(
+      str(tmp_path / 'one'), one)
+  # The copy is checked against the bucket: a changed object is copied again.
+  copy = os.path.join(local, names[1])
+  first = open(copy, 'rb').read()
+  storage.path(f'{url}/{names[1]}').write_bytes(b'changed')
+  storage.local_copy(url, names)
+  assert open(copy, 'rb').read() == b'changed' != first
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  return test_pipeline.corpus.__wrapped__(tmp_path_factory)
+
+
+def test_b_a_kill_during_a_checkpoint_write_resumes_exactly(server, tmp_path, reference):
+  url = f'{server.root}/b'
+  proc = _child(server, tmp_path, workdir=url, kill_in_save=6,
+                train={'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3})
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == -signal.SIGKILL, err[-3000:]
+  cut = storage.path(url) / 'checkpoints' / '6'
+  assert cut.exists() and not (cut / checkpoints.COMMIT_FILE).exists()  # cut short
+  before = _losses(url)
+  assert max(before) >= 3
+  _run(tiny_config(num_steps=NUM_STEPS, checkpoint_every_steps=3), url)
+  resumed = [json.loads(line) for line in
+             (storage.path(url) / 'metrics.jsonl').read_text().splitlines()[len(before):]]
+  assert min(r['step'] for r in resumed) == 4  # from step 3, not the cut 6
+  _assert_same(_losses(url), reference)
+  _assert_loopback_only(tmp_path / 'hosts.txt')
+
+
+def test_c_a_second_run_on_a_held_bucket_workdir_is_refused_in_one_line(server, tmp_path):
+  from realformer.train import workdir  # pylint: disable=g-import-not-at-top
+  url = f'{server.root}/c'
+  with workdir.Lock(url, 'train.py'):
+    out = subprocess.run([sys.executable, 'train.py', '--workdir', url,
+                          '--config.data.sources=synthetic'], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, **server.env))
+  assert out.returncode == 1
+  errors = [l for l in out.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and 'Traceback' not in out.stderr, out.stderr
+  assert errors[0].startswith(f'error: {url} is in use by pid {os.getpid()} on '), errors
+  assert f'delete {url}/.lock' in errors[0]
+
+
+def test_d_fine_tuning_from_and_into_a_bucket(server, tmp_path):
+  pretrained = f'{server.root}/d_pretrained'
+  test_finetune.save_tiny_encoder(pretrained, 'postln', num_layers=2, num_heads=2, step=10)
+  glue_url = f'{server.root}/glue'
+  storage.copy_tree(os.path.join(test_finetune.GLUE_DIR, 'RTE'), f'{glue_url}/RTE')
+  local = str(tmp_path / 'local')
+  want = finetune.finetune(test_finetune.ft_config('rte', pretrained,
+                                                   data_dir=test_finetune.GLUE_DIR), local)
+  url = f'{server.root}/d_finetuned'
+  got = finetune.finetune(test_finetune.ft_config('rte', pretrained, data_dir=glue_url), url)
+  assert got['dev'] == want['dev']
+  run = storage.path(url)
+  results = json.loads((run / 'results.json').read_text())
+  assert results['dev'] == want['dev']
+  assert ((run / 'predictions' / 'RTE.tsv').read_text() ==
+          open(os.path.join(local, 'predictions', 'RTE.tsv')).read())
+  assert '.lock' not in {p.name for p in run.iterdir()}
+  assert (run / 'metrics.jsonl').read_text().count('"split": "dev_rte"') == 2
+
+
+def test_e_the_server_stopped_mid_run_stops_it_in_one_line_and_it_resumes(server, tmp_path,
+                                                                         reference):
+  url = f'{server.root}/e'
+  proc = _child(server, tmp_path, workdir=url, step_seconds=0.1,
+                train={'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3})
+  marker = storage.path(url) / 'checkpoints' / '3' / checkpoints.COMMIT_FILE
+  deadline = time.time() + 240
+  while not marker.exists():
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.1)
+  server.stop()
+  try:
+    _, err = proc.communicate(timeout=240)
+  finally:
+    server.start()
+  assert proc.returncode == 1, err[-3000:]
+  lines = err.strip().splitlines()
+  assert lines[-1].startswith('error: storage failed (') and '127.0.0.1' in lines[-1], err
+  assert 'run the same command again' in lines[-1]
+  assert "Traceback" not in err, err[-3000:]
+  # Everything committed is there: checkpoint 3 (at least) and the logs up to it.
+  assert checkpoints.has_complete_step(url) and max(_losses(url)) >= 3
+  proc = _child(server, tmp_path, workdir=url,
+                train={'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3})
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-3000:]
+  assert 'taking over the lock' in err  # the stopped run could not delete its lock object
+  _assert_same(_losses(url), reference)
+  _assert_loopback_only(tmp_path / 'hosts.txt')
