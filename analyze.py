@@ -3,13 +3,14 @@ r"""Attention analysis of pretraining checkpoints (entropy per layer, JS diverge
   python analyze.py --workdir /tmp/study/model.variant=postln,seed=0 \
       --workdir /tmp/study/model.variant=realformer,seed=0 --out /tmp/study/attention
 
+Workdirs and --out may be gs:// URLs.
+
 Writes attention_entropy.png (violins per layer), attention_js.png (layer x layer JS
 divergence), attention.json and attention.md. See realformer/tools/analysis.py for the definitions.
 """
 
-import os
-
 from realformer import cli
+from realformer import storage
 from realformer.tools import analysis
 
 
@@ -22,15 +23,15 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.label and len(args.label) != len(args.workdir):
     raise ValueError('give one --label per --workdir (or none)')
-  if os.path.exists(args.out) and not os.path.isdir(args.out):
+  out = storage.path(args.out)
+  if out.exists() and not out.is_dir():
     raise ValueError(f'--out {args.out} is a file; give a folder for the report')
   for w in args.workdir:
-    if not os.path.exists(os.path.join(w, 'config.json')):
+    if not (storage.path(w) / 'config.json').exists():
       raise FileNotFoundError(f'{w} has no config.json: pass the --workdir of a train.py run')
   results = [analysis.analyze_run(w, args.num_examples) for w in args.workdir]
   analysis.write_report(results, args.out, args.label)
-  with open(f'{args.out}/attention.md') as f:
-    print(f.read())
+  print((out / 'attention.md').read_text())
 
 
 if __name__ == '__main__':

@@ -11,12 +11,13 @@ r"""Sweeps from the command line: run them, print their launch commands, summari
 `--set key=value` is fixed for every run, `--sweep_file F.py` adds a big_vision-style
 get_hyper(h) (see realformer/tools/sweep.py). Each run lives in <root>/<its overrides>; finished
 runs are skipped and interrupted ones resume. `--program finetune.py` sweeps fine-tuning.
+`--root` may be a gs:// URL (the runs, their overrides, logs and the summary live there).
 """
 
-import os
 import sys
 
 from realformer import cli
+from realformer import storage
 from realformer.tools import sweep
 
 
@@ -46,12 +47,10 @@ def main(argv=None):
   if args.cmd == 'summarize':
     metrics = args.metrics.split(',')
     header, table = sweep.summarize(sweep.collect(args.root, metrics), metrics)
-    out = args.out or os.path.join(args.root, 'summary')
+    out = args.out or storage.join(args.root, 'summary')
     markdown = sweep.to_markdown(header, table)
-    with open(out + '.md', 'w') as f:
-      f.write(markdown)
-    with open(out + '.csv', 'w') as f:
-      f.write(sweep.to_csv(header, table))
+    storage.write_text(out + '.md', markdown)
+    storage.write_text(out + '.csv', sweep.to_csv(header, table))
     print(markdown + f'\n(written to {out}.md and {out}.csv)')
     return 0
   runs = sweep.expand(args.sweep, args.set, args.seeds, args.sweep_file)

@@ -52,6 +52,14 @@ def is_url(path) -> bool:
   return '://' in os.fspath(path)
 
 
+def join(base, *names: str) -> str:
+  """`base`/`names`... as a string: a URL joined with '/', a local path by os.path.join."""
+  base = os.fspath(base)
+  if is_url(base):
+    return '/'.join([base.rstrip('/')] + [n.strip('/') for n in names])
+  return os.path.join(base, *names)
+
+
 def path(p) -> epath.Path:
   """A local path made absolute (~ expanded), or a URL as given."""
   p = os.fspath(p)

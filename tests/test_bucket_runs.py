@@ -3,7 +3,8 @@ its objects in a folder so that it can be stopped and started again):
 
   a. pretraining with its workdir and its prepared data in gs:// logs the losses of the same
      run on local disk; data prepared into the bucket by 2 workers on 2 hosts holds the same
-     instances as a local preparation by one;
+     instances as a local preparation by one; the attention analysis and a sweep read and
+     write there;
   b. kill -9 while a checkpoint is being written, then the same command: the cut step is never
      restored and the resumed run matches an uninterrupted one;
   c. a second run on a gs:// workdir that a run holds is refused with one line;
@@ -28,14 +29,18 @@ import jax
 import numpy as np
 import pytest
 
+import analyze
 import finetune
+import sweep as sweep_cli
 import train
 from data import prepare
+from realformer import storage
+from realformer.tools import sweep
 from realformer.train import checkpoints
 from realformer.train import metrics as metrics_lib
-from realformer import storage
 from tests import test_finetune
 from tests import test_pipeline
+from tests import test_sweep
 from tests.gcs_server import GcsServer
 from tests.test_train import REPO, tiny_config
 
@@ -145,16 +150,24 @@ def _assert_loopback_only(hosts_file):
   assert hosts and hosts <= {'127.0.0.1', 'localhost'}, hosts
 
 
-def test_a_pretraining_run_in_a_bucket_logs_the_losses_of_a_local_run(server, tmp_path):
+@pytest.fixture(scope='module')
+def bucket_run(server, tmp_path_factory):
+  """A pretraining run on the embedded corpus with its workdir and prepared data in the
+  bucket, and the same run on local disk: (url, local folder, the bucket run's summary)."""
   config = tiny_config(num_steps=4, eval_steps=1, eval_every_steps=2)
   config.data.sources = 'embedded'
   config.data.max_predictions_per_seq = 5
   config.model.vocab_size = 0  # from the tokenizer
-  _run(config, tmp_path / 'local')
+  local = tmp_path_factory.mktemp('a_local')
+  _run(config, local)
   url = f'{server.root}/a'
-  summary = _run(config, url)
-  _assert_same(_losses(url), _losses(tmp_path / 'local'))
-  local_eval = metrics_lib.read_jsonl(tmp_path / 'local' / 'metrics.jsonl', 'eval')[4]
+  return url, local, _run(config, url)
+
+
+def test_a_pretraining_run_in_a_bucket_logs_the_losses_of_a_local_run(bucket_run):
+  url, local, summary = bucket_run
+  _assert_same(_losses(url), _losses(local))
+  local_eval = metrics_lib.read_jsonl(local / 'metrics.jsonl', 'eval')[4]
   assert summary['eval']['mlm_loss'] == pytest.approx(local_eval['mlm_loss'], rel=1e-6)
   names = {p.name for p in storage.path(url).iterdir()}
   assert {'config.json', 'machine.jsonl', 'metrics.jsonl', 'checkpoints', 'data'} <= names
@@ -162,6 +175,36 @@ def test_a_pretraining_run_in_a_bucket_logs_the_losses_of_a_local_run(server, tm
   assert '.lock' not in names  # released
   assert (storage.path(url) / 'data' / prepare.METADATA).exists()  # prepared into the bucket
   assert checkpoints.has_complete_step(url)
+
+
+def test_the_attention_analysis_reads_a_bucket_run_and_writes_its_report_there(
+    server, bucket_run, capsys):
+  url = bucket_run[0]
+  out = f'{server.root}/attention'
+  analyze.main(['--workdir', url, '--out', out, '--num_examples', '8'])
+  assert '| postln |' in capsys.readouterr().out
+  names = {p.name for p in storage.path(out).iterdir()}
+  assert names == {'attention.json', 'attention.md', 'attention_entropy.png',
+                   'attention_js.png'}
+  numbers = json.loads((storage.path(out) / 'attention.json').read_text())
+  assert len(numbers['postln']['entropy_mean']) == 2  # one per layer
+
+
+def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server):
+  root = f'{server.root}/sweep'
+  args = ['run', '--root', root, '--config',
+          os.path.join(REPO, 'configs', 'pretrain.py') + ':postln,tiny',
+          '--program', os.path.join(REPO, 'train.py'),
+          '--sweep', 'model.variant=realformer', '--seeds', '1']
+  for item in test_sweep.TINY:
+    args += ['--set', item]
+  assert sweep_cli.main(args) == 0, (storage.path(root) / 'seed=0' / 'log.txt').read_text()
+  run = storage.path(root) / 'seed=0'
+  assert {'DONE', 'log.txt', sweep.OVERRIDES, 'config.json'} <= {p.name for p in run.iterdir()}
+  assert sweep.LOCK not in {p.name for p in run.iterdir()}  # the lease object is released
+  assert sweep_cli.main(args) == 0  # finished: skipped
+  assert sweep_cli.main(['summarize', '--root', root, '--metrics', 'eval/loss']) == 0
+  assert (storage.path(root) / 'summary.md').read_text().startswith('| n |')
 
 
 def test_data_prepared_into_a_bucket_by_workers_on_hosts_matches_a_local_preparation(

@@ -11,8 +11,8 @@ Natural logarithms throughout (JS lies in [0, ln 2]). Padding keys carry no prob
 (the mask) and padding queries are left out.
 """
 
+import io
 import json
-import os
 from typing import Dict, List, Sequence
 
 import jax
@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from realformer import models
+from realformer import storage
 from realformer.train import checkpoints
 
 
@@ -111,7 +112,8 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  os.makedirs(out_dir, exist_ok=True)
+  out = storage.path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
   labels = list(labels or [r['variant'] for r in results])
   n = len(results)
   fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), sharey=True, squeeze=False)
@@ -122,7 +124,7 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     ax.set_xticks(range(1, len(r['entropies']) + 1))
   axes[0][0].set_ylabel('attention entropy (nats)')
   fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, 'attention_entropy.png'), dpi=110)
+  _save_png(fig, out / 'attention_entropy.png')
   plt.close(fig)
   vmax = max(max(max(row) for row in r['js_all_pairs']) for r in results) or 1.0
   fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
@@ -132,13 +134,12 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     ax.set_xlabel('layer')
     ax.set_ylabel('layer')
   fig.colorbar(im, ax=axes[0].tolist(), label='JS divergence (nats)')
-  fig.savefig(os.path.join(out_dir, 'attention_js.png'), dpi=110)
+  _save_png(fig, out / 'attention_js.png')
   plt.close(fig)
   numbers = {label: {k: r[k] for k in ('variant', 'workdir', 'entropy_mean', 'js_adjacent',
                                        'js_all_pairs')}
              for label, r in zip(labels, results)}
-  with open(os.path.join(out_dir, 'attention.json'), 'w') as f:
-    json.dump(numbers, f, indent=1)
+  storage.write_text(out / 'attention.json', json.dumps(numbers, indent=1))
   lines = ['| run | mean entropy per layer (nats) | JS adjacent layers | mean JS all pairs |',
            '|---|---|---|---|']
   for label, r in zip(labels, results):
@@ -146,6 +147,12 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     off = m[~np.eye(len(m), dtype=bool)].mean() if len(m) > 1 else 0.0
     lines.append(f'| {label} | {", ".join(f"{e:.3f}" for e in r["entropy_mean"])} | '
                  f'{", ".join(f"{j:.4f}" for j in r["js_adjacent"])} | {off:.4f} |')
-  with open(os.path.join(out_dir, 'attention.md'), 'w') as f:
-    f.write('\n'.join(lines) + '\n')
+  storage.write_text(out / 'attention.md', '\n'.join(lines) + '\n')
   return numbers
+
+
+def _save_png(fig, path) -> None:
+  """The figure as a PNG at `path` (a file or an object: rendered in memory, written whole)."""
+  buf = io.BytesIO()
+  fig.savefig(buf, format='png', dpi=110)
+  path.write_bytes(buf.getvalue())

@@ -18,12 +18,12 @@ predicts AX) or squad/v1.1, squad/v2.0.
 """
 
 import json
-import os
 import statistics
 import sys
 from typing import Any, Dict, List, Sequence
 
 from realformer import cli
+from realformer import storage
 from realformer.tools import sweep
 
 GLUE_TASKS = ('cola', 'sst2', 'mrpc', 'stsb', 'qqp', 'mnli', 'qnli', 'rte', 'wnli')
@@ -59,20 +59,19 @@ def grid(learning_rates: Sequence[float], batch_sizes: Sequence[int],
 
 
 def task_root(root: str, task: str) -> str:
-  return os.path.join(root, task.replace('/', '_'))
+  return storage.join(root, task.replace('/', '_'))
 
 
 def collect(root: str) -> List[Dict[str, Any]]:
   """(overrides, headline) of every finished run under one task's root."""
   rows = []
-  for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-    path = os.path.join(root, name, 'results.json')
-    if not os.path.exists(path):
+  folder = storage.path(root)
+  for name in sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []:
+    path = folder / name / 'results.json'
+    if not path.exists():
       continue
-    with open(os.path.join(root, name, sweep.OVERRIDES)) as f:
-      run = json.load(f)
-    with open(path) as f:
-      rows.append({'run': run, 'headline': json.load(f)['headline']})
+    run = json.loads((folder / name / sweep.OVERRIDES).read_text())
+    rows.append({'run': run, 'headline': json.loads(path.read_text())['headline']})
   return rows
 
 
@@ -102,10 +101,8 @@ def write_summary(root: str, tasks: Sequence[str]) -> str:
   for task in tasks:
     table += summarize(task, collect(task_root(root, task)))
   markdown = sweep.to_markdown(HEADER, table)
-  with open(os.path.join(root, 'results.md'), 'w') as f:
-    f.write(markdown)
-  with open(os.path.join(root, 'results.csv'), 'w') as f:
-    f.write(sweep.to_csv(HEADER, table))
+  storage.write_text(storage.join(root, 'results.md'), markdown)
+  storage.write_text(storage.join(root, 'results.csv'), sweep.to_csv(HEADER, table))
   return markdown
 
 
@@ -139,12 +136,12 @@ def main(argv=None):
     fixed = {'init_checkpoint': args.init_checkpoint, 'data_dir': args.data_dir}
     for assignment in sweep.parse_assignments(args.set, multi=False):
       fixed.update(assignment[0])
-    if not args.print_only and not fixed.get('from_scratch') and not os.path.isfile(
-        os.path.join(os.path.expanduser(args.init_checkpoint or '.'), 'config.json')):
+    if not args.print_only and not fixed.get('from_scratch') and not (
+        storage.path(args.init_checkpoint or '.') / 'config.json').is_file():
       raise ValueError(f'--init_checkpoint={args.init_checkpoint!r} is not a train.py or '
                        f'import workdir (no config.json); pass one, or --set from_scratch=True')
     if (not args.print_only and args.data_dir and
-        not os.path.isdir(os.path.expanduser(args.data_dir))):
+        not storage.path(args.data_dir).is_dir()):
       raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')
     failed = []
     for task in tasks:

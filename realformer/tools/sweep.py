@@ -36,10 +36,13 @@ import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from realformer import cli
+from realformer import storage
+from realformer.train import workdir as workdir_lib
 
 Run = Dict[str, Any]
 DONE = 'DONE'
 LOCK = 'LOCK'
+_LEASES: Dict[str, Any] = {}  # the lock objects this process holds, by workdir (gs://)
 RUNNING_ELSEWHERE = -1000  # run_all's code for a run that another sweep process holds
 OTHER_RUN = -1001  # run_all's code for a run whose directory holds a run of other overrides
 OVERRIDES = 'overrides.json'
@@ -156,11 +159,10 @@ def run_names(runs: Sequence[Run], always: Sequence[str] = ()) -> List[str]:
 
 def other_run(workdir: str, run: Run) -> List[str]:
   """How the run recorded in `workdir` differs from `run`, key by key ([] if it does not)."""
-  path = os.path.join(workdir, OVERRIDES)
-  if not os.path.exists(path):
+  path = storage.path(workdir) / OVERRIDES
+  if not path.exists():
     return []
-  with open(path) as f:
-    recorded = json.load(f)
+  recorded = json.loads(path.read_text())
   run = json.loads(json.dumps(run))  # the types JSON gives back
   return [f'{k} {recorded.get(k)!r} (asked {run.get(k)!r})'
           for k in sorted(set(recorded) | set(run)) if recorded.get(k) != run.get(k)]
@@ -235,21 +237,20 @@ def check_keys(config: str, runs: Sequence[Run]):
 
 def last_step(workdir: str) -> int:
   """The largest 'step' in <workdir>/metrics.jsonl (-1 without one)."""
-  path = os.path.join(workdir, 'metrics.jsonl')
+  path = storage.path(workdir) / 'metrics.jsonl'
   step = -1
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        try:
-          step = max(step, int(json.loads(line).get('step', -1)))
-        except (ValueError, TypeError, AttributeError):
-          continue  # a line cut short by a kill
+  if path.exists():
+    for line in path.read_text().splitlines():
+      try:
+        step = max(step, int(json.loads(line).get('step', -1)))
+      except (ValueError, TypeError, AttributeError):
+        continue  # a line cut short by a kill
   return step
 
 
 def is_done(workdir: str, run: Optional[Run] = None) -> bool:
   """DONE marker, or (given the run) its metrics reached the run's train.num_steps."""
-  if os.path.exists(os.path.join(workdir, DONE)):
+  if (storage.path(workdir) / DONE).exists():
     return True
   steps = (run or {}).get('train.num_steps')
   return isinstance(steps, int) and last_step(workdir) >= steps
@@ -269,8 +270,19 @@ def acquire(workdir: str) -> bool:
   """Takes <workdir>/LOCK for this process; False while another live process holds it.
 
   A lock left by a dead process on this host is taken over; one from another host is
-  respected (remove it by hand when that host is gone).
+  respected (remove it by hand when that host is gone). In a bucket the lock is a leased
+  object (workdir.ObjectLease), taken over once its lease has expired.
   """
+  if storage.is_url(workdir):
+    lease = workdir_lib.ObjectLease(storage.join(workdir, LOCK),
+                                    {'host': socket.gethostname(), 'pid': os.getpid(),
+                                     'program': 'sweep'})
+    try:
+      lease.take()
+    except workdir_lib.WorkdirInUseError:
+      return False
+    _LEASES[workdir] = lease
+    return True
   path = os.path.join(workdir, LOCK)
   me = f'{socket.gethostname()} {os.getpid()}'
   for _ in range(2):
@@ -290,6 +302,9 @@ def acquire(workdir: str) -> bool:
 
 
 def release(workdir: str):
+  if workdir in _LEASES:
+    _LEASES.pop(workdir).release()
+    return
   try:
     os.remove(os.path.join(workdir, LOCK))
   except FileNotFoundError:
@@ -303,7 +318,7 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   names whose directory holds a run with other overrides (never reused, never resumed)."""
   codes = {}
   for i, (run, name) in enumerate(zip(runs, run_names(runs, always))):
-    workdir = os.path.join(root, name)
+    workdir = storage.join(root, name)
     differ = other_run(workdir, run)
     if differ:
       echo(f'[{i + 1}/{len(runs)}] {name}: {workdir} holds a run with other overrides '
@@ -314,20 +329,19 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
       echo(f'[{i + 1}/{len(runs)}] {name}: finished, skipped')
       codes[name] = 0
       continue
-    os.makedirs(workdir, exist_ok=True)
+    storage.path(workdir).mkdir(parents=True, exist_ok=True)
     if not acquire(workdir):
       echo(f'[{i + 1}/{len(runs)}] {name}: another sweep process is running it, skipped')
       codes[name] = RUNNING_ELSEWHERE
       continue
     try:
-      with open(os.path.join(workdir, OVERRIDES), 'w') as f:
-        json.dump(run, f, indent=1, sort_keys=True)
+      storage.write_text(storage.join(workdir, OVERRIDES),
+                         json.dumps(run, indent=1, sort_keys=True))
       argv = command(program, config, workdir, run)
       echo(f'[{i + 1}/{len(runs)}] {name}: {shlex.join(argv)}')
-      with open(os.path.join(workdir, 'log.txt'), 'a') as log:
-        code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
+      code = _call_logged(argv, storage.join(workdir, 'log.txt'))
       if code == 0:
-        open(os.path.join(workdir, DONE), 'w').close()
+        storage.write_text(storage.join(workdir, DONE), '')
       else:
         echo(f'  exit {code}; see {workdir}/log.txt (run again to resume)')
     finally:
@@ -336,13 +350,27 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   return codes
 
 
+def _call_logged(argv, log_path: str) -> int:
+  """Runs argv with its output appended to `log_path` (in a bucket: a local spool, uploaded
+  every 30 s while it runs and when it ends)."""
+  log = storage.GrowingFile(log_path, binary=True)
+  try:
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+      for line in proc.stdout:
+        log.write(line)
+        log.flush()
+    return proc.returncode
+  finally:
+    log.close()
+
+
 def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
                   target: str, tpu: str = '$TPU', zone: str = '$ZONE',
                   always: Sequence[str] = ()) -> str:
   """A shell script, one launch per run, for a TPU pod slice or a SLURM GPU cluster."""
   lines = ['#!/usr/bin/env bash', f'# {len(runs)} runs of {program} {config}', 'set -e']
   for run, name in zip(runs, run_names(runs, always)):
-    argv = command(program, config, os.path.join(root, name), run)
+    argv = command(program, config, storage.join(root, name), run)
     argv[0] = 'python'  # the cluster's interpreter, not this one
     cmd = shlex.join(argv)
     if target == 'tpu':
@@ -362,14 +390,13 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
 
 def final_metrics(workdir: str, split: str = 'eval') -> Dict[str, float]:
   """The last record of `split` in <workdir>/metrics.jsonl, keys prefixed with the split."""
-  path = os.path.join(workdir, 'metrics.jsonl')
+  path = storage.path(workdir) / 'metrics.jsonl'
   last = None
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        record = json.loads(line)
-        if record.get('split') == split:
-          last = record
+  if path.exists():
+    for line in path.read_text().splitlines():
+      record = json.loads(line)
+      if record.get('split') == split:
+        last = record
   if last is None:
     return {}
   return {f'{split}/{k}': v for k, v in last.items()
@@ -379,13 +406,12 @@ def final_metrics(workdir: str, split: str = 'eval') -> Dict[str, float]:
 def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
   """One row per run under root: its overrides and its final metrics."""
   rows = []
-  for name in sorted(os.listdir(root)):
-    workdir = os.path.join(root, name)
-    path = os.path.join(workdir, OVERRIDES)
-    if not os.path.exists(path):
+  for name in sorted(p.name for p in storage.path(root).iterdir()):
+    workdir = storage.join(root, name)
+    path = storage.path(workdir) / OVERRIDES
+    if not path.exists():
       continue
-    with open(path) as f:
-      run = json.load(f)
+    run = json.loads(path.read_text())
     values = {}
     for split in {m.split('/')[0] for m in metrics}:
       values.update(final_metrics(workdir, split))
