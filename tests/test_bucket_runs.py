@@ -317,3 +317,40 @@ def test_e_the_server_stopped_mid_run_stops_it_in_one_line_and_it_resumes(server
   assert 'taking over the lock' in err  # the stopped run could not delete its lock object
   _assert_same(_losses(url), reference)
   _assert_loopback_only(tmp_path / 'hosts.txt')
+
+
+def test_interop_reads_and_writes_buckets(server, tmp_path):
+  """A TF1 checkpoint in the bucket imported into a gs:// workdir, exported from there to an
+  HF folder in the bucket, and that imported back: the weights of the same import on disk."""
+  from realformer.tools import interop  # pylint: disable=g-import-not-at-top
+  from tests import test_interop  # pylint: disable=g-import-not-at-top
+  local = tmp_path / 'tf1'
+  local.mkdir()
+  prefix = test_interop._write_tf1(str(local / 'bert_model.ckpt'),
+                                   test_interop._tf1_tensors(test_interop.TINY_BERT))
+  (local / 'bert_config.json').write_text(json.dumps(test_interop.TINY_BERT))
+  vocab = test_interop._tiny_vocab(local / 'vocab.txt')
+  interop.import_tf1(prefix, str(local / 'bert_config.json'), vocab, str(tmp_path / 'on_disk'),
+                     variant='postln')
+  want, _ = test_interop._restore_all(str(tmp_path / 'on_disk'))
+
+  bucket = f'{server.root}/interop'
+  storage.copy_tree(str(local), f'{bucket}/tf1')
+  workdir = f'{bucket}/imported'
+  interop.import_tf1(f'{bucket}/tf1/bert_model.ckpt', f'{bucket}/tf1/bert_config.json',
+                     f'{bucket}/tf1/vocab.txt', workdir, variant='postln')
+  got, cfg = test_interop._restore_all(workdir)
+  assert cfg.data.tokenizer == f'{workdir}/vocab.txt'
+  interop.export_hf(workdir, f'{bucket}/hf')
+  assert {'config.json', 'model.safetensors', 'vocab.txt'} <= {
+      p.name for p in storage.path(f'{bucket}/hf').iterdir()}
+  interop.import_hf(f'{bucket}/hf', str(tmp_path / 'back'))
+  back, _ = test_interop._restore_all(str(tmp_path / 'back'))
+  for tree in (got, back):
+    a, b = test_interop._flat(want), test_interop._flat(tree)
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  with pytest.raises(ValueError, match='exists and is not empty'):
+    interop.import_tf1(f'{bucket}/tf1/bert_model.ckpt', f'{bucket}/tf1/bert_config.json',
+                       f'{bucket}/tf1/vocab.txt', workdir)

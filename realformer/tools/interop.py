@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
@@ -44,6 +45,7 @@ import numpy as np
 from data import wordpiece
 from realformer import cli
 from realformer import models
+from realformer import storage
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
 from realformer.train import workdir as workdir_lib
@@ -292,20 +294,31 @@ def write_workdir(out: str, params: dict, config: ml_collections.ConfigDict, voc
 
   Written into a sibling folder <out>.import-<host>-<pid> and renamed to `out` when complete,
   so `out` is never half-made, whatever stops the import (kill -9 included); such a folder
-  left by a dead import on this host is removed by the next import to the same `out`."""
+  left by a dead import on this host is removed by the next import to the same `out`.
+  A gs:// `out` is written in place: its checkpoint is committed by Orbax's commit file, so
+  an import cut short leaves no complete checkpoint there (and `out` is then not empty: a
+  new import refuses it until it is deleted)."""
   out = _new_out(out)
   tokenizer = wordpiece.WordPieceTokenizer.load(vocab)  # checks the special tokens
   if tokenizer.vocab_size != config.model.vocab_size:
     raise ValueError(f'{vocab} has {tokenizer.vocab_size} pieces but the checkpoint\'s config '
                      f'says vocab_size={config.model.vocab_size}; pass the vocab.txt that '
                      'belongs to the checkpoint')
+  tokenizer_config = json.dumps(dict(normalization, tokenizer_class='BertTokenizer'))
+  if storage.is_url(out):
+    storage.upload(vocab, storage.join(out, VOCAB))
+    storage.write_text(storage.join(out, wordpiece.TOKENIZER_CONFIG), tokenizer_config)
+    config.data.tokenizer = storage.join(out, VOCAB)
+    step_dir = checkpoints.save_params(out, params, config, step=0)
+    logging.info('wrote %s', step_dir)
+    return step_dir
   _remove_dead_imports(out)
   tmp = f'{out}.import-{socket.gethostname()}-{os.getpid()}'
   try:
     os.makedirs(tmp)
     shutil.copyfile(vocab, os.path.join(tmp, VOCAB))
     with open(os.path.join(tmp, wordpiece.TOKENIZER_CONFIG), 'w') as f:
-      json.dump(dict(normalization, tokenizer_class='BertTokenizer'), f)
+      f.write(tokenizer_config)
     config.data.tokenizer = os.path.join(out, VOCAB)  # where it will be
     step = os.path.relpath(checkpoints.save_params(tmp, params, config, step=0), tmp)
     if os.path.isdir(out):
@@ -349,10 +362,38 @@ def _pid_alive(pid: int) -> bool:
 
 def _new_out(out: str) -> str:
   """An import writes a new workdir: `out` must not exist or be an empty folder."""
+  if storage.is_url(out):
+    if storage.path(out).exists() and any(storage.path(out).iterdir()):
+      raise ValueError(f'--out {out} exists and is not empty (an import cut short leaves its '
+                       'objects there: delete them to import into it); choose a new --out')
+    return out.rstrip('/')
   out = os.path.abspath(out)
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ValueError(f'--out {out} exists and is not an empty directory; choose a new --out')
   return out
+
+
+# The files of an HF checkpoint folder that an import reads (a gs:// --src is copied locally).
+_HF_FILES = (HF_CONFIG, VOCAB, wordpiece.TOKENIZER_CONFIG, HF_SAFETENSORS, HF_SAFETENSORS_INDEX,
+             HF_TORCH_BIN)
+
+
+def _local_file(path: str) -> str:
+  """`path` itself, or for a gs:// object this host's checked copy of it (storage.local_copy);
+  a URL that names no object is returned as given (the caller's check reports it)."""
+  if not storage.is_url(path) or not storage.path(path).is_file():
+    return path
+  folder, _, name = path.rstrip('/').rpartition('/')
+  return os.path.join(storage.local_copy(folder, [name], kind='interop'), name)
+
+
+def _local_files(folder: str, keep: Callable[[str], bool]) -> str:
+  """A local folder holding the files of `folder` that `keep` accepts: `folder` itself, or
+  for a gs:// folder this host's checked copy of them."""
+  if not storage.is_url(folder) or not storage.path(folder).is_dir():
+    return folder
+  names = [p.name for p in storage.path(folder).iterdir() if keep(p.name)]
+  return storage.local_copy(folder, names, kind='interop')
 
 
 def _check_vocab(vocab: str) -> None:
@@ -484,8 +525,11 @@ def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, dict]:
 
 
 def import_hf(src: str, out: str) -> str:
-  """Import an HF BERT checkpoint directory into a params-only workdir; returns its step dir."""
+  """Import an HF BERT checkpoint directory into a params-only workdir; returns its step dir.
+  `src` and `out` may be gs:// URLs."""
   _new_out(out)
+  src = _local_files(src, lambda n: n in _HF_FILES or (n.startswith('model-') and
+                                                       n.endswith('.safetensors')))
   if not os.path.isdir(src):
     raise FileNotFoundError(f'--src {src} ' + ('is a file' if os.path.exists(src) else
                                                 'not found') +
@@ -559,8 +603,13 @@ def load_tf1(prefix: str, bert_config: str, *, variant: str = 'realformer'
 
 def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
                variant: str = 'realformer', do_lower_case: bool = True) -> str:
-  """Import a TF1 BERT / RealFormer checkpoint into a params-only workdir."""
+  """Import a TF1 BERT / RealFormer checkpoint into a params-only workdir (each path may be a
+  gs:// URL)."""
   _new_out(out)
+  folder, _, name = prefix.rstrip('/').rpartition('/')
+  if storage.is_url(prefix):  # the prefix's .index and .data-* objects
+    prefix = os.path.join(_local_files(folder, lambda n: n.startswith(name + '.')), name)
+  vocab, bert_config = _local_file(vocab), _local_file(bert_config)
   _check_vocab(vocab)
   params, config = load_tf1(prefix, bert_config, variant=variant)
   return write_workdir(out, params, config, vocab,
@@ -608,17 +657,32 @@ def hf_config(model_config, architecture: str, pad_token_id: int = 0) -> dict:
   }
 
 
+def _check_export_out(out: str) -> None:
+  """An export writes a folder of HF files: never into a file or a workdir of this project."""
+  path = storage.path(out)
+  if path.exists() and not path.is_dir():
+    raise ValueError(f'--out {out} is a file; export to a new or existing directory')
+  if (path / checkpoints.CHECKPOINT_DIR).is_dir() or (path / workdir_lib.LOCK_FILE).exists():
+    raise ValueError(f'--out {out} is a workdir of this project (it holds checkpoints); '
+                     'export to another directory')
+
+
 def export_hf(workdir: str, out: str) -> str:
   """A workdir (pretraining run or import) -> an HF directory that
   `transformers.BertModel.from_pretrained(out)` (or BertForPreTraining with both heads)
-  loads: config.json, model.safetensors, and vocab.txt when the run used a WordPiece one."""
+  loads: config.json, model.safetensors, and vocab.txt when the run used a WordPiece one.
+  `workdir` and `out` may be gs:// URLs (the files are written locally, then uploaded)."""
+  if storage.is_url(out):
+    folder = tempfile.mkdtemp(prefix='realformer-export-')
+    try:
+      _check_export_out(out)
+      export_hf(workdir, folder)
+      storage.copy_tree(folder, out)
+    finally:
+      shutil.rmtree(folder, ignore_errors=True)
+    return out
   out = os.path.abspath(out)
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise ValueError(f'--out {out} is a file; export to a new or existing directory')
-  if (os.path.isdir(os.path.join(out, checkpoints.CHECKPOINT_DIR)) or
-      os.path.exists(os.path.join(out, workdir_lib.LOCK_FILE))):
-    raise ValueError(f'--out {out} is a workdir of this project (it holds checkpoints); '
-                     'export to another directory')
+  _check_export_out(out)
   config = ml_collections.ConfigDict(checkpoints.read_pretraining_config(workdir))
   check_exportable(config.model)
   model_config = config.model
@@ -642,7 +706,8 @@ def export_hf(workdir: str, out: str) -> str:
   os.makedirs(out, exist_ok=True)
   pad_id = 0
   tokenizer_path = config.data.get('tokenizer', '') if 'data' in config else ''
-  if tokenizer_path.endswith('.txt') and os.path.isfile(tokenizer_path):
+  tokenizer_path = _local_file(tokenizer_path) if tokenizer_path.endswith('.txt') else ''
+  if tokenizer_path and os.path.isfile(tokenizer_path):
     tokenizer = wordpiece.WordPieceTokenizer.load(tokenizer_path)
     pad_id = tokenizer.pad_id
     shutil.copyfile(tokenizer_path, os.path.join(out, VOCAB))
