@@ -184,9 +184,10 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   fp = fingerprint(config)  # reads the corpus files' names and sizes: fails before any write
   out_dir = out_dir.rstrip('/')
   tmp = f'{out_dir}.tmp'  # the workers' results, where process 0 finds them
-  staging = staging_dir(out_dir) if remote else tmp  # where this host's workers write
+  # Where this process's workers write: for a bucket, a local folder of its own.
+  staging = staging_dir(out_dir, process_index) if remote else tmp
   os.makedirs(staging, exist_ok=True)
-  lock = _single_host_lock(staging) if process_count == 1 or remote else None
+  lock = _single_host_lock(staging) if process_count == 1 else None
   try:
     if not overwrite and _path(out_dir, METADATA).exists():
       return read_metadata(out_dir)  # another process finished while this one waited
@@ -227,7 +228,9 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       return None
     try:
       # Signed again: a corpus that changed while it was prepared is an error, not a mix.
-      _wait_for_workers(tmp, total, fingerprint(config), timeout_s, since=started - 1)
+      if _wait_for_workers(tmp, total, fingerprint(config), timeout_s, since=started - 1,
+                           made=None if overwrite else _path(out_dir, METADATA)):
+        return read_metadata(out_dir)  # another preparation gathered them first
       return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
     except BaseException as e:
       if process_count > 1:  # the other hosts, waiting for metadata.json, stop too
@@ -260,9 +263,11 @@ def _worker_dir(tmp: str, worker: int) -> str:
   return os.path.join(tmp, f'worker-{worker:05d}')
 
 
-def staging_dir(url: str) -> str:
-  """The local folder where this host's workers write a preparation bound for `url`."""
-  return os.path.join(storage.cache_dir('prepared'), storage.cache_key(url) + '.staging')
+def staging_dir(url: str, process_index: int) -> str:
+  """The local folder where a process's workers write a preparation bound for `url` (its
+  parent, one per URL, is what concurrent preparations on one host take turns on)."""
+  return os.path.join(storage.cache_dir('prepared'), storage.cache_key(url) + '.staging',
+                      f'process-{process_index:05d}')
 
 
 def _upload_worker(staging: str, tmp: str, worker: int) -> None:
@@ -308,7 +313,7 @@ def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
   if len(todo) < len(ids):
     logging.info('preparation: %d of this host\'s %d workers finished before; resuming the '
                  'others', len(ids) - len(todo), len(ids))
-  if todo and made_since and made_since.exists() and made_since.stat().mtime >= int(since):
+  if todo and made_since and made_since.exists() and storage.mtime(made_since) >= since:
     return
   if not todo:
     return
@@ -395,16 +400,21 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
   os.replace(os.path.join(out, 'done.json.tmp'), os.path.join(out, 'done.json'))
 
 
-def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: float):
+def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: float,
+                      made=None) -> bool:
+  """Waits until every worker is done (False), or until `made` (the output's metadata.json)
+  exists: another preparation gathered them first (True)."""
   deadline = time.time() + timeout_s
   while True:
     missing = [i for i in range(total) if _done(tmp, i, total, fp) is None]
     if not missing:
-      return
+      return False
+    if made is not None and made.exists():
+      return True
     for i in missing:  # finished in this attempt, but from other settings or corpus files
       path = _path(_worker_dir(tmp, i), 'done.json')
       try:
-        if path.stat().mtime < int(since):
+        if storage.mtime(path) < since:
           continue  # an earlier attempt's: the worker will redo it
         theirs = json.loads(path.read_text())['fingerprint']
       except (FileNotFoundError, ValueError, KeyError):
@@ -441,7 +451,7 @@ def _failure(tmp: str, since: float, hosts_only: bool = False) -> Optional[str]:
   for name in names:
     path = _path(tmp, name)
     try:
-      if path.stat().mtime >= int(since):
+      if storage.mtime(path) >= since:
         who = name[len('failed-'):-len('.txt')]
         who = 'process 0 (gathering)' if who == 'gather' else f'host {int(who)}'
         return f'{who}: {path.read_text()}'
@@ -486,7 +496,29 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
 def _gather_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
                     started: float, results) -> dict:
   """_gather into a bucket: the workers' objects copied under their final names, then
-  metadata.json (written last: the preparation's commit)."""
+  metadata.json (written last: the preparation's commit). Two preparations of the same
+  output (runs on separate machines) take turns on a lease object; the second finds the
+  first's metadata.json and keeps it."""
+  lease = storage.Lease(f'{out_dir}.lock', storage.holder_record('data.prepare'))
+  deadline = time.time() + storage.LEASE_SECONDS * 2
+  while True:
+    try:
+      lease.take()
+      break
+    except storage.HeldError:
+      if not overwrite and _path(out_dir, METADATA).exists():
+        return read_metadata(out_dir)
+      if time.time() > deadline:
+        raise
+      time.sleep(2)
+  try:
+    return _copy_objects(config, tokenizer, tmp, out_dir, total, overwrite, started, results)
+  finally:
+    lease.release()
+
+
+def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
+                  started: float, results) -> dict:
   if _path(out_dir, METADATA).exists():
     if not overwrite:
       return read_metadata(out_dir)

@@ -244,7 +244,9 @@ def _storage_fault(e: BaseException) -> None:
   from realformer import storage  # pylint: disable=g-import-not-at-top
   cause = storage.fault(e)
   if cause is not None:
+    fix = ("give this machine's account access to the bucket, then run the same command "
+           'again' if storage.refused(cause) else
+           'run the same command again once the storage answers')
     print(f'error: storage failed ({type(cause).__name__}: {_message(cause)}); what was '
-          'committed before it is kept: run the same command again once the storage '
-          'answers', file=sys.stderr)
+          f'committed before it is kept: {fix}', file=sys.stderr)
     sys.exit(1)

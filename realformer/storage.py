@@ -16,17 +16,22 @@ Listings are never cached (gcsfs would keep them for the life of the process).
 """
 
 import base64
+import datetime
 import fcntl
 import glob
 import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
+import threading
 import time
-from typing import Iterable, List, Tuple, Union
+import uuid
+from typing import Iterable, List, Optional, Tuple, Union
 
 import fsspec.config
+from absl import logging as absl_logging
 from etils import epath
 
 os.environ.setdefault('EPATH_USE_TF', 'false')
@@ -69,24 +74,37 @@ def path(p) -> epath.Path:
 # Where the exception types of the storage clients come from (gcsfs over aiohttp for files,
 # google-cloud-storage for the lock object, google-auth for credentials).
 _CLIENT_MODULES = ('aiohttp', 'gcsfs', 'google.api_core', 'google.auth', 'google.cloud',
-                   'requests', 'urllib3')
+                   'google.resumable_media', 'requests', 'urllib3')
+# How gcsfs words a refusal it raises as a bare OSError.
+_REFUSALS = ('Forbidden', 'Unauthorized')
 
 
 def fault(e: BaseException):
-  """The exception in `e`'s chain that says object storage failed (the service unreachable
-  or refusing: a connection error, an HTTP error of a storage client, a tensorstore GCS
-  error), or None."""
+  """The exception in `e`'s chain that says object storage failed, or None: an error raised by
+  a storage client (gcsfs and the aiohttp under it, google-cloud-storage, google-auth), a
+  refusal that gcsfs raises as a bare OSError ('Forbidden: ...'), or a tensorstore error on
+  a gs:// path. The chain is followed as Python prints it (a context suppressed by
+  `raise ... from None` is not), so an error of this code's own is never taken for one."""
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
     module = type(e).__module__ or ''
-    if (isinstance(e, (ConnectionError, TimeoutError)) or module.startswith(_CLIENT_MODULES)
-        or (isinstance(e, ValueError) and 'gs://' in str(e) and any(
-            code in str(e) for code in ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'CURL',
-                                        'Connection')))):
+    text = str(e)
+    if (module.startswith(_CLIENT_MODULES) or
+        (type(e) is OSError and e.errno is None and text.startswith(_REFUSALS)) or
+        (isinstance(e, ValueError) and 'gs://' in text and any(
+            code in text for code in ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'CURL',
+                                      'PERMISSION_DENIED')))):
       return e
-    e = e.__cause__ or e.__context__
+    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
   return None
+
+
+def refused(e: BaseException) -> bool:
+  """A storage fault that is a refusal of access (not an outage)."""
+  text = str(e)
+  return text.startswith(_REFUSALS) or 'PERMISSION_DENIED' in text or any(
+      name in type(e).__name__ for name in ('Forbidden', 'Unauthorized'))
 
 
 MOUNTS = '/proc/mounts'
@@ -151,6 +169,16 @@ def glob_files(pattern: str) -> List[Tuple[str, int]]:
                   if info['type'] == 'file')
   return sorted((p, os.path.getsize(p)) for p in glob.glob(os.path.expanduser(pattern))
                 if os.path.isfile(p))
+
+
+def mtime(p) -> float:
+  """When the file or object was last written (seconds since the epoch, to the microsecond
+  for objects, as the service records it); FileNotFoundError if it does not exist."""
+  p = os.fspath(p)
+  if is_url(p):
+    updated = _fs(p).info(p)['updated']
+    return datetime.datetime.fromisoformat(updated.replace('Z', '+00:00')).timestamp()
+  return os.path.getmtime(p)
 
 
 def open_binary(p):
@@ -279,3 +307,224 @@ class GrowingFile:
       self._file.close()
     if is_url(self.path):  # uploaded (else the spool stays, and the error names the object)
       os.unlink(self._spool)
+
+
+# ---- A lock object with a lease (the lock of a run directory or a preparation in a bucket).
+
+class HeldError(Exception):
+  """The lock object is held by another live process (the message names it and the fix)."""
+
+
+# How long a lock object stays valid without a refresh, how often its holder refreshes it,
+# and how long one request to the service may take. A holder that dies on another host (a
+# preempted VM) frees the lock this long after its last refresh; on the same host (and pid
+# namespace) a holder that is gone is detected at once.
+LEASE_SECONDS = 300.0
+REFRESH_SECONDS = 60.0
+REQUEST_SECONDS = 30.0
+
+
+def holder_record(program: str) -> dict:
+  """Who holds a lock: host, pid (with the process's start time and pid namespace, so that a
+  reused pid or a process of another container is never taken for this one), program and
+  start time."""
+  return {'host': socket.gethostname(), 'pid': os.getpid(),
+          'pid_start': _process_start(os.getpid()), 'pid_ns': _pid_namespace(),
+          'program': program, 'since': _now()}
+
+
+def describe_holder(holder: dict) -> str:
+  return (f'pid {holder.get("pid")} on {holder.get("host")} (since {holder.get("since")}, '
+          f'{holder.get("program", "a run")})')
+
+
+def _now() -> str:
+  return datetime.datetime.now().isoformat(timespec='seconds')
+
+
+def _process_start(pid) -> Optional[int]:
+  """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None:
+  no such process (or no /proc)."""
+  try:
+    with open(f'/proc/{int(pid)}/stat') as f:
+      return int(f.read().rpartition(')')[2].split()[19])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _pid_namespace() -> Optional[str]:
+  try:
+    return os.readlink('/proc/self/ns/pid')
+  except OSError:
+    return None
+
+
+def holder_gone(holder: dict) -> bool:
+  """The holder ran on this host, in this pid namespace, and its process no longer exists."""
+  if (holder.get('host') != socket.gethostname() or not os.path.isdir('/proc/self') or
+      holder.get('pid_ns', _pid_namespace()) != _pid_namespace()):
+    return False
+  start = _process_start(holder.get('pid', -1))
+  return start is None or (holder.get('pid_start') is not None and
+                           start != holder['pid_start'])
+
+
+def short(e: BaseException) -> str:
+  return ' '.join(str(e).split())[:300] or type(e).__name__
+
+
+class Lease:
+  """A lock object on Cloud Storage (`url`, e.g. gs://bucket/run/.lock), created only if
+  absent (the precondition ifGenerationMatch=0, which the service decides atomically) and
+  holding `record` (holder_record) with a nonce of this take and the lease's length. The
+  holder rewrites it every REFRESH_SECONDS under ifGenerationMatch=<its generation>; a
+  record that the service has not seen updated for lease_seconds (its `updated` time,
+  against this host's clock) belongs to a holder that is gone and is taken over, as is one
+  left on this host by a process that no longer exists. A write whose reply was lost and
+  whose retry then fails its precondition is recognised by the nonce. Released by deleting
+  it under the same precondition, so a holder whose lease was taken over never deletes its
+  successor's lock. `lost` says why the lock is no longer this holder's: taken over (seen
+  by a refresh), or not refreshed for lease_seconds - 2 * REFRESH_SECONDS (so a holder that
+  was cut off stops writing before anyone may take over)."""
+
+  def __init__(self, url: str, record: dict):
+    if not url.startswith('gs://'):
+      raise ValueError(f'{url}: object storage is supported for gs:// (Cloud Storage) URLs; '
+                       'give a gs:// URL or a local folder')
+    self.url = url
+    self.record = dict(record, lease_seconds=LEASE_SECONDS, nonce=uuid.uuid4().hex)
+    self._bucket, _, self._name = url[len('gs://'):].partition('/')
+    self.generation, self._lost = None, None
+    self._refreshed = None  # time.monotonic() of the last write the service confirmed
+    self._stop, self._io = threading.Event(), threading.Lock()
+    self._thread = None
+
+  @property
+  def lost(self) -> Optional[str]:
+    if self._lost:
+      return self._lost
+    if self._refreshed is not None:
+      idle = time.monotonic() - self._refreshed
+      if idle > LEASE_SECONDS - 2 * REFRESH_SECONDS:
+        return (f'the lock {self.url} could not be refreshed for {idle:.0f} s, so another '
+                'run may have taken it over')
+    return None
+
+  def _blob(self):
+    from google.cloud import storage as gcs  # pylint: disable=g-import-not-at-top
+    if not hasattr(self, '_client'):
+      try:
+        self._client = gcs.Client()
+      except Exception as e:  # pylint: disable=broad-except  (google.auth's many errors)
+        raise ValueError(f'cannot reach Cloud Storage for {self.url}: {short(e)}; give the '
+                         'machine credentials (a VM\'s service account, or gcloud auth '
+                         'application-default login)') from None
+    return self._client.bucket(self._bucket).blob(self._name)
+
+  def _mine(self):
+    """The object if it holds this take's record (a write of ours whose reply was lost)."""
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    held = self._blob().bucket.get_blob(self._name, timeout=REQUEST_SECONDS)
+    if held is None:
+      return None
+    try:
+      text = held.download_as_text(if_generation_match=held.generation,
+                                   timeout=REQUEST_SECONDS)
+    except (exceptions.PreconditionFailed, exceptions.NotFound):
+      return None
+    try:
+      return held if json.loads(text).get('nonce') == self.record['nonce'] else None
+    except ValueError:
+      return None
+
+  def take(self) -> 'Lease':
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    for _ in range(5):  # a lock released or taken over meanwhile: look again
+      blob = self._blob()
+      try:
+        blob.upload_from_string(json.dumps(self.record), if_generation_match=0,
+                                content_type='application/json', timeout=REQUEST_SECONDS)
+        self.generation = blob.generation
+        break
+      except exceptions.PreconditionFailed:
+        mine = self._mine()
+        if mine is not None:
+          self.generation = mine.generation
+          break
+      held = blob.bucket.get_blob(self._name, timeout=REQUEST_SECONDS)
+      if held is None:
+        continue
+      try:
+        holder = json.loads(held.download_as_text(if_generation_match=held.generation,
+                                                  timeout=REQUEST_SECONDS))
+      except (ValueError, exceptions.PreconditionFailed, exceptions.NotFound):
+        holder = {'pid': '?', 'host': '?', 'since': '?', 'program': 'unreadable lock record'}
+      age = time.time() - held.updated.timestamp()
+      lease = float(holder.get('lease_seconds', LEASE_SECONDS))
+      if holder_gone(holder):
+        why = 'that process is gone'
+      elif age > lease:
+        why = f'its lease expired {age - lease:.0f} s ago'
+      else:
+        raise HeldError(
+            f'{self.url.rpartition("/")[0]} is in use by {describe_holder(holder)}, its lease '
+            f'renewed {age:.0f} s ago; wait for it to finish or stop it, or use another '
+            f'folder; if it is no longer running, delete {self.url} (or wait '
+            f'{lease - age:.0f} s for its lease to expire)')
+      absl_logging.warning('taking over the lock of %s in %s: %s', describe_holder(holder),
+                      self.url, why)
+      try:
+        held.delete(if_generation_match=held.generation, timeout=REQUEST_SECONDS)
+      except (exceptions.PreconditionFailed, exceptions.NotFound):
+        pass  # refreshed or released meanwhile: look again
+    else:
+      raise HeldError(f'could not take {self.url}: others keep taking it; stop them or use '
+                      'another folder')
+    self._refreshed = time.monotonic()
+    self._thread = threading.Thread(target=self._refresh, name='lock-lease', daemon=True)
+    self._thread.start()
+    return self
+
+  def _refresh(self):
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    while not self._stop.wait(REFRESH_SECONDS):
+      with self._io:
+        if self._stop.is_set():
+          return
+        blob = self._blob()
+        try:
+          blob.upload_from_string(json.dumps(dict(self.record, renewed=_now())),
+                                  if_generation_match=self.generation,
+                                  content_type='application/json', timeout=REQUEST_SECONDS)
+          self.generation, self._refreshed = blob.generation, time.monotonic()
+        except (exceptions.PreconditionFailed, exceptions.NotFound):
+          mine = self._mine()
+          if mine is not None:  # our write, its reply lost
+            self.generation, self._refreshed = mine.generation, time.monotonic()
+            continue
+          self._lost = (f'the lock {self.url} was taken over by another run (this run\'s '
+                        'lease was not refreshed in time)')
+          absl_logging.error('%s; this run stops before it writes again', self._lost)
+          return
+        except Exception as e:  # pylint: disable=broad-except  (the next refresh tries again)
+          absl_logging.warning('could not refresh the lock %s: %s', self.url, short(e))
+
+  def release(self):
+    self._stop.set()
+    with self._io:  # no refresh in flight
+      if self.generation is None or self._lost:
+        return
+      from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+      try:
+        # One try: a storage that does not answer must not hold up the run's own error.
+        self._blob().delete(if_generation_match=self.generation, timeout=10, retry=None)
+      except exceptions.PreconditionFailed:
+        mine = self._mine()  # a refresh whose reply was lost
+        if mine is not None:
+          mine.delete(if_generation_match=mine.generation, timeout=10, retry=None)
+      except exceptions.NotFound:
+        pass
+      except Exception as e:  # pylint: disable=broad-except  (never hide the run's own error)
+        absl_logging.warning('could not release the lock %s: %s; the next run takes it over once '
+                        'its lease expires', self.url, short(e))
+      self.generation = None

@@ -85,8 +85,9 @@ def _assert_same(got, want):
 
 # A training program in a fresh process, as train.py runs it (cli.run_main: errors as one
 # line). It records every host it resolves or connects to (f). step_seconds slows each
-# step; kill_in_save=k SIGKILLs it once step k's checkpoint has begun to reach the bucket
-# (objects there, before its commit file).
+# step; pause_at=k stops before step k until the file `resume` exists (having written the
+# file `paused`); kill_in_save=k SIGKILLs it once step k's checkpoint has begun to reach the
+# bucket (objects there, before its commit file).
 _CHILD = r'''
 import json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
@@ -109,12 +110,17 @@ import train
 from realformer import cli
 from realformer.train import checkpoints, train_lib
 from tests.test_train import tiny_config
-if args.get('step_seconds'):
+if args.get('step_seconds') or args.get('pause_at'):
   make_step = train_lib.make_train_step
   def slow_make_step(*a, **kw):
-    step_fn = make_step(*a, **kw)
+    step_fn, count = make_step(*a, **kw), [0]
     def step(state, batch):
-      time.sleep(args['step_seconds'])
+      count[0] += 1
+      if count[0] == args.get('pause_at'):
+        open(args['paused'], 'w').close()
+        while not os.path.exists(args['resume']):
+          time.sleep(0.05)
+      time.sleep(args.get('step_seconds', 0))
       return step_fn(state, batch)
     return step
   train_lib.make_train_step = slow_make_step
@@ -291,14 +297,16 @@ def test_d_fine_tuning_from_and_into_a_bucket(server, tmp_path):
 def test_e_the_server_stopped_mid_run_stops_it_in_one_line_and_it_resumes(server, tmp_path,
                                                                          reference):
   url = f'{server.root}/e'
-  proc = _child(server, tmp_path, workdir=url, step_seconds=0.1,
-                train={'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3})
+  paused, resume = tmp_path / 'paused', tmp_path / 'resume'
+  proc = _child(server, tmp_path, workdir=url, pause_at=5, paused=str(paused),
+                resume=str(resume), train={'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3})
   marker = storage.path(url) / 'checkpoints' / '3' / checkpoints.COMMIT_FILE
   deadline = time.time() + 240
-  while not marker.exists():
+  while not (paused.exists() and marker.exists()):  # between the saves of steps 3 and 6
     assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
     time.sleep(0.1)
   server.stop()
+  resume.touch()
   try:
     _, err = proc.communicate(timeout=240)
   finally:

@@ -120,7 +120,7 @@ def test_the_server_keeps_generation_preconditions(gcs):
   assert not bucket.blob('preconditions/.lock').exists()
 
 
-# ---- The lock object of a run directory on Cloud Storage (workdir.ObjectLease).
+# ---- The lock object of a run directory on Cloud Storage (storage.Lease).
 
 def _lock_blob(url):
   from google.cloud import storage as gcs_client  # pylint: disable=g-import-not-at-top
@@ -131,7 +131,7 @@ def _lock_blob(url):
 def _plant_holder(url, **record):
   """A lock object as another run would have left it."""
   holder = {'host': 'elsewhere', 'pid': 1, 'program': 'train.py', 'since': 'then',
-            'lease_seconds': workdir.LEASE_SECONDS, **record}
+            'lease_seconds': storage.LEASE_SECONDS, **record}
   _lock_blob(url).upload_from_string(json.dumps(holder), if_generation_match=0)
 
 
@@ -159,13 +159,21 @@ def test_a_dead_holder_is_taken_over_and_a_live_one_is_not(gcs, monkeypatch, cap
     with workdir.Lock(url, 'train.py'):
       assert json.loads(_lock_blob(url).download_as_text())['pid'] == os.getpid()
   assert 'that process is gone' in caplog.text
-  # On another host: refused while its lease runs, taken over once it has expired.
-  url = f'{gcs}/elsewhere'
-  _plant_holder(url, lease_seconds=1.0)
-  with pytest.raises(workdir.WorkdirInUseError, match='on elsewhere.*wait [01] s'):
+  # The same pid alive in another pid namespace (another container on this host): live.
+  url = f'{gcs}/container'
+  _plant_holder(url, host=socket.gethostname(), pid=os.getpid(), pid_ns='pid:[1]')
+  with pytest.raises(workdir.WorkdirInUseError, match='in use by'):
     with workdir.Lock(url, 'train.py'):
       pass
-  time.sleep(1.5)
+  # On another host: refused while its lease runs, taken over once it has expired.
+  url = f'{gcs}/elsewhere'
+  _plant_holder(url)
+  with pytest.raises(workdir.WorkdirInUseError,
+                     match=r'on elsewhere.*wait \d+ s for its lease'):
+    with workdir.Lock(url, 'train.py'):
+      pass
+  later = time.time() + storage.LEASE_SECONDS + 5
+  monkeypatch.setattr(storage.time, 'time', lambda: later)
   caplog.clear()
   with caplog.at_level('WARNING'):
     with workdir.Lock(url, 'train.py'):
@@ -174,25 +182,55 @@ def test_a_dead_holder_is_taken_over_and_a_live_one_is_not(gcs, monkeypatch, cap
 
 
 def test_the_lease_is_refreshed_and_a_lost_one_stops_the_run(gcs, monkeypatch):
-  monkeypatch.setattr(workdir, 'REFRESH_SECONDS', 0.2)
+  monkeypatch.setattr(storage, 'REFRESH_SECONDS', 0.2)
   url = f'{gcs}/refreshed'
   run = RunDir(url)
   with run.hold('train.py', ml_collections.ConfigDict({'seed': 0})):
     first = _lock_blob(url)
     first.reload()
-    time.sleep(0.8)
+    deadline = time.time() + 30
     second = _lock_blob(url)
     second.reload()
-    assert second.generation != first.generation  # rewritten by the refresh
-    assert 'renewed' in json.loads(second.download_as_text())
+    while second.generation == first.generation:  # until a refresh rewrites it
+      assert time.time() < deadline
+      time.sleep(0.1)
+      second.reload()
+    assert 'renewed' in second.download_as_text()
     run.check_held()
     # Another run takes the lock over (as after a lease that could not be refreshed).
     second.delete()
     _plant_holder(url)
-    time.sleep(0.8)
+    while run._lock.lost is None:  # pylint: disable=protected-access
+      assert time.time() < deadline
+      time.sleep(0.1)
     with pytest.raises(workdir.WorkdirInUseError, match='taken over by another run'):
       run.check_held()
   assert json.loads(_lock_blob(url).download_as_text())['host'] == 'elsewhere'  # not deleted
+
+
+def test_a_write_whose_reply_was_lost_is_recognised_as_the_holders_own(gcs):
+  """The retry of a create whose reply was lost fails its precondition against the
+  holder's own object: the nonce shows it is ours, so the take succeeds."""
+  url = f'{gcs}/retried/.lock'
+  lease = storage.Lease(url, storage.holder_record('train.py'))
+  from google.cloud import storage as gcs_client  # pylint: disable=g-import-not-at-top
+  bucket, _, name = url[len('gs://'):].partition('/')
+  gcs_client.Client().bucket(bucket).blob(name).upload_from_string(
+      json.dumps(lease.record), if_generation_match=0)  # "the first try", reply lost
+  lease.take()
+  assert lease.generation is not None and lease.lost is None
+  lease.release()
+  assert not gcs_client.Client().bucket(bucket).blob(name).exists()
+
+
+def test_a_holder_that_cannot_refresh_counts_its_lease_as_lost(gcs, monkeypatch):
+  lease = storage.Lease(f'{gcs}/cut_off/.lock', storage.holder_record('train.py')).take()
+  assert lease.lost is None
+  later = time.monotonic() + storage.LEASE_SECONDS
+  monkeypatch.setattr(storage.time, 'monotonic', lambda: later)
+  assert 'could not be refreshed' in lease.lost
+  monkeypatch.undo()
+  lease.release()
 
 
 def test_a_run_directory_on_a_gcsfuse_mount_is_refused_naming_the_bucket(tmp_path, monkeypatch):
@@ -263,3 +301,30 @@ def test_a_corpus_in_a_bucket_reads_as_the_same_files_on_disk(gcs, tmp_path):
   assert sources.files_signature(remote) == sources.files_signature(local) is not None
   with pytest.raises(FileNotFoundError, match=rf'files:{gcs}/corpus/\*.md matches no file'):
     list(sources.iter_documents(f'files:{gcs}/corpus/*.md'))
+
+
+def test_storage_faults_are_told_from_this_codes_own_errors():
+  import aiohttp  # pylint: disable=g-import-not-at-top
+  from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+  down = aiohttp.ClientConnectionError('Cannot connect to host 127.0.0.1:9')
+  assert storage.fault(down) is down
+  try:
+    try:
+      raise down
+    except aiohttp.ClientConnectionError as e:
+      raise RuntimeError('the save failed') from e
+  except RuntimeError as wrapped:
+    assert storage.fault(wrapped) is down
+  forbidden = OSError('Forbidden: gs://bucket/run/metrics.jsonl')
+  assert storage.fault(forbidden) is forbidden and storage.refused(forbidden)
+  assert storage.refused(exceptions.Forbidden('no access'))
+  for own in (BrokenPipeError(), ConnectionResetError(), TimeoutError('workers'),
+              OSError(28, 'No space left on device'), ValueError('bad config')):
+    assert storage.fault(own) is None, own
+  try:  # a bug of ours raised while handling a storage error, the context suppressed
+    try:
+      raise down
+    except aiohttp.ClientConnectionError:
+      raise KeyError('bug') from None
+  except KeyError as bug:
+    assert storage.fault(bug) is None

@@ -37,7 +37,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from realformer import cli
 from realformer import storage
-from realformer.train import workdir as workdir_lib
 
 Run = Dict[str, Any]
 DONE = 'DONE'
@@ -271,15 +270,13 @@ def acquire(workdir: str) -> bool:
 
   A lock left by a dead process on this host is taken over; one from another host is
   respected (remove it by hand when that host is gone). In a bucket the lock is a leased
-  object (workdir.ObjectLease), taken over once its lease has expired.
+  object (storage.Lease), taken over once its lease has expired.
   """
   if storage.is_url(workdir):
-    lease = workdir_lib.ObjectLease(storage.join(workdir, LOCK),
-                                    {'host': socket.gethostname(), 'pid': os.getpid(),
-                                     'program': 'sweep'})
+    lease = storage.Lease(storage.join(workdir, LOCK), storage.holder_record('sweep.py'))
     try:
       lease.take()
-    except workdir_lib.WorkdirInUseError:
+    except storage.HeldError:
       return False
     _LEASES[workdir] = lease
     return True

@@ -8,7 +8,7 @@
 Layout (every name a program writes is here and nowhere else):
 
   .lock                 the run's holder (host, pid, program, start); see workdir.Lock (a
-                        leased object on gs://: workdir.ObjectLease)
+                        leased object on gs://: storage.Lease)
   config.json           the run's full config (model, data.tokenizer, ...)
   checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
                         stream's position, pretraining only)

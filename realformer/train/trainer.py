@@ -480,6 +480,7 @@ class Trainer:
 
   def _log(self, step: int, window: 'Window', whole_period: bool):
     """The window's train metrics and throughput, to the writer and the log."""
+    self.run_dir.check_held()  # a run whose lease was lost writes nothing more
     task, c = self.task, self.cadence
     values = window.values(task.mesh.size, metrics_lib.peak_flops_per_device(
         task.mesh.devices.flat[0], c.peak_flops_per_device))

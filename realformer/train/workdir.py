@@ -12,14 +12,13 @@ a run that dies leaves the file but not the flock (the kernel drops it with the 
 on the same host the next run takes it over and says so; a record left by another host
 (network filesystems do not always carry flock) is refused, naming the file to delete if that
 run is dead. On Cloud Storage (gs://) it is an object created only if absent and kept alive
-by a lease (ObjectLease). A clean exit empties the file, or deletes the object.
+by a lease (storage.Lease). A clean exit empties the file, or deletes the object.
 
 On resume (the workdir has a checkpoint), the stored config.json is compared with the new
 config: every field must match except the ones listed in RESUMABLE, which change how a run
 is executed or reported but not what it computes; their changes are logged.
 """
 
-import datetime
 import fcntl
 import json
 import os
@@ -28,7 +27,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from typing import Dict, List, Optional
 
 import jax
@@ -68,11 +66,6 @@ class WorkdirInUseError(cli.UserError):
   """Another run holds the workdir."""
 
 
-def _describe(holder: dict) -> str:
-  return (f'pid {holder.get("pid")} on {holder.get("host")} (since {holder.get("since")}, '
-          f'{holder.get("program", "a run")})')
-
-
 def _read(fd: int) -> Optional[dict]:
   os.lseek(fd, 0, os.SEEK_SET)
   text = os.read(fd, 65536).decode('utf-8', 'replace').strip()
@@ -92,7 +85,7 @@ _HELD = {}
 
 class Lock:
   """One run per workdir, taken by process 0 for the life of the run: flock on <workdir>/.lock
-  for a local (or shared-filesystem) folder, a leased lock object for gs:// (ObjectLease).
+  for a local (or shared-filesystem) folder, a leased lock object for gs:// (storage.Lease).
   With several processes every process learns whether it was taken, so all of them stop
   with the one line (the others would otherwise run on and wait for process 0 at the first
   collective)."""
@@ -135,8 +128,12 @@ class Lock:
 
   def _take(self):
     if storage.is_url(self.workdir):
-      self._lease = ObjectLease(self.path, _record(self.program))
-      self._lease.take()
+      self._lease = storage.Lease(self.path, storage.holder_record(self.program))
+      try:
+        self._lease.take()
+      except storage.HeldError as e:
+        raise WorkdirInUseError(str(e).replace('use another folder', 'use another --workdir')
+                                ) from None
       _HELD[id(self)] = self._lease.release
       return self
     self._created = not os.path.exists(self.workdir)
@@ -152,7 +149,7 @@ class Lock:
       holder = _read(fd) or {}
       os.close(fd)
       raise WorkdirInUseError(
-          f'{self.workdir} is in use by {_describe(holder)}; wait for that run to finish '
+          f'{self.workdir} is in use by {storage.describe_holder(holder)}; wait for that run to finish '
           f'or stop it, or use another --workdir') from None
     if not _same_file(fd, self.path):  # a run that made this folder removed it meanwhile
       os.close(fd)
@@ -162,16 +159,16 @@ class Lock:
       if previous.get('host') != socket.gethostname():
         os.close(fd)
         raise WorkdirInUseError(
-            f'{self.workdir} is locked by {_describe(previous)}, another host; if that run '
+            f'{self.workdir} is locked by {storage.describe_holder(previous)}, another host; if that run '
             f'is no longer running, delete {self.path}')
       logging.warning('taking over the lock of %s in %s: that process is gone',
-                      _describe(previous), self.workdir)
+                      storage.describe_holder(previous), self.workdir)
     # Before the record is written: a SIGTERM from here on empties it.
     _HELD[id(self)] = lambda: os.ftruncate(fd, 0)
     try:
       os.ftruncate(fd, 0)
       os.lseek(fd, 0, os.SEEK_SET)
-      os.write(fd, (json.dumps(_record(self.program)) + '\n').encode())
+      os.write(fd, (json.dumps(storage.holder_record(self.program)) + '\n').encode())
       os.fsync(fd)
     except OSError:  # a full disk: not held (the error goes to the user as one line)
       _HELD.pop(id(self), None)
@@ -198,156 +195,6 @@ class Lock:
       fcntl.flock(self._fd, fcntl.LOCK_UN)
       os.close(self._fd)
       self._fd = None
-
-
-def _record(program: str) -> dict:
-  return {'host': socket.gethostname(), 'pid': os.getpid(),
-          'pid_start': _process_start(os.getpid()), 'program': program,
-          'since': datetime.datetime.now().isoformat(timespec='seconds')}
-
-
-def _process_start(pid) -> Optional[int]:
-  """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22): with the
-  pid it names one process, even after the pid is reused. None: no such process (or no
-  /proc)."""
-  try:
-    with open(f'/proc/{int(pid)}/stat') as f:
-      return int(f.read().rpartition(')')[2].split()[19])
-  except (OSError, ValueError, IndexError):
-    return None
-
-
-def _gone(holder: dict) -> bool:
-  """The holder ran on this host and its process no longer exists."""
-  if holder.get('host') != socket.gethostname() or not os.path.isdir('/proc/self'):
-    return False
-  start = _process_start(holder.get('pid', -1))
-  return start is None or (holder.get('pid_start') is not None and
-                           start != holder['pid_start'])
-
-
-# How long a lock object stays valid without a refresh, and how often its holder refreshes
-# it. A holder that dies on another host (a preempted VM) frees the workdir this long after
-# its last refresh; on the same host a holder that is gone is detected at once (its pid).
-LEASE_SECONDS = 300.0
-REFRESH_SECONDS = 60.0
-
-
-class ObjectLease:
-  """The lock of a run directory on Cloud Storage: the object <run>/.lock, created only if
-  absent (the precondition ifGenerationMatch=0, which the service decides atomically), holding
-  the holder's record (host, pid, program, start, lease_seconds). The holder rewrites it every
-  REFRESH_SECONDS under ifGenerationMatch=<its generation>; a record the service has not seen
-  updated for lease_seconds (its `updated` time, against this host's clock) belongs to a run
-  that is gone, and is taken over, as is one left on this host by a process that no longer
-  exists. Released by deleting it under the same precondition, so a holder whose lease was
-  taken over never deletes its successor's lock. A refresh that finds another generation
-  marks the lease lost: the trainer then stops before its next checkpoint."""
-
-  def __init__(self, url: str, record: dict):
-    if not url.startswith('gs://'):
-      raise ValueError(f'{url}: object storage is supported for gs:// (Cloud Storage) URLs; '
-                       'give a gs:// or local --workdir')
-    self.url, self.record = url, dict(record, lease_seconds=LEASE_SECONDS)
-    self._bucket, _, self._name = url[len('gs://'):].partition('/')
-    self.generation, self.lost = None, None
-    self._stop = threading.Event()
-    self._thread = None
-
-  def _blob(self):
-    from google.cloud import storage as gcs  # pylint: disable=g-import-not-at-top
-    if not hasattr(self, '_client'):
-      try:
-        self._client = gcs.Client()
-      except Exception as e:  # pylint: disable=broad-except  (google.auth's many errors)
-        raise ValueError(f'cannot reach Cloud Storage for {self.url}: {_short(e)}; give the '
-                         'machine credentials (a VM\'s service account, or gcloud auth '
-                         'application-default login)') from None
-    return self._client.bucket(self._bucket).blob(self._name)
-
-  def take(self):
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
-    for _ in range(5):  # a lock released or taken over meanwhile: look again
-      blob = self._blob()
-      try:
-        blob.upload_from_string(json.dumps(self.record), if_generation_match=0,
-                                content_type='application/json')
-        self.generation = blob.generation
-        break
-      except exceptions.PreconditionFailed:
-        pass
-      held = blob.bucket.get_blob(self._name)
-      if held is None:
-        continue
-      try:
-        holder = json.loads(held.download_as_text(if_generation_match=held.generation))
-      except (ValueError, exceptions.PreconditionFailed, exceptions.NotFound):
-        holder = {'pid': '?', 'host': '?', 'since': '?', 'program': 'unreadable lock record'}
-      age = time.time() - held.updated.timestamp()
-      lease = float(holder.get('lease_seconds', LEASE_SECONDS))
-      if _gone(holder):
-        why = 'that process is gone'
-      elif age > lease:
-        why = f'its lease expired {age - lease:.0f} s ago'
-      else:
-        raise WorkdirInUseError(
-            f'{self.url[:-len(LOCK_FILE) - 1]} is in use by {_describe(holder)}, its lease '
-            f'renewed {age:.0f} s ago; wait for that run to finish or stop it, or use another '
-            f'--workdir; if that run is no longer running, delete {self.url} (or wait '
-            f'{lease - age:.0f} s for its lease to expire)')
-      logging.warning('taking over the lock of %s in %s: %s', _describe(holder), self.url, why)
-      try:
-        held.delete(if_generation_match=held.generation)
-      except (exceptions.PreconditionFailed, exceptions.NotFound):
-        pass  # refreshed or released meanwhile: look again
-    else:
-      raise WorkdirInUseError(f'could not take {self.url}: other runs keep taking it; stop '
-                              'them or use another --workdir')
-    self._thread = threading.Thread(target=self._refresh, name='lock-lease', daemon=True)
-    self._thread.start()
-    return self
-
-  def _refresh(self):
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
-    while not self._stop.wait(REFRESH_SECONDS):
-      blob = self._blob()
-      try:
-        blob.upload_from_string(json.dumps(dict(self.record, renewed=_now())),
-                                if_generation_match=self.generation,
-                                content_type='application/json', timeout=REFRESH_SECONDS)
-        self.generation = blob.generation
-      except (exceptions.PreconditionFailed, exceptions.NotFound):
-        self.lost = (f'the lock {self.url} was taken over by another run (this run\'s lease '
-                     'was not refreshed in time)')
-        logging.error('%s; this run stops before its next checkpoint', self.lost)
-        return
-      except Exception as e:  # pylint: disable=broad-except  (the next refresh tries again)
-        logging.warning('could not refresh the lock %s: %s', self.url, _short(e))
-
-  def release(self):
-    self._stop.set()
-    if self._thread is not None and self._thread is not threading.current_thread():
-      self._thread.join(timeout=10)
-    if self.generation is None or self.lost:
-      return
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
-    try:
-      # One try: a storage that does not answer must not hold up the run's own error.
-      self._blob().delete(if_generation_match=self.generation, timeout=10, retry=None)
-    except (exceptions.PreconditionFailed, exceptions.NotFound):
-      pass
-    except Exception as e:  # pylint: disable=broad-except  (never hide the run's own error)
-      logging.warning('could not release the lock %s: %s; the next run takes it over once '
-                      'its lease expires', self.url, _short(e))
-    self.generation = None
-
-
-def _now() -> str:
-  return datetime.datetime.now().isoformat(timespec='seconds')
-
-
-def _short(e: BaseException) -> str:
-  return ' '.join(str(e).split())[:300] or type(e).__name__
 
 
 def _same_file(fd: int, path: str) -> bool:
