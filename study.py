@@ -18,7 +18,8 @@ win). `--print_only --target tpu|slurm` prints the launch commands instead of ru
 Writes, per part: summary.{md,csv} (mean, median, spread over seeds), claims.md (the tables
 of docs/study.md, each number from a run's metrics.jsonl), learning_curves.png,
 attention/ (seed 0) and attention_seeds.md (every seed), finetune.md, stability.{md,png};
---figures DIR copies the figures. docs/study.md has the budget of the whole study (about
+--figures DIR copies the figures. R may be a gs:// URL (storage.py: the runs, their records
+and every report live in the bucket). docs/study.md has the budget of the whole study (about
 four hours of 2 CPU cores) and the results.
 """
 
@@ -30,8 +31,10 @@ import os
 import re
 import shutil
 import statistics
+import tempfile
 
 from realformer import cli
+from realformer import storage
 from realformer.tools import analysis
 from realformer.tools import sweep
 
@@ -45,29 +48,55 @@ COMPARE_DEFAULTS = {'steps': 150, 'layers': 4, 'seq_len': 64, 'batch': 32,
 CLAIMED_ORDER = (('realformer', 'postln'), ('postln', 'preln'), ('realformer', 'preln'))
 
 
+def _open(path, mode: str = 'r', **kw):
+  """A file of the study's root (a folder or a gs:// URL: storage.py) opened as open() would."""
+  return storage.path(path).open(mode, **kw)
+
+
+def _copy(src, dest: str) -> None:
+  """Copies the file or object `src` to the local file `dest` (into it, if a folder)."""
+  if os.path.isdir(dest):
+    dest = os.path.join(dest, storage.path(src).name)
+  with open(dest, 'wb') as f:
+    f.write(storage.path(src).read_bytes())
+
+
 def corpus_settings(args) -> list:
   """data.sources for the pretraining parts: the speeches less the fine-tuning task's held-out
   ones (R/era/pretraining_corpus.txt, written once), or the whole embedded corpus."""
   if args.corpus == 'embedded':
     return ['data.sources=embedded']
-  era = (os.path.join(args.root, 'era') if args.print_only or args.report_only else
+  era = (storage.join(args.root, 'era') if args.print_only or args.report_only else
          era_task(args.root))
-  return [f'data.sources=files:{os.path.join(era, "pretraining_corpus.txt")}']
+  return [f'data.sources=files:{storage.join(era, "pretraining_corpus.txt")}']
 
 
 def print_era_note(args):
   """--print_only: the launches read R/era, which the printing machine does not write."""
   if args.corpus == 'era' or args.part == 'finetune':
     print(f'# first, where the runs can read it: python -c "from data import sotu; '
-          f'sotu.write_era_task({os.path.join(args.root, "era")!r})"')
+          f'sotu.write_era_task({storage.join(args.root, "era")!r})"')
 
 
 def era_task(root: str) -> str:
   """R/era: the fine-tuning task (SST-2 layout) and its pretraining corpus, written once (to a
   temporary folder renamed into place, so a second study process never reads half of it)."""
   from data import sotu  # pylint: disable=g-import-not-at-top
-  out = os.path.join(root, 'era')
-  if not os.path.exists(os.path.join(out, 'pretraining_corpus.txt')):
+  out = storage.join(root, 'era')
+  if not storage.path(storage.join(out, 'pretraining_corpus.txt')).exists():
+    if storage.is_url(out):  # uploaded, the corpus (which the check above reads) last
+      tmp = tempfile.mkdtemp(prefix='realformer-era-')
+      try:
+        sotu.write_era_task(tmp)
+        corpus = os.path.join(tmp, 'pretraining_corpus.txt')
+        with open(corpus, 'rb') as f:
+          text = f.read()
+        os.unlink(corpus)
+        storage.copy_tree(tmp, out)
+        storage.path(storage.join(out, 'pretraining_corpus.txt')).write_bytes(text)
+      finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+      return out
     os.makedirs(root, exist_ok=True)
     tmp = f'{out}.tmp-{os.getpid()}'
     sotu.write_era_task(tmp)
@@ -112,17 +141,17 @@ def record(args, part_root: str) -> None:
     return
   dest_root = os.path.join(args.record, os.path.relpath(part_root, args.root))
   copied = 0
-  for dirpath, dirnames, filenames in os.walk(part_root):
+  for dirpath, dirnames, filenames in storage.walk(part_root):
     dirnames[:] = sorted(d for d in dirnames if d not in RECORD_SKIP_DIRS)
     is_run = sweep.OVERRIDES in filenames or 'results.json' in filenames
     for name in filenames:
       if name in RECORD_RUN_FILES if is_run else name.endswith(RECORD_SUFFIXES):
         dest = os.path.join(dest_root, os.path.relpath(dirpath, part_root))
         os.makedirs(dest, exist_ok=True)
-        shutil.copy(os.path.join(dirpath, name), dest)
+        _copy(storage.join(dirpath, name), dest)
         copied += 1
-  if os.path.exists(os.path.join(args.root, BUDGET_FILE)):
-    shutil.copy(os.path.join(args.root, BUDGET_FILE), args.record)
+  if storage.path(storage.join(args.root, BUDGET_FILE)).exists():
+    _copy(storage.join(args.root, BUDGET_FILE), args.record)
   print(f'recorded {copied} files of {part_root} under {dest_root}')
 
 
@@ -175,7 +204,7 @@ def attention_over_seeds(root: str, runs, names, codes) -> str:
   for run, name in zip(runs, names):
     if codes.get(name) != 0:
       continue
-    r = analysis.analyze_run(os.path.join(root, name))
+    r = analysis.analyze_run(storage.join(root, name))
     pairs = np.asarray(r.get('js_all_pairs', [[0.0]]))
     upper = pairs[np.triu_indices(len(pairs), 1)]
     per_variant.setdefault(run['model.variant'], {})[run['seed']] = {
@@ -198,9 +227,9 @@ def attention_over_seeds(root: str, runs, names, codes) -> str:
               f'{ordering(values, "realformer", other, lower=True)}'
               for other in ('postln', 'preln')]
   table = '\n'.join(lines) + '\n'
-  with open(os.path.join(root, 'attention_seeds.json'), 'w') as f:
+  with _open(storage.join(root, 'attention_seeds.json'), 'w') as f:
     json.dump(per_variant, f, indent=1)
-  with open(os.path.join(root, 'attention_seeds.md'), 'w') as f:
+  with _open(storage.join(root, 'attention_seeds.md'), 'w') as f:
     f.write(table)
   return table
 
@@ -213,10 +242,10 @@ def curves(root: str, runs, names, out_path: str):
   import numpy as np  # pylint: disable=g-import-not-at-top
   series, baselines = {}, []
   for run, name in zip(runs, names):
-    path = os.path.join(root, name, 'metrics.jsonl')
-    if not os.path.exists(path):
+    path = storage.join(root, name, 'metrics.jsonl')
+    if not storage.path(path).exists():
       continue
-    with open(path) as f:
+    with _open(path) as f:
       records = [json.loads(line) for line in f]
     baselines += [r['mlm_majority_accuracy'] for r in records
                   if r.get('split') == 'eval' and 'mlm_majority_accuracy' in r][-1:]
@@ -246,7 +275,7 @@ def curves(root: str, runs, names, out_path: str):
                       'majority baseline')
   axes[1].legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(out_path, dpi=110)
+  analysis.save_png(fig, storage.path(out_path))
   plt.close(fig)
 
 
@@ -278,14 +307,14 @@ def stability_cell(workdir: str, run=None) -> dict:
   """{'status': 'diverged' | 'rose' | 'ok' | 'missing', 'final', 'start', 'step'} of a run
   (finished as the sweep judges it: its DONE marker, or, given the run, its metrics at the
   run's last step, e.g. a run whose sweep process was killed as it finished)."""
-  marker = os.path.join(workdir, DIVERGED)
-  if os.path.exists(marker):
-    with open(marker) as f:
+  marker = storage.join(workdir, DIVERGED)
+  if storage.path(marker).exists():
+    with _open(marker) as f:
       return dict(json.load(f), status='diverged')
-  path = os.path.join(workdir, 'metrics.jsonl')
-  if not os.path.exists(path) or not sweep.is_done(workdir, run):
+  path = storage.join(workdir, 'metrics.jsonl')
+  if not storage.path(path).exists() or not sweep.is_done(workdir, run):
     return {'status': 'missing'}
-  with open(path) as f:
+  with _open(path) as f:
     losses = [(r['step'], r['loss']) for r in map(json.loads, f)
               if r.get('split') == 'train' and 'loss' in r]
   cell = {'final': losses[-1][1], 'step': losses[-1][0],
@@ -293,9 +322,9 @@ def stability_cell(workdir: str, run=None) -> dict:
   # The start: the first logged loss (a mean over the first log_every steps, which may hold an
   # early spike), or a random model's loss, ln(vocabulary) + ln 2 (MLM + NSP), if lower.
   cell['start'] = losses[0][1]
-  config = os.path.join(workdir, 'config.json')
-  if os.path.exists(config):
-    with open(config) as f:
+  config = storage.join(workdir, 'config.json')
+  if storage.path(config).exists():
+    with _open(config) as f:
       cell['chance'] = math.log(json.load(f)['model']['vocab_size']) + math.log(2)
     cell['start'] = min(cell['start'], cell['chance'])
   cell['status'] = 'rose' if cell['final'] > cell['start'] else 'ok'
@@ -304,15 +333,14 @@ def stability_cell(workdir: str, run=None) -> dict:
 
 def mark_diverged(workdir: str) -> bool:
   """After a failed run: True (and the marker written) when its loss became nan/inf."""
-  log = os.path.join(workdir, 'log.txt')
-  if not os.path.exists(log):
+  log = storage.join(workdir, 'log.txt')
+  if not storage.path(log).exists():
     return False
-  with open(log, errors='replace') as f:
-    tail = f.read()[-4000:]
+  tail = storage.path(log).read_bytes()[-16000:].decode('utf-8', 'replace')[-4000:]
   match = re.search(r'(loss|gradient norm) became (nan|inf|-inf) at step (\d+)', tail)
   if not match:
     return False
-  with open(os.path.join(workdir, DIVERGED), 'w') as f:
+  with _open(storage.join(workdir, DIVERGED), 'w') as f:
     json.dump({'what': match.group(1), 'value': match.group(2),
                'step': int(match.group(3))}, f)
   return True
@@ -359,10 +387,10 @@ def stability_report(cells, variants, rates, warmups, out_dir: str) -> str:
   axes[0].set_ylabel('final train loss (x: nan/inf)')
   axes[-1].legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, 'stability.png'), dpi=110)
+  analysis.save_png(fig, storage.path(storage.join(out_dir, 'stability.png')))
   plt.close(fig)
   table = '\n'.join(lines) + '\n'
-  with open(os.path.join(out_dir, 'stability.md'), 'w') as f:
+  with _open(storage.join(out_dir, 'stability.md'), 'w') as f:
     f.write(table)
   return table
 
@@ -371,7 +399,7 @@ def stability(args) -> int:
   variants = args.variants.split(',')
   rates = [float(r) for r in args.learning_rates.split(',')]
   warmups = [int(w) for w in args.warmups.split(',')]
-  root = os.path.join(args.root, 'stability')
+  root = storage.join(args.root, 'stability')
   runs = [r for r in sweep.expand([f'model.variant={",".join(variants)}',
                                     f'optimizer.learning_rate={args.learning_rates}',
                                     f'optimizer.warmup_steps={args.warmups}'],
@@ -385,26 +413,26 @@ def stability(args) -> int:
                               config=f'configs/pretrain.py:postln,{args.size}',
                               target=args.target), end='')
     return 0
-  if args.report_only and not any(os.path.isdir(os.path.join(root, n)) for n in names):
+  if args.report_only and not any(storage.path(storage.join(root, n)).is_dir() for n in names):
     raise ValueError(f'no run of this grid under {root}; run study.py stability without '
                      '--report_only first (with the same options)')
   todo = [r for r, n in zip(runs, names)
-          if not os.path.exists(os.path.join(root, n, DIVERGED))]
+          if not storage.path(storage.join(root, n, DIVERGED)).exists()]
   codes = {} if args.report_only else sweep.run_all(
       todo, root=root, program=os.path.join(REPO, 'train.py'), config=config,
       always=STABILITY_AXES)
   failed = [n for n, c in codes.items() if c not in (0, sweep.RUNNING_ELSEWHERE) and
-            not mark_diverged(os.path.join(root, n))]
+            not mark_diverged(storage.join(root, n))]
   cells = collections.defaultdict(lambda: {'status': 'not in the grid'})
   for run, name in zip(runs, names):
     if run['seed'] == 0:
       cells[run['model.variant'], run['optimizer.learning_rate'],
-            run['optimizer.warmup_steps']] = stability_cell(os.path.join(root, name), run)
+            run['optimizer.warmup_steps']] = stability_cell(storage.join(root, name), run)
   table = stability_report(cells, variants, rates, warmups, root)
   print(table)
   if args.figures:
     os.makedirs(args.figures, exist_ok=True)
-    shutil.copy(os.path.join(root, 'stability.png'), args.figures)
+    _copy(storage.join(root, 'stability.png'), args.figures)
   record(args, root)
   if failed:
     print(f'{len(failed)} runs failed for another reason than a nan/inf loss: {failed}')
@@ -441,11 +469,12 @@ def budget_candidates(args) -> list:
 def budget_table(root: str, found) -> str:
   """Every finished budget run under root (this search's and earlier ones), cheapest first."""
   rows = []
-  for name in sorted(os.listdir(root)):
-    workdir = os.path.join(root, name)
-    if not (os.path.exists(os.path.join(workdir, sweep.OVERRIDES)) and sweep.is_done(workdir)):
+  for name in sorted(p.name for p in storage.path(root).iterdir()):
+    workdir = storage.join(root, name)
+    if not (storage.path(storage.join(workdir, sweep.OVERRIDES)).exists() and
+            sweep.is_done(workdir)):
       continue
-    with open(os.path.join(workdir, sweep.OVERRIDES)) as f:
+    with _open(storage.join(workdir, sweep.OVERRIDES)) as f:
       run = json.load(f)
     r = held_out(workdir)
     if r:
@@ -461,7 +490,7 @@ def budget_table(root: str, found) -> str:
 
 
 def budget_search(args) -> int:
-  root = os.path.join(args.root, 'budget')
+  root = storage.join(args.root, 'budget')
   config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
   found, scripts = None, []
   for layers, seq_len, steps in budget_candidates(args):
@@ -480,8 +509,8 @@ def budget_search(args) -> int:
       print(f'the budget run {root}/{name} did not finish here (exit {codes[name]}); see its '
             'log.txt, then run the same command again to resume')
       return 1
-    result = dict(held_out(os.path.join(root, name)), layers=layers, seq_len=seq_len,
-                  steps=steps, run=os.path.join(root, name))
+    result = dict(held_out(storage.join(root, name)), layers=layers, seq_len=seq_len,
+                  steps=steps, run=storage.join(root, name))
     if result.get('ratio') and result['ratio'] >= args.target_ratio:
       found = result
       break
@@ -492,7 +521,7 @@ def budget_search(args) -> int:
     print(''.join(scripts), end='')
     return 0
   table = budget_table(root, found)
-  with open(os.path.join(root, 'budget.md'), 'w') as f:
+  with _open(storage.join(root, 'budget.md'), 'w') as f:
     f.write(table)
   print(table)
   if found is None:
@@ -505,11 +534,11 @@ def budget_search(args) -> int:
             'reference': args.reference, 'target_ratio': args.target_ratio,
             'evidence': {k: found[k] for k in ('run', 'mlm_accuracy', 'mlm_majority_accuracy',
                                                 'ratio')}}
-  with open(os.path.join(args.root, BUDGET_FILE), 'w') as f:
+  with _open(storage.join(args.root, BUDGET_FILE), 'w') as f:
     json.dump(chosen, f, indent=1)
   record(args, root)
   print(f'budget: {found["layers"]} layers, length {found["seq_len"]}, {found["steps"]} steps '
-        f'(written to {os.path.join(args.root, BUDGET_FILE)}; compare reads it)')
+        f'(written to {storage.join(args.root, BUDGET_FILE)}; compare reads it)')
   return 0
 
 
@@ -517,10 +546,10 @@ def budget_search(args) -> int:
 
 def resolve_budget(args) -> dict:
   """Fills compare's unset settings from R/budget.json, else COMPARE_DEFAULTS."""
-  path = os.path.join(args.root, BUDGET_FILE)
+  path = storage.join(args.root, BUDGET_FILE)
   found = {}
-  if os.path.exists(path):
-    with open(path) as f:
+  if storage.path(path).exists():
+    with _open(path) as f:
       found = json.load(f)
   for key, default in COMPARE_DEFAULTS.items():
     if getattr(args, key) is None:
@@ -532,14 +561,14 @@ def compare_runs(args, minutes: float = 0.0):
   """(runs, names, root) of the variants x seeds at the budget (equal time: its own root)."""
   view = argparse.Namespace(**dict(vars(args), minutes=minutes))
   runs = sweep.expand([f'model.variant={args.variants}'], fixed_settings(view), args.seeds)
-  root = os.path.join(args.root, 'equal_time' if minutes else 'compare')
+  root = storage.join(args.root, 'equal_time' if minutes else 'compare')
   return runs, sweep.run_names(runs), root
 
 
 def training_seconds(workdir: str, steps: int) -> float:
   """Training time of a finished run at its steady rate: steps / the median logged steps/s
   (the first window, which compiles, left out)."""
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+  with _open(storage.join(workdir, 'metrics.jsonl')) as f:
     rates = [r['steps_per_sec'] for r in map(json.loads, f)
              if r.get('split') == 'train' and 'steps_per_sec' in r]
   return steps / statistics.median(rates[1:] or rates)
@@ -548,9 +577,9 @@ def training_seconds(workdir: str, steps: int) -> float:
 def equal_minutes(args) -> float:
   """--minutes auto: the reference variant's median training time in the steps view."""
   runs, names, root = compare_runs(args)
-  seconds = [training_seconds(os.path.join(root, n), args.steps) for r, n in zip(runs, names)
+  seconds = [training_seconds(storage.join(root, n), args.steps) for r, n in zip(runs, names)
              if r['model.variant'] == args.reference and
-             sweep.is_done(os.path.join(root, n))]
+             sweep.is_done(storage.join(root, n))]
   if not seconds:
     raise ValueError(f'--minutes auto takes the time of {args.reference} in {root}: run '
                      '`study.py compare` (the steps view) first, or give --minutes M')
@@ -561,7 +590,7 @@ def claims_report(args, runs, names, root, minutes: float) -> str:
   """Claim 2's table and orderings (markdown), from each run's final evaluation."""
   per_variant, rows = {}, {}
   for run, name in zip(runs, names):
-    workdir = os.path.join(root, name)
+    workdir = storage.join(root, name)
     r = held_out(workdir) if sweep.is_done(workdir) else {}
     if r:
       per_variant.setdefault(run['model.variant'], {})[run['seed']] = r['mlm_accuracy']
@@ -607,7 +636,7 @@ def compare(args) -> int:
     print(f'equal wall-clock time: {minutes} minutes of training per run (run these one at '
           'a time on an otherwise idle machine: the time decides the steps)')
   if args.report_only:  # the finished runs there are, nothing run
-    codes = {n: 0 for n in names if sweep.is_done(os.path.join(root, n))}
+    codes = {n: 0 for n in names if sweep.is_done(storage.join(root, n))}
     if not codes:
       raise ValueError(f'no finished run under {root}; run study.py compare without '
                        '--report_only first (with the same options)')
@@ -617,32 +646,31 @@ def compare(args) -> int:
   metrics = ['eval/mlm_accuracy', 'eval/mlm_majority_accuracy', 'eval/mlm_loss',
              'eval/nsp_accuracy', 'train/loss']
   header, table = sweep.summarize(sweep.collect(root, metrics), metrics)
-  with open(os.path.join(root, 'summary.md'), 'w') as f:
+  with _open(storage.join(root, 'summary.md'), 'w') as f:
     f.write(sweep.to_markdown(header, table))
-  with open(os.path.join(root, 'summary.csv'), 'w') as f:
+  with _open(storage.join(root, 'summary.csv'), 'w') as f:
     f.write(sweep.to_csv(header, table))
   report = claims_report(args, runs, names, root, minutes)
-  curves(root, runs, names, os.path.join(root, 'learning_curves.png'))
+  curves(root, runs, names, storage.join(root, 'learning_curves.png'))
   first = [(r['model.variant'], n) for r, n in zip(runs, names)
            if r['seed'] == 0 and codes.get(n) == 0]
-  results = [analysis.analyze_run(os.path.join(root, n)) for _, n in first]
-  attention_dir = os.path.join(root, 'attention')
+  results = [analysis.analyze_run(storage.join(root, n)) for _, n in first]
+  attention_dir = storage.join(root, 'attention')
   if results:
     analysis.write_report(results, attention_dir, [v for v, _ in first])
     report += '\nAttention (claim 3), every seed: mean (min-max) over seeds\n\n'
     report += attention_over_seeds(root, runs, names, codes)
-  with open(os.path.join(root, 'claims.md'), 'w') as f:
+  with _open(storage.join(root, 'claims.md'), 'w') as f:
     f.write(report)
   print(report)
   if args.figures:
     os.makedirs(args.figures, exist_ok=True)
     prefix = 'equal_time_' if minutes else ''
-    shutil.copy(os.path.join(root, 'learning_curves.png'),
-                os.path.join(args.figures, f'{prefix}learning_curves.png'))
+    _copy(storage.join(root, 'learning_curves.png'),
+          os.path.join(args.figures, f'{prefix}learning_curves.png'))
     for name in ('attention_entropy.png', 'attention_js.png'):
-      if os.path.exists(os.path.join(attention_dir, name)):
-        shutil.copy(os.path.join(attention_dir, name),
-                    os.path.join(args.figures, prefix + name))
+      if storage.path(storage.join(attention_dir, name)).exists():
+        _copy(storage.join(attention_dir, name), os.path.join(args.figures, prefix + name))
   record(args, root)
   return 0 if all(c == 0 for c in codes.values()) else 1
 
@@ -655,16 +683,16 @@ def compare(args) -> int:
 
 def finetune_runs(args, workdir: str, seed: int, scratch: bool) -> dict:
   return {'init_checkpoint': workdir, 'from_scratch': scratch,
-          'data_dir': os.path.join(args.root, 'era'), 'max_seq_length': 64,
+          'data_dir': storage.join(args.root, 'era'), 'max_seq_length': 64,
           'batch_size': args.ft_batch, 'num_epochs': args.ft_epochs,
           'optimizer.learning_rate': args.ft_learning_rate, 'seed': seed}
 
 
 def dev_accuracy(workdir: str):
-  path = os.path.join(workdir, 'results.json')
-  if not os.path.exists(path):
+  path = storage.join(workdir, 'results.json')
+  if not storage.path(path).exists():
     return None
-  with open(path) as f:
+  with _open(path) as f:
     return json.load(f)['headline']
 
 
@@ -674,13 +702,13 @@ def finetune(args) -> int:
   config = os.path.join(REPO, 'configs', 'finetune.py') + ':glue/sst2'
   scores, codes, script = {}, {}, []
   for run, name in zip(runs, names):
-    pretrained = os.path.join(root, name)
+    pretrained = storage.join(root, name)
     if not args.print_only and not sweep.is_done(pretrained):
       print(f'{name}: not pretrained yet (study.py compare), left out')
       continue
     for arm in ('pretrained', 'scratch'):
       ft = [finetune_runs(args, pretrained, run['seed'], arm == 'scratch')]
-      ft_root = os.path.join(args.root, 'finetune', arm, name)
+      ft_root = storage.join(args.root, 'finetune', arm, name)
       if args.print_only:
         script.append(sweep.launch_script(ft, root=ft_root, program='finetune.py',
                                           config='configs/finetune.py:glue/sst2',
@@ -690,7 +718,7 @@ def finetune(args) -> int:
         codes.update({f'{arm}/{name}/{k}': c for k, c in sweep.run_all(
             ft, root=ft_root, program=os.path.join(REPO, 'finetune.py'),
             config=config).items()})
-      acc = dev_accuracy(os.path.join(ft_root, sweep.run_names(ft)[0]))
+      acc = dev_accuracy(storage.join(ft_root, sweep.run_names(ft)[0]))
       scores.setdefault(arm, {}).setdefault(run['model.variant'], {})[run['seed']] = acc
     scores.setdefault('mlm', {}).setdefault(run['model.variant'], {})[run['seed']] = (
         held_out(pretrained).get('mlm_accuracy'))
@@ -699,11 +727,11 @@ def finetune(args) -> int:
     print(''.join(script), end='')
     return 0
   report = finetune_report(args, scores)
-  os.makedirs(os.path.join(args.root, 'finetune'), exist_ok=True)
-  with open(os.path.join(args.root, 'finetune', 'finetune.md'), 'w') as f:
+  storage.path(storage.join(args.root, 'finetune')).mkdir(parents=True, exist_ok=True)
+  with _open(storage.join(args.root, 'finetune', 'finetune.md'), 'w') as f:
     f.write(report)
   print(report)
-  record(args, os.path.join(args.root, 'finetune'))
+  record(args, storage.join(args.root, 'finetune'))
   return 0 if all(c == 0 for c in codes.values()) else 1
 
 

@@ -171,6 +171,19 @@ def glob_files(pattern: str) -> List[Tuple[str, int]]:
                 if os.path.isfile(p))
 
 
+def walk(root):
+  """os.walk for a folder or a gs:// URL: (folder, subfolder names, file names) from the top
+  down, folders as strings of the same kind as `root`; pruning the subfolder names in place
+  skips them."""
+  root = os.fspath(root)
+  if not is_url(root):
+    yield from os.walk(root)
+    return
+  scheme = root.split('://', 1)[0]
+  for folder, dirnames, filenames in _fs(root).walk(root, topdown=True):
+    yield f'{scheme}://{folder}', dirnames, filenames
+
+
 def mtime(p) -> float:
   """When the file or object was last written (seconds since the epoch, to the microsecond
   for objects, as the service records it); FileNotFoundError if it does not exist."""

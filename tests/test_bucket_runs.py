@@ -362,3 +362,32 @@ def test_interop_reads_and_writes_buckets(server, tmp_path):
   with pytest.raises(ValueError, match='exists and is not empty'):
     interop.import_tf1(f'{bucket}/tf1/bert_model.ckpt', f'{bucket}/tf1/bert_config.json',
                        f'{bucket}/tf1/vocab.txt', workdir)
+
+
+def test_study_reports_read_and_write_a_bucket_root(server, tmp_path):
+  """The study's report steps on a gs:// root: learning curves, a stability cell and the
+  --record copy read runs in the bucket and write their figures there."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import study  # pylint: disable=g-import-not-at-top
+  root = f'{server.root}/study'
+  runs = [{'model.variant': v, 'seed': 0} for v in ('postln', 'realformer')]
+  names = sweep.run_names(runs)
+  for name in names:
+    lines = [json.dumps({'step': s, 'split': 'train', 'loss': 9.0 - s / 10}) for s in (10, 20)]
+    lines += [json.dumps({'step': 20, 'split': 'eval', 'mlm_accuracy': 0.2})]
+    storage.write_text(f'{root}/compare/{name}/metrics.jsonl', '\n'.join(lines) + '\n')
+    storage.write_text(f'{root}/compare/{name}/{sweep.OVERRIDES}', '{}')
+    storage.write_text(f'{root}/compare/{name}/{sweep.DONE}', '')
+    storage.write_text(f'{root}/compare/{name}/checkpoints/20/x.json', '{}')
+  study.curves(f'{root}/compare', runs, names, f'{root}/compare/learning_curves.png')
+  assert storage.path(f'{root}/compare/learning_curves.png').stat().length > 1000
+  cell = study.stability_cell(f'{root}/compare/{names[0]}')
+  assert cell['status'] == 'ok' and cell['final'] == 7.0
+  kept = tmp_path / 'kept'
+  study.record(argparse.Namespace(root=root, record=str(kept)), f'{root}/compare')
+  got = sorted(str(p.relative_to(kept)) for p in kept.rglob('*') if p.is_file())
+  assert 'compare/learning_curves.png' in got and not any('checkpoints' in g for g in got)
+  assert f'compare/{names[0]}/metrics.jsonl' in got
+  era = study.era_task(root)  # the fine-tuning task and corpus, written into the bucket
+  assert storage.path(f'{era}/pretraining_corpus.txt').stat().length > 1000
+  assert storage.path(f'{era}/SST-2/dev.tsv').exists()

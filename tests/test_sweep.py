@@ -16,6 +16,7 @@ import pytest
 
 import sweep as sweep_cli
 from realformer.tools import sweep
+from tests.gcs_server import gcs  # pylint: disable=unused-import
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,9 +197,10 @@ def test_real_sweep_of_train_py(tmp_path):
   assert json.loads((run / 'config.json').read_text())['model']['variant'] == 'realformer'
 
 
-def test_study_plan_and_learning_curves(tmp_path, capsys):
+def test_study_plan_and_learning_curves(tmp_path, capsys, gcs):
   import study  # pylint: disable=g-import-not-at-top
-  assert study.main(['--root', 'gs://b/study', '--seeds', '3', '--print_only']) == 0
+  # A bucket root (the loopback server: planning reads R/budget.json there).
+  assert study.main(['--root', f'{gcs}/study', '--seeds', '3', '--print_only']) == 0
   lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
   assert len(lines) == 5 * 3  # five variants, three seeds, one budget
   assert all('--config.train.num_steps=150' in l and '--config.model.num_layers=4' in l
@@ -216,14 +218,14 @@ def test_study_plan_and_learning_curves(tmp_path, capsys):
   assert (tmp_path / 'curves.png').stat().st_size > 1000
 
 
-def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys):
+def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys, gcs):
   import study  # pylint: disable=g-import-not-at-top
-  assert study.main(['stability', '--root', 'gs://b/study', '--print_only']) == 0
+  assert study.main(['stability', '--root', f'{gcs}/study', '--print_only']) == 0
   lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
   assert len(lines) == 3 * (9 + 4)  # variants x (rates + those up to 4e-3 with warm-up)
   assert all('--config.model.num_layers=12' in l and '--config.train.num_steps=300' in l
              for l in lines)
-  assert study.main(['--root', 'gs://b/wall', '--minutes', '20', '--print_only']) == 0
+  assert study.main(['--root', f'{gcs}/wall', '--minutes', '20', '--print_only']) == 0
   lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
   assert all('--config.train.time_budget_minutes=20' in l and
              '--config.optimizer.warmup_steps=-1' in l for l in lines)

@@ -124,7 +124,7 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     ax.set_xticks(range(1, len(r['entropies']) + 1))
   axes[0][0].set_ylabel('attention entropy (nats)')
   fig.tight_layout()
-  _save_png(fig, out / 'attention_entropy.png')
+  save_png(fig, out / 'attention_entropy.png')
   plt.close(fig)
   vmax = max(max(max(row) for row in r['js_all_pairs']) for r in results) or 1.0
   fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
@@ -134,7 +134,7 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     ax.set_xlabel('layer')
     ax.set_ylabel('layer')
   fig.colorbar(im, ax=axes[0].tolist(), label='JS divergence (nats)')
-  _save_png(fig, out / 'attention_js.png')
+  save_png(fig, out / 'attention_js.png')
   plt.close(fig)
   numbers = {label: {k: r[k] for k in ('variant', 'workdir', 'entropy_mean', 'js_adjacent',
                                        'js_all_pairs')}
@@ -151,8 +151,9 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   return numbers
 
 
-def _save_png(fig, path) -> None:
-  """The figure as a PNG at `path` (a file or an object: rendered in memory, written whole)."""
+def save_png(fig, path) -> None:
+  """The figure as a PNG at the epath `path` (a file or an object: rendered in memory, written
+  whole)."""
   buf = io.BytesIO()
   fig.savefig(buf, format='png', dpi=110)
   path.write_bytes(buf.getvalue())
