@@ -7,7 +7,8 @@ its objects in a folder so that it can be stopped and started again):
      write there;
   b. kill -9 while a checkpoint is being written, then the same command: the cut step is never
      restored and the resumed run matches an uninterrupted one;
-  c. a second run on a gs:// workdir that a run holds is refused with one line;
+  c. a second run on a gs:// workdir that a run holds is refused with one line; SIGTERM
+     saves and deletes the lock object;
   d. fine-tuning from a gs:// pretraining workdir into a gs:// workdir, reading GLUE from the
      bucket, writes results and predictions there, the same as on local disk;
   e. the server stopped mid-run: the run stops with one line naming the storage error, and
@@ -391,3 +392,23 @@ def test_study_reports_read_and_write_a_bucket_root(server, tmp_path):
   era = study.era_task(root)  # the fine-tuning task and corpus, written into the bucket
   assert storage.path(f'{era}/pretraining_corpus.txt').stat().length > 1000
   assert storage.path(f'{era}/SST-2/dev.tsv').exists()
+
+
+def test_sigterm_saves_and_releases_the_lock_object(server, tmp_path):
+  """A preempted run in a bucket: SIGTERM mid-run saves that step and deletes its lock
+  object, so the rerun (on any host) takes the workdir at once."""
+  url = f'{server.root}/sigterm'
+  paused, resume = tmp_path / 'paused', tmp_path / 'resume'
+  proc = _child(server, tmp_path, workdir=url, pause_at=4, paused=str(paused),
+                resume=str(resume), train={'num_steps': NUM_STEPS, 'checkpoint_every_steps': 100})
+  deadline = time.time() + 240
+  while not paused.exists():
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.1)
+  assert (storage.path(url) / '.lock').exists()
+  proc.send_signal(signal.SIGTERM)
+  resume.touch()
+  _, err = proc.communicate(timeout=240)
+  assert proc.returncode == 0, err[-3000:]  # the child returns the summary: preempted
+  assert not (storage.path(url) / '.lock').exists()
+  assert checkpoints.latest_complete_step(checkpoints.make_manager(url, read_only=True)) == 4

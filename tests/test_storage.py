@@ -328,3 +328,16 @@ def test_storage_faults_are_told_from_this_codes_own_errors():
       raise KeyError('bug') from None
   except KeyError as bug:
     assert storage.fault(bug) is None
+
+
+def test_squad_and_glue_files_in_a_bucket_read_as_on_disk(gcs):
+  from data import glue  # pylint: disable=g-import-not-at-top
+  from data import squad  # pylint: disable=g-import-not-at-top
+  here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
+  local = os.path.join(here, 'squad', 'v2.0.json')
+  with open(local, 'rb') as f:
+    storage.path(f'{gcs}/squad/v2.0.json').write_bytes(f.read())
+  assert squad.read_json(f'{gcs}/squad/v2.0.json') == squad.read_json(local)
+  storage.copy_tree(os.path.join(here, 'glue', 'CoLA'), f'{gcs}/glue/CoLA')
+  assert (glue.read_tsv('cola', f'{gcs}/glue', 'train') ==
+          glue.read_tsv('cola', os.path.join(here, 'glue'), 'train'))
