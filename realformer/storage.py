@@ -30,15 +30,19 @@ import time
 import uuid
 from typing import Iterable, List, Optional, Tuple, Union
 
-import fsspec.config
 from absl import logging as absl_logging
 from etils import epath
 
 os.environ.setdefault('EPATH_USE_TF', 'false')
 # gcsfs caches directory listings for the life of the process, so a file another host (or
 # process) wrote since would stay invisible: runs coordinate through listings (prepared
-# data, checkpoints, local copies), so every listing asks the bucket.
-fsspec.config.conf.setdefault('gcs', {}).setdefault('use_listings_cache', False)
+# data, checkpoints, local copies), so every listing asks the bucket. (fsspec is needed only
+# for URLs: an environment without it runs on local paths.)
+try:
+  import fsspec.config  # pylint: disable=g-import-not-at-top
+  fsspec.config.conf.setdefault('gcs', {}).setdefault('use_listings_cache', False)
+except ImportError:
+  pass
 
 
 class _WithoutTraceback(logging.Filter):
