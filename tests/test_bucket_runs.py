@@ -111,6 +111,9 @@ import train
 from realformer import cli
 from realformer.train import checkpoints, train_lib
 from tests.test_train import tiny_config
+if args.get('num_processes'):
+  from realformer.train import distributed
+  distributed.maybe_initialize(args['coordinator'], args['num_processes'], args['process_id'])
 if args.get('step_seconds') or args.get('pause_at'):
   make_step = train_lib.make_train_step
   def slow_make_step(*a, **kw):
@@ -142,10 +145,10 @@ cli.run_main(train.train_and_evaluate, tiny_config(**args['train']), args['workd
 '''
 
 
-def _child(server, tmp_path, **args):
+def _child(server, tmp_path, devices=DEVICES, **args):
   args.setdefault('hosts', str(tmp_path / 'hosts.txt'))
   env = dict(os.environ, **server.env, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={DEVICES}')
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
   return subprocess.Popen([sys.executable, '-c', _CHILD.format(repo=REPO,
                                                                args=json.dumps(args))],
                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -412,3 +415,33 @@ def test_sigterm_saves_and_releases_the_lock_object(server, tmp_path):
   assert proc.returncode == 0, err[-3000:]  # the child returns the summary: preempted
   assert not (storage.path(url) / '.lock').exists()
   assert checkpoints.latest_complete_step(checkpoints.make_manager(url, read_only=True)) == 4
+
+
+def test_two_processes_train_and_resume_a_run_in_a_bucket(server, tmp_path, reference):
+  """As the hosts of a pod: two processes (one device each) share a gs:// workdir (process 0
+  holds the lock object, all write their checkpoint shards there), stop after 6 steps and
+  resume to the end: the losses of the one-process, two-device run on local disk."""
+  import socket  # pylint: disable=g-import-not-at-top
+  url = f'{server.root}/two_processes'
+
+  def launch(num_steps):
+    with socket.socket() as s:
+      s.bind(('localhost', 0))
+      port = s.getsockname()[1]
+    procs = [_child(server, tmp_path, devices=1, workdir=url, coordinator=f'localhost:{port}',
+                    num_processes=2, process_id=i,
+                    train={'num_steps': num_steps, 'checkpoint_every_steps': 3})
+             for i in range(2)]
+    outs = [p.communicate(timeout=400)[1] for p in procs]
+    for p, err in zip(procs, outs):
+      assert p.returncode == 0, err[-3000:]
+
+  launch(6)
+  assert sorted(_losses(url)) == list(range(1, 7))
+  launch(NUM_STEPS)
+  got = _losses(url)
+  assert sorted(got) == sorted(reference)
+  np.testing.assert_allclose([got[s] for s in sorted(reference)],
+                             [reference[s] for s in sorted(reference)], rtol=2e-5)
+  assert '.lock' not in {p.name for p in storage.path(url).iterdir()}
+  _assert_loopback_only(tmp_path / 'hosts.txt')

@@ -94,10 +94,20 @@ class RunDir:
 
   def check_held(self) -> None:
     """Raises WorkdirInUseError if the lock this run holds was taken over (a lease on
-    object storage that could not be refreshed in time): nothing more may be written."""
-    if self._lock is not None and self._lock.lost:
-      raise workdir_lib.WorkdirInUseError(f'{self._lock.lost}; this run stopped without '
-                                          'saving; only one run may write to a workdir')
+    object storage that could not be refreshed in time): nothing more may be written. With
+    several processes, process 0 (the holder) decides for all of them, so they stop
+    together (a collective: every process calls this at the same step)."""
+    if self._lock is None:
+      return
+    lost = self._lock.lost
+    if jax.process_count() > 1 and storage.is_url(self.root):
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      import numpy as np  # pylint: disable=g-import-not-at-top
+      if int(multihost_utils.broadcast_one_to_all(np.int32(lost is not None))):
+        lost = lost or f'process 0 lost the lock of {self}'
+    if lost:
+      raise workdir_lib.WorkdirInUseError(f'{lost}; this run stopped without saving; only '
+                                          'one run may write to a workdir')
 
   def has_checkpoint(self) -> bool:
     """A complete resume checkpoint, or the final params of a finished run."""
