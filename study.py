@@ -57,8 +57,9 @@ def _copy(src, dest: str) -> None:
   """Copies the file or object `src` to the local file `dest` (into it, if a folder)."""
   if os.path.isdir(dest):
     dest = os.path.join(dest, storage.path(src).name)
+  data = storage.path(src).read_bytes()
   with open(dest, 'wb') as f:
-    f.write(storage.path(src).read_bytes())
+    f.write(data)
 
 
 def corpus_settings(args) -> list:
@@ -74,8 +75,12 @@ def corpus_settings(args) -> list:
 def print_era_note(args):
   """--print_only: the launches read R/era, which the printing machine does not write."""
   if args.corpus == 'era' or args.part == 'finetune':
-    print(f'# first, where the runs can read it: python -c "from data import sotu; '
-          f'sotu.write_era_task({storage.join(args.root, "era")!r})"')
+    if storage.is_url(args.root):
+      print(f'# first, where the runs can read it: python -c "import study; '
+            f'study.era_task({args.root!r})"')
+    else:
+      print(f'# first, where the runs can read it: python -c "from data import sotu; '
+            f'sotu.write_era_task({storage.join(args.root, "era")!r})"')
 
 
 def era_task(root: str) -> str:

@@ -204,8 +204,9 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
                    made_since=_path(out_dir, METADATA) if process_index else None,
                    since=started - 1)
       if remote:  # each worker's files, then its done.json (the mark that it finished)
-        for i in todo:
-          _upload_worker(staging, tmp, i)
+        for i in todo:  # (none done: process 0 gathered every host's while this one looked)
+          if _done(staging, i, total, fp):
+            _upload_worker(staging, tmp, i)
     except BaseException as e:
       keep = _keeps_workers(e)
       for i in ids:  # nothing half-made of this host's is left behind
@@ -519,6 +520,10 @@ def _gather_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overw
 
 def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
                   started: float, results) -> dict:
+  fp = fingerprint(config)
+  results = [_done(tmp, i, total, fp) for i in range(total)]  # again, under the lease
+  if any(r is None for r in results):  # another preparation gathered them meanwhile
+    return read_metadata(out_dir)  # (or says that nothing was made)
   if _path(out_dir, METADATA).exists():
     if not overwrite:
       return read_metadata(out_dir)

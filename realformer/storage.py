@@ -413,7 +413,9 @@ class Lease:
     self._bucket, _, self._name = url[len('gs://'):].partition('/')
     self.generation, self._lost = None, None
     self._refreshed = None  # time.monotonic() of the last write the service confirmed
-    self._stop, self._io = threading.Event(), threading.Lock()
+    # _io: one request on the object at a time (a refresh, a release); reentrant, for a
+    # release from a signal handler that interrupted one.
+    self._stop, self._io = threading.Event(), threading.RLock()
     self._thread = None
 
   @property
@@ -438,15 +440,15 @@ class Lease:
                          'application-default login)') from None
     return self._client.bucket(self._bucket).blob(self._name)
 
-  def _mine(self):
+  def _mine(self, **request):
     """The object if it holds this take's record (a write of ours whose reply was lost)."""
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
-    held = self._blob().bucket.get_blob(self._name, timeout=REQUEST_SECONDS)
+    request = dict({'timeout': REQUEST_SECONDS}, **request)
+    held = self._blob().bucket.get_blob(self._name, **request)
     if held is None:
       return None
     try:
-      text = held.download_as_text(if_generation_match=held.generation,
-                                   timeout=REQUEST_SECONDS)
+      text = held.download_as_text(if_generation_match=held.generation, **request)
     except (exceptions.PreconditionFailed, exceptions.NotFound):
       return None
     try:
@@ -504,20 +506,28 @@ class Lease:
 
   def _refresh(self):
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.cloud.storage import retry  # pylint: disable=g-import-not-at-top
+    # Retries end within one request's time, so the lease's age is never credited late.
+    bounded = retry.DEFAULT_RETRY.with_timeout(REQUEST_SECONDS)
     while not self._stop.wait(REFRESH_SECONDS):
       with self._io:
         if self._stop.is_set():
           return
-        blob = self._blob()
+        blob, sent = self._blob(), time.monotonic()
         try:
           blob.upload_from_string(json.dumps(dict(self.record, renewed=_now())),
                                   if_generation_match=self.generation,
-                                  content_type='application/json', timeout=REQUEST_SECONDS)
-          self.generation, self._refreshed = blob.generation, time.monotonic()
+                                  content_type='application/json', timeout=REQUEST_SECONDS,
+                                  retry=bounded)
+          self.generation, self._refreshed = blob.generation, sent
         except (exceptions.PreconditionFailed, exceptions.NotFound):
-          mine = self._mine()
+          try:
+            mine = self._mine(retry=bounded)
+          except Exception as e:  # pylint: disable=broad-except  (the next refresh looks again)
+            absl_logging.warning('could not refresh the lock %s: %s', self.url, short(e))
+            continue
           if mine is not None:  # our write, its reply lost
-            self.generation, self._refreshed = mine.generation, time.monotonic()
+            self.generation, self._refreshed = mine.generation, sent
             continue
           self._lost = (f'the lock {self.url} was taken over by another run (this run\'s '
                         'lease was not refreshed in time)')
@@ -527,21 +537,31 @@ class Lease:
           absl_logging.warning('could not refresh the lock %s: %s', self.url, short(e))
 
   def release(self):
+    """Deletes the object (one try of each request: a storage that does not answer must not
+    hold up the run's own error, nor a preempted run's exit). If a refresh is in flight for
+    more than 10 s, the lock is left to expire."""
     self._stop.set()
-    with self._io:  # no refresh in flight
+    if not self._io.acquire(timeout=10):  # a refresh in flight
+      absl_logging.warning('could not release the lock %s now; the next run takes it over '
+                           'once its lease expires', self.url)
+      return
+    try:
       if self.generation is None or self._lost:
         return
       from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+      once = {'timeout': 10, 'retry': None}
       try:
-        # One try: a storage that does not answer must not hold up the run's own error.
-        self._blob().delete(if_generation_match=self.generation, timeout=10, retry=None)
-      except exceptions.PreconditionFailed:
-        mine = self._mine()  # a refresh whose reply was lost
-        if mine is not None:
-          mine.delete(if_generation_match=mine.generation, timeout=10, retry=None)
+        try:
+          self._blob().delete(if_generation_match=self.generation, **once)
+        except exceptions.PreconditionFailed:
+          mine = self._mine(**once)  # a refresh whose reply was lost
+          if mine is not None:
+            mine.delete(if_generation_match=mine.generation, **once)
       except exceptions.NotFound:
         pass
       except Exception as e:  # pylint: disable=broad-except  (never hide the run's own error)
-        absl_logging.warning('could not release the lock %s: %s; the next run takes it over once '
-                        'its lease expires', self.url, short(e))
+        absl_logging.warning('could not release the lock %s: %s; the next run takes it over '
+                             'once its lease expires', self.url, short(e))
       self.generation = None
+    finally:
+      self._io.release()

@@ -341,3 +341,13 @@ def test_squad_and_glue_files_in_a_bucket_read_as_on_disk(gcs):
   storage.copy_tree(os.path.join(here, 'glue', 'CoLA'), f'{gcs}/glue/CoLA')
   assert (glue.read_tsv('cola', f'{gcs}/glue', 'train') ==
           glue.read_tsv('cola', os.path.join(here, 'glue'), 'train'))
+
+
+def test_a_release_interrupting_a_release_does_not_hang(gcs):
+  """SIGTERM's handler releases the lock; if it lands while this thread is inside a request
+  on the lock object (holding its _io), the release goes ahead instead of waiting forever."""
+  lease = storage.Lease(f'{gcs}/reentrant/.lock', storage.holder_record('train.py')).take()
+  with lease._io:  # pylint: disable=protected-access  (as the interrupted release holds it)
+    lease.release()
+  assert lease.generation is None
+  assert not storage.path(f'{gcs}/reentrant/.lock').exists()
