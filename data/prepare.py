@@ -464,10 +464,10 @@ def _failure(tmp: str, since: float, hosts_only: bool = False) -> Optional[str]:
 def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
             started: float) -> dict:
   """Process 0: every worker's files under their final names, and metadata.json."""
+  if storage.is_url(out_dir):
+    return _gather_objects(config, tokenizer, tmp, out_dir, total, overwrite, started)
   fp = fingerprint(config)
   results = [_done(tmp, i, total, fp) for i in range(total)]
-  if storage.is_url(out_dir):
-    return _gather_objects(config, tokenizer, tmp, out_dir, total, overwrite, started, results)
   gathered = os.path.join(tmp, 'gathered')
   shutil.rmtree(gathered, ignore_errors=True)  # a gathering that was cut short
   os.makedirs(gathered)
@@ -495,7 +495,7 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
 
 
 def _gather_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
-                    started: float, results) -> dict:
+                    started: float) -> dict:
   """_gather into a bucket: the workers' objects copied under their final names, then
   metadata.json (written last: the preparation's commit). Two preparations of the same
   output (runs on separate machines) take turns on a lease object; the second finds the
@@ -513,15 +513,15 @@ def _gather_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overw
         raise
       time.sleep(2)
   try:
-    return _copy_objects(config, tokenizer, tmp, out_dir, total, overwrite, started, results)
+    return _copy_objects(config, tokenizer, tmp, out_dir, total, overwrite, started)
   finally:
     lease.release()
 
 
 def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
-                  started: float, results) -> dict:
+                  started: float) -> dict:
   fp = fingerprint(config)
-  results = [_done(tmp, i, total, fp) for i in range(total)]  # again, under the lease
+  results = [_done(tmp, i, total, fp) for i in range(total)]  # read under the lease
   if any(r is None for r in results):  # another preparation gathered them meanwhile
     return read_metadata(out_dir)  # (or says that nothing was made)
   if _path(out_dir, METADATA).exists():
