@@ -51,10 +51,10 @@ import numpy as np
 import optax
 from absl import logging
 
+from realformer import storage
 from realformer.train import checkpoints
 from realformer.train import compile_cache
 from realformer.train import metrics as metrics_lib
-from realformer import storage
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
