@@ -10,18 +10,20 @@ is reported, and the rest still run):
   step128     pretraining uses it; then length 128 (batch 256). Post-LN, Pre-LN, RealFormer
               with a float32 and a bfloat16 carry, Synthesizer Random+Vanilla, and HF
               transformers' BertForPreTraining (torch, bf16 autocast, SDPA attention) on the
-              same batch: step time, tokens/s, MFU, compiled footprint (HF: torch's peak)
-  attention   Post-LN at length 512 without attention dropout (where a fused kernel is
-              allowed): XLA's plain softmax path, jax.nn.dot_product_attention's XLA
-              implementation, and cuDNN's fused attention
+              same batch: step time, tokens/s, MFU, compiled footprint (HF: torch's peak).
+              At 512 also the attention implementations, on Post-LN without attention
+              dropout (where a fused kernel is allowed): XLA's plain softmax path,
+              jax.nn.dot_product_attention's XLA implementation, and cuDNN's fused attention
   finetune    three epochs of all-MiniLM-L6-v2 on the shipped sentiment
               sentences, finetune.py against HF with dynamic padding
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy
 
-A part's contenders run as processes, half the host's cores of them at a time: each builds its
-state and compiles its step while the others do, then takes the device alone (a lock) to warm
-up and time it, and its row is written as soon as it is done, so a part cut off by its time cap
-keeps what it measured. The step time is the median over blocks of back-to-back steps. FLOPs are train_lib.flops_per_example's (HF's: every
+A part's contenders run as processes, up to two thirds of the host's cores of them at a time:
+each builds its state and compiles its step while the others do, then takes the device alone
+(a lock) to warm up and time it, and its row is written as soon as it is done, so a part cut
+off by its time cap keeps what it measured. They share one jax compilation cache in the
+scratch folder, and with it XLA's per-fusion autotuning results (the variants' matmuls are
+the same shapes, so one contender's autotuning serves the others). The step time is the median over blocks of back-to-back steps. FLOPs are train_lib.flops_per_example's (HF's: every
 row of its last layer and of its MLM decoder), as in benchmarks/train_step.py.
 
 Prepare here once (wheels of the pure-Python packages the GPU image lacks, and a float16 copy
@@ -69,10 +71,9 @@ PACKAGES = ('jax', 'jaxlib', 'jax-cuda13-plugin', 'flax', 'optax', 'orbax-checkp
 # name -> (time cap in seconds, what it measures); run in this order.
 PARTS = {
     'env': (60, 'versions, device, matmul rate'),
-    'step512': (170, 'BERT-base train step, length 512'),
+    'step512': (230, 'BERT-base train step and attention implementations, length 512'),
     'step128': (150, 'BERT-base train step, length 128'),
-    'attention': (80, 'attention implementations, length 512'),
-    'finetune': (140, 'fine-tuning all-MiniLM-L6-v2, ours against HF'),
+    'finetune': (90, 'fine-tuning all-MiniLM-L6-v2, ours against HF'),
 }
 # (variant, model config overrides, label naming the overrides) of the train-step parts.
 STEP_CONTENDERS = (
@@ -87,10 +88,10 @@ STEP_CONTENDERS = (
 def sizes(smoke: bool) -> dict:
   """The shapes of each part: BERT-base on the GPU, the tiny encoder for --smoke."""
   if smoke:
-    return dict(size='tiny', step512=(64, 2), step128=(32, 4), attention=(64, 2),
+    return dict(size='tiny', step512=(64, 2), step128=(32, 4),
                 blocks=2, block_steps=2, warmup=1, matmul=256,
                 finetune=dict(num_train=64, epochs=1, max_seq_length=32, batch_size=16))
-  return dict(size='base', step512=(512, 64), step128=(128, 256), attention=(512, 64),
+  return dict(size='base', step512=(512, 64), step128=(128, 256),
               blocks=6, block_steps=5, warmup=3, matmul=8192,
               finetune=dict(num_train=0, epochs=3, max_seq_length=128, batch_size=32))
 
@@ -124,7 +125,7 @@ class Record:
     os.replace(self.path + '.tmp', self.path)
 
 
-def part_env(out: str, smoke: bool, scratch: str) -> None:  # pylint: disable=unused-argument
+def part_env(out: str, smoke: bool, scratch: str, variants: str) -> None:  # pylint: disable=unused-argument
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from realformer.train import machine  # pylint: disable=g-import-not-at-top
@@ -167,18 +168,21 @@ def _time_steps(contender, s: dict) -> list:
   return per_step
 
 
-def _contenders(part: str, platform: str) -> list:
-  """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',)."""
-  if part == 'attention':
-    impls = ['off', 'xla'] + (['cudnn'] if platform == 'gpu' else [])
-    return [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
-             f'fused_attention={impl}, no attention dropout') for impl in impls]
+def _contenders(part: str, platform: str, variants: str = '') -> list:
+  """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',);
+  `variants` (comma-separated) keeps only ours of those variants, and the peer."""
   # the peer second: the goals read Post-LN against it
   ours = [('ours', variant, overrides, label) for variant, overrides, label in STEP_CONTENDERS]
-  return ours[:1] + [('hf',)] + ours[1:]
+  entries = ours[:1] + [('hf',)] + ours[1:]
+  if part == 'step512':  # the attention implementations, where a fused kernel is allowed
+    impls = ['off', 'xla'] + (['cudnn'] if platform == 'gpu' else [])
+    entries += [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
+                 f'fused_attention={impl}, no attention dropout') for impl in impls]
+  keep = set(filter(None, variants.split(',')))
+  return [e for e in entries if e[0] == 'hf' or not keep or e[1] in keep]
 
 
-def contender_main(part: str, index: int, scratch: str, smoke: bool) -> None:
+def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: str) -> None:
   """One contender in its own process: builds and compiles it (while the others compile),
   then times it holding the GPU lock, and writes <scratch>/<part>.<index>.json."""
   import fcntl  # pylint: disable=g-import-not-at-top
@@ -188,7 +192,7 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool) -> None:
   s = sizes(smoke)
   args = train_step.step_args(*s[part])
   rate = metrics_lib.peak_flops_per_device(jax.devices()[0])
-  entry = _contenders(part, jax.devices()[0].platform)[index]
+  entry = _contenders(part, jax.devices()[0].platform, variants)[index]
   path = os.path.join(scratch, f'{part}.{index}.json')
   name = 'HF' if entry[0] == 'hf' else f'{entry[1]} {entry[3]}'.strip()
   if entry[0] == 'hf' and not (has('torch') and has('transformers')):
@@ -225,7 +229,7 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool) -> None:
     json.dump({'row': row}, f)
 
 
-def _step_part(out: str, part: str, smoke: bool, scratch: str) -> None:
+def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) -> None:
   """Runs the part's contenders as processes, `parallel` at a time (their compiles overlap;
   the timing is one at a time), and collects their rows in the contenders' order."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -235,20 +239,21 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str) -> None:
   seq_len, batch = s[part]
   args = train_step.step_args(seq_len, batch)
   device = jax.devices()[0]
-  entries = _contenders(part, device.platform)
+  entries = _contenders(part, device.platform, variants)
   rec = Record(out, part, size=s['size'], seq_len=seq_len, batch=batch, dtype=args.dtype,
                predictions=args.predictions, peak_flops=metrics_lib.peak_flops_per_device(device),
                timing=f'median of {s["blocks"]} blocks of {s["block_steps"]} steps after '
                       f'{s["warmup"]} warm-up steps')
   os.makedirs(scratch, exist_ok=True)
-  parallel = max(1, min(len(entries), (os.cpu_count() or 2) // 2))
+  parallel = max(1, min(len(entries), (os.cpu_count() or 2) * 2 // 3))
   waiting, running, done = list(range(len(entries))), {}, {}
   while waiting or running:
     while waiting and len(running) < parallel:
       k = waiting.pop(0)
       running[k] = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), '--contender', f'{part}:{k}',
-           '--scratch', scratch] + (['--smoke'] if smoke else []), cwd=_REPO)
+           '--scratch', scratch, '--variants', variants] + (['--smoke'] if smoke else []),
+          cwd=_REPO)
     time.sleep(0.5)
     for k in [k for k, proc in running.items() if proc.poll() is not None]:
       proc = running.pop(k)
@@ -263,19 +268,15 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str) -> None:
       rec.write()
 
 
-def part_step512(out, smoke, scratch):
-  _step_part(out, 'step512', smoke, scratch)
+def part_step512(out, smoke, scratch, variants):
+  _step_part(out, 'step512', smoke, scratch, variants)
 
 
-def part_step128(out, smoke, scratch):
-  _step_part(out, 'step128', smoke, scratch)
+def part_step128(out, smoke, scratch, variants):
+  _step_part(out, 'step128', smoke, scratch, variants)
 
 
-def part_attention(out, smoke, scratch):
-  _step_part(out, 'attention', smoke, scratch)
-
-
-def part_finetune(out, smoke, scratch):
+def part_finetune(out, smoke, scratch, variants):  # pylint: disable=unused-argument
   import finetune_vs_hf  # pylint: disable=g-import-not-at-top
   import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
   s = sizes(smoke)['finetune']
@@ -317,7 +318,7 @@ def markdown(results: dict) -> str:
     lines.append(f'## {part}: {r["status"]} ({r["seconds"]:.0f} s of {r["cap_s"]} s)')
     data = r.get('data') or {}
     rows = data.get('rows', [])
-    if part in ('step512', 'step128', 'attention') and rows:
+    if part in ('step512', 'step128') and rows:
       lines.append(f'{data["size"]}, length {data["seq_len"]}, batch {data["batch"]}, '
                    f'{data["dtype"]}; {data["timing"]}')
       lines += ['', f'| contender | ms/step | tokens/s | TFLOP/s | MFU | vs {rows[0]["contender"]} | '
@@ -350,12 +351,15 @@ def _kill_group(proc) -> None:
     pass
 
 
-def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float) -> int:
+def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float,
+              variants: str = '') -> int:
   """Runs each part in its own process under its time cap; returns the number that failed."""
   os.makedirs(out, exist_ok=True)
   env = dict(os.environ, PYTHONUNBUFFERED='1',
              # jax allocates as it needs, so that torch's allocator finds the rest.
-             XLA_PYTHON_CLIENT_PREALLOCATE='false')
+             XLA_PYTHON_CLIENT_PREALLOCATE='false',
+             # one cache for every contender: XLA's autotuning results are shared through it
+             JAX_COMPILATION_CACHE_DIR=os.path.join(scratch, 'jax_cache'))
   start = time.perf_counter()
   results, failed = {}, 0
   for part in parts:
@@ -368,7 +372,7 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float) -> in
       status = 'not run: out of time'
     else:
       cmd = [sys.executable, os.path.abspath(__file__), '--part', part, '--out', out,
-             '--scratch', scratch] + (['--smoke'] if smoke else [])
+             '--scratch', scratch, '--variants', variants] + (['--smoke'] if smoke else [])
       # Its own process group, so that a part stopped at its cap (or by ^C here) takes its
       # contenders along.
       proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=sys.stdout,
@@ -438,6 +442,9 @@ def main():
   p.add_argument('--parts', default=','.join(PARTS), help='comma-separated, of: ' + ', '.join(PARTS))
   p.add_argument('--smoke', action='store_true', help='tiny sizes, on any backend')
   p.add_argument('--budget_s', type=float, default=480, help='wall time for all the parts')
+  p.add_argument('--variants', default='',
+                 help='comma-separated: time only these of our variants (and the HF peer), '
+                      'e.g. postln when the device time left is short')
   p.add_argument('--pack', action='store_true', help='write .carry/ for the device and exit')
   p.add_argument('--scratch', default='/tmp/device_suite_runs',
                  help="the fine-tuning runs' folders (kept out of --out, which the device "
@@ -449,16 +456,16 @@ def main():
     return pack()
   if args.contender:
     part, index = args.contender.split(':')
-    return contender_main(part, int(index), args.scratch, args.smoke)
+    return contender_main(part, int(index), args.scratch, args.smoke, args.variants)
   if args.part:
-    return globals()[f'part_{args.part}'](args.out, args.smoke, args.scratch)
+    return globals()[f'part_{args.part}'](args.out, args.smoke, args.scratch, args.variants)
   parts = args.parts.split(',')
   unknown = [x for x in parts if x not in PARTS]
   if unknown:
     raise SystemExit(f'--parts {",".join(unknown)}: unknown; choose from {", ".join(PARTS)}')
   shutil.rmtree(args.scratch, ignore_errors=True)
   failed = run_suite(os.path.abspath(args.out), os.path.abspath(args.scratch), parts,
-                     args.smoke, args.budget_s)
+                     args.smoke, args.budget_s, args.variants)
   sys.exit(1 if failed else 0)
 
 

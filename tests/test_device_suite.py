@@ -44,4 +44,20 @@ def test_an_unknown_part_is_refused_in_one_line():
                         cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines()[-1] == (
-      '--parts step1024: unknown; choose from env, step512, step128, attention, finetune')
+      '--parts step1024: unknown; choose from env, step512, step128, finetune')
+
+
+def test_the_512_part_times_the_attention_implementations_and_variants_narrow_it():
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import device_suite  # pylint: disable=g-import-not-at-top
+  names = lambda entries: [e[1] + (f' [{e[3]}]' if e[3] else '') if e[0] == 'ours' else 'HF'
+                           for e in entries]
+  everything = names(device_suite._contenders('step512', 'gpu'))
+  assert everything[:2] == ['postln', 'HF'] and len(everything) == 9
+  assert everything[-1] == 'postln [fused_attention=cudnn, no attention dropout]'
+  assert names(device_suite._contenders('step512', 'gpu', 'postln')) == [
+      'postln', 'HF', 'postln [fused_attention=off, no attention dropout]',
+      'postln [fused_attention=xla, no attention dropout]',
+      'postln [fused_attention=cudnn, no attention dropout]']
+  assert names(device_suite._contenders('step128', 'cpu', 'realformer')) == [
+      'HF', 'realformer', 'realformer [bf16 carry]']

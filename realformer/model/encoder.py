@@ -63,7 +63,11 @@ class Embeddings(nn.Module):
     s = self.spec
     t = input_ids.shape[1]
     words = _embed(s.padded_vocab_size, s.hidden_size, ('vocab', 'embed'), s, 'word_embeddings')
-    x = words(input_ids)
+    # The words are gathered from the float32 table and cast afterwards (the same values as
+    # casting first): the gather's gradient is a scatter-add into the table, which in
+    # bfloat16 would sum a frequent token's thousands of rows in bfloat16 and, on a GPU,
+    # run as a compare-and-swap loop; in float32 it is exact to float32 and a native atomic.
+    x = jnp.take(words.embedding, input_ids, axis=0).astype(s.dtype)
     # Positions and token types are looked up without a gather: the rows of a gather's
     # gradient are summed by a scatter-add, and with every sequence hitting the same 512
     # (or 2) rows that scatter serialises on its atomics (on a GPU, most of a BERT-base
