@@ -9,18 +9,23 @@ Writes attention_entropy.png (violins per layer), attention_js.png (layer x laye
 divergence), attention.json and attention.md. See realformer/tools/analysis.py for the definitions.
 """
 
+from absl import flags
+
 from realformer import cli
 from realformer import storage
 from realformer.tools import analysis
 
 
+def _define(f):
+  flags.DEFINE_multi_string('workdir', None, 'a pretraining workdir (repeat for several)',
+                            flag_values=f, required=True)
+  flags.DEFINE_multi_string('label', None, 'one per --workdir', flag_values=f)
+  flags.DEFINE_string('out', None, 'the report folder', flag_values=f, required=True)
+  flags.DEFINE_integer('num_examples', 32, 'held-out examples per run', flag_values=f)
+
+
 def main(argv=None):
-  p = cli.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--workdir', action='append', required=True, help='a pretraining workdir')
-  p.add_argument('--label', action='append', default=None, help='one per --workdir')
-  p.add_argument('--out', required=True)
-  p.add_argument('--num_examples', type=int, default=32)
-  args = p.parse_args(argv)
+  args, _ = cli.parse_tool_flags(_define, argv, prog='analyze.py', doc=__doc__)
   if args.label and len(args.label) != len(args.workdir):
     raise ValueError('give one --label per --workdir (or none)')
   out = storage.path(args.out)

@@ -23,7 +23,6 @@ and every report live in the bucket). docs/study.md has the budget of the whole 
 four hours of 2 CPU cores) and the results.
 """
 
-import argparse
 import collections
 import json
 import math
@@ -32,6 +31,9 @@ import re
 import shutil
 import statistics
 import tempfile
+import types
+
+from absl import flags
 
 from realformer import cli
 from realformer import storage
@@ -499,8 +501,8 @@ def budget_search(args) -> int:
   config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
   found, scripts = None, []
   for layers, seq_len, steps in budget_candidates(args):
-    cand = argparse.Namespace(**dict(vars(args), layers=layers, seq_len=seq_len, steps=steps,
-                                     minutes=0))
+    cand = types.SimpleNamespace(**dict(vars(args), layers=layers, seq_len=seq_len,
+                                        steps=steps, minutes=0))
     runs = sweep.expand([f'model.variant={args.reference}'], fixed_settings(cand), 1)
     if args.print_only:
       scripts.append(sweep.launch_script(runs, root=root, program='train.py',
@@ -564,7 +566,7 @@ def resolve_budget(args) -> dict:
 
 def compare_runs(args, minutes: float = 0.0):
   """(runs, names, root) of the variants x seeds at the budget (equal time: its own root)."""
-  view = argparse.Namespace(**dict(vars(args), minutes=minutes))
+  view = types.SimpleNamespace(**dict(vars(args), minutes=minutes))
   runs = sweep.expand([f'model.variant={args.variants}'], fixed_settings(view), args.seeds)
   root = storage.join(args.root, 'equal_time' if minutes else 'compare')
   return runs, sweep.run_names(runs), root
@@ -766,76 +768,79 @@ def finetune_report(args, scores: dict) -> str:
   return '\n'.join(lines) + '\n'
 
 
+PARTS = ('budget', 'compare', 'finetune', 'stability')
+
+
+def _define(f):
+  """The study's flags (absl, as train.py's)."""
+  string, integer, number = flags.DEFINE_string, flags.DEFINE_integer, flags.DEFINE_float
+  string('root', None, 'the folder of the study\'s runs', flag_values=f, required=True)
+  string('variants', None, f'default {",".join(VARIANTS)} (stability: postln,preln,realformer)',
+         flag_values=f)
+  string('size', 'tiny', 'the width (configs/pretrain.py sizes)', flag_values=f)
+  integer('seeds', None, 'default 3 (stability: 1)', flag_values=f)
+  integer('steps', None, 'default: R/budget.json, else 150 (stability: 300)', flag_values=f)
+  integer('batch', None, 'default: R/budget.json, else 32 (stability: 16)', flag_values=f)
+  integer('layers', None, 'default: R/budget.json, else 4 (stability: 12)', flag_values=f)
+  integer('seq_len', None, 'default: R/budget.json, else 64', flag_values=f)
+  number('learning_rate', None, 'default: R/budget.json, else 2e-3', flag_values=f)
+  flags.DEFINE_enum('corpus', 'era', ['era', 'embedded'],
+                    'era: the speeches less those the fine-tuning task holds out; embedded: '
+                    'all of them', flag_values=f)
+  integer('eval_steps', 16, 'held-out batches per evaluation', flag_values=f)
+  number('eval_fraction', 0.03, 'share of the documents held out for the evaluation',
+         flag_values=f)
+  string('minutes', '', 'compare at equal wall-clock time: each run trains this long '
+         '(train.time_budget_minutes); "auto": the reference variant\'s median training time '
+         'in the steps view', flag_values=f)
+  string('reference', 'postln', 'the variant the budget is found for', flag_values=f)
+  flags.DEFINE_boolean('print_only', False, 'print the launch commands instead of running',
+                       flag_values=f)
+  flags.DEFINE_enum('target', 'local', ['local', 'tpu', 'slurm'], 'where --print_only\'s '
+                    'commands launch', flag_values=f)
+  string('figures', None, 'also copy the figures here (e.g. docs/figures)', flag_values=f)
+  string('record', None, 'also copy what the reports are made from (each run\'s metrics.jsonl, '
+         'config and results, the tables; no checkpoints) to DIR/<part>/, e.g. '
+         'docs/study_runs, so the numbers stay traceable once R is gone', flag_values=f)
+  # budget: the candidates, tried cheapest first
+  string('budget_layers', '4', 'budget: candidate depths', flag_values=f)
+  string('budget_seq_lens', '64', 'budget: candidate lengths', flag_values=f)
+  string('budget_steps', '500,1000,2000,4000', 'budget: candidate step counts', flag_values=f)
+  number('target_ratio', 2.0, 'budget: held-out MLM accuracy over the majority baseline to '
+         'reach', flag_values=f)
+  # finetune: one setting for every encoder
+  number('ft_learning_rate', 3e-4, 'finetune: the learning rate', flag_values=f)
+  integer('ft_epochs', 10, 'finetune: epochs', flag_values=f)
+  integer('ft_batch', 16, 'finetune: batch size', flag_values=f)
+  # stability (defaults for that part: --layers 12 --steps 300)
+  string('learning_rates', STABILITY_RATES, 'stability: peak learning rates, each twice the '
+         'one before by default', flag_values=f)
+  string('warmups', '0,30', 'stability: warm-up steps, none and a short one (10% of 300 '
+         'steps) by default', flag_values=f)
+  number('warmup_max_lr', 4e-3, 'stability: runs with warm-up only at peak rates up to this '
+         '(every rate runs without); inf: the whole cross product', flag_values=f)
+  integer('log_every', 10, 'stability: steps between logged losses', flag_values=f)
+  flags.DEFINE_boolean('report_only', False, 'stability, compare, finetune: only the tables '
+                       '(and figures) of the runs there are, nothing run', flag_values=f)
+
+
 def main(argv=None):
-  p = cli.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('part', nargs='?', default='compare',
-                 choices=('budget', 'compare', 'finetune', 'stability'),
-                 help='budget: the cheapest budget past the unigram plateau; compare: the '
-                 'variants at that budget (default); finetune: the pretrained encoders on the '
-                 'era task; stability: the learning-rate x warm-up grid of a deep encoder')
-  p.add_argument('--root', required=True)
-  p.add_argument('--variants', default=None,
-                 help=f'default {",".join(VARIANTS)} (stability: postln,preln,realformer)')
-  p.add_argument('--size', default='tiny', help='the width (configs/pretrain.py sizes)')
-  p.add_argument('--seeds', type=int, default=None, help='default 3 (stability: 1)')
-  p.add_argument('--steps', type=int, default=None,
-                 help='default: R/budget.json, else 150 (stability: 300)')
-  p.add_argument('--batch', type=int, default=None, help='default: R/budget.json, else 32 '
-                 '(stability: 16)')
-  p.add_argument('--layers', type=int, default=None,
-                 help='default: R/budget.json, else 4 (stability: 12)')
-  p.add_argument('--seq_len', type=int, default=None, help='default: R/budget.json, else 64')
-  p.add_argument('--learning_rate', type=float, default=None,
-                 help='default: R/budget.json, else 2e-3')
-  p.add_argument('--corpus', default='era', choices=('era', 'embedded'),
-                 help='era: the speeches less those the fine-tuning task holds out (default); '
-                 'embedded: all of them')
-  p.add_argument('--eval_steps', type=int, default=16, help='held-out batches per evaluation')
-  p.add_argument('--eval_fraction', type=float, default=0.03,
-                 help='share of the documents held out for the evaluation')
-  p.add_argument('--minutes', default='',
-                 help='compare at equal wall-clock time: each run trains this long '
-                 '(train.time_budget_minutes); "auto": the reference variant\'s median '
-                 'training time in the steps view')
-  p.add_argument('--reference', default='postln', help='the variant the budget is found for')
-  p.add_argument('--print_only', action='store_true')
-  p.add_argument('--target', default='local', choices=('local', 'tpu', 'slurm'))
-  p.add_argument('--figures', default=None, help='also copy the figures here (e.g. docs/figures)')
-  p.add_argument('--record', default=None,
-                 help='also copy what the reports are made from (each run\'s metrics.jsonl, '
-                 'config and results, the tables; no checkpoints) to DIR/<part>/, e.g. '
-                 'docs/study_runs, so the numbers stay traceable once R is gone')
-  bud = p.add_argument_group('budget (candidates, tried cheapest first)')
-  bud.add_argument('--budget_layers', default='4')
-  bud.add_argument('--budget_seq_lens', default='64')
-  bud.add_argument('--budget_steps', default='500,1000,2000,4000')
-  bud.add_argument('--target_ratio', type=float, default=2.0,
-                   help='held-out MLM accuracy over the majority baseline to reach')
-  ft = p.add_argument_group('finetune (one setting for every encoder)')
-  ft.add_argument('--ft_learning_rate', type=float, default=3e-4)
-  ft.add_argument('--ft_epochs', type=int, default=10)
-  ft.add_argument('--ft_batch', type=int, default=16)
-  stab = p.add_argument_group('stability (defaults for that part: --layers 12 --steps 300)')
-  stab.add_argument('--learning_rates', default=STABILITY_RATES,
-                    help='peak learning rates, each twice the one before by default')
-  stab.add_argument('--warmups', default='0,30',
-                    help='warm-up steps, none and a short one (10%% of 300 steps) by default')
-  stab.add_argument('--warmup_max_lr', type=float, default=4e-3,
-                    help='runs with warm-up only at peak rates up to this (every rate runs '
-                    'without); inf: the whole cross product')
-  stab.add_argument('--log_every', type=int, default=10)
-  p.add_argument('--report_only', action='store_true',
-                 help='stability, compare, finetune: only the tables (and figures) of the '
-                 'runs there are, nothing run')
-  args = p.parse_args(argv)
+  args, words = cli.parse_tool_flags(
+      _define, argv, prog='study.py', doc=__doc__, positional=('part',))
+  args.part = words.get('part', 'compare')
+  if args.part not in PARTS:
+    cli.fail(f'unknown part {args.part!r}; choose one of {", ".join(PARTS)} (budget: the '
+             'cheapest budget past the unigram plateau; compare: the variants at that budget, '
+             'the default; finetune: the pretrained encoders on the era task; stability: the '
+             'learning-rate x warm-up grid of a deep encoder)')
   if args.minutes and args.minutes != 'auto':
     try:
       if float(args.minutes) <= 0:
         raise ValueError
     except ValueError:
-      p.error(f'--minutes {args.minutes}: give a positive number of minutes or auto')
+      cli.fail(f'--minutes {args.minutes}: give a positive number of minutes or auto')
   if args.minutes and args.part != 'compare':
-    p.error('--minutes is for the compare part')
+    cli.fail('--minutes is for the compare part')
   if args.seeds is not None and args.seeds < 1:
     raise ValueError(f'--seeds={args.seeds}: need at least one seed')
   for name in ('steps', 'batch', 'layers', 'seq_len', 'eval_steps', 'ft_epochs', 'ft_batch',
@@ -849,9 +854,9 @@ def main(argv=None):
     except ValueError:
       raise ValueError(f'--{name} {getattr(args, name)!r}: give comma-separated '
                        f'{"numbers" if kind is float else "whole numbers"} >= 0, e.g. '
-                       f'{p.get_default(name)}') from None
+                       f'{STABILITY_RATES if name == "learning_rates" else "0,30"}') from None
   if args.report_only and args.part == 'budget':
-    p.error('--report_only is for the stability, compare and finetune parts')
+    cli.fail('--report_only is for the stability, compare and finetune parts')
   from configs import pretrain  # pylint: disable=g-import-not-at-top
   unknown = [v for v in (args.variants or '').split(',') if v and v not in pretrain.VARIANTS]
   if unknown or args.reference not in pretrain.VARIANTS:

@@ -16,33 +16,48 @@ runs are skipped and interrupted ones resume. `--program finetune.py` sweeps fin
 
 import sys
 
+from absl import flags
+
 from realformer import cli
 from realformer import storage
 from realformer.tools import sweep
 
 
-def _add_run_args(p):
-  p.add_argument('--root', required=True, help='directory holding one workdir per run')
-  p.add_argument('--config', default='configs/pretrain.py:postln,tiny')
-  p.add_argument('--program', default='train.py')
-  p.add_argument('--sweep', action='append', default=[], metavar='KEY=V1,V2')
-  p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE')
-  p.add_argument('--sweep_file', default=None)
-  p.add_argument('--seeds', type=int, default=1)
+COMMANDS = {'run': 'run every unfinished run, one after another',
+            'print': 'print a launch script instead of running',
+            'summarize': 'final metrics of all runs, over seeds'}
+
+
+def _define(cmd):
+  def define(f):
+    flags.DEFINE_string('root', None, 'directory holding one workdir per run', flag_values=f,
+                        required=True)
+    if cmd == 'summarize':
+      flags.DEFINE_string('metrics', 'eval/mlm_accuracy,eval/nsp_accuracy,eval/loss',
+                          'comma-separated metrics to summarise', flag_values=f)
+      flags.DEFINE_string('out', None, 'prefix of .md/.csv (default <root>/summary)',
+                          flag_values=f)
+      return
+    flags.DEFINE_string('config', 'configs/pretrain.py:postln,tiny', 'the config file',
+                        flag_values=f)
+    flags.DEFINE_string('program', 'train.py', 'train.py or finetune.py', flag_values=f)
+    flags.DEFINE_multi_string('sweep', [], 'KEY=V1,V2: values swept (repeat for a product)',
+                              flag_values=f)
+    flags.DEFINE_multi_string('set', [], 'KEY=VALUE: fixed for every run (repeat)',
+                              flag_values=f)
+    flags.DEFINE_string('sweep_file', None, 'a python file defining get_hyper(h)',
+                        flag_values=f)
+    flags.DEFINE_integer('seeds', 1, 'seeds per setting', flag_values=f)
+    if cmd == 'print':
+      flags.DEFINE_enum('target', 'local', ['local', 'tpu', 'slurm'], 'where the runs launch',
+                        flag_values=f)
+  return define
 
 
 def main(argv=None):
-  parser = cli.ArgumentParser(description=__doc__.split('\n')[0])
-  sub = parser.add_subparsers(dest='cmd', required=True)
-  _add_run_args(sub.add_parser('run', help='run every unfinished run, one after another'))
-  pp = sub.add_parser('print', help='print a launch script instead of running')
-  _add_run_args(pp)
-  pp.add_argument('--target', default='local', choices=('local', 'tpu', 'slurm'))
-  ps = sub.add_parser('summarize', help='final metrics of all runs, over seeds')
-  ps.add_argument('--root', required=True)
-  ps.add_argument('--metrics', default='eval/mlm_accuracy,eval/nsp_accuracy,eval/loss')
-  ps.add_argument('--out', default=None, help='prefix of .md/.csv (default <root>/summary)')
-  args = parser.parse_args(argv)
+  cmd, argv = cli.command(argv, COMMANDS, 'sweep.py')
+  args, _ = cli.parse_tool_flags(_define(cmd), argv, prog=f'sweep.py {cmd}', doc=__doc__)
+  args.cmd = cmd
 
   if args.cmd == 'summarize':
     metrics = args.metrics.split(',')

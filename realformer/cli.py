@@ -9,7 +9,6 @@ Both become `error: ...` with the fix. `--verbose_errors` (or REALFORMER_VERBOSE
 keeps the traceback.
 """
 
-import argparse
 import contextlib
 import errno
 import logging as logging_std
@@ -17,6 +16,7 @@ import os
 import re
 import sys
 import traceback
+import types
 
 from absl import flags
 
@@ -132,12 +132,59 @@ def parse_flags(argv):
     fail(_config_code_error(e))
 
 
-class ArgumentParser(argparse.ArgumentParser):
-  """argparse with its mistakes as one line and exit status 1, like the absl programs
-  (argparse itself prints the usage block and exits 2)."""
+def parse_tool_flags(define, argv=None, *, prog: str, doc: str, positional=()):
+  """A tool's command line on absl flags, the flag system of train.py and finetune.py (the
+  same `--flag=value` and `--flag value`, `--[no]bool`, repeated multi flags, `--flagfile`).
 
-  def error(self, message):
-    fail(f'{message} (see {self.prog} --help)')
+  define(flag_values) declares the tool's flags on a fresh FlagValues, so that main(argv) can
+  run more than once in a process. argv excludes the program's name (sys.argv[1:] when None);
+  `positional` names the words it takes besides flags, in order, each optional; a last name
+  starting with '*' takes every word left, as a list. Returns (flags as a namespace,
+  {positional name: word}). `--help` prints `doc` and the flags and
+  exits 0; a mistake (an unknown or missing flag, a bad value, a stray word) is one line,
+  `error: ... (see <prog> --help)`, exit status 1."""
+  values = flags.FlagValues()
+  define(values)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if any(a in ('-h', '--help', '--helpshort', '--helpfull') for a in argv):
+    print(f'usage: {prog} {" ".join(f"[{w.lstrip(chr(42))}...]" if w[0] == "*" else f"[{w}]" for w in positional)} [flags]'.replace('  ', ' '))
+    print(f'\n{doc.strip()}\n\nflags:')
+    for name in sorted(values):
+      if values[name].help and name not in ('flagfile', 'undefok'):
+        print(f'  --{name}: {values[name].help} (default: {values[name].default_as_str})')
+    sys.exit(0)
+  try:
+    words = values([prog] + argv)[1:]
+  except flags.Error as e:
+    text = ' '.join(str(e).split())
+    m = re.match(r'flag --(\w+)=None: Flag --\w+ must have a value other than None', text)
+    fail((f'--{m.group(1)} is required' if m else text) + f' (see {prog} --help)')
+  named = [w for w in positional if not w.startswith('*')]
+  if len(words) > len(named) and len(named) == len(positional):
+    fail(f'unexpected argument {words[len(named)]!r} (see {prog} --help)')
+  args = types.SimpleNamespace(**{name: values[name].value for name in values
+                                  if name not in ('flagfile', 'undefok')})
+  given = dict(zip(named, words))
+  if len(named) < len(positional):
+    given[positional[-1]] = words[len(named):]
+  return args, given
+
+
+def command(argv, commands: dict, prog: str):
+  """A tool's first word, its command (before the command's flags), as in
+  `sweep.py run --root R`: returns (command, the rest of argv). An absent or unknown command
+  is one line naming the choices; `--help` alone lists them."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] in commands:
+    return argv[0], argv[1:]
+  if argv and argv[0] in ('-h', '--help'):
+    print(f'usage: {prog} {{{",".join(commands)}}} [flags]\n')
+    for name, what in commands.items():
+      print(f'  {name}: {what}')
+    print(f'\n{prog} <command> --help lists its flags')
+    sys.exit(0)
+  given = f'unknown command {argv[0]!r}' if argv else 'no command given'
+  fail(f'{given}; choose one of {", ".join(commands)} (see {prog} --help)')
 
 
 class QuietLibraries(logging_std.Filter):

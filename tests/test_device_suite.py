@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 from tests.test_interop import needs_minilm
 
@@ -61,3 +63,19 @@ def test_the_512_part_times_the_attention_implementations_and_variants_narrow_it
       'postln [fused_attention=cudnn, no attention dropout]']
   assert names(device_suite._contenders('step128', 'cpu', 'realformer')) == [
       'HF', 'realformer', 'realformer [bf16 carry]']
+
+
+def test_a_contender_is_timed_only_once_no_live_contender_is_compiling(tmp_path):
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import device_suite  # pylint: disable=g-import-not-at-top
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  (tmp_path / 'step512.0.compiling').write_text(str(dead.pid))  # died while compiling
+  device_suite._wait_for_compiles(str(tmp_path), 'step512')  # returns at once
+  live = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(2)'])
+  threading.Thread(target=live.wait).start()  # reaped when it ends, as the part reaps its own
+  (tmp_path / 'step512.1.compiling').write_text(str(live.pid))
+  (tmp_path / 'step128.0.compiling').write_text(str(os.getpid()))  # another part's: ignored
+  t = time.perf_counter()
+  device_suite._wait_for_compiles(str(tmp_path), 'step512')
+  assert live.poll() is not None and time.perf_counter() - t > 1

@@ -205,6 +205,13 @@ def test_build_embedded_corpus_from_the_npm_layout(tmp_path):
       tmp_path / 'out1/sotu.txt.gz').read_bytes()  # byte for byte, whatever the input form
   with pytest.raises(FileNotFoundError, match='no speeches'):
     build_embedded.build_corpus(str(tmp_path / 'out0'), str(tmp_path / 'none.gz'))
+  # a rebuild that fails keeps the corpus there was: a missing package, one without speeches
+  kept = (tmp_path / 'out0/sotu.txt.gz').read_bytes()
+  for bad in (tmp_path / 'missing.tgz', tmp_path / 'out1'):
+    with pytest.raises(FileNotFoundError):
+      build_embedded.main(['--package_dir', str(bad), '--out_dir', str(tmp_path / 'out0')])
+    assert (tmp_path / 'out0/sotu.txt.gz').read_bytes() == kept
+    assert sorted(os.listdir(tmp_path / 'out0')) == ['sotu.txt.gz', 'speeches.tsv']
 
 
 # ---------------------------------------------------------------------------- hf:<dataset>

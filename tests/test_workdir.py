@@ -269,7 +269,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
       '--config.optimizer.warmup_steps=30'],
      'optimizer.warmup_steps=30 must lie in [0, train.num_steps=5]'),
     (['-m', 'data.tokenizer', '--input', '{tmp}/none.txt'],
-     'the following arguments are required: --model_prefix'),
+     '--model_prefix is required'),
     (['train.py', '--workdir', '{tmp}/w', '--max_compiles=3'],
      '--max_compiles needs --compile_for'),
     (['train.py', '--workdir', '{tmp}/w', '--config.optimizer.schedule=cosin'], 'cosin'),
@@ -284,7 +284,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
      'train.num_steps=-3: give a positive number of steps'),
     (['finetune.py', '--workdir', '{tmp}/ft', '--config.log_every_steps=0'],
      'config.log_every_steps=0: give a positive number'),
-    (['study.py', '--root', '{tmp}/st', '--seeds', 'abc'], "invalid int value: 'abc'"),
+    (['study.py', '--root', '{tmp}/st', '--seeds', 'abc'], "flag --seeds=abc: invalid literal for int()"),
     (['study.py', 'compare', '--root', '{tmp}/st', '--variants', 'postln,foo', '--print_only'],
      "unknown variant 'foo'"),
     (['study.py', '--root', '{tmp}/st', '--size', 'huge', '--print_only'], "--size 'huge'"),
@@ -307,7 +307,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
      'a_file is a file: pass the folder of an HF BERT checkpoint'),
     (['train.py', '--workdir', '{tmp}/a_file/w', '--config.data.sources=synthetic'],
      'cannot be a folder: it or a folder above it is a file'),
-    (['analyze.py', '--out', '{tmp}/a'], 'the following arguments are required: --workdir'),
+    (['analyze.py', '--out', '{tmp}/a'], '--workdir is required'),
     (['finetune.py', '--workdir', '{tmp}/f', '--config.bucket_multiple=0'],
      'config.bucket_multiple=0: give a positive number'),
     (['finetune.py', '--workdir', '{tmp}/f', '--config.length_buckets=-2'],
@@ -351,6 +351,54 @@ def test_entry_points_without_absl_app_drop_orbax_restore_warning():
   assert absl_logger.filter(record('Something else went wrong'))
   assert absl_logger.filter(record('Metadata file does not exist', path='/work/train.py'))
 
+
+
+def test_the_tools_take_absl_flags_like_the_training_programs(tmp_path, capsys):
+  """One flag system for every program: `--flag value` and `--flag=value`, repeated flags,
+  `--[no]switch`, `--flagfile`, positional words where a tool takes them, `--help`."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+
+  def define(f):
+    flags.DEFINE_string('root', None, 'the root', flag_values=f, required=True)
+    flags.DEFINE_multi_string('set', [], 'k=v', flag_values=f)
+    flags.DEFINE_boolean('print_only', True, 'print', flag_values=f)
+    flags.DEFINE_integer('seeds', 1, 'seeds', flag_values=f)
+
+  (tmp_path / 'saved.flags').write_text('--seeds=4\n--set=a=1,2\n')
+  args, words = cli.parse_tool_flags(
+      define, ['first', '--root', 'R', f'--flagfile={tmp_path}/saved.flags', '--set', 'b=3',
+               '--noprint_only', 'second', 'third'],
+      prog='tool', doc='A tool.', positional=('part', '*more'))
+  assert (args.root, args.set, args.print_only, args.seeds) == ('R', ['a=1,2', 'b=3'], False, 4)
+  assert words == {'part': 'first', '*more': ['second', 'third']}
+  args, words = cli.parse_tool_flags(define, ['--root=R'], prog='tool', doc='', positional=('p',))
+  assert words == {} and args.set == [] and args.print_only  # defaults, fresh each call
+  with pytest.raises(SystemExit) as stop:
+    cli.parse_tool_flags(define, ['--help'], prog='tool', doc='A tool.', positional=('part',))
+  assert stop.value.code == 0
+  out = capsys.readouterr().out
+  assert out.startswith('usage: tool [part] [flags]\n\nA tool.') and '--seeds: seeds' in out
+  for argv, expected in ((['--root', 'R', 'stray'], "unexpected argument 'stray'"),
+                         (['--seeds', '2'], '--root is required (see tool --help)'),
+                         (['--root', 'R', '--sets', 'x'], "Unknown command line flag 'sets'")):
+    with pytest.raises(SystemExit) as stop:
+      cli.parse_tool_flags(define, argv, prog='tool', doc='')
+    assert stop.value.code == 1 and expected in capsys.readouterr().err
+
+
+def test_data_tokenizer_takes_its_inputs_after_one_flag_or_repeated(tmp_path):
+  text = tmp_path / 'a.txt'
+  text.write_text(''.join(f'sentence number {i} with some words.\n' for i in range(200)))
+  (tmp_path / 'b.txt').write_text(text.read_text())
+  for name, inputs in (('spaced', ['--input', str(text), str(tmp_path / 'b.txt')]),
+                       ('repeated', ['--input', str(text), '--input', str(tmp_path / 'b.txt')])):
+    proc = subprocess.run(
+        [sys.executable, '-m', 'data.tokenizer', *inputs, '--model_type', 'wordpiece',
+         '--vocab_size', '60', '--model_prefix', str(tmp_path / name)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "'sentences': 400" in proc.stdout, proc.stdout
 
 
 def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):

@@ -22,6 +22,8 @@ import statistics
 import sys
 from typing import Any, Dict, List, Sequence
 
+from absl import flags
+
 from realformer import cli
 from realformer import storage
 from realformer.tools import sweep
@@ -106,30 +108,42 @@ def write_summary(root: str, tasks: Sequence[str]) -> str:
   return markdown
 
 
-def _floats(text):
-  return [float(v) for v in text.split(',')]
+def _define(f):
+  flags.DEFINE_string('tasks', None, 'comma-separated; glue = all nine', flag_values=f,
+                      required=True)
+  flags.DEFINE_string('root', None, 'one folder per task, one workdir per run', flag_values=f,
+                      required=True)
+  flags.DEFINE_string('init_checkpoint', '', 'the pretraining (or import) workdir',
+                      flag_values=f)
+  flags.DEFINE_string('data_dir', '', "GLUE TSV / SQuAD JSON folder ('' = tfds)", flag_values=f)
+  flags.DEFINE_list('learning_rates', ['1e-5', '2e-5', '3e-5', '4e-5', '5e-5'],
+                    'comma-separated', flag_values=f)
+  flags.DEFINE_list('batch_sizes', ['16', '32'], 'comma-separated', flag_values=f)
+  flags.DEFINE_list('epochs', ['2', '3', '4'], 'comma-separated', flag_values=f)
+  flags.DEFINE_integer('seeds', 5, 'seeds per setting', flag_values=f)
+  flags.DEFINE_multi_string('set', [], 'KEY=VALUE: another fixed override, e.g. --set '
+                            'max_seq_length=128 (repeat)', flag_values=f)
+  flags.DEFINE_boolean('print_only', False, 'print launch commands instead', flag_values=f)
+  flags.DEFINE_enum('target', 'local', ['local', 'tpu', 'slurm'], 'where --print_only\'s '
+                    'commands launch', flag_values=f)
+  flags.DEFINE_boolean('summarize_only', False, 'only the results table of the runs there are',
+                       flag_values=f)
 
 
-def _ints(text):
-  return [int(v) for v in text.split(',')]
+def _numbers(args, name, kind):
+  try:
+    return [kind(v) for v in getattr(args, name)]
+  except ValueError:
+    cli.fail(f'--{name}={",".join(getattr(args, name))}: give comma-separated '
+             f'{"numbers" if kind is float else "whole numbers"}')
 
 
 def main(argv=None):
-  p = cli.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--tasks', required=True, help='comma-separated; glue = all nine')
-  p.add_argument('--root', required=True)
-  p.add_argument('--init_checkpoint', default='')
-  p.add_argument('--data_dir', default='', help='GLUE TSV / SQuAD JSON folder ('' = tfds)')
-  p.add_argument('--learning_rates', type=_floats, default=[1e-5, 2e-5, 3e-5, 4e-5, 5e-5])
-  p.add_argument('--batch_sizes', type=_ints, default=[16, 32])
-  p.add_argument('--epochs', type=_ints, default=[2, 3, 4])
-  p.add_argument('--seeds', type=int, default=5)
-  p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
-                 help='another fixed override, e.g. --set max_seq_length=128')
-  p.add_argument('--print_only', action='store_true', help='print launch commands instead')
-  p.add_argument('--target', default='local', choices=('local', 'tpu', 'slurm'))
-  p.add_argument('--summarize_only', action='store_true')
-  args = p.parse_args(argv)
+  args, _ = cli.parse_tool_flags(_define, argv, prog='python -m realformer.tools.finetune_grid',
+                                 doc=__doc__)
+  args.learning_rates = _numbers(args, 'learning_rates', float)
+  args.batch_sizes = _numbers(args, 'batch_sizes', int)
+  args.epochs = _numbers(args, 'epochs', int)
 
   tasks = expand_tasks(args.tasks)
   if not args.summarize_only:

@@ -35,6 +35,7 @@ import socket
 import tempfile
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from absl import flags
 from absl import logging
 import flax.linen as nn
 import jax
@@ -729,25 +730,37 @@ def export_hf(workdir: str, out: str) -> str:
 # Command line.
 # ----------------------------------------------------------------------------------------
 
+COMMANDS = {'import-hf': 'HF BERT directory -> params-only workdir',
+            'import-tf1': 'TF1 BERT / RealFormer checkpoint -> workdir',
+            'export-hf': 'Post-LN workdir -> HF directory'}
+
+
+def _define(command):
+  def define(f):
+    if command == 'import-hf':
+      flags.DEFINE_string('src', None, 'config.json, model.safetensors|pytorch_model.bin, '
+                          'vocab.txt', flag_values=f, required=True)
+    elif command == 'import-tf1':
+      flags.DEFINE_string('ckpt', None, 'checkpoint prefix, e.g. .../bert_model.ckpt',
+                          flag_values=f, required=True)
+      flags.DEFINE_string('bert_config', None, 'bert_config.json', flag_values=f,
+                          required=True)
+      flags.DEFINE_string('vocab', None, 'vocab.txt', flag_values=f, required=True)
+      flags.DEFINE_enum('variant', 'realformer', ['realformer', 'postln'],
+                        'the checkpoint\'s encoder', flag_values=f)
+      flags.DEFINE_boolean('cased', False, 'the vocabulary is cased', flag_values=f)
+    else:
+      flags.DEFINE_string('workdir', None, 'a Post-LN workdir', flag_values=f, required=True)
+    flags.DEFINE_string('out', None, 'the new workdir' if command.startswith('import') else
+                        'the new HF directory', flag_values=f, required=True)
+  return define
+
+
 def main(argv=None) -> None:
-  parser = cli.ArgumentParser(prog='python -m realformer.tools.interop',
-                              description=__doc__.split('\n\n')[0])
-  sub = parser.add_subparsers(dest='command', required=True)
-  p = sub.add_parser('import-hf', help='HF BERT directory -> params-only workdir')
-  p.add_argument('--src', required=True, help='config.json, model.safetensors|pytorch_model.bin,'
-                 ' vocab.txt')
-  p.add_argument('--out', required=True, help='new workdir')
-  p = sub.add_parser('import-tf1', help='TF1 BERT / RealFormer checkpoint -> workdir')
-  p.add_argument('--ckpt', required=True, help='checkpoint prefix, e.g. .../bert_model.ckpt')
-  p.add_argument('--bert_config', required=True)
-  p.add_argument('--vocab', required=True)
-  p.add_argument('--out', required=True)
-  p.add_argument('--variant', default='realformer', choices=('realformer', 'postln'))
-  p.add_argument('--cased', action='store_true', help='the vocabulary is cased')
-  p = sub.add_parser('export-hf', help='Post-LN workdir -> HF directory')
-  p.add_argument('--workdir', required=True)
-  p.add_argument('--out', required=True)
-  args = parser.parse_args(argv)
+  prog = 'python -m realformer.tools.interop'
+  command, argv = cli.command(argv, COMMANDS, prog)
+  args, _ = cli.parse_tool_flags(_define(command), argv, prog=f'{prog} {command}', doc=__doc__)
+  args.command = command
   logging.set_verbosity(logging.WARNING)  # orbax's INFO lines drown the result
   if args.command == 'import-hf':
     print(import_hf(args.src, args.out))
