@@ -19,13 +19,15 @@ is reported, and the rest still run):
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy
 
 A part's contenders run as processes, up to two thirds of the host's cores of them at a time:
-each builds its state and compiles its step while the others do, then, once none of them is
-still compiling (XLA's autotuning runs on the GPU), takes the device alone (a lock) to warm up
-and time it, and its row is written as soon as it is done, so a part cut
-off by its time cap keeps what it measured. They share one jax compilation cache in the
-scratch folder, and with it XLA's per-fusion autotuning results (the variants' matmuls are
-the same shapes, so one contender's autotuning serves the others). The step time is the median over blocks of back-to-back steps. FLOPs are train_lib.flops_per_example's (HF's: every
-row of its last layer and of its MLM decoder), as in benchmarks/train_step.py.
+each builds its state and compiles its step while the others do, then takes the device alone
+(a lock) and, once none of the started ones is still compiling (XLA's autotuning runs on the
+GPU; at most two minutes' wait), warms up and times it; its row is written as soon as it is
+done, so a part cut off by its time cap keeps what it measured. They share one jax
+compilation cache in the scratch folder, and with it XLA's per-fusion autotuning results (the
+variants' matmuls are the same shapes, so one contender's autotuning serves the others). The
+step time is the median over blocks of back-to-back steps. FLOPs are
+train_lib.flops_per_example's (HF's: every row of its last layer and of its MLM decoder), as
+in benchmarks/train_step.py.
 
 Prepare here once (wheels of the pure-Python packages the GPU image lacks, and a float16 copy
 of all-MiniLM-L6-v2's weights, both into the git-ignored folder .carry/, about 50 MiB):
@@ -184,11 +186,18 @@ def _contenders(part: str, platform: str, variants: str = '') -> list:
   return [e for e in entries if e[0] == 'hf' or not keep or e[1] in keep]
 
 
-def _wait_for_compiles(scratch: str, part: str) -> None:
-  """Returns once no live contender of the part is compiling (a <part>.<index>.compiling file
-  naming its pid): XLA's autotuning runs kernels on the GPU, which would share it with a
-  contender's timing."""
-  while True:
+def _compiling_marker(scratch: str, part: str, index: int) -> str:
+  """<part>.<index>.compiling, naming the pid of a contender that is starting or compiling:
+  the part writes it when it starts the process, the contender removes it once built."""
+  return os.path.join(scratch, f'{part}.{index}.compiling')
+
+
+def _wait_for_compiles(scratch: str, part: str, limit_s: float = 120.0) -> None:
+  """Returns once no live contender of the part is compiling (XLA's autotuning runs kernels
+  on the GPU, which would share it with a contender's timing), or after `limit_s`: a compile
+  that hangs must not cost the part the rows of those that finished."""
+  deadline = time.monotonic() + limit_s
+  while time.monotonic() < deadline:
     busy = False
     for marker in glob.glob(os.path.join(scratch, f'{part}.*.compiling')):
       try:
@@ -216,13 +225,13 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
   entry = _contenders(part, jax.devices()[0].platform, variants)[index]
   path = os.path.join(scratch, f'{part}.{index}.json')
   name = 'HF' if entry[0] == 'hf' else f'{entry[1]} {entry[3]}'.strip()
+  compiling = _compiling_marker(scratch, part, index)
   if entry[0] == 'hf' and not (has('torch') and has('transformers')):
     with open(path, 'w', encoding='utf-8') as f:
       json.dump({'note': 'HF: skipped: torch or transformers is not installed'}, f)
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(compiling)
     return
-  compiling = os.path.join(scratch, f'{part}.{index}.compiling')
-  with open(compiling, 'w', encoding='utf-8') as f:
-    f.write(str(os.getpid()))
   try:
     try:
       if entry[0] == 'hf':
@@ -234,11 +243,12 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
         c = train_step.Ours(variant, s['size'], args, overrides=overrides, label=label,
                             first_step=False)
     finally:
-      os.remove(compiling)
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(compiling)
     # Compiled, not yet run: a waiting contender holds its state, not a step's temporaries.
-    _wait_for_compiles(scratch, part)
     with open(os.path.join(scratch, 'device.lock'), 'w') as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)  # one contender on the device at a time
+      _wait_for_compiles(scratch, part)  # (under the lock: also those started meanwhile)
       per_step = _time_steps(c, s)
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
@@ -278,10 +288,14 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
   while waiting or running:
     while waiting and len(running) < parallel:
       k = waiting.pop(0)
-      running[k] = subprocess.Popen(
+      running[k] = proc = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), '--contender', f'{part}:{k}',
            '--scratch', scratch, '--variants', variants] + (['--smoke'] if smoke else []),
           cwd=_REPO)
+      marker = _compiling_marker(scratch, part, k)  # before the process can time anything
+      with open(marker + '.tmp', 'w', encoding='utf-8') as f:
+        f.write(str(proc.pid))
+      os.replace(marker + '.tmp', marker)
     time.sleep(0.5)
     for k in [k for k, proc in running.items() if proc.poll() is not None]:
       proc = running.pop(k)
@@ -491,6 +505,10 @@ def main():
   unknown = [x for x in parts if x not in PARTS]
   if unknown:
     raise SystemExit(f'--parts {",".join(unknown)}: unknown; choose from {", ".join(PARTS)}')
+  known = list(dict.fromkeys(variant for variant, _, _ in STEP_CONTENDERS))
+  unknown = [x for x in filter(None, args.variants.split(',')) if x not in known]
+  if unknown:
+    raise SystemExit(f'--variants {",".join(unknown)}: unknown; choose from {", ".join(known)}')
   shutil.rmtree(args.scratch, ignore_errors=True)
   failed = run_suite(os.path.abspath(args.out), os.path.abspath(args.scratch), parts,
                      args.smoke, args.budget_s, args.variants)

@@ -51,8 +51,9 @@ def build_corpus(package: str, out_path: str, index_path: str = '') -> int:
   n, index = 0, []
   partial = out_path + '.partial'  # the corpus there is replaced only by a complete one
   try:
-    # mtime=0: the same input gives the same bytes.
-    with open(partial, 'wb') as raw, gzip.GzipFile(fileobj=raw, mode='wb', mtime=0) as f:
+    # mtime=0 and the final file's name in the header: the same input gives the same bytes.
+    with open(partial, 'wb') as raw, gzip.GzipFile(filename=out_path, fileobj=raw, mode='wb',
+                                                   mtime=0) as f:
       for _, speech in iter_speeches(package):
         sentences = [s for para in speech['text'].split('\n')
                      for s in sources.split_sentences(para)]

@@ -41,12 +41,16 @@ def test_smoke_measures_every_contender_and_the_finetuning_race(tmp_path):
   assert '| ours realformer [bf16 carry] |' in md and '| hf |' in md
 
 
-def test_an_unknown_part_is_refused_in_one_line():
-  proc = subprocess.run([sys.executable, 'benchmarks/device_suite.py', '--parts', 'step1024'],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert proc.returncode != 0
-  assert proc.stderr.strip().splitlines()[-1] == (
-      '--parts step1024: unknown; choose from env, step512, step128, finetune')
+def test_an_unknown_part_or_variant_is_refused_in_one_line():
+  for argv, expected in (
+      (['--parts', 'step1024'], '--parts step1024: unknown; choose from env, step512, step128, '
+                                'finetune'),
+      (['--variants', 'postln,realformr'], '--variants realformr: unknown; choose from postln, '
+                                           'realformer, preln, synth_random_vanilla')):
+    proc = subprocess.run([sys.executable, 'benchmarks/device_suite.py'] + argv,
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == expected
 
 
 def test_the_512_part_times_the_attention_implementations_and_variants_narrow_it():
@@ -79,3 +83,10 @@ def test_a_contender_is_timed_only_once_no_live_contender_is_compiling(tmp_path)
   t = time.perf_counter()
   device_suite._wait_for_compiles(str(tmp_path), 'step512')
   assert live.poll() is not None and time.perf_counter() - t > 1
+  hung = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])
+  (tmp_path / 'step512.2.compiling').write_text(str(hung.pid))
+  t = time.perf_counter()
+  device_suite._wait_for_compiles(str(tmp_path), 'step512', limit_s=1)  # not forever
+  assert hung.poll() is None and 1 <= time.perf_counter() - t < 10
+  hung.kill()
+  hung.wait()

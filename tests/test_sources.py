@@ -203,6 +203,11 @@ def test_build_embedded_corpus_from_the_npm_layout(tmp_path):
         ['Fellow-Citizens: I meet you.', 'Mr. Jefferson left.', 'A second paragraph.']]
   assert (tmp_path / 'out0/sotu.txt.gz').read_bytes() == (
       tmp_path / 'out1/sotu.txt.gz').read_bytes()  # byte for byte, whatever the input form
+  for built in (tmp_path / 'out0/sotu.txt.gz',
+                os.path.join(build_embedded.EMBEDDED_DIR, 'sotu.txt.gz')):
+    with open(built, 'rb') as f:  # gzip's header names the file as the shipped one does
+      head = f.read(64)
+    assert head[3] & 0x08 and head[10:head.index(b'\0', 10)] == b'sotu.txt', head
   with pytest.raises(FileNotFoundError, match='no speeches'):
     build_embedded.build_corpus(str(tmp_path / 'out0'), str(tmp_path / 'none.gz'))
   # a rebuild that fails keeps the corpus there was: a missing package, one without speeches

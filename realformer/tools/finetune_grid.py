@@ -132,10 +132,13 @@ def _define(f):
 
 def _numbers(args, name, kind):
   try:
-    return [kind(v) for v in getattr(args, name)]
+    values = [kind(v) for v in getattr(args, name)]
+    if values:
+      return values
   except ValueError:
-    cli.fail(f'--{name}={",".join(getattr(args, name))}: give comma-separated '
-             f'{"numbers" if kind is float else "whole numbers"}')
+    pass
+  cli.fail(f'--{name}={",".join(getattr(args, name))}: give comma-separated '
+           f'{"numbers" if kind is float else "whole numbers"}')
 
 
 def main(argv=None):
