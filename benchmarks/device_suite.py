@@ -89,6 +89,10 @@ STEP_CONTENDERS = (
 )
 
 
+# Kernels listed for each of our contenders (suite.md: where the step's time goes).
+KERNELS = 10
+
+
 def sizes(smoke: bool) -> dict:
   """The shapes of each part: BERT-base on the GPU, the tiny encoder for --smoke."""
   if smoke:
@@ -211,6 +215,17 @@ def _wait_for_compiles(scratch: str, part: str, limit_s: float = 120.0) -> None:
     time.sleep(0.5)
 
 
+def _kernels(contender, scratch: str, part: str, index: int):
+  """Where the step's device time goes: the top kernels of two traced steps (a second or two;
+  the step is compiled and warm), or what went wrong."""
+  import profile_step  # pylint: disable=g-import-not-at-top
+  try:
+    return profile_step.profile(contender, os.path.join(scratch, f'{part}.{index}.trace'),
+                                steps=2, top=KERNELS)
+  except Exception as e:  # pylint: disable=broad-except
+    return {'note': f'profile failed: {type(e).__name__}: {str(e)[:200]}'}
+
+
 def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: str) -> None:
   """One contender in its own process: builds and compiles it (while the others compile),
   then, once none of the running others is still compiling, times it holding the GPU lock,
@@ -250,6 +265,7 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
       fcntl.flock(lock, fcntl.LOCK_EX)  # one contender on the device at a time
       _wait_for_compiles(scratch, part)  # (under the lock: also those started meanwhile)
       per_step = _time_steps(c, s)
+      kernels = _kernels(c, scratch, part, index) if entry[0] == 'ours' else None
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
     with open(path, 'w', encoding='utf-8') as f:
@@ -260,7 +276,7 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
   row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
              tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
              mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
-             memory_gib=peak / 2**30 if peak else None)
+             memory_gib=peak / 2**30 if peak else None, kernels=kernels)
   print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} tokens/s, '
         f'MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
   with open(path, 'w', encoding='utf-8') as f:
@@ -346,7 +362,9 @@ def part_finetune(out, smoke, scratch, variants):  # pylint: disable=unused-argu
 # --- the driver ------------------------------------------------------------------------------
 
 def markdown(results: dict) -> str:
-  """suite.md: one table per part."""
+  """suite.md: one table per part (and for the train-step parts, each of our contenders'
+  top kernels)."""
+  import profile_step  # pylint: disable=g-import-not-at-top
   lines = ['# Device suite', '']
   env = results.get('env', {}).get('data') or {}
   if env:
@@ -372,6 +390,14 @@ def markdown(results: dict) -> str:
         lines.append(f'| {x["contender"]} | {x["step_s"] * 1e3:.1f} | {x["tokens_per_s"]:,.0f} | '
                      f'{x["tflops"]:.1f} | {mfu} | {x["step_s"] / first:.2f} | '
                      f'{x["compile_s"]:.0f} | {mem} |')
+      for x in rows:
+        k = x.get('kernels')
+        if k and 'kernels' in k:
+          lines += ['', f'Where {x["contender"]}\'s step goes ({k["device_ms_per_step"]:.1f} ms of '
+                    'device time per step, two traced steps):', '',
+                    profile_step.kernel_table(k)]
+        elif k:
+          lines += ['', f'{x["contender"]}: {k["note"]}']
     elif part == 'finetune' and rows:
       lines += ['', '| arm | epoch seconds | whole process s | dev accuracy |', '|---|---|---|---|']
       for x in rows:

@@ -20,10 +20,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # pylint: disable=g-import-not-at-top
-
-import train_step  # pylint: disable=g-import-not-at-top
-
 
 def device_events(trace_dir: str):
   """(name, microseconds) of every complete event on a device track of the trace."""
@@ -41,6 +37,27 @@ def device_events(trace_dir: str):
           if e.get('ph') == 'X' and e.get('pid') in devices]
 
 
+def top_kernels(trace_dir: str, steps: int, top: int) -> dict:
+  """The trace in trace_dir summarised: device milliseconds per step, and the `top` kernels
+  by total time as rows (ms per step, share of the device time, calls per step, name)."""
+  events = device_events(trace_dir)
+  total = collections.Counter()
+  count = collections.Counter()
+  for name, dur in events:
+    total[name] += dur
+    count[name] += 1
+  all_us = sum(total.values()) or 1
+  return dict(device_ms_per_step=all_us / 1e3 / steps, events_per_step=len(events) // steps,
+              kernels=[(us / 1e3 / steps, us / all_us, count[name] / steps, name[:110])
+                       for name, us in total.most_common(top)])
+
+
+def kernel_table(summary: dict) -> str:
+  return '\n'.join(['| ms/step | share | calls/step | kernel |', '|---|---|---|---|'] + [
+      f'| {ms:.2f} | {share:.1%} | {calls:g} | {name} |'
+      for ms, share, calls, name in summary['kernels']])
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--variant', default='postln')
@@ -54,6 +71,7 @@ def main():
   p.add_argument('--top', type=int, default=30)
   p.add_argument('--out', default='/tmp/profile_step')
   args = p.parse_args()
+  import train_step  # pylint: disable=g-import-not-at-top
   overrides = {}
   for kv in args.set:
     key, value = kv.split('=', 1)
@@ -65,23 +83,21 @@ def main():
   step_args.fused = overrides.pop('fused_attention', 'auto')
   c = train_step.Ours(args.variant, args.size, step_args, overrides=overrides)
   c.step(3)
-  shutil.rmtree(args.out, ignore_errors=True)  # device_events reads the one trace there
-  with jax.profiler.trace(args.out):
-    c.step(args.steps)
-  events = device_events(args.out)
-  total = collections.Counter()
-  count = collections.Counter()
-  for name, dur in events:
-    total[name] += dur
-    count[name] += 1
-  all_us = sum(total.values())
+  summary = profile(c, args.out, args.steps, args.top)
   print(f'{c.name}: {args.size}, length {args.seq_len}, batch {args.batch}, {args.dtype}; '
-        f'{args.steps} steps, {all_us / 1e3 / args.steps:.1f} ms of device time per step '
-        f'in {len(events) // args.steps} events')
-  print('| ms/step | share | calls/step | kernel |\n|---|---|---|---|')
-  for name, us in total.most_common(args.top):
-    print(f'| {us / 1e3 / args.steps:.2f} | {us / all_us:.1%} | {count[name] / args.steps:g} | '
-          f'{name[:110]} |')
+        f'{args.steps} steps, {summary["device_ms_per_step"]:.1f} ms of device time per step '
+        f'in {summary["events_per_step"]} events')
+  print(kernel_table(summary))
+
+
+def profile(contender, out: str, steps: int, top: int) -> dict:
+  """Traces `steps` steps of a warmed-up contender into `out` (emptied first: device_events
+  reads the one trace there) and returns top_kernels' summary."""
+  import jax  # pylint: disable=g-import-not-at-top
+  shutil.rmtree(out, ignore_errors=True)
+  with jax.profiler.trace(out):
+    contender.step(steps)
+  return top_kernels(out, steps, top)
 
 
 if __name__ == '__main__':

@@ -32,6 +32,10 @@ def test_smoke_measures_every_contender_and_the_finetuning_race(tmp_path):
       'ours realformer [bf16 carry]', 'ours preln', 'ours synth_random_vanilla']
   for r in rows:
     assert r['step_s'] > 0 and r['tokens_per_s'] == 4 * 32 / r['step_s']
+    if r['contender'].startswith('ours'):  # where its step's time goes, from a trace
+      assert r['kernels']['device_ms_per_step'] > 0 and len(r['kernels']['kernels']) == 10
+    else:
+      assert r['kernels'] is None
   arms = {r['arm']: r for r in suite['finetune']['data']['rows']}
   assert set(arms) == {'ours', 'hf'}
   for r in arms.values():
@@ -39,6 +43,7 @@ def test_smoke_measures_every_contender_and_the_finetuning_race(tmp_path):
   with open(tmp_path / 'out' / 'suite.md') as f:
     md = f.read()
   assert '| ours realformer [bf16 carry] |' in md and '| hf |' in md
+  assert "Where ours realformer [bf16 carry]'s step goes (" in md
 
 
 def test_an_unknown_part_or_variant_is_refused_in_one_line():
