@@ -395,8 +395,9 @@ class Lease:
   absent (the precondition ifGenerationMatch=0, which the service decides atomically) and
   holding `record` (holder_record) with a nonce of this take and the lease's length. The
   holder rewrites it every REFRESH_SECONDS under ifGenerationMatch=<its generation>; a
-  record that the service has not seen updated for lease_seconds (its `updated` time,
-  against this host's clock) belongs to a holder that is gone and is taken over, as is one
+  record that the service has not seen updated for lease_seconds (its `updated` time against
+  the service's own clock, not this host's) belongs to a holder that is gone and is taken
+  over, as is one
   left on this host by a process that no longer exists. A write whose reply was lost and
   whose retry then fails its precondition is recognised by the nonce. Released by deleting
   it under the same precondition, so a holder whose lease was taken over never deletes its
@@ -456,6 +457,21 @@ class Lease:
     except ValueError:
       return None
 
+  def _service_now(self) -> float:
+    """The storage service's clock, read off a probe object it stamps (created and deleted
+    beside the lock): a lease's age is the difference of two of the service's timestamps,
+    whatever this host's clock says."""
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    probe = self._blob().bucket.blob(f'{self._name}.clock-{self.record["nonce"]}')
+    probe.upload_from_string(b'', timeout=REQUEST_SECONDS)
+    try:
+      return probe.time_created.timestamp()
+    finally:
+      try:
+        probe.delete(timeout=REQUEST_SECONDS)
+      except exceptions.NotFound:
+        pass
+
   def take(self) -> 'Lease':
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
     for _ in range(5):  # a lock released or taken over meanwhile: look again
@@ -478,7 +494,7 @@ class Lease:
                                                   timeout=REQUEST_SECONDS))
       except (ValueError, exceptions.PreconditionFailed, exceptions.NotFound):
         holder = {'pid': '?', 'host': '?', 'since': '?', 'program': 'unreadable lock record'}
-      age = time.time() - held.updated.timestamp()
+      age = self._service_now() - held.updated.timestamp()
       lease = float(holder.get('lease_seconds', LEASE_SECONDS))
       if holder_gone(holder):
         why = 'that process is gone'

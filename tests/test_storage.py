@@ -165,20 +165,27 @@ def test_a_dead_holder_is_taken_over_and_a_live_one_is_not(gcs, monkeypatch, cap
   with pytest.raises(workdir.WorkdirInUseError, match='in use by'):
     with workdir.Lock(url, 'train.py'):
       pass
-  # On another host: refused while its lease runs, taken over once it has expired.
+  # On another host: refused while its lease runs, whatever this host's clock says (the
+  # lease's age is measured on the service's clock) ...
   url = f'{gcs}/elsewhere'
   _plant_holder(url)
+  skewed = time.time() + storage.LEASE_SECONDS + 3600
+  monkeypatch.setattr(storage.time, 'time', lambda: skewed)
   with pytest.raises(workdir.WorkdirInUseError,
                      match=r'on elsewhere.*wait \d+ s for its lease'):
     with workdir.Lock(url, 'train.py'):
       pass
-  later = time.time() + storage.LEASE_SECONDS + 5
-  monkeypatch.setattr(storage.time, 'time', lambda: later)
+  monkeypatch.undo()
+  # ... and taken over once it has expired (a holder whose lease was one second).
+  url = f'{gcs}/expired'
+  _plant_holder(url, lease_seconds=1)
+  time.sleep(2)
   caplog.clear()
   with caplog.at_level('WARNING'):
     with workdir.Lock(url, 'train.py'):
       pass
   assert 'its lease expired' in caplog.text
+  assert [b.name for b in _lock_blob(url).bucket.list_blobs() if '.clock-' in b.name] == []
 
 
 def test_the_lease_is_refreshed_and_a_lost_one_stops_the_run(gcs, monkeypatch):
