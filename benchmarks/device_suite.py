@@ -242,8 +242,7 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
   name = 'HF' if entry[0] == 'hf' else f'{entry[1]} {entry[3]}'.strip()
   compiling = _compiling_marker(scratch, part, index)
   if entry[0] == 'hf' and not (has('torch') and has('transformers')):
-    with open(path, 'w', encoding='utf-8') as f:
-      json.dump({'note': 'HF: skipped: torch or transformers is not installed'}, f)
+    _write_json(path, {'note': 'HF: skipped: torch or transformers is not installed'})
     with contextlib.suppress(FileNotFoundError):
       os.remove(compiling)
     return
@@ -265,22 +264,27 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
       fcntl.flock(lock, fcntl.LOCK_EX)  # one contender on the device at a time
       _wait_for_compiles(scratch, part)  # (under the lock: also those started meanwhile)
       per_step = _time_steps(c, s)
-      kernels = _kernels(c, scratch, part, index) if entry[0] == 'ours' else None
+      step = statistics.median(per_step)
+      peak = c.peak_bytes()
+      row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
+                 tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
+                 mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
+                 memory_gib=peak / 2**30 if peak else None, kernels=None)
+      print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} '
+            f'tokens/s, MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
+      _write_json(path, {'row': row})  # kept if the profile below dies or is cut off
+      if entry[0] == 'ours':
+        row['kernels'] = _kernels(c, scratch, part, index)
+        _write_json(path, {'row': row})
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
-    with open(path, 'w', encoding='utf-8') as f:
-      json.dump({'note': f'{name}: failed: {type(e).__name__}: {str(e)[:400]}'}, f)
-    return
-  step = statistics.median(per_step)
-  peak = c.peak_bytes()
-  row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
-             tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
-             mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
-             memory_gib=peak / 2**30 if peak else None, kernels=kernels)
-  print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} tokens/s, '
-        f'MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
-  with open(path, 'w', encoding='utf-8') as f:
-    json.dump({'row': row}, f)
+    _write_json(path, {'note': f'{name}: failed: {type(e).__name__}: {str(e)[:400]}'})
+
+
+def _write_json(path: str, data) -> None:
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    json.dump(data, f)
+  os.replace(path + '.tmp', path)
 
 
 def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) -> None:

@@ -21,26 +21,30 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def device_events(trace_dir: str):
-  """(name, microseconds) of every complete event on a device track of the trace."""
+def device_events(trace_dir: str, on_cpu: bool):
+  """(name, microseconds) of every complete event on a device track of the trace (on_cpu:
+  of the host threads, where a CPU program's ops run)."""
   path, = glob.glob(os.path.join(trace_dir, 'plugins', 'profile', '*', '*.trace.json.gz'))
   with gzip.open(path) as f:
     trace = json.load(f)
   devices = {e['pid'] for e in trace['traceEvents']
              if e.get('ph') == 'M' and e.get('name') == 'process_name'
              and any(k in str(e.get('args', {}).get('name', '')) for k in ('/device:GPU', '/device:TPU'))}
-  if not devices:  # CPU: XLA's ops run on host threads
+  if not devices and on_cpu:  # XLA's ops run on host threads
     devices = {e['pid'] for e in trace['traceEvents'] if e.get('ph') == 'M'
                and e.get('name') == 'process_name'
                and '/host:CPU' in str(e.get('args', {}).get('name', ''))}
+  if not devices:
+    raise ValueError(f'the trace in {trace_dir} has no device track')
   return [(e['name'], e.get('dur', 0)) for e in trace['traceEvents']
           if e.get('ph') == 'X' and e.get('pid') in devices]
 
 
-def top_kernels(trace_dir: str, steps: int, top: int) -> dict:
+def top_kernels(trace_dir: str, steps: int, top: int, on_cpu: bool) -> dict:
   """The trace in trace_dir summarised: device milliseconds per step, and the `top` kernels
-  by total time as rows (ms per step, share of the device time, calls per step, name)."""
-  events = device_events(trace_dir)
+  by total time as rows (ms per step, share of the device time, calls per step, name).
+  on_cpu: the program ran on the CPU, whose ops are the host threads' events."""
+  events = device_events(trace_dir, on_cpu)
   total = collections.Counter()
   count = collections.Counter()
   for name, dur in events:
@@ -97,7 +101,7 @@ def profile(contender, out: str, steps: int, top: int) -> dict:
   shutil.rmtree(out, ignore_errors=True)
   with jax.profiler.trace(out):
     contender.step(steps)
-  return top_kernels(out, steps, top)
+  return top_kernels(out, steps, top, on_cpu=jax.devices()[0].platform == 'cpu')
 
 
 if __name__ == '__main__':

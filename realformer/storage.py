@@ -461,16 +461,13 @@ class Lease:
     """The storage service's clock, read off a probe object it stamps (created and deleted
     beside the lock): a lease's age is the difference of two of the service's timestamps,
     whatever this host's clock says."""
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
     probe = self._blob().bucket.blob(f'{self._name}.clock-{self.record["nonce"]}')
     probe.upload_from_string(b'', timeout=REQUEST_SECONDS)
     try:
-      return probe.time_created.timestamp()
-    finally:
-      try:
-        probe.delete(timeout=REQUEST_SECONDS)
-      except exceptions.NotFound:
-        pass
+      probe.delete(timeout=REQUEST_SECONDS)
+    except Exception as e:  # pylint: disable=broad-except  (an empty object left: harmless)
+      absl_logging.warning('could not delete %s/%s: %s', self._bucket, probe.name, short(e))
+    return probe.time_created.timestamp()
 
   def take(self) -> 'Lease':
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
@@ -494,9 +491,10 @@ class Lease:
                                                   timeout=REQUEST_SECONDS))
       except (ValueError, exceptions.PreconditionFailed, exceptions.NotFound):
         holder = {'pid': '?', 'host': '?', 'since': '?', 'program': 'unreadable lock record'}
-      age = self._service_now() - held.updated.timestamp()
       lease = float(holder.get('lease_seconds', LEASE_SECONDS))
-      if holder_gone(holder):
+      gone = holder_gone(holder)
+      age = 0.0 if gone else self._service_now() - held.updated.timestamp()
+      if gone:
         why = 'that process is gone'
       elif age > lease:
         why = f'its lease expired {age - lease:.0f} s ago'
