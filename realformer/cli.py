@@ -140,14 +140,15 @@ def parse_tool_flags(define, argv=None, *, prog: str, doc: str, positional=()):
   run more than once in a process. argv excludes the program's name (sys.argv[1:] when None);
   `positional` names the words it takes besides flags, in order, each optional; a last name
   starting with '*' takes every word left, as a list. Returns (flags as a namespace,
-  {positional name: word}). `--help` prints `doc` and the flags and
-  exits 0; a mistake (an unknown or missing flag, a bad value, a stray word) is one line,
-  `error: ... (see <prog> --help)`, exit status 1."""
+  {positional name: word}). `--help` prints `doc` and the flags and exits 0; a mistake (an
+  unknown or missing flag, a bad value, a stray word) is one line, `error: ... (see <prog>
+  --help)`, exit status 1."""
   values = flags.FlagValues()
   define(values)
   argv = list(sys.argv[1:] if argv is None else argv)
   if any(a in ('-h', '--help', '--helpshort', '--helpfull') for a in argv):
-    print(f'usage: {prog} {" ".join(f"[{w.lstrip(chr(42))}...]" if w[0] == "*" else f"[{w}]" for w in positional)} [flags]'.replace('  ', ' '))
+    words = [f'[{w[1:]}...]' if w.startswith('*') else f'[{w}]' for w in positional]
+    print(' '.join(['usage:', prog, *words, '[flags]']))
     print(f'\n{doc.strip()}\n\nflags:')
     for name in sorted(values):
       if values[name].help and name not in ('flagfile', 'undefok'):
