@@ -128,9 +128,14 @@ class Record:
     self.write()
 
   def write(self):
-    with open(self.path + '.tmp', 'w', encoding='utf-8') as f:
-      json.dump(self.data, f, indent=1)
-    os.replace(self.path + '.tmp', self.path)
+    _write_json(self.path, self.data)
+
+
+def _write_json(path: str, data) -> None:
+  """Written whole or not at all (a reader never sees half a file)."""
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    json.dump(data, f, indent=1)
+  os.replace(path + '.tmp', path)
 
 
 def part_env(out: str, smoke: bool, scratch: str, variants: str) -> None:  # pylint: disable=unused-argument
@@ -279,12 +284,6 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
     _write_json(path, {'note': f'{name}: failed: {type(e).__name__}: {str(e)[:400]}'})
-
-
-def _write_json(path: str, data) -> None:
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    json.dump(data, f)
-  os.replace(path + '.tmp', path)
 
 
 def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) -> None:
