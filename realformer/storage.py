@@ -8,9 +8,9 @@ commit-file protocol, no renames) and reads the same environment: see docs/launc
 
 Object storage has no append and no rename: an object is written whole, atomically. So a
 file that grows while a run goes (metrics.jsonl, TensorBoard events, machine.jsonl) is a
-`GrowingFile`: on gs:// it is kept in a local spool and the whole object is rewritten from it
-(at most every `upload_every` seconds, and on flush(force=True) and close), so a reader sees
-a complete prefix of it, never a torn line; and a small file replaced whole (config.json,
+`GrowingFile`: on gs:// it is kept in a local spool whose new bytes are appended to the object
+by Cloud Storage's compose (at most every `upload_every` seconds, and on flush(force=True)
+and close), so a reader sees a complete prefix of it, never a torn line; and a small file replaced whole (config.json,
 time_spent.json) is written in one request (`write_text`), not written beside and renamed.
 Listings are never cached (gcsfs would keep them for the life of the process).
 """
@@ -281,15 +281,58 @@ def copy_tree(local_dir: str, dest) -> None:
         target.write_bytes(f.read())
 
 
+# ---- Cloud Storage's own client (google-cloud-storage), for what gcsfs does not offer:
+# preconditions on writes and compose.
+
+# How long one request to the service may take, its retries included.
+REQUEST_SECONDS = 30.0
+
+def gcs_client(url: str):
+  """A google-cloud-storage client for the gs:// URL `url` (ValueError: no credentials)."""
+  from google.cloud import storage as gcs  # pylint: disable=g-import-not-at-top
+  try:
+    return gcs.Client()
+  except Exception as e:  # pylint: disable=broad-except  (google.auth's many errors)
+    raise ValueError(f'cannot reach Cloud Storage for {url}: {short(e)}; give the machine '
+                     'credentials (a VM\'s service account, or gcloud auth '
+                     'application-default login)') from None
+
+
+def gcs_blob(client, url: str):
+  """The Blob of a gs:// URL (not fetched: a fresh object with no properties)."""
+  bucket, _, name = url[len('gs://'):].partition('/')
+  return client.bucket(bucket).blob(name)
+
+
+def _bounded_retry():
+  """The client's retries of a failed request, all of them within REQUEST_SECONDS."""
+  from google.cloud.storage import retry  # pylint: disable=g-import-not-at-top
+  return retry.DEFAULT_RETRY.with_timeout(REQUEST_SECONDS)
+
+
+def short(e: BaseException) -> str:
+  return ' '.join(str(e).split())[:300] or type(e).__name__
+
+
 class GrowingFile:
   """A file that a run appends to, on a local disk or in a bucket.
 
-  Local: the file opened for appending; flush() flushes it. URL: a local spool that starts as
-  a copy of the object (a resumed run appends to what it wrote before), and the object
-  rewritten from the whole spool on flush() when `upload_every` seconds have passed since the
-  last upload, on flush(force=True), and on close(). A storage error from an upload
-  propagates (the spool keeps every byte; the next upload sends them).
+  Local: the file opened for appending; flush() flushes it. gs:// URL: a local spool that
+  starts as a copy of the object (a resumed run appends to what it wrote before), whose new
+  bytes reach the object on flush() when `upload_every` seconds have passed since the last
+  upload, on flush(force=True), and on close(). An upload sends only the bytes the object
+  lacks: they go to a temporary object beside it, which Cloud Storage's compose appends to
+  the object (atomically, under the precondition that the object is the generation this
+  file wrote last). The first upload of each start, one after COMPOSE_LIMIT appends, and
+  one whose compose finds the object changed (a retried compose that had landed) rewrite
+  the object whole from the spool instead, so the object is always a copy of the spool's
+  prefix. A storage error from an upload propagates (the spool keeps every byte; the next
+  upload sends them).
   """
+
+  # Appends before the object is rewritten whole (Cloud Storage counts a composite
+  # object's components and limits them).
+  COMPOSE_LIMIT = 1000
 
   def __init__(self, p, binary: bool = False, upload_every: float = 30.0):
     self.path, self.upload_every = path(p), upload_every
@@ -298,12 +341,17 @@ class GrowingFile:
       self.path.parent.mkdir(parents=True, exist_ok=True)
       self._file = open(self.path, 'a' + self._mode)
       return
+    self._client = gcs_client(os.fspath(self.path))
     fd, self._spool = tempfile.mkstemp(prefix='realformer-', suffix='-' + self.path.name)
     with os.fdopen(fd, 'wb') as f:
-      if self.path.exists():
-        f.write(self.path.read_bytes())
+      blob = gcs_blob(self._client, os.fspath(self.path))
+      if blob.exists(timeout=REQUEST_SECONDS, retry=_bounded_retry()):
+        f.write(blob.download_as_bytes(timeout=REQUEST_SECONDS, retry=_bounded_retry()))
     self._file = open(self._spool, 'a' + self._mode)
     self._uploaded = time.monotonic()
+    # What the object holds: the spool's first `_sent` bytes, at `_generation`, after
+    # `_appends` composes (None: not written by this start, so the next upload is whole).
+    self._sent, self._generation, self._appends = 0, None, 0
 
   def write(self, data: Union[str, bytes]) -> None:
     self._file.write(data)
@@ -311,9 +359,46 @@ class GrowingFile:
   def flush(self, force: bool = False) -> None:
     self._file.flush()
     if is_url(self.path) and (force or time.monotonic() - self._uploaded >= self.upload_every):
-      with open(self._spool, 'rb') as f:
-        self.path.write_bytes(f.read())
+      self._upload()
       self._uploaded = time.monotonic()
+
+  def _upload(self) -> None:
+    with open(self._spool, 'rb') as f:
+      f.seek(self._sent)
+      tail = f.read()
+      size = self._sent + len(tail)
+      if self._generation is not None and not tail:
+        return
+      if self._generation is None or self._appends >= self.COMPOSE_LIMIT or not self._append(
+          tail):
+        f.seek(0)
+        blob = gcs_blob(self._client, os.fspath(self.path))
+        blob.upload_from_file(f, size=size, timeout=REQUEST_SECONDS, retry=_bounded_retry())
+        self._generation, self._appends = blob.generation, 0
+    self._sent = size
+
+  def _append(self, tail: bytes) -> bool:
+    """Appends `tail` to the object by compose; False: the object is not the generation this
+    file wrote last (nothing appended)."""
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    # Fresh blobs: a compose sends its destination's properties, and a checksum left from an
+    # earlier request would be checked against the composed object.
+    blob = gcs_blob(self._client, os.fspath(self.path))
+    part = gcs_blob(self._client, f'{os.fspath(self.path)}.append-{uuid.uuid4().hex}')
+    part.upload_from_string(tail, if_generation_match=0, timeout=REQUEST_SECONDS,
+                            retry=_bounded_retry())
+    try:
+      blob.compose([blob, part], if_generation_match=self._generation,
+                   timeout=REQUEST_SECONDS, retry=_bounded_retry())
+    except exceptions.PreconditionFailed:
+      return False
+    finally:
+      try:
+        part.delete(timeout=REQUEST_SECONDS, retry=_bounded_retry())
+      except Exception as e:  # pylint: disable=broad-except  (a small object left: harmless)
+        absl_logging.warning('could not delete %s: %s', part.name, short(e))
+    self._generation, self._appends = blob.generation, self._appends + 1
+    return True
 
   def close(self) -> None:
     if self._file.closed:
@@ -332,13 +417,11 @@ class HeldError(Exception):
   """The lock object is held by another live process (the message names it and the fix)."""
 
 
-# How long a lock object stays valid without a refresh, how often its holder refreshes it,
-# and how long one request to the service may take. A holder that dies on another host (a
-# preempted VM) frees the lock this long after its last refresh; on the same host (and pid
+# How long a lock object stays valid without a refresh, and how often its holder refreshes
+# it. A holder that dies on another host (a preempted VM) frees the lock this long after its last refresh; on the same host (and pid
 # namespace) a holder that is gone is detected at once.
 LEASE_SECONDS = 300.0
 REFRESH_SECONDS = 60.0
-REQUEST_SECONDS = 30.0
 
 
 def holder_record(program: str) -> dict:
@@ -386,10 +469,6 @@ def holder_gone(holder: dict) -> bool:
                            start != holder['pid_start'])
 
 
-def short(e: BaseException) -> str:
-  return ' '.join(str(e).split())[:300] or type(e).__name__
-
-
 class Lease:
   """A lock object on Cloud Storage (`url`, e.g. gs://bucket/run/.lock), created only if
   absent (the precondition ifGenerationMatch=0, which the service decides atomically) and
@@ -431,15 +510,9 @@ class Lease:
     return None
 
   def _blob(self):
-    from google.cloud import storage as gcs  # pylint: disable=g-import-not-at-top
     if not hasattr(self, '_client'):
-      try:
-        self._client = gcs.Client()
-      except Exception as e:  # pylint: disable=broad-except  (google.auth's many errors)
-        raise ValueError(f'cannot reach Cloud Storage for {self.url}: {short(e)}; give the '
-                         'machine credentials (a VM\'s service account, or gcloud auth '
-                         'application-default login)') from None
-    return self._client.bucket(self._bucket).blob(self._name)
+      self._client = gcs_client(self.url)
+    return gcs_blob(self._client, self.url)
 
   def _mine(self, **request):
     """The object if it holds this take's record (a write of ours whose reply was lost)."""
@@ -520,9 +593,8 @@ class Lease:
 
   def _refresh(self):
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
-    from google.cloud.storage import retry  # pylint: disable=g-import-not-at-top
     # Retries end within one request's time, so the lease's age is never credited late.
-    bounded = retry.DEFAULT_RETRY.with_timeout(REQUEST_SECONDS)
+    bounded = _bounded_retry()
     while not self._stop.wait(REFRESH_SECONDS):
       with self._io:
         if self._stop.is_set():

@@ -10,7 +10,7 @@ the emulator's handlers, without changing its storage, so that:
 
   downloads carry x-goog-generation and x-goog-metageneration;
   ifGenerationMatch (0: the object must not exist) and ifGenerationNotMatch on downloads,
-  metadata reads, uploads and deletes answer 412 Precondition Failed (a download or read
+  metadata reads, uploads, composes (of the destination) and deletes answer 412 Precondition Failed (a download or read
   whose generation matches ifGenerationNotMatch: 304 Not Modified), as Cloud Storage does.
 """
 
@@ -84,6 +84,7 @@ _WRAPPED = {
     objects.get: dict(reading=True, headers=False),
     objects.insert: dict(reading=False, headers=False),
     objects.delete: dict(reading=False, headers=False),
+    objects.compose: dict(reading=False, headers=False),
 }
 
 

@@ -260,21 +260,51 @@ def test_a_run_directory_on_a_gcsfuse_mount_is_refused_naming_the_bucket(tmp_pat
   RunDir(tmp_path / 'gcs' / 'scratch' / 'run')
 
 
-def test_a_growing_file_in_a_bucket_is_uploaded_whole_and_continued_on_resume(gcs):
+def test_a_growing_file_in_a_bucket_appends_only_its_new_bytes(gcs, monkeypatch):
+  """The first upload of a start is whole; after it each upload sends only the new bytes and
+  composes them onto the object; an object changed meanwhile, and the COMPOSE_LIMIT-th
+  append, are rewritten whole from the spool; a resumed run continues the object."""
+  from google.cloud.storage import Blob  # pylint: disable=g-import-not-at-top
+  sent = []  # ('whole' | 'part', bytes) of each upload
+  upload = Blob.upload_from_file
+
+  def spy(self, file_obj, *args, size=None, **kwargs):
+    sent.append(('part' if '.append-' in self.name else 'whole', size))
+    return upload(self, file_obj, *args, size=size, **kwargs)
+
+  monkeypatch.setattr(Blob, 'upload_from_file', spy)
+  monkeypatch.setattr(storage.GrowingFile, 'COMPOSE_LIMIT', 2)
   url = f'{gcs}/growing/metrics.jsonl'
+  lines = [f'{{"step": {i}}}\n' for i in range(7)]
   f = storage.GrowingFile(url, upload_every=3600.0)
-  f.write('{"step": 1}\n')
+  f.write(lines[0])
   f.flush()  # within the upload interval: kept in the spool
-  assert not storage.path(url).exists()
+  assert not storage.path(url).exists() and not sent
   f.flush(force=True)  # as with each checkpoint
-  assert storage.path(url).read_text() == '{"step": 1}\n'
-  f.write('{"step": 2}\n')
-  f.close()
-  assert storage.path(url).read_text() == '{"step": 1}\n{"step": 2}\n'
+  f.write(lines[1])
+  f.flush(force=True)
+  f.flush(force=True)  # nothing new: nothing sent
+  assert storage.path(url).read_text() == ''.join(lines[:2])
+  assert sent == [('whole', len(lines[0])), ('part', len(lines[1]))]
+  storage.path(url).write_text('changed by another writer\n')
+  f.write(lines[2])
+  f.flush(force=True)  # its compose refused: rewritten whole from the spool
+  assert storage.path(url).read_text() == ''.join(lines[:3])
+  assert sent[-2:] == [('part', len(lines[2])), ('whole', len(''.join(lines[:3])))]
+  for line in lines[3:5]:
+    f.write(line)
+    f.flush(force=True)
+  f.write(lines[5])
+  f.close()  # the third append since the rewrite: whole again
+  assert sent[-3:] == [('part', len(lines[3])), ('part', len(lines[4])),
+                       ('whole', len(''.join(lines[:6])))]
+  assert storage.path(url).read_text() == ''.join(lines[:6])
+  assert [p.name for p in storage.path(url).parent.iterdir()] == ['metrics.jsonl']
   again = storage.GrowingFile(url, upload_every=0.0)  # a resumed run appends to it
-  again.write('{"step": 3}\n')
+  again.write(lines[6])
   again.flush()
-  assert storage.path(url).read_text().splitlines()[-1] == '{"step": 3}'
+  assert storage.path(url).read_text() == ''.join(lines)
+  assert sent[-1] == ('whole', len(''.join(lines)))
   again.close()
 
 
