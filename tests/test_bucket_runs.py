@@ -38,7 +38,10 @@ from data import prepare
 from realformer import storage
 from realformer.tools import sweep
 from realformer.train import checkpoints
+from realformer.train import compile_cache
+from realformer.train import machine
 from realformer.train import metrics as metrics_lib
+from tests import test_compile_cache
 from tests import test_finetune
 from tests import test_pipeline
 from tests import test_sweep
@@ -331,6 +334,17 @@ def test_e_the_server_stopped_mid_run_stops_it_in_one_line_and_it_resumes(server
   assert 'taking over the lock' in err  # the stopped run could not delete its lock object
   _assert_same(_losses(url), reference)
   _assert_loopback_only(tmp_path / 'hosts.txt', server)
+
+
+def test_a_compilation_cache_in_a_bucket_is_loaded_by_the_next_start(server, tmp_path):
+  cache = f'{server.root}/xla'
+  loaded, written = test_compile_cache._counts(test_compile_cache._train(tmp_path / 'a', cache))
+  assert written > 0
+  assert [p.name for p in storage.path(cache).iterdir()] == [
+      compile_cache.fingerprint(machine.facts())]
+  second = test_compile_cache._train(tmp_path / 'b', cache)
+  assert test_compile_cache._counts(second) == (loaded + written, 0)
+  assert test_compile_cache._losses(tmp_path / 'b') == test_compile_cache._losses(tmp_path / 'a')
 
 
 def test_interop_reads_and_writes_buckets(server, tmp_path):

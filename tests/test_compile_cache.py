@@ -1,6 +1,6 @@
 """The persistent compilation cache: a second start loads its programs and computes the same
 losses; a program compiled under another jax, backend, device kind or processor is not
-looked up; `off` turns it off."""
+looked up; `off` turns it off. (A cache in a bucket: tests/test_bucket_runs.py.)"""
 
 import json
 import os
@@ -53,6 +53,14 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
   assert _losses(tmp_path / 'a') == _losses(tmp_path / 'b') and _losses(tmp_path / 'a')
   off = _train(tmp_path / 'c', 'off')
   assert 'compilation cache: off' in off and 'programs loaded from it' not in off
+  # The same programs, as if written by another jax version: not loaded, nor touched.
+  other = cache / compile_cache.fingerprint(dict(machine.facts(), jax='0.0.1'))
+  os.rename(cache / folder, other)
+  files = sorted(os.listdir(other))
+  third = _train(tmp_path / 'd', cache)
+  assert _counts(third) == (loaded, written)  # compiled anew, as the first start did
+  assert sorted(os.listdir(other)) == files
+  assert _losses(tmp_path / 'd') == _losses(tmp_path / 'a')
 
 
 def test_programs_of_another_machine_are_in_another_folder():

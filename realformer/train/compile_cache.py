@@ -7,8 +7,9 @@
 train.py (also with --compile_for local) and finetune.py use it; the launch check for a TPU
 slice does not (its compile-only devices have no client to load a program into). It is
 jax's own persistent cache, pointed at a folder: --compilation_cache DIR, else
-$REALFORMER_COMPILATION_CACHE, else ~/.cache/realformer/xla; `off` turns it off. Every run
-on a machine shares it (the runs of a sweep or a fine-tuning grid compile the same programs),
+$REALFORMER_COMPILATION_CACHE, else ~/.cache/realformer/xla; `off` turns it off. The folder
+may be a gs:// URL (jax reads and writes it through etils.epath), which a pod's hosts share.
+Every run on a machine shares it (the runs of a sweep or a fine-tuning grid compile the same programs),
 and a restarted or preempted run loads its programs instead of compiling them again.
 
 A program compiled for another machine is never loaded. jax's key already covers the
@@ -33,6 +34,7 @@ import jax
 from absl import flags
 from absl import logging
 
+from realformer import storage
 from realformer.train import machine
 
 DEFAULT_DIR = os.path.join('~', '.cache', 'realformer', 'xla')
@@ -59,12 +61,12 @@ def fingerprint(facts: Dict[str, object]) -> str:
 
 
 def folder(setting: Optional[str] = None) -> Optional[str]:
-  """The cache folder for this machine, or None when the setting (flag, else environment,
-  else the default) is `off`."""
+  """The cache folder for this machine (a local folder or a gs:// URL), or None when the
+  setting (flag, else environment, else the default) is `off`."""
   root = setting or os.environ.get(ENV) or DEFAULT_DIR
   if root.strip().lower() == OFF:
     return None
-  return os.path.join(os.path.abspath(os.path.expanduser(root)), fingerprint(machine.facts()))
+  return storage.join(os.fspath(storage.path(root)), fingerprint(machine.facts()))
 
 
 def enable(setting: Optional[str] = None) -> Optional[str]:

@@ -404,6 +404,7 @@ class Trainer:
         preempted = self._train(start)
         self.manager.wait_until_finished()
         summary = self._finish(preempted)
+        compile_cache.log_stats('the run')  # the background compiles and predictions too
     finally:
       task.close()
     self.manager.close()
