@@ -136,7 +136,7 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
   if config_data.worker_count and not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()  # grain's workers read its absl flags (defaults suffice)
   # Reading threads contend for the GIL with the masking: on local shards, reading in the
-  # consuming thread is fastest (3x on one core); raise data.read_threads for remote files.
+  # consuming thread is fastest; raise data.read_threads for remote files.
   read_options = grain.ReadOptions(num_threads=config_data.get('read_threads', 0),
                                    prefetch_buffer_size=64)
   loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,

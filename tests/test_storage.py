@@ -242,7 +242,8 @@ def test_a_holder_that_cannot_refresh_counts_its_lease_as_lost(gcs, monkeypatch)
 
 def test_a_run_directory_on_a_gcsfuse_mount_is_refused_naming_the_bucket(tmp_path, monkeypatch):
   """/proc/mounts as a host with a gcsfuse mount shows it (no test can mount one): the
-  workdir and the prepared data on the mount are refused, naming the gs:// URL; other
+  workdir, the prepared data, an import's output and the study's era task on the mount
+  are refused, naming the gs:// URL; other
   folders, and a folder under a nested local mount, are not."""
   mounts = tmp_path / 'mounts'
   mounts.write_text(f'/dev/sda1 / ext4 rw 0 0\n'
@@ -256,6 +257,13 @@ def test_a_run_directory_on_a_gcsfuse_mount_is_refused_naming_the_bucket(tmp_pat
   with pytest.raises(ValueError, match=r'instead: gs://my-bucket/data$'):
     from data import prepare  # pylint: disable=g-import-not-at-top
     prepare.prepare(ml_collections.ConfigDict({'data': {}}), str(tmp_path / 'gcs' / 'data'))
+  with pytest.raises(ValueError, match=r'--out .* instead: gs://my-bucket/bert$'):
+    from realformer.tools import interop  # pylint: disable=g-import-not-at-top
+    interop._new_out(str(tmp_path / 'gcs' / 'bert'))  # an import's output folder
+  with pytest.raises(ValueError, match=r'--root .* instead: gs://my-bucket/study/era$'):
+    import study  # pylint: disable=g-import-not-at-top
+    study.era_task(str(tmp_path / 'gcs' / 'study'))
+  assert not (tmp_path / 'gcs').exists()  # nothing written there
   RunDir(tmp_path / 'local')
   RunDir(tmp_path / 'gcs' / 'scratch' / 'run')
 

@@ -222,8 +222,9 @@ class BertForPretraining(nn.Module):
   full_hidden=False (the pretraining loss): out.hidden holds only the masked positions'
   rows, [B, P, D], and with model.last_layer='predicted' the last layer computes only those
   rows and [CLS]: the same logits without dropout (with it, the masks are drawn over the
-  computed rows: the same distribution, other draws), 5.4% fewer FLOPs at BERT-base, length
-  128. The default keeps the public contract, out.hidden [B, T, D].
+  computed rows: the same distribution, other draws), and so fewer FLOPs
+  (train_lib.flops_per_example counts them). The default keeps the public contract,
+  out.hidden [B, T, D].
   """
   spec: EncoderSpec
 

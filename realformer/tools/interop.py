@@ -369,6 +369,7 @@ def _new_out(out: str) -> str:
                        'objects there: delete them to import into it); choose a new --out')
     return out.rstrip('/')
   out = os.path.abspath(out)
+  storage.refuse_gcsfuse(out, '--out')  # the import is committed by a folder rename
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ValueError(f'--out {out} exists and is not an empty directory; choose a new --out')
   return out

@@ -2,11 +2,10 @@
 
 On a CPU backend XLA allocates each step's temporaries with glibc's malloc. Large blocks come
 from mmap (or from per-thread arenas that glibc trims with MADV_DONTNEED) and go back to the
-kernel when freed, so every step touches fresh pages: a BERT-base train step at batch 8,
-length 128 took about 335,000 minor page faults (1.3 GB) and 0.5 s of system time. With one
-malloc arena, no mmap and no trimming, the memory freed by one step serves the next, and
-warmed-up steps take almost no page faults (0 per BERT-base step here; now and then one 32 MB
-block while the heap settles). BENCHMARKS.md has the speed-up. The price: the process keeps
+kernel when freed, so every step touches fresh pages (minor page faults by the hundred
+thousand, and system time, in a BERT-base step). With one malloc arena, no mmap and no
+trimming, the memory freed by one step serves the next, and warmed-up steps take almost no
+page faults. BENCHMARKS.md has the figures. The price: the process keeps
 its peak heap (data preparation's included) instead of returning it to the system, the heap
 can fragment (a few tens of percent more resident memory in tests/test_host_memory.py's
 program), and all threads share one malloc lock (measured on 2 cores only).

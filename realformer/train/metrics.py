@@ -219,9 +219,9 @@ def read_jsonl(path: str, split: str = 'train') -> dict:
   return out
 
 
-def create_writer(workdir: str, process_index: int) -> MultiWriter:
-  """The log on every process; TensorBoard events and metrics.jsonl from process 0 only."""
+def create_writer(logdir: str, jsonl_path, process_index: int) -> MultiWriter:
+  """The log on every process; TensorBoard events (in `logdir`) and the JSON lines (to
+  `jsonl_path`) from process 0 only."""
   if process_index > 0:
     return MultiWriter([LogWriter()])
-  return MultiWriter([LogWriter(), TensorBoardWriter(workdir),
-                      JsonlWriter(storage.path(workdir) / 'metrics.jsonl')])
+  return MultiWriter([LogWriter(), TensorBoardWriter(logdir), JsonlWriter(jsonl_path)])

@@ -138,7 +138,7 @@ class RunDir:
 
   def metric_writer(self):
     """TensorBoard + console + metrics.jsonl (process 0; the others log to the console)."""
-    return metrics_lib.create_writer(str(self), jax.process_index())
+    return metrics_lib.create_writer(str(self), self.path(self.METRICS), jax.process_index())
 
   def remove(self, name: str) -> None:
     """Deletes a file or folder of the run (process 0)."""

@@ -34,6 +34,7 @@ from absl import logging
 
 from realformer import cli
 from realformer import storage
+from realformer.train import checkpoints
 
 LOCK_FILE = '.lock'
 
@@ -248,7 +249,7 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   to protect (its config.json is simply replaced later) unless its config.json is another
   program's: a finished fine-tuning run keeps no checkpoint in checkpoints/, yet its
   best/, final/ and metrics would be mixed with a pretraining run's."""
-  path = storage.path(workdir) / 'config.json'
+  path = storage.path(workdir) / checkpoints.CONFIG_FILE
   if not path.is_file():
     if has_checkpoint:  # config.json is written before the first checkpoint: removed since
       raise ValueError(f'{workdir} holds checkpoints but no config.json, so the config they '
