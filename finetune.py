@@ -41,7 +41,6 @@ from realformer.train import distributed
 from realformer.train import host_memory
 from realformer.train import partitioning
 from realformer.train import trainer
-from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
@@ -58,10 +57,9 @@ def finetune(config, workdir: str) -> dict:
   task_lib.check_config(config)
   run = RunDir(workdir)
   mesh = partitioning.make_mesh(config.mesh)
-  # scoped: the caller's mesh (or none) is back afterwards; the lock before any write
-  with jax.set_mesh(mesh), run.hold(task_lib.FinetuneTask.program, config):
-    task = make_task(config, mesh, run)
-    summary = trainer.Trainer(task, run).run()
+  with jax.set_mesh(mesh):  # scoped: the caller's mesh (or none) is back afterwards
+    task, summary = trainer.train(run, task_lib.FinetuneTask.program, config,
+                                  lambda: make_task(config, mesh, run))
   if 'preempted' in summary:
     return {'task': task.name, 'step': summary['step'], 'preempted': summary['preempted']}
   return {k: summary[k] for k in ('task', 'step', 'dev', 'headline', 'best')}
@@ -76,11 +74,7 @@ def main(argv):
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   distributed.initialize_from_flags()  # several hosts: one run over all their devices
   compile_cache.enable_from_flags()  # after the hosts are joined: it asks for the devices
-  workdir_lib.exit_on_sigterm()  # the loop's own handler saves first
-  summary = cli.run_main(finetune, flags.FLAGS.config, flags.FLAGS.workdir,
-                         also=(FloatingPointError,))
-  if 'preempted' in summary:
-    workdir_lib.exit_not_finished(summary['preempted'])
+  summary = trainer.run_program(finetune, flags.FLAGS.config, flags.FLAGS.workdir)
   print(json.dumps(summary, indent=2))
 
 

@@ -32,7 +32,6 @@ from realformer.train import partitioning
 from realformer.train import pretraining
 from realformer.train import train_lib
 from realformer.train import trainer
-from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
@@ -77,10 +76,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   mesh = partitioning.make_mesh(config.mesh, devices)
   train_lib.check_batch_layout(config.train.batch_size, config.train.grad_accum_steps, mesh,
                                jax.process_count())
-  with run.hold(pretraining.PretrainingTask.program, config):  # before anything is written
-    logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape),
-                 jax.device_count(), jax.process_count())
-    summary = trainer.Trainer(pretraining.PretrainingTask(config, mesh, run), run).run()
+  logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), jax.device_count(),
+               jax.process_count())
+  _, summary = trainer.train(run, pretraining.PretrainingTask.program, config,
+                             lambda: pretraining.PretrainingTask(config, mesh, run))
   summary['eval'] = summary['eval'].get('eval', {})
   return summary
 
@@ -126,11 +125,7 @@ def main(argv):
   host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
   distributed.initialize_from_flags()
   compile_cache.enable_from_flags()  # after the hosts are joined: it asks for the devices
-  workdir_lib.exit_on_sigterm()  # the loop's own handler saves first
-  summary = cli.run_main(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir,
-                         also=(trainer.NonFiniteLossError,))
-  if 'preempted' in summary:
-    workdir_lib.exit_not_finished(summary['preempted'])
+  summary = trainer.run_program(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir)
   logging.info('done: %s', summary)
 
 

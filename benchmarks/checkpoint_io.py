@@ -3,7 +3,8 @@ r"""Saving and restoring a train state: a local folder against gs:// on the loop
   python benchmarks/checkpoint_io.py --size base --repeats 3
 
 Builds the train state of configs/pretrain.py:postln,<size> (params and AdamW's two moments,
-float32: 1.3 GB for BERT-base), then saves it with realformer.train.checkpoints (Orbax: a
+float32: 1.3 GB for BERT-base; the moments random, as incompressible as a trained state's,
+or with --moments zeros as initialised), then saves it with realformer.train.checkpoints (Orbax: a
 temporary folder renamed locally, its commit-file protocol on gs://) and restores it, into a
 temporary local folder and into gs:// on the tests' GCS server (tests/gcs_server.py: the
 emulator in memory on 127.0.0.1). Reports seconds (median) and the bytes stored. The gs://
@@ -61,6 +62,9 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--size', default='base')
   p.add_argument('--repeats', type=int, default=3)
+  p.add_argument('--moments', choices=('trained', 'zeros'), default='trained',
+                 help='AdamW\'s moments as a trained state holds them (random values, which '
+                      'compress as little as trained ones) or as initialised (zeros)')
   args = p.parse_args()
   print(machine.describe())
   config = pretrain.get_config(f'postln,{args.size}')
@@ -69,7 +73,15 @@ def main():
   tx, _ = train_lib.make_optimizer(config.optimizer, config.train.num_steps, model.spec)
   state, _ = train_lib.create_train_state(model, tx, train_lib.abstract_batch(2, 128, 20),
                                           mesh, 0)
-  tree = {'step': state.step, 'params': state.params, 'opt_state': state.opt_state}
+  opt_state = state.opt_state
+  if args.moments == 'trained':
+    leaves, treedef = jax.tree.flatten(opt_state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    opt_state = treedef.unflatten([
+        jax.device_put(jax.random.normal(k, x.shape, x.dtype) * 1e-3, x.sharding)
+        if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and x.ndim else x
+        for k, x in zip(keys, leaves)])
+  tree = {'step': state.step, 'params': state.params, 'opt_state': opt_state}
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           tree)
   size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))

@@ -13,8 +13,9 @@ once for every program:
                   3. else the task's init checkpoint: params only (a subtree of them, for
                      fine-tuning's encoder), then a fresh optimizer state for those params;
                   4. else a seeded init.
-  ownership       the run directory's lock and resume check before anything is written;
-                  config.json and machine.jsonl once every check of the start has passed.
+  ownership       the run directory's lock and resume check before anything is written
+                  (train(): before the task is even built); config.json and machine.jsonl
+                  once every check of the start has passed.
   the loop        one jitted step per batch; a non-finite loss or gradient norm stops the run
                   (NonFiniteLossError) before anything computed from it is saved or evaluated:
                   each step's values are checked while the next step runs;
@@ -26,7 +27,7 @@ once for every program:
                   steps and at the end; the best evaluation's params kept in <run>/best when
                   asked; a checkpoint every `checkpoint_every` steps and at the end;
                   SIGTERM (preemption): save the current step and return {'preempted': step},
-                  which the program turns into exit status 75 (a signal at the last step
+                  which run_program turns into exit status 75 (a signal at the last step
                   lets the run finish);
                   a time budget (Cramming): train for so many minutes, the learning-rate
                   schedule following the clock (TimeBudget).
@@ -51,6 +52,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from realformer import cli
 from realformer import storage
 from realformer.train import checkpoints
 from realformer.train import compile_cache
@@ -541,6 +543,29 @@ class Trainer:
       _drop_optimizer_state(self.manager, self.state.params, step, self.run_dir, self.best,
                             task)
     return summary
+
+
+def train(run: RunDir, program: str, config, make_task: Callable[[], 'Task']
+          ) -> Tuple['Task', dict]:
+  """A program's run in `run`: takes the run directory's lock, after refusing a resume under
+  another config (RunDir.hold), before anything is written; then builds the task
+  (make_task) and trains it (Trainer.run). Returns (the task, the trainer's summary)."""
+  with run.hold(program, config):
+    task = make_task()
+    return task, Trainer(task, run).run()
+
+
+def run_program(fn: Callable[..., dict], *args) -> dict:
+  """A training program's main: fn(*args), with a SIGTERM outside the training loop
+  stopping the run with the not-finished status (workdir.exit_on_sigterm), user errors and
+  a non-finite loss as one line with status 1 (cli.run_main), and a summary that says a
+  stop signal ended the run after saving ('preempted') exiting with the not-finished status
+  (75), so that a scheduler requeues it."""
+  workdir_lib.exit_on_sigterm()
+  summary = cli.run_main(fn, *args, also=(NonFiniteLossError,))
+  if 'preempted' in summary:
+    workdir_lib.exit_not_finished(summary['preempted'])
+  return summary
 
 
 def _params_config(task: Task):
