@@ -182,12 +182,17 @@ def _training_sentences(lines: Iterable[str], stats: collections.Counter) -> Ite
       yield from parts
 
 
+def _is_file(p: str) -> bool:
+  return storage.path(p).is_file() if p.startswith('gs://') else os.path.isfile(p)
+
+
 def _input_lines(inputs, stats: collections.Counter) -> Iterator[str]:
-  """Sentences of a path, a list of paths (BERT-format files) or an iterable of sentences."""
+  """Sentences of a path, a list of paths (BERT-format files, local or gs://) or an iterable
+  of sentences."""
   if isinstance(inputs, str):
     inputs = [inputs]
   if isinstance(inputs, (list, tuple)) and inputs and all(
-      isinstance(p, str) and os.path.isfile(p) for p in inputs):
+      isinstance(p, str) and _is_file(p) for p in inputs):
     return (s for path in inputs for doc in sources.iter_file_documents(path, stats)
             for s in doc)
   return iter(inputs)
@@ -283,7 +288,7 @@ def main(argv=None):
   args, words = cli.parse_tool_flags(_define, argv, prog='python -m data.tokenizer',
                                      doc=main.__doc__, positional=('*more_inputs',))
   args.input += words['*more_inputs']  # --input A B C: B and C come as words
-  missing = [p for p in args.input if not os.path.exists(p)]
+  missing = [p for p in args.input if not _is_file(p)]
   if missing:
     cli.fail(f'input files not found: {", ".join(missing)}')
   if args.model_type == 'wordpiece':

@@ -329,6 +329,31 @@ def test_a_tokenizer_in_a_bucket_is_read_through_a_checked_local_copy(gcs):
     tokenizer_lib.Tokenizer.load(f'{gcs}/tokenizers/missing.model')
 
 
+def test_a_vocabulary_is_learned_from_files_in_a_bucket(gcs, tmp_path):
+  """python -m data.tokenizer --input gs://...: the same pieces as from the same files on disk;
+  a missing object is the one-line error of a missing file."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  import itertools  # pylint: disable=g-import-not-at-top
+  from data import sources  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  docs = itertools.islice(sources.iter_documents('embedded'), 100, 104)
+  lines = [s for doc in docs for s in doc][:300]
+  files = {'a.txt.gz': gzip.compress(('\n'.join(lines[:150]) + '\n').encode()),
+           'b.txt': ('\n'.join(lines[150:]) + '\n').encode()}
+  for name, data in files.items():
+    (tmp_path / name).write_bytes(data)
+    storage.path(f'{gcs}/corpus/{name}').write_bytes(data)
+  for where, prefix in ((str(tmp_path), 'local'), (f'{gcs}/corpus', 'bucket')):
+    tokenizer_lib.main(['--input', f'{where}/a.txt.gz', f'{where}/b.txt', '--model_prefix',
+                        str(tmp_path / prefix), '--vocab_size', '500'])
+  local, bucket = (tokenizer_lib.Tokenizer.load(str(tmp_path / f'{prefix}.model'))
+                   for prefix in ('local', 'bucket'))
+  assert ([local.id_to_piece(i) for i in range(local.vocab_size)] ==
+          [bucket.id_to_piece(i) for i in range(bucket.vocab_size)])
+  with pytest.raises(SystemExit):
+    tokenizer_lib.main(['--input', f'{gcs}/corpus/none.txt', '--model_prefix', 'x'])
+
+
 def test_a_corpus_in_a_bucket_reads_as_the_same_files_on_disk(gcs, tmp_path):
   """files:<glob> on gs://: the same documents (a gzip file among them), the same signature
   (names and sizes), and the same one-line error for a glob that matches nothing."""
