@@ -21,6 +21,7 @@ from data import glue
 from data import sources
 from data import tokenizer as tokenizer_lib
 from realformer import models
+from realformer import storage
 from realformer.finetune import metrics as finetune_metrics
 from realformer.finetune import task as finetune_task
 from realformer.model.spec import resolve
@@ -479,20 +480,27 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   # One value per axis: the grid's values still name the run (grids extend in one root).
   assert len(one) == 1 and (f'--workdir {root}/rte/batch_size=16,num_epochs=3,'
                             'optimizer.learning_rate=0.0001,seed=0 ') in one[0]
-  # Finished runs of two settings: the best is the one with the higher median over seeds.
+  check_grid_summary(root)
+
+
+def check_grid_summary(root: str):
+  """Finished runs of two settings in the grid's `root` (a folder or a gs:// URL): the
+  summary marks the one with the higher median over seeds best."""
+  from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
   for lr, seed, headline in [(1e-5, 0, 0.9), (1e-5, 1, 0.5), (1e-5, 2, 0.5),
                              (2e-5, 0, 0.6), (2e-5, 1, 0.6), (2e-5, 2, 0.1)]:
     run = {'optimizer.learning_rate': lr, 'batch_size': 16, 'num_epochs': 2, 'seed': seed}
-    workdir = tmp_path / 'rte' / f'lr={lr},seed={seed}'
-    workdir.mkdir(parents=True)
+    workdir = storage.path(root) / 'rte' / f'lr={lr},seed={seed}'
+    workdir.mkdir(parents=True, exist_ok=True)
     (workdir / 'overrides.json').write_text(json.dumps(run))
     (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
   finetune_grid.main(['--tasks', 'rte', '--root', root, '--summarize_only'])
-  rows = open(tmp_path / 'results.csv').read().splitlines()
+  rows = (storage.path(root) / 'results.csv').read_text().splitlines()
   assert rows[0].split(',') == finetune_grid.HEADER
   best = [r.split(',') for r in rows[1:] if r.endswith('best')]
   assert len(best) == 1 and best[0][1] == '2e-05' and float(best[0][5]) == 0.6
-  assert '| rte | 1e-05 | 16 | 2 | 3 | 0.5000 |' in open(tmp_path / 'results.md').read()
+  markdown = (storage.path(root) / 'results.md').read_text()
+  assert '| rte | 1e-05 | 16 | 2 | 3 | 0.5000 |' in markdown
 
 
 def _write_hf_glue(root, task, splits):

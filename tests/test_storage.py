@@ -329,6 +329,13 @@ def test_a_tokenizer_in_a_bucket_is_read_through_a_checked_local_copy(gcs):
     tokenizer_lib.Tokenizer.load(f'{gcs}/tokenizers/missing.model')
 
 
+def test_a_fine_tuning_grid_rooted_in_a_bucket_summarizes_there(gcs):
+  """finetune_grid --root gs://...: the finished runs' results read from the bucket, the
+  best setting marked, results.csv and results.md written there."""
+  from tests import test_finetune  # pylint: disable=g-import-not-at-top
+  test_finetune.check_grid_summary(f'{gcs}/grid')
+
+
 def test_a_vocabulary_is_learned_from_files_in_a_bucket(gcs, tmp_path):
   """python -m data.tokenizer --input gs://...: the same pieces as from the same files on disk;
   a missing object is the one-line error of a missing file."""
