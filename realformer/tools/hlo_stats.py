@@ -262,27 +262,95 @@ def _is_selection(inst: Instruction, types: Dict[str, str]) -> bool:
 def analyze(text: str) -> HloStats:
   """Matmul FLOPs and collectives per execution of the module (see the module docstring)."""
   computations, entry = parse_module(text)
-  constant_values = {}
-  for line in text.splitlines():  # constants keep their value inside the operand list
+  if entry is None:
+    raise ValueError('no ENTRY computation in the HLO text: pass compiled.as_text()')
+  walk = _Walk(computations, _scalar_constants(text))
+  walk.visit(entry, 1.0)
+  collectives = {}
+  for kind, times, nbytes in walk.seen.values():
+    c = collectives.setdefault(kind, Collective())
+    c.count += int(times)
+    c.bytes += times * nbytes
+  return HloStats(walk.flops, walk.selection, collectives, walk.unknown, walk.assumed)
+
+
+def _scalar_constants(text: str) -> Dict[str, int]:
+  """name -> value of every integer scalar constant (kept inside the operand list)."""
+  constants = {}
+  for line in text.splitlines():
     m = re.match(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[\]\S*\s+constant\((-?\d+)\)',
                  line)
     if m:
-      constant_values[m.group(1)] = int(m.group(2))
-  flops, selection, unknown, assumed = 0.0, 0.0, 0, 0
-  # One entry per collective: TPU splits an async collective into a start fusion, a
-  # continuation and a done fusion, each holding a copy of the op with the same channel_id.
-  seen = {}
+      constants[m.group(1)] = int(m.group(2))
+  return constants
 
-  def value(insts_by_name, name, depth=0) -> Optional[int]:
+
+class _Walk:
+  """The walk from ENTRY: each computation visited with the number of times it runs,
+  adding up matmul FLOPs (selection FLOPs apart) and collectives; `unknown` and `assumed`
+  count the while loops whose trip count could not be read or had to assume jax's start
+  and step."""
+
+  def __init__(self, computations, constants: Dict[str, int]):
+    self.computations, self.constants = computations, constants
+    self.flops, self.selection, self.unknown, self.assumed = 0.0, 0.0, 0, 0
+    # One entry per collective: TPU splits an async collective into a start fusion, a
+    # continuation and a done fusion, each holding a copy of the op with the same channel_id.
+    self.seen = {}
+
+  def visit(self, name: str, times: float) -> None:
+    insts = self.computations.get(name, [])
+    types = {i.name: i.type_text for i in insts}
+    by_name = {i.name: i for i in insts}
+    for inst in insts:
+      f = times * matmul_flops(inst, types)
+      if f and _is_selection(inst, types):
+        self.selection += f
+      else:
+        self.flops += f
+      self._collective(inst, types, times)
+      if inst.opcode in ('async-update', 'async-done'):
+        continue  # the wrapped computation runs once, counted at async-start
+      for attr, callee in _CALLEE_ATTRS.findall(inst.attrs):
+        if attr == 'condition' or (attr == 'to_apply' and inst.opcode != 'call'):
+          continue  # loop conditions and reducers do no matmuls or collectives
+        factor = 1
+        if inst.opcode == 'while' and attr == 'body':
+          n, guessed = self.trip_count(inst, by_name)
+          self.unknown += n is None
+          self.assumed += guessed and n is not None
+          factor = 1 if n is None else n
+        self.visit(callee, times * factor)
+      for group in _BRANCHES.findall(inst.attrs):
+        # A conditional runs one branch: counted as its costliest (an upper bound).
+        branches = re.findall(r'%?([\w.\-]+)', group)
+        costs = [_cost_of(self.computations, b) for b in branches]
+        if costs:
+          self.visit(branches[costs.index(max(costs))], times)
+
+  def _collective(self, inst: Instruction, types: Dict[str, str], times: float) -> None:
+    kind = next((c for c in COLLECTIVES if inst.opcode in (c, c + '-start')), None)
+    if kind is None:
+      return
+    operand_bytes = sum(type_bytes(types.get(o, '')) for o in inst.operands)
+    result_bytes = type_bytes(inst.type_text)
+    if inst.opcode.endswith('-start'):  # the result tuple repeats the operands
+      result_bytes -= operand_bytes
+    channel = re.search(r'\bchannel_id=(\d+)', inst.attrs)
+    key = ('channel', channel.group(1)) if channel else ('op', len(self.seen), inst.name)
+    times_seen = self.seen.get(key, (kind, 0.0, 0))[1]
+    self.seen[key] = (kind, max(times, times_seen), max(operand_bytes, result_bytes))
+
+  def value(self, insts_by_name, name, depth=0) -> Optional[int]:
     """The integer a scalar instruction holds, through copies and converts."""
+    if name in self.constants:
+      return self.constants[name]
     inst = insts_by_name.get(name)
-    if name in constant_values:
-      return constant_values[name]
     if inst is None or depth > 8 or inst.opcode not in ('copy', 'convert', 'bitcast'):
       return None
-    return value(insts_by_name, inst.operands[0], depth + 1)
+    return self.value(insts_by_name, inst.operands[0], depth + 1)
 
-  def tuple_index(insts_by_name, name, depth=0) -> Optional[int]:
+  def tuple_index(self, insts_by_name, name, depth=0) -> Optional[int]:
     """k when `name` is get-tuple-element(param, index=k), through copies."""
     inst = insts_by_name.get(name)
     if inst is None or depth > 8:
@@ -291,17 +359,16 @@ def analyze(text: str) -> HloStats:
       m = re.search(r'\bindex=(\d+)', inst.attrs)
       return int(m.group(1)) if m else None
     if inst.opcode in ('copy', 'convert', 'bitcast'):
-      return tuple_index(insts_by_name, inst.operands[0], depth + 1)
+      return self.tuple_index(insts_by_name, inst.operands[0], depth + 1)
     return None
 
-  def trip_count(inst, caller):
-    """(trip count or None, whether start and step had to be assumed)."""
+  def trip_count(self, inst: Instruction, caller) -> Tuple[Optional[int], bool]:
+    """(trip count or None, whether start and step had to be assumed) of a while loop."""
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
     if m:
       return int(m.group(1)), False
     cond = re.search(r'\bcondition=%?([\w.\-]+)', inst.attrs)
-    body = re.search(r'\bbody=%?([\w.\-]+)', inst.attrs)
-    cond_insts = computations.get(cond.group(1), []) if cond else []
+    cond_insts = self.computations.get(cond.group(1), []) if cond else []
     by_name = {i.name: i for i in cond_insts}
     compare = next((i for i in reversed(cond_insts) if i.root and i.opcode == 'compare'),
                    None)
@@ -310,31 +377,13 @@ def analyze(text: str) -> HloStats:
     direction = re.search(r'direction=(\w+)', compare.attrs)
     direction = direction.group(1) if direction else ''
     a, b = compare.operands
-    k, bound = tuple_index(by_name, a), value(by_name, b)
+    k, bound = self.tuple_index(by_name, a), self.value(by_name, b)
     if k is None or bound is None:  # the constant first: N > i is i < N
-      k, bound = tuple_index(by_name, b), value(by_name, a)
+      k, bound = self.tuple_index(by_name, b), self.value(by_name, a)
       direction = {'GT': 'LT', 'GE': 'LE', 'LT': 'GT', 'LE': 'GE'}.get(direction, '')
     if k is None or bound is None or direction not in ('LT', 'LE', 'GT', 'GE'):
       return None, False
-    # Start: operand k of the loop's initial tuple; step: the body's update of element k.
-    start = step = None
-    init = caller.get(inst.operands[0]) if inst.operands else None
-    while init is not None and init.opcode == 'copy':
-      init = caller.get(init.operands[0])
-    if init is not None and init.opcode == 'tuple' and k < len(init.operands):
-      start = value(caller, init.operands[k])
-    body_insts = computations.get(body.group(1), []) if body else []
-    body_by_name = {i.name: i for i in body_insts}
-    root = next((i for i in body_insts if i.root), None)
-    if root is not None and root.opcode == 'tuple' and k < len(root.operands):
-      update = body_by_name.get(root.operands[k])
-      if update is not None and update.opcode in ('add', 'subtract'):
-        x, y = update.operands[:2]
-        c = value(body_by_name, y) if tuple_index(body_by_name, x) == k else (
-            value(body_by_name, x) if update.opcode == 'add' and
-            tuple_index(body_by_name, y) == k else None)
-        if c is not None:
-          step = c if update.opcode == 'add' else -c
+    start, step = self._start(inst, caller, k), self._step(inst, k)
     assumed = start is None or step is None
     start = 0 if start is None else start  # jax's scan and fori_loop: from 0, by 1
     step = (1 if direction in ('LT', 'LE') else -1) if step is None else step
@@ -344,53 +393,31 @@ def analyze(text: str) -> HloStats:
     n = -(-(end - start) // step) if step > 0 else -(-(start - end) // -step)
     return max(0, n), assumed
 
-  def visit(name: str, times: float):
-    nonlocal flops, selection, unknown, assumed
-    insts = computations.get(name, [])
-    types = {i.name: i.type_text for i in insts}
-    by_name = {i.name: i for i in insts}
-    for inst in insts:
-      f = times * matmul_flops(inst, types)
-      if f and _is_selection(inst, types):
-        selection += f
-      else:
-        flops += f
-      kind = next((c for c in COLLECTIVES
-                   if inst.opcode in (c, c + '-start')), None)
-      if kind is not None:
-        operand_bytes = sum(type_bytes(types.get(o, '')) for o in inst.operands)
-        result_bytes = type_bytes(inst.type_text)
-        if inst.opcode.endswith('-start'):  # the result tuple repeats the operands
-          result_bytes -= operand_bytes
-        channel = re.search(r'\bchannel_id=(\d+)', inst.attrs)
-        key = ('channel', channel.group(1)) if channel else ('op', len(seen), inst.name)
-        times_seen = seen.get(key, (kind, 0.0, 0))[1]
-        seen[key] = (kind, max(times, times_seen), max(operand_bytes, result_bytes))
-      if inst.opcode in ('async-update', 'async-done'):
-        continue  # the wrapped computation runs once, counted at async-start
-      for attr, callee in _CALLEE_ATTRS.findall(inst.attrs):
-        if attr == 'condition' or (attr == 'to_apply' and inst.opcode != 'call'):
-          continue  # loop conditions and reducers do no matmuls or collectives
-        factor = 1
-        if inst.opcode == 'while' and attr == 'body':
-          n, guessed = trip_count(inst, by_name)
-          unknown += n is None
-          assumed += guessed and n is not None
-          factor = 1 if n is None else n
-        visit(callee, times * factor)
-      for group in _BRANCHES.findall(inst.attrs):
-        # A conditional runs one branch: counted as its costliest (an upper bound).
-        branches = re.findall(r'%?([\w.\-]+)', group)
-        costs = [_cost_of(computations, b) for b in branches]
-        if costs:
-          visit(branches[costs.index(max(costs))], times)
+  def _start(self, inst: Instruction, caller, k: int) -> Optional[int]:
+    """The loop counter's start: operand k of the loop's initial tuple."""
+    init = caller.get(inst.operands[0]) if inst.operands else None
+    while init is not None and init.opcode == 'copy':
+      init = caller.get(init.operands[0])
+    if init is not None and init.opcode == 'tuple' and k < len(init.operands):
+      return self.value(caller, init.operands[k])
+    return None
 
-  if entry is None:
-    raise ValueError('no ENTRY computation in the HLO text: pass compiled.as_text()')
-  visit(entry, 1.0)
-  collectives = {}
-  for kind, times, nbytes in seen.values():
-    c = collectives.setdefault(kind, Collective())
-    c.count += int(times)
-    c.bytes += times * nbytes
-  return HloStats(flops, selection, collectives, unknown, assumed)
+  def _step(self, inst: Instruction, k: int) -> Optional[int]:
+    """The loop counter's step: the body's update of tuple element k (an add or subtract
+    of a constant)."""
+    body = re.search(r'\bbody=%?([\w.\-]+)', inst.attrs)
+    body_insts = self.computations.get(body.group(1), []) if body else []
+    by_name = {i.name: i for i in body_insts}
+    root = next((i for i in body_insts if i.root), None)
+    if root is None or root.opcode != 'tuple' or k >= len(root.operands):
+      return None
+    update = by_name.get(root.operands[k])
+    if update is None or update.opcode not in ('add', 'subtract'):
+      return None
+    x, y = update.operands[:2]
+    c = self.value(by_name, y) if self.tuple_index(by_name, x) == k else (
+        self.value(by_name, x) if update.opcode == 'add' and
+        self.tuple_index(by_name, y) == k else None)
+    if c is None:
+      return None
+    return c if update.opcode == 'add' else -c
