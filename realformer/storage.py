@@ -327,7 +327,9 @@ class GrowingFile:
   one whose compose finds the object changed (a retried compose that had landed) rewrite
   the object whole from the spool instead, so the object is always a copy of the spool's
   prefix. A storage error from an upload propagates (the spool keeps every byte; the next
-  upload sends them).
+  upload sends them). One thread writes and flushes a GrowingFile. A process killed between
+  an append's upload and its compose leaves a small `.append-<hex>` object beside the file
+  (never part of it).
   """
 
   # Appends before the object is rewritten whole (Cloud Storage counts a composite
@@ -379,19 +381,25 @@ class GrowingFile:
 
   def _append(self, tail: bytes) -> bool:
     """Appends `tail` to the object by compose; False: the object is not the generation this
-    file wrote last (nothing appended)."""
+    file wrote last, or is gone (nothing appended)."""
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
     # Fresh blobs: a compose sends its destination's properties, and a checksum left from an
-    # earlier request would be checked against the composed object.
+    # earlier request would be checked against the composed object. The part's name holds
+    # neither the file's name nor 'tfevents', so no reader of the folder (TensorBoard, a
+    # glob of the file's name) takes it for the file.
     blob = gcs_blob(self._client, os.fspath(self.path))
-    part = gcs_blob(self._client, f'{os.fspath(self.path)}.append-{uuid.uuid4().hex}')
-    part.upload_from_string(tail, if_generation_match=0, timeout=REQUEST_SECONDS,
-                            retry=_bounded_retry())
+    part = gcs_blob(self._client,
+                    join(os.fspath(self.path.parent), f'.append-{uuid.uuid4().hex}'))
+    try:
+      part.upload_from_string(tail, if_generation_match=0, timeout=REQUEST_SECONDS,
+                              retry=_bounded_retry())
+    except exceptions.PreconditionFailed:
+      pass  # a retry of our own upload, whose reply was lost: the name is new to this write
     try:
       blob.compose([blob, part], if_generation_match=self._generation,
                    timeout=REQUEST_SECONDS, retry=_bounded_retry())
-    except exceptions.PreconditionFailed:
-      return False
+    except (exceptions.PreconditionFailed, exceptions.NotFound):
+      return False  # the object changed, or is gone (a retry after a lost reply, a user)
     finally:
       try:
         part.delete(timeout=REQUEST_SECONDS, retry=_bounded_retry())

@@ -28,7 +28,8 @@ def _train(workdir, cache, *extra):
 
 
 def _counts(log: str):
-  """(programs loaded from the cache, programs compiled and written) by the first step."""
+  """(programs loaded from the cache, programs compiled and written) over the whole run (the
+  log's last count)."""
   line = [l for l in log.splitlines() if 'programs loaded from it' in l][-1]
   loaded = int(line.split(' programs loaded from it')[0].split()[-1])
   written = int(line.split(' compiled and written')[0].split()[-1])

@@ -316,6 +316,42 @@ def test_a_growing_file_in_a_bucket_appends_only_its_new_bytes(gcs, monkeypatch)
   again.close()
 
 
+def test_a_growing_file_recovers_from_lost_replies_and_a_deleted_object(gcs, monkeypatch):
+  """A part upload and a compose that landed but whose replies were lost (the client's retry
+  then fails its precondition), and the object deleted by someone: the object still ends as
+  the spool's bytes, nothing doubled, no part left beside it."""
+  from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+  from google.cloud.storage import Blob  # pylint: disable=g-import-not-at-top
+  upload, compose = Blob.upload_from_string, Blob.compose
+
+  def landed_then_lost(real):
+    def call(self, *args, **kwargs):
+      real(self, *args, **kwargs)
+      raise exceptions.PreconditionFailed('a retry after a lost reply')
+    return call
+
+  url = f'{gcs}/recovering/metrics.jsonl'
+  lines = [f'{{"step": {i}}}\n' for i in range(4)]
+  f = storage.GrowingFile(url, upload_every=3600.0)
+  f.write(lines[0])
+  f.flush(force=True)
+  with monkeypatch.context() as m:
+    m.setattr(Blob, 'upload_from_string', landed_then_lost(upload))
+    f.write(lines[1])
+    f.flush(force=True)
+  assert storage.path(url).read_text() == ''.join(lines[:2])
+  with monkeypatch.context() as m:
+    m.setattr(Blob, 'compose', landed_then_lost(compose))
+    f.write(lines[2])
+    f.flush(force=True)  # its compose seen as refused: rewritten whole
+  assert storage.path(url).read_text() == ''.join(lines[:3])
+  storage.path(url).unlink()
+  f.write(lines[3])
+  f.close()
+  assert storage.path(url).read_text() == ''.join(lines)
+  assert [p.name for p in storage.path(url).parent.iterdir()] == ['metrics.jsonl']
+
+
 def test_a_tokenizer_in_a_bucket_is_read_through_a_checked_local_copy(gcs):
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   local = tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
@@ -336,7 +372,7 @@ def test_a_fine_tuning_grid_rooted_in_a_bucket_summarizes_there(gcs):
   test_finetune.check_grid_summary(f'{gcs}/grid')
 
 
-def test_a_vocabulary_is_learned_from_files_in_a_bucket(gcs, tmp_path):
+def test_a_vocabulary_is_learned_from_files_in_a_bucket(gcs, tmp_path, capsys):
   """python -m data.tokenizer --input gs://...: the same pieces as from the same files on disk;
   a missing object is the one-line error of a missing file."""
   import gzip  # pylint: disable=g-import-not-at-top
@@ -349,16 +385,18 @@ def test_a_vocabulary_is_learned_from_files_in_a_bucket(gcs, tmp_path):
            'b.txt': ('\n'.join(lines[150:]) + '\n').encode()}
   for name, data in files.items():
     (tmp_path / name).write_bytes(data)
-    storage.path(f'{gcs}/corpus/{name}').write_bytes(data)
-  for where, prefix in ((str(tmp_path), 'local'), (f'{gcs}/corpus', 'bucket')):
+    storage.path(f'{gcs}/vocab_input/{name}').write_bytes(data)
+  for where, prefix in ((str(tmp_path), 'local'), (f'{gcs}/vocab_input', 'bucket')):
     tokenizer_lib.main(['--input', f'{where}/a.txt.gz', f'{where}/b.txt', '--model_prefix',
                         str(tmp_path / prefix), '--vocab_size', '500'])
   local, bucket = (tokenizer_lib.Tokenizer.load(str(tmp_path / f'{prefix}.model'))
                    for prefix in ('local', 'bucket'))
   assert ([local.id_to_piece(i) for i in range(local.vocab_size)] ==
           [bucket.id_to_piece(i) for i in range(bucket.vocab_size)])
-  with pytest.raises(SystemExit):
-    tokenizer_lib.main(['--input', f'{gcs}/corpus/none.txt', '--model_prefix', 'x'])
+  with pytest.raises(SystemExit) as exit_info:
+    tokenizer_lib.main(['--input', f'{gcs}/vocab_input/none.txt', '--model_prefix', 'x'])
+  assert exit_info.value.code == 1
+  assert f'input files not found: {gcs}/vocab_input/none.txt' in capsys.readouterr().err
 
 
 def test_a_corpus_in_a_bucket_reads_as_the_same_files_on_disk(gcs, tmp_path):
