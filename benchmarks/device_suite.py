@@ -166,8 +166,33 @@ def part_env(out: str, smoke: bool, scratch: str, variants: str) -> None:  # pyl
                python=sys.version.split()[0], platform=device.platform,
                device_kind=device.device_kind, nvidia_smi=smi,
                peak_flops=metrics_lib.peak_flops_per_device(device),
-               matmul_bf16_flops=2 * n ** 3 / statistics.median(times), matmul_n=n)
+               matmul_bf16_flops=2 * n ** 3 / statistics.median(times), matmul_n=n,
+               cudnn_dropout=_cudnn_dropout_masks(device.platform))
   print(json.dumps(rec.data, indent=1), flush=True)
+
+
+def _cudnn_dropout_masks(platform: str) -> str:
+  """Whether cuDNN's fused attention draws new dropout masks at each execution of one
+  compiled program: jax's private cuDNN module takes the seed as a Python int (a constant of
+  the program), so two executions on the same inputs tell whether the runtime advances the
+  random offset ('new masks each execution') or not ('the same masks'): the question that
+  decides whether dropout inside the kernel could train faithfully."""
+  if platform != 'gpu':
+    return 'not a GPU'
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 128, 4, 64), jnp.bfloat16)
+               for i in range(3))
+    attend = jax.jit(lambda q, k, v: cudnn.dot_product_attention(q, k, v, scale=0.125,
+                                                                 dropout_rate=0.1))
+    first, second = attend(q, k, v), attend(q, k, v)
+    if bool(jnp.array_equal(first, second)):
+      return 'the same masks at each execution'
+    return 'new masks each execution'
+  except Exception as e:  # pylint: disable=broad-except  (a probe: its failure is its answer)
+    return f'failed: {type(e).__name__}: {" ".join(str(e).split())[:300]}'
 
 
 def _time_steps(contender, s: dict) -> list:
@@ -379,7 +404,8 @@ def markdown(results: dict) -> str:
               f'peak {(env.get("peak_flops") or 0) / 1e12:.0f} TFLOP/s (table), bf16 '
               f'{env["matmul_n"]}^3 matmul measured {env["matmul_bf16_flops"] / 1e12:.0f} '
               f'TFLOP/s', '',
-              'versions: ' + ', '.join(f'{k} {v}' for k, v in env['versions'].items()), '']
+              'versions: ' + ', '.join(f'{k} {v}' for k, v in env['versions'].items()), '',
+              f'cuDNN fused attention\'s dropout: {env.get("cudnn_dropout")}', '']
   for part, r in results.items():
     lines.append(f'## {part}: {r["status"]} ({r["seconds"]:.0f} s of {r["cap_s"]} s)')
     data = r.get('data') or {}
