@@ -167,7 +167,9 @@ def part_env(out: str, smoke: bool, scratch: str, variants: str) -> None:  # pyl
                device_kind=device.device_kind, nvidia_smi=smi,
                peak_flops=metrics_lib.peak_flops_per_device(device),
                matmul_bf16_flops=2 * n ** 3 / statistics.median(times), matmul_n=n,
-               cudnn_dropout=_cudnn_dropout_masks(device.platform))
+               cudnn_dropout='not asked (the probe did not finish)')
+  rec.data['cudnn_dropout'] = _cudnn_dropout_masks(device.platform)  # after the facts are kept
+  rec.write()
   print(json.dumps(rec.data, indent=1), flush=True)
 
 
