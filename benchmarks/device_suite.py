@@ -5,15 +5,17 @@ On one NVIDIA GPU it measures, in about 8 minutes with compilation, and writes
 is reported, and the rest still run):
 
   env         versions, the device, and a bf16 8192^3 matmul's rate beside the peak that MFU
-              is read against (realformer.train.metrics.PEAK_FLOPS_PER_DEVICE)
+              is read against (realformer.train.metrics.PEAK_FLOPS_PER_DEVICE); whether
+              cuDNN's fused attention draws new dropout masks at each execution
   step512     BERT-base train step at length 512 (batch 64), bfloat16, dropout 0.1 as
   step128     pretraining uses it; then length 128 (batch 256). Post-LN, Pre-LN, RealFormer
               with a float32 and a bfloat16 carry, Synthesizer Random+Vanilla, and HF
               transformers' BertForPreTraining (torch, bf16 autocast, SDPA attention) on the
               same batch: step time, tokens/s, MFU, compiled footprint (HF: torch's peak).
               At 512 also the attention implementations, on Post-LN without attention
-              dropout (where a fused kernel is allowed): XLA's plain softmax path,
-              jax.nn.dot_product_attention's XLA implementation, and cuDNN's fused attention
+              dropout (where a fused kernel is allowed): our plain softmax path against
+              cuDNN's fused attention (on a CPU, --smoke: jax.nn.dot_product_attention's
+              XLA implementation in cuDNN's place)
   finetune    three epochs of all-MiniLM-L6-v2 on the shipped sentiment
               sentences, finetune.py against HF with dynamic padding
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy
@@ -174,11 +176,12 @@ def part_env(out: str, smoke: bool, scratch: str, variants: str) -> None:  # pyl
 
 
 def _cudnn_dropout_masks(platform: str) -> str:
-  """Whether cuDNN's fused attention draws new dropout masks at each execution of one
-  compiled program: jax's private cuDNN module takes the seed as a Python int (a constant of
-  the program), so two executions on the same inputs tell whether the runtime advances the
-  random offset ('new masks each execution') or not ('the same masks'): the question that
-  decides whether dropout inside the kernel could train faithfully."""
+  """Whether cuDNN's fused attention, in a training step (value and gradient), draws new
+  dropout masks at each execution of one compiled program: jax's private cuDNN module takes
+  the seed as a Python int (a constant of the program), so two executions on the same inputs
+  tell whether the runtime advances the random offset. A necessary condition for dropout
+  inside the kernel to train faithfully, not a sufficient one (the forward and backward
+  kernels must also agree on each mask, which this does not check)."""
   if platform != 'gpu':
     return 'not a GPU'
   import jax  # pylint: disable=g-import-not-at-top
@@ -187,12 +190,19 @@ def _cudnn_dropout_masks(platform: str) -> str:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 128, 4, 64), jnp.bfloat16)
                for i in range(3))
-    attend = jax.jit(lambda q, k, v: cudnn.dot_product_attention(q, k, v, scale=0.125,
-                                                                 dropout_rate=0.1))
-    first, second = attend(q, k, v), attend(q, k, v)
-    if bool(jnp.array_equal(first, second)):
-      return 'the same masks at each execution'
-    return 'new masks each execution'
+
+    def step(rate):
+      loss = lambda q: jnp.sum(cudnn.dot_product_attention(
+          q, k, v, scale=0.125, dropout_rate=rate).astype(jnp.float32) ** 2)
+      return jax.jit(jax.value_and_grad(loss))
+
+    train, plain = step(0.1), step(0.0)
+    (l1, g1), (l2, g2), (l0, _) = train(q), train(q), plain(q)
+    if float(l1) == float(l0):
+      return 'dropout not applied (the same loss as with rate 0)'
+    same = float(l1) == float(l2) and bool(jnp.array_equal(g1, g2))
+    return ('the same masks at each execution' if same else
+            'new masks at each execution (forward and gradient)')
   except Exception as e:  # pylint: disable=broad-except  (a probe: its failure is its answer)
     return f'failed: {type(e).__name__}: {" ".join(str(e).split())[:300]}'
 

@@ -328,8 +328,8 @@ class GrowingFile:
   the object whole from the spool instead, so the object is always a copy of the spool's
   prefix. A storage error from an upload propagates (the spool keeps every byte; the next
   upload sends them). One thread writes and flushes a GrowingFile. A process killed between
-  an append's upload and its compose leaves a small `.append-<hex>` object beside the file
-  (never part of it).
+  an append's upload and the part's delete, or a delete that fails, leaves a small
+  `.append-<hex>` object beside the file (never part of it).
   """
 
   # Appends before the object is rewritten whole (Cloud Storage counts a composite
@@ -391,18 +391,22 @@ class GrowingFile:
     part = gcs_blob(self._client,
                     join(os.fspath(self.path.parent), f'.append-{uuid.uuid4().hex}'))
     try:
-      part.upload_from_string(tail, if_generation_match=0, timeout=REQUEST_SECONDS,
-                              retry=_bounded_retry())
-    except exceptions.PreconditionFailed:
-      pass  # a retry of our own upload, whose reply was lost: the name is new to this write
-    try:
+      try:
+        part.upload_from_string(tail, if_generation_match=0, timeout=REQUEST_SECONDS,
+                                retry=_bounded_retry())
+      except exceptions.PreconditionFailed:
+        pass  # a retry of our own upload, whose reply was lost: the name is new to this write
+      # The object as this file wrote it last, then the part (the generations pinned).
       blob.compose([blob, part], if_generation_match=self._generation,
+                   if_source_generation_match=[self._generation, None],
                    timeout=REQUEST_SECONDS, retry=_bounded_retry())
     except (exceptions.PreconditionFailed, exceptions.NotFound):
       return False  # the object changed, or is gone (a retry after a lost reply, a user)
     finally:
       try:
         part.delete(timeout=REQUEST_SECONDS, retry=_bounded_retry())
+      except exceptions.NotFound:
+        pass  # its upload never landed
       except Exception as e:  # pylint: disable=broad-except  (a small object left: harmless)
         absl_logging.warning('could not delete %s: %s', part.name, short(e))
     self._generation, self._appends = blob.generation, self._appends + 1

@@ -318,16 +318,20 @@ def test_a_growing_file_in_a_bucket_appends_only_its_new_bytes(gcs, monkeypatch)
 
 def test_a_growing_file_recovers_from_lost_replies_and_a_deleted_object(gcs, monkeypatch):
   """A part upload and a compose that landed but whose replies were lost (the client's retry
-  then fails its precondition), and the object deleted by someone: the object still ends as
-  the spool's bytes, nothing doubled, no part left beside it."""
+  then fails its precondition), and the object deleted by someone (Cloud Storage answers the
+  compose of a missing source with 404): the object still ends as the spool's bytes,
+  nothing doubled, no part left beside it."""
   from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
   from google.cloud.storage import Blob  # pylint: disable=g-import-not-at-top
   upload, compose = Blob.upload_from_string, Blob.compose
+  calls = []
 
-  def landed_then_lost(real):
+  def then_raise(real, error):
     def call(self, *args, **kwargs):
-      real(self, *args, **kwargs)
-      raise exceptions.PreconditionFailed('a retry after a lost reply')
+      calls.append(real and real.__name__)
+      if real is not None:
+        real(self, *args, **kwargs)  # it lands; the reply is lost
+      raise error('as the service would answer')
     return call
 
   url = f'{gcs}/recovering/metrics.jsonl'
@@ -336,17 +340,21 @@ def test_a_growing_file_recovers_from_lost_replies_and_a_deleted_object(gcs, mon
   f.write(lines[0])
   f.flush(force=True)
   with monkeypatch.context() as m:
-    m.setattr(Blob, 'upload_from_string', landed_then_lost(upload))
+    m.setattr(Blob, 'upload_from_string', then_raise(upload, exceptions.PreconditionFailed))
     f.write(lines[1])
-    f.flush(force=True)
+    f.flush(force=True)  # the part is ours: composed
   assert storage.path(url).read_text() == ''.join(lines[:2])
   with monkeypatch.context() as m:
-    m.setattr(Blob, 'compose', landed_then_lost(compose))
+    m.setattr(Blob, 'compose', then_raise(compose, exceptions.PreconditionFailed))
     f.write(lines[2])
-    f.flush(force=True)  # its compose seen as refused: rewritten whole
+    f.flush(force=True)  # its compose seen as refused: rewritten whole, not appended twice
   assert storage.path(url).read_text() == ''.join(lines[:3])
   storage.path(url).unlink()
-  f.write(lines[3])
+  with monkeypatch.context() as m:
+    m.setattr(Blob, 'compose', then_raise(None, exceptions.NotFound))
+    f.write(lines[3])
+    f.flush(force=True)  # the object is gone: rewritten whole
+  assert calls == ['upload_from_string', 'compose', None]
   f.close()
   assert storage.path(url).read_text() == ''.join(lines)
   assert [p.name for p in storage.path(url).parent.iterdir()] == ['metrics.jsonl']
