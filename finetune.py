@@ -30,15 +30,11 @@ import jax
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
 from realformer import cli
 from realformer.finetune import task as task_lib
 from realformer.finetune.glue import GlueTask
 from realformer.finetune.squad import SquadTask
-from realformer.train import compile_cache
-from realformer.train import distributed
-from realformer.train import host_memory
 from realformer.train import partitioning
 from realformer.train import trainer
 from realformer.train.run_dir import RunDir
@@ -71,22 +67,16 @@ def main(argv):
     cli.fail('--workdir is required: the directory for checkpoints, metrics and predictions '
              '(e.g. --workdir /tmp/ft_sst2)')
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
-  host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
-  distributed.initialize_from_flags()  # several hosts: one run over all their devices
-  compile_cache.enable_from_flags()  # after the hosts are joined: it asks for the devices
   summary = trainer.run_program(finetune, flags.FLAGS.config, flags.FLAGS.workdir)
   print(json.dumps(summary, indent=2))
 
 
 def define_flags():
   """Flags exist only when this file runs as a program (tests import it beside train.py)."""
-  with cli.config_overrides():  # an unknown --config.<key> fails here: one line
-    config_flags.DEFINE_config_file(
-        'config', os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
-        'configs/finetune.py:glue/<task>', lock_config=True)
-  flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and predictions.')
-  distributed.define_flags()
-  compile_cache.define_flags()
+  trainer.define_flags(os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
+                       'configs/finetune.py:glue/<task>',
+                       'Directory for checkpoints, metrics and predictions.')
+  flags.adopt_module_key_flags(trainer)  # --help lists them
 
 
 if __name__ == '__main__':

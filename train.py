@@ -22,12 +22,10 @@ import ml_collections
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
 from realformer import cli
 from realformer.train import compile_cache
 from realformer.train import distributed
-from realformer.train import host_memory
 from realformer.train import partitioning
 from realformer.train import pretraining
 from realformer.train import train_lib
@@ -35,13 +33,10 @@ from realformer.train import trainer
 from realformer.train.run_dir import RunDir
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
-with cli.config_overrides():  # an unknown --config.<key> fails here: one line
-  config_flags.DEFINE_config_file(
-      'config', os.path.join(_REPO, 'configs', 'pretrain.py') + ':postln,tiny',
-      'Config file and its argument, e.g. configs/pretrain.py:realformer,base', lock_config=True)
-flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and config.json.')
-distributed.define_flags()
-compile_cache.define_flags()
+trainer.define_flags(os.path.join(_REPO, 'configs', 'pretrain.py') + ':postln,tiny',
+                     'Config file and its argument, e.g. configs/pretrain.py:realformer,base',
+                     'Directory for checkpoints, logs and config.json.')
+flags.adopt_module_key_flags(trainer)  # --help lists them
 flags.DEFINE_string('compile_for', None,
                     'Compile the train step ahead of time instead of training, and print '
                     'memory per chip, FLOPs and collectives (realformer/tools/launch.py): a TPU '
@@ -122,9 +117,6 @@ def main(argv):
   if not flags.FLAGS.workdir:
     cli.fail('--workdir is required: the directory for checkpoints and logs '
                          '(e.g. --workdir /tmp/bert_tiny)')
-  host_memory.keep_freed_memory()  # CPU-only runs: no page faults per step (logs if applied)
-  distributed.initialize_from_flags()
-  compile_cache.enable_from_flags()  # after the hosts are joined: it asks for the devices
   summary = trainer.run_program(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir)
   logging.info('done: %s', summary)
 

@@ -56,6 +56,8 @@ from realformer import cli
 from realformer import storage
 from realformer.train import checkpoints
 from realformer.train import compile_cache
+from realformer.train import distributed
+from realformer.train import host_memory
 from realformer.train import metrics as metrics_lib
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
@@ -555,12 +557,34 @@ def train(run: RunDir, program: str, config, make_task: Callable[[], 'Task']
     return task, Trainer(task, run).run()
 
 
+def define_flags(config_file: str, config_help: str, workdir_help: str) -> None:
+  """A training program's flags: --config (`config_file`, a config file and its argument;
+  an unknown --config.<key> is a one-line error), --workdir, and those of the multi-host
+  set-up and of the compilation cache."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  with cli.config_overrides():
+    config_flags.DEFINE_config_file('config', config_file, config_help, lock_config=True)
+  flags.DEFINE_string('workdir', None, workdir_help)
+  distributed.define_flags()
+  compile_cache.define_flags()
+  for name in ('config', 'workdir'):  # the program's --help lists them (and the two below)
+    flags.declare_key_flag(name)
+  flags.adopt_module_key_flags(distributed)
+  flags.adopt_module_key_flags(compile_cache)
+
+
 def run_program(fn: Callable[..., dict], *args) -> dict:
-  """A training program's main: fn(*args), with a SIGTERM outside the training loop
-  stopping the run with the not-finished status (workdir.exit_on_sigterm), user errors and
-  a non-finite loss as one line with status 1 (cli.run_main), and a summary that says a
-  stop signal ended the run after saving ('preempted') exiting with the not-finished status
-  (75), so that a scheduler requeues it."""
+  """A training program's main, once its flags are checked: the host's set-up (malloc
+  settings on CPU-only runs, joining the other hosts, then the compilation cache, which asks
+  for the devices), then fn(*args), with a SIGTERM outside the training loop stopping the
+  run with the not-finished status (workdir.exit_on_sigterm), user errors and a non-finite
+  loss as one line with status 1 (cli.run_main), and a summary that says a stop signal ended
+  the run after saving ('preempted') exiting with the not-finished status (75), so that a
+  scheduler requeues it."""
+  host_memory.keep_freed_memory()
+  distributed.initialize_from_flags()
+  compile_cache.enable_from_flags()
   workdir_lib.exit_on_sigterm()
   summary = cli.run_main(fn, *args, also=(NonFiniteLossError,))
   if 'preempted' in summary:
