@@ -187,7 +187,8 @@ def _cudnn_dropout_masks(platform: str) -> str:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   try:
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 128, 4, 64), jnp.bfloat16)
                for i in range(3))
 

@@ -8,9 +8,10 @@ commit-file protocol, no renames) and reads the same environment: see docs/launc
 
 Object storage has no append and no rename: an object is written whole, atomically. So a
 file that grows while a run goes (metrics.jsonl, TensorBoard events, machine.jsonl) is a
-`GrowingFile`: on gs:// it is kept in a local spool whose new bytes are appended to the object
-by Cloud Storage's compose (at most every `upload_every` seconds, and on flush(force=True)
-and close), so a reader sees a complete prefix of it, never a torn line; and a small file replaced whole (config.json,
+`GrowingFile`: on gs:// it is kept in a local spool whose new bytes are appended to the
+object by Cloud Storage's compose (at most every `upload_every` seconds, and on
+flush(force=True) and close), so a reader sees a complete prefix of it, never a torn line;
+and a small file replaced whole (config.json,
 time_spent.json) is written in one request (`write_text`), not written beside and renamed.
 Listings are never cached (gcsfs would keep them for the life of the process).
 """
@@ -324,8 +325,8 @@ class GrowingFile:
   lacks: they go to a temporary object beside it, which Cloud Storage's compose appends to
   the object (atomically, under the precondition that the object is the generation this
   file wrote last). The first upload of each start, one after COMPOSE_LIMIT appends, and
-  one whose compose finds the object changed (a retried compose that had landed) rewrite
-  the object whole from the spool instead, so the object is always a copy of the spool's
+  one whose compose finds the object changed (a retried compose that had landed) or gone
+  rewrite the object whole from the spool instead, so the object is always a copy of the spool's
   prefix. A storage error from an upload propagates (the spool keeps every byte; the next
   upload sends them). One thread writes and flushes a GrowingFile. A process killed between
   an append's upload and the part's delete, or a delete that fails, leaves a small
@@ -430,7 +431,8 @@ class HeldError(Exception):
 
 
 # How long a lock object stays valid without a refresh, and how often its holder refreshes
-# it. A holder that dies on another host (a preempted VM) frees the lock this long after its last refresh; on the same host (and pid
+# it. A holder that dies on another host (a preempted VM) frees the lock this long after its
+# last refresh; on the same host (and pid
 # namespace) a holder that is gone is detected at once.
 LEASE_SECONDS = 300.0
 REFRESH_SECONDS = 60.0

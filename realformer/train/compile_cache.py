@@ -9,8 +9,9 @@ slice does not (its compile-only devices have no client to load a program into).
 jax's own persistent cache, pointed at a folder: --compilation_cache DIR, else
 $REALFORMER_COMPILATION_CACHE, else ~/.cache/realformer/xla; `off` turns it off. The folder
 may be a gs:// URL (jax reads and writes it through etils.epath), which a pod's hosts share.
-Every run on a machine shares it (the runs of a sweep or a fine-tuning grid compile the same programs),
-and a restarted or preempted run loads its programs instead of compiling them again.
+Every run on a machine shares it (the runs of a sweep or a fine-tuning grid compile the same
+programs), and a restarted or preempted run loads its programs instead of compiling them
+again.
 
 A program compiled for another machine is never loaded. jax's key already covers the
 computation, the compile options, the XLA flags, the jaxlib version, the backend's platform
