@@ -12,7 +12,7 @@ import json
 import os
 import time
 import zlib
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 from absl import flags
 import grain.python as grain
@@ -48,10 +48,15 @@ class _Mask(grain.RandomMapTransform):
 class PreparedShards(grain.ArrayRecordDataSource):
   """One split's prepared array_record shards, named in the iterator's checkpoint by their
   file names and record count rather than by their folder (grain's default hashes the
-  absolute paths): a moved workdir, or data.prepared_dir pointed at a copy, resumes."""
+  absolute paths): a moved workdir, or data.prepared_dir pointed at a copy, resumes.
 
-  def __init__(self, paths: List[str]):
-    super().__init__(paths)
+  Given each file's record count (`records`, metadata.json's file_records), no file is opened
+  until one of its records is read, so a folder holding only this host's files serves its
+  share (host_files); without them, every file is opened to count its records."""
+
+  def __init__(self, paths: List[str], records: Optional[List[int]] = None):
+    super().__init__(paths if records is None else
+                     [f'{p}[0:{n}]' for p, n in zip(paths, records, strict=True)])
     self._names = [os.path.basename(p) for p in paths]
 
   def __repr__(self) -> str:
@@ -87,6 +92,26 @@ class _Iterator:
     self._iterator.start_prefetch()
 
 
+def host_records(num_records: int, process_index: int, process_count: int) -> Tuple[int, int]:
+  """The records [start, end) that a host reads in every epoch: grain's IndexSampler with
+  ShardOptions(drop_remainder=True) gives each process one run of num_records //
+  process_count consecutive records, and each epoch shuffles within it."""
+  per_host = num_records // process_count
+  return per_host * process_index, per_host * (process_index + 1)
+
+
+def host_files(metadata: dict, split: str, process_index: int, process_count: int
+               ) -> Optional[List[int]]:
+  """The indices of the split's files that hold the host's records (host_records); None for
+  a preparation that did not count each file's records (every file is then read)."""
+  records = metadata.get('file_records', {}).get(split)
+  if records is None:
+    return None
+  start, end = host_records(sum(records), process_index, process_count)
+  ends = np.cumsum(records)
+  return [i for i, (n, last) in enumerate(zip(records, ends)) if last - n < end and last > start]
+
+
 def make_masker(config_data, tokenizer) -> pretraining.Masker:
   return pretraining.Masker(
       vocab_size=tokenizer.vocab_size, special_ids=tokenizer.special_ids,
@@ -116,7 +141,13 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
                      f'{tokenizer.vocab_size}; prepare again with this tokenizer')
   num_files = metadata.get('files', {}).get(split, metadata['fingerprint']['num_shards'])
   paths = prepare_lib.shard_paths(prepared_dir, split, num_files)
-  source = PreparedShards(paths)
+  missing = [paths[i] for i in host_files(metadata, split, process_index, process_count) or []
+             if not os.path.exists(paths[i])]
+  if missing:
+    raise FileNotFoundError(f'{missing[0]} (one of the {len(missing)} files of process '
+                            f'{process_index} of {process_count}) is missing; use the whole '
+                            'prepared folder, or for a bucket the folder ensure_prepared copies')
+  source = PreparedShards(paths, metadata.get('file_records', {}).get(split))
   per_host = global_batch_size // process_count
   if len(source) // process_count < per_host:
     stats = metadata.get('stats', {})
@@ -156,8 +187,9 @@ def iterator_checkpoint_args(it, mode: str):
 def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
   """Prepares the shards once (every host its share; process 0 gathers them and writes
   metadata.json, the others wait for it) and returns the local folder to read them from:
-  the prepared folder itself, or for a bucket (gs://) this host's copy of it, checked
-  against the bucket (storage.local_copy).
+  the prepared folder itself, or for a bucket (gs://) this host's copy of the files that
+  hold its share of each split (host_files; all of them for a preparation that did not
+  count each file's records), checked against the bucket (storage.local_copy).
 
   An existing preparation made with other settings is a clear error, never silently reused.
   """
@@ -183,8 +215,10 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
   found = prepare_lib.read_metadata(prepared_dir, config)
   if not storage.is_url(prepared_dir):
     return prepared_dir
-  names = [prepare_lib.METADATA] + [
-      os.path.basename(p) for split in prepare_lib.SPLITS for p in prepare_lib.shard_paths(
-          prepared_dir, split, found.get('files', {}).get(split,
-                                                          found['fingerprint']['num_shards']))]
+  names = [prepare_lib.METADATA]
+  for split in prepare_lib.SPLITS:
+    paths = prepare_lib.shard_paths(
+        prepared_dir, split, found.get('files', {}).get(split, found['fingerprint']['num_shards']))
+    share = host_files(found, split, jax.process_index(), jax.process_count())
+    names += [os.path.basename(paths[i]) for i in (range(len(paths)) if share is None else share)]
   return storage.local_copy(prepared_dir, names)

@@ -103,26 +103,29 @@ class ShardWriters:
   """`num_shards` array_record writers filled round-robin, each starting a new file after
   `records_per_file` records: a writer holds a few hundred bytes per record written until it
   is closed (about 100 MB per 200k records), so unbounded files would make preparation's
-  memory grow with the corpus. `close` names the files {split}-XXXXX-of-NNNNN."""
+  memory grow with the corpus. `close` returns the files, named {split}-XXXXX-of-NNNNN by
+  `name_files`, and `records` how many records each holds."""
 
   def __init__(self, directory: str, split: str, num_shards: int, records_per_file: int):
     self._dir, self._split, self._per_file = directory, split, records_per_file
-    self._paths, self._written = [], 0
+    self._paths, self.records, self._written = [], [], 0
+    self._files = [0] * num_shards  # each writer's file: an index into _paths and records
     self._writers = [self._open(i) for i in range(num_shards)]
-    self._counts = [0] * num_shards
 
   def _open(self, shard: int):
+    self._files[shard] = len(self._paths)
     path = os.path.join(self._dir, f'{self._split}.part-{len(self._paths):05d}-{shard}')
     self._paths.append(path)
+    self.records.append(0)
     return array_record_module.ArrayRecordWriter(path, 'group_size:1')
 
   def write(self, record: bytes):
     i = self._written % len(self._writers)
-    if self._counts[i] == self._per_file:
+    if self.records[self._files[i]] == self._per_file:
       self._writers[i].close()
-      self._writers[i], self._counts[i] = self._open(i), 0
+      self._writers[i] = self._open(i)
     self._writers[i].write(record)
-    self._counts[i] += 1
+    self.records[self._files[i]] += 1
     self._written += 1
 
   def close(self) -> List[str]:
@@ -367,7 +370,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
   block_size = d.get('document_window', 1000)
   per_worker = max(1, -(-d.num_shards // total))  # about num_shards files in all
   result = {'fingerprint': fingerprint(config), 'workers': total, 'counts': {}, 'files': {},
-            'read_stats': {}, 'stats': {}}
+            'file_records': {}, 'read_stats': {}, 'stats': {}}
   for split in SPLITS:
     read_stats, stats = collections.Counter(), collections.Counter()
     docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=read_stats,
@@ -394,6 +397,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
         n += 1
     result['files'][split] = [os.path.basename(p) for p in writers.close()]
     result['counts'][split] = n
+    result['file_records'][split] = writers.records
     result['read_stats'].update({f'{split}/{k}': v for k, v in read_stats.items()})
     result['stats'].update({f'{split}/{k}': v for k, v in stats.items()})
   with open(os.path.join(out, 'done.json.tmp'), 'w') as f:
@@ -483,7 +487,7 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
     stats.update(results[0]['read_stats'])  # ... every worker read the whole stream
     stats = collections.Counter({k: v for k, v in stats.items() if v})
     metadata = _finish(config, tokenizer, gathered, out_dir, overwrite, counts, files, stats,
-                       total, started)
+                       _file_records(results), total, started)
   except BaseException as e:
     if _keeps_workers(e):  # the workers stay for the next attempt
       shutil.rmtree(gathered, ignore_errors=True)
@@ -542,15 +546,16 @@ def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwri
     stats.update(r['stats'])
   stats.update(results[0]['read_stats'])
   stats = collections.Counter({k: v for k, v in stats.items() if v})
-  metadata = _metadata(config, tokenizer, counts, files, stats, total, started)
+  metadata = _metadata(config, tokenizer, counts, files, stats, _file_records(results), total,
+                       started)
   _path(out_dir, METADATA).write_text(json.dumps(metadata, indent=2))
   _path(tmp).rmtree()
   return metadata
 
 
 def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, counts, files,
-            stats, workers: int, started: float) -> dict:
-  metadata = _metadata(config, tokenizer, counts, files, stats, workers, started)
+            stats, file_records, workers: int, started: float) -> dict:
+  metadata = _metadata(config, tokenizer, counts, files, stats, file_records, workers, started)
   with open(os.path.join(gathered, METADATA), 'w') as f:
     json.dump(metadata, f, indent=2)
   if os.path.exists(out_dir):
@@ -566,8 +571,19 @@ def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, cou
   return metadata
 
 
-def _metadata(config, tokenizer, counts, files, stats, workers: int, started: float) -> dict:
-  """metadata.json of a gathered preparation; bad input (no training example) raises."""
+def _file_records(results) -> dict:
+  """Each split's records per file, in the files' final order, from the workers' done.json
+  ({} if one was written before they were counted: readers then count them)."""
+  if any('file_records' not in r for r in results):
+    return {}
+  return {split: [n for r in results for n in r['file_records'][split]] for split in SPLITS}
+
+
+def _metadata(config, tokenizer, counts, files, stats, file_records, workers: int,
+              started: float) -> dict:
+  """metadata.json of a gathered preparation; bad input (no training example) raises.
+  'file_records' lets each host read (and copy from a bucket) only the files that hold its
+  share of the records (data.pipeline)."""
   d = config.data
   if stats['eval/documents'] == 1 and counts['eval']:
     logging.warning('the eval split holds one document, so its random-next segments come from '
@@ -584,7 +600,8 @@ def _metadata(config, tokenizer, counts, files, stats, workers: int, started: fl
     raise ValueError(f'config.data.sources={d.sources!r} gave no training examples '
                      f'({dict(stats) or "no documents"}); check the files and their format '
                      '(one sentence per line, blank line between documents)')
-  return {'counts': counts, 'files': files, 'stats': dict(stats),
+  return {'counts': counts, 'files': files,
+          **({'file_records': file_records} if file_records else {}), 'stats': dict(stats),
           'fingerprint': fingerprint(config),
           'tokenizer_path': tokenizer.path, 'vocab_size': tokenizer.vocab_size,
           'max_seq_length': d.max_seq_length, 'workers': workers,

@@ -34,7 +34,9 @@ import analyze
 import finetune
 import sweep as sweep_cli
 import train
+from data import pipeline
 from data import prepare
+from data import tokenizer as tokenizer_lib
 from realformer import storage
 from realformer.tools import sweep
 from realformer.train import checkpoints
@@ -223,8 +225,9 @@ def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server):
 
 
 def test_data_prepared_into_a_bucket_by_workers_on_hosts_matches_a_local_preparation(
-    server, tmp_path, corpus):
-  config = test_pipeline.tiny_config(corpus, document_window=1)
+    server, tmp_path, corpus, monkeypatch):
+  """... and each host's copy holds the files of its share only (three hosts here)."""
+  config = test_pipeline.tiny_config(corpus, document_window=1, records_per_file=40)
   one = prepare.prepare(config, str(tmp_path / 'one'))
   config.data.prepare_workers = 2
   url = f'{server.root}/prepared'
@@ -244,6 +247,24 @@ def test_data_prepared_into_a_bucket_by_workers_on_hosts_matches_a_local_prepara
   storage.path(f'{url}/{names[1]}').write_bytes(b'changed')
   storage.local_copy(url, names)
   assert open(copy, 'rb').read() == b'changed' != first
+  storage.path(f'{url}/{names[1]}').write_bytes(first)
+  config.data.prepared_dir = url
+  monkeypatch.setattr(jax, 'process_count', lambda: 3)
+  shares = []
+  for index in range(3):
+    monkeypatch.setattr(jax, 'process_index', lambda index=index: index)
+    monkeypatch.setenv('REALFORMER_CACHE', str(tmp_path / f'host{index}'))
+    local = pipeline.ensure_prepared(config, str(tmp_path / 'unused'))
+    share = {os.path.basename(p) for split in prepare.SPLITS
+             for i, p in enumerate(prepare.shard_paths(url, split, hosts['files'][split]))
+             if i in pipeline.host_files(hosts, split, index, 3)}
+    assert set(os.listdir(local)) - {'.lock', '.manifest.json'} == {prepare.METADATA} | share
+    shares.append(share)
+    tok = tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+    assert len(next(pipeline.make_pretraining_iterator(
+        config.data, tok, local, global_batch_size=6, seed=0, process_index=index,
+        process_count=3))['input_ids']) == 2
+  assert max(map(len, shares)) < len(names) - 2  # (records past the last full share: no host)
 
 
 @pytest.fixture(scope='module')

@@ -228,14 +228,76 @@ def test_files_rotate_so_writers_hold_a_bounded_number_of_records(corpus, tok, t
 
 
 def _records(prepared_dir, metadata):
-  """The prepared records of each split, as a sorted list (the set, with multiplicity)."""
-  from array_record.python import array_record_data_source  # pylint: disable=g-import-not-at-top
+  """The prepared records of each split, as a sorted list (the set, with multiplicity);
+  metadata.json's record count of each file is checked against the file."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   out = {}
   for split in prepare.SPLITS:
+    out[split] = []
     paths = prepare.shard_paths(prepared_dir, split, metadata['files'][split])
-    source = array_record_data_source.ArrayRecordDataSource(paths)
-    out[split] = sorted(source[i] for i in range(len(source)))
+    for path, count in zip(paths, metadata['file_records'][split], strict=True):
+      reader = array_record_module.ArrayRecordReader(path)
+      assert reader.num_records() == count, path
+      out[split] += reader.read_all()
+      reader.close()
+    out[split].sort()
   return out
+
+
+def test_a_host_reads_and_needs_only_the_files_of_its_share(corpus, tok, tmp_path):
+  """Three hosts over files of 20 records: grain's sampler gives each host the records
+  host_records names, epoch after epoch; a folder holding only the host's files
+  (host_files, as a bucket's local copy does) gives the same batches as the whole folder,
+  and so does a preparation that did not count each file's records; a folder lacking one
+  of the host's files is a one-line error."""
+  import grain.python as grain  # pylint: disable=g-import-not-at-top
+  config = tiny_config(corpus, records_per_file=20)
+  full = str(tmp_path / 'full')
+  metadata = prepare.prepare(config, full)
+  records = metadata['file_records']['train']
+  n = metadata['counts']['train']
+  assert len(records) > 6 and sum(records) == n
+  _records(full, metadata)  # the counts are each file's
+  old = str(tmp_path / 'uncounted')  # as prepared before file_records existed
+  os.makedirs(old)
+  for name in os.listdir(full):
+    os.symlink(os.path.join(full, name), os.path.join(old, name))
+  os.unlink(os.path.join(old, prepare.METADATA))
+  with open(os.path.join(old, prepare.METADATA), 'w') as f:
+    json.dump({k: v for k, v in metadata.items() if k != 'file_records'}, f)
+  for index in range(3):
+    sampler = grain.IndexSampler(
+        num_records=n, shuffle=True, seed=5, num_epochs=2,
+        shard_options=grain.ShardOptions(shard_index=index, shard_count=3,
+                                         drop_remainder=True))
+    start, end = pipeline.host_records(n, index, 3)
+    keys = [sampler[i].record_key for i in range(index, len(sampler), 3)]
+    assert sorted(keys) == sorted(list(range(start, end)) * 2)
+    share = pipeline.host_files(metadata, 'train', index, 3)
+    assert 1 < len(share) < len(records) - 2
+    own = tmp_path / f'host{index}'
+    os.makedirs(own)
+    os.symlink(os.path.join(full, prepare.METADATA), own / prepare.METADATA)
+    for split in prepare.SPLITS:
+      paths = prepare.shard_paths(full, split, metadata['files'][split])
+      for i in pipeline.host_files(metadata, split, index, 3):
+        os.symlink(paths[i], own / os.path.basename(paths[i]))
+    kw = dict(global_batch_size=6, seed=5, process_index=index, process_count=3)
+    for split in prepare.SPLITS:
+      want = pipeline.make_pretraining_iterator(config.data, tok, full, split=split, **kw)
+      got = pipeline.make_pretraining_iterator(config.data, tok, str(own), split=split, **kw)
+      counted = pipeline.make_pretraining_iterator(config.data, tok, old, split=split, **kw)
+      for _ in range(2 * n // 6 // 3 + 2 if split == 'train' else 1):  # past an epoch
+        batch = next(want)
+        assert_same(next(got), batch)
+        assert_same(next(counted), batch)
+  os.unlink(tmp_path / 'host1' / os.path.basename(
+      prepare.shard_paths(full, 'train', len(records))[pipeline.host_files(
+          metadata, 'train', 1, 3)[-1]]))
+  with pytest.raises(FileNotFoundError, match='one of the 1 files of process 1 of 3'):
+    pipeline.make_pretraining_iterator(config.data, tok, str(tmp_path / 'host1'),
+                                       global_batch_size=6, seed=5, process_index=1,
+                                       process_count=3)
 
 
 def test_parallel_preparation_gives_the_same_set_for_any_workers_and_hosts(corpus, tmp_path):
