@@ -73,7 +73,8 @@ def main():
           'the eval split)')
     print('| hosts | MiB copied by the largest share | MiB copied, all hosts | '
           's per host (median) |\n|---|---|---|---|')
-    print(f'| whole (each host) | {whole[0] / 2**20:.1f} | - | {whole[1]:.2f} |')
+    mib = whole[0] / 2**20
+    print(f'| whole (each host; before) | {mib:.1f} | {mib:.1f} x hosts | {whole[1]:.2f} |')
     for hosts in args.hosts:
       copies = host_copies(config, hosts, scratch)
       print(f'| {hosts} | {max(b for b, _ in copies) / 2**20:.1f} | '

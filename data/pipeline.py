@@ -184,12 +184,14 @@ def iterator_checkpoint_args(it, mode: str):
   raise ValueError(f'mode {mode!r}: use save or restore')
 
 
-def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
+def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
+                    reader: Optional[Tuple[int, int]] = None) -> str:
   """Prepares the shards once (every host its share; process 0 gathers them and writes
   metadata.json, the others wait for it) and returns the local folder to read them from:
   the prepared folder itself, or for a bucket (gs://) this host's copy of the files that
-  hold its share of each split (host_files; all of them for a preparation that did not
-  count each file's records), checked against the bucket (storage.local_copy).
+  hold the share of each split that `reader`, (process index, process count), reads: by
+  default this process's (host_files; every file for a preparation that did not count
+  each file's records), checked against the bucket (storage.local_copy).
 
   An existing preparation made with other settings is a clear error, never silently reused.
   """
@@ -215,10 +217,11 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600) -> str:
   found = prepare_lib.read_metadata(prepared_dir, config)
   if not storage.is_url(prepared_dir):
     return prepared_dir
+  reader = reader or (jax.process_index(), jax.process_count())
   names = [prepare_lib.METADATA]
   for split in prepare_lib.SPLITS:
-    paths = prepare_lib.shard_paths(
-        prepared_dir, split, found.get('files', {}).get(split, found['fingerprint']['num_shards']))
-    share = host_files(found, split, jax.process_index(), jax.process_count())
-    names += [os.path.basename(paths[i]) for i in (range(len(paths)) if share is None else share)]
+    num_files = found.get('files', {}).get(split, found['fingerprint']['num_shards'])
+    paths = prepare_lib.shard_paths(prepared_dir, split, num_files)
+    share = host_files(found, split, *reader)
+    names += [os.path.basename(paths[i]) for i in (range(num_files) if share is None else share)]
   return storage.local_copy(prepared_dir, names)

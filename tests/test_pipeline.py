@@ -286,11 +286,11 @@ def test_a_host_reads_and_needs_only_the_files_of_its_share(corpus, tok, tmp_pat
     for split in prepare.SPLITS:
       want = pipeline.make_pretraining_iterator(config.data, tok, full, split=split, **kw)
       got = pipeline.make_pretraining_iterator(config.data, tok, str(own), split=split, **kw)
-      counted = pipeline.make_pretraining_iterator(config.data, tok, old, split=split, **kw)
+      uncounted = pipeline.make_pretraining_iterator(config.data, tok, old, split=split, **kw)
       for _ in range(2 * n // 6 // 3 + 2 if split == 'train' else 1):  # past an epoch
         batch = next(want)
         assert_same(next(got), batch)
-        assert_same(next(counted), batch)
+        assert_same(next(uncounted), batch)
   os.unlink(tmp_path / 'host1' / os.path.basename(
       prepare.shard_paths(full, 'train', len(records))[pipeline.host_files(
           metadata, 'train', 1, 3)[-1]]))
