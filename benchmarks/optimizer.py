@@ -1,4 +1,4 @@
-"""Times the optimizer update alone (global-norm clipping + AdamW) on a model's parameters.
+"""Times the optimizer update alone (global-norm clipping + AdamW or LAMB) on a model's parameters.
 
     python benchmarks/optimizer.py --size base [--rounds 9]
 
@@ -7,6 +7,7 @@ written once per step, 110M x 4 float32 arrays at BERT-base. Contenders, timed r
 in one process on the same parameter shapes (our model's, from jax.eval_shape):
 
   ours            train_lib.make_optimizer: our multiply clip, optax.adamw (decay mask, schedule)
+  ours, lamb      the same with optimizer.name=lamb (train_lib.lamb: per-tensor trust ratios)
   optax clip      the same with optax.clip_by_global_norm (select + divide)
   torch AdamW     torch.optim.AdamW(default implementation) + clip_grad_norm_, the HF peer's
   torch fused     torch.optim.AdamW(fused=True) + clip_grad_norm_
@@ -93,7 +94,11 @@ def main():
       optax.adamw(train_lib.make_schedule(config.optimizer, config.train.num_steps),
                   b1=config.optimizer.b1, b2=config.optimizer.b2, eps=config.optimizer.eps,
                   weight_decay=config.optimizer.weight_decay, mask=train_lib.decay_mask))
-  contenders = [Jax('ours', tx, abstract), Jax('optax clip', optax_clip, abstract)]
+  config.optimizer.name = 'lamb'
+  lamb, _ = train_lib.make_optimizer(config.optimizer, config.train.num_steps,
+                                     resolve(config.model))
+  contenders = [Jax('ours', tx, abstract), Jax('ours, lamb', lamb, abstract),
+                Jax('optax clip', optax_clip, abstract)]
   if args.peer == 'torch':
     contenders += [Torch('torch AdamW', shapes, args.threads),
                    Torch('torch AdamW fused', shapes, args.threads, fused=True)]

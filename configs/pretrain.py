@@ -87,6 +87,7 @@ def model_config(variant='postln', size='base'):
 def optimizer_config(learning_rate: float, warmup_steps: int) -> ml_collections.ConfigDict:
   """BERT's AdamW settings (shared by pretraining and fine-tuning configs)."""
   o = ml_collections.ConfigDict()
+  o.name = 'adamw'  # adamw (BERT) | lamb (large batches; train_lib.lamb)
   o.learning_rate = learning_rate
   o.schedule = 'linear'  # linear (BERT: warm-up then linear decay) | cosine | constant
   o.warmup_steps = warmup_steps  # -1: warmup_fraction of the run's steps

@@ -21,6 +21,20 @@ def warmup_steps(opt_config, num_steps: int) -> int:
   return warmup
 
 
+OPTIMIZERS = ('adamw', 'lamb')
+SCHEDULES = ('linear', 'cosine', 'constant')
+
+
+def check_optimizer(opt_config) -> None:
+  """optimizer.name and optimizer.schedule are ones that train_lib.make_optimizer builds."""
+  name = opt_config.get('name', 'adamw')
+  if name not in OPTIMIZERS:
+    raise ValueError(f'optimizer.name={name!r}; choose {" or ".join(OPTIMIZERS)}')
+  if opt_config.schedule not in SCHEDULES:
+    raise ValueError(f'optimizer.schedule={opt_config.schedule!r}; choose linear, cosine or '
+                     'constant')
+
+
 def check_counts(tc) -> None:
   """One-line errors for a step count or a cadence that cannot be (not positive), before
   the run directory is written."""
@@ -55,10 +69,11 @@ def check_masking(data) -> None:
 
 def check_config(config) -> None:
   """Everything the pretraining config alone can show: the model's settings, step counts
-  and cadences, the warm-up, the lengths, the masking."""
+  and cadences, the warm-up and the optimizer, the lengths, the masking."""
   from realformer.model.spec import resolve  # pylint: disable=g-import-not-at-top (jax)
   resolve(config.model)
   check_counts(config.train)
   warmup_steps(config.optimizer, int(config.train.num_steps))
+  check_optimizer(config.optimizer)
   check_lengths(config)
   check_masking(config.data)

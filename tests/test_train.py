@@ -192,6 +192,63 @@ def test_clip_by_global_norm_matches_numpy_and_optax(max_norm):
   assert np.isnan(bad['w']).all()  # a NaN norm poisons the update, as optax's does
 
 
+def test_lamb_matches_a_float64_numpy_reference():
+  """optimizer.name=lamb, clipping and the warm-up schedule included, against LAMB written
+  out in NumPy (You et al. 2020, Algorithm 2, with the BERT runs' exclusions): a decayed
+  kernel, a zero kernel (trust ratio 1), and a bias and LayerNorm scale that take Adam's step
+  with neither decay nor trust ratio."""
+  opt = pretrain.get_config('postln,tiny').optimizer
+  opt.name, opt.learning_rate, opt.warmup_steps, opt.weight_decay = 'lamb', 0.01, 2, 0.1
+  num_steps, spec = 6, resolve(tiny_config('postln').model)
+  rng = np.random.default_rng(0)
+  params = {'dense': {'kernel': rng.normal(size=(6, 4)), 'bias': rng.normal(size=(4,))},
+            'attention_layer_norm': {'scale': 1 + rng.normal(size=(4,))},
+            'zero': {'kernel': np.zeros((3, 3))}}
+  decays = {'dense': {'kernel': True, 'bias': False}, 'attention_layer_norm': {'scale': False},
+            'zero': {'kernel': True}}
+  assert train_lib.decay_mask(params) == decays
+  tx, _ = train_lib.make_optimizer(opt, num_steps, spec)
+  update = jax.jit(tx.update)
+  ours = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), params)
+  state = tx.init(ours)
+  want = jax.tree.map(np.array, params)
+  m, v = jax.tree.map(np.zeros_like, params), jax.tree.map(np.zeros_like, params)
+  for t in range(5):
+    grads = jax.tree.map(lambda w: 3 * rng.normal(size=w.shape), params)
+    updates, state = update(jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads), state,
+                            ours)
+    ours = optax.apply_updates(ours, updates)
+    norm = np.sqrt(sum((g ** 2).sum() for g in jax.tree.leaves(grads)))
+    lr = 0.01 * (t / 2 if t < 2 else 1 - (t - 2) / (num_steps - 2))
+    for path in [('dense', 'kernel'), ('dense', 'bias'), ('attention_layer_norm', 'scale'),
+                 ('zero', 'kernel')]:
+      g = grads[path[0]][path[1]] * min(1.0, opt.clip_norm / norm)
+      mm = m[path[0]][path[1]] = opt.b1 * m[path[0]][path[1]] + (1 - opt.b1) * g
+      vv = v[path[0]][path[1]] = opt.b2 * v[path[0]][path[1]] + (1 - opt.b2) * g * g
+      w = want[path[0]][path[1]]
+      step = (mm / (1 - opt.b1 ** (t + 1))) / (np.sqrt(vv / (1 - opt.b2 ** (t + 1))) + opt.eps)
+      ratio = 1.0
+      if decays[path[0]][path[1]]:
+        step = step + opt.weight_decay * w
+        w_norm, s_norm = np.linalg.norm(w), np.linalg.norm(step)
+        ratio = w_norm / s_norm if w_norm > 0 and s_norm > 0 else 1.0
+      want[path[0]][path[1]] = w - lr * ratio * step
+    for path, w in jax.tree_util.tree_leaves_with_path(want):
+      got = np.asarray(ours[path[0].key][path[1].key])
+      np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-7, err_msg=f'{path} step {t}')
+  assert np.abs(want['zero']['kernel']).max() > 0  # the zero kernel moved (ratio 1)
+  opt.warmup_steps = 0  # a first step that moves
+  lamb, _ = train_lib.make_optimizer(opt, num_steps, spec)
+  opt.name = 'adamw'
+  adamw, _ = train_lib.make_optimizer(opt, num_steps, spec)
+  kernel = lambda tx: np.asarray(optax.apply_updates(params, tx.update(
+      grads, tx.init(params), params)[0])['dense']['kernel'])
+  assert not np.allclose(kernel(adamw), kernel(lamb), rtol=1e-3)  # not AdamW renamed
+  opt.name = 'sgd'
+  with pytest.raises(ValueError, match="optimizer.name='sgd'; choose adamw or lamb"):
+    train_lib.make_optimizer(opt, num_steps, spec)
+
+
 def test_schedules():
   opt = pretrain.get_config('postln,tiny').optimizer
   opt.learning_rate, opt.warmup_steps = 1.0, 10

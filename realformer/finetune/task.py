@@ -36,6 +36,7 @@ from clu import metrics as clu_metrics
 from data import buckets as buckets_lib
 from data import tokenizer as tokenizer_lib
 from realformer import cli
+from realformer import config_checks
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
 from realformer.train import metrics as metrics_lib
@@ -74,6 +75,7 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
 
 def check_config(config) -> None:
   """One-line errors for settings that would fail after the run directory was written."""
+  config_checks.check_optimizer(config.optimizer)
   for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs',
                'bucket_multiple'):
     if config[name] <= 0:

@@ -27,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from realformer import models
+from realformer import config_checks
 from realformer.config_checks import warmup_steps
 from realformer.layers import rows as rows_lib
 from realformer.model.spec import EncoderSpec, resolve
@@ -93,8 +94,7 @@ def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
   elif opt_config.schedule == 'constant':
     after = optax.constant_schedule(lr)
   else:
-    raise ValueError(f'optimizer.schedule={opt_config.schedule!r}; choose linear, cosine or '
-                     f'constant')
+    config_checks.check_optimizer(opt_config)  # raises: an unknown schedule
   if warmup == 0:
     return after
   return optax.join_schedules([warm, after], [warmup])
@@ -117,23 +117,43 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def lamb(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_decay: float
+         ) -> optax.GradientTransformation:
+  """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning: Training BERT in 76
+  minutes", Algorithm 2) as its BERT runs apply it (the TensorFlow LAMB optimizer of those
+  runs, exclude_from_layer_adaptation defaulting to exclude_from_weight_decay): Adam's
+  bias-corrected step m^ / (sqrt(v^) + eps), plus weight_decay * w where decay_mask decays,
+  each such tensor's step then scaled by the trust ratio ||w|| / ||step|| (1 where either
+  norm is 0); LayerNorm parameters and biases take Adam's step with neither."""
+  return optax.chain(
+      optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+      optax.add_decayed_weights(weight_decay, decay_mask),
+      optax.masked(optax.scale_by_trust_ratio(), decay_mask),
+      optax.scale_by_learning_rate(schedule))
+
+
 def make_optimizer(opt_config, num_steps: int, spec: EncoderSpec
                    ) -> Tuple[optax.GradientTransformation, optax.Schedule]:
-  """The optimizer of every program: AdamW with global-norm clipping, weight decay masked
-  by path (decay_mask), and the encoder's fixed parameters (fixed_params_fn(spec)) never
-  updated, so neither pretraining nor fine-tuning moves them.
+  """The optimizer of every program: AdamW (BERT's) or LAMB (lamb; large-batch pretraining)
+  after global-norm clipping, weight decay masked by path (decay_mask), and the encoder's
+  fixed parameters (fixed_params_fn(spec)) never updated, so neither pretraining nor
+  fine-tuning moves them.
 
-  opt_config: config.optimizer (learning_rate, schedule, warmup_steps, weight_decay, b1, b2,
-  eps, clip_norm). spec: the encoder's resolved spec. Works on boxed (nn.Partitioned) or
-  plain param trees whose fixed parameters may sit under any prefix (e.g. 'encoder').
+  opt_config: config.optimizer (name, learning_rate, schedule, warmup_steps, weight_decay,
+  b1, b2, eps, clip_norm). spec: the encoder's resolved spec. Works on boxed
+  (nn.Partitioned) or plain param trees whose fixed parameters may sit under any prefix
+  (e.g. 'encoder').
   """
+  config_checks.check_optimizer(opt_config)
   frozen = fixed_params_fn(spec)
   schedule = make_schedule(opt_config, num_steps)
   parts = []
   if opt_config.clip_norm and opt_config.clip_norm > 0:
     parts.append(clip_by_global_norm(float(opt_config.clip_norm)))
-  parts.append(optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
-                           weight_decay=opt_config.weight_decay, mask=decay_mask))
+  kw = dict(b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
+            weight_decay=opt_config.weight_decay)
+  parts.append(lamb(schedule, **kw) if opt_config.get('name') == 'lamb' else
+               optax.adamw(schedule, mask=decay_mask, **kw))
   tx = optax.chain(*parts)
   if frozen is not None:
     labels = lambda params: jax.tree.map(lambda f: 'frozen' if f else 'trained',
