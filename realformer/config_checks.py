@@ -31,8 +31,8 @@ def check_optimizer(opt_config) -> None:
   if name not in OPTIMIZERS:
     raise ValueError(f'optimizer.name={name!r}; choose {" or ".join(OPTIMIZERS)}')
   if opt_config.schedule not in SCHEDULES:
-    raise ValueError(f'optimizer.schedule={opt_config.schedule!r}; choose linear, cosine or '
-                     'constant')
+    raise ValueError(f'optimizer.schedule={opt_config.schedule!r}; choose '
+                     f'{", ".join(SCHEDULES[:-1])} or {SCHEDULES[-1]}')
 
 
 def check_counts(tc) -> None:

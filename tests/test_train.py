@@ -249,6 +249,27 @@ def test_lamb_matches_a_float64_numpy_reference():
     train_lib.make_optimizer(opt, num_steps, spec)
 
 
+def test_lamb_takes_one_trust_ratio_per_layer_of_scanned_layers():
+  """nn.scan stacks the layers' tensors on axis 0: LAMB's update of the stack equals the
+  updates of the same tensors unscanned (layers_0, layers_1), layer by layer."""
+  opt = pretrain.get_config('postln,tiny').optimizer
+  opt.name, opt.warmup_steps = 'lamb', 0
+  tx, _ = train_lib.make_optimizer(opt, 10, resolve(tiny_config('postln').model))
+  rng = np.random.default_rng(1)
+  draw = lambda *shape: jnp.asarray(rng.normal(size=shape) * rng.uniform(0.1, 3), jnp.float32)
+  layers = [{'mlp': {'kernel': draw(4, 6), 'bias': draw(6)}} for _ in range(3)]
+  grads = [{'mlp': {'kernel': draw(4, 6), 'bias': draw(6)}} for _ in range(3)]
+  stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)
+  unscanned = {'encoder': {f'layers_{i}': layer for i, layer in enumerate(layers)}}
+  scanned = {'encoder': {'layers': stack(layers)}}
+  step = lambda params, g: tx.update(g, tx.init(params), params)[0]
+  want = step(unscanned, {'encoder': {f'layers_{i}': g for i, g in enumerate(grads)}})
+  got = step(scanned, {'encoder': {'layers': stack(grads)}})
+  np.testing.assert_allclose(got['encoder']['layers']['mlp']['kernel'],
+                             stack([want['encoder'][f'layers_{i}'] for i in range(3)]
+                                   )['mlp']['kernel'], rtol=1e-6)
+
+
 def test_schedules():
   opt = pretrain.get_config('postln,tiny').optimizer
   opt.learning_rate, opt.warmup_steps = 1.0, 10

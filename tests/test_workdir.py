@@ -103,6 +103,19 @@ def test_a_config_json_that_is_no_config_object(tmp_path, text):
     workdir_lib.check_resume_config(str(tmp_path), tiny_config(), True)
 
 
+def test_a_field_added_since_a_run_began_stands_for_its_old_default(tmp_path):
+  """A config.json written before optimizer.name existed was an AdamW run: resuming it with
+  LAMB is refused by name, with AdamW it resumes."""
+  old = json.loads(tiny_config().to_json_best_effort())
+  del old['optimizer']['name']
+  (tmp_path / 'config.json').write_text(json.dumps(old))
+  assert workdir_lib.check_resume_config(str(tmp_path), tiny_config(), True) == []
+  lamb = tiny_config()
+  lamb.optimizer.name = 'lamb'
+  with pytest.raises(ValueError, match="1 field\\): optimizer.name: 'adamw' -> 'lamb'; resume"):
+    workdir_lib.check_resume_config(str(tmp_path), lamb, True)
+
+
 def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
   """A finished fine-tuning run keeps no checkpoint in checkpoints/ (its params are in
   best/ and final/): train.py must still see that the folder is another program's."""

@@ -85,16 +85,15 @@ def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
   """linear: BERT's warm-up from 0 to the peak, then linear decay to 0 at num_steps;
   cosine: the same warm-up, then cosine decay to 0; constant: warm-up, then the peak.
   The warm-up: warmup_steps(opt_config, num_steps)."""
+  config_checks.check_optimizer(opt_config)  # a schedule of config_checks.SCHEDULES
   lr, warmup = float(opt_config.learning_rate), warmup_steps(opt_config, num_steps)
   warm = optax.linear_schedule(0.0, lr, max(warmup, 1))
   if opt_config.schedule == 'linear':
     after = optax.linear_schedule(lr, 0.0, max(num_steps - warmup, 1))
   elif opt_config.schedule == 'cosine':
     after = optax.cosine_decay_schedule(lr, max(num_steps - warmup, 1))
-  elif opt_config.schedule == 'constant':
-    after = optax.constant_schedule(lr)
   else:
-    config_checks.check_optimizer(opt_config)  # raises: an unknown schedule
+    after = optax.constant_schedule(lr)
   if warmup == 0:
     return after
   return optax.join_schedules([warm, after], [warmup])
@@ -117,18 +116,35 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def scale_by_layer_trust_ratio() -> optax.GradientTransformation:
+  """LAMB's trust ratio: each layer's tensor's update u scaled by ||w|| / ||u|| (1 where
+  either norm is 0), as optax.scale_by_trust_ratio does per array, except that a tensor of
+  nn.scan's stacked layers ('layers' in its path, the layers on axis 0) takes one ratio per
+  layer, so a scanned encoder trains as an unscanned one does."""
+  def update_fn(updates, state, params):
+    def scale(path, u, w):
+      axes = tuple(range(1, u.ndim)) if 'layers' in _names(path) else None
+      norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=axes,
+                                        keepdims=axes is not None))
+      w_norm, u_norm = norm(w), norm(u)
+      ratio = jnp.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+      return u * ratio.astype(u.dtype)
+    return jax.tree_util.tree_map_with_path(scale, updates, params), state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
 def lamb(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_decay: float
          ) -> optax.GradientTransformation:
   """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning: Training BERT in 76
   minutes", Algorithm 2) as its BERT runs apply it (the TensorFlow LAMB optimizer of those
   runs, exclude_from_layer_adaptation defaulting to exclude_from_weight_decay): Adam's
   bias-corrected step m^ / (sqrt(v^) + eps), plus weight_decay * w where decay_mask decays,
-  each such tensor's step then scaled by the trust ratio ||w|| / ||step|| (1 where either
-  norm is 0); LayerNorm parameters and biases take Adam's step with neither."""
+  each such tensor's step then scaled by its layer's trust ratio (scale_by_layer_trust_ratio);
+  LayerNorm parameters and biases take Adam's step with neither."""
   return optax.chain(
       optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
       optax.add_decayed_weights(weight_decay, decay_mask),
-      optax.masked(optax.scale_by_trust_ratio(), decay_mask),
+      optax.masked(scale_by_layer_trust_ratio(), decay_mask),
       optax.scale_by_learning_rate(schedule))
 
 

@@ -233,10 +233,21 @@ def _resumable(key: str) -> bool:
   return any(key == r or (r.endswith('.') and key.startswith(r)) for r in RESUMABLE)
 
 
+# Fields added since runs began, with the value that a config written before them stood
+# for: a stored config without the field is compared as if it held that value.
+ADDED_DEFAULTS = {'optimizer.name': 'adamw'}
+
+
+def _flat_pair(stored: dict, new: dict):
+  """Both configs flattened to dotted keys, the stored one with ADDED_DEFAULTS filled in."""
+  b = _flatten(new)
+  return {**{k: v for k, v in ADDED_DEFAULTS.items() if k in b}, **_flatten(stored)}, b
+
+
 def config_differences(stored: dict, new: dict):
   """(fields that may not change but did, fields that may change and did, fields the
-  stored config lacks), each a sorted list of dotted keys."""
-  a, b = _flatten(stored), _flatten(new)
+  stored config lacks), each a sorted list of dotted keys (ADDED_DEFAULTS filled in)."""
+  a, b = _flat_pair(stored, new)
   changed = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
   return ([k for k in changed if not _resumable(k)], [k for k in changed if _resumable(k)],
           sorted(b.keys() - a.keys()))
@@ -276,14 +287,14 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   if not has_checkpoint:
     return []
   if fixed:
-    a, b = _flatten(stored), _flatten(new)
+    a, b = _flat_pair(stored, new)
     shown = ', '.join(f'{k}: {a[k]!r} -> {b[k]!r}' for k in fixed)  # every one of them
     raise ValueError(
         f'{workdir} holds a checkpoint of another config ({len(fixed)} '
         f'field{"s" if len(fixed) > 1 else ""}): {shown}; resume with the '
         f'stored values (its config.json) or start a new --workdir')
   for k in allowed:
-    logging.info('resuming with %s changed: %r -> %r', k, _flatten(stored)[k],
+    logging.info('resuming with %s changed: %r -> %r', k, _flat_pair(stored, new)[0][k],
                  _flatten(new)[k])
   if added:
     logging.info('fields absent from the stored config (added since), taken as given: %s',
