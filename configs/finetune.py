@@ -21,7 +21,8 @@ SQuAD (`squad/v1.1`, `squad/v2.0`): data_dir holds train-v1.1.json and dev-v1.1.
 v2.0 files), empty means tfds `squad/<version>`. BERT's settings: lr 3e-5, batch 32,
 2 epochs, max_seq_length 384, doc_stride 128, max_query_length 64, n_best_size 20,
 max_answer_length 30. For v2.0 the null-score threshold is tuned on dev (best F1) unless
-null_score_diff_threshold is set.
+null_score_diff_threshold is set; exact and f1 score the predictions written with it,
+best_exact and best_f1 the official script's sweep.
 """
 
 import ml_collections

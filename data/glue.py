@@ -105,7 +105,8 @@ def read_tsv(task_name: str, data_dir: str, split: str,
   """Examples of one split from the official GLUE TSV files under data_dir/<Task>/.
 
   A row with too few columns is an error naming the file and line; with skip_malformed
-  such rows are skipped, counted and reported (GLUE's own QQP and MNLI files hold a few).
+  such rows are skipped, counted and reported (GLUE's own QQP and MNLI files hold a few;
+  fine-tuning skips training rows only).
   A bad label is an error naming the file and line.
   """
   task = get_task(task_name)
@@ -131,9 +132,11 @@ def read_tsv(task_name: str, data_dir: str, split: str,
     if len(row) >= width:
       return True
     if not skip_malformed:
+      how = ('fix the row, or set config.skip_malformed_rows=True to skip such rows'
+             if split == 'train' else 'fix the row (config.skip_malformed_rows skips training '
+             'rows only: a dev score or a test submission without the row would be wrong)')
       raise ValueError(f'{path}:{line}: {len(row)} columns where {width} are expected '
-                       f'({names}); fix the row, or set config.skip_malformed_rows=True to '
-                       f'skip such rows')
+                       f'({names}); {how}')
     skipped.append(line)
     return False
 

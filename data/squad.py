@@ -234,13 +234,13 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
   start_positions, end_positions) and one FeatureInfo per window."""
   if doc_stride <= 0:
     raise ValueError(f'doc_stride={doc_stride} must be positive')
-  max_window = max_seq_length - min(max_query_length, max_seq_length) - 3
-  if max_window <= 0:
+  if max_seq_length - min(max_query_length, max_seq_length) - 3 <= 0:
     raise ValueError(f'max_seq_length={max_seq_length} leaves no room for the context after '
                      f'max_query_length={max_query_length}; raise it or lower the other')
   rows, infos = [], []
   for example_index, ex in enumerate(examples):
     query = tokenizer.encode(ex.question)[:max_query_length]
+    max_window = max_seq_length - len(query) - 3  # run_squad's max_tokens_for_doc
     doc, sub_to_word, chars = _encode_context(ex, tokenizer)
     pieces_per_word = np.bincount(np.asarray(sub_to_word, np.int64), minlength=len(ex.words))
     word_to_sub = np.concatenate([[0], np.cumsum(pieces_per_word)[:-1]]).tolist()

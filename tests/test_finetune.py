@@ -88,6 +88,8 @@ def test_malformed_glue_rows_name_file_and_line(tmp_path, caplog):
   (rte / 'dev.tsv').write_text('index\tsentence1\tsentence2\tlabel\n1\tcut short\n')
   with pytest.raises(ValueError, match='RTE/dev.tsv holds no examples \\(every row was'):
     glue.read_tsv('rte', str(tmp_path), 'dev', skip_malformed=True)
+  with pytest.raises(ValueError, match=r'RTE/dev.tsv:2: 2 columns.*skips training rows only'):
+    glue.read_tsv('rte', str(tmp_path), 'dev')
 
 
 def test_featurize_pairs_truncates_the_longer_side():

@@ -49,20 +49,23 @@ def test_normalize_and_scores_follow_the_official_scripts():
 
 
 def test_v2_no_answer_handling_and_threshold_search():
-  golds = {'a': ['Paris'], 'b': [], 'c': ['', ' .'], 'd': ['blue sky']}  # c: no real answer
+  """evaluate-v2.0.py's rules: a question has an answer when answers are listed, even if
+  they all normalise to nothing (c), though it is then scored against '' alone."""
+  golds = {'a': ['Paris'], 'b': [], 'c': ['', ' .'], 'd': ['blue sky']}
   preds = {'a': 'Paris', 'b': '', 'c': 'London', 'd': 'sky'}
   out = fm.squad_v2(golds, preds)
   assert out['exact'] == pytest.approx(50.0)  # a, b right; c wrong; d partial
   assert out['f1'] == pytest.approx(100 * (1 + 1 + 0 + 2 / 3) / 4)
-  assert out['HasAns_exact'] == pytest.approx(50.0) and out['NoAns_exact'] == 50.0
-  # With no-answer scores, c (wrongly answered) is best abstained.
+  assert out['HasAns_exact'] == pytest.approx(100 / 3) and out['NoAns_exact'] == 100.0
+  assert fm.squad_v2(golds, dict(preds, c=''))['exact'] == pytest.approx(75.0)  # '' vs ['']
+  # With no-answer scores: abstaining is right on b alone (c lists answers).
   na = {'a': 0.1, 'b': 0.9, 'c': 0.5, 'd': 0.3}
   out = fm.squad_v2(golds, preds, na, na_prob_thresh=0.4)
-  assert out['exact'] == pytest.approx(75.0)  # b and c abstain (both right), a right, d wrong
-  # The sweep in na order: start at 2 (abstain on all); a +1 (at 0.1), d +0 / +2/3 (at 0.3),
-  # c -1, b 0: exact peaks first at 0.1, F1 at 0.3.
-  assert out['best_exact'] == pytest.approx(75.0) and out['best_exact_thresh'] == 0.1
-  assert out['best_f1'] == pytest.approx(100 * (3 + 2 / 3) / 4)
+  assert out['exact'] == pytest.approx(50.0)  # a right, b and c abstain (b right), d wrong
+  # The sweep in na order: start at 1 (abstain on all: b); a +1 (at 0.1), d +0 / +2/3
+  # (at 0.3), c +0, b 0: exact peaks first at 0.1, F1 at 0.3.
+  assert out['best_exact'] == pytest.approx(50.0) and out['best_exact_thresh'] == 0.1
+  assert out['best_f1'] == pytest.approx(100 * (2 + 2 / 3) / 4)
   assert out['best_f1_thresh'] == 0.3
 
 
@@ -81,6 +84,16 @@ def test_every_window_maps_its_answer_back_to_the_exact_text(version, tok):
   feats, infos = squad.featurize(examples, tok, max_seq_length=48, doc_stride=16,
                                  max_query_length=12, training=True)
   assert len(infos) > 3 * len(examples)  # several windows per context
+  # run_squad's windows: the length left after this question ([CLS] q [SEP] ... [SEP]), so
+  # every window but an example's last fills max_seq_length, questions shorter than
+  # max_query_length included
+  wide, wide_infos = squad.featurize(examples, tok, max_seq_length=64, doc_stride=16,
+                                     max_query_length=40, training=False)
+  firsts = [f for f, info in enumerate(wide_infos) if f + 1 < len(wide_infos) and
+            wide_infos[f + 1].example_index == info.example_index]
+  assert max(len(tok.encode(examples[wide_infos[f].example_index].question))
+             for f in firsts) < 40
+  np.testing.assert_array_equal(wide['attention_mask'][firsts].sum(1), 64)
   found = set()
   for f, info in enumerate(infos):
     ex = examples[info.example_index]
@@ -177,6 +190,10 @@ def test_squad_v2_end_to_end(pretrained, tmp_path):
   assert set(answers) == {ex.qid for ex in _examples(version)}
   assert 0.0 <= metrics['f1'] <= metrics['best_f1'] <= 100.0
   assert summary['headline'] == metrics['best_f1'] and metrics['total'] == len(answers)
+  # exact and f1 are what the official script gives the written predictions.json
+  written = fm.squad_v2({ex.qid: ex.answers for ex in _examples(version)}, answers)
+  for key in ('exact', 'f1', 'HasAns_f1'):
+    assert metrics[key] == pytest.approx(written[key]), key
   null_odds = json.load(open(os.path.join(workdir, 'predictions', 'null_odds.json')))
   assert set(null_odds) == set(answers)
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]

@@ -58,8 +58,8 @@ class GlueTask(FinetuneTask):
     if self.config.data_dir.startswith('hf:'):
       return glue.read_hf(task, split, self.config.data_dir[len('hf:'):])
     if self.config.data_dir:
-      return glue.read_tsv(task, self.config.data_dir, split,
-                           skip_malformed=self.config.skip_malformed_rows)
+      return glue.read_tsv(task, self.config.data_dir, split,  # dev/test: every row counts
+                           skip_malformed=self.config.skip_malformed_rows and split == 'train')
     return glue.read_tfds(task, split, self.config.tfds_data_dir)
 
   def build(self, spec):

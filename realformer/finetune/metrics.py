@@ -106,8 +106,8 @@ def squad_v2(golds: Dict[str, List[str]], predictions: Dict[str, str],
   HasAns_/NoAns_ breakdowns and, with na_probs, best_exact/best_f1 and their thresholds."""
   has_answer, exact, f1 = {}, {}, {}
   for qid, answers in golds.items():
+    has_answer[qid] = bool(answers)  # as the script: a listed answer, even one normalised away
     answers = [a for a in answers if normalize_answer(a)] or ['']
-    has_answer[qid] = answers != ['']
     if qid not in predictions:
       continue
     exact[qid] = max(exact_match(predictions[qid], a) for a in answers)

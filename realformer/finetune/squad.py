@@ -81,16 +81,19 @@ class SquadTask(FinetuneTask):
     if not self.version_2:
       self.answers, self.null_diff = answers, {}
       return {'squad': finetune_metrics.squad_v1(golds, answers)}
-    metrics = finetune_metrics.squad_v2(golds, answers, null_diff)
+    # best_exact/best_f1: the official script's sweep of the null threshold over the raw
+    # answers (tuned on dev, as BERT reports v2.0); exact, f1 and their HasAns/NoAns parts:
+    # the answers written to predictions.json, null where null_diff exceeds the threshold
+    # (null_score_diff_threshold, else best_f1's), as the script scores that file.
+    swept = finetune_metrics.squad_v2(golds, answers, null_diff)
     threshold = c.null_score_diff_threshold
     if threshold is None:
-      threshold = metrics['best_f1_thresh']
+      threshold = swept['best_f1_thresh']
     self.answers = squad.apply_null_threshold(answers, null_diff, threshold)
     self.null_diff = null_diff
-    metrics['null_score_diff_threshold'] = float(threshold)
-    if c.null_score_diff_threshold is not None:
-      metrics.update({f'thresholded_{k}': v for k, v in finetune_metrics.squad_v2(
-          golds, self.answers).items() if k in ('exact', 'f1')})
+    metrics = finetune_metrics.squad_v2(golds, self.answers)
+    metrics.update({k: v for k, v in swept.items() if k.startswith('best_')},
+                   null_score_diff_threshold=float(threshold))
     return {'squad': metrics}
 
   def write_predictions(self, outputs, results, out_dir: str):
