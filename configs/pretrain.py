@@ -128,10 +128,17 @@ def get_config(arg: str = 'postln,tiny'):
   # 'tfds:<name>[:<split>]' (e.g. tfds:wikipedia/20230601.en), several joined by ';'.
   c.data = ml_collections.ConfigDict()
   c.data.sources = 'embedded'
-  c.data.weights = ''  # mixing weights, ';'-joined like `sources` ('' = proportional)
+  # How the sources interleave, ';'-joined like `sources` ('' = proportional to size): each
+  # next document comes from a source drawn with these weights until every source is used
+  # up, so every document is used once whatever the weights (0 leaves a source out; list a
+  # source twice to use it twice). The order decides which documents share a block.
+  c.data.weights = ''
   c.data.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
   c.data.tfds_text_feature = 'text'  # the tfds feature holding the text (paragraphs at newlines)
   c.data.hf_text_column = 'text'  # the same for hf:<dataset> sources
+  # hf: sources: consecutive rows joined into one document (a sentence-per-row corpus, such
+  # as BookCorpus's copies on the hub, needs many: NSP's next sentences come from within one)
+  c.data.hf_rows_per_document = 1
   # Processes per host that prepare the shards (each tokenises its share of the documents;
   # the result is the same for any number): raise it to the host's cores for a big corpus.
   c.data.prepare_workers = 1

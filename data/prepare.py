@@ -6,7 +6,7 @@ r"""Prepares pretraining instances once, streaming, into array_record shards.
       --config.data.tokenizer=/data/wiki_30k.model --out_dir /mnt/bucket/prepared
   python -m data.prepare --config configs/pretrain.py:postln,base \
       --config.data.sources='hf:wikimedia/wikipedia:20231101.en;hf:rojagtap/bookcorpus' \
-      --config.data.weights='3;1' --out_dir /data/prepared
+      --config.data.hf_rows_per_document=100 --out_dir /data/prepared
 
 train.py calls the same code on first start (into <workdir>/data unless
 config.data.prepared_dir is set). Writes train-XXXXX-of-NNNNN and eval-XXXXX-of-NNNNN
@@ -80,11 +80,15 @@ def fingerprint(config) -> dict:
           'num_shards': d.num_shards, 'seed': config.seed,
           'document_window': d.get('document_window', 1000),  # the blocks' layout
           **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {}),
+          **({'hf_rows_per_document': rows} if 'hf:' in d.sources and
+             (rows := d.get('hf_rows_per_document', 1)) != 1 else {}),
           **({'files': files} if (files := sources.files_signature(d.sources)) else {})}
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
-  """A fixed, seed-independent share of documents is held out (hash of the index)."""
+  """A fixed share of documents is held out: a hash of the document's index in the stream,
+  the same for every seed while the order of the stream is (with data.weights the sources
+  interleave in an order drawn from config.seed, so the held-out documents follow it)."""
   return (zlib.crc32(str(index).encode()) % 1_000_000) < eval_fraction * 1_000_000
 
 
@@ -377,6 +381,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
                                   weights=d.weights, seed=config.seed,
                                   tfds_text_feature=d.get('tfds_text_feature', 'text'),
                                   hf_text_column=d.get('hf_text_column', 'text'),
+                                  hf_rows_per_document=d.get('hf_rows_per_document', 1),
                                   lazy=True)  # sentences split only in the owned blocks
     writers = ShardWriters(out, split, per_worker, d.get('records_per_file', 65536))
     n = 0
@@ -590,6 +595,13 @@ def _metadata(config, tokenizer, counts, files, stats, file_records, workers: in
                     'that same document and eval NSP accuracy means nothing; raise '
                     'data.eval_fraction (now %g) to hold out at least two documents',
                     d.eval_fraction)
+  single, documents = stats['train/single_sentence_documents'], stats['train/documents']
+  if documents and single > documents / 2:
+    logging.warning('%d of the %d training documents hold one sentence, so all their '
+                    'instances are random next (NSP label 1) with a one-sentence B; a source '
+                    'with a sentence per row (hf:) needs config.data.hf_rows_per_document > 1, '
+                    'and files a blank line between documents, not between sentences',
+                    single, documents)
   # Each split's pass reads every file: the count of one pass is the corpus's.
   undecodable = max(stats['train/non_utf8_lines'], stats['eval/non_utf8_lines'])
   if undecodable:

@@ -11,18 +11,28 @@ Instances follow google-research/bert's create_pretraining_data.py:
   - the pair is truncated to max_seq_length - 3 tokens, one token at a time from the longer
     side, from its front or back at random;
   - the example is [CLS] A [SEP] B [SEP] with segment ids 0 for [CLS] A [SEP] and 1 after.
-One deviation, forced by streaming: the random other document is drawn from a bounded set of
-neighbouring documents instead of the whole corpus, so memory does not grow with the corpus:
-data/prepare.py cuts the stream into blocks of config.data.document_window documents (default
-1000) and draws from the other documents of the same block (`block_instances`;
-`stream_instances` is the sliding-window form). Sources that keep related documents together
-therefore draw random-next segments from nearby documents; 1000 keeps them varied.
-
 Masking (`Masker`): masked_lm_prob of the tokens (at least one, at most
 max_predictions_per_seq), never [CLS], [SEP] or [PAD] (no special token); each chosen token
 becomes [MASK] 80% of the time, a random non-special token 10%, itself 10%. With whole-word
 masking a word's pieces are chosen together (a piece whose `word_start_mask` is False
 continues the word before it).
+
+Where this differs from google-research/bert, on purpose:
+  - the random other document is drawn from a bounded set of neighbouring documents instead
+    of the whole corpus, so memory does not grow with the corpus: data/prepare.py cuts the
+    stream into blocks of config.data.document_window documents (default 1000) and draws
+    from the other documents of the same block (`block_instances`; `stream_instances` is
+    the sliding-window form), so sources that keep related documents together draw
+    random-next segments from nearby documents; 1000 keeps them varied;
+  - masks are drawn anew every epoch (RoBERTa's dynamic masking) instead of once per
+    duplicate at preparation, so config.data.dupe_factor defaults to 1 (BERT: 10, for ten
+    static maskings): the sentence pairs then repeat every epoch, their masks do not;
+  - [UNK] is never masked and a random replacement is never a special token (BERT skips
+    only [CLS] and [SEP], and may draw any vocabulary entry);
+  - whole-word masking with a sentencepiece vocabulary groups the pieces of a
+    whitespace-separated word (`Tokenizer.word_start_mask`: punctuation joins its word),
+    where BERT's WordPiece groups split punctuation apart; a WordPiece vocabulary
+    (data.tokenizer --model_type wordpiece) groups as BERT does.
 """
 
 import collections

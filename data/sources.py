@@ -20,7 +20,11 @@
                                   rows); <dataset> may also be a local directory
                                   (parquet/json/csv files, or one written by save_to_disk).
                                   Each row's text column ('text' unless config.data.
-                                  hf_text_column says) is one document, split like tfds's
+                                  hf_text_column says) is one document, split like tfds's;
+                                  a corpus with a sentence per row (BookCorpus's copies on
+                                  the hub) needs config.data.hf_rows_per_document > 1, so
+                                  that consecutive rows make a document and next-sentence
+                                  pairs exist
 
 Every source streams a document (a list of sentence strings) at a time, so memory does not
 grow with the corpus. What is skipped is counted in `stats` (a collections.Counter):
@@ -347,7 +351,8 @@ def _hf_parts(spec: str) -> Tuple[str, str, str]:
   return name, rest[0] if rest else '', ':'.join(rest[1:])
 
 
-def _hf_stream(spec: str, text_column: str, stats: collections.Counter) -> _Stream:
+def _hf_stream(spec: str, text_column: str, stats: collections.Counter,
+               rows_per_document: int = 1) -> _Stream:
   name, config, split = _hf_parts(spec)
   ds = load_hf(name, config, split or 'train')
   columns = ds.column_names or list(getattr(ds, 'features', None) or {})
@@ -367,17 +372,24 @@ def _hf_stream(spec: str, text_column: str, stats: collections.Counter) -> _Stre
                rows.stop - (rows.start or 0) if rows.stop is not None else 0)
 
   def texts():
+    group = []
     for row in ds:
       if text_column not in row:  # a streamed dataset whose columns were not known ahead
         raise ValueError(f'Hugging Face dataset hf:{spec} has no column {text_column!r} (its '
                          f'rows have {sorted(row)}); name its text column with '
                          'config.data.hf_text_column')
-      yield row[text_column]
-  yield from _text_documents(texts(), total, stats)
+      group.append(row[text_column] or '')
+      if len(group) == rows_per_document:  # consecutive rows, one per line: a document
+        yield '\n'.join(t for t in group if t.strip())
+        group = []
+    if group:
+      yield '\n'.join(t for t in group if t.strip())
+  yield from _text_documents(texts(), -(-total // rows_per_document), stats)
 
 
 def _stream(spec: str, tfds_data_dir: Optional[str], tfds_text_feature: str,
-            stats: collections.Counter, hf_text_column: str = 'text') -> _Stream:
+            stats: collections.Counter, hf_text_column: str = 'text',
+            hf_rows_per_document: int = 1) -> _Stream:
   if spec == 'embedded':
     return _file_stream(EMBEDDED_CORPUS, stats)
   if spec.startswith('files:'):
@@ -385,7 +397,7 @@ def _stream(spec: str, tfds_data_dir: Optional[str], tfds_text_feature: str,
   if spec.startswith('tfds:'):
     return _tfds_stream(spec[len('tfds:'):], tfds_data_dir, tfds_text_feature, stats)
   if spec.startswith('hf:'):
-    return _hf_stream(spec[len('hf:'):], hf_text_column, stats)
+    return _hf_stream(spec[len('hf:'):], hf_text_column, stats, hf_rows_per_document)
   raise ValueError(f'unknown data source {spec!r} in config.data.sources; {_SOURCES_HELP}')
 
 
@@ -458,7 +470,8 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
                    stats: Optional[collections.Counter] = None,
                    weights: Union[str, Sequence[float], None] = None, seed: int = 0,
                    tfds_text_feature: str = 'text',
-                   hf_text_column: str = 'text', lazy: bool = False) -> Iterator[List[str]]:
+                   hf_text_column: str = 'text', hf_rows_per_document: int = 1,
+                   lazy: bool = False) -> Iterator[List[str]]:
   """Yields the documents (lists of sentences) of `config.data.sources`, streaming; with
   lazy=True, the documents of tfds and hf sources as Unsplit texts (`sentences(doc)` splits
   one), the same documents in the same order.
@@ -475,8 +488,11 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
   if not specs:
     raise ValueError(f'config.data.sources is empty; {_SOURCES_HELP}')
   probs = parse_weights(weights, len(specs))
-  streams = [_stream(s, tfds_data_dir, tfds_text_feature, stats, hf_text_column)
-             for s in specs]
+  if hf_rows_per_document < 1:
+    raise ValueError(f'config.data.hf_rows_per_document={hf_rows_per_document}: give a '
+                     'positive number of rows')
+  streams = [_stream(s, tfds_data_dir, tfds_text_feature, stats, hf_text_column,
+                     hf_rows_per_document) for s in specs]
   rng = np.random.default_rng(seed)
   progress = [0.0] * len(streams)
   live = [i for i in range(len(streams)) if probs is None or probs[i] > 0]

@@ -52,10 +52,15 @@ def check_counts(tc) -> None:
 
 
 def check_lengths(config) -> None:
+  """The lengths and groupings that shape the prepared instances."""
   if config.data.max_seq_length > config.model.max_len:
     raise ValueError(f'data.max_seq_length={config.data.max_seq_length} exceeds the model\'s '
                      f'positions (model.max_len={config.model.max_len}); lower the first or '
                      'raise the second')
+  rows = config.data.get('hf_rows_per_document', 1)
+  if rows < 1:
+    raise ValueError(f'data.hf_rows_per_document={rows}: give a positive number of rows '
+                     '(1: each row is a document)')
 
 
 def check_masking(data) -> None:
@@ -65,6 +70,14 @@ def check_masking(data) -> None:
   if int(data.max_predictions_per_seq) < 1:
     raise ValueError(f'data.max_predictions_per_seq={data.max_predictions_per_seq}: give at '
                      'least 1 (BERT: 20 at length 128, 80 at 512)')
+  wanted = round(int(data.max_seq_length) * float(data.masked_lm_prob))
+  if int(data.max_predictions_per_seq) < wanted:
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.warning('data.max_predictions_per_seq=%d caps the masked tokens of a full '
+                    'sequence at %.1f%% instead of masked_lm_prob=%g (%d of %d); BERT uses 20 '
+                    'at length 128 and 80 at 512', data.max_predictions_per_seq,
+                    100 * int(data.max_predictions_per_seq) / int(data.max_seq_length),
+                    data.masked_lm_prob, wanted, data.max_seq_length)
 
 
 def check_config(config) -> None:

@@ -23,6 +23,7 @@ import pytest
 from configs import pretrain
 from data import pipeline
 from data import prepare
+from data import pretraining
 from data import sources
 from data import tokenizer as tokenizer_lib
 
@@ -155,6 +156,37 @@ def test_an_eval_split_of_one_document_is_flagged(corpus, tmp_path, caplog):
                                str(tmp_path / str(fraction)))
     assert metadata['stats']['eval/documents'] == (1 if warned else 2)
     assert ('eval NSP accuracy means nothing' in caplog.text) == warned
+
+
+def test_a_sentence_per_row_source_is_flagged_and_rows_make_documents(tmp_path, caplog):
+  """A Hugging Face corpus of one sentence per row (BookCorpus's copies on the hub): each row
+  a document gives only random-next pairs, and preparing says so; with
+  data.hf_rows_per_document consecutive rows make documents and true next sentences exist."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  rows = list(itertools.islice(itertools.chain.from_iterable(
+      sources.iter_documents('embedded')), 400))
+  saved = tmp_path / 'rows'
+  datasets.DatasetDict({'train': datasets.Dataset.from_dict({'text': rows})}).save_to_disk(
+      str(saved))
+  labels = {}
+  for per_document in (1, 20):
+    caplog.clear()
+    config = tiny_config(f'{tmp_path}/unused', hf_rows_per_document=per_document,
+                         max_seq_length=128, max_predictions_per_seq=20)  # several sentences
+    config.data.sources = f'hf:{saved}'
+    out = str(tmp_path / f'prepared{per_document}')
+    metadata = prepare.prepare(config, out)
+    assert ('hold one sentence, so all their instances are random next' in caplog.text) == (
+        per_document == 1)
+    assert metadata['stats']['train/documents'] + metadata['stats']['eval/documents'] == (
+        400 // per_document)
+    assert metadata['fingerprint'].get('hf_rows_per_document', 1) == per_document
+    labels[per_document] = [pretraining.Instance.from_bytes(r).is_random_next
+                            for r in _records(out, metadata)['train']]
+  assert all(labels[1]) and 0.3 < np.mean(labels[20]) < 0.7
+  with pytest.raises(ValueError, match='hf_rows_per_document=0: give a positive number'):
+    config.data.hf_rows_per_document = 0
+    prepare.prepare(config, str(tmp_path / 'zero'))
 
 
 def test_hosts_wait_for_process_zero_and_finished_preparations_are_kept(
