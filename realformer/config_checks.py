@@ -49,6 +49,9 @@ def check_counts(tc) -> None:
   if int(tc.batch_size) < 1:
     raise ValueError(f'train.batch_size={tc.batch_size}: give a positive number of examples '
                      '(the global batch, over all hosts)')
+  if int(tc.get('keep_checkpoints', 1)) < 1:
+    raise ValueError(f'train.keep_checkpoints={tc.keep_checkpoints}: keep at least 1 (the '
+                     'newest is the one a resume needs; a large number keeps them all)')
 
 
 def check_lengths(config) -> None:

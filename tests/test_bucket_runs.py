@@ -43,6 +43,7 @@ from realformer.train import checkpoints
 from realformer.train import compile_cache
 from realformer.train import machine
 from realformer.train import metrics as metrics_lib
+from realformer.train import trainer
 from tests import test_compile_cache
 from tests import test_finetune
 from tests import test_pipeline
@@ -265,6 +266,19 @@ def test_data_prepared_into_a_bucket_by_workers_on_hosts_matches_a_local_prepara
         config.data, tok, local, global_batch_size=6, seed=0, process_index=index,
         process_count=3))['input_ids']) == 2
   assert max(map(len, shares)) < len(names) - 2  # (records past the last full share: no host)
+
+
+def test_a_diverged_run_in_a_bucket_keeps_its_log_up_to_the_divergence(server):
+  """The log's last lines wait in the local spool between uploads: a run stopped by a
+  non-finite loss uploads them on its way out (the losses before a divergence)."""
+  url = f'{server.root}/diverged'
+  c = tiny_config(num_steps=30, checkpoint_every_steps=1000)
+  c.optimizer.learning_rate, c.optimizer.clip_norm = 1e12, 0.0
+  with pytest.raises(trainer.NonFiniteLossError) as e:
+    train.train_and_evaluate(c, url)
+  bad_step = int(str(e.value).split(' at step ')[1].split(';')[0])
+  lines = (storage.path(url) / 'metrics.jsonl').read_text().splitlines()
+  assert bad_step > 1 and [json.loads(l)['step'] for l in lines] == list(range(1, bad_step))
 
 
 @pytest.fixture(scope='module')

@@ -49,6 +49,18 @@ def losses(workdir, split='train', key='loss'):
   return {s: r[key] for s, r in sorted(records.items()) if key in r}
 
 
+def test_an_evaluation_between_logs_keeps_the_steps_before_it_in_the_next_log(tmp_path):
+  """Logging every 4 steps and evaluating at step 6: the log at step 8 averages steps 5 to 8,
+  as in a run that evaluates only at its logs (evaluation changes no training)."""
+  logs = {}
+  for name, every in (('eval6', 6), ('eval8', 8)):
+    c = tiny_config(num_steps=8, log_every_steps=4, eval_every_steps=every, eval_steps=1)
+    train.train_and_evaluate(c, str(tmp_path / name))
+    logs[name] = losses(str(tmp_path / name))
+    assert set(logs[name]) == {4, 8}
+  assert logs['eval6'] == logs['eval8']
+
+
 def test_sharded_and_accumulated_runs_equal_single_device(tmp_path):
   """1 device == 8 devices as data x fsdp (with 2 microbatches) == data x tensor."""
   runs = {'single': ({'data': 1, 'fsdp': 1, 'tensor': 1}, 1, jax.devices()[:1]),

@@ -299,6 +299,8 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
      'train.log_every_steps=0: give a positive number of steps'),
     (['train.py', '--workdir', '{tmp}/w', '--config.train.num_steps=-3'],
      'train.num_steps=-3: give a positive number of steps'),
+    (['train.py', '--workdir', '{tmp}/w', '--config.train.keep_checkpoints=0'],
+     'train.keep_checkpoints=0: keep at least 1'),
     (['finetune.py', '--workdir', '{tmp}/ft', '--config.log_every_steps=0'],
      'config.log_every_steps=0: give a positive number'),
     (['study.py', '--root', '{tmp}/st', '--seeds', 'abc'], "flag --seeds=abc: invalid literal for int()"),

@@ -95,6 +95,8 @@ class Cadence:
         raise ValueError(f'{name}={getattr(self, name)}: give a positive number of steps')
     if self.eval_every < 0:
       raise ValueError(f'eval_every={self.eval_every}: give a number of steps (0: never)')
+    if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+      raise ValueError(f'keep_checkpoints={self.keep_checkpoints}: keep at least 1 (None: all)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +355,7 @@ class Trainer:
         raise ValueError(f'{run} holds a checkpoint at step {latest}, past '
                          f'{c.steps_setting}={c.num_steps // c.steps_per_unit}; give '
                          f'{c.steps_setting} >= {-(-latest // c.steps_per_unit)} '
-                         '(a run may be extended on resume, not shortened)')
+                         '(a run may be shortened on resume, down to its newest checkpoint)')
       logging.info('resuming from step %d (%s)', latest, manager.directory / str(latest))
       tree, data = checkpoints.restore(manager, latest, task.abstract.to_checkpoint(),
                                        task.data_checkpoint_args('restore'))
@@ -409,6 +411,12 @@ class Trainer:
         self.manager.wait_until_finished()
         summary = self._finish(preempted)
         compile_cache.log_stats('the run')  # the background compiles and predictions too
+    except BaseException:
+      # The logs so far are kept (in a bucket, the lines not yet uploaded are the ones
+      # before a divergence); the error raised stays the one reported.
+      with contextlib.suppress(Exception):
+        self.writer.close()
+      raise
     finally:
       task.close()
     self.manager.close()
@@ -466,8 +474,9 @@ class Trainer:
           self._save(step)
         if stopping:
           return step
-        if evaluating:  # evaluation is not training time
-          window, self.period_start = Window(), time.time()
+        if evaluating:  # evaluation is not training time (the window's metrics stay)
+          window.restart_clock()
+          self.period_start = time.time()
     return None
 
   def _check_finite(self, step: int, step_metrics):

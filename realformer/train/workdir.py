@@ -54,7 +54,8 @@ RESUMABLE = (
     'train.grad_accum_steps',     # the same gradient in fewer or more microbatches
     'mesh.',                      # checkpoints are restored into any sharding
     'model.remat_policy', 'model.fused_attention', 'model.dense_impl',  # how, not what
-    'data.read_threads', 'data.worker_count', 'data.prepared_dir', 'data.prepare_workers',
+    'data.read_threads', 'data.prepared_dir', 'data.prepare_workers',  # (not worker_count:
+    # grain's saved iterator state holds its workers' positions)
     # fine-tuning (finetune.py)
     'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
     # how later batches are padded (a resumed run refuses a change in mid-epoch: the epoch's
