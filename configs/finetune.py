@@ -47,8 +47,9 @@ def get_config(arg: str = 'glue/sst2'):
   c.from_scratch = False
   c.tokenizer = ''  # with a config file: the sentencepiece model ('' = that config's)
   c.data_dir = ''
-  # GLUE TSV rows with too few columns are an error naming file and line; True skips them
-  # and reports how many (the official QQP and MNLI files hold a few).
+  # GLUE TSV rows with too few columns are an error naming file and line; True skips those
+  # of train.tsv and reports how many (the official QQP and MNLI files hold a few); dev and
+  # test rows are never skipped (a score or a submission without them would be wrong).
   c.skip_malformed_rows = False
   c.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
   c.max_seq_length = 384 if squad else 128

@@ -137,8 +137,9 @@ def get_config(arg: str = 'postln,tiny'):
   c.data.tfds_text_feature = 'text'  # the tfds feature holding the text (paragraphs at newlines)
   c.data.hf_text_column = 'text'  # the same for hf:<dataset> sources
   # hf: sources: consecutive rows joined into one document (a sentence-per-row corpus, such
-  # as BookCorpus's copies on the hub, needs many: NSP's next sentences come from within one)
-  c.data.hf_rows_per_document = 1
+  # as BookCorpus's copies on the hub, needs many: NSP's next sentences come from within one);
+  # one number for every source, or ';'-joined per source like weights, e.g. '1;100'
+  c.data.hf_rows_per_document = '1'
   # Processes per host that prepare the shards (each tokenises its share of the documents;
   # the result is the same for any number): raise it to the host's cores for a big corpus.
   c.data.prepare_workers = 1

@@ -185,12 +185,13 @@ def iterator_checkpoint_args(it, mode: str):
 
 
 def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
-                    reader: Optional[Tuple[int, int]] = None) -> str:
+                    reader: Optional[Tuple[int, int]] = None,
+                    splits: Tuple[str, ...] = prepare_lib.SPLITS) -> str:
   """Prepares the shards once (every host its share; process 0 gathers them and writes
   metadata.json, the others wait for it) and returns the local folder to read them from:
   the prepared folder itself, or for a bucket (gs://) this host's copy of the files that
-  hold the share of each split that `reader`, (process index, process count), reads: by
-  default this process's (host_files; every file for a preparation that did not count
+  hold the share of each of `splits` that `reader`, (process index, process count), reads:
+  by default this process's (host_files; every file for a preparation that did not count
   each file's records), checked against the bucket (storage.local_copy).
 
   An existing preparation made with other settings is a clear error, never silently reused.
@@ -219,7 +220,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
     return prepared_dir
   reader = reader or (jax.process_index(), jax.process_count())
   names = [prepare_lib.METADATA]
-  for split in prepare_lib.SPLITS:
+  for split in splits:
     num_files = found.get('files', {}).get(split, found['fingerprint']['num_shards'])
     paths = prepare_lib.shard_paths(prepared_dir, split, num_files)
     share = host_files(found, split, *reader)

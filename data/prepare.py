@@ -6,7 +6,7 @@ r"""Prepares pretraining instances once, streaming, into array_record shards.
       --config.data.tokenizer=/data/wiki_30k.model --out_dir /mnt/bucket/prepared
   python -m data.prepare --config configs/pretrain.py:postln,base \
       --config.data.sources='hf:wikimedia/wikipedia:20231101.en;hf:rojagtap/bookcorpus' \
-      --config.data.hf_rows_per_document=100 --out_dir /data/prepared
+      --config.data.hf_rows_per_document='1;100' --out_dir /data/prepared
 
 train.py calls the same code on first start (into <workdir>/data unless
 config.data.prepared_dir is set). Writes train-XXXXX-of-NNNNN and eval-XXXXX-of-NNNNN
@@ -71,17 +71,23 @@ METADATA = 'metadata.json'
 SPLITS = ('train', 'eval')
 
 
+# Fingerprint keys present only when they differ from these values.
+FINGERPRINT_DEFAULTS = {'hf_rows_per_document': '1'}
+
+
 def fingerprint(config) -> dict:
   """The settings that determine the prepared instances (masking is not among them)."""
   d = config.data
+  specs = [s.strip() for s in d.sources.split(';') if s.strip()]
+  rows = config_checks.rows_per_document(d.get('hf_rows_per_document', '1'), d.sources)
+  grouped = any(r != 1 and s.startswith('hf:') for s, r in zip(specs, rows))
   return {'sources': d.sources, 'weights': d.weights, 'tokenizer': d.tokenizer or 'embedded',
           'max_seq_length': d.max_seq_length, 'short_seq_prob': d.short_seq_prob,
           'dupe_factor': d.dupe_factor, 'eval_fraction': d.eval_fraction,
           'num_shards': d.num_shards, 'seed': config.seed,
           'document_window': d.get('document_window', 1000),  # the blocks' layout
           **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {}),
-          **({'hf_rows_per_document': rows} if 'hf:' in d.sources and
-             (rows := d.get('hf_rows_per_document', 1)) != 1 else {}),
+          **({'hf_rows_per_document': ';'.join(map(str, rows))} if grouped else {}),
           **({'files': files} if (files := sources.files_signature(d.sources)) else {})}
 
 
@@ -381,7 +387,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
                                   weights=d.weights, seed=config.seed,
                                   tfds_text_feature=d.get('tfds_text_feature', 'text'),
                                   hf_text_column=d.get('hf_text_column', 'text'),
-                                  hf_rows_per_document=d.get('hf_rows_per_document', 1),
+                                  hf_rows_per_document=d.get('hf_rows_per_document', '1'),
                                   lazy=True)  # sentences split only in the owned blocks
     writers = ShardWriters(out, split, per_worker, d.get('records_per_file', 65536))
     n = 0
@@ -628,9 +634,11 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
   metadata = json.loads(path.read_text())
   if config is None:
     return metadata
-  have = metadata['fingerprint']
-  # Keys added to the fingerprint since a preparation was made are not held against it.
-  want = {k: v for k, v in fingerprint(config).items() if k in have}
+  # Keys written only when they differ from their default stand for it when absent; other
+  # keys added to the fingerprint since a preparation was made are not held against it.
+  have = {**FINGERPRINT_DEFAULTS, **metadata['fingerprint']}
+  want = {**FINGERPRINT_DEFAULTS,
+          **{k: v for k, v in fingerprint(config).items() if k in have}}
   if 'files' in have and 'files' not in want:  # the raw corpus is not on this machine
     logging.warning('the corpus files of %s are not here (config.data.sources=%r matches '
                     'none): using the prepared data without checking them against it',

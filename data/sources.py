@@ -22,9 +22,11 @@
                                   Each row's text column ('text' unless config.data.
                                   hf_text_column says) is one document, split like tfds's;
                                   a corpus with a sentence per row (BookCorpus's copies on
-                                  the hub) needs config.data.hf_rows_per_document > 1, so
-                                  that consecutive rows make a document and next-sentence
-                                  pairs exist
+                                  the hub) needs config.data.hf_rows_per_document > 1 (one
+                                  number for every hf: source, or one per source like
+                                  weights), so that consecutive rows make a document and
+                                  next-sentence pairs exist (the groups ignore the corpus's
+                                  own boundaries, such as books)
 
 Every source streams a document (a list of sentence strings) at a time, so memory does not
 grow with the corpus. What is skipped is counted in `stats` (a collections.Counter):
@@ -48,6 +50,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from realformer import config_checks
 from realformer import storage
 
 EMBEDDED_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'embedded',
@@ -470,7 +473,7 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
                    stats: Optional[collections.Counter] = None,
                    weights: Union[str, Sequence[float], None] = None, seed: int = 0,
                    tfds_text_feature: str = 'text',
-                   hf_text_column: str = 'text', hf_rows_per_document: int = 1,
+                   hf_text_column: str = 'text', hf_rows_per_document: Union[int, str] = 1,
                    lazy: bool = False) -> Iterator[List[str]]:
   """Yields the documents (lists of sentences) of `config.data.sources`, streaming; with
   lazy=True, the documents of tfds and hf sources as Unsplit texts (`sentences(doc)` splits
@@ -488,11 +491,9 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
   if not specs:
     raise ValueError(f'config.data.sources is empty; {_SOURCES_HELP}')
   probs = parse_weights(weights, len(specs))
-  if hf_rows_per_document < 1:
-    raise ValueError(f'config.data.hf_rows_per_document={hf_rows_per_document}: give a '
-                     'positive number of rows')
-  streams = [_stream(s, tfds_data_dir, tfds_text_feature, stats, hf_text_column,
-                     hf_rows_per_document) for s in specs]
+  rows = config_checks.rows_per_document(hf_rows_per_document, sources)
+  streams = [_stream(s, tfds_data_dir, tfds_text_feature, stats, hf_text_column, r)
+             for s, r in zip(specs, rows)]
   rng = np.random.default_rng(seed)
   progress = [0.0] * len(streams)
   live = [i for i in range(len(streams)) if probs is None or probs[i] > 0]

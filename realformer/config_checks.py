@@ -1,9 +1,12 @@
-"""What a pretraining config alone shows to be wrong, as one-line ValueErrors naming the fix.
+"""What a config alone shows to be wrong, as one-line ValueErrors naming the fix (and the
+settings that are allowed but probably not meant, as warnings).
 
 train.py checks a config with `check_config` before anything is prepared, compiled or
 written; sweep.py checks every run's config before the first run starts; data.prepare checks
 the lengths. No jax at import (data preparation's worker processes import this).
 """
+
+from typing import List
 
 
 def warmup_steps(opt_config, num_steps: int) -> int:
@@ -49,9 +52,9 @@ def check_counts(tc) -> None:
   if int(tc.batch_size) < 1:
     raise ValueError(f'train.batch_size={tc.batch_size}: give a positive number of examples '
                      '(the global batch, over all hosts)')
-  if int(tc.get('keep_checkpoints', 1)) < 1:
+  if tc.get('keep_checkpoints', 1) is not None and int(tc.keep_checkpoints) < 1:
     raise ValueError(f'train.keep_checkpoints={tc.keep_checkpoints}: keep at least 1 (the '
-                     'newest is the one a resume needs; a large number keeps them all)')
+                     'newest is the one a resume needs)')
 
 
 def check_lengths(config) -> None:
@@ -60,10 +63,25 @@ def check_lengths(config) -> None:
     raise ValueError(f'data.max_seq_length={config.data.max_seq_length} exceeds the model\'s '
                      f'positions (model.max_len={config.model.max_len}); lower the first or '
                      'raise the second')
-  rows = config.data.get('hf_rows_per_document', 1)
-  if rows < 1:
-    raise ValueError(f'data.hf_rows_per_document={rows}: give a positive number of rows '
-                     '(1: each row is a document)')
+  rows_per_document(config.data.get('hf_rows_per_document', '1'), config.data.sources)
+
+
+def rows_per_document(value, sources: str) -> List[int]:
+  """data.hf_rows_per_document for each of data.sources (';'-joined): one number for every
+  source, or one per source like data.weights; only hf: sources read theirs."""
+  n = len([s for s in str(sources).split(';') if s.strip()])
+  parts = [p.strip() for p in str(value).split(';')]
+  if len(parts) == 1:
+    parts *= n
+  try:
+    rows = [int(p) for p in parts]
+  except ValueError:
+    rows = []
+  if len(rows) != n or min(rows, default=1) < 1:
+    raise ValueError(f'data.hf_rows_per_document={value!r}: give a positive number of rows '
+                     f'(1: each row is a document), or {n} of them joined by \';\', one per '
+                     'source')
+  return rows
 
 
 def check_masking(data) -> None:

@@ -169,7 +169,7 @@ def test_a_sentence_per_row_source_is_flagged_and_rows_make_documents(tmp_path, 
   datasets.DatasetDict({'train': datasets.Dataset.from_dict({'text': rows})}).save_to_disk(
       str(saved))
   labels = {}
-  for per_document in (1, 20):
+  for per_document in ('1', '20'):
     caplog.clear()
     config = tiny_config(f'{tmp_path}/unused', hf_rows_per_document=per_document,
                          max_seq_length=128, max_predictions_per_seq=20)  # several sentences
@@ -177,16 +177,24 @@ def test_a_sentence_per_row_source_is_flagged_and_rows_make_documents(tmp_path, 
     out = str(tmp_path / f'prepared{per_document}')
     metadata = prepare.prepare(config, out)
     assert ('hold one sentence, so all their instances are random next' in caplog.text) == (
-        per_document == 1)
+        per_document == '1')
     assert metadata['stats']['train/documents'] + metadata['stats']['eval/documents'] == (
-        400 // per_document)
-    assert metadata['fingerprint'].get('hf_rows_per_document', 1) == per_document
+        400 // int(per_document))
+    assert metadata['fingerprint'].get('hf_rows_per_document', '1') == per_document
     labels[per_document] = [pretraining.Instance.from_bytes(r).is_random_next
                             for r in _records(out, metadata)['train']]
-  assert all(labels[1]) and 0.3 < np.mean(labels[20]) < 0.7
-  with pytest.raises(ValueError, match='hf_rows_per_document=0: give a positive number'):
-    config.data.hf_rows_per_document = 0
-    prepare.prepare(config, str(tmp_path / 'zero'))
+  assert all(labels['1']) and 0.3 < np.mean(labels['20']) < 0.7
+  # The grouped preparation is not taken for one of single rows, nor the other way round
+  # (a fingerprint without the key, as before the setting existed, stands for rows of 1).
+  for prepared, configured in (('20', '1'), ('1', '20')):
+    config.data.hf_rows_per_document = configured
+    with pytest.raises(ValueError, match=f"'hf_rows_per_document': \\('{prepared}', "
+                                         f"'{configured}'\\)"):
+      prepare.read_metadata(str(tmp_path / f'prepared{prepared}'), config)
+  for bad in ('0', '1;2', 'x'):
+    config.data.hf_rows_per_document = bad
+    with pytest.raises(ValueError, match=f"hf_rows_per_document='{bad}': give a positive"):
+      prepare.prepare(config, str(tmp_path / 'bad'))
 
 
 def test_hosts_wait_for_process_zero_and_finished_preparations_are_kept(

@@ -4,6 +4,7 @@ exact text, n-best post-processing, and fine-tuning end to end (v1.1 and v2.0)."
 import json
 import os
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from configs import finetune as finetune_configs
 from data import squad
 from data import tokenizer as tokenizer_lib
 from realformer.finetune import metrics as fm
+from realformer.finetune import squad as squad_task
 from realformer.train.run_dir import RunDir
 from tests import test_finetune
 from tests import test_wordpiece
@@ -207,6 +209,18 @@ def test_squad_v2_end_to_end(pretrained, tmp_path):
   assert json.load(open(os.path.join(workdir, 'predictions', 'predictions.json'))) == answers
   assert json.load(open(os.path.join(workdir, 'predictions', 'null_odds.json'))) == \
       pytest.approx(null_odds, abs=1e-4)
+
+
+def test_v2_headline_is_the_sweep_unless_a_threshold_is_given():
+  """BERT tunes v2.0's null threshold on dev (best_f1); a given threshold reports the f1 of
+  the answers written with it."""
+  dev = {'squad': {'f1': 50.0, 'best_f1': 60.0}}
+  task = lambda threshold, v2=True: types.SimpleNamespace(
+      name='squad/v2.0' if v2 else 'squad/v1.1', version_2=v2,
+      config=types.SimpleNamespace(null_score_diff_threshold=threshold))
+  assert squad_task.SquadTask.dev_headline(task(None), dev) == 60.0
+  assert squad_task.SquadTask.dev_headline(task(0.0), dev) == 50.0
+  assert squad_task.SquadTask.dev_headline(task(0.0, v2=False), dev) == 50.0  # v1.1: f1
 
 
 def test_squad_from_a_hugging_face_dataset(tmp_path):

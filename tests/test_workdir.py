@@ -244,7 +244,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
                         capture_output=True, text=True, timeout=240)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'taking over the lock of pid 999999' in proc.stderr
-  # A run is extended on resume, never shortened; a workdir whose config.json is gone does
+  # A run is not shortened past its checkpoint; a workdir whose config.json is gone does
   # not say what its checkpoints are (it resumed as whatever model was asked for).
   def refused(steps):
     proc = subprocess.run(args + [f'--config.train.num_steps={steps}'], cwd=REPO, env=env,

@@ -105,4 +105,8 @@ class SquadTask(FinetuneTask):
       storage.write_text(f'{out_dir}/null_odds.json', json.dumps(self.null_diff, indent=1))
 
   def dev_headline(self, dev) -> float:
+    """v2.0 with a null_score_diff_threshold given: the f1 of the answers written with it
+    (not the sweep's best_f1, which tunes the threshold on dev)."""
+    if self.version_2 and self.config.null_score_diff_threshold is not None:
+      return dev['squad']['f1']
     return finetune_metrics.headline(self.name, dev['squad'])

@@ -80,7 +80,8 @@ def heldout_batch(workdir: str, config, num_examples: int) -> Dict[str, np.ndarr
   """Held-out examples (the eval split), with the masked tokens put back."""
   from data import pipeline  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib
-  prepared = pipeline.ensure_prepared(config, workdir, reader=(0, 1))  # the whole split
+  prepared = pipeline.ensure_prepared(config, workdir, reader=(0, 1),  # the whole eval split
+                                      splits=('eval',))
   tok = tokenizer_lib.load_for_config(config.data)
   it = pipeline.make_pretraining_iterator(config.data, tok, prepared, split='eval',
                                           global_batch_size=num_examples, seed=0)
