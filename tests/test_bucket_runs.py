@@ -416,7 +416,7 @@ def test_interop_reads_and_writes_buckets(server, tmp_path):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
   with pytest.raises(ValueError, match='exists and is not empty'):
     interop.import_tf1(f'{bucket}/tf1/bert_model.ckpt', f'{bucket}/tf1/bert_config.json',
-                       f'{bucket}/tf1/vocab.txt', workdir)
+                       f'{bucket}/tf1/vocab.txt', workdir, variant='postln')
 
 
 def test_study_reports_read_and_write_a_bucket_root(server, tmp_path):

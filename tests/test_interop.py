@@ -216,7 +216,7 @@ def _restore_all(workdir):
 def test_tf1_import_gives_exact_weights_and_runs(tf1_checkpoint, tmp_path):
   ck = tf1_checkpoint
   workdir = str(tmp_path / 'rf')
-  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], workdir)  # variant realformer
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], workdir, variant='realformer')
   params, cfg = _restore_all(workdir)
   assert cfg.model.variant == 'realformer' and cfg.data.tokenizer.endswith('vocab.txt')
   t = ck['tensors']
@@ -280,9 +280,36 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
     interop.export_hf(str(_realformer_workdir(ck, tmp_path)), str(tmp_path / 'no'))
 
 
+def test_hf_decoders_and_untied_mlm_decoders_are_refused(tf1_checkpoint, tmp_path):
+  """A causal-decoder config and an MLM decoder that is not the word embeddings would import
+  as a different model; a tied decoder stored beside the embeddings imports."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  ck = tf1_checkpoint
+  workdir, hf = str(tmp_path / 'w'), tmp_path / 'hf'
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], workdir, variant='postln')
+  interop.export_hf(workdir, str(hf))
+  config = json.loads((hf / 'config.json').read_text())
+  for key in ('is_decoder', 'add_cross_attention'):
+    (hf / 'config.json').write_text(json.dumps(dict(config, **{key: True})))
+    with pytest.raises(ValueError, match=f'has {key}=true: '):
+      interop.load_hf(str(hf))
+  (hf / 'config.json').write_text(json.dumps(config))
+  tensors = load_file(str(hf / 'model.safetensors'))
+  words = tensors['bert.embeddings.word_embeddings.weight']
+  for decoder, refused in ((words + 1, True), (words.copy(), False)):
+    save_file(dict(tensors, **{'cls.predictions.decoder.weight': decoder}),
+              str(hf / 'model.safetensors'))
+    if refused:
+      with pytest.raises(ValueError, match='MLM decoder .* not the word embeddings'):
+        interop.load_hf(str(hf))
+    else:
+      assert 'mlm_head' in interop.load_hf(str(hf))[0]
+
+
 def _realformer_workdir(ck, tmp_path):
   workdir = tmp_path / 'rf_refused'
-  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(workdir))
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(workdir),
+                     variant='realformer')
   return workdir
 
 
@@ -293,13 +320,13 @@ def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
   prefix = _write_tf1(str(tmp_path / 'missing' / 'model.ckpt'), tensors)
   with pytest.raises(ValueError, match="no tensor 'bert/encoder/layer_1/intermediate/dense/"
                      "kernel'"):
-    interop.load_tf1(prefix, ck['config'])
+    interop.load_tf1(prefix, ck['config'], variant='postln')
   # Shape mismatch: a config that does not belong to the checkpoint.
   wrong = tmp_path / 'wrong_config.json'
   wrong.write_text(json.dumps(dict(TINY_BERT, intermediate_size=48)))
   with pytest.raises(ValueError, match=r"'bert/encoder/layer_0/intermediate/dense/kernel' has "
                      r'shape \(16, 32\) but the config implies \(16, 48\)'):
-    interop.load_tf1(ck['prefix'], str(wrong))
+    interop.load_tf1(ck['prefix'], str(wrong), variant='postln')
   # Another architecture, by config and by tensor names.
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   hf_dir = tmp_path / 'roberta'
@@ -368,7 +395,8 @@ def test_an_import_killed_midway_leaves_no_half_made_workdir(tf1_checkpoint, tmp
   ck = tf1_checkpoint
   out = tmp_path / 'w'
   argv = [sys.executable, '-m', 'realformer.tools.interop', 'import-tf1', '--ckpt', ck['prefix'],
-          '--bert_config', ck['config'], '--vocab', ck['vocab'], '--out', str(out)]
+          '--bert_config', ck['config'], '--vocab', ck['vocab'], '--out', str(out),
+          '--variant', 'postln']
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   proc = subprocess.Popen(argv, cwd=repo, stderr=subprocess.DEVNULL)
   deadline = time.time() + 240
@@ -387,7 +415,7 @@ def test_an_import_killed_midway_leaves_no_half_made_workdir(tf1_checkpoint, tmp
   checkpoints.save_params = failing_save
   try:
     with pytest.raises(RuntimeError, match='disk full'):
-      interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(out))
+      interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(out), variant='postln')
   finally:
     checkpoints.save_params = real_save
   assert sorted(os.listdir(tmp_path)) == []  # its own folder and the dead one are gone

@@ -49,6 +49,14 @@ def losses(workdir, split='train', key='loss'):
   return {s: r[key] for s, r in sorted(records.items()) if key in r}
 
 
+def test_a_finished_run_started_again_reports_what_it_logged(tmp_path):
+  c = tiny_config(num_steps=4, log_every_steps=2, eval_every_steps=2, eval_steps=1)
+  first = train.train_and_evaluate(c, str(tmp_path))
+  again = train.train_and_evaluate(c, str(tmp_path))  # nothing left to train or evaluate
+  assert again['step'] == first['step'] == 4 and again['eval'] == first['eval'] != {}
+  assert again['train'] == {k: v for k, v in first['train'].items()} != {}
+
+
 def test_an_evaluation_between_logs_keeps_the_steps_before_it_in_the_next_log(tmp_path):
   """Logging every 4 steps and evaluating at step 6: the log at step 8 averages steps 5 to 8,
   as in a run that evaluates only at its logs (evaluation changes no training)."""

@@ -3,7 +3,7 @@ r"""Checkpoint interop: HF BERT and TF1 BERT / RealFormer checkpoints <-> our en
   python -m realformer.tools.interop import-hf --src /path/to/hf_bert_dir --out /tmp/minilm
   python -m realformer.tools.interop import-tf1 --ckpt /ckpt/model.ckpt-1000000 \
       --bert_config /ckpt/bert_config.json --vocab /ckpt/vocab.txt --out /tmp/rf_base \
-      [--variant realformer|postln] [--cased]
+      --variant postln|realformer [--cased]
   python -m realformer.tools.interop export-hf --workdir /tmp/minilm --out /tmp/minilm_hf
 
 An import writes a params-only workdir that fine-tuning and `train.init_checkpoint` read
@@ -517,10 +517,22 @@ def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, dict]:
   if model_type != 'bert':
     raise ValueError(f'{config_path} has model_type={model_type!r}; only BERT checkpoints '
                      "(model_type 'bert') can be imported")
+  for key, what in (('is_decoder', 'a causal decoder (BertLMHeadModel)'),
+                    ('add_cross_attention', 'an encoder-decoder half with cross-attention')):
+    if bert.get(key):
+      raise ValueError(f'{config_path} has {key}=true: {what}, not the bidirectional encoder '
+                       'this codebase trains; import a BERT encoder checkpoint')
   config = model_config_from_bert(bert, variant='postln', source=config_path)
   source = f'HF checkpoint {src}'
   tensors = _normalize_hf_names(read_hf_tensors(src), source)
   heads = _present_heads(tensors, 'cls.predictions.', 'cls.seq_relationship.')
+  decoder = tensors.get('cls.predictions.decoder.weight')
+  if decoder is not None and not np.array_equal(
+      decoder, tensors['embeddings.word_embeddings.weight']):
+    raise ValueError(f'{source} has an MLM decoder (cls.predictions.decoder.weight) that is '
+                     'not the word embeddings (tie_word_embeddings false); our MLM head ties '
+                     'them, so its logits would differ: import without the MLM head by '
+                     'removing the cls.predictions.* tensors, or tie them')
   params, used = convert_to_params(tensors, config.model, fmt='hf', source=source, heads=heads)
   _warn_unused(tensors, used, lambda n: n in _HF_IGNORED, source)
   return params, config, wordpiece.read_normalization(src)
@@ -576,9 +588,11 @@ def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
     raise damaged(e) from None
 
 
-def load_tf1(prefix: str, bert_config: str, *, variant: str = 'realformer'
+def load_tf1(prefix: str, bert_config: str, *, variant: str
              ) -> Tuple[dict, ml_collections.ConfigDict]:
-  """A TF1 BERT-format checkpoint + bert_config.json -> (params, run config)."""
+  """A TF1 BERT-format checkpoint + bert_config.json -> (params, run config). `variant`:
+  'postln' (google-research/bert's checkpoints) or 'realformer' (the RealFormer paper's); the
+  variable names are the same, so only the caller can tell."""
   if variant not in ('realformer', 'postln'):
     raise ValueError(f'variant {variant!r}: a TF1 BERT-format checkpoint is a Post-LN encoder, '
                      "imported as 'realformer' (residual attention) or 'postln'")
@@ -604,7 +618,7 @@ def load_tf1(prefix: str, bert_config: str, *, variant: str = 'realformer'
 
 
 def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
-               variant: str = 'realformer', do_lower_case: bool = True) -> str:
+               variant: str, do_lower_case: bool = True) -> str:
   """Import a TF1 BERT / RealFormer checkpoint into a params-only workdir (each path may be a
   gs:// URL)."""
   _new_out(out)
@@ -747,8 +761,10 @@ def _define(command):
       flags.DEFINE_string('bert_config', None, 'bert_config.json', flag_values=f,
                           required=True)
       flags.DEFINE_string('vocab', None, 'vocab.txt', flag_values=f, required=True)
-      flags.DEFINE_enum('variant', 'realformer', ['realformer', 'postln'],
-                        'the checkpoint\'s encoder', flag_values=f)
+      flags.DEFINE_enum('variant', None, ['postln', 'realformer'],
+                        'the checkpoint\'s encoder: postln for google-research/bert\'s, '
+                        'realformer for the RealFormer paper\'s (their variable names are '
+                        'the same)', flag_values=f, required=True)
       flags.DEFINE_boolean('cased', False, 'the vocabulary is cased', flag_values=f)
     else:
       flags.DEFINE_string('workdir', None, 'a Post-LN workdir', flag_values=f, required=True)

@@ -40,6 +40,7 @@ import abc
 import contextlib
 import dataclasses
 import datetime
+import json
 import os
 import shutil
 import tempfile
@@ -529,11 +530,26 @@ class Trainer:
     if self.budget is not None:
       self.budget.save(step)
 
+  def _logged(self, step: int) -> Results:
+    """What metrics.jsonl holds for `step`, {split: {name: value}} (a finished run started
+    again trains and evaluates nothing: its summary is what it logged)."""
+    path = self.run_dir.path(RunDir.METRICS)
+    if not path.exists():
+      return {}
+    out = {}
+    for line in path.read_text().splitlines():
+      record = json.loads(line) if line.strip() else {}
+      if record.get('step') == step:  # a later line for the same step (a resume) wins
+        out[record['split']] = {k: v for k, v in record.items() if k not in ('step', 'split')}
+    return out
+
   def _finish(self, preempted: Optional[int]) -> dict:
     """The summary; a finished run's last evaluation, outputs and lean params."""
     task, c = self.task, self.cadence
     step = int(self.state.step)
-    summary: Dict[str, Any] = {'step': step, 'train': self.last_logged}
+    logged = {} if self.last_logged and self.results else self._logged(step)
+    summary: Dict[str, Any] = {'step': step,
+                               'train': self.last_logged or logged.get('train', {})}
     if self.budget is not None:
       summary['time_budget'] = {'minutes': self.budget.seconds / 60,
                                 'spent_minutes': self.budget.spent / 60, 'steps': step}
@@ -546,7 +562,7 @@ class Trainer:
       return dict(summary, preempted=preempted, eval=self.results or {})
     if self.results is None and task.needs_final_results:  # resumed at the end
       self._evaluate(step)
-    summary['eval'] = self.results or {}
+    summary['eval'] = self.results or {k: v for k, v in logged.items() if k != 'train'}
     summary.update(task.finish(self.state.params, step, self.results, self.run_dir,
                                self.best.summary()))
     if (not c.keep_optimizer_state and
