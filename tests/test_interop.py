@@ -280,6 +280,27 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
     interop.export_hf(str(_realformer_workdir(ck, tmp_path)), str(tmp_path / 'no'))
 
 
+def test_tf1_casing_must_agree_with_the_vocabulary(tf1_checkpoint, tmp_path):
+  """--cased is the user's word for it: an uncased vocabulary with --cased, or a cased one
+  without, is refused before anything is written."""
+  ck = tf1_checkpoint
+  with pytest.raises(ValueError, match='no piece with a capital: an uncased vocabulary; drop '
+                                       '--cased'):
+    interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(tmp_path / 'a'),
+                       variant='postln', do_lower_case=False)
+  pieces = open(ck['vocab']).read().split('\n')[:TINY_BERT['vocab_size']]
+  cased = tmp_path / 'cased.txt'
+  cased.write_text('\n'.join(pieces[:5] + [p.capitalize() if len(p) > 1 and p.isalpha()
+                                           else p for p in pieces[5:]]) + '\n')
+  with pytest.raises(ValueError, match=r'pieces with capitals .*a cased vocabulary; pass '
+                                       '--cased'):
+    interop.import_tf1(ck['prefix'], ck['config'], str(cased), str(tmp_path / 'b'),
+                       variant='postln')
+  assert not (tmp_path / 'a').exists() and not (tmp_path / 'b').exists()
+  interop.import_tf1(ck['prefix'], ck['config'], str(cased), str(tmp_path / 'c'),
+                     variant='postln', do_lower_case=False)
+
+
 def test_hf_decoders_and_untied_mlm_decoders_are_refused(tf1_checkpoint, tmp_path):
   """A causal-decoder config and an MLM decoder that is not the word embeddings would import
   as a different model; a tied decoder stored beside the embeddings imports."""

@@ -376,8 +376,8 @@ def _new_out(out: str) -> str:
 
 
 # The files of an HF checkpoint folder that an import reads (a gs:// --src is copied locally).
-_HF_FILES = (HF_CONFIG, VOCAB, wordpiece.TOKENIZER_CONFIG, HF_SAFETENSORS, HF_SAFETENSORS_INDEX,
-             HF_TORCH_BIN)
+_HF_FILES = (HF_CONFIG, VOCAB, wordpiece.TOKENIZER_CONFIG, wordpiece.TOKENIZER_JSON,
+             HF_SAFETENSORS, HF_SAFETENSORS_INDEX, HF_TORCH_BIN)
 
 
 def _local_file(path: str) -> str:
@@ -398,9 +398,22 @@ def _local_files(folder: str, keep: Callable[[str], bool]) -> str:
   return storage.local_copy(folder, names, kind='interop')
 
 
-def _check_vocab(vocab: str) -> None:
+def _check_vocab(vocab: str, do_lower_case: bool) -> None:
+  """The vocabulary exists, and its pieces agree with --cased: a vocabulary with many
+  capitalised pieces is a cased one (lower-cased input would never use them), one with none
+  an uncased one (capitals would become [UNK] or odd pieces)."""
   if not os.path.isfile(vocab):
     raise FileNotFoundError(f'vocabulary {vocab!r} not found; pass the checkpoint\'s vocab.txt')
+  with open(vocab, encoding='utf-8') as f:
+    pieces = [line.rstrip('\n') for line in f]
+  capitals = [p for p in pieces if p != p.lower() and not (p.startswith('[') and
+                                                         p.endswith(']'))]
+  if do_lower_case and len(capitals) > max(20, len(pieces) // 200):
+    raise ValueError(f'{vocab} holds {len(capitals)} pieces with capitals (e.g. '
+                     f'{capitals[:3]}): a cased vocabulary; pass --cased')
+  if not do_lower_case and not capitals:
+    raise ValueError(f'{vocab} has no piece with a capital: an uncased vocabulary; drop '
+                     '--cased')
 
 
 # ----------------------------------------------------------------------------------------
@@ -626,7 +639,7 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
   if storage.is_url(prefix):  # the prefix's .index and .data-* objects
     prefix = os.path.join(_local_files(folder, lambda n: n.startswith(name + '.')), name)
   vocab, bert_config = _local_file(vocab), _local_file(bert_config)
-  _check_vocab(vocab)
+  _check_vocab(vocab, do_lower_case)
   params, config = load_tf1(prefix, bert_config, variant=variant)
   return write_workdir(out, params, config, vocab,
                        dict(wordpiece.NORMALIZATION, do_lower_case=do_lower_case))
