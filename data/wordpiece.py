@@ -38,7 +38,6 @@ SPECIAL_TOKENS = {'pad': '[PAD]', 'unk': '[UNK]', 'cls': '[CLS]', 'sep': '[SEP]'
 MAX_CHARS_PER_WORD = 100
 CONTINUATION = '##'
 TOKENIZER_CONFIG = 'tokenizer_config.json'  # HF's file; its normalisation settings are read
-TOKENIZER_JSON = 'tokenizer.json'  # HF's fast tokenizer: its BertNormalizer fills the gaps
 # BERT's normalisation settings as HF's tokenizer_config.json names them, with BertTokenizer's
 # defaults (strip_accents None: strip when lower-casing).
 NORMALIZATION = {'do_lower_case': True, 'strip_accents': None, 'tokenize_chinese_chars': True}
@@ -56,36 +55,21 @@ def basic_tokenize(text: str, do_lower_case: bool = True) -> List[str]:
   return [word for word, _ in pre_tokenizers.BertPreTokenizer().pre_tokenize_str(normalized)]
 
 
-def _json_object(path: str) -> dict:
-  try:
-    with open(path, encoding='utf-8') as f:
-      stored = json.load(f)
-  except ValueError as e:
-    raise ValueError(f'{path} is not JSON ({e}); fix or remove it (it holds the vocabulary\'s '
-                     'do_lower_case and strip_accents)') from None
-  return stored if isinstance(stored, dict) else {}
-
-
 def read_normalization(directory: str) -> dict:
-  """NORMALIZATION's settings of an HF tokenizer in `directory`: tokenizer_config.json's,
-  then for those it does not give tokenizer.json's BertNormalizer (lowercase, strip_accents,
-  handle_chinese_chars: what the fast tokenizer applies), then BertTokenizer's defaults."""
-  stored = {}
-  path = os.path.join(directory, TOKENIZER_JSON)
-  if os.path.isfile(path):
-    normalizer = _json_object(path).get('normalizer') or {}
-    if normalizer.get('type') == 'BertNormalizer':
-      stored = {'do_lower_case': normalizer.get('lowercase'),
-                'strip_accents': normalizer.get('strip_accents'),
-                'tokenize_chinese_chars': normalizer.get('handle_chinese_chars')}
+  """NORMALIZATION's settings from an HF tokenizer_config.json in `directory` (BertTokenizer's
+  defaults for those it does not give, or without the file)."""
+  settings = dict(NORMALIZATION)
   path = os.path.join(directory, TOKENIZER_CONFIG)
   if os.path.isfile(path):
-    config = _json_object(path)
-    stored.update({k: config[k] for k in NORMALIZATION if config.get(k) is not None})
-  settings = dict(NORMALIZATION)
-  for key, default in NORMALIZATION.items():
-    value = stored.get(key)
-    settings[key] = default if value is None else bool(value)
+    try:
+      with open(path, encoding='utf-8') as f:
+        stored = json.load(f)
+    except ValueError as e:
+      raise ValueError(f'{path} is not JSON ({e}); fix or remove it (it holds the vocabulary\'s '
+                       'do_lower_case and strip_accents)') from None
+    for key, default in NORMALIZATION.items():
+      value = stored.get(key, default) if isinstance(stored, dict) else default
+      settings[key] = default if value is None else bool(value)
   return settings
 
 

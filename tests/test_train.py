@@ -52,6 +52,8 @@ def losses(workdir, split='train', key='loss'):
 def test_a_finished_run_started_again_reports_what_it_logged(tmp_path):
   c = tiny_config(num_steps=4, log_every_steps=2, eval_every_steps=2, eval_steps=1)
   first = train.train_and_evaluate(c, str(tmp_path))
+  with open(tmp_path / 'metrics.jsonl', 'a') as f:
+    f.write('{"step": 4, "split": "tra')  # a last line cut short by a hard stop
   again = train.train_and_evaluate(c, str(tmp_path))  # nothing left to train or evaluate
   assert again['step'] == first['step'] == 4 and again['eval'] == first['eval'] != {}
   assert again['train'] == {k: v for k, v in first['train'].items()} != {}

@@ -165,20 +165,6 @@ def test_casing_from_tokenizer_config(tmp_path):
   assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['Hello']
 
 
-def test_casing_from_tokenizer_json_where_tokenizer_config_is_silent(tmp_path):
-  """A repository whose casing is only in tokenizer.json's BertNormalizer (what the fast
-  tokenizer applies); tokenizer_config.json's own value wins where it gives one."""
-  path = write_vocab(tmp_path, TINY + ['Hello'])
-  (tmp_path / 'tokenizer.json').write_text(json.dumps({'normalizer': {
-      'type': 'BertNormalizer', 'lowercase': False, 'strip_accents': None,
-      'handle_chinese_chars': True, 'clean_text': True}}))
-  assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['Hello']
-  (tmp_path / 'tokenizer_config.json').write_text('{"model_max_length": 512}')
-  assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['Hello']
-  (tmp_path / 'tokenizer_config.json').write_text('{"do_lower_case": true}')
-  assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['hello']
-
-
 @needs_minilm
 @pytest.mark.parametrize('settings', [
     {'do_lower_case': True, 'strip_accents': False},

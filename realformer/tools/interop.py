@@ -376,8 +376,8 @@ def _new_out(out: str) -> str:
 
 
 # The files of an HF checkpoint folder that an import reads (a gs:// --src is copied locally).
-_HF_FILES = (HF_CONFIG, VOCAB, wordpiece.TOKENIZER_CONFIG, wordpiece.TOKENIZER_JSON,
-             HF_SAFETENSORS, HF_SAFETENSORS_INDEX, HF_TORCH_BIN)
+_HF_FILES = (HF_CONFIG, VOCAB, wordpiece.TOKENIZER_CONFIG, HF_SAFETENSORS, HF_SAFETENSORS_INDEX,
+             HF_TORCH_BIN)
 
 
 def _local_file(path: str) -> str:
@@ -400,20 +400,22 @@ def _local_files(folder: str, keep: Callable[[str], bool]) -> str:
 
 def _check_vocab(vocab: str, do_lower_case: bool) -> None:
   """The vocabulary exists, and its pieces agree with --cased: a vocabulary with many
-  capitalised pieces is a cased one (lower-cased input would never use them), one with none
-  an uncased one (capitals would become [UNK] or odd pieces)."""
+  capitalised pieces is a cased one (lower-cased input would never use them), an error
+  without --cased; --cased with none is only warned about (a cased vocabulary of a script
+  without capitals keeps its combining marks with --cased)."""
   if not os.path.isfile(vocab):
     raise FileNotFoundError(f'vocabulary {vocab!r} not found; pass the checkpoint\'s vocab.txt')
-  with open(vocab, encoding='utf-8') as f:
+  with open(vocab, encoding='utf-8', errors='replace') as f:
     pieces = [line.rstrip('\n') for line in f]
-  capitals = [p for p in pieces if p != p.lower() and not (p.startswith('[') and
-                                                         p.endswith(']'))]
+  capitals = [p for p in pieces if p != p.lower() and not (  # not [CLS], <S>, ...
+      p[:1] + p[-1:] in ('[]', '<>'))]
   if do_lower_case and len(capitals) > max(20, len(pieces) // 200):
     raise ValueError(f'{vocab} holds {len(capitals)} pieces with capitals (e.g. '
                      f'{capitals[:3]}): a cased vocabulary; pass --cased')
   if not do_lower_case and not capitals:
-    raise ValueError(f'{vocab} has no piece with a capital: an uncased vocabulary; drop '
-                     '--cased')
+    logging.warning('%s has no piece with a capital: an uncased vocabulary, unless its script '
+                    'has no capitals; without --cased the input is lower-cased and its '
+                    'accents stripped', vocab)
 
 
 # ----------------------------------------------------------------------------------------

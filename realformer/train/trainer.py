@@ -537,9 +537,13 @@ class Trainer:
     if not path.exists():
       return {}
     out = {}
-    for line in path.read_text().splitlines():
-      record = json.loads(line) if line.strip() else {}
-      if record.get('step') == step:  # a later line for the same step (a resume) wins
+    for line in path.read_bytes().decode('utf-8', 'replace').splitlines():
+      try:
+        record = json.loads(line)
+      except ValueError:  # a blank line, or a last line cut short by a hard stop
+        continue
+      if isinstance(record, dict) and record.get('step') == step and 'split' in record:
+        # a later line for the same step (a resume) wins
         out[record['split']] = {k: v for k, v in record.items() if k not in ('step', 'split')}
     return out
 
@@ -547,7 +551,8 @@ class Trainer:
     """The summary; a finished run's last evaluation, outputs and lean params."""
     task, c = self.task, self.cadence
     step = int(self.state.step)
-    logged = {} if self.last_logged and self.results else self._logged(step)
+    logged = ({} if preempted is not None or (self.last_logged and self.results) else
+              self._logged(step))
     summary: Dict[str, Any] = {'step': step,
                                'train': self.last_logged or logged.get('train', {})}
     if self.budget is not None:
