@@ -57,6 +57,10 @@ def test_a_finished_run_started_again_reports_what_it_logged(tmp_path):
   again = train.train_and_evaluate(c, str(tmp_path))  # nothing left to train or evaluate
   assert again['step'] == first['step'] == 4 and again['eval'] == first['eval'] != {}
   assert again['train'] == {k: v for k, v in first['train'].items()} != {}
+  # A run that goes on after the cut line starts a new line: every record stays readable.
+  c.train.num_steps = 6
+  train.train_and_evaluate(c, str(tmp_path))
+  assert sorted(losses(str(tmp_path))) == [2, 4, 6]
 
 
 def test_an_evaluation_between_logs_keeps_the_steps_before_it_in_the_next_log(tmp_path):

@@ -113,11 +113,20 @@ class JsonlWriter:
   "eval/mlm_accuracy" goes to split "eval" as "mlm_accuracy"; names without a prefix are
   "train". Scalars written for the same step are gathered into one line, written when
   another step arrives or at flush(). After a resume a step may appear twice: the later
-  line wins (read_jsonl).
+  line wins (read_jsonl). A local file whose last line was cut short (a hard stop in the
+  middle of a write) gets a line break first, so that the new lines stay whole; in a bucket
+  only whole lines are uploaded.
   """
 
   def __init__(self, path: str):
+    cut_short = False
+    if not storage.is_url(str(path)) and os.path.isfile(path) and os.path.getsize(path):
+      with open(path, 'rb') as f:
+        f.seek(-1, os.SEEK_END)
+        cut_short = f.read(1) != b'\n'
     self._file = storage.GrowingFile(path)
+    if cut_short:
+      self._file.write('\n')
     self._step, self._pending = None, {}
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
@@ -209,13 +218,20 @@ class MultiWriter:
 
 
 def read_jsonl(path: str, split: str = 'train') -> dict:
-  """metrics.jsonl -> {step: record} for one split; a re-logged step keeps its last record."""
+  """metrics.jsonl -> {step: record} for one split; a re-logged step keeps its last record,
+  and a line cut short by a hard stop is skipped (with a warning)."""
   out = {}
-  for line in storage.path(path).read_text().splitlines():
-    if line.strip():
+  for number, line in enumerate(
+      storage.path(path).read_bytes().decode('utf-8', 'replace').splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
       record = json.loads(line)
-      if record.get('split') == split:
-        out[record['step']] = record  # a later line for the same step (a resume) wins
+    except ValueError:
+      logging.warning('%s:%d is not a JSON line (cut short?); skipped', path, number)
+      continue
+    if record.get('split') == split:
+      out[record['step']] = record  # a later line for the same step (a resume) wins
   return out
 
 
