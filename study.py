@@ -39,6 +39,7 @@ from realformer import cli
 from realformer import storage
 from realformer.tools import analysis
 from realformer.tools import sweep
+from realformer.train import metrics as metrics_lib
 
 VARIANTS = ('postln', 'preln', 'realformer', 'synth_random_vanilla', 'synth_dense_vanilla')
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -253,8 +254,8 @@ def curves(root: str, runs, names, out_path: str):
     path = storage.join(root, name, 'metrics.jsonl')
     if not storage.path(path).exists():
       continue
-    with _open(path) as f:
-      records = [json.loads(line) for line in f]
+    records = list(metrics_lib.read_jsonl(path, 'train').values()) + list(
+        metrics_lib.read_jsonl(path, 'eval').values())  # (skips a line cut short by a kill)
     baselines += [r['mlm_majority_accuracy'] for r in records
                   if r.get('split') == 'eval' and 'mlm_majority_accuracy' in r][-1:]
     for split, metric in (('train', 'loss'), ('eval', 'mlm_accuracy')):

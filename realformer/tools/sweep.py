@@ -391,8 +391,11 @@ def final_metrics(workdir: str, split: str = 'eval') -> Dict[str, float]:
   last = None
   if path.exists():
     for line in path.read_text().splitlines():
-      record = json.loads(line)
-      if record.get('split') == split:
+      try:
+        record = json.loads(line)
+      except ValueError:
+        continue  # a line cut short by a kill
+      if isinstance(record, dict) and record.get('split') == split:
         last = record
   if last is None:
     return {}
