@@ -19,7 +19,7 @@ import json
 import os
 import socket
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import flax
 import jax
@@ -217,10 +217,9 @@ class MultiWriter:
       writer.close()
 
 
-def read_jsonl(path: str, split: str = 'train') -> dict:
-  """metrics.jsonl -> {step: record} for one split; a re-logged step keeps its last record,
-  and a line cut short by a hard stop is skipped (with a warning)."""
-  out = {}
+def _records(path: str):
+  """metrics.jsonl's records in order; a line cut short by a hard stop is skipped (with a
+  warning)."""
   for number, line in enumerate(
       storage.path(path).read_bytes().decode('utf-8', 'replace').splitlines(), 1):
     if not line.strip():
@@ -228,11 +227,26 @@ def read_jsonl(path: str, split: str = 'train') -> dict:
     try:
       record = json.loads(line)
     except ValueError:
-      logging.warning('%s:%d is not a JSON line (cut short?); skipped', path, number)
-      continue
-    if record.get('split') == split:
+      record = None
+    if isinstance(record, dict) and 'step' in record and 'split' in record:
+      yield record
+    else:
+      logging.warning('%s:%d is not a record (cut short?); skipped', path, number)
+
+
+def read_jsonl(path: str, split: str = 'train') -> dict:
+  """metrics.jsonl -> {step: record} for one split; a re-logged step keeps its last record."""
+  out = {}
+  for record in _records(path):
+    if record['split'] == split:
       out[record['step']] = record  # a later line for the same step (a resume) wins
   return out
+
+
+def logged_at(path: str, step: int) -> Dict[str, Dict[str, float]]:
+  """metrics.jsonl's values at `step`, {split: {name: value}} (later lines win)."""
+  return {r['split']: {k: v for k, v in r.items() if k not in ('step', 'split')}
+          for r in _records(path) if r['step'] == step}
 
 
 def create_writer(logdir: str, jsonl_path, process_index: int) -> MultiWriter:

@@ -40,7 +40,6 @@ import abc
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import shutil
 import tempfile
@@ -534,18 +533,7 @@ class Trainer:
     """What metrics.jsonl holds for `step`, {split: {name: value}} (a finished run started
     again trains and evaluates nothing: its summary is what it logged)."""
     path = self.run_dir.path(RunDir.METRICS)
-    if not path.exists():
-      return {}
-    out = {}
-    for line in path.read_bytes().decode('utf-8', 'replace').splitlines():
-      try:
-        record = json.loads(line)
-      except ValueError:  # a blank line, or a last line cut short by a hard stop
-        continue
-      if isinstance(record, dict) and record.get('step') == step and 'split' in record:
-        # a later line for the same step (a resume) wins
-        out[record['split']] = {k: v for k, v in record.items() if k not in ('step', 'split')}
-    return out
+    return metrics_lib.logged_at(str(path), step) if path.exists() else {}
 
   def _finish(self, preempted: Optional[int]) -> dict:
     """The summary; a finished run's last evaluation, outputs and lean params."""
