@@ -234,16 +234,29 @@ def check_keys(config: str, runs: Sequence[Run]):
         raise ValueError(f'the run with {changed}: {e}; fix the --sweep/--set value') from None
 
 
+def _log_records(workdir: str) -> Iterable[dict]:
+  """<workdir>/metrics.jsonl's records in order, past a line cut short by a kill (read here,
+  not with realformer.train.metrics.read_jsonl, so that sweeps start without jax)."""
+  path = storage.path(workdir) / 'metrics.jsonl'
+  if not path.exists():
+    return
+  for line in path.read_text().splitlines():
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(record, dict):
+      yield record
+
+
 def last_step(workdir: str) -> int:
   """The largest 'step' in <workdir>/metrics.jsonl (-1 without one)."""
-  path = storage.path(workdir) / 'metrics.jsonl'
   step = -1
-  if path.exists():
-    for line in path.read_text().splitlines():
-      try:
-        step = max(step, int(json.loads(line).get('step', -1)))
-      except (ValueError, TypeError, AttributeError):
-        continue  # a line cut short by a kill
+  for record in _log_records(workdir):
+    try:
+      step = max(step, int(record.get('step', -1)))
+    except (ValueError, TypeError):
+      continue
   return step
 
 
@@ -387,16 +400,10 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
 
 def final_metrics(workdir: str, split: str = 'eval') -> Dict[str, float]:
   """The last record of `split` in <workdir>/metrics.jsonl, keys prefixed with the split."""
-  path = storage.path(workdir) / 'metrics.jsonl'
   last = None
-  if path.exists():
-    for line in path.read_text().splitlines():
-      try:
-        record = json.loads(line)
-      except ValueError:
-        continue  # a line cut short by a kill
-      if isinstance(record, dict) and record.get('split') == split:
-        last = record
+  for record in _log_records(workdir):
+    if record.get('split') == split:
+      last = record
   if last is None:
     return {}
   return {f'{split}/{k}': v for k, v in last.items()

@@ -160,9 +160,8 @@ def make_optimizer(opt_config, num_steps: int, spec: EncoderSpec
   (nn.Partitioned) or plain param trees whose fixed parameters may sit under any prefix
   (e.g. 'encoder').
   """
-  config_checks.check_optimizer(opt_config)
   frozen = fixed_params_fn(spec)
-  schedule = make_schedule(opt_config, num_steps)
+  schedule = make_schedule(opt_config, num_steps)  # (checks the name and schedule first)
   parts = []
   if opt_config.clip_norm and opt_config.clip_norm > 0:
     parts.append(clip_by_global_norm(float(opt_config.clip_norm)))
