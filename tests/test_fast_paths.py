@@ -50,6 +50,23 @@ def test_fused_kernel_in_bfloat16_stays_close_to_float32():
                              atol=0.1)
 
 
+def test_fused_kernel_in_float16_keeps_a_fully_masked_row_finite():
+  """float16 ends at 65504: the padding bias must stay finite there, or a row whose keys are
+  all padding gives NaN (the plain path gives a uniform distribution)."""
+  batch = make_batch()
+  batch['attention_mask'] = batch['attention_mask'].at[0].set(0)  # an all-padding example
+  plain = models.build(small_config('postln', fused_attention='off', dtype='float16'),
+                       head='encoder')
+  fused = models.build(small_config('postln', fused_attention='xla', dtype='float16'),
+                       head='encoder')
+  params = perturbed_params(plain, batch)
+  a, b = plain.apply({'params': params}, batch), fused.apply({'params': params}, batch)
+  assert np.isfinite(np.asarray(b.hidden, np.float32)).all()
+  mask = np.asarray(batch['attention_mask'], bool)  # the other examples' real tokens
+  np.testing.assert_allclose(np.asarray(b.hidden, np.float32)[mask],
+                             np.asarray(a.hidden, np.float32)[mask], atol=0.05)
+
+
 def test_attention_dropout_falls_back_to_the_plain_path():
   batch = make_batch()
   cfg = dict(attention_dropout_rate=0.3, dropout_rate=0.0)

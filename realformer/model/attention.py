@@ -40,6 +40,12 @@ def mask_bias(attention_mask: jax.Array) -> jax.Array:
   return jnp.where(real, 0.0, NEG_INF).astype(jnp.float32)
 
 
+def in_dtype(bias: jax.Array, dtype) -> jax.Array:
+  """`bias` cast to `dtype`, NEG_INF kept finite there (float16's range ends at 65504, where
+  -1e9 would become -inf and a row with every key masked would give NaN)."""
+  return jnp.maximum(bias, -0.5 * jnp.finfo(dtype).max).astype(dtype)
+
+
 def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:
   """Implementation for jax.nn.dot_product_attention, or None for the plain path."""
   if (spec.fused_attention == 'off' or spec.attention != ('dot',) or spec.residual_attention
@@ -76,7 +82,7 @@ class SelfAttention(nn.Module):
       query, key = self._heads(xq, 'query'), self._heads(x, 'key')
       if fused == 'cudnn':  # cuDNN takes a bias of [B|1, N|1, Tq, Tk], not one broadcast on Tq
         bias = jnp.broadcast_to(bias, (*bias.shape[:2], query.shape[1], bias.shape[-1]))
-      ctx = jax.nn.dot_product_attention(query, key, value, bias=bias.astype(s.dtype),
+      ctx = jax.nn.dot_product_attention(query, key, value, bias=in_dtype(bias, s.dtype),
                                          implementation=fused)
       out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
       return out, None, None
