@@ -64,6 +64,16 @@ def check_lengths(config) -> None:
                      f'positions (model.max_len={config.model.max_len}); lower the first or '
                      'raise the second')
   rows_per_document(config.data.get('hf_rows_per_document', '1'), config.data.sources)
+  check_segments(2, config.model.type_vocab_size, 'pretraining pairs ([CLS] A [SEP] B [SEP])',
+                 'set it to 2')
+
+
+def check_segments(needed: int, type_vocab_size: int, what: str, fix: str) -> None:
+  """The token type table has a row for each segment id the inputs use (an id past it would
+  silently embed nothing)."""
+  if int(type_vocab_size) < needed:
+    raise ValueError(f'model.type_vocab_size={type_vocab_size}: {what} use segment ids 0 to '
+                     f'{needed - 1}; {fix}')
 
 
 def rows_per_document(value, sources: str) -> List[int]:

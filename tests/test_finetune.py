@@ -456,6 +456,12 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
     finetune.finetune(ft_config('rte', ''), str(tmp_path / 'ft2'))
   with pytest.raises(ValueError, match='fewer than one batch'):
     finetune.finetune(ft_config('rte', pretrained, batch_size=64), str(tmp_path / 'ft3'))
+  config['model']['hidden_size'] = 32
+  config['model']['type_vocab_size'] = 1  # no row for the second sentence's segment id 1
+  json.dump(config, open(os.path.join(other, 'config.json'), 'w'))
+  with pytest.raises(ValueError, match="type_vocab_size=1: rte's text pairs use segment ids "
+                                       '0 to 1; fine-tune a checkpoint with two token types'):
+    finetune.finetune(ft_config('rte', other), str(tmp_path / 'ft4'))
 
 
 def test_grid_commands_and_summary(tmp_path, capsys):

@@ -345,6 +345,12 @@ def test_layout_errors_come_before_compile(tmp_path):
   c = tiny_config(grad_accum_steps=3)
   with pytest.raises(ValueError, match='grad_accum_steps=3 does not divide'):
     train.train_and_evaluate(c, str(tmp_path / 'c'))
+  c = tiny_config()
+  c.model.type_vocab_size = 1
+  with pytest.raises(ValueError, match=r'type_vocab_size=1: pretraining pairs .* use segment '
+                                       'ids 0 to 1; set it to 2'):
+    train.train_and_evaluate(c, str(tmp_path / 'd'))
+  assert not (tmp_path / 'd').exists()
 
 
 def test_nan_loss_stops_and_is_not_saved(tmp_path):

@@ -283,6 +283,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
                        f'checkpoint was trained with {pre.model.vocab_size}')
     self.params_config = pre  # best/ and final/ are encoders another run can start from
     self.load(tokenizer)
+    config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
+                                 pre.model.type_vocab_size, f'{self.name}\'s text pairs',
+                                 'fine-tune a checkpoint with two token types')
     num_train = len(self.train['input_ids'])
     dp = partitioning.data_parallel_size(mesh)
     if config.batch_size % dp or config.eval_batch_size % dp:
