@@ -116,6 +116,19 @@ def test_a_field_added_since_a_run_began_stands_for_its_old_default(tmp_path):
     workdir_lib.check_resume_config(str(tmp_path), lamb, True)
 
 
+def test_grain_worker_count_is_fixed_for_a_run_and_its_read_threads_are_not(tmp_path):
+  """grain's saved iterator state holds each worker's position, so data.worker_count must
+  stay; data.read_threads only changes how fast records are read."""
+  (tmp_path / 'config.json').write_text(tiny_config().to_json_best_effort())
+  faster = tiny_config()
+  faster.data.read_threads = 7
+  assert workdir_lib.check_resume_config(str(tmp_path), faster, True) == ['data.read_threads']
+  workers = tiny_config()
+  workers.data.worker_count = 2
+  with pytest.raises(ValueError, match=r'data.worker_count: 0 -> 2; resume'):
+    workdir_lib.check_resume_config(str(tmp_path), workers, True)
+
+
 def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
   """A finished fine-tuning run keeps no checkpoint in checkpoints/ (its params are in
   best/ and final/): train.py must still see that the folder is another program's."""
