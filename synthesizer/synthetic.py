@@ -40,7 +40,9 @@ class DenseSynthesizer(nn.Module):
     _check_length(t, s.max_len, 'dense')
     x = x if rows is None else take_rows(x, rows)  # F sees each query token alone
     h = nn.relu(dense(s.hidden_size, ('embed', 'mlp'), s, 'hidden')(x))
-    logits = dense(s.num_heads * s.max_len, ('mlp', 'synth_len'), s, 'logits')(h)
+    # Heads-major output ('joined_kv', like the query projection): tensor parallelism gives
+    # each device its own heads' logits, as it gives each its own heads of Q K^T.
+    logits = dense(s.num_heads * s.max_len, ('embed', 'joined_kv'), s, 'logits')(h)
     logits = logits.reshape(b, x.shape[1], s.num_heads, s.max_len)[..., :t]  # [B, Tq, H, Tk]
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)  # [B, H, Tq, Tk]
 
@@ -74,8 +76,8 @@ class FactorizedDenseSynthesizer(nn.Module):
     h = s.num_heads
     x = x if rows is None else take_rows(x, rows)
     q = x.shape[1]
-    a = dense(h * fa, ('embed', 'synth_len'), s, 'factor_a')(x).reshape(b, q, h, 1, fa)
-    c = dense(h * fb, ('embed', 'synth_len'), s, 'factor_b')(x).reshape(b, q, h, fb, 1)
+    a = dense(h * fa, ('embed', 'joined_kv'), s, 'factor_a')(x).reshape(b, q, h, 1, fa)
+    c = dense(h * fb, ('embed', 'joined_kv'), s, 'factor_b')(x).reshape(b, q, h, fb, 1)
     logits = (a * c).reshape(b, q, h, fa * fb)[..., :t]  # index j*a + m = A[m] * B[j]
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)
 

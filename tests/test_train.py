@@ -16,7 +16,7 @@ import pytest
 import train
 from configs import pretrain
 from realformer import models
-from realformer.model.spec import resolve
+from realformer.model.spec import VARIANTS, resolve
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
 from realformer.train import pretraining
@@ -152,6 +152,31 @@ def test_gradients_on_three_axis_meshes_with_two_rows_per_shard(head, mesh_shape
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(many)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6,
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize('variant', sorted(VARIANTS))
+def test_fsdp_shards_every_matrix_and_tensor_parallel_splits_heads(variant):
+  """On an fsdp x tensor mesh every parameter of two or more axes is sharded over fsdp (a
+  replicated one is held whole by every device, with its gradient and both moments), and a
+  synthesizer's per-head outputs are split over tensor at head boundaries, as the heads of
+  the dot-product logits are."""
+  c = tiny_config(variant)
+  model = models.build(c.model)
+  mesh = partitioning.make_mesh({'data': 1, 'fsdp': 4, 'tensor': 2})
+  example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in next(
+      train_lib.SyntheticPretrainingData(vocab_size=120, seq_len=32, num_predictions=5,
+                                         global_batch_size=8, seed=1)).items()}
+  abstract, shardings = train_lib.state_shardings(model, optax.adamw(1e-3), example, mesh)
+  heads = c.model.num_heads
+  for (path, shape), sharding in zip(
+      jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(shardings.params)):
+    name, spec = jax.tree_util.keystr(path), tuple(sharding.spec)
+    if len(shape.shape) >= 2 and not name.startswith("['nsp_head']"):  # [D, 2]: too small
+      assert 'fsdp' in spec, (name, shape.shape, spec)
+    if 'synth' in name and name.endswith("'kernel']"):  # [D, H * n]: heads-major output
+      assert spec[-1] == 'tensor' and shape.shape[-1] % heads == 0, (name, spec)
+    if 'random' in name:  # [H, max_len, ...]
+      assert spec[0] == 'tensor', (name, spec)
 
 
 def test_accumulation_gradient_equals_one_big_batch():

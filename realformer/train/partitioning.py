@@ -25,6 +25,7 @@ LOGICAL_AXIS_RULES: Tuple[Tuple[str, object], ...] = (
     ('heads', 'tensor'),
     ('embed', 'fsdp'),
     ('length', None),
+    ('synth_len', 'fsdp'),  # the Random synthesizers' [H, max_len, ...] tables
     ('synth_len', None),
     ('kv', None),
     ('layers', None),
