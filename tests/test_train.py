@@ -447,6 +447,33 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
                              max(labels.mean(), 1 - labels.mean()), rtol=1e-6)
 
 
+def test_eval_loss_is_the_evaluations_mlm_and_nsp_losses():
+  """Over batches holding different numbers of masked tokens, the eval loss is mlm_loss +
+  nsp_loss of the whole evaluation (each weighted by its own counts), not a mean of the
+  batches' losses."""
+  model, batch, _ = _head_case('pretraining')
+  mesh = partitioning.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+  state, shardings = train_lib.create_train_state(model, optax.sgd(1.0), shapes, mesh, 0)
+  step = train_lib.make_eval_step(train_lib.pretraining_loss_fn(model), mesh=mesh,
+                                  params_sharding=shardings.params,
+                                  metrics_cls=metrics_lib.PretrainingEvalMetrics)
+  few = dict(batch, masked_lm_weights=np.zeros_like(batch['masked_lm_weights']))
+  few['masked_lm_weights'][0, 0] = 1.0  # one masked token against the full batch's many
+  batches = [train_lib.global_batch(b, mesh) for b in (batch, few)]
+  with jax.set_mesh(mesh):
+    merged = step(state.params, batches[0]).merge(step(state.params, batches[1]))
+  values = metrics_lib.to_floats(merged)
+  assert values['loss'] == pytest.approx(values['mlm_loss'] + values['nsp_loss'], rel=1e-6)
+  # mlm_loss from the two batches' sums over all their masked tokens.
+  loss_fn = train_lib.pretraining_loss_fn(model)
+  parts = [loss_fn(state.params, b, None, train_lib.pretraining_totals(b))[1] for b in batches]
+  tokens = batch['masked_lm_weights'].sum() + 1
+  mlm = sum(float(p['mlm_loss'].total) for p in parts) / tokens
+  assert values['mlm_loss'] == pytest.approx(mlm, rel=1e-5)
+  assert tokens > 10  # the two batches' losses differ in weight
+
+
 def test_label_counts_sum_over_a_sharded_batch():
   mesh = partitioning.make_mesh(pretrain.mesh_config())  # 8 devices on the data axis
   rng = np.random.default_rng(0)

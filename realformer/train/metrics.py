@@ -7,7 +7,9 @@ eval batches gives the token- or example-weighted mean, never a mean of means:
   mlm_accuracy   sum_i w_i [argmax_i = label_i] / sum_i w_i
   nsp_loss       mean over examples of the NSP cross-entropy
   nsp_accuracy   mean over examples of [argmax = label]
-  loss           mlm_loss + nsp_loss of each step, averaged over the logged steps
+  loss           train: mlm_loss + nsp_loss of each step, averaged over the logged steps;
+                 eval: mlm_loss + nsp_loss of the whole evaluation (each part weighted by
+                 its own counts across the batches)
   grad_norm      global L2 norm of the gradient before clipping, averaged over logged steps
   learning_rate  the schedule's value at the last logged step
 
@@ -44,11 +46,16 @@ def last_value(value) -> metrics.LastValue:
 
 @flax.struct.dataclass
 class PretrainingEvalMetrics(metrics.Collection):
-  loss: metrics.Average
+  """The evaluation's sums; `loss` is derived from them (a mean of the batches' losses would
+  weight a batch's masked tokens by how few it holds)."""
   mlm_loss: metrics.Average
   nsp_loss: metrics.Average
   mlm_accuracy: metrics.Average
   nsp_accuracy: metrics.Average
+
+  def compute(self) -> Dict[str, jax.Array]:
+    values = super().compute()
+    return {'loss': values['mlm_loss'] + values['nsp_loss'], **values}
 
 
 @flax.struct.dataclass

@@ -376,11 +376,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
 
 def make_eval_step(loss_fn: Callable, *, mesh, params_sharding, metrics_cls,
                    totals_fn: Callable = pretraining_totals) -> Callable:
-  """A jitted (params, batch) -> metrics, deterministic (no dropout)."""
+  """A jitted (params, batch) -> metrics_cls of the loss_fn's sums, deterministic (no
+  dropout); metrics_cls derives the loss from them."""
   def eval_fn(params, batch):
     with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
-      loss, stats = loss_fn(params, batch, None, totals_fn(batch))
-      return metrics_lib.collection(metrics_cls, loss=metrics_lib.average(loss, 1.0), **stats)
+      _, stats = loss_fn(params, batch, None, totals_fn(batch))
+      return metrics_lib.collection(metrics_cls, **stats)
 
   return jax.jit(eval_fn, in_shardings=(params_sharding, partitioning.batch_sharding(mesh)),
                  out_shardings=NamedSharding(mesh, PartitionSpec()))
