@@ -91,7 +91,7 @@ def era_task(root: str) -> str:
   temporary folder renamed into place, so a second study process never reads half of it)."""
   from data import sotu  # pylint: disable=g-import-not-at-top
   out = storage.join(root, 'era')
-  storage.refuse_gcsfuse(out, '--root')  # written to a folder renamed into place
+  storage.check_location(out, '--root')  # written to a folder renamed into place
   if not storage.path(storage.join(out, 'pretraining_corpus.txt')).exists():
     if storage.is_url(out):  # uploaded, the corpus (which the check above reads) last
       tmp = tempfile.mkdtemp(prefix='realformer-era-')

@@ -46,6 +46,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import threading
 import time
@@ -179,12 +180,10 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   killed run, a storage fault) leaves finished workers for the next attempt to keep.
   """
   started = time.time()
-  storage.refuse_gcsfuse(out_dir, 'the prepared data folder')
+  storage.check_location(out_dir, 'the prepared data folder')
   config_checks.check_lengths(config)
   remote = storage.is_url(out_dir)
-  if remote and not out_dir.startswith('gs://'):
-    raise ValueError(f'{out_dir!r}: object storage is supported for gs:// (Cloud Storage) '
-                     'URLs; give a gs:// URL or a local folder')
+  refuse_other_files(out_dir)
   if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ValueError(f'{out_dir} is a file; the prepared data needs a folder there: give '
                      'another path (config.data.prepared_dir or --out_dir)')
@@ -266,6 +265,23 @@ class _single_host_lock:  # pylint: disable=invalid-name
 
   def close(self):
     os.close(self._fd)  # releases the lock
+
+
+PREPARED_NAME = re.compile(r'(%s)-\d{5}-of-\d{5}' % '|'.join(SPLITS))
+
+
+def refuse_other_files(out_dir: str) -> None:
+  """A preparation replaces its folder whole (an earlier preparation, or the shards of one
+  cut short): a folder holding anything else is refused before anything is written."""
+  folder = _path(out_dir)
+  if not folder.is_dir():
+    return
+  other = sorted(p.name for p in folder.iterdir()
+                 if p.name != METADATA and not PREPARED_NAME.fullmatch(p.name))
+  if other:
+    raise ValueError(f'{out_dir} holds {len(other)} files that are not prepared data (e.g. '
+                     f'{other[0]}), which a preparation would delete; give a new or empty '
+                     'folder (config.data.prepared_dir or --out_dir)')
 
 
 def _path(*parts: str):

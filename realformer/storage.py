@@ -115,6 +115,35 @@ def refused(e: BaseException) -> bool:
 MOUNTS = '/proc/mounts'
 
 
+# Characters that the storage clients read as URL syntax in a gs:// path, not as part of a
+# name: tensorstore (the checkpoints' arrays) ends the path at # or ?, so a run's arrays would
+# go to another folder than its other files; gcsfs globs *, [ and ] and chains URLs at ::.
+URL_SYNTAX = ('#', '?', '*', '[', ']', '::')
+
+
+def check_location(p, what: str) -> None:
+  """One-line ValueErrors for a folder that a run, a preparation or an import writes, before
+  anything is written: a URL other than gs://, a bucket itself (the temporary and lock
+  objects beside the folder would name other buckets), URL syntax in a gs:// path
+  (URL_SYNTAX), or a local path on a gcsfuse mount (refuse_gcsfuse). `what` names the
+  setting, e.g. --workdir."""
+  text = os.fspath(p)
+  if not is_url(text):
+    refuse_gcsfuse(text, what)
+    return
+  if not text.startswith('gs://'):
+    raise ValueError(f'{what} {text!r}: object storage is supported for gs:// (Cloud Storage) '
+                     'URLs; give a gs:// URL or a local folder')
+  bucket, _, prefix = text[len('gs://'):].partition('/')
+  if not prefix.strip('/'):
+    raise ValueError(f'{what} {text}: give a folder inside the bucket (e.g. gs://{bucket}/'
+                     'runs/bert), not the bucket itself')
+  found = [c for c in URL_SYNTAX if c in prefix]
+  if found:
+    raise ValueError(f'{what} {text}: {" ".join(found)} in a gs:// path is read as URL syntax '
+                     '(the checkpoints would be written elsewhere); name the folder without it')
+
+
 def refuse_gcsfuse(p, what: str) -> None:
   """Raises ValueError when the local path `p` lies on a gcsfuse mount (fuse.gcsfuse in
   /proc/mounts): there a directory rename, by which a local checkpoint or a preparation is

@@ -551,6 +551,23 @@ def test_an_unsupported_storage_url_is_an_error_not_a_local_folder(corpus, tmp_p
   assert os.listdir(tmp_path) == []
 
 
+def test_a_folder_holding_other_files_is_refused_and_left_intact(corpus, tmp_path):
+  """A preparation replaces its folder whole; pointed at a folder of other files it refuses
+  before writing anything, instead of deleting them. An earlier preparation's folder, or
+  an empty one, is taken."""
+  out = tmp_path / 'mine'
+  out.mkdir()
+  (out / 'notes.txt').write_text('kept')
+  with pytest.raises(ValueError, match=r'mine holds 1 files that are not prepared data \(e.g. '
+                                       r'notes.txt\), which a preparation would delete'):
+    prepare.prepare(tiny_config(corpus), str(out))
+  assert os.listdir(out) == ['notes.txt'] and not os.path.exists(f'{out}.tmp')
+  (out / 'notes.txt').unlink()
+  first = prepare.prepare(tiny_config(corpus), str(out))
+  again = prepare.prepare(tiny_config(corpus), str(out))  # its own files: replaced
+  assert again['counts'] == first['counts'] and again['file_records'] == first['file_records']
+
+
 def test_worker_processes_exit_when_their_parent_is_killed(tmp_path):
   """The preparation's worker pool (spawned, with prepare.die_with_parent as initializer):
   kill -9 of the parent ends its workers within seconds instead of leaving them writing."""

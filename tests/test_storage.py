@@ -6,6 +6,7 @@ preconditions, which tensorstore and a lock object rely on."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -238,6 +239,38 @@ def test_a_holder_that_cannot_refresh_counts_its_lease_as_lost(gcs, monkeypatch)
   assert 'could not be refreshed' in lease.lost
   monkeypatch.undo()
   lease.release()
+
+
+@pytest.mark.parametrize('url,expected', [
+    ('gs://bucket', r'give a folder inside the bucket \(e.g. gs://bucket/runs/bert\), not'),
+    ('gs://bucket/', 'not the bucket itself'),
+    ('gs://bucket/run#2', r'# in a gs:// path is read as URL syntax \(the checkpoints would '
+                          r'be written elsewhere\)'),
+    ('gs://bucket/a?b/run', r'\? in a gs:// path'),
+    ('gs://bucket/runs/*', r'\* in a gs:// path'),
+    ('s3://bucket/run', 'object storage is supported for gs://')])
+def test_a_url_that_cannot_hold_a_run_is_refused_before_anything_is_written(url, expected):
+  """tensorstore ends a gs:// path at # or ?, so a run's arrays would land in another
+  folder than its other files; a bucket itself would put the temporary and lock objects
+  beside it into other buckets."""
+  with pytest.raises(ValueError, match=f"--workdir '?{re.escape(url)}.*{expected}"):
+    RunDir(url)
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match='the prepared data folder'):
+    prepare.prepare(ml_collections.ConfigDict({'data': {}}), url)
+  storage.check_location('gs://bucket/runs/bert-base_v2.1', '--workdir')  # fine
+
+
+def test_a_bucket_folder_holding_other_objects_is_not_taken_for_prepared_data(gcs):
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  folder = f'{gcs}/shared'
+  storage.write_text(f'{folder}/{prepare.METADATA}', '{}')
+  storage.write_text(f'{folder}/train-00000-of-00001', '')
+  prepare.refuse_other_files(folder)  # a preparation's own objects
+  storage.write_text(f'{folder}/results.csv', 'kept')
+  with pytest.raises(ValueError, match='shared holds 1 files that are not prepared data'):
+    prepare.refuse_other_files(folder)
+  prepare.refuse_other_files(f'{gcs}/nothing-yet')
 
 
 def test_a_run_directory_on_a_gcsfuse_mount_is_refused_naming_the_bucket(tmp_path, monkeypatch):

@@ -363,13 +363,13 @@ def _pid_alive(pid: int) -> bool:
 
 def _new_out(out: str) -> str:
   """An import writes a new workdir: `out` must not exist or be an empty folder."""
+  storage.check_location(out, '--out')  # a local import is committed by a folder rename
   if storage.is_url(out):
     if storage.path(out).exists() and any(storage.path(out).iterdir()):
       raise ValueError(f'--out {out} exists and is not empty (an import cut short leaves its '
                        'objects there: delete them to import into it); choose a new --out')
     return out.rstrip('/')
   out = os.path.abspath(out)
-  storage.refuse_gcsfuse(out, '--out')  # the import is committed by a folder rename
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ValueError(f'--out {out} exists and is not an empty directory; choose a new --out')
   return out

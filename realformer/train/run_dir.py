@@ -62,10 +62,7 @@ class RunDir:
   def __init__(self, root):
     if root is None or not os.fspath(root):
       raise ValueError('--workdir is required: the directory for checkpoints and logs')
-    if storage.is_url(root) and not os.fspath(root).startswith('gs://'):
-      raise ValueError(f'--workdir {os.fspath(root)!r}: object storage is supported for gs:// '
-                       '(Cloud Storage) URLs; give a gs:// URL or a local folder')
-    storage.refuse_gcsfuse(root, '--workdir')
+    storage.check_location(root, '--workdir')
     self.root = storage.path(root)
     self._lock: Optional[workdir_lib.Lock] = None
 
