@@ -39,7 +39,7 @@ from realformer import cli
 from realformer import storage
 from realformer.tools import analysis
 from realformer.tools import sweep
-from realformer.train import metrics as metrics_lib
+from realformer.train import metrics_jsonl
 
 VARIANTS = ('postln', 'preln', 'realformer', 'synth_random_vanilla', 'synth_dense_vanilla')
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -254,8 +254,8 @@ def curves(root: str, runs, names, out_path: str):
     path = storage.join(root, name, 'metrics.jsonl')
     if not storage.path(path).exists():
       continue
-    records = list(metrics_lib.read_jsonl(path, 'train').values()) + list(
-        metrics_lib.read_jsonl(path, 'eval').values())  # (skips a line cut short by a kill)
+    records = list(metrics_jsonl.read_jsonl(path, 'train').values()) + list(
+        metrics_jsonl.read_jsonl(path, 'eval').values())  # (skips a line cut short by a kill)
     baselines += [r['mlm_majority_accuracy'] for r in records
                   if r.get('split') == 'eval' and 'mlm_majority_accuracy' in r][-1:]
     for split, metric in (('train', 'loss'), ('eval', 'mlm_accuracy')):
@@ -323,9 +323,8 @@ def stability_cell(workdir: str, run=None) -> dict:
   path = storage.join(workdir, 'metrics.jsonl')
   if not storage.path(path).exists() or not sweep.is_done(workdir, run):
     return {'status': 'missing'}
-  with _open(path) as f:
-    losses = [(r['step'], r['loss']) for r in map(json.loads, f)
-              if r.get('split') == 'train' and 'loss' in r]
+  losses = [(step, r['loss']) for step, r in sorted(metrics_jsonl.read_jsonl(path).items())
+            if 'loss' in r]
   cell = {'final': losses[-1][1], 'step': losses[-1][0],
           'peak': max(loss for _, loss in losses)}
   # The start: the first logged loss (a mean over the first log_every steps, which may hold an

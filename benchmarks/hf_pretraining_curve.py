@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import pipeline  # pylint: disable=g-import-not-at-top
 from data import tokenizer as tokenizer_lib
 from realformer.train import checkpoints
-from realformer.train import metrics as metrics_lib
+from realformer.train import metrics_jsonl
 from realformer.train import train_lib
 
 
@@ -91,7 +91,7 @@ def main():
                                             long(b['next_sentence_labels']))
     return mlm, nsp, w.sum()
 
-  ours = metrics_lib.read_jsonl(os.path.join(args.workdir, 'metrics.jsonl'), 'eval')
+  ours = metrics_jsonl.read_jsonl(os.path.join(args.workdir, 'metrics.jsonl'), 'eval')
   steps = args.steps or tc.num_steps
   print(f'# {args.workdir}: {c.model.variant} {c.model.num_layers}x{c.model.hidden_size}, '
         f'batch {tc.batch_size}, lr {opt.learning_rate}, warm-up {warmup} of '

@@ -42,8 +42,10 @@ from realformer.tools import sweep
 from realformer.train import checkpoints
 from realformer.train import compile_cache
 from realformer.train import machine
-from realformer.train import metrics as metrics_lib
+from realformer.train import metrics_jsonl
 from realformer.train import trainer
+from realformer.train import workdir as workdir_lib
+from realformer.train.run_dir import RunDir
 from tests import test_compile_cache
 from tests import test_finetune
 from tests import test_pipeline
@@ -72,7 +74,7 @@ def _run(config, workdir):
 
 
 def _losses(workdir):
-  records = metrics_lib.read_jsonl(f'{workdir}/metrics.jsonl')
+  records = metrics_jsonl.read_jsonl(f'{workdir}/metrics.jsonl')
   return {s: r['loss'] for s, r in sorted(records.items())}
 
 
@@ -185,7 +187,7 @@ def bucket_run(server, tmp_path_factory):
 def test_a_pretraining_run_in_a_bucket_logs_the_losses_of_a_local_run(bucket_run):
   url, local, summary = bucket_run
   _assert_same(_losses(url), _losses(local))
-  local_eval = metrics_lib.read_jsonl(local / 'metrics.jsonl', 'eval')[4]
+  local_eval = metrics_jsonl.read_jsonl(local / 'metrics.jsonl', 'eval')[4]
   assert summary['eval']['mlm_loss'] == pytest.approx(local_eval['mlm_loss'], rel=1e-6)
   names = {p.name for p in storage.path(url).iterdir()}
   assert {'config.json', 'machine.jsonl', 'metrics.jsonl', 'checkpoints', 'data'} <= names
@@ -277,8 +279,27 @@ def test_a_diverged_run_in_a_bucket_keeps_its_log_up_to_the_divergence(server):
   with pytest.raises(trainer.NonFiniteLossError) as e:
     train.train_and_evaluate(c, url)
   bad_step = int(str(e.value).split(' at step ')[1].split(';')[0])
-  lines = (storage.path(url) / 'metrics.jsonl').read_text().splitlines()
-  assert bad_step > 1 and [json.loads(l)['step'] for l in lines] == list(range(1, bad_step))
+  logged = metrics_jsonl.read_jsonl(f'{url}/metrics.jsonl')
+  assert bad_step > 1 and sorted(logged) == list(range(1, bad_step))
+
+
+def test_a_run_that_lost_its_lock_leaves_the_new_holders_log_alone(server, monkeypatch):
+  """Once another run holds the workdir, the run that lost its lease stops without writing:
+  its log's last lines are not uploaded over the new holder's log."""
+  url = f'{server.root}/lost'
+  theirs = '{"step": 0, "split": "start"}\n{"step": 1, "split": "train", "loss": 9.0}\n'
+  original, calls = RunDir.check_held, []
+
+  def check_held(run):
+    calls.append(run)
+    if len(calls) == 3:  # at the third log: the lease is gone, another run has logged
+      storage.write_text(f'{url}/metrics.jsonl', theirs)
+      monkeypatch.setattr(workdir_lib.Lock, 'lost', property(lambda _: 'taken over'))
+    original(run)
+  monkeypatch.setattr(RunDir, 'check_held', check_held)
+  with pytest.raises(workdir_lib.WorkdirInUseError, match='taken over; this run stopped'):
+    train.train_and_evaluate(tiny_config(num_steps=6, checkpoint_every_steps=1000), url)
+  assert storage.path(f'{url}/metrics.jsonl').read_text() == theirs
 
 
 @pytest.fixture(scope='module')

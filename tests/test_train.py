@@ -3,6 +3,7 @@ FLOP count, clear errors, nan stop, and a short real run on the embedded corpus.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from configs import pretrain
 from realformer import models
 from realformer.model.spec import VARIANTS, resolve
 from realformer.train import metrics as metrics_lib
+from realformer.train import metrics_jsonl
 from realformer.train import partitioning
 from realformer.train import pretraining
 from realformer.train import train_lib
@@ -45,7 +47,7 @@ def tiny_config(variant='postln', **train_overrides):
 
 
 def losses(workdir, split='train', key='loss'):
-  records = metrics_lib.read_jsonl(os.path.join(workdir, 'metrics.jsonl'), split)
+  records = metrics_jsonl.read_jsonl(os.path.join(workdir, 'metrics.jsonl'), split)
   return {s: r[key] for s, r in sorted(records.items()) if key in r}
 
 
@@ -89,7 +91,7 @@ def test_sharded_and_accumulated_runs_equal_single_device(tmp_path):
     train.train_and_evaluate(c, str(tmp_path / name), devices=devices)
     got[name] = losses(tmp_path / name)
     assert sorted(got[name]) == [1, 2, 3, 4]
-  assert 'tokens_per_s' in metrics_lib.read_jsonl(tmp_path / 'single' / 'metrics.jsonl')[4]
+  assert 'tokens_per_s' in metrics_jsonl.read_jsonl(tmp_path / 'single' / 'metrics.jsonl')[4]
   single = list(got['single'].values())
   for name in ('fsdp', 'tensor'):
     np.testing.assert_allclose(list(got[name].values()), single, rtol=2e-5, err_msg=name)
@@ -407,6 +409,38 @@ def test_tensorboard_events_hold_the_logged_values_and_tensorflow_is_not_importe
   probe = ('import sys, train; from realformer.train import trainer; '
            'sys.exit(int(any(m.split(".")[0] == "tensorflow" for m in sys.modules)))')
   assert subprocess.run([sys.executable, '-c', probe], cwd=REPO).returncode == 0
+
+
+def test_a_resume_forgets_the_logs_of_the_stretch_it_left(tmp_path):
+  """A run killed after step 8 whose last whole checkpoint is step 4, resumed with another
+  length and log cadence: metrics.jsonl (read by the sweep and the study) and TensorBoard
+  hold steps 1-4 of the first start and what the second logged, not steps 5, 7 and 8 of the
+  abandoned stretch. A start from nothing forgets every earlier line."""
+  from tensorboard.backend.event_processing import event_accumulator
+  from realformer.tools import sweep
+  train.train_and_evaluate(tiny_config(num_steps=8, checkpoint_every_steps=4), str(tmp_path))
+  shutil.rmtree(tmp_path / 'checkpoints' / '8')  # the kill: step 8 never completed
+  train.train_and_evaluate(tiny_config(num_steps=6, log_every_steps=3), str(tmp_path))
+  assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 6]
+  assert sweep.last_step(str(tmp_path)) == 6
+  events = event_accumulator.EventAccumulator(str(tmp_path))
+  events.Reload()
+  assert [e.step for e in events.Scalars('train/loss')] == [1, 2, 3, 4, 6]
+  shutil.rmtree(tmp_path / 'checkpoints')  # a run that starts over
+  train.train_and_evaluate(tiny_config(num_steps=2, log_every_steps=2), str(tmp_path))
+  assert sorted(losses(tmp_path)) == [2]
+
+
+def test_metrics_jsonl_reads_as_the_history_of_the_last_start(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  lines = [{'step': 0, 'split': 'start'}] + [{'step': i, 'split': 'train', 'loss': i}
+                                              for i in (1, 2, 3)]
+  lines += [{'step': 2, 'split': 'start'}, {'step': 3, 'split': 'train', 'loss': 30},
+            {'step': 3, 'split': 'eval', 'loss': 31}]
+  path.write_text('\n'.join(json.dumps(l) for l in lines) + '\n{"step": 4, "spl')
+  assert {s: r['loss'] for s, r in metrics_jsonl.read_jsonl(path).items()} == {1: 1, 2: 2, 3: 30}
+  assert metrics_jsonl.logged_at(path, 3) == {'train': {'loss': 30}, 'eval': {'loss': 31}}
+  assert metrics_jsonl.records(tmp_path / 'none.jsonl') == []
 
 
 def test_cli_unknown_key_and_missing_workdir():

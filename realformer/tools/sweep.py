@@ -37,6 +37,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from realformer import cli
 from realformer import storage
+from realformer.train import metrics_jsonl
 
 Run = Dict[str, Any]
 DONE = 'DONE'
@@ -234,30 +235,15 @@ def check_keys(config: str, runs: Sequence[Run]):
         raise ValueError(f'the run with {changed}: {e}; fix the --sweep/--set value') from None
 
 
-def _log_records(workdir: str) -> Iterable[dict]:
-  """<workdir>/metrics.jsonl's records in order, past a line cut short by a kill (read here,
-  not with realformer.train.metrics.read_jsonl, so that sweeps start without jax)."""
-  path = storage.path(workdir) / 'metrics.jsonl'
-  if not path.exists():
-    return
-  for line in path.read_text().splitlines():
-    try:
-      record = json.loads(line)
-    except ValueError:
-      continue
-    if isinstance(record, dict):
-      yield record
+def _log_records(workdir: str) -> List[dict]:
+  """<workdir>/metrics.jsonl's records (metrics_jsonl.records: the history of the run the
+  workdir holds, past a line cut short by a kill)."""
+  return metrics_jsonl.records(storage.join(workdir, 'metrics.jsonl'))
 
 
 def last_step(workdir: str) -> int:
   """The largest 'step' in <workdir>/metrics.jsonl (-1 without one)."""
-  step = -1
-  for record in _log_records(workdir):
-    try:
-      step = max(step, int(record.get('step', -1)))
-    except (ValueError, TypeError):
-      continue
-  return step
+  return max((record['step'] for record in _log_records(workdir)), default=-1)
 
 
 def is_done(workdir: str, run: Optional[Run] = None) -> bool:

@@ -31,6 +31,7 @@ from absl import logging
 from clu import metrics
 
 from realformer import storage
+from realformer.train import metrics_jsonl
 
 
 def average(total, count) -> metrics.Average:
@@ -113,63 +114,24 @@ def peak_flops_per_device(device: jax.Device, override: Optional[float] = None
   return None
 
 
-class JsonlWriter:
-  """metrics.jsonl: one JSON object per (step, split), the machine-readable log.
-
-  Line format: {"step": int, "split": "train"|"eval", "<metric>": float, ...}. A name
-  "eval/mlm_accuracy" goes to split "eval" as "mlm_accuracy"; names without a prefix are
-  "train". Scalars written for the same step are gathered into one line, written when
-  another step arrives or at flush(). After a resume a step may appear twice: the later
-  line wins (read_jsonl). A local file whose last line was cut short (a hard stop in the
-  middle of a write) gets a line break first, so that the new lines stay whole; in a bucket
-  only whole lines are uploaded.
-  """
-
-  def __init__(self, path: str):
-    cut_short = False
-    if not storage.is_url(str(path)) and os.path.isfile(path) and os.path.getsize(path):
-      with open(path, 'rb') as f:
-        f.seek(-1, os.SEEK_END)
-        cut_short = f.read(1) != b'\n'
-    self._file = storage.GrowingFile(path)
-    if cut_short:
-      self._file.write('\n')
-    self._step, self._pending = None, {}
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
-    if step != self._step:
-      self.flush()
-      self._step = step
-    for name, value in scalars.items():
-      split, _, key = name.rpartition('/')
-      self._pending.setdefault(split or 'train', {})[key] = float(np.asarray(value))
-
-  def flush(self, force: bool = False):
-    """Writes the gathered lines; in a bucket they reach the object at most every 30 s, or
-    now with `force` (storage.GrowingFile)."""
-    for split, values in self._pending.items():
-      self._file.write(json.dumps({'step': int(self._step), 'split': split, **values}) + '\n')
-    self._pending = {}
-    self._file.flush(force)
-
-  def close(self):
-    self.flush()
-    self._file.close()
-
-
 class TensorBoardWriter:
   """Scalars as TensorBoard events: one events.out.tfevents.* file per start in `logdir` (a
   folder or a gs:// URL: storage.GrowingFile), written with tensorboard's record format
   (TFRecord framing, masked CRC32C) by plain file writes, so no TensorFlow is imported
   (tensorboard's own event writer goes through tf.io.gfile, which loads TensorFlow wherever
-  it is installed)."""
+  it is installed). A start at step s writes SessionLog.START at s + 1: TensorBoard then
+  drops the events past s that earlier files hold (the stretch a resume left, as
+  metrics_jsonl.records does)."""
 
-  def __init__(self, logdir: str):
+  def __init__(self, logdir: str, start_step: int):
+    from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
     from tensorboard.summary.writer import record_writer  # pylint: disable=g-import-not-at-top
     name = f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}'
     self._file = storage.GrowingFile(storage.path(logdir) / name, binary=True)
     self._writer = record_writer.RecordWriter(self._file)
     self._write(file_version='brain.Event:2')
+    self._write(step=int(start_step) + 1,
+                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
 
   def _write(self, **event):
     from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
@@ -224,41 +186,10 @@ class MultiWriter:
       writer.close()
 
 
-def _records(path: str):
-  """metrics.jsonl's records in order; a line cut short by a hard stop is skipped (with a
-  warning)."""
-  for number, line in enumerate(
-      storage.path(path).read_bytes().decode('utf-8', 'replace').splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except ValueError:
-      record = None
-    if isinstance(record, dict) and 'step' in record and 'split' in record:
-      yield record
-    else:
-      logging.warning('%s:%d is not a record (cut short?); skipped', path, number)
-
-
-def read_jsonl(path: str, split: str = 'train') -> dict:
-  """metrics.jsonl -> {step: record} for one split; a re-logged step keeps its last record."""
-  out = {}
-  for record in _records(path):
-    if record['split'] == split:
-      out[record['step']] = record  # a later line for the same step (a resume) wins
-  return out
-
-
-def logged_at(path: str, step: int) -> Dict[str, Dict[str, float]]:
-  """metrics.jsonl's values at `step`, {split: {name: value}} (later lines win)."""
-  return {r['split']: {k: v for k, v in r.items() if k not in ('step', 'split')}
-          for r in _records(path) if r['step'] == step}
-
-
-def create_writer(logdir: str, jsonl_path, process_index: int) -> MultiWriter:
+def create_writer(logdir: str, jsonl_path, process_index: int, start_step: int) -> MultiWriter:
   """The log on every process; TensorBoard events (in `logdir`) and the JSON lines (to
-  `jsonl_path`) from process 0 only."""
+  `jsonl_path`) from process 0 only, each marking the start at `start_step`."""
   if process_index > 0:
     return MultiWriter([LogWriter()])
-  return MultiWriter([LogWriter(), TensorBoardWriter(logdir), JsonlWriter(jsonl_path)])
+  return MultiWriter([LogWriter(), TensorBoardWriter(logdir, start_step),
+                      metrics_jsonl.JsonlWriter(jsonl_path, start_step)])

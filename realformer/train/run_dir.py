@@ -12,7 +12,7 @@ Layout (every name a program writes is here and nowhere else):
   config.json           the run's full config (model, data.tokenizer, ...)
   checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
                         stream's position, pretraining only)
-  metrics.jsonl         one JSON line per logged step and split (metrics.JsonlWriter)
+  metrics.jsonl         one JSON line per logged step and split (metrics_jsonl)
   events.out.tfevents.* TensorBoard events (metrics.TensorBoardWriter)
   machine.jsonl         one line per start: processor, cores, jax, devices (machine.facts)
   time_spent.json       {step: seconds} of a time-budgeted run (train.time_budget_minutes)
@@ -133,9 +133,11 @@ class RunDir:
   def record_machine(self) -> None:
     machine.record(str(self))
 
-  def metric_writer(self):
-    """TensorBoard + console + metrics.jsonl (process 0; the others log to the console)."""
-    return metrics_lib.create_writer(str(self), self.path(self.METRICS), jax.process_index())
+  def metric_writer(self, start_step: int):
+    """TensorBoard + console + metrics.jsonl (process 0; the others log to the console), for
+    a start at `start_step` (metrics_jsonl: what the logs hold past it is forgotten)."""
+    return metrics_lib.create_writer(str(self), self.path(self.METRICS), jax.process_index(),
+                                     start_step)
 
   def remove(self, name: str) -> None:
     """Deletes a file or folder of the run (process 0)."""

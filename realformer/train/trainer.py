@@ -59,6 +59,7 @@ from realformer.train import compile_cache
 from realformer.train import distributed
 from realformer.train import host_memory
 from realformer.train import metrics as metrics_lib
+from realformer.train import metrics_jsonl
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
@@ -396,7 +397,7 @@ class Trainer:
     # Every check has passed (config, model, checkpoint): the run directory describes it.
     run.write_config(task.config)
     run.record_machine()
-    self.writer = run.metric_writer()
+    self.writer = run.metric_writer(start)
     self.best = BestParams(run, task, enabled=c.keep_best, fresh=start == 0)
     self.budget = None
     if task.budget_schedule is not None:
@@ -411,11 +412,13 @@ class Trainer:
         self.manager.wait_until_finished()
         summary = self._finish(preempted)
         compile_cache.log_stats('the run')  # the background compiles and predictions too
-    except BaseException:
+    except BaseException as e:
       # The logs so far are kept (in a bucket, the lines not yet uploaded are the ones
-      # before a divergence); the error raised stays the one reported.
-      with contextlib.suppress(Exception):
-        self.writer.close()
+      # before a divergence), unless another run now holds the workdir (its logs are the
+      # workdir's); the error raised stays the one reported.
+      if not isinstance(e, workdir_lib.WorkdirInUseError):
+        with contextlib.suppress(Exception):
+          self.writer.close()
       raise
     finally:
       task.close()
@@ -533,7 +536,7 @@ class Trainer:
     """What metrics.jsonl holds for `step`, {split: {name: value}} (a finished run started
     again trains and evaluates nothing: its summary is what it logged)."""
     path = self.run_dir.path(RunDir.METRICS)
-    return metrics_lib.logged_at(str(path), step) if path.exists() else {}
+    return metrics_jsonl.logged_at(str(path), step)
 
   def _finish(self, preempted: Optional[int]) -> dict:
     """The summary; a finished run's last evaluation, outputs and lean params."""
