@@ -208,6 +208,20 @@ def test_fully_padded_row_stays_finite():
   assert all(bool(jnp.isfinite(p).all()) for p in out.attention)
 
 
+@pytest.mark.parametrize('offset', [0.0, 1e3, 4e3])
+def test_layer_norm_is_exact_for_rows_with_a_large_mean(offset):
+  """The variance in two passes: E[x^2] - E[x]^2 in float32 loses every digit of a row with
+  mean 4000 and spread 1 (and gave 3.9e6 there, the variance clipped to 0 over sqrt(1e-12))."""
+  from realformer.model.encoder import layer_norm  # pylint: disable=g-import-not-at-top
+  spec = resolve(small_config('postln'))
+  x = offset + np.random.default_rng(0).normal(size=(4, spec.hidden_size))
+  ln = layer_norm(spec, 'ln')
+  params = ln.init(jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32))
+  got = np.asarray(ln.apply(params, jnp.asarray(x, jnp.float32)))
+  want = reference.layer_norm(x, {'scale': 1.0, 'bias': 0.0}, spec.layer_norm_eps)
+  np.testing.assert_allclose(got, want, atol=2e-3)
+
+
 def test_sequence_longer_than_max_len_is_a_clear_error():
   for variant in ('postln', 'synth_random'):
     model = models.build(small_config(variant), head='encoder')

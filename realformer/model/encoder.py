@@ -42,9 +42,12 @@ class PretrainingOutput:
 
 
 def layer_norm(spec: EncoderSpec, name: str):
-  """LayerNorm computed in float32 (the policy for every dtype)."""
+  """LayerNorm computed in float32 (the policy for every dtype), its variance in two passes
+  (mean of squared deviations, as BERT's tf.nn.moments and PyTorch compute it): flax's
+  default E[x^2] - E[x]^2 cancels catastrophically when a row's mean is large against its
+  spread."""
   return nn.LayerNorm(epsilon=spec.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32,
-                      name=name,
+                      use_fast_variance=False, name=name,
                       scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
                       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)))
 
@@ -258,7 +261,7 @@ class BertForSequenceClassification(nn.Module):
                                      capture_attention=capture_attention)
     pooled = dropout_lib.Dropout(s.dropout_rate)(out.pooled, deterministic=deterministic)
     logits = dense(self.num_labels, ('mlp', None), s, 'classifier')(pooled)
-    return out.replace(hidden=out.hidden), logits.astype(jnp.float32)
+    return out, logits.astype(jnp.float32)
 
 
 class BertForQuestionAnswering(nn.Module):
