@@ -442,7 +442,7 @@ def test_a_random_init_baseline_takes_the_tokenizer_it_is_given():
   assert default.model.vocab_size == 8000  # the embedded 8k sentencepiece vocabulary
 
 
-def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
+def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path, caplog):
   other = str(tmp_path / 'other')
   os.makedirs(other)
   config = json.load(open(os.path.join(pretrained, 'config.json')))
@@ -458,10 +458,13 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path):
     finetune.finetune(ft_config('rte', pretrained, batch_size=64), str(tmp_path / 'ft3'))
   config['model']['hidden_size'] = 32
   config['model']['type_vocab_size'] = 1  # no row for the second sentence's segment id 1
+  config['data']['max_seq_length'] = 48  # pretrained on shorter sequences than max_seq_length
   json.dump(config, open(os.path.join(other, 'config.json'), 'w'))
   with pytest.raises(ValueError, match="type_vocab_size=1: rte's text pairs use segment ids "
                                        '0 to 1; fine-tune a checkpoint with two token types'):
     finetune.finetune(ft_config('rte', other), str(tmp_path / 'ft4'))
+  assert ('max_seq_length=64 is longer than the pretraining sequences (48): positions 48-63 '
+          'were never trained') in caplog.text
 
 
 def test_grid_commands_and_summary(tmp_path, capsys):

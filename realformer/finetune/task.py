@@ -277,6 +277,14 @@ class FinetuneTask(trainer.Task, abc.ABC):
       raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained '
                        f'model\'s positions ({pre.model.max_len}); lower '
                        f'config.max_seq_length')
+    trained = int(pre.data.get('max_seq_length', pre.model.max_len))
+    if config.max_seq_length > trained and not config.from_scratch:
+      logging.warning('max_seq_length=%d is longer than the pretraining sequences (%d): '
+                      'positions %d-%d were never trained (their position embeddings, and a '
+                      'Random synthesizer\'s rows and columns, are still as initialised); '
+                      'lower config.max_seq_length to %d or pretrain at the longer length',
+                      config.max_seq_length, trained, trained, config.max_seq_length - 1,
+                      trained)
     tokenizer = tokenizer_lib.load_for_config(pre.data)
     if tokenizer.vocab_size != pre.model.vocab_size:
       raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
