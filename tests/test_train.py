@@ -181,6 +181,20 @@ def test_fsdp_shards_every_matrix_and_tensor_parallel_splits_heads(variant):
       assert spec[0] == 'tensor', (name, spec)
 
 
+def test_a_tensor_axis_that_does_not_divide_the_heads(caplog):
+  """Refused before compiling where a parameter is split by head (the Random synthesizers'
+  tables: it used to fail inside jit with an IndivisibleError); warned about elsewhere."""
+  mesh = partitioning.make_mesh({'data': 1, 'fsdp': 2, 'tensor': 4})  # 2 heads
+  example = train_lib.abstract_batch(8, 32, 5)
+  with pytest.raises(ValueError, match=r"mesh.tensor=4 does not divide model.num_heads=2, "
+                                       r"and the Random synthesizer's tables"):
+    train_lib.state_shardings(models.build(tiny_config('synth_random_vanilla').model),
+                              optax.sgd(1.0), example, mesh)
+  train_lib.state_shardings(models.build(tiny_config('postln').model), optax.sgd(1.0),
+                            example, mesh)
+  assert 'heads are cut across devices' in caplog.text
+
+
 def test_accumulation_gradient_equals_one_big_batch():
   """Masked-token weighting: accumulated microbatches give the big batch's exact gradient,
   even when the microbatches hold different numbers of masked tokens."""

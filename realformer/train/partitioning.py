@@ -12,6 +12,7 @@ from typing import Sequence, Tuple
 import flax.linen as nn
 import jax
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -53,6 +54,26 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
   shape = mesh_shape(mesh_config, len(devices))
   return jax.make_mesh(shape, MESH_AXES, devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+RANDOM_SYNTHESIZERS = ('random', 'factorized_random')  # parameters of [heads, ...]
+
+
+def check_heads(spec, mesh: Mesh) -> None:
+  """The tensor axis splits attention by head. Where it does not divide model.num_heads, a
+  parameter split by head (the Random synthesizers' tables) cannot be laid out: a one-line
+  error; elsewhere heads are cut across devices, which costs a resharding in every layer:
+  a warning."""
+  tensor, heads = mesh.shape['tensor'], spec.num_heads
+  if heads % tensor == 0:
+    return
+  if any(c in RANDOM_SYNTHESIZERS for c in spec.attention):
+    raise ValueError(f'mesh.tensor={tensor} does not divide model.num_heads={heads}, and the '
+                     'Random synthesizer\'s tables are split over tensor by head; choose a '
+                     f'mesh.tensor that divides {heads}')
+  logging.warning('mesh.tensor=%d does not divide model.num_heads=%d: heads are cut across '
+                  'devices, which costs a resharding in every attention layer; choose a '
+                  'mesh.tensor that divides %d', tensor, heads, heads)
 
 
 def logical_to_sharding(tree, mesh: Mesh, rules=LOGICAL_AXIS_RULES):

@@ -210,8 +210,10 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, example_
 
   Shapes come from jax.eval_shape (nothing is allocated); shardings from the params'
   logical axis names and partitioning.LOGICAL_AXIS_RULES. Optimizer moments mirror the
-  params' sharding; scalars (counts, step) are replicated.
+  params' sharding; scalars (counts, step) are replicated. A mesh.tensor that does not
+  divide the heads is refused or warned about first (partitioning.check_heads).
   """
+  partitioning.check_heads(model.spec, mesh)
   with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
     boxed = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), _init_batch(example_batch, mesh))['params'])
