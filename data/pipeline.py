@@ -15,6 +15,7 @@ import zlib
 from typing import Dict, List, Optional, Tuple
 
 from absl import flags
+from absl import logging
 import grain.python as grain
 import numpy as np
 
@@ -149,14 +150,7 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
                             'prepared folder, or for a bucket the folder ensure_prepared copies')
   source = PreparedShards(paths, metadata.get('file_records', {}).get(split))
   per_host = global_batch_size // process_count
-  if len(source) // process_count < per_host:
-    stats = metadata.get('stats', {})
-    undecodable = max(stats.get('train/non_utf8_lines', 0), stats.get('eval/non_utf8_lines', 0))
-    why = (f' ({undecodable} lines of the corpus were not UTF-8 and were skipped: convert the '
-           f'files to UTF-8 and delete {prepared_dir} to prepare again)' if undecodable else '')
-    raise ValueError(f'the {split} split has {len(source)} examples, fewer than one batch of '
-                     f'{per_host} per process{why}; use a larger corpus, a smaller batch, or '
-                     '(for eval) a larger data.eval_fraction')
+  check_split(metadata, prepared_dir, split, len(source), global_batch_size, process_count)
   sampler = grain.IndexSampler(
       num_records=len(source), shuffle=True, seed=seed, num_epochs=num_epochs,
       shard_options=grain.ShardOptions(shard_index=process_index, shard_count=process_count,
@@ -173,6 +167,29 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
   loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
                             worker_count=config_data.worker_count, read_options=read_options)
   return _Iterator(iter(loader), source)
+
+
+def check_split(metadata: dict, prepared_dir: str, split: str, examples: int,
+                global_batch_size: int, process_count: int, batches: int = 0) -> None:
+  """A one-line error if the split holds less than one batch for each process; with
+  `batches` (an evaluation's steps), a warning if they read examples more than once."""
+  per_host = global_batch_size // process_count
+  if examples // process_count < per_host:
+    stats = metadata.get('stats', {})
+    undecodable = max(stats.get('train/non_utf8_lines', 0), stats.get('eval/non_utf8_lines', 0))
+    why = (f' ({undecodable} lines of the corpus were not UTF-8 and were skipped: convert the '
+           f'files to UTF-8 and delete {prepared_dir} to prepare again)' if undecodable else '')
+    fix = ('a larger data.eval_fraction (prepared again in a new data.prepared_dir), or '
+           'train.eval_steps=0 to train without evaluating' if split == 'eval' else
+           'a larger corpus or a smaller train.batch_size')
+    raise ValueError(f'the {split} split of {prepared_dir} has {examples} examples, fewer than '
+                     f'one batch of {per_host} per process{why}; use {fix}')
+  if batches * per_host > examples // process_count:
+    logging.warning('train.eval_steps=%d batches of %d read %d examples per process, but the '
+                    '%s split holds %d: the evaluation counts some more than once; lower '
+                    'train.eval_steps to %d to read each once', batches, per_host,
+                    batches * per_host, split, examples // process_count,
+                    examples // process_count // per_host)
 
 
 def iterator_checkpoint_args(it, mode: str):

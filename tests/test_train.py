@@ -467,6 +467,26 @@ def test_cli_unknown_key_and_missing_workdir():
     train.train_and_evaluate(tiny_config(), '')
 
 
+def test_an_eval_split_too_small_is_refused_before_the_first_step(tmp_path, caplog):
+  """Checked when the data is prepared, not at the first evaluation (the steps before it
+  were lost, and no checkpoint was written)."""
+  pytest.importorskip('data.pipeline')
+  from data import pipeline  # pylint: disable=g-import-not-at-top
+  c = pretrain.get_config('postln,tiny')
+  c.data.max_seq_length, c.data.max_predictions_per_seq = 64, 10
+  c.data.eval_fraction = 0.0
+  with pytest.raises(ValueError, match=r'the eval split of \S+ has 0 examples, fewer than one '
+                                       r'batch .* or train.eval_steps=0 to train without'):
+    train.train_and_evaluate(c, str(tmp_path))
+  assert not (tmp_path / 'config.json').exists() and not (tmp_path / 'metrics.jsonl').exists()
+  # An evaluation longer than its split reads examples twice: said when the run starts.
+  pipeline.check_split({}, 'data', 'eval', 100, 16, 2, batches=6)  # 48 of 50: fine
+  assert not caplog.text
+  pipeline.check_split({}, 'data', 'eval', 100, 16, 2, batches=7)
+  assert 'train.eval_steps=7 batches of 8 read 56 examples per process, but the eval split ' \
+         'holds 50' in caplog.text and 'lower train.eval_steps to 6' in caplog.text
+
+
 def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   pytest.importorskip('data.pipeline')
   c = pretrain.get_config('postln,tiny')

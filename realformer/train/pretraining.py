@@ -38,7 +38,8 @@ def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
 def make_input_fn(config, workdir: str):
   """(split, seed) -> this host's iterator of numpy batches (global batch / process count).
 
-  The real pipeline prepares its shards once (process 0 writes, the others wait)."""
+  The real pipeline prepares its shards once (process 0 writes, the others wait), and checks
+  the eval split against the evaluation's batches here, before the first step."""
   kw = dict(global_batch_size=config.train.batch_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   if config.data.sources == 'synthetic':
@@ -47,9 +48,15 @@ def make_input_fn(config, workdir: str):
         num_predictions=config.data.max_predictions_per_seq, seed=seed + (split == 'eval'),
         **kw)
   from data import pipeline  # pylint: disable=g-import-not-at-top
+  from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   tokenizer = tokenizer_lib.load_for_config(config.data)
   prepared_dir = pipeline.ensure_prepared(config, workdir)
+  if config.train.eval_steps > 0:
+    metadata = prepare_lib.read_metadata(prepared_dir)
+    pipeline.check_split(metadata, prepared_dir, 'eval', metadata['counts']['eval'],
+                         config.train.batch_size, jax.process_count(),
+                         batches=config.train.eval_steps)
   return lambda split, seed: pipeline.make_pretraining_iterator(
       config.data, tokenizer, prepared_dir, split=split, seed=seed, **kw)
 
