@@ -69,6 +69,14 @@ def test_v2_no_answer_handling_and_threshold_search():
   assert out['best_exact'] == pytest.approx(50.0) and out['best_exact_thresh'] == 0.1
   assert out['best_f1'] == pytest.approx(100 * (2 + 2 / 3) / 4)
   assert out['best_f1_thresh'] == 0.3
+  # When nulling every answer scores best and every score difference is negative, the
+  # threshold reported nulls every answer once applied (0.0, the script's, would null none).
+  golds, preds = {'x': [], 'y': []}, {'x': 'a', 'y': 'b'}
+  null_diff = {'x': -0.3, 'y': -0.08}
+  out = fm.squad_v2(golds, preds, null_diff)
+  assert out['best_exact'] == 100.0 and out['best_exact_thresh'] < -0.3
+  final = squad.apply_null_threshold(preds, null_diff, out['best_f1_thresh'])
+  assert fm.squad_v2(golds, final)['exact'] == 100.0
 
 
 def _examples(version):

@@ -8,6 +8,7 @@
 """
 
 import collections
+import math
 import re
 import string
 from typing import Dict, List, Optional
@@ -83,9 +84,14 @@ def squad_v1(golds: Dict[str, List[str]], predictions: Dict[str, str]) -> Dict[s
 
 
 def _best_threshold(scores, na_probs, has_answer, predictions):
-  """evaluate-v2.0.py's find_best_thresh: sweep the threshold over the sorted na_probs."""
+  """evaluate-v2.0.py's find_best_thresh: sweep the threshold over the sorted na_probs.
+
+  Its starting point is every answer nulled, which the script reports as threshold 0.0 (below
+  every probability it was written for); here na_probs are score differences, which may be
+  negative, so that point is reported as just below the lowest of them: applied, the
+  threshold nulls every answer, as the score it goes with assumed."""
   current = best = sum(1 for q in scores if not has_answer[q])
-  best_threshold = 0.0
+  best_threshold = math.nextafter(min((na_probs[q] for q in scores), default=0.0), -math.inf)
   for qid in sorted(na_probs, key=lambda q: na_probs[q]):
     if qid not in scores:
       continue
