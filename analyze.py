@@ -21,7 +21,8 @@ def _define(f):
                             flag_values=f, required=True)
   flags.DEFINE_multi_string('label', None, 'one per --workdir', flag_values=f)
   flags.DEFINE_string('out', None, 'the report folder', flag_values=f, required=True)
-  flags.DEFINE_integer('num_examples', 32, 'held-out examples per run', flag_values=f)
+  flags.DEFINE_integer('num_examples', 32, 'held-out examples per run', lower_bound=1,
+                       flag_values=f)
 
 
 def main(argv=None):

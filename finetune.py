@@ -3,7 +3,8 @@ r"""Fine-tune a pretrained encoder on a GLUE task or SQuAD; evaluate on dev; wri
   python finetune.py --config configs/finetune.py:glue/rte --workdir /tmp/ft_rte \
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/glue
   python finetune.py --config configs/finetune.py:squad/v2.0 --workdir /tmp/ft_squad2 \
-      --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad
+      --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad \
+      --config.max_seq_length=128   # bert_tiny has 128 positions; BERT-base takes 384
 
 The encoder is restored from the newest checkpoint of `init_checkpoint` (only the encoder:
 the pretraining heads and optimizer are not read); a checkpoint whose architecture or
@@ -62,7 +63,7 @@ def finetune(config, workdir: str) -> dict:
 
 
 def main(argv):
-  del argv
+  cli.refuse_arguments(argv)
   if not flags.FLAGS.workdir:
     cli.fail('--workdir is required: the directory for checkpoints, metrics and predictions '
              '(e.g. --workdir /tmp/ft_sst2)')

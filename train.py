@@ -105,8 +105,7 @@ def check_launch():
 
 def main(argv):
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
-  if len(argv) > 1:
-    cli.fail(f'unexpected arguments {argv[1:]}; settings go in --config.*')
+  cli.refuse_arguments(argv)
   if flags.FLAGS.compile_for:
     check_launch()
     return

@@ -15,7 +15,8 @@ mismatched and predicts AX), qnli, rte, wnli. Defaults follow BERT: lr 2e-5, bat
 3 epochs, 10% warm-up. Unknown keys are errors (the config is locked).
 
   python finetune.py --config configs/finetune.py:squad/v1.1 --workdir /tmp/ft_squad \
-      --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad
+      --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad \
+      --config.max_seq_length=128   # bert_tiny has 128 positions; BERT-base takes 384
 
 SQuAD (`squad/v1.1`, `squad/v2.0`): data_dir holds train-v1.1.json and dev-v1.1.json (or the
 v2.0 files), empty means tfds `squad/<version>`. BERT's settings: lr 3e-5, batch 32,

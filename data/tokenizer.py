@@ -272,7 +272,8 @@ def _define(f):
                             flag_values=f, required=True)
   flags.DEFINE_string('model_prefix', None, 'sentencepiece: writes <prefix>.model; wordpiece: '
                       'the folder of vocab.txt', flag_values=f, required=True)
-  flags.DEFINE_integer('vocab_size', 30000, 'pieces in the vocabulary', flag_values=f)
+  flags.DEFINE_integer('vocab_size', 30000, 'pieces in the vocabulary', lower_bound=1,
+                       flag_values=f)
   flags.DEFINE_enum('model_type', 'unigram', ['unigram', 'bpe', 'wordpiece'],
                     "wordpiece: BERT's tokenizer (the tokenizers library's trainer)",
                     flag_values=f)

@@ -71,6 +71,13 @@ def fail(message: str):
   sys.exit(1)
 
 
+def refuse_arguments(argv) -> None:
+  """train.py and finetune.py take flags only: a stray word (a setting without its
+  --config.) would otherwise be ignored while the run trains with the default."""
+  if len(argv) > 1:
+    fail(f'unexpected arguments {argv[1:]}; settings go in --config.*')
+
+
 def _config_load_error(e: OSError) -> str:
   """ml_collections' deferred 'Failed loading config file' (a config file that cannot be
   read), without its list of attempted paths."""

@@ -28,8 +28,22 @@ OPTIMIZERS = ('adamw', 'lamb')
 SCHEDULES = ('linear', 'cosine', 'constant')
 
 
+# [CLS] A [SEP] B [SEP] with a token in each segment: the shortest sequence that pretraining
+# and a task of pairs can make.
+MIN_SEQ_LENGTH = 5
+
+
+def check_seq_length(value, setting: str) -> None:
+  if int(value) < MIN_SEQ_LENGTH:
+    raise ValueError(f'{setting}={value}: give at least {MIN_SEQ_LENGTH} tokens ([CLS] A [SEP] '
+                     'B [SEP]); BERT uses 128 and 512')
+
+
 def check_optimizer(opt_config) -> None:
-  """optimizer.name and optimizer.schedule are ones that train_lib.make_optimizer builds."""
+  """optimizer.name and optimizer.schedule are ones that train_lib.make_optimizer builds; the
+  learning rate is not negative."""
+  if float(opt_config.learning_rate) < 0:
+    raise ValueError(f'optimizer.learning_rate={opt_config.learning_rate}: give a rate >= 0')
   name = opt_config.get('name', 'adamw')
   if name not in OPTIMIZERS:
     raise ValueError(f'optimizer.name={name!r}; choose {" or ".join(OPTIMIZERS)}')
@@ -59,6 +73,7 @@ def check_counts(tc) -> None:
 
 def check_lengths(config) -> None:
   """The lengths and groupings that shape the prepared instances."""
+  check_seq_length(config.data.max_seq_length, 'data.max_seq_length')
   if config.data.max_seq_length > config.model.max_len:
     raise ValueError(f'data.max_seq_length={config.data.max_seq_length} exceeds the model\'s '
                      f'positions (model.max_len={config.model.max_len}); lower the first or '
@@ -88,9 +103,9 @@ def rows_per_document(value, sources: str) -> List[int]:
   except ValueError:
     rows = []
   if len(rows) != n or min(rows, default=1) < 1:
+    per_source = f', or {n} of them joined by \';\', one per source' if n > 1 else ''
     raise ValueError(f'data.hf_rows_per_document={value!r}: give a positive number of rows '
-                     f'(1: each row is a document), or {n} of them joined by \';\', one per '
-                     'source')
+                     f'(1: each row is a document){per_source}')
   return rows
 
 

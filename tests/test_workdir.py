@@ -353,6 +353,22 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
      'cannot reach Cloud Storage for gs://bucket/run/.lock: '),
     (['sweep.py', 'print', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
       '--set', 'train.num_steps=abc'], "train.num_steps='abc' does not fit the field (int"),
+    (['train.py', '--workdir', '{tmp}/t', '--config.data.max_seq_length=0'],
+     'data.max_seq_length=0: give at least 5 tokens ([CLS] A [SEP] B [SEP])'),
+    (['train.py', '--workdir', '{tmp}/t', '--config.model.num_layers=0'],
+     'model.num_layers=0: give a positive number'),
+    (['train.py', '--workdir', '{tmp}/t', '--config.optimizer.learning_rate=-1'],
+     'optimizer.learning_rate=-1.0: give a rate >= 0'),
+    (['train.py', '--workdir', '{tmp}/t', 'config.train.num_steps=5'],
+     "unexpected arguments ['config.train.num_steps=5']; settings go in --config.*"),
+    (['finetune.py', '--workdir', '{tmp}/f', 'config.optimizer.learning_rate=1e-3'],
+     "unexpected arguments ['config.optimizer.learning_rate=1e-3']; settings go in --config.*"),
+    (['finetune.py', '--workdir', '{tmp}/f', '--config.max_seq_length=-4'],
+     'config.max_seq_length=-4: give at least 5 tokens'),
+    (['-m', 'data.tokenizer', '--input', '{tmp}/a_file', '--model_prefix', '{tmp}/m',
+      '--vocab_size', '-5'], 'flag --vocab_size=-5: -5 is not a positive integer'),
+    (['analyze.py', '--workdir', '{tmp}', '--out', '{tmp}/o', '--num_examples', '0'],
+     'flag --num_examples=0: 0 is not a positive integer'),
 ])
 def test_every_entry_point_reports_user_errors_in_one_line(tmp_path, argv, expected):
   argv = [a.format(tmp=tmp_path) for a in argv]

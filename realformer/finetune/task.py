@@ -76,6 +76,7 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
 def check_config(config) -> None:
   """One-line errors for settings that would fail after the run directory was written."""
   config_checks.check_optimizer(config.optimizer)
+  config_checks.check_seq_length(config.max_seq_length, 'config.max_seq_length')
   for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs',
                'bucket_multiple'):
     if config[name] <= 0:
