@@ -41,7 +41,6 @@ from realformer import storage
 from realformer.tools import sweep
 from realformer.train import checkpoints
 from realformer.train import compile_cache
-from realformer.train import machine
 from realformer.train import metrics_jsonl
 from realformer.train import trainer
 from realformer.train import workdir as workdir_lib
@@ -397,7 +396,7 @@ def test_a_compilation_cache_in_a_bucket_is_loaded_by_the_next_start(server, tmp
   loaded, written = test_compile_cache._counts(test_compile_cache._train(tmp_path / 'a', cache))
   assert written > 0
   assert [p.name for p in storage.path(cache).iterdir()] == [
-      compile_cache.fingerprint(machine.facts())]
+      compile_cache.fingerprint(compile_cache.machine_facts())]
   second = test_compile_cache._train(tmp_path / 'b', cache)
   assert test_compile_cache._counts(second) == (loaded + written, 0)
   assert test_compile_cache._losses(tmp_path / 'b') == test_compile_cache._losses(tmp_path / 'a')

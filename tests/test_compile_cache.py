@@ -47,7 +47,7 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
   loaded, written = _counts(first)
   assert written > 0  # (a program built twice in one process is loaded the second time)
   (folder,) = os.listdir(cache)  # one machine: one subfolder
-  assert folder == compile_cache.fingerprint(machine.facts())
+  assert folder == compile_cache.fingerprint(compile_cache.machine_facts())
   assert len(os.listdir(cache / folder)) > 0
   second = _train(tmp_path / 'b', cache)
   assert _counts(second) == (loaded + written, 0)  # everything loaded, nothing compiled
@@ -55,7 +55,7 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
   off = _train(tmp_path / 'c', 'off')
   assert 'compilation cache: off' in off and 'programs loaded from it' not in off
   # The same programs, as if written by another jax version: not loaded, nor touched.
-  other = cache / compile_cache.fingerprint(dict(machine.facts(), jax='0.0.1'))
+  other = cache / compile_cache.fingerprint(dict(compile_cache.machine_facts(), jax='0.0.1'))
   os.rename(cache / folder, other)
   files = sorted(os.listdir(other))
   third = _train(tmp_path / 'd', cache)
@@ -65,9 +65,31 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
 
 
 def test_programs_of_another_machine_are_in_another_folder():
-  facts = machine.facts()
+  facts = compile_cache.machine_facts()
   here = compile_cache.fingerprint(facts)
   for key, other in (('jax', '0.0.1'), ('device_kind', 'TPU v5 lite'), ('backend', 'gpu'),
-                     ('cpu', 'another processor')):
+                     ('cpu', 'another processor'), ('isa', 'x86_64 avx2')):
     assert compile_cache.fingerprint(dict(facts, **{key: other})) != here, key
   assert compile_cache.fingerprint(dict(facts, time='later', host='elsewhere')) == here
+
+
+GRAVITON2 = ('processor\t: 0\nBogoMIPS\t: 243.75\n'
+             'Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid '
+             'asimdrdm lrcpc dcpop asimddp ssbs\n'
+             'CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x3\n'
+             'CPU part\t: 0xd0c\nCPU revision\t: 1\n\nprocessor\t: 1\n')
+GRACE = GRAVITON2.replace('0xd0c', '0xd4f').replace('ssbs', 'ssbs sve sve2 bf16 i8mm')
+
+
+def test_two_arm_processors_get_two_folders(tmp_path, monkeypatch):
+  """/proc/cpuinfo on Arm names no model and none of the x86 features: the key reads the
+  processor's part number and its features (Graviton2 against Grace, which adds SVE)."""
+  keys = []
+  for text in (GRAVITON2, GRACE):
+    (tmp_path / 'cpuinfo').write_text(text)
+    monkeypatch.setattr(machine, 'CPUINFO', str(tmp_path / 'cpuinfo'))
+    keys.append(machine.instruction_set())
+    assert 'CPU part=' in keys[-1] and 'asimd' in keys[-1]
+  assert keys[0] != keys[1] and 'sve2' in keys[1]
+  facts = compile_cache.machine_facts()
+  assert len({compile_cache.fingerprint(dict(facts, isa=k)) for k in keys}) == 2

@@ -17,7 +17,7 @@ A program compiled for another machine is never loaded. jax's key already covers
 computation, the compile options, the XLA flags, the jaxlib version, the backend's platform
 version and the device kind. XLA:CPU compiles for the host processor's instruction set,
 which that key does not name, so programs live in a subfolder per (jax version, backend,
-device kind, processor): <dir>/<backend>-<hash of those>.
+device kind, processor and every feature it reports): <dir>/<backend>-<hash of those>.
 
 With several processes jax writes the cache from process 0 only and every process reads it,
 so a multi-host run wants a folder all hosts share. Only programs that took longer to
@@ -53,10 +53,15 @@ def define_flags() -> None:
                       f'{DEFAULT_DIR}); "{OFF}" turns it off.')
 
 
+def machine_facts() -> Dict[str, object]:
+  """machine.facts() and the processor's whole instruction set (machine.instruction_set)."""
+  return dict(machine.facts(), isa=machine.instruction_set())
+
+
 def fingerprint(facts: Dict[str, object]) -> str:
-  """The subfolder name for a machine's facts (machine.facts(): jax, backend, device_kind,
-  cpu): programs compiled under other facts are in another subfolder."""
-  keyed = {k: str(facts.get(k)) for k in ('jax', 'backend', 'device_kind', 'cpu')}
+  """The subfolder name for a machine's facts (machine_facts(): jax, backend, device_kind,
+  cpu, isa): programs compiled under other facts are in another subfolder."""
+  keyed = {k: str(facts.get(k)) for k in ('jax', 'backend', 'device_kind', 'cpu', 'isa')}
   digest = hashlib.sha256(repr(sorted(keyed.items())).encode()).hexdigest()[:16]
   return f'{keyed["backend"]}-{digest}'
 
@@ -67,7 +72,7 @@ def folder(setting: Optional[str] = None) -> Optional[str]:
   root = setting or os.environ.get(ENV) or DEFAULT_DIR
   if root.strip().lower() == OFF:
     return None
-  return storage.join(os.fspath(storage.path(root)), fingerprint(machine.facts()))
+  return storage.join(os.fspath(storage.path(root)), fingerprint(machine_facts()))
 
 
 def enable(setting: Optional[str] = None) -> Optional[str]:

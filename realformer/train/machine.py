@@ -12,31 +12,54 @@ import datetime
 import json
 import os
 import platform
+from typing import Dict
 
 import jax
 
 MACHINE_FILE = 'machine.jsonl'
+CPUINFO = '/proc/cpuinfo'
 
 # ISA features that decide which matmul kernels XLA:CPU and PyTorch can use.
 _FLAGS = ('avx512f', 'avx512_bf16', 'amx_bf16', 'amx_tile')
+# What names a processor model in /proc/cpuinfo: x86, then Arm.
+_IDENTITY = ('vendor_id', 'cpu family', 'model', 'CPU implementer', 'CPU architecture',
+             'CPU variant', 'CPU part')
+
+
+def _first_processor() -> Dict[str, str]:
+  """/proc/cpuinfo's first block ({} where there is none)."""
+  info = {}
+  try:
+    with open(CPUINFO, encoding='utf-8') as f:
+      for line in f:
+        if not line.strip():
+          break
+        key, _, value = line.partition(':')
+        info[key.strip()] = value.strip()
+  except OSError:
+    pass
+  return info
 
 
 def cpu() -> str:
   """'AMD EPYC (vendor AuthenticAMD family 25 model 17; avx512f avx512_bf16)' or the arch."""
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8') as f:
-      info = {}
-      for line in f:
-        if not line.strip():
-          break  # the first processor is enough
-        key, _, value = line.partition(':')
-        info[key.strip()] = value.strip()
-  except OSError:
+  info = _first_processor()
+  if not info:
     return platform.processor() or platform.machine()
   flags = set(info.get('flags', '').split())
   have = ' '.join(f for f in _FLAGS if f in flags) or 'none of ' + ' '.join(_FLAGS)
   return (f"{info.get('model name', '?')} (vendor {info.get('vendor_id', '?')} family "
           f"{info.get('cpu family', '?')} model {info.get('model', '?')}; {have})")
+
+
+def instruction_set() -> str:
+  """What XLA:CPU compiles for: the architecture, the processor's identity and every feature
+  it reports (x86 'flags', Arm 'Features'), so that two processors that differ in any of them
+  differ here (cpu() names x86 models only, and four of their features)."""
+  info = _first_processor()
+  identity = [f'{k}={info[k]}' for k in _IDENTITY if k in info]
+  features = sorted(set((info.get('flags') or info.get('Features') or '').split()))
+  return ' '.join([platform.machine()] + identity + features)
 
 
 def facts() -> dict:
