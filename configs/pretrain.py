@@ -89,7 +89,9 @@ def optimizer_config(learning_rate: float, warmup_steps: int) -> ml_collections.
   o = ml_collections.ConfigDict()
   o.name = 'adamw'  # adamw (BERT) | lamb (large batches; train_lib.lamb)
   o.learning_rate = learning_rate
-  o.schedule = 'linear'  # linear (BERT: warm-up then linear decay) | cosine | constant
+  # linear (warm-up, then linear decay to 0: transformers') | bert (BERT's optimization.py:
+  # the decay counted from step 0) | cosine | constant (train_lib.make_schedule)
+  o.schedule = 'linear'
   o.warmup_steps = warmup_steps  # -1: warmup_fraction of the run's steps
   o.warmup_fraction = 0.1
   o.weight_decay = 0.01  # not applied to LayerNorm parameters and biases

@@ -25,7 +25,7 @@ def warmup_steps(opt_config, num_steps: int) -> int:
 
 
 OPTIMIZERS = ('adamw', 'lamb')
-SCHEDULES = ('linear', 'cosine', 'constant')
+SCHEDULES = ('linear', 'bert', 'cosine', 'constant')
 
 
 # [CLS] A [SEP] B [SEP] with a token in each segment: the shortest sequence that pretraining

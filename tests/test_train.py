@@ -348,8 +348,16 @@ def test_schedules():
   np.testing.assert_allclose([cos(10), cos(55), cos(100)], [1.0, 0.5, 0.0], atol=1e-6)
   opt.schedule = 'constant'
   np.testing.assert_allclose(train_lib.make_schedule(opt, 100)(90), 1.0)
+  # BERT's optimization.py: polynomial_decay(peak, step, num_steps) from step 0, replaced by
+  # peak * step / warmup while step < warmup.
+  opt.schedule = 'bert'
+  bert = train_lib.make_schedule(opt, 100)
+  np.testing.assert_allclose([bert(0), bert(5), bert(9), bert(10), bert(55), bert(100)],
+                             [0.0, 0.5, 0.9, 0.9, 0.45, 0.0], atol=1e-6)
   with pytest.raises(ValueError, match='warmup_steps=10 must lie'):
     train_lib.make_schedule(opt, 5)
+  opt.warmup_steps = 0
+  np.testing.assert_allclose(train_lib.make_schedule(opt, 100)(0), 1.0)
 
 
 @pytest.mark.parametrize('variant', ['postln', 'synth_dense'])

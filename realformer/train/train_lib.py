@@ -82,12 +82,20 @@ def fixed_params_fn(spec: EncoderSpec) -> Optional[Callable[[Any], Any]]:
 
 
 def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
-  """linear: BERT's warm-up from 0 to the peak, then linear decay to 0 at num_steps;
-  cosine: the same warm-up, then cosine decay to 0; constant: warm-up, then the peak.
-  The warm-up: warmup_steps(opt_config, num_steps)."""
+  """Over the warm-up (warmup_steps(opt_config, num_steps)) every schedule rises linearly
+  from 0 to the peak; then
+    linear:   linear decay from the peak to 0 at num_steps (transformers'
+              get_linear_schedule_with_warmup);
+    bert:     BERT's optimization.py: peak * (1 - step / num_steps), the decay counted from
+              step 0, so that it resumes at peak * (1 - warmup / num_steps);
+    cosine:   cosine decay from the peak to 0 at num_steps;
+    constant: the peak."""
   config_checks.check_optimizer(opt_config)  # a schedule of config_checks.SCHEDULES
   lr, warmup = float(opt_config.learning_rate), warmup_steps(opt_config, num_steps)
   warm = optax.linear_schedule(0.0, lr, max(warmup, 1))
+  if opt_config.schedule == 'bert':
+    decay = optax.linear_schedule(lr, 0.0, max(num_steps, 1))
+    return lambda step: jnp.where(step < warmup, warm(step), decay(step))
   if opt_config.schedule == 'linear':
     after = optax.linear_schedule(lr, 0.0, max(num_steps - warmup, 1))
   elif opt_config.schedule == 'cosine':
