@@ -579,3 +579,37 @@ def test_the_bucket_count_follows_the_runs_length(tmp_path):
   assert len(short) < len(long) == 5 and short[-1] == long[-1] == 128
   stored = json.loads((tmp_path / 'long' / RunDir.LENGTH_BUCKETS).read_text())
   assert stored['settings']['bucket_compile_seconds'] == 8.0
+
+
+def test_a_step_that_waits_for_its_compilation_leaves_it_out_of_the_throughput():
+  """The lengths compile in a background thread; a step whose length is not ready waits,
+  and that wait is a compilation's time, not the training's (trainer.Window.exclude)."""
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((1,), ('x',), devices=jax.devices()[:1])
+
+  def slow(*args):
+    time.sleep(0.5)
+    return jax.jit(lambda a, b: (a + 1, b['input_ids'].sum())).lower(*args)
+
+  step = types.SimpleNamespace(lower=slow)
+  batch_of = lambda length: {'input_ids': jax.ShapeDtypeStruct((2, length), np.int32)}
+  with futures.ThreadPoolExecutor(1) as compiler:
+    programs = finetune_task.Programs(step, (jax.ShapeDtypeStruct((), np.int32),), batch_of,
+                                      [8, 16], 'step', mesh, compiler)
+    out = programs(np.int32(1), {'input_ids': np.ones((2, 16), np.int32)})
+    assert int(out[0]) == 2 and int(out[1]) == 32
+    assert programs.waited() >= 0.9  # both lengths, compiled in the order given
+    programs(np.int32(1), {'input_ids': np.ones((2, 8), np.int32)})
+    assert programs.waited() == 0.0
+  from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  window = trainer.Window()
+  window.add(metrics_lib.collection(
+      finetune_task.FinetuneMetrics, loss=metrics_lib.average(1.0, 1.0),
+      learning_rate=metrics_lib.last_value(1.0), grad_norm=metrics_lib.average(1.0, 1.0)),
+             trainer.StepCost(examples=2, padded_tokens=32, flops=0.0))
+  time.sleep(0.4)
+  window.exclude(0.3)
+  before = time.time() - window.start
+  seconds = 1 / window.values(1, None)['steps_per_sec']
+  assert before - 0.3 <= seconds <= time.time() - window.start - 0.3

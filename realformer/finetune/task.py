@@ -222,7 +222,7 @@ class Programs:
                      ', '.join(map(str, lengths)), time.time() - start,
                      ', while the run went on' if compiler else '')
 
-    self._programs = {}
+    self._programs, self._waited = {}, 0.0
     for length in lengths:
       if compiler:
         self._programs[length] = compiler.submit(compile_one, length)
@@ -235,7 +235,18 @@ class Programs:
       log()
 
   def __call__(self, first, batch, *rest):
-    return self._programs[batch['input_ids'].shape[1]].result()(first, batch, *rest)
+    program = self._programs[batch['input_ids'].shape[1]]
+    if not program.done():
+      start = time.time()
+      program.result()
+      self._waited += time.time() - start
+    return program.result()(first, batch, *rest)
+
+  def waited(self) -> float:
+    """Seconds that calls spent waiting for their program to compile since the last
+    waited() (the trainer leaves them out of the throughput)."""
+    seconds, self._waited = self._waited, 0.0
+    return seconds
 
 
 def run_model(predict, params, features, *, batch_size: int, buckets, mesh,

@@ -172,7 +172,9 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def compile_train_step(self) -> Callable:
     """(state, batch[, lr factor]) -> (state, metrics), compiled for every batch shape the
-    run will feed; metrics is a clu Collection with at least loss and grad_norm."""
+    run will feed; metrics is a clu Collection with at least loss and grad_norm. A step
+    whose programs compile while the run goes on has a waited() method: the seconds calls
+    spent waiting for a compilation since the last waited(), left out of the throughput."""
 
   @abc.abstractmethod
   def batches(self, start_step: int) -> Iterator[Tuple[Dict[str, jax.Array], StepCost]]:
@@ -281,6 +283,12 @@ class Window:
     """Counts time and costs from now (the metrics so far are kept)."""
     self.start, self.steps, self.examples, self.padded, self.flops = time.time(), 0, 0, 0, 0.0
     self.real: Optional[int] = 0
+    self.excluded = 0.0
+
+  def exclude(self, seconds: float):
+    """Leaves `seconds` of the window's time out of its throughput (a compilation waited
+    for)."""
+    self.excluded += seconds
 
   def add(self, step_metrics, cost: StepCost):
     self.metrics = metrics_lib.merge(self.metrics, step_metrics)
@@ -293,7 +301,7 @@ class Window:
 
   def values(self, num_devices: int, peak_flops: Optional[float]) -> dict:
     values = metrics_lib.to_floats(self.metrics)
-    seconds = time.time() - self.start
+    seconds = time.time() - self.start - self.excluded
     if self.steps and seconds > 0:
       flops_per_device = self.flops / seconds / num_devices
       values.update(steps_per_sec=self.steps / seconds, examples_per_s=self.examples / seconds,
@@ -432,6 +440,7 @@ class Trainer:
     if start >= c.num_steps:
       return None
     train_step = task.compile_train_step()
+    waited = getattr(train_step, 'waited', lambda: 0.0)  # compilations, not training
     profile = _Profile(self.cadence.profile_steps, str(self.run_dir), start)
     window, pending, step = Window(), None, start  # pending: the step not yet checked
     self.period_start = time.time()
@@ -441,6 +450,7 @@ class Trainer:
         batch, cost = next(batches)
         factor = () if budget is None else (budget.factor(step),)
         self.state, step_metrics = train_step(self.state, batch, *factor)
+        window.exclude(waited())
         step += 1
         if pending is not None:  # check the previous step while this one runs
           self._check_finite(*pending)
