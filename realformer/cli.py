@@ -278,6 +278,7 @@ def run_main(main, *args, also=()):
   except USER_ERRORS + tuple(also) as e:
     if verbose:
       raise
+    _storage_fault(e)  # a missing bucket comes as a FileNotFoundError of a URL
     print(f'error: {_message(e)}', file=sys.stderr)
     sys.exit(1)
   except OSError as e:  # a path the system refused (read-only, full, ...); others are bugs
@@ -294,9 +295,16 @@ def run_main(main, *args, also=()):
 
 
 def _storage_fault(e: BaseException) -> None:
-  """Object storage that stopped answering: one line, exit status 1 (what was committed
-  before it, a checkpoint, prepared data, is complete and kept)."""
+  """A bucket that does not exist, or object storage that stopped answering: one line, exit
+  status 1 (what was committed before it, a checkpoint, prepared data, is complete and
+  kept). Returns where `e` is neither."""
   from realformer import storage  # pylint: disable=g-import-not-at-top
+  bucket = storage.missing_bucket(e)
+  if bucket is not None:
+    print(f'error: the bucket gs://{bucket} does not exist, or this machine\'s account cannot '
+          f'see it; create it (gcloud storage buckets create gs://{bucket}) or fix the URL',
+          file=sys.stderr)
+    sys.exit(1)
   cause = storage.fault(e)
   if cause is not None:
     fix = ("give this machine's account access to the bucket, then run the same command "

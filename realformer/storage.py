@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -101,6 +102,25 @@ def fault(e: BaseException):
             code in text for code in ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'CURL',
                                       'PERMISSION_DENIED')))):
       return e
+    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+  return None
+
+
+_UPLOAD_TO_BUCKET = re.compile(r'/upload/storage/v1/b/([^/?]+)/o')
+
+
+def missing_bucket(e: BaseException) -> Optional[str]:
+  """The bucket of a write that storage answered 'not found' (only a missing bucket, or one
+  these credentials cannot see, gives that on a write), from `e`'s chain; else None. gcsfs
+  raises it as a FileNotFoundError holding the upload's URL, google-cloud-storage as
+  NotFound."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, FileNotFoundError) or type(e).__name__ == 'NotFound':
+      found = _UPLOAD_TO_BUCKET.search(str(e))
+      if found:
+        return found.group(1)
     e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
   return None
 

@@ -507,3 +507,24 @@ def test_a_release_interrupting_a_release_does_not_hang(gcs):
     lease.release()
   assert lease.generation is None
   assert not storage.path(f'{gcs}/reentrant/.lock').exists()
+
+
+@pytest.mark.parametrize('write', ['lock', 'file'])
+def test_a_bucket_that_does_not_exist_is_one_line_naming_it(gcs, write, capsys):
+  """A write into a missing bucket: storage answers 'not found' (the lock object through
+  google-cloud-storage, a file through gcsfs); the line names the bucket and the fix, not an
+  outage to wait out or a bare URL."""
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  url = 'gs://no-such-bucket/run'
+
+  def main():
+    if write == 'lock':
+      with workdir.Lock(url):
+        pass
+    else:
+      storage.write_text(f'{url}/config.json', '{}')
+  with pytest.raises(SystemExit):
+    cli.run_main(main)
+  assert capsys.readouterr().err.strip() == (
+      "error: the bucket gs://no-such-bucket does not exist, or this machine's account cannot "
+      'see it; create it (gcloud storage buckets create gs://no-such-bucket) or fix the URL')
