@@ -488,12 +488,13 @@ REFRESH_SECONDS = 60.0
 
 
 def holder_record(program: str) -> dict:
-  """Who holds a lock: host, pid (with the process's start time and pid namespace, so that a
-  reused pid or a process of another container is never taken for this one), program and
+  """Who holds a lock: host, pid (with the process's start time, pid namespace and the
+  machine's boot id, so that a reused pid, a process of another container or of another
+  machine of the same hostname, a cloned VM, is never taken for this one), program and
   start time."""
   return {'host': socket.gethostname(), 'pid': os.getpid(),
           'pid_start': _process_start(os.getpid()), 'pid_ns': _pid_namespace(),
-          'program': program, 'since': _now()}
+          'boot_id': _boot_id(), 'program': program, 'since': _now()}
 
 
 def describe_holder(holder: dict) -> str:
@@ -522,10 +523,21 @@ def _pid_namespace() -> Optional[str]:
     return None
 
 
+def _boot_id() -> Optional[str]:
+  """This boot of this machine (the kernel's random id; machines and reboots differ)."""
+  try:
+    with open('/proc/sys/kernel/random/boot_id') as f:
+      return f.read().strip()
+  except OSError:
+    return None
+
+
 def holder_gone(holder: dict) -> bool:
-  """The holder ran on this host, in this pid namespace, and its process no longer exists."""
+  """The holder ran on this host (this boot of it), in this pid namespace, and its process
+  no longer exists."""
   if (holder.get('host') != socket.gethostname() or not os.path.isdir('/proc/self') or
-      holder.get('pid_ns', _pid_namespace()) != _pid_namespace()):
+      holder.get('pid_ns', _pid_namespace()) != _pid_namespace() or
+      holder.get('boot_id', _boot_id()) != _boot_id()):
     return False
   start = _process_start(holder.get('pid', -1))
   return start is None or (holder.get('pid_start') is not None and

@@ -166,6 +166,12 @@ def test_a_dead_holder_is_taken_over_and_a_live_one_is_not(gcs, monkeypatch, cap
   with pytest.raises(workdir.WorkdirInUseError, match='in use by'):
     with workdir.Lock(url, 'train.py'):
       pass
+  # A pid that is gone here, of another machine with this hostname (a cloned VM): live.
+  url = f'{gcs}/clone'
+  _plant_holder(url, host=socket.gethostname(), pid=int(gone.stdout), boot_id='another-boot')
+  with pytest.raises(workdir.WorkdirInUseError, match='in use by'):
+    with workdir.Lock(url, 'train.py'):
+      pass
   # On another host: refused while its lease runs, whatever this host's clock says (the
   # lease's age is measured on the service's clock) ...
   url = f'{gcs}/elsewhere'
