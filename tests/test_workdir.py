@@ -129,6 +129,23 @@ def test_grain_worker_count_is_fixed_for_a_run_and_its_read_threads_are_not(tmp_
     workdir_lib.check_resume_config(str(tmp_path), workers, True)
 
 
+def test_fine_tuning_settings_of_how_it_runs_may_change_on_resume(tmp_path):
+  """What compiles when and which lengths the coming epochs pad to; a change of the bucket
+  settings in mid-epoch is refused by finetune/task.length_buckets itself."""
+  from configs import finetune as finetune_configs  # pylint: disable=g-import-not-at-top
+  config = finetune_configs.get_config('glue/rte')
+  (tmp_path / 'config.json').write_text(config.to_json_best_effort())
+  changed = finetune_configs.get_config('glue/rte')
+  changed.compile_in_background = not config.compile_in_background
+  changed.bucket_compile_seconds = 1.0
+  changed.bucket_flops_per_second = 1e12
+  assert sorted(workdir_lib.check_resume_config(str(tmp_path), changed, True)) == [
+      'bucket_compile_seconds', 'bucket_flops_per_second', 'compile_in_background']
+  changed.max_seq_length = 64
+  with pytest.raises(ValueError, match='max_seq_length: 128 -> 64'):
+    workdir_lib.check_resume_config(str(tmp_path), changed, True)
+
+
 def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
   """A finished fine-tuning run keeps no checkpoint in checkpoints/ (its params are in
   best/ and final/): train.py must still see that the folder is another program's."""

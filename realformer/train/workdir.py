@@ -58,9 +58,10 @@ RESUMABLE = (
     # grain's saved iterator state holds its workers' positions)
     # fine-tuning (finetune.py)
     'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
+    'compile_in_background',
     # how later batches are padded (a resumed run refuses a change in mid-epoch: the epoch's
-    # batches are already drawn)
-    'length_buckets', 'bucket_multiple',
+    # batches are already drawn; finetune/task.length_buckets)
+    'length_buckets', 'bucket_multiple', 'bucket_compile_seconds', 'bucket_flops_per_second',
 )
 
 
