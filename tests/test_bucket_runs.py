@@ -316,10 +316,12 @@ def test_b_a_kill_during_a_checkpoint_write_resumes_exactly(server, tmp_path, re
   assert cut.exists() and not (cut / checkpoints.COMMIT_FILE).exists()  # cut short
   before = _losses(url)
   assert max(before) >= 3
+  lines_before = len((storage.path(url) / 'metrics.jsonl').read_text().splitlines())
   _run(tiny_config(num_steps=NUM_STEPS, checkpoint_every_steps=3), url)
-  resumed = [json.loads(line) for line in
-             (storage.path(url) / 'metrics.jsonl').read_text().splitlines()[len(before):]]
-  assert min(r['step'] for r in resumed) == 4  # from step 3, not the cut 6
+  start, *resumed = [json.loads(line) for line in (
+      storage.path(url) / 'metrics.jsonl').read_text().splitlines()[lines_before:]]
+  assert start == {'step': 3, 'split': 'start'}  # from step 3, not the cut 6
+  assert min(r['step'] for r in resumed) == 4
   _assert_same(_losses(url), reference)
   _assert_loopback_only(tmp_path / 'hosts.txt', server)
 

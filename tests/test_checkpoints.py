@@ -131,8 +131,9 @@ def test_sigkill_then_resume_is_exact_and_half_written_steps_are_ignored(tmp_pat
     lines_before = len(f.readlines())
   run(tiny_config(num_steps=NUM_STEPS, checkpoint_every_steps=3), tmp_path)
   with open(tmp_path / 'metrics.jsonl') as f:
-    resumed = [json.loads(line) for line in f.readlines()[lines_before:]]
-  assert min(r['step'] for r in resumed) == 4  # restarted after step 3, not 6 or 7
+    start, *resumed = [json.loads(line) for line in f.readlines()[lines_before:]]
+  assert start == {'step': 3, 'split': 'start'}  # restarted after step 3, not 6 or 7
+  assert min(r['step'] for r in resumed) == 4
   assert_same_losses(tmp_path, reference[1])
   assert sorted(os.listdir(ckpt)) == ['3', '6', '8']
 
