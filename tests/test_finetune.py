@@ -465,6 +465,10 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path, caplog):
     finetune.finetune(ft_config('rte', other), str(tmp_path / 'ft4'))
   assert ('max_seq_length=64 is longer than the pretraining sequences (48): positions 48-63 '
           'were never trained') in caplog.text
+  # An import (params at step 0) does not say what length it was pretrained at: no warning.
+  assert finetune_task.pretrained_here(pretrained)
+  save_tiny_encoder(str(tmp_path / 'imported'), 'postln', num_layers=1, num_heads=2, step=0)
+  assert not finetune_task.pretrained_here(str(tmp_path / 'imported'))
 
 
 def test_grid_commands_and_summary(tmp_path, capsys):

@@ -22,6 +22,7 @@ head, loss, metrics and prediction files are.
 import abc
 from concurrent import futures
 import dataclasses
+import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -51,6 +52,13 @@ class FinetuneMetrics(clu_metrics.Collection):
   loss: clu_metrics.Average
   learning_rate: clu_metrics.LastValue
   grad_norm: clu_metrics.Average
+
+
+def pretrained_here(path: str) -> bool:
+  """Whether the checkpoint at `path` was trained by train.py (step > 0), so that its
+  config.json's data.max_seq_length is the length it was trained at; an import's params are
+  at step 0 and the length they were pretrained at is not known."""
+  return int(os.path.basename(checkpoints.resolve_step_dir(path))) > 0
 
 
 def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
@@ -290,7 +298,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
                        f'model\'s positions ({pre.model.max_len}); lower '
                        f'config.max_seq_length')
     trained = int(pre.data.get('max_seq_length', pre.model.max_len))
-    if config.max_seq_length > trained and not config.from_scratch:
+    if (config.max_seq_length > trained and not config.from_scratch and
+        pretrained_here(config.init_checkpoint)):
       logging.warning('max_seq_length=%d is longer than the pretraining sequences (%d): '
                       'positions %d-%d were never trained (their position embeddings, and a '
                       'Random synthesizer\'s rows and columns, are still as initialised); '

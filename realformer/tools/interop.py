@@ -178,9 +178,7 @@ def model_config_from_bert(bert: dict, *, variant: str = 'postln',
   m.initializer_range = float(bert.get('initializer_range', 0.02))
   m.dropout_rate = float(bert.get('hidden_dropout_prob', 0.1))
   m.attention_dropout_rate = float(bert.get('attention_probs_dropout_prob', 0.1))
-  # The length it was pretrained at is not in the file: every position counts as trained
-  # (BERT's last phase is at 512); fine-tuning warns only beyond it.
-  config.data.max_seq_length = m.max_len
+  config.data.max_seq_length = min(config.data.max_seq_length, m.max_len)
   resolve(m)  # validates (e.g. hidden_size divisible by num_heads)
   return config
 
