@@ -576,9 +576,8 @@ def compare_runs(args, minutes: float = 0.0):
 def training_seconds(workdir: str, steps: int) -> float:
   """Training time of a finished run at its steady rate: steps / the median logged steps/s
   (the first window, which compiles, left out)."""
-  with _open(storage.join(workdir, 'metrics.jsonl')) as f:
-    rates = [r['steps_per_sec'] for r in map(json.loads, f)
-             if r.get('split') == 'train' and 'steps_per_sec' in r]
+  records = metrics_jsonl.read_jsonl(storage.join(workdir, 'metrics.jsonl'))
+  rates = [r['steps_per_sec'] for _, r in sorted(records.items()) if 'steps_per_sec' in r]
   return steps / statistics.median(rates[1:] or rates)
 
 

@@ -276,8 +276,10 @@ def refuse_other_files(out_dir: str) -> None:
   folder = _path(out_dir)
   if not folder.is_dir():
     return
+  # (A bucket folder made in the console holds a placeholder object named after the folder.)
   other = sorted(p.name for p in folder.iterdir()
-                 if p.name != METADATA and not PREPARED_NAME.fullmatch(p.name))
+                 if p.name not in (METADATA, folder.name, '') and
+                 not PREPARED_NAME.fullmatch(p.name))
   if other:
     raise ValueError(f'{out_dir} holds {len(other)} files that are not prepared data (e.g. '
                      f'{other[0]}), which a preparation would delete; give a new or empty '

@@ -273,6 +273,10 @@ def test_a_bucket_folder_holding_other_objects_is_not_taken_for_prepared_data(gc
   storage.write_text(f'{folder}/{prepare.METADATA}', '{}')
   storage.write_text(f'{folder}/train-00000-of-00001', '')
   prepare.refuse_other_files(folder)  # a preparation's own objects
+  # and the placeholder object that a folder made in the console holds
+  storage.gcs_blob(storage.gcs_client(folder), f'{folder}/').upload_from_string(b'')
+  prepare.refuse_other_files(folder)
+  prepare.refuse_other_files(f'{folder}/')
   storage.write_text(f'{folder}/results.csv', 'kept')
   with pytest.raises(ValueError, match='shared holds 1 files that are not prepared data'):
     prepare.refuse_other_files(folder)

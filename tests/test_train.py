@@ -181,15 +181,22 @@ def test_fsdp_shards_every_matrix_and_tensor_parallel_splits_heads(variant):
       assert spec[0] == 'tensor', (name, spec)
 
 
-def test_a_tensor_axis_that_does_not_divide_the_heads(caplog):
-  """Refused before compiling where a parameter is split by head (the Random synthesizers'
-  tables: it used to fail inside jit with an IndivisibleError); warned about elsewhere."""
+def test_a_mesh_that_does_not_divide_the_heads_or_a_random_table(caplog):
+  """Refused before compiling where a parameter is split by head (every synthesizer) or a
+  Random table along max_len (over fsdp): inside jit these were IndivisibleErrors. Warned
+  about for dot-product attention alone."""
   mesh = partitioning.make_mesh({'data': 1, 'fsdp': 2, 'tensor': 4})  # 2 heads
   example = train_lib.abstract_batch(8, 32, 5)
-  with pytest.raises(ValueError, match=r"mesh.tensor=4 does not divide model.num_heads=2, "
-                                       r"and the Random synthesizer's tables"):
-    train_lib.state_shardings(models.build(tiny_config('synth_random_vanilla').model),
-                              optax.sgd(1.0), example, mesh)
+  for variant in ('synth_random_vanilla', 'synth_dense'):
+    with pytest.raises(ValueError, match=r"mesh.tensor=4 does not divide model.num_heads=2, "
+                                         r"and the synthesizer's weights are split"):
+      train_lib.state_shardings(models.build(tiny_config(variant).model), optax.sgd(1.0),
+                                example, mesh)
+  odd = tiny_config('synth_random')  # max_len 32
+  odd.model.max_len = 31
+  with pytest.raises(ValueError, match=r"mesh.fsdp=2 does not divide model.max_len=31"):
+    train_lib.state_shardings(models.build(odd.model), optax.sgd(1.0),
+                              train_lib.abstract_batch(8, 30, 5), mesh)
   train_lib.state_shardings(models.build(tiny_config('postln').model), optax.sgd(1.0),
                             example, mesh)
   assert 'heads are cut across devices' in caplog.text

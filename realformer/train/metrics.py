@@ -119,9 +119,9 @@ class TensorBoardWriter:
   folder or a gs:// URL: storage.GrowingFile), written with tensorboard's record format
   (TFRecord framing, masked CRC32C) by plain file writes, so no TensorFlow is imported
   (tensorboard's own event writer goes through tf.io.gfile, which loads TensorFlow wherever
-  it is installed). A start at step s writes SessionLog.START at s + 1: TensorBoard then
-  drops the events past s that earlier files hold (the stretch a resume left, as
-  metrics_jsonl.records does)."""
+  it is installed). A start at step s writes SessionLog.START at s + 1: TensorBoard's Python
+  loader (--load_fast=false) then drops the events past s that earlier files hold (the
+  stretch a resume left, as metrics_jsonl.records does)."""
 
   def __init__(self, logdir: str, start_step: int):
     from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top

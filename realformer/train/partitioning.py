@@ -56,20 +56,27 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-RANDOM_SYNTHESIZERS = ('random', 'factorized_random')  # parameters of [heads, ...]
+RANDOM_SYNTHESIZERS = ('random', 'factorized_random')  # tables of [heads, max_len, ...]
 
 
 def check_heads(spec, mesh: Mesh) -> None:
-  """The tensor axis splits attention by head. Where it does not divide model.num_heads, a
-  parameter split by head (the Random synthesizers' tables) cannot be laid out: a one-line
-  error; elsewhere heads are cut across devices, which costs a resharding in every layer:
-  a warning."""
-  tensor, heads = mesh.shape['tensor'], spec.num_heads
+  """The tensor axis splits attention by head, and fsdp the Random synthesizers' tables along
+  max_len. A synthesizer's weights split by head (every one's outputs are heads-major) need
+  mesh.tensor to divide model.num_heads, and the Random tables mesh.fsdp to divide
+  model.max_len: one-line errors, before anything compiles. Dot-product attention alone
+  runs with heads cut across devices, at the cost of a resharding in every layer: a
+  warning."""
+  tensor, fsdp, heads = mesh.shape['tensor'], mesh.shape['fsdp'], spec.num_heads
+  synthesizers = [c for c in spec.attention if c != 'dot']
+  if any(c in RANDOM_SYNTHESIZERS for c in synthesizers) and spec.max_len % fsdp:
+    raise ValueError(f'mesh.fsdp={fsdp} does not divide model.max_len={spec.max_len}, along '
+                     'which the Random synthesizer\'s tables are split; choose a mesh.fsdp '
+                     f'that divides {spec.max_len}')
   if heads % tensor == 0:
     return
-  if any(c in RANDOM_SYNTHESIZERS for c in spec.attention):
+  if synthesizers:
     raise ValueError(f'mesh.tensor={tensor} does not divide model.num_heads={heads}, and the '
-                     'Random synthesizer\'s tables are split over tensor by head; choose a '
+                     'synthesizer\'s weights are split over tensor by head; choose a '
                      f'mesh.tensor that divides {heads}')
   logging.warning('mesh.tensor=%d does not divide model.num_heads=%d: heads are cut across '
                   'devices, which costs a resharding in every attention layer; choose a '
