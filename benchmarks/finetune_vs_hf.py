@@ -174,9 +174,11 @@ def main():
   summarize(args, results)
 
 
-def race(args) -> dict:
+def race(args, on_result=None) -> dict:
   """{arm: [one result per seed]}: each result's epoch_seconds, accuracy and wall_s (the
-  whole process, imports to exit; None where an earlier run's files were reused)."""
+  whole process, imports to exit; None where an earlier run's files were reused).
+  on_result(arm, result), if given, is called as each run ends (the device suite keeps it
+  at once)."""
   args.workdir = os.path.abspath(args.workdir)
   args.data_dir = pretrained_vs_scratch.write_sst2_folder(os.path.join(args.workdir, 'data'),
                                                           num_train=args.num_train)
@@ -204,6 +206,8 @@ def race(args) -> dict:
           shutil.rmtree(cache, ignore_errors=True)
         r = run_ours(args, init, run_dir, buckets=arm != 'ours_fixed', cache=cache)
       results[arm].append(r)
+      if on_result is not None:
+        on_result(arm, r)
       print(f'seed {seed} {arm:10s} epochs ' + ' '.join(f'{s:.1f}' for s in r['epoch_seconds'])
             + f' s, dev accuracy {r["accuracy"]:.3f}', flush=True)
   return results

@@ -705,3 +705,15 @@ def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
   # Resuming a spent budget trains no further.
   again = train.train_and_evaluate(config, workdir)
   assert again['time_budget']['steps'] == budget['steps']
+
+
+@pytest.mark.parametrize('kind,peak', [
+    ('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12), ('NVIDIA H100 NVL', 835e12),
+    ('NVIDIA H200', 989e12), ('NVIDIA A100-SXM4-80GB', 312e12), ('TPU v5 lite', 197e12),
+    ('TPU v5p', 459e12), ('TPU v6 lite', 918e12), ('cpu', None)])
+def test_mfu_reads_each_device_against_its_own_peak(kind, peak):
+  """The vendors' dense bfloat16 figures; an H100 PCIe or NVL is not the SXM card."""
+  import types  # pylint: disable=g-import-not-at-top
+  device = types.SimpleNamespace(device_kind=kind)
+  assert metrics_lib.peak_flops_per_device(device) == peak
+  assert metrics_lib.peak_flops_per_device(device, override=1e12) == 1e12

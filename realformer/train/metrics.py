@@ -97,7 +97,9 @@ PEAK_FLOPS_PER_DEVICE = (
     ('TPU v6e', 918e12),
     ('TPU v4', 275e12),
     ('H200', 989e12),
-    ('H100', 989e12),
+    ('H100 PCIe', 756e12),
+    ('H100 NVL', 835e12),
+    ('H100', 989e12),  # SXM ('NVIDIA H100 80GB HBM3')
     ('A100', 312e12),
 )
 
