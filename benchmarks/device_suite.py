@@ -329,10 +329,15 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
     per_step = _time_steps(c, s)
     step = statistics.median(per_step)
     peak = c.peak_bytes()
+    # The allocator's own peak as well (each contender has its process): like for like with
+    # HF's torch.cuda.max_memory_allocated, where memory_gib is ours compiled footprint.
+    allocated = (peak if entry[0] == 'hf' else
+                 (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use'))
     row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
                tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
                mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
-               memory_gib=peak / 2**30 if peak else None, kernels=None)
+               memory_gib=peak / 2**30 if peak else None,
+               allocated_gib=allocated / 2**30 if allocated else None, kernels=None)
     print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} '
           f'tokens/s, MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
     _write_json(path, {'row': row, 'timed': True})  # kept if the profile dies or is cut off
@@ -476,15 +481,19 @@ def markdown(results: dict) -> str:
     if part in ('step512', 'step128') and rows:
       lines.append(f'{data["size"]}, length {data["seq_len"]}, batch {data["batch"]}, '
                    f'{data["dtype"]}; {data["timing"]}')
-      lines += ['', f'| contender | ms/step | tokens/s | TFLOP/s | MFU | vs {rows[0]["contender"]} | '
-                'compile s | memory GiB |', '|---|---|---|---|---|---|---|---|']
+      hf = next((x for x in rows if x['contender'].startswith('HF')), None)
+      lines += ['', f'| contender | ms/step | tokens/s | TFLOP/s | MFU | step vs '
+                f'{rows[0]["contender"]} | throughput vs HF | compile s | memory GiB | '
+                'allocated GiB |', '|---|---|---|---|---|---|---|---|---|---|']
       first = rows[0]['step_s']
+      gib = lambda v: '-' if v is None else f'{v:.1f}'
       for x in rows:
         mfu = '-' if x['mfu'] is None else f'{x["mfu"]:.1%}'
-        mem = '-' if x['memory_gib'] is None else f'{x["memory_gib"]:.1f}'
+        vs_hf = '-' if hf is None else f'{hf["step_s"] / x["step_s"]:.2f}x'
         lines.append(f'| {x["contender"]} | {x["step_s"] * 1e3:.1f} | {x["tokens_per_s"]:,.0f} | '
-                     f'{x["tflops"]:.1f} | {mfu} | {x["step_s"] / first:.2f} | '
-                     f'{x["compile_s"]:.0f} | {mem} |')
+                     f'{x["tflops"]:.1f} | {mfu} | {x["step_s"] / first:.2f} | {vs_hf} | '
+                     f'{x["compile_s"]:.0f} | {gib(x["memory_gib"])} | '
+                     f'{gib(x.get("allocated_gib"))} |')
       for x in rows:
         k = x.get('kernels')
         if k and 'kernels' in k:

@@ -195,15 +195,19 @@ def refuse_gcsfuse(p, what: str) -> None:
 
 def write_text(p, text: str) -> epath.Path:
   """Replaces the file at `p` whole, so that no reader sees part of it: on a local disk
-  written beside and renamed, on object storage one upload (objects are replaced
+  written beside, flushed to the disk and renamed (a power cut leaves the old file or the
+  new one, never an empty one), on object storage one upload (objects are replaced
   atomically)."""
   p = path(p)
   p.parent.mkdir(parents=True, exist_ok=True)
   if is_url(p):
     p.write_text(text)
   else:
-    tmp = p.parent / (p.name + '.tmp')
-    tmp.write_text(text)
+    tmp = p.parent / f'{p.name}.tmp-{os.getpid()}'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
     tmp.replace(p)
   return p
 

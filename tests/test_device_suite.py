@@ -43,6 +43,7 @@ def test_smoke_measures_every_contender_and_the_finetuning_race(tmp_path):
   with open(tmp_path / 'out' / 'suite.md') as f:
     md = f.read()
   assert '| ours realformer [bf16 carry] |' in md and '| hf |' in md
+  assert '| throughput vs HF |' in md and '| 1.00x |' in md  # HF's own row
   assert "Where ours realformer [bf16 carry]'s step goes (" in md
 
 
