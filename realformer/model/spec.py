@@ -152,7 +152,8 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   spec = EncoderSpec(block=block, attention=components, residual_attention=bool(residual),
                      synth_random_trainable=bool(trainable), dtype=dtype,
                      residual_dtype=residual_dtype, variant=variant, platform=platform, **c)
-  for field in ('num_layers', 'hidden_size', 'num_heads', 'mlp_dim', 'vocab_size', 'max_len',
+  # (vocab_size is not among them: a run on real data takes its tokenizer's.)
+  for field in ('num_layers', 'hidden_size', 'num_heads', 'mlp_dim', 'max_len',
                 'type_vocab_size'):
     if int(getattr(spec, field)) < 1:
       raise ValueError(f'model.{field}={getattr(spec, field)}: give a positive number')
