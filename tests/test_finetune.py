@@ -194,13 +194,23 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
 
 def test_best_dev_checkpoint_of_an_earlier_run_is_not_taken_for_this_one(tmp_path):
   """best/ left by an earlier run (its final/ and resume checkpoint deleted, a new config):
-  a run starting at step 0 removes it instead of comparing its epochs with the old best."""
+  a run starting at step 0 removes it instead of comparing its epochs with the old best;
+  a run resuming before the best's step (killed after it, before the next checkpoint)
+  removes it too: that stretch is trained again, maybe under a changed schedule."""
   best_dir = tmp_path / RunDir.BEST
-  best_dir.mkdir()
-  (best_dir / 'results.json').write_text(json.dumps({'step': 9, 'epoch': 3, 'headline': 0.99}))
-  resumed = trainer.BestParams(RunDir(tmp_path), None, True, fresh=False)
+
+  def plant():
+    best_dir.mkdir()
+    (best_dir / 'results.json').write_text(json.dumps({'step': 9, 'epoch': 3,
+                                                       'headline': 0.99}))
+  plant()
+  resumed = trainer.BestParams(RunDir(tmp_path), None, True, start=9)
   assert resumed.best['headline'] == 0.99  # a resumed run keeps its own best
-  fresh = trainer.BestParams(RunDir(tmp_path), None, True, fresh=True)
+  assert trainer.BestParams(RunDir(tmp_path), None, True, start=12).best['step'] == 9
+  earlier = trainer.BestParams(RunDir(tmp_path), None, True, start=6)
+  assert earlier.best is None and not best_dir.exists()
+  plant()
+  fresh = trainer.BestParams(RunDir(tmp_path), None, True, start=0)
   assert fresh.best is None and not best_dir.exists()
 
 

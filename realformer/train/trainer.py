@@ -406,7 +406,7 @@ class Trainer:
     run.write_config(task.config)
     run.record_machine()
     self.writer = run.metric_writer(start)
-    self.best = BestParams(run, task, enabled=c.keep_best, fresh=start == 0)
+    self.best = BestParams(run, task, enabled=c.keep_best, start=start)
     self.budget = None
     if task.budget_schedule is not None:
       self.budget = TimeBudget(c, task.budget_schedule,
@@ -656,19 +656,24 @@ def _log_progress(step: int, num_steps: int, values: dict):
 class BestParams:
   """<run>/best: the params of the evaluation with the best task.headline so far, as a
   params-only checkpoint with the task's params_config as config.json (so another run can
-  start from it) and best/results.json (its step and results). A run that starts from step
-  0 removes a best/ left by an earlier run in the same directory."""
+  start from it) and best/results.json (its step and results). A run that starts at step
+  `start` removes a best/ from a later step: an earlier run's in the same directory (a start
+  from 0), or one from the stretch after the checkpoint it resumes from, which it trains
+  again (a best of its own comes back when it is reached again)."""
 
-  def __init__(self, run: RunDir, task: Task, enabled: bool, fresh: bool):
+  def __init__(self, run: RunDir, task: Task, enabled: bool, start: int):
     self.run, self.task, self.enabled = run, task, enabled
     self.dir = run.sub(RunDir.BEST)
-    if fresh and self.dir.root.exists():
-      logging.warning('removing %s: it holds the best evaluation of an earlier run in this '
-                      'directory (this run starts from step 0)', self.dir)
+    stored = self.dir.read_json(RunDir.RESULTS) if self.dir.root.exists() else None
+    if self.dir.root.exists() and (start == 0 or (stored or {}).get('step', 0) > start):
+      logging.warning('removing %s: it holds an evaluation past step %d, where this run '
+                      'starts (%s)', self.dir, start,
+                      'an earlier run in this directory' if start == 0 else
+                      'the stretch after its last checkpoint')
       run.remove(RunDir.BEST)
       self.best = None
       return
-    self.best = self.dir.read_json(RunDir.RESULTS) if enabled else None
+    self.best = stored if enabled else None
 
   def offer(self, params, step: int, results: Results):
     if not self.enabled:
