@@ -17,7 +17,6 @@ eval batches gives the token- or example-weighted mean, never a mean of means:
 not used here.
 """
 
-import json
 import os
 import socket
 import time
