@@ -55,6 +55,9 @@ def model_config(variant='postln', size='base'):
   m.attention_dropout_rate = 0.1
   m.layer_norm_eps = 1e-12
   m.initializer_range = 0.02
+  # GELU: erf, the exact form (HF's BERT, Google's released checkpoints), or tanh, the
+  # approximation of google-research/bert's and the official RealFormer code.
+  m.gelu = 'erf'
   # Overrides of what `variant` implies (None: take the variant's value).
   m.block = ml_collections.FieldReference(None, field_type=str)  # 'post_ln' | 'pre_ln'
   # '+'-joined logit components: dot, dense, random, factorized_dense, factorized_random.

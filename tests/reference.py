@@ -26,7 +26,10 @@ def linear(x, p):
   return x @ p['kernel'] + p['bias']
 
 
-def gelu(x):
+def gelu(x, form='erf'):
+  """x * Phi(x) (erf), or the approximation of Hendrycks & Gimpel with tanh."""
+  if form == 'tanh':
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
   return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
 
 
@@ -107,7 +110,8 @@ def encoder(params, spec, input_ids, segment_ids, attention_mask):
     v = split_heads(linear(y, ap['value']), h)
     ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(x.shape)
     a = linear(ctx, ap['out'])
-    mlp = lambda z: linear(gelu(linear(z, lp['mlp']['intermediate'])), lp['mlp']['output'])
+    mlp = lambda z: linear(gelu(linear(z, lp['mlp']['intermediate']), spec.gelu),
+                           lp['mlp']['output'])
     if spec.block == 'post_ln':
       x = layer_norm(x + a, lp['attention_layer_norm'], spec.layer_norm_eps)
       x = layer_norm(x + mlp(x), lp['mlp_layer_norm'], spec.layer_norm_eps)
@@ -129,7 +133,7 @@ def mlm_logits(params, spec, hidden, positions):
   p = _f64(params)
   hp = np.take_along_axis(hidden, positions[..., None], axis=1)
   m = p['mlm_head']
-  z = layer_norm(gelu(linear(hp, m['transform'])), m['layer_norm'], spec.layer_norm_eps)
+  z = layer_norm(gelu(linear(hp, m['transform']), spec.gelu), m['layer_norm'], spec.layer_norm_eps)
   table = p['encoder']['embeddings']['word_embeddings']['embedding']
   logits = z @ table.T + m['output_bias']
   logits[..., spec.vocab_size:] = NEG

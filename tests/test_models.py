@@ -100,6 +100,31 @@ def test_config_combinations_match_reference(overrides):
     np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=2e-5)
 
 
+def test_tanh_gelu_matches_reference_and_differs_from_erf():
+  """model.gelu=tanh (the official RealFormer code's GELU) in the MLP and the MLM head, against
+  the reference; the two forms differ by more than the tolerance, so the test can tell."""
+  batch = make_batch()
+  positions = jnp.array([[0, 3, 11], [1, 2, 6], [0, 1, 2]], jnp.int32)
+  b = np_batch(batch)
+  outs = {}
+  for form in ('erf', 'tanh'):
+    cfg = small_config('realformer', gelu=form)
+    spec = resolve(cfg)
+    model = models.build(cfg)
+    params = perturbed_params(model, batch)
+    out = model.apply({'params': params}, dict(batch, masked_lm_positions=positions))
+    hidden = reference.encoder(params['encoder'], spec, b['input_ids'], b['segment_ids'],
+                               b['attention_mask'])[0]
+    np.testing.assert_allclose(out.hidden, hidden, rtol=2e-4, atol=2e-4)
+    want = reference.mlm_logits(params, spec, hidden, np.asarray(positions))
+    np.testing.assert_allclose(out.mlm_logits[..., :spec.vocab_size],
+                               want[..., :spec.vocab_size], rtol=2e-4, atol=2e-4)
+    outs[form] = np.asarray(out.mlm_logits[..., :spec.vocab_size]), want[..., :spec.vocab_size]
+  # Each model is outside the tolerance of the other form's reference.
+  assert not np.allclose(outs['erf'][0], outs['tanh'][1], rtol=2e-4, atol=2e-4)
+  assert not np.allclose(outs['tanh'][0], outs['erf'][1], rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize('variant', VARIANTS)
 def test_padding_does_not_change_real_positions(variant):
   cfg = small_config(variant)

@@ -104,16 +104,20 @@ def test_a_config_json_that_is_no_config_object(tmp_path, text):
 
 
 def test_a_field_added_since_a_run_began_stands_for_its_old_default(tmp_path):
-  """A config.json written before optimizer.name existed was an AdamW run: resuming it with
-  LAMB is refused by name, with AdamW it resumes."""
+  """A config.json written before optimizer.name (model.gelu) existed was an AdamW (erf GELU)
+  run: resuming it with LAMB (tanh) is refused by name, with AdamW (erf) it resumes."""
   old = json.loads(tiny_config().to_json_best_effort())
-  del old['optimizer']['name']
+  del old['optimizer']['name'], old['model']['gelu']
   (tmp_path / 'config.json').write_text(json.dumps(old))
   assert workdir_lib.check_resume_config(str(tmp_path), tiny_config(), True) == []
   lamb = tiny_config()
   lamb.optimizer.name = 'lamb'
   with pytest.raises(ValueError, match="1 field\\): optimizer.name: 'adamw' -> 'lamb'; resume"):
     workdir_lib.check_resume_config(str(tmp_path), lamb, True)
+  tanh = tiny_config()
+  tanh.model.gelu = 'tanh'
+  with pytest.raises(ValueError, match="1 field\\): model.gelu: 'erf' -> 'tanh'; resume"):
+    workdir_lib.check_resume_config(str(tmp_path), tanh, True)
 
 
 def test_grain_worker_count_is_fixed_for_a_run_and_its_read_threads_are_not(tmp_path):

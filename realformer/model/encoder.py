@@ -52,6 +52,13 @@ def layer_norm(spec: EncoderSpec, name: str):
                       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)))
 
 
+def gelu(spec: EncoderSpec, x):
+  """GELU in the MLP and the MLM head: model.gelu 'erf' is the exact x * Phi(x) (HF's BERT and
+  Google's released BERT checkpoints); 'tanh' is the approximation that google-research/bert
+  (since February 2019) and the official RealFormer code compute."""
+  return nn.gelu(x, approximate=spec.gelu == 'tanh')
+
+
 def _embed(num, features, axes, spec, name):
   init = nn.initializers.normal(spec.initializer_range)
   return nn.Embed(num, features, dtype=spec.dtype, param_dtype=jnp.float32, name=name,
@@ -94,7 +101,7 @@ class Mlp(nn.Module):
   def __call__(self, x):
     s = self.spec
     h = dense(s.mlp_dim, ('embed', 'mlp'), s, 'intermediate')(x)
-    h = nn.gelu(h, approximate=False)  # BERT's exact erf GELU
+    h = gelu(s, h)
     return dense(s.hidden_size, ('mlp', 'embed'), s, 'output')(h)
 
 
@@ -203,7 +210,7 @@ class MlmHead(nn.Module):
   def __call__(self, hidden, word_embeddings):
     s = self.spec
     h = dense(s.hidden_size, ('embed', 'mlp'), s, 'transform')(hidden)
-    h = layer_norm(s, 'layer_norm')(nn.gelu(h, approximate=False)).astype(s.dtype)
+    h = layer_norm(s, 'layer_norm')(gelu(s, h)).astype(s.dtype)
     # FSDP's all-gather of the tied table, made explicit: left to the partitioner (table
     # sharded over fsdp, rows over data x fsdp) the backward pass came out wrong on
     # data x fsdp x tensor meshes with two rows per batch shard.

@@ -31,6 +31,7 @@ REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'off')
 DENSE_IMPLS = ('auto', 'flax', 'cpu')  # realformer/layers/dense.py
 LAST_LAYER = ('predicted', 'all')  # rows the last layer computes for the pretraining loss
+GELUS = ('erf', 'tanh')  # GELU's exact form, or its tanh approximation
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -54,6 +55,7 @@ class EncoderSpec:
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   initializer_range: float = 0.02
+  gelu: str = 'erf'
   block: str = 'post_ln'
   attention: Tuple[str, ...] = ('dot',)
   residual_attention: bool = False
@@ -161,7 +163,8 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
     raise ValueError(f'model.hidden_size={spec.hidden_size} is not divisible by '
                      f'model.num_heads={spec.num_heads}')
   for field, choices in (('remat_policy', REMAT_POLICIES), ('fused_attention', FUSED_ATTENTION),
-                         ('dense_impl', DENSE_IMPLS), ('last_layer', LAST_LAYER)):
+                         ('dense_impl', DENSE_IMPLS), ('last_layer', LAST_LAYER),
+                         ('gelu', GELUS)):
     value = getattr(spec, field)
     if value not in choices:
       raise ValueError(f'model.{field}={value!r}; choose one of {", ".join(choices)}')

@@ -237,7 +237,7 @@ def _resumable(key: str) -> bool:
 
 # Fields added since runs began, with the value that a config written before them stood
 # for: a stored config without the field is compared as if it held that value.
-ADDED_DEFAULTS = {'optimizer.name': 'adamw'}
+ADDED_DEFAULTS = {'optimizer.name': 'adamw', 'model.gelu': 'erf'}
 
 
 def _flat_pair(stored: dict, new: dict):
