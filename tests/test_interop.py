@@ -363,8 +363,8 @@ def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
             str(hf_dir / 'model.safetensors'))
   with pytest.raises(ValueError, match='RoBERTa'):
     interop.load_hf(str(hf_dir))
-  (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, hidden_act='gelu_new')))
-  with pytest.raises(ValueError, match="hidden_act='gelu_new'"):
+  (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, hidden_act='relu')))
+  with pytest.raises(ValueError, match="hidden_act='relu'; our encoder implements GELU only"):
     interop.load_hf(str(hf_dir))
   with pytest.raises(FileNotFoundError, match='neither model.safetensors nor pytorch_model.bin'):
     interop.read_hf_tensors(str(tmp_path))
@@ -379,6 +379,88 @@ def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
       (damaged / path.name).write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
   with pytest.raises(ValueError, match="TF checkpoint '.*bert_model.ckpt' is damaged"):
     interop.read_tf1_tensors(str(damaged / 'bert_model.ckpt'))
+
+
+def test_gelu_and_running_mean_follow_the_checkpoint(tf1_checkpoint, tmp_path):
+  """A TF1 'gelu' is erf for Google's released BERT checkpoints and the tanh approximation for
+  the official RealFormer code (--gelu overrides); use_running_mean is read. A tanh Post-LN
+  model exports as HF's gelu_new, computes what transformers computes, and imports back as
+  tanh."""
+  from transformers import BertForPreTraining  # pylint: disable=g-import-not-at-top
+  ck = tf1_checkpoint
+  for variant, gelu, want in (('realformer', None, 'tanh'), ('postln', None, 'erf'),
+                              ('postln', 'tanh', 'tanh'), ('realformer', 'erf', 'erf')):
+    _, config = interop.load_tf1(ck['prefix'], ck['config'], variant=variant, gelu=gelu)
+    assert (config.model.gelu, config.model.running_mean) == (want, False)
+  deep = tmp_path / 'deep.json'
+  deep.write_text(json.dumps(dict(TINY_BERT, use_running_mean=True)))
+  _, config = interop.load_tf1(ck['prefix'], str(deep), variant='realformer')
+  assert config.model.running_mean
+  with pytest.raises(ValueError, match='use_running_mean=true, a RealFormer setting; import it '
+                     'as --variant realformer'):
+    interop.load_tf1(ck['prefix'], str(deep), variant='postln')
+
+  workdir, hf_dir, back = (str(tmp_path / n) for n in ('w', 'hf', 'back'))
+  interop.main(['import-tf1', '--ckpt', ck['prefix'], '--bert_config', ck['config'],
+                '--vocab', ck['vocab'], '--out', workdir, '--variant', 'postln',
+                '--gelu', 'tanh'])
+  interop.export_hf(workdir, hf_dir)
+  with open(os.path.join(hf_dir, 'config.json')) as f:
+    assert json.load(f)['hidden_act'] == 'gelu_new'
+  params, cfg = _restore_all(workdir)
+  tokenizer = wordpiece.WordPieceTokenizer.load(os.path.join(hf_dir, 'vocab.txt'))
+  batch = _batch(tokenizer, [('the quick brown fox.', 'it was lazy'), ('dogs sat', '')])
+  hf = _torch_hidden(BertForPreTraining.from_pretrained(hf_dir, attn_implementation='eager')
+                     .eval(), batch).prediction_logits.numpy()
+  for gelu, close in (('tanh', True), ('erf', False)):
+    cfg.model.gelu = gelu
+    ours = models.build(cfg.model).apply({'params': params}, jax.tree.map(jnp.asarray, batch))
+    if close:
+      _assert_close_real(ours.mlm_logits[..., :60], hf, batch['attention_mask'])
+    else:
+      with pytest.raises(AssertionError):
+        _assert_close_real(ours.mlm_logits[..., :60], hf, batch['attention_mask'])
+  interop.import_hf(hf_dir, back)
+  assert checkpoints.read_config(back)['model']['gelu'] == 'tanh'
+
+
+def test_layers_past_the_config_and_vocabularies_that_moved(tf1_checkpoint, tmp_path):
+  """A checkpoint with more layers than its config says is refused (they would be dropped);
+  an HF folder saved by transformers 5 (tokenizer.json, no vocab.txt) imports; an import
+  workdir moved elsewhere still exports and fine-tunes with its own vocab.txt."""
+  ck = tf1_checkpoint
+  fewer = tmp_path / 'fewer.json'
+  fewer.write_text(json.dumps(dict(TINY_BERT, num_hidden_layers=1)))
+  with pytest.raises(ValueError, match='holds 2 encoder layers but its config says '
+                     'num_hidden_layers=1; pass the config'):
+    interop.load_tf1(ck['prefix'], str(fewer), variant='postln')
+  workdir, hf_dir = tmp_path / 'w', tmp_path / 'hf'
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(workdir), variant='postln')
+  interop.export_hf(str(workdir), str(hf_dir))
+  config = json.loads((hf_dir / 'config.json').read_text())
+  (hf_dir / 'config.json').write_text(json.dumps(dict(config, num_hidden_layers=1)))
+  with pytest.raises(ValueError, match='holds 2 encoder layers but its config says '
+                     'num_hidden_layers=1'):
+    interop.load_hf(str(hf_dir))
+  (hf_dir / 'config.json').write_text(json.dumps(config))
+
+  from tokenizers import Tokenizer, models as tokenizer_models  # pylint: disable=g-import-not-at-top
+  pieces = (hf_dir / 'vocab.txt').read_text().splitlines()
+  Tokenizer(tokenizer_models.WordPiece({p: i for i, p in enumerate(pieces)},
+                                       unk_token='[UNK]')).save(str(hf_dir / 'tokenizer.json'))
+  (hf_dir / 'vocab.txt').unlink()
+  interop.import_hf(str(hf_dir), str(tmp_path / 'v5'))
+  assert (tmp_path / 'v5' / 'vocab.txt').read_text().splitlines() == pieces
+
+  moved = tmp_path / 'moved'
+  os.rename(workdir, moved)
+  assert checkpoints.read_pretraining_config(str(moved))['data']['tokenizer'] == str(
+      moved / 'vocab.txt')
+  interop.export_hf(str(moved), str(tmp_path / 'hf2'))
+  assert (tmp_path / 'hf2' / 'vocab.txt').read_text().splitlines() == pieces
+  (moved / 'vocab.txt').unlink()
+  with pytest.raises(FileNotFoundError, match='vocabulary .*vocab.txt is not there; put it back'):
+    interop.export_hf(str(moved), str(tmp_path / 'hf3'))
 
 
 def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):

@@ -3,7 +3,7 @@ r"""Checkpoint interop: HF BERT and TF1 BERT / RealFormer checkpoints <-> our en
   python -m realformer.tools.interop import-hf --src /path/to/hf_bert_dir --out /tmp/minilm
   python -m realformer.tools.interop import-tf1 --ckpt /ckpt/model.ckpt-1000000 \
       --bert_config /ckpt/bert_config.json --vocab /ckpt/vocab.txt --out /tmp/rf_base \
-      --variant postln|realformer [--cased]
+      --variant postln|realformer [--cased] [--gelu erf|tanh]
   python -m realformer.tools.interop export-hf --workdir /tmp/minilm --out /tmp/minilm_hf
 
 An import writes a params-only workdir that fine-tuning and `train.init_checkpoint` read
@@ -21,7 +21,9 @@ kernels; TF1 kernels are already [in, out], except BERT's NSP `output_weights` [
 query/key/value/out kernels are 2-D ([D, H*dh], heads reshaped inside the attention), so
 they map one to one without reshapes. The word embeddings and the MLM output bias are padded
 with zeros to a multiple of model.vocab_pad_multiple (and unpadded on export). HF's
-hidden_act 'gelu' is the exact erf GELU, which is what our MLP and MLM head use.
+hidden_act 'gelu' is the exact erf GELU, 'gelu_new' (and its aliases) the tanh approximation:
+model.gelu 'erf' or 'tanh'. A TF1 bert_config's 'gelu' is either, by the code that trained
+it (import-tf1 --gelu; TF1_GELU has the defaults). RealFormer's use_running_mean is read too.
 
 Reading safetensors needs only `safetensors` + NumPy; pytorch_model.bin needs torch; TF1
 checkpoints need TensorFlow (the CPU build is enough).
@@ -30,6 +32,7 @@ checkpoints need TensorFlow (the CPU build is enough).
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -56,6 +59,7 @@ HF_SAFETENSORS = 'model.safetensors'
 HF_SAFETENSORS_INDEX = 'model.safetensors.index.json'
 HF_TORCH_BIN = 'pytorch_model.bin'
 VOCAB = 'vocab.txt'
+HF_TOKENIZER_JSON = 'tokenizer.json'  # a fast tokenizer; transformers 5 saves no vocab.txt
 # Prefixes of tensor names that give away another architecture than BERT.
 _FOREIGN_PREFIXES = {
     'roberta': 'RoBERTa', 'albert': 'ALBERT', 'electra': 'ELECTRA', 'distilbert': 'DistilBERT',
@@ -148,18 +152,33 @@ def name_map(num_layers: int, *, heads: Sequence[str] = ('mlm_head', 'nsp_head')
 # Model config and the target parameter shapes.
 # ----------------------------------------------------------------------------------------
 
-def model_config_from_bert(bert: dict, *, variant: str = 'postln',
-                           source: str = 'config') -> ml_collections.ConfigDict:
-  """An HF config.json / TF1 bert_config.json dict -> our full run config (config.model set)."""
+# hidden_act names and the GELU each computes (model.gelu). TF1's 'gelu' depends on the code
+# that trained the checkpoint, so its importer says which (import-tf1 --gelu).
+HF_GELUS = {'gelu': 'erf', 'gelu_python': 'erf', 'gelu_new': 'tanh',
+            'gelu_pytorch_tanh': 'tanh', 'gelu_fast': 'tanh'}
+EXPORT_ACT = {'erf': 'gelu', 'tanh': 'gelu_new'}
+
+
+def model_config_from_bert(bert: dict, *, variant: str = 'postln', source: str = 'config',
+                           tf1_gelu: Optional[str] = None) -> ml_collections.ConfigDict:
+  """An HF config.json / TF1 bert_config.json dict -> our full run config (config.model set).
+
+  tf1_gelu: for a TF1 bert_config, the GELU ('erf' or 'tanh') its hidden_act 'gelu' means;
+  None reads hidden_act as HF names it."""
   required = ('vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
               'intermediate_size')
   missing = [k for k in required if k not in bert]
   if missing:
     raise ValueError(f'{source} lacks {", ".join(missing)}; it is not a BERT config')
   act = bert.get('hidden_act', 'gelu')
-  if act != 'gelu':
-    raise ValueError(f'{source} has hidden_act={act!r}; our encoder implements only BERT\'s '
-                     "exact erf GELU (hidden_act 'gelu'), so the outputs would differ")
+  gelus = {'gelu': tf1_gelu} if tf1_gelu else HF_GELUS
+  if act not in gelus:
+    raise ValueError(f'{source} has hidden_act={act!r}; our encoder implements GELU only '
+                     f'({", ".join(gelus)}), so the outputs would differ')
+  running_mean = bool(bert.get('use_running_mean', False))
+  if running_mean and variant != 'realformer':
+    raise ValueError(f'{source} has use_running_mean=true, a RealFormer setting; import it '
+                     'as --variant realformer')
   position = bert.get('position_embedding_type', 'absolute')
   if position != 'absolute':
     raise ValueError(f'{source} has position_embedding_type={position!r}; only learned '
@@ -178,6 +197,8 @@ def model_config_from_bert(bert: dict, *, variant: str = 'postln',
   m.initializer_range = float(bert.get('initializer_range', 0.02))
   m.dropout_rate = float(bert.get('hidden_dropout_prob', 0.1))
   m.attention_dropout_rate = float(bert.get('attention_probs_dropout_prob', 0.1))
+  m.gelu = gelus[act]
+  m.running_mean = running_mean  # the official RealFormer code's option for deep models
   config.data.max_seq_length = min(config.data.max_seq_length, m.max_len)
   resolve(m)  # validates (e.g. hidden_size divisible by num_heads)
   return config
@@ -376,8 +397,8 @@ def _new_out(out: str) -> str:
 
 
 # The files of an HF checkpoint folder that an import reads (a gs:// --src is copied locally).
-_HF_FILES = (HF_CONFIG, VOCAB, wordpiece.TOKENIZER_CONFIG, HF_SAFETENSORS, HF_SAFETENSORS_INDEX,
-             HF_TORCH_BIN)
+_HF_FILES = (HF_CONFIG, VOCAB, HF_TOKENIZER_JSON, wordpiece.TOKENIZER_CONFIG, HF_SAFETENSORS,
+             HF_SAFETENSORS_INDEX, HF_TORCH_BIN)
 
 
 def _local_file(path: str) -> str:
@@ -506,8 +527,19 @@ def _present_heads(names, mlm_prefix: str, nsp_prefix: str) -> List[str]:
   return heads
 
 
-def _warn_unused(tensors, used, ignored: Callable[[str], bool], source: str) -> None:
+_LAYER = re.compile(r'encoder[./]layer[._](\d+)[./]')  # HF encoder.layer.N., TF1 encoder/layer_N/
+
+
+def _check_unused(tensors, used, ignored: Callable[[str], bool], source: str,
+                  num_layers: int) -> None:
+  """Encoder layers the config does not count are an error (they would be dropped); other
+  tensors left over are warned about."""
   unused = sorted(n for n in tensors if n not in used and not ignored(n))
+  layers = {int(m.group(1)) for m in map(_LAYER.search, unused) if m}
+  if layers:
+    raise ValueError(f'{source} holds {max(layers) + 1} encoder layers but its config says '
+                     f'num_hidden_layers={num_layers}; pass the config that belongs to the '
+                     'checkpoint')
   if unused:
     logging.warning('%s: %d tensors not imported, e.g. %s', source, len(unused), unused[:5])
 
@@ -549,7 +581,7 @@ def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, dict]:
                      'them, so its logits would differ: import without the MLM head by '
                      'removing the cls.predictions.* tensors, or tie them')
   params, used = convert_to_params(tensors, config.model, fmt='hf', source=source, heads=heads)
-  _warn_unused(tensors, used, lambda n: n in _HF_IGNORED, source)
+  _check_unused(tensors, used, lambda n: n in _HF_IGNORED, source, config.model.num_layers)
   return params, config, wordpiece.read_normalization(src)
 
 
@@ -564,12 +596,38 @@ def import_hf(src: str, out: str) -> str:
                                                 'not found') +
                             ': pass the folder of an HF BERT checkpoint '
                             '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
-  vocab = os.path.join(src, VOCAB)
-  if not os.path.isfile(vocab):
-    raise FileNotFoundError(f'{src} has no {VOCAB}; put the checkpoint\'s {VOCAB} beside its '
-                            'config.json (the tokenizer files of its hub repository)')
-  params, config, normalization = load_hf(src)
-  return write_workdir(out, params, config, vocab, normalization)
+  with tempfile.TemporaryDirectory(prefix='realformer-vocab-') as tmp:
+    vocab = os.path.join(src, VOCAB)
+    if not os.path.isfile(vocab) and os.path.isfile(os.path.join(src, HF_TOKENIZER_JSON)):
+      vocab = vocab_from_tokenizer_json(os.path.join(src, HF_TOKENIZER_JSON),
+                                        os.path.join(tmp, VOCAB))
+    if not os.path.isfile(vocab):
+      raise FileNotFoundError(f'{src} has no {VOCAB} or {HF_TOKENIZER_JSON}; put the '
+                              'checkpoint\'s tokenizer files (of its hub repository) beside its '
+                              'config.json')
+    params, config, normalization = load_hf(src)
+    return write_workdir(out, params, config, vocab, normalization)
+
+
+def vocab_from_tokenizer_json(path: str, out: str) -> str:
+  """Write the vocab.txt of a WordPiece tokenizer.json (what transformers 5 saves in its
+  place): its pieces in id order. Returns `out`."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      model = json.load(f).get('model') or {}
+  except (ValueError, AttributeError) as e:
+    raise ValueError(f'{path} is not a tokenizer.json ({e}); put the checkpoint\'s vocab.txt '
+                     'beside it') from None
+  if model.get('type') != 'WordPiece' or not isinstance(model.get('vocab'), dict):
+    raise ValueError(f'{path} is a {model.get("type")!r} tokenizer, not BERT\'s WordPiece; '
+                     'only BERT checkpoints can be imported')
+  by_id = {int(i): piece for piece, i in model['vocab'].items()}
+  if sorted(by_id) != list(range(len(model['vocab']))):
+    raise ValueError(f'{path}: the WordPiece ids are not 0..{len(model["vocab"]) - 1}, each once; '
+                     'put the checkpoint\'s vocab.txt beside it')
+  with open(out, 'w', encoding='utf-8') as f:
+    f.writelines(by_id[i] + '\n' for i in range(len(by_id)))
+  return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -603,19 +661,30 @@ def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
     raise damaged(e) from None
 
 
-def load_tf1(prefix: str, bert_config: str, *, variant: str
+# What a TF1 checkpoint's hidden_act 'gelu' computed, by default: Google's released BERT
+# checkpoints were trained before google-research/bert's gelu became the tanh approximation
+# (February 2019); the official RealFormer code computes that approximation.
+TF1_GELU = {'postln': 'erf', 'realformer': 'tanh'}
+
+
+def load_tf1(prefix: str, bert_config: str, *, variant: str, gelu: Optional[str] = None
              ) -> Tuple[dict, ml_collections.ConfigDict]:
   """A TF1 BERT-format checkpoint + bert_config.json -> (params, run config). `variant`:
   'postln' (google-research/bert's checkpoints) or 'realformer' (the RealFormer paper's); the
-  variable names are the same, so only the caller can tell."""
-  if variant not in ('realformer', 'postln'):
+  variable names are the same, so only the caller can tell. `gelu`: what the checkpoint's
+  hidden_act 'gelu' computed, 'erf' or 'tanh' (None: TF1_GELU[variant])."""
+  if variant not in TF1_GELU:
     raise ValueError(f'variant {variant!r}: a TF1 BERT-format checkpoint is a Post-LN encoder, '
                      "imported as 'realformer' (residual attention) or 'postln'")
+  gelu = gelu or TF1_GELU[variant]
+  if gelu not in ('erf', 'tanh'):
+    raise ValueError(f'gelu {gelu!r}: choose erf or tanh')
   if not os.path.isfile(bert_config):
     raise FileNotFoundError(f'bert_config {bert_config!r} not found; pass the checkpoint\'s '
                             'bert_config.json')
   with open(bert_config) as f:
-    config = model_config_from_bert(json.load(f), variant=variant, source=bert_config)
+    config = model_config_from_bert(json.load(f), variant=variant, source=bert_config,
+                                    tf1_gelu=gelu)
   source = f'TF1 checkpoint {prefix}'
   tensors = read_tf1_tensors(prefix)
   if any(n.startswith('bert/encoder/transformer/') or 'embedding_hidden_mapping_in' in n
@@ -628,12 +697,12 @@ def load_tf1(prefix: str, bert_config: str, *, variant: str
   heads = _present_heads(tensors, 'cls/predictions/', 'cls/seq_relationship/')
   params, used = convert_to_params(tensors, config.model, fmt='tf1', source=source,
                                    heads=heads)
-  _warn_unused(tensors, used, lambda n: False, source)
+  _check_unused(tensors, used, lambda n: False, source, config.model.num_layers)
   return params, config
 
 
 def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
-               variant: str, do_lower_case: bool = True) -> str:
+               variant: str, do_lower_case: bool = True, gelu: Optional[str] = None) -> str:
   """Import a TF1 BERT / RealFormer checkpoint into a params-only workdir (each path may be a
   gs:// URL)."""
   _new_out(out)
@@ -642,7 +711,7 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
     prefix = os.path.join(_local_files(folder, lambda n: n.startswith(name + '.')), name)
   vocab, bert_config = _local_file(vocab), _local_file(bert_config)
   _check_vocab(vocab, do_lower_case)
-  params, config = load_tf1(prefix, bert_config, variant=variant)
+  params, config = load_tf1(prefix, bert_config, variant=variant, gelu=gelu)
   return write_workdir(out, params, config, vocab,
                        dict(wordpiece.NORMALIZATION, do_lower_case=do_lower_case))
 
@@ -678,7 +747,7 @@ def hf_config(model_config, architecture: str, pad_token_id: int = 0) -> dict:
       'architectures': [architecture], 'model_type': 'bert',
       'vocab_size': int(m.vocab_size), 'hidden_size': int(m.hidden_size),
       'num_hidden_layers': int(m.num_layers), 'num_attention_heads': int(m.num_heads),
-      'intermediate_size': int(m.mlp_dim), 'hidden_act': 'gelu',
+      'intermediate_size': int(m.mlp_dim), 'hidden_act': EXPORT_ACT[m.get('gelu', 'erf')],
       'hidden_dropout_prob': float(m.dropout_rate),
       'attention_probs_dropout_prob': float(m.attention_dropout_rate),
       'max_position_embeddings': int(m.max_len), 'type_vocab_size': int(m.type_vocab_size),
@@ -738,7 +807,11 @@ def export_hf(workdir: str, out: str) -> str:
   pad_id = 0
   tokenizer_path = config.data.get('tokenizer', '') if 'data' in config else ''
   tokenizer_path = _local_file(tokenizer_path) if tokenizer_path.endswith('.txt') else ''
-  if tokenizer_path and os.path.isfile(tokenizer_path):
+  if tokenizer_path and not os.path.isfile(tokenizer_path):
+    raise FileNotFoundError(f'the run\'s vocabulary {tokenizer_path} is not there; put it back '
+                            '(or a copy in the workdir beside config.json) to export it with the '
+                            'weights')
+  if tokenizer_path:
     tokenizer = wordpiece.WordPieceTokenizer.load(tokenizer_path)
     pad_id = tokenizer.pad_id
     shutil.copyfile(tokenizer_path, os.path.join(out, VOCAB))
@@ -781,6 +854,11 @@ def _define(command):
                         'realformer for the RealFormer paper\'s (their variable names are '
                         'the same)', flag_values=f, required=True)
       flags.DEFINE_boolean('cased', False, 'the vocabulary is cased', flag_values=f)
+      flags.DEFINE_enum('gelu', None, ['erf', 'tanh'],
+                        "what the checkpoint's hidden_act 'gelu' computed: erf for Google's "
+                        'released BERT checkpoints (the default with postln), tanh for '
+                        'google-research/bert since February 2019 and the official RealFormer '
+                        'code (the default with realformer)', flag_values=f)
     else:
       flags.DEFINE_string('workdir', None, 'a Post-LN workdir', flag_values=f, required=True)
     flags.DEFINE_string('out', None, 'the new workdir' if command.startswith('import') else
@@ -798,7 +876,7 @@ def main(argv=None) -> None:
     print(import_hf(args.src, args.out))
   elif args.command == 'import-tf1':
     print(import_tf1(args.ckpt, args.bert_config, args.vocab, args.out, variant=args.variant,
-                     do_lower_case=not args.cased))
+                     do_lower_case=not args.cased, gelu=args.gelu))
   else:
     print(export_hf(args.workdir, args.out))
 

@@ -109,6 +109,13 @@ def read_pretraining_config(workdir: str) -> dict:
             'not a pretraining config')
     raise ValueError(f'{workdir} is {what} ({CONFIG_FILE} has no model section): pass a '
                      'pretraining workdir, or a fine-tuning run\'s best/ or final/ folder')
+  data = config.get('data')
+  tokenizer = data.get('tokenizer') if isinstance(data, dict) else None
+  if tokenizer and not storage.path(tokenizer).exists():
+    # A workdir that keeps its own vocabulary (an import's vocab.txt), moved or copied since.
+    beside = storage.join(workdir, tokenizer.rstrip('/').rpartition('/')[2])
+    if storage.path(beside).is_file():
+      data['tokenizer'] = str(beside)
   return config
 
 
