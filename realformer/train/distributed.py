@@ -6,10 +6,12 @@ and finetune.py alike.
 """
 
 import os
-from typing import Optional
+import re
+from typing import List, Mapping, Optional
 
 import jax
 from absl import flags
+from absl import logging
 
 
 def define_flags() -> None:
@@ -20,14 +22,42 @@ def define_flags() -> None:
   flags.DEFINE_integer('process_id', None, 'This process (or $JAX_PROCESS_ID).')
 
 
+def slurm_node_devices(env: Mapping[str, str]) -> Optional[List[int]]:
+  """The local device ids a SLURM task drives when it is its node's only task: every GPU
+  SLURM gave the node (SLURM_GPUS_ON_NODE, else CUDA_VISIBLE_DEVICES). None otherwise:
+  several tasks per node are jax's own layout, one GPU per task (SLURM_LOCALID), which
+  jax.distributed.initialize() also applies to a single task per node unless told."""
+  if 'SLURM_JOB_ID' not in env:
+    return None
+  per_node = env.get('SLURM_STEP_TASKS_PER_NODE') or env.get('SLURM_TASKS_PER_NODE') or ''
+  counts = re.findall(r'(\d+)(?:\(x\d+\))?', per_node)  # e.g. '1(x4)' or '2,1'
+  if not counts or any(int(c) != 1 for c in counts):
+    return None
+  gpus = env.get('SLURM_GPUS_ON_NODE', '').strip()
+  if gpus.isdigit():
+    n = int(gpus)
+  else:
+    n = len([d for d in env.get('CUDA_VISIBLE_DEVICES', '').split(',') if d.strip()])
+  return list(range(n)) or None
+
+
+def _on_cloud_tpu_vm() -> bool:
+  """Whether `import jax` found TPU chips on this VM (jax's own detection, made at import).
+  A pod slice's hosts are then found by jax through the TPU metadata server."""
+  from jax._src import cloud_tpu_init  # pylint: disable=g-import-not-at-top
+  return bool(getattr(cloud_tpu_init, 'running_in_cloud_tpu_vm', False))
+
+
 def maybe_initialize(coordinator_address: Optional[str] = None,
                      num_processes: Optional[int] = None,
                      process_id: Optional[int] = None) -> None:
-  """jax.distributed.initialize() when several processes take part.
+  """jax.distributed.initialize() when several processes may take part.
 
   Explicit values (flags, else $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES /
-  $JAX_PROCESS_ID) win; otherwise jax detects TPU pod slices and SLURM jobs
-  (SLURM_NTASKS > 1) by itself. A single process on one machine initializes nothing.
+  $JAX_PROCESS_ID) win; otherwise jax detects SLURM jobs (SLURM_NTASKS > 1) and Cloud TPU
+  VMs (a pod slice's workers, from the TPU metadata; a single-host slice is one process).
+  Under SLURM a node's only task drives all the node's GPUs (slurm_node_devices). A single
+  process on one machine initializes nothing.
   """
   env = os.environ
   coordinator_address = coordinator_address or env.get('JAX_COORDINATOR_ADDRESS')
@@ -35,13 +65,20 @@ def maybe_initialize(coordinator_address: Optional[str] = None,
                                     if 'JAX_NUM_PROCESSES' in env else None)
   if process_id is None and 'JAX_PROCESS_ID' in env:
     process_id = int(env['JAX_PROCESS_ID'])
+  devices = slurm_node_devices(env)
   if coordinator_address or (num_processes or 1) > 1:
     if jax.config.jax_platforms == 'cpu' or env.get('JAX_PLATFORMS') == 'cpu':
       jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+                               num_processes=num_processes, process_id=process_id,
+                               local_device_ids=devices)
   elif int(env.get('SLURM_NTASKS', '1')) > 1 or ',' in env.get('TPU_WORKER_HOSTNAMES', ''):
-    jax.distributed.initialize()
+    jax.distributed.initialize(local_device_ids=devices)
+  elif _on_cloud_tpu_vm():
+    try:
+      jax.distributed.initialize()
+    except ValueError as e:  # jax found no slice to join (no TPU metadata): one host alone
+      logging.warning('a TPU VM without a pod slice to join (%s): running as one process', e)
 
 
 def initialize_from_flags() -> None:
