@@ -65,6 +65,17 @@ def test_expansion_product_zip_fixed_and_seeds(tmp_path):
              for r in runs)
   with pytest.raises(ValueError, match='key=value'):
     sweep.expand(['model.variant'])
+  with pytest.raises(ValueError, match='seed is not a --sweep/--set key: --seeds N runs seeds '
+                     '0..0'):
+    sweep.expand(fixed=['seed=5'])
+  for body, what in (('pass', 'NoneType'), ("return {'a': 1}", 'dict')):
+    sweep_file.write_text(f'def get_hyper(h):\n  {body}\n')
+    with pytest.raises(ValueError, match=f'get_hyper\\(h\\) returned {what}, not a list of '
+                       'runs'):
+      sweep.expand(sweep_file=str(sweep_file))
+  # A value of a text field that reads as a number: the run passes its text.
+  runs = sweep.expand(fixed=['data.hf_rows_per_document=100'])
+  sweep.check_keys('configs/pretrain.py:postln,tiny', runs)
 
 
 def test_names_are_stable_safe_and_distinct():
@@ -77,6 +88,8 @@ def test_names_are_stable_safe_and_distinct():
   assert len({sweep.run_name(r) for r in runs}) == 4
   with pytest.raises(ValueError, match='repeats a run'):
     sweep.expand(['optimizer.learning_rate=1e-3,0.001'])
+  with pytest.raises(ValueError, match="would share the folder 'data.sources=files__d_a_.txt"):
+    sweep.expand(['data.sources=files:/d/a*.txt,files:/d/a?.txt'])
 
 
 def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
@@ -100,6 +113,7 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
   header, table = sweep.summarize(sweep.collect(str(root), ['eval/mlm_accuracy']),
                                   ['eval/mlm_accuracy'])
   assert header[:2] == ['optimizer.learning_rate', 'n']  # fixed keys are not columns
+  assert header[-1] == 'unfinished' and all(row[-1] == 0 for row in table)
   by_lr = {row[0]: row for row in table}
   vals = [0.1, 1.1, 2.1]  # lr * 1000 + seed for lr = 1e-4, seeds 0..2 (the last record)
   row = by_lr['0.0001']
@@ -109,6 +123,34 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
   assert by_lr['0.0002'][3] == pytest.approx(1.2)
   assert (root / 'summary.md').read_text().startswith('| optimizer.learning_rate |')
   assert (root / 'summary.csv').read_text().splitlines()[0].startswith('optimizer.')
+  # An unfinished seed is left out of the statistics, and counted.
+  (root / 'optimizer.learning_rate=0.0001,seed=2' / sweep.DONE).unlink()
+  header, table = sweep.summarize(sweep.collect(str(root), ['eval/mlm_accuracy']),
+                                  ['eval/mlm_accuracy'])
+  row = {row[0]: row for row in table}['0.0001']
+  assert row[1] == 2 and row[2] == pytest.approx(0.6) and row[-1] == 1
+
+
+def test_runs_start_in_the_repository_and_a_wider_sweep_keeps_finished_runs(
+    tmp_path, monkeypatch):
+  """From another directory, with a relative --root (the program and config paths are the
+  repository's); adding a value to an axis that had one renames nothing already run."""
+  program = tmp_path / 'fake_train.py'
+  program.write_text(FAKE_PROGRAM + 'assert os.getcwd() == %r\n' % REPO)
+  monkeypatch.chdir(tmp_path)
+  args = ['run', '--root', 'sweep', '--program', str(program), '--config', 'cfg',
+          '--sweep', 'model.variant=postln,preln', '--set', 'optimizer.learning_rate=1e-4']
+  assert sweep_cli.main(args) == 0
+  assert sorted(os.listdir(tmp_path / 'sweep')) == ['model.variant=postln,seed=0',
+                                                    'model.variant=preln,seed=0']
+  wider = args[:-2] + ['--sweep', 'optimizer.learning_rate=1e-4,2e-4']
+  assert sweep_cli.main(wider) == 0
+  folders = sorted(os.listdir(tmp_path / 'sweep'))
+  assert len(folders) == 4 and 'model.variant=postln,seed=0' in folders
+  for name in folders:  # each run ran once
+    assert (tmp_path / 'sweep' / name / 'calls.txt').read_text().count('call') == 1
+  rows = sweep.collect('sweep', ['eval/mlm_accuracy'])
+  assert len(rows) == 4 and all(r['done'] for r in rows)
 
 
 def test_a_directory_holding_another_run_is_never_reused(tmp_path, capsys):
@@ -143,8 +185,13 @@ def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path
   names = sweep.run_names(runs)
   for name in names:
     (root / name).mkdir(parents=True)
-  # Finished without a DONE marker (the sweep was killed after train.py ended): step 2 logged.
+  # Finished without a DONE marker (the sweep was killed after train.py ended): a complete
+  # checkpoint at step 2. Its log alone at step 2 is not enough (the last evaluation and
+  # save come after it).
   (root / names[0] / 'metrics.jsonl').write_text('{"step": 2, "split": "train"}\n{"ste')
+  assert not sweep.is_done(root / names[0], runs[0])
+  (root / names[0] / 'checkpoints' / '2').mkdir(parents=True)
+  (root / names[0] / 'checkpoints' / '2' / 'commit_success.txt').write_text('')
   # Held by another live process on this host (the pytest runner's parent).
   (root / names[1] / sweep.LOCK).write_text(f'{socket.gethostname()} {os.getppid()}')
   # A lock left by a process that died: taken over.
@@ -161,17 +208,26 @@ def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path
   assert not (root / names[2] / sweep.LOCK).exists()  # released after the run
 
 
-def test_launch_scripts_for_tpu_and_slurm(capsys):
-  args = ['--root', 'gs://b/sweep', '--config', 'configs/pretrain.py:realformer,base',
+def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  args = ['--config', 'configs/pretrain.py:realformer,base',
           '--sweep', 'model.variant=postln,realformer', '--seeds', '2']
-  sweep_cli.main(['print', '--target', 'tpu'] + args)
+  sweep_cli.main(['print', '--target', 'tpu', '--root', f'{gcs}/printed'] + args)
   tpu = capsys.readouterr().out.splitlines()
   cmds = [l for l in tpu if l.startswith('gcloud')]
   assert len(cmds) == 4 and all('--worker=all' in c and 'train.py' in c for c in cmds)
   assert any('model.variant=realformer,seed=1' in c for c in cmds)
-  sweep_cli.main(['print', '--target', 'slurm'] + args)
+  assert len(sweep.collect(f'{gcs}/printed', ['eval/loss'])) == 4  # the runs are recorded
+  with pytest.raises(ValueError, match='is a local folder, which each TPU worker would have a '
+                     'copy of; give a gs:// URL'):
+    sweep_cli.main(['print', '--target', 'tpu', '--root', str(tmp_path / 'tpu')] + args)
+  sweep_cli.main(['print', '--target', 'slurm', '--root', str(tmp_path / 'slurm')] + args)
   slurm = [l for l in capsys.readouterr().out.splitlines() if l.startswith('sbatch')]
   assert len(slurm) == 4 and all('srun python train.py' in l for l in slurm)
+  assert all('--signal=TERM@120 --requeue' in l and 'scontrol requeue' in l for l in slurm)
+  sweep_cli.main(['print', '--target', 'local', '--root', 'rel'] + args)
+  local = capsys.readouterr().out.splitlines()
+  assert local[3] == f'cd {REPO}' and f'--workdir {tmp_path}/rel/' in local[4]
 
 
 TINY = ['train.num_steps=3', 'train.batch_size=8', 'train.log_every_steps=1',

@@ -14,8 +14,10 @@ file whose `get_hyper(h)` combines these (after big_vision's convention):
     ])
 
 A run's workdir is `<root>/<name>`, the name its overrides in a fixed order
-(`model.variant=realformer,seed=1`). A run that finished (DONE marker, written after the
-program exits 0, or metrics.jsonl already at its train.num_steps) is skipped; one that was
+(`model.variant=realformer,seed=1`); a run whose overrides a folder of the root already
+records (an earlier sweep that varied fewer keys) keeps that folder. Programs run from the
+repository root. A run that finished (DONE marker, written after the program exits 0, or a
+complete checkpoint at its train.num_steps) is skipped; one that was
 interrupted is started again in its workdir, where train.py / finetune.py resume from the
 newest checkpoint. A run another live sweep process is running (LOCK file holding its host and
 pid) is skipped too, so two sweeps over one root never write into the same workdir.
@@ -37,6 +39,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from realformer import cli
 from realformer import storage
+from realformer.train import checkpoints
 from realformer.train import metrics_jsonl
 
 Run = Dict[str, Any]
@@ -114,17 +117,29 @@ def expand(sweeps: Sequence[str] = (), fixed: Sequence[str] = (), seeds: int = 1
         exec(compile(f.read(), sweep_file, 'exec'), namespace)  # pylint: disable=exec-used
       if 'get_hyper' not in namespace:
         raise ValueError(f'{sweep_file} defines no get_hyper(h); see realformer/tools/sweep.py')
-      lists.append(namespace['get_hyper'](Hyper))
+      hyper = namespace['get_hyper'](Hyper)
+      if not isinstance(hyper, list) or not all(isinstance(r, dict) for r in hyper):
+        raise ValueError(f'{sweep_file}: get_hyper(h) returned {type(hyper).__name__}, not a '
+                         'list of runs; return h.product([...]) (or h.sweep, h.zip)')
+      lists.append(hyper)
     except ValueError:
       raise
     except Exception as e:  # pylint: disable=broad-except
       raise ValueError(cli.code_error(f'--sweep_file {sweep_file}', e)) from e
   if seeds < 1:
     raise ValueError(f'--seeds={seeds}: need at least one seed')
+  if any('seed' in run for runs in lists for run in runs):
+    raise ValueError('seed is not a --sweep/--set key: --seeds N runs seeds '
+                     f'{first_seed}..{first_seed}+N-1 of each setting')
   lists.append(Hyper.sweep('seed', range(first_seed, first_seed + seeds)))
   runs = Hyper.product(lists)
   names = run_names(runs)
   if len(set(names)) != len(names):
+    if len({json.dumps(r, sort_keys=True) for r in runs}) == len(runs):
+      first = next(n for n in names if names.count(n) > 1)
+      raise ValueError(f'two runs of the sweep would share the folder {first!r} (values that '
+                       'differ only in characters a folder name cannot hold); give values '
+                       'that differ in letters or digits')
     raise ValueError('the sweep repeats a run (the same overrides twice); check --sweep/--set')
   return runs
 
@@ -227,7 +242,9 @@ def check_keys(config: str, runs: Sequence[Run]):
         holder = full
         for part in path:
           holder = holder[part]
-        holder[name] = bool(value) if isinstance(holder[name], bool) else value  # 1/0
+        current = holder[name]  # as --config.<key>=<text> would set it: 1/0 for a bool,
+        holder[name] = (bool(value) if isinstance(current, bool) else  # the text for a str
+                        _fmt(value) if isinstance(current, str) else value)
       try:
         config_checks.check_config(full)
       except ValueError as e:
@@ -247,11 +264,13 @@ def last_step(workdir: str) -> int:
 
 
 def is_done(workdir: str, run: Optional[Run] = None) -> bool:
-  """DONE marker, or (given the run) its metrics reached the run's train.num_steps."""
+  """DONE marker, or (given the run) a complete checkpoint at its train.num_steps: a
+  pretraining run saves that after its last evaluation, so a run that stopped after logging
+  its last step, before that evaluation and save, is not finished."""
   if (storage.path(workdir) / DONE).exists():
     return True
   steps = (run or {}).get('train.num_steps')
-  return isinstance(steps, int) and last_step(workdir) >= steps
+  return isinstance(steps, int) and steps in checkpoints.complete_steps(workdir)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -313,7 +332,9 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   skipped as finished), RUNNING_ELSEWHERE for runs another live sweep holds, OTHER_RUN for
   names whose directory holds a run with other overrides (never reused, never resumed)."""
   codes = {}
-  for i, (run, name) in enumerate(zip(runs, run_names(runs, always))):
+  root = absolute(root)
+  names = reuse_names(root, runs, run_names(runs, always))
+  for i, (run, name) in enumerate(zip(runs, names)):
     workdir = storage.join(root, name)
     differ = other_run(workdir, run)
     if differ:
@@ -346,12 +367,45 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   return codes
 
 
+def absolute(root: str) -> str:
+  """A local root as an absolute path (runs start from the repository root); URLs as given."""
+  return root if storage.is_url(root) else os.path.abspath(root)
+
+
+def _canonical(run: Run) -> str:
+  return json.dumps(run, sort_keys=True)  # as overrides.json records it
+
+
+def reuse_names(root: str, runs: Sequence[Run], names: Sequence[str]) -> List[str]:
+  """`names`, except that a run some folder of `root` already records (its overrides.json:
+  an earlier sweep, named by the fewer keys that varied then) keeps that folder."""
+  recorded = {}
+  if storage.path(root).is_dir():
+    for path in storage.path(root).iterdir():
+      try:
+        run = json.loads((path / OVERRIDES).read_text())
+      except (OSError, ValueError):
+        continue
+      recorded.setdefault(_canonical(run), path.name)
+  return [recorded.get(_canonical(json.loads(json.dumps(r))), n) for r, n in zip(runs, names)]
+
+
+def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str]) -> None:
+  """Each run's overrides.json, before it is launched (what collect and run_all read)."""
+  for run, name in zip(runs, names):
+    path = storage.join(root, name, OVERRIDES)
+    if not storage.path(path).exists():
+      storage.path(storage.join(root, name)).mkdir(parents=True, exist_ok=True)
+      storage.write_text(path, json.dumps(run, indent=1, sort_keys=True))
+
+
 def _call_logged(argv, log_path: str) -> int:
   """Runs argv with its output appended to `log_path` (in a bucket: a local spool, uploaded
   every 30 s while it runs and when it ends)."""
   log = storage.GrowingFile(log_path, binary=True)
   try:
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+    with subprocess.Popen(argv, cwd=_ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT) as proc:
       for line in proc.stdout:
         log.write(line)
         log.flush()
@@ -363,9 +417,26 @@ def _call_logged(argv, log_path: str) -> int:
 def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
                   target: str, tpu: str = '$TPU', zone: str = '$ZONE',
                   always: Sequence[str] = ()) -> str:
-  """A shell script, one launch per run, for a TPU pod slice or a SLURM GPU cluster."""
+  """A shell script, one launch per run, for a TPU pod slice or a SLURM GPU cluster (each
+  run's overrides.json is written into the root now, so that `run` and `summarize` know the
+  runs the script starts).
+
+  tpu: every worker of the slice runs the command in ~/realformer, and the root must be a
+  gs:// URL (storage every host sees). slurm: one task per node driving the node's GPUs,
+  SIGTERM two minutes before the time limit and a requeue when the run stops to be resumed
+  (exit 75), from the directory the script is run in (the repository root); CPUS sets
+  --cpus-per-task. local: from the repository root."""
+  if target not in ('tpu', 'slurm', 'local'):
+    raise ValueError(f'unknown target {target!r}: use tpu, slurm or local')
+  if target == 'tpu' and not storage.is_url(root):
+    raise ValueError(f'--root {root} is a local folder, which each TPU worker would have a '
+                     'copy of; give a gs:// URL for runs on a pod slice')
+  root = absolute(root)
+  names = reuse_names(root, runs, run_names(runs, always))
   lines = ['#!/usr/bin/env bash', f'# {len(runs)} runs of {program} {config}', 'set -e']
-  for run, name in zip(runs, run_names(runs, always)):
+  if target == 'local':
+    lines.append(f'cd {shlex.quote(_ROOT)}')
+  for run, name in zip(runs, names):
     argv = command(program, config, storage.join(root, name), run)
     argv[0] = 'python'  # the cluster's interpreter, not this one
     cmd = shlex.join(argv)
@@ -373,12 +444,14 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
       lines.append(f'gcloud compute tpus tpu-vm ssh {tpu} --zone {zone} --worker=all '
                    f'--command {shlex.quote("cd ~/realformer && " + cmd)}')
     elif target == 'slurm':
-      lines.append(f'sbatch --nodes=${{NODES:-1}} --ntasks-per-node=1 --gpus-per-node=${{GPUS:-8}} '
-                   f'--job-name={shlex.quote(name[:100])} --wrap {shlex.quote("srun " + cmd)}')
-    elif target == 'local':
-      lines.append(cmd)
+      job = f'srun {cmd}; code=$?; [ $code -eq 75 ] && scontrol requeue $SLURM_JOB_ID; exit $code'
+      lines.append('sbatch --nodes=${NODES:-1} --ntasks-per-node=1 --gpus-per-node=${GPUS:-8} '
+                   '${CPUS:+--cpus-per-task=$CPUS} --signal=TERM@120 --requeue '
+                   f'--open-mode=append --job-name={shlex.quote(name[:100])} '
+                   f'--wrap {shlex.quote(job)}')
     else:
-      raise ValueError(f'unknown target {target!r}: use tpu, slurm or local')
+      lines.append(cmd)
+  record_overrides(root, runs, names)
   return '\n'.join(lines) + '\n'
 
 
@@ -404,7 +477,11 @@ def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
     path = storage.path(workdir) / OVERRIDES
     if not path.exists():
       continue
-    run = json.loads(path.read_text())
+    try:
+      run = json.loads(path.read_text())
+    except ValueError as e:
+      raise ValueError(f'{path} is not readable JSON ({e}); restore it (the run\'s '
+                       '--config.<key>=<value> overrides) or delete its folder') from None
     values = {}
     for split in {m.split('/')[0] for m in metrics}:
       values.update(final_metrics(workdir, split))
@@ -415,18 +492,20 @@ def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
 
 def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
   """Groups runs by their non-seed overrides: (header, table rows) with mean, median, std,
-  min, max and n over seeds for each metric."""
+  min, max and n over the finished seeds for each metric, and how many runs of the setting
+  are not finished (left out)."""
   groups = {}
   for row in rows:
     key = tuple(sorted((k, _fmt(v)) for k, v in row['run'].items() if k != 'seed'))
     groups.setdefault(key, []).append(row)
   swept = [k for k in varying_keys([r['run'] for r in rows]) if k != 'seed']
   header = swept + ['n'] + [f'{m} {s}' for m in metrics
-                             for s in ('mean', 'median', 'std', 'min', 'max')]
+                             for s in ('mean', 'median', 'std', 'min', 'max')] + ['unfinished']
   table = []
-  for key, members in sorted(groups.items()):
+  for key, group in sorted(groups.items()):
     d = dict(key)
     line = [d.get(k, '') for k in swept]
+    members = [r for r in group if r['done']]
     n = 0
     cells = []
     for m in metrics:
@@ -437,7 +516,7 @@ def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
                   statistics.stdev(vals) if len(vals) > 1 else 0.0, min(vals), max(vals)]
       else:
         cells += [None] * 5
-    table.append(line + [n] + cells)
+    table.append(line + [n] + cells + [len(group) - len(members)])
   return header, table
 
 
