@@ -12,7 +12,9 @@ synth_random_vanilla. Sizes: tiny (tests and CPU demos), and the RealFormer pape
 (4/512/8/2048), base (12/768/12/3072), large (24/1024/16/4096), xlarge (36/1536/24/6144).
 
 `runlocal` shrinks batch and steps for a quick check on a laptop CPU.
-Unknown keys on the command line are an error (the config is locked).
+Unknown keys on the command line are an error (the config is locked). A field added here
+needs a word on what runs written before it stood for (realformer/train/workdir.py,
+ADDED_DEFAULTS or RESUMABLE); tests/test_workdir.py holds the list of fields.
 """
 
 import ml_collections

@@ -19,6 +19,7 @@ its objects in a folder so that it can be stopped and started again):
      server.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -299,6 +300,42 @@ def test_a_run_that_lost_its_lock_leaves_the_new_holders_log_alone(server, monke
   with pytest.raises(workdir_lib.WorkdirInUseError, match='taken over; this run stopped'):
     train.train_and_evaluate(tiny_config(num_steps=6, checkpoint_every_steps=1000), url)
   assert storage.path(f'{url}/metrics.jsonl').read_text() == theirs
+
+
+@pytest.mark.parametrize('where', ['bucket', 'local'])
+@pytest.mark.parametrize('lost_at, committed', [(4, False), (6, False), (6, True)])
+def test_a_save_begun_before_the_lock_was_lost_is_never_committed(
+    server, tmp_path, monkeypatch, where, lost_at, committed):
+  """The lease runs out after a save's lock check, while the save is in flight: the step is
+  not committed into the workdir that another run may now hold, and the older step it would
+  have replaced (keep 1) stays. Lost after its last save was committed, a run writes nothing
+  more (its last log lines are not uploaded over the new holder's)."""
+  url = f'{server.root}/fenced_{lost_at}_{committed}' if where == 'bucket' else str(
+      tmp_path / 'w')
+  original, managers = checkpoints.save, []
+
+  def lose():
+    monkeypatch.setattr(workdir_lib.Lock, 'lost', property(lambda _: 'taken over'))
+
+  def save(manager, step, *args, **kwargs):
+    managers.append(manager)
+    if step != lost_at:
+      return original(manager, step, *args, **kwargs)
+    manager.wait_until_finished()  # (the earlier step's save was committed before)
+    if not committed:  # past _save's check_held: the lease is lost from here on
+      lose()
+    saved = original(manager, step, *args, **kwargs)
+    if committed:
+      manager.wait_until_finished()
+      lose()
+    return saved
+  monkeypatch.setattr(checkpoints, 'save', save)
+  config = tiny_config(num_steps=6, checkpoint_every_steps=2, keep_checkpoints=1)
+  with pytest.raises(workdir_lib.WorkdirInUseError, match='taken over; this run stopped'):
+    train.train_and_evaluate(config, url)
+  with contextlib.suppress(workdir_lib.WorkdirInUseError):  # the fence's own error
+    managers[-1].wait_until_finished()  # what the process would have done, had it lived on
+  assert checkpoints.complete_steps(url) == [lost_at if committed else lost_at - 2]
 
 
 @pytest.fixture(scope='module')

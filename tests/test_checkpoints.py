@@ -247,3 +247,20 @@ def test_a_step_killed_while_being_deleted_never_looks_complete(tmp_path, monkey
   checkpoints.delete_step(manager, 1)
   assert not checkpoints.has_complete_step(str(tmp_path))
   manager.close()
+
+
+def test_an_error_right_after_a_save_began_still_commits_it(tmp_path, monkeypatch):
+  """A run that fails (a read error, say) while its last checkpoint is being written waits for
+  that checkpoint before it lets go of the workdir: the next start resumes from it."""
+  from realformer.train import trainer  # pylint: disable=g-import-not-at-top
+  log = trainer.Trainer._log
+
+  def failing_log(self, step, *args, **kwargs):
+    if step == 5:
+      raise OSError('reading the next shard failed')
+    return log(self, step, *args, **kwargs)
+  monkeypatch.setattr(trainer.Trainer, '_log', failing_log)
+  config = tiny_config(num_steps=NUM_STEPS, checkpoint_every_steps=2, keep_checkpoints=1)
+  with pytest.raises(OSError, match='reading the next shard failed'):
+    run(config, tmp_path)
+  assert checkpoints.complete_steps(str(tmp_path)) == [4]

@@ -763,3 +763,28 @@ def test_finetune_on_two_processes_is_one_run(tmp_path):
       (a / 'length_buckets.json').read_text())
   steps = lambda d: [json.loads(l)['step'] for l in (d / 'metrics.jsonl').read_text().splitlines()]
   assert steps(b) == steps(a)  # one line per step and split: process 0's alone
+
+
+def _config_keys(config) -> set:
+  return set(workdir_lib._flatten(json.loads(config.to_json_best_effort())))
+
+
+def test_a_new_config_field_says_what_runs_before_it_meant():
+  """Every field of the configs is in tests/data/config_keys.json. A field added to a config
+  fails this until it is recorded there, after deciding what a stored config without it
+  stood for: a resume compares it with workdir.ADDED_DEFAULTS's value (an unlisted one is
+  taken as given, so a field that changes what a run computes belongs there), or it is
+  RESUMABLE."""
+  from configs import finetune as finetune_configs  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(os.path.dirname(__file__), 'data', 'config_keys.json')) as f:
+    recorded = {k: set(v) for k, v in json.load(f).items()}
+  now = {'configs/pretrain.py': _config_keys(tiny_config()),
+         'configs/finetune.py': (_config_keys(finetune_configs.get_config('glue/rte')) |
+                                 _config_keys(finetune_configs.get_config('squad/v2.0')))}
+  for name, keys in now.items():
+    assert keys - recorded[name] == set(), (
+        f'{name} has new fields: give each a workdir.ADDED_DEFAULTS entry (or a RESUMABLE '
+        'one), then add them to tests/data/config_keys.json')
+    assert recorded[name] - keys == set(), f'{name} lost fields: remove them from the record'
+  for key in workdir_lib.ADDED_DEFAULTS:
+    assert key in now['configs/pretrain.py'] | now['configs/finetune.py'], key

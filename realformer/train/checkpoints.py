@@ -18,7 +18,7 @@ trainer's (realformer/train/trainer.py).
 
 import json
 import re
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -35,23 +35,51 @@ COMMIT_FILE = 'commit_success.txt'
 
 
 def make_manager(workdir: str, *, keep: Optional[int] = 3, read_only: bool = False,
-                 item_names=('state', 'data')) -> ocp.CheckpointManager:
-  """The run's CheckpointManager at <workdir>/checkpoints: async saves, keep the last `keep`."""
+                 item_names=('state', 'data'),
+                 fence: Optional[Callable[[], None]] = None) -> ocp.CheckpointManager:
+  """The run's CheckpointManager at <workdir>/checkpoints: async saves, keep the last `keep`.
+
+  fence: called on orbax's thread just before a step is finalized (its commit file written,
+  or its folder renamed into place); raising there leaves the step uncommitted, and the
+  older steps it would have replaced in place. A run passes one that raises once its lock
+  is no longer its own, so that a save begun before a take-over never lands in the new
+  holder's directory."""
+  directory = storage.path(workdir) / CHECKPOINT_DIR
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=not read_only, read_only=read_only,
-      cleanup_tmp_directories=not read_only, enable_async_checkpointing=not read_only)
-  return ocp.CheckpointManager(storage.path(workdir) / CHECKPOINT_DIR, item_names=item_names,
-                               options=options)
+      cleanup_tmp_directories=not read_only, enable_async_checkpointing=not read_only,
+      temporary_path_class=None if fence is None else _fenced(directory, fence))
+  return ocp.CheckpointManager(directory, item_names=item_names, options=options)
+
+
+def _fenced(directory, fence: Callable[[], None]):
+  """Orbax's own way of finalizing a step in `directory` (a commit file on gs://, a rename
+  on a local disk), with `fence` called first."""
+  base = ocp.path.atomicity_defaults.get_default_temporary_path_class(directory)
+
+  class Fenced(base):  # pylint: disable=missing-class-docstring
+    async def finalize(self, *args, **kwargs):
+      fence()
+      return await super().finalize(*args, **kwargs)
+
+  return Fenced
 
 
 def is_complete(step_dir) -> bool:
   return (storage.path(step_dir) / COMMIT_FILE).exists()
 
 
+def complete_steps(workdir) -> List[int]:
+  """The finalized steps in <workdir>/checkpoints, oldest first (read-only; no manager)."""
+  root = storage.path(workdir) / CHECKPOINT_DIR
+  if not root.is_dir():
+    return []
+  return sorted(int(d.name) for d in root.iterdir() if d.name.isdigit() and is_complete(d))
+
+
 def has_complete_step(workdir) -> bool:
   """Whether <workdir>/checkpoints holds a finalized step (read-only; no manager)."""
-  root = storage.path(workdir) / CHECKPOINT_DIR
-  return root.is_dir() and any(d.name.isdigit() and is_complete(d) for d in root.iterdir())
+  return bool(complete_steps(workdir))
 
 
 def delete_step(manager: ocp.CheckpointManager, step: int) -> None:

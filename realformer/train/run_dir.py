@@ -31,6 +31,7 @@ reader never sees half a file.
 """
 
 import contextlib
+import functools
 import json
 import os
 from typing import Any, Optional, Tuple
@@ -73,8 +74,11 @@ class RunDir:
     return self.root.joinpath(*names)
 
   def sub(self, name: str) -> 'RunDir':
-    """A folder of this run that is itself a params-only run directory (best/, final/)."""
-    return RunDir(self.path(name))
+    """A folder of this run that is itself a params-only run directory (best/, final/),
+    written under this run's lock."""
+    sub = RunDir(self.path(name))
+    sub._lock = self._lock  # pylint: disable=protected-access
+    return sub
 
   # ---- Ownership: one run per directory, and a directory that describes its checkpoints.
 
@@ -112,7 +116,12 @@ class RunDir:
             checkpoints.has_complete_step(str(self.path(self.FINAL))))
 
   def checkpoint_manager(self, keep: Optional[int], item_names: Tuple[str, ...]):
-    return checkpoints.make_manager(str(self), keep=keep, item_names=item_names)
+    """The run's CheckpointManager; a step is committed only while the run holds its lock
+    (checkpoints.make_manager's fence)."""
+    lock = self._lock
+    return checkpoints.make_manager(
+        str(self), keep=keep, item_names=item_names,
+        fence=None if lock is None else functools.partial(_fence, lock))
 
   # ---- Small files (process 0 writes; replaced whole).
 
@@ -147,3 +156,14 @@ class RunDir:
         path.rmtree()
       else:
         path.unlink()
+
+
+def _fence(lock: workdir_lib.Lock) -> None:
+  """On orbax's thread, before a commit: this process's own view of the lock (no collective:
+  check_held's broadcast stays on the main thread). A save still in flight when its run
+  released the lock (an error, then the process lived on) is not committed either."""
+  why = lock.not_held
+  if why:
+    raise workdir_lib.WorkdirInUseError(f'{why}; this run stopped without committing the '
+                                        'checkpoint it was saving; only one run may write to '
+                                        'a workdir')

@@ -421,15 +421,20 @@ class Trainer:
         summary = self._finish(preempted)
         compile_cache.log_stats('the run')  # the background compiles and predictions too
     except BaseException as e:
-      # The logs so far are kept (in a bucket, the lines not yet uploaded are the ones
-      # before a divergence), unless another run now holds the workdir (its logs are the
-      # workdir's); the error raised stays the one reported.
+      # The logs so far and a checkpoint being saved are kept (in a bucket, the lines not
+      # yet uploaded are the ones before a divergence), unless another run now holds the
+      # workdir (its logs and checkpoints are the workdir's); the error raised stays the one
+      # reported. (With several processes the save is left: its commit waits for every
+      # process, and the others may be stuck in the step that this one left.)
       if not isinstance(e, workdir_lib.WorkdirInUseError):
         with contextlib.suppress(Exception):
+          if jax.process_count() == 1:
+            self.manager.wait_until_finished()
           self.writer.close()
       raise
     finally:
       task.close()
+    self.run_dir.check_held()  # the logs' last lines are uploaded by close
     self.manager.close()
     self.writer.close()
     return summary
@@ -551,6 +556,7 @@ class Trainer:
   def _finish(self, preempted: Optional[int]) -> dict:
     """The summary; a finished run's last evaluation, outputs and lean params."""
     task, c = self.task, self.cadence
+    self.run_dir.check_held()  # what follows writes results, predictions, final/
     step = int(self.state.step)
     logged = ({} if preempted is not None or (self.last_logged and self.results) else
               self._logged(step))
@@ -567,7 +573,10 @@ class Trainer:
                       preempted, self.manager.directory)
       return dict(summary, preempted=preempted, eval=self.results or {})
     if self.results is None and task.needs_final_results:  # resumed at the end
-      self._evaluate(step)
+      if any(split != 'train' for split in logged):  # logged already: evaluated again only
+        self.results = task.evaluate(self.state.params, step)  # for the outputs
+      else:
+        self._evaluate(step)
     summary['eval'] = self.results or {k: v for k, v in logged.items() if k != 'train'}
     summary.update(task.finish(self.state.params, step, self.results, self.run_dir,
                                self.best.summary()))
@@ -659,21 +668,27 @@ class BestParams:
   start from it) and best/results.json (its step and results). A run that starts at step
   `start` removes a best/ from a later step: an earlier run's in the same directory (a start
   from 0), or one from the stretch after the checkpoint it resumes from, which it trains
-  again (a best of its own comes back when it is reached again)."""
+  again (a best of its own comes back when it is reached again); and one whose record is
+  not of its params (a kill between the two writes)."""
 
   def __init__(self, run: RunDir, task: Task, enabled: bool, start: int):
     self.run, self.task, self.enabled = run, task, enabled
     self.dir = run.sub(RunDir.BEST)
-    stored = self.dir.read_json(RunDir.RESULTS) if self.dir.root.exists() else None
-    if self.dir.root.exists() and (start == 0 or (stored or {}).get('step', 0) > start):
-      logging.warning('removing %s: it holds an evaluation past step %d, where this run '
-                      'starts (%s)', self.dir, start,
-                      'an earlier run in this directory' if start == 0 else
-                      'the stretch after its last checkpoint')
-      run.remove(RunDir.BEST)
-      self.best = None
+    self.best = None
+    if not self.dir.root.exists():
       return
-    self.best = stored if enabled else None
+    stored = self.dir.read_json(RunDir.RESULTS)
+    saved = checkpoints.complete_steps(str(self.dir))
+    why = ('an earlier run in this directory' if start == 0 else
+           'params without their record (a save cut short)' if not saved or not stored
+           or stored.get('step') != saved[-1] else
+           'the stretch after its last checkpoint' if saved[-1] > start else None)
+    if why:
+      logging.warning('removing %s, where this run starts at step %d: %s', self.dir, start,
+                      why)
+      run.remove(RunDir.BEST)
+    elif enabled:
+      self.best = stored
 
   def offer(self, params, step: int, results: Results):
     if not self.enabled:
@@ -682,6 +697,7 @@ class BestParams:
     if not np.isfinite(headline) or (self.best is not None and
                                      headline <= self.best['headline']):
       return
+    self.dir.check_held()
     manager = self.dir.checkpoint_manager(1, ('state',))
     for old in manager.all_steps():  # a period redone after a kill saves its step again
       if old >= step:
@@ -705,6 +721,7 @@ def _drop_optimizer_state(manager, params, step: int, run: RunDir, best: BestPar
   params-only checkpoint that a rerun evaluates and another run can start from; on a local
   disk a link to best/ when the last evaluation was the best) and delete the resume
   checkpoint."""
+  run.check_held()
   final = run.path(RunDir.FINAL)
   if os.path.islink(final) or checkpoints.has_complete_step(str(final)):
     pass  # written by an attempt killed before the resume checkpoint was deleted

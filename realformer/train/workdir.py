@@ -98,15 +98,24 @@ class Lock:
     self.path = (f'{self.workdir.rstrip("/")}/{LOCK_FILE}' if storage.is_url(self.workdir)
                  else os.path.join(self.workdir, LOCK_FILE))
     self._fd, self._created, self._lease = None, False, None
+    self._held = False  # between a successful __enter__ and __exit__, in every process
 
   @property
   def lost(self) -> Optional[str]:
     """Why the lock is no longer this run's (a lease taken over), else None."""
     return self._lease.lost if self._lease is not None else None
 
+  @property
+  def not_held(self) -> Optional[str]:
+    """Why this run may not write to the workdir now (released, or lost), else None."""
+    return None if self._held and not self.lost else (
+        self.lost or f'the lock of {self.workdir} was released')
+
   def __enter__(self):
     if jax.process_count() == 1:
-      return self._take()
+      self._take()
+      self._held = True
+      return self
     error = None
     if jax.process_index() == 0:
       try:
@@ -127,6 +136,7 @@ class Lock:
     if code == 2:
       raise ValueError(f'process 0 could not set up the workdir {self.workdir}; its log says '
                        'why')
+    self._held = True
     return self
 
   def _take(self):
@@ -181,6 +191,7 @@ class Lock:
     return self
 
   def __exit__(self, *exc):
+    self._held = False
     if self._lease is not None:
       self._lease.release()
       _HELD.pop(id(self), None)
@@ -299,8 +310,8 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
     logging.info('resuming with %s changed: %r -> %r', k, _flat_pair(stored, new)[0][k],
                  _flatten(new)[k])
   if added:
-    logging.info('fields absent from the stored config (added since), taken as given: %s',
-                 ', '.join(added))
+    logging.warning('fields absent from the stored config (added since), taken as given: %s',
+                    ', '.join(f'{k}={_flatten(new)[k]!r}' for k in added))
   return allowed
 
 
