@@ -12,7 +12,7 @@ import pytest
 
 from realformer import models
 from realformer.model import attention as attn_lib
-from realformer.model.spec import resolve
+from realformer.model.spec import VARIANTS, resolve
 from tests.test_models import make_batch, perturbed_params, small_config
 
 
@@ -35,6 +35,23 @@ def test_fused_kernel_matches_plain_outputs_and_gradients(variant):
   ga, gb = jax.grad(_loss(plain, batch))(params), jax.grad(_loss(fused, batch))(params)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('variant', sorted(VARIANTS))
+def test_asking_for_the_fused_kernel_never_changes_what_a_variant_computes(variant):
+  """model.fused_attention=xla on every variant: the kernel stands in only where the
+  attention is plain dot-product attention (spec.plain_dot_product), and gives its outputs;
+  every other variant keeps its own path."""
+  batch = make_batch()
+  plain = models.build(small_config(variant, fused_attention='off'), head='encoder')
+  asked = models.build(small_config(variant, fused_attention='xla'), head='encoder')
+  uses = attn_lib._use_fused(asked.spec, True, False)
+  assert (uses == 'xla') == asked.spec.plain_dot_product == (variant in ('postln', 'preln'))
+  params = perturbed_params(plain, batch)
+  a, b = plain.apply({'params': params}, batch), asked.apply({'params': params}, batch)
+  mask = np.asarray(batch['attention_mask'], bool)
+  np.testing.assert_allclose(np.asarray(b.hidden)[mask], np.asarray(a.hidden)[mask],
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_fused_kernel_in_bfloat16_stays_close_to_float32():

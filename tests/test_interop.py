@@ -278,6 +278,12 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
 
   with pytest.raises(ValueError, match='cannot be represented by HF BertModel'):
     interop.export_hf(str(_realformer_workdir(ck, tmp_path)), str(tmp_path / 'no'))
+  # A parameter BERT has no place for (a fork's addition to the encoder) is never dropped.
+  grown = jax.tree.map(lambda x: x, params)
+  grown['encoder']['layers_0']['attention']['talking_heads'] = {'kernel': np.eye(4)}
+  with pytest.raises(ValueError, match='1 parameters have no place in BERT\'s HF layout '
+                     r'\(e.g. encoder/layers_0/attention/talking_heads/kernel\)'):
+    interop.convert_from_params(grown, cfg.model)
 
 
 def test_tf1_casing_must_agree_with_the_vocabulary(tf1_checkpoint, tmp_path, caplog):

@@ -48,8 +48,8 @@ def in_dtype(bias: jax.Array, dtype) -> jax.Array:
 
 def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:
   """Implementation for jax.nn.dot_product_attention, or None for the plain path."""
-  if (spec.fused_attention == 'off' or spec.attention != ('dot',) or spec.residual_attention
-      or capture or (not deterministic and spec.attention_dropout_rate > 0)):
+  if (spec.fused_attention == 'off' or not spec.plain_dot_product or capture
+      or (not deterministic and spec.attention_dropout_rate > 0)):
     return None
   if spec.fused_attention == 'auto':
     on_gpu = spec.target_platform == 'gpu'

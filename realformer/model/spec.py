@@ -12,18 +12,21 @@ from typing import Any, Tuple
 import jax
 import jax.numpy as jnp
 
-# variant: (block, '+'-joined attention logit components, residual attention, random trainable)
+# The presets: what each variant sets of the fields that may override it (resolve). A field
+# a preset leaves out takes PRESET_DEFAULTS's value.
+PRESET_DEFAULTS = dict(block='post_ln', attention='dot', residual_attention=False,
+                       synth_random_trainable=True)
 VARIANTS = {
-    'postln': ('post_ln', 'dot', False, True),
-    'preln': ('pre_ln', 'dot', False, True),
-    'realformer': ('post_ln', 'dot', True, True),
-    'synth_dense': ('post_ln', 'dense', False, True),
-    'synth_random': ('post_ln', 'random', False, True),
-    'synth_random_fixed': ('post_ln', 'random', False, False),
-    'synth_factorized_dense': ('post_ln', 'factorized_dense', False, True),
-    'synth_factorized_random': ('post_ln', 'factorized_random', False, True),
-    'synth_dense_vanilla': ('post_ln', 'dense+dot', False, True),
-    'synth_random_vanilla': ('post_ln', 'random+dot', False, True),
+    'postln': {},
+    'preln': dict(block='pre_ln'),
+    'realformer': dict(residual_attention=True),
+    'synth_dense': dict(attention='dense'),
+    'synth_random': dict(attention='random'),
+    'synth_random_fixed': dict(attention='random', synth_random_trainable=False),
+    'synth_factorized_dense': dict(attention='factorized_dense'),
+    'synth_factorized_random': dict(attention='factorized_random'),
+    'synth_dense_vanilla': dict(attention='dense+dot'),
+    'synth_random_vanilla': dict(attention='random+dot'),
 }
 LOGIT_COMPONENTS = ('dot', 'dense', 'random', 'factorized_dense', 'factorized_random')
 BLOCKS = ('post_ln', 'pre_ln')
@@ -83,6 +86,14 @@ class EncoderSpec:
     return self.platform or jax.default_backend()
 
   @property
+  def plain_dot_product(self) -> bool:
+    """Whether the attention is exactly softmax(Q K^T / sqrt(d_head) + mask) V: what a fused
+    kernel (jax.nn.dot_product_attention) and HF's BertModel compute, so the only attention
+    they may stand in for. A field that changes the attention's formula must make this
+    False."""
+    return self.attention == ('dot',) and not self.residual_attention
+
+  @property
   def head_dim(self) -> int:
     return self.hidden_size // self.num_heads
 
@@ -125,16 +136,13 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   variant = c.pop('variant', 'postln')
   if variant not in VARIANTS:
     raise ValueError(f'model.variant={variant!r} is unknown; choose one of {", ".join(VARIANTS)}')
-  block, attention, residual, trainable = VARIANTS[variant]
-  overrides = {
-      'block': c.pop('block', None), 'attention': c.pop('attention', None),
-      'residual_attention': c.pop('residual_attention', None),
-      'synth_random_trainable': c.pop('synth_random_trainable', None)}
-  block = overrides['block'] or block
-  attention = overrides['attention'] or attention
-  residual = residual if overrides['residual_attention'] is None else overrides['residual_attention']
-  trainable = (trainable if overrides['synth_random_trainable'] is None
-               else overrides['synth_random_trainable'])
+  preset = dict(PRESET_DEFAULTS, **VARIANTS[variant])
+  for key in PRESET_DEFAULTS:  # a config value that is not None overrides the preset
+    value = c.pop(key, None)
+    if value is not None and value != '':
+      preset[key] = value
+  block, attention = preset['block'], preset['attention']
+  residual, trainable = preset['residual_attention'], preset['synth_random_trainable']
   components = tuple(p.strip() for p in attention.split('+') if p.strip())
   bad = [p for p in components if p not in LOGIT_COMPONENTS]
   if bad or not components or len(set(components)) != len(components):

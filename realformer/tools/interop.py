@@ -295,13 +295,22 @@ def convert_to_params(tensors: Dict[str, np.ndarray], model_config, *, fmt: str,
 
 
 def convert_from_params(params: dict, model_config, *, fmt: str = 'hf') -> Dict[str, np.ndarray]:
-  """Our params tree -> flat tensors in HF (without 'bert.') or TF1 naming, vocab unpadded."""
+  """Our params tree -> flat tensors in HF (without 'bert.') or TF1 naming, vocab unpadded.
+  A parameter the mapping has no place for (a model changed beyond BERT) is an error: the
+  export would compute without it."""
   heads = [h for h in ('mlm_head', 'nsp_head') if h in params]
-  out = {}
+  out, mapped = {}, set()
   for entry in name_map(int(model_config.num_layers), heads=heads):
     x = np.asarray(_get(params, entry.ours))
     out[entry.hf if fmt == 'hf' else entry.tf1] = _from_ours(
         entry, x, int(model_config.vocab_size), fmt)
+    mapped.add(entry.ours)
+  paths = {tuple(getattr(k, 'key', k) for k in path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+  extra = sorted('/'.join(p) for p in paths - mapped if p[0] in ('encoder',) + tuple(heads))
+  if extra:
+    raise ValueError(f'{len(extra)} parameters have no place in BERT\'s {fmt.upper()} layout '
+                     f'(e.g. {extra[0]}); this encoder is not a BERT and cannot be exported')
   return out
 
 
@@ -723,7 +732,7 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
 def check_exportable(model_config) -> None:
   """HF's BertModel is a Post-LN encoder with dot-product attention and nothing more."""
   spec = resolve(model_config)
-  if spec.block != 'post_ln' or spec.residual_attention or spec.attention != ('dot',):
+  if spec.block != 'post_ln' or not spec.plain_dot_product:
     raise ValueError(
         f'model variant {spec.variant!r} (block={spec.block}, residual_attention='
         f'{spec.residual_attention}, attention={"+".join(spec.attention)}) cannot be '

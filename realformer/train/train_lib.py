@@ -60,7 +60,10 @@ def _names(path) -> Tuple[str, ...]:
 
 
 def decay_mask(params) -> Any:
-  """True where AdamW's weight decay applies: not LayerNorm parameters, not biases."""
+  """True where AdamW's (and LAMB's) weight decay applies: not LayerNorm parameters, not
+  biases. Decided by name: a parameter is decayed unless its name ends in 'bias' or a module
+  on its path has 'layer_norm' in its name, so a new parameter that should not be (a gate, a
+  scale, an identity-initialised mix) is named accordingly or added here."""
   def decays(path, _):
     names = _names(path)
     return not (names[-1].endswith('bias') or any('layer_norm' in n for n in names))
