@@ -18,6 +18,14 @@ mismatched and predicts AX), qnli, rte, wnli. Defaults follow BERT: lr 2e-5, bat
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad \
       --config.max_seq_length=128   # bert_tiny has 128 positions; BERT-base takes 384
 
+A task of your own (`tsv/<name>`): data_dir holds train.tsv and dev.tsv (test.tsv optional,
+predicted into predictions/<name>.tsv), each with a header row; config.tsv names the text
+columns, the label column, the labels and the headline metric:
+
+  python finetune.py --config configs/finetune.py:tsv/topics --workdir /tmp/ft_topics \
+      --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/topics \
+      --config.tsv.labels=world,sports,science --config.tsv.metric=macro_f1
+
 SQuAD (`squad/v1.1`, `squad/v2.0`): data_dir holds train-v1.1.json and dev-v1.1.json (or the
 v2.0 files), empty means tfds `squad/<version>`. BERT's settings: lr 3e-5, batch 32,
 2 epochs, max_seq_length 384, doc_stride 128, max_query_length 64, n_best_size 20,
@@ -33,9 +41,9 @@ from configs import pretrain
 
 def get_config(arg: str = 'glue/sst2'):
   benchmark, _, task = (arg or 'glue/sst2').partition('/')
-  if benchmark not in ('glue', 'squad') or not task:
-    raise ValueError(f'config arg {arg!r}: use glue/<task> (e.g. glue/sst2) or '
-                     'squad/v1.1, squad/v2.0')
+  if benchmark not in ('glue', 'squad', 'tsv') or not task:
+    raise ValueError(f'config arg {arg!r}: use glue/<task> (e.g. glue/sst2), squad/v1.1, '
+                     'squad/v2.0, or tsv/<name> for a task of your own')
   if benchmark == 'squad' and task not in ('v1.1', 'v2.0'):
     raise ValueError(f'config arg {arg!r}: SQuAD versions are v1.1 and v2.0')
   squad = benchmark == 'squad'
@@ -53,6 +61,12 @@ def get_config(arg: str = 'glue/sst2'):
   # test rows are never skipped (a score or a submission without them would be wrong).
   c.skip_malformed_rows = False
   c.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
+  # tsv/<name> only: a task of your own, data_dir/{train,dev[,test]}.tsv with a header row.
+  # text: its one or two text columns (comma-separated); label: the label column; labels:
+  # the label values in id order, comma-separated ('' = a regression on a number); metric:
+  # the headline (accuracy, mcc, f1 of two labels, macro_f1; pearson, spearman).
+  c.tsv = ml_collections.ConfigDict({'text': 'sentence', 'label': 'label', 'labels': '0,1',
+                                     'metric': 'accuracy'})
   c.max_seq_length = 384 if squad else 128
   # Length buckets: batches padded to at most `length_buckets` compiled lengths (multiples of
   # bucket_multiple, chosen from the data to pad least) instead of max_seq_length; 0 = off.

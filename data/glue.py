@@ -28,7 +28,8 @@ class Task(NamedTuple):
   text: Tuple[str, ...]      # TSV columns of sentence A (and B)
   label: str                 # TSV label column
   labels: Tuple[str, ...]    # label names in id order (() = regression)
-  metric: str                # the task's headline metric
+  metric: str                # the headline: accuracy, mcc, f1 (classification) or pearson,
+                             # spearman (regression); realformer/finetune/metrics.py
   splits: Dict[str, str]     # our split -> TSV file stem
   tfds_text: Tuple[str, ...]
   tfds_splits: Dict[str, str]
@@ -82,10 +83,42 @@ class Example:
   label: Optional[float]  # class id, regression score, or None (test)
 
 
-def get_task(name: str) -> Task:
+def get_task(name) -> Task:
+  """A GLUE task by name (a Task, e.g. local_task's, is returned as it is)."""
+  if isinstance(name, Task):
+    return name
   if name not in TASKS:
     raise ValueError(f'unknown GLUE task {name!r}; choose one of {", ".join(TASKS)}')
   return TASKS[name]
+
+
+# A task's headline metric: accuracy, mcc, f1 (of the second label), macro_f1 for classes;
+# pearson, spearman for a regression (realformer/finetune/metrics.py computes them).
+CLASSIFICATION_METRICS = ('accuracy', 'mcc', 'f1', 'macro_f1')  # (keys of metrics.CLASSIFICATION)
+REGRESSION_METRICS = ('pearson', 'spearman')
+
+
+def local_task(name: str, text: Sequence[str], label: str, labels: Sequence[str],
+               metric: str) -> Task:
+  """A classification (or, without labels, regression) task of your own in GLUE's shape:
+  <data_dir>/{train,dev[,test]}.tsv with a header row naming the `text` columns (one or
+  two: a single sentence or a pair) and the `label` column (labels: its values in id order;
+  none: a number to predict). Predictions go to <name>.tsv (index<TAB>prediction)."""
+  text, labels = tuple(c.strip() for c in text if c.strip()), tuple(labels)
+  where = f'task {name!r}'
+  if len(text) not in (1, 2):
+    raise ValueError(f'{where}: give one or two text columns (a sentence, or a pair), not '
+                     f'{len(text)}')
+  if not label:
+    raise ValueError(f'{where}: name the label column')
+  if len(set(labels)) != len(labels) or len(labels) == 1:
+    raise ValueError(f'{where}: labels {list(labels)} must be two or more distinct values '
+                     '(none for a regression)')
+  allowed = CLASSIFICATION_METRICS if labels else REGRESSION_METRICS
+  if metric not in allowed or (metric == 'f1' and len(labels) != 2):
+    raise ValueError(f'{where}: metric {metric!r}; choose one of {", ".join(allowed)}' +
+                     (' (f1 is of two labels: use macro_f1)' if metric == 'f1' else ''))
+  return Task(name, text, label, labels, metric, dict(_STD), (), {})
 
 
 def _label_value(task: Task, raw: str, where: str = '') -> float:
@@ -96,13 +129,14 @@ def _label_value(task: Task, raw: str, where: str = '') -> float:
       raise ValueError(f'{where}{task.name}: label {raw!r} is not a number') from None
   if raw not in task.labels:
     raise ValueError(f'{where}{task.name}: label {raw!r} is not one of {task.labels}; fix '
-                     'the row (is the file in the official GLUE layout?)')
+                     'the row (is the file the task\'s own?)')
   return task.labels.index(raw)
 
 
-def read_tsv(task_name: str, data_dir: str, split: str,
+def read_tsv(task_name, data_dir: str, split: str,
              skip_malformed: bool = False) -> List[Example]:
-  """Examples of one split from the official GLUE TSV files under data_dir/<Task>/.
+  """Examples of one split from the official GLUE TSV files under data_dir/<Task>/ (of a
+  local_task: <data_dir>/<split>.tsv).
 
   A row with too few columns is an error naming the file and line; with skip_malformed
   such rows are skipped, counted and reported (GLUE's own QQP and MNLI files hold a few;
@@ -110,12 +144,16 @@ def read_tsv(task_name: str, data_dir: str, split: str,
   A bad label is an error naming the file and line.
   """
   task = get_task(task_name)
+  official = isinstance(task_name, str)  # a GLUE task, in its folder of the download
   if split not in task.splits:
     raise ValueError(f'{task.name} has no {split} split (it has {", ".join(task.splits)})')
-  path = f'{str(data_dir).rstrip("/")}/{FOLDERS[task_name]}/{task.splits[split]}.tsv'
+  folder = f'{str(data_dir).rstrip("/")}' + (f'/{FOLDERS[task_name]}' if official else '')
+  path = f'{folder}/{task.splits[split]}.tsv'
   if not storage.path(path).exists():
-    raise FileNotFoundError(f'{path} not found; set config.data_dir to the directory holding '
-                            f'the GLUE task folders (CoLA/, SST-2/, ...) or use tfds')
+    raise FileNotFoundError(
+        f'{path} not found; set config.data_dir to the directory holding ' +
+        ('the GLUE task folders (CoLA/, SST-2/, ...) or use tfds' if official else
+         f'{task.name}\'s train.tsv and dev.tsv (test.tsv optional)'))
   csv.field_size_limit(sys.maxsize)
   try:
     text = storage.path(path).read_bytes().decode('utf-8-sig')
@@ -141,7 +179,7 @@ def read_tsv(task_name: str, data_dir: str, split: str,
     return False
 
   examples = []
-  if task_name == 'cola' and split != 'test':  # no header: source, label, mark, sentence
+  if official and task_name == 'cola' and split != 'test':  # source, label, mark, sentence
     for i, r in enumerate(rows):
       if usable(r, i + 1, 4, 'source, label, mark, sentence'):
         examples.append(Example(f'{split}-{i}', r[3], None,
@@ -251,7 +289,7 @@ def featurize(examples: Sequence[Example], tokenizer, max_seq_length: int,
   return {'input_ids': ids, 'segment_ids': seg, 'attention_mask': mask, 'label': labels}
 
 
-def write_predictions(task_name: str, examples: Sequence[Example], predictions: np.ndarray,
+def write_predictions(task_name, examples: Sequence[Example], predictions: np.ndarray,
                       out_dir: str) -> str:
   """<out_dir>/<Task>.tsv in GLUE's submission format."""
   task = get_task(task_name)

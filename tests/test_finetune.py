@@ -115,6 +115,25 @@ def test_metrics_match_their_definitions():
   assert m['pearson'] == pytest.approx(0.8) and m['spearman'] == pytest.approx(0.8)
   assert finetune_metrics.headline('rte', {'accuracy': 0.7}) == 0.7
   assert finetune_metrics.headline('cola', {'accuracy': 0.7, 'mcc': 0.2}) == 0.2
+  # The headline is the task's own metric (data/glue.TASKS), one place for a fork to change.
+  for name, task in glue.TASKS.items():
+    allowed = finetune_metrics.CLASSIFICATION if task.labels else finetune_metrics.REGRESSION
+    assert task.metric in allowed, name
+  rte = glue.TASKS['rte']
+  with mock.patch.dict(glue.TASKS, rte=rte._replace(metric='f1')):
+    m = finetune_metrics.glue_metrics('rte', preds, labels)
+    assert finetune_metrics.headline('rte', m) == m['f1'] == pytest.approx(2 / 3)
+  assert tuple(finetune_metrics.CLASSIFICATION) == glue.CLASSIFICATION_METRICS
+  # A task of one's own: macro F1 over three classes (the mean of per-class F1).
+  topics = glue.local_task('topics', ['text'], 'topic', ['a', 'b', 'c'], 'macro_f1')
+  m = finetune_metrics.glue_metrics(topics, [0, 1, 2, 2], [0, 1, 1, 2])
+  assert finetune_metrics.headline(topics, m) == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
+  for args, error in (((['a', 'b', 'c'], 'label', ['x', 'y']), 'one or two text columns'),
+                      ((['a'], 'label', ['x', 'x']), 'two or more distinct values'),
+                      ((['a'], 'label', ['x', 'y', 'z'], 'f1'), 'f1 is of two labels'),
+                      ((['a'], 'label', [], 'accuracy'), 'choose one of pearson, spearman')):
+    with pytest.raises(ValueError, match=error):
+      glue.local_task('t', *args, *(() if len(args) == 4 else ('accuracy',)))
 
 
 @pytest.fixture(scope='module')
@@ -180,7 +199,12 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   for kept in ('final', 'best'):
     step_dir = checkpoints.resolve_step_dir(os.path.join(workdir, kept))
     assert set(checkpoints.stored_tree(step_dir)) == {'step', 'params'}
-    assert finetune_task.pretrained_config(os.path.join(workdir, kept)).model.hidden_size == 32
+    kept_config = finetune_task.pretrained_config(os.path.join(workdir, kept))
+    assert kept_config.model.hidden_size == 32
+    # The length its positions are trained to: another fine-tuning at 64 is not warned about.
+    pretrained_length = json.load(open(os.path.join(pretrained, 'config.json')))['data'][
+        'max_seq_length']
+    assert kept_config.data.max_seq_length == max(pretrained_length, 64)
   best = json.load(open(os.path.join(workdir, 'best', 'results.json')))
   # The last epoch's params are stored once: final/ links to best/ when it was the best.
   assert os.path.islink(os.path.join(workdir, 'final')) == (best['step'] == summary['step'])
@@ -190,19 +214,64 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   # Running again evaluates the final params: no new training, the same results.
   again = finetune.finetune(ft_config('mnli', pretrained), workdir)
   assert again['step'] == summary['step'] and again['dev'] == summary['dev']
+  records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  assert [r['step'] for r in records if r['split'] == 'dev_mnli'] == [1, 2]  # not logged twice
+
+
+def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
+  """tsv/<name>: three classes of single sentences from train/dev/test.tsv with a header; the
+  headline is the configured metric, the predictions carry the label names."""
+  data = tmp_path / 'topics'
+  data.mkdir()
+  words = {'world': 'the nation held an election', 'sports': 'the team won the match',
+           'science': 'the cell divides under the lens'}
+  rows = [(f'{text} {i}', topic) for i in range(6) for topic, text in words.items()]
+  for split, part in (('train', rows), ('dev', rows[:9])):
+    (data / f'{split}.tsv').write_text('id\ttext\ttopic\n' + ''.join(
+        f'{i}\t{t}\t{y}\n' for i, (t, y) in enumerate(part)))
+  (data / 'test.tsv').write_text('id\ttext\n' + ''.join(
+      f'{i}\t{t}\n' for i, (t, _) in enumerate(rows[:5])))
+  config = finetune_configs.get_config('tsv/topics')
+  config.unlock()
+  config.init_checkpoint, config.data_dir = pretrained, str(data)
+  config.batch_size, config.eval_batch_size, config.num_epochs, config.max_seq_length = (
+      4, 4, 1, 32)
+  config.mesh.data, config.mesh.tensor = 1, -1
+  config.tsv.text, config.tsv.label = 'text', 'topic'
+  config.tsv.labels, config.tsv.metric = 'world,sports,science', 'macro_f1'
+  summary = finetune.finetune(config, str(tmp_path / 'ft'))
+  assert set(summary['dev']['topics']) == {'accuracy', 'macro_f1'}
+  assert summary['headline'] == summary['dev']['topics']['macro_f1']
+  lines = (tmp_path / 'ft' / 'predictions' / 'topics.tsv').read_text().splitlines()
+  assert lines[0] == 'index\tprediction' and len(lines) == 6
+  assert all(l.split('\t')[1] in words for l in lines[1:])
+  config.tsv.metric = 'f1'  # of two labels only: refused before anything is written
+  with pytest.raises(ValueError, match="task 'topics': metric 'f1'"):
+    finetune.finetune(config, str(tmp_path / 'ft2'))
+  config.tsv.metric, config.data_dir = 'accuracy', ''
+  with pytest.raises(ValueError, match='tsv/topics: set config.data_dir to the folder'):
+    finetune.finetune(config, str(tmp_path / 'ft3'))
+  assert not (tmp_path / 'ft2').exists() and not (tmp_path / 'ft3').exists()
 
 
 def test_best_dev_checkpoint_of_an_earlier_run_is_not_taken_for_this_one(tmp_path):
   """best/ left by an earlier run (its final/ and resume checkpoint deleted, a new config):
   a run starting at step 0 removes it instead of comparing its epochs with the old best;
   a run resuming before the best's step (killed after it, before the next checkpoint)
-  removes it too: that stretch is trained again, maybe under a changed schedule."""
+  removes it too: that stretch is trained again, maybe under a changed schedule. A best/
+  whose record is not of its params (killed between the two writes) is removed."""
   best_dir = tmp_path / RunDir.BEST
 
-  def plant():
-    best_dir.mkdir()
-    (best_dir / 'results.json').write_text(json.dumps({'step': 9, 'epoch': 3,
-                                                       'headline': 0.99}))
+  def plant(step=9, record=9):
+    checkpoints.save_params(str(best_dir), {'w': np.zeros(2, np.float32)},
+                            ml_collections.ConfigDict(), step=step)
+    if record is not None:
+      (best_dir / 'results.json').write_text(json.dumps({'step': record, 'epoch': 3,
+                                                         'headline': 0.99}))
+  for step, record in ((9, 6), (9, None)):
+    plant(step, record)
+    assert trainer.BestParams(RunDir(tmp_path), None, True, start=12).best is None
+    assert not best_dir.exists()
   plant()
   resumed = trainer.BestParams(RunDir(tmp_path), None, True, start=9)
   assert resumed.best['headline'] == 0.99  # a resumed run keeps its own best
@@ -505,6 +574,12 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   # One value per axis: the grid's values still name the run (grids extend in one root).
   assert len(one) == 1 and (f'--workdir {root}/rte/batch_size=16,num_epochs=3,'
                             'optimizer.learning_rate=0.0001,seed=0 ') in one[0]
+  for flags, error in ((['--seeds', '0'], 'need at least one seed'),
+                       (['--learning_rates', '2e-5,2e-05'], 'the grid repeats a run'),
+                       (['--set', 'batch_size=64'], '--set batch_size: the grid sets it'),
+                       (['--set', 'seed=7'], '--set seed: the grid sets it')):
+    with pytest.raises(ValueError, match=error):
+      finetune_grid.main(['--tasks', 'rte', '--root', root, '--print_only'] + flags)
   check_grid_summary(root)
 
 

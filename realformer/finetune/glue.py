@@ -1,8 +1,10 @@
 """GLUE fine-tuning (Wang et al. 2019): the nine tasks' data, head, loss, metrics and
-submission files, as a FinetuneTask.
+submission files, as a FinetuneTask; and a sentence (pair) classification or regression of
+the user's own in the same shape (configs/finetune.py:tsv/<name>, data/glue.local_task).
 
 Data: config.data_dir holds the official TSV folders (CoLA/, SST-2/, ...; test.tsv is
-optional), or `hf:<dataset>` reads Hugging Face's copy, or empty reads tfds glue/<task>.
+optional), or `hf:<dataset>` reads Hugging Face's copy, or empty reads tfds glue/<task>; a
+tsv/ task's train.tsv, dev.tsv (and test.tsv) are in data_dir itself.
 """
 
 from typing import Dict
@@ -16,7 +18,7 @@ from data import glue
 from data import sources
 from realformer import models
 from realformer.finetune import metrics as finetune_metrics
-from realformer.finetune.task import FinetuneTask
+from realformer.finetune.task import FinetuneTask, tsv_task
 
 
 class GlueTask(FinetuneTask):
@@ -27,10 +29,13 @@ class GlueTask(FinetuneTask):
   def load(self, tokenizer):
     config = self.config
     self.name = config.task
-    if config.task in ('ax', 'mnli_mismatched'):
+    if config.get('benchmark') == 'tsv':  # a task of the user's own (glue.local_task)
+      self.task = tsv_task(config)
+    elif config.task in ('ax', 'mnli_mismatched'):
       raise ValueError(f'{config.task} has no training set: fine-tune glue/mnli, which also '
                        'evaluates mismatched dev and predicts AX')
-    self.task = glue.get_task(config.task)
+    else:
+      self.task = glue.get_task(config.task)
     self.regression = not self.task.labels
     self.featurize = lambda ex: glue.featurize(ex, tokenizer, config.max_seq_length,
                                                self.regression)
@@ -54,7 +59,15 @@ class GlueTask(FinetuneTask):
         raise
       return None
 
+  def _spec(self, name: str):
+    """What data/glue and the metrics take for `name`: a GLUE task's name, or the Task."""
+    return self.task if name == self.name and self.config.get('benchmark') == 'tsv' else name
+
   def _load(self, task: str, split: str):
+    task = self._spec(task)
+    if not isinstance(task, str):
+      return glue.read_tsv(task, self.config.data_dir, split,
+                           skip_malformed=self.config.skip_malformed_rows and split == 'train')
     if self.config.data_dir.startswith('hf:'):
       return glue.read_hf(task, split, self.config.data_dir[len('hf:'):])
     if self.config.data_dir:
@@ -93,7 +106,7 @@ class GlueTask(FinetuneTask):
     for name in self.evals:
       preds, labels = self._predictions(outputs, 'dev', name)
       results[name] = finetune_metrics.glue_metrics(
-          'mnli' if name == 'mnli_mismatched' else name, preds, labels)
+          'mnli' if name == 'mnli_mismatched' else self._spec(name), preds, labels)
     return results
 
   def write_predictions(self, outputs, results, out_dir: str):
@@ -103,11 +116,11 @@ class GlueTask(FinetuneTask):
       if examples is not None:
         preds, _ = self._predictions(outputs, 'test', name)  # every process: collectives
         if jax.process_index() == 0:
-          glue.write_predictions(name, examples, preds, out_dir)
+          glue.write_predictions(self._spec(name), examples, preds, out_dir)
     if missing:
       logging.info('no test.tsv for %s in %s: trained and evaluated; no predictions were '
                    'written for %s', ', '.join(missing), self.config.data_dir,
                    'it' if len(missing) == 1 else 'them')
 
   def dev_headline(self, dev) -> float:
-    return finetune_metrics.headline(self.name, dev[self.name])
+    return finetune_metrics.headline(self._spec(self.name), dev[self.name])

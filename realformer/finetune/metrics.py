@@ -5,6 +5,9 @@
   STS-B           Pearson and Spearman correlation
   the others      accuracy (MNLI: matched and mismatched separately)
   SQuAD           exact match and token F1 (v2.0: with the no-answer threshold tuned on dev)
+
+A GLUE task's headline (what a GLUE table reports for it, and what picks best/ and the best
+grid setting) is its `metric` in data/glue.TASKS, the one place a task names it.
 """
 
 import collections
@@ -17,27 +20,40 @@ import numpy as np
 from scipy import stats
 from sklearn import metrics as skm
 
-HEADLINE = {'cola': 'mcc', 'mrpc': 'f1', 'qqp': 'f1', 'stsb': 'pearson',
-            'squad/v1.1': 'f1', 'squad/v2.0': 'best_f1'}
+from data import glue
+
+SQUAD_HEADLINE = {'squad/v1.1': 'f1', 'squad/v2.0': 'best_f1'}
+
+# The metrics a task may name as its headline (data/glue.CLASSIFICATION_METRICS: accuracy is
+# always reported too; a regression reports both of REGRESSION).
+CLASSIFICATION = {
+    'accuracy': skm.accuracy_score,
+    'mcc': skm.matthews_corrcoef,
+    'f1': lambda labels, predictions: skm.f1_score(labels, predictions, zero_division=0.0),
+    'macro_f1': lambda labels, predictions: skm.f1_score(labels, predictions, average='macro',
+                                                         zero_division=0.0),
+}
+REGRESSION = glue.REGRESSION_METRICS
 
 
-def glue_metrics(task: str, predictions: np.ndarray, labels: np.ndarray) -> Dict[str, float]:
-  """predictions: class ids (or scores for STS-B); labels: gold ids (or scores)."""
+def glue_metrics(task, predictions: np.ndarray, labels: np.ndarray) -> Dict[str, float]:
+  """task: a GLUE task's name, or a glue.Task (glue.local_task). predictions: class ids (or
+  scores for a regression task); labels: gold ids (or scores). Accuracy and the task's
+  headline metric; Pearson and Spearman for a regression task."""
   predictions, labels = np.asarray(predictions), np.asarray(labels)
-  if task == 'stsb':
+  spec = glue.get_task(task)
+  if not spec.labels:
     return {'pearson': float(stats.pearsonr(predictions, labels)[0]),
             'spearman': float(stats.spearmanr(predictions, labels)[0])}
-  out = {'accuracy': float(skm.accuracy_score(labels, predictions))}
-  if task == 'cola':
-    out['mcc'] = float(skm.matthews_corrcoef(labels, predictions))
-  if task in ('mrpc', 'qqp'):
-    out['f1'] = float(skm.f1_score(labels, predictions, zero_division=0.0))
-  return out
+  return {name: float(CLASSIFICATION[name](labels, predictions))
+          for name in dict.fromkeys(('accuracy', spec.metric))}
 
 
-def headline(task: str, metrics: Dict[str, float]) -> float:
-  """The number a GLUE table reports for the task (used to pick the best setting)."""
-  return metrics[HEADLINE.get(task, 'accuracy')]
+def headline(task, metrics: Dict[str, float]) -> float:
+  """The number a GLUE (or SQuAD) table reports for the task (used to pick the best)."""
+  if isinstance(task, str) and task in SQUAD_HEADLINE:
+    return metrics[SQUAD_HEADLINE[task]]
+  return metrics[glue.get_task(task).metric]
 
 
 # ---------------------------------------------------------------------------- SQuAD

@@ -35,6 +35,7 @@ from absl import logging
 from clu import metrics as clu_metrics
 
 from data import buckets as buckets_lib
+from data import glue
 from data import tokenizer as tokenizer_lib
 from realformer import cli
 from realformer import config_checks
@@ -81,8 +82,20 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
 
 
+def tsv_task(config) -> glue.Task:
+  """The task of a tsv/<name> config (configs/finetune.py: config.tsv), checked."""
+  if not config.data_dir or config.data_dir.startswith('hf:'):
+    raise ValueError(f'tsv/{config.task}: set config.data_dir to the folder of its train.tsv '
+                     'and dev.tsv (test.tsv optional)')
+  t = config.tsv
+  return glue.local_task(config.task, t.text.split(','), t.label,
+                         [x for x in t.labels.split(',') if x], t.metric)
+
+
 def check_config(config) -> None:
   """One-line errors for settings that would fail after the run directory was written."""
+  if config.get('benchmark') == 'tsv':
+    tsv_task(config)
   config_checks.check_optimizer(config.optimizer)
   config_checks.check_seq_length(config.max_seq_length, 'config.max_seq_length')
   for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs',
@@ -298,8 +311,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
                        f'model\'s positions ({pre.model.max_len}); lower '
                        f'config.max_seq_length')
     trained = int(pre.data.get('max_seq_length', pre.model.max_len))
-    if (config.max_seq_length > trained and not config.from_scratch and
-        pretrained_here(config.init_checkpoint)):
+    known = not config.from_scratch and pretrained_here(config.init_checkpoint)
+    if config.max_seq_length > trained and known:
       logging.warning('max_seq_length=%d is longer than the pretraining sequences (%d): '
                       'positions %d-%d were never trained (their position embeddings, and a '
                       'Random synthesizer\'s rows and columns, are still as initialised); '
@@ -310,7 +323,12 @@ class FinetuneTask(trainer.Task, abc.ABC):
     if tokenizer.vocab_size != pre.model.vocab_size:
       raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
                        f'checkpoint was trained with {pre.model.vocab_size}')
-    self.params_config = pre  # best/ and final/ are encoders another run can start from
+    # best/ and final/ are encoders another run can start from: their data.max_seq_length
+    # is the length their positions have been trained to (an import's is not known, so all).
+    self.params_config = pre.copy_and_resolve_references()
+    self.params_config.data.max_seq_length = (
+        max(trained, config.max_seq_length) if known or config.from_scratch else
+        pre.model.max_len)
     self.load(tokenizer)
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',

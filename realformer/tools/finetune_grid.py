@@ -14,10 +14,12 @@ after another, or printed as launch commands for a cluster (--print_only). The s
 the task's headline metric (GLUE's: MCC for CoLA, F1 for MRPC/QQP, Pearson for STS-B,
 accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median.
 Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli also reports mismatched and
-predicts AX) or squad/v1.1, squad/v2.0.
+predicts AX), squad/v1.1, squad/v2.0, or tsv/<name> (configs/finetune.py: a task of your own,
+its columns and labels given with --set tsv.<key>=...).
 """
 
 import json
+import os
 import statistics
 import sys
 from typing import Any, Dict, List, Sequence
@@ -43,20 +45,33 @@ def expand_tasks(tasks: str) -> List[str]:
   names = []
   for t in tasks.split(','):
     names += list(GLUE_TASKS) if t == 'glue' else [t]
-  unknown = [t for t in names if t not in GLUE_TASKS and t not in ('squad/v1.1', 'squad/v2.0')]
+  unknown = [t for t in names if t not in GLUE_TASKS and t not in ('squad/v1.1', 'squad/v2.0')
+             and not (t.startswith('tsv/') and len(t) > 4)]
   if unknown:
     raise ValueError(f'unknown tasks {unknown}; use GLUE names ({", ".join(GLUE_TASKS)}), '
-                     'glue (all nine), squad/v1.1 or squad/v2.0')
+                     'glue (all nine), squad/v1.1, squad/v2.0 or tsv/<name> (a task of your '
+                     'own: --set tsv.labels=... and its --data_dir)')
   return names
 
 
 def grid(learning_rates: Sequence[float], batch_sizes: Sequence[int],
          epochs: Sequence[int], seeds: int, fixed: Dict[str, Any]) -> List[sweep.Run]:
-  """The product of the grid and the seeds; `fixed` overrides go into every run."""
+  """The product of the grid and the seeds; `fixed` overrides go into every run. A grid that
+  names a run twice (1e-5 and 1e-05; a --set of a grid key) is an error."""
+  if seeds < 1:
+    raise ValueError(f'--seeds={seeds}: need at least one seed')
+  clash = sorted(k for k in fixed if k in GRID_KEYS + ('seed',))
+  if clash:
+    raise ValueError(f'--set {clash[0]}: the grid sets it (--learning_rates, --batch_sizes, '
+                     '--epochs, --seeds); give its values there')
   h = sweep.Hyper
   runs = h.product([h.sweep('optimizer.learning_rate', learning_rates),
                     h.sweep('batch_size', batch_sizes), h.sweep('num_epochs', epochs),
                     [fixed], h.sweep('seed', range(seeds))])
+  names = sweep.run_names(runs, always=GRID_KEYS)
+  if len(set(names)) != len(names):
+    raise ValueError('the grid repeats a run (a value given twice); check --learning_rates, '
+                     '--batch_sizes and --epochs')
   return runs
 
 
@@ -150,7 +165,9 @@ def main(argv=None):
 
   tasks = expand_tasks(args.tasks)
   if not args.summarize_only:
-    fixed = {'init_checkpoint': args.init_checkpoint, 'data_dir': args.data_dir}
+    local = lambda p: p if not p or storage.is_url(p) else os.path.abspath(p)  # runs start
+    fixed = {'init_checkpoint': local(args.init_checkpoint),  # in the repository root
+             'data_dir': local(args.data_dir)}
     for assignment in sweep.parse_assignments(args.set, multi=False):
       fixed.update(assignment[0])
     if not args.print_only and not fixed.get('from_scratch') and not (
@@ -160,7 +177,7 @@ def main(argv=None):
     if (not args.print_only and args.data_dir and
         not storage.path(args.data_dir).is_dir()):
       raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')
-    failed = []
+    failed, elsewhere = [], []
     for task in tasks:
       runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
       sweep.check_keys(config_arg(task), runs)
@@ -171,14 +188,18 @@ def main(argv=None):
         continue
       codes = sweep.run_all(runs, root=root, program=PROGRAM, config=config_arg(task),
                             always=GRID_KEYS)
-      failed += [f'{task}/{n}' for n, c in codes.items() if c]
+      failed += [f'{task}/{n}' for n, c in codes.items()
+                 if c and c != sweep.RUNNING_ELSEWHERE]
+      elsewhere += [f'{task}/{n}' for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
     if args.print_only:
       return 0
     if failed:
       print(f'failed runs: {", ".join(failed)}')
+    if elsewhere:
+      print(f'run by another grid process (not in the table yet): {", ".join(elsewhere)}')
   print(write_summary(args.root, tasks))
   print(f'(written to {args.root}/results.md and {args.root}/results.csv)')
-  return 1 if not args.summarize_only and failed else 0
+  return 1 if not args.summarize_only and (failed or elsewhere) else 0
 
 
 if __name__ == '__main__':
