@@ -457,8 +457,11 @@ def stability(args) -> int:
 BUDGET_AXES = ('model.num_layers', 'data.max_seq_length', 'train.num_steps')
 
 
-def _ints(text: str) -> list:
-  return [int(v) for v in text.split(',')]
+def _ints(text: str, flag: str) -> list:
+  try:
+    return [int(v) for v in text.split(',')]
+  except ValueError:
+    raise ValueError(f'--{flag}={text}: give comma-separated whole numbers') from None
 
 
 def budget_order(candidate) -> tuple:
@@ -469,8 +472,9 @@ def budget_order(candidate) -> tuple:
 
 def budget_candidates(args) -> list:
   """(layers, seq_len, steps), cheapest first."""
-  grid = [(l, t, n) for l in _ints(args.budget_layers) for t in _ints(args.budget_seq_lens)
-          for n in _ints(args.budget_steps)]
+  grid = [(l, t, n) for l in _ints(args.budget_layers, 'budget_layers')
+          for t in _ints(args.budget_seq_lens, 'budget_seq_lens')
+          for n in _ints(args.budget_steps, 'budget_steps')]
   return sorted(grid, key=budget_order)
 
 

@@ -370,6 +370,8 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   order = [(re.search(r'num_layers=(\d+)', l).group(1), re.search(r'num_steps=(\d+)',
                                                                    l).group(1)) for l in lines]
   assert order == [('2', '500'), ('4', '500'), ('2', '1000'), ('4', '1000')]  # cost, steps
+  with pytest.raises(ValueError, match='--budget_layers=4,x: give comma-separated whole'):
+    study.main(['budget', '--root', str(tmp_path), '--print_only', '--budget_layers', '4,x'])
   ran = []
 
   def fake_run_all(runs, *, root, always, **_):  # accuracy grows with layers x steps
