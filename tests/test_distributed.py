@@ -17,6 +17,7 @@ SLURM = {'SLURM_JOB_ID': '123', 'SLURM_STEP_NODELIST': 'gpu[01-04]', 'SLURM_JOB_
 @pytest.mark.parametrize('env, want', [
     (SLURM, list(range(8))),
     (dict(SLURM, SLURM_GPUS_ON_NODE='', CUDA_VISIBLE_DEVICES='0,1,2,3'), [0, 1, 2, 3]),
+    (dict(SLURM, CUDA_VISIBLE_DEVICES='4,5'), [0, 1]),  # what the task can see
     (dict(SLURM, SLURM_STEP_TASKS_PER_NODE='8(x4)', SLURM_NTASKS='32'), None),  # one per GPU
     (dict(SLURM, SLURM_STEP_TASKS_PER_NODE='1,2'), None),
     (dict(SLURM, SLURM_GPUS_ON_NODE='', CUDA_VISIBLE_DEVICES=''), None),  # no GPU: jax decides
@@ -67,8 +68,12 @@ def test_which_runs_initialize(monkeypatch):
   monkeypatch.setattr(distributed, '_on_cloud_tpu_vm', lambda: True)  # a pod slice's host
   distributed.maybe_initialize()
   assert calls.pop() == {}
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')  # a CPU debug run on that host: alone
+  distributed.maybe_initialize()
+  assert calls == []
+  monkeypatch.delenv('JAX_PLATFORMS')
 
   def no_slice(**kw):
-    raise ValueError('coordinator_address should be defined.')
+    raise ConnectionError('metadata server unreachable')
   monkeypatch.setattr(distributed.jax.distributed, 'initialize', no_slice)
   distributed.maybe_initialize()  # a TPU VM without metadata: one process, not an error

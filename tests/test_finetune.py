@@ -574,6 +574,10 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   # One value per axis: the grid's values still name the run (grids extend in one root).
   assert len(one) == 1 and (f'--workdir {root}/rte/batch_size=16,num_epochs=3,'
                             'optimizer.learning_rate=0.0001,seed=0 ') in one[0]
+  finetune_grid.main(['--tasks', 'rte', '--root', root, '--seeds', '1', '--print_only',
+                      '--data_dir', 'hf:nyu-mll/glue', '--learning_rates', '1e-5',
+                      '--batch_sizes', '16', '--epochs', '2'])
+  assert '--config.data_dir=hf:nyu-mll/glue ' in capsys.readouterr().out
   for flags, error in ((['--seeds', '0'], 'need at least one seed'),
                        (['--learning_rates', '2e-5,2e-05'], 'the grid repeats a run'),
                        (['--set', 'batch_size=64'], '--set batch_size: the grid sets it'),

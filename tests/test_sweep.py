@@ -225,6 +225,21 @@ def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
   slurm = [l for l in capsys.readouterr().out.splitlines() if l.startswith('sbatch')]
   assert len(slurm) == 4 and all('srun python train.py' in l for l in slurm)
   assert all('--signal=TERM@120 --requeue' in l and 'scontrol requeue' in l for l in slurm)
+  # Runs the script started (no DONE marker) are summarised once they finished: their
+  # checkpoint at train.num_steps (from config.json), or a fine-tuning run's results.json.
+  names = sorted(os.listdir(tmp_path / 'slurm'))
+  for i, name in enumerate(names):
+    run = tmp_path / 'slurm' / name
+    (run / 'metrics.jsonl').write_text('{"step": 9, "split": "eval", "loss": 1.5}\n')
+    if i == 0:
+      (run / 'results.json').write_text('{}')
+    elif i < 3:
+      (run / 'config.json').write_text('{"train": {"num_steps": 9}}')
+      (run / 'checkpoints' / str(10 - i)).mkdir(parents=True)  # 9, then 8
+      (run / 'checkpoints' / str(10 - i) / 'commit_success.txt').write_text('')
+  done = {sweep.run_name(r['run']): r['done'] for r in sweep.collect(str(tmp_path / 'slurm'),
+                                                                      ['eval/loss'])}
+  assert [done[n] for n in names] == [True, True, False, False]  # checkpoint 8 is not 9
   sweep_cli.main(['print', '--target', 'local', '--root', 'rel'] + args)
   local = capsys.readouterr().out.splitlines()
   assert local[3] == f'cd {REPO}' and f'--workdir {tmp_path}/rel/' in local[4]

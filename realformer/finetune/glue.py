@@ -43,7 +43,7 @@ class GlueTask(FinetuneTask):
     self.evals = {config.task: self._load(config.task, 'dev')}
     # GLUE's test sets are optional: without test.tsv the run trains and evaluates only.
     self.tests = {config.task: self._load_test(config.task)}
-    if config.task == 'mnli':
+    if config.task == 'mnli' and config.get('benchmark') != 'tsv':
       self.evals['mnli_mismatched'] = self._load('mnli_mismatched', 'dev')
       self.tests['mnli_mismatched'] = self._load_test('mnli_mismatched')
       self.tests['ax'] = self._load_test('ax')

@@ -327,8 +327,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
     # is the length their positions have been trained to (an import's is not known, so all).
     self.params_config = pre.copy_and_resolve_references()
     self.params_config.data.max_seq_length = (
-        max(trained, config.max_seq_length) if known or config.from_scratch else
-        pre.model.max_len)
+        config.max_seq_length if config.from_scratch else
+        max(trained, config.max_seq_length) if known else pre.model.max_len)
     self.load(tokenizer)
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',

@@ -165,9 +165,11 @@ def main(argv=None):
 
   tasks = expand_tasks(args.tasks)
   if not args.summarize_only:
-    local = lambda p: p if not p or storage.is_url(p) else os.path.abspath(p)  # runs start
-    fixed = {'init_checkpoint': local(args.init_checkpoint),  # in the repository root
-             'data_dir': local(args.data_dir)}
+    def local(path: str) -> str:  # runs start in the repository root: local paths absolute
+      keep = (not path or storage.is_url(path) or path.startswith('hf:') or
+              '.py:' in path or path.endswith('.py'))  # hf: data, a config file
+      return path if keep else os.path.abspath(path)
+    fixed = {'init_checkpoint': local(args.init_checkpoint), 'data_dir': local(args.data_dir)}
     for assignment in sweep.parse_assignments(args.set, multi=False):
       fixed.update(assignment[0])
     if not args.print_only and not fixed.get('from_scratch') and not (

@@ -545,7 +545,7 @@ def _check_unused(tensors, used, ignored: Callable[[str], bool], source: str,
   tensors left over are warned about."""
   unused = sorted(n for n in tensors if n not in used and not ignored(n))
   layers = {int(m.group(1)) for m in map(_LAYER.search, unused) if m}
-  if layers:
+  if layers and max(layers) >= num_layers:
     raise ValueError(f'{source} holds {max(layers) + 1} encoder layers but its config says '
                      f'num_hidden_layers={num_layers}; pass the config that belongs to the '
                      'checkpoint')

@@ -264,12 +264,20 @@ def last_step(workdir: str) -> int:
 
 
 def is_done(workdir: str, run: Optional[Run] = None) -> bool:
-  """DONE marker, or (given the run) a complete checkpoint at its train.num_steps: a
-  pretraining run saves that after its last evaluation, so a run that stopped after logging
-  its last step, before that evaluation and save, is not finished."""
-  if (storage.path(workdir) / DONE).exists():
+  """Whether the run in `workdir` finished, also when no sweep process saw it end (a printed
+  script's run, a sweep killed meanwhile): its DONE marker; a fine-tuning run's results.json
+  (written last); a pretraining run's complete checkpoint at its train.num_steps (the run's
+  override, else its config.json), which it saves after its last evaluation, so a run that
+  stopped after logging its last step is not finished."""
+  path = storage.path(workdir)
+  if (path / DONE).exists() or (path / 'results.json').exists():
     return True
   steps = (run or {}).get('train.num_steps')
+  if steps is None and (path / 'config.json').exists():
+    try:
+      steps = json.loads((path / 'config.json').read_text()).get('train', {}).get('num_steps')
+    except (ValueError, AttributeError):
+      return False
   return isinstance(steps, int) and steps in checkpoints.complete_steps(workdir)
 
 

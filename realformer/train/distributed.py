@@ -23,8 +23,8 @@ def define_flags() -> None:
 
 
 def slurm_node_devices(env: Mapping[str, str]) -> Optional[List[int]]:
-  """The local device ids a SLURM task drives when it is its node's only task: every GPU
-  SLURM gave the node (SLURM_GPUS_ON_NODE, else CUDA_VISIBLE_DEVICES). None otherwise:
+  """The local device ids a SLURM task drives when it is its node's only task: every GPU it
+  can see (CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE). None otherwise:
   several tasks per node are jax's own layout, one GPU per task (SLURM_LOCALID), which
   jax.distributed.initialize() also applies to a single task per node unless told."""
   if 'SLURM_JOB_ID' not in env:
@@ -33,11 +33,9 @@ def slurm_node_devices(env: Mapping[str, str]) -> Optional[List[int]]:
   counts = re.findall(r'(\d+)(?:\(x\d+\))?', per_node)  # e.g. '1(x4)' or '2,1'
   if not counts or any(int(c) != 1 for c in counts):
     return None
+  visible = [d for d in env.get('CUDA_VISIBLE_DEVICES', '').split(',') if d.strip()]
   gpus = env.get('SLURM_GPUS_ON_NODE', '').strip()
-  if gpus.isdigit():
-    n = int(gpus)
-  else:
-    n = len([d for d in env.get('CUDA_VISIBLE_DEVICES', '').split(',') if d.strip()])
+  n = len(visible) if visible else int(gpus) if gpus.isdigit() else 0
   return list(range(n)) or None
 
 
@@ -74,11 +72,12 @@ def maybe_initialize(coordinator_address: Optional[str] = None,
                                local_device_ids=devices)
   elif int(env.get('SLURM_NTASKS', '1')) > 1 or ',' in env.get('TPU_WORKER_HOSTNAMES', ''):
     jax.distributed.initialize(local_device_ids=devices)
-  elif _on_cloud_tpu_vm():
+  elif _on_cloud_tpu_vm() and env.get('JAX_PLATFORMS') != 'cpu':  # (not a CPU debug run)
     try:
       jax.distributed.initialize()
-    except ValueError as e:  # jax found no slice to join (no TPU metadata): one host alone
-      logging.warning('a TPU VM without a pod slice to join (%s): running as one process', e)
+    except Exception as e:  # pylint: disable=broad-except  (no slice found, no metadata)
+      logging.warning('this TPU VM found no pod slice to join (%s): running as one process',
+                      str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def initialize_from_flags() -> None:

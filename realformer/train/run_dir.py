@@ -107,8 +107,10 @@ class RunDir:
       if int(multihost_utils.broadcast_one_to_all(np.int32(lost is not None))):
         lost = lost or f'process 0 lost the lock of {self}'
     if lost:
-      raise workdir_lib.WorkdirInUseError(f'{lost}; this run stopped without saving; only '
-                                          'one run may write to a workdir')
+      raise workdir_lib.WorkdirInUseError(f'{lost}; this run stopped without saving (only '
+                                          'one run may write to a workdir); once no other run '
+                                          'holds it, run the same command to resume from its '
+                                          'last complete checkpoint')
 
   def has_checkpoint(self) -> bool:
     """A complete resume checkpoint, or the final params of a finished run."""
@@ -165,5 +167,6 @@ def _fence(lock: workdir_lib.Lock) -> None:
   why = lock.not_held
   if why:
     raise workdir_lib.WorkdirInUseError(f'{why}; this run stopped without committing the '
-                                        'checkpoint it was saving; only one run may write to '
-                                        'a workdir')
+                                        'checkpoint it was saving (only one run may write to '
+                                        'a workdir); once no other run holds it, run the same '
+                                        'command to resume from its last complete checkpoint')
