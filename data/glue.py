@@ -28,8 +28,8 @@ class Task(NamedTuple):
   text: Tuple[str, ...]      # TSV columns of sentence A (and B)
   label: str                 # TSV label column
   labels: Tuple[str, ...]    # label names in id order (() = regression)
-  metric: str                # the headline: accuracy, mcc, f1 (classification) or pearson,
-                             # spearman (regression); realformer/finetune/metrics.py
+  metric: str                # the headline: one of CLASSIFICATION_METRICS (or, for a
+                             # regression, REGRESSION_METRICS); finetune/metrics.py computes it
   splits: Dict[str, str]     # our split -> TSV file stem
   tfds_text: Tuple[str, ...]
   tfds_splits: Dict[str, str]
@@ -94,7 +94,7 @@ def get_task(name) -> Task:
 
 # A task's headline metric: accuracy, mcc, f1 (of the second label), macro_f1 for classes;
 # pearson, spearman for a regression (realformer/finetune/metrics.py computes them).
-CLASSIFICATION_METRICS = ('accuracy', 'mcc', 'f1', 'macro_f1')  # (keys of metrics.CLASSIFICATION)
+CLASSIFICATION_METRICS = ('accuracy', 'mcc', 'f1', 'macro_f1')
 REGRESSION_METRICS = ('pearson', 'spearman')
 
 

@@ -129,8 +129,8 @@ def expand(sweeps: Sequence[str] = (), fixed: Sequence[str] = (), seeds: int = 1
   if seeds < 1:
     raise ValueError(f'--seeds={seeds}: need at least one seed')
   if any('seed' in run for runs in lists for run in runs):
-    raise ValueError('seed is not a --sweep/--set key: --seeds N runs seeds '
-                     f'{first_seed}..{first_seed}+N-1 of each setting')
+    raise ValueError('seed is not a --sweep/--set key: --seeds N runs N seeds of each '
+                     f'setting ({first_seed}, {first_seed + 1}, ...)')
   lists.append(Hyper.sweep('seed', range(first_seed, first_seed + seeds)))
   runs = Hyper.product(lists)
   names = run_names(runs)
