@@ -291,6 +291,17 @@ def test_errors_are_one_line_and_name_the_fix(monkeypatch):
 
 
 @needs_libtpu
+def test_hosts_of_v5e_slices_are_the_vms_google_sells():
+  """Up to 8 chips a v5e slice is one VM (1x1 is one chip, not an indivisible layout); past
+  that, 4-chip VMs."""
+  for name, chips, hosts in (('v5e:1x1', 1, 1), ('v5e:2x4', 8, 1), ('v5e:4x4', 16, 4)):
+    target = launch.tpu_target(name)
+    assert (len(target.devices), target.num_hosts) == (chips, hosts), name
+  report, _ = launch.compile_step(tiny(), launch.tpu_target('v5e:1x1'))
+  assert report.fits
+
+
+@needs_libtpu
 def test_slice_errors(monkeypatch):
   with pytest.raises(launch.LaunchError, match='does not know this topology'):
     launch.tpu_target('v5e:3x5')

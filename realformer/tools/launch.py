@@ -117,6 +117,13 @@ _ACCELERATOR_TYPE = {'v4': lambda chips: f'v4-{2 * chips}',
                      'v6e': lambda chips: f'v6e-{chips}'}
 
 
+# v5e and v6e slices of up to 8 chips (1x1, 2x2, 2x4) are one VM with all of them (the
+# ct5lp/ct6e -1t, -4t, -8t machine types); larger slices are 4-chip VMs, which is what
+# libtpu's compile-only topologies assume for every shape (so 2x4 would be two hosts and
+# 1x1 would not divide).
+_SINGLE_HOST_UP_TO = {'v5e': 8, 'v6e': 8}
+
+
 def tpu_target(name: str) -> Target:
   """The compile-only devices of a TPU slice named '<generation>:<AxB[xC]>'."""
   generation, _, shape = name.partition(':')
@@ -143,6 +150,9 @@ def tpu_target(name: str) -> Target:
   os.environ.setdefault('TPU_ACCELERATOR_TYPE', _ACCELERATOR_TYPE[generation](chips))
   from jax.experimental import topologies
   kw = {'chip_config_name': 'megacore'} if generation in _MEGACORE else {}
+  dims = [int(n) for n in shape.split('x')]
+  if generation in _SINGLE_HOST_UP_TO and chips <= _SINGLE_HOST_UP_TO[generation]:
+    kw['chips_per_host_bounds'] = (dims + [1, 1])[:3]  # one VM holds the whole slice
   try:
     desc = topologies.get_topology_desc(topology_name=name, platform='tpu', **kw)
   except Exception as e:  # libtpu's message: first line only
