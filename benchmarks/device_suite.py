@@ -11,7 +11,9 @@ is reported, and the rest still run):
   step128     pretraining uses it; then length 128 (batch 256). Post-LN, Pre-LN, RealFormer
               with a float32 and a bfloat16 carry, Synthesizer Random+Vanilla, and HF
               transformers' BertForPreTraining (torch, bf16 autocast, SDPA attention) on the
-              same batch: step time, tokens/s, MFU, compiled footprint (HF: torch's peak).
+              same batch: step time, tokens/s, MFU, compiled footprint (HF: torch's peak);
+              and Post-LN through realformer.layers.flash_attention (Pallas/Triton, the
+              dropout inside the kernel: model.fused_attention=flash).
               At 512 also the attention implementations, on Post-LN without attention
               dropout (where a fused kernel is allowed): our plain softmax path against
               cuDNN's fused attention (on a CPU, --smoke: jax.nn.dot_product_attention's
@@ -224,8 +226,9 @@ def _time_steps(contender, s: dict) -> list:
 def _contenders(part: str, platform: str, variants: str = '') -> list:
   """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',);
   `variants` (comma-separated) keeps only ours of those variants, and the peer."""
-  # In the order they are timed, what the goals read first: Post-LN, the peer, and at 512
-  # the attention implementations (a part cut short at its cap loses the last ones).
+  # In the order they are timed, what the goals read first: Post-LN, the peer, Post-LN
+  # through the flash kernel, and at 512 the attention implementations without attention
+  # dropout (a part cut short at its cap loses the last ones).
   ours = [('ours', variant, overrides, label) for variant, overrides, label in STEP_CONTENDERS]
   impls = []
   if part == 'step512':  # the attention implementations, where a fused kernel is allowed
@@ -235,7 +238,9 @@ def _contenders(part: str, platform: str, variants: str = '') -> list:
     impls = [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
               f'fused_attention={impl}, no attention dropout')
              for impl in (['cudnn'] if platform == 'gpu' else ['xla']) + ['off']]
-  entries = ours[:1] + [('hf',)] + impls + ours[1:]
+  # BERT's very step (the plain path's dropout masks, bit for bit) through our Pallas kernel.
+  flash = [('ours', 'postln', {'fused': 'flash'}, 'fused_attention=flash, dropout in the kernel')]
+  entries = ours[:1] + [('hf',)] + flash + impls + ours[1:]
   keep = set(filter(None, variants.split(',')))
   return [e for e in entries if e[0] == 'hf' or not keep or e[1] in keep]
 

@@ -81,7 +81,8 @@ def model_config(variant='postln', size='base'):
   m.residual_dtype = 'float32'
   m.scan_layers = False  # nn.scan over layers (faster compile for deep models)
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
-  m.fused_attention = 'auto'  # auto | xla | cudnn | off (jax.nn.dot_product_attention)
+  # auto | xla | cudnn (jax.nn.dot_product_attention, without attention dropout) | flash
+  # (our Pallas kernel, attention dropout inside it: GPUs) | off
   m.dense_impl = 'auto'  # auto | flax | cpu (custom VJP for XLA:CPU: realformer/layers/dense.py)
   # predicted: in the pretraining loss the last layer computes only [CLS] and the masked
   # positions, the rows the losses read (same loss); all: every row.

@@ -28,7 +28,8 @@ def test_smoke_measures_every_contender_and_the_finetuning_race(tmp_path):
   assert {part: r['status'] for part, r in suite.items()} == {'step128': 'ok', 'finetune': 'ok'}
   rows = suite['step128']['data']['rows']
   assert [r['contender'] for r in rows] == [
-      'ours postln', 'HF BertForPreTraining (torch, autocast bfloat16)', 'ours realformer',
+      'ours postln', 'HF BertForPreTraining (torch, autocast bfloat16)',
+      'ours postln [fused_attention=flash, dropout in the kernel]', 'ours realformer',
       'ours realformer [bf16 carry]', 'ours preln', 'ours synth_random_vanilla']
   for r in rows:
     assert r['step_s'] > 0 and r['tokens_per_s'] == 4 * 32 / r['step_s']
@@ -66,11 +67,12 @@ def test_the_512_part_times_the_attention_implementations_and_variants_narrow_it
                            for e in entries]
   everything = names(device_suite._contenders('step512', 'gpu'))
   # timed in this order: what the goals read first (a part cut short loses the last)
-  assert everything[:4] == ['postln', 'HF', 'postln [fused_attention=cudnn, no attention '
-                            'dropout]', 'postln [fused_attention=off, no attention dropout]']
-  assert len(everything) == 8
-  assert names(device_suite._contenders('step512', 'gpu', 'postln')) == everything[:4]
-  assert names(device_suite._contenders('step512', 'cpu', 'postln'))[2] == (
+  assert everything[:5] == ['postln', 'HF', 'postln [fused_attention=flash, dropout in the '
+                            'kernel]', 'postln [fused_attention=cudnn, no attention dropout]',
+                            'postln [fused_attention=off, no attention dropout]']
+  assert len(everything) == 9
+  assert names(device_suite._contenders('step512', 'gpu', 'postln')) == everything[:5]
+  assert names(device_suite._contenders('step512', 'cpu', 'postln'))[3] == (
       'postln [fused_attention=xla, no attention dropout]')
   assert names(device_suite._contenders('step128', 'cpu', 'realformer')) == [
       'HF', 'realformer', 'realformer [bf16 carry]']

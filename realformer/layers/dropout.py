@@ -55,14 +55,21 @@ def _interleave(parts: List[jax.Array], n: int) -> jax.Array:
   return stacked.reshape(*stacked.shape[:-2], -1)[..., :n]
 
 
-def _quarters(key: jax.Array, shape: Tuple[int, ...]) -> Optional[List[jax.Array]]:
-  """_threefry_quarters for a threefry key (typed or legacy uint32[2]); None otherwise."""
+def threefry_key_data(key: jax.Array) -> Optional[jax.Array]:
+  """A dropout key's uint32[2] data if it is a threefry key (typed, or a legacy uint32[2] key
+  under the default threefry implementation); None for other implementations."""
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     if str(jax.random.key_impl(key)) != 'threefry2x32':
       return None
-    return _threefry_quarters(jax.random.key_data(key), shape)
+    return jax.random.key_data(key)
   threefry = key.shape == (2,) and jax.config.jax_default_prng_impl == 'threefry2x32'
-  return _threefry_quarters(key, shape) if threefry else None
+  return key if threefry else None
+
+
+def _quarters(key: jax.Array, shape: Tuple[int, ...]) -> Optional[List[jax.Array]]:
+  """_threefry_quarters for a threefry key; None otherwise."""
+  data = threefry_key_data(key)
+  return None if data is None else _threefry_quarters(data, shape)
 
 
 def uniform_u16(key: jax.Array, shape: Sequence[int]) -> jax.Array:
@@ -107,6 +114,17 @@ class Dropout(nn.Module):
     keep, scale = keep_mask(self.make_rng(self.rng_collection), self.rate, x.shape)
     kept = (x.astype(jnp.float32) * scale).astype(x.dtype)  # scale rounded once, not twice
     return jnp.where(keep, kept, jnp.zeros((), x.dtype))
+
+  def threefry_key(self) -> jax.Array:
+    """The uint32[2] threefry key data that __call__ would draw its mask from: the same
+    rng stream, so a kernel that draws keep_mask's mask itself (flash_attention) drops what
+    this module would. An error for keys of another implementation."""
+    data = threefry_key_data(self.make_rng(self.rng_collection))
+    if data is None:
+      raise ValueError('model.fused_attention=flash draws threefry dropout masks, and the '
+                       f'default PRNG is {jax.config.jax_default_prng_impl}: unset '
+                       'JAX_DEFAULT_PRNG_IMPL, or use model.fused_attention=auto')
+    return data
 
 
 def drop_fraction(rate: float) -> float:

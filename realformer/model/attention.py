@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from realformer.layers import dropout as dropout_lib
+from realformer.layers import flash_attention as flash_lib
 from realformer.layers.dense import dense
 from realformer.layers.rows import gather_rows, take_rows
 from realformer.model.spec import EncoderSpec
@@ -46,9 +47,16 @@ def in_dtype(bias: jax.Array, dtype) -> jax.Array:
   return jnp.maximum(bias, -0.5 * jnp.finfo(dtype).max).astype(dtype)
 
 
+def _use_flash(spec: EncoderSpec, capture: bool, rows) -> bool:
+  """Whether realformer.layers.flash_attention computes this layer (with its dropout). Not
+  for the pruned last layer (its few query rows): the plain path computes that one."""
+  return (spec.fused_attention == 'flash' and spec.plain_dot_product and not capture
+          and rows is None)
+
+
 def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:
   """Implementation for jax.nn.dot_product_attention, or None for the plain path."""
-  if (spec.fused_attention == 'off' or not spec.plain_dot_product or capture
+  if (spec.fused_attention in ('off', 'flash') or not spec.plain_dot_product or capture
       or (not deterministic and spec.attention_dropout_rate > 0)):
     return None
   if spec.fused_attention == 'auto':
@@ -77,6 +85,16 @@ class SelfAttention(nn.Module):
     s = self.spec
     xq = x if rows is None else take_rows(x, rows)
     value = self._heads(x, 'value')
+    if _use_flash(s, capture_attention, rows):
+      query, key = self._heads(x, 'query'), self._heads(x, 'key')
+      rate = 0.0 if deterministic else s.attention_dropout_rate
+      # The key the plain path's Dropout would draw its mask from: the same mask.
+      seed = dropout_lib.Dropout(rate).threefry_key() if rate > 0 else None
+      ctx = flash_lib.flash_attention_on_mesh(
+          query, key, value, bias[:, 0, 0, :], dropout_rate=rate, dropout_key=seed,
+          interpret=s.target_platform == 'cpu')
+      out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(x.shape))
+      return out, None, None
     fused = _use_fused(s, deterministic, capture_attention)
     if fused is not None:
       query, key = self._heads(xq, 'query'), self._heads(x, 'key')

@@ -31,7 +31,7 @@ VARIANTS = {
 LOGIT_COMPONENTS = ('dot', 'dense', 'random', 'factorized_dense', 'factorized_random')
 BLOCKS = ('post_ln', 'pre_ln')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
-FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'off')
+FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'flash', 'off')
 DENSE_IMPLS = ('auto', 'flax', 'cpu')  # realformer/layers/dense.py
 LAST_LAYER = ('predicted', 'all')  # rows the last layer computes for the pretraining loss
 GELUS = ('erf', 'tanh')  # GELU's exact form, or its tanh approximation
@@ -178,6 +178,9 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
       raise ValueError(f'model.{field}={value!r}; choose one of {", ".join(choices)}')
   if spec.fused_attention == 'cudnn' and platform not in ('', 'gpu'):
     raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
+  if spec.fused_attention == 'flash' and platform not in ('', 'gpu', 'cpu'):
+    raise ValueError(f'model.fused_attention=flash is a Triton kernel for GPUs, not {platform}; '
+                     'use auto or xla')
   if 'factorized_dense' in components:
     spec.factorized_ab  # validates a * b = max_len
   return spec

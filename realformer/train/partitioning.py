@@ -63,9 +63,9 @@ def check_heads(spec, mesh: Mesh) -> None:
   """The tensor axis splits attention by head, and fsdp the Random synthesizers' tables along
   max_len. A synthesizer's weights split by head (every one's outputs are heads-major) need
   mesh.tensor to divide model.num_heads, and the Random tables mesh.fsdp to divide
-  model.max_len: one-line errors, before anything compiles. Dot-product attention alone
-  runs with heads cut across devices, at the cost of a resharding in every layer: a
-  warning."""
+  model.max_len: one-line errors, before anything compiles. So does the flash kernel
+  (whole heads per device). Dot-product attention otherwise runs with heads cut across
+  devices, at the cost of a resharding in every layer: a warning."""
   tensor, fsdp, heads = mesh.shape['tensor'], mesh.shape['fsdp'], spec.num_heads
   synthesizers = [c for c in spec.attention if c != 'dot']
   if any(c in RANDOM_SYNTHESIZERS for c in synthesizers) and spec.max_len % fsdp:
@@ -77,6 +77,10 @@ def check_heads(spec, mesh: Mesh) -> None:
   if synthesizers:
     raise ValueError(f'mesh.tensor={tensor} does not divide model.num_heads={heads}, and the '
                      'synthesizer\'s weights are split over tensor by head; choose a '
+                     f'mesh.tensor that divides {heads}')
+  if spec.fused_attention == 'flash' and spec.plain_dot_product:
+    raise ValueError(f'mesh.tensor={tensor} does not divide model.num_heads={heads}, and '
+                     'model.fused_attention=flash runs whole heads on each device; choose a '
                      f'mesh.tensor that divides {heads}')
   logging.warning('mesh.tensor=%d does not divide model.num_heads=%d: heads are cut across '
                   'devices, which costs a resharding in every attention layer; choose a '

@@ -1,0 +1,388 @@
+"""Flash attention with BERT's attention dropout inside the kernel (Pallas, Triton on GPUs).
+
+Computes what the plain path in realformer/model/attention.py computes for plain dot-product
+attention in training:
+
+    P   = softmax(Q K^T / sqrt(d) + bias)            (bias: 0 for real keys, NEG_INF padding)
+    out = (where(keep, P / P(keep), 0) in Q's dtype) V
+
+without writing the [B, H, Tq, Tk] scores, probabilities or mask to memory: each program
+holds a block of queries, runs over the keys with an online softmax, and the backward pass
+recomputes P and the mask block by block (FlashAttention-2's algorithm, Dao 2023, with
+delta = rowsum(dO * O), which holds with dropout too).
+
+The mask is `realformer.layers.dropout.keep_mask(key, rate, [B, H, Tq, Tk])` bit for bit:
+element (b, h, q, k) keeps the 16-bit word k % 4 of threefry-2x32(key, row, k // 4), with
+row = (b * H + h) * Tq + q, computed inside the kernel. So with the same dropout key this
+kernel drops the same entries as the plain path, and the two differ only by rounding (the
+online softmax, and P rounded to Q's dtype before its normalisation). To draw each threefry
+block once for its four keys, the key axis is read as [Tk / 4, 4]: a program's column block
+holds `block_c` threefry blocks and their 4 * block_c keys, four dots of `block_c` keys each.
+
+On a GPU this is a Triton kernel; on a CPU it runs in Pallas's interpreter (for tests, slow).
+Inputs: q [B, Tq, H, D], k and v [B, Tk, H, D] (any lengths: padded to whole blocks inside),
+key_bias [B, Tk] float32. No sharding rule: under a mesh, call it per shard (see
+realformer/model/attention.py) with the shard's global batch and head offsets.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_PARITY = 0x1BD11BDA  # threefry's key-schedule constant
+
+
+def threefry2x32(k0, k1, x0, x1) -> Tuple[jax.Array, jax.Array]:
+  """Threefry-2x32 (20 rounds, Salmon et al. 2011) on uint32 arrays: what
+  jax.extend.random.threefry2x32_p computes, in plain integer ops a kernel can run."""
+  def rotl(x, r):
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+  ks = (k0, k1, k0 ^ k1 ^ np.uint32(_PARITY))
+  x0, x1 = x0 + ks[0], x1 + ks[1]
+  for group in range(5):
+    for r in _ROTATIONS[group % 2]:
+      x0 = x0 + x1
+      x1 = rotl(x1, r) ^ x0
+    x0 = x0 + ks[(group + 1) % 3]
+    x1 = x1 + ks[(group + 2) % 3] + np.uint32(group + 1)
+  return x0, x1
+
+
+def _keep_words(seed_ref, rows, cols, threshold):
+  """The four keep masks [len(rows), len(cols)] of keys 4 * cols + i, i = 0..3."""
+  b1, b2 = threefry2x32(seed_ref[0], seed_ref[1], rows[:, None], cols[None, :])
+  t = np.uint32(threshold)
+  return ((b1 & np.uint32(0xFFFF)) >= t, (b1 >> np.uint32(16)) >= t,
+          (b2 & np.uint32(0xFFFF)) >= t, (b2 >> np.uint32(16)) >= t)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+  """Static sizes and the dropout constants, shared by the three kernels."""
+  batch: int
+  q_len: int
+  heads: int
+  head_dim: int
+  k_len: int
+  block_q: int
+  block_c: int
+  rate: float
+  mask_q_len: int  # Tq before padding: the mask's rows count it
+
+  @property
+  def groups(self) -> int:  # threefry blocks per mask row
+    return self.k_len // 4
+
+  @property
+  def sm_scale(self) -> float:
+    return 1.0 / math.sqrt(self.head_dim)
+
+  @property
+  def threshold(self) -> int:  # dropout.keep_mask's: drop where the 16-bit word is below
+    return int(round(self.rate * (1 << 16)))
+
+  @property
+  def keep_scale(self) -> float:
+    return (1 << 16) / ((1 << 16) - self.threshold)
+
+  @property
+  def dropout(self) -> bool:
+    return self.threshold > 0
+
+  def row_base(self, offsets_ref):
+    """The mask row of this program's (b, h) and query 0: (b * H + h) * Tq, global."""
+    b = pl.program_id(0) + offsets_ref[0]
+    h = pl.program_id(1) + offsets_ref[1]
+    return (b * offsets_ref[2] + h) * self.mask_q_len
+
+  def row_ids(self, base, q_start, size):
+    """uint32 mask rows of queries q_start .. q_start + size (base: row_base)."""
+    return (base + q_start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)).astype(jnp.uint32)
+
+  def col_ids(self, c_start):
+    return (c_start + jax.lax.broadcasted_iota(jnp.int32, (self.block_c,), 0)).astype(jnp.uint32)
+
+  def keeps(self, seed_ref, rows, cols):
+    if not self.dropout:
+      return (None,) * 4
+    return _keep_words(seed_ref, rows, cols, self.threshold)
+
+  def drop(self, x, keep):
+    """where(keep, x / P(keep), 0): the plain path's inverted dropout, in float32."""
+    if keep is None:
+      return x
+    return jnp.where(keep, x * self.keep_scale, 0.0)
+
+
+def _scores(d, q, k_ref, bias_ref, c_start, i):
+  """Scaled scores [block_q, block_c] of q against keys 4 * (c_start + c) + i, with bias."""
+  k = k_ref[pl.ds(c_start, d.block_c), i, :]
+  s = plgpu.dot(q, k, trans_b=True) * d.sm_scale
+  return s + bias_ref[pl.ds(c_start, d.block_c), i][None, :]
+
+
+def _forward_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, lse_ref, *, d):
+  q_start = pl.program_id(2) * d.block_q
+  q = q_ref[...]
+  rows = d.row_ids(d.row_base(offsets_ref), q_start, d.block_q)
+
+  def body(j, carry):
+    m, l, acc = carry
+    c_start = j * d.block_c
+    keeps = d.keeps(seed_ref, rows, d.col_ids(c_start))
+    s = [_scores(d, q, k_ref, bias_ref, c_start, i) for i in range(4)]
+    m_new = jnp.maximum(m, functools.reduce(jnp.maximum, [x.max(axis=1) for x in s]))
+    alpha = jnp.exp(m - m_new)
+    p = [jnp.exp(x - m_new[:, None]) for x in s]
+    l = alpha * l + sum(x.sum(axis=1) for x in p)
+    acc = acc * alpha[:, None]
+    for i in range(4):
+      v = v_ref[pl.ds(c_start, d.block_c), i, :]
+      acc = acc + plgpu.dot(d.drop(p[i], keeps[i]).astype(v.dtype), v)
+    return m_new, l, acc
+
+  init = (jnp.full((d.block_q,), -jnp.inf, jnp.float32), jnp.zeros((d.block_q,), jnp.float32),
+          jnp.zeros((d.block_q, d.head_dim), jnp.float32))
+  m, l, acc = jax.lax.fori_loop(0, d.groups // d.block_c, body, init)
+  o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log(l)
+
+
+def _dkv_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, d):
+  c_start = pl.program_id(2) * d.block_c
+  cols = d.col_ids(c_start)
+  ks = [k_ref[pl.ds(c_start, d.block_c), i, :] for i in range(4)]
+  vs = [v_ref[pl.ds(c_start, d.block_c), i, :] for i in range(4)]
+  biases = [bias_ref[pl.ds(c_start, d.block_c), i][None, :] for i in range(4)]
+  base = d.row_base(offsets_ref)
+
+  def body(t, carry):
+    dks, dvs = carry
+    q_start = t * d.block_q
+    q = q_ref[pl.ds(q_start, d.block_q), :]
+    do = do_ref[pl.ds(q_start, d.block_q), :]
+    lse = lse_ref[pl.ds(q_start, d.block_q)]
+    delta = delta_ref[pl.ds(q_start, d.block_q)]
+    keeps = d.keeps(seed_ref, d.row_ids(base, q_start, d.block_q), cols)
+    new_dks, new_dvs = [], []
+    for i in range(4):
+      p = jnp.exp(plgpu.dot(q, ks[i], trans_b=True) * d.sm_scale + biases[i] - lse[:, None])
+      new_dvs.append(dvs[i] + plgpu.dot(d.drop(p, keeps[i]).astype(do.dtype), do, trans_a=True))
+      dp = d.drop(plgpu.dot(do, vs[i], trans_b=True), keeps[i])
+      ds = p * (dp - delta[:, None])
+      new_dks.append(dks[i] + plgpu.dot(ds.astype(q.dtype), q, trans_a=True))
+    return tuple(new_dks), tuple(new_dvs)
+
+  zeros = tuple(jnp.zeros((d.block_c, d.head_dim), jnp.float32) for _ in range(4))
+  dks, dvs = jax.lax.fori_loop(0, d.q_len // d.block_q, body, (zeros, zeros))
+  for i in range(4):
+    dk_ref[:, i, :] = (dks[i] * d.sm_scale).astype(dk_ref.dtype)
+    dv_ref[:, i, :] = dvs[i].astype(dv_ref.dtype)
+
+
+def _dq_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *, d):
+  q_start = pl.program_id(2) * d.block_q
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+  rows = d.row_ids(d.row_base(offsets_ref), q_start, d.block_q)
+
+  def body(j, dq):
+    c_start = j * d.block_c
+    keeps = d.keeps(seed_ref, rows, d.col_ids(c_start))
+    for i in range(4):
+      k = k_ref[pl.ds(c_start, d.block_c), i, :]
+      v = v_ref[pl.ds(c_start, d.block_c), i, :]
+      p = jnp.exp(_scores(d, q, k_ref, bias_ref, c_start, i) - lse[:, None])
+      dp = d.drop(plgpu.dot(do, v, trans_b=True), keeps[i])
+      dq = dq + plgpu.dot((p * (dp - delta[:, None])).astype(k.dtype), k)
+    return dq
+
+  dq = jax.lax.fori_loop(0, d.groups // d.block_c, body,
+                         jnp.zeros((d.block_q, d.head_dim), jnp.float32))
+  dq_ref[...] = (dq * d.sm_scale).astype(dq_ref.dtype)
+
+
+def _specs(d: _Dims):
+  """BlockSpecs over grid (b, h, block): whole sequences per (b, h), or one query block."""
+  full = lambda n: pl.BlockSpec((None, n, None, d.head_dim), lambda b, h, i: (b, 0, h, 0))
+  grouped = pl.BlockSpec((None, d.groups, 4, None, d.head_dim),
+                         lambda b, h, i: (b, 0, 0, h, 0))
+  q_block = pl.BlockSpec((None, d.block_q, None, d.head_dim), lambda b, h, i: (b, i, h, 0))
+  bias = pl.BlockSpec((None, d.groups, 4), lambda b, h, i: (b, 0, 0))
+  rows = lambda n, at: pl.BlockSpec((None, None, n), lambda b, h, i: (b, h, at(i)))
+  scalars = pl.BlockSpec((3,), lambda b, h, i: (0,))
+  return full, grouped, q_block, bias, rows, scalars
+
+
+def _call(kernel, d, grid, in_specs, out_specs, out_shape, interpret, name):
+  params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2)
+  return pl.pallas_call(functools.partial(kernel, d=d), grid=grid, in_specs=in_specs,
+                        out_specs=out_specs, out_shape=out_shape, interpret=interpret,
+                        compiler_params=params, name=name)
+
+
+def _forward(q, k, v, key_bias, seed, offsets, d: _Dims, interpret):
+  full, grouped, q_block, bias, rows, scalars = _specs(d)
+  del full
+  grid = (d.batch, d.heads, d.q_len // d.block_q)
+  out, lse = _call(
+      _forward_kernel, d, grid,
+      [scalars, scalars, q_block, grouped, grouped, bias],
+      [q_block, rows(d.block_q, lambda i: i)],
+      [jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len), jnp.float32)],
+      interpret, 'flash_attention_forward')(
+          seed, offsets, q, _grouped(k), _grouped(v), _grouped(key_bias))
+  return out, lse
+
+
+def _grouped(x):
+  """[B, Tk, ...] -> [B, Tk / 4, 4, ...]: key 4c + i at [c, i] (a free reshape)."""
+  return x.reshape(x.shape[0], x.shape[1] // 4, 4, *x.shape[2:])
+
+
+def _backward(q, k, v, key_bias, seed, offsets, out, lse, dout, d: _Dims, interpret):
+  full, grouped, q_block, bias, rows, scalars = _specs(d)
+  delta = jnp.einsum('bqhd,bqhd->bhq', out.astype(jnp.float32), dout.astype(jnp.float32))
+  args = (seed, offsets, q, _grouped(k), _grouped(v), _grouped(key_bias), dout, lse, delta)
+  whole_rows = rows(d.q_len, lambda i: 0)
+  k_block = pl.BlockSpec((None, d.block_c, 4, None, d.head_dim),
+                         lambda b, h, i: (b, i, 0, h, 0))
+  dk, dv = _call(
+      _dkv_kernel, d, (d.batch, d.heads, d.groups // d.block_c),
+      [scalars, scalars, full(d.q_len), grouped, grouped, bias, full(d.q_len), whole_rows,
+       whole_rows],
+      [k_block, k_block],
+      [jax.ShapeDtypeStruct(_grouped(k).shape, k.dtype)] * 2,
+      interpret, 'flash_attention_dkv')(*args)
+  q_rows = rows(d.block_q, lambda i: i)
+  dq = _call(
+      _dq_kernel, d, (d.batch, d.heads, d.q_len // d.block_q),
+      [scalars, scalars, q_block, grouped, grouped, bias, q_block, q_rows, q_rows],
+      q_block, jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, 'flash_attention_dq')(*args)
+  return dq, dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, key_bias, seed, offsets, static):
+  d, interpret = static
+  return _forward(q, k, v, key_bias, seed, offsets, d, interpret)[0]
+
+
+def _flash_fwd(q, k, v, key_bias, seed, offsets, static):
+  d, interpret = static
+  out, lse = _forward(q, k, v, key_bias, seed, offsets, d, interpret)
+  return out, (q, k, v, key_bias, seed, offsets, out, lse)
+
+
+def _flash_bwd(static, residuals, dout):
+  d, interpret = static
+  q, k, v, key_bias, seed, offsets, out, lse = residuals
+  dq, dk, dv = _backward(q, k, v, key_bias, seed, offsets, out, lse, dout, d, interpret)
+  no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+  return dq, dk, dv, jnp.zeros_like(key_bias), no_grad(seed), no_grad(offsets)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# Below the scores of padding keys (NEG_INF = -1e9 in realformer.model.attention), so a row
+# whose real keys are all padding still spreads evenly over those keys alone.
+_BLOCK_PADDING = -3e9
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def block_sizes(q_len: int, k_len: int) -> Tuple[int, int]:
+  """(block_q, block_c): 64 queries and 4 x 32 keys, less for short sequences (at least 16
+  each, Triton's smallest dot)."""
+  return min(64, _round_up(q_len, 16)), min(32, _round_up(-(-k_len // 4), 16))
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
+                    dropout_rate: float = 0.0, dropout_key=None, offsets=(0, 0, None),
+                    interpret: bool = False, block_q: int = None,
+                    block_c: int = None) -> jax.Array:
+  """softmax(q k^T / sqrt(d) + key_bias) v with inverted dropout on the probabilities.
+
+  q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores);
+  dropout_key: a threefry key's data, uint32 [2] (dropout.threefry_key_data), needed when
+  dropout_rate > 0. offsets (batch, head, total heads): where this shard's first sequence and
+  head sit in the global [B, H] that the mask rows count (0, 0, H for an unsharded call).
+  Any lengths: the queries are padded to a multiple of block_q and the keys to one of
+  4 * block_c (padding keys score below every real one). Returns [B, Tq, H, D] in q's dtype.
+  """
+  if dropout_rate > 0 and dropout_key is None:
+    raise ValueError('flash_attention with dropout needs dropout_key')
+  q_len, k_len = q.shape[1], k.shape[1]
+  default_q, default_c = block_sizes(q_len, k_len)
+  block_q, block_c = block_q or default_q, block_c or default_c
+  pad_q, pad_k = _round_up(q_len, block_q) - q_len, _round_up(k_len, 4 * block_c) - k_len
+  key_bias = key_bias.astype(jnp.float32)
+  if pad_q:
+    q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
+  if pad_k:
+    k, v = (jnp.pad(x, ((0, 0), (0, pad_k), (0, 0), (0, 0))) for x in (k, v))
+    key_bias = jnp.pad(key_bias, ((0, 0), (0, pad_k)), constant_values=_BLOCK_PADDING)
+  d = _Dims(*q.shape, k.shape[1], block_q, block_c, float(dropout_rate), q_len)
+  seed = (jnp.zeros((3,), jnp.uint32) if dropout_key is None
+          else jnp.concatenate([jnp.asarray(dropout_key, jnp.uint32).reshape(2),
+                                jnp.zeros((1,), jnp.uint32)]))
+  batch0, head0, heads = offsets
+  offsets = jnp.stack([jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32),
+                       jnp.asarray(heads if heads is not None else d.heads, jnp.int32)])
+  return _flash(q, k, v, key_bias, seed, offsets, (d, interpret))[:, :q_len]
+
+
+def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
+                            dropout_rate: float = 0.0, dropout_key=None,
+                            interpret: bool = False) -> jax.Array:
+  """flash_attention under the mesh in context (jax.set_mesh), if any: per shard, with the
+  batch and heads split as the logical rules in context place ('batch', 'heads'), and each
+  shard's offsets into the global [B, H], so a sharded run drops what an unsharded one
+  would. A Pallas kernel has no sharding rule of its own: without this, XLA would gather
+  the whole batch onto every device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  kwargs = dict(dropout_rate=dropout_rate, interpret=interpret)
+  if mesh.empty or mesh.size == 1:
+    return flash_attention(q, k, v, key_bias, dropout_key=dropout_key, **kwargs)
+  batch, _, heads, _ = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
+  total_heads = q.shape[2]
+  head_shards = _axes_size(mesh, heads)
+  if total_heads % head_shards:
+    raise ValueError(f'model.fused_attention=flash splits the {total_heads} heads over '
+                     f'{head_shards} devices ({heads}), which does not divide them; choose a '
+                     'mesh.tensor that divides model.num_heads')
+  seq = P(batch, None, heads, None)
+  key = jnp.zeros((2,), jnp.uint32) if dropout_key is None else dropout_key
+
+  def local(q, k, v, key_bias, key):
+    batch0 = jax.lax.axis_index(batch) * q.shape[0] if batch else 0
+    head0 = jax.lax.axis_index(heads) * q.shape[2] if heads else 0
+    return flash_attention(q, k, v, key_bias, dropout_key=key, offsets=(batch0, head0,
+                                                                        total_heads), **kwargs)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(batch, None), P()),
+                       out_specs=seq, check_vma=False)(q, k, v, key_bias, key)
+
+
+def _axes_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  names = (axes,) if isinstance(axes, str) else tuple(axes)
+  return int(np.prod([mesh.shape[a] for a in names]))

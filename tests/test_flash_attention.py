@@ -1,0 +1,243 @@
+"""realformer.layers.flash_attention (model.fused_attention=flash): its threefry is jax's; the
+kernel (Pallas's interpreter on CPU) matches a float64 reference that drops keep_mask's mask,
+outputs and gradients; inside the model it gives the plain path's outputs and gradients with
+attention dropout, sharded or not; and it lowers to Triton for CUDA from this CPU machine."""
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.random import threefry2x32_p
+
+from realformer import models
+from realformer.layers import dropout as dropout_lib
+from realformer.layers import flash_attention as flash_lib
+from realformer.model import attention as attn_lib
+from realformer.model.spec import resolve
+from realformer.train import partitioning
+from tests.test_models import make_batch, perturbed_params, small_config
+
+
+def test_threefry_in_integer_ops_is_jaxs():
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    k0, k1 = (jnp.uint32(v) for v in rng.integers(0, 2 ** 32, 2))
+    x0, x1 = (jnp.asarray(rng.integers(0, 2 ** 32, 64), jnp.uint32) for _ in range(2))
+    want = threefry2x32_p.bind(k0, k1, x0, x1)
+    got = flash_lib.threefry2x32(k0, k1, x0, x1)
+    for w, g in zip(want, got):
+      np.testing.assert_array_equal(g, w)
+
+
+B, T, H, D = 3, 32, 2, 16
+LENGTHS = (32, 19, 6)
+
+
+def _inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  q, k, v, w = (rng.normal(size=(B, T, H, D)) for _ in range(4))
+  real = np.arange(T)[None] < np.array(LENGTHS)[:, None]
+  bias = np.where(real, 0.0, attn_lib.NEG_INF)
+  return q, k, v, w, bias
+
+
+def _reference(q, k, v, bias, keep, scale):
+  """float64: softmax(q k^T / sqrt(D) + bias), dropped where keep is False, times v."""
+  s = np.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + bias[:, None, None, :]
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p = p / p.sum(-1, keepdims=True)
+  if keep is not None:
+    p = np.where(keep, p * scale, 0.0)
+  return np.einsum('bhqk,bkhd->bqhd', p, v)
+
+
+@pytest.mark.parametrize('rate', [0.0, 0.1, 0.5])
+def test_kernel_matches_a_float64_reference_with_keep_masks_mask(rate):
+  q, k, v, w, bias = _inputs()
+  key = jax.random.PRNGKey(11)
+  keep, scale = (None, None) if rate == 0 else dropout_lib.keep_mask(key, rate, (B, H, T, T))
+  keep = None if keep is None else np.asarray(keep)
+
+  def ours(q, k, v):
+    out = flash_lib.flash_attention(q, k, v, jnp.asarray(bias, jnp.float32), dropout_rate=rate,
+                                    dropout_key=key, interpret=True, block_q=8, block_c=2)
+    return out, jnp.sum(out * jnp.asarray(w, jnp.float32))
+
+  f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+  out, _ = ours(*f32)
+  np.testing.assert_allclose(out, _reference(q, k, v, bias, keep, scale), atol=2e-6)
+  grads = jax.grad(lambda *a: ours(*a)[1], argnums=(0, 1, 2))(*f32)
+  with jax.enable_x64():
+    def ref_loss(q, k, v):
+      s = jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + bias[:, None, None, :]
+      p = jax.nn.softmax(s, axis=-1)
+      if keep is not None:
+        p = jnp.where(keep, p * scale, 0.0)
+      return jnp.sum(jnp.einsum('bhqk,bkhd->bqhd', p, v) * w)
+    want = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(grads, want):
+      np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(r), atol=1e-5)
+  if rate:  # the mask did act: without it the output differs
+    assert not np.allclose(out, _reference(q, k, v, bias, None, None), atol=1e-3)
+
+
+def test_a_sequence_without_real_keys_averages_its_values_like_the_plain_path():
+  q, k, v, _, _ = _inputs(2)
+  bias = np.full((B, T), attn_lib.NEG_INF)
+  out = flash_lib.flash_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+                                  jnp.asarray(bias, jnp.float32), interpret=True)
+  np.testing.assert_allclose(out, np.broadcast_to(v.mean(1, keepdims=True), out.shape),
+                             atol=1e-6)
+
+
+def test_lengths_that_fill_no_block_are_padded_and_drop_keep_masks_mask():
+  """13 queries against 13 keys (the last block of threefry words half used), and a block
+  size larger than the sequence: the padding changes neither the values nor the mask."""
+  rng = np.random.default_rng(3)
+  q, k, v = (rng.normal(size=(2, 13, 2, 8)) for _ in range(3))
+  bias = np.where(np.arange(13)[None] < np.array([[13], [9]]), 0.0, attn_lib.NEG_INF)
+  key = jax.random.PRNGKey(2)
+  keep, scale = dropout_lib.keep_mask(key, 0.25, (2, 2, 13, 13))
+  s = np.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(8) + bias[:, None, None, :]
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p = np.where(np.asarray(keep), p / p.sum(-1, keepdims=True) * scale, 0.0)
+  want = np.einsum('bhqk,bkhd->bqhd', p, v)
+  for blocks in ((None, None), (16, 2)):
+    out = flash_lib.flash_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+                                    jnp.asarray(bias, jnp.float32), dropout_rate=0.25,
+                                    dropout_key=key, interpret=True, block_q=blocks[0],
+                                    block_c=blocks[1])
+    np.testing.assert_allclose(out, want, atol=2e-6)
+
+
+def test_every_block_size_draws_the_same_mask():
+  q, k, v, _, bias = _inputs(1)
+  key = jax.random.PRNGKey(5)
+  outs = [flash_lib.flash_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+                                    jnp.asarray(bias, jnp.float32), dropout_rate=0.2,
+                                    dropout_key=key, interpret=True, block_q=bq, block_c=bc)
+          for bq, bc in ((32, 8), (8, 2), (16, 1))]
+  for o in outs[1:]:
+    np.testing.assert_allclose(o, outs[0], atol=1e-6)
+
+
+def _models(variant='postln', **cfg):
+  plain = models.build(small_config(variant, fused_attention='off', **cfg), head='encoder')
+  flash = models.build(small_config(variant, fused_attention='flash', **cfg), head='encoder')
+  return plain, flash
+
+
+@pytest.mark.parametrize('variant', ['postln', 'preln'])
+def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients_under_dropout(variant):
+  batch = make_batch()
+  plain, flash = _models(variant, attention_dropout_rate=0.3, dropout_rate=0.1)
+  assert attn_lib._use_flash(flash.spec, False, None)
+  params = perturbed_params(plain, batch)
+  rngs = {'dropout': jax.random.PRNGKey(3)}
+
+  def loss(model):
+    return lambda p: jnp.sum(model.apply({'params': p}, batch, deterministic=False,
+                                         rngs=rngs).hidden ** 2)
+
+  a = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs).hidden
+  b = flash.apply({'params': params}, batch, deterministic=False, rngs=rngs).hidden
+  mask = np.asarray(batch['attention_mask'], bool)
+  np.testing.assert_allclose(np.asarray(b)[mask], np.asarray(a)[mask], rtol=1e-5, atol=1e-5)
+  c = plain.apply({'params': params}, batch, deterministic=True).hidden
+  assert not np.allclose(np.asarray(a)[mask], np.asarray(c)[mask], atol=1e-3)  # dropout acted
+  ga, gb = jax.grad(loss(plain))(params), jax.grad(loss(flash))(params)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
+
+
+def test_flash_stands_in_only_for_plain_attention_and_never_for_the_pruned_last_layer():
+  for variant in ('realformer', 'synth_dense', 'synth_random_vanilla'):
+    assert not attn_lib._use_flash(resolve(small_config(variant, fused_attention='flash')),
+                                   False, None)
+  spec = resolve(small_config('postln', fused_attention='flash'))
+  assert not attn_lib._use_flash(spec, True, None)  # probabilities asked for
+  assert not attn_lib._use_flash(spec, False, jnp.zeros((2, 3), jnp.int32))  # some rows
+  assert attn_lib._use_fused(spec, True, False) is None  # never jax.nn.dot_product_attention
+  batch = make_batch()
+  plain, flash = models.build(small_config('postln', fused_attention='off')), models.build(
+      small_config('postln', fused_attention='flash'))
+  params = perturbed_params(plain, batch)
+  batch = dict(batch, masked_positions=jnp.asarray([[1, 2], [0, 3], [4, 0], [2, 2]][:len(
+      batch['input_ids'])], jnp.int32))
+  a = plain.apply({'params': params}, batch)
+  b = flash.apply({'params': params}, batch)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_flash_drops_what_the_unsharded_plain_path_drops():
+  """data x fsdp x tensor = 2 x 2 x 2: each shard computes its own sequences and heads, its
+  mask rows offset to their global place."""
+  batch = make_batch(lengths=(12, 7, 3, 9, 1, 12, 4, 8))
+  plain, flash = _models(attention_dropout_rate=0.3, dropout_rate=0.0)
+  params = perturbed_params(plain, batch)
+  rngs = {'dropout': jax.random.PRNGKey(8)}
+  want = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs).hidden
+  mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+    apply = jax.jit(lambda p, b: flash.apply({'params': p}, b, deterministic=False,
+                                             rngs=rngs).hidden)
+    text = apply.lower(params, batch).as_text()
+    got = apply(params, batch)
+  assert 'shard_map' in text or 'sdy.manual_computation' in text
+  mask = np.asarray(batch['attention_mask'], bool)
+  np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize('seq_len', [128, 512])
+def test_forward_and_backward_lower_to_triton_for_cuda(seq_len):
+  """BERT-base's attention shapes in bfloat16, lowered for CUDA on this CPU: the Pallas
+  kernels' Triton lowering (the part a GPU would reject at its first step) runs here."""
+  q = jax.ShapeDtypeStruct((4, seq_len, 12, 64), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((4, seq_len), jnp.float32)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+  def loss(q, k, v, bias, key):
+    out = flash_lib.flash_attention(q, k, v, bias, dropout_rate=0.1, dropout_key=key)
+    return out.astype(jnp.float32).sum()
+
+  with _an_h100():
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(
+        q, q, q, bias, key).lower(lowering_platforms=('cuda',))
+  text = lowered.as_text()
+  for name in ('flash_attention_forward', 'flash_attention_dkv', 'flash_attention_dq'):
+    assert text.count('xla.gpu.triton') == 3 and f'name = "{name}' in text, name
+
+
+def _an_h100():
+  """Where jax's Triton lowering asks which GPU it lowers for (jax 0.11 and later, the GPU
+  image's: .ci/device_smoke runs this file there), an abstract H100; before, nothing."""
+  try:
+    from jax._src.mesh import AbstractDevice  # pylint: disable=g-import-not-at-top
+    device = AbstractDevice(device_kind='NVIDIA H100 80GB HBM3', num_cores=132, platform='gpu')
+    mesh = jax.sharding.AbstractMesh((1,), ('x',), abstract_device=device)
+  except (ImportError, TypeError):
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def test_one_line_errors():
+  with pytest.raises(ValueError, match='flash is a Triton kernel for GPUs, not tpu'):
+    resolve(small_config('postln', fused_attention='flash'), platform='tpu')
+  mesh = partitioning.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 8})
+  with pytest.raises(ValueError, match='runs whole heads on each device; choose a mesh.tensor '
+                                       'that divides 4'):
+    partitioning.check_heads(resolve(small_config('postln', fused_attention='flash')), mesh)
+  partitioning.check_heads(resolve(small_config('postln', fused_attention='off')), mesh)
+  old = jax.config.jax_default_prng_impl
+  jax.config.update('jax_default_prng_impl', 'rbg')
+  try:
+    with pytest.raises(ValueError, match='unset JAX_DEFAULT_PRNG_IMPL'):
+      dropout_lib.Dropout(0.1).apply({}, rngs={'dropout': jax.random.PRNGKey(0)},
+                                     method='threefry_key')
+  finally:
+    jax.config.update('jax_default_prng_impl', old)
