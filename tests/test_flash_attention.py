@@ -193,10 +193,11 @@ def test_sharded_flash_drops_what_the_unsharded_plain_path_drops():
                              atol=1e-5)
 
 
-@pytest.mark.parametrize('seq_len', [128, 512])
+@pytest.mark.parametrize('seq_len', [40, 128, 384, 512])
 def test_forward_and_backward_lower_to_triton_for_cuda(seq_len):
-  """BERT-base's attention shapes in bfloat16, lowered for CUDA on this CPU: the Pallas
-  kernels' Triton lowering (the part a GPU would reject at its first step) runs here."""
+  """BERT-base's attention shapes in bfloat16 (pretraining's lengths, SQuAD's, a fine-tuning
+  bucket's), lowered for CUDA on this CPU: the Pallas kernels' Triton lowering (the part a
+  GPU would reject at its first step) runs here."""
   q = jax.ShapeDtypeStruct((4, seq_len, 12, 64), jnp.bfloat16)
   bias = jax.ShapeDtypeStruct((4, seq_len), jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)

@@ -308,10 +308,15 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
+def _power_of_2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
 def block_sizes(q_len: int, k_len: int) -> Tuple[int, int]:
-  """(block_q, block_c): 64 queries and 4 x 32 keys, less for short sequences (at least 16
-  each, Triton's smallest dot)."""
-  return min(64, _round_up(q_len, 16)), min(32, _round_up(-(-k_len // 4), 16))
+  """(block_q, block_c): 64 queries and 4 x 32 keys, less for short sequences: powers of 2
+  (Triton's arrays) of at least 16 (its smallest dot)."""
+  return (min(64, _power_of_2(max(q_len, 16))),
+          min(32, _power_of_2(max(-(-k_len // 4), 16))))
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
