@@ -255,6 +255,9 @@ def _grouped(x):
 
 
 def _backward(q, k, v, key_bias, seed, offsets, out, lse, dout, d: _Dims, interpret):
+  # Half the forward's keys per step (at least Triton's 16 per dot): the dK/dV program keeps
+  # eight [block_c, D] float32 accumulators, 64 registers a thread at 4 warps for 16.
+  d = dataclasses.replace(d, block_c=d.block_c // 2 if d.block_c >= 32 else d.block_c)
   full, grouped, q_block, bias, rows, scalars = _specs(d)
   delta = jnp.einsum('bqhd,bqhd->bhq', out.astype(jnp.float32), dout.astype(jnp.float32))
   args = (seed, offsets, q, _grouped(k), _grouped(v), _grouped(key_bias), dout, lse, delta)
