@@ -83,6 +83,7 @@ def model_config(variant='postln', size='base'):
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
   # auto | xla | cudnn (jax.nn.dot_product_attention, without attention dropout) | flash
   # (our Pallas kernel, attention dropout inside it: GPUs) | off
+  m.fused_attention = 'auto'
   m.dense_impl = 'auto'  # auto | flax | cpu (custom VJP for XLA:CPU: realformer/layers/dense.py)
   # predicted: in the pretraining loss the last layer computes only [CLS] and the masked
   # positions, the rows the losses read (same loss); all: every row.
