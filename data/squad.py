@@ -80,8 +80,13 @@ def make_example(qid: str, question: str, context: str, answers: Sequence[str],
       raise ValueError(f'question {qid}: answer {text!r} is not at character {start} of its '
                        'context; is the file SQuAD JSON?')
     ex.answer_text, ex.answer_start = text, start
-    ex.start_word = char_to_word[start]
-    ex.end_word = char_to_word[start + len(text) - 1]
+    # the words of its first and last non-space characters (an answer may start or end
+    # with a space: its character there belongs to no word, or to the one before)
+    first = next((i for i, c in enumerate(text) if not _is_whitespace(c)), 0)
+    last = next((i for i in range(len(text) - 1, -1, -1) if not _is_whitespace(text[i])),
+                len(text) - 1)
+    ex.start_word = max(char_to_word[start + first], 0)
+    ex.end_word = max(char_to_word[start + last], ex.start_word)
   return ex
 
 
@@ -207,8 +212,15 @@ def _encode_context(ex: Example, tokenizer):
     return (*tokenizer.encode_words(ex.words), None)
   ids, sub_to_word, offsets = tokenizer.encode_words_with_offsets(ex.words)
   starts = word_starts(ex.context)
-  return ids, sub_to_word, [(starts[w] + a, starts[w] + b)
-                            for w, (a, b) in zip(sub_to_word, offsets)]
+  chars = [(starts[w] + a, starts[w] + b) for w, (a, b) in zip(sub_to_word, offsets)]
+  # A piece ends where its word's next piece starts, the last at the word's end: characters
+  # the normaliser dropped (an uncased vocabulary's combining accents, format characters)
+  # belong to the piece before them, so an answer keeps its trailing accent (BERT's
+  # get_final_text keeps the original word's).
+  for i, (w, (a, _)) in enumerate(zip(sub_to_word, chars)):
+    same_word = i + 1 < len(chars) and sub_to_word[i + 1] == w
+    chars[i] = (a, chars[i + 1][0] if same_word else starts[w] + len(ex.words[w]))
+  return ids, sub_to_word, chars
 
 
 def _answer_span(ex: Example, doc: List[int], sub_to_word: List[int], chars, tokenizer,
@@ -228,16 +240,17 @@ def _answer_span(ex: Example, doc: List[int], sub_to_word: List[int], chars, tok
 
 
 def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
-              doc_stride: int, max_query_length: int, training: bool
+              doc_stride: int, max_query_length: int, training: bool, infos: bool = True
               ) -> Tuple[Dict[str, np.ndarray], List[FeatureInfo]]:
   """Windows of every example -> arrays (input_ids, segment_ids, attention_mask,
-  start_positions, end_positions) and one FeatureInfo per window."""
+  start_positions, end_positions) and one FeatureInfo per window (none with infos=False:
+  only post-processing reads them, and SQuAD's 88k training windows would hold gigabytes)."""
   if doc_stride <= 0:
     raise ValueError(f'doc_stride={doc_stride} must be positive')
   if max_seq_length - min(max_query_length, max_seq_length) - 3 <= 0:
     raise ValueError(f'max_seq_length={max_seq_length} leaves no room for the context after '
                      f'max_query_length={max_query_length}; raise it or lower the other')
-  rows, infos = [], []
+  want_infos, rows, infos = infos, [], []
   for example_index, ex in enumerate(examples):
     query = tokenizer.encode(ex.question)[:max_query_length]
     max_window = max_seq_length - len(query) - 3  # run_squad's max_tokens_for_doc
@@ -260,10 +273,11 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
       token_to_word, max_context = {}, {}
       token_to_chars = None if chars is None else {}
       for i in range(length):
-        token_to_word[len(ids)] = sub_to_word[offset + i]
-        max_context[len(ids)] = _max_context(spans, span_index, offset + i)
-        if chars is not None:
-          token_to_chars[len(ids)] = chars[offset + i]
+        if want_infos:
+          token_to_word[len(ids)] = sub_to_word[offset + i]
+          max_context[len(ids)] = _max_context(spans, span_index, offset + i)
+          if chars is not None:
+            token_to_chars[len(ids)] = chars[offset + i]
         ids.append(doc[offset + i])
       ids.append(tokenizer.sep_id)
       segments += [1] * (length + 1)
@@ -274,7 +288,8 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
           start_position = start - offset + len(query) + 2
           end_position = end - offset + len(query) + 2
       rows.append((ids, segments, start_position, end_position))
-      infos.append(FeatureInfo(example_index, token_to_word, max_context, token_to_chars))
+      if want_infos:
+        infos.append(FeatureInfo(example_index, token_to_word, max_context, token_to_chars))
   n = len(rows)
   arrays = {'input_ids': np.full((n, max_seq_length), tokenizer.pad_id, np.int32),
             'segment_ids': np.zeros((n, max_seq_length), np.int32),
@@ -308,6 +323,10 @@ def final_text(predicted: str, original: str) -> str:
 
 def _top_indices(logits: np.ndarray, n: int) -> List[int]:
   return list(np.argsort(-logits, kind='stable')[:n])
+
+
+# The null-score difference of a question whose windows hold no valid span.
+NO_SPAN = 1e30
 
 
 def postprocess(examples: Sequence[Example], infos: Sequence[FeatureInfo],
@@ -352,7 +371,8 @@ def postprocess(examples: Sequence[Example], infos: Sequence[FeatureInfo],
       if len(seen) >= n_best_size:
         break
     if version_2:
-      diff = null_score - best_score if best_score is not None else float('inf')
+      # no span at all: the empty answer whatever the threshold (finite, for strict JSON)
+      diff = null_score - best_score if best_score is not None else NO_SPAN
       null_diff[ex.qid] = diff
     answers[ex.qid] = best_text or ''
   return answers, null_diff

@@ -157,10 +157,13 @@ def test_postprocess_recovers_answers_from_oracle_logits(tok):
 def test_uncased_wordpiece_answers_keep_their_accents_and_nothing_more():
   """An uncased vocabulary strips accents ('Café' -> 'cafe'): the training span is the
   answer's pieces only (not the word's punctuation), and the predicted text is the context's
-  own characters ('Café', not '(Café).'; 'Düsseldorf', not 'Düsseldorf-Nord')."""
+  own characters ('Café', not '(Café).'; 'Düsseldorf', not 'Düsseldorf-Nord'), with the
+  combining accents of decomposed text at a word's end too ('cafe\u0301', Vietnamese)."""
   tok = tokenizer_lib.Tokenizer.load(os.path.join(test_wordpiece.MINILM, 'vocab.txt'))
-  context = 'They met at the (Café). in  Düsseldorf-Nord, near İstanbul-Straße 5.'
-  golds = {'q1': 'Café', 'q2': 'Düsseldorf', 'q3': 'İstanbul-Straße 5'}
+  context = ('They met at the (Café). in  Düsseldorf-Nord, near İstanbul-Straße 5, a '
+             'cafe\u0301 of Ha\u0300 Ni\u0323\u0302.')
+  golds = {'q1': 'Café', 'q2': 'Düsseldorf', 'q3': 'İstanbul-Straße 5', 'q4': 'cafe\u0301',
+           'q5': 'Ha\u0300 Ni\u0323\u0302'}
   examples = [squad.make_example(q, 'Where?', context, [a], [context.index(a)])
               for q, a in golds.items()]
   kw = dict(max_seq_length=64, doc_stride=32, max_query_length=8)
@@ -177,6 +180,36 @@ def test_uncased_wordpiece_answers_keep_their_accents_and_nothing_more():
   end[rows, train['end_positions']] = 5.0
   answers, _ = squad.postprocess(examples, infos, feats, start, end, tok)
   assert answers == golds
+
+
+def test_answers_with_spaces_at_their_ends_label_their_words():
+  context = ' Paris is big'
+  for text, start in ((' Paris', 0), ('Paris ', 1), (' Paris is ', 0)):
+    ex = squad.make_example('q', 'Where?', context, [text], [start])
+    assert (ex.start_word, ex.end_word) == ((0, 0) if text.strip() == 'Paris' else (0, 1))
+
+
+def test_a_question_without_any_valid_span_is_nulled_in_strict_json(tok):
+  examples = _examples('v2.0')
+  kw = dict(max_seq_length=48, doc_stride=16, max_query_length=12)
+  feats, infos = squad.featurize(examples, tok, training=False, **kw)
+  logits = np.zeros(feats['input_ids'].shape, np.float32)
+  answers, null_diff = squad.postprocess(examples, infos, feats, logits, logits, tok,
+                                         max_answer_length=0, version_2=True)
+  assert set(answers.values()) == {''} and set(null_diff.values()) == {squad.NO_SPAN}
+  json.dumps(null_diff, allow_nan=False)
+  assert squad.apply_null_threshold(answers, null_diff, 1e9) == answers
+
+
+def test_squad_v1_refuses_unanswerable_questions_in_one_line(tmp_path):
+  for split in ('train', 'dev'):
+    shutil.copy(os.path.join(SQUAD_DIR, 'v2.0.json'), tmp_path / f'{split}-v1.1.json')
+  task = squad_task.SquadTask.__new__(squad_task.SquadTask)  # load() alone
+  task.config = types.SimpleNamespace(task='v1.1', data_dir=str(tmp_path), max_seq_length=48,
+                                      doc_stride=16, max_query_length=12)
+  with pytest.raises(ValueError, match=r'squad/v1.1: 3 train questions have no answer \(SQuAD '
+                                       r'2.0 data\?\); use configs/finetune.py:squad/v2.0'):
+    task.load(tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER))
 
 
 def test_squad_v2_end_to_end(pretrained, tmp_path):

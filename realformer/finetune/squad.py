@@ -32,9 +32,16 @@ class SquadTask(FinetuneTask):
     self.featurize = lambda examples, training: squad.featurize(
         examples, tokenizer, max_seq_length=config.max_seq_length,
         doc_stride=config.doc_stride, max_query_length=config.max_query_length,
-        training=training)
-    self.train, _ = self.featurize(self._load('train'), True)
+        training=training, infos=not training)
+    train = self._load('train')
     self.dev = self._load('dev')
+    if not self.version_2:
+      for split, examples in (('train', train), ('dev', self.dev)):
+        unanswerable = sum(ex.is_impossible for ex in examples)
+        if unanswerable:
+          raise ValueError(f'squad/v1.1: {unanswerable} {split} questions have no answer '
+                           '(SQuAD 2.0 data?); use configs/finetune.py:squad/v2.0')
+    self.train, _ = self.featurize(train, True)
     self.dev_features, self.dev_infos = self.featurize(self.dev, False)
     self.answers = None  # dev answers of the last evaluation, for the prediction file
 
