@@ -85,12 +85,30 @@ def test_kernel_matches_a_float64_reference_with_keep_masks_mask(rate):
 
 
 def test_a_sequence_without_real_keys_averages_its_values_like_the_plain_path():
-  q, k, v, _, _ = _inputs(2)
-  bias = np.full((B, T), attn_lib.NEG_INF)
-  out = flash_lib.flash_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
-                                  jnp.asarray(bias, jnp.float32), interpret=True)
-  np.testing.assert_allclose(out, np.broadcast_to(v.mean(1, keepdims=True), out.shape),
-                             atol=1e-6)
+  """Its row max is about -1e9, where float32 cannot hold max + log(sum): the backward's
+  probabilities must still be 1 / Tk, as the plain path's (float32) are."""
+  q, k, v, w, bias = _inputs(2)
+  bias[1] = attn_lib.NEG_INF
+  q, k, v, w, bias = (jnp.asarray(x, jnp.float32) for x in (q, k, v, w, bias))
+  key = jax.random.PRNGKey(1)
+  flash = lambda q, k, v, rate: flash_lib.flash_attention(
+      q, k, v, bias, dropout_rate=rate, dropout_key=key, interpret=True)
+
+  def plain(q, k, v, rate):
+    p = jax.nn.softmax(jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D)
+                       + bias[:, None, None], -1)
+    if rate:
+      keep, scale = dropout_lib.keep_mask(key, rate, p.shape)
+      p = jnp.where(keep, p * scale, 0.0)
+    return jnp.einsum('bhqk,bkhd->bqhd', p, v)
+
+  out = flash(q, k, v, 0.0)
+  np.testing.assert_allclose(out[1], np.broadcast_to(v[1].mean(0), out[1].shape), atol=1e-6)
+  for rate in (0.0, 0.1):
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, rate) * w)
+    for g, r in zip(jax.grad(loss(flash), (0, 1, 2))(q, k, v),
+                    jax.grad(loss(plain), (0, 1, 2))(q, k, v)):
+      np.testing.assert_allclose(g, r, atol=1e-5)
 
 
 def test_lengths_that_fill_no_block_are_padded_and_drop_keep_masks_mask():
@@ -155,7 +173,7 @@ def _models(variant='postln', **cfg):
 def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients_under_dropout(variant):
   batch = make_batch()
   plain, flash = _models(variant, attention_dropout_rate=0.3, dropout_rate=0.1)
-  assert attn_lib._use_flash(flash.spec, False, None)
+  assert attn_lib._use_flash(flash.spec, False, False, None)
   params = perturbed_params(plain, batch)
   rngs = {'dropout': jax.random.PRNGKey(3)}
 
@@ -174,22 +192,29 @@ def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients_under_dr
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 
-def test_flash_stands_in_only_for_plain_attention_and_never_for_the_pruned_last_layer():
+def test_flash_stands_in_only_for_plain_attention_under_dropout_and_not_in_the_last_layer():
+  cfg = dict(fused_attention='flash', attention_dropout_rate=0.3)
   for variant in ('realformer', 'synth_dense', 'synth_random_vanilla'):
-    assert not attn_lib._use_flash(resolve(small_config(variant, fused_attention='flash')),
-                                   False, None)
-  spec = resolve(small_config('postln', fused_attention='flash'))
-  assert not attn_lib._use_flash(spec, True, None)  # probabilities asked for
-  assert not attn_lib._use_flash(spec, False, jnp.zeros((2, 3), jnp.int32))  # some rows
-  assert attn_lib._use_fused(spec, True, False) is None  # never jax.nn.dot_product_attention
+    assert not attn_lib._use_flash(resolve(small_config(variant, **cfg)), False, False, None)
+  spec = resolve(small_config('postln', **cfg))
+  assert attn_lib._use_flash(spec, False, False, None)
+  assert not attn_lib._use_flash(spec, True, False, None)  # no dropout: flash is auto
+  assert not attn_lib._use_flash(spec, False, True, None)  # probabilities asked for
+  assert not attn_lib._use_flash(spec, False, False, jnp.zeros((2, 3), jnp.int32))  # rows
+  assert not attn_lib._use_flash(resolve(small_config('postln', fused_attention='flash',
+                                                      attention_dropout_rate=0.0)),
+                                 False, False, None)
+  assert attn_lib._use_fused(spec, True, False) is None  # auto's choice on a CPU
+  # The pretraining model (its last layer on the plain path) under dropout: the same losses.
   batch = make_batch()
-  plain, flash = models.build(small_config('postln', fused_attention='off')), models.build(
-      small_config('postln', fused_attention='flash'))
+  plain, flash = (models.build(small_config('postln', **dict(cfg, fused_attention=f),
+                                            dropout_rate=0.0)) for f in ('off', 'flash'))
   params = perturbed_params(plain, batch)
   batch = dict(batch, masked_positions=jnp.asarray([[1, 2], [0, 3], [4, 0], [2, 2]][:len(
       batch['input_ids'])], jnp.int32))
-  a = plain.apply({'params': params}, batch)
-  b = flash.apply({'params': params}, batch)
+  rngs = {'dropout': jax.random.PRNGKey(4)}
+  a = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs)
+  b = flash.apply({'params': params}, batch, deterministic=False, rngs=rngs)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
 
@@ -250,6 +275,13 @@ def _an_h100():
 def test_one_line_errors():
   with pytest.raises(ValueError, match='flash is a Triton kernel for GPUs, not tpu'):
     resolve(small_config('postln', fused_attention='flash'), platform='tpu')
+  with pytest.raises(ValueError, match='a power of 2 of at least 16.*not 8'):
+    resolve(small_config('postln', fused_attention='flash'), platform='gpu')  # 32 / 4 heads
+  with pytest.raises(ValueError, match='a power of 2 of at least 16.*not 48'):
+    resolve(small_config('postln', fused_attention='flash', hidden_size=96, num_heads=2),
+            platform='gpu')
+  assert resolve(small_config('postln', fused_attention='flash', hidden_size=64, num_heads=2),
+                 platform='gpu').head_dim == 32
   mesh = partitioning.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 8})
   with pytest.raises(ValueError, match='runs whole heads on each device; choose a mesh.tensor '
                                        'that divides 4'):

@@ -6,10 +6,14 @@ attention in training:
     P   = softmax(Q K^T / sqrt(d) + bias)            (bias: 0 for real keys, NEG_INF padding)
     out = (where(keep, P / P(keep), 0) in Q's dtype) V
 
-without writing the [B, H, Tq, Tk] scores, probabilities or mask to memory: each program
-holds a block of queries, runs over the keys with an online softmax, and the backward pass
-recomputes P and the mask block by block (FlashAttention-2's algorithm, Dao 2023, with
-delta = rowsum(dO * O), which holds with dropout too).
+without writing the [B, H, Tq, Tk] scores or probabilities to memory: each program holds a
+block of queries, runs over the keys with an online softmax, and the backward pass rebuilds
+P block by block from the row max and log-sum (FlashAttention-2's algorithm, Dao 2023, with
+delta = rowsum(dO * O), which holds with dropout too). The mask is drawn once, in the
+forward kernel, and kept for the backward as one uint8 per threefry block (4 bits of keys:
+B * H * Tq * Tk / 4 bytes, 50 MB a layer at 64 x 512 in BERT-base): threefry's 20 rounds of
+integer work per block would cost more than the matmuls if each backward kernel drew the
+mask again.
 
 The mask is `realformer.layers.dropout.keep_mask(key, rate, [B, H, Tq, Tk])` bit for bit:
 element (b, h, q, k) keeps the 16-bit word k % 4 of threefry-2x32(key, row, k // 4), with
@@ -19,7 +23,7 @@ online softmax, and P rounded to Q's dtype before its normalisation). To draw ea
 block once for its four keys, the key axis is read as [Tk / 4, 4]: a program's column block
 holds `block_c` threefry blocks and their 4 * block_c keys, four dots of `block_c` keys each.
 
-On a GPU this is a Triton kernel; on a CPU it runs in Pallas's interpreter (for tests, slow).
+On a GPU these are Triton kernels; on a CPU they run in Pallas's interpreter (for tests, slow).
 Inputs: q [B, Tq, H, D], k and v [B, Tk, H, D] (any lengths: padded to whole blocks inside),
 key_bias [B, Tk] float32. No sharding rule: under a mesh, call it per shard (see
 realformer/model/attention.py) with the shard's global batch and head offsets.
@@ -106,18 +110,6 @@ class _Dims:
     h = pl.program_id(1) + offsets_ref[1]
     return (b * offsets_ref[2] + h) * self.mask_q_len
 
-  def row_ids(self, base, q_start, size):
-    """uint32 mask rows of queries q_start .. q_start + size (base: row_base)."""
-    return (base + q_start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)).astype(jnp.uint32)
-
-  def col_ids(self, c_start):
-    return (c_start + jax.lax.broadcasted_iota(jnp.int32, (self.block_c,), 0)).astype(jnp.uint32)
-
-  def keeps(self, seed_ref, rows, cols):
-    if not self.dropout:
-      return (None,) * 4
-    return _keep_words(seed_ref, rows, cols, self.threshold)
-
   def drop(self, x, keep):
     """where(keep, x / P(keep), 0): the plain path's inverted dropout, in float32."""
     if keep is None:
@@ -125,30 +117,46 @@ class _Dims:
     return jnp.where(keep, x * self.keep_scale, 0.0)
 
 
-def _scores(d, q, k_ref, bias_ref, c_start, i):
-  """Scaled scores [block_q, block_c] of q against keys 4 * (c_start + c) + i, with bias."""
-  k = k_ref[pl.ds(c_start, d.block_c), i, :]
-  s = plgpu.dot(q, k, trans_b=True) * d.sm_scale
-  return s + bias_ref[pl.ds(c_start, d.block_c), i][None, :]
+def _iota(start, size):
+  return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
 
 
-def _forward_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, lse_ref, *, d):
+def _nibbles(keeps):
+  """Four keep masks -> one uint8 per threefry block, bit i for key 4c + i."""
+  return sum(k.astype(jnp.int32) << i for i, k in enumerate(keeps)).astype(jnp.uint8)
+
+
+def _unpack(nibbles):
+  """uint8 [rows, block_c] -> the four keep masks."""
+  n = nibbles.astype(jnp.int32)
+  return tuple(((n >> i) & 1) == 1 for i in range(4))
+
+
+def _forward_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, m_ref,
+                    log_l_ref, *mask_ref, d):
+  """One query block against every key: the online softmax; with dropout, the mask is drawn
+  here (threefry) and written as nibbles for the backward kernels."""
   q_start = pl.program_id(2) * d.block_q
   q = q_ref[...]
-  rows = d.row_ids(d.row_base(offsets_ref), q_start, d.block_q)
+  rows = (d.row_base(offsets_ref) + _iota(q_start, d.block_q)).astype(jnp.uint32)
 
   def body(j, carry):
     m, l, acc = carry
-    c_start = j * d.block_c
-    keeps = d.keeps(seed_ref, rows, d.col_ids(c_start))
-    s = [_scores(d, q, k_ref, bias_ref, c_start, i) for i in range(4)]
+    c = pl.ds(j * d.block_c, d.block_c)
+    keeps = (None,) * 4
+    if d.dropout:
+      cols = _iota(j * d.block_c, d.block_c).astype(jnp.uint32)
+      keeps = _keep_words(seed_ref, rows, cols, d.threshold)
+      mask_ref[0][:, c] = _nibbles(keeps)
+    s = [plgpu.dot(q, k_ref[c, i, :], trans_b=True) * d.sm_scale + bias_ref[c, i][None, :]
+         for i in range(4)]
     m_new = jnp.maximum(m, functools.reduce(jnp.maximum, [x.max(axis=1) for x in s]))
     alpha = jnp.exp(m - m_new)
     p = [jnp.exp(x - m_new[:, None]) for x in s]
     l = alpha * l + sum(x.sum(axis=1) for x in p)
     acc = acc * alpha[:, None]
     for i in range(4):
-      v = v_ref[pl.ds(c_start, d.block_c), i, :]
+      v = v_ref[c, i, :]
       acc = acc + plgpu.dot(d.drop(p[i], keeps[i]).astype(v.dtype), v)
     return m_new, l, acc
 
@@ -156,56 +164,62 @@ def _forward_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, o_ref,
           jnp.zeros((d.block_q, d.head_dim), jnp.float32))
   m, l, acc = jax.lax.fori_loop(0, d.groups // d.block_c, body, init)
   o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = m + jnp.log(l)
+  # m and log(l) apart: for a row whose keys are all padding m is about -1e9, where float32
+  # would round m + log(l) back to m (and the backward's probabilities to 1, not 1 / Tk).
+  m_ref[...] = m
+  log_l_ref[...] = jnp.log(l)
 
 
-def _dkv_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, d):
-  c_start = pl.program_id(2) * d.block_c
-  cols = d.col_ids(c_start)
-  ks = [k_ref[pl.ds(c_start, d.block_c), i, :] for i in range(4)]
-  vs = [v_ref[pl.ds(c_start, d.block_c), i, :] for i in range(4)]
-  biases = [bias_ref[pl.ds(c_start, d.block_c), i][None, :] for i in range(4)]
-  base = d.row_base(offsets_ref)
+def _probabilities(d, q, k, bias, m, log_l):
+  """P [rows, block_c] of one quarter, rebuilt from the forward's row max and log-sum."""
+  s = plgpu.dot(q, k, trans_b=True) * d.sm_scale + bias[None, :]
+  return jnp.exp((s - m[:, None]) - log_l[:, None])
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref, *refs, d):
+  """One block of 4 x block_c keys against every query. dK and dV are accumulated
+  transposed, [D, block_c], so that their dots' first dimension is D (64), not block_c."""
+  *mask_ref, dk_ref, dv_ref = refs
+  c = pl.ds(pl.program_id(2) * d.block_c, d.block_c)
+  ks = [k_ref[c, i, :] for i in range(4)]
+  vs = [v_ref[c, i, :] for i in range(4)]
+  biases = [bias_ref[c, i] for i in range(4)]
 
   def body(t, carry):
     dks, dvs = carry
-    q_start = t * d.block_q
-    q = q_ref[pl.ds(q_start, d.block_q), :]
-    do = do_ref[pl.ds(q_start, d.block_q), :]
-    lse = lse_ref[pl.ds(q_start, d.block_q)]
-    delta = delta_ref[pl.ds(q_start, d.block_q)]
-    keeps = d.keeps(seed_ref, d.row_ids(base, q_start, d.block_q), cols)
+    rows = pl.ds(t * d.block_q, d.block_q)
+    q, do = q_ref[rows, :], do_ref[rows, :]
+    m, log_l, delta = m_ref[rows], log_l_ref[rows], delta_ref[rows]
+    keeps = _unpack(mask_ref[0][rows, c]) if d.dropout else (None,) * 4
     new_dks, new_dvs = [], []
     for i in range(4):
-      p = jnp.exp(plgpu.dot(q, ks[i], trans_b=True) * d.sm_scale + biases[i] - lse[:, None])
-      new_dvs.append(dvs[i] + plgpu.dot(d.drop(p, keeps[i]).astype(do.dtype), do, trans_a=True))
+      p = _probabilities(d, q, ks[i], biases[i], m, log_l)
+      new_dvs.append(dvs[i] + plgpu.dot(do, d.drop(p, keeps[i]).astype(do.dtype),
+                                        trans_a=True))
       dp = d.drop(plgpu.dot(do, vs[i], trans_b=True), keeps[i])
       ds = p * (dp - delta[:, None])
-      new_dks.append(dks[i] + plgpu.dot(ds.astype(q.dtype), q, trans_a=True))
+      new_dks.append(dks[i] + plgpu.dot(q, ds.astype(q.dtype), trans_a=True))
     return tuple(new_dks), tuple(new_dvs)
 
-  zeros = tuple(jnp.zeros((d.block_c, d.head_dim), jnp.float32) for _ in range(4))
+  zeros = tuple(jnp.zeros((d.head_dim, d.block_c), jnp.float32) for _ in range(4))
   dks, dvs = jax.lax.fori_loop(0, d.q_len // d.block_q, body, (zeros, zeros))
   for i in range(4):
-    dk_ref[:, i, :] = (dks[i] * d.sm_scale).astype(dk_ref.dtype)
-    dv_ref[:, i, :] = dvs[i].astype(dv_ref.dtype)
+    dk_ref[:, i, :] = (dks[i] * d.sm_scale).T.astype(dk_ref.dtype)
+    dv_ref[:, i, :] = dvs[i].T.astype(dv_ref.dtype)
 
 
-def _dq_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, d):
-  q_start = pl.program_id(2) * d.block_q
+def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref, *refs, d):
+  """One query block against every key."""
+  *mask_ref, dq_ref = refs
   q, do = q_ref[...], do_ref[...]
-  lse, delta = lse_ref[...], delta_ref[...]
-  rows = d.row_ids(d.row_base(offsets_ref), q_start, d.block_q)
+  m, log_l, delta = m_ref[...], log_l_ref[...], delta_ref[...]
 
   def body(j, dq):
-    c_start = j * d.block_c
-    keeps = d.keeps(seed_ref, rows, d.col_ids(c_start))
+    c = pl.ds(j * d.block_c, d.block_c)
+    keeps = _unpack(mask_ref[0][:, c]) if d.dropout else (None,) * 4
     for i in range(4):
-      k = k_ref[pl.ds(c_start, d.block_c), i, :]
-      v = v_ref[pl.ds(c_start, d.block_c), i, :]
-      p = jnp.exp(_scores(d, q, k_ref, bias_ref, c_start, i) - lse[:, None])
+      k, v = k_ref[c, i, :], v_ref[c, i, :]
+      p = _probabilities(d, q, k, bias_ref[c, i], m, log_l)
       dp = d.drop(plgpu.dot(do, v, trans_b=True), keeps[i])
       dq = dq + plgpu.dot((p * (dp - delta[:, None])).astype(k.dtype), k)
     return dq
@@ -216,37 +230,40 @@ def _dq_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, lse
 
 
 def _specs(d: _Dims):
-  """BlockSpecs over grid (b, h, block): whole sequences per (b, h), or one query block."""
+  """BlockSpecs over grid (b, h, block)."""
   full = lambda n: pl.BlockSpec((None, n, None, d.head_dim), lambda b, h, i: (b, 0, h, 0))
   grouped = pl.BlockSpec((None, d.groups, 4, None, d.head_dim),
                          lambda b, h, i: (b, 0, 0, h, 0))
   q_block = pl.BlockSpec((None, d.block_q, None, d.head_dim), lambda b, h, i: (b, i, h, 0))
   bias = pl.BlockSpec((None, d.groups, 4), lambda b, h, i: (b, 0, 0))
   rows = lambda n, at: pl.BlockSpec((None, None, n), lambda b, h, i: (b, h, at(i)))
+  mask = lambda n, at: pl.BlockSpec((None, None, n, d.groups), lambda b, h, i: (b, h, at(i), 0))
   scalars = pl.BlockSpec((3,), lambda b, h, i: (0,))
-  return full, grouped, q_block, bias, rows, scalars
+  return full, grouped, q_block, bias, rows, mask, scalars
 
 
-def _call(kernel, d, grid, in_specs, out_specs, out_shape, interpret, name):
-  params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2)
+def _call(kernel, d, grid, in_specs, out_specs, out_shape, interpret, name, num_warps=4):
+  params = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
   return pl.pallas_call(functools.partial(kernel, d=d), grid=grid, in_specs=in_specs,
                         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
                         compiler_params=params, name=name)
 
 
 def _forward(q, k, v, key_bias, seed, offsets, d: _Dims, interpret):
-  full, grouped, q_block, bias, rows, scalars = _specs(d)
-  del full
-  grid = (d.batch, d.heads, d.q_len // d.block_q)
-  out, lse = _call(
-      _forward_kernel, d, grid,
-      [scalars, scalars, q_block, grouped, grouped, bias],
-      [q_block, rows(d.block_q, lambda i: i)],
-      [jax.ShapeDtypeStruct(q.shape, q.dtype),
-       jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len), jnp.float32)],
+  """(out, residuals for the backward: row max, log-sum, the mask's nibbles or nothing)."""
+  _, grouped, q_block, bias, rows, mask, scalars = _specs(d)
+  row_stats = jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len), jnp.float32)
+  out_specs = [q_block, rows(d.block_q, lambda i: i), rows(d.block_q, lambda i: i)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), row_stats, row_stats]
+  if d.dropout:
+    out_specs.append(mask(d.block_q, lambda i: i))
+    out_shape.append(jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len, d.groups), jnp.uint8))
+  out, *stats = _call(
+      _forward_kernel, d, (d.batch, d.heads, d.q_len // d.block_q),
+      [scalars, scalars, q_block, grouped, grouped, bias], out_specs, out_shape,
       interpret, 'flash_attention_forward')(
           seed, offsets, q, _grouped(k), _grouped(v), _grouped(key_bias))
-  return out, lse
+  return out, tuple(stats)
 
 
 def _grouped(x):
@@ -254,27 +271,28 @@ def _grouped(x):
   return x.reshape(x.shape[0], x.shape[1] // 4, 4, *x.shape[2:])
 
 
-def _backward(q, k, v, key_bias, seed, offsets, out, lse, dout, d: _Dims, interpret):
+def _backward(q, k, v, key_bias, out, stats, dout, d: _Dims, interpret):
   # Half the forward's keys per step (at least Triton's 16 per dot): the dK/dV program keeps
-  # eight [block_c, D] float32 accumulators, 64 registers a thread at 4 warps for 16.
+  # eight [D, block_c] float32 accumulators, with 8 warps (4 spill registers).
   d = dataclasses.replace(d, block_c=d.block_c // 2 if d.block_c >= 32 else d.block_c)
-  full, grouped, q_block, bias, rows, scalars = _specs(d)
+  full, grouped, q_block, bias, rows, mask, _ = _specs(d)
   delta = jnp.einsum('bqhd,bqhd->bhq', out.astype(jnp.float32), dout.astype(jnp.float32))
-  args = (seed, offsets, q, _grouped(k), _grouped(v), _grouped(key_bias), dout, lse, delta)
-  whole_rows = rows(d.q_len, lambda i: 0)
+  args = (q, _grouped(k), _grouped(v), _grouped(key_bias), dout, stats[0], stats[1], delta,
+          *stats[2:])
+  whole = rows(d.q_len, lambda i: 0)
   k_block = pl.BlockSpec((None, d.block_c, 4, None, d.head_dim),
                          lambda b, h, i: (b, i, 0, h, 0))
   dk, dv = _call(
       _dkv_kernel, d, (d.batch, d.heads, d.groups // d.block_c),
-      [scalars, scalars, full(d.q_len), grouped, grouped, bias, full(d.q_len), whole_rows,
-       whole_rows],
-      [k_block, k_block],
-      [jax.ShapeDtypeStruct(_grouped(k).shape, k.dtype)] * 2,
-      interpret, 'flash_attention_dkv')(*args)
+      [full(d.q_len), grouped, grouped, bias, full(d.q_len), whole, whole, whole] +
+      [mask(d.q_len, lambda i: 0)] * d.dropout,
+      [k_block, k_block], [jax.ShapeDtypeStruct(_grouped(k).shape, k.dtype)] * 2,
+      interpret, 'flash_attention_dkv', num_warps=8)(*args)
   q_rows = rows(d.block_q, lambda i: i)
   dq = _call(
       _dq_kernel, d, (d.batch, d.heads, d.q_len // d.block_q),
-      [scalars, scalars, q_block, grouped, grouped, bias, q_block, q_rows, q_rows],
+      [q_block, grouped, grouped, bias, q_block, q_rows, q_rows, q_rows] +
+      [mask(d.block_q, lambda i: i)] * d.dropout,
       q_block, jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, 'flash_attention_dq')(*args)
   return dq, dk.reshape(k.shape), dv.reshape(v.shape)
 
@@ -287,14 +305,14 @@ def _flash(q, k, v, key_bias, seed, offsets, static):
 
 def _flash_fwd(q, k, v, key_bias, seed, offsets, static):
   d, interpret = static
-  out, lse = _forward(q, k, v, key_bias, seed, offsets, d, interpret)
-  return out, (q, k, v, key_bias, seed, offsets, out, lse)
+  out, stats = _forward(q, k, v, key_bias, seed, offsets, d, interpret)
+  return out, (q, k, v, key_bias, seed, offsets, out, stats)
 
 
 def _flash_bwd(static, residuals, dout):
   d, interpret = static
-  q, k, v, key_bias, seed, offsets, out, lse = residuals
-  dq, dk, dv = _backward(q, k, v, key_bias, seed, offsets, out, lse, dout, d, interpret)
+  q, k, v, key_bias, seed, offsets, out, stats = residuals
+  dq, dk, dv = _backward(q, k, v, key_bias, out, stats, dout, d, interpret)
   no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)
   return dq, dk, dv, jnp.zeros_like(key_bias), no_grad(seed), no_grad(offsets)
 
@@ -311,15 +329,18 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def _power_of_2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
+def _least_padding(n: int, options: Tuple[int, ...]) -> int:
+  """The largest block (options: descending) that pads n by at most an eighth, else the one
+  that pads it least."""
+  fits = [b for b in options if _round_up(n, b) - n <= n // 8]
+  return fits[0] if fits else min(options, key=lambda b: (_round_up(n, b), -b))
 
 
 def block_sizes(q_len: int, k_len: int) -> Tuple[int, int]:
-  """(block_q, block_c): 64 queries and 4 x 32 keys, less for short sequences: powers of 2
-  (Triton's arrays) of at least 16 (its smallest dot)."""
-  return (min(64, _power_of_2(max(q_len, 16))),
-          min(32, _power_of_2(max(-(-k_len // 4), 16))))
+  """(block_q, block_c): 64 queries and 4 x 32 keys where the lengths allow, smaller blocks
+  where those would pad much (a fine-tuning bucket of 40 queries: 16); powers of 2 (Triton's
+  arrays) of at least 16 (its smallest dot)."""
+  return _least_padding(q_len, (64, 32, 16)), _least_padding(-(-k_len // 4), (32, 16))
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,

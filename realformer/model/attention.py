@@ -47,19 +47,20 @@ def in_dtype(bias: jax.Array, dtype) -> jax.Array:
   return jnp.maximum(bias, -0.5 * jnp.finfo(dtype).max).astype(dtype)
 
 
-def _use_flash(spec: EncoderSpec, capture: bool, rows) -> bool:
-  """Whether realformer.layers.flash_attention computes this layer (with its dropout). Not
-  for the pruned last layer (its few query rows): the plain path computes that one."""
+def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> bool:
+  """Whether realformer.layers.flash_attention computes this layer: in training, with
+  attention dropout (without it, `flash` is `auto`). Not for the pruned last layer (its few
+  query rows): the plain path computes that one."""
   return (spec.fused_attention == 'flash' and spec.plain_dot_product and not capture
-          and rows is None)
+          and rows is None and not deterministic and spec.attention_dropout_rate > 0)
 
 
 def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:
   """Implementation for jax.nn.dot_product_attention, or None for the plain path."""
-  if (spec.fused_attention in ('off', 'flash') or not spec.plain_dot_product or capture
+  if (spec.fused_attention == 'off' or not spec.plain_dot_product or capture
       or (not deterministic and spec.attention_dropout_rate > 0)):
     return None
-  if spec.fused_attention == 'auto':
+  if spec.fused_attention in ('auto', 'flash'):
     on_gpu = spec.target_platform == 'gpu'
     return 'cudnn' if on_gpu and spec.dtype in (jnp.bfloat16, jnp.float16) else None
   return spec.fused_attention  # 'xla' or 'cudnn', as asked
@@ -85,11 +86,11 @@ class SelfAttention(nn.Module):
     s = self.spec
     xq = x if rows is None else take_rows(x, rows)
     value = self._heads(x, 'value')
-    if _use_flash(s, capture_attention, rows):
+    if _use_flash(s, deterministic, capture_attention, rows):
       query, key = self._heads(x, 'query'), self._heads(x, 'key')
-      rate = 0.0 if deterministic else s.attention_dropout_rate
+      rate = s.attention_dropout_rate
       # The key the plain path's Dropout would draw its mask from: the same mask.
-      seed = dropout_lib.Dropout(rate).threefry_key() if rate > 0 else None
+      seed = dropout_lib.Dropout(rate).threefry_key()
       ctx = flash_lib.flash_attention_on_mesh(
           query, key, value, bias[:, 0, 0, :], dropout_rate=rate, dropout_key=seed,
           interpret=s.target_platform == 'cpu')

@@ -178,9 +178,15 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
       raise ValueError(f'model.{field}={value!r}; choose one of {", ".join(choices)}')
   if spec.fused_attention == 'cudnn' and platform not in ('', 'gpu'):
     raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
-  if spec.fused_attention == 'flash' and platform not in ('', 'gpu', 'cpu'):
-    raise ValueError(f'model.fused_attention=flash is a Triton kernel for GPUs, not {platform}; '
-                     'use auto or xla')
+  if spec.fused_attention == 'flash':
+    if spec.target_platform not in ('gpu', 'cpu'):  # cpu: Pallas's interpreter, for tests
+      raise ValueError(f'model.fused_attention=flash is a Triton kernel for GPUs, not '
+                       f'{spec.target_platform}; use auto or xla')
+    head_dim = spec.head_dim
+    if spec.target_platform == 'gpu' and (head_dim < 16 or head_dim & (head_dim - 1)):
+      raise ValueError(f'model.fused_attention=flash needs a head size that is a power of 2 '
+                       f'of at least 16 (Triton\'s arrays), not {head_dim} (hidden_size / '
+                       'num_heads); use auto')
   if 'factorized_dense' in components:
     spec.factorized_ab  # validates a * b = max_len
   return spec
