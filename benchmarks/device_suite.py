@@ -83,6 +83,12 @@ PARTS = {
     'step128': (150, 'BERT-base train step, length 128'),
     'finetune': (90, 'fine-tuning all-MiniLM-L6-v2, ours against HF'),
 }
+# --smoke runs on CPUs that may be running tests beside it (CI: two cores): twice the caps.
+SMOKE_CAP_FACTOR = 2
+
+
+def cap_s(part: str, smoke: bool) -> float:
+  return PARTS[part][0] * (SMOKE_CAP_FACTOR if smoke else 1)
 # (variant, model config overrides, label naming the overrides) of the train-step parts.
 STEP_CONTENDERS = (
     ('postln', {}, ''),
@@ -386,10 +392,29 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
                timing=f'median of {s["blocks"]} blocks of {s["block_steps"]} steps after '
                       f'{s["warmup"]} warm-up steps')
   os.makedirs(scratch, exist_ok=True)
-  deadline = time.time() + PARTS[part][0] - TIMING_RESERVE_S
+  deadline = time.time() + cap_s(part, smoke) - TIMING_RESERVE_S
   parallel = max(1, min(len(entries), (os.cpu_count() or 2) * 2 // 3))
   waiting, running, exited = list(range(len(entries))), {}, {}
   turn, turn_timed = 0, None  # whose turn, and when its row appeared
+  skipped = {}  # contenders whose turn passed before they were timed
+
+  def collect() -> dict:
+    """Each contender's scratch record (or a note on its failure); the part's rows and notes
+    rewritten when they changed."""
+    found = {k: _read_scratch(os.path.join(scratch, f'{part}.{k}.json'))
+             for k in range(len(entries))}
+    for k, code in exited.items():
+      if not found[k]:
+        found[k] = {'note': f'contender {k} ({entries[k]}): failed: exit {code}'}
+    for k, note in skipped.items():
+      if 'row' not in found[k]:
+        found[k] = {'note': note}
+    rows = [found[k]['row'] for k in sorted(found) if 'row' in found[k]]
+    notes = [found[k]['note'] for k in sorted(found) if 'note' in found[k]]
+    if rows != rec.data['rows'] or notes != rec.data['notes']:
+      rec.data['rows'], rec.data['notes'] = rows, notes
+      rec.write()
+    return found
 
   def give_turn(k):
     with open(_turn_file(scratch, part) + '.tmp', 'w', encoding='utf-8') as f:
@@ -410,25 +435,19 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
     time.sleep(0.5)
     for k in [k for k, proc in running.items() if proc.poll() is not None]:
       exited[k] = running.pop(k).returncode
-    found = {k: _read_scratch(os.path.join(scratch, f'{part}.{k}.json'))
-             for k in range(len(entries))}
-    for k, code in exited.items():
-      if not found[k]:
-        found[k] = {'note': f'contender {k} ({entries[k]}): failed: exit {code}'}
-    rows = [found[k]['row'] for k in sorted(found) if 'row' in found[k]]
-    notes = [found[k]['note'] for k in sorted(found) if 'note' in found[k]]
-    if rows != rec.data['rows'] or notes != rec.data['notes']:
-      rec.data['rows'], rec.data['notes'] = rows, notes
-      rec.write()
-    current = found[turn]
+    current = collect()[turn]
     if current.get('timed') and turn_timed is None:
       turn_timed = time.time()
     if (turn in exited or current.get('done') or 'note' in current or
         (turn_timed is not None and time.time() - turn_timed > PROFILE_LIMIT_S) or
         (turn_timed is None and time.time() > deadline + TIMING_RESERVE_S / 4)):  # hung
+      if not current.get('timed') and 'note' not in current and turn not in exited:
+        skipped[turn] = (f'contender {turn} ({entries[turn]}): failed: not timed by the '
+                         'part\'s deadline (still compiling, or hung)')
       turn, turn_timed = turn + 1, None
       if turn < len(entries):
         give_turn(turn)
+  collect()
 
 
 def part_step512(out, smoke, scratch, variants):
@@ -540,7 +559,7 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float,
   start = time.perf_counter()
   results, failed = {}, 0
   for part in parts:
-    cap = PARTS[part][0]
+    cap = cap_s(part, smoke)
     left = budget_s - (time.perf_counter() - start)
     print(f'\n=== {part}: {PARTS[part][1]} (cap {cap} s, {left:.0f} s left)', flush=True)
     t = time.perf_counter()

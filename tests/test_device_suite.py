@@ -99,3 +99,34 @@ def test_a_contender_is_timed_only_once_no_live_contender_is_compiling(tmp_path)
   assert hung.poll() is None and 1 <= time.perf_counter() - t < 10
   hung.kill()
   hung.wait()
+
+
+def test_a_contender_never_timed_is_reported_not_dropped(tmp_path, monkeypatch):
+  """A contender still compiling (or hung) when its turn runs out gets a note, and the part
+  is then 'partly failed', not 'ok' with a row silently missing."""
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import device_suite  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(device_suite, 'cap_s', lambda part, smoke: 4)
+  monkeypatch.setattr(device_suite, 'TIMING_RESERVE_S', 4)  # its turn passes 1 s after
+  monkeypatch.setattr(device_suite, '_contenders',
+                      lambda part, platform, variants='': [('ours', 'postln', {}, ''), ('hf',)])
+  started, real_popen = [], subprocess.Popen
+
+  def never_timed(cmd, **kwargs):
+    del cmd, kwargs
+    started.append(real_popen([sys.executable, '-c', 'import time; time.sleep(60)']))
+    return started[-1]
+
+  monkeypatch.setattr(device_suite.subprocess, 'Popen', never_timed)
+  (tmp_path / 'out').mkdir()
+  try:
+    device_suite._step_part(str(tmp_path / 'out'), 'step128', True, str(tmp_path / 'scratch'),
+                            '')
+  finally:
+    for proc in started:
+      proc.kill()
+      proc.wait()
+  with open(tmp_path / 'out' / 'step128.json') as f:
+    data = json.load(f)
+  assert data['rows'] == [] and len(data['notes']) == 2
+  assert all("failed: not timed by the part's deadline" in n for n in data['notes'])
