@@ -407,7 +407,7 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
       if not found[k]:
         found[k] = {'note': f'contender {k} ({entries[k]}): failed: exit {code}'}
     for k, note in skipped.items():
-      if 'row' not in found[k]:
+      if not found[k]:  # its own row or failure note, if it wrote one, stands
         found[k] = {'note': note}
     rows = [found[k]['row'] for k in sorted(found) if 'row' in found[k]]
     notes = [found[k]['note'] for k in sorted(found) if 'note' in found[k]]
@@ -442,8 +442,9 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
         (turn_timed is not None and time.time() - turn_timed > PROFILE_LIMIT_S) or
         (turn_timed is None and time.time() > deadline + TIMING_RESERVE_S / 4)):  # hung
       if not current.get('timed') and 'note' not in current and turn not in exited:
-        skipped[turn] = (f'contender {turn} ({entries[turn]}): failed: not timed by the '
-                         'part\'s deadline (still compiling, or hung)')
+        skipped[turn] = (f'contender {turn} ({entries[turn]}): failed: not timed before its '
+                         'part\'s deadline (it compiled too long, or no time was left for its '
+                         'turn)')
       turn, turn_timed = turn + 1, None
       if turn < len(entries):
         give_turn(turn)

@@ -24,6 +24,7 @@ The classic BERT `run_squad` recipe, with the pretraining run's tokenizer:
 
 import dataclasses
 import json
+import unicodedata
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -213,13 +214,16 @@ def _encode_context(ex: Example, tokenizer):
   ids, sub_to_word, offsets = tokenizer.encode_words_with_offsets(ex.words)
   starts = word_starts(ex.context)
   chars = [(starts[w] + a, starts[w] + b) for w, (a, b) in zip(sub_to_word, offsets)]
-  # A piece ends where its word's next piece starts, the last at the word's end: characters
-  # the normaliser dropped (an uncased vocabulary's combining accents, format characters)
-  # belong to the piece before them, so an answer keeps its trailing accent (BERT's
-  # get_final_text keeps the original word's).
-  for i, (w, (a, _)) in enumerate(zip(sub_to_word, chars)):
+  # A piece takes the combining marks that follow it (an uncased vocabulary strips them),
+  # up to its word's next piece or the word's end, so an answer keeps its trailing accent
+  # (BERT's get_final_text keeps the original word's). Other characters the normaliser drops
+  # (a zero-width space, a soft hyphen) stay out: the official scores would count them.
+  for i, (w, (a, b)) in enumerate(zip(sub_to_word, chars)):
     same_word = i + 1 < len(chars) and sub_to_word[i + 1] == w
-    chars[i] = (a, chars[i + 1][0] if same_word else starts[w] + len(ex.words[w]))
+    end = chars[i + 1][0] if same_word else starts[w] + len(ex.words[w])
+    while b < end and unicodedata.combining(ex.context[b]):
+      b += 1
+    chars[i] = (a, b)
   return ids, sub_to_word, chars
 
 

@@ -129,4 +129,4 @@ def test_a_contender_never_timed_is_reported_not_dropped(tmp_path, monkeypatch):
   with open(tmp_path / 'out' / 'step128.json') as f:
     data = json.load(f)
   assert data['rows'] == [] and len(data['notes']) == 2
-  assert all("failed: not timed by the part's deadline" in n for n in data['notes'])
+  assert all("failed: not timed before its part's deadline" in n for n in data['notes'])

@@ -8,6 +8,7 @@ import contextlib
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from jax.extend.random import threefry2x32_p
@@ -16,6 +17,7 @@ from realformer import models
 from realformer.layers import dropout as dropout_lib
 from realformer.layers import flash_attention as flash_lib
 from realformer.model import attention as attn_lib
+from realformer.finetune import task as finetune_task
 from realformer.model.spec import resolve
 from realformer.train import partitioning
 from tests.test_models import make_batch, perturbed_params, small_config
@@ -152,6 +154,34 @@ def test_default_blocks_at_128_keys_backward_in_halves():
     np.testing.assert_allclose(g, r, atol=1e-5)
 
 
+def test_in_bfloat16_within_rounding_of_the_plain_path():
+  """bfloat16 inputs, as the GPU runs: the plain path's computation (float32 softmax and
+  dropout, probabilities rounded to bfloat16 before P V) against the kernel's."""
+  q, k, v, w, bias = _inputs(5)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  bias, w = jnp.asarray(bias, jnp.float32), jnp.asarray(w, jnp.float32)
+  key = jax.random.PRNGKey(6)
+
+  def plain(q, k, v):
+    s = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) / np.sqrt(D)
+    p = jax.nn.softmax(s + bias[:, None, None], -1)
+    keep, scale = dropout_lib.keep_mask(key, 0.1, p.shape)
+    dropped = jnp.where(keep, p * scale, 0.0).astype(jnp.bfloat16)
+    return jnp.einsum('bhqk,bkhd->bqhd', dropped, v)
+
+  flash = lambda q, k, v: flash_lib.flash_attention(q, k, v, bias, dropout_rate=0.1,
+                                                    dropout_key=key, interpret=True)
+  out = flash(q, k, v)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain(q, k, v), np.float32),
+                             atol=2e-2)
+  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w)
+  for g, r in zip(jax.grad(loss(flash), (0, 1, 2))(q, k, v),
+                  jax.grad(loss(plain), (0, 1, 2))(q, k, v)):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=5e-2)
+
+
 def test_every_block_size_draws_the_same_mask():
   q, k, v, _, bias = _inputs(1)
   key = jax.random.PRNGKey(5)
@@ -282,6 +312,15 @@ def test_one_line_errors():
             platform='gpu')
   assert resolve(small_config('postln', fused_attention='flash', hidden_size=64, num_heads=2),
                  platform='gpu').head_dim == 32
+  # Where flash never runs (another variant's attention, no attention dropout), no error.
+  resolve(small_config('realformer', fused_attention='flash'), platform='tpu')
+  resolve(small_config('postln', fused_attention='flash', attention_dropout_rate=0.0),
+          platform='tpu')
+  # A fine-tuning off a GPU takes auto for the pretraining's GPU kernel (a CPU here).
+  for kernel, want in (('flash', 'auto'), ('cudnn', 'auto'), ('xla', 'xla'), ('off', 'off')):
+    model = ml_collections.ConfigDict(dict(small_config('postln', fused_attention=kernel)))
+    assert finetune_task.gpu_kernels_off_gpus(model).fused_attention == want
+    assert model.fused_attention == kernel  # the stored config is left as it was
   mesh = partitioning.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 8})
   with pytest.raises(ValueError, match='runs whole heads on each device; choose a mesh.tensor '
                                        'that divides 4'):

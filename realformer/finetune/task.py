@@ -62,6 +62,20 @@ def pretrained_here(path: str) -> bool:
   return int(os.path.basename(checkpoints.resolve_step_dir(path))) > 0
 
 
+def gpu_kernels_off_gpus(model):
+  """The pretraining's model config, its GPU attention kernel (model.fused_attention=flash
+  or cudnn) replaced by auto where the fine-tuning runs on another platform: how the
+  pretraining ran, not what it computed."""
+  kernel = model.get('fused_attention', 'auto')
+  if kernel not in ('flash', 'cudnn') or jax.default_backend() == 'gpu':
+    return model
+  logging.info('model.fused_attention=%s was the pretraining\'s GPU kernel; auto on %s',
+               kernel, jax.default_backend())
+  model = ml_collections.ConfigDict(model)
+  model.fused_attention = 'auto'
+  return model
+
+
 def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
   """The pretraining config: a run directory's config.json, or, for a random-init baseline
   (from_scratch=True), a pretraining config file such as configs/pretrain.py:postln,tiny,
@@ -350,7 +364,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
         keep_checkpoints=1, keep_best=config.keep_best,
         keep_optimizer_state=config.keep_optimizer_state, eval_period_name='epoch',
         steps_setting='num_epochs', steps_per_unit=self.steps_per_epoch)
-    self.spec = resolve(pre.model)
+    self.spec = resolve(gpu_kernels_off_gpus(pre.model))
     self.model = self.build(self.spec)
     self.tx, self.schedule = train_lib.make_optimizer(config.optimizer, num_steps, self.spec)
     self.example_batch = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)

@@ -178,7 +178,8 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
       raise ValueError(f'model.{field}={value!r}; choose one of {", ".join(choices)}')
   if spec.fused_attention == 'cudnn' and platform not in ('', 'gpu'):
     raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
-  if spec.fused_attention == 'flash':
+  if (spec.fused_attention == 'flash' and spec.plain_dot_product
+      and spec.attention_dropout_rate > 0):  # where it runs: _use_flash
     if spec.target_platform not in ('gpu', 'cpu'):  # cpu: Pallas's interpreter, for tests
       raise ValueError(f'model.fused_attention=flash is a Triton kernel for GPUs, not '
                        f'{spec.target_platform}; use auto or xla')
