@@ -87,10 +87,12 @@ def instances_from_document(document: Document, others: Sequence[Document],
       a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
       tokens_a = [t for s in chunk[:a_end] for t in s]
       tokens_b = []
-      is_random_next = len(chunk) == 1 or rng.random() < 0.5
+      # With no other document (a block of one) there is no random next: the pair is the
+      # actual next, or none when the chunk is one sentence (an empty B is dropped below).
+      is_random_next = bool(others) and (len(chunk) == 1 or rng.random() < 0.5)
       if is_random_next:
         target_b = target - len(tokens_a)
-        other = others[rng.randint(0, len(others) - 1)] if others else document
+        other = others[rng.randint(0, len(others) - 1)]
         for sentence in other[rng.randint(0, len(other) - 1):]:
           tokens_b.extend(sentence.tolist() if isinstance(sentence, np.ndarray) else sentence)
           if len(tokens_b) >= target_b:

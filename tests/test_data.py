@@ -6,6 +6,7 @@ import collections
 import itertools
 import json
 import os
+import random
 import shutil
 
 import numpy as np
@@ -99,6 +100,16 @@ def test_instances_hand_computed():
   a, b = pretraining.instances_from_document(doc, [other], 10, 0.1, rng)
   assert a == pretraining.Instance([10, 11, 12, 13, 14], [22], True)
   assert b == pretraining.Instance([15], [20, 21, 22], True)
+
+  # Alone in its block (no other document), a document never pairs with itself as a
+  # "random" next: its pairs are actual nexts, and a one-sentence chunk makes none.
+  rng, made = random.Random(0), 0
+  for _ in range(50):
+    doc = [[rng.randint(5, 99) for _ in range(rng.randint(1, 4))] for _ in range(8)]
+    for inst in pretraining.instances_from_document(doc, [], 12, 0.3, rng):
+      assert not inst.is_random_next
+      made += 1
+  assert made > 50
 
   tokens_a, tokens_b = list(range(6)), [9, 9]
   pretraining.truncate_seq_pair(tokens_a, tokens_b, 5, ScriptedRng([0.1, 0.9, 0.1], []))
