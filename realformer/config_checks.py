@@ -126,6 +126,15 @@ def check_masking(data) -> None:
                     data.masked_lm_prob, wanted, data.max_seq_length)
 
 
+def check_document_window(data) -> None:
+  """NSP's random next comes from another document of the same block of
+  data.document_window documents: a block of one has none."""
+  window = int(data.get('document_window', 1000))
+  if window < 2:
+    raise ValueError(f'data.document_window={window}: the random next sentences come from '
+                     'other documents of the same block; give at least 2 (default 1000)')
+
+
 def check_config(config) -> None:
   """Everything the pretraining config alone can show: the model's settings, step counts
   and cadences, the warm-up and the optimizer, the lengths, the masking."""
@@ -136,3 +145,4 @@ def check_config(config) -> None:
   check_optimizer(config.optimizer)
   check_lengths(config)
   check_masking(config.data)
+  check_document_window(config.data)

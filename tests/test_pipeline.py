@@ -343,9 +343,9 @@ def test_a_host_reads_and_needs_only_the_files_of_its_share(corpus, tok, tmp_pat
 def test_parallel_preparation_gives_the_same_set_for_any_workers_and_hosts(corpus, tmp_path):
   """One worker, two worker processes, and two hosts (one worker each, the second host
   first, as hosts start at any time): the same instances, split and counts."""
-  # One document per block: the 3 training documents of this corpus are 3 blocks, which the
-  # two workers (and the two hosts) share out 2 + 1.
-  config = tiny_config(corpus, document_window=1)
+  # Two documents per block: the 3 training documents of this corpus are 2 blocks, which the
+  # two workers (and the two hosts) share out 1 + 1.
+  config = tiny_config(corpus, document_window=2)
   one = prepare.prepare(config, str(tmp_path / 'one'))
   config.data.prepare_workers = 2
   two = prepare.prepare(config, str(tmp_path / 'two'))
@@ -412,7 +412,7 @@ def test_a_preparation_killed_midway_resumes_to_the_same_set(tmp_path):
   args = [sys.executable, '-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny',
           f'--config.data.sources=files:{corpus}', '--config.data.max_seq_length=32',
           '--config.data.max_predictions_per_seq=5', '--config.data.num_shards=2',
-          '--config.data.eval_fraction=0.2', '--config.data.document_window=1',
+          '--config.data.eval_fraction=0.2', '--config.data.document_window=2',
           '--config.data.prepare_workers=3', '--out_dir', str(out)]
   proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
@@ -434,7 +434,7 @@ def test_a_preparation_killed_midway_resumes_to_the_same_set(tmp_path):
   resumed = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f'{len(finished)} of this host\'s 3 workers finished before' in resumed.stderr
-  config = tiny_config(str(corpus), document_window=1)
+  config = tiny_config(str(corpus), document_window=2)
   fresh = prepare.prepare(config, str(tmp_path / 'fresh'))
   metadata = json.loads((out / prepare.METADATA).read_text())
   assert metadata['counts'] == fresh['counts']
@@ -541,6 +541,16 @@ def test_a_host_arriving_while_process_zero_gathers_does_not_redo_its_share(
   monkeypatch.undo()
   fresh = prepare.prepare(config, str(tmp_path / 'fresh'))
   assert _records(out, gathered) == _records(str(tmp_path / 'fresh'), fresh)
+
+
+def test_a_block_of_one_document_is_refused_in_one_line(corpus, tmp_path):
+  """NSP draws its random next from the block's other documents: a window of 1 has none."""
+  config = tiny_config(corpus, document_window=1)
+  with pytest.raises(ValueError, match=r'data.document_window=1: the random next sentences '
+                                       r'come from other documents of the same block; give at '
+                                       r'least 2 \(default 1000\)'):
+    prepare.prepare(config, str(tmp_path / 'out'))
+  assert not (tmp_path / 'out').exists()
 
 
 def test_an_unsupported_storage_url_is_an_error_not_a_local_folder(corpus, tmp_path,
