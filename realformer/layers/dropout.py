@@ -83,14 +83,19 @@ def uniform_u16(key: jax.Array, shape: Sequence[int]) -> jax.Array:
   return _interleave(parts, shape[-1]).astype(jnp.uint16)
 
 
-def _threshold(rate: float) -> int:
+def keep_scale(rate: float) -> float:
+  """1 / P(keep): what a kept element is multiplied by."""
+  return _ONE / (_ONE - keep_threshold(rate))
+
+
+def keep_threshold(rate: float) -> int:
   """Elements whose 16-bit uniform falls below this are dropped."""
   return int(round(rate * _ONE))
 
 
 def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]):
   """(bool mask of kept elements, 1 / P(keep)) for drop probability `rate`."""
-  threshold = _threshold(rate)
+  threshold = keep_threshold(rate)
   if threshold >= _ONE:
     raise ValueError(f'dropout rate {rate} leaves nothing; use a rate below 1')
   shape = tuple(int(d) for d in shape)
@@ -99,7 +104,7 @@ def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]):
     keep = uniform_u16(key, shape) >= jnp.uint16(threshold)
   else:  # compare before interleaving: the mask XLA keeps for the backward pass is bool
     keep = _interleave([p >= np.uint32(threshold) for p in parts], shape[-1])
-  return keep, _ONE / (_ONE - threshold)
+  return keep, keep_scale(rate)
 
 
 class Dropout(nn.Module):
@@ -129,4 +134,4 @@ class Dropout(nn.Module):
 
 def drop_fraction(rate: float) -> float:
   """The exact drop probability that `rate` gives (round(rate * 2**16) / 2**16)."""
-  return _threshold(rate) / _ONE
+  return keep_threshold(rate) / _ONE

@@ -42,6 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
+from realformer.layers import dropout as dropout_lib
+
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA  # threefry's key-schedule constant
 
@@ -93,12 +95,12 @@ class _Dims:
     return 1.0 / math.sqrt(self.head_dim)
 
   @property
-  def threshold(self) -> int:  # dropout.keep_mask's: drop where the 16-bit word is below
-    return int(round(self.rate * (1 << 16)))
+  def threshold(self) -> int:  # keep_mask's: drop where the 16-bit word is below
+    return dropout_lib.keep_threshold(self.rate)
 
   @property
   def keep_scale(self) -> float:
-    return (1 << 16) / ((1 << 16) - self.threshold)
+    return dropout_lib.keep_scale(self.rate)
 
   @property
   def dropout(self) -> bool:
