@@ -86,23 +86,22 @@ class SelfAttention(nn.Module):
     s = self.spec
     xq = x if rows is None else take_rows(x, rows)
     value = self._heads(x, 'value')
-    if _use_flash(s, deterministic, capture_attention, rows):
-      query, key = self._heads(x, 'query'), self._heads(x, 'key')
-      rate = s.attention_dropout_rate
-      # The key the plain path's Dropout would draw its mask from: the same mask.
-      seed = dropout_lib.Dropout(rate).threefry_key()
-      ctx = flash_lib.flash_attention_on_mesh(
-          query, key, value, bias[:, 0, 0, :], dropout_rate=rate, dropout_key=seed,
-          interpret=s.target_platform == 'cpu')
-      out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(x.shape))
-      return out, None, None
-    fused = _use_fused(s, deterministic, capture_attention)
-    if fused is not None:
+    flash = _use_flash(s, deterministic, capture_attention, rows)
+    fused = None if flash else _use_fused(s, deterministic, capture_attention)
+    if flash or fused is not None:  # a kernel computes the whole attention
       query, key = self._heads(xq, 'query'), self._heads(x, 'key')
-      if fused == 'cudnn':  # cuDNN takes a bias of [B|1, N|1, Tq, Tk], not one broadcast on Tq
-        bias = jnp.broadcast_to(bias, (*bias.shape[:2], query.shape[1], bias.shape[-1]))
-      ctx = jax.nn.dot_product_attention(query, key, value, bias=in_dtype(bias, s.dtype),
-                                         implementation=fused)
+      if flash:
+        rate = s.attention_dropout_rate
+        # The key the plain path's Dropout would draw its mask from: the same mask.
+        seed = dropout_lib.Dropout(rate).threefry_key()
+        ctx = flash_lib.flash_attention_on_mesh(
+            query, key, value, bias[:, 0, 0, :], dropout_rate=rate, dropout_key=seed,
+            interpret=s.target_platform == 'cpu')
+      else:
+        if fused == 'cudnn':  # cuDNN takes a bias of [B|1, N|1, Tq, Tk], not one on Tq
+          bias = jnp.broadcast_to(bias, (*bias.shape[:2], query.shape[1], bias.shape[-1]))
+        ctx = jax.nn.dot_product_attention(query, key, value, bias=in_dtype(bias, s.dtype),
+                                           implementation=fused)
       out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
       return out, None, None
 
