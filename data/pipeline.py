@@ -8,6 +8,7 @@ re-masks every instance differently and a restored iterator continues with exact
 an uninterrupted run would have seen.
 """
 
+import collections
 import json
 import os
 import time
@@ -46,23 +47,66 @@ class _Mask(grain.RandomMapTransform):
     return self._masker(features, rng)
 
 
+def parse_blocks(text: str) -> np.ndarray:
+  """metadata.json's 'blocks' of a split ('block:file:first:count' ...) as int64 [segments, 4]."""
+  return np.array([seg.split(':') for seg in text.split()], np.int64).reshape(-1, 4)
+
+
 class PreparedShards(grain.ArrayRecordDataSource):
-  """One split's prepared array_record shards, named in the iterator's checkpoint by their
-  file names and record count rather than by their folder (grain's default hashes the
-  absolute paths): a moved workdir, or data.prepared_dir pointed at a copy, resumes.
+  """One split's prepared array_record shards, its records in block order: record i of the
+  source is the i-th of the blocks' records taken block after block (metadata.json's
+  'blocks'), the same records in the same order for any number of preparation workers and
+  hosts, so a seed trains on the same stream however the data was prepared.
 
   Given each file's record count (`records`, metadata.json's file_records), no file is opened
   until one of its records is read, so a folder holding only this host's files serves its
-  share (host_files); without them, every file is opened to count its records."""
+  share (host_files); without them, every file is opened to count its records (and the
+  records come in the files' order, as from a preparation that predates 'blocks').
 
-  def __init__(self, paths: List[str], records: Optional[List[int]] = None):
+  Named in the iterator's checkpoint by what it holds (the record count of each block, or of
+  each file's name) rather than by its folder (grain's default hashes the absolute paths): a
+  moved workdir, data.prepared_dir pointed at a copy, or a folder prepared again with another
+  worker count resumes; a preparation that gives other records does not."""
+
+  def __init__(self, paths: List[str], records: Optional[List[int]] = None,
+               blocks: Optional[str] = None):
     super().__init__(paths if records is None else
                      [f'{p}[0:{n}]' for p, n in zip(paths, records, strict=True)])
     self._names = [os.path.basename(p) for p in paths]
+    self._blocks = None
+    if blocks is not None and records is not None:
+      table = parse_blocks(blocks)
+      counts = table[:, 3]
+      if counts.sum() != len(self):
+        raise ValueError(f'metadata.json\'s blocks of {os.path.dirname(paths[0])} hold '
+                         f'{counts.sum()} records, its files {len(self)}; prepare it again')
+      file_starts = np.concatenate([[0], np.cumsum(records)[:-1]]).astype(np.int64)
+      self._physical = file_starts[table[:, 1]] + table[:, 2]  # each segment's first record
+      self._ends = np.cumsum(counts)  # each segment's end, in block order
+      self._blocks = table
+
+  def physical(self, index: int) -> int:
+    """The position, in the files' order, of record `index` (block order)."""
+    if self._blocks is None:
+      return index
+    s = int(np.searchsorted(self._ends, index, side='right'))
+    return int(self._physical[s] + index - (self._ends[s] - self._blocks[s, 3]))
+
+  def __getitem__(self, record_key):
+    return super().__getitem__(self.physical(record_key.__index__()))
+
+  def __getitems__(self, record_keys):
+    return super().__getitems__([self.physical(k.__index__()) for k in record_keys])
 
   def __repr__(self) -> str:
-    crc = zlib.crc32('\n'.join(self._names).encode())
-    return f'PreparedShards(files={len(self._names)}, names_crc={crc:08x}, records={len(self)})'
+    if self._blocks is None:
+      crc = zlib.crc32('\n'.join(self._names).encode())
+      return f'PreparedShards(files={len(self._names)}, names_crc={crc:08x}, records={len(self)})'
+    per_block = collections.Counter()
+    for block, _, _, n in self._blocks.tolist():
+      per_block[block] += n
+    crc = zlib.crc32(' '.join(f'{b}:{n}' for b, n in per_block.items()).encode())
+    return f'PreparedShards(blocks={len(per_block)}, counts_crc={crc:08x}, records={len(self)})'
 
 
 class _Iterator:
@@ -103,14 +147,22 @@ def host_records(num_records: int, process_index: int, process_count: int) -> Tu
 
 def host_files(metadata: dict, split: str, process_index: int, process_count: int
                ) -> Optional[List[int]]:
-  """The indices of the split's files that hold the host's records (host_records); None for
-  a preparation that did not count each file's records (every file is then read)."""
+  """The indices of the split's files that hold the host's records (host_records, in block
+  order); None for a preparation that did not count each file's records (every file is then
+  read)."""
   records = metadata.get('file_records', {}).get(split)
   if records is None:
     return None
   start, end = host_records(sum(records), process_index, process_count)
-  ends = np.cumsum(records)
-  return [i for i, (n, last) in enumerate(zip(records, ends)) if last - n < end and last > start]
+  blocks = metadata.get('blocks', {}).get(split)
+  if blocks is None:  # the records in the files' order
+    ends = np.cumsum(records)
+    return [i for i, (n, last) in enumerate(zip(records, ends))
+            if last - n < end and last > start]
+  table = parse_blocks(blocks)
+  ends = np.cumsum(table[:, 3])
+  return sorted({int(f) for f, n, last in zip(table[:, 1], table[:, 3], ends)
+                 if last - n < end and last > start})
 
 
 def make_masker(config_data, tokenizer) -> pretraining.Masker:
@@ -148,7 +200,8 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
     raise FileNotFoundError(f'{missing[0]} (one of the {len(missing)} files of process '
                             f'{process_index} of {process_count}) is missing; use the whole '
                             'prepared folder, or for a bucket the folder ensure_prepared copies')
-  source = PreparedShards(paths, metadata.get('file_records', {}).get(split))
+  source = PreparedShards(paths, metadata.get('file_records', {}).get(split),
+                          metadata.get('blocks', {}).get(split))
   per_host = global_batch_size // process_count
   check_split(metadata, prepared_dir, split, len(source), global_batch_size, process_count)
   sampler = grain.IndexSampler(

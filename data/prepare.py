@@ -21,8 +21,10 @@ Parallel: each split's document stream is cut into those blocks, numbered in str
 and block b goes to worker b mod W, where W = `data.prepare_workers` processes on each of the
 run's hosts (train.py: every host of a multi-host run prepares its share; the command line:
 --process_index/--process_count). A block's instances depend only on its documents, the seed,
-the split and b, so the prepared set (instances, split, counts) is the same whatever W and
-the host count are. Every worker reads the whole stream and tokenises only its own blocks
+the split and b, and each block's records lie together in one file (the `data.num_shards`
+shard writers, shared out among the workers, take their worker's blocks in turn), so the prepared set (instances, split,
+counts) and the order readers take it in (block after block, metadata.json's 'blocks') are
+the same whatever W and the host count are: so is the stream a seed trains on. Every worker reads the whole stream and tokenises only its own blocks
 (tokenising is most of the work). Workers write into <out_dir>.tmp/worker-XXXXX/ and mark
 themselves done; process 0 gathers them into <out_dir>. An interrupted preparation resumes:
 finished workers (same settings, same W) are kept, the others start their share again. The
@@ -111,17 +113,22 @@ def shard_paths(prepared_dir: str, split: str, num_shards: int):
 
 
 class ShardWriters:
-  """`num_shards` array_record writers filled round-robin, each starting a new file after
-  `records_per_file` records: a writer holds a few hundred bytes per record written until it
-  is closed (about 100 MB per 200k records), so unbounded files would make preparation's
-  memory grow with the corpus. `close` returns the files, named {split}-XXXXX-of-NNNNN by
-  `name_files`, and `records` how many records each holds."""
+  """`num_shards` array_record writers that take the blocks in turn, a block's records whole
+  to one writer, each writer starting a new file after `records_per_file` records: a writer
+  holds a few hundred bytes per record written until it is closed (about 100 MB per 200k
+  records), so unbounded files would make preparation's memory grow with the corpus.
+
+  `close` returns the files that hold records, named {split}-XXXXX-of-NNNNN by `name_files`;
+  then `records` is how many each holds and `segments` where each block's records lie:
+  [block, file, first record, count] in the order written (a block is one segment, or two
+  where its writer started a new file within it)."""
 
   def __init__(self, directory: str, split: str, num_shards: int, records_per_file: int):
     self._dir, self._split, self._per_file = directory, split, records_per_file
-    self._paths, self.records, self._written = [], [], 0
+    self._paths, self.records, self.segments = [], [], []
     self._files = [0] * num_shards  # each writer's file: an index into _paths and records
     self._writers = [self._open(i) for i in range(num_shards)]
+    self._writer, self._blocks = 0, 0  # the current block's writer; blocks started
 
   def _open(self, shard: int):
     self._files[shard] = len(self._paths)
@@ -130,20 +137,33 @@ class ShardWriters:
     self.records.append(0)
     return array_record_module.ArrayRecordWriter(path, 'group_size:1')
 
-  def write(self, record: bytes):
-    i = self._written % len(self._writers)
+  def write(self, record: bytes, block: int):
+    """Writes one of `block`'s records (a block's records come together)."""
+    if not self.segments or self.segments[-1][0] != block:
+      self._writer = self._blocks % len(self._writers)
+      self._blocks += 1
+    i = self._writer
     if self.records[self._files[i]] == self._per_file:
       self._writers[i].close()
       self._writers[i] = self._open(i)
+    f = self._files[i]
+    if not self.segments or self.segments[-1][:2] != [block, f]:
+      self.segments.append([block, f, self.records[f], 0])
     self._writers[i].write(record)
-    self.records[self._files[i]] += 1
-    self._written += 1
+    self.records[f] += 1
+    self.segments[-1][3] += 1
 
   def close(self) -> List[str]:
-    """Closes the files; returns their paths, in order (named by `name_files`)."""
+    """Closes the files and deletes those left empty; returns the others' paths, in order."""
     for w in self._writers:
       w.close()
-    return list(self._paths)
+    kept = [f for f, n in enumerate(self.records) if n]
+    for f in set(range(len(self._paths))) - set(kept):
+      os.remove(self._paths[f])
+    index = {f: k for k, f in enumerate(kept)}
+    self.segments = [[b, index[f], start, n] for b, f, start, n in self.segments]
+    self.records = [self.records[f] for f in kept]
+    return [self._paths[f] for f in kept]
 
 
 def name_files(paths: List[str], directory: str, split: str) -> int:
@@ -399,7 +419,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
   block_size = d.get('document_window', 1000)
   per_worker = max(1, -(-d.num_shards // total))  # about num_shards files in all
   result = {'fingerprint': fingerprint(config), 'workers': total, 'counts': {}, 'files': {},
-            'file_records': {}, 'read_stats': {}, 'stats': {}}
+            'file_records': {}, 'blocks': {}, 'read_stats': {}, 'stats': {}}
   for split in SPLITS:
     read_stats, stats = collections.Counter(), collections.Counter()
     docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=read_stats,
@@ -423,11 +443,12 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
       for inst in pretraining.block_instances(
           block_docs, max_seq_length=d.max_seq_length,
           short_seq_prob=d.short_seq_prob, dupe_factor=d.dupe_factor, seed=seed, stats=stats):
-        writers.write(inst.to_bytes())
+        writers.write(inst.to_bytes(), block)
         n += 1
     result['files'][split] = [os.path.basename(p) for p in writers.close()]
     result['counts'][split] = n
     result['file_records'][split] = writers.records
+    result['blocks'][split] = writers.segments
     result['read_stats'].update({f'{split}/{k}': v for k, v in read_stats.items()})
     result['stats'].update({f'{split}/{k}': v for k, v in stats.items()})
   with open(os.path.join(out, 'done.json.tmp'), 'w') as f:
@@ -517,7 +538,7 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
     stats.update(results[0]['read_stats'])  # ... every worker read the whole stream
     stats = collections.Counter({k: v for k, v in stats.items() if v})
     metadata = _finish(config, tokenizer, gathered, out_dir, overwrite, counts, files, stats,
-                       _file_records(results), total, started)
+                       _layout(results), total, started)
   except BaseException as e:
     if _keeps_workers(e):  # the workers stay for the next attempt
       shutil.rmtree(gathered, ignore_errors=True)
@@ -576,7 +597,7 @@ def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwri
     stats.update(r['stats'])
   stats.update(results[0]['read_stats'])
   stats = collections.Counter({k: v for k, v in stats.items() if v})
-  metadata = _metadata(config, tokenizer, counts, files, stats, _file_records(results), total,
+  metadata = _metadata(config, tokenizer, counts, files, stats, _layout(results), total,
                        started)
   _path(out_dir, METADATA).write_text(json.dumps(metadata, indent=2))
   _path(tmp).rmtree()
@@ -584,8 +605,8 @@ def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwri
 
 
 def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, counts, files,
-            stats, file_records, workers: int, started: float) -> dict:
-  metadata = _metadata(config, tokenizer, counts, files, stats, file_records, workers, started)
+            stats, layout, workers: int, started: float) -> dict:
+  metadata = _metadata(config, tokenizer, counts, files, stats, layout, workers, started)
   with open(os.path.join(gathered, METADATA), 'w') as f:
     json.dump(metadata, f, indent=2)
   if os.path.exists(out_dir):
@@ -601,19 +622,34 @@ def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, cou
   return metadata
 
 
-def _file_records(results) -> dict:
-  """Each split's records per file, in the files' final order, from the workers' done.json
-  ({} if one was written before they were counted: readers then count them)."""
-  if any('file_records' not in r for r in results):
-    return {}
-  return {split: [n for r in results for n in r['file_records'][split]] for split in SPLITS}
+def _layout(results) -> dict:
+  """Where the gathered records lie, from the workers' done.json: 'file_records', each
+  split's records per file in the files' final order, and 'blocks', each split's segments
+  in block order (the order readers take the records in), as 'block:file:first:count'
+  separated by spaces. Either is left out if a worker's done.json predates it (readers then
+  count the files, and take the records in the files' order)."""
+  layout = {}
+  if all('file_records' in r for r in results):
+    layout['file_records'] = {split: [n for r in results for n in r['file_records'][split]]
+                              for split in SPLITS}
+  if all('blocks' in r for r in results) and layout:
+    layout['blocks'] = {}
+    for split in SPLITS:
+      segments, first = [], 0  # first: the worker's first file, in the final order
+      for r in results:
+        segments += [(b, first + f, start, n) for b, f, start, n in r['blocks'][split]]
+        first += len(r['file_records'][split])
+      segments.sort(key=lambda segment: segment[0])  # stable: a block's own stay in order
+      layout['blocks'][split] = ' '.join('%d:%d:%d:%d' % seg for seg in segments)
+  return layout
 
 
-def _metadata(config, tokenizer, counts, files, stats, file_records, workers: int,
+def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
               started: float) -> dict:
   """metadata.json of a gathered preparation; bad input (no training example) raises.
-  'file_records' lets each host read (and copy from a bucket) only the files that hold its
-  share of the records (data.pipeline)."""
+  `layout` (_layout) puts the records in block order, whatever the worker and host count,
+  and lets each host read (and copy from a bucket) only the files that hold its share of
+  them (data.pipeline)."""
   d = config.data
   if stats['eval/documents'] == 1 and counts['eval']:
     logging.warning('the eval split holds one document, so its random-next segments come from '
@@ -637,8 +673,7 @@ def _metadata(config, tokenizer, counts, files, stats, file_records, workers: in
     raise ValueError(f'config.data.sources={d.sources!r} gave no training examples '
                      f'({dict(stats) or "no documents"}); check the files and their format '
                      '(one sentence per line, blank line between documents)')
-  return {'counts': counts, 'files': files,
-          **({'file_records': file_records} if file_records else {}), 'stats': dict(stats),
+  return {'counts': counts, 'files': files, **layout, 'stats': dict(stats),
           'fingerprint': fingerprint(config),
           'tokenizer_path': tokenizer.path, 'vocab_size': tokenizer.vocab_size,
           'max_seq_length': d.max_seq_length, 'workers': workers,

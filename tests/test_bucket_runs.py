@@ -230,7 +230,7 @@ def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server):
 def test_data_prepared_into_a_bucket_by_workers_on_hosts_matches_a_local_preparation(
     server, tmp_path, corpus, monkeypatch):
   """... and each host's copy holds the files of its share only (three hosts here)."""
-  config = test_pipeline.tiny_config(corpus, document_window=2, records_per_file=40)
+  config = test_pipeline.tiny_config(corpus, document_window=2, records_per_file=20)
   one = prepare.prepare(config, str(tmp_path / 'one'))
   config.data.prepare_workers = 2
   url = f'{server.root}/prepared'

@@ -206,7 +206,7 @@ def prepared(tmp_path_factory):
   root = tmp_path_factory.mktemp('prepared')
   corpus = root / 'corpus.txt'
   corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in embedded_documents(8)))
-  config = tiny_config(f'files:{corpus}')
+  config = tiny_config(f'files:{corpus}', document_window=2)
   metadata = prepare.prepare(config, str(root / 'shards'))
   return config, str(root / 'shards'), metadata
 
@@ -220,9 +220,10 @@ def batches(config, tok, prepared_dir, n, **kw):
 def test_prepare_writes_shards_and_metadata(prepared, tok):
   config, prepared_dir, metadata = prepared
   assert metadata['counts']['train'] > 300 and metadata['counts']['eval'] > 0
+  assert metadata['files']['train'] == 3  # blocks of 2 documents, over 3 writers
   assert sorted(os.listdir(prepared_dir)) == sorted(
-      ['metadata.json'] + [f'{s}-{i:05d}-of-00003' for s in ('train', 'eval')
-                           for i in range(3)])
+      ['metadata.json'] + [f'{s}-{i:05d}-of-{metadata["files"][s]:05d}' for s in ('train', 'eval')
+                           for i in range(metadata['files'][s])])
   _, (b,) = batches(config, tok, prepared_dir, 1, split='eval')
   assert b['input_ids'].shape == (8, 32) and b['masked_lm_ids'].shape == (8, 5)
   assert (b['input_ids'][:, 0] == tok.cls_id).all()
@@ -265,19 +266,24 @@ def test_restored_iterator_continues_exactly(prepared, tok, tmp_path):
 
 
 def test_a_moved_preparation_resumes_and_old_states_restore(prepared, tok, tmp_path):
-  """The iterator's state names the shards by file names and record count, not their
-  folder: restored over a copy at another path (a moved workdir, another prepared_dir) it
-  continues exactly; a state saved before (grain's path hash) restores too."""
-  config, prepared_dir, _ = prepared
+  """The iterator's state names the shards by their blocks' record counts, not their
+  folder: restored over a copy at another path (a moved workdir, another prepared_dir) or
+  over the data prepared again by another number of workers, it continues exactly; a state
+  saved before (grain's path hash) restores too. Data prepared otherwise is refused."""
+  config, prepared_dir, metadata = prepared
   _, expected = batches(config, tok, prepared_dir, 5)
   it, _ = batches(config, tok, prepared_dir, 3)
   state = it.get_state()
-  assert b'PreparedShards(files=' in state and prepared_dir.encode() not in state
+  assert b'PreparedShards(blocks=' in state and prepared_dir.encode() not in state
   copy = str(tmp_path / 'moved')
   shutil.copytree(prepared_dir, copy)
+  again = str(tmp_path / 'again')
+  more_workers = tiny_config(config.data.sources, document_window=2, prepare_workers=2)
+  assert prepare.prepare(more_workers, again)['file_records'] != metadata['file_records']
   old = json.loads(state)
   old['data_source'] = 'ArrayRecordDataSource(hash_of_paths=0123abcd)'
-  for directory, saved in ((copy, state), (prepared_dir, json.dumps(old).encode())):
+  for directory, saved in ((copy, state), (again, state),
+                           (prepared_dir, json.dumps(old).encode())):
     fresh = pipeline.make_pretraining_iterator(config.data, tok, directory, global_batch_size=8,
                                                seed=3)
     fresh.set_state(saved)
@@ -285,6 +291,12 @@ def test_a_moved_preparation_resumes_and_old_states_restore(prepared, tok, tmp_p
       got = next(fresh)
       for k in want:
         np.testing.assert_array_equal(got[k], want[k])
+  other = str(tmp_path / 'other')  # other blocks: other records, in another order
+  prepare.prepare(tiny_config(config.data.sources, document_window=3), other)
+  fresh = pipeline.make_pretraining_iterator(config.data, tok, other, global_batch_size=8,
+                                             seed=3)
+  with pytest.raises(ValueError, match='does not match'):
+    fresh.set_state(state)
 
 
 def _originals(batch):
@@ -306,7 +318,8 @@ def test_processes_read_disjoint_shares_that_cover_the_data(prepared, tok):
     seen.append([x for b in it for x in _originals(b)])
   assert all(len(s) == (n // 2) // 4 * 4 for s in seen)  # per-host batches of 4
   everything = collections.Counter(seen[0]) + collections.Counter(seen[1])
-  ds = pipeline.grain.ArrayRecordDataSource(prepare.shard_paths(prepared_dir, 'train', 3))
+  ds = pipeline.grain.ArrayRecordDataSource(
+      prepare.shard_paths(prepared_dir, 'train', metadata['files']['train']))
   originals = collections.Counter(
       tuple(pretraining.make_features(pretraining.Instance.from_bytes(ds[i]), cls_id=2,
                                       sep_id=3, pad_id=0, max_seq_length=32)['input_ids'])

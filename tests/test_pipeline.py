@@ -249,16 +249,25 @@ def test_command_line(corpus, tmp_path):
   done = run()
   assert done.returncode == 0, done.stderr[-2000:]
   assert json.loads(done.stdout)['counts']['train'] > 100
-  assert sorted(os.listdir(tmp_path / 'out'))[-1] == 'train-00007-of-00008'
+  metadata = json.loads(done.stdout)
+  assert sorted(os.listdir(tmp_path / 'out')) == sorted(
+      [prepare.METADATA] + [os.path.basename(p) for split in prepare.SPLITS
+                            for p in prepare.shard_paths(str(tmp_path / 'out'), split,
+                                                         metadata['files'][split])])
 
 
 def test_files_rotate_so_writers_hold_a_bounded_number_of_records(corpus, tok, tmp_path):
-  config = tiny_config(corpus, records_per_file=30)
+  """Two blocks, one to each of the 2 writers, in files of at most 30 records."""
+  config = tiny_config(corpus, records_per_file=30, document_window=2)
   out = str(tmp_path / 'rotated')
   metadata = prepare.prepare(config, out)
   n = metadata['counts']['train']
-  per_writer = (n - n // 2, n // 2)  # 2 writers, round-robin, 30 records a file
-  assert n > 60 and metadata['files']['train'] == sum(-(-k // 30) for k in per_writer)
+  per_block = collections.Counter()
+  for block, _, _, count in pipeline.parse_blocks(metadata['blocks']['train']).tolist():
+    per_block[block] += count
+  assert n > 60 and sorted(per_block) == [0, 1] and sum(per_block.values()) == n
+  assert metadata['files']['train'] == sum(-(-k // 30) for k in per_block.values())
+  assert max(metadata['file_records']['train']) == 30
   names = sorted(f for f in os.listdir(out) if f.startswith('train'))
   assert names == [os.path.basename(p) for p in
                    prepare.shard_paths(out, 'train', metadata['files']['train'])]
@@ -268,19 +277,19 @@ def test_files_rotate_so_writers_hold_a_bounded_number_of_records(corpus, tok, t
 
 
 def _records(prepared_dir, metadata):
-  """The prepared records of each split, as a sorted list (the set, with multiplicity);
-  metadata.json's record count of each file is checked against the file."""
+  """The prepared records of each split in the order the pipeline reads them (block
+  order); metadata.json's record count of each file is checked against the file."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   out = {}
   for split in prepare.SPLITS:
-    out[split] = []
     paths = prepare.shard_paths(prepared_dir, split, metadata['files'][split])
     for path, count in zip(paths, metadata['file_records'][split], strict=True):
       reader = array_record_module.ArrayRecordReader(path)
       assert reader.num_records() == count, path
-      out[split] += reader.read_all()
       reader.close()
-    out[split].sort()
+    source = pipeline.PreparedShards(paths, metadata['file_records'][split],
+                                     metadata['blocks'][split])
+    out[split] = [source[i] for i in range(len(source))]
   return out
 
 
@@ -340,9 +349,11 @@ def test_a_host_reads_and_needs_only_the_files_of_its_share(corpus, tok, tmp_pat
                                        process_count=3)
 
 
-def test_parallel_preparation_gives_the_same_set_for_any_workers_and_hosts(corpus, tmp_path):
+def test_parallel_preparation_gives_the_same_stream_for_any_workers_and_hosts(corpus, tok,
+                                                                            tmp_path):
   """One worker, two worker processes, and two hosts (one worker each, the second host
-  first, as hosts start at any time): the same instances, split and counts."""
+  first, as hosts start at any time): the same instances in the same order, split and
+  counts, so the same seed trains on the same batches."""
   # Two documents per block: the 3 training documents of this corpus are 2 blocks, which the
   # two workers (and the two hosts) share out 1 + 1.
   config = tiny_config(corpus, document_window=2)
@@ -361,6 +372,11 @@ def test_parallel_preparation_gives_the_same_set_for_any_workers_and_hosts(corpu
   assert _records(str(tmp_path / 'two'), two) == records
   assert _records(str(tmp_path / 'hosts'), hosts) == records
   assert sorted(os.listdir(tmp_path)) == ['hosts', 'one', 'two']  # nothing else left
+  streams = [pipeline.make_pretraining_iterator(config.data, tok, str(tmp_path / name),
+                                                global_batch_size=BATCH, seed=3)
+             for name in ('one', 'two')]
+  for _ in range(5):
+    assert_same(*(next(it) for it in streams))
 
 
 @pytest.fixture(scope='module')
@@ -374,12 +390,12 @@ def many_documents(tmp_path_factory):
   return str(path)
 
 
-def test_the_same_set_for_uneven_workers_and_hosts_with_several_workers(many_documents,
-                                                                        tmp_path):
+def test_the_same_stream_for_uneven_workers_and_hosts_with_several_workers(many_documents,
+                                                                           tmp_path):
   """Blocks of 3 documents (10 blocks, the eval documents in several of them) over 1
   worker, 3 workers (4 + 3 + 3 blocks), and 2 hosts x 2 workers (worker ids 0-3 across the
-  hosts, 3 + 3 + 2 + 2 blocks, host 1 first): the same instances of both splits, and the
-  same counts."""
+  hosts, 3 + 3 + 2 + 2 blocks, host 1 first): the same instances of both splits in the
+  same order, and the same counts."""
   config = tiny_config(many_documents, document_window=3)
   one = prepare.prepare(config, str(tmp_path / 'one'))
   assert one['stats']['eval/documents'] >= 3 and one['counts']['eval'] > 0
@@ -392,6 +408,7 @@ def test_the_same_set_for_uneven_workers_and_hosts_with_several_workers(many_doc
   assert (three['workers'], hosts['workers']) == (3, 4)
   records = _records(str(tmp_path / 'one'), one)
   for name, other in (('three', three), ('hosts', hosts)):
+    assert other['blocks'] != one['blocks']  # the files differ; the order read does not
     assert other['counts'] == one['counts'] and other['stats'] == one['stats']
     assert _records(str(tmp_path / name), other) == records, name
   assert sorted(os.listdir(tmp_path)) == ['hosts', 'one', 'three']
