@@ -624,7 +624,8 @@ class Lease:
   def take(self) -> 'Lease':
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
     for _ in range(5):  # a lock released or taken over meanwhile: look again
-      blob = self._blob()
+      # The lease is credited from before the create: its client retries can take minutes.
+      blob, sent = self._blob(), time.monotonic()
       try:
         blob.upload_from_string(json.dumps(self.record), if_generation_match=0,
                                 content_type='application/json', timeout=REQUEST_SECONDS)
@@ -665,7 +666,7 @@ class Lease:
     else:
       raise HeldError(f'could not take {self.url}: others keep taking it; stop them or use '
                       'another folder')
-    self._refreshed = time.monotonic()
+    self._refreshed = sent
     self._thread = threading.Thread(target=self._refresh, name='lock-lease', daemon=True)
     self._thread.start()
     return self
@@ -674,25 +675,28 @@ class Lease:
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
     # Retries end within one request's time, so the lease's age is never credited late.
     bounded = _bounded_retry()
+    unanswered = None  # when the first refresh since the last confirmed one was sent
     while not self._stop.wait(REFRESH_SECONDS):
       with self._io:
         if self._stop.is_set():
           return
         blob, sent = self._blob(), time.monotonic()
+        unanswered = sent if unanswered is None else unanswered
         try:
           blob.upload_from_string(json.dumps(dict(self.record, renewed=_now())),
                                   if_generation_match=self.generation,
                                   content_type='application/json', timeout=REQUEST_SECONDS,
                                   retry=bounded)
-          self.generation, self._refreshed = blob.generation, sent
+          self.generation, self._refreshed, unanswered = blob.generation, sent, None
         except (exceptions.PreconditionFailed, exceptions.NotFound):
           try:
             mine = self._mine(retry=bounded)
           except Exception as e:  # pylint: disable=broad-except  (the next refresh looks again)
             absl_logging.warning('could not refresh the lock %s: %s', self.url, short(e))
             continue
-          if mine is not None:  # our write, its reply lost
-            self.generation, self._refreshed = mine.generation, sent
+          if mine is not None:  # a write of ours whose reply was lost: the service stamped
+            # it after the first unanswered refresh was sent, perhaps long before this one
+            self.generation, self._refreshed, unanswered = mine.generation, unanswered, None
             continue
           self._lost = (f'the lock {self.url} was taken over by another run (this run\'s '
                         'lease was not refreshed in time)')

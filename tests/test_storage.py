@@ -237,6 +237,46 @@ def test_a_write_whose_reply_was_lost_is_recognised_as_the_holders_own(gcs):
   assert not gcs_client.Client().bucket(bucket).blob(name).exists()
 
 
+def test_a_refresh_recognised_late_credits_the_lease_from_the_write_that_landed(
+    gcs, monkeypatch):
+  """A refresh that lands but whose reply is lost, refreshes that fail, then one that
+  fails its precondition on the landed write (the nonce: ours): the lease counts from when
+  the landed write was sent (the service stamped it then), not from the late attempt, so
+  the holder never thinks its lease younger than other hosts see it."""
+  monkeypatch.setattr(storage, 'REFRESH_SECONDS', 0.05)
+  sent = []
+
+  class Blob:
+    def __init__(self, real):
+      self._real = real
+
+    def __getattr__(self, name):
+      return getattr(self._real, name)
+
+    def upload_from_string(self, *args, **kwargs):
+      sent.append(time.monotonic())
+      if len(sent) == 1:  # lands; the reply is lost
+        self._real.upload_from_string(*args, **kwargs)
+        raise ConnectionError('reply lost')
+      if len(sent) == 4:  # through: its precondition fails on the first one's object
+        return self._real.upload_from_string(*args, **kwargs)
+      raise ConnectionError('network down')
+
+  class Flaky(storage.Lease):
+    def _blob(self):
+      return Blob(super()._blob()) if self._thread is not None else super()._blob()
+
+  lease = Flaky(f'{gcs}/late/.lock', storage.holder_record('train.py')).take()
+  taken = lease.generation
+  deadline = time.time() + 30
+  while lease.generation == taken:
+    assert time.time() < deadline
+    time.sleep(0.02)
+  credited = lease._refreshed  # pylint: disable=protected-access
+  assert len(sent) >= 4 and credited <= sent[0] < sent[1] < sent[3]
+  lease.release()
+
+
 def test_a_holder_that_cannot_refresh_counts_its_lease_as_lost(gcs, monkeypatch):
   lease = storage.Lease(f'{gcs}/cut_off/.lock', storage.holder_record('train.py')).take()
   assert lease.lost is None
