@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import flax.linen as nn
 import jax
@@ -18,6 +19,7 @@ import train
 from configs import pretrain
 from realformer import models
 from realformer.model.spec import VARIANTS, resolve
+from realformer.train import checkpoints
 from realformer.train import metrics as metrics_lib
 from realformer.train import metrics_jsonl
 from realformer.train import partitioning
@@ -705,6 +707,35 @@ def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
   # Resuming a spent budget trains no further.
   again = train.train_and_evaluate(config, workdir)
   assert again['time_budget']['steps'] == budget['steps']
+  # A checkpoint whose record is missing counts the budget from the newest record before
+  # it (not from zero: a whole budget more).
+  last = int(budget['steps'])
+  before = max(int(k) for k in spent if int(k) < last)
+  del spent[str(last)]
+  with open(os.path.join(workdir, RunDir.TIME_SPENT), 'w') as f:
+    json.dump(spent, f)
+  cadence = types.SimpleNamespace(time_budget_minutes=0.05, num_steps=100_000)
+  resumed = trainer.TimeBudget(cadence, optax.constant_schedule(1.0), 1.0, RunDir(workdir),
+                               last)
+  assert resumed.before == spent[str(before)] > 0
+
+
+def test_a_checkpoint_is_never_committed_without_its_time_record(tmp_path, monkeypatch):
+  """The time record is written before the checkpoint: a failed write leaves no checkpoint
+  that a resumed run would count the budget of from zero."""
+  config = tiny_config(num_steps=100_000, time_budget_minutes=0.05,
+                       checkpoint_every_steps=20)
+  workdir = str(tmp_path / 'budget')
+  write_json = RunDir.write_json
+
+  def failing(self, name, *args, **kwargs):
+    if name == RunDir.TIME_SPENT and json.loads(json.dumps(args[0])).keys() >= {'20', '40'}:
+      raise OSError(28, 'No space left on device', str(self.path(name)))
+    return write_json(self, name, *args, **kwargs)
+  monkeypatch.setattr(RunDir, 'write_json', failing)
+  with pytest.raises(OSError, match='No space left'):
+    train.train_and_evaluate(config, workdir)
+  assert checkpoints.complete_steps(workdir) == [20]
 
 
 @pytest.mark.parametrize('kind,peak', [
@@ -713,7 +744,6 @@ def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
     ('TPU v5p', 459e12), ('TPU v6 lite', 918e12), ('cpu', None)])
 def test_mfu_reads_each_device_against_its_own_peak(kind, peak):
   """The vendors' dense bfloat16 figures; an H100 PCIe or NVL is not the SXM card."""
-  import types  # pylint: disable=g-import-not-at-top
   device = types.SimpleNamespace(device_kind=kind)
   assert metrics_lib.peak_flops_per_device(device) == peak
   assert metrics_lib.peak_flops_per_device(device, override=1e12) == 1e12

@@ -232,10 +232,14 @@ class TimeBudget:
     self._table = np.asarray(jax.vmap(schedule)(self._grid)) / float(peak_lr)
     self._run = run
     self._record = run.read_json(RunDir.TIME_SPENT, {})
-    self.before = float(self._record.get(str(start_step), 0.0))
-    if start_step and str(start_step) not in self._record:
-      logging.warning('no time record for step %d in %s: counting the budget from 0 again',
-                      start_step, run.path(RunDir.TIME_SPENT))
+    # A checkpoint without its record (made before records were written first): the newest
+    # record before it, which undercounts by less than one checkpoint interval.
+    recorded = max((int(k) for k in self._record if int(k) <= start_step), default=None)
+    self.before = float(self._record[str(recorded)]) if recorded is not None else 0.0
+    if start_step and recorded != start_step:
+      logging.warning('no time record for step %d in %s: counting the budget from %s',
+                      start_step, run.path(RunDir.TIME_SPENT),
+                      'zero' if recorded is None else f'step {recorded}\'s record')
     self._clock_from, self._excluded, self.spent = None, 0.0, self.before
 
   def start(self):
@@ -542,10 +546,10 @@ class Trainer:
     # The logs up to a checkpoint reach a bucket before it (and a storage that stopped
     # answering is found here, before a checkpoint is begun).
     self.writer.flush(force=True)
+    if self.budget is not None:  # first: a checkpoint never commits without its time record
+      self.budget.save(step)
     checkpoints.save(self.manager, step, self.state.to_checkpoint(),
                      self.task.data_checkpoint_args('save'), force=True)
-    if self.budget is not None:
-      self.budget.save(step)
 
   def _logged(self, step: int) -> Results:
     """What metrics.jsonl holds for `step`, {split: {name: value}} (a finished run started
