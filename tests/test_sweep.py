@@ -208,6 +208,25 @@ def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path
   assert not (root / names[2] / sweep.LOCK).exists()  # released after the run
 
 
+def test_a_time_budgeted_run_is_finished_when_its_last_checkpoint_spent_the_budget(tmp_path):
+  """A run under train.time_budget_minutes stops before train.num_steps: finished when the
+  time record of its newest complete checkpoint reaches the budget (the override, else its
+  config.json), not while a checkpoint below it is the newest."""
+  run = {'train.time_budget_minutes': 0.5, 'seed': 0}
+  workdir = tmp_path / 'budgeted'
+  (workdir / 'checkpoints').mkdir(parents=True)
+  (workdir / 'config.json').write_text(json.dumps({'train': {'num_steps': 100_000,
+                                                             'time_budget_minutes': 0.5}}))
+  for step in (40, 87):
+    (workdir / 'checkpoints' / str(step)).mkdir()
+    (workdir / 'checkpoints' / str(step) / 'commit_success.txt').write_text('')
+  (workdir / 'time_spent.json').write_text(json.dumps({'40': 12.5, '87': 29.9}))
+  assert not sweep.is_done(workdir, run) and not sweep.is_done(workdir)
+  (workdir / 'time_spent.json').write_text(json.dumps({'40': 12.5, '87': 30.0}))
+  assert sweep.is_done(workdir, run) and sweep.is_done(workdir)
+  assert not sweep.is_done(workdir, {'train.time_budget_minutes': 1.0})  # a longer budget
+
+
 def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
   monkeypatch.chdir(tmp_path)
   args = ['--config', 'configs/pretrain.py:realformer,base',

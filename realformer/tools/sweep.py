@@ -266,19 +266,30 @@ def last_step(workdir: str) -> int:
 def is_done(workdir: str, run: Optional[Run] = None) -> bool:
   """Whether the run in `workdir` finished, also when no sweep process saw it end (a printed
   script's run, a sweep killed meanwhile): its DONE marker; a fine-tuning run's results.json
-  (written last); a pretraining run's complete checkpoint at its train.num_steps (the run's
-  override, else its config.json), which it saves after its last evaluation, so a run that
-  stopped after logging its last step is not finished."""
+  (written last); a pretraining run's complete checkpoint at its train.num_steps, or, with
+  train.time_budget_minutes, one whose time record (time_spent.json) says the budget was
+  spent (each the run's override, else its config.json). The last checkpoint is saved after
+  the last evaluation, so a run that stopped after logging its last step is not finished."""
   path = storage.path(workdir)
   if (path / DONE).exists() or (path / 'results.json').exists():
     return True
-  steps = (run or {}).get('train.num_steps')
-  if steps is None and (path / 'config.json').exists():
+  run = run or {}
+  train = {}
+  if (path / 'config.json').exists():
     try:
-      steps = json.loads((path / 'config.json').read_text()).get('train', {}).get('num_steps')
+      train = json.loads((path / 'config.json').read_text()).get('train', {})
     except (ValueError, AttributeError):
       return False
-  return isinstance(steps, int) and steps in checkpoints.complete_steps(workdir)
+  steps = run.get('train.num_steps', train.get('num_steps'))
+  minutes = run.get('train.time_budget_minutes', train.get('time_budget_minutes'))
+  complete = checkpoints.complete_steps(workdir)
+  if isinstance(steps, int) and steps in complete:
+    return True
+  if not (isinstance(minutes, (int, float)) and minutes > 0 and complete and
+          (path / 'time_spent.json').exists()):
+    return False
+  spent = json.loads((path / 'time_spent.json').read_text())
+  return spent.get(str(complete[-1]), 0.0) >= minutes * 60
 
 
 def _pid_alive(pid: int) -> bool:
