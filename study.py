@@ -314,8 +314,8 @@ def stability_fixed(args):
 
 def stability_cell(workdir: str, run=None) -> dict:
   """{'status': 'diverged' | 'rose' | 'ok' | 'missing', 'final', 'start', 'step'} of a run
-  (finished as sweep.is_done judges it: its DONE marker, or its checkpoint at its last step,
-  e.g. a run whose sweep process was killed as it finished)."""
+  (finished as sweep.is_done judges it: its DONE marker, or its checkpoint at its last step
+  or at its spent time budget, e.g. a run whose sweep process was killed as it finished)."""
   marker = storage.join(workdir, DIVERGED)
   if storage.path(marker).exists():
     with _open(marker) as f:
