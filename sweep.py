@@ -68,7 +68,8 @@ def main(argv=None):
     storage.write_text(out + '.csv', sweep.to_csv(header, table))
     print(markdown + f'\n(written to {out}.md and {out}.csv)')
     return 0
-  runs = sweep.expand(args.sweep, args.set, args.seeds, args.sweep_file)
+  runs = sweep.expand(args.sweep, args.set, args.seeds, args.sweep_file,
+                      types=sweep.field_types(args.config))
   sweep.check_keys(args.config, runs)
   if args.cmd == 'print':
     print(sweep.launch_script(runs, root=args.root, program=args.program, config=args.config,

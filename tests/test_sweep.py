@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -206,6 +207,56 @@ def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path
   assert (root / names[1] / sweep.LOCK).exists()  # not ours: left alone
   assert (root / names[2] / 'calls.txt').exists() and sweep.is_done(root / names[2])
   assert not (root / names[2] / sweep.LOCK).exists()  # released after the run
+
+
+def test_values_are_read_as_their_fields_types():
+  """A text field keeps the text as given (not a number made of it); a bool field, also one
+  whose default is None, takes true/false only; None has no command-line text."""
+  config = 'configs/pretrain.py:postln,tiny'
+  types = sweep.field_types(config)
+  (run,) = sweep.expand([], ['data.tokenizer=1e3', 'data.weights=007',
+                             'optimizer.learning_rate=1e-4', 'train.num_steps=3'], types=types)
+  assert run == {'data.tokenizer': '1e3', 'data.weights': '007',
+                 'optimizer.learning_rate': 1e-4, 'train.num_steps': 3, 'seed': 0}
+  assert {'--config.data.tokenizer=1e3', '--config.data.weights=007',
+          '--config.optimizer.learning_rate=0.0001'} <= set(sweep.command('p', config, 'w', run))
+  with pytest.raises(ValueError, match="model.residual_attention: 'yes' is not true or false"):
+    sweep.expand(['model.residual_attention=yes'], types=types)
+  assert [r['model.residual_attention'] for r in sweep.expand(
+      ['model.residual_attention=true,0'], types=types)] == [True, False]
+  with pytest.raises(ValueError, match=r'model.attention=1: model.attention=.1.: expected'):
+    sweep.check_keys(config, sweep.expand(['model.attention=1,dot'], types=types))
+  with pytest.raises(ValueError, match=r'model.block=None does not fit the field \(str, now '
+                     r'None\); leave the key out of the run'):
+    sweep.check_keys(config, [{'model.block': None, 'seed': 0}])
+  with pytest.raises(ValueError, match=r'model.residual_attention=2 does not fit the field '
+                     r'\(bool'):
+    sweep.check_keys(config, [{'model.residual_attention': 2, 'seed': 0}])
+
+
+def test_a_key_set_twice_is_an_error_not_a_silently_dropped_grid_point():
+  with pytest.raises(ValueError, match='optimizer.learning_rate is set by two of the lists'):
+    sweep.expand(['optimizer.learning_rate=1e-4', 'optimizer.learning_rate=2e-4'])
+  with pytest.raises(ValueError, match='train.num_steps is set by two'):
+    sweep.expand(['train.num_steps=2,3'], ['train.num_steps=4'])
+
+
+def test_a_printed_script_never_sends_a_run_into_the_folder_of_another(tmp_path, capsys):
+  """`print` refuses a root whose folders hold runs with other overrides (their names leave
+  out the --set values): the printed command would resume that run in place."""
+  program = tmp_path / 'fake_train.py'
+  program.write_text(FAKE_PROGRAM)
+  root = str(tmp_path / 'sweep')
+  args = ['--root', root, '--program', str(program), '--config', 'cfg',
+          '--sweep', 'optimizer.learning_rate=1e-4,2e-4']
+  assert sweep_cli.main(['run'] + args + ['--set', 'train.num_steps=2']) == 0
+  capsys.readouterr()
+  assert sweep_cli.main(['print', '--target', 'local'] + args +
+                        ['--set', 'train.num_steps=2']) == 0
+  assert capsys.readouterr().out.count('fake_train.py') == 3  # (the comment line too)
+  with pytest.raises(ValueError, match=r'2 of the runs would go into folders of .* that hold '
+                     r'runs with other overrides \(e.g. .*train.num_steps 2 \(asked 3\)\)'):
+    sweep_cli.main(['print', '--target', 'local'] + args + ['--set', 'train.num_steps=3'])
 
 
 def test_a_time_budgeted_run_is_finished_when_its_last_checkpoint_spent_the_budget(tmp_path):
@@ -434,6 +485,11 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   lines = [l for l in out.splitlines() if l.startswith('python train.py')]
   assert len(lines) == 15 and all('--config.train.num_steps=1000' in l and
                                   '--config.model.num_layers=4' in l for l in lines)
+  # Another budget into the folders those runs were printed for: refused, never resumed.
+  with pytest.raises(ValueError, match=r'15 of the runs would go into folders .*train.num_steps '
+                     r'1000 \(asked 300\)'):
+    study.main(['--root', str(tmp_path), '--print_only', '--steps', '300'])
+  shutil.rmtree(tmp_path / 'compare')
   assert study.main(['--root', str(tmp_path), '--print_only', '--steps', '300']) == 0
   assert '--config.train.num_steps=300\n' in capsys.readouterr().out
   # Nothing reaches the target: exit 1, no budget written.

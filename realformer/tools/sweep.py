@@ -67,6 +67,11 @@ class Hyper:
   def product(lists: Sequence[List[Run]]) -> List[Run]:
     runs = [{}]
     for options in lists:
+      twice = sorted({k for r in runs for k in r} & {k for o in options for k in o})
+      if twice:  # one list's values would silently replace the other's
+        raise ValueError(f'{twice[0]} is set by two of the lists the sweep combines (two '
+                         '--sweep/--set of it, or --sweep and the sweep file); give all its '
+                         'values in one')
       runs = [dict(r, **o) for r in runs for o in options]
     return runs
 
@@ -77,9 +82,17 @@ class Hyper:
     return [dict(itertools.chain.from_iterable(d.items() for d in ds)) for ds in zip(*lists)]
 
 
-def parse_value(text: str) -> Any:
-  """'1e-4' -> 0.0001, '3' -> 3, 'true' -> True, anything else stays a string."""
+def parse_value(text: str, kind: type = type(None)) -> Any:
+  """The value of `text` for a field of type `kind`: a str field's is the text as given; a
+  bool field's true/false (or 1/0); a field of another or no set type takes the first that
+  reads: 'true'/'false' -> bool, '3' -> 3, '1e-4' -> 0.0001, else the text."""
   low = text.lower()
+  if kind is str:
+    return text
+  if kind is bool:
+    if low not in ('true', 'false', '1', '0'):
+      raise ValueError(f'{text!r} is not true or false, which this bool field takes')
+    return low in ('true', '1')
   if low in ('true', 'false'):
     return low == 'true'
   for cast in (int, float):
@@ -90,8 +103,10 @@ def parse_value(text: str) -> Any:
   return text
 
 
-def parse_assignments(items: Sequence[str], *, multi: bool) -> List[List[Run]]:
-  """['a=1,2', 'b=x'] -> [h.sweep('a', [1, 2]), h.sweep('b', ['x'])]."""
+def parse_assignments(items: Sequence[str], *, multi: bool,
+                      types: Optional[Dict[str, type]] = None) -> List[List[Run]]:
+  """['a=1,2', 'b=x'] -> [h.sweep('a', [1, 2]), h.sweep('b', ['x'])]; `types` (field_types)
+  reads each value as its field's type."""
   out = []
   for item in items or ():
     key, sep, values = item.partition('=')
@@ -99,14 +114,46 @@ def parse_assignments(items: Sequence[str], *, multi: bool) -> List[List[Run]]:
       raise ValueError(f'{item!r}: write key=value{",value..." if multi else ""}')
     key = key.removeprefix('config.')
     vals = values.split(',') if multi else [values]
-    out.append(Hyper.sweep(key, [parse_value(v) for v in vals]))
+    try:
+      out.append(Hyper.sweep(key, [parse_value(v, (types or {}).get(key, type(None)))
+                                   for v in vals]))
+    except ValueError as e:
+      raise ValueError(f'{key}: {e}; fix the --sweep/--set value') from None
+  return out
+
+
+def field_types(config: str) -> Dict[str, type]:
+  """{dotted key: its type} of the fields of `config` (a config file and its argument, as
+  --config takes it); {} for what this cannot read (another program's argument)."""
+  cfg = _load(config)
+  return {} if cfg is None else {k: holder.get_type(k.rpartition('.')[2])
+                                  for k, holder in _fields(cfg).items()}
+
+
+def _load(config: str):
+  """The ConfigDict of `config`, None if it names no Python config file."""
+  path = config.partition(':')[0]
+  if os.path.isdir(path if os.path.isabs(path) else os.path.join(_ROOT, path)):
+    raise ValueError(f'--config {path} is a folder; give a config file such as '
+                     'configs/pretrain.py:<variant>,<size>')
+  return cli.load_config(config) if path.endswith('.py') else None
+
+
+def _fields(c, prefix: str = '') -> Dict[str, Any]:
+  """{dotted key: the ConfigDict holding it} of every field of `c`."""
+  out = {}
+  for k, v in c.items():
+    out.update(_fields(v, f'{prefix}{k}.') if hasattr(v, 'items') else {f'{prefix}{k}': c})
   return out
 
 
 def expand(sweeps: Sequence[str] = (), fixed: Sequence[str] = (), seeds: int = 1,
-           sweep_file: Optional[str] = None, first_seed: int = 0) -> List[Run]:
-  """Runs of the command-line sweep (and/or a sweep file), each with a 'seed'."""
-  lists = parse_assignments(sweeps, multi=True) + parse_assignments(fixed, multi=False)
+           sweep_file: Optional[str] = None, first_seed: int = 0,
+           types: Optional[Dict[str, type]] = None) -> List[Run]:
+  """Runs of the command-line sweep (and/or a sweep file), each with a 'seed'; `types`
+  (field_types) reads the command line's values as their fields' types."""
+  lists = (parse_assignments(sweeps, multi=True, types=types) +
+           parse_assignments(fixed, multi=False, types=types))
   if sweep_file:
     if not os.path.isfile(sweep_file):
       raise ValueError(f'--sweep_file {sweep_file} not found; give a Python file that '
@@ -193,44 +240,44 @@ def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
 def check_keys(config: str, runs: Sequence[Run]):
   """One-line errors, before any run starts (each run would otherwise fail the same way):
   an override key the config does not have, or a value its field cannot take (the runs
-  pass values as --config.<key>=<text>, which the field's type parses)."""
+  pass values as --config.<key>=<text>, which the field's type parses; None has no text)."""
   import difflib  # pylint: disable=g-import-not-at-top
-  path = config.partition(':')[0]
-  if os.path.isdir(path if os.path.isabs(path) else os.path.join(_ROOT, path)):
-    raise ValueError(f'--config {path} is a folder; give a config file such as '
-                     'configs/pretrain.py:<variant>,<size>')
-  if not path.endswith('.py'):
+  cfg = _load(config)
+  if cfg is None:
     return  # not a config file this can read (another program's argument)
-  cfg = cli.load_config(config)
-
-  def flat(c, prefix=''):
-    out = {}
-    for k, v in c.items():
-      out.update(flat(v, f'{prefix}{k}.') if hasattr(v, 'items') else {f'{prefix}{k}': c})
-    return out
-  known = flat(cfg)  # dotted key -> the ConfigDict holding it
+  known = _fields(cfg)  # dotted key -> the ConfigDict holding it
   for key in sorted({k for run in runs for k in run}):
     if key not in known:
       close = difflib.get_close_matches(key, sorted(known), n=1)
       hint = f' (did you mean {close[0]}?)' if close else ''
       raise ValueError(f'{key} is not a field of {config}{hint}; fix the --sweep/--set key')
+
+  def kind(key):  # the field's type, also where its default is None (a typed placeholder)
+    return known[key].get_type(key.rpartition('.')[2])
   for run in runs:
     for key, value in run.items():
       holder, name = known[key], key.rpartition('.')[2]
       current = holder[name]
-      if isinstance(current, str) or current is None:
-        continue  # text (or a field without a set type) takes any value
       try:
-        if isinstance(current, bool):  # absl reads true/false and 1/0 (parse_value: bool, int)
+        if value is None:
+          raise TypeError
+        if kind(key) in (str, type(None)):
+          continue  # text (or a field without a set type) takes any value
+        if kind(key) is bool:  # absl reads true/false and 1/0 (parse_value: bool, int)
           if value not in (True, False) or isinstance(value, float):
             raise TypeError
         elif isinstance(value, bool):
           raise TypeError  # a bool is an int to Python, not to absl
+        elif current is None:
+          if not isinstance(value, (int, float) if kind(key) is float else kind(key)):
+            raise TypeError
         else:
           holder.copy_and_resolve_references()[name] = value
       except TypeError:
-        raise ValueError(f'{key}={value!r} does not fit the field ({type(current).__name__}, '
-                         f'now {current!r}); fix the --sweep/--set value') from None
+        fix = ('leave the key out of the run (its default stands)' if value is None else
+               'fix the --sweep/--set value')
+        raise ValueError(f'{key}={value!r} does not fit the field ({kind(key).__name__}, '
+                         f'now {current!r}); {fix}') from None
   if 'model' in cfg and 'variant' in cfg.model and 'train' in cfg:  # a pretraining config:
     from realformer import config_checks  # pylint: disable=g-import-not-at-top
     for run in runs:  # each run's whole config, as train.py checks it (a variant, a step
@@ -242,9 +289,8 @@ def check_keys(config: str, runs: Sequence[Run]):
         holder = full
         for part in path:
           holder = holder[part]
-        current = holder[name]  # as --config.<key>=<text> would set it: 1/0 for a bool,
-        holder[name] = (bool(value) if isinstance(current, bool) else  # the text for a str
-                        _fmt(value) if isinstance(current, str) else value)
+        holder[name] = (bool(value) if kind(key) is bool else  # as --config.<key>=<text>
+                        _fmt(value) if kind(key) is str else value)  # would set it
       try:
         config_checks.check_config(full)
       except ValueError as e:
@@ -452,6 +498,13 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
                      'copy of; give a gs:// URL for runs on a pod slice')
   root = absolute(root)
   names = reuse_names(root, runs, run_names(runs, always))
+  clashes = [(name, differ) for run, name in zip(runs, names)
+             if (differ := other_run(storage.join(root, name), run))]
+  if clashes:  # a printed run would resume, in place, the run its folder holds
+    name, differ = clashes[0]
+    raise ValueError(f'{len(clashes)} of the runs would go into folders of {root} that hold '
+                     f'runs with other overrides (e.g. {name}: {"; ".join(differ)}); give this '
+                     'sweep its own --root')
   lines = ['#!/usr/bin/env bash', f'# {len(runs)} runs of {program} {config}', 'set -e']
   if target == 'local':
     lines.append(f'cd {shlex.quote(_ROOT)}')
