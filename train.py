@@ -109,7 +109,8 @@ def main(argv):
   if flags.FLAGS.compile_for:
     check_launch()
     return
-  for name in ('find_max_batch', 'launch_json', 'max_compiles', 'batch_multiple'):
+  for name in ('find_max_batch', 'measure_steps', 'launch_json', 'max_compiles',
+               'batch_multiple'):
     if flags.FLAGS[name].present:
       cli.fail(f'--{name} needs --compile_for (a TPU slice such as v5e:2x2, or '
                            f'local); without it train.py trains')

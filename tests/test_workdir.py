@@ -319,6 +319,8 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
      '--model_prefix is required'),
     (['train.py', '--workdir', '{tmp}/w', '--max_compiles=3'],
      '--max_compiles needs --compile_for'),
+    (['train.py', '--workdir', '{tmp}/w', '--measure_steps=3'],
+     '--measure_steps needs --compile_for'),
     (['train.py', '--workdir', '{tmp}/w', '--config.optimizer.schedule=cosin'], 'cosin'),
     (['train.py', '--workdir', '{tmp}/w', '--config.optimizer.name=lars'],
      "optimizer.name='lars'; choose adamw or lamb"),
