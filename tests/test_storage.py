@@ -578,3 +578,19 @@ def test_a_bucket_that_does_not_exist_is_one_line_naming_it(gcs, write, capsys):
   assert capsys.readouterr().err.strip() == (
       "error: the bucket gs://no-such-bucket does not exist, or this machine's account cannot "
       'see it; create it (gcloud storage buckets create gs://no-such-bucket) or fix the URL')
+
+
+def test_checkpoints_that_cannot_be_listed_are_an_error_not_none(gcs, monkeypatch):
+  """A run folder without checkpoints has none; one whose listing fails (gcsfs answers
+  is_dir() False while the storage does not answer) is an error, never "no checkpoint",
+  which would restart a run from step 0 or drop a finished run's best params."""
+  workdir = f'{gcs}/listing'
+  assert checkpoints.complete_steps(workdir) == []
+  root = storage.path(workdir) / checkpoints.CHECKPOINT_DIR
+  monkeypatch.setattr(type(root), 'is_dir', lambda self: False)
+
+  def down(self):
+    raise OSError('Cannot connect to host 127.0.0.1')
+  monkeypatch.setattr(type(root), 'iterdir', down)
+  with pytest.raises(OSError, match='Cannot connect'):
+    checkpoints.complete_steps(workdir)

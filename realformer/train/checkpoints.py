@@ -72,9 +72,11 @@ def is_complete(step_dir) -> bool:
 def complete_steps(workdir) -> List[int]:
   """The finalized steps in <workdir>/checkpoints, oldest first (read-only; no manager)."""
   root = storage.path(workdir) / CHECKPOINT_DIR
-  if not root.is_dir():
+  try:  # listed, not asked is_dir(): gcsfs answers False for a storage that does not answer,
+    entries = list(root.iterdir())  # which would read as "no checkpoint" (a restart from 0)
+  except (FileNotFoundError, NotADirectoryError):
     return []
-  return sorted(int(d.name) for d in root.iterdir() if d.name.isdigit() and is_complete(d))
+  return sorted(int(d.name) for d in entries if d.name.isdigit() and is_complete(d))
 
 
 def has_complete_step(workdir) -> bool:
