@@ -140,6 +140,53 @@ def test_hlo_stats_reads_start_and_step_and_batch_groups_from_hand_written_hlo()
     hlo_stats.analyze('HloModule empty')
 
 
+# XLA:GPU's optimized HLO: dots rewritten into cuBLAS calls (a batched one in a loop of 3, as
+# a scanned layer's attention scores), and a cuDNN fused-attention kernel, whose FLOPs the
+# HLO does not state.
+GPU_HAND_WRITTEN = r'''HloModule jit_step
+
+%body (p: (s32[], bf16[2,4,16,64])) -> (s32[], bf16[2,4,16,64]) {
+  %p = (s32[], bf16[2,4,16,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %q = bf16[2,4,16,64]{3,2,1,0} get-tuple-element(%p), index=1
+  %s = (bf16[2,4,16,16]{3,2,1,0}, s8[4194304]{0}) custom-call(bf16[2,4,16,64]{3,2,1,0} %q, bf16[2,4,16,64]{3,2,1,0} %q), custom_call_target="__cublas$gemm", backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","1"],"rhs_batch_dimensions":["0","1"]},"epilogue":"DEFAULT"}}
+  %f = (bf16[2,4,16,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{}}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %o = bf16[2,4,16,64]{3,2,1,0} get-tuple-element(%f), index=0
+  ROOT %t = (s32[], bf16[2,4,16,64]) tuple(%next, %o)
+}
+
+%cond (p: (s32[], bf16[2,4,16,64])) -> pred[] {
+  %p = (s32[], bf16[2,4,16,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: bf16[64,768], w: bf16[768,3072], q: bf16[2,4,16,64]) -> bf16[64,3072] {
+  %x = bf16[64,768]{1,0} parameter(0)
+  %w = bf16[768,3072]{1,0} parameter(1)
+  %q = bf16[2,4,16,64]{3,2,1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[2,4,16,64]) tuple(%zero, %q)
+  %loop = (s32[], bf16[2,4,16,64]) while(%init), condition=%cond, body=%body
+  %mm = (bf16[64,3072]{1,0}, s8[4194304]{0}) custom-call(bf16[64,768]{1,0} %x, bf16[768,3072]{1,0} %w), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  ROOT %out = bf16[64,3072]{1,0} get-tuple-element(%mm), index=0
+}
+'''
+
+
+def test_hlo_stats_counts_cublas_calls_and_counts_opaque_kernels_apart():
+  stats = hlo_stats.analyze(GPU_HAND_WRITTEN)
+  assert stats.matmul_flops == 2 * 64 * 3072 * 768 + 3 * 2 * (2 * 4 * 16 * 16) * 64
+  assert stats.opaque_kernels == 3  # the fused attention, once per loop trip
+  report = launch.Report(batch_size=8, fits=True, model_flops=1.0,
+                         opaque_kernels=stats.opaque_kernels)
+  assert '(3 runs of custom kernels, such as cuDNN or Pallas attention' in launch.format_report(
+      tiny(), launch.tpu_target('v5e:2x2'), report)
+
+
 def test_hlo_stats_counts_collectives_in_loops():
   mesh = jax.make_mesh((4,), ('fsdp',), devices=jax.devices()[:4],
                        axis_types=(jax.sharding.AxisType.Auto,))

@@ -15,7 +15,13 @@ start or step cannot be read, jax's 0 and 1 are assumed and the loop is counted 
 assumed_trip_counts), a fusion, call or async wrapper by its caller's.
 
 Counted:
-  dot          2 * prod(result dims) * prod(lhs contracting dims)
+  dot          2 * prod(result dims) * prod(lhs contracting dims); likewise a GPU's cuBLAS
+               call (custom_call_target __cublas$gemm, __cublas$lt$matmul...: XLA:GPU
+               rewrites most dots into them), its result the tuple's first array and its
+               contracting dims those of its gemm_backend_config
+  Other custom-call kernels (cuDNN fused attention, Pallas/Triton and Mosaic kernels) state
+  no FLOPs in the HLO: counted apart, as opaque_kernels (executions per step), so that a
+  ratio against the model's FLOPs reads low where they run.
   convolution  2 * (result batch x feature elements) * (window taps that land on real
                input elements, per output position) * (rhs input features). TPUs
                lower matmuls to convolutions and write a batched matmul's batch
@@ -80,6 +86,7 @@ class HloStats:
   collectives: Dict[str, Collective]
   unknown_trip_counts: int  # while loops whose trip count could not be read (counted once)
   assumed_trip_counts: int = 0  # bound read, start and step taken as jax's 0 and 1
+  opaque_kernels: int = 0   # custom-call kernels whose FLOPs are not counted, per step
 
 
 def _balanced(text: str, start: int) -> int:
@@ -209,13 +216,37 @@ def _valid_taps(out: int, size: int, n: int, stride: int, pad_low: int, lhs_dila
   return int(valid.sum())
 
 
+_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+# Kernels of their own: cuDNN's (fused attention, __cudnn$fmha...), Pallas's on GPU (Triton:
+# __gpu$xla.gpu.triton; Mosaic GPU) and on TPU (tpu_custom_call).
+_OPAQUE_TARGETS = re.compile(r'__cudnn\$|triton|mosaic|tpu_custom_call')
+
+
+def _custom_target(inst: Instruction) -> str:
+  m = _CUSTOM_TARGET.search(inst.attrs) if inst.opcode == 'custom-call' else None
+  return m.group(1) if m else ''
+
+
+def is_opaque_kernel(inst: Instruction) -> bool:
+  """A custom-call kernel whose FLOPs the HLO does not state (see the module docstring)."""
+  return bool(_OPAQUE_TARGETS.search(_custom_target(inst)))
+
+
 def matmul_flops(inst: Instruction, types: Dict[str, str]) -> float:
-  """FLOPs of one dot or convolution (0 for anything else)."""
+  """FLOPs of one dot, convolution or cuBLAS call (0 for anything else)."""
   out = _arrays(inst.type_text)
-  if inst.opcode not in ('dot', 'convolution') or not out or not inst.operands:
+  gemm = _custom_target(inst).startswith('__cublas$')
+  if inst.opcode not in ('dot', 'convolution') and not gemm or not out or not inst.operands:
     return 0.0
   out_shape = out[0][1]
   lhs = _shape(types, inst.operands[0])
+  if gemm:
+    dims = _GEMM_CONTRACTING.search(inst.attrs)
+    contracting = [int(i) for i in re.findall(r'\d+', dims.group(1))] if dims else []
+    if not contracting or max(contracting) >= len(lhs):
+      return 0.0
+    return 2.0 * _prod(out_shape) * _prod(lhs[i] for i in contracting)
   if inst.opcode == 'dot':
     contracting = _dims_attr(inst.attrs, 'lhs_contracting_dims')
     return 2.0 * _prod(out_shape) * _prod(lhs[i] for i in contracting)
@@ -271,7 +302,8 @@ def analyze(text: str) -> HloStats:
     c = collectives.setdefault(kind, Collective())
     c.count += int(times)
     c.bytes += times * nbytes
-  return HloStats(walk.flops, walk.selection, collectives, walk.unknown, walk.assumed)
+  return HloStats(walk.flops, walk.selection, collectives, walk.unknown, walk.assumed,
+                  int(walk.opaque))
 
 
 def _scalar_constants(text: str) -> Dict[str, int]:
@@ -294,6 +326,7 @@ class _Walk:
   def __init__(self, computations, constants: Dict[str, int]):
     self.computations, self.constants = computations, constants
     self.flops, self.selection, self.unknown, self.assumed = 0.0, 0.0, 0, 0
+    self.opaque = 0.0
     # One entry per collective: TPU splits an async collective into a start fusion, a
     # continuation and a done fusion, each holding a copy of the op with the same channel_id.
     self.seen = {}
@@ -304,6 +337,7 @@ class _Walk:
     by_name = {i.name: i for i in insts}
     for inst in insts:
       f = times * matmul_flops(inst, types)
+      self.opaque += times * is_opaque_kernel(inst)
       if f and _is_selection(inst, types):
         self.selection += f
       else:

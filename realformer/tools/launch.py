@@ -213,6 +213,7 @@ class Report:
   refused_temp_bytes: int = 0    # the temporaries it said the program needed, if it said
   unknown_trip_counts: int = 0
   assumed_trip_counts: int = 0
+  opaque_kernels: int = 0        # custom-call kernels (cuDNN attention, Pallas) not counted
 
   @property
   def flop_ratio(self) -> float:
@@ -315,6 +316,7 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   report.selection_flops = stats.selection_flops
   report.unknown_trip_counts = stats.unknown_trip_counts
   report.assumed_trip_counts = stats.assumed_trip_counts
+  report.opaque_kernels = stats.opaque_kernels
   report.collectives = {k: dataclasses.asdict(v) for k, v in sorted(stats.collectives.items())}
   return report, compiled
 
@@ -574,6 +576,9 @@ def format_report(config, target: Target, r: Report) -> str:
   if r.assumed_trip_counts:
     note += (f' ({r.assumed_trip_counts} loops counted from 0 by 1 to their bound: start or '
              f'step not readable)')
+  if r.opaque_kernels:
+    note += (f' ({r.opaque_kernels} runs of custom kernels, such as cuDNN or Pallas attention, '
+             'whose FLOPs the HLO does not state: not counted)')
   lines += [f'FLOPs per chip per step: compiled matmuls {r.compiled_flops:.4g}, model '
             f'(flops_per_example) {r.model_flops:.4g}, ratio {r.flop_ratio:.3f}{note}',
             f'  (plus one-hot row selections {r.selection_flops:.3g}; XLA\'s cost_analysis '
