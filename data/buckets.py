@@ -117,7 +117,7 @@ def train_batches(lengths: np.ndarray, buckets: Sequence[int], batch_size: int, 
 def eval_batches(lengths: np.ndarray, buckets: Sequence[int], batch_size: int
                  ) -> Iterator[Tuple[int, np.ndarray, np.ndarray]]:
   """(length, indices, valid) covering every example once; a bucket's last batch is filled
-  with its first example (valid False there)."""
+  by repeating its examples (valid False there)."""
   index = bucket_index(lengths, buckets)
   for b, length in enumerate(buckets):
     members = np.flatnonzero(index == b)

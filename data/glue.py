@@ -4,7 +4,7 @@ tokenised as BERT pairs ([CLS] A [SEP] B [SEP]) with the pretraining run's token
 The official TSVs (https://gluebenchmark.com/tasks, unpacked as <data_dir>/<Task>/*.tsv) are
 read by column name (CoLA's train/dev have no header), without quote handling, as GLUE's
 own files need. tfds (`glue/<task>`) is the other source: its labels use the same order as
-LABELS below. Hugging Face datasets (`hf:nyu-mll/glue`, or a local copy) are the third, with
+each Task's `labels` in TASKS below. Hugging Face datasets (`hf:nyu-mll/glue`, or a local copy) are the third, with
 tfds's configs, columns and label order. Test labels are unknown (None); test predictions are written in the submission
 format: <Task>.tsv with `index<TAB>prediction` and label names for classification.
 """

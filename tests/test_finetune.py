@@ -574,9 +574,13 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   # One value per axis: the grid's values still name the run (grids extend in one root).
   assert len(one) == 1 and (f'--workdir {root}/rte/batch_size=16,num_epochs=3,'
                             'optimizer.learning_rate=0.0001,seed=0 ') in one[0]
-  finetune_grid.main(['--tasks', 'rte', '--root', root, '--seeds', '1', '--print_only',
-                      '--data_dir', 'hf:nyu-mll/glue', '--learning_rates', '1e-5',
-                      '--batch_sizes', '16', '--epochs', '2'])
+  hf_args = ['--tasks', 'rte', '--seeds', '1', '--print_only', '--data_dir',
+             'hf:nyu-mll/glue', '--learning_rates', '1e-5', '--batch_sizes', '16', '--epochs',
+             '2']
+  with pytest.raises(ValueError, match=r'1 of the runs would go into folders .* that hold runs '
+                     r"with other overrides \(.*data_dir '' \(asked 'hf:nyu-mll/glue'\)"):
+    finetune_grid.main(hf_args + ['--root', root])  # the first grid's run of that setting
+  finetune_grid.main(hf_args + ['--root', f'{root}/hf'])
   assert '--config.data_dir=hf:nyu-mll/glue ' in capsys.readouterr().out
   for flags, error in ((['--seeds', '0'], 'need at least one seed'),
                        (['--learning_rates', '2e-5,2e-05'], 'the grid repeats a run'),
@@ -584,27 +588,32 @@ def test_grid_commands_and_summary(tmp_path, capsys):
                        (['--set', 'seed=7'], '--set seed: the grid sets it')):
     with pytest.raises(ValueError, match=error):
       finetune_grid.main(['--tasks', 'rte', '--root', root, '--print_only'] + flags)
-  check_grid_summary(root)
+  check_grid_summary(f'{root}/summary')
 
 
 def check_grid_summary(root: str):
-  """Finished runs of two settings in the grid's `root` (a folder or a gs:// URL): the
-  summary marks the one with the higher median over seeds best."""
+  """Runs of three settings in the grid's `root` (a folder or a gs:// URL): the summary
+  marks the one with the higher median over seeds best; a non-finite headline (NaN: no
+  correlation of constant predictions) and an unfinished run are left out, and counted."""
   from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
+  nan = float('nan')
   for lr, seed, headline in [(1e-5, 0, 0.9), (1e-5, 1, 0.5), (1e-5, 2, 0.5),
-                             (2e-5, 0, 0.6), (2e-5, 1, 0.6), (2e-5, 2, 0.1)]:
+                             (2e-5, 0, 0.6), (2e-5, 1, nan), (2e-5, 2, 0.1), (2e-5, 3, 0.6),
+                             (2e-5, 4, None), (3e-5, 0, nan)]:
     run = {'optimizer.learning_rate': lr, 'batch_size': 16, 'num_epochs': 2, 'seed': seed}
     workdir = storage.path(root) / 'rte' / f'lr={lr},seed={seed}'
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / 'overrides.json').write_text(json.dumps(run))
-    (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
+    if headline is not None:
+      (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
   finetune_grid.main(['--tasks', 'rte', '--root', root, '--summarize_only'])
   rows = (storage.path(root) / 'results.csv').read_text().splitlines()
   assert rows[0].split(',') == finetune_grid.HEADER
   best = [r.split(',') for r in rows[1:] if r.endswith('best')]
-  assert len(best) == 1 and best[0][1] == '2e-05' and float(best[0][5]) == 0.6
+  assert len(best) == 1 and best[0][1] == '2e-05' and best[0][4:7] == ['3', '2', '0.6']
   markdown = (storage.path(root) / 'results.md').read_text()
-  assert '| rte | 1e-05 | 16 | 2 | 3 | 0.5000 |' in markdown
+  assert '| rte | 1e-05 | 16 | 2 | 3 | 0 | 0.5000 |' in markdown
+  assert '| rte | 3e-05 | 16 | 2 | 0 | 1 |  |  |  |  |  |' in markdown
 
 
 def _write_hf_glue(root, task, splits):
@@ -706,3 +715,17 @@ def test_a_step_that_waits_for_its_compilation_leaves_it_out_of_the_throughput()
   before = time.time() - window.start
   seconds = 1 / window.values(1, None)['steps_per_sec']
   assert before - 0.3 <= seconds <= time.time() - window.start - 0.3
+
+
+def test_a_task_of_ones_own_named_like_a_glue_split_is_scored_by_its_own_metric(tmp_path):
+  """tsv/mnli_mismatched is the user's task, not GLUE MNLI's second dev set."""
+  from realformer.finetune import glue as glue_finetune  # pylint: disable=g-import-not-at-top
+  config = finetune_configs.get_config('tsv/mnli_mismatched')
+  config.unlock()
+  config.data_dir = str(tmp_path)
+  config.tsv.labels, config.tsv.metric = 'a,b,c', 'macro_f1'
+  task = object.__new__(glue_finetune.GlueTask)
+  task.config, task.name = config, config.task
+  task.task, task.evals = finetune_task.tsv_task(config), {config.task: None}
+  task._predictions = lambda *_: (np.array([0, 1, 2, 2]), np.array([0, 1, 2, 1]))
+  assert set(task.evaluate_outputs(None)['mnli_mismatched']) == {'accuracy', 'macro_f1'}

@@ -105,8 +105,9 @@ class GlueTask(FinetuneTask):
     results = {}
     for name in self.evals:
       preds, labels = self._predictions(outputs, 'dev', name)
+      mismatched = name == 'mnli_mismatched' and name != self.name  # GLUE MNLI's second dev
       results[name] = finetune_metrics.glue_metrics(
-          'mnli' if name == 'mnli_mismatched' else self._spec(name), preds, labels)
+          'mnli' if mismatched else self._spec(name), preds, labels)
     return results
 
   def write_predictions(self, outputs, results, out_dir: str):

@@ -19,6 +19,7 @@ its columns and labels given with --set tsv.<key>=...).
 """
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -80,15 +81,17 @@ def task_root(root: str, task: str) -> str:
 
 
 def collect(root: str) -> List[Dict[str, Any]]:
-  """(overrides, headline) of every finished run under one task's root."""
+  """(overrides, headline) of every run under one task's root: None for a run without
+  results.json (unfinished, or stopped by a non-finite loss)."""
   rows = []
   folder = storage.path(root)
   for name in sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []:
-    path = folder / name / 'results.json'
-    if not path.exists():
+    if not (folder / name / sweep.OVERRIDES).exists():
       continue
     run = json.loads((folder / name / sweep.OVERRIDES).read_text())
-    rows.append({'run': run, 'headline': json.loads(path.read_text())['headline']})
+    path = folder / name / 'results.json'
+    rows.append({'run': run, 'headline': (json.loads(path.read_text())['headline']
+                                          if path.exists() else None)})
   return rows
 
 
@@ -97,20 +100,27 @@ def _fmt(value):
 
 
 def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
-  """One row per grid setting: task, lr, batch, epochs, n, median, mean, min, max, best."""
+  """One row per grid setting: task, lr, batch, epochs, n (runs with a finite headline),
+  left out (unfinished runs, and those whose headline is not finite: a regression's
+  constant predictions have no correlation), then the median, mean, min and max of the n,
+  and 'best' on the setting of the highest median."""
   groups = {}
   for row in rows:
     key = tuple(_fmt(row['run'].get(k)) for k in GRID_KEYS)
     groups.setdefault(key, []).append(row['headline'])
-  table = [[task, *key, len(v), statistics.median(v), statistics.mean(v), min(v), max(v), '']
-           for key, v in sorted(groups.items())]
-  if table:
-    max(table, key=lambda r: r[5])[-1] = 'best'
+  table = []
+  for key, headlines in sorted(groups.items()):
+    v = [h for h in headlines if h is not None and math.isfinite(h)]
+    stats = [statistics.median(v), statistics.mean(v), min(v), max(v)] if v else [''] * 4
+    table.append([task, *key, len(v), len(headlines) - len(v), *stats, ''])
+  scored = [r for r in table if r[4]]
+  if scored:
+    max(scored, key=lambda r: r[6])[-1] = 'best'
   return table
 
 
-HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'median', 'mean', 'min',
-          'max', 'best']
+HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'left out', 'median',
+          'mean', 'min', 'max', 'best']
 
 
 def write_summary(root: str, tasks: Sequence[str]) -> str:
