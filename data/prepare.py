@@ -22,9 +22,10 @@ and block b goes to worker b mod W, where W = `data.prepare_workers` processes o
 run's hosts (train.py: every host of a multi-host run prepares its share; the command line:
 --process_index/--process_count). A block's instances depend only on its documents, the seed,
 the split and b, and each block's records lie together in one file (the `data.num_shards`
-shard writers, shared out among the workers, take their worker's blocks in turn), so the prepared set (instances, split,
-counts) and the order readers take it in (block after block, metadata.json's 'blocks') are
-the same whatever W and the host count are: so is the stream a seed trains on. Every worker reads the whole stream and tokenises only its own blocks
+shard writers, shared out among the workers, take their worker's blocks in turn), so the
+prepared set (instances, split, counts) and the order readers take it in (block after block,
+metadata.json's 'blocks') are the same whatever W and the host count are: so is the stream a
+seed trains on. Every worker reads the whole stream and tokenises only its own blocks
 (tokenising is most of the work). Workers write into <out_dir>.tmp/worker-XXXXX/ and mark
 themselves done; process 0 gathers them into <out_dir>. An interrupted preparation resumes:
 finished workers (same settings, same W) are kept, the others start their share again. The

@@ -593,3 +593,29 @@ def test_a_config_or_sweep_file_that_fails_is_one_line_naming_file_and_line(tmp_
                            *args], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 1, proc.stderr
     assert re.fullmatch(f'error: .*{message}.*\n', proc.stderr), proc.stderr
+
+
+def test_a_run_lock_admits_one_sweep_process_and_dies_with_its_holder(tmp_path):
+  """The LOCK of a run is an flock held by the sweep process running it: another process
+  is refused while it lives and takes it once it is gone (also killed between creating the
+  file and writing its record: an empty LOCK); release removes it."""
+  workdir = str(tmp_path / 'run')
+  os.makedirs(workdir)
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time\nfrom realformer.tools import sweep\n'
+       f'assert sweep.acquire({workdir!r})\nprint("held", flush=True)\ntime.sleep(60)'],
+      cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    assert not sweep.acquire(workdir)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert sweep.acquire(workdir)  # its process is gone, and its flock with it
+  with open(os.path.join(workdir, sweep.LOCK)) as f:
+    assert f.read() == f'{socket.gethostname()} {os.getpid()}'
+  sweep.release(workdir)
+  assert not os.path.exists(os.path.join(workdir, sweep.LOCK))
+  open(os.path.join(workdir, sweep.LOCK), 'w').close()  # a holder killed before its record
+  assert sweep.acquire(workdir)
+  sweep.release(workdir)

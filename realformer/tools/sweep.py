@@ -24,6 +24,7 @@ pid) is skipped too, so two sweeps over one root never write into the same workd
 """
 
 import csv
+import fcntl
 import io
 import itertools
 import json
@@ -46,6 +47,7 @@ Run = Dict[str, Any]
 DONE = 'DONE'
 LOCK = 'LOCK'
 _LEASES: Dict[str, Any] = {}  # the lock objects this process holds, by workdir (gs://)
+_LOCK_FDS: Dict[str, int] = {}  # the flocked LOCK files this process holds, by workdir
 RUNNING_ELSEWHERE = -1000  # run_all's code for a run that another sweep process holds
 OTHER_RUN = -1001  # run_all's code for a run whose directory holds a run of other overrides
 OVERRIDES = 'overrides.json'
@@ -351,9 +353,11 @@ def _pid_alive(pid: int) -> bool:
 def acquire(workdir: str) -> bool:
   """Takes <workdir>/LOCK for this process; False while another live process holds it.
 
-  A lock left by a dead process on this host is taken over; one from another host is
-  respected (remove it by hand when that host is gone). In a bucket the lock is a leased
-  object (storage.Lease), taken over once its lease has expired.
+  Locally the lock is an flock on LOCK, held while the run runs, with this host and pid
+  written in it: two sweep processes never both take it, and one that died lets go of it
+  with its process. A record naming another host is respected (remove it by hand when
+  that host is gone), as is one naming a live process here. In a bucket the lock is a
+  leased object (storage.Lease), taken over once its lease has expired.
   """
   if storage.is_url(workdir):
     lease = storage.Lease(storage.join(workdir, LOCK), storage.holder_record('sweep.py'))
@@ -364,31 +368,43 @@ def acquire(workdir: str) -> bool:
     _LEASES[workdir] = lease
     return True
   path = os.path.join(workdir, LOCK)
-  me = f'{socket.gethostname()} {os.getpid()}'
-  for _ in range(2):
+  while True:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-      with open(path) as f:
-        host, _, pid = f.read().strip().partition(' ')
-      if host != socket.gethostname() or (pid.isdigit() and _pid_alive(int(pid))):
-        return False
-      os.remove(path)  # stale: its process died
-      continue
-    with os.fdopen(fd, 'w') as f:
-      f.write(me)
-    return True
-  return False
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a live sweep process holds it
+      os.close(fd)
+      return False
+    try:
+      same = os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+      same = False
+    if same:
+      break
+    os.close(fd)  # its holder released (removed) it meanwhile: take the new one
+  host, _, pid = os.pread(fd, 256, 0).decode(errors='replace').strip().partition(' ')
+  if host and (host != socket.gethostname() or
+               (pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)))):
+    os.close(fd)
+    return False
+  os.ftruncate(fd, 0)  # free: never held, or its process died
+  os.pwrite(fd, f'{socket.gethostname()} {os.getpid()}'.encode(), 0)
+  _LOCK_FDS[workdir] = fd
+  return True
 
 
 def release(workdir: str):
   if workdir in _LEASES:
     _LEASES.pop(workdir).release()
     return
+  fd = _LOCK_FDS.pop(workdir, None)
+  if fd is None:
+    return
   try:
-    os.remove(os.path.join(workdir, LOCK))
+    os.remove(os.path.join(workdir, LOCK))  # before the flock goes: never another's
   except FileNotFoundError:
     pass
+  os.close(fd)
 
 
 def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
