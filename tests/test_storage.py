@@ -594,3 +594,20 @@ def test_checkpoints_that_cannot_be_listed_are_an_error_not_none(gcs, monkeypatc
   monkeypatch.setattr(type(root), 'iterdir', down)
   with pytest.raises(OSError, match='Cannot connect'):
     checkpoints.complete_steps(workdir)
+
+
+def test_a_restart_over_an_uncommitted_step_in_a_bucket_starts_cleanly(gcs):
+  """A kill during a run's first save in a bucket leaves the step's objects without their
+  commit file: the next start deletes them before its manager lists the folder (orbax's
+  background clean-up could empty the folder under the listing) and finds no checkpoint."""
+  for i in range(3):
+    run = f'{gcs}/uncommitted{i}'
+    manager = checkpoints.make_manager(run, item_names=('state',))
+    checkpoints.save(manager, 5, {'step': 5, 'params': {'w': jnp.ones((2, 3))}}, force=True)
+    manager.wait_until_finished()
+    manager.close()
+    (storage.path(run) / checkpoints.CHECKPOINT_DIR / '5' / checkpoints.COMMIT_FILE).unlink()
+    manager = checkpoints.make_manager(run, item_names=('state',))
+    assert checkpoints.latest_complete_step(manager) is None
+    assert not (storage.path(run) / checkpoints.CHECKPOINT_DIR / '5').exists()
+    manager.close()

@@ -18,6 +18,7 @@ trainer's (realformer/train/trainer.py).
 
 import json
 import re
+import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import jax
@@ -45,11 +46,37 @@ def make_manager(workdir: str, *, keep: Optional[int] = 3, read_only: bool = Fal
   is no longer its own, so that a save begun before a take-over never lands in the new
   holder's directory."""
   directory = storage.path(workdir) / CHECKPOINT_DIR
+  remote = storage.is_url(workdir)
+  if remote and not read_only and jax.process_index() == 0:
+    _remove_uncommitted(directory)
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=not read_only, read_only=read_only,
-      cleanup_tmp_directories=not read_only, enable_async_checkpointing=not read_only,
+      # In a bucket, orbax's own clean-up deletes in the background while its constructor
+      # lists the folder, which vanishes with its last object: done above, before it.
+      cleanup_tmp_directories=not read_only and not remote,
+      enable_async_checkpointing=not read_only,
       temporary_path_class=None if fence is None else _fenced(directory, fence))
-  return ocp.CheckpointManager(directory, item_names=item_names, options=options)
+  for attempt in range(3):
+    try:
+      return ocp.CheckpointManager(directory, item_names=item_names, options=options)
+    except FileNotFoundError:  # another process's listing saw process 0's clean-up midway
+      if not remote or attempt == 2:
+        raise
+      time.sleep(1)
+
+
+def _remove_uncommitted(directory) -> None:
+  """Deletes the steps in a bucket's checkpoint folder that were never committed (a run
+  killed during a save), before a manager lists it."""
+  try:
+    steps = [d for d in directory.iterdir()
+             if d.name.isdigit() or '.orbax-checkpoint-tmp' in d.name]
+  except FileNotFoundError:
+    return
+  for step_dir in steps:
+    if not is_complete(step_dir):
+      logging.warning('deleting uncommitted checkpoint %s (no %s)', step_dir, COMMIT_FILE)
+      step_dir.rmtree()
 
 
 def _fenced(directory, fence: Callable[[], None]):
