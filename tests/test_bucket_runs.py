@@ -302,6 +302,31 @@ def test_a_run_that_lost_its_lock_leaves_the_new_holders_log_alone(server, monke
   assert storage.path(f'{url}/metrics.jsonl').read_text() == theirs
 
 
+def test_a_lock_lost_during_an_evaluation_stops_the_run_before_it_writes(server, monkeypatch):
+  """A lease lost while the run evaluated (a long evaluation): its results are not written
+  (the log's upload would replace the new holder's log)."""
+  from realformer.train import pretraining as pretraining_task  # pylint: disable=g-import-not-at-top
+  url = f'{server.root}/lost_in_eval'
+  theirs = '{"step": 0, "split": "start"}\n'
+  evaluate = pretraining_task.PretrainingTask.evaluate
+  upload_at_once = storage.GrowingFile.__init__
+
+  def taken_over(self, params, step):
+    results = evaluate(self, params, step)
+    storage.write_text(f'{url}/metrics.jsonl', theirs)
+    monkeypatch.setattr(workdir_lib.Lock, 'lost', property(lambda _: 'taken over'))
+    return results
+  monkeypatch.setattr(pretraining_task.PretrainingTask, 'evaluate', taken_over)
+  monkeypatch.setattr(storage.GrowingFile, '__init__',
+                      lambda self, p, binary=False, upload_every=30.0: upload_at_once(
+                          self, p, binary, upload_every=0.0))
+  with pytest.raises(workdir_lib.WorkdirInUseError, match='taken over; this run stopped'):
+    train.train_and_evaluate(tiny_config(num_steps=6, eval_every_steps=3, eval_steps=1,
+                                         log_every_steps=100, checkpoint_every_steps=1000),
+                             url)
+  assert storage.path(f'{url}/metrics.jsonl').read_text() == theirs
+
+
 @pytest.mark.parametrize('where', ['bucket', 'local'])
 @pytest.mark.parametrize('lost_at, committed', [(4, False), (6, False), (6, True)])
 def test_a_save_begun_before_the_lock_was_lost_is_never_committed(

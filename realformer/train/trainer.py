@@ -533,6 +533,7 @@ class Trainer:
   def _evaluate(self, step: int):
     started = time.time()
     self.results = self.task.evaluate(self.state.params, step)
+    self.run_dir.check_held()  # a lease lost during a long evaluation: nothing is written
     for split, values in self.results.items():
       self.writer.write_scalars(step, {f'{split}/{k}': v for k, v in values.items()})
       logging.info('step %d %s: %s', step, split, values)
