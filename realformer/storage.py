@@ -145,8 +145,8 @@ def check_location(p, what: str) -> None:
   """One-line ValueErrors for a folder that a run, a preparation or an import writes, before
   anything is written: a URL other than gs://, a bucket itself (the temporary and lock
   objects beside the folder would name other buckets), URL syntax in a gs:// path
-  (URL_SYNTAX), or a local path on a gcsfuse mount (refuse_gcsfuse). `what` names the
-  setting, e.g. --workdir."""
+  (URL_SYNTAX) or a . or .. in it, or a local path on a gcsfuse mount (refuse_gcsfuse).
+  `what` names the setting, e.g. --workdir."""
   text = os.fspath(p)
   if not is_url(text):
     refuse_gcsfuse(text, what)
@@ -162,6 +162,10 @@ def check_location(p, what: str) -> None:
   if found:
     raise ValueError(f'{what} {text}: {" ".join(found)} in a gs:// path is read as URL syntax '
                      '(the checkpoints would be written elsewhere); name the folder without it')
+  dots = [part for part in prefix.split('/') if part in ('.', '..')]
+  if dots:  # object names keep them, while some clients resolve them: files in two places
+    raise ValueError(f'{what} {text}: {dots[0]!r} in a gs:// path names no folder in a '
+                     'bucket; give the path without it')
 
 
 def refuse_gcsfuse(p, what: str) -> None:

@@ -294,6 +294,8 @@ def test_a_holder_that_cannot_refresh_counts_its_lease_as_lost(gcs, monkeypatch)
                           r'be written elsewhere\)'),
     ('gs://bucket/a?b/run', r'\? in a gs:// path'),
     ('gs://bucket/runs/*', r'\* in a gs:// path'),
+    ('gs://bucket/runs/../bert', r"'..' in a gs:// path names no folder in a bucket"),
+    ('gs://bucket/./bert', r"'.' in a gs:// path"),
     ('s3://bucket/run', 'object storage is supported for gs://')])
 def test_a_url_that_cannot_hold_a_run_is_refused_before_anything_is_written(url, expected):
   """tensorstore ends a gs:// path at # or ?, so a run's arrays would land in another
