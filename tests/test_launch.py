@@ -372,6 +372,22 @@ def test_compile_for_local_measures_steps(time_budget):
   assert result['report']['flop_ratio'] == pytest.approx(1.0, abs=0.05)
 
 
+def test_a_step_that_does_not_fit_is_not_run(monkeypatch):
+  """--compile_for local on an accelerator: a step over the device's memory is reported,
+  not run into an out-of-memory traceback."""
+  compile_step = launch.compile_step
+
+  def over(*args, **kwargs):
+    report, compiled = compile_step(*args, **kwargs)
+    report.hbm_bytes, report.fits = report.total_bytes // 2, False
+    return report, compiled
+  monkeypatch.setattr(launch, 'compile_step', over)
+  monkeypatch.setattr(launch, 'measure', lambda *_: pytest.fail('measured'))
+  lines = []
+  result = launch.run(tiny(), 'local', measure_steps=2, log=lines.append)
+  assert 'measured' not in result and lines[-1].startswith('not measured: the step does not')
+
+
 @needs_libtpu
 def test_command_line_error_is_one_line():
   env = dict(os.environ, JAX_PLATFORMS='')

@@ -640,7 +640,9 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
           f'({best.total_bytes / GiB:.2f} GiB per chip{above}; the search stopped after '
           f'{len(tried)} compiles: raise --max_compiles, or --batch_multiple for coarser '
           'steps)')
-  if target.name == 'local' and compiled is not None and measure_steps > 0:
+  if target.name == 'local' and compiled is not None and measure_steps > 0 and not report.fits:
+    log('not measured: the step does not fit this device\'s memory')
+  elif target.name == 'local' and compiled is not None and measure_steps > 0:
     m = measure(config, target, compiled, measure_steps)
     result['measured'] = m
     mfu = f', MFU {m["mfu"]:.1%}' if 'mfu' in m else ''
