@@ -85,6 +85,11 @@ class PreparedShards(grain.ArrayRecordDataSource):
       self._ends = np.cumsum(counts)  # each segment's end, in block order
       self._blocks = table
 
+  @property
+  def block_ordered(self) -> bool:
+    """Whether the records are read in block order (else in the files' order)."""
+    return self._blocks is not None
+
   def physical(self, index: int) -> int:
     """The position, in the files' order, of record `index` (block order)."""
     if self._blocks is None:
@@ -112,7 +117,8 @@ class PreparedShards(grain.ArrayRecordDataSource):
 class _Iterator:
   """The data loader's iterator, restoring states saved before PreparedShards named the
   shards (grain's path hash then stood for them; the prepared data's fingerprint has been
-  checked against the config, so they are taken as these shards)."""
+  checked against the config, so they are taken as these shards, if these are read in the
+  files' order as all were then)."""
 
   def __init__(self, iterator, source: PreparedShards):
     self._iterator, self._source = iterator, source
@@ -128,7 +134,8 @@ class _Iterator:
 
   def set_state(self, state: bytes):
     decoded = json.loads(state.decode())
-    if str(decoded.get('data_source', '')).startswith('ArrayRecordDataSource('):
+    if (str(decoded.get('data_source', '')).startswith('ArrayRecordDataSource(') and
+        not self._source.block_ordered):  # (those states read the files in their order)
       decoded['data_source'] = repr(self._source)
       state = json.dumps(decoded).encode()
     self._iterator.set_state(state)

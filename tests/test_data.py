@@ -269,7 +269,8 @@ def test_a_moved_preparation_resumes_and_old_states_restore(prepared, tok, tmp_p
   """The iterator's state names the shards by their blocks' record counts, not their
   folder: restored over a copy at another path (a moved workdir, another prepared_dir) or
   over the data prepared again by another number of workers, it continues exactly; a state
-  saved before (grain's path hash) restores too. Data prepared otherwise is refused."""
+  saved before (grain's path hash) restores onto a preparation of that time. Data prepared
+  otherwise is refused."""
   config, prepared_dir, metadata = prepared
   _, expected = batches(config, tok, prepared_dir, 5)
   it, _ = batches(config, tok, prepared_dir, 3)
@@ -280,17 +281,35 @@ def test_a_moved_preparation_resumes_and_old_states_restore(prepared, tok, tmp_p
   again = str(tmp_path / 'again')
   more_workers = tiny_config(config.data.sources, document_window=2, prepare_workers=2)
   assert prepare.prepare(more_workers, again)['file_records'] != metadata['file_records']
-  old = json.loads(state)
-  old['data_source'] = 'ArrayRecordDataSource(hash_of_paths=0123abcd)'
-  for directory, saved in ((copy, state), (again, state),
-                           (prepared_dir, json.dumps(old).encode())):
+  for directory in (copy, again):
     fresh = pipeline.make_pretraining_iterator(config.data, tok, directory, global_batch_size=8,
                                                seed=3)
-    fresh.set_state(saved)
+    fresh.set_state(state)
     for want in expected[3:]:
       got = next(fresh)
       for k in want:
         np.testing.assert_array_equal(got[k], want[k])
+  # Grain's path hash named the data when preparations had no blocks (read in the files'
+  # order): such a state restores onto such a preparation, not onto block-ordered data.
+  legacy = str(tmp_path / 'legacy')
+  shutil.copytree(prepared_dir, legacy)
+  with open(os.path.join(legacy, prepare.METADATA), 'w') as f:
+    json.dump({k: v for k, v in metadata.items() if k != 'blocks'}, f)
+  _, expected = batches(config, tok, legacy, 5)
+  it, _ = batches(config, tok, legacy, 3)
+  old = json.loads(it.get_state())
+  old['data_source'] = 'ArrayRecordDataSource(hash_of_paths=0123abcd)'
+  fresh = pipeline.make_pretraining_iterator(config.data, tok, legacy, global_batch_size=8,
+                                             seed=3)
+  fresh.set_state(json.dumps(old).encode())
+  for want in expected[3:]:
+    got = next(fresh)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
+  fresh = pipeline.make_pretraining_iterator(config.data, tok, prepared_dir,
+                                             global_batch_size=8, seed=3)
+  with pytest.raises(ValueError, match='does not match'):
+    fresh.set_state(json.dumps(old).encode())
   other = str(tmp_path / 'other')  # other blocks: other records, in another order
   prepare.prepare(tiny_config(config.data.sources, document_window=3), other)
   fresh = pipeline.make_pretraining_iterator(config.data, tok, other, global_batch_size=8,
