@@ -161,8 +161,10 @@ def get_config(arg: str = 'postln,tiny'):
   c.data.dupe_factor = 1  # pairings made per document when preparing (masking is dynamic)
   c.data.whole_word_masking = False
   c.data.eval_fraction = 0.01  # documents held out for evaluation
-  c.data.num_shards = 8  # shard writers while preparing (a block's records go to one)
   c.data.document_window = 1000  # documents per block while preparing (random-next from it)
+  # Prepared files hold runs of this many consecutive blocks (workers take runs in turn):
+  # a host reads about its share of the files.
+  c.data.blocks_per_file = 8
   # Shard files are rotated every this many records (array_record keeps ~500 B a record in
   # memory until its file closes); hosts keep every file open: mind `ulimit -n`.
   c.data.records_per_file = 65536

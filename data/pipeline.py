@@ -199,18 +199,19 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
     raise ValueError(f'{prepared_dir} was prepared with a vocabulary of '
                      f'{metadata["vocab_size"]} pieces but the tokenizer has '
                      f'{tokenizer.vocab_size}; prepare again with this tokenizer')
-  num_files = metadata.get('files', {}).get(split, metadata['fingerprint']['num_shards'])
-  paths = prepare_lib.shard_paths(prepared_dir, split, num_files)
+  paths = prepare_lib.shard_paths(prepared_dir, split, prepare_lib.num_files(metadata, split))
   missing = [paths[i] for i in host_files(metadata, split, process_index, process_count) or []
              if not os.path.exists(paths[i])]
   if missing:
     raise FileNotFoundError(f'{missing[0]} (one of the {len(missing)} files of process '
                             f'{process_index} of {process_count}) is missing; use the whole '
                             'prepared folder, or for a bucket the folder ensure_prepared copies')
+  # (A split without records has no files, which grain's source refuses: this says why.)
+  check_split(metadata, prepared_dir, split, metadata['counts'][split], global_batch_size,
+              process_count)
   source = PreparedShards(paths, metadata.get('file_records', {}).get(split),
                           metadata.get('blocks', {}).get(split))
   per_host = global_batch_size // process_count
-  check_split(metadata, prepared_dir, split, len(source), global_batch_size, process_count)
   sampler = grain.IndexSampler(
       num_records=len(source), shuffle=True, seed=seed, num_epochs=num_epochs,
       shard_options=grain.ShardOptions(shard_index=process_index, shard_count=process_count,
@@ -298,7 +299,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
   reader = reader or (jax.process_index(), jax.process_count())
   names = [prepare_lib.METADATA]
   for split in splits:
-    num_files = found.get('files', {}).get(split, found['fingerprint']['num_shards'])
+    num_files = prepare_lib.num_files(found, split)
     paths = prepare_lib.shard_paths(prepared_dir, split, num_files)
     share = host_files(found, split, *reader)
     names += [os.path.basename(paths[i]) for i in (range(num_files) if share is None else share)]

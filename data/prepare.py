@@ -14,18 +14,19 @@ array_record shards (one sentence-pair instance per record, unmasked: masking is
 and metadata.json (counts, skipped items, and the fingerprint of the settings that shaped the
 instances). Memory stays bounded: documents stream in blocks of `data.document_window`
 documents (a document's random-next segments come from its block) and instances go straight
-to the shard writers, which start a new file every `data.records_per_file` records (default
-65536: at most ~200 MB in 8 writers).
+to each worker's shard writer, which starts a new file at least every `data.records_per_file`
+records (default 65536: ~30 MB held until it closes).
 
 Parallel: each split's document stream is cut into those blocks, numbered in stream order,
-and block b goes to worker b mod W, where W = `data.prepare_workers` processes on each of the
-run's hosts (train.py: every host of a multi-host run prepares its share; the command line:
+and the blocks are dealt out in runs of `data.blocks_per_file` consecutive ones: run r goes to
+worker r mod W, W counting the `data.prepare_workers` processes of every host of the run
+(train.py: every host of a multi-host run prepares its share; the command line:
 --process_index/--process_count). A block's instances depend only on its documents, the seed,
-the split and b, and each block's records lie together in one file (the `data.num_shards`
-shard writers, shared out among the workers, take their worker's blocks in turn), so the
-prepared set (instances, split, counts) and the order readers take it in (block after block,
-metadata.json's 'blocks') are the same whatever W and the host count are: so is the stream a
-seed trains on. Every worker reads the whole stream and tokenises only its own blocks
+the split and b, so the prepared set (instances, split, counts) and the order readers take it
+in (block after block: metadata.json's 'blocks' says where each block's records lie) are the
+same whatever W is: so is the stream a seed trains on. A file holds (part of) one run, so a
+host, which reads a contiguous share of that order, needs about its share of the files.
+Every worker reads the whole stream and tokenises only its own blocks
 (tokenising is most of the work). Workers write into <out_dir>.tmp/worker-XXXXX/ and mark
 themselves done; process 0 gathers them into <out_dir>. An interrupted preparation resumes:
 finished workers (same settings, same W) are kept, the others start their share again. The
@@ -77,10 +78,16 @@ SPLITS = ('train', 'eval')
 
 # Fingerprint keys present only when they differ from these values.
 FINGERPRINT_DEFAULTS = {'hf_rows_per_document': '1'}
+# Keys a finished preparation is reused whatever they were: of the files' layout, not of the
+# stream (blocks_per_file; num_shards, of older fingerprints: the writers whose files' order
+# was the stream's before the records were read in block order). A preparation's workers
+# resume only under the same ones.
+FINGERPRINT_LAYOUT = ('blocks_per_file', 'num_shards')
 
 
 def fingerprint(config) -> dict:
-  """The settings that determine the prepared instances (masking is not among them)."""
+  """The settings that determine the prepared instances and their files (masking is not
+  among them)."""
   d = config.data
   specs = [s.strip() for s in d.sources.split(';') if s.strip()]
   rows = config_checks.rows_per_document(d.get('hf_rows_per_document', '1'), d.sources)
@@ -88,7 +95,7 @@ def fingerprint(config) -> dict:
   return {'sources': d.sources, 'weights': d.weights, 'tokenizer': d.tokenizer or 'embedded',
           'max_seq_length': d.max_seq_length, 'short_seq_prob': d.short_seq_prob,
           'dupe_factor': d.dupe_factor, 'eval_fraction': d.eval_fraction,
-          'num_shards': d.num_shards, 'seed': config.seed,
+          'blocks_per_file': d.get('blocks_per_file', 8), 'seed': config.seed,
           'document_window': d.get('document_window', 1000),  # the blocks' layout
           **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {}),
           **({'hf_rows_per_document': ';'.join(map(str, rows))} if grouped else {}),
@@ -108,63 +115,57 @@ def _split_stream(documents, split, eval_fraction):
       yield doc
 
 
+def num_files(metadata: dict, split: str) -> int:
+  """How many files of `split` a preparation's metadata.json counts (one written before
+  it counted them made num_shards of each)."""
+  return (metadata['files'][split] if 'files' in metadata else
+          metadata['fingerprint']['num_shards'])
+
+
 def shard_paths(prepared_dir: str, split: str, num_shards: int):
   return [os.path.join(prepared_dir, f'{split}-{i:05d}-of-{num_shards:05d}')
           for i in range(num_shards)]
 
 
 class ShardWriters:
-  """`num_shards` array_record writers that take the blocks in turn, a block's records whole
-  to one writer, each writer starting a new file after `records_per_file` records: a writer
-  holds a few hundred bytes per record written until it is closed (about 100 MB per 200k
-  records), so unbounded files would make preparation's memory grow with the corpus.
+  """One worker's array_record files of a split, filled block after block: a file holds the
+  records of consecutive blocks of one run of `blocks_per_file` (a worker's share of the
+  stream comes in such runs) and at most `records_per_file` records, since a writer holds a
+  few hundred bytes per record written until it is closed (about 100 MB per 200k records).
 
-  `close` returns the files that hold records, named {split}-XXXXX-of-NNNNN by `name_files`;
-  then `records` is how many each holds and `segments` where each block's records lie:
-  [block, file, first record, count] in the order written (a block is one segment, or two
-  where its writer started a new file within it)."""
+  `close` returns the files, named {split}-XXXXX-of-NNNNN by `name_files`; `records` is how
+  many records each holds and `segments` where each block's records lie: [block, file, first
+  record, count] in the order written (a block in more than one file has a segment in each).
+  """
 
-  def __init__(self, directory: str, split: str, num_shards: int, records_per_file: int):
-    self._dir, self._split, self._per_file = directory, split, records_per_file
+  def __init__(self, directory: str, split: str, records_per_file: int, blocks_per_file: int):
+    self._dir, self._split = directory, split
+    self._per_file, self._blocks_per_file = records_per_file, blocks_per_file
     self._paths, self.records, self.segments = [], [], []
-    self._files = [0] * num_shards  # each writer's file: an index into _paths and records
-    self._writers = [self._open(i) for i in range(num_shards)]
-    self._writer, self._blocks = 0, 0  # the current block's writer; blocks started
-
-  def _open(self, shard: int):
-    self._files[shard] = len(self._paths)
-    path = os.path.join(self._dir, f'{self._split}.part-{len(self._paths):05d}-{shard}')
-    self._paths.append(path)
-    self.records.append(0)
-    return array_record_module.ArrayRecordWriter(path, 'group_size:1')
+    self._writer, self._run = None, None  # the open file, and the run of blocks it holds
 
   def write(self, record: bytes, block: int):
-    """Writes one of `block`'s records (a block's records come together)."""
-    if not self.segments or self.segments[-1][0] != block:
-      self._writer = self._blocks % len(self._writers)
-      self._blocks += 1
-    i = self._writer
-    if self.records[self._files[i]] == self._per_file:
-      self._writers[i].close()
-      self._writers[i] = self._open(i)
-    f = self._files[i]
+    """Writes one of `block`'s records (blocks come in order, a block's records together)."""
+    run = block // self._blocks_per_file
+    if self._writer is None or run != self._run or self.records[-1] == self._per_file:
+      if self._writer is not None:
+        self._writer.close()
+      self._paths.append(os.path.join(self._dir, f'{self._split}.part-{len(self._paths):05d}'))
+      self.records.append(0)
+      self._writer = array_record_module.ArrayRecordWriter(self._paths[-1], 'group_size:1')
+      self._run = run
+    f = len(self._paths) - 1
     if not self.segments or self.segments[-1][:2] != [block, f]:
       self.segments.append([block, f, self.records[f], 0])
-    self._writers[i].write(record)
+    self._writer.write(record)
     self.records[f] += 1
     self.segments[-1][3] += 1
 
   def close(self) -> List[str]:
-    """Closes the files and deletes those left empty; returns the others' paths, in order."""
-    for w in self._writers:
-      w.close()
-    kept = [f for f, n in enumerate(self.records) if n]
-    for f in set(range(len(self._paths))) - set(kept):
-      os.remove(self._paths[f])
-    index = {f: k for k, f in enumerate(kept)}
-    self.segments = [[b, index[f], start, n] for b, f, start, n in self.segments]
-    self.records = [self.records[f] for f in kept]
-    return [self._paths[f] for f in kept]
+    """Closes the last file; returns the files' paths, in order."""
+    if self._writer is not None:
+      self._writer.close()
+    return list(self._paths)
 
 
 def name_files(paths: List[str], directory: str, split: str) -> int:
@@ -393,9 +394,10 @@ def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
   pool.shutdown()
 
 
-def _own_blocks(documents, block_size: int, worker: int, total: int, transform):
-  """(block number, its documents through `transform`) of the blocks b with
-  b % total == worker; the other documents are passed over, untransformed."""
+def _own_blocks(documents, block_size: int, run: int, worker: int, total: int, transform):
+  """(block number, its documents through `transform`) of the worker's blocks: those of the
+  runs of `run` consecutive blocks numbered r with r % total == worker; the other documents
+  are passed over, untransformed."""
   block, docs = 0, []
   for i, doc in enumerate(documents):
     b = i // block_size
@@ -403,7 +405,7 @@ def _own_blocks(documents, block_size: int, worker: int, total: int, transform):
       if docs:
         yield block, docs
       block, docs = b, []
-    if b % total == worker:
+    if b // run % total == worker:
       docs.append(transform(doc))
   if docs:
     yield block, docs
@@ -417,8 +419,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
   out = _worker_dir(tmp, worker)
   shutil.rmtree(out, ignore_errors=True)
   os.makedirs(out)
-  block_size = d.get('document_window', 1000)
-  per_worker = max(1, -(-d.num_shards // total))  # about num_shards files in all
+  block_size, run = d.get('document_window', 1000), d.get('blocks_per_file', 8)
   result = {'fingerprint': fingerprint(config), 'workers': total, 'counts': {}, 'files': {},
             'file_records': {}, 'blocks': {}, 'read_stats': {}, 'stats': {}}
   for split in SPLITS:
@@ -429,7 +430,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
                                   hf_text_column=d.get('hf_text_column', 'text'),
                                   hf_rows_per_document=d.get('hf_rows_per_document', '1'),
                                   lazy=True)  # sentences split only in the owned blocks
-    writers = ShardWriters(out, split, per_worker, d.get('records_per_file', 65536))
+    writers = ShardWriters(out, split, d.get('records_per_file', 65536), run)
     n = 0
 
     def tokenise(doc, stats=stats):  # compact at once: a block holds block_size documents
@@ -438,7 +439,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
       return [np.asarray(s, np.int32) for s in ids if s]
 
     for block, block_docs in _own_blocks(_split_stream(docs, split, d.eval_fraction),
-                                         block_size, worker, total, tokenise):
+                                         block_size, run, worker, total, tokenise):
       seed = int(np.random.SeedSequence([config.seed, SPLITS.index(split), block]
                                         ).generate_state(1)[0])
       for inst in pretraining.block_instances(
@@ -689,9 +690,11 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
   metadata = json.loads(path.read_text())
   if config is None:
     return metadata
-  # Keys written only when they differ from their default stand for it when absent; other
-  # keys added to the fingerprint since a preparation was made are not held against it.
-  have = {**FINGERPRINT_DEFAULTS, **metadata['fingerprint']}
+  # Keys written only when they differ from their default stand for it when absent; keys
+  # added to the fingerprint since a preparation was made are not held against it, nor are
+  # those of the files' layout.
+  have = {k: v for k, v in {**FINGERPRINT_DEFAULTS, **metadata['fingerprint']}.items()
+          if k not in FINGERPRINT_LAYOUT}
   want = {**FINGERPRINT_DEFAULTS,
           **{k: v for k, v in fingerprint(config).items() if k in have}}
   if 'files' in have and 'files' not in want:  # the raw corpus is not on this machine

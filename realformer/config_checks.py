@@ -128,11 +128,15 @@ def check_masking(data) -> None:
 
 def check_document_window(data) -> None:
   """NSP's random next comes from another document of the same block of
-  data.document_window documents: a block of one has none."""
+  data.document_window documents: a block of one has none. The prepared files' runs of
+  blocks and their records are positive counts."""
   window = int(data.get('document_window', 1000))
   if window < 2:
     raise ValueError(f'data.document_window={window}: the random next sentences come from '
                      'other documents of the same block; give at least 2 (default 1000)')
+  for name in ('blocks_per_file', 'records_per_file'):
+    if int(data.get(name, 1)) < 1:
+      raise ValueError(f'data.{name}={data.get(name)}: give a positive number')
 
 
 def check_config(config) -> None:

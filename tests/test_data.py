@@ -194,7 +194,6 @@ def tiny_config(sources_spec, **data):
   c.data.sources = sources_spec
   c.data.max_seq_length = 32
   c.data.max_predictions_per_seq = 5
-  c.data.num_shards = 3
   c.data.eval_fraction = 0.2
   for k, v in data.items():
     c.data[k] = v
@@ -206,7 +205,7 @@ def prepared(tmp_path_factory):
   root = tmp_path_factory.mktemp('prepared')
   corpus = root / 'corpus.txt'
   corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in embedded_documents(8)))
-  config = tiny_config(f'files:{corpus}', document_window=2)
+  config = tiny_config(f'files:{corpus}', document_window=2, blocks_per_file=1)
   metadata = prepare.prepare(config, str(root / 'shards'))
   return config, str(root / 'shards'), metadata
 
@@ -220,7 +219,8 @@ def batches(config, tok, prepared_dir, n, **kw):
 def test_prepare_writes_shards_and_metadata(prepared, tok):
   config, prepared_dir, metadata = prepared
   assert metadata['counts']['train'] > 300 and metadata['counts']['eval'] > 0
-  assert metadata['files']['train'] == 3  # blocks of 2 documents, over 3 writers
+  blocks = {int(b) for b in pipeline.parse_blocks(metadata['blocks']['train'])[:, 0]}
+  assert metadata['files']['train'] == len(blocks) > 2  # blocks of 2 documents, a file each
   assert sorted(os.listdir(prepared_dir)) == sorted(
       ['metadata.json'] + [f'{s}-{i:05d}-of-{metadata["files"][s]:05d}' for s in ('train', 'eval')
                            for i in range(metadata['files'][s])])
@@ -279,7 +279,8 @@ def test_a_moved_preparation_resumes_and_old_states_restore(prepared, tok, tmp_p
   copy = str(tmp_path / 'moved')
   shutil.copytree(prepared_dir, copy)
   again = str(tmp_path / 'again')
-  more_workers = tiny_config(config.data.sources, document_window=2, prepare_workers=2)
+  more_workers = tiny_config(config.data.sources, document_window=2, blocks_per_file=1,
+                             prepare_workers=2)
   assert prepare.prepare(more_workers, again)['file_records'] != metadata['file_records']
   for directory in (copy, again):
     fresh = pipeline.make_pretraining_iterator(config.data, tok, directory, global_batch_size=8,
@@ -361,6 +362,12 @@ def test_bad_inputs_are_clear_errors(prepared, tok, tmp_path):
   with pytest.raises(ValueError, match='fewer than one batch'):
     pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, split='eval',
                                        global_batch_size=4096, seed=0)
+  none_held_out = tiny_config(config.data.sources, eval_fraction=0.0)
+  assert prepare.prepare(none_held_out, str(tmp_path / 'z'))['files']['eval'] == 0
+  with pytest.raises(ValueError, match='the eval split of .* has 0 examples, fewer than one '
+                     'batch of 8 per process; use a larger data.eval_fraction'):
+    pipeline.make_pretraining_iterator(config.data, tok, str(tmp_path / 'z'), split='eval',
+                                       global_batch_size=8, seed=0)
 
 
 def test_a_changed_corpus_is_not_silently_reused(tmp_path):

@@ -40,7 +40,7 @@ def tiny_config(corpus, **data):
   c = pretrain.get_config('postln,tiny')
   c.unlock()
   c.data.update(dict(sources=f'files:{corpus}', max_seq_length=32, max_predictions_per_seq=5,
-                     num_shards=2, eval_fraction=0.2), **data)
+                     eval_fraction=0.2), **data)
   return c
 
 
@@ -257,8 +257,8 @@ def test_command_line(corpus, tmp_path):
 
 
 def test_files_rotate_so_writers_hold_a_bounded_number_of_records(corpus, tok, tmp_path):
-  """Two blocks, one to each of the 2 writers, in files of at most 30 records."""
-  config = tiny_config(corpus, records_per_file=30, document_window=2)
+  """Two blocks, a file (or more) each, in files of at most 30 records."""
+  config = tiny_config(corpus, records_per_file=30, document_window=2, blocks_per_file=1)
   out = str(tmp_path / 'rotated')
   metadata = prepare.prepare(config, out)
   n = metadata['counts']['train']
@@ -356,7 +356,7 @@ def test_parallel_preparation_gives_the_same_stream_for_any_workers_and_hosts(co
   counts, so the same seed trains on the same batches."""
   # Two documents per block: the 3 training documents of this corpus are 2 blocks, which the
   # two workers (and the two hosts) share out 1 + 1.
-  config = tiny_config(corpus, document_window=2)
+  config = tiny_config(corpus, document_window=2, blocks_per_file=1)
   one = prepare.prepare(config, str(tmp_path / 'one'))
   config.data.prepare_workers = 2
   two = prepare.prepare(config, str(tmp_path / 'two'))
@@ -396,7 +396,7 @@ def test_the_same_stream_for_uneven_workers_and_hosts_with_several_workers(many_
   worker, 3 workers (4 + 3 + 3 blocks), and 2 hosts x 2 workers (worker ids 0-3 across the
   hosts, 3 + 3 + 2 + 2 blocks, host 1 first): the same instances of both splits in the
   same order, and the same counts."""
-  config = tiny_config(many_documents, document_window=3)
+  config = tiny_config(many_documents, document_window=3, blocks_per_file=1)
   one = prepare.prepare(config, str(tmp_path / 'one'))
   assert one['stats']['eval/documents'] >= 3 and one['counts']['eval'] > 0
   config.data.prepare_workers = 3
@@ -414,6 +414,42 @@ def test_the_same_stream_for_uneven_workers_and_hosts_with_several_workers(many_
   assert sorted(os.listdir(tmp_path)) == ['hosts', 'one', 'three']
 
 
+class _NoFile:
+  """An array_record writer that writes nothing (the layout's bookkeeping alone)."""
+
+  def __init__(self, *args):
+    del args
+
+  def write(self, record):
+    del record
+
+  def close(self):
+    pass
+
+
+@pytest.mark.parametrize('workers', [16, 64])
+def test_each_host_needs_about_its_share_of_the_files(workers, monkeypatch):
+  """2000 blocks of 300 records prepared by 16 or 64 workers (runs of 8 blocks each, dealt
+  in turn), read by 16 hosts: a host's records, a contiguous share of the block order, lie
+  in files that hold little more than its share (a bucket's hosts copy only those)."""
+  monkeypatch.setattr(prepare.array_record_module, 'ArrayRecordWriter', _NoFile)
+  results = []
+  for worker in range(workers):
+    writers = prepare.ShardWriters('/nowhere', 'train', 65536, 8)
+    for block, _ in prepare._own_blocks(range(2000), 1, 8, worker, workers, lambda d: d):
+      for _ in range(300):
+        writers.write(b'', block)
+    writers.close()
+    results.append({'file_records': {'train': writers.records, 'eval': []},
+                    'blocks': {'train': writers.segments, 'eval': []}})
+  layout = prepare._layout(results)
+  records = np.array(layout['file_records']['train'])
+  assert records.sum() == 2000 * 300 and len(records) == 250  # a file per run of 8 blocks
+  for host in range(16):
+    share = records[pipeline.host_files(layout, 'train', host, 16)].sum() / records.sum()
+    assert 1 / 16 <= share <= 1 / 16 + 2 / 250, (host, share)
+
+
 def test_a_preparation_killed_midway_resumes_to_the_same_set(tmp_path):
   """`python -m data.prepare` with 3 workers killed with SIGKILL once a worker has
   finished (its workers exit with it); the rerun keeps the finished workers, redoes the
@@ -428,7 +464,7 @@ def test_a_preparation_killed_midway_resumes_to_the_same_set(tmp_path):
   out = tmp_path / 'out'
   args = [sys.executable, '-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny',
           f'--config.data.sources=files:{corpus}', '--config.data.max_seq_length=32',
-          '--config.data.max_predictions_per_seq=5', '--config.data.num_shards=2',
+          '--config.data.max_predictions_per_seq=5',
           '--config.data.eval_fraction=0.2', '--config.data.document_window=2',
           '--config.data.prepare_workers=3', '--out_dir', str(out)]
   proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

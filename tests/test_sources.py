@@ -358,7 +358,6 @@ def test_hf_source_prepares_the_same_instances_as_the_same_text_in_files(tmp_pat
   for name, spec in (('hf', f'hf:{tmp_path / "hf"}'), ('files', f'files:{tmp_path}/*.txt')):
     config = pretrain.get_config('postln,tiny')
     config.data.sources = spec
-    config.data.num_shards = 1
     metadata = prepare.prepare(config, str(tmp_path / f'prepared_{name}'))
     with open(prepare.shard_paths(str(tmp_path / f'prepared_{name}'), 'train', 1)[0],
               'rb') as f:
@@ -374,6 +373,7 @@ def test_hf_source_prepares_the_same_instances_as_the_same_text_in_files(tmp_pat
   sources.split_sentences = lambda text: calls.append(text) or real_split(text)
   try:
     config.data.sources, config.data.document_window = f'hf:{tmp_path / "hf"}', 4
+    config.data.blocks_per_file = 1  # the blocks dealt one by one
     prepare._work(config, prepare.tokenizer_lib.load_for_config(config.data),
                   str(tmp_path / 'w'), 0, 2)  # worker 0 of 2: blocks 0, 2, 4, ... of each split
   finally:
@@ -391,7 +391,6 @@ def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
   datasets.Dataset.from_dict({'text': HF_TEXTS}).save_to_disk(str(folder))
   config = pretrain.get_config('postln,tiny')
   config.data.sources = f'hf:{folder}'
-  config.data.num_shards = 1
   before = prepare.fingerprint(config)
   assert before['files'].startswith(f'{len(os.listdir(folder))} files')  # all read: saved
   prepare.prepare(config, str(tmp_path / 'prepared'))
