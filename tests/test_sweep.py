@@ -234,6 +234,23 @@ def test_values_are_read_as_their_fields_types():
     sweep.check_keys(config, [{'model.residual_attention': 2, 'seed': 0}])
 
 
+def test_runs_recorded_before_values_were_typed_are_the_same_runs(tmp_path):
+  """A text field's number-like value was recorded as a number (1) before values were read
+  as their fields' types ('1'): the same command line, so the same run and folder."""
+  types = sweep.field_types('configs/pretrain.py:postln,tiny')
+  runs = sweep.expand(['data.hf_rows_per_document=1,100'], types=types)
+  assert [r['data.hf_rows_per_document'] for r in runs] == ['1', '100']
+  root = tmp_path / 'root'
+  for run, name in zip(runs, ['old_a', 'old_b']):
+    (root / name).mkdir(parents=True)
+    recorded = dict(run, **{'data.hf_rows_per_document': int(run['data.hf_rows_per_document'])})
+    (root / name / sweep.OVERRIDES).write_text(json.dumps(recorded))
+  assert sweep.reuse_names(str(root), runs, sweep.run_names(runs)) == ['old_a', 'old_b']
+  assert sweep.other_run(str(root / 'old_a'), runs[0]) == []
+  assert sweep.other_run(str(root / 'old_a'), runs[1]) == [
+      "data.hf_rows_per_document 1 (asked '100')"]
+
+
 def test_a_key_set_twice_is_an_error_not_a_silently_dropped_grid_point():
   with pytest.raises(ValueError, match='optimizer.learning_rate is set by two of the lists'):
     sweep.expand(['optimizer.learning_rate=1e-4', 'optimizer.learning_rate=2e-4'])

@@ -222,14 +222,19 @@ def run_names(runs: Sequence[Run], always: Sequence[str] = ()) -> List[str]:
 
 
 def other_run(workdir: str, run: Run) -> List[str]:
-  """How the run recorded in `workdir` differs from `run`, key by key ([] if it does not)."""
+  """How the run recorded in `workdir` differs from `run`, key by key ([] if it does not),
+  compared as the command-line text each value becomes (a run sees nothing else)."""
   path = storage.path(workdir) / OVERRIDES
   if not path.exists():
     return []
   recorded = json.loads(path.read_text())
-  run = json.loads(json.dumps(run))  # the types JSON gives back
+  mine, theirs = _as_text(run), _as_text(recorded)
   return [f'{k} {recorded.get(k)!r} (asked {run.get(k)!r})'
-          for k in sorted(set(recorded) | set(run)) if recorded.get(k) != run.get(k)]
+          for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+
+
+def _as_text(run: Run) -> Dict[str, str]:
+  return {k: _fmt(v) for k, v in json.loads(json.dumps(run)).items()}  # (JSON's types)
 
 
 def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
@@ -454,7 +459,7 @@ def absolute(root: str) -> str:
 
 
 def _canonical(run: Run) -> str:
-  return json.dumps(run, sort_keys=True)  # as overrides.json records it
+  return json.dumps(_as_text(run), sort_keys=True)  # as the command line gives it
 
 
 def reuse_names(root: str, runs: Sequence[Run], names: Sequence[str]) -> List[str]:
@@ -468,7 +473,7 @@ def reuse_names(root: str, runs: Sequence[Run], names: Sequence[str]) -> List[st
       except (OSError, ValueError):
         continue
       recorded.setdefault(_canonical(run), path.name)
-  return [recorded.get(_canonical(json.loads(json.dumps(r))), n) for r, n in zip(runs, names)]
+  return [recorded.get(_canonical(r), n) for r, n in zip(runs, names)]
 
 
 def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str]) -> None:
