@@ -36,6 +36,7 @@ import argparse
 import csv
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -119,7 +120,8 @@ def pretraining_sources(init: str) -> str:
 
 def fine_tune_grid(root: str, init: str, data_dir: str, scratch: bool, args) -> list:
   """One arm's grid (realformer.tools.finetune_grid: every setting over the seeds); returns its
-  summary rows (learning_rate, batch_size, num_epochs, n, median, mean, min, max, best)."""
+  summary rows, by results.csv's header (learning_rate, batch_size, num_epochs, n, left out,
+  median, mean, min, max, best), of the settings with a run to summarize."""
   fixed = ['max_seq_length=64', f'from_scratch={scratch}'] + args.set
   os.makedirs(root, exist_ok=True)
   log = os.path.join(root, 'grid_log.txt')
@@ -134,7 +136,7 @@ def fine_tune_grid(root: str, init: str, data_dir: str, scratch: bool, args) -> 
   if code:
     raise SystemExit(f'fine-tuning runs under {root} failed or were refused; see {log}')
   with open(os.path.join(root, 'results.csv'), newline='') as f:
-    return [row[1:] for row in csv.reader(f)][1:]
+    return [row for row in csv.DictReader(f) if row['median']]  # (a setting with none left)
 
 
 def per_seed(root: str, setting) -> list:
@@ -142,7 +144,8 @@ def per_seed(root: str, setting) -> list:
   keys = ('optimizer.learning_rate', 'batch_size', 'num_epochs')
   rows = [r for r in finetune_grid.collect(os.path.join(root, 'sst2'))
           if [str(r['run'].get(k)) for k in keys] == [str(v) for v in setting]]
-  return [r['headline'] for r in sorted(rows, key=lambda r: r['run']['seed'])]
+  return [r['headline'] for r in sorted(rows, key=lambda r: r['run']['seed'])
+          if r['headline'] is not None and math.isfinite(r['headline'])]
 
 
 def main(argv=None):
@@ -206,9 +209,11 @@ def main(argv=None):
     root = os.path.join(args.workdir, 'scratch' if scratch else 'pretrained')
     table = fine_tune_grid(root, init, data_dir, scratch, args)
     print(f'{label}: dev accuracy, median over {args.seeds} seeds')
-    for lr, batch, epochs, _, median, *_, mark in table:
-      print(f'  lr {lr:7s} batch {batch:3s} epochs {epochs:3s}  {float(median):.3f} {mark}')
-    setting = max(table, key=lambda r: float(r[4]))[:3]
+    for row in table:
+      print(f'  lr {row["learning_rate"]:7s} batch {row["batch_size"]:3s} epochs '
+            f'{row["num_epochs"]:3s}  {float(row["median"]):.3f} {row["best"]}')
+    top = max(table, key=lambda r: float(r['median']))
+    setting = [top[k] for k in ('learning_rate', 'batch_size', 'num_epochs')]
     best[label] = (setting, per_seed(root, setting))
   for label, (setting, values) in best.items():
     print(f'{label:12s} best (lr {setting[0]}, batch {setting[1]}, {setting[2]} epochs): '
