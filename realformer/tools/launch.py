@@ -640,8 +640,11 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
           f'({best.total_bytes / GiB:.2f} GiB per chip{above}; the search stopped after '
           f'{len(tried)} compiles: raise --max_compiles, or --batch_multiple for coarser '
           'steps)')
-  if target.name == 'local' and compiled is not None and measure_steps > 0 and not report.fits:
-    log('not measured: the step does not fit this device\'s memory')
+  # Measured: train steps, so the train step alone must fit (not the evaluation step too).
+  step_fits = judge(dataclasses.replace(report, eval_refusal='', eval_total_bytes=0),
+                    target.hbm_bytes)
+  if target.name == 'local' and compiled is not None and measure_steps > 0 and not step_fits:
+    log('not measured: the train step does not fit this device\'s memory')
   elif target.name == 'local' and compiled is not None and measure_steps > 0:
     m = measure(config, target, compiled, measure_steps)
     result['measured'] = m
