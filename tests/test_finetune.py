@@ -341,9 +341,13 @@ def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_
   assert cut == {'task': 'rte', 'step': 2, 'preempted': 2}
   assert checkpoints.latest_complete_step(checkpoints.make_manager(workdir)) == 2
   assert not os.path.exists(os.path.join(workdir, 'results.json'))
+  described = [open(os.path.join(workdir, name)).read()
+               for name in (RunDir.CONFIG, RunDir.MACHINE)]
   with pytest.raises(ValueError, match='stopped in mid-epoch with length buckets'):
     finetune.finetune(ft_config('rte', pretrained, keep_best=False, batch_size=1,
                                 length_buckets=0), workdir)
+  assert [open(os.path.join(workdir, name)).read()  # refused before they were written
+          for name in (RunDir.CONFIG, RunDir.MACHINE)] == described
   resumed = finetune.finetune(config(), workdir)
   assert resumed['step'] == whole['step'] and resumed['dev'] == whole['dev']
 

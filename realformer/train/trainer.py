@@ -406,6 +406,7 @@ class Trainer:
     self.manager = run.checkpoint_manager(c.keep_checkpoints, ('state',) + task.data_items())
     self.state = self._restore_or_init()
     start = int(self.state.step)
+    task.prepare(start)  # (its checks, e.g. a resume's length buckets, come before any write)
     # Every check has passed (config, model, checkpoint): the run directory describes it.
     run.write_config(task.config)
     run.record_machine()
@@ -415,7 +416,6 @@ class Trainer:
     if task.budget_schedule is not None:
       self.budget = TimeBudget(c, task.budget_schedule,
                                float(task.config.optimizer.learning_rate), run, start)
-    task.prepare(start)
     self.results: Optional[Results] = None
     self.last_logged: Dict[str, float] = {}
     try:
