@@ -104,8 +104,8 @@ def main():
             f'{seconds:.0f} | {peak:.0f} | {count:,} |')
       prepared[(copies, seq_len, window)] = out
     os.remove(corpus)
-  print('\nPreparation holds at most data.document_window + 1 documents and, in each of the 8 '
-        'shard writers, the records of its current file (array_record keeps a few hundred bytes '
+  print('\nPreparation holds at most data.document_window + 1 documents and, in its shard '
+        'writer, the records of its current file (array_record keeps a few hundred bytes '
         'a record until the file is closed). At the defaults (1000, 65536) neither limit is '
         'reached by the 1x corpus (233 documents, 21k records); with (100, 2048) both are '
         'reached at 1x and 10x alike.')
