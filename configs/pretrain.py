@@ -162,11 +162,13 @@ def get_config(arg: str = 'postln,tiny'):
   c.data.whole_word_masking = False
   c.data.eval_fraction = 0.01  # documents held out for evaluation
   c.data.document_window = 1000  # documents per block while preparing (random-next from it)
-  # Prepared files hold runs of this many consecutive blocks (workers take runs in turn):
-  # a host reads about its share of the files.
+  # Prepared files hold runs of this many consecutive blocks, which the preparation's
+  # workers take in turn: a host reads about its share of the files, and a corpus of fewer
+  # runs than workers leaves some idle (1: blocks dealt one by one, a file or more each).
   c.data.blocks_per_file = 8
   # Shard files are rotated every this many records (array_record keeps ~500 B a record in
-  # memory until its file closes); hosts keep every file open: mind `ulimit -n`.
+  # memory until its file closes); hosts keep their files open (the soft `ulimit -n` is
+  # raised to hold them, up to the hard one).
   c.data.records_per_file = 65536
   c.data.read_threads = 0  # grain reader threads (0: read in the consuming thread; raise for GCS)
   c.data.worker_count = 0  # grain worker processes per host

@@ -172,6 +172,27 @@ def host_files(metadata: dict, split: str, process_index: int, process_count: in
                  if last - n < end and last > start})
 
 
+def allow_open_files(files: int) -> None:
+  """Grain keeps a reader open on every file it has read from: raises this process's soft
+  limit on open files (`ulimit -n`, often 1024) to hold `files` more than are open now, up
+  to its hard limit; a one-line error where even that is too low."""
+  import resource  # pylint: disable=g-import-not-at-top
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  try:
+    open_now = len(os.listdir('/proc/self/fd'))
+  except OSError:  # not Linux
+    open_now = 256
+  need = open_now + files + 64
+  if soft == resource.RLIM_INFINITY or need <= soft:
+    return
+  if hard != resource.RLIM_INFINITY and need > hard:
+    raise ValueError(f'reading the prepared data keeps {files} files open, but this process '
+                     f'may open at most {hard} (ulimit -Hn); raise that limit, or prepare '
+                     'again with larger data.blocks_per_file and data.records_per_file')
+  resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+  logging.info('raised the limit on open files from %d to %d for the prepared data', soft, need)
+
+
 def make_masker(config_data, tokenizer) -> pretraining.Masker:
   return pretraining.Masker(
       vocab_size=tokenizer.vocab_size, special_ids=tokenizer.special_ids,
@@ -200,8 +221,8 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
                      f'{metadata["vocab_size"]} pieces but the tokenizer has '
                      f'{tokenizer.vocab_size}; prepare again with this tokenizer')
   paths = prepare_lib.shard_paths(prepared_dir, split, prepare_lib.num_files(metadata, split))
-  missing = [paths[i] for i in host_files(metadata, split, process_index, process_count) or []
-             if not os.path.exists(paths[i])]
+  share = host_files(metadata, split, process_index, process_count)
+  missing = [paths[i] for i in share or [] if not os.path.exists(paths[i])]
   if missing:
     raise FileNotFoundError(f'{missing[0]} (one of the {len(missing)} files of process '
                             f'{process_index} of {process_count}) is missing; use the whole '
@@ -209,6 +230,7 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
   # (A split without records has no files, which grain's source refuses: this says why.)
   check_split(metadata, prepared_dir, split, metadata['counts'][split], global_batch_size,
               process_count)
+  allow_open_files(len(paths) if share is None else len(share))
   source = PreparedShards(paths, metadata.get('file_records', {}).get(split),
                           metadata.get('blocks', {}).get(split))
   per_host = global_batch_size // process_count

@@ -428,3 +428,23 @@ def test_failed_preparation_leaves_nothing_and_names_undecodable_lines(tmp_path,
     prepare.prepare(tiny_config(f'files:{tmp_path}/latin1.txt'), str(tmp_path / 'data'))
   assert '40 lines of config.data.sources' in caplog.text and 'not UTF-8' in caplog.text
   assert sorted(os.listdir(tmp_path)) == ['latin1.txt']
+
+
+def test_the_open_file_limit_is_raised_to_hold_the_prepared_files(monkeypatch):
+  """Grain keeps every file it read from open: the soft limit (often 1024) is raised to hold
+  a host's files, up to the hard limit; beyond it, a one-line error with the fix."""
+  import resource  # pylint: disable=g-import-not-at-top
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  open_now = len(os.listdir('/proc/self/fd'))
+  if hard != resource.RLIM_INFINITY and hard < open_now + 1000:
+    pytest.skip(f'the hard limit on open files ({hard}) leaves no room to raise the soft one')
+  try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 100, hard))
+    pipeline.allow_open_files(500)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= open_now + 500
+  finally:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+  monkeypatch.setattr(resource, 'getrlimit', lambda _: (1024, 2048))
+  with pytest.raises(ValueError, match='keeps 5000 files open, but this process may open at '
+                     r'most 2048 \(ulimit -Hn\); raise that limit, or prepare again'):
+    pipeline.allow_open_files(5000)
