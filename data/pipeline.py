@@ -90,18 +90,20 @@ class PreparedShards(grain.ArrayRecordDataSource):
     """Whether the records are read in block order (else in the files' order)."""
     return self._blocks is not None
 
-  def physical(self, index: int) -> int:
-    """The position, in the files' order, of record `index` (block order)."""
+  def physical(self, indices: np.ndarray) -> np.ndarray:
+    """The positions, in the files' order, of records `indices` (block order)."""
+    indices = np.asarray(indices, np.int64)
     if self._blocks is None:
-      return index
-    s = int(np.searchsorted(self._ends, index, side='right'))
-    return int(self._physical[s] + index - (self._ends[s] - self._blocks[s, 3]))
+      return indices
+    s = np.searchsorted(self._ends, indices, side='right')  # each record's segment
+    return self._physical[s] + indices - (self._ends[s] - self._blocks[s, 3])
 
   def __getitem__(self, record_key):
-    return super().__getitem__(self.physical(record_key.__index__()))
+    return super().__getitem__(int(self.physical(record_key.__index__())))
 
   def __getitems__(self, record_keys):
-    return super().__getitems__([self.physical(k.__index__()) for k in record_keys])
+    return super().__getitems__(
+        self.physical([k.__index__() for k in record_keys]).tolist())
 
   def __repr__(self) -> str:
     if self._blocks is None:
