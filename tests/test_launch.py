@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import pretrain
@@ -27,6 +28,19 @@ HAVE_LIBTPU = importlib.util.find_spec('libtpu') is not None
 needs_libtpu = pytest.mark.skipif(
     not HAVE_LIBTPU and not os.environ.get('REALFORMER_REQUIRE_LIBTPU'),
     reason='pip install -r requirements-tpu.txt')
+
+
+@pytest.fixture(autouse=True, scope='module')
+def without_the_sessions_compilation_cache():
+  """The compile-only TPU devices cannot load a cached program (jax warns and compiles
+  again), so this module's compiles bypass the session's cache (conftest), as the launch
+  check does outside the tests."""
+  saved = jax.config.jax_compilation_cache_dir
+  jax.config.update('jax_compilation_cache_dir', None)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update('jax_compilation_cache_dir', saved)
+  compilation_cache.reset_cache()
 
 
 def tiny(variant='postln', **overrides):
