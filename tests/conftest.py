@@ -20,12 +20,10 @@ os.environ.setdefault('REALFORMER_CACHE', tempfile.mkdtemp(prefix='realformer_ca
 os.environ.setdefault('REALFORMER_COMPILATION_CACHE', tempfile.mkdtemp(prefix='realformer_xla_'))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The tests' own compiles go through jax's persistent cache in this session's folder (or the
-# folder REALFORMER_COMPILATION_CACHE names; none where it says `off`): a test that trains,
-# stops and resumes, or several tests building the same tiny model, compile each program once.
-# Programs that compile in under 0.1 s are not written.
+# The tests' own compiles go through jax's persistent cache in a folder of this session's own
+# (always fresh: it is never shared with another machine, whose processor may differ): a test
+# that trains, stops and resumes, or several tests building the same tiny model, compile each
+# program once. Programs that compile in under 0.1 s are not written.
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-if os.environ['REALFORMER_COMPILATION_CACHE'].strip().lower() != 'off':
-  jax.config.update('jax_compilation_cache_dir',
-                    os.path.join(os.environ['REALFORMER_COMPILATION_CACHE'], 'in_process'))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.1)
+jax.config.update('jax_compilation_cache_dir', tempfile.mkdtemp(prefix='realformer_xla_tests_'))
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.1)
