@@ -65,7 +65,8 @@ def test_kernel_matches_a_float64_reference_with_keep_masks_mask(rate):
 
   def ours(q, k, v):
     out = flash_lib.flash_attention(q, k, v, jnp.asarray(bias, jnp.float32), dropout_rate=rate,
-                                    dropout_key=key, interpret=True, block_q=8, block_c=2)
+                                    dropout_key=key, interpret=True,
+                                    tilings=flash_lib.Tilings.same(8, 2))
     return out, jnp.sum(out * jnp.asarray(w, jnp.float32))
 
   f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
@@ -125,22 +126,23 @@ def test_lengths_that_fill_no_block_are_padded_and_drop_keep_masks_mask():
   p = np.exp(s - s.max(-1, keepdims=True))
   p = np.where(np.asarray(keep), p / p.sum(-1, keepdims=True) * scale, 0.0)
   want = np.einsum('bhqk,bkhd->bqhd', p, v)
-  for blocks in ((None, None), (16, 2)):
+  for tilings in (None, flash_lib.Tilings.same(16, 2)):
     out = flash_lib.flash_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
                                     jnp.asarray(bias, jnp.float32), dropout_rate=0.25,
-                                    dropout_key=key, interpret=True, block_q=blocks[0],
-                                    block_c=blocks[1])
+                                    dropout_key=key, interpret=True, tilings=tilings)
     np.testing.assert_allclose(out, want, atol=2e-6)
 
 
-def test_default_blocks_at_128_keys_backward_in_halves():
-  """The default blocks at 128 keys (4 x 32 forward, 4 x 16 backward): gradients as jax's
+def test_default_tilings_at_128_keys_dq_in_halves():
+  """The default tilings at 128 keys (4 x 32 keys a step, dQ's 4 x 16): gradients as jax's
   of the plain computation with keep_mask's mask."""
   rng = np.random.default_rng(4)
   q, k, v, w = (jnp.asarray(rng.normal(size=(1, 128, 2, 16)), jnp.float32) for _ in range(4))
   bias = jnp.where(jnp.arange(128)[None] < 100, 0.0, attn_lib.NEG_INF)
   key = jax.random.PRNGKey(9)
-  assert flash_lib.block_sizes(128, 128) == (64, 32)
+  tilings = flash_lib.default_tilings(128, 128)
+  assert (tilings.forward.block_q, tilings.forward.block_c) == (64, 32)
+  assert (tilings.dkv.block_c, tilings.dq.block_c) == (32, 16)
 
   def plain(q, k, v):
     p = jax.nn.softmax(jnp.einsum('bqhd,bkhd->bhqk', q, k) / 4.0 + bias[:, None, None], -1)
@@ -187,10 +189,49 @@ def test_every_block_size_draws_the_same_mask():
   key = jax.random.PRNGKey(5)
   outs = [flash_lib.flash_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
                                     jnp.asarray(bias, jnp.float32), dropout_rate=0.2,
-                                    dropout_key=key, interpret=True, block_q=bq, block_c=bc)
+                                    dropout_key=key, interpret=True,
+                                    tilings=flash_lib.Tilings.same(bq, bc))
           for bq, bc in ((32, 8), (8, 2), (16, 1))]
   for o in outs[1:]:
     np.testing.assert_allclose(o, outs[0], atol=1e-6)
+
+
+def test_each_kernel_tiled_its_own_way_gives_the_same_values_and_gradients():
+  """The forward, dK/dV and dQ kernels at three different tilings (what
+  benchmarks/flash_tiles.py sweeps): the same outputs and gradients as one tiling, and as
+  the float64 reference with keep_mask's mask."""
+  q, k, v, w, bias = _inputs(7)
+  key = jax.random.PRNGKey(12)
+  keep, scale = dropout_lib.keep_mask(key, 0.2, (B, H, T, T))
+  mixed = flash_lib.Tilings(forward=flash_lib.Tiling(16, 4), dkv=flash_lib.Tiling(4, 2),
+                            dq=flash_lib.Tiling(8, 8))
+  assert (mixed.block_q, mixed.block_c) == (16, 8)
+
+  def loss(tilings):
+    def f(q, k, v):
+      out = flash_lib.flash_attention(q, k, v, jnp.asarray(bias, jnp.float32),
+                                      dropout_rate=0.2, dropout_key=key, interpret=True,
+                                      tilings=tilings)
+      return jnp.sum(out * jnp.asarray(w, jnp.float32))
+    return f
+
+  args = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+  got = jax.value_and_grad(loss(mixed), (0, 1, 2))(*args)
+  same = jax.value_and_grad(loss(flash_lib.Tilings.same(8, 2)), (0, 1, 2))(*args)
+  np.testing.assert_allclose(got[0], same[0], rtol=1e-6)
+  for g, r in zip(got[1], same[1]):
+    np.testing.assert_allclose(g, r, atol=1e-5)
+  ref = lambda q: np.sum(_reference(q, k, v, bias, np.asarray(keep), scale) * w)
+  np.testing.assert_allclose(got[0], ref(q), rtol=1e-5)
+  eps, dq = 1e-6, np.zeros_like(q)
+  dq[1, 3, 0, 2] = eps  # one coordinate of dQ against a float64 difference quotient
+  np.testing.assert_allclose(got[1][0][1, 3, 0, 2], (ref(q + dq) - ref(q - dq)) / (2 * eps),
+                             rtol=1e-3, atol=1e-4)
+
+
+def test_a_tile_that_is_not_a_power_of_two_is_refused_in_one_line():
+  with pytest.raises(ValueError, match='block_c=24 is not a power of 2'):
+    flash_lib.Tiling(64, 24)
 
 
 def _models(variant='postln', **cfg):
@@ -334,3 +375,22 @@ def test_one_line_errors():
                                      method='threefry_key')
   finally:
     jax.config.update('jax_default_prng_impl', old)
+
+
+def test_the_tiling_benchmark_times_every_tiling_it_checks(tmp_path):
+  """benchmarks/flash_tiles.py --smoke (Pallas's interpreter): every tiling of its grid is
+  timed, draws the default's mask and computes its values; the whole attention is timed at
+  the default tilings and at the fastest tiling of each kernel."""
+  import json, os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([sys.executable, os.path.join(repo, 'benchmarks', 'flash_tiles.py'), '--smoke',
+                  '--out', str(tmp_path)], check=True, cwd=tmp_path, timeout=600,
+                 env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, capture_output=True)
+  (shape,) = json.loads((tmp_path / 'flash_tiles.json').read_text())['shapes']
+  assert {r['kernel'] for r in shape['rows']} == {'forward', 'dkv', 'dq'}
+  for row in shape['rows']:
+    assert 'error' not in row and row['ms'] > 0 and row['mask_equal'], row
+    assert row['max_difference'] < 0.02, row
+  assert set(shape['whole_ms']) == {'flash, default tilings',
+                                    'flash, fastest tiling of each kernel'}
+  assert '| dkv (default) |' in (tmp_path / 'flash_tiles.md').read_text()

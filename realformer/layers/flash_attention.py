@@ -81,8 +81,8 @@ class _Dims:
   heads: int
   head_dim: int
   k_len: int
-  block_q: int
-  block_c: int
+  block_q: int  # the kernel's tile: queries a step
+  block_c: int  # and threefry blocks (4 keys each) a step
   rate: float
   mask_q_len: int  # Tq before padding: the mask's rows count it
 
@@ -117,6 +117,48 @@ class _Dims:
     if keep is None:
       return x
     return jnp.where(keep, x * self.keep_scale, 0.0)
+
+  def tiled(self, tiling: 'Tiling') -> '_Dims':
+    return dataclasses.replace(self, block_q=tiling.block_q, block_c=tiling.block_c)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """One kernel's tiles: `block_q` queries and 4 x `block_c` keys a step (powers of 2; on a
+  GPU at least 16 each, Triton's smallest dot), and Triton's warps and pipeline stages."""
+  block_q: int
+  block_c: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ('block_q', 'block_c'):
+      n = getattr(self, name)
+      if n < 1 or n & (n - 1):
+        raise ValueError(f'flash attention tiling: {name}={n} is not a power of 2; Triton '
+                         'tiles are powers of 2 (16, 32, 64, ...)')
+
+
+@dataclasses.dataclass(frozen=True)
+class Tilings:
+  """The three kernels' tiles: forward, dK and dV, dQ. The mask and the row statistics do not
+  depend on them: any tilings compute the same values, up to the order of the sums."""
+  forward: Tiling
+  dkv: Tiling
+  dq: Tiling
+
+  @classmethod
+  def same(cls, block_q: int, block_c: int) -> 'Tilings':
+    """Every kernel at one block size (the interpreter's tests)."""
+    return cls(*(Tiling(block_q, block_c),) * 3)
+
+  @property
+  def block_q(self) -> int:  # the queries are padded to a multiple of it
+    return max(t.block_q for t in (self.forward, self.dkv, self.dq))
+
+  @property
+  def block_c(self) -> int:  # and the keys to one of 4 x it
+    return max(t.block_c for t in (self.forward, self.dkv, self.dq))
 
 
 def _iota(start, size):
@@ -244,15 +286,19 @@ def _specs(d: _Dims):
   return full, grouped, q_block, bias, rows, mask, scalars
 
 
-def _call(kernel, d, grid, in_specs, out_specs, out_shape, interpret, name, num_warps=4):
-  params = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
-  return pl.pallas_call(functools.partial(kernel, d=d), grid=grid, in_specs=in_specs,
-                        out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-                        compiler_params=params, name=name)
+def _call(kernel, d, tiling, grid, in_specs, out_specs, out_shape, interpret, name):
+  """pallas_call of `kernel` on d (already tiled, as the grid and specs are), with the
+  tiling's warps and pipeline stages."""
+  params = None if interpret else plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                                       num_stages=tiling.num_stages)
+  return pl.pallas_call(functools.partial(kernel, d=d), grid=grid,
+                        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                        interpret=interpret, compiler_params=params, name=name)
 
 
-def _forward(q, k, v, key_bias, seed, offsets, d: _Dims, interpret):
+def _forward(q, k, v, key_bias, seed, offsets, d: _Dims, tiling: Tiling, interpret):
   """(out, residuals for the backward: row max, log-sum, the mask's nibbles or nothing)."""
+  d = d.tiled(tiling)
   _, grouped, q_block, bias, rows, mask, scalars = _specs(d)
   row_stats = jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len), jnp.float32)
   out_specs = [q_block, rows(d.block_q, lambda i: i), rows(d.block_q, lambda i: i)]
@@ -261,7 +307,7 @@ def _forward(q, k, v, key_bias, seed, offsets, d: _Dims, interpret):
     out_specs.append(mask(d.block_q, lambda i: i))
     out_shape.append(jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len, d.groups), jnp.uint8))
   out, *stats = _call(
-      _forward_kernel, d, (d.batch, d.heads, d.q_len // d.block_q),
+      _forward_kernel, d, tiling, (d.batch, d.heads, d.q_len // d.block_q),
       [scalars, scalars, q_block, grouped, grouped, bias], out_specs, out_shape,
       interpret, 'flash_attention_forward')(
           seed, offsets, q, _grouped(k), _grouped(v), _grouped(key_bias))
@@ -273,50 +319,62 @@ def _grouped(x):
   return x.reshape(x.shape[0], x.shape[1] // 4, 4, *x.shape[2:])
 
 
-def _backward(q, k, v, key_bias, out, stats, dout, d: _Dims, interpret):
-  # Half the forward's keys per step (at least Triton's 16 per dot): the dK/dV program keeps
-  # eight [D, block_c] float32 accumulators, with 8 warps (4 spill registers).
-  d = dataclasses.replace(d, block_c=d.block_c // 2 if d.block_c >= 32 else d.block_c)
-  full, grouped, q_block, bias, rows, mask, _ = _specs(d)
+def _backward_args(q, k, v, key_bias, out, stats, dout):
+  """The backward kernels' inputs: keys grouped in fours, delta = rowsum(dO * O)."""
   delta = jnp.einsum('bqhd,bqhd->bhq', out.astype(jnp.float32), dout.astype(jnp.float32))
-  args = (q, _grouped(k), _grouped(v), _grouped(key_bias), dout, stats[0], stats[1], delta,
+  return (q, _grouped(k), _grouped(v), _grouped(key_bias), dout, stats[0], stats[1], delta,
           *stats[2:])
+
+
+def _dkv(args, d: _Dims, tiling: Tiling, interpret):
+  """dK, dV [B, Tk / 4, 4, H, D]: a program per 4 x block_c keys, over every query."""
+  d = d.tiled(tiling)
+  full, grouped, _, bias, rows, mask, _ = _specs(d)
   whole = rows(d.q_len, lambda i: 0)
   k_block = pl.BlockSpec((None, d.block_c, 4, None, d.head_dim),
                          lambda b, h, i: (b, i, 0, h, 0))
-  dk, dv = _call(
-      _dkv_kernel, d, (d.batch, d.heads, d.groups // d.block_c),
+  return _call(
+      _dkv_kernel, d, tiling, (d.batch, d.heads, d.groups // d.block_c),
       [full(d.q_len), grouped, grouped, bias, full(d.q_len), whole, whole, whole] +
       [mask(d.q_len, lambda i: 0)] * d.dropout,
-      [k_block, k_block], [jax.ShapeDtypeStruct(_grouped(k).shape, k.dtype)] * 2,
-      interpret, 'flash_attention_dkv', num_warps=8)(*args)
+      [k_block, k_block], [jax.ShapeDtypeStruct(args[1].shape, args[1].dtype)] * 2,
+      interpret, 'flash_attention_dkv')(*args)
+
+
+def _dq(args, d: _Dims, tiling: Tiling, interpret):
+  """dQ [B, Tq, H, D]: a program per block_q queries, over every key."""
+  d = d.tiled(tiling)
+  _, grouped, q_block, bias, rows, mask, _ = _specs(d)
   q_rows = rows(d.block_q, lambda i: i)
-  dq = _call(
-      _dq_kernel, d, (d.batch, d.heads, d.q_len // d.block_q),
+  return _call(
+      _dq_kernel, d, tiling, (d.batch, d.heads, d.q_len // d.block_q),
       [q_block, grouped, grouped, bias, q_block, q_rows, q_rows, q_rows] +
       [mask(d.block_q, lambda i: i)] * d.dropout,
-      q_block, jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, 'flash_attention_dq')(*args)
-  return dq, dk.reshape(k.shape), dv.reshape(v.shape)
+      q_block, jax.ShapeDtypeStruct(args[0].shape, args[0].dtype), interpret,
+      'flash_attention_dq')(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _flash(q, k, v, key_bias, seed, offsets, static):
-  d, interpret = static
-  return _forward(q, k, v, key_bias, seed, offsets, d, interpret)[0]
+  d, tilings, interpret = static
+  return _forward(q, k, v, key_bias, seed, offsets, d, tilings.forward, interpret)[0]
 
 
 def _flash_fwd(q, k, v, key_bias, seed, offsets, static):
-  d, interpret = static
-  out, stats = _forward(q, k, v, key_bias, seed, offsets, d, interpret)
+  d, tilings, interpret = static
+  out, stats = _forward(q, k, v, key_bias, seed, offsets, d, tilings.forward, interpret)
   return out, (q, k, v, key_bias, seed, offsets, out, stats)
 
 
 def _flash_bwd(static, residuals, dout):
-  d, interpret = static
+  d, tilings, interpret = static
   q, k, v, key_bias, seed, offsets, out, stats = residuals
-  dq, dk, dv = _backward(q, k, v, key_bias, out, stats, dout, d, interpret)
+  args = _backward_args(q, k, v, key_bias, out, stats, dout)
+  dk, dv = _dkv(args, d, tilings.dkv, interpret)
+  dq = _dq(args, d, tilings.dq, interpret)
   no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  return dq, dk, dv, jnp.zeros_like(key_bias), no_grad(seed), no_grad(offsets)
+  return (dq, dk.reshape(k.shape), dv.reshape(v.shape), jnp.zeros_like(key_bias),
+          no_grad(seed), no_grad(offsets))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -338,46 +396,58 @@ def _least_padding(n: int, options: Tuple[int, ...]) -> int:
   return fits[0] if fits else min(options, key=lambda b: (_round_up(n, b), -b))
 
 
-def block_sizes(q_len: int, k_len: int) -> Tuple[int, int]:
-  """(block_q, block_c): 64 queries and 4 x 32 keys where the lengths allow, smaller blocks
-  where those would pad much (a fine-tuning bucket of 40 queries: 16); powers of 2 (Triton's
-  arrays) of at least 16 (its smallest dot)."""
-  return _least_padding(q_len, (64, 32, 16)), _least_padding(-(-k_len // 4), (32, 16))
+def default_tilings(q_len: int, k_len: int) -> Tilings:
+  """64 queries and 4 x 32 keys a step where the lengths allow, smaller blocks where those
+  would pad much (a fine-tuning bucket of 40 queries: 16 queries); the dQ kernel takes 4 x 16
+  keys a step; 4 warps and 3 pipeline stages each. The fastest tiling of
+  each kernel at BERT-base's shapes on an H200 (benchmarks/flash_tiles.py; BENCHMARKS.md)."""
+  block_q = _least_padding(q_len, (64, 32, 16))
+  block_c = _least_padding(-(-k_len // 4), (32, 16))
+  return Tilings(forward=Tiling(block_q, block_c, 4, 3), dkv=Tiling(block_q, block_c, 4, 3),
+                 dq=Tiling(block_q, 16, 4, 3))
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
                     dropout_rate: float = 0.0, dropout_key=None, offsets=(0, 0, None),
-                    interpret: bool = False, block_q: int = None,
-                    block_c: int = None) -> jax.Array:
+                    interpret: bool = False, tilings: Tilings = None) -> jax.Array:
   """softmax(q k^T / sqrt(d) + key_bias) v with inverted dropout on the probabilities.
 
   q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores);
   dropout_key: a threefry key's data, uint32 [2] (dropout.threefry_key_data), needed when
   dropout_rate > 0. offsets (batch, head, total heads): where this shard's first sequence and
   head sit in the global [B, H] that the mask rows count (0, 0, H for an unsharded call).
-  Any lengths: the queries are padded to a multiple of block_q and the keys to one of
-  4 * block_c (padding keys score below every real one). Returns [B, Tq, H, D] in q's dtype.
+  tilings: the kernels' tiles (default: default_tilings). Any lengths: the queries are padded
+  to a multiple of the largest block_q and the keys to one of 4 x the largest block_c
+  (padding keys score below every real one). Returns [B, Tq, H, D] in q's dtype.
   """
   if dropout_rate > 0 and dropout_key is None:
     raise ValueError('flash_attention with dropout needs dropout_key')
+  tilings = tilings or default_tilings(q.shape[1], k.shape[1])
+  *inputs, d = kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings)
+  return _flash(*inputs, (d, tilings, interpret))[:, :q.shape[1]]
+
+
+def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings: Tilings):
+  """What the kernels take: q, k, v and key_bias padded to whole tiles, the dropout seed,
+  the offsets as int32 [3], and the static _Dims (benchmarks/flash_tiles.py times the kernels
+  one by one from these)."""
   q_len, k_len = q.shape[1], k.shape[1]
-  default_q, default_c = block_sizes(q_len, k_len)
-  block_q, block_c = block_q or default_q, block_c or default_c
-  pad_q, pad_k = _round_up(q_len, block_q) - q_len, _round_up(k_len, 4 * block_c) - k_len
+  pad_q = _round_up(q_len, tilings.block_q) - q_len
+  pad_k = _round_up(k_len, 4 * tilings.block_c) - k_len
   key_bias = key_bias.astype(jnp.float32)
   if pad_q:
     q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
   if pad_k:
     k, v = (jnp.pad(x, ((0, 0), (0, pad_k), (0, 0), (0, 0))) for x in (k, v))
     key_bias = jnp.pad(key_bias, ((0, 0), (0, pad_k)), constant_values=_BLOCK_PADDING)
-  d = _Dims(*q.shape, k.shape[1], block_q, block_c, float(dropout_rate), q_len)
+  d = _Dims(*q.shape, k.shape[1], tilings.block_q, tilings.block_c, float(dropout_rate), q_len)
   seed = (jnp.zeros((3,), jnp.uint32) if dropout_key is None
           else jnp.concatenate([jnp.asarray(dropout_key, jnp.uint32).reshape(2),
                                 jnp.zeros((1,), jnp.uint32)]))
   batch0, head0, heads = offsets
   offsets = jnp.stack([jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32),
                        jnp.asarray(heads if heads is not None else d.heads, jnp.int32)])
-  return _flash(q, k, v, key_bias, seed, offsets, (d, interpret))[:, :q_len]
+  return q, k, v, key_bias, seed, offsets, d
 
 
 def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
@@ -395,7 +465,7 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
   batch, _, heads, _ = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
   total_heads = q.shape[2]
   head_shards = _axes_size(mesh, heads)
-  if total_heads % head_shards:
+  if total_heads % head_shards:  # partitioning.check_heads says so before anything compiles
     raise ValueError(f'model.fused_attention=flash splits the {total_heads} heads over '
                      f'{head_shards} devices ({heads}), which does not divide them; choose a '
                      'mesh.tensor that divides model.num_heads')
@@ -410,6 +480,21 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
 
   return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(batch, None), P()),
                        out_specs=seq, check_vma=False)(q, k, v, key_bias, key)
+
+
+def runs_here(num_heads: int, head_dim: int) -> bool:
+  """Whether flash_attention_on_mesh computes attention of these heads where it is traced: a
+  head size that is a power of 2 of at least 16 (Triton's arrays), threefry dropout keys
+  (the kernel draws threefry's mask), and whole heads on each device of the mesh in context
+  (under the logical rules in context)."""
+  if head_dim < 16 or head_dim & (head_dim - 1):
+    return False
+  if jax.config.jax_default_prng_impl != 'threefry2x32':
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return True
+  return num_heads % _axes_size(mesh, nn.logical_to_mesh_axes(('heads',))[0]) == 0
 
 
 def _axes_size(mesh, axes) -> int:
