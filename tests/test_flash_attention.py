@@ -343,6 +343,35 @@ def _an_h100():
   return jax.sharding.use_abstract_mesh(mesh)
 
 
+def test_auto_takes_the_flash_kernel_on_gpus_in_half_precision_under_attention_dropout():
+  """`auto` (the default) trains with the flash kernel where it runs and was faster than
+  the plain path: a GPU, bfloat16 or float16, a power-of-2 head size of 16 or more, threefry
+  keys, whole heads on each device; evaluation keeps cuDNN's kernel."""
+  cfg = dict(attention_dropout_rate=0.1, hidden_size=64, num_heads=2)  # heads of 32
+  spec = lambda variant='postln', platform='gpu', **kw: resolve(
+      small_config(variant, **{'dtype': 'bfloat16', **cfg, **kw}), platform=platform)
+  gpu = spec()
+  assert gpu.fused_attention == 'auto' and attn_lib._use_flash(gpu, False, False, None)
+  assert attn_lib._use_flash(spec(dtype='float16'), False, False, None)
+  assert not attn_lib._use_flash(gpu, True, False, None)  # evaluation: cuDNN's kernel
+  assert attn_lib._use_fused(gpu, True, False) == 'cudnn'
+  for other in (spec(dtype='float32'), spec(platform='tpu'), spec(platform='cpu'),
+                spec(hidden_size=32, num_heads=4),  # heads of 8
+                spec(fused_attention='off'), spec(fused_attention='xla'),
+                spec('realformer'), spec('synth_dense'), spec(attention_dropout_rate=0.0)):
+    assert not attn_lib._use_flash(other, False, False, None), other
+  for tensor, whole_heads in ((2, True), (4, False)):
+    mesh = partitioning.make_mesh({'data': 8 // tensor, 'fsdp': 1, 'tensor': tensor})
+    with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+      assert attn_lib._use_flash(gpu, False, False, None) == whole_heads
+  impl = jax.config.jax_default_prng_impl
+  try:
+    jax.config.update('jax_default_prng_impl', 'rbg')
+    assert not attn_lib._use_flash(gpu, False, False, None)
+  finally:
+    jax.config.update('jax_default_prng_impl', impl)
+
+
 def test_one_line_errors():
   with pytest.raises(ValueError, match='flash is a Triton kernel for GPUs, not tpu'):
     resolve(small_config('postln', fused_attention='flash'), platform='tpu')

@@ -49,10 +49,18 @@ def in_dtype(bias: jax.Array, dtype) -> jax.Array:
 
 def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> bool:
   """Whether realformer.layers.flash_attention computes this layer: in training, with
-  attention dropout (without it, `flash` is `auto`). Not for the pruned last layer (its few
-  query rows): the plain path computes that one."""
-  return (spec.fused_attention == 'flash' and spec.plain_dot_product and not capture
-          and rows is None and not deterministic and spec.attention_dropout_rate > 0)
+  attention dropout, where asked (`flash`) or, under `auto`, where the kernel runs and was
+  faster than the plain path (a GPU in bfloat16 or float16: BENCHMARKS.md; see
+  flash_attention.runs_here). Without attention dropout `flash` is `auto`. Not for the
+  pruned last layer (its few query rows): the plain path computes that one."""
+  if (not spec.plain_dot_product or capture or rows is not None or deterministic
+      or spec.attention_dropout_rate <= 0):
+    return False
+  if spec.fused_attention == 'flash':
+    return True
+  return (spec.fused_attention == 'auto' and spec.target_platform == 'gpu'
+          and spec.dtype in (jnp.bfloat16, jnp.float16)
+          and flash_lib.runs_here(spec.num_heads, spec.head_dim))
 
 
 def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:
