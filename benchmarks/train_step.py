@@ -22,7 +22,9 @@ FLOPs of each are the ones it performs (train_lib.flops_per_example).
 `--prng` builds each variant once per PRNG implementation for its dropout masks (threefry is
 JAX's default, and realformer.layers.dropout draws four 16-bit uniforms per threefry block; rbg /
 unsafe_rbg: XLA's CPU partitioner generates their whole global mask on every device). train.py gets
-another with the environment variable JAX_DEFAULT_PRNG_IMPL.
+another with the environment variable JAX_DEFAULT_PRNG_IMPL. On a GPU in bfloat16, `--fused auto`
+trains threefry's builds through the flash kernel and the others through the plain path: add
+`--fused off` to compare the generators alone.
 
 A step is the full update: forward, backward, global-norm clipping and AdamW (BERT's
 settings), with dropout 0.1 on both sides, MLM loss at max_predictions masked positions

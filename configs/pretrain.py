@@ -83,7 +83,8 @@ def model_config(variant='postln', size='base'):
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
   # auto | xla | cudnn (jax.nn.dot_product_attention, without attention dropout) | flash
   # (our Pallas kernel, attention dropout inside it: GPUs) | off. auto: on a GPU in bf16/fp16,
-  # flash under attention dropout and cuDNN's kernel without it; elsewhere the plain path.
+  # flash under attention dropout where it runs (docs/launching.md) and cuDNN's kernel
+  # without dropout; elsewhere the plain path.
   m.fused_attention = 'auto'
   m.dense_impl = 'auto'  # auto | flax | cpu (custom VJP for XLA:CPU: realformer/layers/dense.py)
   # predicted: in the pretraining loss the last layer computes only [CLS] and the masked

@@ -128,7 +128,7 @@ class Dropout(nn.Module):
     if data is None:
       raise ValueError('model.fused_attention=flash draws threefry dropout masks, and the '
                        f'default PRNG is {jax.config.jax_default_prng_impl}: unset '
-                       'JAX_DEFAULT_PRNG_IMPL, or use model.fused_attention=auto')
+                       'JAX_DEFAULT_PRNG_IMPL, or use model.fused_attention=off')
     return data
 
 

@@ -399,8 +399,9 @@ def _least_padding(n: int, options: Tuple[int, ...]) -> int:
 def default_tilings(q_len: int, k_len: int) -> Tilings:
   """64 queries and 4 x 32 keys a step where the lengths allow, smaller blocks where those
   would pad much (a fine-tuning bucket of 40 queries: 16 queries); the dQ kernel takes 4 x 16
-  keys a step; 4 warps and 3 pipeline stages each. The fastest tiling of
-  each kernel at BERT-base's shapes on an H200 (benchmarks/flash_tiles.py; BENCHMARKS.md)."""
+  keys a step; 4 warps and 3 pipeline stages each: one tiling for both of pretraining's
+  lengths, each kernel's the fastest or within 6% of the fastest of a sweep at BERT-base's
+  shapes on an H200 at length 512 and 128 (benchmarks/flash_tiles.py; BENCHMARKS.md)."""
   block_q = _least_padding(q_len, (64, 32, 16))
   block_c = _least_padding(-(-k_len // 4), (32, 16))
   return Tilings(forward=Tiling(block_q, block_c, 4, 3), dkv=Tiling(block_q, block_c, 4, 3),
@@ -483,18 +484,38 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
 
 
 def runs_here(num_heads: int, head_dim: int) -> bool:
-  """Whether flash_attention_on_mesh computes attention of these heads where it is traced: a
-  head size that is a power of 2 of at least 16 (Triton's arrays), threefry dropout keys
-  (the kernel draws threefry's mask), and whole heads on each device of the mesh in context
-  (under the logical rules in context)."""
-  if head_dim < 16 or head_dim & (head_dim - 1):
+  """Whether `fused_attention=auto` may take flash_attention_on_mesh for attention of these
+  heads where it is traced: heads of 32 or 64 (the sizes it was tuned at and is lowered for
+  in the tests), an NVIDIA GPU of compute capability 8.0 or more where one is attached
+  (Triton's floor in jax; compiling for a GPU from another host, assumed), threefry dropout
+  keys (the kernel draws threefry's mask), and whole heads on each device of the mesh in
+  context, under the logical rules in context."""
+  if head_dim not in (32, 64) or jax.config.jax_default_prng_impl != 'threefry2x32':
     return False
-  if jax.config.jax_default_prng_impl != 'threefry2x32':
+  if not _triton_gpu():
     return False
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return True
-  return num_heads % _axes_size(mesh, nn.logical_to_mesh_axes(('heads',))[0]) == 0
+  axes = nn.logical_to_mesh_axes(('heads',))[0]
+  names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  if any(name not in mesh.shape for name in names):
+    return False
+  return num_heads % _axes_size(mesh, axes) == 0
+
+
+def _triton_gpu() -> bool:
+  """The attached GPU is an NVIDIA one of compute capability 8.0 or more; True where no GPU
+  is attached (a program compiled here for a GPU target), False for ROCm's (gfx...)."""
+  try:
+    device = jax.local_devices(backend='gpu')[0]
+  except RuntimeError:
+    return True
+  try:
+    major, minor = (int(x) for x in str(device.compute_capability).split('.')[:2])
+  except (AttributeError, ValueError):
+    return False
+  return (major, minor) >= (8, 0)
 
 
 def _axes_size(mesh, axes) -> int:
