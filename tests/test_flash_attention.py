@@ -133,38 +133,21 @@ def test_lengths_that_fill_no_block_are_padded_and_drop_keep_masks_mask():
     np.testing.assert_allclose(out, want, atol=2e-6)
 
 
-def test_default_tilings_at_128_keys_dq_in_halves():
-  """The default tilings at 128 keys (4 x 32 keys a step, dQ's 4 x 16): gradients as jax's
-  of the plain computation with keep_mask's mask."""
-  rng = np.random.default_rng(4)
-  q, k, v, w = (jnp.asarray(rng.normal(size=(1, 128, 2, 16)), jnp.float32) for _ in range(4))
-  bias = jnp.where(jnp.arange(128)[None] < 100, 0.0, attn_lib.NEG_INF)
+@pytest.mark.parametrize('length,real,heads,blocks', [
+    (128, 100, 2, (64, 32, 32, 16)),  # no padding; dQ at 4 x 16 keys a step, the others 4 x 32
+    (100, 90, 1, (16, 32, 32, 16)),  # queries padded to 112 (16 a step), keys to 128
+])
+def test_default_tilings_give_the_plain_paths_values_and_gradients(length, real, heads, blocks):
+  """The default tilings (block_q; forward's, dK/dV's and dQ's block_c): value and gradients
+  as jax's of the plain computation with keep_mask's mask."""
+  rng = np.random.default_rng(length)
+  q, k, v, w = (jnp.asarray(rng.normal(size=(1, length, heads, 16)), jnp.float32)
+                for _ in range(4))
+  bias = jnp.where(jnp.arange(length)[None] < real, 0.0, attn_lib.NEG_INF)
   key = jax.random.PRNGKey(9)
-  tilings = flash_lib.default_tilings(128, 128)
-  assert (tilings.forward.block_q, tilings.forward.block_c) == (64, 32)
-  assert (tilings.dkv.block_c, tilings.dq.block_c) == (32, 16)
-
-  def plain(q, k, v):
-    p = jax.nn.softmax(jnp.einsum('bqhd,bkhd->bhqk', q, k) / 4.0 + bias[:, None, None], -1)
-    keep, scale = dropout_lib.keep_mask(key, 0.1, p.shape)
-    return jnp.sum(jnp.einsum('bhqk,bkhd->bqhd', jnp.where(keep, p * scale, 0.0), v) * w)
-
-  flash = lambda q, k, v: jnp.sum(flash_lib.flash_attention(
-      q, k, v, bias, dropout_rate=0.1, dropout_key=key, interpret=True) * w)
-  np.testing.assert_allclose(flash(q, k, v), plain(q, k, v), rtol=1e-5)
-  for g, r in zip(jax.grad(flash, (0, 1, 2))(q, k, v), jax.grad(plain, (0, 1, 2))(q, k, v)):
-    np.testing.assert_allclose(g, r, atol=1e-5)
-
-
-def test_default_tilings_at_100_tokens_pad_the_queries_and_dq_takes_fewer_keys():
-  """100 queries and keys: queries padded to 112 (16 a step), keys to 128 (4 x 32 a step
-  forward and dK/dV, 4 x 16 dQ); gradients as jax's of the plain computation."""
-  rng = np.random.default_rng(8)
-  q, k, v, w = (jnp.asarray(rng.normal(size=(1, 100, 1, 16)), jnp.float32) for _ in range(4))
-  bias = jnp.where(jnp.arange(100)[None] < 90, 0.0, attn_lib.NEG_INF)
-  key = jax.random.PRNGKey(13)
-  tilings = flash_lib.default_tilings(100, 100)
-  assert (tilings.block_q, tilings.forward.block_c, tilings.dq.block_c) == (16, 32, 16)
+  tilings = flash_lib.default_tilings(length, length)
+  assert (tilings.block_q, tilings.forward.block_c, tilings.dkv.block_c,
+          tilings.dq.block_c) == blocks
 
   def plain(q, k, v):
     p = jax.nn.softmax(jnp.einsum('bqhd,bkhd->bhqk', q, k) / 4.0 + bias[:, None, None], -1)
