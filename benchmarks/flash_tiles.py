@@ -156,25 +156,19 @@ def measure_shape(shape, smoke: bool, interpret: bool, deadline: float, workers:
   batch, length, heads, head_dim = shape
   q, k, v, dout, bias, key = make_inputs(batch, length, heads, head_dim)
   default = flash_lib.default_tilings(length, length)
+  grid = [(kn, t) for kn in KERNELS for t in candidates(kn, getattr(default, kn), length, smoke)]
   # Inputs padded for the largest tile in the grid, so that every tiling reads the same ones.
-  widest = flash_lib.Tilings.same(
-      max(t.block_q for kn in KERNELS
-          for t in candidates(kn, getattr(default, kn), length, smoke)),
-      max(t.block_c for kn in KERNELS
-          for t in candidates(kn, getattr(default, kn), length, smoke)))
+  widest = flash_lib.Tilings.same(max(t.block_q for _, t in grid),
+                                  max(t.block_c for _, t in grid))
   fns = kernel_fns(q, k, v, dout, bias, key, widest, default.forward, interpret)
   result = {'batch': batch, 'length': length, 'heads': heads, 'head_dim': head_dim,
             'rate': RATE, 'default': {kn: vars(getattr(default, kn)) for kn in KERNELS},
             'rows': []}
-  jobs = []
-  for kn in KERNELS:
-    make, args = fns[kn]
-    for tiling in candidates(kn, getattr(default, kn), length, smoke):
-      jobs.append((kn, tiling, make(tiling), args))
+  jobs = [(kn, tiling, fns[kn][0](tiling), fns[kn][1]) for kn, tiling in grid]
   log(f'length {length}, batch {batch}: lowering {len(jobs)} kernels')
 
   def compile_job(job):
-    kn, tiling, fn, args = job
+    _, _, fn, args = job
     try:
       return fn.trace(*args).lower().compile(), None
     except Exception as e:  # pylint: disable=broad-except
