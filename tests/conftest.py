@@ -1,10 +1,21 @@
-"""Test setup: 8 fake CPU devices (sharding tests), the repository root on sys.path, and a
-compilation cache for the session."""
+"""Test setup: 8 fake CPU devices (sharding tests) compiling at -O0, the repository root on
+sys.path, and a compilation cache for the session."""
 import os
 import sys
 import tempfile
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+
+def cpu_xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a test process (this one, and the programs the tests start) with
+  `devices` CPU devices. The CPU backend compiles at LLVM's -O0: a tiny model's train step is
+  thousands of small fusions, whose optimisation took most of the suite's time (about half
+  of each compile, at the same HLO: XLA's own passes still run); the values agree with the
+  optimised build's to rounding. TPU compiles for the launch check ignore it."""
+  return (f'--xla_force_host_platform_device_count={devices} '
+          '--xla_backend_optimization_level=0')
+
+
+os.environ.setdefault('XLA_FLAGS', cpu_xla_flags(8))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 os.environ.setdefault('CUDA_VISIBLE_DEVICES', '')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')

@@ -50,6 +50,7 @@ from tests import test_compile_cache
 from tests import test_finetune
 from tests import test_pipeline
 from tests import test_sweep
+from tests.conftest import cpu_xla_flags
 from tests.gcs_server import GcsServer
 from tests.test_train import REPO, tiny_config
 
@@ -154,7 +155,7 @@ cli.run_main(train.train_and_evaluate, tiny_config(**args['train']), args['workd
 def _child(server, tmp_path, devices=DEVICES, **args):
   args.setdefault('hosts', str(tmp_path / 'hosts.txt'))
   env = dict(os.environ, **server.env, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+             XLA_FLAGS=cpu_xla_flags(devices))
   return subprocess.Popen([sys.executable, '-c', _CHILD.format(repo=REPO,
                                                                args=json.dumps(args))],
                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

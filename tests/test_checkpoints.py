@@ -19,6 +19,7 @@ from realformer import models
 from realformer.train import checkpoints
 from realformer.train import machine
 from realformer.train import train_lib
+from tests.conftest import cpu_xla_flags
 from tests.test_train import REPO, losses, tiny_config
 
 NUM_STEPS = 8
@@ -59,7 +60,7 @@ train.train_and_evaluate(tiny_config(**args['train']), args['workdir'])
 
 def child(args, devices=DEVICES):
   env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+             XLA_FLAGS=cpu_xla_flags(devices))
   code = _CHILD.format(repo=REPO, args=json.dumps(args))
   return subprocess.Popen([sys.executable, '-c', code], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -9,6 +9,7 @@ import sys
 
 from realformer.train import compile_cache
 from realformer.train import machine
+from tests.conftest import cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +21,7 @@ def _train(workdir, cache, *extra):
           '--config.model.num_layers=1', '--config.model.hidden_size=32',
           '--config.model.num_heads=2', '--config.model.mlp_dim=64', *extra]
   # Every program is written, however fast it compiled (jax's threshold is 1 s).
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1',
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
   proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -359,7 +359,7 @@ def test_hosts_of_v5e_slices_are_the_vms_google_sells():
   for name, chips, hosts in (('v5e:1x1', 1, 1), ('v5e:2x4', 8, 1), ('v5e:4x4', 16, 4)):
     target = launch.tpu_target(name)
     assert (len(target.devices), target.num_hosts) == (chips, hosts), name
-  report, _ = launch.compile_step(tiny(), launch.tpu_target('v5e:1x1'))
+  report, _ = launch.compile_step(tiny(train__eval_steps=0), launch.tpu_target('v5e:1x1'))
   assert report.fits
 
 
@@ -418,7 +418,7 @@ def test_every_variant_compiles_to_its_model_flops(variant):
   # devices (the same program, up to the platform's choices): compiled matmuls within 5% of
   # flops_per_example, scanned with accumulation, on a data x fsdp mesh.
   config = tiny(variant, mesh__fsdp=2, mesh__data=-1, model__scan_layers=True,
-                train__grad_accum_steps=2)
+                train__grad_accum_steps=2, train__eval_steps=0)  # the train step alone
   config.model.dtype = 'float32'
   target = launch.tpu_target('v5e:2x2') if HAVE_LIBTPU else launch.local_target()
   report, _ = launch.compile_step(config, target)

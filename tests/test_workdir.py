@@ -19,6 +19,7 @@ from realformer.train import checkpoints
 from realformer.train import pretraining
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
+from tests.conftest import cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,7 +173,7 @@ def test_warmup_as_a_fraction_of_the_run():
 
 
 def test_command_line_second_run_refused_and_preemption_exits_not_finished(tmp_path):
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1))
   args = [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
           '--config.model.num_layers=1', '--config.model.hidden_size=32',
           '--config.model.mlp_dim=64', '--config.model.vocab_size=100',
@@ -204,7 +205,7 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(tmp_p
 def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
   """Preparing or compiling: a SIGTERM stops the run at once with the not-finished status
   (a scheduler requeues it), not the default 143 that a supervising loop reads as final."""
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1))
   proc = subprocess.Popen(
       [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
        '--config.model.num_layers=1', '--config.model.hidden_size=32',
@@ -249,7 +250,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
           '--config.data.max_seq_length=32', '--config.data.max_predictions_per_seq=5',
           '--config.train.batch_size=4', '--config.train.eval_steps=0',
           '--config.train.checkpoint_every_steps=1']
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1))
   for steps in (2, 3):
     proc = subprocess.run(args + [f'--config.train.num_steps={steps}'], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
@@ -703,7 +704,7 @@ def test_every_process_of_a_multi_host_run_stops_when_the_workdir_is_held(tmp_pa
     s.bind(('localhost', 0))
     port = s.getsockname()[1]
   env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+             XLA_FLAGS=cpu_xla_flags(1))
   with workdir_lib.Lock(str(tmp_path), 'a test'):
     procs = [subprocess.Popen(
         [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
@@ -736,7 +737,7 @@ def test_finetune_on_two_processes_is_one_run(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   one = subprocess.Popen(
       [sys.executable, 'finetune.py', f'--workdir={tmp_path}/one'] + args, cwd=REPO,
-      env=dict(env, XLA_FLAGS='--xla_force_host_platform_device_count=2'),
+      env=dict(env, XLA_FLAGS=cpu_xla_flags(2)),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   with socket.socket() as s:
     s.bind(('localhost', 0))
@@ -744,7 +745,7 @@ def test_finetune_on_two_processes_is_one_run(tmp_path):
   two = [subprocess.Popen(
       [sys.executable, 'finetune.py', f'--workdir={tmp_path}/two', f'--process_id={i}',
        f'--coordinator_address=localhost:{port}', '--num_processes=2'] + args, cwd=REPO,
-      env=dict(env, XLA_FLAGS='--xla_force_host_platform_device_count=1'),
+      env=dict(env, XLA_FLAGS=cpu_xla_flags(1)),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   try:
     for proc in [one] + two:
