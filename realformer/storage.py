@@ -696,6 +696,8 @@ class Lease:
           try:
             mine = self._mine(retry=bounded)
           except Exception as e:  # pylint: disable=broad-except  (the next refresh looks again)
+            if self._stop.is_set():
+              return  # released meanwhile (release() said what becomes of the lock)
             absl_logging.warning('could not refresh the lock %s: %s', self.url, short(e))
             continue
           if mine is not None:  # a write of ours whose reply was lost: the service stamped
@@ -707,6 +709,8 @@ class Lease:
           absl_logging.error('%s; this run stops before it writes again', self._lost)
           return
         except Exception as e:  # pylint: disable=broad-except  (the next refresh tries again)
+          if self._stop.is_set():  # released while this refresh waited on the storage: the
+            return  # run is stopping (its error, if any, stays the last line it prints)
           absl_logging.warning('could not refresh the lock %s: %s', self.url, short(e))
 
   def release(self):

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -285,6 +286,33 @@ def test_a_holder_that_cannot_refresh_counts_its_lease_as_lost(gcs, monkeypatch)
   assert 'could not be refreshed' in lease.lost
   monkeypatch.undo()
   lease.release()
+
+
+def test_a_refresh_that_fails_after_the_release_says_nothing(gcs, monkeypatch, caplog):
+  """A refresh waiting on a storage that went away while the run stopped fails after the
+  release: it logs nothing, so the run's one-line error stays the last line it prints."""
+  monkeypatch.setattr(storage, 'REFRESH_SECONDS', 0.05)
+  url = f'{gcs}/stopping/.lock'
+  lease = storage.Lease(url, storage.holder_record('train.py')).take()
+  blob, in_flight, stopping = lease._blob, threading.Event(), threading.Event()
+
+  class Unanswered:  # the lock object, whose refresh hangs until the run stops, then fails
+    def __getattr__(self, name):
+      return getattr(blob(), name)
+
+    def upload_from_string(self, *args, **kwargs):
+      del args, kwargs
+      in_flight.set()
+      stopping.wait(30)
+      raise ConnectionError('Connection refused')
+  monkeypatch.setattr(lease, '_blob', Unanswered)
+  assert in_flight.wait(30)
+  caplog.set_level('WARNING', logger='absl')
+  threading.Timer(0.5, stopping.set).start()  # the request fails while release() waits
+  lease.release()
+  lease._thread.join(30)  # pylint: disable=protected-access
+  assert not lease._thread.is_alive() and caplog.text == ''  # pylint: disable=protected-access
+  assert not blob().exists()  # released: the refresh gave the object back in time
 
 
 @pytest.mark.parametrize('url,expected', [
