@@ -237,8 +237,9 @@ def _contenders(part: str, platform: str, variants: str = '') -> list:
   """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',);
   `variants` (comma-separated) keeps only ours of those variants, and the peer."""
   # In the order they are timed, what the goals read first: Post-LN, the peer, Post-LN's
-  # other attention under dropout, and at 512 the attention implementations without
-  # attention dropout (a part cut short at its cap loses the last ones).
+  # other attention under dropout, RealFormer and Synthesizer Random+Vanilla through the
+  # flash kernel, every variant under auto, and at 512 the attention implementations
+  # without attention dropout (a part cut short at its cap loses the last ones).
   ours = [('ours', variant, overrides, label) for variant, overrides, label in STEP_CONTENDERS]
   impls = []
   if part == 'step512':  # the attention implementations, where a fused kernel is allowed
@@ -254,7 +255,13 @@ def _contenders(part: str, platform: str, variants: str = '') -> list:
   other = ([('ours', 'postln', {'fused': 'off'}, "fused_attention=off, the plain path's dropout")]
            if platform == 'gpu' else
            [('ours', 'postln', {'fused': 'flash'}, 'fused_attention=flash, dropout in the kernel')])
-  entries = ours[:1] + [('hf',)] + other + impls + ours[1:]
+  # The variants whose logits add a term to the dot product through the flash kernel
+  # (model.fused_attention=flash; auto keeps their plain path until these rows say).
+  fused = [('ours', variant, {**overrides, 'fused': 'flash'},
+            ', '.join(filter(None, [label, 'flash kernel'])))
+           for variant, overrides, label in STEP_CONTENDERS
+           if variant in ('realformer', 'synth_random_vanilla')]
+  entries = ours[:1] + [('hf',)] + other + fused + ours[1:] + impls
   keep = set(filter(None, variants.split(',')))
   return [e for e in entries if e[0] == 'hf' or not keep or e[1] in keep]
 

@@ -80,16 +80,14 @@ def kernel_fns(q, k, v, dout, bias, key, pad_to: flash_lib.Tilings, first: Tilin
                interpret: bool):
   """{kernel: (function of a Tiling -> jitted callable, its arguments)} at these inputs,
   padded for the tiles of `pad_to`; the backward's inputs from the forward at `first`."""
-  q, k, v, bias, seed, offsets, d = flash_lib.kernel_inputs(
-      q, k, v, bias, RATE, key, (0, 0, None), pad_to)
-  out, stats = jax.jit(lambda *a: flash_lib._forward(*a, d, first, interpret))(
-      q, k, v, bias, seed, offsets)
-  dout = jnp.pad(dout, ((0, 0), (0, q.shape[1] - dout.shape[1]), (0, 0), (0, 0)))
-  args = flash_lib._backward_args(q, k, v, bias, out, stats, dout)
-  forward = lambda t: jax.jit(lambda *a: flash_lib._forward(*a, d, t, interpret))
+  ops, d = flash_lib.kernel_inputs(q, k, v, bias, RATE, key, (0, 0, None), pad_to)
+  out, _, stats = jax.jit(lambda ops: flash_lib._forward(ops, d, first, interpret))(ops)
+  dout = jnp.pad(dout, ((0, 0), (0, ops.q.shape[1] - dout.shape[1]), (0, 0), (0, 0)))
+  args = flash_lib._backward_args(ops, out, stats, dout)
+  forward = lambda t: jax.jit(lambda ops: flash_lib._forward(ops, d, t, interpret))
   dkv = lambda t: jax.jit(lambda *a: flash_lib._dkv(a, d, t, interpret))
   dq = lambda t: jax.jit(lambda *a: flash_lib._dq(a, d, t, interpret))
-  return {'forward': (forward, (q, k, v, bias, seed, offsets)), 'dkv': (dkv, args),
+  return {'forward': (forward, (ops,)), 'dkv': (dkv, args),
           'dq': (dq, args)}
 
 

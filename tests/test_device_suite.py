@@ -68,16 +68,21 @@ def test_the_512_part_times_the_attention_implementations_and_variants_narrow_it
                            for e in entries]
   everything = names(device_suite._contenders('step512', 'gpu'))
   # timed in this order: what the goals read first (a part cut short loses the last)
-  assert everything[:5] == ['postln', 'HF', "postln [fused_attention=off, the plain path's "
-                            "dropout]", 'postln [fused_attention=cudnn, no attention dropout]',
-                            'postln [fused_attention=off, no attention dropout]']
-  assert len(everything) == 9
-  assert names(device_suite._contenders('step512', 'gpu', 'postln')) == everything[:5]
+  assert everything[:6] == ['postln', 'HF', "postln [fused_attention=off, the plain path's "
+                            "dropout]", 'realformer [flash kernel]',
+                            'realformer [bf16 carry, flash kernel]',
+                            'synth_random_vanilla [flash kernel]']
+  assert everything[-2:] == ['postln [fused_attention=cudnn, no attention dropout]',
+                             'postln [fused_attention=off, no attention dropout]']
+  assert len(everything) == 12
+  assert names(device_suite._contenders('step512', 'gpu', 'postln')) == (
+      everything[:3] + everything[-2:])
   on_cpu = names(device_suite._contenders('step512', 'cpu', 'postln'))
   assert on_cpu[2:4] == ['postln [fused_attention=flash, dropout in the kernel]',
                          'postln [fused_attention=xla, no attention dropout]']
   assert names(device_suite._contenders('step128', 'cpu', 'realformer')) == [
-      'HF', 'realformer', 'realformer [bf16 carry]']
+      'HF', 'realformer [flash kernel]', 'realformer [bf16 carry, flash kernel]', 'realformer',
+      'realformer [bf16 carry]']
 
 
 def test_a_contender_is_timed_only_once_no_live_contender_is_compiling(tmp_path):

@@ -268,10 +268,11 @@ def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients_under_dr
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 
-def test_flash_stands_in_only_for_plain_attention_under_dropout_and_not_in_the_last_layer():
+def test_flash_stands_in_only_under_dropout_for_a_dot_product_and_not_in_the_last_layer():
   cfg = dict(fused_attention='flash', attention_dropout_rate=0.3)
-  for variant in ('realformer', 'synth_dense', 'synth_random_vanilla'):
-    assert not attn_lib._use_flash(resolve(small_config(variant, **cfg)), False, False, None)
+  for variant in ('realformer', 'synth_random_vanilla'):  # tests/test_flash_variants.py
+    assert attn_lib._use_flash(resolve(small_config(variant, **cfg)), False, False, None)
+  assert not attn_lib._use_flash(resolve(small_config('synth_dense', **cfg)), False, False, None)
   spec = resolve(small_config('postln', **cfg))
   assert attn_lib._use_flash(spec, False, False, None)
   assert not attn_lib._use_flash(spec, True, False, None)  # no dropout: flash is auto
@@ -281,38 +282,7 @@ def test_flash_stands_in_only_for_plain_attention_under_dropout_and_not_in_the_l
                                                       attention_dropout_rate=0.0)),
                                  False, False, None)
   assert attn_lib._use_fused(spec, True, False) is None  # auto's choice on a CPU
-  # The pretraining model (its last layer on the plain path) under dropout: the same losses.
-  batch = make_batch()
-  plain, flash = (models.build(small_config('postln', **dict(cfg, fused_attention=f),
-                                            dropout_rate=0.0)) for f in ('off', 'flash'))
-  params = perturbed_params(plain, batch)
-  batch = dict(batch, masked_positions=jnp.asarray([[1, 2], [0, 3], [4, 0], [2, 2]][:len(
-      batch['input_ids'])], jnp.int32))
-  rngs = {'dropout': jax.random.PRNGKey(4)}
-  a = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs)
-  b = flash.apply({'params': params}, batch, deterministic=False, rngs=rngs)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
-
-
-def test_sharded_flash_drops_what_the_unsharded_plain_path_drops():
-  """data x fsdp x tensor = 2 x 2 x 2: each shard computes its own sequences and heads, its
-  mask rows offset to their global place."""
-  batch = make_batch(lengths=(12, 7, 3, 9, 1, 12, 4, 8))
-  plain, flash = _models(attention_dropout_rate=0.3, dropout_rate=0.0)
-  params = perturbed_params(plain, batch)
-  rngs = {'dropout': jax.random.PRNGKey(8)}
-  want = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs).hidden
-  mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
-  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
-    apply = jax.jit(lambda p, b: flash.apply({'params': p}, b, deterministic=False,
-                                             rngs=rngs).hidden)
-    text = apply.lower(params, batch).as_text()
-    got = apply(params, batch)
-  assert 'shard_map' in text or 'sdy.manual_computation' in text
-  mask = np.asarray(batch['attention_mask'], bool)
-  np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=1e-5,
-                             atol=1e-5)
+  # The pretraining model's last layer: tests/test_flash_variants.py.
 
 
 @pytest.mark.parametrize('seq_len,head_dim', [(40, 64), (128, 64), (384, 64), (512, 64),
@@ -406,8 +376,8 @@ def test_one_line_errors():
             platform='gpu')
   assert resolve(small_config('postln', fused_attention='flash', hidden_size=64, num_heads=2),
                  platform='gpu').head_dim == 32
-  # Where flash never runs (another variant's attention, no attention dropout), no error.
-  resolve(small_config('realformer', fused_attention='flash'), platform='tpu')
+  # Where flash never runs (a pure Synthesizer, no attention dropout), no error.
+  resolve(small_config('synth_dense', fused_attention='flash'), platform='tpu')
   resolve(small_config('postln', fused_attention='flash', attention_dropout_rate=0.0),
           platform='tpu')
   # A fine-tuning off a GPU takes auto for the pretraining's GPU kernel (a CPU here).

@@ -32,7 +32,7 @@ realformer/model/attention.py) with the shard's global batch and head offsets.
 import dataclasses
 import functools
 import math
-from typing import Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -75,7 +75,8 @@ def _keep_words(seed_ref, rows, cols, threshold):
 
 @dataclasses.dataclass(frozen=True)
 class _Dims:
-  """Static sizes and the dropout constants, shared by the three kernels."""
+  """Static sizes, the dropout constants and which logits the kernels compute, shared by
+  every kernel."""
   batch: int
   q_len: int
   heads: int
@@ -85,6 +86,9 @@ class _Dims:
   block_c: int  # and threefry blocks (4 keys each) a step
   rate: float
   mask_q_len: int  # Tq before padding: the mask's rows count it
+  term_batch: int = 0  # the additive term's batch: 0 (no term), 1 (shared) or `batch`
+  scores: bool = False  # write own + term (RealFormer's carry) and take its gradient
+  scaled: bool = False  # multiply own + term by the scalar logit scale
 
   @property
   def groups(self) -> int:  # threefry blocks per mask row
@@ -117,6 +121,14 @@ class _Dims:
     if keep is None:
       return x
     return jnp.where(keep, x * self.keep_scale, 0.0)
+
+  def logits(self, q, k, term, scale_ref):
+    """(own + term, the logits before the key bias) of one quarter [rows, block_c]:
+    own = q k^T / sqrt(d) in float32; the logits are (own + term) * scale where scaled."""
+    own = plgpu.dot(q, k, trans_b=True) * self.sm_scale
+    if term is not None:
+      own = own + term.astype(jnp.float32)
+    return own, (own * scale_ref[0] if self.scaled else own)
 
   def tiled(self, tiling: 'Tiling') -> '_Dims':
     return dataclasses.replace(self, block_q=tiling.block_q, block_c=tiling.block_c)
@@ -161,6 +173,20 @@ class Tilings:
     return max(t.block_c for t in (self.forward, self.dkv, self.dq))
 
 
+class Operands(NamedTuple):
+  """What the kernels take, padded to whole tiles (kernel_inputs): q [B, Tq, H, D]; k, v
+  [B, Tk, H, D]; key_bias [B, Tk] float32; term [B or 1, H, Tq, Tk] or None; scalars float32
+  [1] (the logit scale); seed uint32 [3] (the threefry key, 0); offsets int32 [3]."""
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  key_bias: jax.Array
+  term: Optional[jax.Array]
+  scalars: jax.Array
+  seed: jax.Array
+  offsets: jax.Array
+
+
 def _iota(start, size):
   return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
 
@@ -176,10 +202,16 @@ def _unpack(nibbles):
   return tuple(((n >> i) & 1) == 1 for i in range(4))
 
 
-def _forward_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, m_ref,
-                    log_l_ref, *mask_ref, d):
+def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, *refs,
+                    d):
   """One query block against every key: the online softmax; with dropout, the mask is drawn
-  here (threefry) and written as nibbles for the backward kernels."""
+  here (threefry) and written as nibbles for the backward kernels; with `d.scores`, own +
+  term is written too."""
+  refs = list(refs)
+  term_ref = refs.pop(0) if d.term_batch else None
+  o_ref, m_ref, log_l_ref = refs[:3]
+  mask_ref = refs[3] if d.dropout else None
+  scores_ref = refs[-1] if d.scores else None
   q_start = pl.program_id(2) * d.block_q
   q = q_ref[...]
   rows = (d.row_base(offsets_ref) + _iota(q_start, d.block_q)).astype(jnp.uint32)
@@ -191,9 +223,14 @@ def _forward_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, o_ref,
     if d.dropout:
       cols = _iota(j * d.block_c, d.block_c).astype(jnp.uint32)
       keeps = _keep_words(seed_ref, rows, cols, d.threshold)
-      mask_ref[0][:, c] = _nibbles(keeps)
-    s = [plgpu.dot(q, k_ref[c, i, :], trans_b=True) * d.sm_scale + bias_ref[c, i][None, :]
-         for i in range(4)]
+      mask_ref[:, c] = _nibbles(keeps)
+    s = []
+    for i in range(4):
+      own, logits = d.logits(q, k_ref[c, i, :], None if term_ref is None else term_ref[:, c, i],
+                             scale_ref)
+      if scores_ref is not None:
+        scores_ref[:, c, i] = own.astype(scores_ref.dtype)
+      s.append(logits + bias_ref[c, i][None, :])
     m_new = jnp.maximum(m, functools.reduce(jnp.maximum, [x.max(axis=1) for x in s]))
     alpha = jnp.exp(m - m_new)
     p = [jnp.exp(x - m_new[:, None]) for x in s]
@@ -214,16 +251,18 @@ def _forward_kernel(seed_ref, offsets_ref, q_ref, k_ref, v_ref, bias_ref, o_ref,
   log_l_ref[...] = jnp.log(l)
 
 
-def _probabilities(d, q, k, bias, m, log_l):
-  """P [rows, block_c] of one quarter, rebuilt from the forward's row max and log-sum."""
-  s = plgpu.dot(q, k, trans_b=True) * d.sm_scale + bias[None, :]
-  return jnp.exp((s - m[:, None]) - log_l[:, None])
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref, *refs, d):
+def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref,
+                *refs, d):
   """One block of 4 x block_c keys against every query. dK and dV are accumulated
-  transposed, [D, block_c], so that their dots' first dimension is D (64), not block_c."""
-  *mask_ref, dk_ref, dv_ref = refs
+  transposed, [D, block_c], so that their dots' first dimension is D (64), not block_c.
+  With a term, the gradient of the logits before scaling (own + term, plus the incoming
+  gradient of the written scores) is written block by block: the term's gradient, and what
+  the dQ kernel reads."""
+  refs = list(refs)
+  term_ref = refs.pop(0) if d.term_batch else None
+  mask_ref = refs.pop(0) if d.dropout else None
+  dscores_ref = refs.pop(0) if d.scores else None
+  dk_ref, dv_ref, *dterm_ref = refs
   c = pl.ds(pl.program_id(2) * d.block_c, d.block_c)
   ks = [k_ref[c, i, :] for i in range(4)]
   vs = [v_ref[c, i, :] for i in range(4)]
@@ -234,14 +273,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_r
     rows = pl.ds(t * d.block_q, d.block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     m, log_l, delta = m_ref[rows], log_l_ref[rows], delta_ref[rows]
-    keeps = _unpack(mask_ref[0][rows, c]) if d.dropout else (None,) * 4
+    keeps = _unpack(mask_ref[rows, c]) if d.dropout else (None,) * 4
     new_dks, new_dvs = [], []
     for i in range(4):
-      p = _probabilities(d, q, ks[i], biases[i], m, log_l)
+      term = None if term_ref is None else term_ref[rows, :, i]
+      _, logits = d.logits(q, ks[i], term, scale_ref)
+      p = jnp.exp((logits + biases[i][None, :] - m[:, None]) - log_l[:, None])
       new_dvs.append(dvs[i] + plgpu.dot(do, d.drop(p, keeps[i]).astype(do.dtype),
                                         trans_a=True))
       dp = d.drop(plgpu.dot(do, vs[i], trans_b=True), keeps[i])
       ds = p * (dp - delta[:, None])
+      if d.scaled:
+        ds = ds * scale_ref[0]
+      if dscores_ref is not None:
+        ds = ds + dscores_ref[rows, :, i].astype(jnp.float32)
+      if dterm_ref:
+        dterm_ref[0][rows, :, i] = ds.astype(dterm_ref[0].dtype)
       new_dks.append(dks[i] + plgpu.dot(q, ds.astype(q.dtype), trans_a=True))
     return tuple(new_dks), tuple(new_dvs)
 
@@ -253,7 +300,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_r
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref, *refs, d):
-  """One query block against every key."""
+  """One query block against every key (plain attention: the probabilities rebuilt)."""
   *mask_ref, dq_ref = refs
   q, do = q_ref[...], do_ref[...]
   m, log_l, delta = m_ref[...], log_l_ref[...], delta_ref[...]
@@ -263,7 +310,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_re
     keeps = _unpack(mask_ref[0][:, c]) if d.dropout else (None,) * 4
     for i in range(4):
       k, v = k_ref[c, i, :], v_ref[c, i, :]
-      p = _probabilities(d, q, k, bias_ref[c, i], m, log_l)
+      s = plgpu.dot(q, k, trans_b=True) * d.sm_scale + bias_ref[c, i][None, :]
+      p = jnp.exp((s - m[:, None]) - log_l[:, None])
       dp = d.drop(plgpu.dot(do, v, trans_b=True), keeps[i])
       dq = dq + plgpu.dot((p * (dp - delta[:, None])).astype(k.dtype), k)
     return dq
@@ -273,45 +321,66 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_re
   dq_ref[...] = (dq * d.sm_scale).astype(dq_ref.dtype)
 
 
-def _specs(d: _Dims):
+def _dq_from_logits_kernel(k_ref, dlogits_ref, dq_ref, *, d):
+  """One query block against every key, with a term: dQ = dlogits K / sqrt(d), from the
+  gradient of the logits that the dK/dV kernel wrote (one pass over it, nothing rebuilt)."""
+  def body(j, dq):
+    c = pl.ds(j * d.block_c, d.block_c)
+    for i in range(4):
+      k = k_ref[c, i, :]
+      dq = dq + plgpu.dot(dlogits_ref[:, c, i].astype(k.dtype), k)
+    return dq
+
+  dq = jax.lax.fori_loop(0, d.groups // d.block_c, body,
+                         jnp.zeros((d.block_q, d.head_dim), jnp.float32))
+  dq_ref[...] = (dq * d.sm_scale).astype(dq_ref.dtype)
+
+
+class _Specs:
   """BlockSpecs over grid (b, h, block)."""
-  full = lambda n: pl.BlockSpec((None, n, None, d.head_dim), lambda b, h, i: (b, 0, h, 0))
-  grouped = pl.BlockSpec((None, d.groups, 4, None, d.head_dim),
-                         lambda b, h, i: (b, 0, 0, h, 0))
-  q_block = pl.BlockSpec((None, d.block_q, None, d.head_dim), lambda b, h, i: (b, i, h, 0))
-  bias = pl.BlockSpec((None, d.groups, 4), lambda b, h, i: (b, 0, 0))
-  rows = lambda n, at: pl.BlockSpec((None, None, n), lambda b, h, i: (b, h, at(i)))
-  mask = lambda n, at: pl.BlockSpec((None, None, n, d.groups), lambda b, h, i: (b, h, at(i), 0))
-  scalars = pl.BlockSpec((3,), lambda b, h, i: (0,))
-  return full, grouped, q_block, bias, rows, mask, scalars
+
+  def __init__(self, d: _Dims):
+    self.d = d
+    self.grouped = pl.BlockSpec((None, d.groups, 4, None, d.head_dim),
+                                lambda b, h, i: (b, 0, 0, h, 0))
+    self.q_block = pl.BlockSpec((None, d.block_q, None, d.head_dim),
+                                lambda b, h, i: (b, i, h, 0))
+    self.k_block = pl.BlockSpec((None, d.block_c, 4, None, d.head_dim),
+                                lambda b, h, i: (b, i, 0, h, 0))
+    self.bias = pl.BlockSpec((None, d.groups, 4), lambda b, h, i: (b, 0, 0))
+
+  def full(self, n):
+    return pl.BlockSpec((None, n, None, self.d.head_dim), lambda b, h, i: (b, 0, h, 0))
+
+  @staticmethod
+  def vector(n):
+    return pl.BlockSpec((n,), lambda b, h, i: (0,))
+
+  @staticmethod
+  def rows(n, at):
+    return pl.BlockSpec((None, None, n), lambda b, h, i: (b, h, at(i)))
+
+  def mask(self, n, at):
+    return pl.BlockSpec((None, None, n, self.d.groups), lambda b, h, i: (b, h, at(i), 0))
+
+  @staticmethod
+  def pairs(n_rows, n_groups, by_rows, shared=False):
+    """A [B | 1, H, Tq, Tk / 4, 4] array's blocks: n_rows x n_groups (x 4), the grid's block
+    index counting rows (by_rows) or key groups."""
+    def at(b, h, i):
+      return (0 if shared else b, h, i if by_rows else 0, 0 if by_rows else i, 0)
+    return pl.BlockSpec((None, None, n_rows, n_groups, 4), at)
 
 
-def _call(kernel, d, tiling, grid, in_specs, out_specs, out_shape, interpret, name):
+def _call(kernel, d, tiling, grid, operands, out_specs, out_shape, interpret, name):
   """pallas_call of `kernel` on d (already tiled, as the grid and specs are), with the
-  tiling's warps and pipeline stages."""
+  tiling's warps and pipeline stages; operands: (BlockSpec, array) pairs."""
   params = None if interpret else plgpu.CompilerParams(num_warps=tiling.num_warps,
                                                        num_stages=tiling.num_stages)
+  specs, arrays = zip(*operands)
   return pl.pallas_call(functools.partial(kernel, d=d), grid=grid,
-                        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                        interpret=interpret, compiler_params=params, name=name)
-
-
-def _forward(q, k, v, key_bias, seed, offsets, d: _Dims, tiling: Tiling, interpret):
-  """(out, residuals for the backward: row max, log-sum, the mask's nibbles or nothing)."""
-  d = d.tiled(tiling)
-  _, grouped, q_block, bias, rows, mask, scalars = _specs(d)
-  row_stats = jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len), jnp.float32)
-  out_specs = [q_block, rows(d.block_q, lambda i: i), rows(d.block_q, lambda i: i)]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), row_stats, row_stats]
-  if d.dropout:
-    out_specs.append(mask(d.block_q, lambda i: i))
-    out_shape.append(jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len, d.groups), jnp.uint8))
-  out, *stats = _call(
-      _forward_kernel, d, tiling, (d.batch, d.heads, d.q_len // d.block_q),
-      [scalars, scalars, q_block, grouped, grouped, bias], out_specs, out_shape,
-      interpret, 'flash_attention_forward')(
-          seed, offsets, q, _grouped(k), _grouped(v), _grouped(key_bias))
-  return out, tuple(stats)
+                        in_specs=list(specs), out_specs=out_specs, out_shape=out_shape,
+                        interpret=interpret, compiler_params=params, name=name)(*arrays)
 
 
 def _grouped(x):
@@ -319,62 +388,127 @@ def _grouped(x):
   return x.reshape(x.shape[0], x.shape[1] // 4, 4, *x.shape[2:])
 
 
-def _backward_args(q, k, v, key_bias, out, stats, dout):
-  """The backward kernels' inputs: keys grouped in fours, delta = rowsum(dO * O)."""
+def _paired(x):
+  """[B, H, Tq, Tk] -> [B, H, Tq, Tk / 4, 4] (a free reshape)."""
+  return x.reshape(*x.shape[:-1], x.shape[-1] // 4, 4)
+
+
+def _forward(ops: Operands, d: _Dims, tiling: Tiling, interpret, scores_dtype=None):
+  """(out, own + term or None, residuals for the backward: row max, log-sum, the mask's
+  nibbles or nothing)."""
+  d = d.tiled(tiling)
+  sp = _Specs(d)
+  by_q = lambda i: i
+  operands = [(sp.vector(3), ops.seed), (sp.vector(3), ops.offsets),
+              (sp.vector(1), ops.scalars), (sp.q_block, ops.q), (sp.grouped, _grouped(ops.k)),
+              (sp.grouped, _grouped(ops.v)), (sp.bias, _grouped(ops.key_bias))]
+  if d.term_batch:
+    operands.append((sp.pairs(d.block_q, d.groups, True, d.term_batch == 1),
+                     _paired(ops.term)))
+  row_stats = jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len), jnp.float32)
+  pairs_shape = (d.batch, d.heads, d.q_len, d.groups, 4)
+  out_specs = [sp.q_block, sp.rows(d.block_q, by_q), sp.rows(d.block_q, by_q)]
+  out_shape = [jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype), row_stats, row_stats]
+  if d.dropout:
+    out_specs.append(sp.mask(d.block_q, by_q))
+    out_shape.append(jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len, d.groups), jnp.uint8))
+  if d.scores:
+    out_specs.append(sp.pairs(d.block_q, d.groups, True))
+    out_shape.append(jax.ShapeDtypeStruct(pairs_shape, scores_dtype))
+  out, *stats = _call(_forward_kernel, d, tiling, (d.batch, d.heads, d.q_len // d.block_q),
+                      operands, out_specs, out_shape, interpret, 'flash_attention_forward')
+  scores = stats.pop().reshape(pairs_shape[:3] + (d.k_len,)) if d.scores else None
+  return out, scores, tuple(stats)
+
+
+def _backward_args(ops: Operands, out, stats, dout):
+  """What every backward kernel reads: (ops, dout, row max, log-sum, delta = rowsum(dO * O),
+  the mask's nibbles or None)."""
   delta = jnp.einsum('bqhd,bqhd->bhq', out.astype(jnp.float32), dout.astype(jnp.float32))
-  return (q, _grouped(k), _grouped(v), _grouped(key_bias), dout, stats[0], stats[1], delta,
-          *stats[2:])
+  return ops, dout, stats[0], stats[1], delta, (stats[2] if len(stats) > 2 else None)
 
 
-def _dkv(args, d: _Dims, tiling: Tiling, interpret):
-  """dK, dV [B, Tk / 4, 4, H, D]: a program per 4 x block_c keys, over every query."""
+def _dkv(args, d: _Dims, tiling: Tiling, interpret, dscores=None):
+  """(dK, dV [B, Tk / 4, 4, H, D], the gradient of own + term [B, H, Tq, Tk] or None): a
+  program per 4 x block_c keys, over every query."""
+  ops, dout, m, log_l, delta, mask = args
   d = d.tiled(tiling)
-  full, grouped, _, bias, rows, mask, _ = _specs(d)
-  whole = rows(d.q_len, lambda i: 0)
-  k_block = pl.BlockSpec((None, d.block_c, 4, None, d.head_dim),
-                         lambda b, h, i: (b, i, 0, h, 0))
-  return _call(
-      _dkv_kernel, d, tiling, (d.batch, d.heads, d.groups // d.block_c),
-      [full(d.q_len), grouped, grouped, bias, full(d.q_len), whole, whole, whole] +
-      [mask(d.q_len, lambda i: 0)] * d.dropout,
-      [k_block, k_block], [jax.ShapeDtypeStruct(args[1].shape, args[1].dtype)] * 2,
-      interpret, 'flash_attention_dkv')(*args)
+  sp = _Specs(d)
+  whole = sp.rows(d.q_len, lambda i: 0)
+  operands = [(sp.vector(1), ops.scalars), (sp.full(d.q_len), ops.q),
+              (sp.grouped, _grouped(ops.k)), (sp.grouped, _grouped(ops.v)),
+              (sp.bias, _grouped(ops.key_bias)), (sp.full(d.q_len), dout), (whole, m),
+              (whole, log_l), (whole, delta)]
+  by_keys = lambda shared=False: sp.pairs(d.q_len, d.block_c, False, shared)
+  if d.term_batch:
+    operands.append((by_keys(d.term_batch == 1), _paired(ops.term)))
+  if d.dropout:
+    operands.append((sp.mask(d.q_len, lambda i: 0), mask))
+  if d.scores:
+    operands.append((by_keys(), _paired(dscores)))
+  grouped_k = jax.ShapeDtypeStruct(_grouped(ops.k).shape, ops.k.dtype)
+  out_specs, out_shape = [sp.k_block, sp.k_block], [grouped_k, grouped_k]
+  if d.term_batch:
+    out_specs.append(by_keys())
+    # In the term's dtype, or q's where that is wider: dQ is read from it.
+    out_shape.append(jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len, d.groups, 4),
+                                          jnp.promote_types(ops.term.dtype, ops.q.dtype)))
+  dk, dv, *dlogits = _call(_dkv_kernel, d, tiling, (d.batch, d.heads, d.groups // d.block_c),
+                           operands, out_specs, out_shape, interpret, 'flash_attention_dkv')
+  dlogits = dlogits[0].reshape(d.batch, d.heads, d.q_len, d.k_len) if dlogits else None
+  return dk, dv, dlogits
 
 
-def _dq(args, d: _Dims, tiling: Tiling, interpret):
-  """dQ [B, Tq, H, D]: a program per block_q queries, over every key."""
+def _dq(args, d: _Dims, tiling: Tiling, interpret, dlogits=None):
+  """dQ [B, Tq, H, D]: a program per block_q queries, over every key; with a term, from the
+  logits' gradient that _dkv returned."""
+  ops, dout, m, log_l, delta, mask = args
   d = d.tiled(tiling)
-  _, grouped, q_block, bias, rows, mask, _ = _specs(d)
-  q_rows = rows(d.block_q, lambda i: i)
-  return _call(
-      _dq_kernel, d, tiling, (d.batch, d.heads, d.q_len // d.block_q),
-      [q_block, grouped, grouped, bias, q_block, q_rows, q_rows, q_rows] +
-      [mask(d.block_q, lambda i: i)] * d.dropout,
-      q_block, jax.ShapeDtypeStruct(args[0].shape, args[0].dtype), interpret,
-      'flash_attention_dq')(*args)
+  sp = _Specs(d)
+  grid = (d.batch, d.heads, d.q_len // d.block_q)
+  dq = jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype)
+  if d.term_batch:
+    return _call(_dq_from_logits_kernel, d, tiling, grid,
+                 [(sp.grouped, _grouped(ops.k)),
+                  (sp.pairs(d.block_q, d.groups, True), _paired(dlogits))],
+                 sp.q_block, dq, interpret, 'flash_attention_dq')
+  q_rows = sp.rows(d.block_q, lambda i: i)
+  operands = [(sp.q_block, ops.q), (sp.grouped, _grouped(ops.k)), (sp.grouped, _grouped(ops.v)),
+              (sp.bias, _grouped(ops.key_bias)), (sp.q_block, dout), (q_rows, m),
+              (q_rows, log_l), (q_rows, delta)]
+  if d.dropout:
+    operands.append((sp.mask(d.block_q, lambda i: i), mask))
+  return _call(_dq_kernel, d, tiling, grid, operands, sp.q_block, dq, interpret,
+               'flash_attention_dq')
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, key_bias, seed, offsets, static):
-  d, tilings, interpret = static
-  return _forward(q, k, v, key_bias, seed, offsets, d, tilings.forward, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _flash(ops: Operands, static):
+  d, tilings, interpret, scores_dtype = static
+  return _forward(ops, d, tilings.forward, interpret, scores_dtype)[:2]
 
 
-def _flash_fwd(q, k, v, key_bias, seed, offsets, static):
-  d, tilings, interpret = static
-  out, stats = _forward(q, k, v, key_bias, seed, offsets, d, tilings.forward, interpret)
-  return out, (q, k, v, key_bias, seed, offsets, out, stats)
+def _flash_fwd(ops: Operands, static):
+  d, tilings, interpret, scores_dtype = static
+  out, scores, stats = _forward(ops, d, tilings.forward, interpret, scores_dtype)
+  return (out, scores), (ops, out, stats)
 
 
-def _flash_bwd(static, residuals, dout):
-  d, tilings, interpret = static
-  q, k, v, key_bias, seed, offsets, out, stats = residuals
-  args = _backward_args(q, k, v, key_bias, out, stats, dout)
-  dk, dv = _dkv(args, d, tilings.dkv, interpret)
-  dq = _dq(args, d, tilings.dq, interpret)
-  no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  return (dq, dk.reshape(k.shape), dv.reshape(v.shape), jnp.zeros_like(key_bias),
-          no_grad(seed), no_grad(offsets))
+def _flash_bwd(static, residuals, cotangents):
+  d, tilings, interpret, _ = static
+  ops, out, stats = residuals
+  dout, dscores = cotangents
+  args = _backward_args(ops, out, stats, dout)
+  dk, dv, dlogits = _dkv(args, d, tilings.dkv, interpret, dscores)
+  dq = _dq(args, d, tilings.dq, interpret, dlogits)
+  zeros = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+  dterm = None
+  if d.term_batch:  # a term shared by the batch gets the sum of its examples' gradients
+    dterm = (dlogits if d.term_batch == d.batch else
+             dlogits.sum(0, keepdims=True, dtype=jnp.float32)).astype(ops.term.dtype)
+  return (Operands(dq, dk.reshape(ops.k.shape), dv.reshape(ops.v.shape),
+                   jnp.zeros_like(ops.key_bias), dterm, jnp.zeros_like(ops.scalars),
+                   zeros(ops.seed), zeros(ops.offsets)),)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -409,29 +543,48 @@ def default_tilings(q_len: int, k_len: int) -> Tilings:
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
+                    term=None, logit_scale=None, scores_dtype=None,
                     dropout_rate: float = 0.0, dropout_key=None, offsets=(0, 0, None),
-                    interpret: bool = False, tilings: Tilings = None) -> jax.Array:
-  """softmax(q k^T / sqrt(d) + key_bias) v with inverted dropout on the probabilities.
+                    interpret: bool = False, tilings: Tilings = None):
+  """softmax((q k^T / sqrt(d) + term) * logit_scale + key_bias) v, with inverted dropout on
+  the probabilities.
 
-  q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores);
+  q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores).
+  term: None, or an additive term of the logits [B or 1, H, Tq, Tk] (float32 or bfloat16;
+  1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
+  weighted logits. logit_scale: None (1), or a float32 scalar that multiplies the logits
+  before the key bias (RealFormer's running mean, 1 / (l + 1)), a constant: no gradient.
+  scores_dtype: with a term, also return own + term = q k^T / sqrt(d) + term in that dtype,
+  before scale and bias (RealFormer's carried scores), whose incoming gradient flows into
+  q, k and the term.
   dropout_key: a threefry key's data, uint32 [2] (dropout.threefry_key_data), needed when
   dropout_rate > 0. offsets (batch, head, total heads): where this shard's first sequence and
   head sit in the global [B, H] that the mask rows count (0, 0, H for an unsharded call).
   tilings: the kernels' tiles (default: default_tilings). Any lengths: the queries are padded
   to a multiple of the largest block_q and the keys to one of 4 x the largest block_c
-  (padding keys score below every real one). Returns [B, Tq, H, D] in q's dtype.
+  (padding keys score below every real one). Returns out [B, Tq, H, D] in q's dtype, or
+  (out, scores [B, H, Tq, Tk]) with scores_dtype.
   """
   if dropout_rate > 0 and dropout_key is None:
     raise ValueError('flash_attention with dropout needs dropout_key')
+  if scores_dtype is not None and term is None:
+    raise ValueError('flash_attention returns scores only with a term (RealFormer passes the '
+                     'previous layer\'s, zeros at the first)')
   tilings = tilings or default_tilings(q.shape[1], k.shape[1])
-  *inputs, d = kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings)
-  return _flash(*inputs, (d, tilings, interpret))[:, :q.shape[1]]
+  ops, d = kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings,
+                         term, logit_scale, scores_dtype is not None)
+  out, scores = _flash(ops, (d, tilings, interpret, scores_dtype))
+  out = out[:, :q.shape[1]]
+  if scores_dtype is None:
+    return out
+  return out, scores[:, :, :q.shape[1], :k.shape[1]]
 
 
-def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings: Tilings):
-  """What the kernels take: q, k, v and key_bias padded to whole tiles, the dropout seed,
-  the offsets as int32 [3], and the static _Dims (benchmarks/flash_tiles.py times the kernels
-  one by one from these)."""
+def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings: Tilings,
+                  term=None, logit_scale=None, scores=False) -> Tuple[Operands, _Dims]:
+  """What the kernels take: q, k, v, key_bias and the term padded to whole tiles, the logit
+  scale, the dropout seed, the offsets as int32 [3] (Operands), and the static _Dims
+  (benchmarks/flash_tiles.py times the kernels one by one from these)."""
   q_len, k_len = q.shape[1], k.shape[1]
   pad_q = _round_up(q_len, tilings.block_q) - q_len
   pad_k = _round_up(k_len, 4 * tilings.block_c) - k_len
@@ -441,28 +594,42 @@ def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings
   if pad_k:
     k, v = (jnp.pad(x, ((0, 0), (0, pad_k), (0, 0), (0, 0))) for x in (k, v))
     key_bias = jnp.pad(key_bias, ((0, 0), (0, pad_k)), constant_values=_BLOCK_PADDING)
-  d = _Dims(*q.shape, k.shape[1], tilings.block_q, tilings.block_c, float(dropout_rate), q_len)
+  term_batch = 0
+  if term is not None:
+    if term.ndim != 4 or term.shape[0] not in (1, q.shape[0]) or term.shape[1:] != (
+        q.shape[2], q_len, k_len):
+      raise ValueError(f'flash_attention: term {term.shape} is not [B or 1, H, Tq, Tk] = '
+                       f'[{q.shape[0]} or 1, {q.shape[2]}, {q_len}, {k_len}]')
+    term_batch = term.shape[0]
+    if pad_q or pad_k:
+      term = jnp.pad(term, ((0, 0), (0, 0), (0, pad_q), (0, pad_k)))
+  d = _Dims(*q.shape, k.shape[1], tilings.block_q, tilings.block_c, float(dropout_rate), q_len,
+            term_batch=term_batch, scores=bool(scores), scaled=logit_scale is not None)
   seed = (jnp.zeros((3,), jnp.uint32) if dropout_key is None
           else jnp.concatenate([jnp.asarray(dropout_key, jnp.uint32).reshape(2),
                                 jnp.zeros((1,), jnp.uint32)]))
   batch0, head0, heads = offsets
   offsets = jnp.stack([jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32),
                        jnp.asarray(heads if heads is not None else d.heads, jnp.int32)])
-  return q, k, v, key_bias, seed, offsets, d
+  scale = jax.lax.stop_gradient(jnp.asarray(1.0 if logit_scale is None else logit_scale,
+                                            jnp.float32).reshape(1))
+  return Operands(q, k, v, key_bias, term, scale, seed, offsets), d
 
 
 def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
+                            term=None, logit_scale=None, scores_dtype=None,
                             dropout_rate: float = 0.0, dropout_key=None,
-                            interpret: bool = False) -> jax.Array:
+                            interpret: bool = False):
   """flash_attention under the mesh in context (jax.set_mesh), if any: per shard, with the
   batch and heads split as the logical rules in context place ('batch', 'heads'), and each
   shard's offsets into the global [B, H], so a sharded run drops what an unsharded one
   would. A Pallas kernel has no sharding rule of its own: without this, XLA would gather
   the whole batch onto every device."""
   mesh = jax.sharding.get_abstract_mesh()
-  kwargs = dict(dropout_rate=dropout_rate, interpret=interpret)
+  kwargs = dict(dropout_rate=dropout_rate, interpret=interpret, scores_dtype=scores_dtype)
   if mesh.empty or mesh.size == 1:
-    return flash_attention(q, k, v, key_bias, dropout_key=dropout_key, **kwargs)
+    return flash_attention(q, k, v, key_bias, term=term, logit_scale=logit_scale,
+                           dropout_key=dropout_key, **kwargs)
   batch, _, heads, _ = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
   total_heads = q.shape[2]
   head_shards = _axes_size(mesh, heads)
@@ -471,16 +638,25 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
                      f'{head_shards} devices ({heads}), which does not divide them; choose a '
                      'mesh.tensor that divides model.num_heads')
   seq = P(batch, None, heads, None)
+  pairs = P(batch, heads, None, None)
   key = jnp.zeros((2,), jnp.uint32) if dropout_key is None else dropout_key
+  scale = jnp.asarray(1.0 if logit_scale is None else logit_scale, jnp.float32)
 
-  def local(q, k, v, key_bias, key):
+  def local(q, k, v, key_bias, key, term, scale):
     batch0 = jax.lax.axis_index(batch) * q.shape[0] if batch else 0
     head0 = jax.lax.axis_index(heads) * q.shape[2] if heads else 0
-    return flash_attention(q, k, v, key_bias, dropout_key=key, offsets=(batch0, head0,
-                                                                        total_heads), **kwargs)
+    return flash_attention(q, k, v, key_bias, term=term,
+                           logit_scale=None if logit_scale is None else scale,
+                           dropout_key=key, offsets=(batch0, head0, total_heads), **kwargs)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P(batch, None), P()),
-                       out_specs=seq, check_vma=False)(q, k, v, key_bias, key)
+  term_spec = None
+  if term is not None:  # a term shared by the batch is split by head only
+    term_spec = pairs if term.shape[0] > 1 else P(None, heads, None, None)
+  out_specs = seq if scores_dtype is None else (seq, pairs)
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(seq, seq, seq, P(batch, None), P(), term_spec, P()),
+                       out_specs=out_specs, check_vma=False)(q, k, v, key_bias, key, term,
+                                                             scale)
 
 
 def runs_here(num_heads: int, head_dim: int) -> bool:

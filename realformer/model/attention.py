@@ -49,16 +49,19 @@ def in_dtype(bias: jax.Array, dtype) -> jax.Array:
 
 def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> bool:
   """Whether realformer.layers.flash_attention computes this layer: in training, with
-  attention dropout, where asked (`flash`) or, under `auto`, where the kernel runs and was
+  attention dropout, for logits that are a dot product plus additive terms
+  (spec.dot_product_plus_terms: every variant but the pure Synthesizers), where asked
+  (`flash`) or, under `auto`, for plain dot-product attention where the kernel runs and was
   faster than the plain path (a GPU in bfloat16 or float16: BENCHMARKS.md; see
   flash_attention.runs_here). Without attention dropout `flash` is `auto`. Not for the
   pruned last layer (its few query rows): the plain path computes that one."""
-  if (not spec.plain_dot_product or capture or rows is not None or deterministic
+  if (not spec.dot_product_plus_terms or capture or rows is not None or deterministic
       or spec.attention_dropout_rate <= 0):
     return False
   if spec.fused_attention == 'flash':
     return True
-  return (spec.fused_attention == 'auto' and spec.target_platform == 'gpu'
+  return (spec.fused_attention == 'auto' and spec.plain_dot_product
+          and spec.target_platform == 'gpu'
           and spec.dtype in (jnp.bfloat16, jnp.float16)
           and flash_lib.runs_here(spec.num_heads, spec.head_dim))
 
@@ -83,6 +86,31 @@ class SelfAttention(nn.Module):
     y = dense(s.hidden_size, ('embed', 'joined_kv'), s, name)(x)
     return y.reshape(x.shape[:2] + (s.num_heads, s.head_dim))  # [B, T, H, dh]
 
+  def _mixture_weights(self):
+    """Softmax of the learnable mixture logits (equal at init): one weight per component,
+    in spec.attention's order, summing to 1; None for a single component."""
+    n = len(self.spec.attention)
+    if n == 1:
+      return None
+    mix = self.param('mixture_logits', nn.with_logical_partitioning(
+        nn.initializers.zeros, (None,)), (n,), jnp.float32)
+    return jax.nn.softmax(mix)
+
+  def _synthesized(self, x, rows, weights):
+    """The weighted sum of the non-dot components' logits ([B or 1, H, S, T] float32), or
+    None if there are none."""
+    s, term = self.spec, None
+    for i, name in enumerate(s.attention):
+      if name != 'dot':
+        c = SYNTHESIZERS[name](s, name=f'synth_{name}')(x, rows)
+        c = c if weights is None else weights[i] * c
+        term = c if term is None else term + c
+    return term
+
+  def _output(self, ctx, xq):
+    s = self.spec
+    return dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
+
   @nn.compact
   def __call__(self, x, bias, residual_scores=None, layer_index=0, rows=None, *,
                deterministic=True, capture_attention=False):
@@ -94,41 +122,26 @@ class SelfAttention(nn.Module):
     s = self.spec
     xq = x if rows is None else take_rows(x, rows)
     value = self._heads(x, 'value')
-    flash = _use_flash(s, deterministic, capture_attention, rows)
-    fused = None if flash else _use_fused(s, deterministic, capture_attention)
-    if flash or fused is not None:  # a kernel computes the whole attention
+    if _use_flash(s, deterministic, capture_attention, rows):
+      return self._flash(x, xq, value, bias, residual_scores, layer_index)
+    fused = _use_fused(s, deterministic, capture_attention)
+    if fused is not None:  # a kernel computes the whole attention
       query, key = self._heads(xq, 'query'), self._heads(x, 'key')
-      if flash:
-        rate = s.attention_dropout_rate
-        # The key the plain path's Dropout would draw its mask from: the same mask.
-        seed = dropout_lib.Dropout(rate).threefry_key()
-        ctx = flash_lib.flash_attention_on_mesh(
-            query, key, value, bias[:, 0, 0, :], dropout_rate=rate, dropout_key=seed,
-            interpret=s.target_platform == 'cpu')
-      else:
-        if fused == 'cudnn':  # cuDNN takes a bias of [B|1, N|1, Tq, Tk], not one on Tq
-          bias = jnp.broadcast_to(bias, (*bias.shape[:2], query.shape[1], bias.shape[-1]))
-        ctx = jax.nn.dot_product_attention(query, key, value, bias=in_dtype(bias, s.dtype),
-                                           implementation=fused)
-      out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
-      return out, None, None
+      if fused == 'cudnn':  # cuDNN takes a bias of [B|1, N|1, Tq, Tk], not one on Tq
+        bias = jnp.broadcast_to(bias, (*bias.shape[:2], query.shape[1], bias.shape[-1]))
+      ctx = jax.nn.dot_product_attention(query, key, value, bias=in_dtype(bias, s.dtype),
+                                         implementation=fused)
+      return self._output(ctx, xq), None, None
 
-    components = []
-    for name in s.attention:
-      if name == 'dot':
-        query, key = self._heads(xq, 'query'), self._heads(x, 'key')
-        own = jnp.einsum('bqhd,bkhd->bhqk', query, key, preferred_element_type=jnp.float32)
-        components.append(own.astype(jnp.float32) / math.sqrt(s.head_dim))
-      else:
-        components.append(SYNTHESIZERS[name](s, name=f'synth_{name}')(x, rows))
-    if len(components) == 1:
-      logits = components[0]
-    else:
-      # Learnable mixture weights that sum to 1 (equal at init).
-      mix = self.param('mixture_logits', nn.with_logical_partitioning(
-          nn.initializers.zeros, (None,)), (len(components),), jnp.float32)
-      weights = jax.nn.softmax(mix)
-      logits = sum(w * c for w, c in zip(weights, components))
+    weights = self._mixture_weights()
+    logits = self._synthesized(x, rows, weights)
+    if 'dot' in s.attention:
+      query, key = self._heads(xq, 'query'), self._heads(x, 'key')
+      own = jnp.einsum('bqhd,bkhd->bhqk', query, key, preferred_element_type=jnp.float32)
+      own = own.astype(jnp.float32) / math.sqrt(s.head_dim)
+      if weights is not None:
+        own = weights[s.attention.index('dot')] * own
+      logits = own if logits is None else own + logits
 
     carry = None
     if s.residual_attention:
@@ -143,5 +156,34 @@ class SelfAttention(nn.Module):
     probs = jax.nn.softmax(logits + bias, axis=-1)  # float32
     dropped = dropout_lib.Dropout(s.attention_dropout_rate)(probs, deterministic=deterministic)
     ctx = jnp.einsum('bhqk,bkhd->bqhd', dropped.astype(s.dtype), value)
-    out = dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
-    return out, carry, (probs if capture_attention else None)
+    return self._output(ctx, xq), carry, (probs if capture_attention else None)
+
+  def _flash(self, x, xq, value, bias, residual_scores, layer_index):
+    """The layer through realformer.layers.flash_attention: the dot product's weight folded
+    into the queries, every other component's weighted logits (and RealFormer's previous
+    scores) as the kernel's additive term, the running mean as its logit scale; the kernel
+    writes RealFormer's carried scores itself. The same dropout mask as the plain path."""
+    s = self.spec
+    query, key = self._heads(xq, 'query'), self._heads(x, 'key')
+    weights = self._mixture_weights()
+    term = self._synthesized(x, None, weights)
+    if weights is not None:  # w * (q k^T) = (w q) k^T
+      w = weights[s.attention.index('dot')]
+      query = (query.astype(jnp.float32) * w).astype(query.dtype)
+    scores_dtype = logit_scale = None
+    if s.residual_attention:
+      prev = (residual_scores if residual_scores is not None else
+              jnp.zeros((x.shape[0], s.num_heads, x.shape[1], x.shape[1]), s.residual_dtype))
+      term = prev if term is None else term + prev
+      scores_dtype = s.residual_dtype
+      if s.running_mean:
+        logit_scale = 1.0 / (jnp.asarray(layer_index, jnp.float32) + 1.0)
+    rate = s.attention_dropout_rate
+    # The key the plain path's Dropout would draw its mask from: the same mask.
+    seed = dropout_lib.Dropout(rate).threefry_key()
+    result = flash_lib.flash_attention_on_mesh(
+        query, key, value, bias[:, 0, 0, :], term=term, logit_scale=logit_scale,
+        scores_dtype=scores_dtype, dropout_rate=rate, dropout_key=seed,
+        interpret=s.target_platform == 'cpu')
+    ctx, carry = result if scores_dtype is not None else (result, None)
+    return self._output(ctx, xq), carry, None

@@ -94,6 +94,13 @@ class EncoderSpec:
     return self.attention == ('dot',) and not self.residual_attention
 
   @property
+  def dot_product_plus_terms(self) -> bool:
+    """Whether the logits are Q K^T / sqrt(d_head) (weighted, in a mixture) plus additive
+    terms: other components' logits, RealFormer's previous scores. What the flash kernel
+    (realformer.layers.flash_attention) computes: every variant but the pure Synthesizers."""
+    return 'dot' in self.attention
+
+  @property
   def head_dim(self) -> int:
     return self.hidden_size // self.num_heads
 
@@ -178,7 +185,7 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
       raise ValueError(f'model.{field}={value!r}; choose one of {", ".join(choices)}')
   if spec.fused_attention == 'cudnn' and platform not in ('', 'gpu'):
     raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
-  if (spec.fused_attention == 'flash' and spec.plain_dot_product
+  if (spec.fused_attention == 'flash' and spec.dot_product_plus_terms
       and spec.attention_dropout_rate > 0):  # where it runs: _use_flash
     if spec.target_platform not in ('gpu', 'cpu'):  # cpu: Pallas's interpreter, for tests
       raise ValueError(f'model.fused_attention=flash is a Triton kernel for GPUs, not '

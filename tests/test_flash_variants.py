@@ -1,0 +1,289 @@
+"""The flash kernel's additive term (realformer.layers.flash_attention, Pallas's interpreter on
+the CPU): RealFormer's carried scores and the Synthesizer mixtures through the kernel. Values
+and every gradient (q, k, v, the term, the incoming scores' gradient) against a float64
+reference with keep_mask's mask; in the model, the plain path's outputs and parameter
+gradients under attention dropout for every variant with a dot product, sharded or not, in
+float32 and bfloat16, with the pruned last layer; and the kernels lower to Triton for CUDA."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realformer import models
+from realformer.layers import dropout as dropout_lib
+from realformer.layers import flash_attention as flash_lib
+from realformer.model import attention as attn_lib
+from realformer.model.spec import resolve
+from realformer.train import partitioning
+from tests.test_flash_attention import _an_h100
+from tests.test_models import make_batch, perturbed_params, small_config
+
+B, H, D = 3, 2, 16
+
+
+def _case(tq, tk, lengths, term_batch, seed=0):
+  """float64 q, k, v, the term, the output and scores weights of the loss, and the key bias
+  (the last sequence's keys all padding when its length is 0)."""
+  rng = np.random.default_rng(seed)
+  q, w = (rng.normal(size=(B, tq, H, D)) for _ in range(2))
+  k, v = (rng.normal(size=(B, tk, H, D)) for _ in range(2))
+  term = 2.0 * rng.normal(size=(term_batch, H, tq, tk))
+  ws = rng.normal(size=(B, H, tq, tk))
+  real = np.arange(tk)[None] < np.array(lengths)[:, None]
+  bias = np.where(real, 0.0, attn_lib.NEG_INF)
+  return q, k, v, term, w, ws, bias
+
+
+def _reference_loss(keep, scale, bias, logit_scale, with_scores):
+  """float64 (under enable_x64): sum(out * w) [+ sum(scores * ws)] of the contract."""
+  def loss(q, k, v, term, w, ws):
+    own = jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + term
+    p = jax.nn.softmax(own * logit_scale + bias[:, None, None, :], axis=-1)
+    if keep is not None:
+      p = jnp.where(keep, p * scale, 0.0)
+    value = jnp.sum(jnp.einsum('bhqk,bkhd->bqhd', p, v) * w)
+    return value + (jnp.sum(own * ws) if with_scores else 0.0)
+  return loss
+
+
+@pytest.mark.parametrize('tq,tk,lengths,term_batch,rate,logit_scale,with_scores', [
+    (32, 32, (32, 19, 6), B, 0.2, None, True),  # RealFormer: scores out, their gradient in
+    (32, 32, (32, 19, 3), B, 0.2, 1 / 3, True),  # its running mean
+    (13, 13, (13, 9, 4), B, 0.5, None, True),  # odd lengths: queries and keys padded
+    (32, 32, (32, 19, 6), 1, 0.2, None, False),  # a term shared by the batch (Random)
+    (20, 20, (20, 11, 1), B, 0.0, None, False),  # a per-example term (Dense), no dropout
+])
+def test_term_kernel_matches_a_float64_reference(tq, tk, lengths, term_batch, rate,
+                                                 logit_scale, with_scores):
+  q, k, v, term, w, ws, bias = _case(tq, tk, lengths, term_batch, seed=tq + term_batch)
+  key = jax.random.PRNGKey(7)
+  keep, scale = (None, 1.0) if rate == 0 else dropout_lib.keep_mask(key, rate, (B, H, tq, tk))
+  keep = None if keep is None else np.asarray(keep)
+
+  def ours(q, k, v, term, w, ws):
+    result = flash_lib.flash_attention(
+        q, k, v, jnp.asarray(bias, jnp.float32), term=term, logit_scale=logit_scale,
+        scores_dtype=jnp.float32 if with_scores else None, dropout_rate=rate,
+        dropout_key=key, interpret=True, tilings=flash_lib.Tilings.same(8, 2))
+    out, scores = result if with_scores else (result, None)
+    loss = jnp.sum(out * w) + (jnp.sum(scores * ws) if with_scores else 0.0)
+    return loss, (out, scores)
+
+  args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, term, w, ws)]
+  (value, (out, scores)), grads = jax.value_and_grad(ours, argnums=(0, 1, 2, 3),
+                                                     has_aux=True)(*args)
+  with jax.enable_x64():
+    ref = _reference_loss(keep, scale, bias, 1.0 if logit_scale is None else logit_scale,
+                          with_scores)
+    want_value, want_grads = jax.value_and_grad(ref, argnums=(0, 1, 2, 3))(
+        q, k, v, term, w, ws)
+    if with_scores:
+      want_scores = np.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + term
+      np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+  assert out.shape == (B, tq, H, D)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  for name, g, r in zip(('dq', 'dk', 'dv', 'dterm'), grads, want_grads):
+    assert g.shape == r.shape, name
+    np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(r), atol=1e-4,
+                               err_msg=name)
+  assert np.abs(np.asarray(want_grads[3])).max() > 1e-3  # the term's gradient is not trivial
+
+
+def test_a_sequence_whose_keys_are_all_padding_is_the_plain_paths_with_a_term():
+  """Its logits are about -1e9, where float32 holds none of the term: the plain path (float32)
+  spreads it evenly over the keys, and so does the kernel, values and gradients alike."""
+  q, k, v, term, w, ws, bias = (jnp.asarray(x, jnp.float32)
+                                for x in _case(16, 16, (16, 5, 0), B, seed=3))
+  key = jax.random.PRNGKey(2)
+
+  def flash(q, k, v, term):
+    return flash_lib.flash_attention(q, k, v, bias, term=term, logit_scale=0.5,
+                                     scores_dtype=jnp.float32, dropout_rate=0.1,
+                                     dropout_key=key, interpret=True)
+
+  def plain(q, k, v, term):
+    own = jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + term
+    p = jax.nn.softmax(own * 0.5 + bias[:, None, None], -1)
+    keep, scale = dropout_lib.keep_mask(key, 0.1, p.shape)
+    return jnp.einsum('bhqk,bkhd->bqhd', jnp.where(keep, p * scale, 0.0), v), own
+
+  out = flash(q, k, v, term)[0]
+  keep, scale = dropout_lib.keep_mask(key, 0.1, (B, H, 16, 16))
+  uniform = np.einsum('hqk,khd->qhd', np.where(keep[2], scale / 16, 0.0), v[2])
+  np.testing.assert_allclose(out[2], uniform, atol=1e-5)
+  loss = lambda f: lambda *a: sum(jnp.sum(x * y) for x, y in zip(f(*a), (w, ws)))
+  np.testing.assert_allclose(loss(flash)(q, k, v, term), loss(plain)(q, k, v, term), rtol=1e-5)
+  for g, r in zip(jax.grad(loss(flash), (0, 1, 2, 3))(q, k, v, term),
+                  jax.grad(loss(plain), (0, 1, 2, 3))(q, k, v, term)):
+    np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+def test_one_line_errors_of_the_term():
+  q = jnp.zeros((2, 8, 2, 16))
+  bias = jnp.zeros((2, 8))
+  with pytest.raises(ValueError, match=r'term \(2, 2, 8, 4\) is not \[B or 1, H, Tq, Tk\]'):
+    flash_lib.flash_attention(q, q, q, bias, term=jnp.zeros((2, 2, 8, 4)), interpret=True)
+  with pytest.raises(ValueError, match='returns scores only with a term'):
+    flash_lib.flash_attention(q, q, q, bias, scores_dtype=jnp.float32, interpret=True)
+
+
+def test_a_bfloat16_carry_is_within_rounding_of_the_plain_path():
+  """bfloat16 q, k, v and carried scores, as a GPU trains RealFormer with
+  model.residual_dtype=bfloat16: the scores rounded once, the gradients in bfloat16."""
+  q, k, v, term, w, ws, bias = _case(32, 32, (32, 19, 6), B, seed=11)
+  q, k, v, term = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, term))
+  w, ws, bias = (jnp.asarray(x, jnp.float32) for x in (w, ws, bias))
+  key = jax.random.PRNGKey(3)
+
+  def plain(q, k, v, term):
+    own = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) / np.sqrt(D)
+    cur = own + term
+    p = jax.nn.softmax(cur + bias[:, None, None], -1)
+    keep, scale = dropout_lib.keep_mask(key, 0.1, p.shape)
+    out = jnp.einsum('bhqk,bkhd->bqhd', jnp.where(keep, p * scale, 0.0).astype(q.dtype), v)
+    return out, cur.astype(jnp.bfloat16)
+
+  flash = lambda q, k, v, term: flash_lib.flash_attention(
+      q, k, v, bias, term=term, scores_dtype=jnp.bfloat16, dropout_rate=0.1, dropout_key=key,
+      interpret=True)
+  (out, scores), (want_out, want_scores) = flash(q, k, v, term), plain(q, k, v, term)
+  assert out.dtype == scores.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
+                             atol=3e-2)
+  np.testing.assert_allclose(np.asarray(scores, np.float32),
+                             np.asarray(want_scores, np.float32), atol=5e-2)
+  loss = lambda f: lambda *a: sum(jnp.sum(x.astype(jnp.float32) * y)
+                                  for x, y in zip(f(*a), (w, ws)))
+  for g, r in zip(jax.grad(loss(flash), (0, 1, 2, 3))(q, k, v, term),
+                  jax.grad(loss(plain), (0, 1, 2, 3))(q, k, v, term)):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                               atol=0.1, rtol=2e-2)
+
+
+# Every variant whose logits are a dot product plus additive terms, in the model.
+VARIANTS = [
+    ('realformer', {}),
+    ('realformer', dict(running_mean=True)),
+    ('realformer', dict(residual_dtype='bfloat16')),
+    ('synth_random_vanilla', {}),
+    ('synth_dense_vanilla', {}),
+    ('synth_random_vanilla', dict(synth_random_trainable=False)),
+    ('postln', dict(attention='factorized_random+dot')),
+    ('postln', dict(attention='factorized_dense+dot')),
+]
+
+
+def _pair(variant, **cfg):
+  cfg = dict(attention_dropout_rate=0.3, dropout_rate=0.0, **cfg)
+  return tuple(models.build(small_config(variant, fused_attention=f, **cfg), head='encoder')
+               for f in ('off', 'flash'))
+
+
+def _loss(model, batch, rngs):
+  return lambda p: jnp.sum(model.apply({'params': p}, batch, deterministic=False,
+                                       rngs=rngs).hidden ** 2)
+
+
+@pytest.mark.parametrize('variant,cfg', VARIANTS)
+def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients(variant, cfg):
+  batch = make_batch()
+  plain, flash = _pair(variant, **cfg)
+  assert attn_lib._use_flash(flash.spec, False, False, None)
+  params = perturbed_params(plain, batch)
+  rngs = {'dropout': jax.random.PRNGKey(3)}
+  mask = np.asarray(batch['attention_mask'], bool)
+  a = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs).hidden
+  b = flash.apply({'params': params}, batch, deterministic=False, rngs=rngs).hidden
+  np.testing.assert_allclose(np.asarray(b)[mask], np.asarray(a)[mask], rtol=1e-4, atol=1e-4)
+  ga, gb = jax.grad(_loss(plain, batch, rngs))(params), jax.grad(_loss(flash, batch, rngs))(
+      params)
+  # A bfloat16 carry rounds the scores once a layer: a last bit flipped there moves the
+  # next layers' values by about 2^-9 of a score.
+  tol = dict(rtol=1e-3, atol=1e-4) if 'residual_dtype' in cfg else dict(rtol=1e-4, atol=2e-5)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(y, x, **tol, err_msg=jax.tree_util.keystr(path))
+  if not cfg.get('synth_random_trainable', True):  # a fixed table stays fixed
+    fixed = [x for path, x in jax.tree_util.tree_leaves_with_path(gb)
+             if 'random_logits' in jax.tree_util.keystr(path)]
+    assert fixed and all(not np.any(np.asarray(x)) for x in fixed)
+
+
+def test_pure_synthesizers_keep_the_plain_path():
+  for variant in ('synth_dense', 'synth_random', 'synth_factorized_random'):
+    spec = resolve(small_config(variant, fused_attention='flash', attention_dropout_rate=0.1))
+    assert not attn_lib._use_flash(spec, False, False, None), variant
+
+
+@pytest.mark.parametrize('variant', ['postln', 'realformer', 'synth_random_vanilla'])
+def test_pretraining_model_with_the_pruned_last_layer_under_flash(variant):
+  """The last layer computes only [CLS] and the masked rows on the plain path (RealFormer's
+  reading the scores the flash kernel carried out of the layer before): the plain path's
+  outputs."""
+  batch = make_batch()
+  plain, flash = (models.build(small_config(variant, fused_attention=f,
+                                            attention_dropout_rate=0.3, dropout_rate=0.0))
+                  for f in ('off', 'flash'))
+  params = perturbed_params(plain, batch)
+  batch = dict(batch, masked_positions=jnp.asarray([[1, 2], [0, 3], [4, 0], [2, 2]][:len(
+      batch['input_ids'])], jnp.int32))
+  rngs = {'dropout': jax.random.PRNGKey(4)}
+  a = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs)
+  b = flash.apply({'params': params}, batch, deterministic=False, rngs=rngs)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('variant', ['postln', 'realformer', 'synth_random_vanilla'])
+def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant):
+  """data x fsdp x tensor = 2 x 2 x 2: each shard computes its own sequences and heads, its
+  mask rows offset to their global place; the scores and a per-example term split by batch
+  and head, a term shared by the batch by head only. Values and parameter gradients."""
+  batch = make_batch(lengths=(12, 7, 3, 9, 1, 12, 4, 8))
+  plain, flash = _pair(variant)
+  params = perturbed_params(plain, batch)
+  rngs = {'dropout': jax.random.PRNGKey(8)}
+  want = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs).hidden
+  want_grads = jax.grad(_loss(plain, batch, rngs))(params)
+  mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
+  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+    apply = jax.jit(lambda p, b: flash.apply({'params': p}, b, deterministic=False,
+                                             rngs=rngs).hidden)
+    text = apply.lower(params, batch).as_text()
+    got = apply(params, batch)
+    grads = jax.jit(jax.grad(_loss(flash, batch, rngs)))(params)
+  assert 'shard_map' in text or 'sdy.manual_computation' in text
+  mask = np.asarray(batch['attention_mask'], bool)
+  np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=1e-5,
+                             atol=1e-5)
+  for x, y in zip(jax.tree.leaves(want_grads), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize('term_batch,scores_dtype,logit_scale', [
+    (4, jnp.float32, None), (4, jnp.bfloat16, 0.5), (1, None, None)])
+def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_scale):
+  """BERT-base's heads at length 512 in bfloat16: RealFormer with a float32 and a bfloat16
+  carry (and the running mean's scale), a Random term shared by the batch."""
+  q = jax.ShapeDtypeStruct((4, 512, 12, 64), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((4, 512), jnp.float32)
+  term = jax.ShapeDtypeStruct((term_batch, 12, 512, 512), scores_dtype or jnp.float32)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+  def loss(q, k, v, term, bias, key):
+    result = flash_lib.flash_attention(q, k, v, bias, term=term, logit_scale=logit_scale,
+                                       scores_dtype=scores_dtype, dropout_rate=0.1,
+                                       dropout_key=key)
+    out, scores = result if scores_dtype else (result, None)
+    total = out.astype(jnp.float32).sum()
+    return total + (scores.astype(jnp.float32).sum() if scores_dtype else 0.0)
+
+  with _an_h100():
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(
+        q, q, q, term, bias, key).lower(lowering_platforms=('cuda',))
+  text = lowered.as_text()
+  assert text.count('xla.gpu.triton') == 3
+  for name in ('flash_attention_forward', 'flash_attention_dkv', 'flash_attention_dq'):
+    assert f'name = "{name}' in text, name
