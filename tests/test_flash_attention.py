@@ -16,6 +16,7 @@ from jax.extend.random import threefry2x32_p
 from realformer import models
 from realformer.layers import dropout as dropout_lib
 from realformer.layers import flash_attention as flash_lib
+from realformer.layers import flash_attention_tpu as flash_tpu_lib
 from realformer.model import attention as attn_lib
 from realformer.finetune import task as finetune_task
 from realformer.model.spec import resolve
@@ -331,7 +332,12 @@ def test_auto_takes_the_flash_kernel_on_gpus_in_half_precision_under_attention_d
   assert attn_lib._use_flash(spec(dtype='float16'), False, False, None)
   assert not attn_lib._use_flash(gpu, True, False, None)  # evaluation: cuDNN's kernel
   assert attn_lib._use_fused(gpu, True, False) == 'cudnn'
-  for other in (spec(dtype='float32'), spec(platform='tpu'), spec(platform='cpu'),
+  for tpu in (spec(platform='tpu'), spec('realformer', platform='tpu', dtype='float32'),
+              spec('synth_random_vanilla', platform='tpu')):  # the Mosaic kernel
+    assert attn_lib._use_flash(tpu, False, False, None)
+    assert attn_lib._flash_kernel(tpu)[0] is flash_tpu_lib.flash_attention
+  assert not attn_lib._use_flash(spec('synth_dense', platform='tpu'), False, False, None)
+  for other in (spec(dtype='float32'), spec(platform='cpu'),
                 spec(hidden_size=32, num_heads=4),  # heads of 8
                 spec(hidden_size=256, num_heads=2),  # heads of 128: not tuned or lowered
                 spec(fused_attention='off'), spec(fused_attention='xla'),
@@ -367,8 +373,8 @@ def test_auto_takes_the_kernel_only_on_gpus_that_triton_compiles_for(monkeypatch
 
 
 def test_one_line_errors():
-  with pytest.raises(ValueError, match='flash is a Triton kernel for GPUs, not tpu'):
-    resolve(small_config('postln', fused_attention='flash'), platform='tpu')
+  # On a TPU flash is the Mosaic kernel (tests/test_flash_tpu.py), of any head size.
+  assert resolve(small_config('postln', fused_attention='flash'), platform='tpu').head_dim == 8
   with pytest.raises(ValueError, match='a power of 2 of at least 16.*not 8'):
     resolve(small_config('postln', fused_attention='flash'), platform='gpu')  # 32 / 4 heads
   with pytest.raises(ValueError, match='a power of 2 of at least 16.*not 48'):

@@ -1,26 +1,44 @@
-"""The flash kernel's additive term (realformer.layers.flash_attention, Pallas's interpreter on
-the CPU): RealFormer's carried scores and the Synthesizer mixtures through the kernel. Values
-and every gradient (q, k, v, the term, the incoming scores' gradient) against a float64
-reference with keep_mask's mask; in the model, the plain path's outputs and parameter
+"""The flash kernels' contract, for both: Triton's (realformer.layers.flash_attention) and
+Mosaic's (realformer.layers.flash_attention_tpu), in Pallas's interpreter on the CPU:
+plain attention, an additive term, RealFormer's carried scores and the Synthesizer mixtures.
+Values and every gradient (q, k, v, the term, the incoming scores' gradient) against a
+float64 reference with keep_mask's mask; in the model, the plain path's outputs and parameter
 gradients under attention dropout for every variant with a dot product, sharded or not, in
-float32 and bfloat16, with the pruned last layer; and the kernels lower to Triton for CUDA."""
+float32 and bfloat16, with the pruned last layer; the Triton kernels lower for CUDA and the
+Mosaic kernels compile for TPU slices (libtpu)."""
+
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from realformer import models
 from realformer.layers import dropout as dropout_lib
 from realformer.layers import flash_attention as flash_lib
+from realformer.layers import flash_attention_tpu as flash_tpu_lib
 from realformer.model import attention as attn_lib
 from realformer.model.spec import resolve
+from realformer.tools import hlo_stats
+from realformer.tools import launch
 from realformer.train import partitioning
+from tests.test_launch import needs_libtpu
 from tests.test_flash_attention import _an_h100
 from tests.test_models import make_batch, perturbed_params, small_config
 
 B, H, D = 3, 2, 16
+
+# Each kernel, with the tiles its interpreter tests run at (Triton's small ones, to cross
+# tile boundaries; Mosaic's are 128, its lanes, so lengths above 128 cross them).
+KERNELS = {
+    'triton': functools.partial(flash_lib.flash_attention,
+                                tilings=flash_lib.Tilings.same(8, 2), interpret=True),
+    'mosaic': functools.partial(flash_tpu_lib.flash_attention, interpret=True),
+}
 
 
 def _case(tq, tk, lengths, term_batch, seed=0):
@@ -48,25 +66,30 @@ def _reference_loss(keep, scale, bias, logit_scale, with_scores):
   return loss
 
 
+@pytest.mark.parametrize('kernel', KERNELS)
 @pytest.mark.parametrize('tq,tk,lengths,term_batch,rate,logit_scale,with_scores', [
     (32, 32, (32, 19, 6), B, 0.2, None, True),  # RealFormer: scores out, their gradient in
     (32, 32, (32, 19, 3), B, 0.2, 1 / 3, True),  # its running mean
     (13, 13, (13, 9, 4), B, 0.5, None, True),  # odd lengths: queries and keys padded
     (32, 32, (32, 19, 6), 1, 0.2, None, False),  # a term shared by the batch (Random)
     (20, 20, (20, 11, 1), B, 0.0, None, False),  # a per-example term (Dense), no dropout
+    (136, 136, (136, 130, 7), 0, 0.1, None, False),  # plain attention, two tiles of 128
 ])
-def test_term_kernel_matches_a_float64_reference(tq, tk, lengths, term_batch, rate,
+def test_term_kernel_matches_a_float64_reference(kernel, tq, tk, lengths, term_batch, rate,
                                                  logit_scale, with_scores):
-  q, k, v, term, w, ws, bias = _case(tq, tk, lengths, term_batch, seed=tq + term_batch)
+  q, k, v, term, w, ws, bias = _case(tq, tk, lengths, max(term_batch, 1),
+                                     seed=tq + term_batch)
+  if not term_batch:
+    term = np.zeros_like(term)
   key = jax.random.PRNGKey(7)
   keep, scale = (None, 1.0) if rate == 0 else dropout_lib.keep_mask(key, rate, (B, H, tq, tk))
   keep = None if keep is None else np.asarray(keep)
 
   def ours(q, k, v, term, w, ws):
-    result = flash_lib.flash_attention(
-        q, k, v, jnp.asarray(bias, jnp.float32), term=term, logit_scale=logit_scale,
-        scores_dtype=jnp.float32 if with_scores else None, dropout_rate=rate,
-        dropout_key=key, interpret=True, tilings=flash_lib.Tilings.same(8, 2))
+    result = KERNELS[kernel](
+        q, k, v, jnp.asarray(bias, jnp.float32), term=term if term_batch else None,
+        logit_scale=logit_scale, scores_dtype=jnp.float32 if with_scores else None,
+        dropout_rate=rate, dropout_key=key)
     out, scores = result if with_scores else (result, None)
     loss = jnp.sum(out * w) + (jnp.sum(scores * ws) if with_scores else 0.0)
     return loss, (out, scores)
@@ -84,14 +107,21 @@ def test_term_kernel_matches_a_float64_reference(tq, tk, lengths, term_batch, ra
       np.testing.assert_allclose(scores, want_scores, atol=1e-5)
   assert out.shape == (B, tq, H, D)
   np.testing.assert_allclose(value, want_value, rtol=1e-5)
-  for name, g, r in zip(('dq', 'dk', 'dv', 'dterm'), grads, want_grads):
+  for name, g, r in list(zip(('dq', 'dk', 'dv', 'dterm'), grads, want_grads))[
+      :4 if term_batch else 3]:
     assert g.shape == r.shape, name
     np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(r), atol=1e-4,
                                err_msg=name)
-  assert np.abs(np.asarray(want_grads[3])).max() > 1e-3  # the term's gradient is not trivial
+  if term_batch:
+    assert np.abs(np.asarray(want_grads[3])).max() > 1e-3  # the term's gradient is not trivial
+  if rate:  # the mask did act
+    assert not np.allclose(value, jax.jit(_reference_loss(
+        None, 1.0, bias, 1.0 if logit_scale is None else logit_scale, with_scores))(
+        *args), rtol=1e-3)
 
 
-def test_a_sequence_whose_keys_are_all_padding_is_the_plain_paths_with_a_term():
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_a_sequence_whose_keys_are_all_padding_is_the_plain_paths_with_a_term(kernel):
   """Its logits are about -1e9, where float32 holds none of the term: the plain path (float32)
   spreads it evenly over the keys, and so does the kernel, values and gradients alike."""
   q, k, v, term, w, ws, bias = (jnp.asarray(x, jnp.float32)
@@ -99,9 +129,8 @@ def test_a_sequence_whose_keys_are_all_padding_is_the_plain_paths_with_a_term():
   key = jax.random.PRNGKey(2)
 
   def flash(q, k, v, term):
-    return flash_lib.flash_attention(q, k, v, bias, term=term, logit_scale=0.5,
-                                     scores_dtype=jnp.float32, dropout_rate=0.1,
-                                     dropout_key=key, interpret=True)
+    return KERNELS[kernel](q, k, v, bias, term=term, logit_scale=0.5, scores_dtype=jnp.float32,
+                           dropout_rate=0.1, dropout_key=key)
 
   def plain(q, k, v, term):
     own = jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + term
@@ -120,16 +149,18 @@ def test_a_sequence_whose_keys_are_all_padding_is_the_plain_paths_with_a_term():
     np.testing.assert_allclose(g, r, atol=1e-4)
 
 
-def test_one_line_errors_of_the_term():
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_one_line_errors_of_the_term(kernel):
   q = jnp.zeros((2, 8, 2, 16))
   bias = jnp.zeros((2, 8))
   with pytest.raises(ValueError, match=r'term \(2, 2, 8, 4\) is not \[B or 1, H, Tq, Tk\]'):
-    flash_lib.flash_attention(q, q, q, bias, term=jnp.zeros((2, 2, 8, 4)), interpret=True)
+    KERNELS[kernel](q, q, q, bias, term=jnp.zeros((2, 2, 8, 4)))
   with pytest.raises(ValueError, match='returns scores only with a term'):
-    flash_lib.flash_attention(q, q, q, bias, scores_dtype=jnp.float32, interpret=True)
+    KERNELS[kernel](q, q, q, bias, scores_dtype=jnp.float32)
 
 
-def test_a_bfloat16_carry_is_within_rounding_of_the_plain_path():
+@pytest.mark.parametrize('kernel', KERNELS)
+def test_a_bfloat16_carry_is_within_rounding_of_the_plain_path(kernel):
   """bfloat16 q, k, v and carried scores, as a GPU trains RealFormer with
   model.residual_dtype=bfloat16: the scores rounded once, the gradients in bfloat16."""
   q, k, v, term, w, ws, bias = _case(32, 32, (32, 19, 6), B, seed=11)
@@ -145,9 +176,8 @@ def test_a_bfloat16_carry_is_within_rounding_of_the_plain_path():
     out = jnp.einsum('bhqk,bkhd->bqhd', jnp.where(keep, p * scale, 0.0).astype(q.dtype), v)
     return out, cur.astype(jnp.bfloat16)
 
-  flash = lambda q, k, v, term: flash_lib.flash_attention(
-      q, k, v, bias, term=term, scores_dtype=jnp.bfloat16, dropout_rate=0.1, dropout_key=key,
-      interpret=True)
+  flash = lambda q, k, v, term: KERNELS[kernel](
+      q, k, v, bias, term=term, scores_dtype=jnp.bfloat16, dropout_rate=0.1, dropout_key=key)
   (out, scores), (want_out, want_scores) = flash(q, k, v, term), plain(q, k, v, term)
   assert out.dtype == scores.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
@@ -187,8 +217,23 @@ def _loss(model, batch, rngs):
                                        rngs=rngs).hidden ** 2)
 
 
-@pytest.mark.parametrize('variant,cfg', VARIANTS)
-def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients(variant, cfg):
+def _use(kernel, monkeypatch):
+  """The flash kernel the model takes on this CPU (Pallas's interpreter either way)."""
+  if kernel == 'mosaic':
+    monkeypatch.setattr(attn_lib, '_flash_kernel',
+                        lambda spec: (flash_tpu_lib.flash_attention, True))
+
+
+# Every variant through Triton's kernel; through Mosaic's, one of each kind of term
+# (RealFormer's carry in both dtypes, a term shared by the batch, one per example).
+IN_THE_MODEL = [(v, c, 'triton') for v, c in VARIANTS] + [
+    (v, c, 'mosaic') for v, c in VARIANTS[:1] + VARIANTS[2:5]]
+
+
+@pytest.mark.parametrize('variant,cfg,kernel', IN_THE_MODEL)
+def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients(variant, cfg, kernel,
+                                                                       monkeypatch):
+  _use(kernel, monkeypatch)
   batch = make_batch()
   plain, flash = _pair(variant, **cfg)
   assert attn_lib._use_flash(flash.spec, False, False, None)
@@ -236,11 +281,14 @@ def test_pretraining_model_with_the_pruned_last_layer_under_flash(variant):
     np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('variant', ['postln', 'realformer', 'synth_random_vanilla'])
-def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant):
+@pytest.mark.parametrize('variant,kernel', [
+    ('postln', 'triton'), ('realformer', 'triton'), ('synth_random_vanilla', 'triton'),
+    ('postln', 'mosaic'), ('realformer', 'mosaic')])
+def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant, kernel, monkeypatch):
   """data x fsdp x tensor = 2 x 2 x 2: each shard computes its own sequences and heads, its
   mask rows offset to their global place; the scores and a per-example term split by batch
   and head, a term shared by the batch by head only. Values and parameter gradients."""
+  _use(kernel, monkeypatch)
   batch = make_batch(lengths=(12, 7, 3, 9, 1, 12, 4, 8))
   plain, flash = _pair(variant)
   params = perturbed_params(plain, batch)
@@ -287,3 +335,45 @@ def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_s
   assert text.count('xla.gpu.triton') == 3
   for name in ('flash_attention_forward', 'flash_attention_dkv', 'flash_attention_dq'):
     assert f'name = "{name}' in text, name
+
+
+@needs_libtpu
+@pytest.mark.parametrize('topology', ['v5e:2x2', 'v5p:2x2x1'])
+def test_mosaic_kernels_compile_for_tpu_slices(topology):
+  """BERT-base's heads at length 512 in bfloat16, per shard of a data-parallel slice (as
+  flash_attention_on_mesh calls them): plain attention, RealFormer with a float32 and a
+  bfloat16 carry (and the running mean's scale), a Random term shared by the batch; forward
+  and backward, compiled by libtpu for the named slice on this CPU."""
+  target = launch.tpu_target(topology)
+  mesh = jax.sharding.Mesh(np.array(target.devices), ('data',))
+  n = len(target.devices)
+  data = NamedSharding(mesh, P('data'))
+  for term_batch, scores_dtype, scale in ((0, None, None), (2 * n, jnp.float32, None),
+                                          (2 * n, jnp.bfloat16, 0.5), (1, None, None)):
+    def step(q, k, v, bias, key, term):
+      def loss(q, k, v, term):
+        result = flash_tpu_lib.flash_attention(q, k, v, bias, term=term, logit_scale=scale,
+                                               scores_dtype=scores_dtype, dropout_rate=0.1,
+                                               dropout_key=key)
+        out, scores = result if scores_dtype else (result, None)
+        total = out.astype(jnp.float32).sum()
+        return total + (scores.astype(jnp.float32).sum() if scores_dtype else 0.0)
+      return jax.grad(loss, (0, 1, 2) + ((3,) if term_batch else ()))(q, k, v, term)
+
+    term_spec = None if not term_batch else P('data') if term_batch > 1 else P()
+    local = jax.shard_map(step, mesh=mesh, in_specs=(P('data'),) * 4 + (P(), term_spec),
+                          out_specs=(P('data'),) * 3 + ((term_spec,) if term_batch else ()),
+                          check_vma=False)
+    q = jax.ShapeDtypeStruct((2 * n, 512, 12, 64), jnp.bfloat16, sharding=data)
+    term = None if not term_batch else jax.ShapeDtypeStruct(
+        (term_batch, 12, 512, 512), scores_dtype or jnp.float32,
+        sharding=NamedSharding(mesh, term_spec))
+    compiled = jax.jit(local).trace(
+        q, q, q, jax.ShapeDtypeStruct((2 * n, 512), jnp.float32, sharding=data),
+        jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P())),
+        term).lower().compile()
+    stats = hlo_stats.analyze(compiled.as_text())
+    # Per device: 2 sequences x 12 heads, 512 x 512 scores, 64 wide: forward 2 products,
+    # dK/dV 4, dQ 1 from the logits' gradient (with a term) or 3 rebuilt (without).
+    assert stats.matmul_flops == 2 * 12 * 512 * 512 * 64 * 2 * (6 + (1 if term_batch else 3))
+    assert stats.opaque_kernels == 0

@@ -202,6 +202,23 @@ def test_hlo_stats_counts_cublas_calls_and_counts_opaque_kernels_apart():
       tiny(), launch.tpu_target('v5e:2x2'), report)
 
 
+# A Pallas TPU kernel as the compiled text writes it: its cost estimate in the backend config.
+TPU_KERNEL_LINE = (
+    '  %k = bf16[2,2,128,64]{3,2,1,0} custom-call(%a), custom_call_target="tpu_custom_call", '
+    'backend_config={"custom_call_config": {"body": "TUxJUgA=", "cost_estimate":{"flops":'
+    '"25165824","transcendentals":"65536","bytes_accessed":"334876"}}}')
+
+
+def test_hlo_stats_counts_the_flops_a_tpu_kernel_states():
+  text = ('HloModule m\n\nENTRY %main (a: bf16[2,2,128,64]) -> bf16[2,2,128,64] {\n'
+          '  %a = bf16[2,2,128,64]{3,2,1,0} parameter(0)\n' + TPU_KERNEL_LINE.replace(
+              '  %k', '  ROOT %k') + '\n}\n')
+  stats = hlo_stats.analyze(text)
+  assert stats.matmul_flops == 25165824 and stats.opaque_kernels == 0
+  unstated = hlo_stats.analyze(text.replace('"cost_estimate"', '"other"'))
+  assert unstated.matmul_flops == 0 and unstated.opaque_kernels == 1
+
+
 def test_hlo_stats_counts_collectives_in_loops():
   mesh = jax.make_mesh((4,), ('fsdp',), devices=jax.devices()[:4],
                        axis_types=(jax.sharding.AxisType.Auto,))
@@ -246,6 +263,13 @@ def test_tiny_compiles_for_v5e_2x2(variant, overrides):
   assert (len(target.devices), target.num_hosts, target.platform) == (4, 1, 'tpu')
   report, compiled = launch.compile_step(config, target)
   assert compiled is not None and report.fits
+  # Attention under dropout through the Mosaic flash kernels (auto on TPUs), forward and
+  # backward, their FLOPs counted from their cost estimates.
+  text = compiled.as_text()
+  for kernel in ('flash_attention_tpu_forward', 'flash_attention_tpu_dkv',
+                 'flash_attention_tpu_dq'):
+    assert kernel in text, kernel
+  assert report.opaque_kernels == 0
   assert 0 < report.total_bytes < target.hbm_bytes
   assert report.temp_bytes > 0 and report.argument_bytes >= report.state_bytes > 0
   # Parameters and both Adam moments in float32, sharded over fsdp (replicated over data).

@@ -49,19 +49,23 @@ _PARITY = 0x1BD11BDA  # threefry's key-schedule constant
 
 
 def threefry2x32(k0, k1, x0, x1) -> Tuple[jax.Array, jax.Array]:
-  """Threefry-2x32 (20 rounds, Salmon et al. 2011) on uint32 arrays: what
-  jax.extend.random.threefry2x32_p computes, in plain integer ops a kernel can run."""
-  def rotl(x, r):
-    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+  """Threefry-2x32 (20 rounds, Salmon et al. 2011) on uint32 or int32 arrays (the same bits):
+  what jax.extend.random.threefry2x32_p computes, in plain integer ops a kernel can run
+  (Triton's uint32, Mosaic's int32; the right shifts are logical either way)."""
+  dtype = x0.dtype
+  const = lambda v: np.array(np.uint32(v)).astype(dtype)  # the same bits in int32
 
-  ks = (k0, k1, k0 ^ k1 ^ np.uint32(_PARITY))
+  def rotl(x, r):
+    return (x << const(r)) | ((x >> const(32 - r)) & const((1 << r) - 1))
+
+  ks = (k0, k1, k0 ^ k1 ^ const(_PARITY))
   x0, x1 = x0 + ks[0], x1 + ks[1]
   for group in range(5):
     for r in _ROTATIONS[group % 2]:
       x0 = x0 + x1
       x1 = rotl(x1, r) ^ x0
     x0 = x0 + ks[(group + 1) % 3]
-    x1 = x1 + ks[(group + 2) % 3] + np.uint32(group + 1)
+    x1 = x1 + ks[(group + 2) % 3] + const(group + 1)
   return x0, x1
 
 
@@ -619,17 +623,19 @@ def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings
 def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
                             term=None, logit_scale=None, scores_dtype=None,
                             dropout_rate: float = 0.0, dropout_key=None,
-                            interpret: bool = False):
+                            interpret: bool = False, kernel=None):
   """flash_attention under the mesh in context (jax.set_mesh), if any: per shard, with the
   batch and heads split as the logical rules in context place ('batch', 'heads'), and each
   shard's offsets into the global [B, H], so a sharded run drops what an unsharded one
   would. A Pallas kernel has no sharding rule of its own: without this, XLA would gather
-  the whole batch onto every device."""
+  the whole batch onto every device. kernel: a function of flash_attention's signature
+  (default: this module's, Triton; flash_attention_tpu.flash_attention for TPUs)."""
+  flash = kernel or flash_attention
   mesh = jax.sharding.get_abstract_mesh()
   kwargs = dict(dropout_rate=dropout_rate, interpret=interpret, scores_dtype=scores_dtype)
   if mesh.empty or mesh.size == 1:
-    return flash_attention(q, k, v, key_bias, term=term, logit_scale=logit_scale,
-                           dropout_key=dropout_key, **kwargs)
+    return flash(q, k, v, key_bias, term=term, logit_scale=logit_scale,
+                 dropout_key=dropout_key, **kwargs)
   batch, _, heads, _ = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
   total_heads = q.shape[2]
   head_shards = _axes_size(mesh, heads)
@@ -645,9 +651,8 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
   def local(q, k, v, key_bias, key, term, scale):
     batch0 = jax.lax.axis_index(batch) * q.shape[0] if batch else 0
     head0 = jax.lax.axis_index(heads) * q.shape[2] if heads else 0
-    return flash_attention(q, k, v, key_bias, term=term,
-                           logit_scale=None if logit_scale is None else scale,
-                           dropout_key=key, offsets=(batch0, head0, total_heads), **kwargs)
+    return flash(q, k, v, key_bias, term=term, logit_scale=None if logit_scale is None else scale,
+                 dropout_key=key, offsets=(batch0, head0, total_heads), **kwargs)
 
   term_spec = None
   if term is not None:  # a term shared by the batch is split by head only
@@ -660,15 +665,21 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
 
 
 def runs_here(num_heads: int, head_dim: int) -> bool:
-  """Whether `fused_attention=auto` may take flash_attention_on_mesh for attention of these
-  heads where it is traced: heads of 32 or 64 (the sizes it was tuned at and is lowered for
-  in the tests), an NVIDIA GPU of compute capability 8.0 or more where one is attached
-  (Triton's floor in jax; compiling for a GPU from another host, assumed), threefry dropout
-  keys (the kernel draws threefry's mask), and whole heads on each device of the mesh in
-  context, under the logical rules in context."""
-  if head_dim not in (32, 64) or jax.config.jax_default_prng_impl != 'threefry2x32':
+  """Whether `fused_attention=auto` may take flash_attention_on_mesh (Triton) for attention of
+  these heads where it is traced: heads of 32 or 64 (the sizes it was tuned at and is lowered
+  for in the tests), an NVIDIA GPU of compute capability 8.0 or more where one is attached
+  (Triton's floor in jax; compiling for a GPU from another host, assumed), and
+  whole_heads_here."""
+  if head_dim not in (32, 64) or not _triton_gpu():
     return False
-  if not _triton_gpu():
+  return whole_heads_here(num_heads)
+
+
+def whole_heads_here(num_heads: int) -> bool:
+  """Threefry dropout keys (the kernels draw threefry's mask), and whole heads on each device
+  of the mesh in context, under the logical rules in context: what either kernel needs of
+  where it is traced."""
+  if jax.config.jax_default_prng_impl != 'threefry2x32':
     return False
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:

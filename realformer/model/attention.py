@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from realformer.layers import dropout as dropout_lib
 from realformer.layers import flash_attention as flash_lib
+from realformer.layers import flash_attention_tpu as flash_tpu_lib
 from realformer.layers.dense import dense
 from realformer.layers.rows import gather_rows, take_rows
 from realformer.model.spec import EncoderSpec
@@ -48,22 +49,34 @@ def in_dtype(bias: jax.Array, dtype) -> jax.Array:
 
 
 def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> bool:
-  """Whether realformer.layers.flash_attention computes this layer: in training, with
-  attention dropout, for logits that are a dot product plus additive terms
-  (spec.dot_product_plus_terms: every variant but the pure Synthesizers), where asked
-  (`flash`) or, under `auto`, for plain dot-product attention where the kernel runs and was
-  faster than the plain path (a GPU in bfloat16 or float16: BENCHMARKS.md; see
-  flash_attention.runs_here). Without attention dropout `flash` is `auto`. Not for the
-  pruned last layer (its few query rows): the plain path computes that one."""
+  """Whether a flash kernel (realformer.layers.flash_attention on GPUs, flash_attention_tpu
+  on TPUs) computes this layer: in training, with attention dropout, for logits that are a
+  dot product plus additive terms (spec.dot_product_plus_terms: every variant but the pure
+  Synthesizers), where asked (`flash`) or under `auto`: on TPUs for every such variant, on
+  GPUs for plain dot-product attention where the kernel runs and was faster than the plain
+  path (bfloat16 or float16: BENCHMARKS.md; flash_attention.runs_here). Without attention
+  dropout `flash` is `auto`. Not for the pruned last layer (its few query rows): the plain
+  path computes that one."""
   if (not spec.dot_product_plus_terms or capture or rows is not None or deterministic
       or spec.attention_dropout_rate <= 0):
     return False
   if spec.fused_attention == 'flash':
     return True
-  return (spec.fused_attention == 'auto' and spec.plain_dot_product
-          and spec.target_platform == 'gpu'
+  if spec.fused_attention != 'auto':
+    return False
+  if spec.target_platform == 'tpu':
+    return flash_lib.whole_heads_here(spec.num_heads)
+  return (spec.plain_dot_product and spec.target_platform == 'gpu'
           and spec.dtype in (jnp.bfloat16, jnp.float16)
           and flash_lib.runs_here(spec.num_heads, spec.head_dim))
+
+
+def _flash_kernel(spec: EncoderSpec):
+  """(the flash kernel for the target platform, whether Pallas interprets it): Mosaic on
+  TPUs, Triton on GPUs, Triton's in Pallas's interpreter on a CPU (tests)."""
+  if spec.target_platform == 'tpu':
+    return flash_tpu_lib.flash_attention, False
+  return flash_lib.flash_attention, spec.target_platform == 'cpu'
 
 
 def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:
@@ -181,9 +194,10 @@ class SelfAttention(nn.Module):
     rate = s.attention_dropout_rate
     # The key the plain path's Dropout would draw its mask from: the same mask.
     seed = dropout_lib.Dropout(rate).threefry_key()
+    kernel, interpret = _flash_kernel(s)
     result = flash_lib.flash_attention_on_mesh(
         query, key, value, bias[:, 0, 0, :], term=term, logit_scale=logit_scale,
-        scores_dtype=scores_dtype, dropout_rate=rate, dropout_key=seed,
-        interpret=s.target_platform == 'cpu')
+        scores_dtype=scores_dtype, dropout_rate=rate, dropout_key=seed, interpret=interpret,
+        kernel=kernel)
     ctx, carry = result if scores_dtype is not None else (result, None)
     return self._output(ctx, xq), carry, None

@@ -187,9 +187,6 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
     raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
   if (spec.fused_attention == 'flash' and spec.dot_product_plus_terms
       and spec.attention_dropout_rate > 0):  # where it runs: _use_flash
-    if spec.target_platform not in ('gpu', 'cpu'):  # cpu: Pallas's interpreter, for tests
-      raise ValueError(f'model.fused_attention=flash is a Triton kernel for GPUs, not '
-                       f'{spec.target_platform}; use auto or xla')
     head_dim = spec.head_dim
     if spec.target_platform == 'gpu' and (head_dim < 16 or head_dim & (head_dim - 1)):
       raise ValueError(f'model.fused_attention=flash needs a head size that is a power of 2 '

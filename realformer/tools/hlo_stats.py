@@ -19,9 +19,11 @@ Counted:
                call (custom_call_target __cublas$gemm, __cublas$lt$matmul...: XLA:GPU
                rewrites most dots into them), its result the tuple's first array and its
                contracting dims those of its gemm_backend_config
-  Other custom-call kernels (cuDNN fused attention, Pallas/Triton and Mosaic kernels) state
-  no FLOPs in the HLO: counted apart, as opaque_kernels (executions per step), so that a
-  ratio against the model's FLOPs reads low where they run.
+  A custom-call kernel that states its FLOPs (a Pallas TPU kernel's cost estimate: the
+  flash attention kernels state their products over the real lengths, recomputation
+  included) is counted at those. Others (cuDNN fused attention, Pallas/Triton kernels)
+  state none: counted apart, as opaque_kernels (executions per step), so that a ratio
+  against the model's FLOPs reads low where they run.
   convolution  2 * (result batch x feature elements) * (window taps that land on real
                input elements, per output position) * (rhs input features). TPUs
                lower matmuls to convolutions and write a batched matmul's batch
@@ -221,6 +223,8 @@ _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]
 # Kernels of their own: cuDNN's (fused attention, __cudnn$fmha...), Pallas's on GPU (Triton:
 # __gpu$xla.gpu.triton; Mosaic GPU) and on TPU (tpu_custom_call).
 _OPAQUE_TARGETS = re.compile(r'__cudnn\$|triton|mosaic|tpu_custom_call')
+# A Pallas TPU kernel's cost estimate, in its backend config (escaped quotes in the text).
+_STATED_FLOPS = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(\d+)')
 
 
 def _custom_target(inst: Instruction) -> str:
@@ -228,13 +232,26 @@ def _custom_target(inst: Instruction) -> str:
   return m.group(1) if m else ''
 
 
+def _stated_flops(inst: Instruction) -> Optional[float]:
+  """The FLOPs a custom-call kernel states in its backend config (a Pallas TPU kernel's cost
+  estimate), or None."""
+  if inst.opcode != 'custom-call':
+    return None
+  m = _STATED_FLOPS.search(inst.attrs)
+  return float(m.group(1)) if m else None
+
+
 def is_opaque_kernel(inst: Instruction) -> bool:
   """A custom-call kernel whose FLOPs the HLO does not state (see the module docstring)."""
-  return bool(_OPAQUE_TARGETS.search(_custom_target(inst)))
+  return bool(_OPAQUE_TARGETS.search(_custom_target(inst))) and _stated_flops(inst) is None
 
 
 def matmul_flops(inst: Instruction, types: Dict[str, str]) -> float:
-  """FLOPs of one dot, convolution or cuBLAS call (0 for anything else)."""
+  """FLOPs of one dot, convolution or cuBLAS call, or those a kernel states (0 for anything
+  else)."""
+  stated = _stated_flops(inst)
+  if stated is not None:
+    return stated
   out = _arrays(inst.type_text)
   gemm = _custom_target(inst).startswith('__cublas$')
   if inst.opcode not in ('dot', 'convolution') and not gemm or not out or not inst.operands:

@@ -1,0 +1,442 @@
+"""Flash attention with BERT's attention dropout inside the kernel, for TPUs (Pallas Mosaic).
+
+The contract of realformer.layers.flash_attention (the Triton kernels for GPUs), the same
+inputs and outputs:
+
+    own    = Q K^T / sqrt(d) + term            (term: [B or 1, H, Tq, Tk], or none)
+    P      = softmax(own * scale + key_bias)
+    out    = (where(keep, P / P(keep), 0) in Q's dtype) V
+    scores = own, in scores_dtype, where asked (RealFormer's carried scores)
+
+with gradients to Q, K, V and the term (the incoming gradient of `scores` included), and the
+mask `realformer.layers.dropout.keep_mask(key, rate, [B, H, Tq, Tk])` bit for bit: element
+(b, h, q, k) keeps the 16-bit word k % 4 of threefry-2x32(key, row, k // 4), with
+row = (b * H + h) * Tq + q. On a TPU each element's block is drawn where the element is used
+(a tile's 128 keys take lanes; their four words are picked lane by lane), in integer
+arithmetic on int32 (threefry's bits are the same), and drawn again in the backward kernels
+rather than stored: no [B, H, Tq, Tk] array of any kind is kept for the backward.
+
+Three kernels, each over tiles of `block` queries x `block` keys (multiples of 128, the
+lanes): the forward (online softmax over the key tiles, FlashAttention-2's algorithm), dK/dV
+(a key tile against every query tile: with a term it also writes the logits' gradient tile,
+which is the term's gradient and what dQ reads), and dQ (a query tile against every key
+tile: from that gradient, or, without a term, from the probabilities rebuilt). The row
+statistics (max and log-sum, apart, as on the GPU: a row whose keys are all padding keeps
+1 / Tk) are stored lane-dense, [B, H, 1, Tq].
+
+Inputs as the GPU kernel's: q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] float32;
+any lengths (padded to whole tiles inside). No sharding rule: flash_attention_on_mesh in
+realformer.layers.flash_attention calls it per shard.
+"""
+
+import dataclasses
+import functools
+import math
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from realformer.layers import dropout as dropout_lib
+from realformer.layers.flash_attention import Operands, threefry2x32
+
+# Below the scores of padding keys (NEG_INF = -1e9 in realformer.model.attention), so a row
+# whose real keys are all padding still spreads evenly over those keys alone.
+_BLOCK_PADDING = -3e9
+_LANES = 128
+_TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
+_TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+  """Static sizes, the dropout constants and which logits the kernels compute."""
+  q_len: int  # padded
+  k_len: int  # padded
+  head_dim: int
+  block: int
+  rate: float
+  mask_q_len: int  # Tq before padding: the mask's rows count it
+  k_real: int  # Tk before padding
+  term_batch: int = 0  # 0 (no term), 1 (shared by the batch) or B
+  scores: bool = False
+  scaled: bool = False
+
+  @property
+  def sm_scale(self) -> float:
+    return 1.0 / math.sqrt(self.head_dim)
+
+  @property
+  def threshold(self) -> int:
+    return dropout_lib.keep_threshold(self.rate)
+
+  @property
+  def keep_scale(self) -> float:
+    return dropout_lib.keep_scale(self.rate)
+
+  @property
+  def dropout(self) -> bool:
+    return self.threshold > 0
+
+
+def _keep(d: _Dims, seed_ref, offsets_ref, b, h, q_tile, k_tile):
+  """keep_mask's mask of the tile [block, block] at query tile q_tile, key tile k_tile of
+  sequence b (local), head h (local): int32 threefry, word k % 4 of block k // 4."""
+  base = ((b + offsets_ref[0]) * offsets_ref[2] + h + offsets_ref[1]) * d.mask_q_len
+  shape = (d.block, d.block)
+  rows = base + q_tile * d.block + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  keys = k_tile * d.block + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  b1, b2 = threefry2x32(seed_ref[0], seed_ref[1], rows, keys >> 2)
+  word = keys & 3
+  half = jnp.where(word < 2, b1, b2)
+  bits = jnp.where((word & 1) == 0, half, half >> 16) & 0xFFFF
+  return bits >= d.threshold
+
+
+def _drop(d: _Dims, x, keep):
+  return x if keep is None else jnp.where(keep, x * d.keep_scale, 0.0)
+
+
+def _column(row):
+  """[1, n] -> [n, 1] (a lane-dense row statistic against a tile's rows)."""
+  n = row.shape[1]
+  return jnp.transpose(jnp.broadcast_to(row, (_LANES, n)))[:, :1]
+
+
+def _row(column):
+  """[n, 1] -> [1, n]."""
+  n = column.shape[0]
+  return jnp.transpose(jnp.broadcast_to(column, (n, _LANES)))[:1, :]
+
+
+def _logits(d: _Dims, q, k, term, scale_ref):
+  """(own = q k^T / sqrt(d) + term, own * scale) of one tile, float32."""
+  own = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32) * d.sm_scale
+  if term is not None:
+    own = own + term.astype(jnp.float32)
+  return own, (own * scale_ref[0] if d.scaled else own)
+
+
+def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, *refs,
+                    d: _Dims):
+  refs = list(refs)
+  term_ref = refs.pop(0) if d.term_batch else None
+  o_ref, m_ref, log_l_ref = refs[:3]
+  scores_ref = refs[3] if d.scores else None
+  m_sc, l_sc, acc_sc = refs[-3:]
+  b, h, i, j = (pl.program_id(a) for a in range(4))
+
+  @pl.when(j == 0)
+  def _():
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  own, logits = _logits(d, q_ref[...], k_ref[...], None if term_ref is None else term_ref[...],
+                        scale_ref)
+  if scores_ref is not None:
+    scores_ref[...] = own.astype(scores_ref.dtype)
+  s = logits + bias_ref[...]
+  m_prev = m_sc[...]
+  m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+  alpha = jnp.exp(m_prev - m_new)
+  p = jnp.exp(s - m_new)
+  l_sc[...] = alpha * l_sc[...] + p.sum(axis=1, keepdims=True)
+  m_sc[...] = m_new
+  keep = _keep(d, seed_ref, offsets_ref, b, h, i, j) if d.dropout else None
+  v = v_ref[...]
+  acc_sc[...] = alpha * acc_sc[...] + jnp.dot(_drop(d, p, keep).astype(v.dtype), v,
+                                              preferred_element_type=jnp.float32)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    l = l_sc[...]
+    o_ref[...] = (acc_sc[...] / l).astype(o_ref.dtype)
+    m_ref[...] = _row(m_sc[...])
+    log_l_ref[...] = _row(jnp.log(l))
+
+
+def _probabilities(d, q, k, term, bias, m, log_l, scale_ref):
+  _, logits = _logits(d, q, k, term, scale_ref)
+  return jnp.exp((logits + bias - _column(m)) - _column(log_l))
+
+
+def _dkv_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref,
+                log_l_ref, delta_ref, *refs, d: _Dims):
+  refs = list(refs)
+  term_ref = refs.pop(0) if d.term_batch else None
+  dscores_ref = refs.pop(0) if d.scores else None
+  dk_ref, dv_ref = refs[:2]
+  dlogits_ref = refs[2] if d.term_batch else None
+  dk_sc, dv_sc = refs[-2:]
+  b, h, j, i = (pl.program_id(a) for a in range(4))  # key tile j, query tile i (inner)
+
+  @pl.when(i == 0)
+  def _():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+  p = _probabilities(d, q, k, None if term_ref is None else term_ref[...], bias_ref[...],
+                     m_ref[...], log_l_ref[...], scale_ref)
+  keep = _keep(d, seed_ref, offsets_ref, b, h, i, j) if d.dropout else None
+  dv_sc[...] += jax.lax.dot_general(_drop(d, p, keep).astype(do.dtype), do, _TRANS_A,
+                                    preferred_element_type=jnp.float32)
+  dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32), keep)
+  ds = p * (dp - _column(delta_ref[...]))
+  if d.scaled:
+    ds = ds * scale_ref[0]
+  if dscores_ref is not None:
+    ds = ds + dscores_ref[...].astype(jnp.float32)
+  if dlogits_ref is not None:
+    dlogits_ref[...] = ds.astype(dlogits_ref.dtype)
+  dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A,
+                                    preferred_element_type=jnp.float32)
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _():
+    dk_ref[...] = (dk_sc[...] * d.sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref,
+               log_l_ref, delta_ref, *refs, d: _Dims):
+  """Plain attention (no term): the probabilities and their gradient rebuilt."""
+  dq_ref, dq_sc = refs
+  b, h, i, j = (pl.program_id(a) for a in range(4))
+
+  @pl.when(j == 0)
+  def _():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+  p = _probabilities(d, q, k, None, bias_ref[...], m_ref[...], log_l_ref[...], scale_ref)
+  keep = _keep(d, seed_ref, offsets_ref, b, h, i, j) if d.dropout else None
+  dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32), keep)
+  ds = p * (dp - _column(delta_ref[...]))
+  if d.scaled:
+    ds = ds * scale_ref[0]
+  dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    dq_ref[...] = (dq_sc[...] * d.sm_scale).astype(dq_ref.dtype)
+
+
+def _dq_from_logits_kernel(k_ref, dlogits_ref, dq_ref, dq_sc, *, d: _Dims):
+  """With a term: dQ = dlogits K / sqrt(d), from the gradient the dK/dV kernel wrote."""
+  j = pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  k = k_ref[...]
+  dq_sc[...] += jnp.dot(dlogits_ref[...].astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    dq_ref[...] = (dq_sc[...] * d.sm_scale).astype(dq_ref.dtype)
+
+
+class _Specs:
+  """BlockSpecs over grid (b, h, outer tile, inner tile); `by_q`: the outer tile counts
+  queries (forward, dQ), else keys (dK/dV)."""
+
+  def __init__(self, d: _Dims, by_q: bool):
+    self.d, self.by_q = d, by_q
+
+  def _qk(self, i, j):  # (query tile, key tile) of grid indices (outer, inner)
+    return (i, j) if self.by_q else (j, i)
+
+  def queries(self):  # [B, H, Tq, D] at the query tile
+    return pl.BlockSpec((None, None, self.d.block, self.d.head_dim),
+                        lambda b, h, i, j: (b, h, self._qk(i, j)[0], 0))
+
+  def keys(self):  # [B, H, Tk, D] at the key tile
+    return pl.BlockSpec((None, None, self.d.block, self.d.head_dim),
+                        lambda b, h, i, j: (b, h, self._qk(i, j)[1], 0))
+
+  def key_bias(self):  # [B, 1, Tk]
+    return pl.BlockSpec((None, 1, self.d.block), lambda b, h, i, j: (b, 0, self._qk(i, j)[1]))
+
+  def row_stats(self):  # [B, H, 1, Tq]
+    return pl.BlockSpec((None, None, 1, self.d.block),
+                        lambda b, h, i, j: (b, h, 0, self._qk(i, j)[0]))
+
+  def tile(self, shared=False):  # [B or 1, H, Tq, Tk] at (query tile, key tile)
+    return pl.BlockSpec((None, None, self.d.block, self.d.block),
+                        lambda b, h, i, j: (0 if shared else b, h, *self._qk(i, j)))
+
+  @staticmethod
+  def smem():
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+def _call(kernel, d, grid, operands, out_specs, out_shape, scratch, interpret, name,
+          matmuls: int):
+  """pallas_call over grid (b, h, outer tile, inner tile: sequential); operands: (BlockSpec,
+  array) pairs. Its cost estimate states `matmuls` products of the real (unpadded) query and
+  key lengths, 2 Tq Tk D FLOPs each per sequence and head, and an exp per score: what
+  realformer.tools.hlo_stats counts for the kernel (padding is not the model's work)."""
+  specs, arrays = zip(*operands)
+  batch, heads = grid[:2]
+  scores = batch * heads * d.mask_q_len * d.k_real
+  nbytes = sum(x.size * x.dtype.itemsize for x in arrays) + sum(
+      math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(out_shape))
+  cost = pl.CostEstimate(flops=2 * matmuls * scores * d.head_dim,
+                         transcendentals=scores if matmuls > 1 else 0,
+                         bytes_accessed=int(nbytes))
+  params = pltpu.CompilerParams(
+      dimension_semantics=('parallel', 'parallel', 'parallel', 'arbitrary'))
+  return pl.pallas_call(functools.partial(kernel, d=d), grid=grid, in_specs=list(specs),
+                        out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
+                        compiler_params=params, interpret=interpret, name=name,
+                        cost_estimate=cost)(*arrays)
+
+
+def _common(ops, sp):
+  """The leading operands every kernel but dQ-from-logits reads."""
+  return [(sp.smem(), ops.seed), (sp.smem(), ops.offsets), (sp.smem(), ops.scalars),
+          (sp.queries(), ops.q), (sp.keys(), ops.k), (sp.keys(), ops.v),
+          (sp.key_bias(), ops.key_bias)]
+
+
+def _forward(ops, d: _Dims, interpret, scores_dtype):
+  batch, heads = ops.q.shape[:2]
+  sp = _Specs(d, by_q=True)
+  operands = _common(ops, sp)
+  if d.term_batch:
+    operands.append((sp.tile(d.term_batch == 1), ops.term))
+  stats = jax.ShapeDtypeStruct((batch, heads, 1, d.q_len), jnp.float32)
+  out_specs = [sp.queries(), sp.row_stats(), sp.row_stats()]
+  out_shape = [jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype), stats, stats]
+  if d.scores:
+    out_specs.append(sp.tile())
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), scores_dtype))
+  scratch = [pltpu.VMEM((d.block, 1), jnp.float32), pltpu.VMEM((d.block, 1), jnp.float32),
+             pltpu.VMEM((d.block, d.head_dim), jnp.float32)]
+  grid = (batch, heads, d.q_len // d.block, d.k_len // d.block)
+  out, m, log_l, *scores = _call(_forward_kernel, d, grid, operands, out_specs, out_shape,
+                                 scratch, interpret, 'flash_attention_tpu_forward', matmuls=2)
+  return out, (scores[0] if scores else None), (m, log_l)
+
+
+def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
+  batch, heads = ops.q.shape[:2]
+  m, log_l = stats
+  delta = jnp.einsum('bhqd,bhqd->bhq', out.astype(jnp.float32),
+                     dout.astype(jnp.float32))[:, :, None, :]
+  grid_k = (batch, heads, d.k_len // d.block, d.q_len // d.block)
+  sp = _Specs(d, by_q=False)
+  operands = _common(ops, sp) + [(sp.queries(), dout), (sp.row_stats(), m),
+                                 (sp.row_stats(), log_l), (sp.row_stats(), delta)]
+  if d.term_batch:
+    operands.append((sp.tile(d.term_batch == 1), ops.term))
+  if d.scores:
+    operands.append((sp.tile(), dscores))
+  k_shape = jax.ShapeDtypeStruct(ops.k.shape, ops.k.dtype)
+  out_specs, out_shape = [sp.keys(), sp.keys()], [k_shape, k_shape]
+  if d.term_batch:  # in the term's dtype, or q's where that is wider: dQ is read from it
+    out_specs.append(sp.tile())
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len),
+                                          jnp.promote_types(ops.term.dtype, ops.q.dtype)))
+  scratch = [pltpu.VMEM((d.block, d.head_dim), jnp.float32)] * 2
+  dk, dv, *dlogits = _call(_dkv_kernel, d, grid_k, operands, out_specs, out_shape, scratch,
+                           interpret, 'flash_attention_tpu_dkv', matmuls=4)
+  grid_q = (batch, heads, d.q_len // d.block, d.k_len // d.block)
+  sp = _Specs(d, by_q=True)
+  dq_shape = jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype)
+  scratch = [pltpu.VMEM((d.block, d.head_dim), jnp.float32)]
+  if d.term_batch:
+    dq = _call(_dq_from_logits_kernel, d, grid_q,
+               [(sp.keys(), ops.k), (sp.tile(), dlogits[0])], sp.queries(), dq_shape, scratch,
+               interpret, 'flash_attention_tpu_dq', matmuls=1)
+  else:
+    operands = _common(ops, sp) + [(sp.queries(), dout), (sp.row_stats(), m),
+                                   (sp.row_stats(), log_l), (sp.row_stats(), delta)]
+    dq = _call(_dq_kernel, d, grid_q, operands, sp.queries(), dq_shape, scratch, interpret,
+               'flash_attention_tpu_dq', matmuls=3)
+  return dq, dk, dv, (dlogits[0] if dlogits else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _flash(ops, static):
+  d, interpret, scores_dtype = static
+  return _forward(ops, d, interpret, scores_dtype)[:2]
+
+
+def _flash_fwd(ops, static):
+  d, interpret, scores_dtype = static
+  out, scores, stats = _forward(ops, d, interpret, scores_dtype)
+  return (out, scores), (ops, out, stats)
+
+
+def _flash_bwd(static, residuals, cotangents):
+  d, interpret, _ = static
+  ops, out, stats = residuals
+  dout, dscores = cotangents
+  dq, dk, dv, dlogits = _backward(ops, d, interpret, out, stats, dout, dscores)
+  dterm = None
+  if d.term_batch:  # a term shared by the batch gets the sum of its examples' gradients
+    dterm = (dlogits if d.term_batch == ops.q.shape[0] else
+             dlogits.sum(0, keepdims=True, dtype=jnp.float32)).astype(ops.term.dtype)
+  zeros = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+  return (Operands(dq, dk, dv, jnp.zeros_like(ops.key_bias), dterm,
+                   jnp.zeros_like(ops.scalars), zeros(ops.seed), zeros(ops.offsets)),)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
+                    term=None, logit_scale=None, scores_dtype=None,
+                    dropout_rate: float = 0.0, dropout_key=None, offsets=(0, 0, None),
+                    interpret: bool = False, block: int = _LANES):
+  """realformer.layers.flash_attention.flash_attention's contract on a TPU (see there):
+  returns out [B, Tq, H, D], or (out, scores [B, H, Tq, Tk]) with scores_dtype. block: the
+  tiles' queries and keys (a multiple of 128)."""
+  if dropout_rate > 0 and dropout_key is None:
+    raise ValueError('flash_attention with dropout needs dropout_key')
+  if scores_dtype is not None and term is None:
+    raise ValueError('flash_attention returns scores only with a term (RealFormer passes the '
+                     'previous layer\'s, zeros at the first)')
+  if block % _LANES:
+    raise ValueError(f'flash attention on a TPU: block={block} is not a multiple of 128')
+  batch, q_len, heads, head_dim = q.shape
+  k_len = k.shape[1]
+  if term is not None and (term.ndim != 4 or term.shape[0] not in (1, batch)
+                           or term.shape[1:] != (heads, q_len, k_len)):
+    raise ValueError(f'flash_attention: term {term.shape} is not [B or 1, H, Tq, Tk] = '
+                     f'[{batch} or 1, {heads}, {q_len}, {k_len}]')
+  pad_q, pad_k = _round_up(q_len, block) - q_len, _round_up(k_len, block) - k_len
+  heads_major = lambda x, pad: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0),) * 2 + ((0, pad),
+                                                                               (0, 0)))
+  key_bias = jnp.pad(key_bias.astype(jnp.float32), ((0, 0), (0, pad_k)),
+                     constant_values=_BLOCK_PADDING)[:, None, :]
+  if term is not None and (pad_q or pad_k):
+    term = jnp.pad(term, ((0, 0), (0, 0), (0, pad_q), (0, pad_k)))
+  d = _Dims(q_len + pad_q, k_len + pad_k, head_dim, block, float(dropout_rate), q_len, k_len,
+            term_batch=0 if term is None else term.shape[0], scores=scores_dtype is not None,
+            scaled=logit_scale is not None)
+  key = jnp.zeros((2,), jnp.uint32) if dropout_key is None else dropout_key
+  batch0, head0, total = offsets
+  ops = Operands(
+      q=heads_major(q, pad_q), k=heads_major(k, pad_k), v=heads_major(v, pad_k),
+      key_bias=key_bias, term=term,
+      scalars=jax.lax.stop_gradient(jnp.asarray(1.0 if logit_scale is None else logit_scale,
+                                                jnp.float32).reshape(1)),
+      seed=jnp.concatenate([jax.lax.bitcast_convert_type(
+          jnp.asarray(key, jnp.uint32).reshape(2), jnp.int32), jnp.zeros((1,), jnp.int32)]),
+      offsets=jnp.stack([jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32),
+                         jnp.asarray(heads if total is None else total, jnp.int32)]))
+  out, scores = _flash(ops, (d, interpret, scores_dtype))
+  out = jnp.swapaxes(out[:, :, :q_len], 1, 2)
+  if scores_dtype is None:
+    return out
+  return out, scores[:, :, :q_len, :k_len]
