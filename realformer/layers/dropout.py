@@ -20,6 +20,7 @@ implementation (rbg, unsafe_rbg: see JAX_DEFAULT_PRNG_IMPL) draws 16-bit uniform
 jax.random.bits instead.
 """
 
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -107,18 +108,49 @@ def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]):
   return keep, keep_scale(rate)
 
 
+def _dropped(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
+  keep, scale = keep_mask(key, rate, x.shape)
+  kept = (x.astype(jnp.float32) * scale).astype(x.dtype)  # scale rounded once, not twice
+  return jnp.where(keep, kept, jnp.zeros((), x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dropped_redrawn(x, key, rate):
+  return _dropped(x, key, rate)
+
+
+def _dropped_redrawn_fwd(x, key, rate):
+  return _dropped(x, key, rate), key
+
+
+def _dropped_redrawn_bwd(rate, key, g):
+  # The same mask, drawn again from the key: d(where(keep, x * s, 0)) = where(keep, g * s, 0).
+  zero = np.zeros(key.shape, jax.dtypes.float0)
+  return _dropped(g, key, rate), zero
+
+
+_dropped_redrawn.defvjp(_dropped_redrawn_fwd, _dropped_redrawn_bwd)
+
+
 class Dropout(nn.Module):
-  """Drop-in for nn.Dropout(rate)(x, deterministic) with the cheaper masks above."""
+  """Drop-in for nn.Dropout(rate)(x, deterministic) with the cheaper masks above.
+
+  redraw: keep only the key for the backward pass and draw the mask again there, instead of
+  keeping the boolean mask (a byte an element): the same values and gradients, for the
+  price of a second draw (realformer.model.encoder.recomputes_elementwise: on accelerators).
+  """
   rate: float
   rng_collection: str = 'dropout'
+  redraw: bool = False
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
     if deterministic or self.rate == 0.0:
       return x
-    keep, scale = keep_mask(self.make_rng(self.rng_collection), self.rate, x.shape)
-    kept = (x.astype(jnp.float32) * scale).astype(x.dtype)  # scale rounded once, not twice
-    return jnp.where(keep, kept, jnp.zeros((), x.dtype))
+    key = self.make_rng(self.rng_collection)
+    if self.redraw:
+      return _dropped_redrawn(x, key, self.rate)
+    return _dropped(x, key, self.rate)
 
   def threefry_key(self) -> jax.Array:
     """The uint32[2] threefry key data that __call__ would draw its mask from: the same

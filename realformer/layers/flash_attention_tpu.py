@@ -275,7 +275,7 @@ class _Specs:
 
 
 def _call(kernel, d, grid, operands, out_specs, out_shape, scratch, interpret, name,
-          matmuls: int):
+          matmuls: int, aliases=None):
   """pallas_call over grid (b, h, outer tile, inner tile: sequential); operands: (BlockSpec,
   array) pairs. Its cost estimate states `matmuls` products of the real (unpadded) query and
   key lengths, 2 Tq Tk D FLOPs each per sequence and head, and an exp per score: what
@@ -293,7 +293,7 @@ def _call(kernel, d, grid, operands, out_specs, out_shape, scratch, interpret, n
   return pl.pallas_call(functools.partial(kernel, d=d), grid=grid, in_specs=list(specs),
                         out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
                         compiler_params=params, interpret=interpret, name=name,
-                        cost_estimate=cost)(*arrays)
+                        cost_estimate=cost, input_output_aliases=aliases or {})(*arrays)
 
 
 def _common(ops, sp):
@@ -334,17 +334,21 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
                                  (sp.row_stats(), log_l), (sp.row_stats(), delta)]
   if d.term_batch:
     operands.append((sp.tile(d.term_batch == 1), ops.term))
+  aliases = None
+  if d.term_batch:  # in the term's dtype, or q's where that is wider: dQ is read from it
+    dlogits_dtype = jnp.promote_types(ops.term.dtype, ops.q.dtype)
   if d.scores:
     operands.append((sp.tile(), dscores))
+    if dscores.dtype == dlogits_dtype:  # written over the incoming gradient, tile by tile
+      aliases = {len(operands) - 1: 2}
   k_shape = jax.ShapeDtypeStruct(ops.k.shape, ops.k.dtype)
   out_specs, out_shape = [sp.keys(), sp.keys()], [k_shape, k_shape]
-  if d.term_batch:  # in the term's dtype, or q's where that is wider: dQ is read from it
+  if d.term_batch:
     out_specs.append(sp.tile())
-    out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len),
-                                          jnp.promote_types(ops.term.dtype, ops.q.dtype)))
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), dlogits_dtype))
   scratch = [pltpu.VMEM((d.block, d.head_dim), jnp.float32)] * 2
   dk, dv, *dlogits = _call(_dkv_kernel, d, grid_k, operands, out_specs, out_shape, scratch,
-                           interpret, 'flash_attention_tpu_dkv', matmuls=4)
+                           interpret, 'flash_attention_tpu_dkv', matmuls=4, aliases=aliases)
   grid_q = (batch, heads, d.q_len // d.block, d.k_len // d.block)
   sp = _Specs(d, by_q=True)
   dq_shape = jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype)
@@ -361,15 +365,50 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   return dq, dk, dv, (dlogits[0] if dlogits else None)
 
 
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _heads_major(x, d: _Dims):
+  """[B, T, H, D] -> [B, H, T padded to whole tiles, D]."""
+  return jnp.pad(jnp.swapaxes(x, 1, 2),
+                 ((0, 0), (0, 0), (0, _round_up(x.shape[1], d.block) - x.shape[1]), (0, 0)))
+
+
+def _tokens_major(x, length):
+  """[B, H, T padded, D] -> [B, length, H, D]."""
+  return jnp.swapaxes(x[:, :, :length], 1, 2)
+
+
+def _padded_pairs(x, d: _Dims):
+  """[., H, Tq, Tk] -> padded to whole tiles."""
+  if x is None or x.shape[2:] == (d.q_len, d.k_len):
+    return x
+  return jnp.pad(x, ((0, 0), (0, 0), (0, d.q_len - x.shape[2]), (0, d.k_len - x.shape[3])))
+
+
+def _kernel_layout(ops: Operands, d: _Dims) -> Operands:
+  """The operands as the kernels read them: heads-major, padded to whole tiles."""
+  bias = jnp.pad(ops.key_bias, ((0, 0), (0, d.k_len - d.k_real)),
+                 constant_values=_BLOCK_PADDING)[:, None, :]
+  return ops._replace(q=_heads_major(ops.q, d), k=_heads_major(ops.k, d),
+                      v=_heads_major(ops.v, d), key_bias=bias, term=_padded_pairs(ops.term, d))
+
+
+# The custom VJP takes and keeps the operands in the caller's layout ([B, T, H, D], unpadded):
+# its residual `out` is then the very array the output projection keeps as its input, not a
+# heads-major copy of it; the backward transposes again (a pass over [B, T, H, D] arrays).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _flash(ops, static):
-  d, interpret, scores_dtype = static
-  return _forward(ops, d, interpret, scores_dtype)[:2]
+  return _flash_fwd(ops, static)[0]
 
 
 def _flash_fwd(ops, static):
   d, interpret, scores_dtype = static
-  out, scores, stats = _forward(ops, d, interpret, scores_dtype)
+  out, scores, stats = _forward(_kernel_layout(ops, d), d, interpret, scores_dtype)
+  out = _tokens_major(out, d.mask_q_len)
+  if scores is not None:
+    scores = scores[:, :, :d.mask_q_len, :d.k_real]
   return (out, scores), (ops, out, stats)
 
 
@@ -377,21 +416,20 @@ def _flash_bwd(static, residuals, cotangents):
   d, interpret, _ = static
   ops, out, stats = residuals
   dout, dscores = cotangents
-  dq, dk, dv, dlogits = _backward(ops, d, interpret, out, stats, dout, dscores)
+  dq, dk, dv, dlogits = _backward(_kernel_layout(ops, d), d, interpret, _heads_major(out, d),
+                                  stats, _heads_major(dout, d), _padded_pairs(dscores, d))
   dterm = None
   if d.term_batch:  # a term shared by the batch gets the sum of its examples' gradients
+    dlogits = dlogits[:, :, :d.mask_q_len, :d.k_real]
     dterm = (dlogits if d.term_batch == ops.q.shape[0] else
              dlogits.sum(0, keepdims=True, dtype=jnp.float32)).astype(ops.term.dtype)
   zeros = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  return (Operands(dq, dk, dv, jnp.zeros_like(ops.key_bias), dterm,
+  return (Operands(_tokens_major(dq, d.mask_q_len), _tokens_major(dk, d.k_real),
+                   _tokens_major(dv, d.k_real), jnp.zeros_like(ops.key_bias), dterm,
                    jnp.zeros_like(ops.scalars), zeros(ops.seed), zeros(ops.offsets)),)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
@@ -414,21 +452,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
                            or term.shape[1:] != (heads, q_len, k_len)):
     raise ValueError(f'flash_attention: term {term.shape} is not [B or 1, H, Tq, Tk] = '
                      f'[{batch} or 1, {heads}, {q_len}, {k_len}]')
-  pad_q, pad_k = _round_up(q_len, block) - q_len, _round_up(k_len, block) - k_len
-  heads_major = lambda x, pad: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0),) * 2 + ((0, pad),
-                                                                               (0, 0)))
-  key_bias = jnp.pad(key_bias.astype(jnp.float32), ((0, 0), (0, pad_k)),
-                     constant_values=_BLOCK_PADDING)[:, None, :]
-  if term is not None and (pad_q or pad_k):
-    term = jnp.pad(term, ((0, 0), (0, 0), (0, pad_q), (0, pad_k)))
-  d = _Dims(q_len + pad_q, k_len + pad_k, head_dim, block, float(dropout_rate), q_len, k_len,
-            term_batch=0 if term is None else term.shape[0], scores=scores_dtype is not None,
-            scaled=logit_scale is not None)
+  d = _Dims(_round_up(q_len, block), _round_up(k_len, block), head_dim, block,
+            float(dropout_rate), q_len, k_len, term_batch=0 if term is None else term.shape[0],
+            scores=scores_dtype is not None, scaled=logit_scale is not None)
   key = jnp.zeros((2,), jnp.uint32) if dropout_key is None else dropout_key
   batch0, head0, total = offsets
   ops = Operands(
-      q=heads_major(q, pad_q), k=heads_major(k, pad_k), v=heads_major(v, pad_k),
-      key_bias=key_bias, term=term,
+      q=q, k=k, v=v, key_bias=key_bias.astype(jnp.float32), term=term,
       scalars=jax.lax.stop_gradient(jnp.asarray(1.0 if logit_scale is None else logit_scale,
                                                 jnp.float32).reshape(1)),
       seed=jnp.concatenate([jax.lax.bitcast_convert_type(
@@ -436,7 +466,4 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
       offsets=jnp.stack([jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32),
                          jnp.asarray(heads if total is None else total, jnp.int32)]))
   out, scores = _flash(ops, (d, interpret, scores_dtype))
-  out = jnp.swapaxes(out[:, :, :q_len], 1, 2)
-  if scores_dtype is None:
-    return out
-  return out, scores[:, :, :q_len, :k_len]
+  return out if scores_dtype is None else (out, scores)

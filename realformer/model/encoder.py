@@ -45,18 +45,42 @@ def layer_norm(spec: EncoderSpec, name: str):
   """LayerNorm computed in float32 (the policy for every dtype), its variance in two passes
   (mean of squared deviations, as BERT's tf.nn.moments and PyTorch compute it): flax's
   default E[x^2] - E[x]^2 cancels catastrophically when a row's mean is large against its
-  spread."""
-  return nn.LayerNorm(epsilon=spec.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32,
-                      use_fast_variance=False, name=name,
-                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)))
+  spread. On accelerators it keeps only its input for the backward pass and recomputes its
+  float32 work there (recomputes_elementwise)."""
+  cls = _RECOMPUTED_LAYER_NORM if recomputes_elementwise(spec) else nn.LayerNorm
+  return cls(epsilon=spec.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32,
+             use_fast_variance=False, name=name,
+             scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)))
+
+
+_RECOMPUTED_LAYER_NORM = nn.remat(nn.LayerNorm)
+
+
+def recomputes_elementwise(spec: EncoderSpec) -> bool:
+  """Whether the LayerNorms and the MLP's GELU are rematerialised (jax.checkpoint around each,
+  the same operations, so the same values and gradients bit for bit): on GPUs and TPUs, where
+  what they would save otherwise (a LayerNorm's float32 centred and normalised copies of its
+  input, GELU's intermediates) was most of a layer's memory once attention kept nothing
+  [B, H, T, T] (BENCHMARKS.md: the launch check of BERT-large), and the recomputation is
+  memory-bound element-wise work. Not on the CPU, where it would cost time for memory that
+  a CPU run has."""
+  return spec.target_platform != 'cpu'
+
+
+def hidden_dropout(spec: EncoderSpec) -> dropout_lib.Dropout:
+  """BERT's dropout of the hidden states (embeddings, sublayer outputs); its mask drawn again
+  in the backward pass where recomputes_elementwise."""
+  return dropout_lib.Dropout(spec.dropout_rate, redraw=recomputes_elementwise(spec))
 
 
 def gelu(spec: EncoderSpec, x):
   """GELU in the MLP and the MLM head: model.gelu 'erf' is the exact x * Phi(x) (HF's BERT and
   Google's released BERT checkpoints); 'tanh' is the approximation that google-research/bert
-  (since February 2019) and the official RealFormer code compute."""
-  return nn.gelu(x, approximate=spec.gelu == 'tanh')
+  (since February 2019) and the official RealFormer code compute. Rematerialised where
+  recomputes_elementwise."""
+  fn = functools.partial(nn.gelu, approximate=spec.gelu == 'tanh')
+  return jax.checkpoint(fn)(x) if recomputes_elementwise(spec) else fn(x)
 
 
 def _embed(num, features, axes, spec, name):
@@ -91,7 +115,7 @@ class Embeddings(nn.Module):
     x = x + functools.reduce(jnp.add, (jnp.where(segments == k, table[k], 0).astype(s.dtype)
                                        for k in range(s.type_vocab_size)))
     x = layer_norm(s, 'layer_norm')(x).astype(s.dtype)
-    return dropout_lib.Dropout(s.dropout_rate)(x, deterministic=deterministic)
+    return hidden_dropout(s)(x, deterministic=deterministic)
 
 
 class Mlp(nn.Module):
@@ -121,7 +145,7 @@ class Block(nn.Module):
     x, scores = carry
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
     attention = attn_lib.SelfAttention(s, name='attention')
-    drop = lambda y: dropout_lib.Dropout(s.dropout_rate)(y, deterministic=self.deterministic)
+    drop = lambda y: hidden_dropout(s)(y, deterministic=self.deterministic)
     kw = dict(deterministic=self.deterministic, capture_attention=self.capture_attention)
     residual = x if rows is None else take_rows(x, rows)
     if s.block == 'post_ln':  # BERT: LN(x + Sublayer(x))

@@ -1,0 +1,70 @@
+"""What a training step keeps for its backward pass on accelerators
+(encoder.recomputes_elementwise): the LayerNorms and GELU rematerialised, the hidden dropout's
+mask drawn again from its key, and the flash kernels keeping nothing [B, H, T, T] but
+RealFormer's carry. The same values and gradients as what the CPU keeps, bit for bit, with
+fewer residuals (the arrays jax.vjp's closure keeps)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realformer import models
+from realformer.layers import dropout as dropout_lib
+from realformer.model import encoder
+from realformer.model.spec import resolve
+from tests.test_models import make_batch, perturbed_params, small_config
+
+
+def _residual_shapes(f, *args):
+  """(shape, dtype) of each array the backward of f keeps: the leaves of its VJP closure."""
+  _, vjp = jax.vjp(f, *args)
+  return [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(vjp)]
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_redrawn_dropout_keeps_only_its_key(dtype):
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 64)).astype(dtype)
+  w = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+  rngs = {'dropout': jax.random.PRNGKey(2)}
+
+  def loss(redraw):
+    return lambda x: jnp.sum(dropout_lib.Dropout(0.3, redraw=redraw).apply(
+        {}, x, False, rngs=rngs).astype(jnp.float32) * w)
+
+  kept, redrawn = loss(False), loss(True)
+  np.testing.assert_array_equal(redrawn(x), kept(x))
+  np.testing.assert_array_equal(jax.grad(redrawn)(x), jax.grad(kept)(x))
+  assert ((4, 8, 64), 'bool') in _residual_shapes(kept, x)
+  assert ((4, 8, 64), 'bool') not in _residual_shapes(redrawn, x)
+  # beside the loss's own weights, at most the key
+  assert len(_residual_shapes(redrawn, x)) < len(_residual_shapes(kept, x))
+
+
+def test_on_accelerators_the_layer_recomputes_its_elementwise_work_with_the_same_numbers():
+  """A Post-LN model specified for a GPU, run on this CPU (flax's dense layers and the plain
+  attention path on both sides, float32): the same hidden states and parameter gradients
+  under dropout as the CPU's model, bit for bit, keeping fewer float32 [B, T, D] arrays and
+  no boolean mask of the hidden dropout."""
+  cfg = small_config('postln', dense_impl='flax', attention_dropout_rate=0.1, dropout_rate=0.1)
+  cpu, gpu = (resolve(cfg, platform=p) for p in ('cpu', 'gpu'))
+  assert not encoder.recomputes_elementwise(cpu) and encoder.recomputes_elementwise(gpu)
+  batch = make_batch()
+  ours = {p: models.build(resolve(cfg, platform=p), head='encoder') for p in ('cpu', 'gpu')}
+  params = perturbed_params(ours['cpu'], batch)
+  rngs = {'dropout': jax.random.PRNGKey(5)}
+
+  def loss(model):
+    return lambda p: jnp.sum(model.apply({'params': p}, batch, deterministic=False,
+                                         rngs=rngs).hidden ** 2)
+
+  for f in (lambda m: loss(m)(params), lambda m: jax.grad(loss(m))(params)):
+    for a, b in zip(jax.tree.leaves(f(ours['cpu'])), jax.tree.leaves(f(ours['gpu']))):
+      np.testing.assert_array_equal(b, a)
+  b, t = batch['input_ids'].shape
+  hidden = ((b, t, cfg.hidden_size), 'float32')
+  kept = {p: _residual_shapes(loss(m), params) for p, m in ours.items()}
+  assert kept['gpu'].count(hidden) < kept['cpu'].count(hidden)
+  # one boolean mask per hidden dropout fewer: the embeddings' and two in each layer
+  mask = ((b, t, cfg.hidden_size), 'bool')
+  assert kept['cpu'].count(mask) - kept['gpu'].count(mask) == 1 + 2 * cfg.num_layers
