@@ -83,7 +83,9 @@ def run(args):
     with open(args.out) as f:
       done = {key(json.loads(l)['cell']) for l in f if l.strip()}
   index, count = (int(x) for x in args.shard.split('/'))
-  todo = [c for i, c in enumerate(cells()) if i % count == index and key(c) not in done]
+  only = dict(kv.split('=', 1) for kv in filter(None, args.only.split(',')))
+  todo = [c for i, c in enumerate(cells()) if i % count == index and key(c) not in done
+          and all(str(c[k]) == v for k, v in only.items())]
   targets = {}
   for cell in todo:
     start = time.time()
@@ -323,6 +325,9 @@ if __name__ == '__main__':
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--out', required=True)
   p.add_argument('--shard', default='0/1', help='i/n: run every n-th cell from i')
+  p.add_argument('--only', default='',
+                 help='cells whose fields have these values, e.g. '
+                 'target=v5p:2x2x1,mesh=fsdp,length=512 (the fields of key())')
   p.add_argument('--markdown', action='store_true', help='print the table from --out')
   p.add_argument('--check_estimates', type=int, default=0,
                  help='compile this many unresolved cells at their estimated largest batch '

@@ -1,5 +1,4 @@
-"""What a training step keeps for its backward pass on accelerators
-(encoder.recomputes_elementwise): the LayerNorms and GELU rematerialised, the hidden dropout's
+"""What a training step keeps for its backward pass on TPUs (encoder.recomputes_elementwise): the LayerNorms and GELU rematerialised, the hidden dropout's
 mask drawn again from its key, and the flash kernels keeping nothing [B, H, T, T] but
 RealFormer's carry. The same values and gradients as what the CPU keeps, bit for bit, with
 fewer residuals (the arrays jax.vjp's closure keeps)."""
@@ -41,16 +40,18 @@ def test_redrawn_dropout_keeps_only_its_key(dtype):
   assert len(_residual_shapes(redrawn, x)) < len(_residual_shapes(kept, x))
 
 
-def test_on_accelerators_the_layer_recomputes_its_elementwise_work_with_the_same_numbers():
-  """A Post-LN model specified for a GPU, run on this CPU (flax's dense layers and the plain
-  attention path on both sides, float32): the same hidden states and parameter gradients
-  under dropout as the CPU's model, bit for bit, keeping fewer float32 [B, T, D] arrays and
-  no boolean mask of the hidden dropout."""
-  cfg = small_config('postln', dense_impl='flax', attention_dropout_rate=0.1, dropout_rate=0.1)
-  cpu, gpu = (resolve(cfg, platform=p) for p in ('cpu', 'gpu'))
-  assert not encoder.recomputes_elementwise(cpu) and encoder.recomputes_elementwise(gpu)
+def test_on_tpus_the_layer_recomputes_its_elementwise_work_with_the_same_numbers():
+  """A Post-LN model specified for a TPU, run on this CPU (flax's dense layers and the plain
+  attention path on both sides, float32, no attention dropout: the Mosaic kernel's own tests
+  are tests/test_flash_variants.py): the same hidden states and parameter gradients under
+  dropout as the CPU's model, bit for bit, keeping fewer float32 [B, T, D] arrays and no
+  boolean mask of the hidden dropout."""
+  cfg = small_config('postln', dense_impl='flax', attention_dropout_rate=0.0, dropout_rate=0.1)
+  cpu, tpu = (resolve(cfg, platform=p) for p in ('cpu', 'tpu'))
+  assert not encoder.recomputes_elementwise(cpu) and encoder.recomputes_elementwise(tpu)
+  assert not encoder.recomputes_elementwise(resolve(cfg, platform='gpu'))
   batch = make_batch()
-  ours = {p: models.build(resolve(cfg, platform=p), head='encoder') for p in ('cpu', 'gpu')}
+  ours = {p: models.build(resolve(cfg, platform=p), head='encoder') for p in ('cpu', 'tpu')}
   params = perturbed_params(ours['cpu'], batch)
   rngs = {'dropout': jax.random.PRNGKey(5)}
 
@@ -59,12 +60,12 @@ def test_on_accelerators_the_layer_recomputes_its_elementwise_work_with_the_same
                                          rngs=rngs).hidden ** 2)
 
   for f in (lambda m: loss(m)(params), lambda m: jax.grad(loss(m))(params)):
-    for a, b in zip(jax.tree.leaves(f(ours['cpu'])), jax.tree.leaves(f(ours['gpu']))):
+    for a, b in zip(jax.tree.leaves(f(ours['cpu'])), jax.tree.leaves(f(ours['tpu']))):
       np.testing.assert_array_equal(b, a)
   b, t = batch['input_ids'].shape
   hidden = ((b, t, cfg.hidden_size), 'float32')
   kept = {p: _residual_shapes(loss(m), params) for p, m in ours.items()}
-  assert kept['gpu'].count(hidden) < kept['cpu'].count(hidden)
+  assert kept['tpu'].count(hidden) < kept['cpu'].count(hidden)
   # one boolean mask per hidden dropout fewer: the embeddings' and two in each layer
   mask = ((b, t, cfg.hidden_size), 'bool')
-  assert kept['cpu'].count(mask) - kept['gpu'].count(mask) == 1 + 2 * cfg.num_layers
+  assert kept['cpu'].count(mask) - kept['tpu'].count(mask) == 1 + 2 * cfg.num_layers

@@ -376,15 +376,18 @@ class _Specs:
     return pl.BlockSpec((None, None, n_rows, n_groups, 4), at)
 
 
-def _call(kernel, d, tiling, grid, operands, out_specs, out_shape, interpret, name):
+def _call(kernel, d, tiling, grid, operands, out_specs, out_shape, interpret, name,
+          aliases=None):
   """pallas_call of `kernel` on d (already tiled, as the grid and specs are), with the
-  tiling's warps and pipeline stages; operands: (BlockSpec, array) pairs."""
+  tiling's warps and pipeline stages; operands: (BlockSpec, array) pairs; aliases: {operand
+  index: output index} written in place."""
   params = None if interpret else plgpu.CompilerParams(num_warps=tiling.num_warps,
                                                        num_stages=tiling.num_stages)
   specs, arrays = zip(*operands)
   return pl.pallas_call(functools.partial(kernel, d=d), grid=grid,
                         in_specs=list(specs), out_specs=out_specs, out_shape=out_shape,
-                        interpret=interpret, compiler_params=params, name=name)(*arrays)
+                        interpret=interpret, compiler_params=params, name=name,
+                        input_output_aliases=aliases or {})(*arrays)
 
 
 def _grouped(x):
@@ -448,17 +451,22 @@ def _dkv(args, d: _Dims, tiling: Tiling, interpret, dscores=None):
     operands.append((by_keys(d.term_batch == 1), _paired(ops.term)))
   if d.dropout:
     operands.append((sp.mask(d.q_len, lambda i: 0), mask))
+  aliases = None
+  if d.term_batch:  # in the term's dtype, or q's where that is wider: dQ is read from it
+    dlogits_dtype = jnp.promote_types(ops.term.dtype, ops.q.dtype)
   if d.scores:
     operands.append((by_keys(), _paired(dscores)))
+    if dscores.dtype == dlogits_dtype:  # written over the incoming gradient, tile by tile
+      aliases = {len(operands) - 1: 2}
   grouped_k = jax.ShapeDtypeStruct(_grouped(ops.k).shape, ops.k.dtype)
   out_specs, out_shape = [sp.k_block, sp.k_block], [grouped_k, grouped_k]
   if d.term_batch:
     out_specs.append(by_keys())
-    # In the term's dtype, or q's where that is wider: dQ is read from it.
     out_shape.append(jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len, d.groups, 4),
-                                          jnp.promote_types(ops.term.dtype, ops.q.dtype)))
+                                          dlogits_dtype))
   dk, dv, *dlogits = _call(_dkv_kernel, d, tiling, (d.batch, d.heads, d.groups // d.block_c),
-                           operands, out_specs, out_shape, interpret, 'flash_attention_dkv')
+                           operands, out_specs, out_shape, interpret, 'flash_attention_dkv',
+                           aliases)
   dlogits = dlogits[0].reshape(d.batch, d.heads, d.q_len, d.k_len) if dlogits else None
   return dk, dv, dlogits
 
@@ -520,18 +528,18 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # Below the scores of padding keys (NEG_INF = -1e9 in realformer.model.attention), so a row
 # whose real keys are all padding still spreads evenly over those keys alone.
-_BLOCK_PADDING = -3e9
+BLOCK_PADDING = -3e9
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
 def _least_padding(n: int, options: Tuple[int, ...]) -> int:
   """The largest block (options: descending) that pads n by at most an eighth, else the one
   that pads it least."""
-  fits = [b for b in options if _round_up(n, b) - n <= n // 8]
-  return fits[0] if fits else min(options, key=lambda b: (_round_up(n, b), -b))
+  fits = [b for b in options if round_up(n, b) - n <= n // 8]
+  return fits[0] if fits else min(options, key=lambda b: (round_up(n, b), -b))
 
 
 def default_tilings(q_len: int, k_len: int) -> Tilings:
@@ -590,14 +598,14 @@ def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings
   scale, the dropout seed, the offsets as int32 [3] (Operands), and the static _Dims
   (benchmarks/flash_tiles.py times the kernels one by one from these)."""
   q_len, k_len = q.shape[1], k.shape[1]
-  pad_q = _round_up(q_len, tilings.block_q) - q_len
-  pad_k = _round_up(k_len, 4 * tilings.block_c) - k_len
+  pad_q = round_up(q_len, tilings.block_q) - q_len
+  pad_k = round_up(k_len, 4 * tilings.block_c) - k_len
   key_bias = key_bias.astype(jnp.float32)
   if pad_q:
     q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
   if pad_k:
     k, v = (jnp.pad(x, ((0, 0), (0, pad_k), (0, 0), (0, 0))) for x in (k, v))
-    key_bias = jnp.pad(key_bias, ((0, 0), (0, pad_k)), constant_values=_BLOCK_PADDING)
+    key_bias = jnp.pad(key_bias, ((0, 0), (0, pad_k)), constant_values=BLOCK_PADDING)
   term_batch = 0
   if term is not None:
     if term.ndim != 4 or term.shape[0] not in (1, q.shape[0]) or term.shape[1:] != (

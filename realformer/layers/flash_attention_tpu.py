@@ -32,6 +32,7 @@ realformer.layers.flash_attention calls it per shard.
 import dataclasses
 import functools
 import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,11 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from realformer.layers import dropout as dropout_lib
-from realformer.layers.flash_attention import Operands, threefry2x32
+from realformer.layers.flash_attention import BLOCK_PADDING, Operands, round_up, threefry2x32
 
-# Below the scores of padding keys (NEG_INF = -1e9 in realformer.model.attention), so a row
-# whose real keys are all padding still spreads evenly over those keys alone.
-_BLOCK_PADDING = -3e9
 _LANES = 128
 _TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
 _TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
@@ -365,14 +363,10 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   return dq, dk, dv, (dlogits[0] if dlogits else None)
 
 
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
 def _heads_major(x, d: _Dims):
   """[B, T, H, D] -> [B, H, T padded to whole tiles, D]."""
   return jnp.pad(jnp.swapaxes(x, 1, 2),
-                 ((0, 0), (0, 0), (0, _round_up(x.shape[1], d.block) - x.shape[1]), (0, 0)))
+                 ((0, 0), (0, 0), (0, round_up(x.shape[1], d.block) - x.shape[1]), (0, 0)))
 
 
 def _tokens_major(x, length):
@@ -390,7 +384,7 @@ def _padded_pairs(x, d: _Dims):
 def _kernel_layout(ops: Operands, d: _Dims) -> Operands:
   """The operands as the kernels read them: heads-major, padded to whole tiles."""
   bias = jnp.pad(ops.key_bias, ((0, 0), (0, d.k_len - d.k_real)),
-                 constant_values=_BLOCK_PADDING)[:, None, :]
+                 constant_values=BLOCK_PADDING)[:, None, :]
   return ops._replace(q=_heads_major(ops.q, d), k=_heads_major(ops.k, d),
                       v=_heads_major(ops.v, d), key_bias=bias, term=_padded_pairs(ops.term, d))
 
@@ -452,7 +446,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
                            or term.shape[1:] != (heads, q_len, k_len)):
     raise ValueError(f'flash_attention: term {term.shape} is not [B or 1, H, Tq, Tk] = '
                      f'[{batch} or 1, {heads}, {q_len}, {k_len}]')
-  d = _Dims(_round_up(q_len, block), _round_up(k_len, block), head_dim, block,
+  d = _Dims(round_up(q_len, block), round_up(k_len, block), head_dim, block,
             float(dropout_rate), q_len, k_len, term_batch=0 if term is None else term.shape[0],
             scores=scores_dtype is not None, scaled=logit_scale is not None)
   key = jnp.zeros((2,), jnp.uint32) if dropout_key is None else dropout_key

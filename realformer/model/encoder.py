@@ -59,13 +59,15 @@ _RECOMPUTED_LAYER_NORM = nn.remat(nn.LayerNorm)
 
 def recomputes_elementwise(spec: EncoderSpec) -> bool:
   """Whether the LayerNorms and the MLP's GELU are rematerialised (jax.checkpoint around each,
-  the same operations, so the same values and gradients bit for bit): on GPUs and TPUs, where
-  what they would save otherwise (a LayerNorm's float32 centred and normalised copies of its
-  input, GELU's intermediates) was most of a layer's memory once attention kept nothing
-  [B, H, T, T] (BENCHMARKS.md: the launch check of BERT-large), and the recomputation is
-  memory-bound element-wise work. Not on the CPU, where it would cost time for memory that
-  a CPU run has."""
-  return spec.target_platform != 'cpu'
+  the same operations, so the same values and gradients bit for bit) and the hidden
+  dropout's masks drawn again in the backward pass from their keys: on TPUs, where what
+  they would keep otherwise (a LayerNorm's float32 centred and normalised copies of its
+  input, GELU's intermediates, a byte of mask an element) was most of a layer's memory once
+  attention kept nothing [B, H, T, T] (BENCHMARKS.md: the launch check of BERT-large), and
+  the recomputation is element-wise work beside the matrix units. Not on GPUs, whose step
+  time is dominated by such element-wise work and the threefry draws (docs/gpu.md), nor on
+  the CPU."""
+  return spec.target_platform == 'tpu'
 
 
 def hidden_dropout(spec: EncoderSpec) -> dropout_lib.Dropout:
