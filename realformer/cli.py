@@ -20,6 +20,8 @@ import types
 
 from absl import flags
 
+from realformer import platforms
+
 # The repository root: where the programs run and config file paths are relative to.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,6 +109,7 @@ def parse_flags(argv):
   here: ml_collections defers that error to the config's first use. While flags are
   parsed the only user code that runs is the --config file, so any other exception is
   that file's own failure (a syntax error, get_config raising)."""
+  platforms.skip_absent_tpu()  # before anything asks jax for its devices
   verbose = _verbose(argv)
   argv = [a for a in argv if a != '--verbose_errors']
   try:
@@ -266,7 +269,9 @@ def _message(e: BaseException) -> str:
 def run_main(main, *args, also=()):
   """main(*args) with user errors (USER_ERRORS, a busy workdir, and the types in `also`)
   as `error: <message>` and exit status 1 (the traceback with --verbose_errors or
-  REALFORMER_VERBOSE_ERRORS=1). Returns main's result."""
+  REALFORMER_VERBOSE_ERRORS=1). Returns main's result. Starts no TPU backend on a machine
+  without TPUs (platforms.skip_absent_tpu)."""
+  platforms.skip_absent_tpu()
   absl_logger = logging_std.getLogger('absl')  # also where absl's app.run does not handle it
   if not any(isinstance(f, QuietLibraries) for f in absl_logger.filters):
     absl_logger.addFilter(QuietLibraries())

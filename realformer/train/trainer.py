@@ -53,6 +53,7 @@ import optax
 from absl import logging
 
 from realformer import cli
+from realformer import platforms
 from realformer import storage
 from realformer.train import checkpoints
 from realformer.train import compile_cache
@@ -627,6 +628,7 @@ def run_program(fn: Callable[..., dict], *args) -> dict:
   loss as one line with status 1 (cli.run_main), and a summary that says a stop signal ended
   the run after saving ('preempted') exiting with the not-finished status (75), so that a
   scheduler requeues it."""
+  platforms.skip_absent_tpu()
   host_memory.keep_freed_memory()
   distributed.initialize_from_flags()
   compile_cache.enable_from_flags()

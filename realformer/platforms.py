@@ -1,0 +1,66 @@
+"""Which of jax's backends a program starts: TPUs only where a TPU is attached.
+
+libtpu, once installed (requirements-tpu.txt: for TPU VMs, and for compiling for TPU slices
+anywhere), makes jax try a TPU backend at its first device query on every machine, and on a
+machine without TPUs libtpu prints its failure to stderr ("Failed to find host bounds for
+accelerator type", "could not determine TPU accelerator type", "unexpected worker hostname")
+before jax falls back: it reads as a broken install. `skip_absent_tpu()`, called before the
+first device query, limits jax to the platforms this machine has when no TPU chip is on its
+PCI bus (jax's own probe, the one it uses to decide whether it runs on a TPU VM): NVIDIA or
+AMD GPUs where one is visible and jax's plugin for it is installed, and the CPU. A TPU VM,
+and any JAX_PLATFORMS the user set, are left alone. Every program calls it first: through
+realformer.cli (parse_flags, run_main) and trainer.run_program.
+"""
+
+import importlib.metadata
+import importlib.util
+import os
+import pkgutil
+
+from absl import logging
+
+
+def _plugins() -> set:
+  """Names of jax's installed PJRT plugins (entry points and jax_plugins modules)."""
+  names = set()
+  try:
+    names.update(ep.name for ep in importlib.metadata.entry_points(group='jax_plugins'))
+  except Exception:  # pylint: disable=broad-except
+    pass
+  spec = importlib.util.find_spec('jax_plugins')
+  if spec and spec.submodule_search_locations:
+    names.update(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations))
+  return names
+
+
+def platforms_here() -> str:
+  """The JAX_PLATFORMS this machine supports without a TPU: 'cuda,cpu', 'rocm,cpu' or
+  'cpu'."""
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  plugins = ' '.join(_plugins())
+  found = []
+  if 'cuda' in plugins and hardware_utils.has_visible_nvidia_gpu():
+    found.append('cuda')
+  if 'rocm' in plugins and hardware_utils.num_available_amd_gpus(stop_at=1):
+    found.append('rocm')
+  return ','.join(found + ['cpu'])
+
+
+def skip_absent_tpu() -> str:
+  """Limit jax to platforms_here() where libtpu is installed, no TPU chip is attached and
+  neither JAX_PLATFORMS nor jax_platforms says otherwise; before the first device query.
+  Returns the platforms set, or '' where nothing was changed. Sets JAX_PLATFORMS too, so
+  that worker processes start the same way."""
+  if os.environ.get('JAX_PLATFORMS', '').strip() or importlib.util.find_spec('libtpu') is None:
+    return ''
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  if jax.config.jax_platforms:
+    return ''
+  if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    return ''
+  platforms = platforms_here()
+  os.environ['JAX_PLATFORMS'] = platforms
+  jax.config.update('jax_platforms', platforms)
+  logging.info('libtpu is installed but no TPU is attached: jax platforms %s', platforms)
+  return platforms

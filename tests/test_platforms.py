@@ -1,0 +1,62 @@
+"""realformer.platforms: with libtpu installed and no TPU attached, a program starts jax on the
+machine's own platforms without a word from libtpu; a TPU VM and a user's JAX_PLATFORMS are
+left alone."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from realformer import platforms
+from tests.test_launch import needs_libtpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What a program does first (realformer.cli.run_main), then its first device query.
+PROGRAM = ('import jax, os; from realformer import cli; '
+           'print(cli.run_main(lambda: sorted({d.platform for d in jax.devices()})), '
+           'os.environ.get("JAX_PLATFORMS"))')
+
+
+def _start(**env):
+  clean = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+  return subprocess.run([sys.executable, '-c', PROGRAM], cwd=REPO, capture_output=True,
+                        text=True, timeout=120, env={**clean, 'TF_CPP_MIN_LOG_LEVEL': '0',
+                                                     **env})
+
+
+@needs_libtpu
+def test_a_cpu_start_with_libtpu_installed_says_nothing_of_tpus():
+  proc = _start()
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.split() == ["['cpu']", 'cpu']
+  assert 'tpu' not in proc.stderr.lower(), proc.stderr[-2000:]
+  # Without it, libtpu speaks (the reason for the module): the same start, jax left as it is.
+  noisy = subprocess.run(
+      [sys.executable, '-c', 'import jax; print(sorted({d.platform for d in jax.devices()}))'],
+      cwd=REPO, capture_output=True, text=True, timeout=120,
+      env={k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'})
+  assert noisy.returncode == 0 and 'tpu' in noisy.stderr.lower()
+
+
+def test_a_users_platforms_are_left_alone():
+  proc = _start(JAX_PLATFORMS='cpu')
+  assert proc.returncode == 0 and proc.stdout.split() == ["['cpu']", 'cpu']
+  assert platforms.skip_absent_tpu() == ''  # the tests' own JAX_PLATFORMS
+
+
+def test_an_attached_tpu_or_a_visible_gpu_is_kept(monkeypatch):
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv('JAX_PLATFORMS')
+  monkeypatch.setattr(platforms.importlib.util, 'find_spec',
+                      lambda name, *a: object() if name == 'libtpu' else None)
+  monkeypatch.setattr(hardware_utils, 'num_available_tpu_chips_and_device_id',
+                      lambda: (4, 'v5e'))
+  assert platforms.skip_absent_tpu() == ''  # a TPU VM: jax picks the TPU as before
+  assert 'JAX_PLATFORMS' not in os.environ
+  monkeypatch.setattr(platforms, '_plugins', lambda: {'xla_cuda12'})
+  monkeypatch.setattr(hardware_utils, 'has_visible_nvidia_gpu', lambda: True)
+  monkeypatch.setattr(hardware_utils, 'num_available_amd_gpus', lambda stop_at=None: 0)
+  assert platforms.platforms_here() == 'cuda,cpu'
+  monkeypatch.setattr(hardware_utils, 'has_visible_nvidia_gpu', lambda: False)
+  assert platforms.platforms_here() == 'cpu'
