@@ -18,11 +18,19 @@ PROGRAM = ('import jax, os; from realformer import cli; '
            'os.environ.get("JAX_PLATFORMS"))')
 
 
+def _clean_env():
+  """This process's environment as a fresh shell on this machine has it: without the tests'
+  JAX_PLATFORMS, and without the TPU description the launch check gives libtpu
+  (launch.tpu_target sets TPU_* variables in the process that runs it)."""
+  return {k: v for k, v in os.environ.items()
+          if k != 'JAX_PLATFORMS' and not k.startswith('TPU_')
+          and k != 'ALLOW_MULTIPLE_LIBTPU_LOAD'}
+
+
 def _start(**env):
-  clean = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
   return subprocess.run([sys.executable, '-c', PROGRAM], cwd=REPO, capture_output=True,
-                        text=True, timeout=120, env={**clean, 'TF_CPP_MIN_LOG_LEVEL': '0',
-                                                     **env})
+                        text=True, timeout=120,
+                        env={**_clean_env(), 'TF_CPP_MIN_LOG_LEVEL': '0', **env})
 
 
 @needs_libtpu
@@ -34,8 +42,7 @@ def test_a_cpu_start_with_libtpu_installed_says_nothing_of_tpus():
   # Without it, libtpu speaks (the reason for the module): the same start, jax left as it is.
   noisy = subprocess.run(
       [sys.executable, '-c', 'import jax; print(sorted({d.platform for d in jax.devices()}))'],
-      cwd=REPO, capture_output=True, text=True, timeout=120,
-      env={k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'})
+      cwd=REPO, capture_output=True, text=True, timeout=120, env=_clean_env())
   assert noisy.returncode == 0 and 'tpu' in noisy.stderr.lower()
 
 
