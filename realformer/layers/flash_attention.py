@@ -77,8 +77,30 @@ def _keep_words(seed_ref, rows, cols, threshold):
           (b2 & np.uint32(0xFFFF)) >= t, (b2 >> np.uint32(16)) >= t)
 
 
+class Constants:
+  """What both kernels derive from a dataclass's `head_dim` and dropout `rate`."""
+  head_dim: int
+  rate: float
+
+  @property
+  def sm_scale(self) -> float:
+    return 1.0 / math.sqrt(self.head_dim)
+
+  @property
+  def threshold(self) -> int:  # keep_mask's: drop where the 16-bit word is below
+    return dropout_lib.keep_threshold(self.rate)
+
+  @property
+  def keep_scale(self) -> float:
+    return dropout_lib.keep_scale(self.rate)
+
+  @property
+  def dropout(self) -> bool:
+    return self.threshold > 0
+
+
 @dataclasses.dataclass(frozen=True)
-class _Dims:
+class _Dims(Constants):
   """Static sizes, the dropout constants and which logits the kernels compute, shared by
   every kernel."""
   batch: int
@@ -97,22 +119,6 @@ class _Dims:
   @property
   def groups(self) -> int:  # threefry blocks per mask row
     return self.k_len // 4
-
-  @property
-  def sm_scale(self) -> float:
-    return 1.0 / math.sqrt(self.head_dim)
-
-  @property
-  def threshold(self) -> int:  # keep_mask's: drop where the 16-bit word is below
-    return dropout_lib.keep_threshold(self.rate)
-
-  @property
-  def keep_scale(self) -> float:
-    return dropout_lib.keep_scale(self.rate)
-
-  @property
-  def dropout(self) -> bool:
-    return self.threshold > 0
 
   def row_base(self, offsets_ref):
     """The mask row of this program's (b, h) and query 0: (b * H + h) * Tq, global."""

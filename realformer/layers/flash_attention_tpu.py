@@ -39,8 +39,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from realformer.layers import dropout as dropout_lib
-from realformer.layers.flash_attention import BLOCK_PADDING, Operands, round_up, threefry2x32
+from realformer.layers.flash_attention import (BLOCK_PADDING, Constants, Operands, round_up,
+                                               threefry2x32)
 
 _LANES = 128
 _TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
@@ -48,7 +48,7 @@ _TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
 
 
 @dataclasses.dataclass(frozen=True)
-class _Dims:
+class _Dims(Constants):
   """Static sizes, the dropout constants and which logits the kernels compute."""
   q_len: int  # padded
   k_len: int  # padded
@@ -60,22 +60,6 @@ class _Dims:
   term_batch: int = 0  # 0 (no term), 1 (shared by the batch) or B
   scores: bool = False
   scaled: bool = False
-
-  @property
-  def sm_scale(self) -> float:
-    return 1.0 / math.sqrt(self.head_dim)
-
-  @property
-  def threshold(self) -> int:
-    return dropout_lib.keep_threshold(self.rate)
-
-  @property
-  def keep_scale(self) -> float:
-    return dropout_lib.keep_scale(self.rate)
-
-  @property
-  def dropout(self) -> bool:
-    return self.threshold > 0
 
 
 def _keep(d: _Dims, seed_ref, offsets_ref, b, h, q_tile, k_tile):
