@@ -310,6 +310,17 @@ def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant, kernel
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=2e-5)
 
 
+def _summed(kernel, logit_scale, scores_dtype):
+  """loss(q, k, v, term, bias, key): the kernel's output (and scores) summed, under dropout."""
+  def loss(q, k, v, term, bias, key):
+    result = kernel(q, k, v, bias, term=term, logit_scale=logit_scale,
+                    scores_dtype=scores_dtype, dropout_rate=0.1, dropout_key=key)
+    out, scores = result if scores_dtype else (result, None)
+    total = out.astype(jnp.float32).sum()
+    return total + (scores.astype(jnp.float32).sum() if scores_dtype else 0.0)
+  return loss
+
+
 @pytest.mark.parametrize('term_batch,scores_dtype,logit_scale', [
     (4, jnp.float32, None), (4, jnp.bfloat16, 0.5), (1, None, None)])
 def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_scale):
@@ -320,14 +331,7 @@ def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_s
   term = jax.ShapeDtypeStruct((term_batch, 12, 512, 512), scores_dtype or jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
-  def loss(q, k, v, term, bias, key):
-    result = flash_lib.flash_attention(q, k, v, bias, term=term, logit_scale=logit_scale,
-                                       scores_dtype=scores_dtype, dropout_rate=0.1,
-                                       dropout_key=key)
-    out, scores = result if scores_dtype else (result, None)
-    total = out.astype(jnp.float32).sum()
-    return total + (scores.astype(jnp.float32).sum() if scores_dtype else 0.0)
-
+  loss = _summed(flash_lib.flash_attention, logit_scale, scores_dtype)
   with _an_h100():
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(
         q, q, q, term, bias, key).lower(lowering_platforms=('cuda',))
@@ -350,15 +354,10 @@ def test_mosaic_kernels_compile_for_tpu_slices(topology):
   data = NamedSharding(mesh, P('data'))
   for term_batch, scores_dtype, scale in ((0, None, None), (2 * n, jnp.float32, None),
                                           (2 * n, jnp.bfloat16, 0.5), (1, None, None)):
-    def step(q, k, v, bias, key, term):
-      def loss(q, k, v, term):
-        result = flash_tpu_lib.flash_attention(q, k, v, bias, term=term, logit_scale=scale,
-                                               scores_dtype=scores_dtype, dropout_rate=0.1,
-                                               dropout_key=key)
-        out, scores = result if scores_dtype else (result, None)
-        total = out.astype(jnp.float32).sum()
-        return total + (scores.astype(jnp.float32).sum() if scores_dtype else 0.0)
-      return jax.grad(loss, (0, 1, 2) + ((3,) if term_batch else ()))(q, k, v, term)
+    def step(q, k, v, bias, key, term, scale=scale, scores_dtype=scores_dtype):
+      loss = _summed(flash_tpu_lib.flash_attention, scale, scores_dtype)
+      return jax.grad(loss, (0, 1, 2) + ((3,) if term is not None else ()))(
+          q, k, v, term, bias, key)
 
     term_spec = None if not term_batch else P('data') if term_batch > 1 else P()
     local = jax.shard_map(step, mesh=mesh, in_specs=(P('data'),) * 4 + (P(), term_spec),
