@@ -137,7 +137,7 @@ class Dropout(nn.Module):
 
   redraw: keep only the key for the backward pass and draw the mask again there, instead of
   keeping the boolean mask (a byte an element): the same values and gradients, for the
-  price of a second draw (realformer.model.encoder.recomputes_elementwise: on accelerators).
+  price of a second draw (realformer.model.encoder.recomputes_elementwise: on TPUs).
   """
   rate: float
   rng_collection: str = 'dropout'

@@ -45,7 +45,7 @@ def layer_norm(spec: EncoderSpec, name: str):
   """LayerNorm computed in float32 (the policy for every dtype), its variance in two passes
   (mean of squared deviations, as BERT's tf.nn.moments and PyTorch compute it): flax's
   default E[x^2] - E[x]^2 cancels catastrophically when a row's mean is large against its
-  spread. On accelerators it keeps only its input for the backward pass and recomputes its
+  spread. On TPUs it keeps only its input for the backward pass and recomputes its
   float32 work there (recomputes_elementwise)."""
   cls = _RECOMPUTED_LAYER_NORM if recomputes_elementwise(spec) else nn.LayerNorm
   return cls(epsilon=spec.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32,
