@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-
 from realformer import platforms
 from tests.test_launch import needs_libtpu
 
