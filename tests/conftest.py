@@ -30,6 +30,11 @@ os.environ.setdefault('REALFORMER_CACHE', tempfile.mkdtemp(prefix='realformer_ca
 # The programs the tests start compile into this session's own cache, not the user's.
 os.environ.setdefault('REALFORMER_COMPILATION_CACHE', tempfile.mkdtemp(prefix='realformer_xla_'))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# PyPI's torch for Python 3.12 (the tests' HF reference) brings OpenAI's Triton, which torch
+# imports if it is there; loading its compiler into a process where jax has already lowered a
+# Pallas kernel to Triton (jaxlib's own) crashes the process. The tests use neither torch's
+# GPU code nor Triton's package: `import triton` fails here, and torch goes without it.
+sys.modules['triton'] = None
 
 # The tests' own compiles go through jax's persistent cache in a folder of this session's own
 # (always fresh: it is never shared with another machine, whose processor may differ): a test

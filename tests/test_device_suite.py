@@ -1,12 +1,15 @@
-"""benchmarks/device_suite.py --smoke in the project's environment: the train-step part (Post-LN,
-its flash-kernel contender and the HF peer) and the fine-tuning race run at tiny sizes and fill
-suite.json and suite.md. (.ci/device_smoke runs every part with every contender under the GPU
-image's package versions, and fails if one of them gives no row.)"""
+"""benchmarks/device_suite.py --smoke in the project's environment, which pins the GPU image's
+versions (benchmarks/device_image.txt): the train-step part (Post-LN, its flash-kernel contender
+and the HF peer) and the fine-tuning race run at tiny sizes, fill suite.json and suite.md, and
+import nothing the image lacks but the wheels that travel to it."""
 
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 
@@ -14,10 +17,60 @@ from tests.test_interop import needs_minilm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Written into a folder on the PYTHONPATH of the suite's processes: each one lists, as it
+# exits, the files of the modules it imported.
+_IMPORT_AUDIT = """
+import atexit, os, sys
+def _write_imported_files():
+  with open(os.path.join(os.environ['IMPORT_AUDIT_DIR'], f'{os.getpid()}.txt'), 'w') as f:
+    f.write('\\n'.join(getattr(m, '__file__', None) or '' for m in list(sys.modules.values())))
+atexit.register(_write_imported_files)
+"""
+
+
+def _name(distribution: str) -> str:
+  return re.sub(r'[-_.]+', '-', distribution).lower()
+
+
+def _image() -> dict[str, str]:
+  """benchmarks/device_image.txt: the image's distributions -> their version ('' if unread)."""
+  with open(os.path.join(REPO, 'benchmarks', 'device_image.txt'), encoding='utf-8') as f:
+    lines = [line.split('#')[0].strip() for line in f]
+  return {_name(n): v for n, _, v in (line.partition('==') for line in lines if line)}
+
+
+def _distributions_of(files: set[str]) -> set[str]:
+  """The installed distributions that hold these module files (the standard library's and
+  the repository's own hold none)."""
+  owner = {}
+  for dist in importlib.metadata.distributions():
+    for f in dist.files or ():
+      owner[os.path.realpath(dist.locate_file(f))] = _name(dist.metadata['Name'])
+  return {owner[f] for f in map(os.path.realpath, files) if f in owner}
+
+
+def test_the_pins_are_the_gpu_images_versions():
+  pins = {}
+  with open(os.path.join(REPO, 'requirements.txt'), encoding='utf-8') as f:
+    for line in f:
+      name, _, version = line.split('#')[0].strip().partition('==')
+      if version:
+        pins[_name(name)] = version
+  image = _image()
+  shared = {n for n in pins if image.get(n)}
+  assert {'jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'numpy'} <= shared
+  assert {n: pins[n] for n in shared} == {n: image[n] for n in shared}
+
 
 @needs_minilm
 def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
-  env = dict(os.environ, XLA_FLAGS='')  # one device, as on the lent machine
+  audit = tmp_path / 'audit'
+  (audit / 'path').mkdir(parents=True)
+  (audit / 'path' / 'sitecustomize.py').write_text(_IMPORT_AUDIT)
+  env = dict(os.environ, XLA_FLAGS='',  # one device, as on the lent machine
+             IMPORT_AUDIT_DIR=str(audit),
+             PYTHONPATH=os.pathsep.join([str(audit / 'path')] +
+                                        os.environ.get('PYTHONPATH', '').split(os.pathsep)))
   env.pop('REALFORMER_MINILM_DIR', None)
   proc = subprocess.run(
       [sys.executable, 'benchmarks/device_suite.py', '--smoke', '--parts', 'step128,finetune',
@@ -47,6 +100,20 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
   assert '| ours postln [fused_attention=flash, dropout in the kernel] |' in md and '| hf |' in md
   assert '| throughput vs HF |' in md and '| 1.00x |' in md  # HF's own row
   assert "Where ours postln [fused_attention=flash, dropout in the kernel]'s step goes (" in md
+  # What the image would lack: every process of the suite (the parts, the contenders, the
+  # fine-tuning runs, the HF peer) imported only the image's distributions and the carried ones.
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import device_suite  # pylint: disable=g-import-not-at-top
+  reports = list(audit.glob('*.txt'))
+  assert len(reports) >= 4
+  files = {f for r in reports for f in r.read_text().splitlines() if f.endswith('.py')}
+  stdlib = os.path.realpath(sysconfig.get_paths()['stdlib'])
+  imported = _distributions_of({f for f in files if not os.path.realpath(f).startswith(stdlib)})
+  assert {'jax', 'flax', 'torch', 'transformers', 'ml-collections'} <= imported
+  # (torch imports dill and optree where they are installed, as here for datasets and keras,
+  # and goes without them on the image)
+  allowed = set(_image()) | {_name(n) for n in device_suite.CARRIED_WHEELS} | {'dill', 'optree'}
+  assert imported - allowed == set()
 
 
 def test_an_unknown_part_or_variant_is_refused_in_one_line():

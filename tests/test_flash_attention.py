@@ -3,7 +3,6 @@ kernel (Pallas's interpreter on CPU) matches a float64 reference that drops keep
 outputs and gradients; inside the model it gives the plain path's outputs and gradients with
 attention dropout, sharded or not; and it lowers to Triton for CUDA from this CPU machine."""
 
-import contextlib
 
 import flax.linen as nn
 import jax
@@ -309,14 +308,10 @@ def test_forward_and_backward_lower_to_triton_for_cuda(seq_len, head_dim):
 
 
 def _an_h100():
-  """Where jax's Triton lowering asks which GPU it lowers for (jax 0.11 and later, the GPU
-  image's: .ci/device_smoke runs this file there), an abstract H100; before, nothing."""
-  try:
-    from jax._src.mesh import AbstractDevice  # pylint: disable=g-import-not-at-top
-    device = AbstractDevice(device_kind='NVIDIA H100 80GB HBM3', num_cores=132, platform='gpu')
-    mesh = jax.sharding.AbstractMesh((1,), ('x',), abstract_device=device)
-  except (ImportError, TypeError):
-    return contextlib.nullcontext()
+  """An abstract H100: jax's Triton lowering asks which GPU it lowers for."""
+  from jax._src.mesh import AbstractDevice  # pylint: disable=g-import-not-at-top
+  device = AbstractDevice(device_kind='NVIDIA H100 80GB HBM3', num_cores=132, platform='gpu')
+  mesh = jax.sharding.AbstractMesh((1,), ('x',), abstract_device=device)
   return jax.sharding.use_abstract_mesh(mesh)
 
 
