@@ -342,8 +342,9 @@ def copy_tree(local_dir: str, dest) -> None:
 # ---- Cloud Storage's own client (google-cloud-storage), for what gcsfs does not offer:
 # preconditions on writes and compose.
 
-# How long one request to the service may take, its retries included.
-REQUEST_SECONDS = 30.0
+# How long one request to the service may take, its retries included ($REALFORMER_STORAGE_SECONDS;
+# the tests, whose server is on 127.0.0.1, give up sooner when they stop it).
+REQUEST_SECONDS = float(os.environ.get('REALFORMER_STORAGE_SECONDS', 30))
 
 def gcs_client(url: str):
   """A google-cloud-storage client for the gs:// URL `url` (ValueError: no credentials)."""

@@ -1,5 +1,5 @@
 """Test setup: 8 fake CPU devices (sharding tests) compiling at -O0, the repository root on
-sys.path, and a compilation cache for the session."""
+sys.path, and a compilation cache for the run, shared by its workers."""
 import os
 import sys
 import tempfile
@@ -25,10 +25,29 @@ os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
 # Nothing asks a cloud metadata server: Google credential discovery (google-auth, gcsfs)
 # would try 169.254.169.254; here it finds a closed loopback port at once.
 os.environ['GCE_METADATA_HOST'] = os.environ['GCE_METADATA_IP'] = '127.0.0.1:9'
-# Local copies of bucket data (prepared shards) go to this session's own folder.
+
+
+def _run_folder() -> str:
+  """A folder of this test run's own, one for all of pytest-xdist's workers (named by the
+  run's id, which every worker has), else one for this process."""
+  run = os.environ.get('PYTEST_XDIST_TESTRUNUID')
+  if not run:
+    return tempfile.mkdtemp(prefix='realformer_tests_')
+  path = os.path.join(tempfile.gettempdir(), f'realformer_tests_{run}')
+  os.makedirs(path, exist_ok=True)
+  return path
+
+
+RUN_FOLDER = _run_folder()
+# The storage tests' server is on 127.0.0.1: a request it does not answer in 10 s never will
+# (the tests that stop it wait for the run to give up).
+os.environ.setdefault('REALFORMER_STORAGE_SECONDS', '10')
+# Local copies of bucket data (prepared shards) go to this process's own folder.
 os.environ.setdefault('REALFORMER_CACHE', tempfile.mkdtemp(prefix='realformer_cache_'))
-# The programs the tests start compile into this session's own cache, not the user's.
-os.environ.setdefault('REALFORMER_COMPILATION_CACHE', tempfile.mkdtemp(prefix='realformer_xla_'))
+# The programs the tests start (train.py, finetune.py) compile into this run's own cache, not
+# the user's, shared by the workers: a run that another worker's test already made loads its
+# programs.
+os.environ.setdefault('REALFORMER_COMPILATION_CACHE', os.path.join(RUN_FOLDER, 'programs'))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # PyPI's torch for Python 3.12 (the tests' HF reference) brings OpenAI's Triton, which torch
 # imports if it is there; loading its compiler into a process where jax has already lowered a
@@ -36,10 +55,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # GPU code nor Triton's package: `import triton` fails here, and torch goes without it.
 sys.modules['triton'] = None
 
-# The tests' own compiles go through jax's persistent cache in a folder of this session's own
-# (always fresh: it is never shared with another machine, whose processor may differ): a test
-# that trains, stops and resumes, or several tests building the same tiny model, compile each
-# program once. Programs that compile in under 0.1 s are not written.
+# The tests' own compiles go through jax's persistent cache in this run's folder (always
+# fresh: it is never shared with another machine, whose processor may differ), one for both
+# workers: a test that trains, stops and resumes, or several tests building the same tiny
+# model, on either worker, compile each program once. Programs that compile in under 0.1 s
+# are not written.
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-jax.config.update('jax_compilation_cache_dir', tempfile.mkdtemp(prefix='realformer_xla_tests_'))
+jax.config.update('jax_compilation_cache_dir', os.path.join(RUN_FOLDER, 'xla'))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.1)
