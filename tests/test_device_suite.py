@@ -204,3 +204,38 @@ def test_a_contender_never_timed_is_reported_not_dropped(tmp_path, monkeypatch):
     data = json.load(f)
   assert data['rows'] == [] and len(data['notes']) == 2
   assert all("failed: not timed before its part's deadline" in n for n in data['notes'])
+
+
+def test_every_smoke_contender_of_both_step_parts_traces_its_gradient():
+  """What the smoke run above does not build (the other variants, carries and attention
+  implementations of both train-step parts, as --smoke on a CPU picks them): each one's model
+  config is valid and its loss's gradient traces, at the smoke's shapes."""
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import device_suite  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import train_step  # pylint: disable=g-import-not-at-top
+  from realformer import models  # pylint: disable=g-import-not-at-top
+  from realformer.train import train_lib  # pylint: disable=g-import-not-at-top
+  s = device_suite.sizes(smoke=True)
+  traced = set()
+  for part in ('step512', 'step128'):
+    args = train_step.step_args(*s[part])
+    for entry in device_suite._contenders(part, 'cpu'):
+      if entry[0] == 'hf':
+        continue
+      _, variant, overrides, _ = entry
+      overrides = dict(overrides)
+      args.fused = overrides.pop('fused', 'auto')
+      config = train_step.make_config(variant, s['size'], args)
+      config.model.update(overrides)
+      model = models.build(config.model)
+      batch = train_lib.abstract_batch(args.batch, args.seq_len, args.predictions)
+      inputs = {k: batch[k] for k in ('input_ids', 'segment_ids', 'attention_mask')}
+      params = jax.eval_shape(model.init, jax.random.PRNGKey(0), inputs)['params']
+      totals = {'mlm_weight': 1.0, 'examples': float(args.batch)}
+      loss_fn = train_lib.pretraining_loss_fn(model)
+      grads = jax.eval_shape(jax.grad(lambda p, b: loss_fn(p, b, jax.random.PRNGKey(1),
+                                                           totals)[0]), params, batch)
+      assert jax.tree.structure(grads) == jax.tree.structure(params)
+      traced.add((part, variant, args.fused, tuple(sorted(overrides.items()))))
+  assert len(traced) == 20, sorted(traced)  # 11 at 512 (with the implementations), 9 at 128
