@@ -41,12 +41,26 @@ def _image() -> dict[str, str]:
 
 def _distributions_of(files: set[str]) -> set[str]:
   """The installed distributions that hold these module files (the standard library's and
-  the repository's own hold none)."""
-  owner = {}
-  for dist in importlib.metadata.distributions():
-    for f in dist.files or ():
-      owner[os.path.realpath(dist.locate_file(f))] = _name(dist.metadata['Name'])
-  return {owner[f] for f in map(os.path.realpath, files) if f in owner}
+  the repository's own hold none): by the top-level name under site-packages, and where
+  several distributions share it (a namespace package such as google), by their files."""
+  sites = {os.path.realpath(sysconfig.get_paths()[k]) for k in ('purelib', 'platlib')}
+  tops = importlib.metadata.packages_distributions()
+  owners, shared = set(), {}
+  for f in map(os.path.realpath, files):
+    site = next((d for d in sites if f.startswith(d + os.sep)), None)
+    if site is None:
+      continue
+    names = tops.get(os.path.relpath(f, site).split(os.sep)[0].split('.')[0], [])
+    if len(names) == 1:
+      owners.add(_name(names[0]))
+    elif names:
+      shared.setdefault(tuple(sorted(set(names))), set()).add(f)
+  for names, held in shared.items():
+    for name in names:
+      dist = importlib.metadata.distribution(name)
+      if held & {os.path.realpath(dist.locate_file(p)) for p in dist.files or ()}:
+        owners.add(_name(name))
+  return owners
 
 
 def test_the_pins_are_the_gpu_images_versions():
@@ -107,8 +121,7 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
   reports = list(audit.glob('*.txt'))
   assert len(reports) >= 4
   files = {f for r in reports for f in r.read_text().splitlines() if f.endswith('.py')}
-  stdlib = os.path.realpath(sysconfig.get_paths()['stdlib'])
-  imported = _distributions_of({f for f in files if not os.path.realpath(f).startswith(stdlib)})
+  imported = _distributions_of(files)
   assert {'jax', 'flax', 'torch', 'transformers', 'ml-collections'} <= imported
   # (torch imports dill and optree where they are installed, as here for datasets and keras,
   # and goes without them on the image)
