@@ -70,7 +70,7 @@ def main():
   config = pretrain.get_config(f'postln,{args.size}')
   mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
   model = models.build(config.model)
-  tx, _ = train_lib.make_optimizer(config.optimizer, config.train.num_steps, model.spec)
+  tx = train_lib.make_optimizer(config.optimizer, model.spec)
   state, _ = train_lib.create_train_state(model, tx, train_lib.abstract_batch(2, 128, 20),
                                           mesh, 0)
   opt_state = state.opt_state

@@ -6,7 +6,8 @@ The update is memory-bound: every parameter, its gradient and both Adam moments 
 written once per step, 110M x 4 float32 arrays at BERT-base. Contenders, timed round-robin
 in one process on the same parameter shapes (our model's, from jax.eval_shape):
 
-  ours            train_lib.make_optimizer: our multiply clip, optax.adamw (decay mask, schedule)
+  ours            train_lib.make_optimizer: our multiply clip, optax.adamw (decay mask), the
+                  step's learning rate applied (train_lib.apply_learning_rate)
   ours, lamb      the same with optimizer.name=lamb (train_lib.lamb: per-tensor trust ratios)
   optax clip      the same with optax.clip_by_global_norm (select + divide)
   torch AdamW     torch.optim.AdamW(default implementation) + clip_grad_norm_, the HF peer's
@@ -37,9 +38,11 @@ from realformer.train import train_lib
 
 
 class Jax:
-  """One jitted update (params, opt_state, grads) -> (params, opt_state), donated."""
+  """One jitted update (params, opt_state, grads) -> (params, opt_state), donated; with a
+  `rate`, tx is make_optimizer's (at a rate of 1) and its updates are scaled as the train
+  step scales them."""
 
-  def __init__(self, name, tx, abstract_params):
+  def __init__(self, name, tx, abstract_params, rate=None):
     self.name = name
     full = lambda v: jax.tree.map(lambda a: jnp.full(a.shape, v, jnp.float32), abstract_params)
     self.grads = full(1e-3)
@@ -48,6 +51,8 @@ class Jax:
 
     def update(params, opt_state, grads):
       updates, opt_state = tx.update(grads, opt_state, params)
+      if rate is not None:
+        updates = train_lib.apply_learning_rate(updates, jnp.float32(rate))
       return optax.apply_updates(params, updates), opt_state
 
     self.fn = jax.jit(update, donate_argnums=(0, 1))
@@ -87,17 +92,16 @@ def main():
            for k, v in train_lib.abstract_batch(1, 8, 2).items()}
   abstract = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), batch)['params'])
   shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract)]
-  tx, _ = train_lib.make_optimizer(config.optimizer, config.train.num_steps,
-                                  resolve(config.model))
+  tx = train_lib.make_optimizer(config.optimizer, resolve(config.model))
+  rate = float(config.optimizer.learning_rate)
   optax_clip = optax.chain(
       optax.clip_by_global_norm(float(config.optimizer.clip_norm)),
       optax.adamw(train_lib.make_schedule(config.optimizer, config.train.num_steps),
                   b1=config.optimizer.b1, b2=config.optimizer.b2, eps=config.optimizer.eps,
                   weight_decay=config.optimizer.weight_decay, mask=train_lib.decay_mask))
   config.optimizer.name = 'lamb'
-  lamb, _ = train_lib.make_optimizer(config.optimizer, config.train.num_steps,
-                                     resolve(config.model))
-  contenders = [Jax('ours', tx, abstract), Jax('ours, lamb', lamb, abstract),
+  lamb = train_lib.make_optimizer(config.optimizer, resolve(config.model))
+  contenders = [Jax('ours', tx, abstract, rate), Jax('ours, lamb', lamb, abstract, rate),
                 Jax('optax clip', optax_clip, abstract)]
   if args.peer == 'torch':
     contenders += [Torch('torch AdamW', shapes, args.threads),

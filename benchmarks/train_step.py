@@ -140,19 +140,21 @@ class Ours:
         vocab_size=config.model.vocab_size, seq_len=args.seq_len,
         num_predictions=args.predictions, global_batch_size=args.batch, seed=0)
     self.batch = train_lib.global_batch(next(data), mesh)
-    tx, schedule = train_lib.make_optimizer(config.optimizer, config.train.num_steps,
-                                            spec)
+    tx = train_lib.make_optimizer(config.optimizer, spec)
     abstract = train_lib.abstract_batch(args.batch, args.seq_len, args.predictions)
     t = time.perf_counter()
     self.state, shardings = train_lib.create_train_state(model, tx, abstract, mesh, 0)
     loss_fn = train_lib.pretraining_loss_fn(model)
     self.step_fn = train_lib.make_train_step(
-        loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
+        loss_fn, tx, mesh=mesh, shardings=shardings,
         metrics_cls=metrics_lib.PretrainingTrainMetrics)
+    # The step's learning rate and dropout key (its arguments; the peak is as costly as any).
+    self.rate = np.float32(config.optimizer.learning_rate)
+    self.rng = train_lib.dropout_key(0, mesh)
     self.eval_fn = train_lib.make_eval_step(
         loss_fn, mesh=mesh, params_sharding=shardings.params,
         metrics_cls=metrics_lib.PretrainingEvalMetrics)
-    compiled = self.step_fn.lower(self.state, self.batch).compile()
+    compiled = self.step_fn.lower(self.state, self.batch, self.rate, self.rng).compile()
     self.memory = compiled.memory_analysis()
     if first_step and not args.forward_only:
       self.step()
@@ -167,7 +169,7 @@ class Ours:
   def step(self, n=1):
     """`n` steps back to back; returns when the last has run."""
     for _ in range(n):
-      self.state, m = self.step_fn(self.state, self.batch)
+      self.state, m = self.step_fn(self.state, self.batch, self.rate, self.rng)
     jax.block_until_ready(m)
 
   def forward(self):

@@ -125,14 +125,14 @@ if args.get('step_seconds') or args.get('pause_at'):
   make_step = train_lib.make_train_step
   def slow_make_step(*a, **kw):
     step_fn, count = make_step(*a, **kw), [0]
-    def step(state, batch):
+    def step(state, batch, *rest):
       count[0] += 1
       if count[0] == args.get('pause_at'):
         open(args['paused'], 'w').close()
         while not os.path.exists(args['resume']):
           time.sleep(0.05)
       time.sleep(args.get('step_seconds', 0))
-      return step_fn(state, batch)
+      return step_fn(state, batch, *rest)
     return step
   train_lib.make_train_step = slow_make_step
 if args.get('kill_in_save'):

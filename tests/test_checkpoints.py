@@ -42,8 +42,8 @@ if args.get('kill_after'):
   make_step = train_lib.make_train_step
   def killing_make_step(*a, **kw):
     step_fn, count = make_step(*a, **kw), [0]
-    def step(state, batch):
-      out = step_fn(state, batch)
+    def step(state, batch, *rest):
+      out = step_fn(state, batch, *rest)
       count[0] += 1
       if count[0] == args['kill_after']:
         marker = os.path.join(args['workdir'], 'checkpoints', str(args['kill_when']),
@@ -94,11 +94,11 @@ def test_sigterm_saves_current_step_and_resume_is_exact(tmp_path, reference, mon
   def terminating_make_step(*a, **kw):
     step_fn, count = make_step(*a, **kw), [0]
 
-    def step(state, batch):
+    def step(state, batch, *rest):
       count[0] += 1
       if count[0] == 3:
         os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption notice
-      return step_fn(state, batch)
+      return step_fn(state, batch, *rest)
     return step
 
   monkeypatch.setattr(train_lib, 'make_train_step', terminating_make_step)

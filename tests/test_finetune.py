@@ -595,6 +595,40 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   check_grid_summary(f'{root}/summary')
 
 
+def test_a_grid_compiles_each_program_once(pretrained, tmp_path, monkeypatch):
+  """finetune_grid over two tasks of the same shapes (RTE, WNLI) and two learning rates, then
+  extended in its root by a second seed of one setting: five finetune.py processes. The first
+  compiles every program it runs; each later run, of another task, learning rate or seed,
+  loads them all from the persistent cache and compiles none, counted in each run's log.txt
+  (jax's compile-time threshold set to 0 so that every program counts, however fast)."""
+  import re  # pylint: disable=g-import-not-at-top
+  from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
+  from tests.conftest import cpu_xla_flags  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('REALFORMER_COMPILATION_CACHE', str(tmp_path / 'cache'))
+  monkeypatch.setenv('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  monkeypatch.setenv('XLA_FLAGS', cpu_xla_flags(1))
+  root = tmp_path / 'grid'
+  grid = ['--root', str(root), '--init_checkpoint', pretrained, '--data_dir', GLUE_DIR,
+          '--batch_sizes', '2', '--epochs', '1', '--set', 'max_seq_length=32',
+          '--set', 'length_buckets=0']
+  assert finetune_grid.main(grid + ['--tasks', 'rte,wnli', '--learning_rates', '1e-4,3e-4',
+                                    '--seeds', '1']) == 0
+  assert finetune_grid.main(grid + ['--tasks', 'rte', '--learning_rates', '1e-4',
+                                    '--seeds', '2']) == 0  # seed 0 is done: seed 1 runs
+  runs = []
+  for log in root.glob('*/*/log.txt'):
+    line = [l for l in log.read_text().splitlines()
+            if 'compilation cache after the run' in l][-1]
+    loaded, compiled = map(int, re.search(r'(\d+) programs loaded from it, (\d+) compiled',
+                                          line).groups())
+    runs.append((line.split()[1], loaded, compiled, log.parent.name))  # by the log's clock
+  runs.sort()
+  assert len(runs) == 5
+  first, later = runs[0], runs[1:]
+  assert first[1] == 0 and first[2] >= 3, first  # init, the train step, the prediction...
+  assert all((loaded, compiled) == (first[2], 0) for _, loaded, compiled, _ in later), runs
+
+
 def check_grid_summary(root: str):
   """Runs of three settings in the grid's `root` (a folder or a gs:// URL): the summary
   marks the one with the higher median over seeds best; a non-finite headline (NaN: no

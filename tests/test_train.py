@@ -225,13 +225,19 @@ def test_accumulation_gradient_equals_one_big_batch():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_weight_decay_mask_and_fixed_random_synthesizer():
+def _fixed_random_synthesizer():
+  """(config, spec, params) of the tiny fixed-random Synthesizer (parameters the optimizer must
+  leave alone)."""
   c = tiny_config('synth_random_fixed')
   spec = resolve(c.model)
-  model = models.build(spec)
   batch = next(train_lib.SyntheticPretrainingData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
-  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), batch)['params'])
+  params = nn.unbox(jax.jit(models.build(spec).init)(jax.random.PRNGKey(0), batch)['params'])
+  return c, spec, params
+
+
+def test_weight_decay_mask_and_fixed_random_synthesizer():
+  c, spec, params = _fixed_random_synthesizer()
   mask = train_lib.decay_mask(params)
   enc = mask['encoder']['layers_0']
   assert enc['attention']['value']['kernel'] and not enc['attention']['value']['bias']
@@ -239,7 +245,7 @@ def test_weight_decay_mask_and_fixed_random_synthesizer():
   assert mask['encoder']['embeddings']['word_embeddings']['embedding']
   assert not mask['mlm_head']['output_bias'] and not mask['mlm_head']['layer_norm']['scale']
   c.optimizer.weight_decay = 0.5  # large, so a decayed parameter would visibly move
-  tx, _ = train_lib.make_optimizer(c.optimizer, 10, spec)
+  tx = train_lib.make_optimizer(c.optimizer, spec)
   grads = jax.tree.map(jnp.ones_like, params)  # even a nonzero gradient must not move R
   updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
   att = updates['encoder']['layers_0']['attention']
@@ -283,7 +289,7 @@ def test_lamb_matches_a_float64_numpy_reference():
   decays = {'dense': {'kernel': True, 'bias': False}, 'attention_layer_norm': {'scale': False},
             'zero': {'kernel': True}}
   assert train_lib.decay_mask(params) == decays
-  tx, _ = train_lib.make_optimizer(opt, num_steps, spec)
+  tx, schedule = train_lib.make_optimizer(opt, spec), train_lib.make_schedule(opt, num_steps)
   update = jax.jit(tx.update)
   ours = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), params)
   state = tx.init(ours)
@@ -293,7 +299,7 @@ def test_lamb_matches_a_float64_numpy_reference():
     grads = jax.tree.map(lambda w: 3 * rng.normal(size=w.shape), params)
     updates, state = update(jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads), state,
                             ours)
-    ours = optax.apply_updates(ours, updates)
+    ours = optax.apply_updates(ours, train_lib.apply_learning_rate(updates, schedule(t)))
     norm = np.sqrt(sum((g ** 2).sum() for g in jax.tree.leaves(grads)))
     lr = 0.01 * (t / 2 if t < 2 else 1 - (t - 2) / (num_steps - 2))
     for path in [('dense', 'kernel'), ('dense', 'bias'), ('attention_layer_norm', 'scale'),
@@ -314,15 +320,15 @@ def test_lamb_matches_a_float64_numpy_reference():
       np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-7, err_msg=f'{path} step {t}')
   assert np.abs(want['zero']['kernel']).max() > 0  # the zero kernel moved (ratio 1)
   opt.warmup_steps = 0  # a first step that moves
-  lamb, _ = train_lib.make_optimizer(opt, num_steps, spec)
+  lamb = train_lib.make_optimizer(opt, spec)
   opt.name = 'adamw'
-  adamw, _ = train_lib.make_optimizer(opt, num_steps, spec)
+  adamw = train_lib.make_optimizer(opt, spec)
   kernel = lambda tx: np.asarray(optax.apply_updates(params, tx.update(
       grads, tx.init(params), params)[0])['dense']['kernel'])
   assert not np.allclose(kernel(adamw), kernel(lamb), rtol=1e-3)  # not AdamW renamed
   opt.name = 'sgd'
   with pytest.raises(ValueError, match="optimizer.name='sgd'; choose adamw or lamb"):
-    train_lib.make_optimizer(opt, num_steps, spec)
+    train_lib.make_optimizer(opt, spec)
 
 
 def test_lamb_takes_one_trust_ratio_per_layer_of_scanned_layers():
@@ -330,7 +336,7 @@ def test_lamb_takes_one_trust_ratio_per_layer_of_scanned_layers():
   updates of the same tensors unscanned (layers_0, layers_1), layer by layer."""
   opt = pretrain.get_config('postln,tiny').optimizer
   opt.name, opt.warmup_steps = 'lamb', 0
-  tx, _ = train_lib.make_optimizer(opt, 10, resolve(tiny_config('postln').model))
+  tx = train_lib.make_optimizer(opt, resolve(tiny_config('postln').model))
   rng = np.random.default_rng(1)
   draw = lambda *shape: jnp.asarray(rng.normal(size=shape) * rng.uniform(0.1, 3), jnp.float32)
   layers = [{'mlp': {'kernel': draw(4, 6), 'bias': draw(6)}} for _ in range(3)]
@@ -603,15 +609,17 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
   opt.learning_rate, opt.warmup_steps, opt.weight_decay, opt.clip_norm = lr, warmup, wd, 1.0
   spec = resolve(config.model)
   model = models.build(spec)
-  tx, schedule = train_lib.make_optimizer(opt, num_steps, spec)
+  tx, rates = train_lib.make_optimizer(opt, spec), train_lib.LearningRates(
+      train_lib.make_schedule(opt, num_steps))
   mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
   _, shardings = train_lib.state_shardings(model, tx, train_lib.abstract_batch(4, 16, 5), mesh)
   params = jax.device_put(jax.tree.map(jnp.asarray, params), shardings.params)
   state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                opt_state=jax.jit(tx.init)(params))
-  step = train_lib.make_train_step(train_lib.pretraining_loss_fn(model), tx, schedule,
+  step = train_lib.make_train_step(train_lib.pretraining_loss_fn(model), tx,
                                    mesh=mesh, shardings=shardings,
                                    metrics_cls=metrics_lib.PretrainingTrainMetrics)
+  rng = train_lib.dropout_key(0, mesh)
 
   no_decay = lambda name: name.endswith('bias') or 'LayerNorm' in name
   named = list(hf.named_parameters())
@@ -640,7 +648,7 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
   for i in range(num_steps):
     b = next(data)
     assert b['attention_mask'].min() == 0  # padding present
-    state, stats = step(state, train_lib.global_batch(b, mesh))
+    state, stats = step(state, train_lib.global_batch(b, mesh), rates(i), rng)
     hf.train()
     torch_opt.zero_grad()
     loss = torch_loss(b)
@@ -660,29 +668,67 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
   assert moved > 500 * atol  # Adam moved weights by about the summed learning rates, 0.025
 
 
-def test_lr_factor_is_adamw_at_that_fraction_of_the_learning_rate():
-  """The time budget's factor: AdamW at peak x f equals AdamW at peak with updates x f."""
+def test_the_step_at_a_learning_rate_argument_is_the_optimizer_at_that_rate_to_the_bit():
+  """make_optimizer runs at a rate of 1 and the step scales its updates by the rate it is
+  given: AdamW's and LAMB's updates (clipping, decay mask, fixed parameters included) equal
+  those of the optimizer built at that rate, bit for bit, so taking the rate out of the
+  compiled program changes no run."""
+  config, spec, params = _fixed_random_synthesizer()
+  grads = jax.tree.map(lambda p: jnp.sin(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
+                       params)
+  opt = config.optimizer
+  opt.clip_norm, opt.weight_decay = 1.0, 0.01
+  for name in ('adamw', 'lamb'):
+    opt.name = name
+    unit = train_lib.make_optimizer(opt, spec)
+    rate = np.float32(3e-4)
+    at_rate = optax.chain(  # what make_optimizer built with the rate inside it
+        train_lib.clip_by_global_norm(1.0),
+        (train_lib.lamb(lambda _: rate, opt.b1, opt.b2, opt.eps, opt.weight_decay)
+         if name == 'lamb' else optax.adamw(lambda _: rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                                            weight_decay=opt.weight_decay,
+                                            mask=train_lib.decay_mask)))
+    frozen = train_lib.fixed_params_fn(spec)
+    at_rate = optax.multi_transform(
+        {'trained': at_rate, 'frozen': optax.set_to_zero()},
+        lambda p: jax.tree.map(lambda f: 'frozen' if f else 'trained', frozen(p)))
+    ours = jax.jit(lambda g, p: train_lib.apply_learning_rate(
+        unit.update(g, unit.init(p), p)[0], jnp.float32(rate)))(grads, params)
+    theirs = jax.jit(lambda g, p: at_rate.update(g, at_rate.init(p), p)[0])(grads, params)
+    assert jax.tree.structure(unit.init(params)) == jax.tree.structure(at_rate.init(params))
+    jax.tree.map(np.testing.assert_array_equal, ours, theirs)
+    assert float(jnp.abs(ours['encoder']['layers_0']['attention']['synth_random'][
+        'random_logits']).max()) == 0.0
+
+
+def test_runs_of_other_rates_schedules_lengths_and_seeds_compile_one_program():
+  """The learning rate and the dropout key are the step's arguments: configs that differ in
+  them (rate, schedule, warm-up, num_steps, seed) lower to the same program text, which the
+  persistent cache keys on; the rate reaches the step's metrics as given."""
   mesh = partitioning.make_mesh(tiny_config().mesh, jax.devices()[:1])
-  batch = None
-  params = {}
-  for name, budget, lr in (('scaled', 1.0, 3e-3), ('plain', 0.0, 3e-3 * 0.3)):
-    config = tiny_config(time_budget_minutes=budget)
-    config.optimizer.learning_rate = lr
+  texts = []
+  for lr, schedule, steps, seed in ((3e-3, 'constant', 6, 0), (1e-4, 'linear', 600, 7),
+                                    (5e-5, 'bert', 40, 1)):
+    config = tiny_config(num_steps=steps)
+    config.optimizer.learning_rate, config.optimizer.schedule = lr, schedule
+    config.optimizer.warmup_steps, config.seed = 0 if schedule == 'constant' else 4, seed
     program = train_lib.pretraining_program(config, mesh)
-    assert (program.budget_schedule is not None) == (budget > 0)
-    state, _ = train_lib.create_train_state(program.model, program.tx, program.batch_shapes,
-                                            mesh, config.seed)
-    if batch is None:
-      batch = {k: np.asarray(v) for k, v in next(
-          pretraining.make_input_fn(config, '')('train', 0)).items()}
     with jax.set_mesh(mesh):
-      for _ in range(2):
-        args = (np.float32(0.3),) if budget else ()
-        state, metrics = program.train_step(state, train_lib.global_batch(batch, mesh), *args)
-    params[name] = state.params
-    assert np.isclose(float(metrics.learning_rate.compute()), 3e-3 * 0.3)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-               params['scaled'], params['plain'])
+      texts.append(program.train_step.lower(program.abstract, program.batch_shapes,
+                                            *train_lib.abstract_step_arguments()).as_text())
+  assert texts[0] == texts[1] == texts[2]
+  state, _ = train_lib.create_train_state(program.model, program.tx, program.batch_shapes,
+                                          mesh, config.seed)
+  batch = train_lib.global_batch(next(train_lib.SyntheticPretrainingData(
+      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=0)), mesh)
+  rates = train_lib.LearningRates(program.schedule)
+  with jax.set_mesh(mesh):
+    for step in range(5):
+      state, metrics = program.train_step(state, batch, rates(step),
+                                          train_lib.dropout_key(config.seed, mesh))
+      assert float(metrics.learning_rate.compute()) == rates(step) == np.float32(
+          program.schedule(step))
+  assert np.isclose(rates(4), 5e-5 * (1 - 4 / 40), rtol=1e-6, atol=0) and rates(0) == 0.0
 
 
 def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
@@ -715,8 +761,7 @@ def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
   with open(os.path.join(workdir, RunDir.TIME_SPENT), 'w') as f:
     json.dump(spent, f)
   cadence = types.SimpleNamespace(time_budget_minutes=0.05, num_steps=100_000)
-  resumed = trainer.TimeBudget(cadence, optax.constant_schedule(1.0), 1.0, RunDir(workdir),
-                               last)
+  resumed = trainer.TimeBudget(cadence, optax.constant_schedule(1.0), RunDir(workdir), last)
   assert resumed.before == spent[str(before)] > 0
 
 

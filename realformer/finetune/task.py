@@ -24,7 +24,7 @@ from concurrent import futures
 import dataclasses
 import os
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import flax
 import jax
@@ -241,15 +241,16 @@ class Programs:
   goes on, and a call waits only for its own length's program: the first step starts after
   one compilation, and on a GPU or TPU the host compiles the rest while the device trains.
   Without, every length is compiled here, before the first step. The programs are the same
-  either way."""
+  either way. `args` are the step's arguments before the batch, `after` those after it
+  (abstract values, for lowering)."""
 
   def __init__(self, step, args, batch_of_length, lengths, name: str, mesh,
-               compiler: Optional[futures.Executor]):
+               compiler: Optional[futures.Executor], after: Tuple[Any, ...] = ()):
     start = time.time()
 
     def compile_one(length):
       with jax.set_mesh(mesh):  # the mesh context is per thread
-        return step.lower(*args, batch_of_length(length)).compile()
+        return step.lower(*args, batch_of_length(length), *after).compile()
 
     def log(done=None):
       if done is None or (not done.cancelled() and done.exception() is None):
@@ -366,7 +367,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
         steps_setting='num_epochs', steps_per_unit=self.steps_per_epoch)
     self.spec = resolve(gpu_kernels_off_gpus(pre.model))
     self.model = self.build(self.spec)
-    self.tx, self.schedule = train_lib.make_optimizer(config.optimizer, num_steps, self.spec)
+    self.tx = train_lib.make_optimizer(config.optimizer, self.spec)
+    self.schedule = train_lib.make_schedule(config.optimizer, num_steps)
     self.example_batch = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
                           for k, v in self.train.items()}
     self.abstract, self.shardings = train_lib.state_shardings(
@@ -450,13 +452,13 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   def compile_train_step(self):
     step = train_lib.make_train_step(
-        self.loss_fn(self.model), self.tx, self.schedule, mesh=self.mesh,
+        self.loss_fn(self.model), self.tx, mesh=self.mesh,
         shardings=self.shardings, metrics_cls=FinetuneMetrics,
-        totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
-        seed=self.seed)
+        totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)})
     programs = Programs(step, (self.abstract,),
                         self._batch_of(self.config.batch_size, self.train),
-                        self._lengths_by_first_use(), 'train step', self.mesh, self._compiler)
+                        self._lengths_by_first_use(), 'train step', self.mesh, self._compiler,
+                        after=train_lib.abstract_step_arguments())
     self._prediction()  # queued behind the train step's lengths
     return programs
 

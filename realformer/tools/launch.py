@@ -39,7 +39,6 @@ import time
 from typing import Dict, List, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from realformer.tools import hlo_stats
@@ -281,9 +280,8 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
                   model_flops=program.flops_per_example * batch_size / chips)
   start = time.time()
   with jax.set_mesh(mesh):
-    factor = (() if program.budget_schedule is None else  # a time-budgeted run's lr factor
-              (jax.ShapeDtypeStruct((), jnp.float32),))
-    lowered = program.train_step.lower(program.abstract, batch, *factor)
+    lowered = program.train_step.lower(program.abstract, batch,
+                                       *train_lib.abstract_step_arguments())
     try:
       compiled = lowered.compile()
     except Exception as e:  # XLA's errors are not a public type
@@ -483,14 +481,14 @@ def measure(config, target: Target, compiled, steps: int) -> dict:
       num_predictions=config.data.max_predictions_per_seq,
       global_batch_size=tc.batch_size, seed=config.seed,
       process_index=jax.process_index(), process_count=jax.process_count())
-  # A time-budgeted run's step takes the schedule's factor; the peak (1) is as costly.
-  factor = () if program.budget_schedule is None else (np.float32(1.0),)
+  rate, rng = np.float32(config.optimizer.learning_rate), train_lib.dropout_key(config.seed,
+                                                                                mesh)
   times = []
   with jax.set_mesh(mesh):
     for _ in range(steps + 1):
       batch = train_lib.global_batch(next(data), mesh)
       start = time.perf_counter()
-      state, out = compiled(state, batch, *factor)
+      state, out = compiled(state, batch, rate, rng)
       jax.block_until_ready((state, out))
       times.append(time.perf_counter() - start)
   step = statistics.median(times[1:]) if steps else times[0]

@@ -87,7 +87,6 @@ class PretrainingTask(trainer.Task):
     self.model, self.tx, self.schedule = program.model, program.tx, program.schedule
     self.abstract, self.shardings = program.abstract, program.shardings
     self.example_batch = program.batch_shapes
-    self.budget_schedule = program.budget_schedule
     if config.train.init_checkpoint:
       self.init_checkpoint = trainer.InitCheckpoint(config.train.init_checkpoint)
     self._make_input = make_input_fn(config, str(run))  # prepares the data (under the lock)

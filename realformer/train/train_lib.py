@@ -2,11 +2,18 @@
 
 The pieces are independent of the head and the loss, so fine-tuning reuses them:
 
-    tx, schedule = make_optimizer(config.optimizer, num_steps, spec)
+    tx = make_optimizer(config.optimizer, spec)
+    schedule = make_schedule(config.optimizer, num_steps)
     state, shardings = create_train_state(model, tx, example_batch, mesh, seed)
-    step = make_train_step(loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
-                           metrics_cls=..., grad_accum_steps=k, seed=seed)
-    state, metrics = step(state, global_batch)
+    step = make_train_step(loss_fn, tx, mesh=mesh, shardings=shardings,
+                           metrics_cls=..., grad_accum_steps=k)
+    rates, rng = LearningRates(schedule), dropout_key(seed, mesh)
+    state, metrics = step(state, global_batch, rates(int(state.step)), rng)
+
+The step's learning rate and dropout key are its arguments, not constants compiled into it:
+its program depends on shapes, the model and the optimizer's form only, so the runs of a
+grid over learning rates, schedules, epochs and seeds load one compiled program from the
+persistent cache (realformer/train/compile_cache.py) instead of compiling one each.
 
 `loss_fn(params, microbatch, rng, totals) -> (loss, {name: clu Metric})` (rng None means
 evaluation: no dropout). `totals` is `totals_fn(whole_batch)`, the normalizers of the WHOLE
@@ -21,7 +28,6 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -85,8 +91,9 @@ def fixed_params_fn(spec: EncoderSpec) -> Optional[Callable[[Any], Any]]:
 
 
 def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
-  """Over the warm-up (warmup_steps(opt_config, num_steps)) every schedule rises linearly
-  from 0 to the peak; then
+  """step -> learning rate, evaluated on the host (LearningRates); the train step takes the
+  value as an argument. Over the warm-up (warmup_steps(opt_config, num_steps)) every schedule
+  rises linearly from 0 to the peak; then
     linear:   linear decay from the peak to 0 at num_steps (transformers'
               get_linear_schedule_with_warmup);
     bert:     BERT's optimization.py: peak * (1 - step / num_steps), the decay counted from
@@ -159,33 +166,83 @@ def lamb(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_deca
       optax.scale_by_learning_rate(schedule))
 
 
-def make_optimizer(opt_config, num_steps: int, spec: EncoderSpec
-                   ) -> Tuple[optax.GradientTransformation, optax.Schedule]:
-  """The optimizer of every program: AdamW (BERT's) or LAMB (lamb; large-batch pretraining)
-  after global-norm clipping, weight decay masked by path (decay_mask), and the encoder's
-  fixed parameters (fixed_params_fn(spec)) never updated, so neither pretraining nor
-  fine-tuning moves them.
+def _unit_learning_rate(count):
+  del count
+  return jnp.ones((), jnp.float32)
 
-  opt_config: config.optimizer (name, learning_rate, schedule, warmup_steps, weight_decay,
-  b1, b2, eps, clip_norm). spec: the encoder's resolved spec. Works on boxed
-  (nn.Partitioned) or plain param trees whose fixed parameters may sit under any prefix
-  (e.g. 'encoder').
+
+def make_optimizer(opt_config, spec: EncoderSpec) -> optax.GradientTransformation:
+  """The optimizer of every program, at a learning rate of 1: AdamW (BERT's) or LAMB (lamb;
+  large-batch pretraining) after global-norm clipping, weight decay masked by path
+  (decay_mask), and the encoder's fixed parameters (fixed_params_fn(spec)) never updated, so
+  neither pretraining nor fine-tuning moves them. The train step multiplies its updates by
+  the step's learning rate (apply_learning_rate): the optimizer's last transformation is the
+  learning rate's scale, so that is the optimizer at that rate, to the bit (the sign flip by
+  a rate of 1 is exact). Its state is what optax's schedule-driven optimizer keeps (a count),
+  so checkpoints are unchanged.
+
+  opt_config: config.optimizer (name, schedule, b1, b2, eps, weight_decay, clip_norm; the
+  learning rate and its schedule are make_schedule's). spec: the encoder's resolved spec.
+  Works on boxed (nn.Partitioned) or plain param trees whose fixed parameters may sit under
+  any prefix (e.g. 'encoder').
   """
+  config_checks.check_optimizer(opt_config)
   frozen = fixed_params_fn(spec)
-  schedule = make_schedule(opt_config, num_steps)  # (checks the name and schedule first)
   parts = []
   if opt_config.clip_norm and opt_config.clip_norm > 0:
     parts.append(clip_by_global_norm(float(opt_config.clip_norm)))
   kw = dict(b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
             weight_decay=opt_config.weight_decay)
-  parts.append(lamb(schedule, **kw) if opt_config.get('name') == 'lamb' else
-               optax.adamw(schedule, mask=decay_mask, **kw))
+  parts.append(lamb(_unit_learning_rate, **kw) if opt_config.get('name') == 'lamb' else
+               optax.adamw(_unit_learning_rate, mask=decay_mask, **kw))
   tx = optax.chain(*parts)
   if frozen is not None:
     labels = lambda params: jax.tree.map(lambda f: 'frozen' if f else 'trained',
                                          frozen(params))
     tx = optax.multi_transform({'trained': tx, 'frozen': optax.set_to_zero()}, labels)
-  return tx, schedule
+  return tx
+
+
+def apply_learning_rate(updates, learning_rate: jax.Array):
+  """make_optimizer's updates (at a learning rate of 1) at `learning_rate` (a scalar)."""
+  return jax.tree.map(lambda u: u * learning_rate.astype(u.dtype), updates)
+
+
+class LearningRates:
+  """step -> the schedule's learning rate for the update that starts at `step`, an np.float32
+  for the train step's argument: the schedule's own jnp operations, run op by op on the
+  default device for blocks of BLOCK steps at a time (element-wise float32 operations: the
+  values the step computed when the schedule was compiled into it). Op by op, the schedule's
+  constants are operands rather than parts of a program, so no run compiles a program of its
+  own for them; and no step waits for the device."""
+  BLOCK = 4096
+
+  def __init__(self, schedule: optax.Schedule):
+    self._schedule = schedule
+    self._block, self._table = None, None
+
+  def __call__(self, step: int) -> np.float32:
+    block, i = divmod(int(step), self.BLOCK)
+    if block != self._block:
+      steps = jnp.arange(block * self.BLOCK, (block + 1) * self.BLOCK, dtype=jnp.int32)
+      values = np.asarray(self._schedule(steps), np.float32)  # (a constant: a scalar)
+      self._block, self._table = block, np.broadcast_to(values, steps.shape)
+    return self._table[i]
+
+
+def dropout_key(seed: int, mesh) -> jax.Array:
+  """PRNGKey(seed), replicated over the mesh: the train step's dropout key argument (every
+  process makes the same)."""
+  key = np.asarray(jax.random.PRNGKey(seed))
+  return jax.make_array_from_callback(key.shape, NamedSharding(mesh, PartitionSpec()),
+                                      lambda index: key[index])
+
+
+def abstract_step_arguments() -> Tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+  """The shapes of the train step's learning rate and dropout key (to lower it ahead of
+  time)."""
+  return (jax.ShapeDtypeStruct((), jnp.float32),
+          jax.eval_shape(lambda: jax.random.PRNGKey(0)))
 
 
 # --------------------------------------------------------------------------------------
@@ -313,35 +370,33 @@ def split_microbatches(batch, k: int, mesh):
   return jax.tree.map(split, batch)
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, *, mesh, shardings: TrainState,
-                    metrics_cls, totals_fn: Callable = pretraining_totals,
-                    grad_accum_steps: int = 1, seed: int = 0,
-                    lr_factor: bool = False) -> Callable:
-  """A jitted (state, batch) -> (state, metrics) with the state donated.
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh,
+                    shardings: TrainState, metrics_cls,
+                    totals_fn: Callable = pretraining_totals,
+                    grad_accum_steps: int = 1) -> Callable:
+  """A jitted (state, batch, learning_rate, rng) -> (state, metrics) with the state donated.
 
-  lr_factor: the step takes a third argument, a float32 scalar that multiplies the
-  optimizer's updates: with AdamW (decoupled decay, clipping before it) and a constant
-  schedule that is exactly AdamW at that fraction of the learning rate. A time-budgeted run
-  (train.time_budget_minutes) sets it from the clock each step.
+  tx: make_optimizer's (at a learning rate of 1); learning_rate: this update's rate, a
+  float32 scalar (LearningRates(schedule)(step), or a time budget's); rng: the run's dropout
+  key (dropout_key(seed, mesh)). Both are arguments so that one compiled program serves every
+  learning rate, schedule and seed.
 
   loss_fn(params, microbatch, rng, totals) -> (loss, {name: clu Metric}); totals_fn(batch)
   gives the whole batch's normalizers (see the module docstring). metrics_cls: a clu
   Collection whose fields are loss, grad_norm (Average), learning_rate (LastValue) and the
   names loss_fn returns; the step merges loss_fn's metrics over the microbatches.
   The batch is a dict of global arrays sharded over (data, fsdp) on axis 0. Dropout keys
-  are fold_in(fold_in(PRNGKey(seed), step), microbatch), so a resumed run draws the same
-  masks. A non-finite loss or gradient norm is left to the caller, which checks every
-  step's before it saves or evaluates (train.py); a select over the state here made XLA copy
-  both Adam moments every step (it cannot update them in place under the select).
+  are fold_in(fold_in(rng, step), microbatch), so a resumed run draws the same masks.
+  A non-finite loss or gradient norm is left to the caller, which checks every step's before
+  it saves or evaluates (train.py); a select over the state here made XLA copy both Adam
+  moments every step (it cannot update them in place under the select).
   """
   k = int(grad_accum_steps)
-  base_key = jax.random.PRNGKey(seed)
 
-  def step_fn(state: TrainState, batch, factor=None):
+  def step_fn(state: TrainState, batch, learning_rate, rng):
     with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
       totals = totals_fn(batch)
-      step_key = jax.random.fold_in(base_key, state.step)
+      step_key = jax.random.fold_in(rng, state.step)
       grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
       if k == 1:
         (loss, stats), grads = grad_fn(state.params, batch, jax.random.fold_in(step_key, 0),
@@ -368,11 +423,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
                    for n, m in stats.items()}
       grad_norm = optax.tree.norm(grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
-      learning_rate = schedule(state.step)
-      if factor is not None:
-        updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
-        learning_rate = learning_rate * factor
-      params = optax.apply_updates(state.params, updates)
+      params = optax.apply_updates(state.params, apply_learning_rate(updates, learning_rate))
       new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
       out = metrics_lib.collection(
           metrics_cls, loss=metrics_lib.average(loss, 1.0),
@@ -383,7 +434,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation,
 
   data = partitioning.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
-  return jax.jit(step_fn, in_shardings=(shardings, data) + ((replicated,) if lr_factor else ()),
+  return jax.jit(step_fn, in_shardings=(shardings, data, replicated, replicated),
                  out_shardings=(shardings, replicated), donate_argnums=(0,))
 
 
@@ -450,16 +501,13 @@ class PretrainingProgram:
   spec: EncoderSpec
   model: nn.Module
   tx: optax.GradientTransformation
-  schedule: optax.Schedule
+  schedule: optax.Schedule    # step -> learning rate (the step takes it: LearningRates)
   batch_shapes: dict          # ShapeDtypeStructs of one global batch
   abstract: TrainState        # ShapeDtypeStructs with their shardings
   shardings: TrainState
   loss_fn: Callable
-  train_step: Callable        # jitted (state, batch[, lr factor]) -> (state, metrics)
+  train_step: Callable        # jitted (state, batch, learning_rate, rng) -> (state, metrics)
   flops_per_example: float
-  # With train.time_budget_minutes: the configured schedule over num_steps, which the clock
-  # drives (tx then runs at the constant peak, scaled by the step's factor); else None.
-  budget_schedule: Optional[optax.Schedule] = None
 
 
 def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
@@ -471,24 +519,17 @@ def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
   tc = config.train
   spec = resolve(config.model, platform=platform)
   model = models.build(spec)
-  budgeted = float(tc.get('time_budget_minutes', 0) or 0) > 0
-  opt = config.optimizer
-  if budgeted:  # the peak, constant; the clock's factor makes the schedule (train.py)
-    budget_schedule = make_schedule(opt, tc.num_steps)
-    opt = ml_collections.ConfigDict(opt.to_dict())
-    opt.schedule, opt.warmup_steps = 'constant', 0
-  tx, schedule = make_optimizer(opt, tc.num_steps, spec)
+  tx = make_optimizer(config.optimizer, spec)
+  schedule = make_schedule(config.optimizer, tc.num_steps)
   seq_len, preds = config.data.max_seq_length, config.data.max_predictions_per_seq
   batch_shapes = abstract_batch(tc.batch_size, seq_len, preds)
   abstract, shardings = state_shardings(model, tx, batch_shapes, mesh)
   loss_fn = pretraining_loss_fn(model)
   train_step = make_train_step(
-      loss_fn, tx, schedule, mesh=mesh, shardings=shardings,
-      metrics_cls=metrics_lib.PretrainingTrainMetrics, grad_accum_steps=tc.grad_accum_steps,
-      seed=config.seed, lr_factor=budgeted)
+      loss_fn, tx, mesh=mesh, shardings=shardings,
+      metrics_cls=metrics_lib.PretrainingTrainMetrics, grad_accum_steps=tc.grad_accum_steps)
   return PretrainingProgram(spec, model, tx, schedule, batch_shapes, abstract, shardings,
-                            loss_fn, train_step, flops_per_example(spec, seq_len, preds),
-                            budget_schedule if budgeted else None)
+                            loss_fn, train_step, flops_per_example(spec, seq_len, preds))
 
 
 # --------------------------------------------------------------------------------------

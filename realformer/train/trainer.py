@@ -127,6 +127,7 @@ class Task(abc.ABC):
     cadence   a Cadence
     mesh      the device mesh
     model     the flax module; tx: its optimizer (train_lib.make_optimizer)
+    schedule  step -> learning rate (train_lib.make_schedule; the step takes its value)
     abstract, shardings: TrainStates of ShapeDtypeStructs and of NamedShardings
     example_batch: a dict of arrays or ShapeDtypeStructs with one step's batch shapes (init)
     seed      of the init and of the dropout masks
@@ -138,14 +139,12 @@ class Task(abc.ABC):
   mesh: jax.sharding.Mesh
   model: Any
   tx: optax.GradientTransformation
+  schedule: optax.Schedule
   abstract: TrainState
   shardings: TrainState
   example_batch: Dict[str, Any]
   seed: int
   init_checkpoint: Optional[InitCheckpoint] = None
-  # With a time budget: the configured schedule over num_steps, which the clock drives (tx
-  # then runs at the constant peak and the step takes the clock's factor); else None.
-  budget_schedule: Optional[optax.Schedule] = None
   # The config.json beside params-only checkpoints (best/, final/); None: self.config.
   params_config: Any = None
   # A run restarted after its last step evaluates again (its outputs need the results).
@@ -172,7 +171,8 @@ class Task(abc.ABC):
 
   @abc.abstractmethod
   def compile_train_step(self) -> Callable:
-    """(state, batch[, lr factor]) -> (state, metrics), compiled for every batch shape the
+    """(state, batch, learning_rate, rng) -> (state, metrics) (train_lib.make_train_step),
+    compiled for every batch shape the
     run will feed; metrics is a clu Collection with at least loss and grad_norm. A step
     whose programs compile while the run goes on has a waited() method: the seconds calls
     spent waiting for a compilation since the last waited(), left out of the throughput."""
@@ -225,12 +225,12 @@ class TimeBudget:
   """
   SYNC_EVERY = 10
 
-  def __init__(self, cadence: Cadence, schedule: optax.Schedule, peak_lr: float,
-               run: RunDir, start_step: int):
+  def __init__(self, cadence: Cadence, schedule: optax.Schedule, run: RunDir,
+               start_step: int):
     self.seconds = float(cadence.time_budget_minutes) * 60
     self.num_steps = cadence.num_steps
     self._grid = np.linspace(0.0, cadence.num_steps, 2049)  # the schedule, tabulated once
-    self._table = np.asarray(jax.vmap(schedule)(self._grid)) / float(peak_lr)
+    self._table = np.asarray(jax.vmap(schedule)(self._grid))
     self._run = run
     self._record = run.read_json(RunDir.TIME_SPENT, {})
     # A checkpoint without its record (made before records were written first): the newest
@@ -261,7 +261,8 @@ class TimeBudget:
     self.spent = spent
     return spent
 
-  def factor(self, step: int) -> np.ndarray:
+  def learning_rate(self, step: int) -> np.float32:
+    """The schedule's learning rate at the run's progress before step + 1."""
     progress = min(1.0, max(step / self.num_steps, self.spent / self.seconds))
     return np.float32(np.interp(progress * self.num_steps, self._grid, self._table))
 
@@ -414,9 +415,8 @@ class Trainer:
     self.writer = run.metric_writer(start)
     self.best = BestParams(run, task, enabled=c.keep_best, start=start)
     self.budget = None
-    if task.budget_schedule is not None:
-      self.budget = TimeBudget(c, task.budget_schedule,
-                               float(task.config.optimizer.learning_rate), run, start)
+    if c.time_budget_minutes > 0:
+      self.budget = TimeBudget(c, task.schedule, run, start)
     self.results: Optional[Results] = None
     self.last_logged: Dict[str, float] = {}
     try:
@@ -450,6 +450,8 @@ class Trainer:
     if start >= c.num_steps:
       return None
     train_step = task.compile_train_step()
+    rates, rng = train_lib.LearningRates(task.schedule), train_lib.dropout_key(task.seed,
+                                                                               task.mesh)
     waited = getattr(train_step, 'waited', lambda: 0.0)  # compilations, not training
     profile = _Profile(self.cadence.profile_steps, str(self.run_dir), start)
     window, pending, step = Window(), None, start  # pending: the step not yet checked
@@ -458,8 +460,10 @@ class Trainer:
       batches = task.batches(start)
       while step < c.num_steps and not (budget is not None and budget.over()):
         batch, cost = next(batches)
-        factor = () if budget is None else (budget.factor(step),)
-        self.state, step_metrics = train_step(self.state, batch, *factor)
+        rate = rates(step) if budget is None else budget.learning_rate(step)
+        if step == start:
+          first_call = time.time()
+        self.state, step_metrics = train_step(self.state, batch, rate, rng)
         window.exclude(waited())
         step += 1
         if pending is not None:  # check the previous step while this one runs
@@ -469,6 +473,8 @@ class Trainer:
         profile.step(step)
         if step == start + 1:  # compiled and done: throughput and budget count from here
           self._check_finite(*pending)
+          logging.info('first step: %.1f s (tracing, compiling or loading, and running it)',
+                       time.time() - first_call)
           compile_cache.log_stats('compiling the train step')
           window.restart_clock()
           if budget is not None:
