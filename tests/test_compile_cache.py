@@ -65,6 +65,27 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
   assert _losses(tmp_path / 'd') == _losses(tmp_path / 'a')
 
 
+def test_the_cache_keeps_gpu_autotuning_results_in_its_folder(tmp_path):
+  """The compile options jax builds for any backend, once the cache is on, point XLA's
+  per-fusion GPU autotuning cache into the cache's folder (process 0 writes it): a second
+  start on a GPU autotunes nothing it tuned before."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import compilation_cache as jax_cache  # pylint: disable=g-import-not-at-top
+  from jax._src import compiler  # pylint: disable=g-import-not-at-top
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    folder = compile_cache.enable(str(tmp_path))
+    jax_cache.reset_cache()
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    debug = options.executable_build_options.debug_options
+    assert debug.xla_gpu_per_fusion_autotune_cache_dir == os.path.join(
+        folder, 'xla_gpu_per_fusion_autotune_cache_dir')
+    assert 'UPDATE' in str(debug.xla_gpu_experimental_autotune_cache_mode)
+  finally:
+    jax.config.update('jax_compilation_cache_dir', before)
+    jax_cache.reset_cache()
+
+
 def test_programs_of_another_machine_are_in_another_folder():
   facts = compile_cache.machine_facts()
   here = compile_cache.fingerprint(facts)

@@ -13,6 +13,11 @@ Every run on a machine shares it (the runs of a sweep or a fine-tuning grid comp
 programs), and a restarted or preempted run loads its programs instead of compiling them
 again.
 
+On a GPU the folder also keeps XLA's autotuning results, per fusion
+(<folder>/xla_gpu_per_fusion_autotune_cache_dir): a start that compiles a program anew (a
+new shape, another model) skips the autotuning of every fusion an earlier start tuned, and a
+second start of the same program loads it whole and autotunes nothing.
+
 A program compiled for another machine is never loaded. jax's key already covers the
 computation, the compile options, the XLA flags, the jaxlib version, the backend's platform
 version and the device kind. XLA:CPU compiles for the host processor's instruction set,
@@ -41,6 +46,8 @@ from realformer.train import machine
 DEFAULT_DIR = os.path.join('~', '.cache', 'realformer', 'xla')
 ENV = 'REALFORMER_COMPILATION_CACHE'
 OFF = 'off'
+# What jax keeps in the cache folder besides whole programs: GPU autotuning results.
+XLA_CACHES = 'xla_gpu_per_fusion_autotune_cache_dir'
 
 _counts = {'hits': 0, 'misses': 0}
 _lock = threading.Lock()
@@ -83,6 +90,7 @@ def enable(setting: Optional[str] = None) -> Optional[str]:
     logging.info('compilation cache: off')
     return None
   jax.config.update('jax_compilation_cache_dir', path)
+  jax.config.update('jax_persistent_cache_enable_xla_caches', XLA_CACHES)
   _listen()
   logging.info('compilation cache: %s', path)
   return path
