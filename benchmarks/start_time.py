@@ -9,7 +9,8 @@ a fresh workdir with an empty cache folder (cold); in another fresh workdir with
 cold run filled (warm); and in the cold run's workdir again, its step-2 checkpoint removed
 (resume: the same command after a preemption, restoring step 1, with the cache warm).
 Reported per arm: seconds from the process's start to the end of its first step (the log line
-that counts the cache's programs), and the whole process, as medians; no evaluation. Synthetic data by default; --prepared first prepares the config's
+that counts the cache's programs), the first step alone (trainer.py's log: tracing, compiling
+or loading, and running it), and the whole process, as medians; no evaluation. Synthetic data by default; --prepared first prepares the config's
 corpus once (`python -m data.prepare`, not timed) and every run reads it.
 """
 
@@ -46,7 +47,9 @@ def run_once(config: str, cache: str, batch: int, extra, workdir: str,
   t0 = time.localtime(start)
   started = t0.tm_hour * 3600 + t0.tm_min * 60 + t0.tm_sec + start % 1
   loaded = int(line.split(' programs loaded from it')[0].split()[-1])
-  return {'first_step': (first - started) % 86400, 'whole': whole, 'loaded': loaded}
+  compile_s = float(re.search(r'first step: ([\d.]+) s', proc.stderr).group(1))
+  return {'first_step': (first - started) % 86400, 'compile': compile_s, 'whole': whole,
+          'loaded': loaded}
 
 
 def main():
@@ -78,11 +81,13 @@ def main():
   print(f'{args.config}, batch {args.batch}, '
         f'{"prepared" if args.prepared else "synthetic"} data, 2 steps; medians of '
         f'{args.repeats}')
-  print('| cache | to the first step (s) | whole process (s) | programs loaded |')
-  print('|---|---|---|---|')
+  print('| cache | to the first step (s) | the first step alone (s) | whole process (s) | '
+        'programs loaded |')
+  print('|---|---|---|---|---|')
   for arm, runs in arms.items():
     med = lambda k: statistics.median(r[k] for r in runs)
-    print(f'| {arm} | {med("first_step"):.1f} | {med("whole"):.1f} | {med("loaded"):.0f} |')
+    print(f'| {arm} | {med("first_step"):.1f} | {med("compile"):.1f} | {med("whole"):.1f} | '
+          f'{med("loaded"):.0f} |')
   cold = statistics.median(r['first_step'] for r in arms['cold'])
   warm = statistics.median(r['first_step'] for r in arms['warm'])
   print(f'warm / cold time to the first step: {warm / cold:.2f}')

@@ -87,14 +87,21 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
                                         os.environ.get('PYTHONPATH', '').split(os.pathsep)))
   env.pop('REALFORMER_MINILM_DIR', None)
   proc = subprocess.run(
-      [sys.executable, 'benchmarks/device_suite.py', '--smoke', '--parts', 'step128,finetune',
+      [sys.executable, 'benchmarks/device_suite.py', '--smoke', '--parts',
+       'start,step128,finetune',
        '--variants', 'postln', '--out', str(tmp_path / 'out'),
        '--scratch', str(tmp_path / 'scratch')],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   with open(tmp_path / 'out' / 'suite.json') as f:
     suite = json.load(f)
-  assert {part: r['status'] for part, r in suite.items()} == {'step128': 'ok', 'finetune': 'ok'}
+  assert {part: r['status'] for part, r in suite.items()} == {
+      'start': 'ok', 'step128': 'ok', 'finetune': 'ok'}
+  starts = {r['arm']: r for r in suite['start']['data']['rows']}
+  assert list(starts) == ['cold', 'warm', 'resume']
+  for r in starts.values():
+    assert 0 < r['compile'] < r['first_step'] < r['whole']
+  assert starts['cold']['loaded'] == 0 < starts['warm']['loaded'] == starts['resume']['loaded']
   rows = suite['step128']['data']['rows']
   assert [r['contender'] for r in rows] == [
       'ours postln', 'HF BertForPreTraining (torch, autocast bfloat16)',
@@ -106,13 +113,16 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
     else:
       assert r['kernels'] is None
   arms = {r['arm']: r for r in suite['finetune']['data']['rows']}
-  assert set(arms) == {'ours', 'hf'}
+  assert list(arms) == ['hf', 'ours', 'ours_warm', 'hf_warm']
   for r in arms.values():
     assert len(r['epoch_seconds']) == 1 and 0 <= r['accuracy'] <= 1 and r['wall_s'] > 0
   with open(tmp_path / 'out' / 'suite.md') as f:
     md = f.read()
   assert '| ours postln [fused_attention=flash, dropout in the kernel] |' in md and '| hf |' in md
   assert '| throughput vs HF |' in md and '| 1.00x |' in md  # HF's own row
+  assert '| cache | the first step alone s |' in md and '| resume |' in md
+  assert '- the race, cold (whole process, HF / ours): ' in md
+  assert '- the race, warm (whole process, HF / ours): ' in md
   assert "Where ours postln [fused_attention=flash, dropout in the kernel]'s step goes (" in md
   # What the image would lack: every process of the suite (the parts, the contenders, the
   # fine-tuning runs, the HF peer) imported only the image's distributions and the carried ones.
@@ -131,8 +141,8 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
 
 def test_an_unknown_part_or_variant_is_refused_in_one_line():
   for argv, expected in (
-      (['--parts', 'step1024'], '--parts step1024: unknown; choose from env, step512, step128, '
-                                'finetune'),
+      (['--parts', 'step1024'], '--parts step1024: unknown; choose from env, start, step512, '
+                                'step128, finetune'),
       (['--variants', 'postln,realformr'], '--variants realformr: unknown; choose from postln, '
                                            'realformer, preln, synth_random_vanilla')):
     proc = subprocess.run([sys.executable, 'benchmarks/device_suite.py'] + argv,
