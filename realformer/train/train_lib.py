@@ -13,7 +13,8 @@ The pieces are independent of the head and the loss, so fine-tuning reuses them:
 The step's learning rate and dropout key are its arguments, not constants compiled into it:
 its program depends on shapes, the model and the optimizer's form only, so the runs of a
 grid over learning rates, schedules, epochs and seeds load one compiled program from the
-persistent cache (realformer/train/compile_cache.py) instead of compiling one each.
+persistent cache (realformer/train/compile_cache.py) instead of compiling one each (only
+LearningRates' small table of the schedule is their own).
 
 `loss_fn(params, microbatch, rng, totals) -> (loss, {name: clu Metric})` (rng None means
 evaluation: no dropout). `totals` is `totals_fn(whole_batch)`, the normalizers of the WHOLE
@@ -210,23 +211,24 @@ def apply_learning_rate(updates, learning_rate: jax.Array):
 
 class LearningRates:
   """step -> the schedule's learning rate for the update that starts at `step`, an np.float32
-  for the train step's argument: the schedule's own jnp operations, run op by op on the
-  default device for blocks of BLOCK steps at a time (element-wise float32 operations: the
-  values the step computed when the schedule was compiled into it). Op by op, the schedule's
-  constants are operands rather than parts of a program, so no run compiles a program of its
-  own for them; and no step waits for the device."""
+  for the train step's argument: the schedule's own jnp operations, compiled for blocks of
+  BLOCK steps at a time on the default device (the values the step computed when the schedule
+  was compiled into it), so no step waits for the device. That small program
+  ('jit_learning_rates', a tenth of a second) holds the schedule's constants: the one
+  program a run of another learning rate or length compiles anew."""
   BLOCK = 4096
 
   def __init__(self, schedule: optax.Schedule):
-    self._schedule = schedule
+    def learning_rates(steps):
+      return jax.vmap(schedule)(steps)
+    self._values = jax.jit(learning_rates)
     self._block, self._table = None, None
 
   def __call__(self, step: int) -> np.float32:
     block, i = divmod(int(step), self.BLOCK)
     if block != self._block:
-      steps = jnp.arange(block * self.BLOCK, (block + 1) * self.BLOCK, dtype=jnp.int32)
-      values = np.asarray(self._schedule(steps), np.float32)  # (a constant: a scalar)
-      self._block, self._table = block, np.broadcast_to(values, steps.shape)
+      steps = np.arange(block * self.BLOCK, (block + 1) * self.BLOCK, dtype=np.int32)
+      self._block, self._table = block, np.asarray(self._values(steps), np.float32)
     return self._table[i]
 
 
