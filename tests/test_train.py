@@ -323,6 +323,7 @@ def test_lamb_matches_a_float64_numpy_reference():
   lamb = train_lib.make_optimizer(opt, spec)
   opt.name = 'adamw'
   adamw = train_lib.make_optimizer(opt, spec)
+  params, grads = (jax.tree.map(lambda x: np.asarray(x, np.float32), t) for t in (params, grads))
   kernel = lambda tx: np.asarray(optax.apply_updates(params, tx.update(
       grads, tx.init(params), params)[0])['dense']['kernel'])
   assert not np.allclose(kernel(adamw), kernel(lamb), rtol=1e-3)  # not AdamW renamed

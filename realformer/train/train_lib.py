@@ -8,7 +8,7 @@ The pieces are independent of the head and the loss, so fine-tuning reuses them:
     step = make_train_step(loss_fn, tx, mesh=mesh, shardings=shardings,
                            metrics_cls=..., grad_accum_steps=k)
     rates, rng = LearningRates(schedule), dropout_key(seed, mesh)
-    state, metrics = step(state, global_batch, rates(int(state.step)), rng)
+    state, metrics = step(state, global_batch, rates(i), rng)  # i: the host's step count
 
 The step's learning rate and dropout key are its arguments, not constants compiled into it:
 its program depends on shapes, the model and the optimizer's form only, so the runs of a
@@ -212,10 +212,11 @@ def apply_learning_rate(updates, learning_rate: jax.Array):
 class LearningRates:
   """step -> the schedule's learning rate for the update that starts at `step`, an np.float32
   for the train step's argument: the schedule's own jnp operations, compiled for blocks of
-  BLOCK steps at a time on the default device (the values the step computed when the schedule
-  was compiled into it), so no step waits for the device. That small program
-  ('jit_learning_rates', a tenth of a second) holds the schedule's constants: the one
-  program a run of another learning rate or length compiles anew."""
+  BLOCK steps at a time on the run's devices (every process computes the same blocks at the
+  same steps), the values the step computed when the schedule was compiled into it. Only the
+  first step of each block waits for the device. That small program ('jit_learning_rates', a
+  tenth of a second) holds the schedule's constants: the one program a run of another
+  learning rate or length compiles anew."""
   BLOCK = 4096
 
   def __init__(self, schedule: optax.Schedule):

@@ -455,12 +455,13 @@ class Trainer:
     waited = getattr(train_step, 'waited', lambda: 0.0)  # compilations, not training
     profile = _Profile(self.cadence.profile_steps, str(self.run_dir), start)
     window, pending, step = Window(), None, start  # pending: the step not yet checked
+    first_call = 0.0  # when the first step was called (its batch at hand)
     self.period_start = time.time()
     with workdir_lib.StopSignal() as stop, contextlib.closing(profile):
       batches = task.batches(start)
       while step < c.num_steps and not (budget is not None and budget.over()):
         batch, cost = next(batches)
-        rate = rates(step) if budget is None else budget.learning_rate(step)
+        rate = np.float32(rates(step) if budget is None else budget.learning_rate(step))
         if step == start:
           first_call = time.time()
         self.state, step_metrics = train_step(self.state, batch, rate, rng)
