@@ -14,6 +14,7 @@ from absl import flags
 from realformer import cli
 from realformer import storage
 from realformer.tools import analysis
+from realformer.train.run_dir import RunDir
 
 
 def _define(f):
@@ -33,7 +34,7 @@ def main(argv=None):
   if out.exists() and not out.is_dir():
     raise ValueError(f'--out {args.out} is a file; give a folder for the report')
   for w in args.workdir:
-    if not (storage.path(w) / 'config.json').exists():
+    if not (storage.path(w) / RunDir.CONFIG).exists():
       raise FileNotFoundError(f'{w} has no config.json: pass the --workdir of a train.py run')
   results = [analysis.analyze_run(w, args.num_examples) for w in args.workdir]
   analysis.write_report(results, args.out, args.label)

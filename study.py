@@ -40,6 +40,7 @@ from realformer import storage
 from realformer.tools import analysis
 from realformer.tools import sweep
 from realformer.train import metrics_jsonl
+from realformer.train.run_dir import RunDir
 
 VARIANTS = ('postln', 'preln', 'realformer', 'synth_random_vanilla', 'synth_dense_vanilla')
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -136,10 +137,11 @@ def fixed_settings(args) -> list:
 # What a report is made from, copied by --record into a folder that can be kept with the
 # docs (each run's metrics and settings, each part's tables and figures; never checkpoints,
 # prepared data or predictions, which can be regenerated and are large).
-RECORD_RUN_FILES = ('metrics.jsonl', 'config.json', 'results.json', 'time_spent.json',
-                    'diverged.json', 'overrides.json', 'machine.jsonl', 'DONE')
+RECORD_RUN_FILES = (RunDir.METRICS, RunDir.CONFIG, RunDir.RESULTS, RunDir.TIME_SPENT,
+                    RunDir.DIVERGED, RunDir.OVERRIDES, RunDir.MACHINE, RunDir.DONE)
 RECORD_SUFFIXES = ('.md', '.csv', '.json', '.png')
-RECORD_SKIP_DIRS = ('checkpoints', 'data', 'predictions', 'best', 'final', 'era')
+RECORD_SKIP_DIRS = (RunDir.CHECKPOINTS, RunDir.DATA, RunDir.PREDICTIONS, RunDir.BEST,
+                    RunDir.FINAL, 'era')
 
 
 def record(args, part_root: str) -> None:
@@ -152,7 +154,7 @@ def record(args, part_root: str) -> None:
   copied = 0
   for dirpath, dirnames, filenames in storage.walk(part_root):
     dirnames[:] = sorted(d for d in dirnames if d not in RECORD_SKIP_DIRS)
-    is_run = sweep.OVERRIDES in filenames or 'results.json' in filenames
+    is_run = RunDir.OVERRIDES in filenames or RunDir.RESULTS in filenames
     for name in filenames:
       if name in RECORD_RUN_FILES if is_run else name.endswith(RECORD_SUFFIXES):
         dest = os.path.join(dest_root, os.path.relpath(dirpath, part_root))
@@ -251,7 +253,7 @@ def curves(root: str, runs, names, out_path: str):
   import numpy as np  # pylint: disable=g-import-not-at-top
   series, baselines = {}, []
   for run, name in zip(runs, names):
-    path = storage.join(root, name, 'metrics.jsonl')
+    path = storage.join(root, name, RunDir.METRICS)
     if not storage.path(path).exists():
       continue
     records = list(metrics_jsonl.read_jsonl(path, 'train').values()) + list(
@@ -296,7 +298,6 @@ def curves(root: str, runs, names, out_path: str):
 # above a random model's (ln vocabulary + ln 2) and came back is shown as a spike.
 
 STABILITY_AXES = ('model.variant', 'optimizer.learning_rate', 'optimizer.warmup_steps')
-DIVERGED = 'diverged.json'  # written into a run whose loss became nan/inf: not rerun
 # The default grid, one command: peak rates from 5e-4 (5x BERT's) to 0.128, x2 apart, each
 # without warm-up; with the short warm-up too up to --warmup_max_lr (4e-3), the rates where
 # warm-up is the usual practice (the large ones are where Post-LN breaks first without it):
@@ -316,11 +317,11 @@ def stability_cell(workdir: str, run=None) -> dict:
   """{'status': 'diverged' | 'rose' | 'ok' | 'missing', 'final', 'start', 'step'} of a run
   (finished as sweep.is_done judges it: its DONE marker, or its checkpoint at its last step
   or at its spent time budget, e.g. a run whose sweep process was killed as it finished)."""
-  marker = storage.join(workdir, DIVERGED)
+  marker = storage.join(workdir, RunDir.DIVERGED)
   if storage.path(marker).exists():
     with _open(marker) as f:
       return dict(json.load(f), status='diverged')
-  path = storage.join(workdir, 'metrics.jsonl')
+  path = storage.join(workdir, RunDir.METRICS)
   if not storage.path(path).exists() or not sweep.is_done(workdir, run):
     return {'status': 'missing'}
   losses = [(step, r['loss']) for step, r in sorted(metrics_jsonl.read_jsonl(path).items())
@@ -330,7 +331,7 @@ def stability_cell(workdir: str, run=None) -> dict:
   # The start: the first logged loss (a mean over the first log_every steps, which may hold an
   # early spike), or a random model's loss, ln(vocabulary) + ln 2 (MLM + NSP), if lower.
   cell['start'] = losses[0][1]
-  config = storage.join(workdir, 'config.json')
+  config = storage.join(workdir, RunDir.CONFIG)
   if storage.path(config).exists():
     with _open(config) as f:
       cell['chance'] = math.log(json.load(f)['model']['vocab_size']) + math.log(2)
@@ -341,14 +342,14 @@ def stability_cell(workdir: str, run=None) -> dict:
 
 def mark_diverged(workdir: str) -> bool:
   """After a failed run: True (and the marker written) when its loss became nan/inf."""
-  log = storage.join(workdir, 'log.txt')
+  log = storage.join(workdir, RunDir.LOG)
   if not storage.path(log).exists():
     return False
   tail = storage.path(log).read_bytes()[-16000:].decode('utf-8', 'replace')[-4000:]
   match = re.search(r'(loss|gradient norm) became (nan|inf|-inf) at step (\d+)', tail)
   if not match:
     return False
-  with _open(storage.join(workdir, DIVERGED), 'w') as f:
+  with _open(storage.join(workdir, RunDir.DIVERGED), 'w') as f:
     json.dump({'what': match.group(1), 'value': match.group(2),
                'step': int(match.group(3))}, f)
   return True
@@ -425,7 +426,7 @@ def stability(args) -> int:
     raise ValueError(f'no run of this grid under {root}; run study.py stability without '
                      '--report_only first (with the same options)')
   todo = [r for r, n in zip(runs, names)
-          if not storage.path(storage.join(root, n, DIVERGED)).exists()]
+          if not storage.path(storage.join(root, n, RunDir.DIVERGED)).exists()]
   codes = {} if args.report_only else sweep.run_all(
       todo, root=root, program=os.path.join(REPO, 'train.py'), config=config,
       always=STABILITY_AXES)
@@ -483,10 +484,10 @@ def budget_table(root: str, found) -> str:
   rows = []
   for name in sorted(p.name for p in storage.path(root).iterdir()):
     workdir = storage.join(root, name)
-    if not (storage.path(storage.join(workdir, sweep.OVERRIDES)).exists() and
+    if not (storage.path(storage.join(workdir, RunDir.OVERRIDES)).exists() and
             sweep.is_done(workdir)):
       continue
-    with _open(storage.join(workdir, sweep.OVERRIDES)) as f:
+    with _open(storage.join(workdir, RunDir.OVERRIDES)) as f:
       run = json.load(f)
     r = held_out(workdir)
     if r:
@@ -580,7 +581,7 @@ def compare_runs(args, minutes: float = 0.0):
 def training_seconds(workdir: str, steps: int) -> float:
   """Training time of a finished run at its steady rate: steps / the median logged steps/s
   (the first window, which compiles, left out)."""
-  records = metrics_jsonl.read_jsonl(storage.join(workdir, 'metrics.jsonl'))
+  records = metrics_jsonl.read_jsonl(storage.join(workdir, RunDir.METRICS))
   rates = [r['steps_per_sec'] for _, r in sorted(records.items()) if 'steps_per_sec' in r]
   return steps / statistics.median(rates[1:] or rates)
 
@@ -700,7 +701,7 @@ def finetune_runs(args, workdir: str, seed: int, scratch: bool) -> dict:
 
 
 def dev_accuracy(workdir: str):
-  path = storage.join(workdir, 'results.json')
+  path = storage.join(workdir, RunDir.RESULTS)
   if not storage.path(path).exists():
     return None
   with _open(path) as f:

@@ -221,8 +221,8 @@ def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server):
     args += ['--set', item]
   assert sweep_cli.main(args) == 0, (storage.path(root) / 'seed=0' / 'log.txt').read_text()
   run = storage.path(root) / 'seed=0'
-  assert {'DONE', 'log.txt', sweep.OVERRIDES, 'config.json'} <= {p.name for p in run.iterdir()}
-  assert sweep.LOCK not in {p.name for p in run.iterdir()}  # the lease object is released
+  assert {'DONE', 'log.txt', RunDir.OVERRIDES, 'config.json'} <= {p.name for p in run.iterdir()}
+  assert RunDir.SWEEP_LOCK not in {p.name for p in run.iterdir()}  # the lease object is released
   assert sweep_cli.main(args) == 0  # finished: skipped
   assert sweep_cli.main(['summarize', '--root', root, '--metrics', 'eval/loss']) == 0
   assert (storage.path(root) / 'summary.md').read_text().startswith('| n |')
@@ -516,8 +516,8 @@ def test_study_reports_read_and_write_a_bucket_root(server, tmp_path):
     lines = [json.dumps({'step': s, 'split': 'train', 'loss': 9.0 - s / 10}) for s in (10, 20)]
     lines += [json.dumps({'step': 20, 'split': 'eval', 'mlm_accuracy': 0.2})]
     storage.write_text(f'{root}/compare/{name}/metrics.jsonl', '\n'.join(lines) + '\n')
-    storage.write_text(f'{root}/compare/{name}/{sweep.OVERRIDES}', '{}')
-    storage.write_text(f'{root}/compare/{name}/{sweep.DONE}', '')
+    storage.write_text(f'{root}/compare/{name}/{RunDir.OVERRIDES}', '{}')
+    storage.write_text(f'{root}/compare/{name}/{RunDir.DONE}', '')
     storage.write_text(f'{root}/compare/{name}/checkpoints/20/x.json', '{}')
   study.curves(f'{root}/compare', runs, names, f'{root}/compare/learning_curves.png')
   assert storage.path(f'{root}/compare/learning_curves.png').stat().length > 1000

@@ -17,6 +17,7 @@ import pytest
 
 import sweep as sweep_cli
 from realformer.tools import sweep
+from realformer.train.run_dir import RunDir
 from tests.gcs_server import gcs  # pylint: disable=unused-import
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +108,7 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
   assert sweep_cli.main(args + ['--set', 'fail_once=True']) == 0  # finished: all skipped
   for n in names:
     assert (root / n / 'calls.txt').read_text().count('call') == 2
-    assert json.loads((root / n / sweep.OVERRIDES).read_text())['fail_once'] is True
+    assert json.loads((root / n / RunDir.OVERRIDES).read_text())['fail_once'] is True
 
   assert sweep_cli.main(['summarize', '--root', str(root), '--metrics',
                          'eval/mlm_accuracy']) == 0
@@ -125,7 +126,7 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
   assert (root / 'summary.md').read_text().startswith('| optimizer.learning_rate |')
   assert (root / 'summary.csv').read_text().splitlines()[0].startswith('optimizer.')
   # An unfinished seed is left out of the statistics, and counted.
-  (root / 'optimizer.learning_rate=0.0001,seed=2' / sweep.DONE).unlink()
+  (root / 'optimizer.learning_rate=0.0001,seed=2' / RunDir.DONE).unlink()
   header, table = sweep.summarize(sweep.collect(str(root), ['eval/mlm_accuracy']),
                                   ['eval/mlm_accuracy'])
   row = {row[0]: row for row in table}['0.0001']
@@ -170,7 +171,7 @@ def test_a_directory_holding_another_run_is_never_reused(tmp_path, capsys):
   assert '0/2 runs finished; failed: optimizer.learning_rate=0.0001,seed=0' in out
   for name in os.listdir(root):
     assert (root / name / 'calls.txt').read_text().count('call') == 1
-    assert json.loads((root / name / sweep.OVERRIDES).read_text())['train.num_steps'] == 2
+    assert json.loads((root / name / RunDir.OVERRIDES).read_text())['train.num_steps'] == 2
   # A grid's axes always name its runs, so a one-value grid does not collide.
   runs = sweep.expand(['num_epochs=2'], ['batch_size=16'])
   assert sweep.run_names(runs) == ['seed=0']
@@ -194,19 +195,19 @@ def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path
   (root / names[0] / 'checkpoints' / '2').mkdir(parents=True)
   (root / names[0] / 'checkpoints' / '2' / 'commit_success.txt').write_text('')
   # Held by another live process on this host (the pytest runner's parent).
-  (root / names[1] / sweep.LOCK).write_text(f'{socket.gethostname()} {os.getppid()}')
+  (root / names[1] / RunDir.SWEEP_LOCK).write_text(f'{socket.gethostname()} {os.getppid()}')
   # A lock left by a process that died: taken over.
   dead = subprocess.Popen([sys.executable, '-c', 'pass'])
   dead.wait()
-  (root / names[2] / sweep.LOCK).write_text(f'{socket.gethostname()} {dead.pid}')
+  (root / names[2] / RunDir.SWEEP_LOCK).write_text(f'{socket.gethostname()} {dead.pid}')
   codes = sweep.run_all(runs, root=str(root), program=str(program), config='cfg',
                         echo=lambda _: None)
   assert codes == {names[0]: 0, names[1]: sweep.RUNNING_ELSEWHERE, names[2]: 0}
   assert not (root / names[0] / 'calls.txt').exists()
   assert not (root / names[1] / 'calls.txt').exists()
-  assert (root / names[1] / sweep.LOCK).exists()  # not ours: left alone
+  assert (root / names[1] / RunDir.SWEEP_LOCK).exists()  # not ours: left alone
   assert (root / names[2] / 'calls.txt').exists() and sweep.is_done(root / names[2])
-  assert not (root / names[2] / sweep.LOCK).exists()  # released after the run
+  assert not (root / names[2] / RunDir.SWEEP_LOCK).exists()  # released after the run
 
 
 def test_values_are_read_as_their_fields_types():
@@ -244,7 +245,7 @@ def test_runs_recorded_before_values_were_typed_are_the_same_runs(tmp_path):
   for run, name in zip(runs, ['old_a', 'old_b']):
     (root / name).mkdir(parents=True)
     recorded = dict(run, **{'data.hf_rows_per_document': int(run['data.hf_rows_per_document'])})
-    (root / name / sweep.OVERRIDES).write_text(json.dumps(recorded))
+    (root / name / RunDir.OVERRIDES).write_text(json.dumps(recorded))
   assert sweep.reuse_names(str(root), runs, sweep.run_names(runs)) == ['old_a', 'old_b']
   assert sweep.other_run(str(root / 'old_a'), runs[0]) == []
   assert sweep.other_run(str(root / 'old_a'), runs[1]) == [
@@ -400,7 +401,7 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys, gcs):
           f.write(json.dumps({'step': 10 * (step + 1), 'split': 'train', 'loss': loss}) + '\n')
     (workdir / 'log.txt').write_text(log)
     if name in ('ok', 'rose'):
-      (workdir / sweep.DONE).write_text('')
+      (workdir / RunDir.DONE).write_text('')
     assert study.mark_diverged(str(workdir)) == (name == 'nan')
     cells[name] = study.stability_cell(str(workdir))
   assert [cells[n]['status'] for n in ('ok', 'rose', 'nan', 'missing')] == [
@@ -413,7 +414,7 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys, gcs):
       json.dumps({'step': s, 'split': 'train', 'loss': v}) + '\n'
       for s, v in ((10, 20.0), (20, 12.0), (30, 10.0))))
   (spike / 'config.json').write_text(json.dumps({'model': {'vocab_size': 8000}}))
-  (spike / sweep.DONE).write_text('')
+  (spike / RunDir.DONE).write_text('')
   cell = study.stability_cell(str(spike))
   assert cell['start'] == pytest.approx(math.log(8000) + math.log(2))  # 9.68 < 10.0
   assert cell['status'] == 'rose' and cell['peak'] == 20.0
@@ -431,7 +432,7 @@ def test_study_record_keeps_what_the_reports_read_and_no_checkpoints(tmp_path):
   root, kept = tmp_path / 'R', tmp_path / 'kept'
   run = root / 'compare' / 'model.variant=postln,seed=0'
   for path, text in ((run / 'metrics.jsonl', '{}'), (run / 'overrides.json', '{}'),
-                     (run / 'config.json', '{}'), (run / sweep.DONE, ''),
+                     (run / 'config.json', '{}'), (run / RunDir.DONE, ''),
                      (run / 'machine.jsonl', '{}'),
                      (run / 'log.txt', 'log'), (run / 'checkpoints' / '1000' / 'x.json', '{}'),
                      (run / 'data' / 'metadata.json', '{}'),
@@ -445,7 +446,7 @@ def test_study_record_keeps_what_the_reports_read_and_no_checkpoints(tmp_path):
   got = sorted(str(p.relative_to(kept)) for p in kept.rglob('*') if p.is_file())
   assert got == ['budget.json', 'compare/attention/attention_entropy.png', 'compare/claims.md',
                  *(f'compare/model.variant=postln,seed=0/{n}' for n in
-                   (sweep.DONE, 'config.json', 'machine.jsonl', 'metrics.jsonl',
+                   (RunDir.DONE, 'config.json', 'machine.jsonl', 'metrics.jsonl',
                     'overrides.json'))], got
   study.record(argparse.Namespace(root=str(root), record=None), str(root / 'compare'))  # off
 
@@ -460,7 +461,7 @@ def _write_run(workdir, steps, accuracy, baseline, rate=10.0):
     f.write(json.dumps({'step': steps, 'split': 'eval', 'mlm_accuracy': accuracy,
                         'mlm_majority_accuracy': baseline, 'mlm_loss': 6.0,
                         'nsp_accuracy': 0.6}) + '\n')
-  (workdir / sweep.DONE).write_text('')
+  (workdir / RunDir.DONE).write_text('')
 
 
 def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, capsys,
@@ -481,7 +482,7 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
     layers, steps = runs[0]['model.num_layers'], runs[0]['train.num_steps']
     ran.append((layers, steps))
     _write_run(tmp_path / 'budget' / name, steps, 0.05 + layers * steps / 40000, 0.07)
-    (tmp_path / 'budget' / name / sweep.OVERRIDES).write_text(json.dumps(runs[0]))
+    (tmp_path / 'budget' / name / RunDir.OVERRIDES).write_text(json.dumps(runs[0]))
     return {name: 0}
 
   monkeypatch.setattr(study.sweep, 'run_all', fake_run_all)
@@ -629,10 +630,10 @@ def test_a_run_lock_admits_one_sweep_process_and_dies_with_its_holder(tmp_path):
     holder.kill()
     holder.wait()
   assert sweep.acquire(workdir)  # its process is gone, and its flock with it
-  with open(os.path.join(workdir, sweep.LOCK)) as f:
+  with open(os.path.join(workdir, RunDir.SWEEP_LOCK)) as f:
     assert f.read() == f'{socket.gethostname()} {os.getpid()}'
   sweep.release(workdir)
-  assert not os.path.exists(os.path.join(workdir, sweep.LOCK))
-  open(os.path.join(workdir, sweep.LOCK), 'w').close()  # a holder killed before its record
+  assert not os.path.exists(os.path.join(workdir, RunDir.SWEEP_LOCK))
+  open(os.path.join(workdir, RunDir.SWEEP_LOCK), 'w').close()  # a holder killed before its record
   assert sweep.acquire(workdir)
   sweep.release(workdir)

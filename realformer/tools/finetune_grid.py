@@ -30,6 +30,7 @@ from absl import flags
 from realformer import cli
 from realformer import storage
 from realformer.tools import sweep
+from realformer.train.run_dir import RunDir
 
 GLUE_TASKS = ('cola', 'sst2', 'mrpc', 'stsb', 'qqp', 'mnli', 'qnli', 'rte', 'wnli')
 GRID_KEYS = ('optimizer.learning_rate', 'batch_size', 'num_epochs')
@@ -86,10 +87,10 @@ def collect(root: str) -> List[Dict[str, Any]]:
   rows = []
   folder = storage.path(root)
   for name in sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []:
-    if not (folder / name / sweep.OVERRIDES).exists():
+    if not (folder / name / RunDir.OVERRIDES).exists():
       continue
-    run = json.loads((folder / name / sweep.OVERRIDES).read_text())
-    path = folder / name / 'results.json'
+    run = json.loads((folder / name / RunDir.OVERRIDES).read_text())
+    path = folder / name / RunDir.RESULTS
     rows.append({'run': run, 'headline': (json.loads(path.read_text())['headline']
                                           if path.exists() else None)})
   return rows
@@ -183,7 +184,7 @@ def main(argv=None):
     for assignment in sweep.parse_assignments(args.set, multi=False):
       fixed.update(assignment[0])
     if not args.print_only and not fixed.get('from_scratch') and not (
-        storage.path(args.init_checkpoint or '.') / 'config.json').is_file():
+        storage.path(args.init_checkpoint or '.') / RunDir.CONFIG).is_file():
       raise ValueError(f'--init_checkpoint={args.init_checkpoint!r} is not a train.py or '
                        f'import workdir (no config.json); pass one, or --set from_scratch=True')
     if (not args.print_only and args.data_dir and

@@ -42,15 +42,13 @@ from realformer import cli
 from realformer import storage
 from realformer.train import checkpoints
 from realformer.train import metrics_jsonl
+from realformer.train.run_dir import RunDir
 
 Run = Dict[str, Any]
-DONE = 'DONE'
-LOCK = 'LOCK'
 _LEASES: Dict[str, Any] = {}  # the lock objects this process holds, by workdir (gs://)
 _LOCK_FDS: Dict[str, int] = {}  # the flocked LOCK files this process holds, by workdir
 RUNNING_ELSEWHERE = -1000  # run_all's code for a run that another sweep process holds
 OTHER_RUN = -1001  # run_all's code for a run whose directory holds a run of other overrides
-OVERRIDES = 'overrides.json'
 _ROOT = cli.REPO  # where programs run
 
 
@@ -224,7 +222,7 @@ def run_names(runs: Sequence[Run], always: Sequence[str] = ()) -> List[str]:
 def other_run(workdir: str, run: Run) -> List[str]:
   """How the run recorded in `workdir` differs from `run`, key by key ([] if it does not),
   compared as the command-line text each value becomes (a run sees nothing else)."""
-  path = storage.path(workdir) / OVERRIDES
+  path = storage.path(workdir) / RunDir.OVERRIDES
   if not path.exists():
     return []
   recorded = json.loads(path.read_text())
@@ -308,7 +306,7 @@ def check_keys(config: str, runs: Sequence[Run]):
 def _log_records(workdir: str) -> List[dict]:
   """<workdir>/metrics.jsonl's records (metrics_jsonl.records: the history of the run the
   workdir holds, past a line cut short by a kill)."""
-  return metrics_jsonl.records(storage.join(workdir, 'metrics.jsonl'))
+  return metrics_jsonl.records(storage.join(workdir, RunDir.METRICS))
 
 
 def last_step(workdir: str) -> int:
@@ -324,13 +322,13 @@ def is_done(workdir: str, run: Optional[Run] = None) -> bool:
   spent (each the run's override, else its config.json). The last checkpoint is saved after
   the last evaluation, so a run that stopped after logging its last step is not finished."""
   path = storage.path(workdir)
-  if (path / DONE).exists() or (path / 'results.json').exists():
+  if (path / RunDir.DONE).exists() or (path / RunDir.RESULTS).exists():
     return True
   run = run or {}
   train = {}
-  if (path / 'config.json').exists():
+  if (path / RunDir.CONFIG).exists():
     try:
-      train = json.loads((path / 'config.json').read_text()).get('train', {})
+      train = json.loads((path / RunDir.CONFIG).read_text()).get('train', {})
     except (ValueError, AttributeError):
       return False
   steps = run.get('train.num_steps', train.get('num_steps'))
@@ -339,9 +337,9 @@ def is_done(workdir: str, run: Optional[Run] = None) -> bool:
   if isinstance(steps, int) and steps in complete:
     return True
   if not (isinstance(minutes, (int, float)) and minutes > 0 and complete and
-          (path / 'time_spent.json').exists()):
+          (path / RunDir.TIME_SPENT).exists()):
     return False
-  spent = json.loads((path / 'time_spent.json').read_text())
+  spent = json.loads((path / RunDir.TIME_SPENT).read_text())
   return spent.get(str(complete[-1]), 0.0) >= minutes * 60
 
 
@@ -356,7 +354,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def acquire(workdir: str) -> bool:
-  """Takes <workdir>/LOCK for this process; False while another live process holds it.
+  """Takes <workdir>/LOCK (RunDir.SWEEP_LOCK) for this process; False while another live
+  process holds it.
 
   Locally the lock is an flock on LOCK, held while the run runs, with this host and pid
   written in it: two sweep processes never both take it, and one that died lets go of it
@@ -365,14 +364,15 @@ def acquire(workdir: str) -> bool:
   leased object (storage.Lease), taken over once its lease has expired.
   """
   if storage.is_url(workdir):
-    lease = storage.Lease(storage.join(workdir, LOCK), storage.holder_record('sweep.py'))
+    lease = storage.Lease(storage.join(workdir, RunDir.SWEEP_LOCK),
+                          storage.holder_record('sweep.py'))
     try:
       lease.take()
     except storage.HeldError:
       return False
     _LEASES[workdir] = lease
     return True
-  path = os.path.join(workdir, LOCK)
+  path = os.path.join(workdir, RunDir.SWEEP_LOCK)
   while True:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -406,7 +406,7 @@ def release(workdir: str):
   if fd is None:
     return
   try:
-    os.remove(os.path.join(workdir, LOCK))  # before the flock goes: never another's
+    os.remove(os.path.join(workdir, RunDir.SWEEP_LOCK))  # before the flock goes: never another's
   except FileNotFoundError:
     pass
   os.close(fd)
@@ -438,13 +438,13 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
       codes[name] = RUNNING_ELSEWHERE
       continue
     try:
-      storage.write_text(storage.join(workdir, OVERRIDES),
+      storage.write_text(storage.join(workdir, RunDir.OVERRIDES),
                          json.dumps(run, indent=1, sort_keys=True))
       argv = command(program, config, workdir, run)
       echo(f'[{i + 1}/{len(runs)}] {name}: {shlex.join(argv)}')
-      code = _call_logged(argv, storage.join(workdir, 'log.txt'))
+      code = _call_logged(argv, storage.join(workdir, RunDir.LOG))
       if code == 0:
-        storage.write_text(storage.join(workdir, DONE), '')
+        storage.write_text(storage.join(workdir, RunDir.DONE), '')
       else:
         echo(f'  exit {code}; see {workdir}/log.txt (run again to resume)')
     finally:
@@ -469,7 +469,7 @@ def reuse_names(root: str, runs: Sequence[Run], names: Sequence[str]) -> List[st
   if storage.path(root).is_dir():
     for path in storage.path(root).iterdir():
       try:
-        run = json.loads((path / OVERRIDES).read_text())
+        run = json.loads((path / RunDir.OVERRIDES).read_text())
       except (OSError, ValueError):
         continue
       recorded.setdefault(_canonical(run), path.name)
@@ -479,7 +479,7 @@ def reuse_names(root: str, runs: Sequence[Run], names: Sequence[str]) -> List[st
 def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str]) -> None:
   """Each run's overrides.json, before it is launched (what collect and run_all read)."""
   for run, name in zip(runs, names):
-    path = storage.join(root, name, OVERRIDES)
+    path = storage.join(root, name, RunDir.OVERRIDES)
     if not storage.path(path).exists():
       storage.path(storage.join(root, name)).mkdir(parents=True, exist_ok=True)
       storage.write_text(path, json.dumps(run, indent=1, sort_keys=True))
@@ -567,7 +567,7 @@ def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
   rows = []
   for name in sorted(p.name for p in storage.path(root).iterdir()):
     workdir = storage.join(root, name)
-    path = storage.path(workdir) / OVERRIDES
+    path = storage.path(workdir) / RunDir.OVERRIDES
     if not path.exists():
       continue
     try:

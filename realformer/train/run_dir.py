@@ -23,6 +23,15 @@ Layout (every name a program writes is here and nowhere else):
   predictions/          test-set predictions (fine-tuning)
   results.json          the finished run's summary (fine-tuning)
   data/                 prepared pretraining shards when data.prepared_dir is empty
+  A run that a sweep or a grid started (realformer/tools/sweep.py) also holds:
+  overrides.json        the overrides that name it in its sweep
+  log.txt               the program's output
+  DONE                  written once the program exited 0
+  LOCK                  the sweep process running it (a flock, or a lease on gs://)
+  diverged.json         a study's marker: the run's loss became nan/inf (study.py)
+
+Programs and readers (sweep.py, study.py, analyze.py, finetune_grid.py) name these files
+through the class attributes below, never by spelling them.
 
 The root is a local folder or a gs:// URL; paths are `etils.epath.Path`s, the path type
 Orbax itself uses (storage.py says how each kind of file reaches a bucket). Only process 0
@@ -59,6 +68,12 @@ class RunDir:
   FINAL = 'final'
   PREDICTIONS = 'predictions'
   RESULTS = 'results.json'
+  DATA = 'data'
+  OVERRIDES = 'overrides.json'
+  LOG = 'log.txt'
+  DONE = 'DONE'
+  SWEEP_LOCK = 'LOCK'
+  DIVERGED = 'diverged.json'
 
   def __init__(self, root):
     if root is None or not os.fspath(root):
