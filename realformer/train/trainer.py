@@ -172,10 +172,10 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def compile_train_step(self) -> Callable:
     """(state, batch, learning_rate, rng) -> (state, metrics) (train_lib.make_train_step),
-    compiled for every batch shape the
-    run will feed; metrics is a clu Collection with at least loss and grad_norm. A step
-    whose programs compile while the run goes on has a waited() method: the seconds calls
-    spent waiting for a compilation since the last waited(), left out of the throughput."""
+    compiled for every batch shape the run will feed; metrics is a clu Collection with at
+    least loss and grad_norm. A step whose programs compile while the run goes on has a
+    waited() method: the seconds calls spent waiting for a compilation since the last
+    waited(), left out of the throughput."""
 
   @abc.abstractmethod
   def batches(self, start_step: int) -> Iterator[Tuple[Dict[str, jax.Array], StepCost]]:
