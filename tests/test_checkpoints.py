@@ -19,6 +19,7 @@ from realformer import models
 from realformer.train import checkpoints
 from realformer.train import machine
 from realformer.train import train_lib
+from realformer.train.run_dir import RunDir
 from tests.conftest import cpu_xla_flags
 from tests.test_train import REPO, losses, tiny_config
 
@@ -109,7 +110,7 @@ def test_sigterm_saves_current_step_and_resume_is_exact(tmp_path, reference, mon
   run(tiny_config(num_steps=NUM_STEPS), tmp_path)
   assert_same_losses(tmp_path, reference[1])
   # Each start appended the machine it ran on (a resumed run lists every machine).
-  starts = [json.loads(l) for l in open(tmp_path / machine.MACHINE_FILE)]
+  starts = [json.loads(l) for l in open(tmp_path / RunDir.MACHINE)]
   assert len(starts) == 2 and all(s['cpu'] == machine.cpu() for s in starts), starts
   assert starts[0]['jax'] == jax.__version__ and starts[0]['devices'] == jax.device_count()
 

@@ -127,7 +127,7 @@ def test_the_server_keeps_generation_preconditions(gcs):
 def _lock_blob(url):
   from google.cloud import storage as gcs_client  # pylint: disable=g-import-not-at-top
   bucket, _, name = url[len('gs://'):].partition('/')
-  return gcs_client.Client().bucket(bucket).blob(f'{name}/{workdir.LOCK_FILE}')
+  return gcs_client.Client().bucket(bucket).blob(f'{name}/{RunDir.LOCK}')
 
 
 def _plant_holder(url, **record):
@@ -616,7 +616,7 @@ def test_checkpoints_that_cannot_be_listed_are_an_error_not_none(gcs, monkeypatc
   which would restart a run from step 0 or drop a finished run's best params."""
   workdir = f'{gcs}/listing'
   assert checkpoints.complete_steps(workdir) == []
-  root = storage.path(workdir) / checkpoints.CHECKPOINT_DIR
+  root = storage.path(workdir) / RunDir.CHECKPOINTS
   monkeypatch.setattr(type(root), 'is_dir', lambda self: False)
 
   def down(self):
@@ -636,8 +636,8 @@ def test_a_restart_over_an_uncommitted_step_in_a_bucket_starts_cleanly(gcs):
     checkpoints.save(manager, 5, {'step': 5, 'params': {'w': jnp.ones((2, 3))}}, force=True)
     manager.wait_until_finished()
     manager.close()
-    (storage.path(run) / checkpoints.CHECKPOINT_DIR / '5' / checkpoints.COMMIT_FILE).unlink()
+    (storage.path(run) / RunDir.CHECKPOINTS / '5' / checkpoints.COMMIT_FILE).unlink()
     manager = checkpoints.make_manager(run, item_names=('state',))
     assert checkpoints.latest_complete_step(manager) is None
-    assert not (storage.path(run) / checkpoints.CHECKPOINT_DIR / '5').exists()
+    assert not (storage.path(run) / RunDir.CHECKPOINTS / '5').exists()
     manager.close()

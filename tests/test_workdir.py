@@ -19,6 +19,7 @@ from realformer.train import checkpoints
 from realformer.train import pretraining
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
+from realformer.train.run_dir import RunDir
 from tests.conftest import cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +159,7 @@ def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
   (tmp_path / 'final').mkdir()
   with pytest.raises(ValueError, match="is another program's run"):
     run(tiny_config(), tmp_path)
-  assert sorted(set(os.listdir(tmp_path)) - {workdir_lib.LOCK_FILE}) == ['config.json', 'final']
+  assert sorted(set(os.listdir(tmp_path)) - {RunDir.LOCK}) == ['config.json', 'final']
   assert json.loads((tmp_path / 'config.json').read_text())['task'] == 'rte'
 
 
@@ -214,7 +215,7 @@ def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
        '--config.train.batch_size=4', '--config.train.num_steps=100000'],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
-    _wait_for(proc, (tmp_path / workdir_lib.LOCK_FILE).exists)  # the run has begun its setup
+    _wait_for(proc, (tmp_path / RunDir.LOCK).exists)  # the run has begun its setup
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
   finally:
@@ -223,7 +224,7 @@ def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
   assert proc.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
   assert 'not finished: stopped by SIGTERM' in err and 'Traceback' not in err
   # Released as on a clean exit: the requeued run takes the workdir without a warning.
-  assert (tmp_path / workdir_lib.LOCK_FILE).read_text() == ''
+  assert (tmp_path / RunDir.LOCK).read_text() == ''
 
 
 @pytest.mark.parametrize('program,override,expected', [
@@ -273,7 +274,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
           in errors[0])
   assert (tmp_path / 'config.json').read_text() == stored
   # The record of a run that died on this host (kill -9: its flock went with it).
-  (tmp_path / workdir_lib.LOCK_FILE).write_text(json.dumps(
+  (tmp_path / RunDir.LOCK).write_text(json.dumps(
       {'host': socket.gethostname(), 'pid': 999999, 'since': 'earlier', 'program': 'train.py'}))
   proc = subprocess.run(args + ['--config.train.num_steps=3'], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=240)

@@ -52,7 +52,7 @@ from realformer import models
 from realformer import storage
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
-from realformer.train import workdir as workdir_lib
+from realformer.train.run_dir import RunDir
 
 HF_CONFIG = 'config.json'
 HF_SAFETENSORS = 'model.safetensors'
@@ -771,7 +771,7 @@ def _check_export_out(out: str) -> None:
   path = storage.path(out)
   if path.exists() and not path.is_dir():
     raise ValueError(f'--out {out} is a file; export to a new or existing directory')
-  if (path / checkpoints.CHECKPOINT_DIR).is_dir() or (path / workdir_lib.LOCK_FILE).exists():
+  if (path / RunDir.CHECKPOINTS).is_dir() or (path / RunDir.LOCK).exists():
     raise ValueError(f'--out {out} is a workdir of this project (it holds checkpoints); '
                      'export to another directory')
 

@@ -26,9 +26,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from realformer import storage
+from realformer.train.run_names import RunNames
 
-CHECKPOINT_DIR = 'checkpoints'
-CONFIG_FILE = 'config.json'
 # Orbax writes this into a step as the last act before the rename that finalizes it (on
 # gs://: as the act that finalizes it); a step directory without it (e.g. a partial copy of
 # a workdir, or a step cut short on gs://) is not complete.
@@ -45,7 +44,7 @@ def make_manager(workdir: str, *, keep: Optional[int] = 3, read_only: bool = Fal
   older steps it would have replaced in place. A run passes one that raises once its lock
   is no longer its own, so that a save begun before a take-over never lands in the new
   holder's directory."""
-  directory = storage.path(workdir) / CHECKPOINT_DIR
+  directory = storage.path(workdir) / RunNames.CHECKPOINTS
   remote = storage.is_url(workdir)
   if remote and not read_only and jax.process_index() == 0:
     _remove_uncommitted(directory)
@@ -98,7 +97,7 @@ def is_complete(step_dir) -> bool:
 
 def complete_steps(workdir) -> List[int]:
   """The finalized steps in <workdir>/checkpoints, oldest first (read-only; no manager)."""
-  root = storage.path(workdir) / CHECKPOINT_DIR
+  root = storage.path(workdir) / RunNames.CHECKPOINTS
   try:  # listed, not asked is_dir(): gcsfs answers False for a storage that does not answer,
     entries = list(root.iterdir())  # which would read as "no checkpoint" (a restart from 0)
   except (FileNotFoundError, NotADirectoryError):
@@ -139,22 +138,22 @@ def latest_complete_step(manager: ocp.CheckpointManager) -> Optional[int]:
 def write_config(workdir, config) -> str:
   """<workdir>/config.json, replaced whole (storage.write_text; process 0 only, other
   processes return the path)."""
-  path = storage.path(workdir) / CONFIG_FILE
+  path = storage.path(workdir) / RunNames.CONFIG
   if jax.process_index() == 0:
     storage.write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
   return str(path)
 
 
 def read_config(workdir) -> dict:
-  return json.loads((storage.path(workdir) / CONFIG_FILE).read_text())
+  return json.loads((storage.path(workdir) / RunNames.CONFIG).read_text())
 
 
 def read_pretraining_config(workdir: str) -> dict:
   """config.json of a workdir that holds an encoder (train.py, an import, or a
   fine-tuning run's best/ and final/), with a one-line error for anything else."""
-  path = storage.path(workdir) / CONFIG_FILE
+  path = storage.path(workdir) / RunNames.CONFIG
   if not path.is_file():
-    raise FileNotFoundError(f'{workdir} has no {CONFIG_FILE}: pass a workdir written by '
+    raise FileNotFoundError(f'{workdir} has no {RunNames.CONFIG}: pass a workdir written by '
                             'train.py or realformer.tools.interop')
   try:
     config = read_config(workdir)
@@ -164,7 +163,7 @@ def read_pretraining_config(workdir: str) -> dict:
   if not isinstance(config, dict) or not isinstance(config.get('model'), dict):
     what = ('a fine-tuning run' if isinstance(config, dict) and 'task' in config else
             'not a pretraining config')
-    raise ValueError(f'{workdir} is {what} ({CONFIG_FILE} has no model section): pass a '
+    raise ValueError(f'{workdir} is {what} ({RunNames.CONFIG} has no model section): pass a '
                      'pretraining workdir, or a fine-tuning run\'s best/ or final/ folder')
   data = config.get('data')
   tokenizer = data.get('tokenizer') if isinstance(data, dict) else None
@@ -252,8 +251,8 @@ def resolve_step_dir(path: str) -> str:
   path = storage.path(path)
   if (path / 'state').is_dir():
     return str(path)
-  if (path / CHECKPOINT_DIR).is_dir():
-    path = path / CHECKPOINT_DIR
+  if (path / RunNames.CHECKPOINTS).is_dir():
+    path = path / RunNames.CHECKPOINTS
   if not path.is_dir():
     raise FileNotFoundError(f'checkpoint {path} does not exist; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')

@@ -16,7 +16,8 @@ from typing import Dict
 
 import jax
 
-MACHINE_FILE = 'machine.jsonl'
+from realformer.train.run_names import RunNames
+
 CPUINFO = '/proc/cpuinfo'
 
 # ISA features that decide which matmul kernels XLA:CPU and PyTorch can use.
@@ -82,6 +83,6 @@ def record(workdir: str) -> None:
   """Appends facts() to <workdir>/machine.jsonl (process 0 only)."""
   if jax.process_index() == 0:
     from realformer import storage  # pylint: disable=g-import-not-at-top
-    f = storage.GrowingFile(storage.path(workdir) / MACHINE_FILE)
+    f = storage.GrowingFile(storage.path(workdir) / RunNames.MACHINE)
     f.write(json.dumps(facts()) + '\n')
     f.close()

@@ -5,33 +5,8 @@
       ...                                      # restore or init
       run.write_config(config)                 # once every check has passed
 
-Layout (every name a program writes is here and nowhere else):
-
-  .lock                 the run's holder (host, pid, program, start); see workdir.Lock (a
-                        leased object on gs://: storage.Lease)
-  config.json           the run's full config (model, data.tokenizer, ...)
-  checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
-                        stream's position, pretraining only)
-  metrics.jsonl         one JSON line per logged step and split (metrics_jsonl)
-  events.out.tfevents.* TensorBoard events (metrics.TensorBoardWriter)
-  machine.jsonl         one line per start: processor, cores, jax, devices (machine.facts)
-  time_spent.json       {step: seconds} of a time-budgeted run (train.time_budget_minutes)
-  length_buckets.json   the compiled sequence lengths of a fine-tuning run and their settings
-  best/                 params of the best evaluation so far, params-only, + config.json and
-                        results.json (fine-tuning)
-  final/                params of a finished run whose optimizer state was dropped
-  predictions/          test-set predictions (fine-tuning)
-  results.json          the finished run's summary (fine-tuning)
-  data/                 prepared pretraining shards when data.prepared_dir is empty
-  A run that a sweep or a grid started (realformer/tools/sweep.py) also holds:
-  overrides.json        the overrides that name it in its sweep
-  log.txt               the program's output
-  DONE                  written once the program exited 0
-  LOCK                  the sweep process running it (a flock, or a lease on gs://)
-  diverged.json         a study's marker: the run's loss became nan/inf (study.py)
-
-Programs and readers (sweep.py, study.py, analyze.py, finetune_grid.py) name these files
-through the class attributes below, never by spelling them.
+The name of every file and folder of a run is a class attribute (RunNames, the layout):
+programs and readers ask RunDir for them, never spelling them.
 
 The root is a local folder or a gs:// URL; paths are `etils.epath.Path`s, the path type
 Orbax itself uses (storage.py says how each kind of file reaches a bucket). Only process 0
@@ -53,27 +28,12 @@ from realformer.train import machine
 from realformer.train import metrics as metrics_lib
 from realformer import storage
 from realformer.train import workdir as workdir_lib
+from realformer.train.run_names import RunNames
 
 
-class RunDir:
-  """The files of one run under `root` (a local folder, `~` expanded; or a gs:// URL)."""
-
-  CONFIG = checkpoints.CONFIG_FILE
-  CHECKPOINTS = checkpoints.CHECKPOINT_DIR
-  METRICS = 'metrics.jsonl'
-  MACHINE = machine.MACHINE_FILE
-  TIME_SPENT = 'time_spent.json'
-  LENGTH_BUCKETS = 'length_buckets.json'
-  BEST = 'best'
-  FINAL = 'final'
-  PREDICTIONS = 'predictions'
-  RESULTS = 'results.json'
-  DATA = 'data'
-  OVERRIDES = 'overrides.json'
-  LOG = 'log.txt'
-  DONE = 'DONE'
-  SWEEP_LOCK = 'LOCK'
-  DIVERGED = 'diverged.json'
+class RunDir(RunNames):
+  """The files of one run under `root` (a local folder, `~` expanded; or a gs:// URL); their
+  names are RunNames'."""
 
   def __init__(self, root):
     if root is None or not os.fspath(root):

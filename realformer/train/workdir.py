@@ -34,9 +34,8 @@ from absl import logging
 
 from realformer import cli
 from realformer import storage
-from realformer.train import checkpoints
+from realformer.train.run_names import RunNames
 
-LOCK_FILE = '.lock'
 
 # Exit status of a run stopped by SIGTERM (preemption) after saving: not finished, to be
 # run again (sysexits.h EX_TEMPFAIL). docs/launching.md shows how schedulers use it.
@@ -96,8 +95,8 @@ class Lock:
 
   def __init__(self, workdir: str, program: str = 'train.py'):
     self.workdir, self.program = os.fspath(workdir), program
-    self.path = (f'{self.workdir.rstrip("/")}/{LOCK_FILE}' if storage.is_url(self.workdir)
-                 else os.path.join(self.workdir, LOCK_FILE))
+    self.path = (f'{self.workdir.rstrip("/")}/{RunNames.LOCK}' if storage.is_url(self.workdir)
+                 else os.path.join(self.workdir, RunNames.LOCK))
     self._fd, self._created, self._lease = None, False, None
     self._held = False  # between a successful __enter__ and __exit__, in every process
 
@@ -228,7 +227,7 @@ def _holds_only_the_lock(workdir: str) -> bool:
   except OSError:
     return False  # a folder it cannot read may hold anything
   for root, _, files in walked:
-    if any(root != workdir or f != LOCK_FILE for f in files):
+    if any(root != workdir or f != RunNames.LOCK for f in files):
       return False
   return True
 
@@ -274,7 +273,7 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   to protect (its config.json is simply replaced later) unless its config.json is another
   program's: a finished fine-tuning run keeps no checkpoint in checkpoints/, yet its
   best/, final/ and metrics would be mixed with a pretraining run's."""
-  path = storage.path(workdir) / checkpoints.CONFIG_FILE
+  path = storage.path(workdir) / RunNames.CONFIG
   if not path.is_file():
     if has_checkpoint:  # config.json is written before the first checkpoint: removed since
       raise ValueError(f'{workdir} holds checkpoints but no config.json, so the config they '

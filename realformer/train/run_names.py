@@ -1,0 +1,49 @@
+"""The name of every file and folder of a run directory, in one place: the layout.
+
+RunDir (run_dir.py) presents these names to programs and readers; the modules below it that
+write a run's files (checkpoints.py, machine.py, workdir.py) take theirs from here.
+
+  .lock                 the run's holder (host, pid, program, start); see workdir.Lock (a
+                        leased object on gs://: storage.Lease)
+  config.json           the run's full config (model, data.tokenizer, ...)
+  checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
+                        stream's position, pretraining only)
+  metrics.jsonl         one JSON line per logged step and split (metrics_jsonl)
+  events.out.tfevents.* TensorBoard events (metrics.TensorBoardWriter)
+  machine.jsonl         one line per start: processor, cores, jax, devices (machine.facts)
+  time_spent.json       {step: seconds} of a time-budgeted run (train.time_budget_minutes)
+  length_buckets.json   the compiled sequence lengths of a fine-tuning run and their settings
+  best/                 params of the best evaluation so far, params-only, + config.json and
+                        results.json (fine-tuning)
+  final/                params of a finished run whose optimizer state was dropped
+  predictions/          test-set predictions (fine-tuning)
+  results.json          the finished run's summary (fine-tuning)
+  data/                 prepared pretraining shards when data.prepared_dir is empty
+  A run that a sweep or a grid started (realformer/tools/sweep.py) also holds:
+  overrides.json        the overrides that name it in its sweep
+  log.txt               the program's output
+  DONE                  written once the program exited 0
+  LOCK                  the sweep process running it (a flock, or a lease on gs://)
+  diverged.json         a study's marker: the run's loss became nan/inf (study.py)
+"""
+
+
+class RunNames:
+  """File and folder names inside a run directory (see the module docstring)."""
+  LOCK = '.lock'
+  CONFIG = 'config.json'
+  CHECKPOINTS = 'checkpoints'
+  METRICS = 'metrics.jsonl'
+  MACHINE = 'machine.jsonl'
+  TIME_SPENT = 'time_spent.json'
+  LENGTH_BUCKETS = 'length_buckets.json'
+  BEST = 'best'
+  FINAL = 'final'
+  PREDICTIONS = 'predictions'
+  RESULTS = 'results.json'
+  DATA = 'data'
+  OVERRIDES = 'overrides.json'
+  LOG = 'log.txt'
+  DONE = 'DONE'
+  SWEEP_LOCK = 'LOCK'
+  DIVERGED = 'diverged.json'
