@@ -13,6 +13,7 @@ import sysconfig
 import threading
 import time
 
+from tests.conftest import cpu_xla_flags
 from tests.test_interop import needs_minilm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +82,7 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
   audit = tmp_path / 'audit'
   (audit / 'path').mkdir(parents=True)
   (audit / 'path' / 'sitecustomize.py').write_text(_IMPORT_AUDIT)
-  env = dict(os.environ, XLA_FLAGS='',  # one device, as on the lent machine
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1),  # one device, as on the lent machine
              IMPORT_AUDIT_DIR=str(audit),
              PYTHONPATH=os.pathsep.join([str(audit / 'path')] +
                                         os.environ.get('PYTHONPATH', '').split(os.pathsep)))

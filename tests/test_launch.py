@@ -250,13 +250,18 @@ def test_backend_choices_follow_the_target_platform():
     resolve(cfg, platform='ipu')
 
 
-@needs_libtpu
-@pytest.mark.parametrize('variant,overrides', [
+# Compiled for v5e:2x2 with their bytes, collectives and FLOPs judged; every variant's FLOPs
+# are judged on that slice too: these here, the others by test_every_variant_compiles_...
+V5E_TINY = [
     ('postln', {}),
     ('realformer', {'mesh__fsdp': 4, 'mesh__data': 1, 'model__scan_layers': True,
                     'train__grad_accum_steps': 2}),
     ('synth_dense_vanilla', {'mesh__fsdp': 2, 'mesh__data': 2, 'model__remat_policy': 'none'}),
-])
+]
+
+
+@needs_libtpu
+@pytest.mark.parametrize('variant,overrides', V5E_TINY)
 def test_tiny_compiles_for_v5e_2x2(variant, overrides):
   config = tiny(variant, **overrides)
   target = launch.tpu_target('v5e:2x2')
@@ -313,7 +318,7 @@ def test_the_evaluation_step_is_judged_too():
   """train.py evaluates the whole global batch at once (no accumulation) beside the train
   state: with many microbatches that is the larger program, and it decides the verdict."""
   config = tiny(model__scan_layers=True, train__grad_accum_steps=16)
-  config.train.batch_size = 4096
+  config.train.batch_size = 2048  # (at 1024 the train step is still the larger)
   target = launch.tpu_target('v5e:2x2')
   report, _ = launch.compile_step(config, target)
   assert report.fits and report.eval_total_bytes > report.total_bytes > 0
@@ -401,11 +406,9 @@ def test_slice_errors(monkeypatch):
     launch.compile_step(config, target)
 
 
-@pytest.mark.parametrize('time_budget', [0.0, 1.0])
-def test_compile_for_local_measures_steps(time_budget):
+def test_compile_for_local_measures_steps():
   config = tiny(mesh__fsdp=2, mesh__data=-1)
   config.model.dtype = 'float32'
-  config.train.time_budget_minutes = time_budget  # the budgeted step takes a third argument
   result = launch.run(config, 'local', measure_steps=2, log=lambda *_: None)
   assert result['report']['fits'] and result['measured']['step_seconds'] > 0
   assert result['report']['flop_ratio'] == pytest.approx(1.0, abs=0.05)
@@ -436,10 +439,12 @@ def test_command_line_error_is_one_line():
   assert 'Traceback' not in proc.stderr
 
 
-@pytest.mark.parametrize('variant', pretrain.VARIANTS)
+@pytest.mark.parametrize('variant', [
+    v for v in pretrain.VARIANTS if not (HAVE_LIBTPU and v in dict(V5E_TINY))])
 def test_every_variant_compiles_to_its_model_flops(variant):
-  # For a v5e:2x2 slice where libtpu is installed (always in CI), else for this host's CPU
-  # devices (the same program, up to the platform's choices): compiled matmuls within 5% of
+  # For a v5e:2x2 slice where libtpu is installed (always in CI; the variants of
+  # test_tiny_compiles_for_v5e_2x2 are judged there), else for this host's CPU devices (the
+  # same program, up to the platform's choices): compiled matmuls within 5% of
   # flops_per_example, scanned with accumulation, on a data x fsdp mesh.
   config = tiny(variant, mesh__fsdp=2, mesh__data=-1, model__scan_layers=True,
                 train__grad_accum_steps=2, train__eval_steps=0)  # the train step alone
