@@ -24,6 +24,7 @@ from data import prepare as prepare_lib
 from data import pretraining
 from realformer import config_checks
 from realformer import storage
+from realformer.run_names import RunNames
 
 
 class _Decode(grain.MapTransform):
@@ -299,7 +300,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
   An existing preparation made with other settings is a clear error, never silently reused.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  prepared_dir = config.data.prepared_dir or f'{str(workdir).rstrip("/")}/data'
+  prepared_dir = config.data.prepared_dir or f'{str(workdir).rstrip("/")}/{RunNames.DATA}'
   config_checks.check_lengths(config)
   metadata = storage.path(prepared_dir) / prepare_lib.METADATA
   if not metadata.exists():

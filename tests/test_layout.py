@@ -102,7 +102,7 @@ def test_no_import_cycle_between_packages():
 @pytest.mark.parametrize('prefix,allowed', [
     ('synthesizer', ('realformer.layers',)),
     ('data', ('realformer.cli', 'realformer.config_checks', 'realformer.model.spec',
-              'realformer.storage')),
+              'realformer.run_names', 'realformer.storage')),
     ('realformer.layers', ()),
     ('realformer.model', ('realformer.layers', 'synthesizer')),
 ])

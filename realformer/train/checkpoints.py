@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from realformer import storage
-from realformer.train.run_names import RunNames
+from realformer.run_names import RunNames
 
 # Orbax writes this into a step as the last act before the rename that finalizes it (on
 # gs://: as the act that finalizes it); a step directory without it (e.g. a partial copy of

@@ -16,7 +16,7 @@ from typing import Dict
 
 import jax
 
-from realformer.train.run_names import RunNames
+from realformer.run_names import RunNames
 
 CPUINFO = '/proc/cpuinfo'
 

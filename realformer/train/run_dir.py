@@ -28,7 +28,7 @@ from realformer.train import machine
 from realformer.train import metrics as metrics_lib
 from realformer import storage
 from realformer.train import workdir as workdir_lib
-from realformer.train.run_names import RunNames
+from realformer.run_names import RunNames
 
 
 class RunDir(RunNames):

@@ -34,7 +34,7 @@ from absl import logging
 
 from realformer import cli
 from realformer import storage
-from realformer.train.run_names import RunNames
+from realformer.run_names import RunNames
 
 
 # Exit status of a run stopped by SIGTERM (preemption) after saving: not finished, to be

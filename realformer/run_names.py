@@ -1,7 +1,8 @@
 """The name of every file and folder of a run directory, in one place: the layout.
 
-RunDir (run_dir.py) presents these names to programs and readers; the modules below it that
-write a run's files (checkpoints.py, machine.py, workdir.py) take theirs from here.
+RunDir (train/run_dir.py) presents these names to programs and readers; the modules below it
+that write a run's files (train/checkpoints.py, machine.py, workdir.py; data/pipeline.py,
+which prepares into data/) take theirs from here.
 
   .lock                 the run's holder (host, pid, program, start); see workdir.Lock (a
                         leased object on gs://: storage.Lease)
