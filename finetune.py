@@ -19,9 +19,9 @@ Batches are padded to a few length buckets chosen from the data, not to max_seq_
 throughput, dev metrics per epoch), results.json (the final and the best dev metrics) and
 predictions/<Task>.tsv (GLUE submission format, from the final params; SQuAD:
 predictions/predictions.json of dev, plus null_odds.json for v2.0).
-The program is flags -> GlueTask / SquadTask (realformer/finetune/) -> the trainer that
-pretraining uses too (realformer/train/trainer.py). The grid of the paper's practice:
-`python -m realformer.tools.finetune_grid` (see its docstring).
+The program is flags -> the task of the config's kind (realformer/finetune/tasks/<kind>.py)
+-> the trainer that pretraining uses too (realformer/train/trainer.py). The grid of the
+paper's practice: `python -m realformer.tools.finetune_grid` (see its docstring).
 """
 
 import json
@@ -33,9 +33,8 @@ from absl import flags
 from absl import logging
 
 from realformer import cli
+from realformer.finetune import registry
 from realformer.finetune import task as task_lib
-from realformer.finetune.glue import GlueTask
-from realformer.finetune.squad import SquadTask
 from realformer.train import partitioning
 from realformer.train import trainer
 from realformer.train.run_dir import RunDir
@@ -43,20 +42,16 @@ from realformer.train.run_dir import RunDir
 _REPO = os.path.dirname(os.path.abspath(__file__))
 
 
-def make_task(config, mesh, run: RunDir) -> task_lib.FinetuneTask:
-  task_cls = SquadTask if config.get('benchmark', 'glue') == 'squad' else GlueTask
-  return task_cls(config, mesh, run)
-
-
 def finetune(config, workdir: str) -> dict:
   """Fine-tunes, evaluates and predicts; returns {'task', 'step', 'dev', 'headline',
   'best'}, or {'task', 'step', 'preempted'} when a stop signal ended the run early."""
-  task_lib.check_config(config)
+  task_cls = registry.get(config.benchmark)
+  task_cls.check_config(config)
   run = RunDir(workdir)
   mesh = partitioning.make_mesh(config.mesh)
   with jax.set_mesh(mesh):  # scoped: the caller's mesh (or none) is back afterwards
     task, summary = trainer.train(run, task_lib.FinetuneTask.program, config,
-                                  lambda: make_task(config, mesh, run))
+                                  lambda: task_cls(config, mesh, run))
   if 'preempted' in summary:
     return {'task': task.name, 'step': summary['step'], 'preempted': summary['preempted']}
   return {k: summary[k] for k in ('task', 'step', 'dev', 'headline', 'best')}

@@ -1,4 +1,6 @@
-r"""Fine-tuning a pretrained encoder on GLUE or SQuAD.
+r"""Fine-tuning a pretrained encoder: `<kind>/<name>`, where the kind is a module of
+realformer/finetune/tasks/ (glue, squad, tsv, or one of your own) that adds its own fields
+to the common ones below.
 
   python finetune.py --config configs/finetune.py:glue/sst2 --workdir /tmp/ft_sst2 \
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/glue
@@ -29,45 +31,36 @@ columns, the label column, the labels and the headline metric:
 SQuAD (`squad/v1.1`, `squad/v2.0`): data_dir holds train-v1.1.json and dev-v1.1.json (or the
 v2.0 files), empty means tfds `squad/<version>`. BERT's settings: lr 3e-5, batch 32,
 2 epochs, max_seq_length 384, doc_stride 128, max_query_length 64, n_best_size 20,
-max_answer_length 30. For v2.0 the null-score threshold is tuned on dev (best F1) unless
-null_score_diff_threshold is set; exact and f1 score the predictions written with it,
-best_exact and best_f1 the official script's sweep.
+max_answer_length 30 (its own fields). For v2.0 the null-score threshold is tuned on dev
+(best F1) unless null_score_diff_threshold is set; exact and f1 score the predictions
+written with it, best_exact and best_f1 the official script's sweep.
 """
 
 import ml_collections
 
 from configs import pretrain
+from realformer.finetune import registry
 
 
 def get_config(arg: str = 'glue/sst2'):
-  benchmark, _, task = (arg or 'glue/sst2').partition('/')
-  if benchmark not in ('glue', 'squad', 'tsv') or not task:
-    raise ValueError(f'config arg {arg!r}: use glue/<task> (e.g. glue/sst2), squad/v1.1, '
-                     'squad/v2.0, or tsv/<name> for a task of your own')
-  if benchmark == 'squad' and task not in ('v1.1', 'v2.0'):
-    raise ValueError(f'config arg {arg!r}: SQuAD versions are v1.1 and v2.0')
-  squad = benchmark == 'squad'
+  """`<kind>/<name>`: the fields every fine-tuning run has (below), then the kind's own
+  (its FinetuneTask's `configure`, realformer/finetune/tasks/<kind>.py)."""
+  kind, _, name = (arg or 'glue/sst2').partition('/')
+  if not kind or not name:
+    raise ValueError(f'config arg {arg!r}: use <kind>/<task>: glue/<task> (e.g. glue/sst2), '
+                     'squad/v1.1, squad/v2.0, or tsv/<name> for a task of your own')
+  task = registry.get(kind)
   c = ml_collections.ConfigDict()
-  c.benchmark = benchmark
-  c.task = task
+  c.benchmark = kind
+  c.task = name
   # A pretraining workdir (train.py or realformer.tools.interop); with from_scratch=True also a
   # pretraining config file such as configs/pretrain.py:postln,tiny (architecture only).
   c.init_checkpoint = ''
   c.from_scratch = False
   c.tokenizer = ''  # with a config file: the sentencepiece model ('' = that config's)
   c.data_dir = ''
-  # GLUE TSV rows with too few columns are an error naming file and line; True skips those
-  # of train.tsv and reports how many (the official QQP and MNLI files hold a few); dev and
-  # test rows are never skipped (a score or a submission without them would be wrong).
-  c.skip_malformed_rows = False
   c.tfds_data_dir = ml_collections.FieldReference(None, field_type=str)
-  # tsv/<name> only: a task of your own, data_dir/{train,dev[,test]}.tsv with a header row.
-  # text: its one or two text columns (comma-separated); label: the label column; labels:
-  # the label values in id order, comma-separated ('' = a regression on a number); metric:
-  # the headline (accuracy, mcc, f1 of two labels, macro_f1; pearson, spearman).
-  c.tsv = ml_collections.ConfigDict({'text': 'sentence', 'label': 'label', 'labels': '0,1',
-                                     'metric': 'accuracy'})
-  c.max_seq_length = 384 if squad else 128
+  c.max_seq_length = 128
   # Length buckets: batches padded to at most `length_buckets` compiled lengths (multiples of
   # bucket_multiple, chosen from the data to pad least) instead of max_seq_length; 0 = off.
   c.length_buckets = 5
@@ -84,13 +77,7 @@ def get_config(arg: str = 'glue/sst2'):
   c.compile_in_background = True
   c.batch_size = 32
   c.eval_batch_size = 64
-  c.num_epochs = 2 if squad else 3
-  # SQuAD only: windows, answer search, and v2.0's no-answer threshold (None = tune on dev).
-  c.doc_stride = 128
-  c.max_query_length = 64
-  c.n_best_size = 20
-  c.max_answer_length = 30
-  c.null_score_diff_threshold = ml_collections.FieldReference(None, field_type=float)
+  c.num_epochs = 3
   # Checkpoints: the latest resume state while training; <workdir>/best holds the params of
   # the best dev epoch; when the run finishes, its params go to <workdir>/final and the
   # optimizer state (twice the params) is dropped unless keep_optimizer_state.
@@ -98,9 +85,10 @@ def get_config(arg: str = 'glue/sst2'):
   c.keep_optimizer_state = False
   c.seed = 0
   c.log_every_steps = 50
-  c.optimizer = pretrain.optimizer_config(learning_rate=3e-5 if squad else 2e-5,
+  c.optimizer = pretrain.optimizer_config(learning_rate=2e-5,
                                           warmup_steps=-1)  # -1: from warmup_fraction
   c.optimizer.warmup_fraction = 0.1
   c.mesh = pretrain.mesh_config()
+  task.configure(c, name)
   c.lock()
   return c

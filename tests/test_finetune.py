@@ -711,14 +711,15 @@ def test_the_bucket_count_follows_the_runs_length(tmp_path):
   lengths = np.minimum(np.random.default_rng(0).lognormal(3.0, 0.6, 3200).astype(int) + 2, 128)
   features = {'attention_mask': (np.arange(128) < lengths[:, None]).astype(np.int32)}
   spec = resolve(pretrain.get_config('postln,small').model)
-  task = types.SimpleNamespace(train=features, eval_features=lambda: [features], spec=spec)
+  flops = lambda length: train_lib.flops_per_example(
+      dataclasses.replace(spec, last_layer='all'), length, 0)
+  task = types.SimpleNamespace(train=features, eval_features=lambda: [features], spec=spec,
+                               flops_per_example=flops)
   config = lambda epochs: ml_collections.ConfigDict(
       {'length_buckets': 5, 'bucket_multiple': 8, 'max_seq_length': 128, 'num_epochs': epochs,
        'bucket_compile_seconds': 8.0, 'bucket_flops_per_second': 1e11})
-  per_token, worth = finetune_task.compile_cost_in_tokens(config(1), spec)
-  every_row = dataclasses.replace(spec, last_layer='all')
-  assert per_token == pytest.approx(
-      train_lib.flops_per_example(every_row, 128, 0) / 128 / 1e11)
+  per_token, worth = finetune_task.compile_cost_in_tokens(config(1), flops)
+  assert per_token == pytest.approx(flops(128) / 128 / 1e11)
   assert worth == pytest.approx(8.0 / per_token)
   short = finetune_task.length_buckets(config(1), task, RunDir(tmp_path), resuming=False)
   (tmp_path / 'long').mkdir()
@@ -765,13 +766,13 @@ def test_a_step_that_waits_for_its_compilation_leaves_it_out_of_the_throughput()
 
 def test_a_task_of_ones_own_named_like_a_glue_split_is_scored_by_its_own_metric(tmp_path):
   """tsv/mnli_mismatched is the user's task, not GLUE MNLI's second dev set."""
-  from realformer.finetune import glue as glue_finetune  # pylint: disable=g-import-not-at-top
+  from realformer.finetune.tasks import tsv  # pylint: disable=g-import-not-at-top
   config = finetune_configs.get_config('tsv/mnli_mismatched')
   config.unlock()
   config.data_dir = str(tmp_path)
   config.tsv.labels, config.tsv.metric = 'a,b,c', 'macro_f1'
-  task = object.__new__(glue_finetune.GlueTask)
+  task = object.__new__(tsv.TsvTask)
   task.config, task.name = config, config.task
-  task.task, task.evals = finetune_task.tsv_task(config), {config.task: None}
+  task.task, task.evals = tsv.tsv_task(config), {config.task: None}
   task._predictions = lambda *_: (np.array([0, 1, 2, 2]), np.array([0, 1, 2, 1]))
   assert set(task.evaluate_outputs(None)['mnli_mismatched']) == {'accuracy', 'macro_f1'}

@@ -14,7 +14,7 @@ from configs import finetune as finetune_configs
 from data import squad
 from data import tokenizer as tokenizer_lib
 from realformer.finetune import metrics as fm
-from realformer.finetune import squad as squad_task
+from realformer.finetune.tasks import squad as squad_task
 from realformer.train.run_dir import RunDir
 from tests import test_finetune
 from tests import test_wordpiece

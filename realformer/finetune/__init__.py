@@ -1,1 +1,2 @@
-"""Fine-tuning on GLUE and SQuAD: the tasks the trainer runs (task.py), one per benchmark."""
+"""Fine-tuning: the task the trainer runs (task.py), its kinds (tasks/, found by registry.py),
+and their metrics."""

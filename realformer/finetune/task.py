@@ -15,13 +15,13 @@ A `FinetuneTask` is a trainer.Task over a pretrained encoder with a task head:
   a finished run  writes the test predictions and <run>/results.json, and keeps its params in
               <run>/final without the optimizer state (unless keep_optimizer_state).
 
-Subclasses (glue.GlueTask, squad.SquadTask) load and featurize their data and say what the
-head, loss, metrics and prediction files are.
+A kind of task (tasks/glue.py, tasks/squad.py, tasks/tsv.py; registry.py finds them) is a
+subclass that declares its own config fields (`configure`), loads and featurizes its data,
+and says what the head (and its FLOPs), loss, metrics and prediction files are.
 """
 
 import abc
 from concurrent import futures
-import dataclasses
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -35,7 +35,6 @@ from absl import logging
 from clu import metrics as clu_metrics
 
 from data import buckets as buckets_lib
-from data import glue
 from data import tokenizer as tokenizer_lib
 from realformer import cli
 from realformer import config_checks
@@ -94,34 +93,6 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
     pre.model.vocab_size = tokenizer_lib.load_for_config(pre.data).vocab_size
     return pre
   return ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
-
-
-def tsv_task(config) -> glue.Task:
-  """The task of a tsv/<name> config (configs/finetune.py: config.tsv), checked."""
-  if not config.data_dir or config.data_dir.startswith('hf:'):
-    raise ValueError(f'tsv/{config.task}: set config.data_dir to the folder of its train.tsv '
-                     'and dev.tsv (test.tsv optional)')
-  t = config.tsv
-  return glue.local_task(config.task, t.text.split(','), t.label,
-                         [x for x in t.labels.split(',') if x], t.metric)
-
-
-def check_config(config) -> None:
-  """One-line errors for settings that would fail after the run directory was written."""
-  if config.get('benchmark') == 'tsv':
-    tsv_task(config)
-  config_checks.check_optimizer(config.optimizer)
-  config_checks.check_seq_length(config.max_seq_length, 'config.max_seq_length')
-  for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs',
-               'bucket_multiple'):
-    if config[name] <= 0:
-      raise ValueError(f'config.{name}={config[name]}: give a positive number')
-  for name in ('bucket_compile_seconds', 'bucket_flops_per_second'):
-    if config[name] < 0:
-      raise ValueError(f'config.{name}={config[name]}: give a number >= 0')
-  if config.length_buckets < 0:
-    raise ValueError(f'config.length_buckets={config.length_buckets}: give the number of '
-                     'compiled lengths (0 pads every batch to max_seq_length)')
 
 
 def full_batch(batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
@@ -195,12 +166,13 @@ def eval_lengths(config, task, buckets: Tuple[int, ...]) -> Tuple[int, ...]:
   return tuple(buckets) + (extra,)
 
 
-def compile_cost_in_tokens(config, spec) -> Tuple[float, float]:
+def compile_cost_in_tokens(config, flops_per_example: Callable[[int], float]
+                           ) -> Tuple[float, float]:
   """(seconds per padded token, padded tokens one more compiled length is worth).
 
   A length costs config.bucket_compile_seconds of compiling (its train step and its
   prediction program); a padded token costs the training FLOPs of one token at
-  max_seq_length (train_lib.flops_per_example, every row) at config.bucket_flops_per_second:
+  max_seq_length (the task's flops_per_example) at config.bucket_flops_per_second:
   0 = 40% of the device's peak where metrics.PEAK_FLOPS_PER_DEVICE knows it, else 1e11 (the
   order of a few CPU cores). Both are estimates, fixed by the config and the device kind, so
   the plan (and with it the run's batches) does not depend on a timing."""
@@ -208,16 +180,14 @@ def compile_cost_in_tokens(config, spec) -> Tuple[float, float]:
   if not rate:
     peak = metrics_lib.peak_flops_per_device(jax.devices()[0])
     rate = 0.4 * peak if peak else 1e11
-  every_row = dataclasses.replace(spec, last_layer='all')
-  per_token = train_lib.flops_per_example(every_row, config.max_seq_length, 0) / (
-      config.max_seq_length * rate)
+  per_token = flops_per_example(config.max_seq_length) / (config.max_seq_length * rate)
   return per_token, config.bucket_compile_seconds / per_token
 
 
 def _choose_buckets(config, task) -> Tuple[int, ...]:
   lengths = buckets_lib.lengths_of(task.train)
   cover = _longest_eval(task)
-  per_token, tokens_per_compile = (compile_cost_in_tokens(config, task.spec)
+  per_token, tokens_per_compile = (compile_cost_in_tokens(config, task.flops_per_example)
                                    if config.bucket_compile_seconds else (0.0, 0.0))
   epochs = config.num_epochs
   chosen = buckets_lib.choose_lengths(lengths, config.length_buckets, config.bucket_multiple,
@@ -377,12 +347,38 @@ class FinetuneTask(trainer.Task, abc.ABC):
       self.init_checkpoint = trainer.InitCheckpoint(config.init_checkpoint, ('encoder',),
                                                     allow_missing=False)
     self.lengths = buckets_lib.lengths_of(self.train)
-    # Counted as the pretraining encoder over every row with no masked positions: the
-    # encoder, the pooler and a two-way classifier (the heads here differ by a few D x k).
-    all_rows = dataclasses.replace(self.spec, last_layer='all')
-    self._flops = lambda length: train_lib.flops_per_example(all_rows, length, 0)
 
-  # ---- What each benchmark supplies.
+  # ---- What each kind supplies.
+
+  kind: str = ''  # set by registry.register: configs/finetune.py:<kind>/<name>
+
+  @classmethod
+  def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
+    """Adds the kind's own fields to `config` (configs/finetune.py's common fields, unlocked)
+    and sets its defaults; raises ValueError for a task `name` the kind does not have."""
+
+  @classmethod
+  def names(cls) -> Tuple[str, ...]:
+    """The task names of the kind (the grid's `--tasks <kind>` runs them all); () where
+    any name goes (a task of the user's own)."""
+    return ()
+
+  @classmethod
+  def check_config(cls, config) -> None:
+    """One-line errors for settings that would fail after the run directory was written
+    (a kind extends it)."""
+    config_checks.check_optimizer(config.optimizer)
+    config_checks.check_seq_length(config.max_seq_length, 'config.max_seq_length')
+    for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs',
+                 'bucket_multiple'):
+      if config[name] <= 0:
+        raise ValueError(f'config.{name}={config[name]}: give a positive number')
+    for name in ('bucket_compile_seconds', 'bucket_flops_per_second'):
+      if config[name] < 0:
+        raise ValueError(f'config.{name}={config[name]}: give a number >= 0')
+    if config.length_buckets < 0:
+      raise ValueError(f'config.length_buckets={config.length_buckets}: give the number of '
+                       'compiled lengths (0 pads every batch to max_seq_length)')
 
   @abc.abstractmethod
   def load(self, tokenizer) -> None:
@@ -391,6 +387,11 @@ class FinetuneTask(trainer.Task, abc.ABC):
   @abc.abstractmethod
   def build(self, spec):
     """The encoder with this task's head (models.build)."""
+
+  @abc.abstractmethod
+  def head_flops(self, length: int) -> float:
+    """Forward FLOPs of the head for one example of `length` tokens (matmuls, 2 a
+    multiply-add, as train_lib.flops_per_example counts; the encoder's are counted apart)."""
 
   @abc.abstractmethod
   def loss_fn(self, model) -> Callable:
@@ -411,6 +412,12 @@ class FinetuneTask(trainer.Task, abc.ABC):
   @abc.abstractmethod
   def dev_headline(self, dev: Dict[str, Dict[str, float]]) -> float:
     """The task's headline dev metric (higher is better)."""
+
+  def flops_per_example(self, length: int) -> float:
+    """Training FLOPs of one example padded to `length`: the encoder over every row, and
+    the head."""
+    return train_lib.training_flops(train_lib.encoder_flops(self.spec, length) +
+                                    self.head_flops(length))
 
   # ---- trainer.Task.
 
@@ -478,7 +485,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
         length, idx = plan[i]
         cost = trainer.StepCost(examples=len(idx), padded_tokens=length * len(idx),
                                 real_tokens=int(self.lengths[idx].sum()),
-                                flops=self._flops(length) * len(idx))
+                                flops=self.flops_per_example(length) * len(idx))
         yield full_batch(buckets_lib.take(self.train, idx, length), self.mesh), cost
 
   def outputs(self, params):

@@ -14,8 +14,9 @@ after another, or printed as launch commands for a cluster (--print_only). The s
 the task's headline metric (GLUE's: MCC for CoLA, F1 for MRPC/QQP, Pearson for STS-B,
 accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median.
 Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli also reports mismatched and
-predicts AX), squad/v1.1, squad/v2.0, or tsv/<name> (configs/finetune.py: a task of your own,
-its columns and labels given with --set tsv.<key>=...).
+predicts AX), squad/v1.1, squad/v2.0 (`squad` = both), tsv/<name> (a task of your own, its
+columns and labels given with --set tsv.<key>=...), or <kind>/<name> of any kind in
+realformer/finetune/tasks/.
 """
 
 import json
@@ -32,7 +33,6 @@ from realformer import storage
 from realformer.tools import sweep
 from realformer.train.run_dir import RunDir
 
-GLUE_TASKS = ('cola', 'sst2', 'mrpc', 'stsb', 'qqp', 'mnli', 'qnli', 'rte', 'wnli')
 GRID_KEYS = ('optimizer.learning_rate', 'batch_size', 'num_epochs')
 PROGRAM = 'finetune.py'
 
@@ -44,15 +44,25 @@ def config_arg(task: str) -> str:
 
 
 def expand_tasks(tasks: str) -> List[str]:
+  """--tasks -> the runs' tasks: a GLUE name (rte), or <kind>/<name> of a kind in
+  realformer/finetune/tasks/ (squad/v1.1, tsv/topics); a kind alone (glue, squad) is every
+  task it names."""
+  from realformer.finetune import registry  # pylint: disable=g-import-not-at-top
+  kinds = registry.kinds()
   names = []
   for t in tasks.split(','):
-    names += list(GLUE_TASKS) if t == 'glue' else [t]
-  unknown = [t for t in names if t not in GLUE_TASKS and t not in ('squad/v1.1', 'squad/v2.0')
-             and not (t.startswith('tsv/') and len(t) > 4)]
-  if unknown:
-    raise ValueError(f'unknown tasks {unknown}; use GLUE names ({", ".join(GLUE_TASKS)}), '
-                     'glue (all nine), squad/v1.1, squad/v2.0 or tsv/<name> (a task of your '
-                     'own: --set tsv.labels=... and its --data_dir)')
+    if t in kinds and registry.get(t).names():
+      names += [n if t == 'glue' else f'{t}/{n}' for n in registry.get(t).names()]
+      continue
+    kind, _, name = t.partition('/') if '/' in t else ('glue', '', t)
+    known = registry.get(kind).names() if kind in kinds else None
+    if known is None or not name or (known and name not in known):
+      glue = registry.get('glue').names()
+      raise ValueError(f'unknown task {t!r}; use GLUE names ({", ".join(glue)}), glue (all '
+                       f'{len(glue)}), squad/v1.1, squad/v2.0, tsv/<name> (a task of your '
+                       f'own: --set tsv.labels=... and its --data_dir), or <kind>/<name> of '
+                       f'another kind of realformer/finetune/tasks/ ({", ".join(kinds)})')
+    names.append(t)
   return names
 
 

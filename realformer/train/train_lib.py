@@ -599,7 +599,18 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
   BertForPreTraining) does more work for the same loss.
   """
   s = model_config if isinstance(model_config, EncoderSpec) else resolve(model_config)
-  t, p, d, f, h = seq_len, num_predictions, s.hidden_size, s.mlp_dim, s.num_heads
+  p, d = num_predictions, s.hidden_size
+  pruned = s.last_layer == 'predicted' and not s.scan_layers
+  last = rows_lib.num_last_layer_rows(p, seq_len) if pruned else seq_len
+  heads = 2 * d * d + 4 * d + 2 * p * d * d + 2 * p * d * s.padded_vocab_size
+  return training_flops(encoder_flops(s, seq_len, last) + heads)
+
+
+def encoder_flops(spec: EncoderSpec, seq_len: int, last_rows: Optional[int] = None) -> float:
+  """Forward FLOPs of the encoder's layers for one example of seq_len tokens, the last layer
+  computing `last_rows` rows (default: every row); flops_per_example's table."""
+  s, t = spec, seq_len
+  d, f, h = s.hidden_size, s.mlp_dim, s.num_heads
 
   def layer(r):
     flops = 2 * t * d * d + 2 * r * d * d + 2 * r * t * d + 4 * r * d * f
@@ -612,10 +623,12 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
       flops += 2 * r * d * h * (a + b)
     return flops
 
-  pruned = s.last_layer == 'predicted' and not s.scan_layers
-  last = rows_lib.num_last_layer_rows(p, t) if pruned else t
-  heads = 2 * d * d + 4 * d + 2 * p * d * d + 2 * p * d * s.padded_vocab_size
-  return 3.0 * ((s.num_layers - 1) * layer(t) + layer(last) + heads)
+  return (s.num_layers - 1) * layer(t) + layer(t if last_rows is None else last_rows)
+
+
+def training_flops(forward_flops: float) -> float:
+  """A training step's FLOPs from the forward pass's: the backward costs two forwards."""
+  return 3.0 * forward_flops
 
 
 # --------------------------------------------------------------------------------------

@@ -1,16 +1,16 @@
-"""GLUE fine-tuning (Wang et al. 2019): the nine tasks' data, head, loss, metrics and
-submission files, as a FinetuneTask; and a sentence (pair) classification or regression of
-the user's own in the same shape (configs/finetune.py:tsv/<name>, data/glue.local_task).
+"""GLUE fine-tuning (Wang et al. 2019), `configs/finetune.py:glue/<task>`: the nine tasks'
+data, head, loss, metrics and submission files, as a FinetuneTask.
 
 Data: config.data_dir holds the official TSV folders (CoLA/, SST-2/, ...; test.tsv is
-optional), or `hf:<dataset>` reads Hugging Face's copy, or empty reads tfds glue/<task>; a
-tsv/ task's train.tsv, dev.tsv (and test.tsv) are in data_dir itself.
+optional), or `hf:<dataset>` reads Hugging Face's copy, or empty reads tfds glue/<task>.
+Its own field: skip_malformed_rows.
 """
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 from absl import logging
 
@@ -18,24 +18,42 @@ from data import glue
 from data import sources
 from realformer import models
 from realformer.finetune import metrics as finetune_metrics
-from realformer.finetune.task import FinetuneTask, tsv_task
+from realformer.finetune.registry import register
+from realformer.finetune.task import FinetuneTask
+
+# GLUE's nine tasks (the grid's `--tasks glue`); data/glue.TASKS also holds MNLI's mismatched
+# dev set and the AX diagnostic, which the mnli run evaluates and predicts.
+NINE = ('cola', 'sst2', 'mrpc', 'stsb', 'qqp', 'mnli', 'qnli', 'rte', 'wnli')
 
 
+@register('glue')
 class GlueTask(FinetuneTask):
   """One GLUE task (mnli also evaluates mismatched dev and predicts AX): a classifier (a
   regressor for STS-B) on [CLS]'s pooled output, GLUE's metrics, the submission files."""
   token_outputs = False  # the head's outputs are per example
 
+  @classmethod
+  def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
+    # Rows of a TSV with too few columns are an error naming file and line; True skips those
+    # of train.tsv and reports how many (the official QQP and MNLI files hold a few); dev and
+    # test rows are never skipped (a score or a submission without them would be wrong).
+    config.skip_malformed_rows = False
+
+  @classmethod
+  def names(cls) -> Tuple[str, ...]:
+    return NINE
+
+  def glue_task(self) -> glue.Task:
+    """The task's columns, labels and metric (data/glue.Task)."""
+    if self.config.task in ('ax', 'mnli_mismatched'):
+      raise ValueError(f'{self.config.task} has no training set: fine-tune glue/mnli, which '
+                       'also evaluates mismatched dev and predicts AX')
+    return glue.get_task(self.config.task)
+
   def load(self, tokenizer):
     config = self.config
     self.name = config.task
-    if config.get('benchmark') == 'tsv':  # a task of the user's own (glue.local_task)
-      self.task = tsv_task(config)
-    elif config.task in ('ax', 'mnli_mismatched'):
-      raise ValueError(f'{config.task} has no training set: fine-tune glue/mnli, which also '
-                       'evaluates mismatched dev and predicts AX')
-    else:
-      self.task = glue.get_task(config.task)
+    self.task = self.glue_task()
     self.regression = not self.task.labels
     self.featurize = lambda ex: glue.featurize(ex, tokenizer, config.max_seq_length,
                                                self.regression)
@@ -43,7 +61,7 @@ class GlueTask(FinetuneTask):
     self.evals = {config.task: self._load(config.task, 'dev')}
     # GLUE's test sets are optional: without test.tsv the run trains and evaluates only.
     self.tests = {config.task: self._load_test(config.task)}
-    if config.task == 'mnli' and config.get('benchmark') != 'tsv':
+    if self.task is glue.TASKS['mnli']:
       self.evals['mnli_mismatched'] = self._load('mnli_mismatched', 'dev')
       self.tests['mnli_mismatched'] = self._load_test('mnli_mismatched')
       self.tests['ax'] = self._load_test('ax')
@@ -60,14 +78,12 @@ class GlueTask(FinetuneTask):
       return None
 
   def _spec(self, name: str):
-    """What data/glue and the metrics take for `name`: a GLUE task's name, or the Task."""
-    return self.task if name == self.name and self.config.get('benchmark') == 'tsv' else name
+    """What data/glue and the metrics take for `name`: a GLUE task's name (a subclass with a
+    task of its own: its Task)."""
+    return name
 
   def _load(self, task: str, split: str):
     task = self._spec(task)
-    if not isinstance(task, str):
-      return glue.read_tsv(task, self.config.data_dir, split,
-                           skip_malformed=self.config.skip_malformed_rows and split == 'train')
     if self.config.data_dir.startswith('hf:'):
       return glue.read_hf(task, split, self.config.data_dir[len('hf:'):])
     if self.config.data_dir:
@@ -78,6 +94,11 @@ class GlueTask(FinetuneTask):
   def build(self, spec):
     return models.build(spec, head='classification',
                         num_labels=len(self.task.labels) or 1)
+
+  def head_flops(self, length: int) -> float:
+    del length  # the pooler and the classifier read [CLS] alone
+    d = self.spec.hidden_size
+    return 2 * d * d + 2 * d * (len(self.task.labels) or 1)
 
   def loss_fn(self, model):
     """CE over the classes (MSE for regression), mean over the step's examples."""

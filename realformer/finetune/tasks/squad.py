@@ -1,5 +1,6 @@
-"""SQuAD fine-tuning (Rajpurkar et al. 2016, 2018): windows over the paragraphs, a span head,
-n-best post-processing and the official v1.1 / v2.0 metrics, as a FinetuneTask.
+"""SQuAD fine-tuning (Rajpurkar et al. 2016, 2018), `configs/finetune.py:squad/v1.1` and
+`squad/v2.0`: windows over the paragraphs, a span head, n-best post-processing and the
+official v1.1 / v2.0 metrics, as a FinetuneTask.
 
 Data: config.data_dir holds {train,dev}-v1.1.json or -v2.0.json, or `hf:<dataset>` reads
 Hugging Face's copy, or empty reads tfds squad. SQuAD's test sets are hidden: the prediction
@@ -7,23 +8,45 @@ files are of dev (predictions/predictions.json, and null_odds.json for v2.0).
 """
 
 import json
-from typing import Dict
+from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 
 from data import squad
 from realformer import models
-from realformer.finetune import metrics as finetune_metrics
-from realformer.finetune.task import FinetuneTask
 from realformer import storage
+from realformer.finetune import metrics as finetune_metrics
+from realformer.finetune.registry import register
+from realformer.finetune.task import FinetuneTask
 
 
+@register('squad')
 class SquadTask(FinetuneTask):
   """SQuAD v1.1 or v2.0: span head, windows, n-best post-processing, official metrics."""
   token_outputs = True  # start and end logits per position
+
+  @classmethod
+  def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
+    """BERT's settings: lr 3e-5, 2 epochs, max_seq_length 384, doc_stride 128,
+    max_query_length 64, n_best_size 20, max_answer_length 30; v2.0's null-score threshold
+    tuned on dev (best F1) unless null_score_diff_threshold is set."""
+    if name not in cls.names():
+      raise ValueError(f"config arg 'squad/{name}': SQuAD versions are v1.1 and v2.0")
+    config.max_seq_length, config.num_epochs = 384, 2
+    config.optimizer.learning_rate = 3e-5
+    config.doc_stride = 128
+    config.max_query_length = 64
+    config.n_best_size = 20
+    config.max_answer_length = 30
+    config.null_score_diff_threshold = ml_collections.FieldReference(None, field_type=float)
+
+  @classmethod
+  def names(cls) -> Tuple[str, ...]:
+    return ('v1.1', 'v2.0')
 
   def load(self, tokenizer):
     config, self.tokenizer = self.config, tokenizer
@@ -57,6 +80,9 @@ class SquadTask(FinetuneTask):
 
   def build(self, spec):
     return models.build(spec, head='span')
+
+  def head_flops(self, length: int) -> float:
+    return 2 * length * self.spec.hidden_size * 2  # start and end logits of every token
 
   def loss_fn(self, model):
     """Mean of the start and end cross-entropies (targets at [CLS] when no answer)."""
