@@ -14,7 +14,18 @@ max_len rows and columns and are sliced to the sequence length, never wrapped.
                      C_i = tile(A_i, b) * repeat(B_i, a): C_i[j*a + m] = A_i[m] B_i[j], the
                      flattened outer product of the two factors.
   Factorized Random: R = R1 R2^T, R1, R2 of shape [H, max_len, k].
+
+Each is a LogitComponent, registered by name (`@register('dense')`): `model.attention`
+names components joined by '+' (and 'dot', the scaled dot product, which the attention
+layer computes itself), the presets in realformer/model/spec.py name them, and nothing else
+does. A component declares, beside its maths, what the rest of the code needs to know of
+it: its parameters' logical axes (given where they are created: the partitioning rules map
+them to the mesh), its FLOPs, its fixed parameters, and whether the fused attention may add
+its logits as a term. A new component is one more class, here or in any module imported
+before the config is resolved.
 """
+
+from typing import Any, ClassVar, Dict, Tuple
 
 import flax.linen as nn
 import jax
@@ -30,8 +41,71 @@ def _check_length(length: int, max_len: int, name: str):
                      f'{name} synthesizer; shorten the input or raise model.max_len')
 
 
-class DenseSynthesizer(nn.Module):
-  spec: 'EncoderSpec'
+class LogitComponent(nn.Module):
+  """An attention-logit component: the layer input x [B, T, D] (and `rows`) -> float32 logits
+  [B or 1, H, S, T], before the padding mask. Its declarations:
+
+    fusable           whether the flash kernels may take its logits as an additive term of
+                      the dot product's (realformer/model/attention.py, spec.
+                      dot_product_plus_terms); a component whose logits do not simply add
+                      sets it False, and its variants run the plain path;
+    flops(spec, rows, length)   forward matmul FLOPs of one example in a layer computing
+                      `rows` query rows over `length` keys (train_lib.flops_per_example adds
+                      them, so the logged MFU counts the component);
+    fixed_params(spec)  the names of its parameters that never train under `spec`: it stops
+                      their gradient itself, and the optimizer leaves them alone (no update,
+                      no weight decay: train_lib.fixed_params_fn);
+    check(spec)       one-line errors for settings it cannot take (spec.resolve calls it).
+
+  Its parameters' sharding follows the logical axis names they are created with
+  (nn.with_logical_partitioning, layers.dense.dense; realformer/train/partitioning.py's rules
+  map them to the mesh, and a mesh axis that does not divide its dimension is a one-line
+  error naming the parameter)."""
+  spec: Any  # the EncoderSpec (realformer/model/spec.py)
+  fusable: ClassVar[bool] = True
+
+  @staticmethod
+  def flops(spec, rows: int, length: int) -> float:
+    del spec, rows, length
+    return 0
+
+  @staticmethod
+  def fixed_params(spec) -> Tuple[str, ...]:
+    del spec
+    return ()
+
+  @staticmethod
+  def check(spec) -> None:
+    del spec
+
+
+SYNTHESIZERS: Dict[str, type] = {}
+
+
+def register(name: str):
+  """Class decorator: the LogitComponent that `model.attention` names `name`."""
+  def add(cls):
+    if not issubclass(cls, LogitComponent):
+      raise TypeError(f'{cls.__name__} is not a LogitComponent')
+    known = SYNTHESIZERS.get(name)
+    if name == 'dot' or (known is not None and known.__qualname__ != cls.__qualname__):
+      raise ValueError(f'the logit component name {name!r} is taken')
+    SYNTHESIZERS[name] = cls
+    return cls
+  return add
+
+
+def module_name(component: str) -> str:
+  """The name of a component's submodule in the attention layer (its parameters' path)."""
+  return f'synth_{component}'
+
+
+@register('dense')
+class DenseSynthesizer(LogitComponent):
+  @staticmethod
+  def flops(spec, rows, length):
+    d = spec.hidden_size
+    return 2 * rows * d * d + 2 * rows * d * spec.num_heads * spec.max_len
 
   @nn.compact
   def __call__(self, x, rows=None):
@@ -47,8 +121,13 @@ class DenseSynthesizer(nn.Module):
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)  # [B, H, Tq, Tk]
 
 
-class RandomSynthesizer(nn.Module):
-  spec: 'EncoderSpec'
+@register('random')
+class RandomSynthesizer(LogitComponent):
+  # (flops: none counted; the table is batch-independent)
+
+  @staticmethod
+  def fixed_params(spec):
+    return () if spec.synth_random_trainable else ('random_logits',)
 
   @nn.compact
   def __call__(self, x, rows=None):
@@ -64,8 +143,16 @@ class RandomSynthesizer(nn.Module):
     return r[None] if rows is None else gather_rows(r, rows, axis=1, batched=False)
 
 
-class FactorizedDenseSynthesizer(nn.Module):
-  spec: 'EncoderSpec'
+@register('factorized_dense')
+class FactorizedDenseSynthesizer(LogitComponent):
+  @staticmethod
+  def check(spec):
+    spec.factorized_ab  # pylint: disable=pointless-statement  (a * b must be max_len)
+
+  @staticmethod
+  def flops(spec, rows, length):
+    a, b = spec.factorized_ab
+    return 2 * rows * spec.hidden_size * spec.num_heads * (a + b)
 
   @nn.compact
   def __call__(self, x, rows=None):
@@ -82,8 +169,13 @@ class FactorizedDenseSynthesizer(nn.Module):
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)
 
 
-class FactorizedRandomSynthesizer(nn.Module):
-  spec: 'EncoderSpec'
+@register('factorized_random')
+class FactorizedRandomSynthesizer(LogitComponent):
+  # (flops: none counted; R1 R2^T is batch-independent but for a pruned last layer's rows)
+
+  @staticmethod
+  def fixed_params(spec):
+    return () if spec.synth_random_trainable else ('random_factor_1', 'random_factor_2')
 
   @nn.compact
   def __call__(self, x, rows=None):
@@ -102,10 +194,3 @@ class FactorizedRandomSynthesizer(nn.Module):
     r1 = gather_rows(r1, rows, axis=1, batched=False)  # [B, H, S, k]
     return jnp.einsum('bhqk,hsk->bhqs', r1, r2)
 
-
-SYNTHESIZERS = {
-    'dense': DenseSynthesizer,
-    'random': RandomSynthesizer,
-    'factorized_dense': FactorizedDenseSynthesizer,
-    'factorized_random': FactorizedRandomSynthesizer,
-}

@@ -1,6 +1,9 @@
-"""A new fine-tuning task is one file: this one defines a task kind (its config fields, data,
-head, head FLOPs and metric), registers it, and fine-tunes it through finetune.py's own
-function on a data x fsdp x tensor mesh, with no library file naming it."""
+"""A new attention-logit component and a new fine-tuning task are one file each: this one
+defines both, with no library file naming them. The component (a learned per-head
+relative-position bias) declares its logical axes, FLOPs, fixed parameters and that the
+fused attention may add it; it pretrains on a data x fsdp x tensor mesh, resumes, runs
+through the flash kernel as the plain path does, and reports its FLOPs. The task kind (its
+config fields, data, head, head FLOPs and metric) fine-tunes from that pretraining."""
 
 import flax.linen as nn
 import jax
@@ -10,16 +13,90 @@ import optax
 import pytest
 
 import finetune
+import train
 from configs import finetune as finetune_configs
 from data import glue
+from data import tokenizer as tokenizer_lib
 from realformer.finetune import registry
 from realformer.finetune.task import FinetuneTask
 from realformer.layers.dense import dense
+from realformer.layers.rows import gather_rows
 from realformer.model.encoder import Encoder
+from realformer.model.spec import resolve
 from realformer.tools import hlo_stats
+from realformer.tools import launch
 from realformer.train import partitioning
+from realformer.train import train_lib
 from realformer.train.run_dir import RunDir
-from tests.test_finetune import pretrained  # pylint: disable=unused-import
+from synthesizer import synthetic
+from tests import test_flash_variants
+from tests.test_train import losses, tiny_config
+
+MAX_DISTANCE = 6
+
+
+@synthetic.register('relpos')
+class RelativePositionBias(synthetic.LogitComponent):
+  """logits[h, q, k] = table[h, clip(k - q, -MAX_DISTANCE, MAX_DISTANCE)]: one learned bias
+  per head and clipped distance, shared by the batch (as T5's, without its log buckets).
+  A gather, no matmul (flops: 0); nothing fixed; fusable: it adds to Q K^T."""
+
+  @nn.compact
+  def __call__(self, x, rows=None):
+    s, t = self.spec, x.shape[1]
+    table = self.param('table', nn.with_logical_partitioning(nn.initializers.normal(0.5),
+                                                             ('heads', None)),
+                       (s.num_heads, 2 * MAX_DISTANCE + 1), jnp.float32)
+    distance = jnp.arange(t)[None, :] - jnp.arange(t)[:, None]
+    bias = table[:, jnp.clip(distance, -MAX_DISTANCE, MAX_DISTANCE) + MAX_DISTANCE]
+    return bias[None] if rows is None else gather_rows(bias, rows, axis=1, batched=False)
+
+
+def _relpos_config(**train_overrides):
+  config = tiny_config(**train_overrides)
+  config.model.attention = 'relpos+dot'
+  # (synthetic batches over the tokenizer's vocabulary, which the fine-tuning below reads)
+  config.model.vocab_size = tokenizer_lib.load_for_config(config.data).vocab_size
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+  return config
+
+
+@pytest.fixture(scope='module')
+def relpos_pretraining(tmp_path_factory):
+  """A 4-step pretraining run of Post-LN with the component on a 2 x 2 x 2 mesh."""
+  workdir = str(tmp_path_factory.mktemp('relpos'))
+  assert train.train_and_evaluate(_relpos_config(num_steps=4), workdir)['step'] == 4
+  return workdir
+
+
+def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path,  # pylint: disable=redefined-outer-name
+                                                    monkeypatch):
+  spec = resolve(_relpos_config().model)
+  assert spec.attention == ('relpos', 'dot') and spec.dot_product_plus_terms
+  # Pretrained on a 2 x 2 x 2 mesh, its table split by head over tensor as declared; a run
+  # stopped after step 2 and resumed logs the uninterrupted run's losses to the bit.
+  train.train_and_evaluate(_relpos_config(num_steps=2), str(tmp_path / 'resumed'))
+  resumed = train.train_and_evaluate(_relpos_config(num_steps=4), str(tmp_path / 'resumed'))
+  assert resumed['step'] == 4
+  assert losses(tmp_path / 'resumed') == losses(relpos_pretraining)
+  model, tx = train_lib.models.build(spec), train_lib.make_optimizer(_relpos_config().optimizer,
+                                                                     spec)
+  mesh = partitioning.make_mesh(_relpos_config().mesh)
+  _, shardings = train_lib.state_shardings(model, tx, train_lib.abstract_batch(8, 32, 5), mesh)
+  table = shardings.params['encoder']['layers_0']['attention']['synth_relpos']['table']
+  assert tuple(table.spec) == ('tensor', None)
+  # Its FLOPs: the compiled step's matmuls are the model's count, its declaration included
+  # (a declaration is read: a component claiming 1 MFLOP a row adds it to every layer).
+  report, _ = launch.compile_step(_relpos_config(eval_steps=0), launch.local_target())
+  assert report.flop_ratio == pytest.approx(1.0, abs=0.05)
+  before = train_lib.flops_per_example(spec, 32, 5)
+  monkeypatch.setattr(RelativePositionBias, 'flops', staticmethod(lambda s, r, t: r * 1e6))
+  assert train_lib.flops_per_example(spec, 32, 5) == before + 3 * 1e6 * (32 + 8)
+  monkeypatch.undo()
+  # Through the flash kernel (Pallas's interpreter here): the plain path's outputs and
+  # gradients, the same dropout masks.
+  test_flash_variants.test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients(
+      'postln', {'attention': 'relpos+dot'}, 'triton', monkeypatch)
 
 WORDS = ('the', 'a', 'cell', 'team', 'lens', 'match', 'nation', 'won', 'held', 'under')
 
@@ -109,9 +186,10 @@ def _config(init, **overrides):
   return config
 
 
-def test_a_task_of_ones_own_is_one_file(pretrained, tmp_path):  # pylint: disable=redefined-outer-name
+def test_a_task_of_ones_own_is_one_file(relpos_pretraining, tmp_path):  # pylint: disable=redefined-outer-name
+  """Fine-tuned from the pretraining with the component above."""
   assert registry.get('keyword') is KeywordTask and 'keyword' in registry.kinds()
-  config = _config(pretrained, num_epochs=2)
+  config = _config(relpos_pretraining, num_epochs=2)
   assert (config.keyword, config.num_sentences) == ('cell', 96)  # its own fields
   assert 'doc_stride' not in config and 'tsv' not in config  # and no other kind's
   summary = finetune.finetune(config, str(tmp_path / 'ft'))

@@ -184,9 +184,10 @@ def test_fsdp_shards_every_matrix_and_tensor_parallel_splits_heads(variant):
 
 
 def test_a_mesh_that_does_not_divide_the_heads_or_a_random_table(caplog):
-  """Refused before compiling where a parameter is split by head (every synthesizer) or a
-  Random table along max_len (over fsdp): inside jit these were IndivisibleErrors. Warned
-  about for dot-product attention alone."""
+  """Refused before compiling where a parameter is split by head (every synthesizer) or
+  where a mesh axis does not divide a parameter's dimension (a Random table along max_len,
+  over fsdp; partitioning.check_divides reads it from the logical axes): inside jit these
+  were IndivisibleErrors. Warned about for dot-product attention alone."""
   mesh = partitioning.make_mesh({'data': 1, 'fsdp': 2, 'tensor': 4})  # 2 heads
   example = train_lib.abstract_batch(8, 32, 5)
   for variant in ('synth_random_vanilla', 'synth_dense'):
@@ -196,9 +197,12 @@ def test_a_mesh_that_does_not_divide_the_heads_or_a_random_table(caplog):
                                 example, mesh)
   odd = tiny_config('synth_random')  # max_len 32
   odd.model.max_len = 31
-  with pytest.raises(ValueError, match=r"mesh.fsdp=2 does not divide model.max_len=31"):
+  with pytest.raises(ValueError, match=r"mesh.fsdp=2 does not divide model.max_len=31, along "
+                                       r"which encoder/layers_0/attention/synth_random/"
+                                       r"random_logits is split \(synth_len, its dimension 1\)"):
     train_lib.state_shardings(models.build(odd.model), optax.sgd(1.0),
-                              train_lib.abstract_batch(8, 30, 5), mesh)
+                              train_lib.abstract_batch(8, 30, 5),
+                              partitioning.make_mesh({'data': 4, 'fsdp': 2, 'tensor': 1}))
   train_lib.state_shardings(models.build(tiny_config('postln').model), optax.sgd(1.0),
                             example, mesh)
   assert 'heads are cut across devices' in caplog.text

@@ -12,6 +12,8 @@ from typing import Any, Tuple
 import jax
 import jax.numpy as jnp
 
+from synthesizer.synthetic import SYNTHESIZERS
+
 # The presets: what each variant sets of the fields that may override it (resolve). A field
 # a preset leaves out takes PRESET_DEFAULTS's value.
 PRESET_DEFAULTS = dict(block='post_ln', attention='dot', residual_attention=False,
@@ -28,7 +30,6 @@ VARIANTS = {
     'synth_dense_vanilla': dict(attention='dense+dot'),
     'synth_random_vanilla': dict(attention='random+dot'),
 }
-LOGIT_COMPONENTS = ('dot', 'dense', 'random', 'factorized_dense', 'factorized_random')
 BLOCKS = ('post_ln', 'pre_ln')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
 FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'flash', 'off')
@@ -97,8 +98,10 @@ class EncoderSpec:
   def dot_product_plus_terms(self) -> bool:
     """Whether the logits are Q K^T / sqrt(d_head) (weighted, in a mixture) plus additive
     terms: other components' logits, RealFormer's previous scores. What the flash kernel
-    (realformer.layers.flash_attention) computes: every variant but the pure Synthesizers."""
-    return 'dot' in self.attention
+    (realformer.layers.flash_attention) computes: every variant but the pure Synthesizers
+    (and those with a component that declares itself not fusable)."""
+    return 'dot' in self.attention and all(
+        SYNTHESIZERS[c].fusable for c in self.attention if c != 'dot')
 
   @property
   def head_dim(self) -> int:
@@ -151,10 +154,11 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   block, attention = preset['block'], preset['attention']
   residual, trainable = preset['residual_attention'], preset['synth_random_trainable']
   components = tuple(p.strip() for p in attention.split('+') if p.strip())
-  bad = [p for p in components if p not in LOGIT_COMPONENTS]
+  known = ('dot',) + tuple(SYNTHESIZERS)  # synthesizer/synthetic.py's registered components
+  bad = [p for p in components if p not in known]
   if bad or not components or len(set(components)) != len(components):
     raise ValueError(f'model.attention={attention!r}: expected distinct components joined by "+" '
-                     f'from {", ".join(LOGIT_COMPONENTS)}')
+                     f'from {", ".join(known)}')
   if block not in BLOCKS:
     raise ValueError(f'model.block={block!r}; choose one of {", ".join(BLOCKS)}')
   dtype = _dtype('dtype', c.pop('dtype', 'float32'))
@@ -192,6 +196,7 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
       raise ValueError(f'model.fused_attention=flash needs a head size that is a power of 2 '
                        f'of at least 16 (Triton\'s arrays), not {head_dim} (hidden_size / '
                        'num_heads); use auto')
-  if 'factorized_dense' in components:
-    spec.factorized_ab  # validates a * b = max_len
+  for c in components:  # each component's own checks of the settings it reads
+    if c != 'dot':
+      SYNTHESIZERS[c].check(spec)
   return spec

@@ -56,22 +56,43 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-RANDOM_SYNTHESIZERS = ('random', 'factorized_random')  # tables of [heads, max_len, ...]
+# The model size a logical axis measures, for the one-line error of a mesh axis that does
+# not divide it (check_divides); other axes are named by their dimension.
+AXIS_SIZES = {'vocab': 'the padded model.vocab_size', 'embed': 'model.hidden_size',
+              'mlp': 'model.mlp_dim', 'joined_kv': 'model.hidden_size',
+              'heads': 'model.num_heads', 'synth_len': 'model.max_len'}
+
+
+def check_divides(boxed_params, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> None:
+  """Every parameter splits evenly over the mesh axes its logical axes map to (jax refuses
+  an uneven split); else a one-line error naming the setting, the parameter and the fix,
+  before anything compiles. A new parameter needs no rule here: its logical axes say it."""
+  leaves = jax.tree_util.tree_leaves_with_path(
+      boxed_params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  for path, leaf in leaves:
+    if not isinstance(leaf, nn.LogicallyPartitioned):
+      continue
+    mesh_axes = nn.logical_to_mesh_axes(leaf.names, rules)
+    for dim, (name, axes, size) in enumerate(zip(leaf.names, mesh_axes, leaf.value.shape)):
+      axes = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a)
+      split = int(np.prod([mesh.shape[a] for a in axes]))
+      if size % split:
+        setting = '*'.join(f'mesh.{a}' for a in axes)
+        where = '/'.join(str(getattr(k, 'key', k)) for k in path)
+        raise ValueError(f'{setting}={split} does not divide {AXIS_SIZES.get(name, "dimension")}'
+                         f'={size}, along which {where} is split ({name}, its dimension '
+                         f'{dim}); choose a {setting} that divides {size}')
 
 
 def check_heads(spec, mesh: Mesh) -> None:
-  """The tensor axis splits attention by head, and fsdp the Random synthesizers' tables along
-  max_len. A synthesizer's weights split by head (every one's outputs are heads-major) need
-  mesh.tensor to divide model.num_heads, and the Random tables mesh.fsdp to divide
-  model.max_len: one-line errors, before anything compiles. So does the flash kernel
-  (whole heads per device). Dot-product attention otherwise runs with heads cut across
-  devices, at the cost of a resharding in every layer: a warning."""
-  tensor, fsdp, heads = mesh.shape['tensor'], mesh.shape['fsdp'], spec.num_heads
+  """The tensor axis splits attention by head. A synthesizer's weights split by head (every
+  one's outputs are heads-major) need mesh.tensor to divide model.num_heads: a one-line
+  error, before anything compiles. So does the flash kernel (whole heads per device).
+  Dot-product attention otherwise runs with heads cut across devices, at the cost of a
+  resharding in every layer: a warning. (A parameter that a mesh axis does not divide:
+  check_divides.)"""
+  tensor, heads = mesh.shape['tensor'], spec.num_heads
   synthesizers = [c for c in spec.attention if c != 'dot']
-  if any(c in RANDOM_SYNTHESIZERS for c in synthesizers) and spec.max_len % fsdp:
-    raise ValueError(f'mesh.fsdp={fsdp} does not divide model.max_len={spec.max_len}, along '
-                     'which the Random synthesizer\'s tables are split; choose a mesh.fsdp '
-                     f'that divides {spec.max_len}')
   if heads % tensor == 0:
     return
   if synthesizers:

@@ -40,6 +40,7 @@ from realformer.layers import rows as rows_lib
 from realformer.model.spec import EncoderSpec, resolve
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
+from synthesizer import synthetic
 
 
 @flax.struct.dataclass
@@ -77,18 +78,19 @@ def decay_mask(params) -> Any:
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-# Parameters of the fixed-random Synthesizer (variant synth_random_fixed, or
-# model.synth_random_trainable=False): the model stops their gradient, and the optimizer
-# must also leave them alone (weight decay alone would otherwise shrink them).
-FIXED_RANDOM_PARAMS = ('random_logits', 'random_factor_1', 'random_factor_2')
-
-
 def fixed_params_fn(spec: EncoderSpec) -> Optional[Callable[[Any], Any]]:
-  """params -> bool tree of parameters that must never change, or None when none are."""
-  if spec.synth_random_trainable:
+  """params -> bool tree of parameters that must never change, or None when none are: those
+  each logit component declares fixed under `spec` (LogitComponent.fixed_params; e.g. the
+  fixed-random Synthesizer's table, variant synth_random_fixed). The model stops their
+  gradient, and the optimizer must also leave them alone (weight decay alone would otherwise
+  shrink them)."""
+  fixed = {synthetic.module_name(c): synthetic.SYNTHESIZERS[c].fixed_params(spec)
+           for c in spec.attention if c != 'dot'}
+  fixed = {module: names for module, names in fixed.items() if names}
+  if not fixed:
     return None
   return lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: _names(path)[-1] in FIXED_RANDOM_PARAMS, params)
+      lambda path, _: _names(path)[-1] in fixed.get(_names(path)[-2], ()), params)
 
 
 def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
@@ -289,6 +291,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, example_
     boxed = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), _init_batch(example_batch, mesh))['params'])
     boxed_opt = jax.eval_shape(tx.init, boxed)
+  partitioning.check_divides(boxed, mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
   shardings = TrainState(step=replicated, params=tree_shardings(boxed, mesh),
                          opt_state=tree_shardings(boxed_opt, mesh))
@@ -586,8 +589,9 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
                 output projection                      2 R D^2
                 query + key projections (if 'dot')     2 R D^2 + 2 T D^2
                 Q K^T and probs @ V                    4 R T D   (QK^T only if 'dot': 2 R T D)
-                Synthesizer dense                      2 R D^2 + 2 R D H M
-                Synthesizer factorized dense           2 R D H (a + b)
+                Synthesizer components                 their own (LogitComponent.flops):
+                  dense                                2 R D^2 + 2 R D H M
+                  factorized dense                     2 R D H (a + b)
                 MLP                                    4 R D F
     heads:      pooler + NSP                           2 D^2 + 4 D
                 MLM transform + tied decoder (P slots) 2 P D^2 + 2 P D V
@@ -610,17 +614,15 @@ def encoder_flops(spec: EncoderSpec, seq_len: int, last_rows: Optional[int] = No
   """Forward FLOPs of the encoder's layers for one example of seq_len tokens, the last layer
   computing `last_rows` rows (default: every row); flops_per_example's table."""
   s, t = spec, seq_len
-  d, f, h = s.hidden_size, s.mlp_dim, s.num_heads
+  d, f = s.hidden_size, s.mlp_dim
 
   def layer(r):
     flops = 2 * t * d * d + 2 * r * d * d + 2 * r * t * d + 4 * r * d * f
     if 'dot' in s.attention:
       flops += 2 * r * d * d + 2 * t * d * d + 2 * r * t * d
-    if 'dense' in s.attention:
-      flops += 2 * r * d * d + 2 * r * d * h * s.max_len
-    if 'factorized_dense' in s.attention:
-      a, b = s.factorized_ab
-      flops += 2 * r * d * h * (a + b)
+    for c in s.attention:  # what each Synthesizer component declares
+      if c != 'dot':
+        flops += synthetic.SYNTHESIZERS[c].flops(s, r, t)
     return flops
 
   return (s.num_layers - 1) * layer(t) + layer(t if last_rows is None else last_rows)
