@@ -62,7 +62,7 @@ def model_config(variant='postln', size='base'):
   m.gelu = 'erf'
   # Overrides of what `variant` implies (None: take the variant's value).
   m.block = ml_collections.FieldReference(None, field_type=str)  # 'post_ln' | 'pre_ln'
-  # '+'-joined logit components: dot, dense, random, factorized_dense, factorized_random.
+  # '+'-joined logit components: dot and synthesizer/synthetic.py's (dense, random, ...).
   m.attention = ml_collections.FieldReference(None, field_type=str)
   m.residual_attention = ml_collections.FieldReference(None, field_type=bool)  # RealFormer
   m.running_mean = False  # RealFormer option: logits = running sum / (l + 1)

@@ -21,11 +21,13 @@ layer computes itself), the presets in realformer/model/spec.py name them, and n
 does. A component declares, beside its maths, what the rest of the code needs to know of
 it: its parameters' logical axes (given where they are created: the partitioning rules map
 them to the mesh), its FLOPs, its fixed parameters, and whether the fused attention may add
-its logits as a term. A new component is one more class, here or in any module imported
-before the config is resolved.
+its logits as a term. A new component is one more class: here, or in a file of its own,
+synthesizer/<name>.py, which `component(name)` imports when a config first names it (so
+every program, and a fine-tuning of a checkpoint trained with it, finds it).
 """
 
-from typing import Any, ClassVar, Dict, Tuple
+import importlib
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -88,16 +90,30 @@ def register(name: str):
     if not issubclass(cls, LogitComponent):
       raise TypeError(f'{cls.__name__} is not a LogitComponent')
     known = SYNTHESIZERS.get(name)
-    if name == 'dot' or (known is not None and known.__qualname__ != cls.__qualname__):
-      raise ValueError(f'the logit component name {name!r} is taken')
+    if (name == 'dot' or not name.isidentifier() or (known is not None and (
+        known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__))):
+      raise ValueError(f'the logit component name {name!r} is taken or is not a Python '
+                       'identifier (model.attention joins names with "+")')
     SYNTHESIZERS[name] = cls
     return cls
   return add
 
 
-def module_name(component: str) -> str:
+def component(name: str) -> Optional[type]:
+  """The LogitComponent named `name`: registered here, or by synthesizer/<name>.py (imported
+  on first use); None if there is none."""
+  if name not in SYNTHESIZERS and name.isidentifier() and name != 'dot':
+    try:
+      importlib.import_module(f'{__package__}.{name}')
+    except ModuleNotFoundError as e:
+      if e.name != f'{__package__}.{name}':
+        raise  # the component's module is there but fails to import
+  return SYNTHESIZERS.get(name)
+
+
+def module_name(name: str) -> str:
   """The name of a component's submodule in the attention layer (its parameters' path)."""
-  return f'synth_{component}'
+  return f'synth_{name}'
 
 
 @register('dense')

@@ -69,8 +69,8 @@ def relpos_pretraining(tmp_path_factory):
   return workdir
 
 
-def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path,  # pylint: disable=redefined-outer-name
-                                                    monkeypatch):
+# pylint: disable=redefined-outer-name  (the fixture)
+def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path, monkeypatch):
   spec = resolve(_relpos_config().model)
   assert spec.attention == ('relpos', 'dot') and spec.dot_product_plus_terms
   # Pretrained on a 2 x 2 x 2 mesh, its table split by head over tensor as declared; a run
@@ -186,7 +186,7 @@ def _config(init, **overrides):
   return config
 
 
-def test_a_task_of_ones_own_is_one_file(relpos_pretraining, tmp_path):  # pylint: disable=redefined-outer-name
+def test_a_task_of_ones_own_is_one_file(relpos_pretraining, tmp_path):
   """Fine-tuned from the pretraining with the component above."""
   assert registry.get('keyword') is KeywordTask and 'keyword' in registry.kinds()
   config = _config(relpos_pretraining, num_epochs=2)
@@ -218,3 +218,39 @@ def test_a_kind_is_registered_once():
   with pytest.raises(ValueError, match="no fine-tuning task kind 'keywords'; choose one of "
                                        'glue, keyword, squad, tsv'):
     finetune_configs.get_config('keywords/cell')
+
+
+def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_path,
+                                                                        monkeypatch):
+  """synthesizer/<name>.py and realformer/finetune/tasks/<kind>.py are imported when a config
+  first names them (here from a folder added to the packages' paths); a file that registers
+  nothing under its name, and a GLUE name that is no training task, are one-line errors."""
+  import synthesizer  # pylint: disable=g-import-not-at-top
+  from realformer.finetune import tasks  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'scaled_bias.py').write_text(
+      'from synthesizer import synthetic\n'
+      '@synthetic.register("scaled_bias")\n'
+      'class ScaledBias(synthetic.LogitComponent):\n'
+      '  def __call__(self, x, rows=None):\n'
+      '    raise NotImplementedError\n')
+  (tmp_path / 'unregistered.py').write_text('NOTHING = 1\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(synthesizer, '__path__', list(synthesizer.__path__) + [str(tmp_path)])
+  monkeypatch.setattr(tasks, '__path__', list(tasks.__path__) + [str(tmp_path)])
+  monkeypatch.setattr(synthetic, 'SYNTHESIZERS', dict(synthetic.SYNTHESIZERS))
+  config = tiny_config().model
+  config.attention = 'scaled_bias+dot'
+  assert resolve(config).attention == ('scaled_bias', 'dot')
+  assert synthetic.SYNTHESIZERS['scaled_bias'].__module__ == 'synthesizer.scaled_bias'
+  config.attention = 'scaled_biass+dot'
+  with pytest.raises(ValueError, match=r"model.attention='scaled_biass\+dot': expected "
+                                       r'distinct components .* \(or one of your own: '
+                                       r'synthesizer/<name>.py\)'):
+    resolve(config)
+  with pytest.raises(ValueError, match=r'realformer/finetune/tasks/unregistered.py registers '
+                                       r"no task as 'unregistered'"):
+    finetune_configs.get_config('unregistered/x')
+  for name, error in (('ax', 'it has no training set: fine-tune glue/mnli'),
+                      ('sst5', 'unknown GLUE task; choose one of cola, sst2')):
+    with pytest.raises(ValueError, match=f'config arg glue/{name}: {error}'):
+      finetune_configs.get_config(f'glue/{name}')

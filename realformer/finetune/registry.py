@@ -23,7 +23,8 @@ def register(kind: str):
 
   def add(cls):
     known = _REGISTERED.get(kind)
-    if known is not None and known.__qualname__ != cls.__qualname__:
+    if known is not None and (known.__module__, known.__qualname__) != (cls.__module__,
+                                                                        cls.__qualname__):
       raise ValueError(f'two fine-tuning tasks are registered as {kind!r}: '
                        f'{known.__module__}.{known.__qualname__} and '
                        f'{cls.__module__}.{cls.__qualname__}')
@@ -34,9 +35,11 @@ def register(kind: str):
 
 
 def kinds() -> List[str]:
-  """Every kind: those registered and the modules of realformer/finetune/tasks/."""
+  """Every kind: those registered and the modules of realformer/finetune/tasks/ (but for
+  helpers whose name starts with _)."""
   package = importlib.import_module(_TASKS)
-  return sorted(set(_REGISTERED) | {m.name for m in pkgutil.iter_modules(package.__path__)})
+  return sorted(set(_REGISTERED) | {m.name for m in pkgutil.iter_modules(package.__path__)
+                                    if not m.name.startswith('_')})
 
 
 def get(kind: str) -> type:
@@ -44,6 +47,9 @@ def get(kind: str) -> type:
   one-line error listing the known ones."""
   if kind not in _REGISTERED and kind in kinds():
     importlib.import_module(f'{_TASKS}.{kind}')
+    if kind not in _REGISTERED:
+      raise ValueError(f'realformer/finetune/tasks/{kind}.py registers no task as {kind!r}; '
+                       f"decorate its FinetuneTask with @register('{kind}')")
   if kind not in _REGISTERED:
     raise ValueError(f'no fine-tuning task kind {kind!r}; choose one of '
                      f'{", ".join(kinds())} (realformer/finetune/tasks/<kind>.py)')

@@ -1,4 +1,4 @@
-"""What fine-tuning on GLUE and SQuAD gives the trainer: the common part of both.
+"""What fine-tuning gives the trainer: the part every kind of task shares.
 
 A `FinetuneTask` is a trainer.Task over a pretrained encoder with a task head:
 

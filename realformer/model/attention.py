@@ -30,7 +30,7 @@ from realformer.layers import flash_attention_tpu as flash_tpu_lib
 from realformer.layers.dense import dense
 from realformer.layers.rows import gather_rows, take_rows
 from realformer.model.spec import EncoderSpec
-from synthesizer.synthetic import SYNTHESIZERS, module_name
+from synthesizer import synthetic
 
 # Finite, so a row with every key masked gives a uniform distribution, never NaN.
 NEG_INF = -1e9
@@ -115,7 +115,7 @@ class SelfAttention(nn.Module):
     s, term = self.spec, None
     for i, name in enumerate(s.attention):
       if name != 'dot':
-        c = SYNTHESIZERS[name](s, name=module_name(name))(x, rows)
+        c = synthetic.component(name)(s, name=synthetic.module_name(name))(x, rows)
         c = c if weights is None else weights[i] * c
         term = c if term is None else term + c
     return term

@@ -12,7 +12,7 @@ from typing import Any, Tuple
 import jax
 import jax.numpy as jnp
 
-from synthesizer.synthetic import SYNTHESIZERS
+from synthesizer import synthetic
 
 # The presets: what each variant sets of the fields that may override it (resolve). A field
 # a preset leaves out takes PRESET_DEFAULTS's value.
@@ -101,7 +101,7 @@ class EncoderSpec:
     (realformer.layers.flash_attention) computes: every variant but the pure Synthesizers
     (and those with a component that declares itself not fusable)."""
     return 'dot' in self.attention and all(
-        SYNTHESIZERS[c].fusable for c in self.attention if c != 'dot')
+        synthetic.component(c).fusable for c in self.attention if c != 'dot')
 
   @property
   def head_dim(self) -> int:
@@ -154,11 +154,11 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   block, attention = preset['block'], preset['attention']
   residual, trainable = preset['residual_attention'], preset['synth_random_trainable']
   components = tuple(p.strip() for p in attention.split('+') if p.strip())
-  known = ('dot',) + tuple(SYNTHESIZERS)  # synthesizer/synthetic.py's registered components
-  bad = [p for p in components if p not in known]
+  bad = [p for p in components if p != 'dot' and synthetic.component(p) is None]
   if bad or not components or len(set(components)) != len(components):
     raise ValueError(f'model.attention={attention!r}: expected distinct components joined by "+" '
-                     f'from {", ".join(known)}')
+                     f'from {", ".join(("dot",) + tuple(synthetic.SYNTHESIZERS))} (or one of your own: '
+                     f'synthesizer/<name>.py)')
   if block not in BLOCKS:
     raise ValueError(f'model.block={block!r}; choose one of {", ".join(BLOCKS)}')
   dtype = _dtype('dtype', c.pop('dtype', 'float32'))
@@ -198,5 +198,5 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
                        'num_heads); use auto')
   for c in components:  # each component's own checks of the settings it reads
     if c != 'dot':
-      SYNTHESIZERS[c].check(spec)
+      synthetic.component(c).check(spec)
   return spec

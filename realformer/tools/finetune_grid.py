@@ -59,10 +59,11 @@ def expand_tasks(tasks: str) -> List[str]:
     if known is None or not name or (known and name not in known):
       glue = registry.get('glue').names()
       raise ValueError(f'unknown task {t!r}; use GLUE names ({", ".join(glue)}), glue (all '
-                       f'{len(glue)}), squad/v1.1, squad/v2.0, tsv/<name> (a task of your '
-                       f'own: --set tsv.labels=... and its --data_dir), or <kind>/<name> of '
-                       f'another kind of realformer/finetune/tasks/ ({", ".join(kinds)})')
-    names.append(t)
+                       f'{len(glue)}), or <kind>/<name> of a kind of '
+                       f'realformer/finetune/tasks/ ({", ".join(kinds)}): squad/v1.1, '
+                       f'tsv/<name> (a task of your own: --set tsv.labels=... and its '
+                       f'--data_dir), ...')
+    names.append(name if kind == 'glue' else t)  # glue/rte is rte (one root, one row)
   return names
 
 
@@ -200,10 +201,11 @@ def main(argv=None):
     if (not args.print_only and args.data_dir and
         not storage.path(args.data_dir).is_dir()):
       raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')
+    runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
+    for task in tasks:  # every task's config takes the --set keys, before any run starts
+      sweep.check_keys(config_arg(task), runs)
     failed, elsewhere = [], []
     for task in tasks:
-      runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
-      sweep.check_keys(config_arg(task), runs)
       root = task_root(args.root, task)
       if args.print_only:
         print(sweep.launch_script(runs, root=root, program=PROGRAM, config=config_arg(task),

@@ -56,11 +56,11 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-# The model size a logical axis measures, for the one-line error of a mesh axis that does
-# not divide it (check_divides); other axes are named by their dimension.
-AXIS_SIZES = {'vocab': 'the padded model.vocab_size', 'embed': 'model.hidden_size',
-              'mlp': 'model.mlp_dim', 'joined_kv': 'model.hidden_size',
-              'heads': 'model.num_heads', 'synth_len': 'model.max_len'}
+# The setting a logical axis always measures, for the one-line error of a mesh axis that does
+# not divide it (check_divides); other axes (embed, mlp, ... measure more than one) are named
+# by the parameter's dimension.
+AXIS_SIZES = {'vocab': 'the padded model.vocab_size', 'heads': 'model.num_heads',
+              'synth_len': 'model.max_len'}
 
 
 def check_divides(boxed_params, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> None:
@@ -79,9 +79,10 @@ def check_divides(boxed_params, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> None:
       if size % split:
         setting = '*'.join(f'mesh.{a}' for a in axes)
         where = '/'.join(str(getattr(k, 'key', k)) for k in path)
-        raise ValueError(f'{setting}={split} does not divide {AXIS_SIZES.get(name, "dimension")}'
-                         f'={size}, along which {where} is split ({name}, its dimension '
-                         f'{dim}); choose a {setting} that divides {size}')
+        measure = f'{AXIS_SIZES[name]}={size}' if name in AXIS_SIZES else f'{size}'
+        raise ValueError(f'{setting}={split} does not divide {measure}, along which {where} is '
+                         f'split ({name}, its dimension {dim}); choose a {setting} that '
+                         f'divides {size}')
 
 
 def check_heads(spec, mesh: Mesh) -> None:

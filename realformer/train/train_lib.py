@@ -84,13 +84,15 @@ def fixed_params_fn(spec: EncoderSpec) -> Optional[Callable[[Any], Any]]:
   fixed-random Synthesizer's table, variant synth_random_fixed). The model stops their
   gradient, and the optimizer must also leave them alone (weight decay alone would otherwise
   shrink them)."""
-  fixed = {synthetic.module_name(c): synthetic.SYNTHESIZERS[c].fixed_params(spec)
+  fixed = {synthetic.module_name(c): synthetic.component(c).fixed_params(spec)
            for c in spec.attention if c != 'dot'}
   fixed = {module: names for module, names in fixed.items() if names}
   if not fixed:
     return None
-  return lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: _names(path)[-1] in fixed.get(_names(path)[-2], ()), params)
+  def is_fixed(path) -> bool:  # a parameter the component created itself (self.param)
+    names = _names(path)
+    return len(names) > 1 and names[-1] in fixed.get(names[-2], ())
+  return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: is_fixed(path), params)
 
 
 def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
@@ -622,7 +624,7 @@ def encoder_flops(spec: EncoderSpec, seq_len: int, last_rows: Optional[int] = No
       flops += 2 * r * d * d + 2 * t * d * d + 2 * r * t * d
     for c in s.attention:  # what each Synthesizer component declares
       if c != 'dot':
-        flops += synthetic.SYNTHESIZERS[c].flops(s, r, t)
+        flops += synthetic.component(c).flops(s, r, t)
     return flops
 
   return (s.num_layers - 1) * layer(t) + layer(t if last_rows is None else last_rows)

@@ -34,6 +34,11 @@ class GlueTask(FinetuneTask):
 
   @classmethod
   def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
+    if cls.names() and name not in cls.names():
+      raise ValueError(f'config arg glue/{name}: '
+                       + ('it has no training set: fine-tune glue/mnli, which also evaluates '
+                          'mismatched dev and predicts AX' if name in glue.TASKS else
+                          f'unknown GLUE task; choose one of {", ".join(cls.names())}'))
     # Rows of a TSV with too few columns are an error naming file and line; True skips those
     # of train.tsv and reports how many (the official QQP and MNLI files hold a few); dev and
     # test rows are never skipped (a score or a submission without them would be wrong).
@@ -45,9 +50,6 @@ class GlueTask(FinetuneTask):
 
   def glue_task(self) -> glue.Task:
     """The task's columns, labels and metric (data/glue.Task)."""
-    if self.config.task in ('ax', 'mnli_mismatched'):
-      raise ValueError(f'{self.config.task} has no training set: fine-tune glue/mnli, which '
-                       'also evaluates mismatched dev and predicts AX')
     return glue.get_task(self.config.task)
 
   def load(self, tokenizer):
