@@ -224,7 +224,8 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
                                                                         monkeypatch):
   """synthesizer/<name>.py and realformer/finetune/tasks/<kind>.py are imported when a config
   first names them (here from a folder added to the packages' paths); a file that registers
-  nothing under its name, and a GLUE name that is no training task, are one-line errors."""
+  nothing under its name, a GLUE name that is no training task, and a config whose kind was
+  changed by an override are one-line errors."""
   import synthesizer  # pylint: disable=g-import-not-at-top
   from realformer.finetune import tasks  # pylint: disable=g-import-not-at-top
   (tmp_path / 'scaled_bias.py').write_text(
@@ -254,3 +255,10 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
                       ('sst5', 'unknown GLUE task; choose one of cola, sst2')):
     with pytest.raises(ValueError, match=f'config arg glue/{name}: {error}'):
       finetune_configs.get_config(f'glue/{name}')
+  config = finetune_configs.get_config('glue/rte')  # another kind by override: one line
+  config.unlock()
+  config.benchmark, config.task = 'squad', 'v1.1'
+  with pytest.raises(ValueError, match=r'config.benchmark=squad: this config lacks the fields '
+                                       r'of that kind \(doc_stride, max_answer_length'):
+    finetune.finetune(config, str(tmp_path / 'never'))
+  assert not (tmp_path / 'never').exists()

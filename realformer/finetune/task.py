@@ -22,6 +22,7 @@ and says what the head (and its FLOPs), loss, metrics and prediction files are.
 
 import abc
 from concurrent import futures
+import copy
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -93,6 +94,15 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
     pre.model.vocab_size = tokenizer_lib.load_for_config(pre.data).vocab_size
     return pre
   return ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
+
+
+def _flat_keys(config, prefix: str = ''):
+  """The dotted names of a ConfigDict's fields."""
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _flat_keys(value, f'{prefix}{key}.')
+    else:
+      yield f'{prefix}{key}'
 
 
 def full_batch(batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
@@ -366,7 +376,17 @@ class FinetuneTask(trainer.Task, abc.ABC):
   @classmethod
   def check_config(cls, config) -> None:
     """One-line errors for settings that would fail after the run directory was written
-    (a kind extends it)."""
+    (a kind extends it), beginning with a config that lacks fields of its kind (its
+    config.benchmark overridden to another kind's)."""
+    probe = copy.deepcopy(config)
+    probe.unlock()
+    fields = set(_flat_keys(probe))
+    cls.configure(probe, config.task)
+    lacking = sorted(set(_flat_keys(probe)) - fields)
+    if lacking:
+      raise ValueError(f'config.benchmark={config.benchmark}: this config lacks the fields of '
+                       f'that kind ({", ".join(lacking)}); choose the kind with the config '
+                       f'arg, configs/finetune.py:{config.benchmark}/<name>, not an override')
     config_checks.check_optimizer(config.optimizer)
     config_checks.check_seq_length(config.max_seq_length, 'config.max_seq_length')
     for name in ('batch_size', 'eval_batch_size', 'log_every_steps', 'num_epochs',
