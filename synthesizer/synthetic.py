@@ -54,9 +54,10 @@ class LogitComponent(nn.Module):
     flops(spec, rows, length)   forward matmul FLOPs of one example in a layer computing
                       `rows` query rows over `length` keys (train_lib.flops_per_example adds
                       them, so the logged MFU counts the component);
-    fixed_params(spec)  the names of its parameters that never train under `spec`: it stops
-                      their gradient itself, and the optimizer leaves them alone (no update,
-                      no weight decay: train_lib.fixed_params_fn);
+    fixed_params(spec)  the names of its parameters (made by its own self.param) that never
+                      train under `spec`: it stops their gradient itself, and the optimizer
+                      leaves them alone (no update, no weight decay:
+                      train_lib.fixed_params_fn);
     check(spec)       one-line errors for settings it cannot take (spec.resolve calls it).
 
   Its parameters' sharding follows the logical axis names they are created with
