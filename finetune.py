@@ -27,17 +27,13 @@ paper's practice: `python -m realformer.tools.finetune_grid` (see its docstring)
 import json
 import os
 
-import jax
 from absl import app
 from absl import flags
 from absl import logging
 
 from realformer import cli
 from realformer.finetune import registry
-from realformer.finetune import task as task_lib
-from realformer.train import partitioning
 from realformer.train import trainer
-from realformer.train.run_dir import RunDir
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,13 +41,7 @@ _REPO = os.path.dirname(os.path.abspath(__file__))
 def finetune(config, workdir: str) -> dict:
   """Fine-tunes, evaluates and predicts; returns {'task', 'step', 'dev', 'headline',
   'best'}, or {'task', 'step', 'preempted'} when a stop signal ended the run early."""
-  task_cls = registry.get(config.benchmark)
-  task_cls.check_config(config)
-  run = RunDir(workdir)
-  mesh = partitioning.make_mesh(config.mesh)
-  with jax.set_mesh(mesh):  # scoped: the caller's mesh (or none) is back afterwards
-    task, summary = trainer.train(run, task_lib.FinetuneTask.program, config,
-                                  lambda: task_cls(config, mesh, run))
+  task, summary = trainer.train(workdir, registry.get(config.benchmark), config)
   if 'preempted' in summary:
     return {'task': task.name, 'step': summary['step'], 'preempted': summary['preempted']}
   return {k: summary[k] for k in ('task', 'step', 'dev', 'headline', 'best')}

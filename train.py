@@ -17,7 +17,6 @@ same format (throughput checks only).
 import os
 import sys
 
-import jax
 import ml_collections
 from absl import app
 from absl import flags
@@ -26,11 +25,8 @@ from absl import logging
 from realformer import cli
 from realformer.train import compile_cache
 from realformer.train import distributed
-from realformer.train import partitioning
 from realformer.train import pretraining
-from realformer.train import train_lib
 from realformer.train import trainer
-from realformer.train.run_dir import RunDir
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
 trainer.define_flags(os.path.join(_REPO, 'configs', 'pretrain.py') + ':postln,tiny',
@@ -66,15 +62,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   Returns the trainer's summary, with 'eval' the last held-out metrics.
   Raises trainer.NonFiniteLossError when the loss becomes nan/inf (nothing bad is saved).
   """
-  run = RunDir(workdir)
-  config = pretraining.resolved_config(config)
-  mesh = partitioning.make_mesh(config.mesh, devices)
-  train_lib.check_batch_layout(config.train.batch_size, config.train.grad_accum_steps, mesh,
-                               jax.process_count())
-  logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), jax.device_count(),
-               jax.process_count())
-  _, summary = trainer.train(run, pretraining.PretrainingTask.program, config,
-                             lambda: pretraining.PretrainingTask(config, mesh, run))
+  _, summary = trainer.train(workdir, pretraining.PretrainingTask, config, devices)
   summary['eval'] = summary['eval'].get('eval', {})
   return summary
 

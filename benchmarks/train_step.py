@@ -152,8 +152,8 @@ class Ours:
     self.rate = np.float32(config.optimizer.learning_rate)
     self.rng = train_lib.dropout_key(0, mesh)
     self.eval_fn = train_lib.make_eval_step(
-        loss_fn, mesh=mesh, params_sharding=shardings.params,
-        metrics_cls=metrics_lib.PretrainingEvalMetrics)
+        train_lib.loss_metrics(loss_fn, metrics_lib.PretrainingEvalMetrics), mesh=mesh,
+        params_sharding=shardings.params)
     compiled = self.step_fn.lower(self.state, self.batch, self.rate, self.rng).compile()
     self.memory = compiled.memory_analysis()
     if first_step and not args.forward_only:

@@ -200,12 +200,12 @@ def test_a_task_of_ones_own_is_one_file(relpos_pretraining, tmp_path):
   mesh = partitioning.make_mesh(config.mesh)
   with jax.set_mesh(mesh):
     task = KeywordTask(config, mesh, RunDir(str(tmp_path / 'flops')))
-    task.prepare(0)
-    programs = task.compile_train_step()
+    task.prepare(0)  # the program's train step, compiled for each length bucket
     length = task.buckets[0]
+    programs = task.program.train_step
     compiled = programs._programs[length].result()  # pylint: disable=protected-access
     task.close()
-  assert tuple(task.shardings.params['head_hidden']['kernel'].spec) == ('fsdp', 'tensor')
+  assert tuple(task.program.shardings.params['head_hidden']['kernel'].spec) == ('fsdp', 'tensor')
   per_example = hlo_stats.analyze(compiled.as_text()).matmul_flops * 8 / config.batch_size
   assert per_example == pytest.approx(task.flops_per_example(length), rel=0.05)
   without_head = task.flops_per_example(length) - 3 * task.head_flops(length)

@@ -756,7 +756,7 @@ def test_a_step_that_waits_for_its_compilation_leaves_it_out_of_the_throughput()
   window.add(metrics_lib.collection(
       finetune_task.FinetuneMetrics, loss=metrics_lib.average(1.0, 1.0),
       learning_rate=metrics_lib.last_value(1.0), grad_norm=metrics_lib.average(1.0, 1.0)),
-             trainer.StepCost(examples=2, padded_tokens=32, flops=0.0))
+             trainer.StepCost(examples=2, length=16), flops=0.0)
   time.sleep(0.4)
   window.exclude(0.3)
   before = time.time() - window.start

@@ -23,6 +23,7 @@ and says what the head (and its FLOPs), loss, metrics and prediction files are.
 import abc
 from concurrent import futures
 import copy
+import dataclasses
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -103,14 +104,6 @@ def _flat_keys(config, prefix: str = ''):
       yield from _flat_keys(value, f'{prefix}{key}.')
     else:
       yield f'{prefix}{key}'
-
-
-def full_batch(batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
-  """A global batch that every host holds whole -> arrays sharded over (data, fsdp); each
-  device takes its own rows (multi-host safe, whatever the device order)."""
-  sharding = partitioning.batch_sharding(mesh)
-  return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
-          for k, v in batch.items()}
 
 
 # ------------------------------------------------------------------------------ buckets
@@ -274,7 +267,8 @@ def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
   outs = None
   for length, idx, valid in buckets_lib.eval_batches(lengths, buckets, batch_size):
     inputs = {k: features[k] for k in buckets_lib.SEQUENCE_KEYS}
-    out = predict(params, full_batch(buckets_lib.take(inputs, idx, length), mesh))
+    out = predict(params, train_lib.global_batch(buckets_lib.take(inputs, idx, length), mesh,
+                                                 whole=True))
     out = [np.asarray(o)[valid] for o in out]
     if token_outputs:
       out = [np.pad(o, ((0, 0), (0, max_len - length)), constant_values=-np.inf) for o in out]
@@ -291,7 +285,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
   """A fine-tuning run of configs/finetune.py's `config` on `mesh` (see the module
   docstring). Subclasses implement the methods marked abstract below and set `name` and
   `train` (the training features: dict of [N, max_seq_length] arrays + labels) in `load`."""
-  program = 'finetune.py'
+  command = 'finetune.py'
   token_outputs = False  # whether the head's outputs are per token (SQuAD's spans)
   needs_final_results = True  # the predictions and results.json of a rerun
   nonfinite_hint = ('lower config.optimizer.learning_rate or raise '
@@ -299,7 +293,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
   train: Dict[str, np.ndarray]
 
   def __init__(self, config, mesh, run: RunDir):
-    self.config, self.mesh, self.run_dir, self.seed = config, mesh, run, config.seed
+    self.config, self.mesh, self.run_dir = config, mesh, run
     pre = pretrained_config(config.init_checkpoint, config)
     if config.max_seq_length > pre.model.max_len:
       raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained '
@@ -329,30 +323,21 @@ class FinetuneTask(trainer.Task, abc.ABC):
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',
                                  'fine-tune a checkpoint with two token types')
     num_train = len(self.train['input_ids'])
-    dp = partitioning.data_parallel_size(mesh)
-    if config.batch_size % dp or config.eval_batch_size % dp:
-      raise ValueError(f'batch_size={config.batch_size} and eval_batch_size='
-                       f'{config.eval_batch_size} must be multiples of the data-parallel size '
-                       f'{dp} (mesh.data * mesh.fsdp)')
     self.steps_per_epoch = num_train // config.batch_size
     if self.steps_per_epoch == 0:
       raise ValueError(f'{num_train} training examples are fewer than one batch of '
                        f'{config.batch_size}; lower config.batch_size')
-    num_steps = self.steps_per_epoch * config.num_epochs
-    self.cadence = trainer.Cadence(
-        num_steps=num_steps, log_every=config.log_every_steps,
-        eval_every=self.steps_per_epoch, checkpoint_every=self.steps_per_epoch,
-        keep_checkpoints=1, keep_best=config.keep_best,
-        keep_optimizer_state=config.keep_optimizer_state, eval_period_name='epoch',
-        steps_setting='num_epochs', steps_per_unit=self.steps_per_epoch)
+    self.cadence = trainer.make_cadence(config, self.steps_per_epoch)
     self.spec = resolve(gpu_kernels_off_gpus(pre.model))
-    self.model = self.build(self.spec)
-    self.tx = train_lib.make_optimizer(config.optimizer, self.spec)
-    self.schedule = train_lib.make_schedule(config.optimizer, num_steps)
-    self.example_batch = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
-                          for k, v in self.train.items()}
-    self.abstract, self.shardings = train_lib.state_shardings(
-        self.model, self.tx, self.example_batch, mesh)
+    model = self.build(self.spec)
+    self.program = train_lib.make_program(
+        model, config.optimizer, self.cadence.num_steps, mesh, config.seed,
+        {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
+         for k, v in self.train.items()},
+        loss_fn=self.loss_fn(model), metrics_cls=FinetuneMetrics,
+        totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
+        eval_fn=lambda params, batch: model.apply({'params': params}, batch)[1:],
+        flops_per_example=self.flops_per_example)
     if not config.from_scratch:
       self.init_checkpoint = trainer.InitCheckpoint(config.init_checkpoint, ('encoder',),
                                                     allow_missing=False)
@@ -374,10 +359,10 @@ class FinetuneTask(trainer.Task, abc.ABC):
     return ()
 
   @classmethod
-  def check_config(cls, config) -> None:
+  def checked_config(cls, config, mesh):
     """One-line errors for settings that would fail after the run directory was written
     (a kind extends it), beginning with a config that lacks fields of its kind (its
-    config.benchmark overridden to another kind's)."""
+    config.benchmark overridden to another kind's); returns `config`."""
     probe = copy.deepcopy(config)
     probe.unlock()
     fields = set(_flat_keys(probe))
@@ -399,6 +384,12 @@ class FinetuneTask(trainer.Task, abc.ABC):
     if config.length_buckets < 0:
       raise ValueError(f'config.length_buckets={config.length_buckets}: give the number of '
                        'compiled lengths (0 pads every batch to max_seq_length)')
+    dp = partitioning.data_parallel_size(mesh)
+    if config.batch_size % dp or config.eval_batch_size % dp:
+      raise ValueError(f'batch_size={config.batch_size} and eval_batch_size='
+                       f'{config.eval_batch_size} must be multiples of the data-parallel size '
+                       f'{dp} (mesh.data * mesh.fsdp)')
+    return config
 
   @abc.abstractmethod
   def load(self, tokenizer) -> None:
@@ -442,25 +433,30 @@ class FinetuneTask(trainer.Task, abc.ABC):
   # ---- trainer.Task.
 
   def prepare(self, start_step: int) -> None:
+    """The length buckets, and the program's train step compiled for each (while the run
+    goes on: one thread compiles the train step's lengths in the order the run needs them,
+    then the prediction's)."""
     c = self.config
     self.buckets = length_buckets(c, self, self.run_dir, resuming=start_step > 0,
                                   mid_epoch=start_step % self.steps_per_epoch != 0)
     self.eval_buckets = eval_lengths(c, self, self.buckets)
     self._start_step = start_step
-    # One thread compiles in the background, the train step's lengths first (in the order
-    # the run needs them), then the prediction's.
     self._compiler = (futures.ThreadPoolExecutor(1, thread_name_prefix='compile')
                       if c.compile_in_background else None)
     self._predict = None
+    if start_step < self.cadence.num_steps:
+      program = self.program
+      self.program = dataclasses.replace(program, train_step=Programs(
+          program.train_step, (program.abstract,),
+          self._batch_of(c.batch_size, self.train), self._lengths_by_first_use(),
+          'train step', self.mesh, self._compiler, after=train_lib.abstract_step_arguments()))
+      self._prediction()  # queued behind the train step's lengths
 
   def _prediction(self) -> Programs:
-    """The prediction programs (the model's inputs only; outputs whole on every host)."""
+    """The program's eval step (the head's outputs) compiled for each evaluated length."""
     if self._predict is None:
       self._predict = Programs(
-          jax.jit(lambda params, batch: self.model.apply({'params': params}, batch)[1:],
-                  out_shardings=jax.sharding.NamedSharding(self.mesh,
-                                                           jax.sharding.PartitionSpec())),
-          (self.abstract.params,),
+          self.program.eval_step, (self.program.abstract.params,),
           self._batch_of(self.config.eval_batch_size, buckets_lib.SEQUENCE_KEYS),
           self.eval_buckets, 'prediction', self.mesh, self._compiler)
     return self._predict
@@ -477,36 +473,24 @@ class FinetuneTask(trainer.Task, abc.ABC):
                                                  else self.train[k].shape[1:]),
                                 self.train[k].dtype, sharding=sharding) for k in keys}
 
-  def compile_train_step(self):
-    step = train_lib.make_train_step(
-        self.loss_fn(self.model), self.tx, mesh=self.mesh,
-        shardings=self.shardings, metrics_cls=FinetuneMetrics,
-        totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)})
-    programs = Programs(step, (self.abstract,),
-                        self._batch_of(self.config.batch_size, self.train),
-                        self._lengths_by_first_use(), 'train step', self.mesh, self._compiler,
-                        after=train_lib.abstract_step_arguments())
-    self._prediction()  # queued behind the train step's lengths
-    return programs
-
   def _lengths_by_first_use(self) -> List[int]:
     """The bucket lengths in the order the run's next steps need them."""
     spe, start = self.steps_per_epoch, self._start_step
     plan = buckets_lib.train_batches(self.lengths, self.buckets, self.config.batch_size,
-                                     self.seed, start // spe)
+                                     self.config.seed, start // spe)
     order = [length for length, _ in plan[start % spe:]] + list(self.buckets)
     return list(dict.fromkeys(order))
 
   def batches(self, start_step: int):
     spe, bs = self.steps_per_epoch, self.config.batch_size
     for epoch in range(start_step // spe, self.config.num_epochs):
-      plan = buckets_lib.train_batches(self.lengths, self.buckets, bs, self.seed, epoch)
+      plan = buckets_lib.train_batches(self.lengths, self.buckets, bs, self.config.seed, epoch)
       for i in range(start_step - epoch * spe if epoch == start_step // spe else 0, spe):
         length, idx = plan[i]
-        cost = trainer.StepCost(examples=len(idx), padded_tokens=length * len(idx),
-                                real_tokens=int(self.lengths[idx].sum()),
-                                flops=self.flops_per_example(length) * len(idx))
-        yield full_batch(buckets_lib.take(self.train, idx, length), self.mesh), cost
+        cost = trainer.StepCost(examples=len(idx), length=length,
+                                real_tokens=int(self.lengths[idx].sum()))
+        yield train_lib.global_batch(buckets_lib.take(self.train, idx, length), self.mesh,
+                                     whole=True), cost
 
   def outputs(self, params):
     """features -> the head's outputs for every row."""

@@ -274,10 +274,10 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   """Compile train.py's step for the target: (Report, compiled executable or None)."""
   batch_size = int(batch_size or config.train.batch_size)
   mesh, program, batch = build(config, target, batch_size)
-  chips = len(target.devices)
+  per_example = program.flops_per_example(config.data.max_seq_length)
   report = Report(batch_size=batch_size, fits=False, hbm_bytes=target.hbm_bytes,
                   state_bytes=_state_bytes(program.abstract),
-                  model_flops=program.flops_per_example * batch_size / chips)
+                  model_flops=per_example * batch_size / len(target.devices))
   start = time.time()
   with jax.set_mesh(mesh):
     lowered = program.train_step.lower(program.abstract, batch,
@@ -331,12 +331,9 @@ def _compile_eval(program, mesh, batch, report: Report) -> None:
   """train.py's evaluation step: forward only, but on the whole global batch at once (no
   accumulation), while the train state stays in HBM. With grad_accum_steps it can need
   more memory than the train step; the verdict covers both."""
-  eval_step = train_lib.make_eval_step(program.loss_fn, mesh=mesh,
-                                       params_sharding=program.shardings.params,
-                                       metrics_cls=metrics_lib.PretrainingEvalMetrics)
   with jax.set_mesh(mesh):
     try:
-      compiled = eval_step.lower(program.abstract.params, batch).compile()
+      compiled = program.eval_step.lower(program.abstract.params, batch).compile()
     except Exception as e:  # XLA's errors are not a public type
       reason = _out_of_memory(e)
       if reason is None:
@@ -474,15 +471,13 @@ def measure(config, target: Target, compiled, steps: int) -> dict:
   median step time (the first run excluded) and MFU."""
   mesh, program, _ = build(config, target)
   tc = config.train
-  state, _ = train_lib.create_train_state(program.model, program.tx, program.batch_shapes,
-                                          mesh, config.seed)
+  state = program.init()
   data = train_lib.SyntheticPretrainingData(
-      vocab_size=program.spec.vocab_size, seq_len=config.data.max_seq_length,
+      vocab_size=program.model.spec.vocab_size, seq_len=config.data.max_seq_length,
       num_predictions=config.data.max_predictions_per_seq,
       global_batch_size=tc.batch_size, seed=config.seed,
       process_index=jax.process_index(), process_count=jax.process_count())
-  rate, rng = np.float32(config.optimizer.learning_rate), train_lib.dropout_key(config.seed,
-                                                                                mesh)
+  rate, rng = np.float32(program.peak_learning_rate), program.dropout_key()
   times = []
   with jax.set_mesh(mesh):
     for _ in range(steps + 1):
@@ -494,7 +489,8 @@ def measure(config, target: Target, compiled, steps: int) -> dict:
   step = statistics.median(times[1:]) if steps else times[0]
   peak = metrics_lib.peak_flops_per_device(target.devices[0],
                                            tc.get('peak_flops_per_device', None))
-  flops = program.flops_per_example * tc.batch_size / len(target.devices)
+  flops = (program.flops_per_example(config.data.max_seq_length) * tc.batch_size /
+           len(target.devices))
   result = {'step_seconds': step, 'steps': steps,
             'examples_per_s': tc.batch_size / step,
             'tflops_per_device': flops / step / 1e12}

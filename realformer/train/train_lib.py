@@ -1,10 +1,12 @@
-"""Train state, optimizer, sharded init, train/eval steps and FLOP counts.
+"""Train state, optimizer, sharded init, train/eval steps, the Program that bundles them,
+and FLOP counts.
 
-The pieces are independent of the head and the loss, so fine-tuning reuses them:
+The pieces are independent of the head and the loss, so every task builds its Program with
+them (make_program; pretraining_program for MLM + NSP):
 
     tx = make_optimizer(config.optimizer, spec)
     schedule = make_schedule(config.optimizer, num_steps)
-    state, shardings = create_train_state(model, tx, example_batch, mesh, seed)
+    state, shardings = create_train_state(model, tx, batch_shapes, mesh, seed)
     step = make_train_step(loss_fn, tx, mesh=mesh, shardings=shardings,
                            metrics_cls=..., grad_accum_steps=k)
     rates, rng = LearningRates(schedule), dropout_key(seed, mesh)
@@ -446,17 +448,25 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
                  out_shardings=(shardings, replicated), donate_argnums=(0,))
 
 
-def make_eval_step(loss_fn: Callable, *, mesh, params_sharding, metrics_cls,
-                   totals_fn: Callable = pretraining_totals) -> Callable:
-  """A jitted (params, batch) -> metrics_cls of the loss_fn's sums, deterministic (no
-  dropout); metrics_cls derives the loss from them."""
+def make_eval_step(fn: Callable, *, mesh, params_sharding) -> Callable:
+  """A jitted (params, batch) -> fn(params, batch), its outputs whole on every process: the
+  evaluation of every task (pretraining's loss_metrics, fine-tuning's head outputs)."""
   def eval_fn(params, batch):
     with nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
-      _, stats = loss_fn(params, batch, None, totals_fn(batch))
-      return metrics_lib.collection(metrics_cls, **stats)
+      return fn(params, batch)
 
   return jax.jit(eval_fn, in_shardings=(params_sharding, partitioning.batch_sharding(mesh)),
                  out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def loss_metrics(loss_fn: Callable, metrics_cls, totals_fn: Callable = pretraining_totals
+                 ) -> Callable:
+  """(params, batch) -> metrics_cls of loss_fn's sums, deterministic (no dropout);
+  metrics_cls derives the loss from them (make_eval_step's fn)."""
+  def fn(params, batch):
+    _, stats = loss_fn(params, batch, None, totals_fn(batch))
+    return metrics_lib.collection(metrics_cls, **stats)
+  return fn
 
 
 def make_label_counts(mesh, vocab_size: int) -> Callable:
@@ -482,11 +492,15 @@ def majority_baselines(counts: Dict[str, Any]) -> Dict[str, float]:
           'nsp_majority_accuracy': float(nsp.max() / max(nsp.sum(), 1e-6))}
 
 
-def global_batch(local_batch: Dict[str, np.ndarray], mesh) -> Dict[str, jax.Array]:
-  """This host's rows -> global arrays sharded over (data, fsdp) (multi-host safe)."""
+def global_batch(batch: Dict[str, np.ndarray], mesh, whole: bool = False
+                 ) -> Dict[str, jax.Array]:
+  """Host arrays -> global arrays sharded over (data, fsdp) on axis 0 (multi-host safe):
+  `batch` holds this host's rows of the global batch (its rows / process count; the
+  pretraining stream), or with whole=True every row (each host holding the same global
+  batch; fine-tuning), of which each device takes its own."""
   sharding = partitioning.batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-          for k, v in local_batch.items()}
+  return {k: jax.make_array_from_process_local_data(
+      sharding, np.asarray(v), np.shape(v) if whole else None) for k, v in batch.items()}
 
 
 def abstract_batch(global_batch_size: int, seq_len: int, num_predictions: int) -> dict:
@@ -500,26 +514,61 @@ def abstract_batch(global_batch_size: int, seq_len: int, num_predictions: int) -
 
 
 # --------------------------------------------------------------------------------------
-# The pretraining program: what train.py compiles, also compiled ahead of time by launch.py.
+# A program: what the trainer trains (pretraining's is also compiled ahead of time by launch.py).
 # --------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class PretrainingProgram:
-  """Everything train.py builds for a (resolved) config on a mesh, before any allocation."""
-  spec: EncoderSpec
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """Everything the trainer needs of a model on a mesh, built before anything is allocated
+  (make_program)."""
   model: nn.Module
-  tx: optax.GradientTransformation
-  schedule: optax.Schedule    # step -> learning rate (the step takes it: LearningRates)
-  batch_shapes: dict          # ShapeDtypeStructs of one global batch
-  abstract: TrainState        # ShapeDtypeStructs with their shardings
+  tx: optax.GradientTransformation  # at a learning rate of 1 (make_optimizer)
+  schedule: optax.Schedule          # step -> learning rate (the step takes it: LearningRates)
+  peak_learning_rate: float
+  mesh: jax.sharding.Mesh
+  seed: int                         # of the init and of the dropout masks
+  batch_shapes: dict                # ShapeDtypeStructs of one step's global batch
+  abstract: TrainState              # ShapeDtypeStructs with their shardings
   shardings: TrainState
-  loss_fn: Callable
-  train_step: Callable        # jitted (state, batch, learning_rate, rng) -> (state, metrics)
-  flops_per_example: float
+  # Jitted (state, batch, learning_rate, rng) -> (state, metrics) (make_train_step); a task
+  # may put an object called the same way in its place (fine-tuning's programs per length).
+  train_step: Callable
+  eval_step: Callable               # jitted (params, batch) -> outputs (make_eval_step)
+  flops_per_example: Callable[[int], float]  # training FLOPs of one example of T tokens
+
+  def init(self) -> TrainState:
+    """The seeded init, made in its shardings."""
+    state, _ = create_train_state(self.model, self.tx, self.batch_shapes, self.mesh,
+                                  self.seed)
+    return state
+
+  def dropout_key(self) -> jax.Array:
+    return dropout_key(self.seed, self.mesh)
 
 
-def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
-  """The model, optimizer, shardings and jitted train step of `config` on `mesh`.
+def make_program(model: nn.Module, opt_config, num_steps: int, mesh, seed: int,
+                 batch_shapes: dict, *, loss_fn: Callable, metrics_cls, eval_fn: Callable,
+                 flops_per_example: Callable[[int], float],
+                 totals_fn: Callable = pretraining_totals,
+                 grad_accum_steps: int = 1) -> Program:
+  """The Program of `model` (built on model.spec) trained on `loss_fn` with
+  config.optimizer `opt_config` for `num_steps` steps; eval_fn(params, batch) -> the
+  evaluation's outputs (make_eval_step)."""
+  tx = make_optimizer(opt_config, model.spec)
+  abstract, shardings = state_shardings(model, tx, batch_shapes, mesh)
+  return Program(
+      model=model, tx=tx, schedule=make_schedule(opt_config, num_steps),
+      peak_learning_rate=float(opt_config.learning_rate), mesh=mesh, seed=int(seed),
+      batch_shapes=batch_shapes, abstract=abstract, shardings=shardings,
+      train_step=make_train_step(loss_fn, tx, mesh=mesh, shardings=shardings,
+                                 metrics_cls=metrics_cls, totals_fn=totals_fn,
+                                 grad_accum_steps=grad_accum_steps),
+      eval_step=make_eval_step(eval_fn, mesh=mesh, params_sharding=shardings.params),
+      flops_per_example=flops_per_example)
+
+
+def pretraining_program(config, mesh, platform: str = '') -> Program:
+  """The MLM + NSP program of a (resolved) pretraining `config` on `mesh`.
 
   platform: the platform the step is compiled for ('' = this process's backend); the
   backend-dependent 'auto' choices of the model follow it (spec.platform).
@@ -527,17 +576,15 @@ def pretraining_program(config, mesh, platform: str = '') -> PretrainingProgram:
   tc = config.train
   spec = resolve(config.model, platform=platform)
   model = models.build(spec)
-  tx = make_optimizer(config.optimizer, spec)
-  schedule = make_schedule(config.optimizer, tc.num_steps)
-  seq_len, preds = config.data.max_seq_length, config.data.max_predictions_per_seq
-  batch_shapes = abstract_batch(tc.batch_size, seq_len, preds)
-  abstract, shardings = state_shardings(model, tx, batch_shapes, mesh)
+  preds = config.data.max_predictions_per_seq
   loss_fn = pretraining_loss_fn(model)
-  train_step = make_train_step(
-      loss_fn, tx, mesh=mesh, shardings=shardings,
-      metrics_cls=metrics_lib.PretrainingTrainMetrics, grad_accum_steps=tc.grad_accum_steps)
-  return PretrainingProgram(spec, model, tx, schedule, batch_shapes, abstract, shardings,
-                            loss_fn, train_step, flops_per_example(spec, seq_len, preds))
+  return make_program(
+      model, config.optimizer, tc.num_steps, mesh, config.seed,
+      abstract_batch(tc.batch_size, config.data.max_seq_length, preds),
+      loss_fn=loss_fn, metrics_cls=metrics_lib.PretrainingTrainMetrics,
+      eval_fn=loss_metrics(loss_fn, metrics_lib.PretrainingEvalMetrics),
+      flops_per_example=lambda length: flops_per_example(spec, length, preds),
+      grad_accum_steps=tc.grad_accum_steps)
 
 
 # --------------------------------------------------------------------------------------

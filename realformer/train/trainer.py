@@ -1,9 +1,11 @@
 """The one training loop, shared by pretraining (MLM + NSP), GLUE and SQuAD fine-tuning.
 
-A `Task` supplies what differs between them: the model and its train step, the batches
-(fixed-length or length-bucketed), the evaluation, what a checkpoint holds besides the train
-state, and what a finished run writes (predictions, results). The `Trainer` owns the rest,
-once for every program:
+A `Task` supplies what differs between them (its contract fits on one screen: see the
+class): the program (train_lib.Program: model, optimizer and schedule, state and its
+shardings, init, train and eval steps, FLOPs per example), the batches (fixed-length or
+length-bucketed), the evaluation, the input's position a checkpoint keeps, and what a
+finished run writes (predictions, results). The `Trainer` owns the rest, once for every
+program:
 
   restart order   1. this run's newest complete checkpoint: the train state and the task's
                      data state, so the run continues exactly where it stopped;
@@ -61,6 +63,7 @@ from realformer.train import distributed
 from realformer.train import host_memory
 from realformer.train import metrics as metrics_lib
 from realformer.train import metrics_jsonl
+from realformer.train import partitioning
 from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
@@ -101,6 +104,31 @@ class Cadence:
       raise ValueError(f'keep_checkpoints={self.keep_checkpoints}: keep at least 1 (None: all)')
 
 
+def make_cadence(fields, steps_per_epoch: int = 0) -> Cadence:
+  """The Cadence that a config section's fields set (config.train for pretraining, the
+  whole config for fine-tuning), the same names everywhere: log_every_steps,
+  profile_steps, peak_flops_per_device, keep_best, keep_optimizer_state and, by steps,
+  num_steps, eval_every_steps (with eval_steps > 0), checkpoint_every_steps,
+  keep_checkpoints, time_budget_minutes; or, by epochs of `steps_per_epoch` steps,
+  num_epochs: an evaluation and the one resume checkpoint at the end of every epoch."""
+  get = lambda name, default: fields.get(name, default) or default
+  common = dict(log_every=fields.log_every_steps,
+                profile_steps=int(get('profile_steps', 0)),
+                peak_flops_per_device=float(get('peak_flops_per_device', 0.0)),
+                keep_best=bool(get('keep_best', False)),
+                keep_optimizer_state=bool(fields.get('keep_optimizer_state', True)))
+  if steps_per_epoch:
+    return Cadence(num_steps=steps_per_epoch * fields.num_epochs, eval_every=steps_per_epoch,
+                   checkpoint_every=steps_per_epoch, keep_checkpoints=1,
+                   eval_period_name='epoch', steps_setting='num_epochs',
+                   steps_per_unit=steps_per_epoch, **common)
+  return Cadence(num_steps=fields.num_steps,
+                 eval_every=fields.eval_every_steps if fields.get('eval_steps', 1) > 0 else 0,
+                 checkpoint_every=fields.checkpoint_every_steps,
+                 keep_checkpoints=fields.keep_checkpoints,
+                 time_budget_minutes=float(get('time_budget_minutes', 0.0)), **common)
+
+
 @dataclasses.dataclass(frozen=True)
 class InitCheckpoint:
   """Where a fresh run takes its params from (restart order, step 3)."""
@@ -111,40 +139,48 @@ class InitCheckpoint:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-  """What one step processed, for the throughput log."""
+  """What one step processed, for the throughput log (its FLOPs: the program's
+  flops_per_example(length) for each example)."""
   examples: int
-  padded_tokens: int
-  flops: float
+  length: int                        # the batch's padded sequence length
   real_tokens: Optional[int] = None  # None: not counted (tokens_per_s counts padding)
 
 
-class Task(abc.ABC):
-  """What a program trains. Subclasses set these attributes in __init__:
+class DataState(abc.ABC):
+  """The input's position, kept in each checkpoint (its 'data' item) so that a resumed run
+  reads on exactly where it stopped."""
 
-    program   the program's name, for the lock record ('train.py')
+  @abc.abstractmethod
+  def checkpoint_args(self, mode: str) -> Any:
+    """The Orbax args that save ('save') or restore ('restore') the position."""
+
+  def restored(self, value) -> None:
+    """Takes the restored item (nothing to do for args that restore in place)."""
+
+
+class Task(abc.ABC):
+  """What a program trains; the trainer does the rest. A subclass sets in __init__
+
     name      the task's name for logs and summaries
-    config    the run's config, written to config.json
-    cadence   a Cadence
-    mesh      the device mesh
-    model     the flax module; tx: its optimizer (train_lib.make_optimizer)
-    schedule  step -> learning rate (train_lib.make_schedule; the step takes its value)
-    abstract, shardings: TrainStates of ShapeDtypeStructs and of NamedShardings
-    example_batch: a dict of arrays or ShapeDtypeStructs with one step's batch shapes (init)
-    seed      of the init and of the dropout masks
+    config    the run's config (config.json)
+    cadence   when the loop logs, evaluates and saves, and how long it runs (make_cadence)
+    program   a train_lib.Program: the model, its optimizer and schedule, the abstract state
+              and its shardings, init, the train and eval steps, FLOPs per example, the
+              peak learning rate
+
+  and may set init_checkpoint (a fresh run's params), data (a DataState: the input position
+  each checkpoint keeps) and params_config. It gives the batches and its evaluation, and may
+  say which evaluation is best (headline, best_record), what a finished run writes
+  (finish), and act once the start step is known (prepare) and when the run ends (close).
+  `command` and `checked_config` are what train() asks of the class before building it.
   """
-  program: str
+  command: str  # the program's name, for the lock record ('train.py')
   name: str
   config: Any
   cadence: Cadence
-  mesh: jax.sharding.Mesh
-  model: Any
-  tx: optax.GradientTransformation
-  schedule: optax.Schedule
-  abstract: TrainState
-  shardings: TrainState
-  example_batch: Dict[str, Any]
-  seed: int
+  program: train_lib.Program
   init_checkpoint: Optional[InitCheckpoint] = None
+  data: Optional[DataState] = None
   # The config.json beside params-only checkpoints (best/, final/); None: self.config.
   params_config: Any = None
   # A run restarted after its last step evaluates again (its outputs need the results).
@@ -152,34 +188,16 @@ class Task(abc.ABC):
   # What to do when the loss or gradient norm becomes nan/inf (ends the error message).
   nonfinite_hint: str = 'lower optimizer.learning_rate'
 
-  def data_items(self) -> Tuple[str, ...]:
-    """Checkpoint items besides 'state' (e.g. ('data',) for a stream's position)."""
-    return ()
-
-  def data_checkpoint_args(self, mode: str) -> Dict[str, Any]:
-    """{item: Orbax args} that save ('save') or restore ('restore') the data state."""
-    return {}
-
-  def restore_data(self, restored: Dict[str, Any]) -> None:
-    """Takes the restored data items ({item: value}, e.g. a stream's position)."""
-
-  def prepare(self, start_step: int) -> None:
-    """Called once the train state is known, before any step (e.g. choose buckets)."""
-
-  def close(self) -> None:
-    """Called when the run ends, however it ends (e.g. stops background compilations)."""
-
-  @abc.abstractmethod
-  def compile_train_step(self) -> Callable:
-    """(state, batch, learning_rate, rng) -> (state, metrics) (train_lib.make_train_step),
-    compiled for every batch shape the run will feed; metrics is a clu Collection with at
-    least loss and grad_norm. A step whose programs compile while the run goes on has a
-    waited() method: the seconds calls spent waiting for a compilation since the last
-    waited(), left out of the throughput."""
+  @classmethod
+  def checked_config(cls, config, mesh):
+    """The config the run uses, after one-line errors for everything it alone shows (before
+    the run directory is touched)."""
+    return config
 
   @abc.abstractmethod
   def batches(self, start_step: int) -> Iterator[Tuple[Dict[str, jax.Array], StepCost]]:
-    """The global batches of steps start_step + 1, start_step + 2, ... with their costs."""
+    """The global batches of steps start_step + 1, start_step + 2, ... with their costs,
+    for program.train_step."""
 
   @abc.abstractmethod
   def evaluate(self, params, step: int) -> Results:
@@ -201,12 +219,12 @@ class Task(abc.ABC):
     del params, step, results, run, best
     return {}
 
-  # ---- Helpers for subclasses.
+  def prepare(self, start_step: int) -> None:
+    """Called once the train state is known, before anything is written or any step runs
+    (e.g. choose length buckets, and the train step compiled for them)."""
 
-  def init_state(self) -> TrainState:
-    state, _ = train_lib.create_train_state(self.model, self.tx, self.example_batch,
-                                            self.mesh, self.seed)
-    return state
+  def close(self) -> None:
+    """Called when the run ends, however it ends (e.g. stops background compilations)."""
 
 
 class TimeBudget:
@@ -296,12 +314,12 @@ class Window:
     for)."""
     self.excluded += seconds
 
-  def add(self, step_metrics, cost: StepCost):
+  def add(self, step_metrics, cost: StepCost, flops: float):
     self.metrics = metrics_lib.merge(self.metrics, step_metrics)
     self.steps += 1
     self.examples += cost.examples
-    self.padded += cost.padded_tokens
-    self.flops += cost.flops
+    self.padded += cost.examples * cost.length
+    self.flops += flops
     self.real = None if cost.real_tokens is None or self.real is None else (
         self.real + cost.real_tokens)
 
@@ -361,7 +379,7 @@ class Trainer:
   # ---- Restart order.
 
   def _restore_or_init(self) -> TrainState:
-    task, run, manager = self.task, self.run_dir, self.manager
+    task, run, manager, program = self.task, self.run_dir, self.manager, self.task.program
     latest = checkpoints.latest_complete_step(manager)
     final = run.path(RunDir.FINAL)
     if latest is not None:
@@ -372,13 +390,14 @@ class Trainer:
                          f'{c.steps_setting} >= {-(-latest // c.steps_per_unit)} '
                          '(a run may be shortened on resume, down to its newest checkpoint)')
       logging.info('resuming from step %d (%s)', latest, manager.directory / str(latest))
-      tree, data = checkpoints.restore(manager, latest, task.abstract.to_checkpoint(),
-                                       task.data_checkpoint_args('restore'))
-      task.restore_data(data)
+      tree, data = checkpoints.restore(manager, latest, program.abstract.to_checkpoint(),
+                                       self._data_args('restore'))
+      if task.data is not None:
+        task.data.restored(data['data'])
       return TrainState.from_checkpoint(tree)
-    state = task.init_state()
+    state = program.init()
     if checkpoints.has_complete_step(str(final)):
-      params, _ = checkpoints.restore_params(str(final), task.abstract.params)
+      params, _ = checkpoints.restore_params(str(final), program.abstract.params)
       step = int(os.path.basename(checkpoints.resolve_step_dir(str(final))))
       logging.info('the run finished at step %d: its final params are in %s', step, final)
       return state.replace(params=params, step=jnp.asarray(step, state.step.dtype))
@@ -386,7 +405,7 @@ class Trainer:
     if init is None or not init.path:
       return state
     loaded, missing = checkpoints.restore_params(
-        init.path, _subtree(task.abstract.params, init.subtree), subtree=init.subtree)
+        init.path, _subtree(program.abstract.params, init.subtree), subtree=init.subtree)
     if missing and not init.allow_missing:
       raise ValueError(f'checkpoint {init.path} does not match the model: it has no '
                        f'{missing[0]} ({len(missing)} missing)')
@@ -394,8 +413,12 @@ class Trainer:
                           _subtree(state.params, init.subtree), is_leaf=lambda x: x is None)
     params = _with_subtree(state.params, init.subtree, loaded)
     logging.info('initialized params from %s (%d kept fresh)', init.path, len(missing))
-    opt_state = jax.jit(task.tx.init, out_shardings=task.shardings.opt_state)(params)
+    opt_state = jax.jit(program.tx.init, out_shardings=program.shardings.opt_state)(params)
     return state.replace(params=params, opt_state=opt_state)
+
+  def _data_args(self, mode: str) -> Dict[str, Any]:
+    """The checkpoint's items besides 'state': the task's data state."""
+    return {} if self.task.data is None else {'data': self.task.data.checkpoint_args(mode)}
 
   # ---- The run.
 
@@ -405,10 +428,11 @@ class Trainer:
     'preempted': step (stopped by a signal after saving), 'time_budget': {...}}."""
     task, run, c = self.task, self.run_dir, self.cadence
     self.started = time.time()
-    self.manager = run.checkpoint_manager(c.keep_checkpoints, ('state',) + task.data_items())
+    self.manager = run.checkpoint_manager(
+        c.keep_checkpoints, ('state',) + (('data',) if task.data is not None else ()))
     self.state = self._restore_or_init()
     start = int(self.state.step)
-    task.prepare(start)  # (its checks, e.g. a resume's length buckets, come before any write)
+    task.prepare(start)
     # Every check has passed (config, model, checkpoint): the run directory describes it.
     run.write_config(task.config)
     run.record_machine()
@@ -416,15 +440,14 @@ class Trainer:
     self.best = BestParams(run, task, enabled=c.keep_best, start=start)
     self.budget = None
     if c.time_budget_minutes > 0:
-      self.budget = TimeBudget(c, task.schedule, run, start)
+      self.budget = TimeBudget(c, task.program.schedule, run, start)
     self.results: Optional[Results] = None
     self.last_logged: Dict[str, float] = {}
     try:
-      with jax.set_mesh(task.mesh):
-        preempted = self._train(start)
-        self.manager.wait_until_finished()
-        summary = self._finish(preempted)
-        compile_cache.log_stats('the run')  # the background compiles and predictions too
+      preempted = self._train(start)
+      self.manager.wait_until_finished()
+      summary = self._finish(preempted)
+      compile_cache.log_stats('the run')  # the background compiles and predictions too
     except BaseException as e:
       # The logs so far and a checkpoint being saved are kept (in a bucket, the lines not
       # yet uploaded are the ones before a divergence), unless another run now holds the
@@ -446,12 +469,11 @@ class Trainer:
 
   def _train(self, start: int) -> Optional[int]:
     """The loop, from step `start`; returns the step a stop signal saved, else None."""
-    task, c, budget = self.task, self.cadence, self.budget
+    task, c, budget, program = self.task, self.cadence, self.budget, self.task.program
     if start >= c.num_steps:
       return None
-    train_step = task.compile_train_step()
-    rates, rng = train_lib.LearningRates(task.schedule), train_lib.dropout_key(task.seed,
-                                                                               task.mesh)
+    train_step = program.train_step
+    rates, rng = train_lib.LearningRates(program.schedule), program.dropout_key()
     waited = getattr(train_step, 'waited', lambda: 0.0)  # compilations, not training
     profile = _Profile(self.cadence.profile_steps, str(self.run_dir), start)
     window, pending, step = Window(), None, start  # pending: the step not yet checked
@@ -470,7 +492,7 @@ class Trainer:
         if pending is not None:  # check the previous step while this one runs
           self._check_finite(*pending)
         pending = (step, step_metrics)
-        window.add(step_metrics, cost)
+        window.add(step_metrics, cost, program.flops_per_example(cost.length) * cost.examples)
         profile.step(step)
         if step == start + 1:  # compiled and done: throughput and budget count from here
           self._check_finite(*pending)
@@ -520,14 +542,15 @@ class Trainer:
         where = (f'the last good checkpoint is step {last} in {self.manager.directory}'
                  if last is not None else 'no checkpoint was written')
         raise NonFiniteLossError(f'{what} became {value} at step {step}; {where}; '
-                                 f'{self.task.nonfinite_hint}')
+                                 f'{self.task.nonfinite_hint} (its peak is '
+                                 f'{self.task.program.peak_learning_rate:g})')
 
   def _log(self, step: int, window: 'Window', whole_period: bool):
     """The window's train metrics and throughput, to the writer and the log."""
     self.run_dir.check_held()  # a run whose lease was lost writes nothing more
-    task, c = self.task, self.cadence
-    values = window.values(task.mesh.size, metrics_lib.peak_flops_per_device(
-        task.mesh.devices.flat[0], c.peak_flops_per_device))
+    c, mesh = self.cadence, self.task.program.mesh
+    values = window.values(mesh.size, metrics_lib.peak_flops_per_device(
+        mesh.devices.flat[0], c.peak_flops_per_device))
     values['uptime'] = time.time() - self.started  # seconds since this process started the run
     if self.budget is not None:
       values['budget_spent_fraction'] = self.budget.spent / self.budget.seconds
@@ -557,8 +580,8 @@ class Trainer:
     self.writer.flush(force=True)
     if self.budget is not None:  # first: a checkpoint never commits without its time record
       self.budget.save(step)
-    checkpoints.save(self.manager, step, self.state.to_checkpoint(),
-                     self.task.data_checkpoint_args('save'), force=True)
+    checkpoints.save(self.manager, step, self.state.to_checkpoint(), self._data_args('save'),
+                     force=True)
 
   def _logged(self, step: int) -> Results:
     """What metrics.jsonl holds for `step`, {split: {name: value}} (a finished run started
@@ -600,13 +623,19 @@ class Trainer:
     return summary
 
 
-def train(run: RunDir, program: str, config, make_task: Callable[[], 'Task']
-          ) -> Tuple['Task', dict]:
-  """A program's run in `run`: takes the run directory's lock, after refusing a resume under
-  another config (RunDir.hold), before anything is written; then builds the task
-  (make_task) and trains it (Trainer.run). Returns (the task, the trainer's summary)."""
-  with run.hold(program, config):
-    task = make_task()
+def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', dict]:
+  """A run of `task_cls` (a Task) in `workdir`, resuming what it holds: the mesh of
+  config.mesh over `devices` (default: all), the config as task_cls.checked_config passes
+  it, then the run directory's lock, after refusing a resume under another config
+  (RunDir.hold), before anything is written; then the task is built and trained
+  (Trainer.run), all within the mesh. Returns (the task, the trainer's summary)."""
+  mesh = partitioning.make_mesh(config.mesh, devices)
+  config = task_cls.checked_config(config, mesh)
+  logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), mesh.size,
+               jax.process_count())
+  run = RunDir(workdir)
+  with run.hold(task_cls.command, config), jax.set_mesh(mesh):
+    task = task_cls(config, mesh, run)
     return task, Trainer(task, run).run()
 
 

@@ -40,9 +40,9 @@ class TsvTask(GlueTask):
     return ()  # any name
 
   @classmethod
-  def check_config(cls, config) -> None:
+  def checked_config(cls, config, mesh):
     tsv_task(config)
-    super().check_config(config)
+    return super().checked_config(config, mesh)
 
   def glue_task(self) -> glue.Task:
     return tsv_task(self.config)
