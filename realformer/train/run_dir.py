@@ -58,9 +58,10 @@ class RunDir(RunNames):
   # ---- Ownership: one run per directory, and a directory that describes its checkpoints.
 
   @contextlib.contextmanager
-  def hold(self, program: str, config):
-    """Holds the lock for the body, after refusing a resume under another config."""
-    with workdir_lib.Lock(str(self), program) as lock:
+  def hold(self, command: str, config):
+    """Holds the lock for the body (its record naming `command`, e.g. 'train.py'), after
+    refusing a resume under another config."""
+    with workdir_lib.Lock(str(self), command) as lock:
       workdir_lib.check_resume_config(str(self), config, self.has_checkpoint())
       self._lock = lock
       try:

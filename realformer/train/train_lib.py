@@ -258,12 +258,12 @@ def abstract_step_arguments() -> Tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruc
 # Sharded initialization.
 # --------------------------------------------------------------------------------------
 
-def _init_batch(example_batch, mesh):
+def _init_batch(batch_shapes, mesh):
   """Zeros shaped like the batch, with one row per data-parallel shard (init only needs
   the shapes of the features; a full batch would waste activation memory)."""
   rows = partitioning.data_parallel_size(mesh)
   return {k: jnp.zeros((rows,) + tuple(v.shape[1:]), v.dtype)
-          for k, v in example_batch.items()}
+          for k, v in batch_shapes.items()}
 
 
 def tree_shardings(boxed_tree, mesh):
@@ -281,7 +281,7 @@ def tree_shardings(boxed_tree, mesh):
   return jax.tree.map(sharding, boxed_tree, is_leaf=is_box)
 
 
-def state_shardings(model: nn.Module, tx: optax.GradientTransformation, example_batch,
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, batch_shapes,
                     mesh) -> Tuple[TrainState, TrainState]:
   """(abstract TrainState of ShapeDtypeStructs, TrainState of NamedShardings).
 
@@ -293,7 +293,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, example_
   partitioning.check_heads(model.spec, mesh)
   with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
     boxed = jax.eval_shape(
-        lambda: model.init(jax.random.PRNGKey(0), _init_batch(example_batch, mesh))['params'])
+        lambda: model.init(jax.random.PRNGKey(0), _init_batch(batch_shapes, mesh))['params'])
     boxed_opt = jax.eval_shape(tx.init, boxed)
   partitioning.check_divides(boxed, mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
@@ -306,16 +306,16 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, example_
   return abstract, shardings
 
 
-def create_train_state(model: nn.Module, tx: optax.GradientTransformation, example_batch,
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation, batch_shapes,
                        mesh, seed: int) -> Tuple[TrainState, TrainState]:
   """Initialize params and optimizer directly into their shardings: (state, shardings).
 
-  example_batch: a dict of arrays or ShapeDtypeStructs with the per-step batch's shapes.
+  batch_shapes: a dict of arrays or ShapeDtypeStructs with the per-step batch's shapes.
   """
-  _, shardings = state_shardings(model, tx, example_batch, mesh)
+  _, shardings = state_shardings(model, tx, batch_shapes, mesh)
 
   def init(rng):
-    params = nn.unbox(model.init(rng, _init_batch(example_batch, mesh))['params'])
+    params = nn.unbox(model.init(rng, _init_batch(batch_shapes, mesh))['params'])
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):

@@ -172,7 +172,8 @@ class Task(abc.ABC):
   each checkpoint keeps) and params_config. It gives the batches and its evaluation, and may
   say which evaluation is best (headline, best_record), what a finished run writes
   (finish), and act once the start step is known (prepare) and when the run ends (close).
-  `command` and `checked_config` are what train() asks of the class before building it.
+  `command` and `checked_config` are what train() asks of the class before building it
+  (a task is built by train(), after its config's checks).
   """
   command: str  # the program's name, for the lock record ('train.py')
   name: str
@@ -190,8 +191,8 @@ class Task(abc.ABC):
 
   @classmethod
   def checked_config(cls, config, mesh):
-    """The config the run uses, after one-line errors for everything it alone shows (before
-    the run directory is touched)."""
+    """Returns the config the run uses, after one-line errors for everything it alone shows
+    (before the run directory is touched)."""
     return config
 
   @abc.abstractmethod
@@ -370,7 +371,8 @@ class _Profile:
 
 
 class Trainer:
-  """Runs a Task in a RunDir (see the module docstring for what it owns)."""
+  """Runs a Task in a RunDir (see the module docstring for what it owns), inside the task's
+  mesh (train() enters it)."""
 
   def __init__(self, task: Task, run: RunDir):
     task.cadence.check()
@@ -432,18 +434,18 @@ class Trainer:
         c.keep_checkpoints, ('state',) + (('data',) if task.data is not None else ()))
     self.state = self._restore_or_init()
     start = int(self.state.step)
-    task.prepare(start)
-    # Every check has passed (config, model, checkpoint): the run directory describes it.
-    run.write_config(task.config)
-    run.record_machine()
-    self.writer = run.metric_writer(start)
-    self.best = BestParams(run, task, enabled=c.keep_best, start=start)
-    self.budget = None
-    if c.time_budget_minutes > 0:
-      self.budget = TimeBudget(c, task.program.schedule, run, start)
+    self.writer, self.budget = None, None
     self.results: Optional[Results] = None
     self.last_logged: Dict[str, float] = {}
-    try:
+    try:  # (from prepare on: the task may have started work that close() stops)
+      task.prepare(start)
+      # Every check has passed (config, model, checkpoint): the run directory describes it.
+      run.write_config(task.config)
+      run.record_machine()
+      self.writer = run.metric_writer(start)
+      self.best = BestParams(run, task, enabled=c.keep_best, start=start)
+      if c.time_budget_minutes > 0:
+        self.budget = TimeBudget(c, task.program.schedule, run, start)
       preempted = self._train(start)
       self.manager.wait_until_finished()
       summary = self._finish(preempted)
@@ -458,7 +460,8 @@ class Trainer:
         with contextlib.suppress(Exception):
           if jax.process_count() == 1:
             self.manager.wait_until_finished()
-          self.writer.close()
+          if self.writer is not None:
+            self.writer.close()
       raise
     finally:
       task.close()
@@ -541,9 +544,9 @@ class Trainer:
         last = self.manager.latest_step()
         where = (f'the last good checkpoint is step {last} in {self.manager.directory}'
                  if last is not None else 'no checkpoint was written')
-        raise NonFiniteLossError(f'{what} became {value} at step {step}; {where}; '
-                                 f'{self.task.nonfinite_hint} (its peak is '
-                                 f'{self.task.program.peak_learning_rate:g})')
+        peak = self.task.program.peak_learning_rate
+        raise NonFiniteLossError(f'{what} became {value} at step {step}; {where}; the peak '
+                                 f'learning rate is {peak:g}: {self.task.nonfinite_hint}')
 
   def _log(self, step: int, window: 'Window', whole_period: bool):
     """The window's train metrics and throughput, to the writer and the log."""
@@ -629,11 +632,14 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
   it, then the run directory's lock, after refusing a resume under another config
   (RunDir.hold), before anything is written; then the task is built and trained
   (Trainer.run), all within the mesh. Returns (the task, the trainer's summary)."""
+  run = RunDir(workdir)
   mesh = partitioning.make_mesh(config.mesh, devices)
-  config = task_cls.checked_config(config, mesh)
+  checked = task_cls.checked_config(config, mesh)
+  if checked is None:
+    raise TypeError(f'{task_cls.__name__}.checked_config returned None: return the config')
+  config = checked
   logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), mesh.size,
                jax.process_count())
-  run = RunDir(workdir)
   with run.hold(task_cls.command, config), jax.set_mesh(mesh):
     task = task_cls(config, mesh, run)
     return task, Trainer(task, run).run()
