@@ -65,3 +65,15 @@ def test_an_attached_tpu_or_a_visible_gpu_is_kept(monkeypatch):
   assert platforms.platforms_here() == 'cuda,cpu'
   monkeypatch.setattr(hardware_utils, 'has_visible_nvidia_gpu', lambda: False)
   assert platforms.platforms_here() == 'cpu'
+
+
+@needs_libtpu
+def test_a_benchmarks_start_says_nothing_of_tpus():
+  """Every benchmark imports benchmarks/machine.py before its first device query."""
+  proc = subprocess.run(
+      [sys.executable, '-c', 'from benchmarks import machine; import jax; '
+       'print(sorted({d.platform for d in jax.devices()}))'],
+      cwd=REPO, capture_output=True, text=True, timeout=120,
+      env={**_clean_env(), 'TF_CPP_MIN_LOG_LEVEL': '0'})
+  assert proc.returncode == 0 and proc.stdout.split() == ["['cpu']"], proc.stderr[-2000:]
+  assert 'tpu' not in proc.stderr.lower(), proc.stderr[-2000:]
