@@ -342,6 +342,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
       self.init_checkpoint = trainer.InitCheckpoint(config.init_checkpoint, ('encoder',),
                                                     allow_missing=False)
     self.lengths = buckets_lib.lengths_of(self.train)
+    self._compiler: Optional[futures.Executor] = None  # prepare() starts it
+    self._predict: Optional[Programs] = None
 
   # ---- What each kind supplies.
 
