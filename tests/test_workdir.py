@@ -611,7 +611,7 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_pat
           '--config=configs/finetune.py:glue/rte',
           '--config.init_checkpoint=configs/pretrain.py:postln,tiny',
           '--config.from_scratch=True', f'--config.data_dir={tmp_path}/glue',
-          '--config.batch_size=8', '--config.num_epochs=8', '--config.length_buckets=1',
+          '--config.batch_size=8', '--config.num_epochs=2', '--config.length_buckets=1',
           '--config.max_seq_length=32', '--config.log_every_steps=1',
           '--config.skip_malformed_rows=True']
 
