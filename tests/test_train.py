@@ -709,6 +709,31 @@ def test_the_step_at_a_learning_rate_argument_is_the_optimizer_at_that_rate_to_t
         'random_logits']).max()) == 0.0
 
 
+def test_an_init_with_known_params_draws_only_the_rest():
+  """Program.init(params), as a start from a checkpoint calls it: the known arrays kept to
+  the bit, every other leaf the whole init's value, the optimizer's init of the result,
+  all in the whole init's shardings (on a data x fsdp x tensor mesh)."""
+  mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
+  program = train_lib.pretraining_program(tiny_config(), mesh)
+  whole = program.init()
+  drawn = lambda path: 'layers_1' in jax.tree_util.keystr(path)  # (a head's place)
+  known = jax.tree_util.tree_map_with_path(
+      lambda path, a: None if drawn(path) else a + 1, whole.params)
+  part = program.init(known)
+  leaves = jax.tree_util.tree_leaves_with_path(whole.params)
+  assert any(drawn(path) for path, _ in leaves) and not all(drawn(path) for path, _ in leaves)
+  for (path, w), p in zip(leaves, jax.tree.leaves(part.params)):
+    want = w if drawn(path) else w + 1
+    assert p.sharding == w.sharding, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(want),
+                                  err_msg=jax.tree_util.keystr(path))
+  fresh = jax.tree.leaves(program.tx.init(part.params))
+  assert len(fresh) == len(jax.tree.leaves(part.opt_state))
+  for a, b in zip(fresh, jax.tree.leaves(part.opt_state)):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  assert int(part.step) == 0
+
+
 def test_runs_of_other_rates_schedules_lengths_and_seeds_compile_one_program():
   """The learning rate and the dropout key are the step's arguments: configs that differ in
   them (rate, schedule, warm-up, num_steps, seed) lower to the same program text, which the

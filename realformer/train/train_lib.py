@@ -307,19 +307,25 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, batch_sh
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, batch_shapes,
-                       mesh, seed: int) -> Tuple[TrainState, TrainState]:
+                       mesh, seed: int, params=None) -> Tuple[TrainState, TrainState]:
   """Initialize params and optimizer directly into their shardings: (state, shardings).
 
   batch_shapes: a dict of arrays or ShapeDtypeStructs with the per-step batch's shapes.
+  params: None, or the model's params tree with arrays where they are known (restored from
+  a checkpoint, in their shardings) and None where they are to be drawn: the state holds
+  those arrays and the seeded init's values elsewhere (the values a whole init gives there),
+  and its program computes only the draws it keeps (XLA drops the others).
   """
   _, shardings = state_shardings(model, tx, batch_shapes, mesh)
 
-  def init(rng):
-    params = nn.unbox(model.init(rng, _init_batch(batch_shapes, mesh))['params'])
+  def init(rng, known):
+    drawn = nn.unbox(model.init(rng, _init_batch(batch_shapes, mesh))['params'])
+    params = drawn if known is None else jax.tree.map(
+        lambda k, d: d if k is None else k, known, drawn, is_leaf=lambda x: x is None)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
-    state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
+    state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed), params)
   return state, shardings
 
 
@@ -536,10 +542,11 @@ class Program:
   eval_step: Callable               # jitted (params, batch) -> outputs (make_eval_step)
   flops_per_example: Callable[[int], float]  # training FLOPs of one example of T tokens
 
-  def init(self) -> TrainState:
-    """The seeded init, made in its shardings."""
+  def init(self, params=None) -> TrainState:
+    """The seeded init, made in its shardings; `params`: the arrays already known, None
+    where the init draws (create_train_state)."""
     state, _ = create_train_state(self.model, self.tx, self.batch_shapes, self.mesh,
-                                  self.seed)
+                                  self.seed, params)
     return state
 
   def dropout_key(self) -> jax.Array:

@@ -397,26 +397,26 @@ class Trainer:
       if task.data is not None:
         task.data.restored(data['data'])
       return TrainState.from_checkpoint(tree)
-    state = program.init()
     if checkpoints.has_complete_step(str(final)):
       params, _ = checkpoints.restore_params(str(final), program.abstract.params)
       step = int(os.path.basename(checkpoints.resolve_step_dir(str(final))))
       logging.info('the run finished at step %d: its final params are in %s', step, final)
-      return state.replace(params=params, step=jnp.asarray(step, state.step.dtype))
+      state = program.init(params)
+      return state.replace(step=jnp.asarray(step, state.step.dtype))
     init = task.init_checkpoint
     if init is None or not init.path:
-      return state
+      return program.init()
     loaded, missing = checkpoints.restore_params(
         init.path, _subtree(program.abstract.params, init.subtree), subtree=init.subtree)
     if missing and not init.allow_missing:
       raise ValueError(f'checkpoint {init.path} does not match the model: it has no '
                        f'{missing[0]} ({len(missing)} missing)')
-    loaded = jax.tree.map(lambda new, fresh: fresh if new is None else new, loaded,
-                          _subtree(state.params, init.subtree), is_leaf=lambda x: x is None)
-    params = _with_subtree(state.params, init.subtree, loaded)
+    # Only what the checkpoint lacks is drawn (the head; `missing`), with the values a whole
+    # init gives it.
+    unknown = jax.tree.map(lambda _: None, program.abstract.params)
+    state = program.init(_with_subtree(unknown, init.subtree, loaded))
     logging.info('initialized params from %s (%d kept fresh)', init.path, len(missing))
-    opt_state = jax.jit(program.tx.init, out_shardings=program.shardings.opt_state)(params)
-    return state.replace(params=params, opt_state=opt_state)
+    return state
 
   def _data_args(self, mode: str) -> Dict[str, Any]:
     """The checkpoint's items besides 'state': the task's data state."""
