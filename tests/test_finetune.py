@@ -171,7 +171,7 @@ def ft_config(task, init, **overrides):
   return c
 
 
-def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
+def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monkeypatch):
   workdir = str(tmp_path / 'mnli')
   summary = finetune.finetune(ft_config('mnli', pretrained), workdir)
   assert set(summary['dev']) == {'mnli', 'mnli_mismatched'}
@@ -216,6 +216,17 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path):
   assert again['step'] == summary['step'] and again['dev'] == summary['dev']
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [r['step'] for r in records if r['split'] == 'dev_mnli'] == [1, 2]  # not logged twice
+  # A final/ without a parameter the model has (a checkpoint changed under the run): one
+  # line, nothing drawn in its place.
+  restore = checkpoints.restore_params
+
+  def without_one(path, abstract, **kwargs):
+    params, _ = restore(path, abstract, **kwargs)
+    return params, ['classifier/kernel']
+  monkeypatch.setattr(checkpoints, 'restore_params', without_one)
+  with pytest.raises(ValueError, match='final does not match the model: it has no '
+                                       'classifier/kernel'):
+    finetune.finetune(ft_config('mnli', pretrained), workdir)
 
 
 def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):

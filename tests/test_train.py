@@ -722,6 +722,7 @@ def test_an_init_with_known_params_draws_only_the_rest():
   part = program.init(known)
   leaves = jax.tree_util.tree_leaves_with_path(whole.params)
   assert any(drawn(path) for path, _ in leaves) and not all(drawn(path) for path, _ in leaves)
+  assert jax.tree.structure(part) == jax.tree.structure(whole)
   for (path, w), p in zip(leaves, jax.tree.leaves(part.params)):
     want = w if drawn(path) else w + 1
     assert p.sharding == w.sharding, jax.tree_util.keystr(path)
@@ -729,8 +730,9 @@ def test_an_init_with_known_params_draws_only_the_rest():
                                   err_msg=jax.tree_util.keystr(path))
   fresh = jax.tree.leaves(program.tx.init(part.params))
   assert len(fresh) == len(jax.tree.leaves(part.opt_state))
-  for a, b in zip(fresh, jax.tree.leaves(part.opt_state)):
+  for a, b, w in zip(fresh, jax.tree.leaves(part.opt_state), jax.tree.leaves(whole.opt_state)):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    assert b.sharding == w.sharding
   assert int(part.step) == 0
 
 

@@ -311,10 +311,11 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, batch
   """Initialize params and optimizer directly into their shardings: (state, shardings).
 
   batch_shapes: a dict of arrays or ShapeDtypeStructs with the per-step batch's shapes.
-  params: None, or the model's params tree with arrays where they are known (restored from
-  a checkpoint, in their shardings) and None where they are to be drawn: the state holds
-  those arrays and the seeded init's values elsewhere (the values a whole init gives there),
-  and its program computes only the draws it keeps (XLA drops the others).
+  params: None, or the model's unboxed params tree with arrays where they are known
+  (restored from a checkpoint, in the shardings the state gets) and None where they are to
+  be drawn: the state holds copies of those arrays and the seeded init's values elsewhere
+  (the values a whole init gives there), and its program computes only the draws it keeps
+  (XLA drops the others).
   """
   _, shardings = state_shardings(model, tx, batch_shapes, mesh)
 

@@ -398,7 +398,10 @@ class Trainer:
         task.data.restored(data['data'])
       return TrainState.from_checkpoint(tree)
     if checkpoints.has_complete_step(str(final)):
-      params, _ = checkpoints.restore_params(str(final), program.abstract.params)
+      params, missing = checkpoints.restore_params(str(final), program.abstract.params)
+      if missing:
+        raise ValueError(f'{final} does not match the model: it has no {missing[0]} '
+                         f'({len(missing)} missing); remove {final} to train again')
       step = int(os.path.basename(checkpoints.resolve_step_dir(str(final))))
       logging.info('the run finished at step %d: its final params are in %s', step, final)
       state = program.init(params)
