@@ -83,11 +83,13 @@ def main():
                             '--arm', arm], cwd=REPO, capture_output=True, text=True, check=True)
       row = json.loads(out.stdout.strip().splitlines()[-1])
       times[arm].append(row['seconds'])
-  print(f'configs/pretrain.py:{args.config}, {row["drawn"]} leaves drawn, median of {args.repeats} fresh processes')
+  print(f'configs/pretrain.py:{args.config}, {row["drawn"]} leaves drawn, median of '
+        f'{args.repeats} fresh processes')
   for arm in ARMS:
     print(f'{arm:6s} {statistics.median(times[arm]):7.2f} s   '
           f'({" ".join(f"{t:.2f}" for t in times[arm])})')
-  print(f'whole / known: {statistics.median(times["whole"]) / statistics.median(times["known"]):.2f}x')
+  ratio = statistics.median(times['whole']) / statistics.median(times['known'])
+  print(f'whole / known: {ratio:.2f}x')
 
 
 if __name__ == '__main__':
