@@ -32,7 +32,6 @@ import numpy as np
 import pytest
 
 import analyze
-import finetune
 import sweep as sweep_cli
 import train
 from data import pipeline
@@ -409,10 +408,10 @@ def test_d_fine_tuning_from_and_into_a_bucket(server, tmp_path):
   glue_url = f'{server.root}/glue'
   storage.copy_tree(os.path.join(test_finetune.GLUE_DIR, 'RTE'), f'{glue_url}/RTE')
   local = str(tmp_path / 'local')
-  want = finetune.finetune(test_finetune.ft_config('rte', pretrained,
-                                                   data_dir=test_finetune.GLUE_DIR), local)
+  want = test_finetune.run(test_finetune.ft_config('rte', pretrained,
+                                                    data_dir=test_finetune.GLUE_DIR), local)
   url = f'{server.root}/d_finetuned'
-  got = finetune.finetune(test_finetune.ft_config('rte', pretrained, data_dir=glue_url), url)
+  got = test_finetune.run(test_finetune.ft_config('rte', pretrained, data_dir=glue_url), url)
   assert got['dev'] == want['dev']
   run = storage.path(url)
   results = json.loads((run / 'results.json').read_text())

@@ -171,9 +171,17 @@ def ft_config(task, init, **overrides):
   return c
 
 
+def run(config, workdir: str, sharded: bool = False) -> dict:
+  """finetune.finetune on one device where what is tested is fine-tuning's own behaviour, not
+  its sharding (over the 8 fake devices' mesh it compiles longer and steps several times
+  slower on the CPU); sharded=True: over all 8, tensor parallel (ft_config's mesh), in the
+  tests that stand for sharded fine-tuning."""
+  return finetune.finetune(config, workdir, devices=None if sharded else jax.devices()[:1])
+
+
 def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monkeypatch):
   workdir = str(tmp_path / 'mnli')
-  summary = finetune.finetune(ft_config('mnli', pretrained), workdir)
+  summary = run(ft_config('mnli', pretrained), workdir, sharded=True)
   assert set(summary['dev']) == {'mnli', 'mnli_mismatched'}
   assert 0.0 <= summary['dev']['mnli']['accuracy'] <= 1.0
   for name in ('MNLI-m.tsv', 'MNLI-mm.tsv', 'AX.tsv'):
@@ -212,7 +220,7 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monke
   dev = [r['accuracy'] for r in records if r['split'] == 'dev_mnli']
   assert best['headline'] == max(dev) and best['epoch'] == dev.index(max(dev)) + 1
   # Running again evaluates the final params: no new training, the same results.
-  again = finetune.finetune(ft_config('mnli', pretrained), workdir)
+  again = run(ft_config('mnli', pretrained), workdir, sharded=True)
   assert again['step'] == summary['step'] and again['dev'] == summary['dev']
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [r['step'] for r in records if r['split'] == 'dev_mnli'] == [1, 2]  # not logged twice
@@ -226,7 +234,7 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monke
   monkeypatch.setattr(checkpoints, 'restore_params', without_one)
   with pytest.raises(ValueError, match='final does not match the model: it has no '
                                        'classifier/kernel'):
-    finetune.finetune(ft_config('mnli', pretrained), workdir)
+    run(ft_config('mnli', pretrained), workdir, sharded=True)
 
 
 def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
@@ -250,7 +258,7 @@ def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
   config.mesh.data, config.mesh.tensor = 1, -1
   config.tsv.text, config.tsv.label = 'text', 'topic'
   config.tsv.labels, config.tsv.metric = 'world,sports,science', 'macro_f1'
-  summary = finetune.finetune(config, str(tmp_path / 'ft'))
+  summary = run(config, str(tmp_path / 'ft'))
   assert set(summary['dev']['topics']) == {'accuracy', 'macro_f1'}
   assert summary['headline'] == summary['dev']['topics']['macro_f1']
   lines = (tmp_path / 'ft' / 'predictions' / 'topics.tsv').read_text().splitlines()
@@ -258,10 +266,10 @@ def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
   assert all(l.split('\t')[1] in words for l in lines[1:])
   config.tsv.metric = 'f1'  # of two labels only: refused before anything is written
   with pytest.raises(ValueError, match="task 'topics': metric 'f1'"):
-    finetune.finetune(config, str(tmp_path / 'ft2'))
+    run(config, str(tmp_path / 'ft2'))
   config.tsv.metric, config.data_dir = 'accuracy', ''
   with pytest.raises(ValueError, match='tsv/topics: set config.data_dir to the folder'):
-    finetune.finetune(config, str(tmp_path / 'ft3'))
+    run(config, str(tmp_path / 'ft3'))
   assert not (tmp_path / 'ft2').exists() and not (tmp_path / 'ft3').exists()
 
 
@@ -305,7 +313,7 @@ def test_fixed_synthesizer_parameters_do_not_move_in_fine_tuning(tmp_path):
                              step=1)
   c = ft_config('rte', pretrained, num_epochs=1, keep_best=False)
   c.optimizer.weight_decay, c.optimizer.learning_rate = 0.5, 1e-2
-  finetune.finetune(c, str(tmp_path / 'ft'))
+  run(c, str(tmp_path / 'ft'), sharded=True)
   before = jax.tree_util.tree_flatten_with_path(params['encoder'])[0]
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params['encoder'])
   after, _ = checkpoints.restore_params(str(tmp_path / 'ft' / 'final'), abstract,
@@ -326,13 +334,13 @@ def test_a_nan_loss_stops_fine_tuning_with_one_line_naming_the_fix(pretrained, t
   c.optimizer.learning_rate = float('inf')  # LayerNorm keeps a merely huge one finite
   with pytest.raises(trainer.NonFiniteLossError, match=r'became (nan|inf) at step \d+; .*'
                                                        r'lower config.optimizer.learning_rate'):
-    finetune.finetune(c, str(tmp_path / 'ft'))
+    run(c, str(tmp_path / 'ft'))
   assert not checkpoints.has_complete_step(str(tmp_path / 'ft'))
 
 
 def test_keep_optimizer_state_keeps_the_resume_checkpoint(pretrained, tmp_path):
   workdir = str(tmp_path / 'rte')
-  finetune.finetune(ft_config('rte', pretrained, keep_optimizer_state=True, keep_best=False,
+  run(ft_config('rte', pretrained, keep_optimizer_state=True, keep_best=False,
                               num_epochs=1), workdir)
   assert checkpoints.has_complete_step(workdir)
   assert not os.path.exists(os.path.join(workdir, 'final'))
@@ -344,22 +352,22 @@ def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_
   returns 'preempted'; running again resumes there and ends where an uninterrupted run
   ends."""
   config = lambda: ft_config('rte', pretrained, keep_best=False, batch_size=1)
-  whole = finetune.finetune(config(), str(tmp_path / 'whole'))
+  whole = run(config(), str(tmp_path / 'whole'))
   workdir = str(tmp_path / 'cut')
   with mock.patch.object(workdir_lib.StopSignal, 'reached',
                          lambda self, manager, step: step == 2):
-    cut = finetune.finetune(config(), workdir)
+    cut = run(config(), workdir)
   assert cut == {'task': 'rte', 'step': 2, 'preempted': 2}
   assert checkpoints.latest_complete_step(checkpoints.make_manager(workdir)) == 2
   assert not os.path.exists(os.path.join(workdir, 'results.json'))
   described = [open(os.path.join(workdir, name)).read()
                for name in (RunDir.CONFIG, RunDir.MACHINE)]
   with pytest.raises(ValueError, match='stopped in mid-epoch with length buckets'):
-    finetune.finetune(ft_config('rte', pretrained, keep_best=False, batch_size=1,
+    run(ft_config('rte', pretrained, keep_best=False, batch_size=1,
                                 length_buckets=0), workdir)
   assert [open(os.path.join(workdir, name)).read()  # refused before they were written
           for name in (RunDir.CONFIG, RunDir.MACHINE)] == described
-  resumed = finetune.finetune(config(), workdir)
+  resumed = run(config(), workdir)
   assert resumed['step'] == whole['step'] and resumed['dev'] == whole['dev']
 
 
@@ -368,11 +376,11 @@ def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretraine
   (config.length_buckets=0: every batch padded to max_seq_length): the same dev metrics and
   the same predictions, through finetune.py's own evaluation."""
   workdir = tmp_path / 'mrpc'
-  bucketed = finetune.finetune(ft_config('mrpc', pretrained), str(workdir))
+  bucketed = run(ft_config('mrpc', pretrained), str(workdir))
   stored = json.load(open(workdir / RunDir.LENGTH_BUCKETS))['lengths']
   assert min(stored) < 64  # some shorter: padded less
   predictions = (workdir / 'predictions' / 'MRPC.tsv').read_text()
-  padded = finetune.finetune(ft_config('mrpc', pretrained, length_buckets=0), str(workdir))
+  padded = run(ft_config('mrpc', pretrained, length_buckets=0), str(workdir))
   assert padded['step'] == bucketed['step'] and padded['dev'] == bucketed['dev']
   assert (workdir / 'predictions' / 'MRPC.tsv').read_text() == predictions
 
@@ -380,14 +388,14 @@ def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretraine
 def test_compiling_in_the_background_trains_exactly_as_compiling_first(pretrained, tmp_path):
   """config.compile_in_background (the default) compiles each length while training runs:
   the same programs, so the same losses, dev results and predictions as compiling first."""
-  def run(background):
+  def trained(background):
     workdir = tmp_path / f'background_{background}'
-    summary = finetune.finetune(ft_config('mrpc', pretrained, compile_in_background=background),
-                                str(workdir))
+    summary = run(ft_config('mrpc', pretrained, compile_in_background=background),
+                  str(workdir))
     losses = [r['loss'] for r in map(json.loads, open(workdir / 'metrics.jsonl'))
               if r['split'] == 'train']
     return summary['dev'], losses, (workdir / 'predictions' / 'MRPC.tsv').read_text()
-  first, background = run(False), run(True)
+  first, background = trained(False), trained(True)
   assert len(first[1]) > 1 and background == first
   order = json.load(open(tmp_path / 'background_True' / RunDir.LENGTH_BUCKETS))['lengths']
   assert len(order) > 1  # several programs, compiled while the run went on
@@ -465,7 +473,7 @@ def test_training_with_length_buckets_reaches_the_accuracy_of_padded_training(pr
                        keep_best=False)
     config.optimizer.learning_rate = 3e-3
     workdir = tmp_path / f'buckets_{buckets_}'
-    results[buckets_] = finetune.finetune(config, str(workdir))['dev']['sst2']['accuracy']
+    results[buckets_] = run(config, str(workdir))['dev']['sst2']['accuracy']
     records = [json.loads(l) for l in open(workdir / 'metrics.jsonl')]
     real = [r['tokens_per_s'] / r['padded_tokens_per_s'] for r in records if 'tokens_per_s' in r]
     assert (min(real) > 0.5) == (buckets_ > 0)  # the buckets padded less
@@ -473,11 +481,11 @@ def test_training_with_length_buckets_reaches_the_accuracy_of_padded_training(pr
 
 
 def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
-  summary = finetune.finetune(ft_config('stsb', pretrained, batch_size=1), str(tmp_path / 'a'))
+  summary = run(ft_config('stsb', pretrained, batch_size=1), str(tmp_path / 'a'))
   assert set(summary['dev']['stsb']) == {'pearson', 'spearman'}
   lines = open(tmp_path / 'a' / 'predictions' / 'STS-B.tsv').read().splitlines()
   float(lines[1].split('\t')[1])
-  scratch = finetune.finetune(ft_config('sst2', pretrained, from_scratch=True),
+  scratch = run(ft_config('sst2', pretrained, from_scratch=True),
                               str(tmp_path / 'b'))
   assert 'accuracy' in scratch['dev']['sst2']
 
@@ -490,7 +498,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   caplog.set_level('INFO', logger='absl')
   config = lambda: ft_config('rte', pretrained, data_dir=str(tmp_path / 'glue'),
                              max_seq_length=128)
-  summary = finetune.finetune(config(), str(tmp_path / 'ft'))
+  summary = run(config(), str(tmp_path / 'ft'))
   assert 'accuracy' in summary['dev']['rte']
   assert not (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').exists()
   assert 'no test.tsv for rte' in caplog.text and 'no predictions were written' in caplog.text
@@ -501,7 +509,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   long = ' '.join(['word'] * 80)
   (data / 'test.tsv').write_text(f'index\tsentence1\tsentence2\n0\t{long}\tA short one.\n'
                                  '1\tA man.\tA person.\n')
-  again = finetune.finetune(config(), str(tmp_path / 'ft'))
+  again = run(config(), str(tmp_path / 'ft'))
   assert again['dev'] == summary['dev']
   assert max(stored) < 96 and 'evaluation and predictions also compile length' in caplog.text
   rows = (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').read_text().splitlines()
@@ -511,12 +519,12 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
 
 def test_random_init_baseline_from_a_pretraining_config(tmp_path):
   config = ft_config('rte', 'configs/pretrain.py:postln,tiny', from_scratch=True)
-  summary = finetune.finetune(config, str(tmp_path / 'ft'))
+  summary = run(config, str(tmp_path / 'ft'))
   assert 'accuracy' in summary['dev']['rte']
   stored = json.load(open(tmp_path / 'ft' / 'config.json'))
   assert stored['init_checkpoint'] == 'configs/pretrain.py:postln,tiny'
   with pytest.raises(ValueError, match='holds no weights: set config.from_scratch=True'):
-    finetune.finetune(ft_config('rte', 'configs/pretrain.py:postln,tiny'),
+    run(ft_config('rte', 'configs/pretrain.py:postln,tiny'),
                       str(tmp_path / 'ft2'))
 
 
@@ -544,19 +552,19 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path, caplog):
   json.dump(config, open(os.path.join(other, 'config.json'), 'w'))
   os.symlink(os.path.join(pretrained, 'checkpoints'), os.path.join(other, 'checkpoints'))
   with pytest.raises(ValueError, match=r'encoder/embeddings/\S+ has shape'):
-    finetune.finetune(ft_config('rte', other), str(tmp_path / 'ft'))
+    run(ft_config('rte', other), str(tmp_path / 'ft'))
   assert not (tmp_path / 'ft').exists()  # no lock, no empty checkpoints/ left behind
   with pytest.raises(ValueError, match='init_checkpoint is empty'):
-    finetune.finetune(ft_config('rte', ''), str(tmp_path / 'ft2'))
+    run(ft_config('rte', ''), str(tmp_path / 'ft2'))
   with pytest.raises(ValueError, match='fewer than one batch'):
-    finetune.finetune(ft_config('rte', pretrained, batch_size=64), str(tmp_path / 'ft3'))
+    run(ft_config('rte', pretrained, batch_size=64), str(tmp_path / 'ft3'))
   config['model']['hidden_size'] = 32
   config['model']['type_vocab_size'] = 1  # no row for the second sentence's segment id 1
   config['data']['max_seq_length'] = 48  # pretrained on shorter sequences than max_seq_length
   json.dump(config, open(os.path.join(other, 'config.json'), 'w'))
   with pytest.raises(ValueError, match="type_vocab_size=1: rte's text pairs use segment ids "
                                        '0 to 1; fine-tune a checkpoint with two token types'):
-    finetune.finetune(ft_config('rte', other), str(tmp_path / 'ft4'))
+    run(ft_config('rte', other), str(tmp_path / 'ft4'))
   assert ('max_seq_length=64 is longer than the pretraining sequences (48): positions 48-63 '
           'were never trained') in caplog.text
   # An import (params at step 0) does not say what length it was pretrained at: no warning.
@@ -699,9 +707,9 @@ def test_glue_from_a_hugging_face_dataset(pretrained, tmp_path, caplog):
     assert [(e.text_a, e.text_b, e.label) for e in got] == \
         [(e.text_a, e.text_b, e.label) for e in want]
   caplog.set_level('INFO', logger='absl')
-  summary = finetune.finetune(ft_config('rte', pretrained, data_dir=f'hf:{root}',
+  summary = run(ft_config('rte', pretrained, data_dir=f'hf:{root}',
                                         num_epochs=1), str(tmp_path / 'hf'))
-  tsv = finetune.finetune(ft_config('rte', pretrained, num_epochs=1), str(tmp_path / 'tsv'))
+  tsv = run(ft_config('rte', pretrained, num_epochs=1), str(tmp_path / 'tsv'))
   assert summary['dev'] == tsv['dev']  # the same examples: the same run
   assert 'no predictions were written' in caplog.text
   with pytest.raises(ValueError, match='could not be loaded'):
