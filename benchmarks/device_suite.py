@@ -122,7 +122,8 @@ def sizes(smoke: bool) -> dict:
     return dict(size='tiny', step512=(64, 2), step128=(32, 4),
                 blocks=2, block_steps=2, warmup=1, matmul=256,
                 start=dict(seq_len=64, batch=2, dtype='float32'),
-                finetune=dict(num_train=64, epochs=1, max_seq_length=32, batch_size=16))
+                finetune=dict(num_train=64, num_dev=32, epochs=1, max_seq_length=32,
+                              batch_size=16))
   return dict(size='base', step512=(512, 64), step128=(128, 256),
               blocks=6, block_steps=5, warmup=3, matmul=8192,
               start=dict(seq_len=512, batch=64, dtype='bfloat16'),

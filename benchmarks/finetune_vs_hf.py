@@ -12,7 +12,8 @@ by each framework with its own best practice, the same recipe (batch, learning r
   ours_fixed  finetune.py with config.length_buckets=0: every batch padded to max_seq_length
   hf          BertForSequenceClassification, a PyTorch loop over a DataLoader with
               DataCollatorWithPadding (each batch padded to its longest sentence), the HF
-              course's full training loop
+              course's full training loop (benchmarks/hf_finetune.py: its process imports
+              torch and transformers, nothing of ours)
   hf_warm     the same again (HF compiles nothing: the pairing of ours_warm, with the files
               of both now in the operating system's cache)
 
@@ -39,67 +40,6 @@ import machine  # pylint: disable=g-import-not-at-top
 import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
 
 ARMS = ('hf', 'ours', 'ours_warm', 'ours_fixed', 'hf_warm')
-
-
-def read_split(data_dir: str, split: str):
-  with open(os.path.join(data_dir, 'SST-2', f'{split}.tsv'), encoding='utf-8') as f:
-    rows = [line.rstrip('\n').split('\t') for line in f][1:]
-  return [s for s, _ in rows], [int(y) for _, y in rows]
-
-
-def hf_worker(args):
-  """One HF run (in its own process): prints {"epoch_seconds": [...], "accuracy": a}."""
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  torch.manual_seed(args.seed)
-  device = 'cuda' if torch.cuda.is_available() else 'cpu'
-  src = pretrained_vs_scratch.minilm_dir()
-  tokenizer = transformers.AutoTokenizer.from_pretrained(src)
-  model = transformers.BertForSequenceClassification.from_pretrained(src, num_labels=2)
-  model = model.float().to(device)  # float32 whatever the stored copy's dtype, as ours
-  collate = transformers.DataCollatorWithPadding(tokenizer)
-
-  def dataset(split):
-    sentences, labels = read_split(args.data_dir, split)
-    enc = tokenizer(sentences, truncation=True, max_length=args.max_seq_length)
-    return [dict({k: v[i] for k, v in enc.items()}, labels=labels[i])
-            for i in range(len(labels))]
-
-  train, dev = dataset('train'), dataset('dev')
-  loader = torch.utils.data.DataLoader(
-      train, batch_size=args.batch_size, shuffle=True, collate_fn=collate, drop_last=True,
-      generator=torch.Generator().manual_seed(args.seed))
-  no_decay = lambda name: name.endswith('bias') or 'LayerNorm' in name
-  groups = [{'params': [p for n, p in model.named_parameters() if not no_decay(n)],
-             'weight_decay': 0.01},
-            {'params': [p for n, p in model.named_parameters() if no_decay(n)],
-             'weight_decay': 0.0}]
-  optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, eps=1e-6)
-  num_steps = len(loader) * args.epochs
-  scheduler = transformers.get_linear_schedule_with_warmup(optimizer, int(0.1 * num_steps),
-                                                           num_steps)
-  epoch_seconds = []
-  for _ in range(args.epochs):
-    model.train()
-    start = time.perf_counter()
-    for batch in loader:
-      loss = model(**batch.to(device)).loss
-      loss.backward()
-      torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-      optimizer.step()
-      scheduler.step()
-      optimizer.zero_grad()
-    if device == 'cuda':
-      torch.cuda.synchronize()
-    epoch_seconds.append(time.perf_counter() - start)
-  model.eval()
-  correct = 0
-  with torch.no_grad():
-    for batch in torch.utils.data.DataLoader(dev, batch_size=64, collate_fn=collate):
-      labels = batch.pop('labels').to(device)
-      correct += int((model(**batch.to(device)).logits.argmax(-1) == labels).sum())
-  print(json.dumps({'epoch_seconds': epoch_seconds, 'accuracy': correct / len(dev),
-                    'threads': torch.get_num_threads()}))
 
 
 def run_ours(args, init: str, workdir: str, buckets: bool, cache: str) -> dict:
@@ -132,7 +72,9 @@ def run_hf(args, out: str) -> dict:
   if not os.path.isfile(out):
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, __file__, '--hf_worker', '--data_dir', args.data_dir,
+        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                      'hf_finetune.py'),
+         '--model_dir', pretrained_vs_scratch.minilm_dir(), '--data_dir', args.data_dir,
          '--seed', str(args.seed), '--batch_size', str(args.batch_size),
          '--epochs', str(args.epochs), '--learning_rate', str(args.learning_rate),
          '--max_seq_length', str(args.max_seq_length)],
@@ -156,22 +98,19 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--max_seq_length', type=int, default=64)
   p.add_argument('--arms', default='hf,ours,ours_warm,ours_fixed',
                  help='comma-separated, of: ' + ', '.join(ARMS))
+  p.add_argument('--num_dev', type=int, default=200,
+                 help='sentences held out for dev (and predicted as test.tsv), of the 1,000')
   p.add_argument('--num_train', type=int, default=0,
-                 help='train on the first N of the 800 training sentences (0: all)')
+                 help='train on the first N of the other sentences (0: all of them)')
   p.add_argument('--repeat', type=int, default=1,
                  help='the training sentences this many times over (4: 3,200 sentences)')
   p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                  help='an extra finetune.py config override for our arms, e.g. length_buckets=6')
-  p.add_argument('--hf_worker', action='store_true', help=argparse.SUPPRESS)
-  p.add_argument('--data_dir', help=argparse.SUPPRESS)
-  p.add_argument('--seed', type=int, default=0, help=argparse.SUPPRESS)
   return p
 
 
 def main():
   args = parser().parse_args()
-  if args.hf_worker:
-    return hf_worker(args)
   print(machine.describe(), flush=True)
   results = race(args)
   summarize(args, results)
@@ -184,6 +123,7 @@ def race(args, on_result=None) -> dict:
   at once)."""
   args.workdir = os.path.abspath(args.workdir)
   args.data_dir = pretrained_vs_scratch.write_sst2_folder(os.path.join(args.workdir, 'data'),
+                                                          num_dev=args.num_dev,
                                                           num_train=args.num_train)
   if args.repeat > 1:  # the training sentences N times over: a larger set of the same kind
     train = os.path.join(args.data_dir, 'SST-2', 'train.tsv')
