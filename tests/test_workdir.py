@@ -614,6 +614,7 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_pat
           '--config.batch_size=8', '--config.num_epochs=2', '--config.length_buckets=1',
           '--config.max_seq_length=32', '--config.log_every_steps=1',
           '--config.skip_malformed_rows=True']
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1))  # the command line, not sharding
 
   def one_error(proc):
     errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
@@ -622,10 +623,10 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_pat
     return errors[0]
 
   with workdir_lib.Lock(str(workdir), 'a test'):
-    held = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
+    held = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
   assert f'in use by pid {os.getpid()} on {socket.gethostname()}' in one_error(held)
-  first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+  first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
   try:
     metrics = workdir / 'metrics.jsonl'
     _wait_for(first, lambda: metrics.exists() and metrics.read_text().strip())  # training began
@@ -638,12 +639,12 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_pat
   assert 'not finished: stopped by SIGTERM after saving step' in err
   assert 'skipped 1 malformed rows' in err and 'RTE/train.tsv (lines 6)' in err
   stored = (workdir / 'config.json').read_text()
-  other = subprocess.run(args + ['--config.optimizer.learning_rate=1e-3'], cwd=REPO,
+  other = subprocess.run(args + ['--config.optimizer.learning_rate=1e-3'], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=240)
   assert ('holds a checkpoint of another config (1 field): optimizer.learning_rate'
           in one_error(other))
   assert (workdir / 'config.json').read_text() == stored
-  resumed = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
+  resumed = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'resuming from step' in resumed.stderr
   warnings = [l for l in resumed.stderr.splitlines()
