@@ -53,17 +53,25 @@ def losses(workdir, split='train', key='loss'):
   return {s: r[key] for s, r in sorted(records.items()) if key in r}
 
 
+def trained(config, workdir) -> dict:
+  """train.train_and_evaluate on one device, for the tests of the trainer's own behaviour
+  (logs, resumes, budgets, errors, learning): over the 8 fake devices its runs compile longer and step
+  several times slower on the CPU. Sharded runs are tested by the mesh tests here and in
+  tests/test_checkpoints.py."""
+  return train.train_and_evaluate(config, str(workdir), devices=jax.devices()[:1])
+
+
 def test_a_finished_run_started_again_reports_what_it_logged(tmp_path):
   c = tiny_config(num_steps=4, log_every_steps=2, eval_every_steps=2, eval_steps=1)
-  first = train.train_and_evaluate(c, str(tmp_path))
+  first = trained(c, str(tmp_path))
   with open(tmp_path / 'metrics.jsonl', 'a') as f:
     f.write('{"step": 4, "split": "tra')  # a last line cut short by a hard stop
-  again = train.train_and_evaluate(c, str(tmp_path))  # nothing left to train or evaluate
+  again = trained(c, str(tmp_path))  # nothing left to train or evaluate
   assert again['step'] == first['step'] == 4 and again['eval'] == first['eval'] != {}
   assert again['train'] == {k: v for k, v in first['train'].items()} != {}
   # A run that goes on after the cut line starts a new line: every record stays readable.
   c.train.num_steps = 6
-  train.train_and_evaluate(c, str(tmp_path))
+  trained(c, str(tmp_path))
   assert sorted(losses(str(tmp_path))) == [2, 4, 6]
 
 
@@ -73,7 +81,7 @@ def test_an_evaluation_between_logs_keeps_the_steps_before_it_in_the_next_log(tm
   logs = {}
   for name, every in (('eval6', 6), ('eval8', 8)):
     c = tiny_config(num_steps=8, log_every_steps=4, eval_every_steps=every, eval_steps=1)
-    train.train_and_evaluate(c, str(tmp_path / name))
+    trained(c, str(tmp_path / name))
     logs[name] = losses(str(tmp_path / name))
     assert set(logs[name]) == {4, 8}
   assert logs['eval6'] == logs['eval8']
@@ -427,7 +435,7 @@ def test_nan_loss_stops_and_is_not_saved(tmp_path):
   c.optimizer.learning_rate, c.optimizer.clip_norm = 1e12, 0.0
   with pytest.raises(trainer.NonFiniteLossError,
                      match=r'(loss|gradient norm) became (nan|inf) at step \d+') as e:
-    train.train_and_evaluate(c, str(tmp_path))
+    trained(c, str(tmp_path))
   bad_step = int(str(e.value).split(' at step ')[1].split(';')[0])
   assert str(e.value).endswith('; the peak learning rate is 1e+12: lower optimizer.learning_rate, '
                                'raise optimizer.warmup_steps or train in float32 (model.dtype)')
@@ -441,8 +449,7 @@ def test_tensorboard_events_hold_the_logged_values_and_tensorflow_is_not_importe
   """The trainer writes TensorBoard's event format itself: the events hold metrics.jsonl's
   values under train/ and eval/, and a run imports no TensorFlow (it costs seconds)."""
   from tensorboard.backend.event_processing import event_file_loader
-  train.train_and_evaluate(tiny_config(num_steps=2, eval_every_steps=2, eval_steps=1),
-                           str(tmp_path))
+  trained(tiny_config(num_steps=2, eval_every_steps=2, eval_steps=1), tmp_path)
   (name,) = [n for n in os.listdir(tmp_path) if n.startswith('events.out.tfevents.')]
   events = {(e.step, v.tag): v.tensor.float_val[0]
             for e in event_file_loader.EventFileLoader(str(tmp_path / name)).Load()
@@ -462,16 +469,16 @@ def test_a_resume_forgets_the_logs_of_the_stretch_it_left(tmp_path):
   abandoned stretch. A start from nothing forgets every earlier line."""
   from tensorboard.backend.event_processing import event_accumulator
   from realformer.tools import sweep
-  train.train_and_evaluate(tiny_config(num_steps=8, checkpoint_every_steps=4), str(tmp_path))
+  trained(tiny_config(num_steps=8, checkpoint_every_steps=4), str(tmp_path))
   shutil.rmtree(tmp_path / 'checkpoints' / '8')  # the kill: step 8 never completed
-  train.train_and_evaluate(tiny_config(num_steps=6, log_every_steps=3), str(tmp_path))
+  trained(tiny_config(num_steps=6, log_every_steps=3), str(tmp_path))
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 6]
   assert sweep.last_step(str(tmp_path)) == 6
   events = event_accumulator.EventAccumulator(str(tmp_path))
   events.Reload()
   assert [e.step for e in events.Scalars('train/loss')] == [1, 2, 3, 4, 6]
   shutil.rmtree(tmp_path / 'checkpoints')  # a run that starts over
-  train.train_and_evaluate(tiny_config(num_steps=2, log_every_steps=2), str(tmp_path))
+  trained(tiny_config(num_steps=2, log_every_steps=2), str(tmp_path))
   assert sorted(losses(tmp_path)) == [2]
 
 
@@ -527,9 +534,7 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   t.batch_size, t.num_steps, t.log_every_steps = 16, 60, 10
   t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 60, 2, 60
   c.optimizer.warmup_steps = 6
-  # One device: what is tested is learning on the embedded corpus, not sharding (60 steps
-  # run several times faster than over the 8 fake devices).
-  summary = train.train_and_evaluate(c, str(tmp_path), devices=jax.devices()[:1])
+  summary = trained(c, tmp_path)  # learning on the embedded corpus, not sharding
   mlm = losses(tmp_path, key='mlm_loss')
   assert mlm[60] < mlm[10] - 1.0, mlm
   assert summary['eval']['mlm_loss'] < np.log(c.model.vocab_size) - 1.0
@@ -772,7 +777,7 @@ def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
                        checkpoint_every_steps=40)  # 6 s: past step 40 on a slow machine
   config.optimizer.schedule, config.optimizer.warmup_steps = 'linear', 10
   workdir = str(tmp_path / 'budget')
-  summary = train.train_and_evaluate(config, workdir)
+  summary = trained(config, workdir)
   budget = summary['time_budget']
   assert budget['spent_minutes'] * 60 >= 6.0 and 10 < budget['steps'] < 100_000
   # The schedule follows the clock: after the warm-up, BERT's linear decay at the fraction
@@ -787,7 +792,7 @@ def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
   spent = json.load(open(os.path.join(workdir, RunDir.TIME_SPENT)))
   assert str(budget['steps']) in spent
   # Resuming a spent budget trains no further.
-  again = train.train_and_evaluate(config, workdir)
+  again = trained(config, workdir)
   assert again['time_budget']['steps'] == budget['steps']
   # A checkpoint whose record is missing counts the budget from the newest record before
   # it (not from zero: a whole budget more).
@@ -815,7 +820,7 @@ def test_a_checkpoint_is_never_committed_without_its_time_record(tmp_path, monke
     return write_json(self, name, *args, **kwargs)
   monkeypatch.setattr(RunDir, 'write_json', failing)
   with pytest.raises(OSError, match='No space left'):
-    train.train_and_evaluate(config, workdir)
+    trained(config, workdir)
   assert checkpoints.complete_steps(workdir) == [20]
 
 
