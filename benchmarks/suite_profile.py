@@ -1,0 +1,93 @@
+"""Where each test's time goes inside its own process: jax's tracing, lowering to MLIR, XLA's
+compiles and compilation-cache reads (from jax.monitoring's duration events) and Python's
+garbage collection (gc.callbacks); the rest is running the programs, the test's own Python
+and the processes it starts. A pytest plugin, then a summary by module:
+
+  PYTHONPATH=benchmarks SUITE_PROFILE=/tmp/profile.jsonl \\
+      python -m pytest -q -n 2 -p suite_profile tests          # the README's command, plus this
+  python benchmarks/suite_profile.py /tmp/profile.jsonl
+
+The plugin imports jax only once pytest is configured, after tests/conftest.py has set the
+platform and XLA's flags. Each worker appends one JSON line per test to $SUITE_PROFILE.
+"""
+
+import argparse
+import collections
+import gc
+import json
+import os
+import time
+
+import pytest
+
+_EVENTS = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
+           '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower',
+           # XLA's compile, a compilation-cache read included (told apart by the next event)
+           '/jax/core/compile/backend_compile_duration': 'backend',
+           '/jax/compilation_cache/cache_retrieval_time_sec': 'cache'}
+_TOTALS = collections.Counter()
+_GC_START = [None]
+
+
+def _on_duration(event: str, seconds: float, **_):
+  name = _EVENTS.get(event)
+  if name:
+    _TOTALS[name] += seconds
+    _TOTALS['n_' + name] += 1
+
+
+def _on_gc(phase: str, _):
+  if phase == 'start':
+    _GC_START[0] = time.perf_counter()
+  elif _GC_START[0] is not None:
+    _TOTALS['gc'] += time.perf_counter() - _GC_START[0]
+
+
+def pytest_configure(config):  # pylint: disable=unused-argument
+  from jax._src import monitoring  # pylint: disable=g-import-not-at-top
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  gc.callbacks.append(_on_gc)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
+  before, start = collections.Counter(_TOTALS), time.perf_counter()
+  yield
+  row = dict(test=item.nodeid, wall=time.perf_counter() - start)
+  row.update({k: _TOTALS[k] - before[k] for k in _TOTALS})
+  with open(os.environ.get('SUITE_PROFILE', 'suite_profile.jsonl'), 'a',
+            encoding='utf-8') as f:
+    f.write(json.dumps(row) + '\n')
+
+
+COLUMNS = ('wall', 'trace', 'lower', 'compile', 'cache', 'gc', 'rest')
+
+
+def by_module(path: str) -> dict[str, collections.Counter]:
+  """{module: seconds of each column, and 'tests'}, the whole run as 'all'."""
+  modules = collections.defaultdict(collections.Counter)
+  with open(path, encoding='utf-8') as f:
+    for row in map(json.loads, f):
+      t = collections.Counter(row)
+      seconds = dict(wall=t['wall'], trace=t['trace'], lower=t['lower'],
+                     compile=t['backend'] - t['cache'], cache=t['cache'], gc=t['gc'])
+      seconds['rest'] = t['wall'] - sum(v for k, v in seconds.items() if k != 'wall')
+      for name in (row['test'].split('::')[0].split('/')[-1].removesuffix('.py'), 'all'):
+        modules[name].update(seconds)
+        modules[name]['tests'] += 1
+  return modules
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('jsonl', help='the file the plugin wrote ($SUITE_PROFILE)')
+  args = p.parse_args()
+  modules = by_module(args.jsonl)
+  print('| module | tests | ' + ' | '.join(f'{c} s' for c in COLUMNS) + ' |')
+  print('|---' * (len(COLUMNS) + 2) + '|')
+  for name, s in sorted(modules.items(), key=lambda kv: -kv[1]['wall']):
+    print(f'| {name} | {s["tests"]} | ' + ' | '.join(f'{s[c]:.0f}' for c in COLUMNS) + ' |')
+
+
+if __name__ == '__main__':
+  main()
