@@ -18,6 +18,7 @@ import pytest
 import sweep as sweep_cli
 from realformer.tools import sweep
 from realformer.train.run_dir import RunDir
+from tests.conftest import cpu_xla_flags
 from tests.gcs_server import gcs  # pylint: disable=unused-import
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,7 +341,8 @@ TINY = ['train.num_steps=3', 'train.batch_size=8', 'train.log_every_steps=1',
         'model.max_len=32']
 
 
-def test_real_sweep_of_train_py(tmp_path):
+def test_real_sweep_of_train_py(tmp_path, monkeypatch):
+  monkeypatch.setenv('XLA_FLAGS', cpu_xla_flags(1))  # the sweep's train.py on one device
   root = tmp_path / 'sweep'
   args = ['run', '--root', str(root), '--config',
           os.path.join(REPO, 'configs', 'pretrain.py') + ':postln,tiny',
