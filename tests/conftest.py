@@ -10,12 +10,19 @@ def cpu_xla_flags(devices: int) -> str:
   `devices` CPU devices. The CPU backend compiles at LLVM's -O0: a tiny model's train step is
   thousands of small fusions, whose optimisation took most of the suite's time (about half
   of each compile, at the same HLO: XLA's own passes still run); the values agree with the
-  optimised build's to rounding. TPU compiles for the launch check ignore it."""
+  optimised build's to rounding. TPU compiles ignore it (see JAX_OPTIMIZATION_LEVEL)."""
   return (f'--xla_force_host_platform_device_count={devices} '
           '--xla_backend_optimization_level=0')
 
 
 os.environ.setdefault('XLA_FLAGS', cpu_xla_flags(8))
+# XLA:TPU's compiler at its lowest effort for the launch check's compiles (libtpu, here and
+# in the programs the tests start): a tiny train step for v5e:2x2 compiles in about half the
+# time, and the point of each test (it compiles, it fits, its FLOPs are the model's, its
+# kernels are there) is the same; the bytes it reports are the unoptimised program's. The
+# CPU backend ignores it (its -O0 is in XLA_FLAGS). tests/test_launch.py's stack test keeps
+# the default effort, where the compiler needed the larger stack.
+os.environ.setdefault('JAX_OPTIMIZATION_LEVEL', 'O0')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 os.environ.setdefault('CUDA_VISIBLE_DEVICES', '')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -63,3 +70,11 @@ sys.modules['triton'] = None
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 jax.config.update('jax_compilation_cache_dir', os.path.join(RUN_FOLDER, 'xla'))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.1)
+
+# Python's cyclic garbage collector: the objects of the imports above (jax, flax, the
+# project) are moved out of its view, and a young generation of 50,000 objects (700 by
+# default) lets tracing's many short-lived objects die young without a collection each time.
+import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
+gc.collect()
+gc.freeze()
+gc.set_threshold(50_000, 20, 20)

@@ -210,7 +210,8 @@ def test_the_attention_analysis_reads_a_bucket_run_and_writes_its_report_there(
   assert len(numbers['postln']['entropy_mean']) == 2  # one per layer
 
 
-def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server):
+def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server, monkeypatch):
+  monkeypatch.setenv('XLA_FLAGS', cpu_xla_flags(1))  # the sweep's train.py on one device
   root = f'{server.root}/sweep'
   args = ['run', '--root', root, '--config',
           os.path.join(REPO, 'configs', 'pretrain.py') + ':postln,tiny',
