@@ -51,7 +51,7 @@ from tests import test_pipeline
 from tests import test_sweep
 from tests.conftest import cpu_xla_flags
 from tests.gcs_server import GcsServer
-from tests.test_train import REPO, tiny_config
+from tests.test_train import REPO, tiny_config, trained
 
 DEVICES = 2
 NUM_STEPS = 12
@@ -70,6 +70,8 @@ def server(tmp_path_factory):
 
 
 def _run(config, workdir):
+  """On DEVICES devices: the runs the children's (DEVICES devices, or DEVICES processes of
+  one) are compared with. Runs whose sharding is not the point train on one (`trained`)."""
   return train.train_and_evaluate(config, str(workdir), devices=jax.devices()[:DEVICES])
 
 
@@ -179,9 +181,9 @@ def bucket_run(server, tmp_path_factory):
   config.data.max_predictions_per_seq = 5
   config.model.vocab_size = 0  # from the tokenizer
   local = tmp_path_factory.mktemp('a_local')
-  _run(config, local)
+  trained(config, local)
   url = f'{server.root}/a'
-  return url, local, _run(config, url)
+  return url, local, trained(config, url)
 
 
 def test_a_pretraining_run_in_a_bucket_logs_the_losses_of_a_local_run(bucket_run):
@@ -278,7 +280,7 @@ def test_a_diverged_run_in_a_bucket_keeps_its_log_up_to_the_divergence(server):
   c = tiny_config(num_steps=30, checkpoint_every_steps=1000)
   c.optimizer.learning_rate, c.optimizer.clip_norm = 1e12, 0.0
   with pytest.raises(trainer.NonFiniteLossError) as e:
-    train.train_and_evaluate(c, url)
+    trained(c, url)
   bad_step = int(str(e.value).split(' at step ')[1].split(';')[0])
   logged = metrics_jsonl.read_jsonl(f'{url}/metrics.jsonl')
   assert bad_step > 1 and sorted(logged) == list(range(1, bad_step))
@@ -299,7 +301,7 @@ def test_a_run_that_lost_its_lock_leaves_the_new_holders_log_alone(server, monke
     original(run)
   monkeypatch.setattr(RunDir, 'check_held', check_held)
   with pytest.raises(workdir_lib.WorkdirInUseError, match='taken over; this run stopped'):
-    train.train_and_evaluate(tiny_config(num_steps=6, checkpoint_every_steps=1000), url)
+    trained(tiny_config(num_steps=6, checkpoint_every_steps=1000), url)
   assert storage.path(f'{url}/metrics.jsonl').read_text() == theirs
 
 
@@ -322,9 +324,8 @@ def test_a_lock_lost_during_an_evaluation_stops_the_run_before_it_writes(server,
                       lambda self, p, binary=False, upload_every=30.0: upload_at_once(
                           self, p, binary, upload_every=0.0))
   with pytest.raises(workdir_lib.WorkdirInUseError, match='taken over; this run stopped'):
-    train.train_and_evaluate(tiny_config(num_steps=6, eval_every_steps=3, eval_steps=1,
-                                         log_every_steps=100, checkpoint_every_steps=1000),
-                             url)
+    trained(tiny_config(num_steps=6, eval_every_steps=3, eval_steps=1, log_every_steps=100,
+                        checkpoint_every_steps=1000), url)
   assert storage.path(f'{url}/metrics.jsonl').read_text() == theirs
 
 
@@ -358,7 +359,7 @@ def test_a_save_begun_before_the_lock_was_lost_is_never_committed(
   monkeypatch.setattr(checkpoints, 'save', save)
   config = tiny_config(num_steps=6, checkpoint_every_steps=2, keep_checkpoints=1)
   with pytest.raises(workdir_lib.WorkdirInUseError, match='taken over; this run stopped'):
-    train.train_and_evaluate(config, url)
+    trained(config, url)
   with contextlib.suppress(workdir_lib.WorkdirInUseError):  # the fence's own error
     managers[-1].wait_until_finished()  # what the process would have done, had it lived on
   assert checkpoints.complete_steps(url) == [lost_at if committed else lost_at - 2]
