@@ -279,7 +279,7 @@ def test_tiny_compiles_for_v5e_2x2(variant, overrides):
   assert report.temp_bytes > 0 and report.argument_bytes >= report.state_bytes > 0
   # Parameters and both Adam moments in float32, sharded over fsdp (replicated over data).
   spec = resolve(config.model, platform='tpu')
-  params = models.build(spec).init(jax.random.PRNGKey(0), {
+  params = jax.eval_shape(models.build(spec).init, jax.random.PRNGKey(0), {
       k: jnp.zeros((1, 64), jnp.int32) for k in ('input_ids', 'segment_ids',
                                                   'attention_mask')})['params']
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
