@@ -80,3 +80,15 @@ import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
 gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture(scope='session')
+def commands():
+  """Runs the project's command lines (`commands.run(['train.py', ...])`) as processes
+  forked from an interpreter that has imported their libraries (tests/preloaded.py): one per
+  worker, for the tests that start many short commands."""
+  from tests.preloaded import Preloaded  # pylint: disable=g-import-not-at-top
+  with Preloaded() as server:
+    yield server

@@ -596,7 +596,7 @@ def test_sweep_values_are_checked_against_their_fields_as_the_command_line_reads
       sweep.check_keys(config, [{'model.variant': 'postln'}, bad])
 
 
-def test_a_config_or_sweep_file_that_fails_is_one_line_naming_file_and_line(tmp_path):
+def test_a_config_or_sweep_file_that_fails_is_one_line_naming_file_and_line(commands, tmp_path):
   broken = tmp_path / 'broken.py'
   broken.write_text('def get_config(:\n  pass\n')
   raising = tmp_path / 'raising.py'
@@ -609,8 +609,7 @@ def test_a_config_or_sweep_file_that_fails_is_one_line_naming_file_and_line(tmp_
       (['--sweep_file', str(hyper)], r'line 2\): NameError'),
       (['--sweep_file', str(tmp_path / 'none.py')], 'not found; give a Python file'),
       (['--config', 'configs/'], 'configs/ is a folder; give a config file')):
-    proc = subprocess.run([sys.executable, 'sweep.py', 'print', '--root', str(tmp_path / 'r'),
-                           *args], capture_output=True, text=True, cwd=REPO)
+    proc = commands.run(['sweep.py', 'print', '--root', str(tmp_path / 'r'), *args])
     assert proc.returncode == 1, proc.stderr
     assert re.fullmatch(f'error: .*{message}.*\n', proc.stderr), proc.stderr
 

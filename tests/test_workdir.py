@@ -395,12 +395,11 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
     (['analyze.py', '--workdir', '{tmp}', '--out', '{tmp}/o', '--num_examples', '0'],
      'flag --num_examples=0: 0 is not a positive integer'),
 ])
-def test_every_entry_point_reports_user_errors_in_one_line(tmp_path, argv, expected):
+def test_every_entry_point_reports_user_errors_in_one_line(commands, tmp_path, argv, expected):
   argv = [a.format(tmp=tmp_path) for a in argv]
   expected = expected.format(tmp=tmp_path)
   (tmp_path / 'a_file').write_text('in the way\n')
-  proc = subprocess.run([sys.executable] + argv, cwd=REPO, capture_output=True, text=True,
-                        timeout=240)
+  proc = commands.run(argv)
   errors = [l for l in proc.stderr.splitlines() if 'error:' in l]
   assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], proc.stderr
   assert 'Traceback' not in proc.stderr
@@ -474,7 +473,7 @@ def test_data_tokenizer_takes_its_inputs_after_one_flag_or_repeated(tmp_path):
     assert "'sentences': 400" in proc.stdout, proc.stdout
 
 
-def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):
+def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(commands, tmp_path):
   """A fine-tuning run's folder where a pretraining workdir belongs (analyze, fine-tune,
   export), an export into a train.py workdir, an import into a non-empty folder."""
   ft = tmp_path / 'ft'
@@ -500,13 +499,13 @@ def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(tmp_path):
       (['-m', 'realformer.tools.interop', 'import-hf', '--src', ft, '--out', run_dir],
        'exists and is not an empty directory'),
   ]
-  expect_one_line_errors(cases)
+  expect_one_line_errors(commands, cases)
   assert sorted(os.listdir(tmp_path)) == ['afile', 'ft', 'run']
   assert sorted(os.listdir(run_dir)) == ['checkpoints', 'config.json']
   assert json.loads((ft / 'config.json').read_text())['task'] == 'sst2'
 
 
-def test_data_file_mistakes_through_the_command_line(tmp_path):
+def test_data_file_mistakes_through_the_command_line(commands, tmp_path):
   """A malformed GLUE row (finetune.py) and a corpus of undecodable lines (train.py): one
   line naming the file (and line) or the undecodable lines, and no workdir left behind."""
   rte = tmp_path / 'glue' / 'RTE'
@@ -535,27 +534,67 @@ def test_data_file_mistakes_through_the_command_line(tmp_path):
        'fewer than one batch of 32 per process (40 lines of the corpus were not UTF-8 and '
        'were skipped: convert the files to UTF-8'),
   ]
-  expect_one_line_errors(cases)
+  expect_one_line_errors(commands, cases)
   # The one workdir left holds only the complete prepared data (reused after a fix of the
   # batch size, or deleted as the message says), no config.json and no checkpoint.
   assert sorted(os.listdir(tmp_path)) == ['glue', 'latin1.txt', 'mostly_latin1.txt', 'tr2']
   assert sorted(os.listdir(tmp_path / 'tr2')) == ['.lock', 'data']
 
 
-def expect_one_line_errors(cases):
-  """Runs every (argv, expected) side by side: each exits 1 with one `error:` line holding
-  `expected`, and no traceback."""
-  procs = [(subprocess.Popen([sys.executable] + [str(a) for a in argv], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-            expected) for argv, expected in cases]
-  for proc, expected in procs:
-    _, err = proc.communicate(timeout=240)
+def test_a_preloaded_command_is_what_python_gives(commands, tmp_path):
+  """The `commands` fixture (tests/preloaded.py) against `python` itself: the same exit
+  status, output and files for a program that prints, writes, exits in each way Python
+  knows, reads its argv, path and environment, and sees its own devices."""
+  program = tmp_path / 'program.py'
+  program.write_text(
+      'import atexit, os, sys\n'
+      'atexit.register(lambda: print("atexit ran", flush=True))\n'
+      'print(sys.argv[1:], sys.path[0] == os.path.dirname(os.path.abspath(__file__)))\n'
+      'print(os.getcwd(), os.environ.get("MARK"), file=sys.stderr)\n'
+      'how = sys.argv[1]\n'
+      'if how == "devices":\n'
+      '  import jax\n'
+      '  print(len(jax.devices()))\n'
+      'open(os.path.join(sys.argv[2], how), "w").write(how)\n'
+      'if how == "raise":\n'
+      '  raise KeyError("x")\n'
+      'if how == "message":\n'
+      '  sys.exit("stopped: a message")\n'
+      'if how == "code":\n'
+      '  sys.exit(3)\n')
+  env = dict(os.environ, MARK='m', XLA_FLAGS=cpu_xla_flags(3))
+  for how in ('normal', 'raise', 'message', 'code', 'devices'):
+    runs = []
+    for kind in ('out_python', 'out_preloaded'):
+      out = tmp_path / kind
+      out.mkdir(exist_ok=True)
+      argv = [str(program), how, str(out)]
+      if kind == 'out_python':
+        proc = subprocess.run([sys.executable] + argv, cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+      else:
+        proc = commands.run(argv, cwd=tmp_path, env=env)
+      runs.append((proc.returncode, proc.stdout.replace(kind, 'K'),
+                   proc.stderr.replace(kind, 'K'), (out / how).read_text()))
+    assert runs[0] == runs[1], (how, runs)
+  assert runs[0][1].endswith('3\natexit ran\n')  # jax found the command's 3 devices
+  # (a -m module runs as `python -m` runs it)
+  proc = commands.run(['-m', 'data.tokenizer', '--input', str(program)])
+  assert proc.returncode == 1 and proc.stderr.startswith('error: --model_prefix is required')
+
+
+def expect_one_line_errors(commands, cases):
+  """Runs every (argv, expected): each exits 1 with one `error:` line holding `expected`,
+  and no traceback."""
+  for argv, expected in cases:
+    proc = commands.run(argv)
+    err = proc.stderr
     errors = [l for l in err.splitlines() if 'error:' in l]
     assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
     assert 'Traceback' not in err
 
 
-def test_a_config_file_that_fails_to_load_is_one_line(tmp_path):
+def test_a_config_file_that_fails_to_load_is_one_line(commands, tmp_path):
   """The --config file is the user's own code: a syntax error, an exception in get_config,
   no get_config at all, or a folder given for it."""
   (tmp_path / 'broken.py').write_text('def get_config(:\n  pass\n')
@@ -565,9 +604,7 @@ def test_a_config_file_that_fails_to_load_is_one_line(tmp_path):
                          ('raising.py', 'raising.py, line 2): ZeroDivisionError'),
                          ('empty.py', 'defines no get_config()'),
                          ('', 'cannot load the --config file: Is a directory')):
-    proc = subprocess.run([sys.executable, 'train.py', f'--workdir={tmp_path}/w',
-                           f'--config={tmp_path / name}'], cwd=REPO, capture_output=True,
-                          text=True, timeout=240)
+    proc = commands.run(['train.py', f'--workdir={tmp_path}/w', f'--config={tmp_path / name}'])
     # One error line and nothing else of ours (TensorFlow's import may log its own banner,
     # depending on the CPU).
     errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
@@ -654,7 +691,7 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_pat
   assert json.loads((workdir / 'results.json').read_text())['dev']['rte']['accuracy'] >= 0
 
 
-def test_finetune_data_and_checkpoint_mistakes_through_the_command_line(tmp_path):
+def test_finetune_data_and_checkpoint_mistakes_through_the_command_line(commands, tmp_path):
   """A task folder that is not there, a CoLA row cut short (it was an IndexError), a bad
   label, and a checkpoint its config.json no longer describes: one line each, no workdir."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
@@ -695,7 +732,7 @@ def test_finetune_data_and_checkpoint_mistakes_through_the_command_line(tmp_path
         f'--config.init_checkpoint={pretrained}', f'--config.data_dir={tmp_path}/rte',
         '--config.batch_size=8'], 'has shape (32,) in the checkpoint but (48,) in the model'),
   ]
-  expect_one_line_errors(cases)
+  expect_one_line_errors(commands, cases)
   assert sorted(os.listdir(tmp_path)) == ['empty', 'glue', 'glue2', 'pretrained', 'rte']
 
 
