@@ -27,6 +27,10 @@ os.environ.setdefault('JAX_OPTIMIZATION_LEVEL', 'O0')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 os.environ.setdefault('CUDA_VISIBLE_DEVICES', '')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# One OpenMP thread for torch (the HF references, the device suite's HF contenders) and
+# OpenBLAS: pytest-xdist runs a test process per core, and a pool of two spin-waits for the
+# core that the other worker holds (the smoke's HF fine-tuning epoch took 23 s instead of 5).
+os.environ.setdefault('OMP_NUM_THREADS', '1')
 # Nothing is downloaded in the tests: Hugging Face datasets come from local directories.
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
