@@ -273,6 +273,31 @@ def markdown(args):
   print('\n'.join(out))
 
 
+def _read_cells(path: str) -> dict:
+  """{key: the stored cell, re-judged against the usable HBM} of a results file."""
+  with open(path) as f:
+    raws = [json.loads(l) for l in f if l.strip()]
+  return {key(r['cell']): rejudged(r) for r in raws}
+
+
+def compare(args):
+  """Each cell of --out beside the same cell of --before (another table's results: other
+  code, other versions): GiB per chip at the reference batch, and the largest batch found."""
+  before, after = _read_cells(args.before), _read_cells(args.out)
+  gib = lambda r: f'{r["reference"]["gib"]:.2f}' if r['reference']['fits'] else 'no'
+  found = lambda r: (f'{r["max_batch"]}' + (f' ({r["first_failing"]} not)' if
+                                             r['first_failing'] else ' (larger not tried)'))
+  out = [f'| slice | length | mesh | size | variant | GiB at batch {REFERENCE_BATCH}: before '
+         '| after | largest batch found: before | after |', '|---|---|---|---|---|---|---|---|---|']
+  for cell in cells():
+    k = key(cell)
+    if k in after and k in before:
+      b, a = before[k], after[k]
+      out.append(f'| {cell["target"]} | {cell["length"]} | {cell["mesh"]} | {cell["size"]} | '
+                 f'{cell["variant"]} | {gib(b)} | {gib(a)} | {found(b)} | {found(a)} |')
+  print('\n'.join(out))
+
+
 def checks_path(out: str) -> str:
   return os.path.splitext(out)[0] + '_estimates.jsonl'
 
@@ -329,6 +354,9 @@ if __name__ == '__main__':
                  help='cells whose fields have these values, e.g. '
                  'target=v5p:2x2x1,mesh=fsdp,length=512 (the fields of key())')
   p.add_argument('--markdown', action='store_true', help='print the table from --out')
+  p.add_argument('--before', default='',
+                 help='with --markdown: print each cell of --out beside its result in this '
+                 'file instead (e.g. a table compiled before a change)')
   p.add_argument('--check_estimates', type=int, default=0,
                  help='compile this many unresolved cells at their estimated largest batch '
                  'and 64 more, one per slice and length')
@@ -336,4 +364,9 @@ if __name__ == '__main__':
                  help='with --check_estimates: these cells (comma-separated keys '
                  'target|size|variant|length|mesh) instead of one per slice and length')
   a = p.parse_args()
-  check_estimates(a) if a.check_estimates else markdown(a) if a.markdown else run(a)
+  if a.check_estimates:
+    check_estimates(a)
+  elif a.markdown:
+    compare(a) if a.before else markdown(a)
+  else:
+    run(a)
