@@ -244,7 +244,7 @@ def test_config_mistakes_are_one_line(tmp_path, program, override, expected):
   assert not os.listdir(tmp_path)  # nothing written
 
 
-def test_a_normal_resume_prints_no_warning(tmp_path):
+def test_a_normal_resume_prints_no_warning(commands, tmp_path):
   args = [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
           '--config.model.num_layers=1', '--config.model.hidden_size=32',
           '--config.model.mlp_dim=64', '--config.model.vocab_size=100',
@@ -259,15 +259,14 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
   warnings = [l for l in proc.stderr.splitlines() if l[:1] in 'WE' and l[1:2].isdigit()]
   assert 'resuming from' in proc.stderr and not warnings, warnings
   stored = (tmp_path / 'config.json').read_text()
-  proc = subprocess.run(args + ['--config.train.num_steps=4', '--config.model.variant=realformer'],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+  proc = commands.run(args[1:] + ['--config.train.num_steps=4',
+                                  '--config.model.variant=realformer'], env=env)
   errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
   assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
   assert "model.variant: 'postln' -> 'realformer'" in errors[0]
   assert (tmp_path / 'config.json').read_text() == stored
-  proc = subprocess.run(args + ['--config.train.num_steps=4', '--config.model.hidden_size=64',
-                                '--config.model.num_heads=4'],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+  proc = commands.run(args[1:] + ['--config.train.num_steps=4', '--config.model.hidden_size=64',
+                                  '--config.model.num_heads=4'], env=env)
   errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
   assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
   assert ('another config (2 fields): model.hidden_size: 32 -> 64, model.num_heads: 2 -> 4'
@@ -283,8 +282,7 @@ def test_a_normal_resume_prints_no_warning(tmp_path):
   # A run is not shortened past its checkpoint; a workdir whose config.json is gone does
   # not say what its checkpoints are (it resumed as whatever model was asked for).
   def refused(steps):
-    proc = subprocess.run(args + [f'--config.train.num_steps={steps}'], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = commands.run(args[1:] + [f'--config.train.num_steps={steps}'], env=env)
     errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
     return errors[0]
