@@ -293,7 +293,9 @@ def test_a_normal_resume_prints_no_warning(commands, tmp_path):
   assert not (tmp_path / 'config.json').exists()
 
 
-@pytest.mark.parametrize('argv,expected', [
+# (argv, the error line's text) of every program's user errors; {tmp} is the test's folder,
+# which holds a file `a_file`.
+ONE_LINE_ERRORS = [
     (['sweep.py', 'run', '--root', '{tmp}/s', '--config', 'configs/pretrain.py:postln,tiny',
       '--sweep', 'model.varient=postln'], 'model.varient is not a field'),
     (['-m', 'realformer.tools.finetune_grid', '--tasks', 'rte', '--root', '{tmp}/g',
@@ -392,7 +394,10 @@ def test_a_normal_resume_prints_no_warning(commands, tmp_path):
       '--vocab_size', '-5'], 'flag --vocab_size=-5: -5 is not a positive integer'),
     (['analyze.py', '--workdir', '{tmp}', '--out', '{tmp}/o', '--num_examples', '0'],
      'flag --num_examples=0: 0 is not a positive integer'),
-])
+]
+
+
+@pytest.mark.parametrize('argv,expected', ONE_LINE_ERRORS)
 def test_every_entry_point_reports_user_errors_in_one_line(commands, tmp_path, argv, expected):
   argv = [a.format(tmp=tmp_path) for a in argv]
   expected = expected.format(tmp=tmp_path)
@@ -402,6 +407,31 @@ def test_every_entry_point_reports_user_errors_in_one_line(commands, tmp_path, a
   assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], proc.stderr
   assert 'Traceback' not in proc.stderr
   assert os.listdir(tmp_path) == ['a_file']  # nothing half-made left behind
+
+
+def test_every_program_reports_its_first_user_error_from_python_itself(tmp_path):
+  """The cases above run forked from an interpreter that has imported the libraries (the
+  commands fixture); the first case of each program also runs from `python` itself, all side
+  by side, so that what happens as a program imports (a failure, a warning, a traceback) is
+  seen too."""
+  firsts = {}
+  for argv, expected in ONE_LINE_ERRORS:
+    firsts.setdefault(tuple(argv[:2]) if argv[0] == '-m' else argv[0], (argv, expected))
+  runs = []
+  for i, (argv, expected) in enumerate(firsts.values()):
+    folder = tmp_path / str(i)
+    folder.mkdir()
+    (folder / 'a_file').write_text('in the way\n')
+    runs.append((folder, expected.format(tmp=folder), subprocess.Popen(
+        [sys.executable] + [a.format(tmp=folder) for a in argv], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+  assert len(runs) >= 9  # train, finetune, sweep, study, analyze and four python -m tools
+  for folder, expected, proc in runs:
+    _, err = proc.communicate(timeout=240)
+    errors = [l for l in err.splitlines() if 'error:' in l]
+    assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
+    assert 'Traceback' not in err
+    assert os.listdir(folder) == ['a_file']
 
 
 def test_entry_points_without_absl_app_drop_orbax_restore_warning():
@@ -542,12 +572,13 @@ def test_data_file_mistakes_through_the_command_line(commands, tmp_path):
 def test_a_preloaded_command_is_what_python_gives(commands, tmp_path):
   """The `commands` fixture (tests/preloaded.py) against `python` itself: the same exit
   status, output and files for a program that prints, writes, exits in each way Python
-  knows, reads its argv, path and environment, and sees its own devices."""
+  knows, starts a thread, reads its argv, __file__, path and environment, and sees its own
+  devices."""
   program = tmp_path / 'program.py'
   program.write_text(
-      'import atexit, os, sys\n'
+      'import atexit, os, sys, threading, time\n'
       'atexit.register(lambda: print("atexit ran", flush=True))\n'
-      'print(sys.argv[1:], sys.path[0] == os.path.dirname(os.path.abspath(__file__)))\n'
+      'print(sys.argv, __file__, sys.path[0] == os.path.dirname(__file__))\n'
       'print(os.getcwd(), os.environ.get("MARK"), file=sys.stderr)\n'
       'how = sys.argv[1]\n'
       'if how == "devices":\n'
@@ -559,14 +590,18 @@ def test_a_preloaded_command_is_what_python_gives(commands, tmp_path):
       'if how == "message":\n'
       '  sys.exit("stopped: a message")\n'
       'if how == "code":\n'
-      '  sys.exit(3)\n')
+      '  sys.exit(3)\n'
+      'if how == "interrupt":\n'
+      '  raise KeyboardInterrupt\n'
+      'if how == "thread":\n'
+      '  threading.Thread(target=lambda: (time.sleep(0.2), print("joined"))).start()\n')
   env = dict(os.environ, MARK='m', XLA_FLAGS=cpu_xla_flags(3))
-  for how in ('normal', 'raise', 'message', 'code', 'devices'):
+  for how in ('normal', 'raise', 'message', 'code', 'interrupt', 'thread', 'devices'):
     runs = []
     for kind in ('out_python', 'out_preloaded'):
       out = tmp_path / kind
       out.mkdir(exist_ok=True)
-      argv = [str(program), how, str(out)]
+      argv = [program.name, how, str(out)]  # as python takes it: relative to cwd
       if kind == 'out_python':
         proc = subprocess.run([sys.executable] + argv, cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=120)
