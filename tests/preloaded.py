@@ -162,6 +162,7 @@ def _child(request: dict, out: str, err: str, answers: int) -> None:
         os.dup2(opened, fd)
         os.close(opened)
       sys.stdout = sys.__stdout__  # the server had pointed it at stderr
+      sys.modules['numpy'].random.seed()  # its own global draws, as a fresh numpy seeds them
       signal.alarm(TIMEOUT_S)  # a command that hangs is killed (status -14)
       code = _run_as_main(request['argv'])
       threading._shutdown()  # pylint: disable=protected-access  # as python exits: joins
