@@ -15,7 +15,6 @@ Results: BENCHMARKS.md ("Fine-tuning: pretrained vs random initialisation").
 """
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -16,7 +16,6 @@ the emulator's handlers, without changing its storage, so that:
 
 import argparse
 import functools
-import json
 import logging
 from http import HTTPStatus
 

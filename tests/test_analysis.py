@@ -3,7 +3,6 @@ the whole analysis on a tiny checkpoint."""
 
 import json
 import math
-import os
 
 import jax
 import flax.linen as nn

@@ -2,7 +2,6 @@
 plus the structural properties the papers imply: padding invariance, RealFormer's residual
 scores, scan == unrolled, the fused path == the plain path, dtype policy, sharded init."""
 
-import dataclasses
 
 import flax.linen as nn
 import jax
