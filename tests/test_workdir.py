@@ -403,9 +403,7 @@ def test_every_entry_point_reports_user_errors_in_one_line(commands, tmp_path, a
   expected = expected.format(tmp=tmp_path)
   (tmp_path / 'a_file').write_text('in the way\n')
   proc = commands.run(argv)
-  errors = [l for l in proc.stderr.splitlines() if 'error:' in l]
-  assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], proc.stderr
-  assert 'Traceback' not in proc.stderr
+  assert_one_line_error(proc.returncode, proc.stderr, expected)
   assert os.listdir(tmp_path) == ['a_file']  # nothing half-made left behind
 
 
@@ -428,9 +426,7 @@ def test_every_program_reports_its_first_user_error_from_python_itself(tmp_path)
   assert len(runs) >= 9  # train, finetune, sweep, study, analyze and four python -m tools
   for folder, expected, proc in runs:
     _, err = proc.communicate(timeout=240)
-    errors = [l for l in err.splitlines() if 'error:' in l]
-    assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
-    assert 'Traceback' not in err
+    assert_one_line_error(proc.returncode, err, expected)
     assert os.listdir(folder) == ['a_file']
 
 
@@ -621,10 +617,14 @@ def expect_one_line_errors(commands, cases):
   and no traceback."""
   for argv, expected in cases:
     proc = commands.run(argv)
-    err = proc.stderr
-    errors = [l for l in err.splitlines() if 'error:' in l]
-    assert proc.returncode == 1 and len(errors) == 1 and expected in errors[0], err[-3000:]
-    assert 'Traceback' not in err
+    assert_one_line_error(proc.returncode, proc.stderr, expected)
+
+
+def assert_one_line_error(returncode: int, stderr: str, expected: str) -> None:
+  """Exit status 1, one line holding `error:` and `expected`, no traceback."""
+  errors = [l for l in stderr.splitlines() if 'error:' in l]
+  assert returncode == 1 and len(errors) == 1 and expected in errors[0], stderr[-3000:]
+  assert 'Traceback' not in stderr
 
 
 def test_a_config_file_that_fails_to_load_is_one_line(commands, tmp_path):
