@@ -376,8 +376,9 @@ def short(e: BaseException) -> str:
 class GrowingFile:
   """A file that a run appends to, on a local disk or in a bucket.
 
-  Local: the file opened for appending; flush() flushes it. gs:// URL: a local spool that
-  starts as a copy of the object (a resumed run appends to what it wrote before), whose new
+  Local: the file opened for appending; flush() flushes it. gs:// URL: a local spool (an
+  unnamed temporary file, gone with the process however it ends) that starts as a copy of
+  the object (a resumed run appends to what it wrote before), whose new
   bytes reach the object on flush() when `upload_every` seconds have passed since the last
   upload, on flush(force=True), and on close(). An upload sends only the bytes the object
   lacks: they go to a temporary object beside it, which Cloud Storage's compose appends to
@@ -403,18 +404,19 @@ class GrowingFile:
       self._file = open(self.path, 'a' + self._mode)
       return
     self._client = gcs_client(os.fspath(self.path))
-    fd, self._spool = tempfile.mkstemp(prefix='realformer-', suffix='-' + self.path.name)
-    with os.fdopen(fd, 'wb') as f:
-      blob = gcs_blob(self._client, os.fspath(self.path))
-      if blob.exists(timeout=REQUEST_SECONDS, retry=_bounded_retry()):
-        f.write(blob.download_as_bytes(timeout=REQUEST_SECONDS, retry=_bounded_retry()))
-    self._file = open(self._spool, 'a' + self._mode)
+    # Anonymous (no name on disk): nothing is left behind however the process ends.
+    self._file = tempfile.TemporaryFile()
+    blob = gcs_blob(self._client, os.fspath(self.path))
+    if blob.exists(timeout=REQUEST_SECONDS, retry=_bounded_retry()):
+      self._file.write(blob.download_as_bytes(timeout=REQUEST_SECONDS, retry=_bounded_retry()))
     self._uploaded = time.monotonic()
     # What the object holds: the spool's first `_sent` bytes, at `_generation`, after
     # `_appends` composes (None: not written by this start, so the next upload is whole).
     self._sent, self._generation, self._appends = 0, None, 0
 
   def write(self, data: Union[str, bytes]) -> None:
+    if is_url(self.path) and isinstance(data, str):
+      data = data.encode('utf-8')  # (the spool is binary)
     self._file.write(data)
 
   def flush(self, force: bool = False) -> None:
@@ -424,18 +426,19 @@ class GrowingFile:
       self._uploaded = time.monotonic()
 
   def _upload(self) -> None:
-    with open(self._spool, 'rb') as f:
-      f.seek(self._sent)
-      tail = f.read()
-      size = self._sent + len(tail)
-      if self._generation is not None and not tail:
-        return
-      if self._generation is None or self._appends >= self.COMPOSE_LIMIT or not self._append(
-          tail):
-        f.seek(0)
+    size = self._file.tell()  # (flushed: the spool's end)
+    tail = os.pread(self._file.fileno(), size - self._sent, self._sent)
+    if self._generation is not None and not tail:
+      return
+    if self._generation is None or self._appends >= self.COMPOSE_LIMIT or not self._append(tail):
+      self._file.seek(0)
+      try:
         blob = gcs_blob(self._client, os.fspath(self.path))
-        blob.upload_from_file(f, size=size, timeout=REQUEST_SECONDS, retry=_bounded_retry())
-        self._generation, self._appends = blob.generation, 0
+        blob.upload_from_file(self._file, size=size, timeout=REQUEST_SECONDS,
+                              retry=_bounded_retry())
+      finally:
+        self._file.seek(0, os.SEEK_END)
+      self._generation, self._appends = blob.generation, 0
     self._sent = size
 
   def _append(self, tail: bytes) -> bool:
@@ -478,8 +481,6 @@ class GrowingFile:
       self.flush(force=True)
     finally:
       self._file.close()
-    if is_url(self.path):  # uploaded (else the spool stays, and the error names the object)
-      os.unlink(self._spool)
 
 
 # ---- A lock object with a lease (the lock of a run directory or a preparation in a bucket).

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -381,11 +382,16 @@ def test_a_run_directory_on_a_gcsfuse_mount_is_refused_naming_the_bucket(tmp_pat
   RunDir(tmp_path / 'gcs' / 'scratch' / 'run')
 
 
-def test_a_growing_file_in_a_bucket_appends_only_its_new_bytes(gcs, monkeypatch):
+def test_a_growing_file_in_a_bucket_appends_only_its_new_bytes(gcs, monkeypatch, tmp_path):
   """The first upload of a start is whole; after it each upload sends only the new bytes and
   composes them onto the object; an object changed meanwhile, and the COMPOSE_LIMIT-th
-  append, are rewritten whole from the spool; a resumed run continues the object."""
+  append, are rewritten whole from the spool; a resumed run continues the object. The
+  spool has no name in the temporary folder: a process killed at any point leaves nothing
+  there."""
   from google.cloud.storage import Blob  # pylint: disable=g-import-not-at-top
+  spools = tmp_path / 'tmp'
+  spools.mkdir()
+  monkeypatch.setattr(tempfile, 'tempdir', str(spools))
   sent = []  # ('whole' | 'part', bytes) of each upload
   upload = Blob.upload_from_file
 
@@ -401,6 +407,7 @@ def test_a_growing_file_in_a_bucket_appends_only_its_new_bytes(gcs, monkeypatch)
   f.write(lines[0])
   f.flush()  # within the upload interval: kept in the spool
   assert not storage.path(url).exists() and not sent
+  assert list(spools.iterdir()) == []  # (the line is in the spool)
   f.flush(force=True)  # as with each checkpoint
   f.write(lines[1])
   f.flush(force=True)
@@ -426,6 +433,7 @@ def test_a_growing_file_in_a_bucket_appends_only_its_new_bytes(gcs, monkeypatch)
   again.flush()
   assert storage.path(url).read_text() == ''.join(lines)
   assert sent[-1] == ('whole', len(''.join(lines)))
+  assert list(spools.iterdir()) == []  # (its spool open)
   again.close()
 
 
