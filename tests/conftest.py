@@ -2,8 +2,10 @@
 XLA's lowest effort, the repository root on sys.path, a compilation cache for the run, shared
 by its workers, and a garbage collector that leaves the imports alone."""
 import os
+import shutil
 import sys
 import tempfile
+import uuid
 
 
 def cpu_xla_flags(devices: int) -> str:
@@ -55,7 +57,7 @@ RUN_FOLDER = _run_folder()
 # (the tests that stop it wait for the run to give up).
 os.environ.setdefault('REALFORMER_STORAGE_SECONDS', '10')
 # Local copies of bucket data (prepared shards) go to this process's own folder.
-os.environ.setdefault('REALFORMER_CACHE', tempfile.mkdtemp(prefix='realformer_cache_'))
+os.environ.setdefault('REALFORMER_CACHE', os.path.join(RUN_FOLDER, f'cache_{os.getpid()}'))
 # The programs the tests start (train.py, finetune.py) compile into this run's own cache, not
 # the user's, shared by the workers: a run that another worker's test already made loads its
 # programs.
@@ -86,6 +88,25 @@ gc.freeze()
 gc.set_threshold(50_000, 20, 20)
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def pytest_configure(config):
+  """The run's id chosen here, where pytest-xdist's workers would have it chosen for them:
+  the main process then knows their folder."""
+  if not hasattr(config, 'workerinput') and getattr(config.option, 'testrunuid', '') is None:
+    config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config):
+  """The main process, last to finish, removes the run's folders (its workers' and its own):
+  a run leaves nothing in the temporary folder."""
+  if hasattr(config, 'workerinput'):
+    return
+  run = getattr(config.option, 'testrunuid', None)
+  if run:
+    shutil.rmtree(os.path.join(tempfile.gettempdir(), f'realformer_tests_{run}'),
+                  ignore_errors=True)
+  shutil.rmtree(RUN_FOLDER, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
