@@ -92,9 +92,12 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 def pytest_configure(config):
   """The run's id chosen here, where pytest-xdist's workers would have it chosen for them:
-  the main process then knows their folder."""
+  the main process then knows their folder. ml_collections' config_flags loads a config file
+  with importlib's deprecated load_module (its warning is the library's to fix)."""
   if not hasattr(config, 'workerinput') and getattr(config.option, 'testrunuid', '') is None:
     config.option.testrunuid = uuid.uuid4().hex
+  config.addinivalue_line('filterwarnings',
+                          r'ignore:the load_module\(\) method is deprecated:DeprecationWarning')
 
 
 def pytest_unconfigure(config):
