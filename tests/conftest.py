@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices (sharding tests) compiling at -O0, libtpu's compiles at
 XLA's lowest effort, the repository root on sys.path, a compilation cache for the run, shared
-by its workers, and a garbage collector that leaves the imports alone."""
+by its workers and removed at its end, and a garbage collector that leaves the imports
+alone."""
 import os
 import shutil
 import sys
