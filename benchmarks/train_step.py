@@ -97,7 +97,14 @@ def step_args(seq_len: int, batch: int, dtype: str = 'bfloat16') -> argparse.Nam
   return argparse.Namespace(
       vocab_size=30522, dtype=dtype, seq_len=seq_len, batch=batch,
       predictions=max(1, round(seq_len * 20 / 128)), remat='none', scan=False, fused='auto',
-      forward=False, forward_only=False, threads=os.cpu_count())
+      forward=False, forward_only=False, threads=torch_threads())
+
+
+def torch_threads() -> int:
+  """HF's torch threads: OMP_NUM_THREADS where it is set (a core shared with other work, as
+  in the tests, where a second thread spin-waits for a busy core: 2.5x slower steps), else
+  every core, as XLA's CPU client uses."""
+  return int(os.environ.get('OMP_NUM_THREADS') or 0) or os.cpu_count()
 
 
 def make_config(variant, size, args):
@@ -204,7 +211,7 @@ class HF:
     self.name = 'HF BertForPreTraining (torch' + (
         f', autocast {args.dtype})' if self.autocast else ')')
     torch.manual_seed(0)
-    torch.set_num_threads(args.threads)  # as many threads as XLA's CPU client uses
+    torch.set_num_threads(args.threads)
     layers, hidden, heads, mlp = pretrain.SIZES[size]
     cfg = transformers.BertConfig(vocab_size=args.vocab_size, hidden_size=hidden,
                                   num_hidden_layers=layers, num_attention_heads=heads,
@@ -355,7 +362,8 @@ def main():
   p.add_argument('--prng', default='threefry2x32',
                  help='comma-separated PRNG implementations for dropout: threefry2x32, '
                       'philox4x32, rbg, unsafe_rbg (each variant is built once per implementation)')
-  p.add_argument('--threads', type=int, default=os.cpu_count(), help="torch's threads")
+  p.add_argument('--threads', type=int, default=torch_threads(),
+                 help="torch's threads (default: OMP_NUM_THREADS, else every core)")
   args = p.parse_args()
   # BERT's max_predictions_per_seq: 20 at length 128, 80 at 512.
   args.predictions = args.predictions or max(1, round(args.seq_len * 20 / 128))
