@@ -97,15 +97,17 @@ def report(runs: dict) -> str:
                  f'{b["mlm_loss"] - a["mlm_loss"]:+.4f} | {a["mlm_accuracy"]:.4f} / '
                  f'{b["mlm_accuracy"]:.4f} | {b["mlm_accuracy"] - a["mlm_accuracy"]:+.4f} | '
                  f'{curve:.4f} |')
-  f32 = [_last(runs[(CARRIES[0], s)], 'eval') for s in seeds]
-  curves = [_curve(runs[(CARRIES[0], s)]) for s in seeds]
+  every = sorted(s for c, s in runs if c == CARRIES[0])  # the float32 runs, paired or not
+  f32 = [_last(runs[(CARRIES[0], s)], 'eval') for s in every]
+  curves = [_curve(runs[(CARRIES[0], s)]) for s in every]
   steps = sorted(set.intersection(*(set(c) for c in curves)))
   lines += ['', f'Over {len(seeds)} seeds, bfloat16 minus float32: eval MLM loss mean '
             f'{statistics.mean(diffs["mlm_loss"]):+.4f} (largest '
             f'{max(diffs["mlm_loss"], key=abs):+.4f}), accuracy mean '
             f'{statistics.mean(diffs["mlm_accuracy"]):+.4f} (largest '
             f'{max(diffs["mlm_accuracy"], key=abs):+.4f}). Between the float32 runs of '
-            f'different seeds: eval MLM loss spread {_spread([r["mlm_loss"] for r in f32]):.4f}, '
+            f'different seeds ({len(every)}): eval MLM loss spread '
+            f'{_spread([r["mlm_loss"] for r in f32]):.4f}, '
             f'accuracy spread {_spread([r["mlm_accuracy"] for r in f32]):.4f}, training-loss '
             f'spread at a logged step up to '
             f'{max(_spread([c[s] for c in curves]) for s in steps):.4f}.']
