@@ -77,7 +77,8 @@ def model_config(variant='postln', size='base'):
   m.dtype = 'float32'
   # RealFormer's carried scores ([B, H, T, T] per layer, kept for the backward pass):
   # float32 (the official code's) or bfloat16 (half the memory; the sum is still formed in
-  # float32 within each layer, only the carried copy is rounded).
+  # float32 within each layer, only the carried copy is rounded; it learns as float32 does:
+  # BENCHMARKS.md, "RealFormer's carry in bfloat16").
   m.residual_dtype = 'float32'
   m.scan_layers = False  # nn.scan over layers (faster compile for deep models)
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
