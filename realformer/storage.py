@@ -475,12 +475,12 @@ class GrowingFile:
     return True
 
   def close(self) -> None:
+    """Flushes (uploads) and closes; an upload that fails leaves the file open (its error
+    propagates), so that calling close() again sends what is left."""
     if self._file.closed:
       return
-    try:
-      self.flush(force=True)
-    finally:
-      self._file.close()
+    self.flush(force=True)
+    self._file.close()
 
 
 # ---- A lock object with a lease (the lock of a run directory or a preparation in a bucket).

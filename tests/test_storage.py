@@ -437,6 +437,25 @@ def test_a_growing_file_in_a_bucket_appends_only_its_new_bytes(gcs, monkeypatch,
   again.close()
 
 
+def test_a_growing_file_whose_last_upload_failed_sends_it_at_the_next_close(gcs, monkeypatch):
+  from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+  from google.cloud.storage import Blob  # pylint: disable=g-import-not-at-top
+  url = f'{gcs}/closing/metrics.jsonl'
+  f = storage.GrowingFile(url, upload_every=3600.0)
+  f.write('{"step": 0}\n')
+  def unavailable(*args, **kwargs):
+    raise exceptions.ServiceUnavailable('as the service would answer')
+
+  with monkeypatch.context() as m:
+    m.setattr(Blob, 'upload_from_file', unavailable)
+    with pytest.raises(exceptions.ServiceUnavailable):
+      f.close()  # the file stays open, its spool whole
+  assert not storage.path(url).exists()
+  f.write('{"step": 1}\n')
+  f.close()
+  assert storage.path(url).read_text() == '{"step": 0}\n{"step": 1}\n'
+
+
 def test_a_growing_file_recovers_from_lost_replies_and_a_deleted_object(gcs, monkeypatch):
   """A part upload and a compose that landed but whose replies were lost (the client's retry
   then fails its precondition), and the object deleted by someone (Cloud Storage answers the
