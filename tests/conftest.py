@@ -57,7 +57,7 @@ RUN_FOLDER = _run_folder()
 # The storage tests' server is on 127.0.0.1: a request it does not answer in 10 s never will
 # (the tests that stop it wait for the run to give up).
 os.environ.setdefault('REALFORMER_STORAGE_SECONDS', '10')
-# Local copies of bucket data (prepared shards) go to this process's own folder.
+# Local copies of bucket data (prepared shards) go to a folder of this run's (removed at its end).
 os.environ.setdefault('REALFORMER_CACHE', os.path.join(RUN_FOLDER, f'cache_{os.getpid()}'))
 # The programs the tests start (train.py, finetune.py) compile into this run's own cache, not
 # the user's, shared by the workers: a run that another worker's test already made loads its
