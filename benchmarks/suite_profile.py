@@ -22,18 +22,28 @@ import pytest
 
 _EVENTS = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
            '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower',
-           # XLA's compile, a compilation-cache read included (told apart by the next event)
+           # XLA's compile, or a compilation-cache read (whose own event comes inside it)
            '/jax/core/compile/backend_compile_duration': 'backend',
            '/jax/compilation_cache/cache_retrieval_time_sec': 'cache'}
 _TOTALS = collections.Counter()
+# per test, by program name: [compiles, their seconds, cache loads, their seconds]
+_PROGRAMS = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])
+_LOADED = [False]  # a cache read came inside the XLA compile event that ends next
 _GC_START = [None]
 
 
-def _on_duration(event: str, seconds: float, **_):
+def _on_duration(event: str, seconds: float, fun_name: str = '', **_):
   name = _EVENTS.get(event)
   if name:
     _TOTALS[name] += seconds
     _TOTALS['n_' + name] += 1
+    if name == 'cache':
+      _LOADED[0] = True
+    elif name == 'backend':
+      counts = _PROGRAMS[fun_name]
+      counts[2 * _LOADED[0]] += 1
+      counts[2 * _LOADED[0] + 1] += seconds
+      _LOADED[0] = False
 
 
 def _on_gc(phase: str, _):
@@ -52,9 +62,11 @@ def pytest_configure(config):  # pylint: disable=unused-argument
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   before, start = collections.Counter(_TOTALS), time.perf_counter()
+  _PROGRAMS.clear()
   yield
   row = dict(test=item.nodeid, wall=time.perf_counter() - start)
   row.update({k: _TOTALS[k] - before[k] for k in _TOTALS})
+  row['programs'] = dict(_PROGRAMS)
   with open(os.environ.get('SUITE_PROFILE', 'suite_profile.jsonl'), 'a',
             encoding='utf-8') as f:
     f.write(json.dumps(row) + '\n')
@@ -78,10 +90,28 @@ def by_module(path: str) -> dict[str, collections.Counter]:
   return modules
 
 
+def by_program(path: str) -> dict[str, list]:
+  """{program name: [compiles, their seconds, cache loads, their seconds]}, the whole run."""
+  programs = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])
+  with open(path, encoding='utf-8') as f:
+    for row in map(json.loads, f):
+      for name, counts in row.get('programs', {}).items():
+        programs[name] = [a + b for a, b in zip(programs[name], counts)]
+  return programs
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('jsonl', help='the file the plugin wrote ($SUITE_PROFILE)')
+  p.add_argument('--programs', type=int, default=0,
+                 help='also list the N programs that took the most compile seconds')
   args = p.parse_args()
+  if args.programs:
+    print('| program | compiles | s | cache loads | s |\n|---|---|---|---|---|')
+    programs = sorted(by_program(args.jsonl).items(), key=lambda kv: -kv[1][1])
+    for name, (n, seconds, loads, load_s) in programs[:args.programs]:
+      print(f'| {name} | {n} | {seconds:.0f} | {loads} | {load_s:.0f} |')
+    print()
   modules = by_module(args.jsonl)
   print('| module | tests | ' + ' | '.join(f'{c} s' for c in COLUMNS) + ' |')
   print('|---' * (len(COLUMNS) + 2) + '|')
