@@ -159,13 +159,15 @@ def save_tiny_encoder(workdir: str, variant: str, num_layers: int, num_heads: in
 
 
 def ft_config(task, init, **overrides):
+  """A tiny run on 8 fake devices' tensor mesh. Its length buckets are the default cost
+  model's (one length for so small a run: one train step and one prediction program to
+  compile); the tests of several lengths pass bucket_compile_seconds=0, which pads least."""
   c = finetune_configs.get_config(f'glue/{task}')
   c.unlock()
   c.init_checkpoint, c.data_dir = init, GLUE_DIR
   c.batch_size, c.eval_batch_size, c.num_epochs, c.max_seq_length = 2, 4, 2, 64
   c.optimizer.learning_rate = 1e-4
   c.mesh.data, c.mesh.tensor = 1, -1  # 8 fake devices, tensor parallel: any batch size
-  c.bucket_compile_seconds = 0.0  # the lengths that pad least: several, even for a tiny run
   for k, v in overrides.items():
     c[k] = v
   return c
@@ -351,7 +353,8 @@ def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_
   """SIGTERM (here: the stop signal reached at step 2 of 3 in an epoch) saves that step and
   returns 'preempted'; running again resumes there and ends where an uninterrupted run
   ends."""
-  config = lambda: ft_config('rte', pretrained, keep_best=False, batch_size=1)
+  config = lambda: ft_config('rte', pretrained, keep_best=False, batch_size=1,
+                             bucket_compile_seconds=0.0)
   whole = run(config(), str(tmp_path / 'whole'))
   workdir = str(tmp_path / 'cut')
   with mock.patch.object(workdir_lib.StopSignal, 'reached',
@@ -376,7 +379,7 @@ def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretraine
   (config.length_buckets=0: every batch padded to max_seq_length): the same dev metrics and
   the same predictions, through finetune.py's own evaluation."""
   workdir = tmp_path / 'mrpc'
-  bucketed = run(ft_config('mrpc', pretrained), str(workdir))
+  bucketed = run(ft_config('mrpc', pretrained, bucket_compile_seconds=0.0), str(workdir))
   stored = json.load(open(workdir / RunDir.LENGTH_BUCKETS))['lengths']
   assert min(stored) < 64  # some shorter: padded less
   predictions = (workdir / 'predictions' / 'MRPC.tsv').read_text()
@@ -390,7 +393,8 @@ def test_compiling_in_the_background_trains_exactly_as_compiling_first(pretraine
   the same programs, so the same losses, dev results and predictions as compiling first."""
   def trained(background):
     workdir = tmp_path / f'background_{background}'
-    summary = run(ft_config('mrpc', pretrained, compile_in_background=background),
+    summary = run(ft_config('mrpc', pretrained, compile_in_background=background,
+                            bucket_compile_seconds=0.0),
                   str(workdir))
     losses = [r['loss'] for r in map(json.loads, open(workdir / 'metrics.jsonl'))
               if r['split'] == 'train']
@@ -470,7 +474,7 @@ def test_training_with_length_buckets_reaches_the_accuracy_of_padded_training(pr
   for buckets_ in (2, 0):
     config = ft_config('sst2', pretrained, data_dir=str(tmp_path / 'glue'), batch_size=16,
                        eval_batch_size=50, num_epochs=6, length_buckets=buckets_,
-                       keep_best=False)
+                       bucket_compile_seconds=0.0, keep_best=False)
     config.optimizer.learning_rate = 3e-3
     workdir = tmp_path / f'buckets_{buckets_}'
     results[buckets_] = run(config, str(workdir))['dev']['sst2']['accuracy']
