@@ -64,7 +64,8 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   before, start = collections.Counter(_TOTALS), time.perf_counter()
   _PROGRAMS.clear()
   yield
-  row = dict(test=item.nodeid, wall=time.perf_counter() - start)
+  row = dict(test=item.nodeid, wall=time.perf_counter() - start, end=time.time(),
+             worker=os.environ.get('PYTEST_XDIST_WORKER', 'main'))
   row.update({k: _TOTALS[k] - before[k] for k in _TOTALS})
   row['programs'] = dict(_PROGRAMS)
   with open(os.environ.get('SUITE_PROFILE', 'suite_profile.jsonl'), 'a',
