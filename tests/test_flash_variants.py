@@ -296,12 +296,13 @@ def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant, kernel
   want = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs).hidden
   want_grads = jax.grad(_loss(plain, batch, rngs))(params)
   mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
+  def loss_and_hidden(p):  # _loss's, with the hidden states: one program for both
+    hidden = flash.apply({'params': p}, batch, deterministic=False, rngs=rngs).hidden
+    return jnp.sum(hidden ** 2), hidden
   with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
-    apply = jax.jit(lambda p, b: flash.apply({'params': p}, b, deterministic=False,
-                                             rngs=rngs).hidden)
-    text = apply.lower(params, batch).as_text()
-    got = apply(params, batch)
-    grads = jax.jit(jax.grad(_loss(flash, batch, rngs)))(params)
+    step = jax.jit(jax.value_and_grad(loss_and_hidden, has_aux=True))
+    text = step.lower(params).as_text()
+    (_, got), grads = step(params)
   assert 'shard_map' in text or 'sdy.manual_computation' in text
   mask = np.asarray(batch['attention_mask'], bool)
   np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=1e-5,
