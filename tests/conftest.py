@@ -63,6 +63,9 @@ os.environ.setdefault('REALFORMER_CACHE', os.path.join(RUN_FOLDER, f'cache_{os.g
 # the user's, shared by the workers: a run that another worker's test already made loads its
 # programs.
 os.environ.setdefault('REALFORMER_COMPILATION_CACHE', os.path.join(RUN_FOLDER, 'programs'))
+# libtpu, loaded by the launch check's compiles, writes its logs to /tmp/tpu_logs unless told
+# otherwise: here, to this run's folder.
+os.environ.setdefault('TPU_LOG_DIR', os.path.join(RUN_FOLDER, 'tpu_logs'))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # PyPI's torch for Python 3.12 (the tests' HF reference) brings OpenAI's Triton, which torch
 # imports if it is there; loading its compiler into a process where jax has already lowered a
