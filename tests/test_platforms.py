@@ -19,9 +19,10 @@ PROGRAM = ('import jax, os; from realformer import cli; '
 def _clean_env():
   """This process's environment as a fresh shell on this machine has it: without the tests'
   JAX_PLATFORMS, and without the TPU description the launch check gives libtpu
-  (launch.tpu_target sets TPU_* variables in the process that runs it)."""
+  (launch.tpu_target sets TPU_* variables in the process that runs it). libtpu's log folder
+  stays the run's (tests/conftest.py)."""
   return {k: v for k, v in os.environ.items()
-          if k != 'JAX_PLATFORMS' and not k.startswith('TPU_')
+          if k != 'JAX_PLATFORMS' and not (k.startswith('TPU_') and k != 'TPU_LOG_DIR')
           and k != 'ALLOW_MULTIPLE_LIBTPU_LOAD'}
 
 

@@ -242,7 +242,8 @@ def test_squad_v2_end_to_end(pretrained, tmp_path):
   assert any(r['split'] == 'dev_squad' and 'best_f1_thresh' in r for r in records)
   # The finished run evaluated again with every window padded to max_seq_length: the same
   # metrics and the same answers as its length buckets gave (some windows are shorter).
-  assert min(json.load(open(os.path.join(workdir, RunDir.LENGTH_BUCKETS)))['lengths']) < 64
+  lengths = json.load(open(os.path.join(workdir, RunDir.LENGTH_BUCKETS)))['lengths']
+  assert len(lengths) > 1 and min(lengths) < 64  # several, on the 8 devices' mesh
   c.length_buckets = 0
   padded = finetune.finetune(c, workdir)
   assert padded['dev']['squad'] == pytest.approx(summary['dev']['squad'], abs=1e-5)
