@@ -183,7 +183,8 @@ def run(config, workdir: str, sharded: bool = False) -> dict:
 
 def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monkeypatch):
   workdir = str(tmp_path / 'mnli')
-  summary = run(ft_config('mnli', pretrained, bucket_compile_seconds=0.0), workdir, sharded=True)
+  config = lambda: ft_config('mnli', pretrained, bucket_compile_seconds=0.0)  # several lengths
+  summary = run(config(), workdir, sharded=True)
   assert set(summary['dev']) == {'mnli', 'mnli_mismatched'}
   assert 0.0 <= summary['dev']['mnli']['accuracy'] <= 1.0
   for name in ('MNLI-m.tsv', 'MNLI-mm.tsv', 'AX.tsv'):
@@ -226,7 +227,7 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monke
   dev = [r['accuracy'] for r in records if r['split'] == 'dev_mnli']
   assert best['headline'] == max(dev) and best['epoch'] == dev.index(max(dev)) + 1
   # Running again evaluates the final params: no new training, the same results.
-  again = run(ft_config('mnli', pretrained, bucket_compile_seconds=0.0), workdir, sharded=True)
+  again = run(config(), workdir, sharded=True)
   assert again['step'] == summary['step'] and again['dev'] == summary['dev']
   assert json.load(open(os.path.join(workdir, RunDir.LENGTH_BUCKETS)))['lengths'] == lengths
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
@@ -241,7 +242,7 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monke
   monkeypatch.setattr(checkpoints, 'restore_params', without_one)
   with pytest.raises(ValueError, match='final does not match the model: it has no '
                                        'classifier/kernel'):
-    run(ft_config('mnli', pretrained, bucket_compile_seconds=0.0), workdir, sharded=True)
+    run(config(), workdir, sharded=True)
 
 
 def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
