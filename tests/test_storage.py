@@ -456,6 +456,44 @@ def test_a_growing_file_whose_last_upload_failed_sends_it_at_the_next_close(gcs,
   assert storage.path(url).read_text() == '{"step": 0}\n{"step": 1}\n'
 
 
+def test_a_growing_file_whose_append_failed_deletes_its_part_in_one_attempt(gcs, monkeypatch):
+  """After a failed request the part's delete is one attempt, not another REQUEST_SECONDS of
+  retries before the storage error reaches the run (a stopped service: seconds sooner to the
+  one-line error); after an answered one it keeps its retries. The bytes go at the next
+  upload."""
+  from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+  from google.cloud.storage import Blob  # pylint: disable=g-import-not-at-top
+  delete = Blob.delete
+  retries = []
+
+  def recording_delete(self, *args, **kwargs):
+    retries.append(kwargs.get('retry'))
+    return delete(self, *args, **kwargs)
+
+  def unavailable(self, *args, **kwargs):
+    raise exceptions.ServiceUnavailable('as the service would answer')
+
+  monkeypatch.setattr(Blob, 'delete', recording_delete)
+  url = f'{gcs}/failing/metrics.jsonl'
+  lines = [f'{{"step": {i}}}\n' for i in range(3)]
+  f = storage.GrowingFile(url, upload_every=3600.0)
+  f.write(lines[0])
+  f.flush(force=True)  # whole: no part
+  f.write(lines[1])
+  with monkeypatch.context() as m:
+    m.setattr(Blob, 'compose', unavailable)  # after the part has landed
+    with pytest.raises(exceptions.ServiceUnavailable):
+      f.flush(force=True)
+  assert retries == [None]
+  assert [p.name for p in storage.path(url).parent.iterdir()] == ['metrics.jsonl']  # deleted
+  assert storage.path(url).read_text() == lines[0]
+  f.write(lines[2])
+  f.flush(force=True)  # what the failed append lacked, and the new line
+  assert storage.path(url).read_text() == ''.join(lines)
+  assert len(retries) == 2 and retries[1] is not None  # an answered append: retried deletes
+  f.close()
+
+
 def test_a_growing_file_recovers_from_lost_replies_and_a_deleted_object(gcs, monkeypatch):
   """A part upload and a compose that landed but whose replies were lost (the client's retry
   then fails its precondition), and the object deleted by someone (Cloud Storage answers the
