@@ -1,11 +1,16 @@
 """Where each test's time goes inside its own process: jax's tracing, lowering to MLIR, XLA's
 compiles and compilation-cache reads (from jax.monitoring's duration events) and Python's
 garbage collection (gc.callbacks); the rest is running the programs, the test's own Python
-and the processes it starts. A pytest plugin, then a summary by module:
+and the processes it starts. Beside it, the CPU seconds of the test's process and of the
+processes it started and waited for (getrusage). Wall time that neither spent ("waiting")
+is sleeps and timeouts, which two workers on two cores cannot fill, or the work of processes
+the test did not wait for (a server of the module's, tests/preloaded.py's commands), or the
+CPU that other processes on the machine took: read it on a quiet machine. A pytest plugin,
+then a summary by module:
 
   PYTHONPATH=benchmarks SUITE_PROFILE=/tmp/profile.jsonl \\
       python -m pytest -q -n 2 -p suite_profile tests          # the README's command, plus this
-  python benchmarks/suite_profile.py /tmp/profile.jsonl
+  python benchmarks/suite_profile.py /tmp/profile.jsonl [--programs N] [--waits N]
 
 The plugin imports jax only once pytest is configured, after tests/conftest.py has set the
 platform and XLA's flags. Each worker appends one JSON line per test to $SUITE_PROFILE.
@@ -16,6 +21,7 @@ import collections
 import gc
 import json
 import os
+import resource
 import time
 
 import pytest
@@ -59,13 +65,21 @@ def pytest_configure(config):  # pylint: disable=unused-argument
   gc.callbacks.append(_on_gc)
 
 
+def _cpu_seconds() -> tuple[float, float]:
+  """(this process's, its waited-for children's) user + system CPU seconds."""
+  return tuple(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   before, start = collections.Counter(_TOTALS), time.perf_counter()
+  cpu = _cpu_seconds()
   _PROGRAMS.clear()
   yield
   row = dict(test=item.nodeid, wall=time.perf_counter() - start, end=time.time(),
              worker=os.environ.get('PYTEST_XDIST_WORKER', 'main'))
+  row['cpu'], row['children_cpu'] = (b - a for a, b in zip(cpu, _cpu_seconds()))
   row.update({k: _TOTALS[k] - before[k] for k in _TOTALS})
   row['programs'] = dict(_PROGRAMS)
   with open(os.environ.get('SUITE_PROFILE', 'suite_profile.jsonl'), 'a',
@@ -73,7 +87,13 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
     f.write(json.dumps(row) + '\n')
 
 
-COLUMNS = ('wall', 'trace', 'lower', 'compile', 'cache', 'gc', 'rest')
+COLUMNS = ('wall', 'trace', 'lower', 'compile', 'cache', 'gc', 'rest', 'cpu', 'children',
+           'waiting')
+
+
+def _waiting(row: dict) -> float:
+  """Wall seconds of a test that neither its process nor its children spent on a CPU."""
+  return max(0.0, row['wall'] - row.get('cpu', 0.0) - row.get('children_cpu', 0.0))
 
 
 def by_module(path: str) -> dict[str, collections.Counter]:
@@ -85,6 +105,7 @@ def by_module(path: str) -> dict[str, collections.Counter]:
       seconds = dict(wall=t['wall'], trace=t['trace'], lower=t['lower'],
                      compile=t['backend'] - t['cache'], cache=t['cache'], gc=t['gc'])
       seconds['rest'] = t['wall'] - sum(v for k, v in seconds.items() if k != 'wall')
+      seconds.update(cpu=t['cpu'], children=t['children_cpu'], waiting=_waiting(row))
       for name in (row['test'].split('::')[0].split('/')[-1].removesuffix('.py'), 'all'):
         modules[name].update(seconds)
         modules[name]['tests'] += 1
@@ -106,7 +127,17 @@ def main():
   p.add_argument('jsonl', help='the file the plugin wrote ($SUITE_PROFILE)')
   p.add_argument('--programs', type=int, default=0,
                  help='also list the N programs that took the most compile seconds')
+  p.add_argument('--waits', type=int, default=0,
+                 help='also list the N tests with the most wall time spent on no CPU')
   args = p.parse_args()
+  if args.waits:
+    with open(args.jsonl, encoding='utf-8') as f:
+      rows = sorted(map(json.loads, f), key=lambda r: -_waiting(r))
+    print('| test | wall s | cpu s | children s | waiting s |\n|---|---|---|---|---|')
+    for r in rows[:args.waits]:
+      print(f'| {r["test"]} | {r["wall"]:.1f} | {r.get("cpu", 0):.1f} | '
+            f'{r.get("children_cpu", 0):.1f} | {_waiting(r):.1f} |')
+    print()
   if args.programs:
     print('| program | compiles | s | cache loads | s |\n|---|---|---|---|---|')
     programs = sorted(by_program(args.jsonl).items(), key=lambda kv: -kv[1][1])
