@@ -80,6 +80,7 @@ def check_launch():
   def compile_and_report():
     if flags.FLAGS.compile_for != 'local':
       launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
+      compile_cache.disable()  # a compile-only TPU target has no client to load programs into
     else:  # every host of a multi-host TPU VM or SLURM job, as train.py would see them
       distributed.initialize_from_flags()
       # A compile-only TPU target has no client to load programs into: no cache there.

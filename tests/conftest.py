@@ -75,18 +75,21 @@ sys.modules['triton'] = None
 
 # The tests' own compiles go through jax's persistent cache in this run's folder (always
 # fresh: it is never shared with another machine, whose processor may differ), one for both
-# workers: a test that trains, stops and resumes, or several tests building the same tiny
-# model, on either worker, compile each program once. Programs that compile in under 0.1 s
-# are not written.
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-jax.config.update('jax_compilation_cache_dir', os.path.join(RUN_FOLDER, 'xla'))
-jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.1)
+# workers and for the processes the tests start (set in the environment, which they
+# inherit; the programs that choose their own cache, train.py's --compilation_cache, still
+# do): a test that trains, stops and resumes, in this process or in children, or several
+# tests building the same tiny model, on either worker, compile each program once. Programs
+# that compile in under 0.1 s are not written.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(RUN_FOLDER, 'xla'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.1')
 
-# Python's cyclic garbage collector: jax's objects, alive for the whole run, are moved out of
-# its view (gc.freeze), and it runs after 50,000 new container objects instead of 700:
-# tracing makes many short-lived ones, and collecting them every 700 cost several percent of
-# the suite. Reference counting still frees at once everything that is not in a cycle.
+# Python's cyclic garbage collector: jax's objects (imported here), alive for the whole run,
+# are moved out of its view (gc.freeze), and it runs after 50,000 new container objects
+# instead of 700: tracing makes many short-lived ones, and collecting them every 700 cost
+# several percent of the suite. Reference counting still frees at once everything that is
+# not in a cycle.
 import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
 gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)

@@ -1,6 +1,6 @@
 """The persistent compilation cache: a second start loads its programs and computes the same
 losses; a program compiled under another jax, backend, device kind or processor is not
-looked up; `off` turns it off. (A cache in a bucket: tests/test_bucket_runs.py.)"""
+looked up; `off` turns it off, jax's own as well. (A cache in a bucket: tests/test_bucket_runs.py.)"""
 
 import json
 import os
@@ -14,7 +14,7 @@ from tests.conftest import cpu_xla_flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(workdir, cache, *extra):
+def _train(workdir, cache, *extra, **environ):
   args = [sys.executable, 'train.py', f'--workdir={workdir}', f'--compilation_cache={cache}',
           '--config=configs/pretrain.py:postln,tiny,runlocal', '--config.train.num_steps=2',
           '--config.train.log_every_steps=1', '--config.train.eval_steps=0',
@@ -22,7 +22,7 @@ def _train(workdir, cache, *extra):
           '--config.model.num_heads=2', '--config.model.mlp_dim=64', *extra]
   # Every program is written, however fast it compiled (jax's threshold is 1 s).
   env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', **environ)
   proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stderr
@@ -53,8 +53,10 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
   second = _train(tmp_path / 'b', cache)
   assert _counts(second) == (loaded + written, 0)  # everything loaded, nothing compiled
   assert _losses(tmp_path / 'a') == _losses(tmp_path / 'b') and _losses(tmp_path / 'a')
-  off = _train(tmp_path / 'c', 'off')
+  # Off, also where jax's own variable names a cache (as a user's shell may): nothing there.
+  off = _train(tmp_path / 'c', 'off', JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'jax_own'))
   assert 'compilation cache: off' in off and 'programs loaded from it' not in off
+  assert not (tmp_path / 'jax_own').exists() or not os.listdir(tmp_path / 'jax_own')
   # The same programs, as if written by another jax version: not loaded, nor touched.
   other = cache / compile_cache.fingerprint(dict(compile_cache.machine_facts(), jax='0.0.1'))
   os.rename(cache / folder, other)

@@ -459,22 +459,25 @@ def test_every_variant_compiles_to_its_model_flops(variant):
 
 
 @needs_libtpu
-def test_bfloat16_with_remat_compiles_from_the_command_line():
+def test_bfloat16_with_remat_compiles_from_the_command_line(tmp_path):
   """XLA:TPU's compiler overflowed the default 8 MiB stack on bfloat16 with remat 'full' (a
   segmentation fault, status -11): --compile_for re-runs itself with an unlimited stack."""
+  env = {k: v for k, v in os.environ.items()  # (the compiler's default effort)
+         if k not in (launch.STACK_ENV, 'JAX_OPTIMIZATION_LEVEL')}
+  env['JAX_COMPILATION_CACHE_DIR'] = str(tmp_path / 'jax_cache')  # as a user may set it
   proc = subprocess.run(
       [sys.executable, 'train.py', '--compile_for', 'v5e:2x2', '--config.model.dtype=bfloat16',
        '--config.model.remat_policy=full', '--config.model.scan_layers=True',
        '--config.data.sources=synthetic', '--config.data.max_seq_length=64',
        '--config.model.max_len=64', '--config.data.max_predictions_per_seq=10'],
-      cwd=REPO, capture_output=True, text=True, timeout=500,
-      env={k: v for k, v in os.environ.items()  # (the compiler's default effort)
-           if k not in (launch.STACK_ENV, 'JAX_OPTIMIZATION_LEVEL')})
+      cwd=REPO, capture_output=True, text=True, timeout=500, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'verdict: fits' in proc.stdout and 'remat full recomputes' in proc.stdout, proc.stdout
   # No start-up noise before the report: no TensorFlow banner (nothing imports it), no
   # libtpu complaint about the TPU VM description a CPU host lacks (launch.tpu_target
-  # gives one), no cache warning (a compile-only target uses no compilation cache).
+  # gives one), no cache warning (a compile-only target uses no compilation cache, also
+  # where jax's own environment variable names one: it wrote nothing there).
   for noise in ('TensorFlow', 'oneDNN', 'INVALID_ARGUMENT', 'TPU_ACCELERATOR_TYPE',
                 'persistent compilation cache'):
     assert noise not in proc.stderr, (noise, proc.stderr[-3000:])
+  assert not (tmp_path / 'jax_cache').exists() or not any((tmp_path / 'jax_cache').iterdir())

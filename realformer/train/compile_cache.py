@@ -5,9 +5,10 @@
     compile_cache.stats()               # {'hits': programs loaded, 'misses': compiled anew}
 
 train.py (also with --compile_for local) and finetune.py use it; the launch check for a TPU
-slice does not (its compile-only devices have no client to load a program into). It is
-jax's own persistent cache, pointed at a folder: --compilation_cache DIR, else
-$REALFORMER_COMPILATION_CACHE, else ~/.cache/realformer/xla; `off` turns it off. The folder
+slice turns it off (disable(): its compile-only devices have no client to load a program
+into). It is jax's own persistent cache, pointed at a folder: --compilation_cache DIR, else
+$REALFORMER_COMPILATION_CACHE, else ~/.cache/realformer/xla; `off` turns it off, also where
+jax's own JAX_COMPILATION_CACHE_DIR names a folder. The folder
 may be a gs:// URL (jax reads and writes it through etils.epath), which a pod's hosts share.
 Every run on a machine shares it (the runs of a sweep or a fine-tuning grid compile the same
 programs), and a restarted or preempted run loads its programs instead of compiling them
@@ -87,6 +88,7 @@ def enable(setting: Optional[str] = None) -> Optional[str]:
   Returns the folder (None: off)."""
   path = folder(setting)
   if path is None:
+    disable()
     logging.info('compilation cache: off')
     return None
   jax.config.update('jax_compilation_cache_dir', path)
@@ -98,6 +100,12 @@ def enable(setting: Optional[str] = None) -> Optional[str]:
 
 def enable_from_flags() -> Optional[str]:
   return enable(flags.FLAGS.compilation_cache)
+
+
+def disable() -> None:
+  """No persistent cache in this process, before anything compiles: not jax's own either,
+  which $JAX_COMPILATION_CACHE_DIR turns on as jax imports."""
+  jax.config.update('jax_enable_compilation_cache', False)
 
 
 def _listen() -> None:
