@@ -1,6 +1,7 @@
 """The persistent compilation cache: a second start loads its programs and computes the same
 losses; a program compiled under another jax, backend, device kind or processor is not
-looked up; `off` turns it off, jax's own as well. (A cache in a bucket: tests/test_bucket_runs.py.)"""
+looked up; `off` turns it off, jax's own as well. (A cache in a bucket:
+tests/test_bucket_runs.py.)"""
 
 import json
 import os
