@@ -841,7 +841,7 @@ def test_finetune_on_two_processes_is_one_run(tmp_path):
 
 
 def _config_keys(config) -> set:
-  return set(workdir_lib._flatten(json.loads(config.to_json_best_effort())))
+  return set(workdir_lib.flatten(json.loads(config.to_json_best_effort())))
 
 
 def test_a_new_config_field_says_what_runs_before_it_meant():

@@ -46,6 +46,7 @@ from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
 from realformer.train import train_lib
 from realformer.train import trainer
+from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
 
 
@@ -95,15 +96,6 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
     pre.model.vocab_size = tokenizer_lib.load_for_config(pre.data).vocab_size
     return pre
   return ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
-
-
-def _flat_keys(config, prefix: str = ''):
-  """The dotted names of a ConfigDict's fields."""
-  for key, value in config.items():
-    if isinstance(value, ml_collections.ConfigDict):
-      yield from _flat_keys(value, f'{prefix}{key}.')
-    else:
-      yield f'{prefix}{key}'
 
 
 # ------------------------------------------------------------------------------ buckets
@@ -367,9 +359,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
     config.benchmark overridden to another kind's); returns `config`."""
     probe = copy.deepcopy(config)
     probe.unlock()
-    fields = set(_flat_keys(probe))
+    fields = set(workdir_lib.flatten(probe.to_dict()))
     cls.configure(probe, config.task)
-    lacking = sorted(set(_flat_keys(probe)) - fields)
+    lacking = sorted(set(workdir_lib.flatten(probe.to_dict())) - fields)
     if lacking:
       raise ValueError(f'config.benchmark={config.benchmark}: this config lacks the fields of '
                        f'that kind ({", ".join(lacking)}); choose the kind with the config '

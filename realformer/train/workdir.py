@@ -232,11 +232,12 @@ def _holds_only_the_lock(workdir: str) -> bool:
   return True
 
 
-def _flatten(tree, prefix='') -> Dict[str, object]:
+def flatten(tree, prefix='') -> Dict[str, object]:
+  """A nested dict (a config's JSON, ConfigDict.to_dict()) as {dotted name: value}."""
   out = {}
   for k, v in tree.items():
     if isinstance(v, dict):
-      out.update(_flatten(v, f'{prefix}{k}.'))
+      out.update(flatten(v, f'{prefix}{k}.'))
     else:
       out[f'{prefix}{k}'] = v
   return out
@@ -253,8 +254,8 @@ ADDED_DEFAULTS = {'optimizer.name': 'adamw', 'model.gelu': 'erf'}
 
 def _flat_pair(stored: dict, new: dict):
   """Both configs flattened to dotted keys, the stored one with ADDED_DEFAULTS filled in."""
-  b = _flatten(new)
-  return {**{k: v for k, v in ADDED_DEFAULTS.items() if k in b}, **_flatten(stored)}, b
+  b = flatten(new)
+  return {**{k: v for k, v in ADDED_DEFAULTS.items() if k in b}, **flatten(stored)}, b
 
 
 def config_differences(stored: dict, new: dict):
@@ -291,12 +292,12 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
                      'restore the file or use another --workdir') from None
   new = json.loads(config.to_json_best_effort())
   fixed, allowed, added = config_differences(stored, new)
-  if len(added) * 2 > len(_flatten(new)):  # fields added since are few; this is another file
+  if len(added) * 2 > len(flatten(new)):  # fields added since are few; this is another file
     where = (f'yet {workdir} holds checkpoints' if has_checkpoint else
              f'so {workdir} is another program\'s run (e.g. a fine-tuning run\'s folder)')
     raise ValueError(
         f'{path} is not a config of this program (it lacks {len(added)} of its '
-        f'{len(_flatten(new))} fields, e.g. {added[0]}), {where}; use another --workdir')
+        f'{len(flatten(new))} fields, e.g. {added[0]}), {where}; use another --workdir')
   if not has_checkpoint:
     return []
   if fixed:
@@ -308,10 +309,10 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
         f'stored values (its config.json) or start a new --workdir')
   for k in allowed:
     logging.info('resuming with %s changed: %r -> %r', k, _flat_pair(stored, new)[0][k],
-                 _flatten(new)[k])
+                 flatten(new)[k])
   if added:
     logging.warning('fields absent from the stored config (added since), taken as given: %s',
-                    ', '.join(f'{k}={_flatten(new)[k]!r}' for k in added))
+                    ', '.join(f'{k}={flatten(new)[k]!r}' for k in added))
   return allowed
 
 
