@@ -79,11 +79,10 @@ def check_launch():
 
   def compile_and_report():
     if flags.FLAGS.compile_for != 'local':
-      launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
       compile_cache.disable()  # a compile-only TPU target has no client to load programs into
+      launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
     else:  # every host of a multi-host TPU VM or SLURM job, as train.py would see them
       distributed.initialize_from_flags()
-      # A compile-only TPU target has no client to load programs into: no cache there.
       compile_cache.enable_from_flags()
     launch.run(pretraining.resolved_config(flags.FLAGS.config), flags.FLAGS.compile_for,
                max_batch=flags.FLAGS.find_max_batch, measure_steps=flags.FLAGS.measure_steps,

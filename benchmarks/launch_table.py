@@ -364,9 +364,9 @@ if __name__ == '__main__':
                  help='with --check_estimates: these cells (comma-separated keys '
                  'target|size|variant|length|mesh) instead of one per slice and length')
   a = p.parse_args()
-  if a.check_estimates:
-    check_estimates(a)
-  elif a.markdown:
+  if a.markdown and not a.check_estimates:
     compare(a) if a.before else markdown(a)
   else:
-    run(a)
+    from realformer.train import compile_cache  # pylint: disable=g-import-not-at-top
+    compile_cache.disable()  # compile-only TPU targets: nothing to load a cached program into
+    check_estimates(a) if a.check_estimates else run(a)

@@ -2,11 +2,12 @@
 compiles and compilation-cache reads (from jax.monitoring's duration events) and Python's
 garbage collection (gc.callbacks); the rest is running the programs, the test's own Python
 and the processes it starts. Beside it, the CPU seconds of the test's process and of the
-processes it started and waited for (getrusage). Wall time that neither spent ("waiting")
-is sleeps and timeouts, which two workers on two cores cannot fill, or the work of processes
-the test did not wait for (a server of the module's, tests/preloaded.py's commands), or the
-CPU that other processes on the machine took: read it on a quiet machine. A pytest plugin,
-then a summary by module:
+processes it started and reaped (getrusage; a server that a module's fixture stops is
+charged to the test it ends after). Wall time that neither spent ("waiting", a lower bound:
+a test's threads can spend more CPU than wall time) is sleeps and timeouts, which two
+workers on two cores cannot fill, or the work of processes not yet reaped (a server of the
+module's, tests/preloaded.py's commands), or the CPU that other processes on the machine
+took: read it on a quiet machine. A pytest plugin, then a summary by module:
 
   PYTHONPATH=benchmarks SUITE_PROFILE=/tmp/profile.jsonl \\
       python -m pytest -q -n 2 -p suite_profile tests          # the README's command, plus this
@@ -92,8 +93,11 @@ COLUMNS = ('wall', 'trace', 'lower', 'compile', 'cache', 'gc', 'rest', 'cpu', 'c
 
 
 def _waiting(row: dict) -> float:
-  """Wall seconds of a test that neither its process nor its children spent on a CPU."""
-  return max(0.0, row['wall'] - row.get('cpu', 0.0) - row.get('children_cpu', 0.0))
+  """Wall seconds of a test that neither its process nor its children spent on a CPU (0 for
+  rows of a plugin that did not record CPU seconds)."""
+  if 'cpu' not in row:
+    return 0.0
+  return max(0.0, row['wall'] - row['cpu'] - row['children_cpu'])
 
 
 def by_module(path: str) -> dict[str, collections.Counter]:

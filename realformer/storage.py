@@ -452,7 +452,7 @@ class GrowingFile:
     blob = gcs_blob(self._client, os.fspath(self.path))
     part = gcs_blob(self._client,
                     join(os.fspath(self.path.parent), f'.append-{uuid.uuid4().hex}'))
-    answered = False  # the service answered every request (a refusal is an answer)
+    settled = False  # every request succeeded or was refused on a precondition
     try:
       try:
         part.upload_from_string(tail, if_generation_match=0, timeout=REQUEST_SECONDS,
@@ -463,15 +463,15 @@ class GrowingFile:
       blob.compose([blob, part], if_generation_match=self._generation,
                    if_source_generation_match=[self._generation, None],
                    timeout=REQUEST_SECONDS, retry=_bounded_retry())
-      answered = True
+      settled = True
     except (exceptions.PreconditionFailed, exceptions.NotFound):
-      answered = True
+      settled = True
       return False  # the object changed, or is gone (a retry after a lost reply, a user)
     finally:
       try:
-        # After a request that failed, one attempt: the storage error propagates without
-        # another REQUEST_SECONDS of retries for a part that most likely never landed.
-        part.delete(timeout=REQUEST_SECONDS, retry=_bounded_retry() if answered else None)
+        # After a request that failed (the storage error propagates), one attempt, not
+        # another REQUEST_SECONDS of retries: a part it cannot delete stays, harmless.
+        part.delete(timeout=REQUEST_SECONDS, retry=_bounded_retry() if settled else None)
       except exceptions.NotFound:
         pass  # its upload never landed
       except Exception as e:  # pylint: disable=broad-except  (a small object left: harmless)

@@ -80,8 +80,9 @@ sys.modules['triton'] = None
 # do): a test that trains, stops and resumes, in this process or in children, or several
 # tests building the same tiny model, on either worker, compile each program once. Programs
 # that compile in under 0.1 s are not written.
-os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(RUN_FOLDER, 'xla'))
-os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.1')
+# (assigned, not defaulted: a cache the user's shell names is not the run's.)
+os.environ['JAX_COMPILATION_CACHE_DIR'] = os.path.join(RUN_FOLDER, 'xla')
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.1'
 
 # Python's cyclic garbage collector: jax's objects (imported here), alive for the whole run,
 # are moved out of its view (gc.freeze), and it runs after 50,000 new container objects

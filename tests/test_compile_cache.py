@@ -71,12 +71,14 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
 def test_the_cache_keeps_gpu_autotuning_results_in_its_folder(tmp_path):
   """The compile options jax builds for any backend, once the cache is on, point XLA's
   per-fusion GPU autotuning cache into the cache's folder (process 0 writes it): a second
-  start on a GPU autotunes nothing it tuned before."""
+  start on a GPU autotunes nothing it tuned before. (Also after a disable(): enable() turns
+  the cache on again.)"""
   import jax  # pylint: disable=g-import-not-at-top
   from jax._src import compilation_cache as jax_cache  # pylint: disable=g-import-not-at-top
   from jax._src import compiler  # pylint: disable=g-import-not-at-top
   before = jax.config.jax_compilation_cache_dir
   try:
+    compile_cache.disable()
     folder = compile_cache.enable(str(tmp_path))
     jax_cache.reset_cache()
     options = compiler.get_compile_options(num_replicas=1, num_partitions=1)

@@ -91,6 +91,7 @@ def enable(setting: Optional[str] = None) -> Optional[str]:
     disable()
     logging.info('compilation cache: off')
     return None
+  jax.config.update('jax_enable_compilation_cache', True)  # (after a disable())
   jax.config.update('jax_compilation_cache_dir', path)
   jax.config.update('jax_persistent_cache_enable_xla_caches', XLA_CACHES)
   _listen()
@@ -103,8 +104,9 @@ def enable_from_flags() -> Optional[str]:
 
 
 def disable() -> None:
-  """No persistent cache in this process, before anything compiles: not jax's own either,
-  which $JAX_COMPILATION_CACHE_DIR turns on as jax imports."""
+  """No persistent cache in this process: not jax's own either, which
+  $JAX_COMPILATION_CACHE_DIR turns on as jax imports. Call it before anything compiles
+  (jax decides once per process whether it uses the cache); enable() turns it on again."""
   jax.config.update('jax_enable_compilation_cache', False)
 
 
