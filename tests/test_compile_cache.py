@@ -1,12 +1,22 @@
 """The persistent compilation cache: a second start loads its programs and computes the same
 losses; a program compiled under another jax, backend, device kind or processor is not
-looked up; `off` turns it off, jax's own as well. (A cache in a bucket:
-tests/test_bucket_runs.py.)"""
+looked up; `off` turns it off, jax's own as well; an entry is written whole or not at all, and
+one that cannot be read is replaced. (A cache in a bucket: tests/test_bucket_runs.py.)"""
 
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import compilation_cache as jax_cache
+from jax._src import lru_cache
 
 from realformer.train import compile_cache
 from realformer.train import machine
@@ -73,8 +83,6 @@ def test_the_cache_keeps_gpu_autotuning_results_in_its_folder(tmp_path):
   per-fusion GPU autotuning cache into the cache's folder (process 0 writes it): a second
   start on a GPU autotunes nothing it tuned before. (Also after a disable(): enable() turns
   the cache on again.)"""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax._src import compilation_cache as jax_cache  # pylint: disable=g-import-not-at-top
   from jax._src import compiler  # pylint: disable=g-import-not-at-top
   before = jax.config.jax_compilation_cache_dir
   try:
@@ -89,6 +97,79 @@ def test_the_cache_keeps_gpu_autotuning_results_in_its_folder(tmp_path):
   finally:
     jax.config.update('jax_compilation_cache_dir', before)
     jax_cache.reset_cache()
+
+
+@pytest.fixture
+def own_cache(tmp_path):
+  """This process's cache turned on in a folder of the test's own, every program written;
+  the run's cache back afterwards."""
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  try:
+    yield compile_cache.enable(str(tmp_path / 'cache'))
+  finally:
+    jax.config.update('jax_compilation_cache_dir', before[0])
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', before[1])
+    jax_cache.reset_cache()
+
+
+def test_an_entry_that_cannot_be_read_is_replaced_by_the_next_compile(own_cache):
+  """jax keeps an entry that is there: one cut short by an earlier start would be read in
+  vain (a warning), compiled anew and kept, at every start."""
+  program = jax.jit(lambda x: jnp.tanh(x) @ x.T * 3.0 + 0.25)
+  x = np.arange(48, dtype=np.float32).reshape(6, 8) / 48  # (the one program: the jitted one)
+
+  def start():  # a new process: no program in memory, the cache folder opened anew
+    jax.clear_caches()
+    jax_cache.reset_cache()
+    counts = compile_cache.stats()
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      y = program(x)
+    after = compile_cache.stats()
+    read_errors = [w for w in caught if 'Error reading persistent compilation' in str(w.message)]
+    return y, after['hits'] - counts['hits'], after['misses'] - counts['misses'], read_errors
+
+  expected, _, written, _ = start()
+  assert isinstance(jax_cache._get_cache(jax.devices()[0].client), compile_cache.WholeEntries)  # pylint: disable=protected-access
+  entries = {e: os.path.getsize(os.path.join(own_cache, e)) for e in os.listdir(own_cache)}
+  assert written == len(entries) > 0 and all(e.endswith('-cache') for e in entries)
+  for e in entries:  # every entry cut short, as a write interrupted half way leaves it
+    os.truncate(os.path.join(own_cache, e), entries[e] // 2)
+  y, loaded, compiled, read_errors = start()
+  assert (loaded, compiled) == (0, written) and len(read_errors) == written
+  assert sorted(os.listdir(own_cache)) == sorted(entries)  # (no temporary file left)
+  y2, loaded, compiled, read_errors = start()
+  assert (loaded, compiled, read_errors) == (written, 0, [])  # rewritten whole: loaded
+  assert jnp.array_equal(y, expected) and jnp.array_equal(y2, expected)
+
+
+@pytest.mark.parametrize('cache_class,max_size', [
+    (compile_cache.WholeEntries, -1), (compile_cache.WholeEntries, 1 << 20),  # (1 MiB: LRU)
+    (lru_cache.LRUCache, -1)])
+def test_a_write_that_fails_half_way_leaves_no_entry(tmp_path, cache_class, max_size):
+  """The disk full half way through an entry (a file size limit, as a full disk fails the
+  write): no entry, no part of one, with jax's size limit or without. (jax's own class, the
+  last case, leaves half an entry: what WholeEntries is for.)"""
+  cache = cache_class(str(tmp_path), max_size=max_size)
+  entries = lambda: sorted(f for f in os.listdir(tmp_path) if f != '.lockfile')
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (the write fails instead)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, limits[1]))
+  try:
+    with pytest.raises(OSError):
+      cache.put('program', os.urandom(1 << 17))
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, handler)
+  if cache_class is lru_cache.LRUCache:
+    assert entries() == ['program-cache'] and len(cache.get('program')) == 1 << 16
+    return
+  assert entries() == [] and cache.get('program') is None
+  cache.put('program', b'whole')  # and the next write, with room, is the entry
+  assert cache.get('program') == b'whole'
+  assert entries() == (['program-atime'] if max_size > 0 else []) + ['program-cache']
 
 
 def test_programs_of_another_machine_are_in_another_folder():

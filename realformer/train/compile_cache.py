@@ -25,6 +25,13 @@ version and the device kind. XLA:CPU compiles for the host processor's instructi
 which that key does not name, so programs live in a subfolder per (jax version, backend,
 device kind, processor and every feature it reports): <dir>/<backend>-<hash of those>.
 
+An entry is written whole or not at all (`WholeEntries`). jax writes an entry in place and
+never replaces one that exists, so a write cut short (the process killed or preempted, the
+disk full) would leave a truncated entry that every later start fails to read (a warning),
+compiles anew and cannot rewrite. Here a local entry goes to a temporary file beside it and
+is renamed over it: a reader sees the whole entry or none, and the next compile of a program
+whose entry cannot be read replaces it. (An object in a bucket is written whole already.)
+
 With several processes jax writes the cache from process 0 only and every process reads it,
 so a multi-host run wants a folder all hosts share. Only programs that took longer to
 compile than jax's threshold are written
@@ -35,11 +42,14 @@ run cost nothing.
 import hashlib
 import os
 import threading
+import time
 from typing import Dict, Optional
 
 import jax
 from absl import flags
 from absl import logging
+from jax._src import compilation_cache as jax_compilation_cache
+from jax._src import lru_cache
 
 from realformer import storage
 from realformer.train import machine
@@ -91,6 +101,7 @@ def enable(setting: Optional[str] = None) -> Optional[str]:
     disable()
     logging.info('compilation cache: off')
     return None
+  _write_whole_entries()
   jax.config.update('jax_enable_compilation_cache', True)  # (after a disable())
   jax.config.update('jax_compilation_cache_dir', path)
   jax.config.update('jax_persistent_cache_enable_xla_caches', XLA_CACHES)
@@ -108,6 +119,49 @@ def disable() -> None:
   $JAX_COMPILATION_CACHE_DIR turns on as jax imports. Call it before anything compiles
   (jax decides once per process whether it uses the cache); enable() turns it on again."""
   jax.config.update('jax_enable_compilation_cache', False)
+
+
+class WholeEntries(lru_cache.LRUCache):
+  """jax's cache folder (lru_cache.LRUCache), whose local entries are written to a temporary
+  file and renamed over the entry: never seen, nor left, half written. A put comes only after
+  a compile, that is after a lookup that found nothing or could not read what it found, so
+  an entry that is there is replaced rather than kept as jax keeps it."""
+
+  def put(self, key: str, value: bytes) -> None:
+    if not self._is_local or (self.eviction_enabled and len(value) > self.max_size):
+      super().put(key, value)  # (an object store writes whole objects; jax refuses the rest)
+      return
+    if self.eviction_enabled:
+      self.lock.acquire(timeout=self.lock_timeout_secs)
+    try:
+      self._evict_if_needed(additional_size=len(value))
+      entry = os.path.join(os.fspath(self.path), key + lru_cache._CACHE_SUFFIX)  # pylint: disable=protected-access
+      part = f'{entry}.{os.getpid()}.{threading.get_ident()}.part'  # (no -cache suffix: not an entry)
+      try:
+        with open(part, 'wb') as f:
+          f.write(value)
+        os.replace(part, entry)
+      finally:
+        if os.path.exists(part):
+          os.remove(part)
+      if self.eviction_enabled:
+        atime = os.path.join(os.fspath(self.path), key + lru_cache._ATIME_SUFFIX)  # pylint: disable=protected-access
+        with open(atime, 'wb') as f:
+          f.write(time.time_ns().to_bytes(8, 'little'))
+    finally:
+      if self.eviction_enabled:
+        self.lock.release()
+
+
+def _write_whole_entries() -> None:
+  """jax builds its cache folder as WholeEntries from now on (it builds it at the first
+  compile that looks anything up; one built before is dropped and built again). The classes
+  are jax's private ones, of the pinned version: tests/test_compile_cache.py checks that jax
+  still builds its cache through this name."""
+  if jax_compilation_cache.LRUCache is not WholeEntries:
+    jax_compilation_cache.LRUCache = WholeEntries
+    if jax_compilation_cache._cache is not None:  # pylint: disable=protected-access
+      jax_compilation_cache.reset_cache()
 
 
 def _listen() -> None:
