@@ -10,10 +10,17 @@ PCI bus (jax's own probe, the one it uses to decide whether it runs on a TPU VM)
 AMD GPUs where one is visible and jax's plugin for it is installed, and the CPU. A TPU VM,
 and any JAX_PLATFORMS the user set, are left alone. Every program calls it first: through
 realformer.cli (parse_flags, run_main) and trainer.run_program.
+
+Without libtpu (requirements.txt alone) jax still tries its TPU backend and logs, at INFO,
+"Unable to initialize backend 'tpu': ... Failed to open libtpu.so", which a program's INFO
+log shows. Where no TPU chip is attached that one line is dropped and nothing else changes;
+on a machine with a TPU chip and no libtpu it stays, beside jax's own warning that libtpu is
+missing.
 """
 
 import importlib.metadata
 import importlib.util
+import logging as logging_std
 import os
 import pkgutil
 
@@ -46,18 +53,31 @@ def platforms_here() -> str:
   return ','.join(found + ['cpu'])
 
 
+class _NoAbsentTpuBackend(logging_std.Filter):
+  """Drops jax's INFO line on the TPU backend it could not start (libtpu is not installed)."""
+
+  def filter(self, record):
+    return not str(record.msg).startswith("Unable to initialize backend 'tpu'")
+
+
 def skip_absent_tpu() -> str:
   """Limit jax to platforms_here() where libtpu is installed, no TPU chip is attached and
   neither JAX_PLATFORMS nor jax_platforms says otherwise; before the first device query.
   Returns the platforms set, or '' where nothing was changed. Sets JAX_PLATFORMS too, so
-  that worker processes start the same way."""
-  if os.environ.get('JAX_PLATFORMS', '').strip() or importlib.util.find_spec('libtpu') is None:
+  that worker processes start the same way. Without libtpu and a TPU chip, only jax's line
+  on the TPU backend it cannot start is dropped."""
+  if os.environ.get('JAX_PLATFORMS', '').strip():
     return ''
   import jax  # pylint: disable=g-import-not-at-top
   from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
   if jax.config.jax_platforms:
     return ''
   if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    return ''
+  if importlib.util.find_spec('libtpu') is None:
+    jax_backends = logging_std.getLogger('jax._src.xla_bridge')
+    if not any(isinstance(f, _NoAbsentTpuBackend) for f in jax_backends.filters):
+      jax_backends.addFilter(_NoAbsentTpuBackend())
     return ''
   platforms = platforms_here()
   os.environ['JAX_PLATFORMS'] = platforms

@@ -1,6 +1,6 @@
 """realformer.platforms: with libtpu installed and no TPU attached, a program starts jax on the
-machine's own platforms without a word from libtpu; a TPU VM and a user's JAX_PLATFORMS are
-left alone."""
+machine's own platforms without a word from libtpu; without libtpu, without jax's line on the
+TPU backend it could not start; a TPU VM and a user's JAX_PLATFORMS are left alone."""
 
 import os
 import subprocess
@@ -43,6 +43,27 @@ def test_a_cpu_start_with_libtpu_installed_says_nothing_of_tpus():
       [sys.executable, '-c', 'import jax; print(sorted({d.platform for d in jax.devices()}))'],
       cwd=REPO, capture_output=True, text=True, timeout=120, env=_clean_env())
   assert noisy.returncode == 0 and 'tpu' in noisy.stderr.lower()
+
+
+def test_a_start_without_libtpu_says_nothing_of_tpus(tmp_path):
+  """requirements.txt alone: libtpu hidden from the program (a module set to None is one
+  Python cannot import), jax's INFO lines shown. jax tries its TPU backend all the same."""
+  (tmp_path / 'sitecustomize.py').write_text("import sys\nsys.modules['libtpu'] = None\n")
+  env = dict(_clean_env(), TF_CPP_MIN_LOG_LEVEL='0',
+             PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')]))
+  info = 'import logging; logging.basicConfig(level=logging.INFO); '
+  proc = subprocess.run([sys.executable, '-c', info + PROGRAM], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.split() == ["['cpu']", 'None']  # (no platform chosen for jax)
+  assert 'tpu' not in proc.stderr.lower(), proc.stderr[-2000:]
+  # The same start, jax left as it is: its line on the TPU backend.
+  noisy = subprocess.run(
+      [sys.executable, '-c', info + 'import jax; print(jax.devices()[0].platform)'],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert noisy.returncode == 0 and noisy.stdout.split() == ['cpu'], noisy.stderr[-2000:]
+  assert "Unable to initialize backend 'tpu'" in noisy.stderr
+  assert 'libtpu.so' in noisy.stderr  # (it is libtpu that is missing)
 
 
 def test_a_users_platforms_are_left_alone():
