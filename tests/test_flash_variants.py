@@ -26,6 +26,7 @@ from realformer.model.spec import resolve
 from realformer.tools import hlo_stats
 from realformer.tools import launch
 from realformer.train import partitioning
+from tests.test_launch import bypassing_the_runs_compilation_cache
 from tests.test_launch import needs_libtpu
 from tests.test_flash_attention import _an_h100
 from tests.test_models import make_batch, perturbed_params, small_config
@@ -349,6 +350,11 @@ def test_mosaic_kernels_compile_for_tpu_slices(topology):
   flash_attention_on_mesh calls them): plain attention, RealFormer with a float32 and a
   bfloat16 carry (and the running mean's scale), a Random term shared by the batch; forward
   and backward, compiled by libtpu for the named slice on this CPU."""
+  with bypassing_the_runs_compilation_cache():
+    _compile_the_mosaic_kernels_for(topology)
+
+
+def _compile_the_mosaic_kernels_for(topology):
   target = launch.tpu_target(topology)
   mesh = jax.sharding.Mesh(np.array(target.devices), ('data',))
   n = len(target.devices)

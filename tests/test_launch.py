@@ -1,6 +1,7 @@
 """train.py --compile_for: the step compiled ahead of time for TPU slices (libtpu, no TPU),
 hlo_stats' FLOP and collective counts, the batch search, and the one-line errors."""
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -30,17 +31,25 @@ needs_libtpu = pytest.mark.skipif(
     reason='pip install -r requirements-tpu.txt')
 
 
-@pytest.fixture(autouse=True, scope='module')
-def without_the_sessions_compilation_cache():
+@contextlib.contextmanager
+def bypassing_the_runs_compilation_cache():
   """The compile-only TPU devices cannot load a cached program (jax warns and compiles
-  again), so this module's compiles bypass the session's cache (conftest), as the launch
-  check does outside the tests."""
+  again), so compiles for them bypass the run's cache (conftest), as the launch check does
+  outside the tests."""
   saved = jax.config.jax_compilation_cache_dir
   jax.config.update('jax_compilation_cache_dir', None)
   compilation_cache.reset_cache()
-  yield
-  jax.config.update('jax_compilation_cache_dir', saved)
-  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update('jax_compilation_cache_dir', saved)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True, scope='module')
+def without_the_runs_compilation_cache():
+  with bypassing_the_runs_compilation_cache():
+    yield
 
 
 def tiny(variant='postln', **overrides):
