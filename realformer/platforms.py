@@ -13,9 +13,9 @@ realformer.cli (parse_flags, run_main) and trainer.run_program.
 
 Without libtpu (requirements.txt alone) jax still tries its TPU backend and logs, at INFO,
 "Unable to initialize backend 'tpu': ... Failed to open libtpu.so", which a program's INFO
-log shows. Where no TPU chip is attached that one line is dropped and nothing else changes;
-on a machine with a TPU chip and no libtpu it stays, beside jax's own warning that libtpu is
-missing.
+log shows. Where no TPU chip is attached and no TPU_LIBRARY_PATH names a libtpu, that one
+line is dropped and nothing else changes; on a machine with a TPU chip and no libtpu it
+stays, beside jax's own warning that libtpu is missing.
 """
 
 import importlib.metadata
@@ -54,10 +54,12 @@ def platforms_here() -> str:
 
 
 class _NoAbsentTpuBackend(logging_std.Filter):
-  """Drops jax's INFO line on the TPU backend it could not start (libtpu is not installed)."""
+  """Drops jax's INFO line on the TPU backend it could not start for want of libtpu.so."""
 
   def filter(self, record):
-    return not str(record.msg).startswith("Unable to initialize backend 'tpu'")
+    message = record.getMessage()
+    return not (message.startswith("Unable to initialize backend 'tpu'") and
+                'libtpu.so' in message)
 
 
 def skip_absent_tpu() -> str:
@@ -75,6 +77,8 @@ def skip_absent_tpu() -> str:
   if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
     return ''
   if importlib.util.find_spec('libtpu') is None:
+    if os.environ.get('TPU_LIBRARY_PATH'):  # (a libtpu of the user's own: its errors show)
+      return ''
     jax_backends = logging_std.getLogger('jax._src.xla_bridge')
     if not any(isinstance(f, _NoAbsentTpuBackend) for f in jax_backends.filters):
       jax_backends.addFilter(_NoAbsentTpuBackend())

@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import jax
@@ -100,49 +101,67 @@ def test_the_cache_keeps_gpu_autotuning_results_in_its_folder(tmp_path):
 
 
 @pytest.fixture
-def own_cache(tmp_path):
+def own_cache(tmp_path, monkeypatch):
   """This process's cache turned on in a folder of the test's own, every program written;
-  the run's cache back afterwards."""
-  before = (jax.config.jax_compilation_cache_dir,
-            jax.config.jax_persistent_cache_min_compile_time_secs)
+  the run's cache, and jax's own cache class, back afterwards."""
+  monkeypatch.setattr(jax_cache, 'LRUCache', jax_cache.LRUCache)  # (undone after the test)
+  names = ('jax_compilation_cache_dir', 'jax_enable_compilation_cache',
+           'jax_persistent_cache_enable_xla_caches',
+           'jax_persistent_cache_min_compile_time_secs')
+  before = {name: getattr(jax.config, name) for name in names}
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   try:
     yield compile_cache.enable(str(tmp_path / 'cache'))
   finally:
-    jax.config.update('jax_compilation_cache_dir', before[0])
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', before[1])
+    for name, value in before.items():
+      jax.config.update(name, value)
     jax_cache.reset_cache()
 
 
-def test_an_entry_that_cannot_be_read_is_replaced_by_the_next_compile(own_cache):
+def test_an_entry_that_cannot_be_read_is_compiled_again_and_replaced(own_cache):
   """jax keeps an entry that is there: one cut short by an earlier start would be read in
-  vain (a warning), compiled anew and kept, at every start."""
-  program = jax.jit(lambda x: jnp.tanh(x) @ x.T * 3.0 + 0.25)
+  vain (a warning), compiled anew and kept, at every start; and jax's check whether a key
+  is in the cache (profile-guided compiles use it) would take it for a program."""
   x = np.arange(48, dtype=np.float32).reshape(6, 8) / 48  # (the one program: the jitted one)
 
-  def start():  # a new process: no program in memory, the cache folder opened anew
-    jax.clear_caches()
+  def start():  # a new process: the program traced anew, the cache folder opened anew
     jax_cache.reset_cache()
     counts = compile_cache.stats()
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter('always')
-      y = program(x)
+      y = jax.jit(lambda x: jnp.tanh(x) @ x.T * 3.0 + 0.25)(x)
     after = compile_cache.stats()
-    read_errors = [w for w in caught if 'Error reading persistent compilation' in str(w.message)]
-    return y, after['hits'] - counts['hits'], after['misses'] - counts['misses'], read_errors
+    jax_warnings = [str(w.message) for w in caught if 'persistent compilation' in str(w.message)]
+    return y, after['hits'] - counts['hits'], after['misses'] - counts['misses'], jax_warnings
 
   expected, _, written, _ = start()
-  assert isinstance(jax_cache._get_cache(jax.devices()[0].client), compile_cache.WholeEntries)  # pylint: disable=protected-access
-  entries = {e: os.path.getsize(os.path.join(own_cache, e)) for e in os.listdir(own_cache)}
-  assert written == len(entries) > 0 and all(e.endswith('-cache') for e in entries)
-  for e in entries:  # every entry cut short, as a write interrupted half way leaves it
-    os.truncate(os.path.join(own_cache, e), entries[e] // 2)
-  y, loaded, compiled, read_errors = start()
-  assert (loaded, compiled) == (0, written) and len(read_errors) == written
-  assert sorted(os.listdir(own_cache)) == sorted(entries)  # (no temporary file left)
-  y2, loaded, compiled, read_errors = start()
-  assert (loaded, compiled, read_errors) == (written, 0, [])  # rewritten whole: loaded
+  backend = jax.devices()[0].client
+  assert isinstance(jax_cache._get_cache(backend), compile_cache.WholeEntries)  # pylint: disable=protected-access
+  entries = sorted(os.listdir(own_cache))
+  assert written == len(entries) == 1 and entries[0].endswith('-cache')
+  key = entries[0][:-len('-cache')]
+  assert jax_cache.is_executable_in_cache(backend, key)
+  size = os.path.getsize(os.path.join(own_cache, entries[0]))
+  os.truncate(os.path.join(own_cache, entries[0]), size // 2)  # as a write cut short leaves it
+  assert not jax_cache.is_executable_in_cache(backend, key)
+  y, loaded, compiled, jax_warnings = start()
+  assert (loaded, compiled, jax_warnings) == (0, written, [])
+  assert sorted(os.listdir(own_cache)) == entries  # (replaced; no temporary file left)
+  y2, loaded, compiled, jax_warnings = start()
+  assert (loaded, compiled, jax_warnings) == (written, 0, [])  # rewritten whole: loaded
   assert jnp.array_equal(y, expected) and jnp.array_equal(y2, expected)
+
+
+def test_a_start_removes_what_writers_killed_half_way_left(own_cache):
+  old, fresh = (os.path.join(own_cache, f'k-cache.{n}{compile_cache.PART}') for n in 'ab')
+  os.makedirs(own_cache)
+  for part in (old, fresh):
+    with open(part, 'wb') as f:
+      f.write(b'half')
+  an_hour_ago = time.time() - compile_cache.STALE_PART_SECONDS - 60
+  os.utime(old, (an_hour_ago, an_hour_ago))
+  assert compile_cache.enable(os.path.dirname(own_cache)) == own_cache
+  assert os.listdir(own_cache) == [os.path.basename(fresh)]  # (it may be a writer's, now)
 
 
 @pytest.mark.parametrize('cache_class,max_size', [
@@ -159,7 +178,7 @@ def test_a_write_that_fails_half_way_leaves_no_entry(tmp_path, cache_class, max_
   resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, limits[1]))
   try:
     with pytest.raises(OSError):
-      cache.put('program', os.urandom(1 << 17))
+      cache.put('program', jax_cache.compress_executable(os.urandom(1 << 17)))
   finally:
     resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     signal.signal(signal.SIGXFSZ, handler)
@@ -167,8 +186,9 @@ def test_a_write_that_fails_half_way_leaves_no_entry(tmp_path, cache_class, max_
     assert entries() == ['program-cache'] and len(cache.get('program')) == 1 << 16
     return
   assert entries() == [] and cache.get('program') is None
-  cache.put('program', b'whole')  # and the next write, with room, is the entry
-  assert cache.get('program') == b'whole'
+  whole = jax_cache.compress_executable(b'a program')
+  cache.put('program', whole)  # and the next write, with room, is the entry
+  assert cache.get('program') == whole
   assert entries() == (['program-atime'] if max_size > 0 else []) + ['program-cache']
 
 

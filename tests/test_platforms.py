@@ -2,9 +2,13 @@
 machine's own platforms without a word from libtpu; without libtpu, without jax's line on the
 TPU backend it could not start; a TPU VM and a user's JAX_PLATFORMS are left alone."""
 
+import logging
 import os
 import subprocess
 import sys
+
+import jax
+import pytest
 
 from realformer import platforms
 from tests.test_launch import needs_libtpu
@@ -66,15 +70,51 @@ def test_a_start_without_libtpu_says_nothing_of_tpus(tmp_path):
   assert 'libtpu.so' in noisy.stderr  # (it is libtpu that is missing)
 
 
+@pytest.mark.usefixtures('no_platforms_chosen')
+def test_without_libtpu_only_jaxs_line_on_the_missing_library_is_dropped(monkeypatch):
+  """Not a TPU backend's other failures, and nothing where TPU_LIBRARY_PATH names a libtpu
+  of the user's own (jax loads that one)."""
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  find_spec = platforms.importlib.util.find_spec
+  monkeypatch.setattr(platforms.importlib.util, 'find_spec',
+                      lambda name, *a: None if name == 'libtpu' else find_spec(name, *a))
+  monkeypatch.setattr(hardware_utils, 'num_available_tpu_chips_and_device_id',
+                      lambda: (0, None))
+  jax_backends = logging.getLogger('jax._src.xla_bridge')
+  monkeypatch.setattr(jax_backends, 'filters', [])
+  monkeypatch.setenv('TPU_LIBRARY_PATH', '/opt/tpu/libtpu.so')
+  assert platforms.skip_absent_tpu() == '' and jax_backends.filters == []
+  monkeypatch.delenv('TPU_LIBRARY_PATH')
+  assert platforms.skip_absent_tpu() == '' and 'JAX_PLATFORMS' not in os.environ
+  (kept,) = jax_backends.filters
+  line = lambda msg: logging.LogRecord('jax._src.xla_bridge', logging.INFO, '', 0, msg, (), None)
+  assert not kept.filter(line("Unable to initialize backend 'tpu': INTERNAL: Failed to open "
+                              "libtpu.so: libtpu.so: cannot open shared object file"))
+  assert kept.filter(line("Unable to initialize backend 'tpu': ABORTED: The TPU is already "
+                          "in use by process with pid 1234"))
+  assert kept.filter(line("Unable to initialize backend 'cuda': no supported devices"))
+
+
 def test_a_users_platforms_are_left_alone():
   proc = _start(JAX_PLATFORMS='cpu')
   assert proc.returncode == 0 and proc.stdout.split() == ["['cpu']", 'cpu']
   assert platforms.skip_absent_tpu() == ''  # the tests' own JAX_PLATFORMS
 
 
+@pytest.fixture
+def no_platforms_chosen(monkeypatch):
+  """This process as a fresh start would have it: neither JAX_PLATFORMS (the tests set it)
+  nor jax_platforms."""
+  monkeypatch.delenv('JAX_PLATFORMS')
+  before = jax.config.jax_platforms
+  jax.config.update('jax_platforms', None)
+  yield
+  jax.config.update('jax_platforms', before)
+
+
+@pytest.mark.usefixtures('no_platforms_chosen')
 def test_an_attached_tpu_or_a_visible_gpu_is_kept(monkeypatch):
   from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
-  monkeypatch.delenv('JAX_PLATFORMS')
   monkeypatch.setattr(platforms.importlib.util, 'find_spec',
                       lambda name, *a: object() if name == 'libtpu' else None)
   monkeypatch.setattr(hardware_utils, 'num_available_tpu_chips_and_device_id',

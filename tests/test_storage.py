@@ -706,3 +706,18 @@ def test_a_restart_over_an_uncommitted_step_in_a_bucket_starts_cleanly(gcs):
     assert checkpoints.latest_complete_step(manager) is None
     assert not (storage.path(run) / RunDir.CHECKPOINTS / '5').exists()
     manager.close()
+
+
+def test_a_compilation_cache_entry_in_a_bucket_that_cannot_be_read_is_replaced(gcs):
+  """An object is stored whole, but one left unreadable in the bucket (by a writer without
+  compile_cache.WholeEntries, or damaged) counts as missing, and the next put replaces it
+  where jax's own put would keep it."""
+  from jax._src import compilation_cache as jax_cache  # pylint: disable=g-import-not-at-top
+  from realformer.train import compile_cache  # pylint: disable=g-import-not-at-top
+  folder = f'{gcs}/programs'
+  cache = compile_cache.WholeEntries(folder, max_size=-1)
+  whole = jax_cache.compress_executable(b'a program' * 100)
+  storage.path(f'{folder}/k-cache').write_bytes(whole[:len(whole) // 2])
+  assert cache.get('k') is None
+  cache.put('k', whole)
+  assert cache.get('k') == whole and storage.path(f'{folder}/k-cache').read_bytes() == whole

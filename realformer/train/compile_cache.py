@@ -25,12 +25,13 @@ version and the device kind. XLA:CPU compiles for the host processor's instructi
 which that key does not name, so programs live in a subfolder per (jax version, backend,
 device kind, processor and every feature it reports): <dir>/<backend>-<hash of those>.
 
-An entry is written whole or not at all (`WholeEntries`). jax writes an entry in place and
-never replaces one that exists, so a write cut short (the process killed or preempted, the
-disk full) would leave a truncated entry that every later start fails to read (a warning),
-compiles anew and cannot rewrite. Here a local entry goes to a temporary file beside it and
-is renamed over it: a reader sees the whole entry or none, and the next compile of a program
-whose entry cannot be read replaces it. (An object in a bucket is written whole already.)
+An entry is written whole or not at all, and one that cannot be read counts as missing
+(`WholeEntries`). jax writes an entry in place and never replaces one that exists, so a
+write cut short (the process killed or preempted, the disk full) would leave a truncated
+entry that every later start fails to read (a warning), compiles anew and cannot rewrite.
+Here a local entry goes to a temporary file beside it and is renamed over it, so a reader
+sees the whole entry or none, and an entry that does not decompress is compiled again and
+replaced.
 
 With several processes jax writes the cache from process 0 only and every process reads it,
 so a multi-host run wants a folder all hosts share. Only programs that took longer to
@@ -41,6 +42,7 @@ run cost nothing.
 
 import hashlib
 import os
+import secrets
 import threading
 import time
 from typing import Dict, Optional
@@ -102,6 +104,7 @@ def enable(setting: Optional[str] = None) -> Optional[str]:
     logging.info('compilation cache: off')
     return None
   _write_whole_entries()
+  _remove_stale_parts(path)
   jax.config.update('jax_enable_compilation_cache', True)  # (after a disable())
   jax.config.update('jax_compilation_cache_dir', path)
   jax.config.update('jax_persistent_cache_enable_xla_caches', XLA_CACHES)
@@ -122,35 +125,80 @@ def disable() -> None:
 
 
 class WholeEntries(lru_cache.LRUCache):
-  """jax's cache folder (lru_cache.LRUCache), whose local entries are written to a temporary
-  file and renamed over the entry: never seen, nor left, half written. A put comes only after
-  a compile, that is after a lookup that found nothing or could not read what it found, so
-  an entry that is there is replaced rather than kept as jax keeps it."""
+  """jax's cache folder (lru_cache.LRUCache), whose entries are written whole or not at all
+  and whose unreadable entries count as missing.
+
+  put: in a local folder, to a temporary file beside the entry, renamed over it (a process
+  killed or a disk full half way leaves no entry; a leftover temporary file is removed by a
+  later enable()); in a bucket, as one object, which an object store keeps whole. An entry
+  that is there is replaced, where jax's own put keeps it: jax only writes after a compile,
+  and here that means the lookup found nothing readable.
+  get: an entry that does not decompress (cut short by a writer without this class, or by a
+  machine that lost power before the disk held it) is missing: jax compiles the program
+  again and the put replaces it. The check costs one more decompression of each entry that
+  a start loads."""
+
+  def get(self, key: str) -> Optional[bytes]:
+    value = super().get(key)
+    if value is None:
+      return None
+    try:
+      jax_compilation_cache.decompress_executable(value)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('compilation cache: entry %s is unreadable (%s): compiling its program '
+                      'again, which replaces it', key, type(e).__name__)
+      return None
+    return value
 
   def put(self, key: str, value: bytes) -> None:
-    if not self._is_local or (self.eviction_enabled and len(value) > self.max_size):
-      super().put(key, value)  # (an object store writes whole objects; jax refuses the rest)
+    if self.eviction_enabled and len(value) > self.max_size:
+      super().put(key, value)  # (jax refuses it, with its warning)
       return
     if self.eviction_enabled:
       self.lock.acquire(timeout=self.lock_timeout_secs)
     try:
       self._evict_if_needed(additional_size=len(value))
-      entry = os.path.join(os.fspath(self.path), key + lru_cache._CACHE_SUFFIX)  # pylint: disable=protected-access
-      part = f'{entry}.{os.getpid()}.{threading.get_ident()}.part'  # (no -cache suffix: not an entry)
-      try:
-        with open(part, 'wb') as f:
-          f.write(value)
-        os.replace(part, entry)
-      finally:
-        if os.path.exists(part):
-          os.remove(part)
+      entry = self.path / f'{key}{lru_cache._CACHE_SUFFIX}'  # pylint: disable=protected-access
+      if self._is_local:
+        _write_then_rename(os.fspath(entry), value)
+      else:
+        entry.write_bytes(value)
       if self.eviction_enabled:
-        atime = os.path.join(os.fspath(self.path), key + lru_cache._ATIME_SUFFIX)  # pylint: disable=protected-access
-        with open(atime, 'wb') as f:
-          f.write(time.time_ns().to_bytes(8, 'little'))
+        atime = self.path / f'{key}{lru_cache._ATIME_SUFFIX}'  # pylint: disable=protected-access
+        atime.write_bytes(time.time_ns().to_bytes(8, 'little'))
     finally:
       if self.eviction_enabled:
         self.lock.release()
+
+
+PART = '.part'  # a temporary file's suffix (not jax's -cache: never taken for an entry)
+STALE_PART_SECONDS = 3600  # a temporary file this old was left by a writer that died
+
+
+def _write_then_rename(entry: str, value: bytes) -> None:
+  part = f'{entry}.{secrets.token_hex(8)}{PART}'  # (one writer's own, on any host)
+  try:
+    with open(part, 'xb') as f:
+      f.write(value)
+    os.replace(part, entry)
+  finally:
+    if os.path.exists(part):
+      os.remove(part)
+
+
+def _remove_stale_parts(folder_path: str) -> None:
+  """Temporary files that writers killed half way left in a local cache folder."""
+  if storage.is_url(folder_path) or not os.path.isdir(folder_path):
+    return
+  now = time.time()
+  for name in os.listdir(folder_path):
+    if name.endswith(PART):
+      part = os.path.join(folder_path, name)
+      try:
+        if now - os.path.getmtime(part) > STALE_PART_SECONDS:
+          os.remove(part)
+      except FileNotFoundError:
+        pass  # (its writer finished, or another start removed it)
 
 
 def _write_whole_entries() -> None:
