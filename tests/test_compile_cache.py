@@ -152,7 +152,7 @@ def test_an_entry_that_cannot_be_read_is_compiled_again_and_replaced(own_cache):
   assert jnp.array_equal(y, expected) and jnp.array_equal(y2, expected)
 
 
-def test_a_start_removes_what_writers_killed_half_way_left(own_cache):
+def test_a_start_removes_what_writers_killed_half_way_left(own_cache, monkeypatch):
   old, fresh = (os.path.join(own_cache, f'k-cache.{n}{compile_cache.PART}') for n in 'ab')
   os.makedirs(own_cache)
   for part in (old, fresh):
@@ -162,6 +162,13 @@ def test_a_start_removes_what_writers_killed_half_way_left(own_cache):
   os.utime(old, (an_hour_ago, an_hour_ago))
   assert compile_cache.enable(os.path.dirname(own_cache)) == own_cache
   assert os.listdir(own_cache) == [os.path.basename(fresh)]  # (it may be a writer's, now)
+  # One that is not this process's to remove (a shared folder) is left, and the start goes on.
+  os.utime(fresh, (an_hour_ago, an_hour_ago))
+  def refuse(path):
+    raise PermissionError(13, 'Permission denied', path)
+  monkeypatch.setattr(compile_cache.os, 'remove', refuse)
+  assert compile_cache.enable(os.path.dirname(own_cache)) == own_cache
+  assert os.listdir(own_cache) == [os.path.basename(fresh)]
 
 
 @pytest.mark.parametrize('cache_class,max_size', [

@@ -187,18 +187,23 @@ def _write_then_rename(entry: str, value: bytes) -> None:
 
 
 def _remove_stale_parts(folder_path: str) -> None:
-  """Temporary files that writers killed half way left in a local cache folder."""
-  if storage.is_url(folder_path) or not os.path.isdir(folder_path):
+  """Temporary files that writers killed half way left in a local cache folder (a folder
+  this process may not list or change is left as it is: jax reports what it cannot do)."""
+  if storage.is_url(folder_path):
     return
   now = time.time()
-  for name in os.listdir(folder_path):
+  try:
+    names = os.listdir(folder_path)
+  except OSError:
+    return  # (not there yet, or not ours to list)
+  for name in names:
     if name.endswith(PART):
       part = os.path.join(folder_path, name)
       try:
         if now - os.path.getmtime(part) > STALE_PART_SECONDS:
           os.remove(part)
-      except FileNotFoundError:
-        pass  # (its writer finished, or another start removed it)
+      except OSError:
+        pass  # (its writer finished, another start removed it, or it is not ours to remove)
 
 
 def _write_whole_entries() -> None:
