@@ -150,6 +150,12 @@ def test_an_entry_that_cannot_be_read_is_compiled_again_and_replaced(own_cache):
   y2, loaded, compiled, jax_warnings = start()
   assert (loaded, compiled, jax_warnings) == (written, 0, [])  # rewritten whole: loaded
   assert jnp.array_equal(y, expected) and jnp.array_equal(y2, expected)
+  # Another folder, in the same process: the programs go there from now on.
+  before = sorted(os.listdir(own_cache))
+  other = compile_cache.enable(os.path.join(os.path.dirname(own_cache), '..', 'other'))
+  jax.jit(lambda x: jnp.cos(x) * 5.0)(x)
+  assert [e.split('-')[0] for e in os.listdir(other)] == ['jit__lambda']
+  assert sorted(os.listdir(own_cache)) == before
 
 
 def test_a_start_removes_what_writers_killed_half_way_left(own_cache, monkeypatch):

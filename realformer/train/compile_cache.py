@@ -105,6 +105,9 @@ def enable(setting: Optional[str] = None) -> Optional[str]:
     return None
   _write_whole_entries()
   _remove_stale_parts(path)
+  if (jax_compilation_cache._cache is not None  # pylint: disable=protected-access
+      and jax.config.jax_compilation_cache_dir != path):
+    jax_compilation_cache.reset_cache()  # (jax would go on with the folder it opened first)
   jax.config.update('jax_enable_compilation_cache', True)  # (after a disable())
   jax.config.update('jax_compilation_cache_dir', path)
   jax.config.update('jax_persistent_cache_enable_xla_caches', XLA_CACHES)
