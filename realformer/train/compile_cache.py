@@ -103,11 +103,8 @@ def enable(setting: Optional[str] = None) -> Optional[str]:
     disable()
     logging.info('compilation cache: off')
     return None
-  _write_whole_entries()
+  _open_as_whole_entries(path)
   _remove_stale_parts(path)
-  if (jax_compilation_cache._cache is not None  # pylint: disable=protected-access
-      and jax.config.jax_compilation_cache_dir != path):
-    jax_compilation_cache.reset_cache()  # (jax would go on with the folder it opened first)
   jax.config.update('jax_enable_compilation_cache', True)  # (after a disable())
   jax.config.update('jax_compilation_cache_dir', path)
   jax.config.update('jax_persistent_cache_enable_xla_caches', XLA_CACHES)
@@ -209,15 +206,16 @@ def _remove_stale_parts(folder_path: str) -> None:
         pass  # (its writer finished, another start removed it, or it is not ours to remove)
 
 
-def _write_whole_entries() -> None:
-  """jax builds its cache folder as WholeEntries from now on (it builds it at the first
-  compile that looks anything up; one built before is dropped and built again). The classes
-  are jax's private ones, of the pinned version: tests/test_compile_cache.py checks that jax
-  still builds its cache through this name."""
-  if jax_compilation_cache.LRUCache is not WholeEntries:
-    jax_compilation_cache.LRUCache = WholeEntries
-    if jax_compilation_cache._cache is not None:  # pylint: disable=protected-access
-      jax_compilation_cache.reset_cache()
+def _open_as_whole_entries(path: str) -> None:
+  """jax builds its cache folder as WholeEntries, at `path`, from the next compile on (it
+  builds it at the first compile that looks anything up, and would go on with one built
+  before: that one is dropped). The classes are jax's private ones, of the pinned version:
+  tests/test_compile_cache.py checks that jax still builds its cache through this name."""
+  built = jax_compilation_cache._cache  # pylint: disable=protected-access
+  if built is not None and (not isinstance(built, WholeEntries)
+                            or jax.config.jax_compilation_cache_dir != path):
+    jax_compilation_cache.reset_cache()
+  jax_compilation_cache.LRUCache = WholeEntries
 
 
 def _listen() -> None:
