@@ -59,10 +59,6 @@ RUN_FOLDER = _run_folder()
 os.environ.setdefault('REALFORMER_STORAGE_SECONDS', '10')
 # Local copies of bucket data (prepared shards) go to a folder of this run's (removed at its end).
 os.environ.setdefault('REALFORMER_CACHE', os.path.join(RUN_FOLDER, f'cache_{os.getpid()}'))
-# The programs the tests start (train.py, finetune.py) compile into this run's own cache, not
-# the user's, shared by the workers: a run that another worker's test already made loads its
-# programs.
-os.environ.setdefault('REALFORMER_COMPILATION_CACHE', os.path.join(RUN_FOLDER, 'programs'))
 # libtpu, loaded by the launch check's compiles, writes its logs to /tmp/tpu_logs unless told
 # otherwise: here, to this run's folder.
 os.environ.setdefault('TPU_LOG_DIR', os.path.join(RUN_FOLDER, 'tpu_logs'))
@@ -73,15 +69,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # GPU code nor Triton's package: `import triton` fails here, and torch goes without it.
 sys.modules['triton'] = None
 
-# The tests' own compiles go through jax's persistent cache in this run's folder (always
-# fresh: it is never shared with another machine, whose processor may differ), one for both
-# workers and for the processes the tests start (set in the environment, which they
-# inherit; the programs that choose their own cache, train.py's --compilation_cache, still
-# do): a test that trains, stops and resumes, in this process or in children, or several
-# tests building the same tiny model, on either worker, compile each program once. Programs
-# that compile in under 0.1 s are not written.
-# (assigned, not defaulted: a cache the user's shell names is not the run's.)
-os.environ['JAX_COMPILATION_CACHE_DIR'] = os.path.join(RUN_FOLDER, 'xla')
+# Every program compiled in the run (the tests' own, and those of the processes they start)
+# goes through one compilation cache in this run's folder (always fresh: it is never shared
+# with another machine, whose processor may differ), for both workers and their children: a
+# test that trains, stops and resumes, in this process or in children, or several tests
+# building the same tiny model, on either worker, compile each program once. The processes
+# that choose their own cache (train.py's --compilation_cache) still do; the others open it
+# through compile_cache.enable(), whose entries another process reads whole or not at all
+# (with jax's own class one worker could read the other's half-written entry, warn and
+# compile again), or through jax's variable. Programs that compile in under 0.1 s are not
+# written (writing every eager operation's too cost the children what it saved the workers).
+# (Assigned, not defaulted: a cache the user's shell names is not the run's.)
+os.environ['REALFORMER_COMPILATION_CACHE'] = os.path.join(RUN_FOLDER, 'programs')
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.1'
 
 # Python's cyclic garbage collector: jax's objects (imported here), alive for the whole run,
@@ -91,6 +90,8 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.1'
 # not in a cycle.
 import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+from realformer.train import compile_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
+os.environ['JAX_COMPILATION_CACHE_DIR'] = compile_cache.enable()
 gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
