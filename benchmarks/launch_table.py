@@ -76,18 +76,25 @@ def make_config(cell):
   return c
 
 
+def finished(path: str) -> set:
+  """The keys of the cells already in `path`."""
+  if not os.path.exists(path):
+    return set()
+  with open(path) as f:
+    return {key(json.loads(l)['cell']) for l in f if l.strip()}
+
+
 def run(args):
   from realformer.tools import launch
-  done = set()
-  if os.path.exists(args.out):
-    with open(args.out) as f:
-      done = {key(json.loads(l)['cell']) for l in f if l.strip()}
+  done = finished(args.out)
   index, count = (int(x) for x in args.shard.split('/'))
   only = dict(kv.split('=', 1) for kv in filter(None, args.only.split(',')))
   todo = [c for i, c in enumerate(cells()) if i % count == index and key(c) not in done
           and all(str(c[k]) == v for k, v in only.items())]
   targets = {}
   for cell in todo:
+    if key(cell) in finished(args.out):  # another search into the same file did it meanwhile
+      continue
     start = time.time()
     if cell['target'] not in targets:
       targets[cell['target']] = launch.tpu_target(cell['target'])
