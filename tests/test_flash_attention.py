@@ -368,7 +368,7 @@ def test_auto_takes_the_kernel_only_on_gpus_that_triton_compiles_for(monkeypatch
 
 
 def test_one_line_errors():
-  # On a TPU flash is the Mosaic kernel (tests/test_flash_tpu.py), of any head size.
+  # On a TPU flash is the Mosaic kernel (tests/test_flash_variants.py), of any head size.
   assert resolve(small_config('postln', fused_attention='flash'), platform='tpu').head_dim == 8
   with pytest.raises(ValueError, match='a power of 2 of at least 16.*not 8'):
     resolve(small_config('postln', fused_attention='flash'), platform='gpu')  # 32 / 4 heads

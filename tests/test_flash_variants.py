@@ -70,11 +70,12 @@ def _reference_loss(keep, scale, bias, logit_scale, with_scores):
 @pytest.mark.parametrize('kernel', KERNELS)
 @pytest.mark.parametrize('tq,tk,lengths,term_batch,rate,logit_scale,with_scores', [
     (32, 32, (32, 19, 6), B, 0.2, None, True),  # RealFormer: scores out, their gradient in
-    (32, 32, (32, 19, 3), B, 0.2, 1 / 3, True),  # its running mean
+    (136, 136, (136, 119, 3), B, 0.2, 1 / 3, True),  # its running mean, two tiles of 128
     (13, 13, (13, 9, 4), B, 0.5, None, True),  # odd lengths: queries and keys padded
     (32, 32, (32, 19, 6), 1, 0.2, None, False),  # a term shared by the batch (Random)
     (20, 20, (20, 11, 1), B, 0.0, None, False),  # a per-example term (Dense), no dropout
     (136, 136, (136, 130, 7), 0, 0.1, None, False),  # plain attention, two tiles of 128
+    (24, 24, (24, 17, 5), 0, 0.2, 0.5, False),  # a logit scale without a term
 ])
 def test_term_kernel_matches_a_float64_reference(kernel, tq, tk, lengths, term_batch, rate,
                                                  logit_scale, with_scores):
@@ -255,6 +256,39 @@ def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients(variant,
     fixed = [x for path, x in jax.tree_util.tree_leaves_with_path(gb)
              if 'random_logits' in jax.tree_util.keystr(path)]
     assert fixed and all(not np.any(np.asarray(x)) for x in fixed)
+
+
+@pytest.mark.parametrize('variant,cfg,kernel', [
+    ('realformer', dict(residual_dtype='bfloat16'), 'triton'),
+    ('synth_random_vanilla', {}, 'mosaic')])
+def test_a_bfloat16_model_through_flash_is_within_the_plain_paths_rounding(variant, cfg, kernel,
+                                                                          monkeypatch):
+  """The model in bfloat16, as accelerators train it (the mixture's dot weight folded into
+  bfloat16 queries, RealFormer's carry in bfloat16): the kernel's outputs and gradients lie
+  as close to the plain path's in bfloat16 as the plain path's lie to its own float32 values
+  (parameter gradients of at least 1e-3 of the largest; the keys' biases get none in exact
+  arithmetic)."""
+  _use(kernel, monkeypatch)
+  batch = make_batch()
+  mask = np.asarray(batch['attention_mask'], bool)
+  f32, plain, flash = (
+      models.build(small_config(variant, fused_attention=f, dtype=dtype,
+                                attention_dropout_rate=0.3, dropout_rate=0.0, **cfg),
+                   head='encoder')
+      for f, dtype in (('off', 'float32'), ('off', 'bfloat16'), ('flash', 'bfloat16')))
+  params = perturbed_params(f32, batch)
+  rngs = {'dropout': jax.random.PRNGKey(5)}
+  hidden = [np.asarray(m.apply({'params': params}, batch, deterministic=False,
+                               rngs=rngs).hidden, np.float64)[mask] for m in (f32, plain, flash)]
+  grads = [jax.tree.leaves(jax.grad(_loss(m, batch, rngs))(params)) for m in (f32, plain, flash)]
+  norm = lambda x: np.linalg.norm(np.asarray(x, np.float64))
+  rounding = norm(hidden[1] - hidden[0])
+  assert 0 < norm(hidden[2] - hidden[1]) <= 2.5 * rounding
+  largest = max(norm(g) for g in grads[0])
+  for want, got_plain, got_flash in zip(*grads):
+    if norm(want) >= 1e-3 * largest:
+      assert norm(np.asarray(got_flash, np.float64) - got_plain) <= 2.5 * norm(
+          np.asarray(got_plain, np.float64) - want)
 
 
 def test_pure_synthesizers_keep_the_plain_path():

@@ -315,8 +315,9 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
     dv_ref[:, i, :] = dvs[i].T.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref, *refs, d):
-  """One query block against every key (plain attention: the probabilities rebuilt)."""
+def _dq_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref,
+               *refs, d):
+  """One query block against every key (no term: the probabilities rebuilt)."""
   *mask_ref, dq_ref = refs
   q, do = q_ref[...], do_ref[...]
   m, log_l, delta = m_ref[...], log_l_ref[...], delta_ref[...]
@@ -326,10 +327,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_re
     keeps = _unpack(mask_ref[0][:, c]) if d.dropout else (None,) * 4
     for i in range(4):
       k, v = k_ref[c, i, :], v_ref[c, i, :]
-      s = plgpu.dot(q, k, trans_b=True) * d.sm_scale + bias_ref[c, i][None, :]
-      p = jnp.exp((s - m[:, None]) - log_l[:, None])
+      _, logits = d.logits(q, k, None, scale_ref)
+      p = jnp.exp((logits + bias_ref[c, i][None, :] - m[:, None]) - log_l[:, None])
       dp = d.drop(plgpu.dot(do, v, trans_b=True), keeps[i])
-      dq = dq + plgpu.dot((p * (dp - delta[:, None])).astype(k.dtype), k)
+      ds = p * (dp - delta[:, None])
+      if d.scaled:
+        ds = ds * scale_ref[0]
+      dq = dq + plgpu.dot(ds.astype(k.dtype), k)
     return dq
 
   dq = jax.lax.fori_loop(0, d.groups // d.block_c, body,
@@ -497,9 +501,9 @@ def _dq(args, d: _Dims, tiling: Tiling, interpret, dlogits=None):
                   (sp.pairs(d.block_q, d.groups, True), _paired(dlogits))],
                  sp.q_block, dq, interpret, 'flash_attention_dq')
   q_rows = sp.rows(d.block_q, lambda i: i)
-  operands = [(sp.q_block, ops.q), (sp.grouped, _grouped(ops.k)), (sp.grouped, _grouped(ops.v)),
-              (sp.bias, _grouped(ops.key_bias)), (sp.q_block, dout), (q_rows, m),
-              (q_rows, log_l), (q_rows, delta)]
+  operands = [(sp.vector(1), ops.scalars), (sp.q_block, ops.q), (sp.grouped, _grouped(ops.k)),
+              (sp.grouped, _grouped(ops.v)), (sp.bias, _grouped(ops.key_bias)),
+              (sp.q_block, dout), (q_rows, m), (q_rows, log_l), (q_rows, delta)]
   if d.dropout:
     operands.append((sp.mask(d.block_q, lambda i: i), mask))
   return _call(_dq_kernel, d, tiling, grid, operands, sp.q_block, dq, interpret,
