@@ -1,8 +1,10 @@
 """The pretraining input stream: prepared shards -> shuffled, dynamically masked, per-host
 batches, with a state that Orbax saves beside the train state.
 
-The stream is a pure function of (seed, position): grain's IndexSampler shuffles the records
-of every epoch with the seed, each host takes its own share (ShardOptions by process), and
+The stream is a pure function of (seed, position) for a given number of training hosts:
+grain's IndexSampler shuffles the records of every epoch with the seed, each host takes its
+own contiguous share (ShardOptions by process; another host count reads another stream, so a
+run resumes on as many hosts as saved it: check_saved_position), and
 masking draws from a generator that grain seeds with (seed, global record index), so an epoch
 re-masks every instance differently and a restored iterator continues with exactly the batches
 an uninterrupted run would have seen.
@@ -11,6 +13,7 @@ an uninterrupted run would have seen.
 import collections
 import json
 import os
+import re
 import time
 import zlib
 from typing import Dict, List, Optional, Tuple
@@ -276,6 +279,25 @@ def check_split(metadata: dict, prepared_dir: str, split: str, examples: int,
                     'train.eval_steps to %d to read each once', batches, per_host,
                     batches * per_host, split, examples // process_count,
                     examples // process_count // per_host)
+
+
+def check_saved_position(step_dir: str, process_count: int) -> None:
+  """A one-line error if the stream's position in a checkpoint's step folder (grain's
+  data/process_<i>-of-<n>.json, one per host) was saved by another number of training
+  processes: each host reads its own share of the records (host_records), so n hosts'
+  positions say nothing about where m hosts stand."""
+  folder = storage.path(step_dir) / 'data'
+  saved = {int(m.group(1)) for m in (re.fullmatch(r'process_\d+-of-(\d+)\.json', p.name)
+                                     for p in (folder.iterdir() if folder.is_dir() else ()))
+           if m}
+  if saved and saved != {process_count}:
+    n = max(saved)
+    raise ValueError(
+        f'{step_dir} holds the input position of {n} training process{"es" * (n > 1)} and '
+        f'this start has {process_count}: a pretraining run resumes on as many hosts as it '
+        f'was saved by (each reads its own share of the records); resume it on {n}, or start '
+        f'a new run (another --workdir) from its params with '
+        f'--config.train.init_checkpoint={step_dir}')
 
 
 def iterator_checkpoint_args(it, mode: str):

@@ -654,8 +654,8 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
   them (data.pipeline)."""
   d = config.data
   if stats['eval/documents'] == 1 and counts['eval']:
-    logging.warning('the eval split holds one document, so its random-next segments come from '
-                    'that same document and eval NSP accuracy means nothing; raise '
+    logging.warning('the eval split holds one document, so it has no random-next segments '
+                    '(every NSP label is 0) and eval NSP accuracy means nothing; raise '
                     'data.eval_fraction (now %g) to hold out at least two documents',
                     d.eval_fraction)
   single, documents = stats['train/single_sentence_documents'], stats['train/documents']

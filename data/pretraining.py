@@ -27,6 +27,9 @@ Where this differs from google-research/bert, on purpose:
   - masks are drawn anew every epoch (RoBERTa's dynamic masking) instead of once per
     duplicate at preparation, so config.data.dupe_factor defaults to 1 (BERT: 10, for ten
     static maskings): the sentence pairs then repeat every epoch, their masks do not;
+  - a document with no other beside it (a block, or a corpus, of one document) gets no
+    random next segment: its pairs are all actual next ones (BERT, after ten draws of the
+    same document, takes a random segment from that document itself);
   - [UNK] is never masked and a random replacement is never a special token (BERT skips
     only [CLS] and [SEP], and may draw any vocabulary entry);
   - whole-word masking with a sentencepiece vocabulary groups the pieces of a
@@ -127,8 +130,8 @@ def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
 
   Each document is processed once `window` newer documents have arrived (or at the end);
   its random next segments come from those neighbours, and the very last document's from the
-  up to `window` documents before it. Only a one-document corpus draws from itself (as BERT
-  does when it finds no other document).
+  up to `window` documents before it. A one-document corpus has no random next segments (its
+  pairs are all actual next ones).
   """
   if max_seq_length < 5:
     raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP] '
@@ -174,7 +177,7 @@ def block_instances(documents: Iterable[Document], *, max_seq_length: int,
                     stats: collections.Counter) -> Iterator[Instance]:
   """Instances of one block of documents held whole (data/prepare.py's unit of work): each
   document's random next segments come from any other document of the block, as BERT's come
-  from any other of the corpus; only a block of one document draws from itself."""
+  from any other of the corpus; a block of one document has no random next segments."""
   if max_seq_length < 5:
     raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP] '
                      'B [SEP]; use at least 5 (BERT uses 128 and 512)')

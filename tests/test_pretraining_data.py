@@ -210,4 +210,5 @@ def test_block_instances_draw_random_next_from_every_other_document_of_the_block
   single = list(pretraining.block_instances([doc(7, [3, 3])], max_seq_length=16,
                                             short_seq_prob=0.0, dupe_factor=1, seed=0,
                                             stats=collections.Counter()))
-  assert single  # a block of one document draws from itself, as BERT's one-document corpus
+  # A block of one document: its actual next pairs, no random next (there is no other).
+  assert single and not any(x.is_random_next for x in single)

@@ -244,6 +244,33 @@ def test_config_mistakes_are_one_line(tmp_path, program, override, expected):
   assert not os.listdir(tmp_path)  # nothing written
 
 
+def test_a_resume_on_another_number_of_hosts_is_refused_in_one_line(commands, tmp_path):
+  """Each host reads its own share of the prepared records, so the position two hosts saved
+  says nothing about where one host stands: one line naming both counts and the ways on,
+  before anything is restored; the checkpoint is left as it was."""
+  args = ['train.py', f'--workdir={tmp_path}', '--config=configs/pretrain.py:postln,tiny,runlocal',
+          '--config.model.num_layers=1', '--config.model.hidden_size=32',
+          '--config.model.num_heads=2', '--config.model.mlp_dim=64',
+          '--config.train.eval_steps=0', '--config.train.log_every_steps=1']
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1))
+  proc = commands.run(args + ['--config.train.num_steps=2'], env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = tmp_path / 'checkpoints' / '2' / 'data'
+  saved = data / 'process_0-of-1.json'  # grain's: one file per host
+  for i in range(2):  # as two hosts would have left it
+    (data / f'process_{i}-of-2.json').write_text(saved.read_text())
+  saved.unlink()
+  proc = commands.run(args + ['--config.train.num_steps=4'], env=env)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+  assert ('holds the input position of 2 training processes and this start has 1' in errors[0]
+          and 'resume it on 2' in errors[0])
+  assert f'--config.train.init_checkpoint={tmp_path / "checkpoints" / "2"}' in errors[0]
+  assert sorted(p.name for p in data.glob('process_*')) == ['process_0-of-2.json',
+                                                           'process_1-of-2.json']
+  assert 'Traceback' not in proc.stderr
+
+
 def test_a_normal_resume_prints_no_warning(commands, tmp_path):
   args = [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
           '--config.model.num_layers=1', '--config.model.hidden_size=32',

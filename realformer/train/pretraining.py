@@ -79,6 +79,11 @@ class StreamPosition(trainer.DataState):
     if isinstance(self.stream, train_lib.SyntheticPretrainingData):
       self.stream.set_state(value)
 
+  def check_restorable(self, step_dir: str) -> None:
+    if not isinstance(self.stream, train_lib.SyntheticPretrainingData):
+      from data import pipeline  # pylint: disable=g-import-not-at-top
+      pipeline.check_saved_position(step_dir, jax.process_count())
+
 
 class PretrainingTask(trainer.Task):
   """MLM + NSP on config.data's sources (config: a resolved_config)."""

@@ -157,6 +157,10 @@ class DataState(abc.ABC):
   def restored(self, value) -> None:
     """Takes the restored item (nothing to do for args that restore in place)."""
 
+  def check_restorable(self, step_dir: str) -> None:
+    """A one-line error (ValueError) before anything is read if the position kept in
+    `step_dir` (a checkpoint's step folder) cannot be restored by this start."""
+
 
 class Task(abc.ABC):
   """What a program trains; the trainer does the rest. A subclass sets in __init__
@@ -392,6 +396,8 @@ class Trainer:
                          f'{c.steps_setting} >= {-(-latest // c.steps_per_unit)} '
                          '(a run may be shortened on resume, down to its newest checkpoint)')
       logging.info('resuming from step %d (%s)', latest, manager.directory / str(latest))
+      if task.data is not None:
+        task.data.check_restorable(str(manager.directory / str(latest)))
       tree, data = checkpoints.restore(manager, latest, program.abstract.to_checkpoint(),
                                        self._data_args('restore'))
       if task.data is not None:
