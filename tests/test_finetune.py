@@ -104,6 +104,41 @@ def test_featurize_pairs_truncates_the_longer_side():
   assert f['attention_mask'][0].sum() == 16 and f['label'][0] == 1
 
 
+def test_submission_rows_carry_their_test_file_s_index(tmp_path):
+  """GLUE's server matches a prediction to its row by the test file's index column (QQP's
+  id), not by order: each row keeps its example's, the label is the task's string, STS-B's
+  score has three decimals."""
+  folder = tmp_path / 'MNLI'
+  folder.mkdir()
+  (folder / 'test_matched.tsv').write_text(
+      'index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\n'
+      '1043\t1\t1e\tfiction\tA man sleeps.\tA man is awake.\n'
+      '7\t2\t2n\tfiction\tIt rains.\tThe street is wet.\n')
+  examples = glue.read_tsv('mnli', str(tmp_path), 'test')
+  assert [ex.guid for ex in examples] == ['1043', '7']
+  path = glue.write_predictions('mnli', examples, np.array([2, 0]), str(tmp_path / 'out'))
+  assert open(path).read() == 'index\tprediction\n1043\tcontradiction\n7\tentailment\n'
+  path = glue.write_predictions('stsb', examples, np.array([3.14159, 0.5]),
+                                str(tmp_path / 'out'))
+  assert open(path).read() == 'index\tprediction\n1043\t3.142\n7\t0.500\n'
+
+
+def test_label_ids_and_text_fields_are_tfds_s():
+  """Label i of a task read from tfds or Hugging Face (nyu-mll/glue: tfds's configs) is
+  tfds's class i, and its text fields are tfds's in order, for every GLUE task."""
+  from tensorflow_datasets.text import glue as tfds_glue  # pylint: disable=g-import-not-at-top
+  configs = {c.name: c for c in tfds_glue.Glue.BUILDER_CONFIGS}
+  for name, task in glue.TASKS.items():
+    theirs = configs[name]
+    assert task.tfds_text == tuple(theirs.text_features), name
+    if not task.labels:
+      assert theirs.label_classes is None, name
+    elif task.labels[0].isdigit():  # GLUE's files write the class index itself
+      assert task.labels == tuple(str(i) for i in range(len(theirs.label_classes))), name
+    else:
+      assert task.labels == tuple(theirs.label_classes), name
+
+
 def test_metrics_match_their_definitions():
   # MCC = (TP TN - FP FN) / sqrt((TP+FP)(TP+FN)(TN+FP)(TN+FN)): TP=2, TN=1, FP=1, FN=1.
   preds, labels = [1, 1, 1, 0, 0], [1, 1, 0, 1, 0]
@@ -113,6 +148,9 @@ def test_metrics_match_their_definitions():
   assert m['f1'] == pytest.approx(2 * 2 / (2 * 2 + 1 + 1)) and m['accuracy'] == 0.6
   m = finetune_metrics.glue_metrics('stsb', [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 4.0, 3.0])
   assert m['pearson'] == pytest.approx(0.8) and m['spearman'] == pytest.approx(0.8)
+  # Ties take their average rank: ranks (1.5, 1.5, 3, 4) and (1, 2.5, 2.5, 4), r = 3.75 / 4.5.
+  m = finetune_metrics.glue_metrics('stsb', [1.0, 1.0, 2.0, 3.0], [1.0, 2.0, 2.0, 3.0])
+  assert m['spearman'] == pytest.approx(3.75 / 4.5)
   assert finetune_metrics.headline('rte', {'accuracy': 0.7}) == 0.7
   assert finetune_metrics.headline('cola', {'accuracy': 0.7, 'mcc': 0.2}) == 0.2
   # The headline is the task's own metric (data/glue.TASKS), one place for a fork to change.

@@ -153,6 +153,35 @@ def test_postprocess_recovers_answers_from_oracle_logits(tok):
                     training=True)
 
 
+def test_the_null_score_is_the_lowest_window_s_and_spans_count_in_their_max_context_window(tok):
+  """run_squad's rules over a question's windows: the null score is the lowest of its
+  windows' [CLS] scores (not the first's, not the highest), and a span counts only in the
+  window where its start has the most context (a higher-scoring span elsewhere is skipped)."""
+  examples = _examples('v2.0')
+  feats, infos = squad.featurize(examples, tok, max_seq_length=48, doc_stride=16,
+                                 max_query_length=12, training=False)
+  windows = {}
+  for f, info in enumerate(infos):
+    windows.setdefault(info.example_index, []).append(f)
+  example = max(windows, key=lambda e: len(windows[e]))
+  fs = windows[example]
+  assert len(fs) >= 3
+  start = np.full(feats['input_ids'].shape, -5.0, np.float32)
+  end = start.copy()
+  for j, f in enumerate(fs):  # [CLS] scores 2n, ..., 4, 2: the lowest in the last window
+    start[f, 0] = end[f, 0] = len(fs) - j
+  last = infos[fs[-1]]
+  p = min(t for t, best in last.max_context.items() if best)
+  start[fs[-1], p] = end[fs[-1], p] = 3.0  # a one-token span scoring 6, in its best window
+  decoy = next((f, t) for f in fs[:-1] for t, best in infos[f].max_context.items() if not best)
+  start[decoy] = end[decoy] = 4.0  # scores 8, where its start lacks the most context
+  answers, null_diff = squad.postprocess(examples, infos, feats, start, end, tok,
+                                         n_best_size=5, max_answer_length=30, version_2=True)
+  qid = examples[example].qid
+  assert null_diff[qid] == pytest.approx(2.0 - 6.0)
+  assert answers[qid]
+
+
 @test_wordpiece.needs_minilm
 def test_uncased_wordpiece_answers_keep_their_accents_and_nothing_more():
   """An uncased vocabulary strips accents ('Café' -> 'cafe'): the training span is the
