@@ -70,7 +70,7 @@ class ScriptedRng:
   """random.Random stand-in that returns scripted values (to hand-compute BERT's choices)."""
 
   def __init__(self, randoms, randints):
-    self.randoms, self.randints = list(randoms), list(randints)
+    self.randoms, self.randints, self.ranges = list(randoms), list(randints), []
 
   def random(self):
     return self.randoms.pop(0)
@@ -78,15 +78,17 @@ class ScriptedRng:
   def randint(self, a, b):
     v = self.randints.pop(0)
     assert a <= v <= b
+    self.ranges.append((a, b))
     return v
 
 
 def test_instances_hand_computed():
   doc = [[10, 11], [12, 13, 14], [15]]
-  # Not short (0.5), split after 2 sentences, actual next (0.7 >= 0.5).
-  rng = ScriptedRng([0.5, 0.7], [2])
+  # Not short (0.5), split after 2 sentences; alone, so the actual next (no draw for it).
+  rng = ScriptedRng([0.5], [2])
   (inst,) = pretraining.instances_from_document(doc, [], 10, 0.1, rng)
   assert inst == pretraining.Instance([10, 11, 12, 13, 14], [15], False)
+  assert not rng.randoms and not rng.randints
   f = pretraining.make_features(inst, cls_id=2, sep_id=3, pad_id=0, max_seq_length=10)
   np.testing.assert_array_equal(f['input_ids'], [2, 10, 11, 12, 13, 14, 3, 15, 3, 0])
   np.testing.assert_array_equal(f['segment_ids'], [0, 0, 0, 0, 0, 0, 0, 1, 1, 0])
@@ -110,6 +112,15 @@ def test_instances_hand_computed():
       assert not inst.is_random_next
       made += 1
   assert made > 50
+
+  # Short (0.05 < 0.1): one target length of randint(2, max_seq_length - 3) = 3 for the
+  # whole document: chunks close at 3 tokens, and only the limit (7) truncates.
+  rng = ScriptedRng([0.05], [3, 1, 1])
+  a, b = pretraining.instances_from_document([[10, 11], [12, 13, 14], [15], [16, 17]], [], 10,
+                                             0.1, rng)
+  assert a == pretraining.Instance([10, 11], [12, 13, 14], False)
+  assert b == pretraining.Instance([15], [16, 17], False)
+  assert rng.ranges == [(2, 7), (1, 1), (1, 1)] and not rng.randoms
 
   tokens_a, tokens_b = list(range(6)), [9, 9]
   pretraining.truncate_seq_pair(tokens_a, tokens_b, 5, ScriptedRng([0.1, 0.9, 0.1], []))

@@ -108,6 +108,8 @@ def test_masking_statistics_and_specials_never_masked():
     pos = out['masked_lm_positions'][w]
     assert not np.isin(f['input_ids'][pos], SPECIAL).any()
     assert not np.isin(out['input_ids'][~np.isin(np.arange(64), pos)], [MASK]).any()
+    new = out['input_ids'][pos]  # [MASK], the token itself, or a random non-special one
+    assert np.all((new == MASK) | ~np.isin(new, SPECIAL))
     n_real += f['attention_mask'].sum()
     n_masked += w.sum()
     n_mask += (out['input_ids'][pos] == MASK).sum()
