@@ -265,6 +265,38 @@ def test_weight_decay_mask_and_fixed_random_synthesizer():
   assert float(jnp.abs(att['value']['kernel']).max()) > 0.0
 
 
+def test_weight_decay_mask_is_the_same_for_stacked_layers_and_every_variant():
+  """model.scan_layers stacks each layer's parameters under encoder/layers: the mask decides
+  by the same names, so a stacked tensor decays as each of its layers did. Every variant's
+  own parameters follow BERT's rule: the mixture weights and the Synthesizers' tables and
+  projections decay, Pre-LN's final LayerNorm does not."""
+  batch = next(train_lib.SyntheticPretrainingData(
+      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
+
+  def by_name(variant, scan):
+    c = tiny_config(variant)
+    c.model.scan_layers = scan
+    shapes = jax.eval_shape(models.build(resolve(c.model)).init, jax.random.PRNGKey(0), batch)
+    mask = {}
+    for path, decays in jax.tree_util.tree_leaves_with_path(
+        train_lib.decay_mask(nn.unbox(shapes['params']))):
+      names = tuple('layers' if n.startswith('layers_') else n for n in train_lib._names(path))
+      mask.setdefault(names, set()).add(decays)
+    return mask
+
+  for variant in VARIANTS:
+    mask = by_name(variant, False)
+    assert by_name(variant, True) == mask, variant
+    assert all(len(v) == 1 for v in mask.values()), variant  # each layer alike
+    for names, (decays,) in mask.items():
+      assert decays == (not names[-1].endswith('bias') and
+                        not any('layer_norm' in n for n in names)), (variant, names)
+    if variant == 'preln':
+      assert mask[('encoder', 'final_layer_norm', 'scale')] == {False}
+    if variant == 'synth_random_vanilla':
+      assert mask[('encoder', 'layers', 'attention', 'mixture_logits')] == {True}
+
+
 @pytest.mark.parametrize('max_norm', [0.5, 1e3])  # clipped, and left alone
 def test_clip_by_global_norm_matches_numpy_and_optax(max_norm):
   rng = np.random.default_rng(0)

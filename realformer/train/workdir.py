@@ -50,7 +50,8 @@ RESUMABLE = (
     'train.checkpoint_every_steps', 'train.keep_checkpoints', 'train.profile_steps',
     'train.peak_flops_per_device',
     'train.init_checkpoint',      # read only when a run starts from nothing
-    'train.grad_accum_steps',     # the same gradient in fewer or more microbatches
+    'train.grad_accum_steps',     # the same gradient in fewer or more microbatches (with
+    # dropout, other masks: each microbatch draws its own)
     'mesh.',                      # checkpoints are restored into any sharding
     'model.remat_policy', 'model.fused_attention', 'model.dense_impl',  # how, not what
     'data.read_threads', 'data.prepared_dir', 'data.prepare_workers',  # (not worker_count:
