@@ -297,6 +297,48 @@ def test_weight_decay_mask_is_the_same_for_stacked_layers_and_every_variant():
       assert mask[('encoder', 'layers', 'attention', 'mixture_logits')] == {True}
 
 
+@pytest.mark.parametrize('grad_accum_steps', [1, 2])
+def test_each_step_and_microbatch_draws_its_own_dropout_key(grad_accum_steps):
+  """The train step hands loss_fn fold_in(fold_in(rng, step), microbatch): another key at
+  every step and in each microbatch of a step, the same on a rerun of that step (a resume).
+  A loss whose gradient is its key's noise shows it; the logged grad_norm is the summed
+  gradient's before clipping, and the update is the clipped one."""
+  mesh = partitioning.make_mesh(pretrain.get_config('postln,tiny').mesh, jax.devices()[:1])
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  tx = train_lib.clip_by_global_norm(1.0)
+  params = {'w': jnp.zeros((6,), jnp.float32)}
+  state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params))
+  zero = metrics_lib.average(0.0, 1.0)
+
+  def loss_fn(p, batch, key, totals):
+    del batch, totals
+    loss = 10.0 * jnp.sum(p['w'] * jax.random.normal(key, p['w'].shape))
+    return loss, dict(mlm_loss=zero, nsp_loss=zero, mlm_accuracy=zero, nsp_accuracy=zero)
+
+  step = train_lib.make_train_step(
+      loss_fn, tx, mesh=mesh, shardings=jax.tree.map(lambda _: replicated, state),
+      metrics_cls=metrics_lib.PretrainingTrainMetrics, totals_fn=lambda batch: {},
+      grad_accum_steps=grad_accum_steps)
+  batch = train_lib.global_batch({'x': np.zeros((4, 2), np.float32)}, mesh)
+  rng = train_lib.dropout_key(0, mesh)
+  updates = []
+  for n in (0, 1, 0):
+    start = state.replace(step=jnp.asarray(n, jnp.int32), params=params,
+                          opt_state=tx.init(params))
+    new, metrics = step(jax.tree.map(jnp.copy, start), batch, np.float32(1.0), rng)
+    key = jax.random.fold_in(rng, n)
+    grad = sum(10.0 * np.asarray(jax.random.normal(jax.random.fold_in(key, i), (6,)))
+               for i in range(grad_accum_steps))
+    norm = np.linalg.norm(grad)
+    assert norm > 1.0  # clipped
+    np.testing.assert_allclose(metrics_lib.to_floats(metrics)['grad_norm'], norm, rtol=1e-5)
+    np.testing.assert_allclose(new.params['w'], grad / norm, rtol=1e-5, atol=1e-6)
+    updates.append(np.asarray(new.params['w']))
+  assert not np.allclose(updates[0], updates[1])  # another step, another key
+  np.testing.assert_array_equal(updates[0], updates[2])  # the same step, the same key
+
+
 @pytest.mark.parametrize('max_norm', [0.5, 1e3])  # clipped, and left alone
 def test_clip_by_global_norm_matches_numpy_and_optax(max_norm):
   rng = np.random.default_rng(0)
