@@ -97,7 +97,7 @@ def model_config(variant='postln', size='base'):
 def optimizer_config(learning_rate: float, warmup_steps: int) -> ml_collections.ConfigDict:
   """BERT's AdamW settings (shared by pretraining and fine-tuning configs)."""
   o = ml_collections.ConfigDict()
-  o.name = 'adamw'  # adamw (BERT) | lamb (large batches; train_lib.lamb)
+  o.name = 'adamw'  # adamw (bias-corrected) | bert_adamw (BERT's own) | lamb (large batches)
   o.learning_rate = learning_rate
   # linear (warm-up, then linear decay to 0: transformers') | bert (BERT's optimization.py:
   # the decay counted from step 0) | cosine | constant (train_lib.make_schedule)

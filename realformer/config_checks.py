@@ -24,7 +24,7 @@ def warmup_steps(opt_config, num_steps: int) -> int:
   return warmup
 
 
-OPTIMIZERS = ('adamw', 'lamb')
+OPTIMIZERS = ('adamw', 'bert_adamw', 'lamb')  # train_lib.OPTIMIZERS builds each
 SCHEDULES = ('linear', 'bert', 'cosine', 'constant')
 
 
@@ -46,7 +46,8 @@ def check_optimizer(opt_config) -> None:
     raise ValueError(f'optimizer.learning_rate={opt_config.learning_rate}: give a rate >= 0')
   name = opt_config.get('name', 'adamw')
   if name not in OPTIMIZERS:
-    raise ValueError(f'optimizer.name={name!r}; choose {" or ".join(OPTIMIZERS)}')
+    raise ValueError(f'optimizer.name={name!r}; choose {", ".join(OPTIMIZERS[:-1])} or '
+                     f'{OPTIMIZERS[-1]}')
   if opt_config.schedule not in SCHEDULES:
     raise ValueError(f'optimizer.schedule={opt_config.schedule!r}; choose '
                      f'{", ".join(SCHEDULES[:-1])} or {SCHEDULES[-1]}')

@@ -17,6 +17,7 @@ import pytest
 
 import train
 from configs import pretrain
+from realformer import config_checks
 from realformer import models
 from realformer.model.spec import VARIANTS, resolve
 from realformer.train import checkpoints
@@ -360,6 +361,42 @@ def test_clip_by_global_norm_matches_numpy_and_optax(max_norm):
   assert np.isnan(bad['w']).all()  # a NaN norm poisons the update, as optax's does
 
 
+def test_bert_adamw_with_berts_schedule_is_berts_optimization_step_for_step():
+  """optimizer.name=bert_adamw, schedule=bert against google-research/bert's optimization.py
+  written out in NumPy: clipping at 1.0, AdamWeightDecayOptimizer's moments without bias
+  correction, the decay added to the step except for LayerNorm parameters and biases, and
+  the warm-up replacing a decay counted from step 0."""
+  opt = pretrain.get_config('postln,tiny').optimizer
+  opt.name, opt.schedule, opt.learning_rate, opt.warmup_steps = 'bert_adamw', 'bert', 0.01, 2
+  opt.weight_decay, num_steps = 0.1, 6
+  tx = train_lib.make_optimizer(opt, resolve(tiny_config('postln').model))
+  schedule = train_lib.make_schedule(opt, num_steps)
+  rng = np.random.default_rng(1)
+  want = {'dense': {'kernel': rng.normal(size=(6, 4)), 'bias': rng.normal(size=(4,))},
+          'attention_layer_norm': {'scale': 1 + rng.normal(size=(4,))}}
+  ours = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), want)
+  state, update = tx.init(ours), jax.jit(tx.update)
+  m, v = jax.tree.map(np.zeros_like, want), jax.tree.map(np.zeros_like, want)
+  for t in range(num_steps):
+    grads = jax.tree.map(lambda w: 3 * rng.normal(size=w.shape), want)
+    updates, state = update(jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads), state,
+                            ours)
+    ours = optax.apply_updates(ours, train_lib.apply_learning_rate(updates, schedule(t)))
+    norm = np.sqrt(sum((g ** 2).sum() for g in jax.tree.leaves(grads)))
+    lr = 0.01 * (t / 2 if t < 2 else 1 - t / num_steps)
+    for a, b in [('dense', 'kernel'), ('dense', 'bias'), ('attention_layer_norm', 'scale')]:
+      g = grads[a][b] * min(1.0, 1.0 / norm)
+      m[a][b] = opt.b1 * m[a][b] + (1 - opt.b1) * g
+      v[a][b] = opt.b2 * v[a][b] + (1 - opt.b2) * g * g
+      step = m[a][b] / (np.sqrt(v[a][b]) + opt.eps)
+      if not ('layer_norm' in a or b.endswith('bias')):  # BERT's exclude_from_weight_decay
+        step = step + opt.weight_decay * want[a][b]
+      want[a][b] = want[a][b] - lr * step
+      np.testing.assert_allclose(np.asarray(ours[a][b]), want[a][b], rtol=2e-5, atol=1e-7,
+                                 err_msg=f'{a}/{b} step {t}')
+  assert tuple(train_lib.OPTIMIZERS) == config_checks.OPTIMIZERS  # every name is built
+
+
 def test_lamb_matches_a_float64_numpy_reference():
   """optimizer.name=lamb, clipping and the warm-up schedule included, against LAMB written
   out in NumPy (You et al. 2020, Algorithm 2, with the BERT runs' exclusions): a decayed
@@ -414,7 +451,7 @@ def test_lamb_matches_a_float64_numpy_reference():
       grads, tx.init(params), params)[0])['dense']['kernel'])
   assert not np.allclose(kernel(adamw), kernel(lamb), rtol=1e-3)  # not AdamW renamed
   opt.name = 'sgd'
-  with pytest.raises(ValueError, match="optimizer.name='sgd'; choose adamw or lamb"):
+  with pytest.raises(ValueError, match="optimizer.name='sgd'; choose adamw, bert_adamw or lamb"):
     train_lib.make_optimizer(opt, spec)
 
 

@@ -173,14 +173,49 @@ def lamb(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_deca
       optax.scale_by_learning_rate(schedule))
 
 
+def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float
+                                          ) -> optax.GradientTransformation:
+  """Adam's step m / (sqrt(v) + eps) from moments that are not bias-corrected, as
+  google-research/bert's AdamWeightDecayOptimizer takes it (optax's scale_by_adam always
+  corrects them); the state is scale_by_adam's (count, mu, nu)."""
+  def init_fn(params):
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32),
+                                  mu=optax.tree.zeros_like(params),
+                                  nu=optax.tree.zeros_like(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+    return step, optax.ScaleByAdamState(count=optax.safe_increment(state.count), mu=mu, nu=nu)
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def bert_adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_decay: float
+               ) -> optax.GradientTransformation:
+  """google-research/bert's AdamWeightDecayOptimizer (optimization.py): Adam's step from
+  moments without bias correction, plus weight_decay * w where decay_mask decays, times the
+  learning rate. With optimizer.schedule=bert it is BERT's optimization, step for step; its
+  early steps are larger than AdamW's (docs/design.md)."""
+  return optax.chain(scale_by_adam_without_bias_correction(b1, b2, eps),
+                     optax.add_decayed_weights(weight_decay, decay_mask),
+                     optax.scale_by_learning_rate(schedule))
+
+
+OPTIMIZERS = {'adamw': lambda schedule, **kw: optax.adamw(schedule, mask=decay_mask, **kw),
+              'bert_adamw': bert_adamw, 'lamb': lamb}
+
+
 def _unit_learning_rate(count):
   del count
   return jnp.ones((), jnp.float32)
 
 
 def make_optimizer(opt_config, spec: EncoderSpec) -> optax.GradientTransformation:
-  """The optimizer of every program, at a learning rate of 1: AdamW (BERT's) or LAMB (lamb;
-  large-batch pretraining) after global-norm clipping, weight decay masked by path
+  """The optimizer of every program, at a learning rate of 1: AdamW (adamw: PyTorch's, Adam's
+  moments bias-corrected), BERT's own AdamWeightDecayOptimizer (bert_adamw: not corrected)
+  or LAMB (lamb; large-batch pretraining) after global-norm clipping, weight decay masked by path
   (decay_mask), and the encoder's fixed parameters (fixed_params_fn(spec)) never updated, so
   neither pretraining nor fine-tuning moves them. The train step multiplies its updates by
   the step's learning rate (apply_learning_rate): the optimizer's last transformation is the
@@ -200,8 +235,7 @@ def make_optimizer(opt_config, spec: EncoderSpec) -> optax.GradientTransformatio
     parts.append(clip_by_global_norm(float(opt_config.clip_norm)))
   kw = dict(b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
             weight_decay=opt_config.weight_decay)
-  parts.append(lamb(_unit_learning_rate, **kw) if opt_config.get('name') == 'lamb' else
-               optax.adamw(_unit_learning_rate, mask=decay_mask, **kw))
+  parts.append(OPTIMIZERS[opt_config.get('name', 'adamw')](_unit_learning_rate, **kw))
   tx = optax.chain(*parts)
   if frozen is not None:
     labels = lambda params: jax.tree.map(lambda f: 'frozen' if f else 'trained',
