@@ -291,12 +291,13 @@ def featurize(examples: Sequence[Example], tokenizer, max_seq_length: int,
 
 def write_predictions(task_name, examples: Sequence[Example], predictions: np.ndarray,
                       out_dir: str) -> str:
-  """<out_dir>/<Task>.tsv in GLUE's submission format."""
+  """<out_dir>/<Task>.tsv in GLUE's submission format: each row named by its example's guid
+  (the test file's index or id column, tfds's and Hugging Face's idx; else its row)."""
   task = get_task(task_name)
   lines = ['index\tprediction\n']
-  for i, (ex, p) in enumerate(zip(examples, predictions)):
+  for ex, p in zip(examples, predictions):
     value = (f'{float(p):.3f}' if not task.labels else task.labels[int(p)])
-    lines.append(f'{ex.guid if ex.guid.isdigit() else i}\t{value}\n')
+    lines.append(f'{ex.guid}\t{value}\n')
   return str(storage.write_text(f'{str(out_dir).rstrip("/")}/{task.name}.tsv', ''.join(lines)))
 
 

@@ -26,6 +26,7 @@ from realformer.finetune import metrics as finetune_metrics
 from realformer.finetune import task as finetune_task
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
+from realformer.train import metrics_jsonl
 from realformer.train import train_lib
 from realformer.train import trainer
 from realformer.train import workdir as workdir_lib
@@ -121,6 +122,17 @@ def test_submission_rows_carry_their_test_file_s_index(tmp_path):
   path = glue.write_predictions('stsb', examples, np.array([3.14159, 0.5]),
                                 str(tmp_path / 'out'))
   assert open(path).read() == 'index\tprediction\n1043\t3.142\n7\t0.500\n'
+  # A task of one's own whose ids are words keeps them (and without an id column, the rows).
+  mine = glue.local_task('mine', ('text',), 'label', ('no', 'yes'), 'accuracy')
+  (tmp_path / 'mine').mkdir()
+  (tmp_path / 'mine' / 'test.tsv').write_text('id\ttext\nrev-b\tGood.\nrev-a\tBad.\n')
+  path = glue.write_predictions(mine, glue.read_tsv(mine, str(tmp_path / 'mine'), 'test'),
+                                np.array([1, 0]), str(tmp_path / 'out'))
+  assert open(path).read() == 'index\tprediction\nrev-b\tyes\nrev-a\tno\n'
+  (tmp_path / 'mine' / 'test.tsv').write_text('text\nGood.\nBad.\n')
+  path = glue.write_predictions(mine, glue.read_tsv(mine, str(tmp_path / 'mine'), 'test'),
+                                np.array([1, 0]), str(tmp_path / 'out'))
+  assert open(path).read() == 'index\tprediction\n0\tyes\n1\tno\n'
 
 
 def test_label_ids_and_text_fields_are_tfds_s():
@@ -398,7 +410,7 @@ def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_
   returns 'preempted'; running again resumes there and ends where an uninterrupted run
   ends."""
   config = lambda: ft_config('rte', pretrained, keep_best=False, batch_size=1,
-                             bucket_compile_seconds=0.0)
+                             bucket_compile_seconds=0.0, log_every_steps=1)
   whole = run(config(), str(tmp_path / 'whole'))
   workdir = str(tmp_path / 'cut')
   with mock.patch.object(workdir_lib.StopSignal, 'reached',
@@ -416,6 +428,14 @@ def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_
           for name in (RunDir.CONFIG, RunDir.MACHINE)] == described
   resumed = run(config(), workdir)
   assert resumed['step'] == whole['step'] and resumed['dev'] == whole['dev']
+  # Step for step: the resumed run trained on the batches the uninterrupted one did, from
+  # the one after the saved step, with the same dropout masks.
+  train_losses = lambda w: {s: r['loss'] for s, r in metrics_jsonl.read_jsonl(
+      os.path.join(w, 'metrics.jsonl'), 'train').items()}
+  want = train_losses(str(tmp_path / 'whole'))
+  assert len(want) == whole['step'] > 3
+  np.testing.assert_allclose([train_losses(workdir)[s] for s in sorted(want)],
+                             [want[s] for s in sorted(want)], rtol=1e-6)
 
 
 def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretrained, tmp_path):
