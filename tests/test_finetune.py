@@ -508,6 +508,18 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
   assert finetune_task.length_buckets(config(5, 8), task, workdir, True, mid_epoch=True) == first
   with pytest.raises(ValueError, match='resume with the bucket settings as they were'):
     finetune_task.length_buckets(config(2, 32), task, workdir, True, mid_epoch=True)
+  # One length was the cost model's choice (a short run; a device whose compiles cost more):
+  # kept like any plan by the settings that chose it, though another device would choose
+  # more; the same length from padded training (length_buckets=0) is not.
+  settings = {'length_buckets': 5, 'bucket_multiple': 8, 'bucket_compile_seconds': 0.0,
+              'bucket_flops_per_second': 0.0}
+  with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
+    json.dump({'lengths': [128], 'settings': settings}, f)
+  for mid_epoch in (False, True):
+    assert finetune_task.length_buckets(config(5, 8), task, workdir, True, mid_epoch) == (128,)
+  with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
+    json.dump({'lengths': [128], 'settings': dict(settings, length_buckets=0)}, f)
+  assert finetune_task.length_buckets(config(5, 8), task, workdir, resuming=True) == first
 
 
 def _marker_task(root, seed=0, sizes=(('train', 320), ('dev', 200))):

@@ -124,7 +124,10 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
   known = (stored_settings is not None
            and all(settings.get(k) == v for k, v in stored_settings.items()))
   same = stored_settings == settings or (mid_epoch and (stored_settings is None or known))
-  kept = bool(config.length_buckets and stored and stored != (config.max_seq_length,) and same)
+  # (An older file's lone max_seq_length may be padded training's, length_buckets=0: chosen
+  # again; with its settings stored, a plan of one length is kept like any other.)
+  legacy_padded = stored_settings is None and stored == (config.max_seq_length,)
+  kept = bool(config.length_buckets and stored and same and not legacy_padded)
   if not config.length_buckets:
     chosen = (config.max_seq_length,)
   else:
