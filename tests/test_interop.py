@@ -268,6 +268,15 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
   base = BertModel.from_pretrained(hf_dir, attn_implementation='eager').eval()
   _assert_close_real(ours.hidden, _torch_hidden(base, batch).last_hidden_state.numpy(),
                      batch['attention_mask'])
+  # The class config.json names for each set of heads holds exactly those heads.
+  import transformers  # pylint: disable=g-import-not-at-top
+  hf_config = transformers.BertConfig.from_pretrained(hf_dir)
+  for heads, architecture in interop.HF_ARCHITECTURES.items():
+    cls_modules = {'.'.join(k.split('.')[:2])
+                   for k in getattr(transformers, architecture)(hf_config).state_dict()
+                   if k.startswith('cls.')}
+    assert cls_modules == {{'mlm_head': 'cls.predictions', 'nsp_head': 'cls.seq_relationship'}[h]
+                           for h in heads}, architecture
 
   interop.import_hf(hf_dir, back)
   again, _ = _restore_all(back)
@@ -460,6 +469,14 @@ def test_layers_past_the_config_and_vocabularies_that_moved(tf1_checkpoint, tmp_
   (hf_dir / 'vocab.txt').unlink()
   interop.import_hf(str(hf_dir), str(tmp_path / 'v5'))
   assert (tmp_path / 'v5' / 'vocab.txt').read_text().splitlines() == pieces
+  # Exporting again beside those files (a tokenizer.json transformers would prefer to the
+  # new vocab.txt) is refused, and nothing there is touched.
+  held = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+  with pytest.raises(ValueError, match=r'already holds config.json, model.safetensors, '
+                     r'tokenizer.json, \.\.\., which transformers would read beside the '
+                     r'export; export to a new or empty directory'):
+    interop.export_hf(str(workdir), str(hf_dir))
+  assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == held
 
   moved = tmp_path / 'moved'
   os.rename(workdir, moved)

@@ -766,14 +766,27 @@ def hf_config(model_config, architecture: str, pad_token_id: int = 0) -> dict:
   }
 
 
+# The transformers class whose weights are exactly the encoder and these heads.
+HF_ARCHITECTURES = {(): 'BertModel', ('mlm_head',): 'BertForMaskedLM',
+                    ('nsp_head',): 'BertForNextSentencePrediction',
+                    ('mlm_head', 'nsp_head'): 'BertForPreTraining'}
+
+
 def _check_export_out(out: str) -> None:
-  """An export writes a folder of HF files: never into a file or a workdir of this project."""
+  """An export writes a folder of HF files: never into a file or a workdir of this project,
+  nor beside other files (transformers would read a stale tokenizer.json, a sharded index or
+  another export's vocab.txt with the new weights)."""
   path = storage.path(out)
   if path.exists() and not path.is_dir():
-    raise ValueError(f'--out {out} is a file; export to a new or existing directory')
+    raise ValueError(f'--out {out} is a file; export to a new or empty directory')
   if (path / RunDir.CHECKPOINTS).is_dir() or (path / RunDir.LOCK).exists():
     raise ValueError(f'--out {out} is a workdir of this project (it holds checkpoints); '
                      'export to another directory')
+  held = sorted(p.name for p in path.iterdir()) if path.exists() else []
+  if held:
+    raise ValueError(f'--out {out} already holds {", ".join(held[:3])}'
+                     f'{", ..." if len(held) > 3 else ""}, which transformers would read '
+                     'beside the export; export to a new or empty directory')
 
 
 def export_hf(workdir: str, out: str) -> str:
@@ -808,9 +821,7 @@ def export_hf(workdir: str, out: str) -> str:
   flat = convert_from_params(params, model_config, fmt='hf')
   if heads:
     flat = {(n if n.startswith('cls.') else 'bert.' + n): x for n, x in flat.items()}
-  architecture = {(): 'BertModel', ('mlm_head',): 'BertForMaskedLM',
-                  ('nsp_head',): 'BertForPreTraining',
-                  ('mlm_head', 'nsp_head'): 'BertForPreTraining'}[tuple(heads)]
+  architecture = HF_ARCHITECTURES[tuple(heads)]
 
   os.makedirs(out, exist_ok=True)
   pad_id = 0
