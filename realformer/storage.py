@@ -513,6 +513,8 @@ def holder_record(program: str) -> dict:
 
 
 def describe_holder(holder: dict) -> str:
+  if not holder.get('pid'):  # the lock is taken, its record not written yet
+    return 'another run that is starting'
   return (f'pid {holder.get("pid")} on {holder.get("host")} (since {holder.get("since")}, '
           f'{holder.get("program", "a run")})')
 

@@ -286,10 +286,12 @@ def test_a_diverged_run_in_a_bucket_keeps_its_log_up_to_the_divergence(server):
   assert bad_step > 1 and sorted(logged) == list(range(1, bad_step))
 
 
-def test_a_run_that_lost_its_lock_leaves_the_new_holders_log_alone(server, monkeypatch):
+@pytest.mark.parametrize('then', ['the check', 'another error'])
+def test_a_run_that_lost_its_lock_leaves_the_new_holders_log_alone(server, monkeypatch, then):
   """Once another run holds the workdir, the run that lost its lease stops without writing:
-  its log's last lines are not uploaded over the new holder's log."""
-  url = f'{server.root}/lost'
+  its log's last lines are not uploaded over the new holder's log, whether the run learns
+  of it from its check or stops first for another reason (a divergence, a fault)."""
+  url = f'{server.root}/lost_{then.split()[0]}'
   theirs = '{"step": 0, "split": "start"}\n{"step": 1, "split": "train", "loss": 9.0}\n'
   original, calls = RunDir.check_held, []
 
@@ -298,9 +300,13 @@ def test_a_run_that_lost_its_lock_leaves_the_new_holders_log_alone(server, monke
     if len(calls) == 3:  # at the third log: the lease is gone, another run has logged
       storage.write_text(f'{url}/metrics.jsonl', theirs)
       monkeypatch.setattr(workdir_lib.Lock, 'lost', property(lambda _: 'taken over'))
+      if then == 'another error':
+        raise FloatingPointError('the loss diverged')
     original(run)
   monkeypatch.setattr(RunDir, 'check_held', check_held)
-  with pytest.raises(workdir_lib.WorkdirInUseError, match='taken over; this run stopped'):
+  error = (workdir_lib.WorkdirInUseError, 'taken over; this run stopped') if then == (
+      'the check') else (FloatingPointError, 'the loss diverged')
+  with pytest.raises(error[0], match=error[1]):
     trained(tiny_config(num_steps=6, checkpoint_every_steps=1000), url)
   assert storage.path(f'{url}/metrics.jsonl').read_text() == theirs
 

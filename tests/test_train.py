@@ -593,6 +593,27 @@ def test_a_resume_forgets_the_logs_of_the_stretch_it_left(tmp_path):
   assert sorted(losses(tmp_path)) == [2]
 
 
+def test_closing_the_writers_closes_each_then_raises_the_first_error():
+  """A writer that fails to close (a TensorBoard upload) keeps neither the others (the log's
+  last lines) from closing nor its error from being raised."""
+  closed = []
+
+  class Writer:
+    def __init__(self, name, fails):
+      self.name, self.fails = name, fails
+
+    def close(self):
+      closed.append(self.name)
+      if self.fails:
+        raise OSError(f'{self.name} failed')
+
+  writer = metrics_lib.MultiWriter([Writer('events', True), Writer('jsonl', False),
+                                    Writer('other', True)])
+  with pytest.raises(OSError, match='events failed'):
+    writer.close()
+  assert closed == ['events', 'jsonl', 'other']
+
+
 def test_metrics_jsonl_reads_as_the_history_of_the_last_start(tmp_path):
   path = tmp_path / 'metrics.jsonl'
   lines = [{'step': 0, 'split': 'start'}] + [{'step': i, 'split': 'train', 'loss': i}

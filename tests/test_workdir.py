@@ -1,6 +1,8 @@
 """A workdir is never damaged by a second run or a changed config; preemption exits
 "not finished"; short runs warm up for a fraction of the run."""
 
+import errno
+import fcntl
 import json
 import os
 import signal
@@ -67,6 +69,25 @@ def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplo
   (tmp_path / '.lock').write_text(json.dumps({'host': 'other-host', 'pid': 1, 'since': 'x'}))
   with pytest.raises(workdir_lib.WorkdirInUseError, match='delete .*/.lock'):
     workdir_lib.Lock(str(tmp_path)).__enter__()
+  (tmp_path / '.lock').write_text('')
+
+
+def test_a_lock_held_before_its_record_or_a_file_system_without_locks(tmp_path, monkeypatch):
+  """A run whose lock is taken but its record not yet written is 'starting', not 'pid None';
+  a file system that cannot lock (NFS without lockd, a noflock mount) is its own one-line
+  error, not "in use"."""
+  with open(tmp_path / '.lock', 'w') as held:
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(workdir_lib.WorkdirInUseError,
+                       match='in use by another run that is starting; wait'):
+      workdir_lib.Lock(str(tmp_path)).__enter__()
+
+  def no_locks(fd, operation):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+  monkeypatch.setattr(workdir_lib.fcntl, 'flock', no_locks)
+  with pytest.raises(ValueError, match='on a file system that cannot lock files .*; use a '
+                     'folder on a local disk, or a gs:// bucket'):
+    workdir_lib.Lock(str(tmp_path / 'nfs')).__enter__()
 
 
 def test_resume_with_another_model_is_refused_and_config_json_kept(tmp_path, caplog):
@@ -539,7 +560,7 @@ def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(commands, tmp_p
       (['train.py', '--workdir', afile, '--config.data.sources=synthetic'],
        'cannot be a folder: it or a folder above it is a file'),
       (['-m', 'realformer.tools.interop', 'export-hf', '--workdir', run_dir, '--out', afile],
-       'is a file; export to a new or existing directory'),
+       'is a file; export to a new or empty directory'),
       (['analyze.py', '--workdir', ft, '--out', tmp_path / 'a'], 'is a fine-tuning run'),
       (['finetune.py', '--workdir', tmp_path / 'f2', f'--config.init_checkpoint={ft}'],
        'is a fine-tuning run'),

@@ -183,8 +183,16 @@ class MultiWriter:
       writer.flush(force)
 
   def close(self):
+    """Closes every writer, then raises the first error, if any (a TensorBoard upload that
+    fails does not keep metrics.jsonl's last lines from theirs)."""
+    error = None
     for writer in self.writers:
-      writer.close()
+      try:
+        writer.close()
+      except Exception as e:  # pylint: disable=broad-except
+        error = error or e
+    if error is not None:
+      raise error
 
 
 def create_writer(logdir: str, jsonl_path, process_index: int, start_step: int) -> MultiWriter:

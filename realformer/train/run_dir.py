@@ -69,6 +69,11 @@ class RunDir(RunNames):
       finally:
         self._lock = None
 
+  def lock_lost(self) -> Optional[str]:
+    """Why this process's lock was taken over, or None: this process's own view, no
+    collective (for an error handler, where the other processes may not come)."""
+    return None if self._lock is None else self._lock.lost
+
   def check_held(self) -> None:
     """Raises WorkdirInUseError if the lock this run holds was taken over (a lease on
     object storage that could not be refreshed in time): nothing more may be written. With

@@ -465,7 +465,7 @@ class Trainer:
       # workdir (its logs and checkpoints are the workdir's); the error raised stays the one
       # reported. (With several processes the save is left: its commit waits for every
       # process, and the others may be stuck in the step that this one left.)
-      if not isinstance(e, workdir_lib.WorkdirInUseError):
+      if not (isinstance(e, workdir_lib.WorkdirInUseError) or self.run_dir.lock_lost()):
         with contextlib.suppress(Exception):
           if jax.process_count() == 1:
             self.manager.wait_until_finished()

@@ -19,6 +19,7 @@ config: every field must match except the ones listed in RESUMABLE, which change
 is executed or reported but not what it computes; their changes are logged.
 """
 
+import errno
 import fcntl
 import json
 import os
@@ -159,9 +160,13 @@ class Lock:
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
       holder = _read(fd) or {}
       os.close(fd)
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # not held: no flock there
+        raise ValueError(f'--workdir {self.workdir} is on a file system that cannot lock files '
+                         f'({os.strerror(e.errno)}), so two runs could write it at once; use a '
+                         'folder on a local disk, or a gs:// bucket') from None
       raise WorkdirInUseError(
           f'{self.workdir} is in use by {storage.describe_holder(holder)}; wait for that run to finish '
           f'or stop it, or use another --workdir') from None
