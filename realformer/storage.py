@@ -282,8 +282,10 @@ def local_copy(url: str, names: Iterable[str], kind: str = 'prepared') -> str:
   """A local folder holding the objects <url>/<name> for `names`, for readers that need
   files (array_record). Each file is checked against the bucket's listing: a file whose
   object changed (size, MD5, generation) since it was copied is copied again, and a copy
-  whose size or MD5 differs from the object's is an error. The processes of one host share
-  the folder (an flock); downloads land under a temporary name, renamed once checked."""
+  whose size or MD5 differs from the object's is an error (a composite object has no MD5: a
+  parallel upload's, a log's appends; its CRC32C is checked instead). The processes of one
+  host share the folder (an flock); downloads land under a temporary name, renamed once
+  checked."""
   url = url.rstrip('/')
   fs, local = _fs(url), os.path.join(cache_dir(kind), cache_key(url))
   os.makedirs(local, exist_ok=True)
@@ -301,16 +303,19 @@ def local_copy(url: str, names: Iterable[str], kind: str = 'prepared') -> str:
       entry = listed[name]
       want = {'size': int(entry['size']), 'md5': entry.get('md5Hash'),
               'generation': entry.get('generation')}
+      if not want['md5'] and entry.get('crc32c'):
+        want['crc32c'] = entry['crc32c']
       target = os.path.join(local, name)
       if (manifest.get(name) == want and os.path.isfile(target) and
           os.path.getsize(target) == want['size']):
         continue
       partial = target + '.partial'
       fs.get_file(f'{url}/{name}', partial)
-      got = _md5(partial)
-      if os.path.getsize(partial) != want['size'] or (want['md5'] and got != want['md5']):
+      if os.path.getsize(partial) != want['size'] or (
+          _md5(partial) != want['md5'] if want['md5'] else
+          'crc32c' in want and _crc32c(partial) != want['crc32c']):
         os.unlink(partial)
-        raise OSError(f'the copy of {url}/{name} differs from the object (size or MD5); '
+        raise OSError(f'the copy of {url}/{name} differs from the object (size or checksum); '
                       'was it rewritten meanwhile? run again')
       os.replace(partial, target)
       manifest[name] = want
@@ -322,6 +327,16 @@ def local_copy(url: str, names: Iterable[str], kind: str = 'prepared') -> str:
 
 def _md5(local: str) -> str:
   digest = hashlib.md5()
+  with open(local, 'rb') as f:
+    for chunk in iter(lambda: f.read(1 << 20), b''):
+      digest.update(chunk)
+  return base64.b64encode(digest.digest()).decode()
+
+
+def _crc32c(local: str) -> str:
+  """The object listing's crc32c of a local file (base64 of the big-endian checksum)."""
+  import google_crc32c  # pylint: disable=g-import-not-at-top
+  digest = google_crc32c.Checksum()
   with open(local, 'rb') as f:
     for chunk in iter(lambda: f.read(1 << 20), b''):
       digest.update(chunk)

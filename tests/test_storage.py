@@ -551,6 +551,41 @@ def test_a_tokenizer_in_a_bucket_is_read_through_a_checked_local_copy(gcs):
     tokenizer_lib.Tokenizer.load(f'{gcs}/tokenizers/missing.model')
 
 
+def test_a_copy_of_a_composite_object_is_checked_by_its_crc32c(gcs, monkeypatch):
+  """A composite object (a parallel upload's, a log's appends) has no MD5 in the listing:
+  local_copy checks its CRC32C, so a download that differs is an error, not a silent copy."""
+  url = f'{gcs}/composite'
+  for name in ('a', 'b'):
+    storage.path(f'{url}/{name}').write_bytes(b'0123456789' * 100)
+  real, checked = storage._fs(url), []
+
+  class WithoutMd5:  # the listing of composite objects
+    corrupt = False
+
+    def ls(self, path, detail=True):
+      return [{k: v for k, v in e.items() if k != 'md5Hash'}
+              for e in real.ls(path, detail=detail)]
+
+    def get_file(self, src, dst):
+      real.get_file(src, dst)
+      if self.corrupt:  # a byte changed on the way, the size the same
+        data = bytearray(open(dst, 'rb').read())
+        data[7] ^= 1
+        open(dst, 'wb').write(bytes(data))
+
+  fs = WithoutMd5()
+  crc32c = storage._crc32c
+  monkeypatch.setattr(storage, '_fs', lambda u: fs)
+  monkeypatch.setattr(storage, '_crc32c', lambda p: checked.append(p) or crc32c(p))
+  local = storage.local_copy(url, ['a'], kind='composite')
+  assert open(os.path.join(local, 'a'), 'rb').read() == b'0123456789' * 100 and checked
+  fs.corrupt = True
+  with pytest.raises(OSError, match=r'copy of .*/composite/b differs from the object \(size or '
+                     r'checksum\)'):
+    storage.local_copy(url, ['b'], kind='composite')
+  assert not os.path.exists(os.path.join(local, 'b'))
+
+
 def test_a_fine_tuning_grid_rooted_in_a_bucket_summarizes_there(gcs):
   """finetune_grid --root gs://...: the finished runs' results read from the bucket, the
   best setting marked, results.csv and results.md written there."""
