@@ -325,22 +325,22 @@ def local_copy(url: str, names: Iterable[str], kind: str = 'prepared') -> str:
   return local
 
 
-def _md5(local: str) -> str:
-  digest = hashlib.md5()
+def _checksum(local: str, digest) -> str:
+  """A local file's `digest` (hashlib's or google_crc32c's) in base64, as an object listing
+  gives its md5Hash and crc32c."""
   with open(local, 'rb') as f:
     for chunk in iter(lambda: f.read(1 << 20), b''):
       digest.update(chunk)
   return base64.b64encode(digest.digest()).decode()
+
+
+def _md5(local: str) -> str:
+  return _checksum(local, hashlib.md5())
 
 
 def _crc32c(local: str) -> str:
-  """The object listing's crc32c of a local file (base64 of the big-endian checksum)."""
   import google_crc32c  # pylint: disable=g-import-not-at-top
-  digest = google_crc32c.Checksum()
-  with open(local, 'rb') as f:
-    for chunk in iter(lambda: f.read(1 << 20), b''):
-      digest.update(chunk)
-  return base64.b64encode(digest.digest()).decode()
+  return _checksum(local, google_crc32c.Checksum())
 
 
 def copy_tree(local_dir: str, dest) -> None:
