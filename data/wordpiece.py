@@ -67,8 +67,15 @@ def read_normalization(directory: str) -> dict:
     except ValueError as e:
       raise ValueError(f'{path} is not JSON ({e}); fix or remove it (it holds the vocabulary\'s '
                        'do_lower_case and strip_accents)') from None
+    stored = stored if isinstance(stored, dict) else {}
+    kind = stored.get('tokenizer_class') or 'BertTokenizer'
+    bert = kind in ('BertTokenizer', 'BertTokenizerFast')
+    if not bert or stored.get('do_basic_tokenize') is False:
+      raise ValueError(f'{path} describes {kind}{" without basic tokenization" if bert else ""}, '
+                       'whose ids BERT\'s WordPiece tokenizer here would not reproduce; import a '
+                       'checkpoint that uses BertTokenizer')
     for key, default in NORMALIZATION.items():
-      value = stored.get(key, default) if isinstance(stored, dict) else default
+      value = stored.get(key, default)
       settings[key] = default if value is None else bool(value)
   return settings
 

@@ -163,6 +163,16 @@ def test_casing_from_tokenizer_config(tmp_path):
   assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['hello']
   (tmp_path / 'tokenizer_config.json').write_text('{"do_lower_case": false}')
   assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['Hello']
+  # BERT's tokenizer, fast or not, is read; another (MeCab's, or without the basic split)
+  # would give other ids from the same vocabulary: refused by name.
+  (tmp_path / 'tokenizer_config.json').write_text('{"tokenizer_class": "BertTokenizerFast"}')
+  assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['hello']
+  for config, what in (('{"tokenizer_class": "BertJapaneseTokenizer"}', 'BertJapaneseTokenizer,'),
+                       ('{"do_basic_tokenize": false}', 'BertTokenizer without basic')):
+    (tmp_path / 'tokenizer_config.json').write_text(config)
+    with pytest.raises(ValueError, match=f'describes {what}.*import a checkpoint that uses '
+                       'BertTokenizer'):
+      wordpiece.WordPieceTokenizer.load(path)
 
 
 @needs_minilm
