@@ -3,6 +3,7 @@
 TensorFlow's own Saver under BERT's variable names."""
 
 import importlib.util
+import functools
 import json
 import os
 
@@ -220,21 +221,42 @@ def test_tf1_import_gives_exact_weights_and_runs(tf1_checkpoint, tmp_path):
   params, cfg = _restore_all(workdir)
   assert cfg.model.variant == 'realformer' and cfg.data.tokenizer.endswith('vocab.txt')
   t = ck['tensors']
-  enc = params['encoder']
-  words = enc['embeddings']['word_embeddings']['embedding']
-  assert words.shape == (128, 16)  # padded to vocab_pad_multiple
-  np.testing.assert_array_equal(words[:60], t['bert/embeddings/word_embeddings'])
-  assert not words[60:].any()
-  np.testing.assert_array_equal(enc['layers_1']['attention']['query']['kernel'],
-                                t['bert/encoder/layer_1/attention/self/query/kernel'])
-  np.testing.assert_array_equal(enc['layers_0']['mlp']['output']['kernel'],
-                                t['bert/encoder/layer_0/output/dense/kernel'])
-  np.testing.assert_array_equal(enc['layers_0']['mlp_layer_norm']['scale'],
-                                t['bert/encoder/layer_0/output/LayerNorm/gamma'])
-  np.testing.assert_array_equal(params['nsp_head']['kernel'],
-                                t['cls/seq_relationship/output_weights'].T)  # [2, D] -> [D, 2]
-  np.testing.assert_array_equal(params['mlm_head']['output_bias'][:60],
-                                t['cls/predictions/output_bias'])
+  words = params['encoder']['embeddings']['word_embeddings']['embedding']
+  assert words.shape == (128, 16) and not words[60:].any()  # padded to vocab_pad_multiple
+  # Every TF1 variable where google-research/bert's modeling.py has it (written out here,
+  # not read from interop's table: of the same shape, query, key, value, the attention's
+  # output, the pooler and the MLM transform could be swapped unnoticed otherwise).
+  ln = {'gamma': 'scale', 'beta': 'bias'}
+  where = {'bert/embeddings/word_embeddings': ('encoder/embeddings/word_embeddings/embedding',),
+           'bert/embeddings/position_embeddings':
+               ('encoder/embeddings/position_embeddings/embedding',),
+           'bert/embeddings/token_type_embeddings':
+               ('encoder/embeddings/token_type_embeddings/embedding',),
+           'cls/predictions/output_bias': ('mlm_head/output_bias',),
+           'cls/seq_relationship/output_weights': ('nsp_head/kernel', 'transposed'),
+           'cls/seq_relationship/output_bias': ('nsp_head/bias',)}
+  for g, ours in ln.items():
+    where[f'bert/embeddings/LayerNorm/{g}'] = (f'encoder/embeddings/layer_norm/{ours}',)
+    where[f'cls/predictions/transform/LayerNorm/{g}'] = (f'mlm_head/layer_norm/{ours}',)
+  for w in ('kernel', 'bias'):
+    where[f'bert/pooler/dense/{w}'] = (f'encoder/pooler/{w}',)
+    where[f'cls/predictions/transform/dense/{w}'] = (f'mlm_head/transform/{w}',)
+  for i in range(2):
+    theirs, mine = f'bert/encoder/layer_{i}', f'encoder/layers_{i}'
+    for w in ('kernel', 'bias'):
+      for part in ('query', 'key', 'value'):
+        where[f'{theirs}/attention/self/{part}/{w}'] = (f'{mine}/attention/{part}/{w}',)
+      where[f'{theirs}/attention/output/dense/{w}'] = (f'{mine}/attention/out/{w}',)
+      where[f'{theirs}/intermediate/dense/{w}'] = (f'{mine}/mlp/intermediate/{w}',)
+      where[f'{theirs}/output/dense/{w}'] = (f'{mine}/mlp/output/{w}',)
+    for g, ours in ln.items():
+      where[f'{theirs}/attention/output/LayerNorm/{g}'] = (f'{mine}/attention_layer_norm/{ours}',)
+      where[f'{theirs}/output/LayerNorm/{g}'] = (f'{mine}/mlp_layer_norm/{ours}',)
+  assert set(where) == set(t)
+  for name, (path, *transposed) in where.items():
+    got = functools.reduce(lambda tree, key: tree[key], path.split('/'), params)
+    want = t[name].T if transposed else t[name]
+    np.testing.assert_array_equal(got[:len(want)], want, err_msg=name)
   assert len(jax.tree.leaves(params)) == len(t)  # one parameter per TF1 variable
 
   tokenizer = wordpiece.WordPieceTokenizer.load(cfg.data.tokenizer)
