@@ -88,6 +88,7 @@ def test_a_lock_held_before_its_record_or_a_file_system_without_locks(tmp_path, 
   with pytest.raises(ValueError, match='on a file system that cannot lock files .*; use a '
                      'folder on a local disk, or a gs:// bucket'):
     workdir_lib.Lock(str(tmp_path / 'nfs')).__enter__()
+  assert not (tmp_path / 'nfs').exists()  # the folder it made is gone again
 
 
 def test_resume_with_another_model_is_refused_and_config_json_kept(tmp_path, caplog):

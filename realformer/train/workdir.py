@@ -161,9 +161,12 @@ class Lock:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-      holder = _read(fd) or {}
+      held = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)  # else: no flock on this file system
+      holder = (_read(fd) or {}) if held else {}
       os.close(fd)
-      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # not held: no flock there
+      if not held:  # (and no empty workdir left behind)
+        if self._created and _holds_only_the_lock(self.workdir):
+          shutil.rmtree(self.workdir, ignore_errors=True)
         raise ValueError(f'--workdir {self.workdir} is on a file system that cannot lock files '
                          f'({os.strerror(e.errno)}), so two runs could write it at once; use a '
                          'folder on a local disk, or a gs:// bucket') from None
