@@ -25,6 +25,7 @@ from absl import logging
 from realformer import cli
 from realformer.train import compile_cache
 from realformer.train import distributed
+from realformer.train import metrics as metrics_lib
 from realformer.train import pretraining
 from realformer.train import trainer
 
@@ -106,7 +107,9 @@ def main(argv):
     cli.fail('--workdir is required: the directory for checkpoints and logs '
                          '(e.g. --workdir /tmp/bert_tiny)')
   summary = trainer.run_program(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir)
-  logging.info('done: %s', summary)
+  held_out = summary['eval']
+  logging.info('done at step %d%s', summary['step'],
+               f'; eval: {metrics_lib.format_scalars(held_out)}' if held_out else '')
 
 
 if __name__ == '__main__':

@@ -2,6 +2,7 @@
 FLOP count, clear errors, nan stop, and a short real run on the embedded corpus."""
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -62,9 +63,24 @@ def trained(config, workdir) -> dict:
   return train.train_and_evaluate(config, str(workdir), devices=jax.devices()[:1])
 
 
-def test_a_finished_run_started_again_reports_what_it_logged(tmp_path):
+def test_a_finished_run_started_again_reports_what_it_logged(tmp_path, caplog):
   c = tiny_config(num_steps=4, log_every_steps=2, eval_every_steps=2, eval_steps=1)
-  first = trained(c, str(tmp_path))
+  with caplog.at_level(logging.INFO):
+    first = trained(c, str(tmp_path))
+  # One line of the log for each logged step and each evaluation, with every scalar that
+  # metrics.jsonl records for it (the loss and the speed in words, the others as name=value).
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('step ')]
+  assert [line.split(':')[0] for line in lines] == [
+      'step 2/4', 'step 2 eval', 'step 4/4', 'step 4 eval']
+  with open(tmp_path / 'metrics.jsonl') as f:
+    train_record = next(r for r in map(json.loads, f) if r['split'] == 'train')
+  train_names = set(train_record) - {'step', 'split', 'loss', 'steps_per_sec', 'examples_per_s',
+                                   'tokens_per_s', 'tflops_per_device', 'uptime'}
+  assert 'grad_norm' in train_names and 'learning_rate' in train_names
+  for name in train_names:
+    assert f'{name}=' in lines[2]
+  assert f'loss {first["train"]["loss"]:.4f},' in lines[2]
+  assert lines[3].startswith(f'step 4 eval: loss={first["eval"]["loss"]:.6g}, ')
   with open(tmp_path / 'metrics.jsonl', 'a') as f:
     f.write('{"step": 4, "split": "tra')  # a last line cut short by a hard stop
   again = trained(c, str(tmp_path))  # nothing left to train or evaluate

@@ -26,7 +26,6 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from clu import metrics
 
 from realformer import storage
@@ -152,20 +151,6 @@ class TensorBoardWriter:
     self._file.close()
 
 
-class LogWriter:
-  """Scalars to the log, one line per write ('[step] name=value, ...')."""
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
-    logging.info('[%d] %s', step, ', '.join(f'{name}={float(np.asarray(value)):.6g}'
-                                            for name, value in scalars.items()))
-
-  def flush(self, force: bool = False):
-    pass
-
-  def close(self):
-    pass
-
-
 class MultiWriter:
   """Every write, flush and close goes to each of `writers`."""
 
@@ -196,9 +181,15 @@ class MultiWriter:
 
 
 def create_writer(logdir: str, jsonl_path, process_index: int, start_step: int) -> MultiWriter:
-  """The log on every process; TensorBoard events (in `logdir`) and the JSON lines (to
-  `jsonl_path`) from process 0 only, each marking the start at `start_step`."""
+  """TensorBoard events (in `logdir`) and the JSON lines (to `jsonl_path`) from process 0,
+  each marking the start at `start_step`; nothing from the others. (The log is the
+  trainer's: one line per logged step or evaluation, on every process.)"""
   if process_index > 0:
-    return MultiWriter([LogWriter()])
-  return MultiWriter([LogWriter(), TensorBoardWriter(logdir, start_step),
+    return MultiWriter([])
+  return MultiWriter([TensorBoardWriter(logdir, start_step),
                       metrics_jsonl.JsonlWriter(jsonl_path, start_step)])
+
+
+def format_scalars(scalars: Mapping[str, Any]) -> str:
+  """'name=value, ...' at six significant digits: the log's form of a step's scalars."""
+  return ', '.join(f'{name}={float(np.asarray(value)):.6g}' for name, value in scalars.items())

@@ -579,7 +579,7 @@ class Trainer:
     self.run_dir.check_held()  # a lease lost during a long evaluation: nothing is written
     for split, values in self.results.items():
       self.writer.write_scalars(step, {f'{split}/{k}': v for k, v in values.items()})
-      logging.info('step %d %s: %s', step, split, values)
+      logging.info('step %d %s: %s', step, split, metrics_lib.format_scalars(values))
     self.writer.flush()
     self.best.offer(self.state.params, step, self.results)  # before the resume point moves
     if self.budget is not None:  # evaluation does not spend the training budget
@@ -707,17 +707,26 @@ def _with_subtree(tree, keys: Tuple[str, ...], value):
   return dict(tree, **{keys[0]: _with_subtree(tree[keys[0]], keys[1:], value)})
 
 
+# The figures that _log_progress's headline gives in words.
+_HEADLINE = ('loss', 'steps_per_sec', 'examples_per_s', 'tokens_per_s', 'padded_tokens_per_s',
+             'tflops_per_device', 'mfu', 'uptime')
+
+
 def _log_progress(step: int, num_steps: int, values: dict):
+  """One line for a logged step: the loss, the speed and the ETA in words, then every other
+  scalar of the window as 'name=value'."""
+  rest = metrics_lib.format_scalars({k: v for k, v in values.items() if k not in _HEADLINE})
   if 'steps_per_sec' not in values:
+    logging.info('step %d/%d: loss %.4f; %s', step, num_steps, values['loss'], rest)
     return
   eta = datetime.timedelta(seconds=int((num_steps - step) / values['steps_per_sec']))
   real = (f' ({values["tokens_per_s"] / values["padded_tokens_per_s"]:.0%} of the padded)'
           if 'padded_tokens_per_s' in values else '')
   logging.info('step %d/%d: loss %.4f, %.2f steps/s, %.1f examples/s, %.0f tokens/s%s, '
-               '%.3f TFLOP/s per device%s, ETA %s', step, num_steps, values['loss'],
+               '%.3f TFLOP/s per device%s, ETA %s; %s', step, num_steps, values['loss'],
                values['steps_per_sec'], values['examples_per_s'], values['tokens_per_s'], real,
                values['tflops_per_device'],
-               f', MFU {values["mfu"]:.1%}' if 'mfu' in values else '', eta)
+               f', MFU {values["mfu"]:.1%}' if 'mfu' in values else '', eta, rest)
 
 
 class BestParams:
