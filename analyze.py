@@ -30,6 +30,8 @@ def main(argv=None):
   args, _ = cli.parse_tool_flags(_define, argv, prog='analyze.py', doc=__doc__)
   if args.label and len(args.label) != len(args.workdir):
     raise ValueError('give one --label per --workdir (or none)')
+  if args.label and len(set(args.label)) != len(args.label):
+    raise ValueError(f'--label {args.label}: the labels repeat one; give each --workdir its own')
   out = storage.path(args.out)
   if out.exists() and not out.is_dir():
     raise ValueError(f'--out {args.out} is a file; give a folder for the report')

@@ -91,3 +91,16 @@ def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
     assert (out / name).stat().st_size > 100
   numbers = json.loads((out / 'attention.json').read_text())
   assert numbers['a']['js_adjacent'] == pytest.approx(result['js_adjacent'])
+
+
+def test_runs_of_one_variant_get_labels_of_their_own():
+  """Without --label, each run is named by its variant; runs of one variant (seeds of a
+  sweep) by their workdir's folder too, so that attention.json keeps every run."""
+  runs = [{'variant': 'realformer', 'workdir': '/r/seed=0'},
+          {'variant': 'realformer', 'workdir': 'gs://b/r/seed=1/'},
+          {'variant': 'postln', 'workdir': '/r/postln'},
+          {'variant': 'preln', 'workdir': '/a/run'}, {'variant': 'preln', 'workdir': '/b/run'}]
+  assert analysis.default_labels(runs) == [
+      'realformer (seed=0)', 'realformer (seed=1)', 'postln', 'preln (run) #4', 'preln (run) #5']
+  with pytest.raises(ValueError, match='repeat one; give each --workdir its own --label'):
+    analysis.write_report(runs[:2], '/tmp/unused', ['a', 'a'])

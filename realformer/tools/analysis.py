@@ -13,6 +13,7 @@ Natural logarithms throughout (JS lies in [0, ln 2]). Padding keys carry no prob
 
 import io
 import json
+import os
 from typing import Dict, List, Sequence
 
 import jax
@@ -108,14 +109,27 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
           'js_all_pairs': pairs.tolist()}
 
 
+def default_labels(results: Sequence[dict]) -> List[str]:
+  """Each run's variant; runs of one variant are told apart by their workdir's last folder
+  (and, where those match too, by their place in the list)."""
+  labels = [r['variant'] for r in results]
+  shared = {v for v in labels if labels.count(v) > 1}
+  labels = [f'{r["variant"]} ({os.path.basename(os.path.normpath(r["workdir"]))})'
+            if r['variant'] in shared else r['variant'] for r in results]
+  return [f'{label} #{i + 1}' if labels.count(label) > 1 else label
+          for i, label in enumerate(labels)]
+
+
 def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None) -> dict:
   """Violin plots of entropy per layer, JS heatmaps, numbers as JSON and markdown."""
+  labels = list(labels or default_labels(results))
+  if len(set(labels)) != len(labels):
+    raise ValueError(f'the labels {labels} repeat one; give each --workdir its own --label')
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   out = storage.path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  labels = list(labels or [r['variant'] for r in results])
   n = len(results)
   fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), sharey=True, squeeze=False)
   for ax, r, label in zip(axes[0], results, labels):
