@@ -396,6 +396,28 @@ def test_a_nan_loss_stops_fine_tuning_with_one_line_naming_the_fix(pretrained, t
   assert not checkpoints.has_complete_step(str(tmp_path / 'ft'))
 
 
+def test_a_stop_while_final_is_written_leaves_a_run_the_same_command_finishes(
+    pretrained, tmp_path, monkeypatch):
+  """results.json comes last: a run stopped while its final/ params are written has none,
+  so a sweep does not take it for finished, and running it again finishes it."""
+  from realformer.tools import sweep  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / 'rte')
+  config = lambda: ft_config('rte', pretrained, keep_best=False, num_epochs=1)
+
+  def stopped(*args, **kwargs):
+    raise RuntimeError('stopped while final/ was written')
+  with monkeypatch.context() as m:
+    m.setattr(checkpoints, 'save_params', stopped)
+    with pytest.raises(RuntimeError, match='stopped while final/'):
+      run(config(), workdir)
+  assert not os.path.exists(os.path.join(workdir, RunDir.RESULTS))
+  assert checkpoints.has_complete_step(workdir) and not sweep.is_done(workdir)
+  summary = run(config(), workdir)
+  assert json.load(open(os.path.join(workdir, RunDir.RESULTS)))['dev'] == summary['dev']
+  assert checkpoints.has_complete_step(os.path.join(workdir, RunDir.FINAL))
+  assert not checkpoints.has_complete_step(workdir) and sweep.is_done(workdir)
+
+
 def test_keep_optimizer_state_keeps_the_resume_checkpoint(pretrained, tmp_path):
   workdir = str(tmp_path / 'rte')
   run(ft_config('rte', pretrained, keep_optimizer_state=True, keep_best=False,

@@ -638,3 +638,58 @@ def test_a_run_lock_admits_one_sweep_process_and_dies_with_its_holder(tmp_path):
   open(os.path.join(workdir, RunDir.SWEEP_LOCK), 'w').close()  # a holder killed before its record
   assert sweep.acquire(workdir)
   sweep.release(workdir)
+
+
+def test_a_float_fields_whole_number_is_one_run_however_it_is_written(tmp_path):
+  """'0' and '0.0' of a float field are one value (a float), on the command line and in a
+  sweep file; a folder that recorded either is the same run's."""
+  types = sweep.field_types('configs/pretrain.py:postln,tiny')
+  with pytest.raises(ValueError, match='repeats a run'):
+    sweep.expand(['optimizer.weight_decay=0,0.0'], types=types)
+  (run,) = sweep.expand([], ['optimizer.weight_decay=0', 'train.num_steps=3'], types=types)
+  assert run['optimizer.weight_decay'] == 0.0 and isinstance(run['optimizer.weight_decay'], float)
+  assert run['train.num_steps'] == 3 and isinstance(run['train.num_steps'], int)
+  sweep_file = tmp_path / 'hyper.py'
+  sweep_file.write_text("def get_hyper(h):\n  return h.sweep('optimizer.weight_decay', [0, 1])\n")
+  assert [r['optimizer.weight_decay'] for r in sweep.expand(sweep_file=str(sweep_file),
+                                                              types=types)] == [0.0, 1.0]
+  (tmp_path / 'old').mkdir()
+  (tmp_path / 'old' / RunDir.OVERRIDES).write_text(json.dumps(
+      {'optimizer.weight_decay': 0, 'train.num_steps': 3, 'seed': 0}))
+  assert sweep.other_run(str(tmp_path / 'old'), run) == []
+  assert sweep.reuse_names(str(tmp_path), [run], ['new']) == ['old']
+
+
+def test_h_zip_of_two_lists_of_one_key_is_an_error():
+  h = sweep.Hyper
+  with pytest.raises(ValueError, match='optimizer.learning_rate is set by two of the lists '
+                                       'h.zip pairs'):
+    h.zip(h.sweep('optimizer.learning_rate', [1e-4, 2e-4]),
+          h.sweep('optimizer.learning_rate', [3e-4, 4e-4]))
+
+
+def test_a_run_finished_or_taken_between_the_look_and_the_lock_is_not_started(
+    tmp_path, monkeypatch):
+  """run_all looks again once it holds a run's lock: another sweep process may have
+  finished the run, or started one of other overrides in its folder, meanwhile."""
+  program = tmp_path / 'fake_train.py'
+  program.write_text(FAKE_PROGRAM)
+  root = tmp_path / 'sweep'
+  runs = sweep.expand(['optimizer.learning_rate=1e-4,2e-4'], ['train.num_steps=2'])
+  names = sweep.run_names(runs)
+  acquire = sweep.acquire
+
+  def meanwhile(workdir):  # what another sweep did between run_all's look and its lock
+    taken = acquire(workdir)
+    if workdir.endswith(names[0]):
+      (root / names[0] / RunDir.DONE).write_text('')
+    else:
+      (root / names[1] / RunDir.OVERRIDES).write_text(json.dumps(dict(runs[1], seed=7)))
+    return taken
+  monkeypatch.setattr(sweep, 'acquire', meanwhile)
+  codes = sweep.run_all(runs, root=str(root), program=str(program), config='cfg',
+                        echo=lambda _: None)
+  assert codes == {names[0]: 0, names[1]: sweep.OTHER_RUN}
+  for name in names:
+    assert not (root / name / 'calls.txt').exists()  # neither was started
+    assert not (root / name / RunDir.SWEEP_LOCK).exists()  # and both locks were let go

@@ -79,16 +79,27 @@ class Hyper:
   def zip(*lists: List[Run]) -> List[Run]:
     if len({len(x) for x in lists}) > 1:
       raise ValueError(f'h.zip needs lists of equal length, got {[len(x) for x in lists]}')
+    keys = [sorted({k for run in runs for k in run}) for runs in lists]
+    twice = sorted({k for ks in keys for k in ks if sum(k in other for other in keys) > 1})
+    if twice:  # one list's values would silently replace the other's
+      raise ValueError(f'{twice[0]} is set by two of the lists h.zip pairs; give all its '
+                       'values in one')
     return [dict(itertools.chain.from_iterable(d.items() for d in ds)) for ds in zip(*lists)]
 
 
 def parse_value(text: str, kind: type = type(None)) -> Any:
   """The value of `text` for a field of type `kind`: a str field's is the text as given; a
-  bool field's true/false (or 1/0); a field of another or no set type takes the first that
-  reads: 'true'/'false' -> bool, '3' -> 3, '1e-4' -> 0.0001, else the text."""
+  bool field's true/false (or 1/0); a float field's a float ('0' -> 0.0: one run, whichever
+  way it is written), an int field's an int; a field of another or no set type takes the
+  first that reads: 'true'/'false' -> bool, '3' -> 3, '1e-4' -> 0.0001, else the text."""
   low = text.lower()
   if kind is str:
     return text
+  if kind in (int, float):  # (a value the type cannot read: check_keys names the field)
+    try:
+      return kind(text)
+    except ValueError:
+      pass
   if kind is bool:
     if low not in ('true', 'false', '1', '0'):
       raise ValueError(f'{text!r} is not true or false, which this bool field takes')
@@ -179,7 +190,8 @@ def expand(sweeps: Sequence[str] = (), fixed: Sequence[str] = (), seeds: int = 1
     raise ValueError('seed is not a --sweep/--set key: --seeds N runs N seeds of each '
                      f'setting ({first_seed}, {first_seed + 1}, ...)')
   lists.append(Hyper.sweep('seed', range(first_seed, first_seed + seeds)))
-  runs = Hyper.product(lists)
+  runs = [{k: float(v) if _is_number(v) and (types or {}).get(k) is float else v
+           for k, v in run.items()} for run in Hyper.product(lists)]  # a sweep file's 0 too
   names = run_names(runs)
   if len(set(names)) != len(names):
     if len({json.dumps(r, sort_keys=True) for r in runs}) == len(runs):
@@ -231,8 +243,15 @@ def other_run(workdir: str, run: Run) -> List[str]:
           for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
 
 
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _as_text(run: Run) -> Dict[str, str]:
-  return {k: _fmt(v) for k, v in json.loads(json.dumps(run)).items()}  # (JSON's types)
+  """The run's values as compared: the text each becomes, a whole float's as an int's (0
+  and 0.0 are one value of a float field: an earlier sweep may have recorded either)."""
+  return {k: _fmt(int(v) if isinstance(v, float) and v.is_integer() else v)
+          for k, v in json.loads(json.dumps(run)).items()}  # (JSON's types)
 
 
 def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
@@ -412,6 +431,19 @@ def release(workdir: str):
   os.close(fd)
 
 
+def _not_to_start(workdir: str, run: Run, say) -> Optional[int]:
+  """run_all's code for a run it leaves alone, said with `say`; None for one to start."""
+  differ = other_run(workdir, run)
+  if differ:
+    say(f'{workdir} holds a run with other overrides ({"; ".join(differ)}); left alone. '
+        'Give this sweep its own --root')
+    return OTHER_RUN
+  if is_done(workdir, run):
+    say('finished, skipped')
+    return 0
+  return None
+
+
 def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
             echo=print, always: Sequence[str] = ()) -> Dict[str, int]:
   """Runs one after another; returns {name: exit code}: 0 for finished runs (also those
@@ -422,26 +454,27 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   names = reuse_names(root, runs, run_names(runs, always))
   for i, (run, name) in enumerate(zip(runs, names)):
     workdir = storage.join(root, name)
-    differ = other_run(workdir, run)
-    if differ:
-      echo(f'[{i + 1}/{len(runs)}] {name}: {workdir} holds a run with other overrides '
-           f'({"; ".join(differ)}); left alone. Give this sweep its own --root')
-      codes[name] = OTHER_RUN
-      continue
-    if is_done(workdir, run):
-      echo(f'[{i + 1}/{len(runs)}] {name}: finished, skipped')
-      codes[name] = 0
+
+    say = lambda text, i=i, name=name: echo(f'[{i + 1}/{len(runs)}] {name}: {text}')
+    if (code := _not_to_start(workdir, run, say)) is not None:
+      codes[name] = code
       continue
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
     if not acquire(workdir):
-      echo(f'[{i + 1}/{len(runs)}] {name}: another sweep process is running it, skipped')
+      say('another sweep process is running it, skipped')
       codes[name] = RUNNING_ELSEWHERE
+      continue
+    # Again with the lock held: another sweep may have run it (or another run may have
+    # taken the folder) between the look above and the lock.
+    if (code := _not_to_start(workdir, run, say)) is not None:
+      release(workdir)
+      codes[name] = code
       continue
     try:
       storage.write_text(storage.join(workdir, RunDir.OVERRIDES),
                          json.dumps(run, indent=1, sort_keys=True))
       argv = command(program, config, workdir, run)
-      echo(f'[{i + 1}/{len(runs)}] {name}: {shlex.join(argv)}')
+      say(shlex.join(argv))
       code = _call_logged(argv, storage.join(workdir, RunDir.LOG))
       if code == 0:
         storage.write_text(storage.join(workdir, RunDir.DONE), '')

@@ -33,9 +33,9 @@ program:
                   lets the run finish);
                   a time budget (Cramming): train for so many minutes, the learning-rate
                   schedule following the clock (TimeBudget).
-  teardown        the finished run's evaluation and the task's outputs; optionally the
-                  optimizer state dropped (final/ keeps the params); writers and the
-                  checkpoint manager closed.
+  teardown        the finished run's evaluation; optionally the optimizer state dropped
+                  (final/ keeps the params); then the task's outputs, whose results file
+                  says the run is over; writers and the checkpoint manager closed.
 """
 
 import abc
@@ -626,12 +626,15 @@ class Trainer:
       else:
         self._evaluate(step)
     summary['eval'] = self.results or {k: v for k, v in logged.items() if k != 'train'}
-    summary.update(task.finish(self.state.params, step, self.results, self.run_dir,
-                               self.best.summary()))
     if (not c.keep_optimizer_state and
         checkpoints.latest_complete_step(self.manager) is not None):
       _drop_optimizer_state(self.manager, self.state.params, step, self.run_dir, self.best,
                             task)
+    # The task's outputs last: a results file says the run is over (a sweep skips it), so a
+    # stop before it (a SIGTERM while final/ is written) leaves a run that the same command
+    # finishes.
+    summary.update(task.finish(self.state.params, step, self.results, self.run_dir,
+                               self.best.summary()))
     return summary
 
 
