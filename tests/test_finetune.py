@@ -776,11 +776,47 @@ def check_grid_summary(root: str):
   finetune_grid.main(['--tasks', 'rte', '--root', root, '--summarize_only'])
   rows = (storage.path(root) / 'results.csv').read_text().splitlines()
   assert rows[0].split(',') == finetune_grid.HEADER
-  best = [r.split(',') for r in rows[1:] if r.endswith('best')]
+  best = [r.split(',') for r in rows[1:] if r.split(',')[10] == 'best']
   assert len(best) == 1 and best[0][1] == '2e-05' and best[0][4:7] == ['3', '2', '0.6']
   markdown = (storage.path(root) / 'results.md').read_text()
   assert '| rte | 1e-05 | 16 | 2 | 3 | 0 | 0.5000 |' in markdown
   assert '| rte | 3e-05 | 16 | 2 | 0 | 1 |  |  |  |  |  |' in markdown
+
+
+def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, capsys):
+  """A grid extended in its root with another --set (max_seq_length 128, then 64): the
+  summary gives each its own row, never their mean; a run another tool put there (no grid
+  values) has its row too; a task named twice runs once; --set values are read as their
+  fields' types; an unreadable record is one line naming its file."""
+  from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
+  root = tmp_path / 'grid'
+  for length, seed, headline in [(128, 0, 0.8), (128, 1, 0.6), (64, 2, 0.1)]:
+    run = {'optimizer.learning_rate': 2e-5, 'batch_size': 16, 'num_epochs': 2, 'seed': seed,
+           'max_seq_length': length}
+    workdir = root / 'rte' / f'seed={seed}'
+    workdir.mkdir(parents=True)
+    (workdir / 'overrides.json').write_text(json.dumps(run))
+    (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
+  (root / 'rte' / 'swept').mkdir()  # a sweep.py run: no grid values
+  (root / 'rte' / 'swept' / 'overrides.json').write_text(json.dumps({'seed': 0}))
+  finetune_grid.main(['--tasks', 'rte,glue/rte', '--root', str(root), '--summarize_only'])
+  markdown = (root / 'results.md').read_text()
+  assert markdown.count('| rte |') == 3, markdown  # one task, three settings
+  assert '| rte | 2e-05 | 16 | 2 | 1 | 0 | 0.1000 | 0.1000 | 0.1000 | 0.1000 |  | max_seq_length=64 |' in markdown
+  assert ('| rte | 2e-05 | 16 | 2 | 2 | 0 | 0.7000 | 0.7000 | 0.6000 | 0.8000 | best | '
+          'max_seq_length=128 |') in markdown
+  assert '| rte |  |  |  | 0 | 1 |' in markdown
+  assert finetune_grid.expand_tasks('glue,rte').count('rte') == 1
+  capsys.readouterr()
+  finetune_grid.main(['--tasks', 'tsv/topics', '--root', str(tmp_path / 'tsv'), '--seeds', '1',
+                      '--learning_rates', '1e-4', '--batch_sizes', '16', '--epochs', '1',
+                      '--print_only', '--set', 'tsv.label=007', '--set', 'optimizer.warmup_fraction=0'])
+  out = capsys.readouterr().out
+  assert {'--config.tsv.label=007', '--config.optimizer.warmup_fraction=0.0'} <= set(out.split())
+  (root / 'rte' / 'seed=2' / 'results.json').write_text('{"headline": 0.')
+  with pytest.raises(ValueError, match=r'seed=2/results.json is not readable JSON .*; delete '
+                                       r"its run's folder"):
+    finetune_grid.main(['--tasks', 'rte', '--root', str(root), '--summarize_only'])
 
 
 def _write_hf_glue(root, task, splits):

@@ -12,7 +12,8 @@ directory holding a run with other fixed overrides is refused, never reused), ru
 after another, or printed as launch commands for a cluster (--print_only). The summary
 (<root>/results.md and .csv) gives each setting's median (and mean, min, max) over seeds of
 the task's headline metric (GLUE's: MCC for CoLA, F1 for MRPC/QQP, Pearson for STS-B,
-accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median.
+accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median; a
+setting is the grid's values and any other override that differs between the task's runs.
 Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli also reports mismatched and
 predicts AX), squad/v1.1, squad/v2.0 (`squad` = both), tsv/<name> (a task of your own, its
 columns and labels given with --set tsv.<key>=...), or <kind>/<name> of any kind in
@@ -46,7 +47,7 @@ def config_arg(task: str) -> str:
 def expand_tasks(tasks: str) -> List[str]:
   """--tasks -> the runs' tasks: a GLUE name (rte), or <kind>/<name> of a kind in
   realformer/finetune/tasks/ (squad/v1.1, tsv/topics); a kind alone (glue, squad) is every
-  task it names."""
+  task it names. Each task once, in the order first named."""
   from realformer.finetune import registry  # pylint: disable=g-import-not-at-top
   kinds = registry.kinds()
   names = []
@@ -64,7 +65,7 @@ def expand_tasks(tasks: str) -> List[str]:
                        f'tsv/<name> (a task of your own: --set tsv.labels=... and its '
                        f'--data_dir), ...')
     names.append(name if kind == 'glue' else t)  # glue/rte is rte (one root, one row)
-  return names
+  return list(dict.fromkeys(names))  # a task named twice (glue,rte) runs once
 
 
 def grid(learning_rates: Sequence[float], batch_sizes: Sequence[int],
@@ -98,41 +99,61 @@ def collect(root: str) -> List[Dict[str, Any]]:
   rows = []
   folder = storage.path(root)
   for name in sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []:
-    if not (folder / name / RunDir.OVERRIDES).exists():
+    overrides, results = folder / name / RunDir.OVERRIDES, folder / name / RunDir.RESULTS
+    if not overrides.exists():
       continue
-    run = json.loads((folder / name / RunDir.OVERRIDES).read_text())
-    path = folder / name / RunDir.RESULTS
-    rows.append({'run': run, 'headline': (json.loads(path.read_text())['headline']
-                                          if path.exists() else None)})
+    rows.append({'run': _read_json(overrides),
+                 'headline': _read_json(results)['headline'] if results.exists() else None})
   return rows
+
+
+def _read_json(path) -> Dict[str, Any]:
+  try:
+    return json.loads(path.read_text())
+  except ValueError as e:
+    raise ValueError(f'{path} is not readable JSON ({e}); delete its run\'s folder (the grid '
+                     'runs it again) or restore the file') from None
 
 
 def _fmt(value):
   return repr(value) if isinstance(value, float) else value  # 2e-05, not 0.0000
 
 
+def _in_order(key):
+  """A sort key for a row's settings: numbers by value, before text (a run without a value
+  for one of them: '')."""
+  return [(0, v, '') if isinstance(v, (int, float)) else (1, 0, str(v)) for v in key]
+
+
 def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
-  """One row per grid setting: task, lr, batch, epochs, n (runs with a finite headline),
-  left out (unfinished runs, and those whose headline is not finite: a regression's
-  constant predictions have no correlation), then the median, mean, min and max of the n,
-  and 'best' on the setting of the highest median."""
+  """One row per setting: task, lr, batch, epochs, n (runs with a finite headline), left
+  out (unfinished runs, and those whose headline is not finite: a regression's constant
+  predictions have no correlation), then the median, mean, min and max of the n, 'best' on
+  the setting of the highest median, and the setting's other overrides that differ between
+  the task's runs (a grid extended in its root with another --set: never averaged with the
+  first)."""
+  others = [k for k in sweep.varying_keys([r['run'] for r in rows])
+            if k not in GRID_KEYS + ('seed',)]
   groups = {}
   for row in rows:
-    key = tuple(_fmt(row['run'].get(k)) for k in GRID_KEYS)
+    key = tuple(row['run'].get(k, '') for k in GRID_KEYS + tuple(others))
     groups.setdefault(key, []).append(row['headline'])
   table = []
-  for key, headlines in sorted(groups.items()):
+  for key, headlines in sorted(groups.items(), key=lambda item: _in_order(item[0])):
     v = [h for h in headlines if h is not None and math.isfinite(h)]
     stats = [statistics.median(v), statistics.mean(v), min(v), max(v)] if v else [''] * 4
-    table.append([task, *key, len(v), len(headlines) - len(v), *stats, ''])
+    grid_values = [_fmt(x) for x in key[:len(GRID_KEYS)]]
+    other = ','.join(f'{k}={_fmt(x)}' for k, x in zip(others, key[len(GRID_KEYS):])
+                     if x != '')
+    table.append([task, *grid_values, len(v), len(headlines) - len(v), *stats, '', other])
   scored = [r for r in table if r[4]]
   if scored:
-    max(scored, key=lambda r: r[6])[-1] = 'best'
+    max(scored, key=lambda r: r[6])[-2] = 'best'
   return table
 
 
 HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'left out', 'median',
-          'mean', 'min', 'max', 'best']
+          'mean', 'min', 'max', 'best', 'other overrides']
 
 
 def write_summary(root: str, tasks: Sequence[str]) -> str:
@@ -192,7 +213,10 @@ def main(argv=None):
               '.py:' in path or path.endswith('.py'))  # hf: data, a config file
       return path if keep else os.path.abspath(path)
     fixed = {'init_checkpoint': local(args.init_checkpoint), 'data_dir': local(args.data_dir)}
-    for assignment in sweep.parse_assignments(args.set, multi=False):
+    types = {}  # each --set value read as its field's type, as sweep.py reads it
+    for task in tasks:
+      types.update(sweep.field_types(config_arg(task)))
+    for assignment in sweep.parse_assignments(args.set, multi=False, types=types):
       fixed.update(assignment[0])
     if not args.print_only and not fixed.get('from_scratch') and not (
         storage.path(args.init_checkpoint or '.') / RunDir.CONFIG).is_file():
