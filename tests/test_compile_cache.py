@@ -86,10 +86,14 @@ def test_the_cache_keeps_gpu_autotuning_results_in_its_folder(tmp_path):
   the cache on again.)"""
   from jax._src import compiler  # pylint: disable=g-import-not-at-top
   before = jax.config.jax_compilation_cache_dir
+  min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
   try:
     compile_cache.disable()
+    jax.jit(lambda x: x * 7.0)(np.float32(1.0))  # a compile with the cache off
     folder = compile_cache.enable(str(tmp_path))
-    jax_cache.reset_cache()
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+    jax.jit(lambda x: x * 11.0)(np.float32(1.0))
+    assert any(name.startswith('jit__lambda') for name in os.listdir(folder))  # written
     options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
     debug = options.executable_build_options.debug_options
     assert debug.xla_gpu_per_fusion_autotune_cache_dir == os.path.join(
@@ -97,6 +101,7 @@ def test_the_cache_keeps_gpu_autotuning_results_in_its_folder(tmp_path):
     assert 'UPDATE' in str(debug.xla_gpu_experimental_autotune_cache_mode)
   finally:
     jax.config.update('jax_compilation_cache_dir', before)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', min_seconds)
     jax_cache.reset_cache()
 
 

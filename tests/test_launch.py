@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from realformer.layers.dense import uses_cpu_dense
 from realformer.model.spec import resolve
 from realformer.tools import hlo_stats
 from realformer.tools import launch
+from realformer.train import partitioning
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_LIBTPU = importlib.util.find_spec('libtpu') is not None
@@ -316,6 +318,20 @@ def test_multi_host_slice_compiles_from_one_process():
 
 
 @needs_libtpu
+def test_a_mesh_across_the_slices_physical_axes_is_laid_with_a_warning(caplog):
+  """fsdp=8 x data=8 on a v5p 4x4x4 cube: no side product is 8 along one axis, which
+  jax.make_mesh refuses (NotImplementedError, a traceback); the mesh is laid across the
+  axes, every chip once, and the log says what that costs."""
+  devices = launch.tpu_target('v5p:4x4x4').devices
+  for shape, warned in (((8, 8, 1), True), ((4, 16, 1), False)):
+    caplog.clear()
+    mesh = partitioning.make_mesh(ml_collections.ConfigDict(
+        dict(zip(partitioning.MESH_AXES, shape))), devices)
+    assert tuple(mesh.shape.values()) == shape and len(set(mesh.devices.flat)) == 64
+    assert ('does not follow the physical axes' in caplog.text) == warned
+
+
+@needs_libtpu
 def test_a_program_too_big_for_hbm_is_refused_not_crashed():
   config = tiny(model__scan_layers=True)  # scanned: the compiler refuses sooner
   config.train.batch_size = 1 << 16
@@ -374,6 +390,17 @@ def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
   assert 'raise --max_compiles' in lines[-1]
   with pytest.raises(launch.LaunchError, match='--max_compiles=0'):
     launch.run(config, 'fake', max_batch=True, max_compiles=0)
+  # Nothing tried fits: it says whether smaller batches were left untried.
+  config.train.batch_size = 4000
+  for compiles, last in ((3, 'the search stopped after 3 compiles before reaching 4: raise '
+                             '--max_compiles'),
+                         (12, 'no batch fits, not even 4: shard the state further')):
+    monkeypatch.setattr(launch, 'compile_step', lambda c, t, b=None: (launch.Report(
+        batch_size=b or c.train.batch_size, fits=False, total_bytes=hbm + launch.GiB,
+        temp_bytes=hbm), None))  # none fits
+    lines.clear()
+    launch.run(config, 'fake', max_batch=True, max_compiles=compiles, log=lines.append)
+    assert last in lines[-1], lines
 
 
 # --------------------------------------------------------------------------------------

@@ -51,11 +51,11 @@ GiB = 1024 ** 3
 # HBM per chip (GiB) of the TPU generations a topology may name, as sold.
 HBM_GIB = {'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
 # What a program may use of it: the "available HBM" in the TPU compiler's own refusals
-# (libtpu 0.0.42.1: "... exceeds available HBM (15.75G)"); the rest is the runtime's. The
+# (libtpu 0.0.48.1: "... exceeds available HBM (15.75G)"); the rest is the runtime's. The
 # verdict compares a program's total (arguments, outputs, temporaries, code) with this: the
 # compiler itself checks only the temporaries, so a program can compile and still not fit.
 # A refusal that names another figure replaces it (compile_step).
-USABLE_HBM_GIB = {'v4': 30.75, 'v5e': 15.75, 'v5p': 95.74, 'v6e': 31.25}
+USABLE_HBM_GIB = {'v4': 30.75, 'v5e': 15.75, 'v5p': 95.73, 'v6e': 31.24}
 # chip_config_name of the generations with two TensorCores per chip: 'megacore' makes one
 # device per chip, as jax shows those chips on a TPU VM.
 _MEGACORE = ('v4', 'v5p')
@@ -578,10 +578,10 @@ def format_report(config, target: Target, r: Report) -> str:
             f'  (plus one-hot row selections {r.selection_flops:.3g}; XLA\'s cost_analysis '
             f'says {r.xla_flops:.4g}, counting each loop body once)']
   if r.collectives:
-    lines.append('collectives per chip per step (count x the sizes of their buffers, not '
-                 'bytes on the wire)')
+    lines.append('collectives per chip per step (how many, and the sizes of their buffers '
+                 'summed over them all: not bytes on the wire)')
     for kind, c in r.collectives.items():
-      lines.append(f'  {kind:<20} {c["count"]:6d} x   {c["bytes"] / GiB:9.3f} GiB')
+      lines.append(f'  {kind:<20} {c["count"]:6d}, {c["bytes"] / GiB:9.3f} GiB in all')
   else:
     lines.append('collectives: none')
   return '\n'.join(lines)
@@ -621,9 +621,12 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
     result.update(summary)
     result['max_batch_total_bytes'] = best.total_bytes if best else 0
     result['search'] = [_as_dict(r) for r in tried]
-    if best is None:
-      log('no batch fits: shard the state further (mesh.fsdp), remat (model.remat_policy) '
-          'or shorten data.max_seq_length')
+    if best is None and summary['converged']:  # the smallest batch was refused
+      log(f'no batch fits, not even {unit}: shard the state further (mesh.fsdp), remat '
+          '(model.remat_policy) or shorten data.max_seq_length')
+    elif best is None:
+      log(f'no batch tried fits (the smallest tried: {summary["first_failing"]}); the search '
+          f'stopped after {len(tried)} compiles before reaching {unit}: raise --max_compiles')
     elif summary['converged']:
       log(f'largest global batch that fits: {best.batch_size} '
           f'({best.total_bytes / GiB:.2f} GiB per chip; {summary["first_failing"]} does not)')

@@ -209,11 +209,11 @@ def _remove_stale_parts(folder_path: str) -> None:
 def _open_as_whole_entries(path: str) -> None:
   """jax builds its cache folder as WholeEntries, at `path`, from the next compile on (it
   builds it at the first compile that looks anything up, and would go on with one built
-  before: that one is dropped). The classes are jax's private ones, of the pinned version:
+  before, or with no cache where a compile found it off: both are reset). The classes are jax's private ones, of the pinned version:
   tests/test_compile_cache.py checks that jax still builds its cache through this name."""
   built = jax_compilation_cache._cache  # pylint: disable=protected-access
-  if built is not None and (not isinstance(built, WholeEntries)
-                            or jax.config.jax_compilation_cache_dir != path):
+  # (Also when none was built: a compile after disable() left jax decided against a cache.)
+  if not isinstance(built, WholeEntries) or jax.config.jax_compilation_cache_dir != path:
     jax_compilation_cache.reset_cache()
   jax_compilation_cache.LRUCache = WholeEntries
 

@@ -50,10 +50,29 @@ def mesh_shape(mesh_config, num_devices: int) -> Tuple[int, ...]:
 
 
 def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
+  """The (data, fsdp, tensor) mesh of config.mesh over `devices` (default: all), laid along
+  a TPU slice's physical axes where jax can (jax.make_mesh). A shape that jax cannot lay that
+  way (fsdp=8 on a v5p 4x4x4 cube: no product of the cube's sides is 8 along one axis) is laid
+  across them (mesh_utils' allow_split_physical_axes), with a warning: its rings cross more
+  links than one along an axis would."""
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
   devices = list(devices if devices is not None else jax.devices())
   shape = mesh_shape(mesh_config, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  try:
+    return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
+  except NotImplementedError:
+    logging.warning('mesh %s does not follow the physical axes of the %d %s devices: laid '
+                    'across them (each collective crosses more links; a mesh whose sizes are '
+                    'products of the slice\'s sides does not)', dict(zip(MESH_AXES, shape)),
+                    len(devices), devices[0].device_kind)
+    try:
+      grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except NotImplementedError as e:
+      raise ValueError(f'config.mesh {dict(zip(MESH_AXES, shape))} cannot be laid over the '
+                       f'{len(devices)} {devices[0].device_kind} devices ({e}); make each axis '
+                       'a product of the slice\'s sides') from None
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 # The setting a logical axis always measures, for the one-line error of a mesh axis that does
