@@ -98,8 +98,27 @@ def fingerprint(config) -> dict:
           'blocks_per_file': d.get('blocks_per_file', 8), 'seed': config.seed,
           'document_window': d.get('document_window', 1000),  # the blocks' layout
           **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {}),
+          **({'tfds_text_feature': d.get('tfds_text_feature', 'text')}
+             if 'tfds:' in d.sources else {}),
           **({'hf_rows_per_document': ';'.join(map(str, rows))} if grouped else {}),
-          **({'files': files} if (files := sources.files_signature(d.sources)) else {})}
+          **({'files': files} if (files := sources.files_signature(d.sources)) else {}),
+          **({'tokenizer_crc': crc} if (crc := tokenizer_signature(d.tokenizer)) else {})}
+
+
+def tokenizer_signature(path: str) -> Optional[str]:
+  """A CRC32 of the tokenizer's files as they are now: a sentencepiece .model (which holds
+  its normalization), or a WordPiece vocab.txt and the tokenizer_config.json beside it (its
+  lower-casing). A tokenizer retrained at the same path makes other instances: a
+  preparation records it, so that reusing or resuming it is refused instead of mixing the
+  two. None where the file is not here."""
+  path = path or tokenizer_lib.EMBEDDED_TOKENIZER
+  if not storage.path(path).exists():
+    return None
+  crc = zlib.crc32(storage.path(path).read_bytes())
+  if path.endswith('.txt'):
+    config = storage.path(storage.join(os.path.dirname(path), 'tokenizer_config.json'))
+    crc = zlib.crc32(config.read_bytes() if config.exists() else b'', crc)
+  return f'{crc:08x}'
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
@@ -702,10 +721,14 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
                     'none): using the prepared data without checking them against it',
                     prepared_dir, config.data.sources)
     want['files'] = have['files']
+  if 'tokenizer_crc' in have and 'tokenizer_crc' not in want:
+    want['tokenizer_crc'] = have['tokenizer_crc']  # (loading it will say it is not there)
   if have != want:
     diff = {k: (have.get(k), want.get(k)) for k in sorted(set(have) | set(want))
             if have.get(k) != want.get(k)}
-    what = 'other corpus files' if set(diff) == {'files'} else 'other settings'
+    what = ('other corpus files' if set(diff) == {'files'} else
+            'another tokenizer file (retrained at the same path?)'
+            if set(diff) == {'tokenizer_crc'} else 'other settings')
     raise ValueError(f'prepared data in {prepared_dir} was made with {what} '
                      f'(prepared, configured): {diff}; point config.data.prepared_dir '
                      'elsewhere or delete the directory to prepare again')

@@ -409,6 +409,46 @@ def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
     prepare.read_metadata(str(tmp_path / 'prepared'), config)
 
 
+def test_a_tokenizer_retrained_at_the_same_path_or_another_tfds_feature_is_noticed(tmp_path):
+  """The fingerprint signs the tokenizer's files (a sentencepiece .model; a vocab.txt with
+  its tokenizer_config.json) and, for tfds: sources, the text feature: data prepared (or a
+  preparation's finished workers) with another of either is not reused."""
+  from configs import pretrain  # pylint: disable=g-import-not-at-top
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  model = tmp_path / 'tok.model'
+  shutil.copy(tokenizer_lib.EMBEDDED_TOKENIZER, model)
+  vocab = tmp_path / 'wp' / 'vocab.txt'
+  vocab.parent.mkdir()
+  vocab.write_text('[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n')
+  (vocab.parent / 'tokenizer_config.json').write_text('{"do_lower_case": true}')
+  config = pretrain.get_config('postln,tiny')
+  config.data.sources = 'tfds:sotu_wiki;embedded'
+  prepared = tmp_path / 'prepared'
+  for tokenizer, change in ((str(model), lambda: model.write_bytes(model.read_bytes() + b' ')),
+                            (str(vocab), lambda: (vocab.parent / 'tokenizer_config.json')
+                             .write_text('{"do_lower_case": false}'))):
+    config.data.tokenizer, config.data.tfds_text_feature = tokenizer, 'text'
+    prepared.mkdir(exist_ok=True)
+    (prepared / prepare.METADATA).write_text(json.dumps(
+        {'fingerprint': prepare.fingerprint(config)}))
+    prepare.read_metadata(str(prepared), config)  # the same: reused
+    config.data.tfds_text_feature = 'title'
+    with pytest.raises(ValueError, match="made with other settings .*'tfds_text_feature'"):
+      prepare.read_metadata(str(prepared), config)
+    config.data.tfds_text_feature = 'text'
+    change()
+    with pytest.raises(ValueError, match=r'made with another tokenizer file \(retrained at the '
+                                         r'same path\?\)'):
+      prepare.read_metadata(str(prepared), config)
+  # Where the tokenizer file is not (the prepared data read on another machine): not checked.
+  config.data.tokenizer = str(tmp_path / 'elsewhere' / 'vocab.txt')
+  metadata = json.loads((prepared / prepare.METADATA).read_text())
+  metadata['fingerprint']['tokenizer'] = config.data.tokenizer
+  (prepared / prepare.METADATA).write_text(json.dumps(metadata))
+  prepare.read_metadata(str(prepared), config)
+
+
 def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
   """GLUE and SQuAD without data_dir go through tfds.load, which downloads: without network
   its failure (after tfds's retries) names the offline route instead of a long traceback."""
