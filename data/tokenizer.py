@@ -21,6 +21,7 @@ sentencepiece's 4192-byte limit, which it would skip silently, are split first a
 """
 
 import collections
+import itertools
 import os
 from typing import Iterable, Iterator, List, Sequence, Tuple, Union
 
@@ -188,14 +189,31 @@ def _is_file(p: str) -> bool:
 
 def _input_lines(inputs, stats: collections.Counter) -> Iterator[str]:
   """Sentences of a path, a list of paths (BERT-format files, local or gs://) or an iterable
-  of sentences."""
+  of sentences. A path that is no file is an error (also one in a list of files), never a
+  sentence to train on."""
   if isinstance(inputs, str):
     inputs = [inputs]
-  if isinstance(inputs, (list, tuple)) and inputs and all(
-      isinstance(p, str) and _is_file(p) for p in inputs):
-    return (s for path in inputs for doc in sources.iter_file_documents(path, stats)
-            for s in doc)
+  if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(p, str) for p in inputs):
+    files = [_is_file(p) for p in inputs]
+    if all(files):
+      return (s for path in inputs for doc in sources.iter_file_documents(path, stats)
+              for s in doc)
+    if any(files) or len(inputs) == 1:
+      raise FileNotFoundError('input files not found: '
+                              f'{", ".join(p for p, f in zip(inputs, files) if not f)}')
   return iter(inputs)
+
+
+def _sentences(inputs, stats: collections.Counter) -> Iterator[str]:
+  """The training sentences of `inputs` (_input_lines); a ValueError before any training if
+  there are none."""
+  sentences = _training_sentences(_input_lines(inputs, stats), stats)
+  first = next(sentences, None)
+  if first is None:
+    skipped = ', '.join(f'{n} {what}' for what, n in sorted(stats.items()) if n)
+    raise ValueError('no sentences to train the tokenizer on'
+                     f'{f" ({skipped})" if skipped else ""}; check --input')
+  return itertools.chain([first], sentences)
 
 
 def train_wordpiece(inputs: Union[str, Sequence[str], Iterable[str]], out_dir: str,
@@ -204,8 +222,8 @@ def train_wordpiece(inputs: Union[str, Sequence[str], Iterable[str]], out_dir: s
   inputs as train_sentencepiece; returns the same counts."""
   from data import wordpiece  # pylint: disable=g-import-not-at-top
   stats = collections.Counter()
-  wordpiece.train_wordpiece(_training_sentences(_input_lines(inputs, stats), stats), out_dir,
-                            vocab_size, do_lower_case=lowercase)
+  wordpiece.train_wordpiece(_sentences(inputs, stats), out_dir, vocab_size,
+                            do_lower_case=lowercase)
   return stats
 
 
@@ -237,10 +255,10 @@ def train_sentencepiece(inputs: Union[str, Sequence[str], Iterable[str]], model_
     and then whitespace), and what the sources skipped ('non_utf8_lines', 'empty_files').
   """
   stats = collections.Counter()
-  lines = _input_lines(inputs, stats)
+  sentences = _sentences(inputs, stats)
   os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
   trainer_args = dict(
-      sentence_iterator=_training_sentences(lines, stats), model_prefix=model_prefix,
+      sentence_iterator=sentences, model_prefix=model_prefix,
       vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
       # [PAD] and [UNK] take sentencepiece's own pad/unk slots; [CLS] [SEP] [MASK] are control
       # symbols: they have ids but text never encodes to them (a literal "[MASK]" in a
@@ -254,13 +272,14 @@ def train_sentencepiece(inputs: Union[str, Sequence[str], Iterable[str]], model_
   try:
     spm.SentencePieceTrainer.train(**trainer_args)
   except RuntimeError as e:
-    if 'Vocabulary size too high' not in str(e):
-      raise
-    raise ValueError(f'vocab_size={vocab_size} is too large for this text (sentencepiece: '
-                     f'{str(e).rsplit("]", 1)[-1].strip()}); give more text or a smaller '
-                     'vocab_size') from None
-  if not stats['sentences']:
-    raise ValueError('no sentences to train the tokenizer on; check --input')
+    said = str(e).rsplit(']', 1)[-1].strip()
+    if 'Vocabulary size too high' in str(e):
+      raise ValueError(f'vocab_size={vocab_size} is too large for this text (sentencepiece: '
+                       f'{said}); give more text or a smaller vocab_size') from None
+    if 'smaller than required_chars' in str(e):  # (the 256 byte pieces count among them)
+      raise ValueError(f'vocab_size={vocab_size} is too small for this text (sentencepiece: '
+                       f'{said}); give a larger vocab_size') from None
+    raise
   Tokenizer.load(model_prefix + '.model')  # check the special ids
   return stats
 

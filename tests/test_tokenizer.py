@@ -163,3 +163,27 @@ def test_vocab_txt_dispatches_to_wordpiece(tmp_path):
   assert isinstance(tok, wordpiece.WordPieceTokenizer)
   assert tok.vocab_size == len(vocab) and tok.mask_id == 4
   assert tok.encode('The unions.') == [5, 6, 7, 8]
+
+
+def test_training_inputs_that_cannot_train_are_one_line_before_training(tmp_path):
+  """No sentences (an empty file, one that is not UTF-8), a vocab_size below what the text's
+  characters need, and a path that is no file (never trained on as a sentence): ValueError /
+  FileNotFoundError with the fix, for both trainers."""
+  empty, latin1 = tmp_path / 'empty.txt', tmp_path / 'latin1.txt'
+  empty.write_text('')
+  latin1.write_bytes('caf\xe9 cr\xe8me\n'.encode('latin-1'))
+  for trainer in (lambda i: tokenizer_lib.train_sentencepiece(i, str(tmp_path / 'sp'), 300),
+                  lambda i: tokenizer_lib.train_wordpiece(i, str(tmp_path / 'wp'), 300)):
+    with pytest.raises(ValueError, match=r'^no sentences to train the tokenizer on \(1 empty_files\); check'):
+      trainer(str(empty))
+    with pytest.raises(ValueError, match=r'no sentences .* non_utf8_lines'):
+      trainer(str(latin1))
+    for missing in (str(tmp_path / 'no_such.txt'), [str(empty), str(tmp_path / 'gone.txt')]):
+      with pytest.raises(FileNotFoundError, match=r'input files not found: .*(no_such|gone)'):
+        trainer(missing)
+  text = tmp_path / 'text.txt'
+  text.write_text('\n'.join(f'sentence number {i} of a small text, with {chr(97 + i % 26)}'
+                            for i in range(200)))
+  with pytest.raises(ValueError, match=r'vocab_size=100 is too small for this text .*; give a '
+                                       r'larger vocab_size'):
+    tokenizer_lib.train_sentencepiece(str(text), str(tmp_path / 'small'), 100)

@@ -298,4 +298,4 @@ def test_trained_vocabulary_loads_and_matches_transformers(tmp_path):
                            '--model_type', 'wordpiece', '--vocab_size', '100'], cwd=REPO,
                           capture_output=True, text=True)
   assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1].startswith('error: no text to learn')
+  assert result.stderr.strip().splitlines()[-1].startswith('error: no sentences to train the tokenizer on')
