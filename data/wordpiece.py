@@ -5,7 +5,8 @@ by their own vocabulary. `data.tokenizer.Tokenizer.load('.../vocab.txt')` dispat
 
 The work is done by Hugging Face's `tokenizers` library (Rust; the engine of transformers'
 BertTokenizer), set up as BERT's algorithm (google-research/bert tokenization.py):
-  1. BertNormalizer: drop NUL, U+FFFD and control characters, turn whitespace into spaces,
+  1. BertNormalizer: drop NUL, U+FFFD and control characters (see below for which), turn
+     whitespace into spaces,
      put spaces around CJK ideographs; when uncased, lower-case and strip accents (NFD, drop
      combining marks); HF's tokenizer_config.json beside the vocab.txt may set
      do_lower_case, strip_accents and tokenize_chinese_chars otherwise, as for BertTokenizer;
@@ -18,8 +19,12 @@ Special tokens are looked up by their strings ([PAD], [UNK], [CLS], [SEP], [MASK
 differ from the sentencepiece vocabularies trained here (e.g. [PAD]=0, [UNK]=100, [CLS]=101 in
 Google's uncased vocabulary). Text is never parsed for special-token strings: "[MASK]" in a
 sentence is punctuation and letters, as in BERT (transformers' BertTokenizer instead keeps such
-a string as its special token). Lower-casing is letter by letter: a word-final capital sigma
-becomes 'σ', where Python's str.lower() in google-research/bert gives 'ς'.
+a string as its special token). Where this differs from google-research/bert (and agrees with
+transformers' BertTokenizer, whose engine this is): lower-casing is letter by letter, so a
+word-final capital sigma becomes 'σ', where Python's str.lower() gives 'ς'; and private-use
+characters (Unicode category Co) are dropped with the control characters, where BERT drops
+only Cc and Cf and keeps a private-use character inside its word, which then becomes [UNK]
+('ab\ue000cd': BERT [UNK], here the pieces of 'abcd').
 """
 
 import json

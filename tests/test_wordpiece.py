@@ -123,6 +123,8 @@ def test_basic_tokenization_rules():
   assert wordpiece.basic_tokenize('a\x00b\ufffdc\x07d') == ['abcd']
   assert wordpiece.basic_tokenize('a\tb\nc\u00a0d') == ['a', 'b', 'c', 'd']
   assert wordpiece.basic_tokenize('ΟΔΟΣ') == ['οδοσ']  # letter by letter, like HF
+  # A private-use character is dropped, like HF (BERT keeps it: its word becomes [UNK]).
+  assert wordpiece.basic_tokenize('ab\ue000cd x\U000f0000') == ['abcd', 'x']
 
 
 def test_wordpiece_greedy_longest_match(tmp_path):
