@@ -262,21 +262,22 @@ def truncate_pair(a: List[int], b: List[int], max_tokens: int):
 
 def featurize(examples: Sequence[Example], tokenizer, max_seq_length: int,
               regression: bool = False) -> Dict[str, np.ndarray]:
-  """[CLS] A [SEP] (B [SEP]) -> input_ids, segment_ids, attention_mask, label arrays."""
+  """[CLS] A [SEP] (B [SEP]) -> input_ids, segment_ids, attention_mask, label arrays. As in
+  BERT's run_classifier, an example is a pair only where B has tokens: an empty (or
+  all-whitespace) second text makes a single sentence, not [CLS] A [SEP] [SEP]."""
   n = len(examples)
   ids = np.full((n, max_seq_length), tokenizer.pad_id, np.int32)
   seg = np.zeros((n, max_seq_length), np.int32)
   mask = np.zeros((n, max_seq_length), np.int32)
   encoded_a = tokenizer.encode_batch([ex.text_a for ex in examples])
-  encoded_b = iter(tokenizer.encode_batch([ex.text_b for ex in examples
-                                           if ex.text_b is not None]))
+  encoded_b = iter(tokenizer.encode_batch([ex.text_b for ex in examples if ex.text_b]))
   for i, ex in enumerate(examples):
     a = encoded_a[i]
-    b = next(encoded_b) if ex.text_b is not None else []
-    truncate_pair(a, b, max_seq_length - (3 if ex.text_b is not None else 2))
+    b = next(encoded_b) if ex.text_b else []
+    truncate_pair(a, b, max_seq_length - (3 if b else 2))
     tokens = [tokenizer.cls_id] + a + [tokenizer.sep_id]
     segments = [0] * len(tokens)
-    if ex.text_b is not None:
+    if b:
       tokens += b + [tokenizer.sep_id]
       segments += [1] * (len(b) + 1)
     ids[i, :len(tokens)] = tokens

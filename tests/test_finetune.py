@@ -103,6 +103,13 @@ def test_featurize_pairs_truncates_the_longer_side():
   assert tok.decode(ids[sep[0] + 1:sep[1]]) == 'peace'  # the short side is kept whole
   np.testing.assert_array_equal(f['segment_ids'][0], [0] * (sep[0] + 1) + [1] * (15 - sep[0]))
   assert f['attention_mask'][0].sum() == 16 and f['label'][0] == 1
+  # An empty (or all-whitespace) second text is a single sentence, as in BERT's
+  # run_classifier (`if tokens_b:`), not [CLS] A [SEP] [SEP] with a segment of B.
+  single = glue.featurize([glue.Example('0', 'peace', None, 0)], tok, 8)
+  for empty in ('', ' \t '):
+    f = glue.featurize([glue.Example('0', 'peace', empty, 0)], tok, 8)
+    for key in ('input_ids', 'segment_ids', 'attention_mask'):
+      np.testing.assert_array_equal(f[key], single[key])
 
 
 def test_submission_rows_carry_their_test_file_s_index(tmp_path):
