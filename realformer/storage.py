@@ -517,6 +517,16 @@ LEASE_SECONDS = 300.0
 REFRESH_SECONDS = 60.0
 
 
+def lease_clock() -> float:
+  """Seconds on a clock that goes on while the machine sleeps (Linux's CLOCK_BOOTTIME;
+  time.monotonic elsewhere): a holder suspended past its lease sees it as lost when it
+  wakes, where time.monotonic, which stops with the machine, would show it young."""
+  return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME = getattr(time, 'CLOCK_BOOTTIME', None)
+
+
 def holder_record(program: str) -> dict:
   """Who holds a lock: host, pid (with the process's start time, pid namespace and the
   machine's boot id, so that a reused pid, a process of another container or of another
@@ -599,7 +609,7 @@ class Lease:
     self.record = dict(record, lease_seconds=LEASE_SECONDS, nonce=uuid.uuid4().hex)
     self._bucket, _, self._name = url[len('gs://'):].partition('/')
     self.generation, self._lost = None, None
-    self._refreshed = None  # time.monotonic() of the last write the service confirmed
+    self._refreshed = None  # lease_clock() of the last write the service confirmed
     # _io: one request on the object at a time (a refresh, a release); reentrant, for a
     # release from a signal handler that interrupted one.
     self._stop, self._io = threading.Event(), threading.RLock()
@@ -610,7 +620,7 @@ class Lease:
     if self._lost:
       return self._lost
     if self._refreshed is not None:
-      idle = time.monotonic() - self._refreshed
+      idle = lease_clock() - self._refreshed
       if idle > LEASE_SECONDS - 2 * REFRESH_SECONDS:
         return (f'the lock {self.url} could not be refreshed for {idle:.0f} s, so another '
                 'run may have taken it over')
@@ -653,7 +663,7 @@ class Lease:
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
     for _ in range(5):  # a lock released or taken over meanwhile: look again
       # The lease is credited from before the create: its client retries can take minutes.
-      blob, sent = self._blob(), time.monotonic()
+      blob, sent = self._blob(), lease_clock()
       try:
         blob.upload_from_string(json.dumps(self.record), if_generation_match=0,
                                 content_type='application/json', timeout=REQUEST_SECONDS)
@@ -708,7 +718,7 @@ class Lease:
       with self._io:
         if self._stop.is_set():
           return
-        blob, sent = self._blob(), time.monotonic()
+        blob, sent = self._blob(), lease_clock()
         unanswered = sent if unanswered is None else unanswered
         try:
           blob.upload_from_string(json.dumps(dict(self.record, renewed=_now())),
