@@ -29,9 +29,10 @@ columns, the label column, the labels and the headline metric:
       --config.tsv.labels=world,sports,science --config.tsv.metric=macro_f1
 
 SQuAD (`squad/v1.1`, `squad/v2.0`): data_dir holds train-v1.1.json and dev-v1.1.json (or the
-v2.0 files), empty means tfds `squad/<version>`. BERT's settings: lr 3e-5, batch 32,
-2 epochs, max_seq_length 384, doc_stride 128, max_query_length 64, n_best_size 20,
-max_answer_length 30 (its own fields). For v2.0 the null-score threshold is tuned on dev
+v2.0 files), empty means tfds `squad/<version>`. lr 3e-5 and 2 epochs as in BERT's README
+for run_squad (which used batch 12 for base on a 12 GB GPU, 24 for large; the paper: lr 5e-5,
+batch 32, 3 epochs for v1.1), batch 32; run_squad's max_seq_length 384, doc_stride 128,
+max_query_length 64, n_best_size 20, max_answer_length 30 (its own fields). For v2.0 the null-score threshold is tuned on dev
 (best F1) unless null_score_diff_threshold is set; exact and f1 score the predictions
 written with it, best_exact and best_f1 the official script's sweep.
 """

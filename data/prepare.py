@@ -224,6 +224,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   storage.check_location(out_dir, 'the prepared data folder')
   config_checks.check_lengths(config)
   config_checks.check_document_window(config.data)
+  config_checks.check_fractions(config.data)
   remote = storage.is_url(out_dir)
   refuse_other_files(out_dir)
   if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):

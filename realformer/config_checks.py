@@ -41,9 +41,22 @@ def check_seq_length(value, setting: str) -> None:
 
 def check_optimizer(opt_config) -> None:
   """optimizer.name and optimizer.schedule are ones that train_lib.make_optimizer builds; the
-  learning rate is not negative."""
+  learning rate, weight decay and clipping norm are not negative (a clip_norm of 0 turns
+  clipping off), the moments' decays lie in [0, 1) and eps is positive."""
   if float(opt_config.learning_rate) < 0:
     raise ValueError(f'optimizer.learning_rate={opt_config.learning_rate}: give a rate >= 0')
+  for name in ('b1', 'b2'):
+    if name in opt_config and not 0 <= float(opt_config[name]) < 1:
+      raise ValueError(f'optimizer.{name}={opt_config[name]}: give a decay in [0, 1) (BERT: '
+                       'b1 0.9, b2 0.999)')
+  if 'eps' in opt_config and not float(opt_config.eps) > 0:
+    raise ValueError(f'optimizer.eps={opt_config.eps}: give a positive epsilon (BERT: 1e-6)')
+  if float(opt_config.get('weight_decay', 0.0)) < 0:
+    raise ValueError(f'optimizer.weight_decay={opt_config.weight_decay}: give a rate >= 0 '
+                     '(BERT: 0.01)')
+  if float(opt_config.get('clip_norm', 0.0) or 0.0) < 0:
+    raise ValueError(f'optimizer.clip_norm={opt_config.clip_norm}: give a positive norm (BERT: '
+                     '1.0), or 0 to turn clipping off')
   name = opt_config.get('name', 'adamw')
   if name not in OPTIMIZERS:
     raise ValueError(f'optimizer.name={name!r}; choose {", ".join(OPTIMIZERS[:-1])} or '
@@ -127,6 +140,19 @@ def check_masking(data) -> None:
                     data.masked_lm_prob, wanted, data.max_seq_length)
 
 
+def check_fractions(data) -> None:
+  """The shares that shape the prepared instances lie where they mean something."""
+  if 'short_seq_prob' in data and not 0 <= float(data.short_seq_prob) <= 1:
+    raise ValueError(f'data.short_seq_prob={data.short_seq_prob}: give a share in [0, 1] '
+                     '(BERT: 0.1)')
+  if 'eval_fraction' in data and not 0 <= float(data.eval_fraction) < 1:
+    raise ValueError(f'data.eval_fraction={data.eval_fraction}: give a share in [0, 1) (the '
+                     'documents held out; the rest are trained on)')
+  if int(data.get('dupe_factor', 1)) < 1:
+    raise ValueError(f'data.dupe_factor={data.dupe_factor}: give at least 1 (the pairings made '
+                     'of each document; BERT: 10)')
+
+
 def check_document_window(data) -> None:
   """NSP's random next comes from another document of the same block of
   data.document_window documents: a block of one has none. The prepared files' runs of
@@ -150,4 +176,5 @@ def check_config(config) -> None:
   check_optimizer(config.optimizer)
   check_lengths(config)
   check_masking(config.data)
+  check_fractions(config.data)
   check_document_window(config.data)

@@ -191,6 +191,12 @@ class FactorizedRandomSynthesizer(LogitComponent):
   # (flops: none counted; R1 R2^T is batch-independent but for a pruned last layer's rows)
 
   @staticmethod
+  def check(spec):
+    if spec.synth_factorized_rank < 1:  # (0 would make every logit 0: uniform attention)
+      raise ValueError(f'model.synth_factorized_rank={spec.synth_factorized_rank}: give a '
+                       'positive rank (the paper: 8)')
+
+  @staticmethod
   def fixed_params(spec):
     return () if spec.synth_random_trainable else ('random_factor_1', 'random_factor_2')
 

@@ -981,3 +981,33 @@ def test_mfu_reads_each_device_against_its_own_peak(kind, peak):
   device = types.SimpleNamespace(device_kind=kind)
   assert metrics_lib.peak_flops_per_device(device) == peak
   assert metrics_lib.peak_flops_per_device(device, override=1e12) == 1e12
+
+
+@pytest.mark.parametrize('key,value,message', [
+    ('model.synth_factorized_rank', 0, 'give a positive rank'),
+    ('model.synth_factorized_a', -4, 'give a positive divisor of model.max_len=32'),
+    ('model.dropout_rate', 1.5, r'model.dropout_rate=1.5: give a rate in \[0, 1\)'),
+    ('model.attention_dropout_rate', 1.0, r'give a rate in \[0, 1\)'),
+    ('model.layer_norm_eps', 0.0, 'model.layer_norm_eps=0.0: give a positive number'),
+    ('model.initializer_range', -0.02, 'give a positive number'),
+    ('optimizer.b1', 1.0, r'optimizer.b1=1.0: give a decay in \[0, 1\)'),
+    ('optimizer.b2', 1.5, r'give a decay in \[0, 1\)'),
+    ('optimizer.eps', 0.0, 'optimizer.eps=0.0: give a positive epsilon'),
+    ('optimizer.weight_decay', -0.01, 'give a rate >= 0'),
+    ('optimizer.clip_norm', -1.0, 'give a positive norm .*, or 0 to turn clipping off'),
+    ('data.short_seq_prob', 2.0, r'give a share in \[0, 1\]'),
+    ('data.eval_fraction', 1.0, r'give a share in \[0, 1\) \(the documents held out'),
+    ('data.dupe_factor', 0, 'give at least 1'),
+])
+def test_a_setting_out_of_its_range_is_one_line_before_anything_runs(key, value, message):
+  """Values that would train something else than asked (a rank of 0: uniform attention; a
+  negative clip_norm: no clipping) or fail deep inside a program: refused by check_config."""
+  c = tiny_config('synth_factorized_random' if 'rank' in key else
+                  'synth_factorized_dense' if key.endswith('_a') else 'postln')
+  section, name = key.split('.')
+  c[section][name] = value
+  with pytest.raises(ValueError, match=message):
+    config_checks.check_config(c)
+  c[section][name] = pretrain.get_config('postln,tiny')[section].get(name) or (
+      8 if 'rank' in key else 0)
+  config_checks.check_config(c)  # the default passes

@@ -115,6 +115,9 @@ class EncoderSpec:
   def factorized_ab(self) -> Tuple[int, int]:
     """(a, b) with a * b = max_len for Factorized Dense."""
     a = self.synth_factorized_a
+    if a < 0:
+      raise ValueError(f'model.synth_factorized_a={a}: give a positive divisor of '
+                       f'model.max_len={self.max_len}, or 0 for the one nearest its square root')
     if not a:
       a = max(d for d in range(1, int(self.max_len ** 0.5) + 1) if self.max_len % d == 0)
     if self.max_len % a:
@@ -178,6 +181,14 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
                 'type_vocab_size'):
     if int(getattr(spec, field)) < 1:
       raise ValueError(f'model.{field}={getattr(spec, field)}: give a positive number')
+  for field in ('dropout_rate', 'attention_dropout_rate'):
+    if not 0 <= float(getattr(spec, field)) < 1:
+      raise ValueError(f'model.{field}={getattr(spec, field)}: give a rate in [0, 1) '
+                       '(BERT: 0.1)')
+  for field in ('layer_norm_eps', 'initializer_range'):
+    if not float(getattr(spec, field)) > 0:
+      raise ValueError(f'model.{field}={getattr(spec, field)}: give a positive number '
+                       '(BERT: 1e-12 and 0.02)')
   if spec.hidden_size % spec.num_heads:
     raise ValueError(f'model.hidden_size={spec.hidden_size} is not divisible by '
                      f'model.num_heads={spec.num_heads}')
