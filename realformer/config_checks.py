@@ -6,6 +6,7 @@ written; sweep.py checks every run's config before the first run starts; data.pr
 the lengths. No jax at import (data preparation's worker processes import this).
 """
 
+import dataclasses
 from typing import List
 
 
@@ -166,11 +167,29 @@ def check_document_window(data) -> None:
       raise ValueError(f'data.{name}={data.get(name)}: give a positive number')
 
 
+def check_used(model_config, spec) -> None:
+  """Warnings for model settings that the resolved encoder does not read (a sweep that sets
+  one for every variant is allowed; a single run that sets it probably meant another
+  variant)."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from synthesizer import synthetic  # pylint: disable=g-import-not-at-top
+  if model_config.get('running_mean') and not spec.residual_attention:
+    logging.warning('model.running_mean=True does nothing without residual attention (model.'
+                    'variant=realformer, or model.residual_attention=True); %s has none',
+                    spec.variant)
+  fixed = any(synthetic.component(c).fixed_params(
+      dataclasses.replace(spec, synth_random_trainable=False))
+              for c in spec.attention if c != 'dot')
+  if model_config.get('synth_random_trainable') is False and not fixed:
+    logging.warning('model.synth_random_trainable=False does nothing: %s has no random '
+                    'Synthesizer table to keep fixed', spec.variant)
+
+
 def check_config(config) -> None:
   """Everything the pretraining config alone can show: the model's settings, step counts
   and cadences, the warm-up and the optimizer, the lengths, the masking."""
   from realformer.model.spec import resolve  # pylint: disable=g-import-not-at-top (jax)
-  resolve(config.model)
+  check_used(config.model, resolve(config.model))
   check_counts(config.train)
   warmup_steps(config.optimizer, int(config.train.num_steps))
   check_optimizer(config.optimizer)

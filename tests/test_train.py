@@ -1011,3 +1011,17 @@ def test_a_setting_out_of_its_range_is_one_line_before_anything_runs(key, value,
   c[section][name] = pretrain.get_config('postln,tiny')[section].get(name) or (
       8 if 'rank' in key else 0)
   config_checks.check_config(c)  # the default passes
+
+
+def test_a_setting_the_variant_does_not_read_is_a_warning(caplog):
+  for variant, key, value, said in (
+      ('postln', 'running_mean', True, 'model.running_mean=True does nothing'),
+      ('preln', 'synth_random_trainable', False, 'synth_random_trainable=False does nothing'),
+      ('realformer', 'running_mean', True, None),
+      ('synth_factorized_random', 'synth_random_trainable', False, None)):
+    c = tiny_config(variant)
+    c.model[key] = value
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      config_checks.check_config(c)
+    assert (said in caplog.text) if said else not caplog.text, (variant, caplog.text)
