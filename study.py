@@ -155,15 +155,28 @@ def record(args, part_root: str) -> None:
   for dirpath, dirnames, filenames in storage.walk(part_root):
     dirnames[:] = sorted(d for d in dirnames if d not in RECORD_SKIP_DIRS)
     is_run = RunDir.OVERRIDES in filenames or RunDir.RESULTS in filenames
+    dest = os.path.join(dest_root, os.path.relpath(dirpath, part_root))
     for name in filenames:
       if name in RECORD_RUN_FILES if is_run else name.endswith(RECORD_SUFFIXES):
-        dest = os.path.join(dest_root, os.path.relpath(dirpath, part_root))
         os.makedirs(dest, exist_ok=True)
         _copy(storage.join(dirpath, name), dest)
         copied += 1
+    if is_run and RunDir.DONE not in filenames and sweep.is_done(dirpath, _overrides(dirpath)):
+      # judged finished by its checkpoint, which the record leaves out: the marker says so
+      os.makedirs(dest, exist_ok=True)
+      with open(os.path.join(dest, RunDir.DONE), 'w'):
+        pass
   if storage.path(storage.join(args.root, BUDGET_FILE)).exists():
     _copy(storage.join(args.root, BUDGET_FILE), args.record)
   print(f'recorded {copied} files of {part_root} under {dest_root}')
+
+
+def _overrides(workdir: str) -> dict:
+  path = storage.join(workdir, RunDir.OVERRIDES)
+  if not storage.path(path).exists():
+    return {}
+  with _open(path) as f:
+    return json.load(f)
 
 
 def held_out(workdir: str) -> dict:
@@ -175,6 +188,18 @@ def held_out(workdir: str) -> dict:
   base = out.get('mlm_majority_accuracy')
   out['ratio'] = out['mlm_accuracy'] / base if base else None
   return out
+
+
+def folders(root: str, runs, always=()) -> list:
+  """Each run's folder under root, as sweep.run_all finds it (a folder an earlier, narrower
+  sweep made for the same run is that run's)."""
+  return sweep.reuse_names(root, runs, sweep.run_names(runs, always))
+
+
+def finished(workdir: str, run=None) -> bool:
+  """The run in `workdir` finished, and it is `run` (not one of other settings that the
+  folder holds: an earlier study at another budget, whose numbers are not this one's)."""
+  return not (run and sweep.other_run(workdir, run)) and sweep.is_done(workdir, run)
 
 
 def spread(values, digits: int = 4) -> str:
@@ -189,16 +214,19 @@ def spread(values, digits: int = 4) -> str:
 
 
 def ordering(per_variant: dict, first: str, second: str, lower: bool = False) -> str:
-  """Whether `first` is above (lower: below) `second` beyond the spread over seeds: held when
-  every seed of `first` is beyond every seed of `second`, reversed when the other way round,
-  else undecided; with the paired count (same seed: same held-out batches and data)."""
+  """Whether `first` is above (lower: below) `second` beyond the spread over the seeds both
+  ran (same seed: same held-out batches and data): held when every such seed of `first` is
+  beyond every such seed of `second`, reversed when the other way round, else undecided;
+  with the paired count."""
   a, b = per_variant.get(first, {}), per_variant.get(second, {})
   if not a or not b:
     return 'not run'
   sign = -1 if lower else 1
-  seeds = sorted(set(a) & set(b))
+  seeds = sorted(set(a) & set(b))  # (a seed one side lacks is no evidence either way)
+  if not seeds:
+    return f'undecided (no seed run by both {first} and {second})'
   wins = sum(sign * (a[s] - b[s]) > 0 for s in seeds)
-  sa, sb = [sign * v for v in a.values()], [sign * v for v in b.values()]
+  sa, sb = [sign * a[s] for s in seeds], [sign * b[s] for s in seeds]
   verdict = 'held' if min(sa) > max(sb) else 'reversed' if max(sa) < min(sb) else 'undecided'
   return (f'{verdict} ({first} {"below" if lower else "ahead"} on {wins} of {len(seeds)} '
           'paired seeds)')
@@ -246,7 +274,8 @@ def attention_over_seeds(root: str, runs, names, codes) -> str:
 
 
 def curves(root: str, runs, names, out_path: str):
-  """Train loss and held-out MLM accuracy against step, mean over seeds with min-max band."""
+  """Train loss and held-out MLM accuracy against step, mean over the finished seeds with a
+  min-max band."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -254,8 +283,8 @@ def curves(root: str, runs, names, out_path: str):
   series, baselines = {}, []
   for run, name in zip(runs, names):
     path = storage.join(root, name, RunDir.METRICS)
-    if not storage.path(path).exists():
-      continue
+    if not storage.path(path).exists() or not finished(storage.join(root, name), run):
+      continue  # (an unfinished run would cut the mean short and end in a false final dot)
     records = list(metrics_jsonl.read_jsonl(path, 'train').values()) + list(
         metrics_jsonl.read_jsonl(path, 'eval').values())  # (skips a line cut short by a kill)
     baselines += [r['mlm_majority_accuracy'] for r in records
@@ -322,7 +351,7 @@ def stability_cell(workdir: str, run=None) -> dict:
     with _open(marker) as f:
       return dict(json.load(f), status='diverged')
   path = storage.join(workdir, RunDir.METRICS)
-  if not storage.path(path).exists() or not sweep.is_done(workdir, run):
+  if not storage.path(path).exists() or not finished(workdir, run):
     return {'status': 'missing'}
   losses = [(step, r['loss']) for step, r in sorted(metrics_jsonl.read_jsonl(path).items())
             if 'loss' in r]
@@ -355,8 +384,10 @@ def mark_diverged(workdir: str) -> bool:
   return True
 
 
-def stability_report(cells, variants, rates, warmups, out_dir: str) -> str:
-  """The table (markdown) and the figure: one panel per variant, learning rate on x."""
+def stability_report(cells, variants, rates, warmups, out_dir: str, seeds=(0,)) -> str:
+  """The table (markdown; a row per seed where there are several) and the figure of the
+  first seed: one panel per variant, learning rate on x. cells: by (variant, rate, warm-up,
+  seed)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -372,11 +403,18 @@ def stability_report(cells, variants, rates, warmups, out_dir: str) -> str:
     return (f'{c["final"]:.3f}' + (' (rose)' if c['status'] == 'rose' else '') +
             (f' (spiked to {c["peak"]:.1f})' if spiked else ''))
 
-  lines = ['| variant | warm-up steps | ' + ' | '.join(f'lr {r:g}' for r in rates) + ' |',
-           '|---|---|' + '---|' * len(rates)]
+  several = len(seeds) > 1
+  lines = ['| variant | warm-up steps | ' + ('seed | ' if several else '') +
+           ' | '.join(f'lr {r:g}' for r in rates) + ' |',
+           '|---|---|' + ('---|' if several else '') + '---|' * len(rates)]
   for v in variants:
     for w in warmups:
-      lines.append(f'| {v} | {w} | ' + ' | '.join(show(cells[v, r, w]) for r in rates) + ' |')
+      for seed in seeds:
+        lines.append(f'| {v} | {w} | ' + (f'{seed} | ' if several else '') +
+                     ' | '.join(show(cells[v, r, w, seed]) for r in rates) + ' |')
+  first = seeds[0]
+  cells = {(v, r, w): cell for (v, r, w, seed), cell in list(cells.items()) if seed == first}
+  cells = collections.defaultdict(lambda: {'status': 'not in the grid'}, cells)
   fig, axes = plt.subplots(1, len(variants), figsize=(4 * len(variants), 3.4), sharey=True)
   axes = axes if len(variants) > 1 else [axes]
   finals = [c['final'] for c in cells.values() if 'final' in c]
@@ -390,7 +428,7 @@ def stability_report(cells, variants, rates, warmups, out_dir: str) -> str:
       ax.plot(bad, [top] * len(bad), marker='x', linestyle='none', color=line.get_color(),
               markersize=10)
     ax.set_xscale('log', base=2)
-    ax.set_title(v)
+    ax.set_title(f'{v} (seed {first})' if several else v)
     ax.set_xlabel('peak learning rate')
     ax.grid(alpha=0.3)
   axes[0].set_ylabel('final train loss (x: nan/inf)')
@@ -415,7 +453,7 @@ def stability(args) -> int:
                                    stability_fixed(args), args.seeds)
           if not r['optimizer.warmup_steps'] or
           r['optimizer.learning_rate'] <= args.warmup_max_lr * (1 + 1e-9)]
-  names = sweep.run_names(runs, always=STABILITY_AXES)
+  names = folders(root, runs, STABILITY_AXES)
   config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
   if args.print_only:
     print(sweep.launch_script(runs, root=root, program='train.py', always=STABILITY_AXES,
@@ -434,10 +472,10 @@ def stability(args) -> int:
             not mark_diverged(storage.join(root, n))]
   cells = collections.defaultdict(lambda: {'status': 'not in the grid'})
   for run, name in zip(runs, names):
-    if run['seed'] == 0:
-      cells[run['model.variant'], run['optimizer.learning_rate'],
-            run['optimizer.warmup_steps']] = stability_cell(storage.join(root, name), run)
-  table = stability_report(cells, variants, rates, warmups, root)
+    cells[run['model.variant'], run['optimizer.learning_rate'], run['optimizer.warmup_steps'],
+          run['seed']] = stability_cell(storage.join(root, name), run)
+  table = stability_report(cells, variants, rates, warmups, root,
+                           seeds=sorted({run['seed'] for run in runs}))
   print(table)
   if args.figures:
     os.makedirs(args.figures, exist_ok=True)
@@ -456,13 +494,19 @@ def stability(args) -> int:
 # (train.py's eval/mlm_majority_accuracy: always predicting the most frequent masked token).
 
 BUDGET_AXES = ('model.num_layers', 'data.max_seq_length', 'train.num_steps')
+# What else a budget was found with, recorded in R/budget.json: compare refuses other values.
+BUDGET_CONTEXT = ('corpus', 'size', 'eval_steps', 'eval_fraction')
 
 
 def _ints(text: str, flag: str) -> list:
+  """Comma-separated positive whole numbers, or a one-line error naming --flag."""
   try:
-    return [int(v) for v in text.split(',')]
+    values = [int(v) for v in text.split(',')]
+    if min(values) < 1:
+      raise ValueError
+    return values
   except ValueError:
-    raise ValueError(f'--{flag}={text}: give comma-separated whole numbers') from None
+    raise ValueError(f'--{flag}={text}: give comma-separated positive whole numbers') from None
 
 
 def budget_order(candidate) -> tuple:
@@ -515,12 +559,17 @@ def budget_search(args) -> int:
                                          config=f'configs/pretrain.py:postln,{args.size}',
                                          target=args.target, always=BUDGET_AXES))
       continue
-    name = sweep.run_names(runs, always=BUDGET_AXES)[0]
+    name = folders(root, runs, BUDGET_AXES)[0]
     codes = sweep.run_all(runs, root=root, program=os.path.join(REPO, 'train.py'),
                           config=config, always=BUDGET_AXES)
     if codes[name] != 0:  # failed, or another study process holds it: the order matters
-      print(f'the budget run {root}/{name} did not finish here (exit {codes[name]}); see its '
-            'log.txt, then run the same command again to resume')
+      print(f'the budget run {root}/{name} ' + (
+          'holds a run with other settings (run_all said which); give the study its own '
+          '--root' if codes[name] == sweep.OTHER_RUN else
+          'is being run by another study process; run the same command once it is done'
+          if codes[name] == sweep.RUNNING_ELSEWHERE else
+          f'did not finish here (exit {codes[name]}); see its log.txt, then run the same '
+          'command again to resume'))
       return 1
     result = dict(held_out(storage.join(root, name)), layers=layers, seq_len=seq_len,
                   steps=steps, run=storage.join(root, name))
@@ -543,7 +592,8 @@ def budget_search(args) -> int:
           '--budget_steps (or --budget_layers, --budget_seq_lens)')
     return 1
   chosen = {'layers': found['layers'], 'seq_len': found['seq_len'], 'steps': found['steps'],
-            'batch': args.batch, 'learning_rate': args.learning_rate, 'corpus': args.corpus,
+            'batch': args.batch, 'learning_rate': args.learning_rate,
+            **{key: getattr(args, key) for key in BUDGET_CONTEXT},
             'reference': args.reference, 'target_ratio': args.target_ratio,
             'evidence': {k: found[k] for k in ('run', 'mlm_accuracy', 'mlm_majority_accuracy',
                                                 'ratio')}}
@@ -567,6 +617,13 @@ def resolve_budget(args) -> dict:
   for key, default in COMPARE_DEFAULTS.items():
     if getattr(args, key) is None:
       setattr(args, key, found.get(key, default))
+  # The budget holds for the data and model it was searched on (older records lack some).
+  differ = [f'--{key} {found[key]} (given {getattr(args, key)})' for key in BUDGET_CONTEXT
+            if key in found and found[key] != getattr(args, key)]
+  if differ:
+    raise ValueError(f'{path} was searched with {", ".join(differ)}: its budget says nothing '
+                     'of these settings; give those, or search again (study.py budget) with '
+                     'a --root of their own')
   return found
 
 
@@ -575,7 +632,7 @@ def compare_runs(args, minutes: float = 0.0):
   view = types.SimpleNamespace(**dict(vars(args), minutes=minutes))
   runs = sweep.expand([f'model.variant={args.variants}'], fixed_settings(view), args.seeds)
   root = storage.join(args.root, 'equal_time' if minutes else 'compare')
-  return runs, sweep.run_names(runs), root
+  return runs, folders(root, runs), root
 
 
 def training_seconds(workdir: str, steps: int) -> float:
@@ -590,8 +647,7 @@ def equal_minutes(args) -> float:
   """--minutes auto: the reference variant's median training time in the steps view."""
   runs, names, root = compare_runs(args)
   seconds = [training_seconds(storage.join(root, n), args.steps) for r, n in zip(runs, names)
-             if r['model.variant'] == args.reference and
-             sweep.is_done(storage.join(root, n))]
+             if r['model.variant'] == args.reference and finished(storage.join(root, n), r)]
   if not seconds:
     raise ValueError(f'--minutes auto takes the time of {args.reference} in {root}: run '
                      '`study.py compare` (the steps view) first, or give --minutes M')
@@ -603,7 +659,7 @@ def claims_report(args, runs, names, root, minutes: float) -> str:
   per_variant, rows = {}, {}
   for run, name in zip(runs, names):
     workdir = storage.join(root, name)
-    r = held_out(workdir) if sweep.is_done(workdir) else {}
+    r = held_out(workdir) if finished(workdir, run) else {}
     if r:
       per_variant.setdefault(run['model.variant'], {})[run['seed']] = r['mlm_accuracy']
       rows.setdefault(run['model.variant'], []).append(dict(
@@ -648,7 +704,7 @@ def compare(args) -> int:
     print(f'equal wall-clock time: {minutes} minutes of training per run (run these one at '
           'a time on an otherwise idle machine: the time decides the steps)')
   if args.report_only:  # the finished runs there are, nothing run
-    codes = {n: 0 for n in names if sweep.is_done(storage.join(root, n))}
+    codes = {n: 0 for r, n in zip(runs, names) if finished(storage.join(root, n), r)}
     if not codes:
       raise ValueError(f'no finished run under {root}; run study.py compare without '
                        '--report_only first (with the same options)')
@@ -715,7 +771,7 @@ def finetune(args) -> int:
   scores, codes, script = {}, {}, []
   for run, name in zip(runs, names):
     pretrained = storage.join(root, name)
-    if not args.print_only and not sweep.is_done(pretrained):
+    if not args.print_only and not finished(pretrained, run):
       print(f'{name}: not pretrained yet (study.py compare), left out')
       continue
     for arm in ('pretrained', 'scratch'):
@@ -730,7 +786,8 @@ def finetune(args) -> int:
         codes.update({f'{arm}/{name}/{k}': c for k, c in sweep.run_all(
             ft, root=ft_root, program=os.path.join(REPO, 'finetune.py'),
             config=config).items()})
-      acc = dev_accuracy(storage.join(ft_root, sweep.run_names(ft)[0]))
+      ft_dir = storage.join(ft_root, folders(ft_root, ft)[0])
+      acc = dev_accuracy(ft_dir) if finished(ft_dir, ft[0]) else None
       scores.setdefault(arm, {}).setdefault(run['model.variant'], {})[run['seed']] = acc
     scores.setdefault('mlm', {}).setdefault(run['model.variant'], {})[run['seed']] = (
         held_out(pretrained).get('mlm_accuracy'))
@@ -862,7 +919,17 @@ def main(argv=None):
                        f'{STABILITY_RATES if name == "learning_rates" else "0,30"}') from None
   if args.report_only and args.part == 'budget':
     cli.fail('--report_only is for the stability, compare and finetune parts')
+  if args.learning_rate is not None and args.learning_rate <= 0:
+    raise ValueError(f'--learning_rate={args.learning_rate}: give a positive peak rate')
+  if args.target_ratio <= 0:
+    raise ValueError(f'--target_ratio={args.target_ratio}: give a positive multiple of the '
+                     'majority baseline (the default, 2, is twice it)')
+  for name in ('budget_layers', 'budget_seq_lens', 'budget_steps'):
+    _ints(getattr(args, name), name)  # (positive whole numbers, or one line)
   from configs import pretrain  # pylint: disable=g-import-not-at-top
+  if args.variants is not None and '' in [v.strip() for v in args.variants.split(',')]:
+    raise ValueError(f'--variants {args.variants!r} names an empty variant; give names joined '
+                     f'by commas, e.g. {",".join(VARIANTS)}')
   unknown = [v for v in (args.variants or '').split(',') if v and v not in pretrain.VARIANTS]
   if unknown or args.reference not in pretrain.VARIANTS:
     raise ValueError(f'unknown variant {(unknown or [args.reference])[0]!r} in --variants or '

@@ -420,13 +420,20 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys, gcs):
   cell = study.stability_cell(str(spike))
   assert cell['start'] == pytest.approx(math.log(8000) + math.log(2))  # 9.68 < 10.0
   assert cell['status'] == 'rose' and cell['peak'] == 20.0
-  grid = {('postln', 1e-3, 0): cells['ok'], ('postln', 2e-3, 0): cells['nan'],
-          ('realformer', 1e-3, 0): cells['rose'], ('realformer', 2e-3, 0): cells['missing']}
+  grid = {('postln', 1e-3, 0, 0): cells['ok'], ('postln', 2e-3, 0, 0): cells['nan'],
+          ('realformer', 1e-3, 0, 0): cells['rose'], ('realformer', 2e-3, 0, 0): cells['missing']}
   table = study.stability_report(grid, ['postln', 'realformer'], [1e-3, 2e-3], [0],
                                  str(tmp_path))
   assert '| postln | 0 | 7.000 | NaN at 37 |' in table
   assert '| realformer | 0 | 9.500 (rose) | (not run) |' in table
   assert (tmp_path / 'stability.png').stat().st_size > 1000
+  # Several seeds: a row for each (the figure draws the first).
+  grid.update({('postln', 1e-3, 0, 1): cells['rose'], ('postln', 2e-3, 0, 1): cells['ok']})
+  table = study.stability_report(grid, ['postln'], [1e-3, 2e-3], [0], str(tmp_path),
+                                 seeds=[0, 1])
+  assert '| variant | warm-up steps | seed | lr 0.001 | lr 0.002 |' in table
+  assert '| postln | 0 | 0 | 7.000 | NaN at 37 |' in table
+  assert '| postln | 0 | 1 | 9.500 (rose) | 7.000 |' in table
 
 
 def test_study_record_keeps_what_the_reports_read_and_no_checkpoints(tmp_path):
@@ -451,6 +458,37 @@ def test_study_record_keeps_what_the_reports_read_and_no_checkpoints(tmp_path):
                    (RunDir.DONE, 'config.json', 'machine.jsonl', 'metrics.jsonl',
                     'overrides.json'))], got
   study.record(argparse.Namespace(root=str(root), record=None), str(root / 'compare'))  # off
+  # A run judged finished by its checkpoint (no DONE: its sweep was killed as it ended),
+  # which the record leaves out: the record marks it DONE, so its report reads it.
+  cut = root / 'compare' / 'model.variant=preln,seed=0'
+  (cut / 'checkpoints' / '1000').mkdir(parents=True)
+  (cut / 'checkpoints' / '1000' / 'commit_success.txt').write_text('')
+  (cut / 'overrides.json').write_text(json.dumps({'train.num_steps': 1000}))
+  (cut / 'metrics.jsonl').write_text('{}')
+  study.record(args, str(root / 'compare'))
+  assert (kept / 'compare' / cut.name / RunDir.DONE).exists()
+  assert study.finished(str(kept / 'compare' / cut.name))
+
+
+def test_study_orderings_pair_seeds_and_reports_read_only_their_own_runs(tmp_path):
+  """An ordering judges the seeds both sides ran (each seed has its own held-out data); a
+  folder that holds a run of other settings (an earlier study at another budget) is not
+  read as this one's; a run that an earlier, narrower sweep named is found in its folder."""
+  import study  # pylint: disable=g-import-not-at-top
+  assert study.ordering({'a': {0: 0.146}, 'b': {1: 0.140}}, 'a', 'b') == (
+      'undecided (no seed run by both a and b)')
+  # a's seed 2 (lowest) has no partner: the two paired seeds decide.
+  assert study.ordering({'a': {0: 0.3, 1: 0.31, 2: 0.1}, 'b': {0: 0.2, 1: 0.21}}, 'a', 'b') == (
+      'held (a ahead on 2 of 2 paired seeds)')
+  run = {'model.variant': 'postln', 'train.num_steps': 400, 'seed': 0}
+  _write_run(tmp_path / 'seed=0', 400, 0.2, 0.08)  # named when only the seed varied
+  (tmp_path / 'seed=0' / RunDir.OVERRIDES).write_text(json.dumps(run))
+  runs = [run, dict(run, **{'model.variant': 'preln'})]
+  names = study.folders(str(tmp_path), runs)
+  assert names == ['seed=0', 'model.variant=preln,seed=0']
+  assert study.finished(str(tmp_path / names[0]), runs[0])
+  other = dict(run, **{'train.num_steps': 1000})
+  assert not study.finished(str(tmp_path / names[0]), other)  # done, but not this run
 
 
 def _write_run(workdir, steps, accuracy, baseline, rate=10.0):
@@ -475,7 +513,7 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   order = [(re.search(r'num_layers=(\d+)', l).group(1), re.search(r'num_steps=(\d+)',
                                                                    l).group(1)) for l in lines]
   assert order == [('2', '500'), ('4', '500'), ('2', '1000'), ('4', '1000')]  # cost, steps
-  with pytest.raises(ValueError, match='--budget_layers=4,x: give comma-separated whole'):
+  with pytest.raises(ValueError, match='--budget_layers=4,x: give comma-separated positive whole'):
     study.main(['budget', '--root', str(tmp_path), '--print_only', '--budget_layers', '4,x'])
   ran = []
 
@@ -497,7 +535,13 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   assert chosen['evidence']['ratio'] == pytest.approx(0.15 / 0.07)
   assert '| 4 | 64 | 1000 | postln | 0.1500 | 0.0700 | 2.14 **chosen** |' in (
       tmp_path / 'budget' / 'budget.md').read_text()
-  # compare takes its budget from there; a flag wins.
+  # compare takes its budget from there; a flag wins. The budget holds for the corpus it
+  # was found on: compare on another is refused.
+  with pytest.raises(ValueError, match=r'budget.json was searched with --corpus embedded '
+                                       r'\(given era\)'):
+    study.main(['--root', str(tmp_path), '--print_only'])
+  chosen['corpus'] = 'era'  # (as if found on the era corpus: the launches read R/era)
+  (tmp_path / 'budget.json').write_text(json.dumps(chosen))
   capsys.readouterr()
   assert study.main(['--root', str(tmp_path), '--print_only']) == 0
   out = capsys.readouterr().out
