@@ -1,8 +1,8 @@
 r"""The accelerator goals in one command, for a GPU lent for a few minutes.
 
-On one NVIDIA GPU it measures, in about 8 minutes with compilation, and writes
-<out>/suite.json and <out>/suite.md after every part (a part that fails or runs out of time
-is reported, and the rest still run):
+On one NVIDIA GPU it measures, in at most BUDGET_S (540 s, 9 minutes) with compilation, and
+writes <out>/suite.json and <out>/suite.md after every part (a part that fails or runs out of
+time is reported, and the rest still run), in this order:
 
   env         versions, the device, and a bf16 8192^3 matmul's rate beside the peak that MFU
               is read against (realformer.train.metrics.PEAK_FLOPS_PER_DEVICE); whether
@@ -14,30 +14,31 @@ is reported, and the rest still run):
               compiling or loading, running), from the process's start, and the whole process.
               Run before the step parts, so that nothing of them is warm yet
   step512     BERT-base train step at length 512 (batch 64), bfloat16, dropout 0.1 as
-  step128     pretraining uses it; then length 128 (batch 256). Post-LN, Pre-LN, RealFormer
-              with a float32 and a bfloat16 carry, Synthesizer Random+Vanilla, and HF
-              transformers' BertForPreTraining (torch, bf16 autocast, SDPA attention) on the
-              same batch: step time, tokens/s, MFU, compiled footprint (HF: torch's peak).
-              Ours train with model.fused_attention=auto, on a GPU our flash kernel
-              (realformer.layers.flash_attention, Pallas/Triton, the dropout inside the
-              kernel) wherever the attention is plain dot-product; Post-LN also through the
-              plain path (fused_attention=off; with --smoke on a CPU, the kernel in
-              Pallas's interpreter instead).
-              At 512 also the attention implementations, on Post-LN without attention
-              dropout (where a fused kernel is allowed): our plain softmax path against
-              cuDNN's fused attention (on a CPU, --smoke: jax.nn.dot_product_attention's
-              XLA implementation in cuDNN's place)
+              pretraining uses it: Post-LN as model.fused_attention=auto trains it (on a GPU
+              our flash kernel, realformer.layers.flash_attention, Pallas/Triton, the dropout
+              inside the kernel) and through the plain path, RealFormer (float32 and bfloat16
+              carry) and Synthesizer Random+Vanilla through the flash kernel and through the
+              plain path, and HF transformers' BertForPreTraining (torch, bf16 autocast, SDPA
+              attention) on the same batch (padding included): step time, tokens/s, MFU,
+              compiled footprint (HF: torch's peak). --extras adds Pre-LN, RealFormer's
+              bfloat16 carry through the plain path, and the attention implementations on
+              Post-LN without attention dropout: our plain softmax path against cuDNN's fused
+              attention (--smoke on a CPU: the flash kernel in Pallas's interpreter, and
+              jax.nn.dot_product_attention's XLA implementation in cuDNN's place)
   finetune    three epochs of all-MiniLM-L6-v2 on the shipped sentiment
               sentences, finetune.py against HF with dynamic padding
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy;
               ours from an empty compilation cache (cold), then again with its programs in
               the cache (warm), then HF again (the race's warm pairing)
+  step128     the same at length 128 (batch 256), through the flash kernel only (Post-LN
+              also through the plain path) and HF
 
-A part's contenders run as processes, up to two thirds of the host's cores of them at a time:
-each builds its state and compiles its step while the others do, then takes the device alone
-(a lock) and, once none of the started ones is still compiling (XLA's autotuning runs on the
-GPU; at most two minutes' wait), warms up and times it; its row is written as soon as it is
-done, so a part cut off by its time cap keeps what it measured. They share one jax
+A part's contenders run as processes, all at once on a GPU's host (two thirds of the cores'
+worth elsewhere): each builds its state and compiles its step while the others do, then on
+its turn takes the device alone (a lock) and, once none of the started ones is still
+compiling (XLA's autotuning runs on the GPU; at most two minutes' wait), warms up and times
+it (one whose turn passed while it waited is not timed, and is stopped); its row is
+written as soon as it is done, so a part cut off by its time cap keeps what it measured. They share one jax
 compilation cache in the scratch folder, and with it XLA's per-fusion autotuning results (the
 variants' matmuls are the same shapes, so one contender's autotuning serves the others). The
 step time is the median over blocks of back-to-back steps. FLOPs are
@@ -60,6 +61,7 @@ environment with the image's versions: .ci/run), and exits non-zero if a part fa
 """
 
 import argparse
+import collections
 import contextlib
 import glob
 import importlib.metadata
@@ -71,6 +73,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -87,14 +90,19 @@ PACKAGES = ('jax', 'jaxlib', 'jax-cuda13-plugin', 'flax', 'optax', 'orbax-checkp
             'tensorstore', 'numpy', 'ml-dtypes', 'ml-collections', 'clu', 'torch', 'transformers',
             'tokenizers', 'safetensors', 'sentencepiece', 'scipy', 'scikit-learn')
 
-# name -> (time cap in seconds, what it measures); run in this order.
+# name -> (time cap in seconds, what it measures); run in this order, each for its cap or the
+# time left of the budget if less (step128 last: its goals are the fewest).
 PARTS = {
-    'env': (60, 'versions, device, matmul rate'),
+    'env': (40, 'versions, device, matmul rate'),
     'start': (150, 'time to the first pretraining step, cold, warm and resumed'),
-    'step512': (230, 'BERT-base train step and attention implementations, length 512'),
-    'step128': (150, 'BERT-base train step, length 128'),
-    'finetune': (130, 'fine-tuning all-MiniLM-L6-v2, ours against HF, cold and warm'),
+    'step512': (200, 'BERT-base train step, each variant fused and plain, length 512'),
+    'finetune': (110, 'fine-tuning all-MiniLM-L6-v2, ours against HF, cold and warm'),
+    'step128': (110, 'BERT-base train step, length 128'),
 }
+# The default wall time of all the parts: what fits the device tool's 10 minutes a command
+# with the wheels' install and a margin (the estimate on an H200: env 10 s, start 150 s,
+# step512 170-190 s, finetune 90-100 s, step128 80-100 s).
+BUDGET_S = 540
 # --smoke runs on CPUs that may be running tests beside it (CI: two cores, where the step128
 # part's seven contenders compile one after the other): four times the caps.
 SMOKE_CAP_FACTOR = 4
@@ -164,7 +172,7 @@ def _write_json(path: str, data) -> None:
   os.replace(path + '.tmp', path)
 
 
-def part_env(out: str, smoke: bool, scratch: str, variants: str) -> None:  # pylint: disable=unused-argument
+def part_env(out: str, smoke: bool, scratch: str, opts) -> None:  # pylint: disable=unused-argument
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from realformer.train import machine  # pylint: disable=g-import-not-at-top
@@ -245,35 +253,40 @@ def _time_steps(contender, s: dict) -> list:
   return per_step
 
 
-def _contenders(part: str, platform: str, variants: str = '') -> list:
-  """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',);
-  `variants` (comma-separated) keeps only ours of those variants, and the peer."""
-  # In the order they are timed, what the goals read first: Post-LN, the peer, Post-LN's
-  # other attention under dropout, RealFormer and Synthesizer Random+Vanilla through the
-  # flash kernel, every variant under auto, and at 512 the attention implementations
-  # without attention dropout (a part cut short at its cap loses the last ones).
-  ours = [('ours', variant, overrides, label) for variant, overrides, label in STEP_CONTENDERS]
-  impls = []
-  if part == 'step512':  # the attention implementations, where a fused kernel is allowed
-    # On a GPU, cuDNN's kernel against our plain path: jax's 'xla' implementation is the
-    # same softmax path (90.4 ms both on the H100) and would cost one more compile. On a
-    # CPU (--smoke), 'xla' stands in for cuDNN, so the contender's code path still runs.
-    impls = [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
-              f'fused_attention={impl}, no attention dropout')
-             for impl in (['cudnn'] if platform == 'gpu' else ['xla']) + ['off']]
-  # BERT's very step (the same dropout masks, bit for bit) through the attention that auto
-  # does not take here: on a GPU (where auto trains with our Pallas kernel) the plain path,
-  # elsewhere (--smoke) the kernel, so that its code path runs.
-  other = ([('ours', 'postln', {'fused': 'off'}, "fused_attention=off, the plain path's dropout")]
-           if platform == 'gpu' else
+def _contenders(part: str, platform: str, variants: str = '', extras: bool = False) -> list:
+  """The contenders of a train-step part: ('ours', variant, overrides, label) or ('hf',), in
+  the order they are timed (what the goals read first: a part cut short loses the last);
+  `variants` (comma-separated) keeps only ours of those variants, and the peer.
+
+  Both lengths: Post-LN as auto trains it (on a GPU our flash kernel), the peer, Post-LN
+  through the attention auto does not take (on a GPU the plain path; elsewhere, --smoke, the
+  kernel, so that its code path runs), and RealFormer (float32 and bfloat16 carry) and
+  Synthesizer Random+Vanilla through the flash kernel. At 512 also RealFormer and the
+  Synthesizer through the plain path: each variant fused and plain in one run. `extras`
+  (--extras) adds Pre-LN, RealFormer's bfloat16 carry through the plain path, and at 512 the
+  attention implementations on Post-LN without attention dropout (our plain path against
+  cuDNN's fused attention; --smoke: jax's XLA implementation in cuDNN's place)."""
+  plain = "fused_attention=off, the plain path's dropout"
+  other = ([('ours', 'postln', {'fused': 'off'}, plain)] if platform == 'gpu' else
            [('ours', 'postln', {'fused': 'flash'}, 'fused_attention=flash, dropout in the kernel')])
-  # The variants whose logits add a term to the dot product through the flash kernel
-  # (model.fused_attention=flash; auto keeps their plain path until these rows say).
+  with_term = [(variant, overrides, label) for variant, overrides, label in STEP_CONTENDERS
+               if variant in ('realformer', 'synth_random_vanilla')]
   fused = [('ours', variant, {**overrides, 'fused': 'flash'},
             ', '.join(filter(None, [label, 'flash kernel'])))
-           for variant, overrides, label in STEP_CONTENDERS
-           if variant in ('realformer', 'synth_random_vanilla')]
-  entries = ours[:1] + [('hf',)] + other + fused + ours[1:] + impls
+           for variant, overrides, label in with_term]
+  unfused = [('ours', variant, {**overrides, 'fused': 'off'}, ', '.join(filter(None, [label, plain])))
+             for variant, overrides, label in with_term]
+  entries = [('ours', 'postln', {}, ''), ('hf',)] + other + fused
+  if part == 'step512':
+    entries += [e for e in unfused if 'bf16 carry' not in e[3]]
+  if extras:
+    entries += [e for e in unfused if 'bf16 carry' in e[3] and part == 'step512']
+    entries += [('ours', variant, overrides, label) for variant, overrides, label
+                in STEP_CONTENDERS if variant == 'preln']
+    if part == 'step512':
+      entries += [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
+                   f'fused_attention={impl}, no attention dropout')
+                  for impl in (['cudnn'] if platform == 'gpu' else ['xla']) + ['off']]
   keep = set(filter(None, variants.split(',')))
   return [e for e in entries if e[0] == 'hf' or not keep or e[1] in keep]
 
@@ -318,20 +331,37 @@ def _turn_file(scratch: str, part: str) -> str:
   return os.path.join(scratch, f'{part}.turn')
 
 
+def _turn(scratch: str, part: str) -> int:
+  with contextlib.suppress(OSError, ValueError):
+    with open(_turn_file(scratch, part), encoding='utf-8') as f:
+      return int(f.read())
+  return -1
+
+
 def _wait_for_turn(scratch: str, part: str, index: int) -> None:
-  while True:
-    with contextlib.suppress(OSError, ValueError):
-      with open(_turn_file(scratch, part), encoding='utf-8') as f:
-        if int(f.read()) == index:
-          return
+  while _turn(scratch, part) < index:
     time.sleep(0.2)
 
 
-def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: str,
+@contextlib.contextmanager
+def _device(scratch: str, part: str):
+  """The device for one contender's timing and profile at a time (an flock: a contender
+  whose turn was passed, or one stopped, never times beside the next)."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(scratch, f'{part}.device'), 'w', encoding='utf-8') as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def contender_main(part: str, index: int, scratch: str, smoke: bool, opts,
                    deadline: float) -> None:
   """One contender in its own process: builds and compiles it (while the others compile),
-  then, on its turn (contenders are timed one at a time, in their order) and once none of
-  the running others is still compiling (or at `deadline`), times it, writes
+  then, on its turn (contenders are timed one at a time, in their order, holding the
+  device's lock; one whose turn passed while it waited is not timed) and once none of the
+  running others is still compiling (or at `deadline`), times it, writes
   <scratch>/<part>.<index>.json, and for ours adds where the step's time goes."""
   import jax  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
@@ -339,7 +369,7 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
   s = sizes(smoke)
   args = train_step.step_args(*s[part])
   rate = metrics_lib.peak_flops_per_device(jax.devices()[0])
-  entry = _contenders(part, jax.devices()[0].platform, variants)[index]
+  entry = _contenders(part, jax.devices()[0].platform, opts.variants, opts.extras)[index]
   path = os.path.join(scratch, f'{part}.{index}.json')
   name = 'HF' if entry[0] == 'hf' else f'{entry[1]} {entry[3]}'.strip()
   compiling = _compiling_marker(scratch, part, index)
@@ -364,27 +394,39 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, variants: s
     # Compiled, not yet run: a waiting contender holds its state, not a step's temporaries.
     _wait_for_turn(scratch, part, index)  # one contender on the device at a time
     _wait_for_compiles(scratch, part, deadline)  # (also those started meanwhile)
-    per_step = _time_steps(c, s)
-    step = statistics.median(per_step)
-    peak = c.peak_bytes()
-    # The allocator's own peak as well (each contender has its process): like for like with
-    # HF's torch.cuda.max_memory_allocated, where memory_gib is ours compiled footprint.
-    allocated = (peak if entry[0] == 'hf' else
-                 (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use'))
-    row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
-               tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
-               mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
-               memory_gib=peak / 2**30 if peak else None,
-               allocated_gib=allocated / 2**30 if allocated else None, kernels=None)
-    print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} '
-          f'tokens/s, MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
-    _write_json(path, {'row': row, 'timed': True})  # kept if the profile dies or is cut off
-    if entry[0] == 'ours':
-      row['kernels'] = _kernels(c, scratch, part, index)
-    _write_json(path, {'row': row, 'timed': True, 'done': True})
+    with _device(scratch, part):
+      if _turn(scratch, part) != index:  # passed over while it waited: not timed at all
+        _write_json(path, {'note': f'{name}: failed: its turn passed before it was timed '
+                                   '(it compiled too long, or no time was left for it)'})
+        return
+      _timed(c, entry, s, args, rate, scratch, part, index, path)
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
     _write_json(path, {'note': f'{name}: failed: {type(e).__name__}: {str(e)[:400]}'})
+
+
+def _timed(c, entry, s, args, rate, scratch: str, part: str, index: int, path: str) -> None:
+  """Times contender `c` (the device is its alone), writes its row, then for ours adds where
+  the step's time goes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  per_step = _time_steps(c, s)
+  step = statistics.median(per_step)
+  peak = c.peak_bytes()
+  # The allocator's own peak as well (each contender has its process): like for like with
+  # HF's torch.cuda.max_memory_allocated, where memory_gib is ours compiled footprint.
+  allocated = (peak if entry[0] == 'hf' else
+               (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use'))
+  row = dict(contender=c.name, params=c.params, step_s=step, step_s_all=per_step,
+             tokens_per_s=args.batch * args.seq_len / step, tflops=c.flops / step / 1e12,
+             mfu=c.flops / step / rate if rate else None, compile_s=c.compile_s,
+             memory_gib=peak / 2**30 if peak else None,
+             allocated_gib=allocated / 2**30 if allocated else None, kernels=None)
+  print(f'{row["contender"]}: {step * 1e3:.1f} ms/step, {row["tokens_per_s"]:,.0f} '
+        f'tokens/s, MFU {row["mfu"] or 0:.1%}, compile {c.compile_s:.0f} s', flush=True)
+  _write_json(path, {'row': row, 'timed': True})  # kept if the profile dies or is cut off
+  if entry[0] == 'ours':
+    row['kernels'] = _kernels(c, scratch, part, index)
+  _write_json(path, {'row': row, 'timed': True, 'done': True})
 
 
 # Seconds before a part's cap at which contenders stop waiting for others' compiles (and
@@ -400,11 +442,11 @@ def _read_scratch(path: str) -> dict:
   return {}
 
 
-def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) -> None:
+def _step_part(out: str, part: str, smoke: bool, scratch: str, opts) -> None:
   """Runs the part's contenders as processes, `parallel` at a time (their compiles overlap),
   gives them the device one at a time in their order (<part>.turn: the next turn comes when
   a contender is done, has failed, has profiled for PROFILE_LIMIT_S, or is still not timed
-  15 s past the compile deadline), and writes their
+  15 s past the compile deadline; one passed over unfinished is stopped), and writes their
   rows, in the contenders' order, as each is timed: a part stopped at its cap keeps them."""
   import jax  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
@@ -413,14 +455,18 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
   seq_len, batch = s[part]
   args = train_step.step_args(seq_len, batch)
   device = jax.devices()[0]
-  entries = _contenders(part, device.platform, variants)
+  entries = _contenders(part, device.platform, opts.variants, opts.extras)
   rec = Record(out, part, size=s['size'], seq_len=seq_len, batch=batch, dtype=args.dtype,
                predictions=args.predictions, peak_flops=metrics_lib.peak_flops_per_device(device),
                timing=f'median of {s["blocks"]} blocks of {s["block_steps"]} steps after '
                       f'{s["warmup"]} warm-up steps')
   os.makedirs(scratch, exist_ok=True)
-  deadline = time.time() + cap_s(part, smoke) - TIMING_RESERVE_S
-  parallel = max(1, min(len(entries), (os.cpu_count() or 2) * 2 // 3))
+  # The part's own time: what run_suite gave it (its cap, or the time left if less).
+  deadline = time.time() + (opts.cap_s or cap_s(part, smoke)) - TIMING_RESERVE_S
+  # On a GPU host every contender compiles at once (none starts compiling while another is
+  # timed); on a CPU (--smoke, beside the tests) two thirds of the cores' worth.
+  cores = os.cpu_count() or 2
+  parallel = max(1, min(len(entries), cores if device.platform == 'gpu' else cores * 2 // 3))
   waiting, running, exited = list(range(len(entries))), {}, {}
   turn, turn_timed = 0, None  # whose turn, and when its row appeared
   skipped = {}  # contenders whose turn passed before they were timed
@@ -430,12 +476,12 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
     rewritten when they changed."""
     found = {k: _read_scratch(os.path.join(scratch, f'{part}.{k}.json'))
              for k in range(len(entries))}
-    for k, code in exited.items():
-      if not found[k]:
-        found[k] = {'note': f'contender {k} ({entries[k]}): failed: exit {code}'}
     for k, note in skipped.items():
       if not found[k]:  # its own row or failure note, if it wrote one, stands
         found[k] = {'note': note}
+    for k, code in exited.items():
+      if not found[k]:
+        found[k] = {'note': f'contender {k} ({entries[k]}): failed: exit {code}'}
     rows = [found[k]['row'] for k in sorted(found) if 'row' in found[k]]
     notes = [found[k]['note'] for k in sorted(found) if 'note' in found[k]]
     if rows != rec.data['rows'] or notes != rec.data['notes']:
@@ -453,7 +499,7 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
       k = waiting.pop(0)
       running[k] = proc = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), '--contender', f'{part}:{k}',
-           '--scratch', scratch, '--variants', variants, '--deadline', str(deadline)] +
+           '--scratch', scratch, '--deadline', str(deadline)] + _selection(opts) +
           (['--smoke'] if smoke else []), cwd=_REPO)
       marker = _compiling_marker(scratch, part, k)  # before the process can time anything
       with open(marker + '.tmp', 'w', encoding='utf-8') as f:
@@ -472,13 +518,15 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, variants: str) ->
         skipped[turn] = (f'contender {turn} ({entries[turn]}): failed: not timed before its '
                          'part\'s deadline (it compiled too long, or no time was left for its '
                          'turn)')
+      if turn in running and not current.get('done'):  # hung, or profiling too long: it
+        running[turn].kill()  # lets go of the device (a row it wrote stands)
       turn, turn_timed = turn + 1, None
       if turn < len(entries):
         give_turn(turn)
   collect()
 
 
-def part_start(out, smoke, scratch, variants):  # pylint: disable=unused-argument
+def part_start(out, smoke, scratch, opts):  # pylint: disable=unused-argument
   import start_time  # pylint: disable=g-import-not-at-top
   s = sizes(smoke)
   st = s['start']
@@ -498,15 +546,15 @@ def part_start(out, smoke, scratch, variants):  # pylint: disable=unused-argumen
     rec.add(arm=arm, **r)
 
 
-def part_step512(out, smoke, scratch, variants):
-  _step_part(out, 'step512', smoke, scratch, variants)
+def part_step512(out, smoke, scratch, opts):
+  _step_part(out, 'step512', smoke, scratch, opts)
 
 
-def part_step128(out, smoke, scratch, variants):
-  _step_part(out, 'step128', smoke, scratch, variants)
+def part_step128(out, smoke, scratch, opts):
+  _step_part(out, 'step128', smoke, scratch, opts)
 
 
-def part_finetune(out, smoke, scratch, variants):  # pylint: disable=unused-argument
+def part_finetune(out, smoke, scratch, opts):  # pylint: disable=unused-argument
   import finetune_vs_hf  # pylint: disable=g-import-not-at-top
   import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
   s = sizes(smoke)['finetune']
@@ -610,9 +658,22 @@ def _kill_group(proc) -> None:
     pass
 
 
-def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float,
-              variants: str = '') -> int:
-  """Runs each part in its own process under its time cap; returns the number that failed."""
+def _selection(opts) -> list:
+  """The command-line words that pass the contenders' selection on to a part's processes."""
+  return ['--variants', opts.variants] + (['--extras'] if opts.extras else [])
+
+
+def _write_atomically(path: str, text: str) -> None:
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    f.write(text)
+  os.replace(path + '.tmp', path)
+
+
+def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float, opts) -> int:
+  """Runs each part in its own process under its time cap, or the time left if less (which
+  the part is told: its contenders plan their turns by it); returns the number that failed.
+  A part's stderr goes to the console as it comes (a command stopped from outside keeps
+  it in its log), and its last lines into suite.md when the part fails."""
   os.makedirs(out, exist_ok=True)
   env = dict(os.environ, PYTHONUNBUFFERED='1',
              # jax allocates as it needs, so that torch's allocator finds the rest.
@@ -624,6 +685,7 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float,
   for part in parts:
     cap = cap_s(part, smoke)
     left = budget_s - (time.perf_counter() - start)
+    given = min(cap, left)
     print(f'\n=== {part}: {PARTS[part][1]} (cap {cap} s, {left:.0f} s left)', flush=True)
     t = time.perf_counter()
     status, error = 'ok', ''
@@ -631,22 +693,33 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float,
       status = 'not run: out of time'
     else:
       cmd = [sys.executable, os.path.abspath(__file__), '--part', part, '--out', out,
-             '--scratch', scratch, '--variants', variants] + (['--smoke'] if smoke else [])
+             '--scratch', scratch, '--cap_s', str(given)] + _selection(opts) + (
+                 ['--smoke'] if smoke else [])
       # Its own process group, so that a part stopped at its cap (or by ^C here) takes its
       # contenders along.
       proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=sys.stdout,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+      tail = collections.deque(maxlen=60)
+
+      def relay(stream=proc.stderr, tail=tail):
+        for line in stream:
+          sys.stdout.write(line)
+          sys.stdout.flush()
+          tail.append(line)
+      relaying = threading.Thread(target=relay, daemon=True)
+      relaying.start()
       try:
-        _, stderr = proc.communicate(timeout=min(cap, left))
+        proc.wait(timeout=given)
         if proc.returncode:
-          status, error = f'failed (exit {proc.returncode})', stderr.strip()[-1500:]
+          status = f'failed (exit {proc.returncode})'
       except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        _, stderr = proc.communicate()
-        status, error = 'stopped at its time cap', stderr.strip()[-800:]
+        status = 'stopped at its time cap' if given == cap else 'stopped: out of time'
       finally:
-        _kill_group(proc)  # contenders left behind
-      sys.stderr.write(stderr[-4000:])
+        _kill_group(proc)  # (and contenders left behind)
+        proc.wait()
+        relaying.join(timeout=5)
+      if status != 'ok':
+        error = ''.join(tail).strip()[-1500:]
     data = None
     path = os.path.join(out, f'{part}.json')
     if os.path.isfile(path):
@@ -657,10 +730,8 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float,
     failed += status not in ('ok',)
     results[part] = dict(status=status, seconds=time.perf_counter() - t, cap_s=cap,
                          error=error, data=data)
-    with open(os.path.join(out, 'suite.json'), 'w', encoding='utf-8') as f:
-      json.dump(results, f, indent=1)
-    with open(os.path.join(out, 'suite.md'), 'w', encoding='utf-8') as f:
-      f.write(markdown(results))
+    _write_atomically(os.path.join(out, 'suite.json'), json.dumps(results, indent=1))
+    _write_atomically(os.path.join(out, 'suite.md'), markdown(results))
   print('\n' + markdown(results), flush=True)
   print(f'suite: {time.perf_counter() - start:.0f} s; {failed} of {len(parts)} parts not ok')
   return failed
@@ -701,11 +772,14 @@ def main():
   p.add_argument('--parts', default=','.join(PARTS), help='comma-separated, of: ' + ', '.join(PARTS))
   p.add_argument('--smoke', action='store_true', help='tiny sizes, on any backend')
   p.add_argument('--budget_s', type=float,
-                 help='wall time for all the parts (default: 480 s; with --smoke, the sum of '
-                      "the parts' caps)")
+                 help=f'wall time for all the parts (default: {BUDGET_S} s; with --smoke, the '
+                      "sum of the parts' caps)")
   p.add_argument('--variants', default='',
                  help='comma-separated: time only these of our variants (and the HF peer), '
                       'e.g. postln when the device time left is short')
+  p.add_argument('--extras', action='store_true',
+                 help='also time Pre-LN, RealFormer\'s bfloat16 carry through the plain path '
+                      'and, at 512, the attention implementations (see _contenders)')
   p.add_argument('--pack', action='store_true', help='write .carry/ for the device and exit')
   p.add_argument('--scratch', default='/tmp/device_suite_runs',
                  help="the fine-tuning runs' folders (kept out of --out, which the device "
@@ -713,15 +787,16 @@ def main():
   p.add_argument('--part', help=argparse.SUPPRESS)
   p.add_argument('--contender', help=argparse.SUPPRESS)
   p.add_argument('--deadline', type=float, default=0.0, help=argparse.SUPPRESS)
+  p.add_argument('--cap_s', type=float, default=0.0, help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.pack:
     return pack()
   if args.contender:
     part, index = args.contender.split(':')
-    return contender_main(part, int(index), args.scratch, args.smoke, args.variants,
+    return contender_main(part, int(index), args.scratch, args.smoke, args,
                           args.deadline or time.time() + 120)
   if args.part:
-    return globals()[f'part_{args.part}'](args.out, args.smoke, args.scratch, args.variants)
+    return globals()[f'part_{args.part}'](args.out, args.smoke, args.scratch, args)
   parts = args.parts.split(',')
   unknown = [x for x in parts if x not in PARTS]
   if unknown:
@@ -731,9 +806,10 @@ def main():
   if unknown:
     raise SystemExit(f'--variants {",".join(unknown)}: unknown; choose from {", ".join(known)}')
   shutil.rmtree(args.scratch, ignore_errors=True)
-  budget_s = args.budget_s or (sum(cap_s(part, True) for part in parts) if args.smoke else 480)
+  budget_s = args.budget_s or (sum(cap_s(part, True) for part in parts) if args.smoke
+                               else BUDGET_S)
   failed = run_suite(os.path.abspath(args.out), os.path.abspath(args.scratch), parts,
-                     args.smoke, budget_s, args.variants)
+                     args.smoke, budget_s, args)
   sys.exit(1 if failed else 0)
 
 

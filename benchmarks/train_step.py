@@ -28,7 +28,9 @@ trains threefry's builds through the flash kernel and the others through the pla
 
 A step is the full update: forward, backward, global-norm clipping and AdamW (BERT's
 settings), with dropout 0.1 on both sides, MLM loss at max_predictions masked positions
-and NSP. The input pipeline is excluded (one fixed batch; benchmarks/input_pipeline.py
+and NSP, on one batch that both sides get (train_lib's synthetic batch: its tokens,
+segments, masked positions and padding, lengths from T/2 to T, so that both attend under a
+padding mask). The input pipeline is excluded (one fixed batch; benchmarks/input_pipeline.py
 measures it). All contenders are compiled first, then stepped in turn, round after round, so
 that the machine's noise falls on all of them alike (each timed call follows one untimed
 call of the same contender: see run_rounds); the table gives medians and each
@@ -221,16 +223,21 @@ class HF:
     self.model = transformers.BertForPreTraining(cfg).to(self.device).train()
     self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
                                  eps=1e-6)
-    rng = np.random.default_rng(0)
-    b, t, p = args.batch, args.seq_len, args.predictions
-    ids = torch.tensor(rng.integers(5, args.vocab_size, (b, t)))
-    labels = torch.full((b, t), -100)
-    for i in range(b):
-      pos = rng.choice(np.arange(1, t), p, replace=False)
-      labels[i, pos] = ids[i, pos]
-    inputs = dict(input_ids=ids, token_type_ids=torch.zeros_like(ids),
-                  attention_mask=torch.ones_like(ids), labels=labels,
-                  next_sentence_label=torch.tensor(rng.integers(0, 2, b)))
+    # Ours's very batch (Ours: train_lib's synthetic batches, seed 0): the same tokens,
+    # segments, padding (lengths from T/2 to T, so SDPA gets the attention mask) and masked
+    # positions as labels.
+    batch = next(train_lib.SyntheticPretrainingData(
+        vocab_size=args.vocab_size, seq_len=args.seq_len, num_predictions=args.predictions,
+        global_batch_size=args.batch, seed=0))
+    labels = np.full(batch['input_ids'].shape, -100, np.int64)
+    for i, (positions, ids, weights) in enumerate(zip(
+        batch['masked_lm_positions'], batch['masked_lm_ids'], batch['masked_lm_weights'])):
+      labels[i, positions[weights > 0]] = ids[weights > 0]
+    as_long = lambda x: torch.tensor(np.asarray(x, np.int64))
+    inputs = dict(input_ids=as_long(batch['input_ids']),
+                  token_type_ids=as_long(batch['segment_ids']),
+                  attention_mask=as_long(batch['attention_mask']), labels=as_long(labels),
+                  next_sentence_label=as_long(batch['next_sentence_labels']))
     self.inputs = {k: v.to(self.device) for k, v in inputs.items()}
     if self.device == 'cuda':
       torch.cuda.reset_peak_memory_stats()
@@ -244,7 +251,7 @@ class HF:
     # positions (BertForPreTraining scores every token and ignores the unmasked ones).
     config = make_config('postln', size, args).model
     config.last_layer, config.vocab_pad_multiple = 'all', 1  # HF's vocabulary is unpadded
-    self.flops = train_lib.flops_per_example(config, t, t) * b
+    self.flops = train_lib.flops_per_example(config, args.seq_len, args.seq_len) * args.batch
 
   def _autocast(self):
     return self.torch.autocast(self.device, dtype=self.autocast,
