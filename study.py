@@ -795,6 +795,11 @@ def finetune(args) -> int:
     print_era_note(args)
     print(''.join(script), end='')
     return 0
+  if args.report_only and not any(v is not None for arm in ('pretrained', 'scratch')
+                                  for seeds in scores.get(arm, {}).values()
+                                  for v in seeds.values()):
+    raise ValueError(f'no finished fine-tuning run under {storage.join(args.root, "finetune")}; '
+                     'run study.py finetune without --report_only first (with the same options)')
   report = finetune_report(args, scores)
   storage.path(storage.join(args.root, 'finetune')).mkdir(parents=True, exist_ok=True)
   with _open(storage.join(args.root, 'finetune', 'finetune.md'), 'w') as f:

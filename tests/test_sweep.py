@@ -737,3 +737,14 @@ def test_a_run_finished_or_taken_between_the_look_and_the_lock_is_not_started(
   for name in names:
     assert not (root / name / 'calls.txt').exists()  # neither was started
     assert not (root / name / RunDir.SWEEP_LOCK).exists()  # and both locks were let go
+
+
+def test_study_reports_of_nothing_are_one_line_errors(tmp_path):
+  """--report_only where no run of the part finished (a wrong --root, or options other than
+  the runs'): one line, not a table of '(not run)' that exits 0."""
+  import study  # pylint: disable=g-import-not-at-top
+  for part, said in (('compare', 'no finished run under'),
+                     ('finetune', 'no finished fine-tuning run under'),
+                     ('stability', 'no run of this grid under')):
+    with pytest.raises(ValueError, match=said):
+      study.main([part, '--root', str(tmp_path), '--report_only'])
