@@ -174,7 +174,8 @@ def get_config(arg: str = 'postln,tiny'):
   # raised to hold them, up to the hard one).
   c.data.records_per_file = 65536
   c.data.read_threads = 0  # grain reader threads (0: read in the consuming thread; raise for GCS)
-  c.data.worker_count = 0  # grain worker processes per host
+  c.data.worker_count = 0  # grain worker processes per host (2 or more batch other positions
+  # together than 0 or 1: the same records, other batches; fixed for a run's resumes)
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 256  # global, over all hosts

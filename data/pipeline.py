@@ -1,10 +1,13 @@
 """The pretraining input stream: prepared shards -> shuffled, dynamically masked, per-host
 batches, with a state that Orbax saves beside the train state.
 
-The stream is a pure function of (seed, position) for a given number of training hosts:
-grain's IndexSampler shuffles the records of every epoch with the seed, each host takes its
-own contiguous share (ShardOptions by process; another host count reads another stream, so a
-run resumes on as many hosts as saved it: check_saved_position), and
+The stream is a pure function of (seed, position) for a given number of training hosts and
+of grain worker processes (data.worker_count: each worker batches the positions it is handed,
+i, i + W, i + 2W, ..., so W workers make other batches of the same records than none or one;
+a resume keeps the count, workdir.check_resume_config): grain's IndexSampler shuffles the
+records of every epoch with the seed, each host takes its own contiguous share (ShardOptions
+by process; another host count reads another stream, so a run resumes on as many hosts as
+saved it: check_saved_position), and
 masking draws from a generator that grain seeds with (seed, global record index), so an epoch
 re-masks every instance differently and a restored iterator continues with exactly the batches
 an uninterrupted run would have seen.
