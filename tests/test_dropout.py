@@ -50,9 +50,13 @@ def test_typed_and_legacy_threefry_keys_agree_and_other_impls_work():
   a = dropout_lib.uniform_u16(jax.random.PRNGKey(3), (4, 9))
   b = dropout_lib.uniform_u16(jax.random.key(3), (4, 9))
   np.testing.assert_array_equal(a, b)
-  for impl in ('rbg', 'unsafe_rbg'):
-    c = dropout_lib.uniform_u16(jax.random.key(3, impl=impl), (4, 9))
+  for impl in ('rbg', 'unsafe_rbg'):  # jax's own bits of those generators, uniform
+    key = jax.random.key(3, impl=impl)
+    c = dropout_lib.uniform_u16(key, (4, 9))
     assert c.shape == (4, 9) and c.dtype == jnp.uint16
+    np.testing.assert_array_equal(c, jax.random.bits(key, (4, 9), jnp.uint16))
+    kept, _ = dropout_lib.keep_mask(key, 0.3, (256, 256))
+    assert abs(float(np.mean(kept)) - 0.7) < 0.01, impl
   assert dropout_lib.uniform_u16(jax.random.PRNGKey(3), ()).shape == ()
 
 

@@ -202,8 +202,9 @@ def pretrained(tmp_path_factory):
 
 
 def save_tiny_encoder(workdir: str, variant: str, num_layers: int, num_heads: int,
-                      step: int):
-  """A params-only pretraining checkpoint of a freshly initialized tiny encoder; its params."""
+                      step: int, moved: bool = False):
+  """A params-only pretraining checkpoint of a freshly initialized tiny encoder (moved: every
+  value scaled by 1.5, as if trained: no fresh init equals it); its params."""
   config = pretrain.get_config(f'{variant},tiny')
   config.unlock()
   config.model.num_layers, config.model.hidden_size = num_layers, 32
@@ -211,6 +212,8 @@ def save_tiny_encoder(workdir: str, variant: str, num_layers: int, num_heads: in
   batch = {k: np.zeros((1, 8), np.int32) for k in ('input_ids', 'segment_ids',
                                                    'attention_mask')}
   params = nn.unbox(models.build(config.model).init(jax.random.PRNGKey(0), batch)['params'])
+  if moved:
+    params = jax.tree.map(lambda x: x * 1.5, params)
   checkpoints.save_params(workdir, params, config, step=step)
   return params
 
@@ -594,9 +597,23 @@ def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
   assert set(summary['dev']['stsb']) == {'pearson', 'spearman'}
   lines = open(tmp_path / 'a' / 'predictions' / 'STS-B.tsv').read().splitlines()
   float(lines[1].split('\t')[1])
-  scratch = run(ft_config('sst2', pretrained, from_scratch=True),
-                              str(tmp_path / 'b'))
+  # The scratch baseline starts from a random encoder, not the pretrained one: at a learning
+  # rate of 0 its final encoder is what it started from, and that is not the checkpoint's
+  # (one whose values a fresh init cannot give).
+  moved = str(tmp_path / 'moved')
+  save_tiny_encoder(moved, 'postln', num_layers=2, num_heads=2, step=10, moved=True)
+  c = ft_config('sst2', moved, from_scratch=True, num_epochs=1)
+  c.optimizer.learning_rate = 0.0
+  scratch = run(c, str(tmp_path / 'b'))
   assert 'accuracy' in scratch['dev']['sst2']
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  def query_kernel(workdir):  # Orbax's own reading of a checkpoint's first query kernel
+    state = ocp.StandardCheckpointer().restore(
+        os.path.join(checkpoints.resolve_step_dir(workdir), 'state'))
+    return np.asarray(state['params']['encoder']['layers_0']['attention']['query']['kernel'])
+  start, final = query_kernel(moved), query_kernel(str(tmp_path / 'b' / 'final'))
+  assert start.shape == final.shape and not np.allclose(start, final)
 
 
 def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_path, caplog):

@@ -306,11 +306,12 @@ def test_pretraining_model_with_the_pruned_last_layer_under_flash(variant):
                                             attention_dropout_rate=0.3, dropout_rate=0.0))
                   for f in ('off', 'flash'))
   params = perturbed_params(plain, batch)
-  batch = dict(batch, masked_positions=jnp.asarray([[1, 2], [0, 3], [4, 0], [2, 2]][:len(
+  batch = dict(batch, masked_lm_positions=jnp.asarray([[1, 2], [0, 3], [4, 0], [2, 2]][:len(
       batch['input_ids'])], jnp.int32))
   rngs = {'dropout': jax.random.PRNGKey(4)}
-  a = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs)
-  b = flash.apply({'params': params}, batch, deterministic=False, rngs=rngs)
+  a = plain.apply({'params': params}, batch, deterministic=False, rngs=rngs, full_hidden=False)
+  b = flash.apply({'params': params}, batch, deterministic=False, rngs=rngs, full_hidden=False)
+  assert a.hidden.shape[1] == 2 < batch['input_ids'].shape[1]  # the masked rows alone: pruned
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
 
