@@ -38,7 +38,9 @@ flags.DEFINE_string('compile_for', None,
                     'Compile the train step ahead of time instead of training, and print '
                     'memory per chip, FLOPs and collectives (realformer/tools/launch.py): a TPU '
                     'slice such as v5p:4x4x4 or v5e:2x2 (needs requirements-tpu.txt; any '
-                    'host), or "local" (this machine\'s devices; then times a few steps).')
+                    'host), NVIDIA GPUs such as h100, h200:8 or a100:2x8 (needs jax\'s CUDA '
+                    'plugin; any host, no GPU), or "local" (this machine\'s devices; then '
+                    'times a few steps).')
 flags.DEFINE_bool('find_max_batch', False,
                   'With --compile_for: also search the largest global batch that fits.')
 flags.DEFINE_integer('max_compiles', 12,
@@ -80,8 +82,8 @@ def check_launch():
 
   def compile_and_report():
     if flags.FLAGS.compile_for != 'local':
-      compile_cache.disable()  # a compile-only TPU target has no client to load programs into
-      launch.tpu_target(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
+      compile_cache.disable()  # a compile-only target has no client to load programs into
+      launch.target_for(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
     else:  # every host of a multi-host TPU VM or SLURM job, as train.py would see them
       distributed.initialize_from_flags()
       compile_cache.enable_from_flags()

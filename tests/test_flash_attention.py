@@ -418,3 +418,29 @@ def test_the_tiling_benchmark_times_every_tiling_it_checks(tmp_path):
   assert set(shape['whole_ms']) == {'flash, default tilings',
                                     'flash, fastest tiling of each kernel'}
   assert '| dkv (default) |' in (tmp_path / 'flash_tiles.md').read_text()
+
+
+def test_default_tilings_fit_the_shared_memory_of_the_gpu_compiled_for(monkeypatch):
+  """The tuned tiles on Hopper, smaller ones where a GPU's blocks have less shared memory
+  (each choice compiled for such a GPU: tests/test_launch.py, BENCHMARKS.md); the device is
+  the one compiling_for names, else jax's."""
+  tuned = flash_lib.default_tilings(512, 512)
+  assert tuned == flash_lib.default_tilings(512, 512, 2, True, flash_lib.HOPPER_SHARED_MEMORY)
+  assert flash_lib.default_tilings(512, 512, 4, True).dkv.num_stages == 2  # 270 KiB at 3
+  a100 = flash_lib.SHARED_MEMORY[8, 0]
+  assert flash_lib.default_tilings(512, 512, 2, False, a100) == tuned
+  wide = flash_lib.default_tilings(512, 512, 4, False, a100)
+  assert (wide.dkv.block_q, {t.num_stages for t in (wide.forward, wide.dkv, wide.dq)}) == (32, {2})
+  small = flash_lib.default_tilings(512, 512, 4, True, flash_lib.SHARED_MEMORY[8, 9])
+  assert max(t.block_q for t in (small.forward, small.dkv, small.dq)) == 32
+  assert max(t.block_c for t in (small.forward, small.dkv, small.dq)) == 16
+  # Shorter lengths keep their smaller blocks: never larger than the length asks.
+  assert flash_lib.default_tilings(40, 40, 4, True, a100).forward.block_q == 16
+
+  class Gpu:
+    platform, compute_capability = 'gpu', '8.0'
+  assert flash_lib.shared_memory_here() == flash_lib.HOPPER_SHARED_MEMORY  # (a CPU here)
+  with flash_lib.compiling_for([Gpu()]):
+    assert flash_lib.shared_memory_here() == a100
+    Gpu.compute_capability = '7.5'  # not in the table: the smallest
+    assert flash_lib.shared_memory_here() == min(flash_lib.SHARED_MEMORY.values())

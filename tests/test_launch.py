@@ -4,6 +4,7 @@ hlo_stats' FLOP and collective counts, the batch search, and the one-line errors
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -406,6 +407,49 @@ def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
 # --------------------------------------------------------------------------------------
 # The command and its errors.
 # --------------------------------------------------------------------------------------
+
+def test_gpu_targets_are_named_or_refused_in_one_line(monkeypatch):
+  """A GPU target is <gpu>[:<per host>|:<hosts>x<per host>]; without jax's CUDA plugin the
+  error names the install (the compile itself: test_a_gpu_step_compiles_without_a_gpu)."""
+  with pytest.raises(launch.LaunchError, match=r"give h100, h100:<GPUs> \(one host\) or "
+                                               r"h100:<hosts>x<GPUs per host>"):
+    launch.target_for('h100:x8')
+  with pytest.raises(launch.LaunchError, match='at least one host and one GPU'):
+    launch.target_for('a100:0x8')
+  monkeypatch.setitem(sys.modules, 'jax_cuda13_plugin', None)  # (an import then fails)
+  with pytest.raises(launch.LaunchError, match=r'needs jax\'s CUDA plugin, which is not '
+                                               r'installed: pip install "jax\[cuda13\]'):
+    launch.target_for('h200:8')
+  with pytest.raises(launch.LaunchError, match=r'unknown TPU generation .* a GPU \(h100, h200, '
+                                               r'a100, e.g. h100:8\)'):
+    launch.target_for('b200')
+
+
+@pytest.mark.skipif(importlib.util.find_spec('jax_cuda13_plugin') is None and
+                    not os.environ.get('REALFORMER_REQUIRE_CUDA_PLUGIN'),
+                    reason='pip install "jax[cuda13]==0.11.2" (about 4 GB; not in CI)')
+def test_a_gpu_step_compiles_without_a_gpu(tmp_path):
+  """The launch check for two H100s on one host, in a fresh process (jax's CUDA plugin,
+  compiling without a device): RealFormer's float32 step through the flash kernel, the
+  Triton kernels compiled for compute capability 9 (their tiles within its shared memory:
+  float32 with a term asked 270 KiB of its 227 before default_tilings knew the device), its
+  memory judged against jax's default 75% of the card."""
+  out = tmp_path / 'launch.json'
+  proc = subprocess.run(
+      [sys.executable, 'train.py', '--config', 'configs/pretrain.py:realformer,tiny',
+       '--compile_for', 'h100:2', '--config.data.sources=synthetic',
+       '--config.model.fused_attention=flash', '--config.train.batch_size=4',
+       '--config.mesh.data=2', f'--launch_json={out}'],
+      cwd=REPO, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'on h100:2 (2 x NVIDIA H100 80GB HBM3)' in proc.stdout
+  result = json.loads(out.read_text())
+  assert result['device_kind'] == 'NVIDIA H100 80GB HBM3' and result['chips'] == 2
+  report = result['report']
+  assert report['fits'] and report['hbm_bytes'] == int(0.75 * (81559 << 20))
+  # the forward, dQ and dK/dV kernels of the first layer (the pruned last one is plain)
+  assert report['opaque_kernels'] == 3
+
 
 def test_errors_are_one_line_and_name_the_fix(monkeypatch):
   with pytest.raises(launch.LaunchError, match='unknown TPU generation'):

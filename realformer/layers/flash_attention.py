@@ -35,6 +35,7 @@ key_bias [B, Tk] float32. No sharding rule: under a mesh, call it per shard (see
 realformer/model/attention.py) with the shard's global batch and head offsets.
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -558,16 +559,74 @@ def _least_padding(n: int, options: Tuple[int, ...]) -> int:
   return fits[0] if fits else min(options, key=lambda b: (round_up(n, b), -b))
 
 
-def default_tilings(q_len: int, k_len: int) -> Tilings:
+# The shared memory a thread block may use (the opt-in limit), by compute capability: it
+# bounds the kernels' tiles (XLA refuses a kernel that asks more: "Shared memory size limit
+# exceeded"). Found by compiling for each GPU without one (train.py --compile_for h100, a100;
+# realformer/tools/launch.py).
+SHARED_MEMORY = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912,
+                 (8, 6): 101376, (8, 9): 101376, (12, 0): 101376}
+HOPPER_SHARED_MEMORY = SHARED_MEMORY[9, 0]
+
+
+_COMPILING_FOR: list = []  # the devices of compiling_for's compiles, innermost last
+
+
+@contextlib.contextmanager
+def compiling_for(devices):
+  """Within: programs are lowered for `devices` (compile-only ones: the launch check's GPUs),
+  which shared_memory_here reads, where jax's own devices are this host's."""
+  _COMPILING_FOR.append(list(devices))
+  try:
+    yield
+  finally:
+    _COMPILING_FOR.pop()
+
+
+def shared_memory_here() -> int:
+  """The per-block shared memory of the GPU the program is lowered for: compiling_for's
+  devices, else jax's; an unknown GPU gets the smallest of SHARED_MEMORY, a host without one
+  Hopper's (the interpreter has no such limit)."""
+  devices = _COMPILING_FOR[-1] if _COMPILING_FOR else jax.devices()
+  gpu = next((d for d in devices if d.platform == 'gpu'), None)
+  if gpu is None:
+    return HOPPER_SHARED_MEMORY
+  capability = tuple(int(x) for x in str(gpu.compute_capability).split('.')[:2])
+  return SHARED_MEMORY.get(capability, min(SHARED_MEMORY.values()))
+
+
+def default_tilings(q_len: int, k_len: int, itemsize: int = 2, term: bool = False,
+                    shared_memory: int = HOPPER_SHARED_MEMORY) -> Tilings:
   """64 queries and 4 x 32 keys a step where the lengths allow, smaller blocks where those
   would pad much (a fine-tuning bucket of 40 queries: 16 queries); the dQ kernel takes 4 x 16
   keys a step; 4 warps and 3 pipeline stages each: one tiling for both of pretraining's
   lengths, each kernel's the fastest or within 6% of the fastest of a sweep at BERT-base's
-  shapes on an H200 at length 512 and 128 (benchmarks/flash_tiles.py; BENCHMARKS.md)."""
+  shapes on an H200 at length 512 and 128 (benchmarks/flash_tiles.py; BENCHMARKS.md).
+
+  Smaller where that would not fit the GPU's shared memory (itemsize: q's bytes, 4 for
+  float32; term: with an additive term, whose tiles the kernels hold too), each choice
+  compiled for a GPU of that class (SHARED_MEMORY) at lengths 128 and 512: on Hopper the
+  dK/dV kernel in 2 stages for float32 with a term; on the A100's 163 KiB, 2 stages of it
+  with a term, and for float32 2 stages everywhere and 32-query dK/dV blocks; below that
+  (99 KiB), 2 stages and 32-query blocks everywhere, and for float32 16-key blocks too."""
   block_q = _least_padding(q_len, (64, 32, 16))
   block_c = _least_padding(-(-k_len // 4), (32, 16))
-  return Tilings(forward=Tiling(block_q, block_c, 4, 3), dkv=Tiling(block_q, block_c, 4, 3),
-                 dq=Tiling(block_q, 16, 4, 3))
+  tuned = Tilings(forward=Tiling(block_q, block_c, 4, 3), dkv=Tiling(block_q, block_c, 4, 3),
+                  dq=Tiling(block_q, 16, 4, 3))
+
+  def shrink(t: Tiling, q: int = 64, c: int = 32, stages: int = 3) -> Tiling:
+    return Tiling(min(t.block_q, q), min(t.block_c, c), t.num_warps, min(t.num_stages, stages))
+  wide = itemsize >= 4
+  if shared_memory >= HOPPER_SHARED_MEMORY:
+    return dataclasses.replace(tuned, dkv=shrink(tuned.dkv, stages=2)) if wide and term else tuned
+  if shared_memory >= SHARED_MEMORY[8, 0]:
+    if wide:
+      return Tilings(forward=shrink(tuned.forward, stages=2),
+                     dkv=shrink(tuned.dkv, q=32, stages=2), dq=shrink(tuned.dq, stages=2))
+    return dataclasses.replace(tuned, dkv=shrink(tuned.dkv, stages=2)) if term else tuned
+  c = 16 if wide else 32
+  return Tilings(forward=shrink(tuned.forward, q=32 if wide else 64, c=c, stages=2),
+                 dkv=shrink(tuned.dkv, q=32, c=c, stages=2),
+                 dq=shrink(tuned.dq, q=32 if wide else 64, stages=2))
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
@@ -598,7 +657,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   if scores_dtype is not None and term is None:
     raise ValueError('flash_attention returns scores only with a term (RealFormer passes the '
                      'previous layer\'s, zeros at the first)')
-  tilings = tilings or default_tilings(q.shape[1], k.shape[1])
+  tilings = tilings or default_tilings(q.shape[1], k.shape[1], q.dtype.itemsize,
+                                       term is not None, shared_memory_here())
   ops, d = kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings,
                          term, logit_scale, scores_dtype is not None)
   out, scores = _flash(ops, (d, tilings, interpret, scores_dtype))

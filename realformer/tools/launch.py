@@ -41,6 +41,7 @@ from typing import Dict, List, Optional
 import jax
 import numpy as np
 
+from realformer.layers import flash_attention as flash_lib
 from realformer.tools import hlo_stats
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
@@ -129,7 +130,8 @@ def tpu_target(name: str) -> Target:
   if generation not in HBM_GIB:
     raise LaunchError(f'--compile_for={name!r}: unknown TPU generation {generation!r}; name a '
                       f'slice as <generation>:<topology> with generation one of '
-                      f'{", ".join(HBM_GIB)} (e.g. v5p:4x4x4, v5e:4x4), or use local')
+                      f'{", ".join(HBM_GIB)} (e.g. v5p:4x4x4, v5e:4x4), a GPU '
+                      f'({", ".join(GPUS)}, e.g. h100:8), or use local')
   if not re.fullmatch(r'\d+x\d+(x\d+)?', shape):
     raise LaunchError(f'--compile_for={name!r}: topology {shape!r} is not AxB or AxBxC '
                       f'(chips per dimension, e.g. v5e:2x2, v5p:2x2x1)')
@@ -167,6 +169,74 @@ def tpu_target(name: str) -> Target:
                 int(USABLE_HBM_GIB[generation] * GiB))
 
 
+# NVIDIA GPUs the check compiles for without one: XLA's deviceless GPU compile, through jax's
+# CUDA plugin (pip install "jax[cuda13]==0.11.2" on any host; no GPU or driver needed). What
+# XLA's GPU compiler reads of the device: its compute capability (the instructions), shared
+# memory and registers (which bound the Triton kernels' tiles), its cores; the memory is
+# nvidia-smi's. A program may use jax's default preallocation of it (75%, or
+# $XLA_PYTHON_CLIENT_MEM_FRACTION).
+GPUS = {
+    'h100': dict(kind='NVIDIA H100 80GB HBM3', capability=9, cores=132, memory_mib=81559,
+                 bandwidth=3.35e12, l2=50 << 20, clock=1.98, smem_block=232448,
+                 smem_core=233472, fpus=128),
+    'h200': dict(kind='NVIDIA H200', capability=9, cores=132, memory_mib=143771,
+                 bandwidth=4.8e12, l2=50 << 20, clock=1.98, smem_block=232448,
+                 smem_core=233472, fpus=128),
+    'a100': dict(kind='NVIDIA A100-SXM4-80GB', capability=8, cores=108, memory_mib=81920,
+                 bandwidth=2.039e12, l2=40 << 20, clock=1.41, smem_block=166912,
+                 smem_core=167936, fpus=64),
+}
+_GPU_CONFIG = """gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 threads_per_core_limit: 2048
+  shared_memory_per_block: 49152 shared_memory_per_block_optin: {smem_block}
+  shared_memory_per_core: {smem_core} core_count: {cores} fpus_per_core: {fpus}
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth:.0f} l2_cache_size: {l2} clock_rate_ghz: {clock}
+  device_memory_size: {memory} registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  cuda_compute_capability {{ major: {capability} }}
+}}
+platform_name: "CUDA" dnn_version_info {{ major: {dnn_major} minor: {dnn_minor} }}
+runtime_version {{ major: {cuda_major} minor: {cuda_minor} }}
+device_description_str: "{kind}"
+"""
+
+
+def gpu_target(name: str) -> Target:
+  """The compile-only devices of NVIDIA GPUs named '<gpu>[:<per host>|:<hosts>x<per host>]'
+  (h100, h200:8, a100:2x8), through jax's CUDA plugin without a GPU."""
+  gpu, _, shape = name.partition(':')
+  if not re.fullmatch(r'(\d+x)?\d+|', shape):
+    raise LaunchError(f'--compile_for={name!r}: give {gpu}, {gpu}:<GPUs> (one host) or '
+                      f'{gpu}:<hosts>x<GPUs per host>, e.g. {gpu}:8 or {gpu}:2x8')
+  hosts, _, per_host = shape.rpartition('x')
+  hosts, per_host = int(hosts or 1), int(per_host or 1)
+  if hosts < 1 or per_host < 1:
+    raise LaunchError(f'--compile_for={name!r}: give at least one host and one GPU')
+  try:
+    from jax_cuda13_plugin import _versions  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise LaunchError('compiling for a GPU needs jax\'s CUDA plugin, which is not installed: '
+                      'pip install "jax[cuda13]==0.11.2" (it compiles here, without a GPU)'
+                      ) from None
+  _ensure_cpu_host()  # (the plugin then skips its check of a CUDA driver)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  dnn, cuda = _versions.cudnn_build_version(), _versions.cuda_runtime_build_version()
+  g = GPUS[gpu]
+  config = _GPU_CONFIG.format(memory=g['memory_mib'] << 20, dnn_major=dnn // 10000,
+                              dnn_minor=dnn // 100 % 100, cuda_major=cuda // 1000,
+                              cuda_minor=cuda // 10 % 100, **g)
+  try:
+    desc = topologies.get_topology_desc(platform='cuda', target_config=config,
+                                        topology=f'1x{hosts}x{per_host}')
+  except Exception as e:  # the plugin's message: first line only
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise LaunchError(f'--compile_for={name!r}: jax\'s CUDA plugin failed: {first}') from None
+  devices = list(desc.devices)
+  fraction = float(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 0.75))
+  return Target(name, 'gpu', devices, hosts, devices[0].device_kind,
+                int(fraction * (g['memory_mib'] << 20)))
+
+
 def local_target() -> Target:
   """This process's devices (a GPU node, a TPU VM, or the CPU)."""
   devices = jax.devices()
@@ -180,7 +250,9 @@ def local_target() -> Target:
 
 
 def target_for(name: str) -> Target:
-  return local_target() if name == 'local' else tpu_target(name)
+  if name == 'local':
+    return local_target()
+  return gpu_target(name) if name.partition(':')[0] in GPUS else tpu_target(name)
 
 
 # --------------------------------------------------------------------------------------
@@ -235,7 +307,12 @@ def _state_bytes(abstract) -> int:
 
 
 def _out_of_memory(error: Exception) -> Optional[str]:
+  """The compiler's refusal of a program too large for the device's memory, or None (a
+  kernel that asks more shared memory than a block has is a kernel's fault, not the
+  batch's: it propagates)."""
   text = str(error)
+  if 'Shared memory size limit' in text:
+    return None
   if any(k in text for k in ('RESOURCE_EXHAUSTED', 'Ran out of memory', 'out of memory',
                              'exceeds the memory')):
     lines = [l.strip() for l in text.splitlines() if l.strip()]
@@ -279,7 +356,7 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
                   state_bytes=_state_bytes(program.abstract),
                   model_flops=per_example * batch_size / len(target.devices))
   start = time.time()
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), flash_lib.compiling_for(target.devices):
     lowered = program.train_step.lower(program.abstract, batch,
                                        *train_lib.abstract_step_arguments())
     try:
