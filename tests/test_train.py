@@ -675,6 +675,10 @@ def test_an_eval_split_too_small_is_refused_before_the_first_step(tmp_path, capl
 
 
 def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
+  """Learning on the prepared embedded corpus (grain's pipeline, not synthetic batches), and
+  a resume from its step-30 checkpoint logging the uninterrupted run's losses to the bit:
+  the input stream's position restored through the trainer, and the evaluation's batches
+  the same in a resumed process."""
   pytest.importorskip('data.pipeline')
   c = pretrain.get_config('postln,tiny')
   m = c.model
@@ -682,13 +686,21 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   c.data.max_seq_length, c.data.max_predictions_per_seq = 64, 10
   t = c.train
   t.batch_size, t.num_steps, t.log_every_steps = 16, 60, 10
-  t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 60, 2, 60
+  t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 60, 2, 30
   c.optimizer.warmup_steps = 6
   summary = trained(c, tmp_path)  # learning on the embedded corpus, not sharding
   mlm = losses(tmp_path, key='mlm_loss')
   assert mlm[60] < mlm[10] - 1.0, mlm
   assert summary['eval']['mlm_loss'] < np.log(c.model.vocab_size) - 1.0
   assert os.path.isdir(tmp_path / 'checkpoints' / '60')
+  resumed = tmp_path.parent / f'{tmp_path.name}_resumed'
+  shutil.copytree(tmp_path, resumed,  # (not the prepared data: read where it is)
+                  ignore=lambda folder, names: ['data'] if folder == str(tmp_path) else [])
+  shutil.rmtree(resumed / 'checkpoints' / '60')  # as if killed after step 59
+  c.data.prepared_dir = str(tmp_path / 'data')  # (the same prepared data: not copied)
+  trained(c, resumed)
+  assert losses(resumed) == losses(tmp_path) and len(losses(resumed)) == 6
+  assert losses(resumed, 'eval') == losses(tmp_path, 'eval')  # the same held-out batches
   # The majority baselines on the same evaluation batches, recounted in NumPy.
   eval_iter = pretraining.make_input_fn(c, str(tmp_path))('eval', c.seed)
   batches = [next(eval_iter) for _ in range(t.eval_steps)]
