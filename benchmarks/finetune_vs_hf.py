@@ -16,6 +16,15 @@ by each framework with its own best practice, the same recipe (batch, learning r
               torch and transformers, nothing of ours)
   hf_warm     the same again (HF compiles nothing: the pairing of ours_warm, with the files
               of both now in the operating system's cache)
+  hf_grouped  hf with transformers' LengthGroupedSampler (the Trainer's group_by_length):
+              batches of similar lengths, HF's own answer to padding, as our buckets are ours
+
+The peers' float32 matmuls run at the same precision (TF32 on a GPU, jax's default; torch
+set to it). What is not the same, and favours HF: ours evaluates the dev set after every
+epoch, predicts the test file and saves a resume checkpoint each epoch and best/ and
+final/ at the end, where HF evaluates once and saves nothing; and the checkpoint's import
+into our format (realformer.tools.interop import-hf, once per checkpoint, as a download
+would be) is not timed.
 
 Each run is its own process; the arms alternate within each seed, so the machine's drift
 falls on all of them. Epoch time is the training loop only (no tokenising, no evaluation);
@@ -39,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # pylint: disable=g-import-not-at-top
 import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
 
-ARMS = ('hf', 'ours', 'ours_warm', 'ours_fixed', 'hf_warm')
+ARMS = ('hf', 'ours', 'ours_warm', 'ours_fixed', 'hf_warm', 'hf_grouped')
 
 
 def run_ours(args, init: str, workdir: str, buckets: bool, cache: str) -> dict:
@@ -67,7 +76,7 @@ def run_ours(args, init: str, workdir: str, buckets: bool, cache: str) -> dict:
           'accuracy': accuracy, 'wall_s': wall}
 
 
-def run_hf(args, out: str) -> dict:
+def run_hf(args, out: str, grouped: bool = False) -> dict:
   wall = None
   if not os.path.isfile(out):
     start = time.perf_counter()
@@ -77,7 +86,7 @@ def run_hf(args, out: str) -> dict:
          '--model_dir', pretrained_vs_scratch.minilm_dir(), '--data_dir', args.data_dir,
          '--seed', str(args.seed), '--batch_size', str(args.batch_size),
          '--epochs', str(args.epochs), '--learning_rate', str(args.learning_rate),
-         '--max_seq_length', str(args.max_seq_length)],
+         '--max_seq_length', str(args.max_seq_length)] + (['--group_by_length'] * grouped),
         cwd=_REPO, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode:
@@ -143,7 +152,7 @@ def race(args, on_result=None) -> dict:
       run_dir = os.path.join(args.workdir, f'{arm}_seed{seed}')
       cache = os.path.join(args.workdir, f'xla_cache_seed{seed}')
       if arm.startswith('hf'):
-        r = run_hf(args, run_dir + '.json')
+        r = run_hf(args, run_dir + '.json', grouped=arm == 'hf_grouped')
       else:
         if arm != 'ours_warm':
           shutil.rmtree(cache, ignore_errors=True)
@@ -169,13 +178,15 @@ def summarize(args, results: dict) -> None:
           f'{statistics.median(later(r) for r in rs):14.1f}   {wall(rs):>15s}   '
           f'{statistics.median(r["accuracy"] for r in rs):.3f}; '
           + ' '.join(f'{r["accuracy"]:.3f}' for r in rs))
+  peer = lambda arm: 'hf_warm' if arm == 'ours_warm' and 'hf_warm' in results else 'hf'
   if 'hf' in results and all(r.get('wall_s') for rs in results.values() for r in rs):
-    for arm in (a for a in arms if a != 'hf'):
-      ratios = [h['wall_s'] / o['wall_s'] for h, o in zip(results['hf'], results[arm])]
-      print(f'HF / {arm} whole process: median {statistics.median(ratios):.2f}x (per seed '
-            + ' '.join(f'{x:.2f}' for x in ratios) + ')')
+    for arm in (a for a in arms if not a.startswith('hf')):  # ours_warm against hf_warm
+      for hf in dict.fromkeys([peer(arm)] + ['hf_grouped'] * ('hf_grouped' in results)):
+        ratios = [h['wall_s'] / o['wall_s'] for h, o in zip(results[hf], results[arm])]
+        print(f'{hf} / {arm} whole process: median {statistics.median(ratios):.2f}x (per '
+              'seed ' + ' '.join(f'{x:.2f}' for x in ratios) + ')')
   if 'hf' in results:
-    for arm in (a for a in arms if a != 'hf'):
+    for arm in (a for a in arms if not a.startswith('hf')):
       for name, pick in (('epoch 1', lambda r: r['epoch_seconds'][0]), ('later epochs', later)):
         ratios = [pick(h) / pick(o) for h, o in zip(results['hf'], results[arm])]
         print(f'HF / {arm} epoch time, {name}: median {statistics.median(ratios):.2f}x '

@@ -3,7 +3,7 @@ r"""The HF arm of benchmarks/finetune_vs_hf.py: BertForSequenceClassification fi
 would (torch, transformers) and nothing of ours, since the race times it as a whole process.
 Prints one line, {"epoch_seconds": [...], "accuracy": a, "threads": n}.
 
-  python benchmarks/hf_finetune.py --model_dir DIR --data_dir DIR --epochs 3
+  python benchmarks/hf_finetune.py --model_dir DIR --data_dir DIR --epochs 3 [--group_by_length]
 """
 
 import argparse
@@ -30,9 +30,15 @@ def main():
   p.add_argument('--epochs', type=int, default=3)
   p.add_argument('--learning_rate', type=float, default=1e-4)
   p.add_argument('--max_seq_length', type=int, default=64)
+  p.add_argument('--group_by_length', action='store_true',
+                 help="batches of similar lengths (transformers' LengthGroupedSampler, the "
+                      "Trainer's group_by_length): less padding, as our length buckets")
   args = p.parse_args()
   torch.manual_seed(args.seed)
   device = 'cuda' if torch.cuda.is_available() else 'cpu'
+  # float32 matmuls in TF32 on a GPU, as jax's default precision computes ours ('high': torch's
+  # default keeps them in full float32, which would race ours at another precision)
+  torch.set_float32_matmul_precision('high')
   tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
   model = transformers.BertForSequenceClassification.from_pretrained(args.model_dir,
                                                                      num_labels=2)
@@ -46,9 +52,12 @@ def main():
             for i in range(len(labels))]
 
   train, dev = dataset('train'), dataset('dev')
-  loader = torch.utils.data.DataLoader(
-      train, batch_size=args.batch_size, shuffle=True, collate_fn=collate, drop_last=True,
-      generator=torch.Generator().manual_seed(args.seed))
+  generator = torch.Generator().manual_seed(args.seed)
+  order = (dict(sampler=transformers.trainer_pt_utils.LengthGroupedSampler(
+      args.batch_size, dataset=train, lengths=[len(x['input_ids']) for x in train],
+      generator=generator)) if args.group_by_length else dict(shuffle=True, generator=generator))
+  loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, collate_fn=collate,
+                                       drop_last=True, **order)
   no_decay = lambda name: name.endswith('bias') or 'LayerNorm' in name
   groups = [{'params': [p for n, p in model.named_parameters() if not no_decay(n)],
              'weight_decay': 0.01},

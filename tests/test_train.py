@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import flax.linen as nn
@@ -1039,3 +1040,48 @@ def test_a_setting_the_variant_does_not_read_is_a_warning(caplog):
     with caplog.at_level(logging.WARNING):
       config_checks.check_config(c)
     assert (said in caplog.text) if said else not caplog.text, (variant, caplog.text)
+
+
+def test_a_run_cut_to_its_checkpoint_on_resume_is_evaluated_at_its_end(tmp_path):
+  """Killed after its step-5 checkpoint (not an evaluation step), then resumed with
+  num_steps=5: nothing is left to train, and the end is evaluated as the loop evaluates a
+  run's last step (pretraining has no outputs that would otherwise ask for it)."""
+  c = tiny_config(num_steps=8, checkpoint_every_steps=5, eval_every_steps=4, eval_steps=1)
+  trained(c, tmp_path)
+  shutil.rmtree(tmp_path / 'checkpoints' / '8')
+  c.train.num_steps = 5
+  summary = trained(c, tmp_path)
+  assert summary['step'] == 5 and summary['eval'] != {}
+  assert 5 in losses(tmp_path, 'eval')
+
+
+def test_checkpoint_saves_are_not_counted_as_training_time(tmp_path, monkeypatch):
+  """A save that blocks (here 1 s) is left out of the logged steps/s, as evaluation and
+  compilation are: the same training reads the same speed whatever the checkpoint cadence."""
+  save = checkpoints.save
+
+  def slow(*args, **kwargs):
+    time.sleep(1.0)
+    return save(*args, **kwargs)
+  monkeypatch.setattr(checkpoints, 'save', slow)
+  trained(tiny_config(num_steps=8, log_every_steps=2, checkpoint_every_steps=2), tmp_path)
+  rates = losses(tmp_path, key='steps_per_sec')
+  assert min(rate for step, rate in rates.items() if step > 2) > 5.0, rates  # (with: < 2)
+
+
+def test_a_time_budget_on_several_hosts_records_the_time_at_each_save(tmp_path, monkeypatch):
+  """Process 0's clock is agreed every SYNC_EVERY steps, and at every save: a checkpoint
+  between two agreements records the time spent at its own step, not the last agreed one
+  (which a resume would count from, losing the steps between)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(multihost_utils, 'broadcast_one_to_all', lambda x: x)  # process 0's
+  cadence = types.SimpleNamespace(time_budget_minutes=1.0, num_steps=100)
+  budget = trainer.TimeBudget(cadence, optax.constant_schedule(1.0), RunDir(str(tmp_path)), 0)
+  budget.start()
+  budget.update(10)  # agreed
+  time.sleep(0.3)
+  assert budget.update(15) == budget.spent < 0.3  # between agreements: the agreed figure
+  budget.save(15)
+  record = json.loads((tmp_path / RunDir.TIME_SPENT).read_text())
+  assert record['15'] >= 0.3 and budget.spent == record['15']

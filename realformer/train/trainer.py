@@ -25,8 +25,9 @@ program:
                   period (an epoch) when it is named, and when stopping (TensorBoard under
                   train/ and eval splits, and metrics.jsonl): the train metrics averaged over
                   the window, steps/s, examples/s, tokens/s, TFLOP/s per device and MFU, the
-                  first step of a start (compilation) left out; evaluation every `eval_every`
-                  steps and at the end; the best evaluation's params kept in <run>/best when
+                  first step of a start (compilation), evaluations and checkpoint saves left
+                  out; evaluation every `eval_every` steps and at the end (also of a run
+                  resumed at its end, or cut to it); the best evaluation's params kept in <run>/best when
                   asked; a checkpoint every `checkpoint_every` steps and at the end;
                   SIGTERM (preemption): save the current step and return {'preempted': step},
                   which run_program turns into exit status 75 (a signal at the last step
@@ -272,12 +273,15 @@ class TimeBudget:
   def exclude(self, seconds: float):
     self._excluded += seconds
 
-  def update(self, step: int) -> float:
+  def update(self, step: int, sync: bool = False) -> float:
+    """The budget spent by `step`: this process's clock, or with several processes process
+    0's, taken every SYNC_EVERY steps and where `sync` (every process calls it then: a save
+    records what all of them will resume from)."""
     spent = self.before
     if self._clock_from is not None:
       spent += time.time() - self._clock_from - self._excluded
     if jax.process_count() > 1:
-      if step % self.SYNC_EVERY:
+      if step % self.SYNC_EVERY and not sync:
         return self.spent
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       spent = float(multihost_utils.broadcast_one_to_all(np.float64(spent)))
@@ -293,7 +297,7 @@ class TimeBudget:
     return self.spent >= self.seconds
 
   def save(self, step: int):
-    self._record[str(step)] = self.spent
+    self._record[str(step)] = self.update(step, sync=True)  # (not a stale synced figure)
     self._run.write_json(RunDir.TIME_SPENT, self._record)
 
 
@@ -535,7 +539,9 @@ class Trainer:
           self._log(step, window, whole_period=False)
         if step % c.checkpoint_every == 0 or last or stopping:
           self._check_finite(*pending)
+          saving = time.time()
           self._save(step)
+          window.exclude(time.time() - saving)  # (a save is not training time either)
         if stopping:
           return step
         if evaluating:  # evaluation is not training time (the window's metrics stay)
@@ -570,7 +576,9 @@ class Trainer:
       values[f'{c.eval_period_name}_seconds'] = time.time() - self.period_start
     self.writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
     self.writer.flush()
-    _log_progress(step, c.num_steps, values)
+    # (a time budget's run ends when the budget is spent: num_steps only bounds it)
+    _log_progress(step, c.num_steps, values, None if self.budget is None else
+                  max(0.0, self.budget.seconds - self.budget.spent))
     self.last_logged = values
 
   def _evaluate(self, step: int):
@@ -620,9 +628,13 @@ class Trainer:
       logging.warning('stop signal: saved step %d in %s; run the same command to resume',
                       preempted, self.manager.directory)
       return dict(summary, preempted=preempted, eval=self.results or {})
-    if self.results is None and task.needs_final_results:  # resumed at the end
-      if any(split != 'train' for split in logged):  # logged already: evaluated again only
-        self.results = task.evaluate(self.state.params, step)  # for the outputs
+    evaluated = any(split != 'train' for split in logged)  # (at this step, earlier)
+    # Resumed at the end (or cut to it: a shorter num_steps or time budget), nothing evaluated
+    # in this process: the end is evaluated as the loop would have, if the run evaluates.
+    if self.results is None and (task.needs_final_results or
+                                 (c.eval_every > 0 and not evaluated)):
+      if evaluated:  # logged already: evaluated again only for the outputs
+        self.results = task.evaluate(self.state.params, step)
       else:
         self._evaluate(step)
     summary['eval'] = self.results or {k: v for k, v in logged.items() if k != 'train'}
@@ -715,14 +727,17 @@ _HEADLINE = ('loss', 'steps_per_sec', 'examples_per_s', 'tokens_per_s', 'padded_
              'tflops_per_device', 'mfu', 'uptime')
 
 
-def _log_progress(step: int, num_steps: int, values: dict):
-  """One line for a logged step: the loss, the speed and the ETA in words, then every other
-  scalar of the window as 'name=value'."""
+def _log_progress(step: int, num_steps: int, values: dict, seconds_left=None):
+  """One line for a logged step: the loss, the speed and the ETA in words (from the speed,
+  or `seconds_left` where a time budget says), then every other scalar of the window as
+  'name=value'."""
   rest = metrics_lib.format_scalars({k: v for k, v in values.items() if k not in _HEADLINE})
   if 'steps_per_sec' not in values:
     logging.info('step %d/%d: loss %.4f; %s', step, num_steps, values['loss'], rest)
     return
-  eta = datetime.timedelta(seconds=int((num_steps - step) / values['steps_per_sec']))
+  if seconds_left is None:
+    seconds_left = (num_steps - step) / values['steps_per_sec']
+  eta = datetime.timedelta(seconds=int(seconds_left))
   real = (f' ({values["tokens_per_s"] / values["padded_tokens_per_s"]:.0%} of the padded)'
           if 'padded_tokens_per_s' in values else '')
   logging.info('step %d/%d: loss %.4f, %.2f steps/s, %.1f examples/s, %.0f tokens/s%s, '
