@@ -112,7 +112,7 @@ def tokenizer_signature(path: str) -> Optional[str]:
   preparation records it, so that reusing or resuming it is refused instead of mixing the
   two. None where the file is not here."""
   path = path or tokenizer_lib.EMBEDDED_TOKENIZER
-  if not storage.path(path).exists():
+  if not storage.path(path).is_file():  # (loading it then says what is wrong)
     return None
   crc = zlib.crc32(storage.path(path).read_bytes())
   if path.endswith('.txt'):

@@ -189,16 +189,18 @@ def _is_file(p: str) -> bool:
 
 def _input_lines(inputs, stats: collections.Counter) -> Iterator[str]:
   """Sentences of a path, a list of paths (BERT-format files, local or gs://) or an iterable
-  of sentences. A path that is no file is an error (also one in a list of files), never a
-  sentence to train on."""
-  if isinstance(inputs, str):
+  of sentences. A path (a str) that is no file is an error, and so is a list whose strings
+  name files but for some: never a sentence to train on."""
+  if isinstance(inputs, str):  # a path, never a sentence
+    if not _is_file(inputs):
+      raise FileNotFoundError(f'input files not found: {inputs}')
     inputs = [inputs]
   if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(p, str) for p in inputs):
     files = [_is_file(p) for p in inputs]
     if all(files):
       return (s for path in inputs for doc in sources.iter_file_documents(path, stats)
               for s in doc)
-    if any(files) or len(inputs) == 1:
+    if any(files):  # some paths, some not: the missing ones (a list of sentences has none)
       raise FileNotFoundError('input files not found: '
                               f'{", ".join(p for p, f in zip(inputs, files) if not f)}')
   return iter(inputs)

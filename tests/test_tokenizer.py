@@ -181,6 +181,9 @@ def test_training_inputs_that_cannot_train_are_one_line_before_training(tmp_path
     for missing in (str(tmp_path / 'no_such.txt'), [str(empty), str(tmp_path / 'gone.txt')]):
       with pytest.raises(FileNotFoundError, match=r'input files not found: .*(no_such|gone)'):
         trainer(missing)
+  # A list of sentences (none of them a file), even of one, is trained on as sentences.
+  assert tokenizer_lib.train_wordpiece(['one short sentence'], str(tmp_path / 'one'), 100)[
+      'sentences'] == 1
   text = tmp_path / 'text.txt'
   text.write_text('\n'.join(f'sentence number {i} of a small text, with {chr(97 + i % 26)}'
                             for i in range(200)))

@@ -1070,18 +1070,31 @@ def test_checkpoint_saves_are_not_counted_as_training_time(tmp_path, monkeypatch
 
 
 def test_a_time_budget_on_several_hosts_records_the_time_at_each_save(tmp_path, monkeypatch):
-  """Process 0's clock is agreed every SYNC_EVERY steps, and at every save: a checkpoint
-  between two agreements records the time spent at its own step, not the last agreed one
-  (which a resume would count from, losing the steps between)."""
+  """Process 0's clock is agreed every SYNC_EVERY steps and at every checkpoint step (the
+  loop asks for it there): a checkpoint between two agreements records the time spent at
+  its own step, not the last agreed one (which a resume would count from, losing the steps
+  between), and the same figure the loop read to decide whether the step was the last."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(jax, 'process_count', lambda: 2)
-  monkeypatch.setattr(multihost_utils, 'broadcast_one_to_all', lambda x: x)  # process 0's
-  cadence = types.SimpleNamespace(time_budget_minutes=1.0, num_steps=100)
-  budget = trainer.TimeBudget(cadence, optax.constant_schedule(1.0), RunDir(str(tmp_path)), 0)
-  budget.start()
-  budget.update(10)  # agreed
-  time.sleep(0.3)
-  assert budget.update(15) == budget.spent < 0.3  # between agreements: the agreed figure
-  budget.save(15)
-  record = json.loads((tmp_path / RunDir.TIME_SPENT).read_text())
-  assert record['15'] >= 0.3 and budget.spent == record['15']
+  with monkeypatch.context() as m:
+    m.setattr(jax, 'process_count', lambda: 2)
+    m.setattr(multihost_utils, 'broadcast_one_to_all', lambda x: x)  # process 0's
+    cadence = types.SimpleNamespace(time_budget_minutes=1.0, num_steps=100)
+    budget = trainer.TimeBudget(cadence, optax.constant_schedule(1.0), RunDir(str(tmp_path)),
+                                0)
+    budget.start()
+    budget.update(10)  # agreed
+    time.sleep(0.3)
+    assert budget.update(15) == budget.spent < 0.3  # between agreements: the agreed figure
+    assert budget.update(15, sync=True) == budget.spent >= 0.3  # a checkpoint step's own
+    budget.save(15)
+    assert json.loads((tmp_path / RunDir.TIME_SPENT).read_text())['15'] == budget.spent
+  # The loop syncs exactly at its checkpoint steps.
+  asked, update = [], trainer.TimeBudget.update
+
+  def recorded(self, step, sync=False):
+    asked.append((step, sync))
+    return update(self, step, sync)
+  monkeypatch.setattr(trainer.TimeBudget, 'update', recorded)
+  trained(tiny_config(num_steps=6, checkpoint_every_steps=4, time_budget_minutes=60),
+          tmp_path / 'run')
+  assert [step for step, sync in asked if sync] == [4] and len(asked) == 6

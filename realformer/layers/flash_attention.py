@@ -590,7 +590,10 @@ def shared_memory_here() -> int:
   gpu = next((d for d in devices if d.platform == 'gpu'), None)
   if gpu is None:
     return HOPPER_SHARED_MEMORY
-  capability = tuple(int(x) for x in str(gpu.compute_capability).split('.')[:2])
+  try:
+    capability = tuple(int(x) for x in str(gpu.compute_capability).split('.')[:2])
+  except (AttributeError, ValueError):  # not an NVIDIA capability (ROCm's 'gfx90a')
+    capability = None
   return SHARED_MEMORY.get(capability, min(SHARED_MEMORY.values()))
 
 

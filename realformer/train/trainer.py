@@ -275,8 +275,8 @@ class TimeBudget:
 
   def update(self, step: int, sync: bool = False) -> float:
     """The budget spent by `step`: this process's clock, or with several processes process
-    0's, taken every SYNC_EVERY steps and where `sync` (every process calls it then: a save
-    records what all of them will resume from)."""
+    0's, taken every SYNC_EVERY steps and where `sync` (every process asks it at the same
+    steps: the checkpoint steps, whose saves record what all of them will resume from)."""
     spent = self.before
     if self._clock_from is not None:
       spent += time.time() - self._clock_from - self._excluded
@@ -297,7 +297,10 @@ class TimeBudget:
     return self.spent >= self.seconds
 
   def save(self, step: int):
-    self._record[str(step)] = self.update(step, sync=True)  # (not a stale synced figure)
+    """Records the time the loop last read (update), the figure its decision of whether this
+    step was the last one used: a checkpoint step's own (the loop syncs there); a stop
+    signal's save between two syncs, the last synced one."""
+    self._record[str(step)] = self.spent
     self._run.write_json(RunDir.TIME_SPENT, self._record)
 
 
@@ -519,8 +522,8 @@ class Trainer:
           if budget is not None:
             budget.start()
         last = step == c.num_steps
-        if budget is not None:
-          budget.update(step)
+        if budget is not None:  # (synced at checkpoint steps: a save records this figure)
+          budget.update(step, sync=step % c.checkpoint_every == 0)
           last = last or budget.over()
         evaluating = c.eval_every > 0 and (step % c.eval_every == 0 or last)
         logging_now = step % c.log_every == 0 or last or (evaluating and
