@@ -172,19 +172,16 @@ def tpu_target(name: str) -> Target:
 # NVIDIA GPUs the check compiles for without one: XLA's deviceless GPU compile, through jax's
 # CUDA plugin (pip install "jax[cuda13]==0.11.2" on any host; no GPU or driver needed). What
 # XLA's GPU compiler reads of the device: its compute capability (the instructions), shared
-# memory and registers (which bound the Triton kernels' tiles), its cores; the memory is
-# nvidia-smi's. A program may use jax's default preallocation of it (75%, or
+# memory and registers (which bound the Triton kernels' tiles: a block's is the flash
+# kernel's table, flash_attention.SHARED_MEMORY), its cores; the memory is nvidia-smi's. A program may use jax's default preallocation of it (75%, or
 # $XLA_PYTHON_CLIENT_MEM_FRACTION).
 GPUS = {
     'h100': dict(kind='NVIDIA H100 80GB HBM3', capability=9, cores=132, memory_mib=81559,
-                 bandwidth=3.35e12, l2=50 << 20, clock=1.98, smem_block=232448,
-                 smem_core=233472, fpus=128),
+                 bandwidth=3.35e12, l2=50 << 20, clock=1.98, smem_core=233472, fpus=128),
     'h200': dict(kind='NVIDIA H200', capability=9, cores=132, memory_mib=143771,
-                 bandwidth=4.8e12, l2=50 << 20, clock=1.98, smem_block=232448,
-                 smem_core=233472, fpus=128),
+                 bandwidth=4.8e12, l2=50 << 20, clock=1.98, smem_core=233472, fpus=128),
     'a100': dict(kind='NVIDIA A100-SXM4-80GB', capability=8, cores=108, memory_mib=81920,
-                 bandwidth=2.039e12, l2=40 << 20, clock=1.41, smem_block=166912,
-                 smem_core=167936, fpus=64),
+                 bandwidth=2.039e12, l2=40 << 20, clock=1.41, smem_core=167936, fpus=64),
 }
 _GPU_CONFIG = """gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 threads_per_core_limit: 2048
@@ -223,6 +220,7 @@ def gpu_target(name: str) -> Target:
   dnn, cuda = _versions.cudnn_build_version(), _versions.cuda_runtime_build_version()
   g = GPUS[gpu]
   config = _GPU_CONFIG.format(memory=g['memory_mib'] << 20, dnn_major=dnn // 10000,
+                              smem_block=flash_lib.SHARED_MEMORY[g['capability'], 0],
                               dnn_minor=dnn // 100 % 100, cuda_major=cuda // 1000,
                               cuda_minor=cuda // 10 % 100, **g)
   try:
