@@ -165,11 +165,15 @@ class Record:
     _write_json(self.path, self.data)
 
 
-def _write_json(path: str, data) -> None:
+def _write_text(path: str, text: str) -> None:
   """Written whole or not at all (a reader never sees half a file)."""
   with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    json.dump(data, f, indent=1)
+    f.write(text)
   os.replace(path + '.tmp', path)
+
+
+def _write_json(path: str, data) -> None:
+  _write_text(path, json.dumps(data, indent=1))
 
 
 def part_env(out: str, smoke: bool, scratch: str, opts) -> None:  # pylint: disable=unused-argument
@@ -490,9 +494,7 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, opts) -> None:
     return found
 
   def give_turn(k):
-    with open(_turn_file(scratch, part) + '.tmp', 'w', encoding='utf-8') as f:
-      f.write(str(k))
-    os.replace(_turn_file(scratch, part) + '.tmp', _turn_file(scratch, part))
+    _write_text(_turn_file(scratch, part), str(k))
   give_turn(turn)
   while turn < len(entries):
     while waiting and len(running) < parallel:
@@ -502,9 +504,7 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, opts) -> None:
            '--scratch', scratch, '--deadline', str(deadline)] + _selection(opts) +
           (['--smoke'] if smoke else []), cwd=_REPO)
       marker = _compiling_marker(scratch, part, k)  # before the process can time anything
-      with open(marker + '.tmp', 'w', encoding='utf-8') as f:
-        f.write(str(proc.pid))
-      os.replace(marker + '.tmp', marker)
+      _write_text(marker, str(proc.pid))
     time.sleep(0.5)
     for k in [k for k, proc in running.items() if proc.poll() is not None]:
       exited[k] = running.pop(k).returncode
@@ -663,12 +663,6 @@ def _selection(opts) -> list:
   return ['--variants', opts.variants] + (['--extras'] if opts.extras else [])
 
 
-def _write_atomically(path: str, text: str) -> None:
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    f.write(text)
-  os.replace(path + '.tmp', path)
-
-
 def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float, opts) -> int:
   """Runs each part in its own process under its time cap, or the time left if less (which
   the part is told: its contenders plan their turns by it); returns the number that failed.
@@ -730,8 +724,8 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float, opts)
     failed += status not in ('ok',)
     results[part] = dict(status=status, seconds=time.perf_counter() - t, cap_s=cap,
                          error=error, data=data)
-    _write_atomically(os.path.join(out, 'suite.json'), json.dumps(results, indent=1))
-    _write_atomically(os.path.join(out, 'suite.md'), markdown(results))
+    _write_json(os.path.join(out, 'suite.json'), results)
+    _write_text(os.path.join(out, 'suite.md'), markdown(results))
   print('\n' + markdown(results), flush=True)
   print(f'suite: {time.perf_counter() - start:.0f} s; {failed} of {len(parts)} parts not ok')
   return failed
