@@ -211,6 +211,20 @@ class QuietLibraries(logging_std.Filter):
     return not str(record.msg).startswith('Metadata file does not exist')
 
 
+@contextlib.contextmanager
+def warnings_only():
+  """absl's INFO lines off while a tool prints its result (the libraries' progress lines
+  would drown it), and the absl logger's level as it was afterwards: a tool's main() called
+  from Python leaves the session's logging as it found it."""
+  absl_logger = logging_std.getLogger('absl')
+  level = absl_logger.level
+  absl_logger.setLevel(logging_std.WARNING)
+  try:
+    yield
+  finally:
+    absl_logger.setLevel(level)
+
+
 def load_config(config: str):
   """`path.py[:arg]` -> the ConfigDict its get_config(arg) returns (paths relative to the
   repository root, where the programs run)."""

@@ -891,14 +891,14 @@ def main(argv=None) -> None:
   command, argv = cli.command(argv, COMMANDS, prog)
   args, _ = cli.parse_tool_flags(_define(command), argv, prog=f'{prog} {command}', doc=__doc__)
   args.command = command
-  logging.set_verbosity(logging.WARNING)  # orbax's INFO lines drown the result
-  if args.command == 'import-hf':
-    print(import_hf(args.src, args.out))
-  elif args.command == 'import-tf1':
-    print(import_tf1(args.ckpt, args.bert_config, args.vocab, args.out, variant=args.variant,
-                     do_lower_case=not args.cased, gelu=args.gelu))
-  else:
-    print(export_hf(args.workdir, args.out))
+  with cli.warnings_only():
+    if args.command == 'import-hf':
+      print(import_hf(args.src, args.out))
+    elif args.command == 'import-tf1':
+      print(import_tf1(args.ckpt, args.bert_config, args.vocab, args.out,
+                       variant=args.variant, do_lower_case=not args.cased, gelu=args.gelu))
+    else:
+      print(export_hf(args.workdir, args.out))
 
 
 if __name__ == '__main__':
