@@ -96,10 +96,13 @@ def model_matmul_flops(jaxpr) -> int:
   return total
 
 
-@pytest.mark.parametrize('variant', ['postln', 'synth_dense_vanilla', 'synth_factorized_dense'])
+@pytest.mark.parametrize('variant', VARIANTS)
 def test_train_step_matmuls_are_exactly_flops_per_example(variant):
   """The gradient's matmuls, counted in its jaxpr, are train_lib.flops_per_example (the figure
-  the benchmarks divide by) exactly, for every row and for the pruned last layer."""
+  the benchmarks divide by) exactly, for every row and for the pruned last layer; for every
+  variant (tests/test_launch.py judges the compiled programs' FLOPs of one variant of each
+  kind of attention). A fixed or factorized random table's own products are not in the
+  figure (they do not grow with the batch): within the launch check's 5% there."""
   batch = pretraining_batch()
   b, t = batch['input_ids'].shape
   p = batch['masked_lm_positions'].shape[1]
@@ -110,7 +113,11 @@ def test_train_step_matmuls_are_exactly_flops_per_example(variant):
     params = perturbed_params(model, batch)
     jaxpr = jax.make_jaxpr(jax.grad(_loss(model)))(params, batch).jaxpr
     counted[rows] = model_matmul_flops(jaxpr)
-    assert counted[rows] == b * train_lib.flops_per_example(config, t, p), rows
+    want = b * train_lib.flops_per_example(config, t, p)
+    if variant in ('synth_random_fixed', 'synth_factorized_random'):
+      assert counted[rows] == pytest.approx(want, rel=0.05) and counted[rows] != want, rows
+    else:
+      assert counted[rows] == want, rows
   assert counted['predicted'] < counted['all']
 
 

@@ -263,7 +263,7 @@ def test_backend_choices_follow_the_target_platform():
 
 
 # Compiled for v5e:2x2 with their bytes, collectives and FLOPs judged; every variant's FLOPs
-# are judged on that slice too: these here, the others by test_every_variant_compiles_...
+# are judged on that slice too: these here, the others by test_every_kind_of_attention_...
 # Post-LN in float32 (the configs' default dtype: the Mosaic kernels in float32), the others
 # in bfloat16.
 V5E_TINY = [
@@ -524,12 +524,17 @@ def test_command_line_error_is_one_line():
   assert 'Traceback' not in proc.stderr
 
 
+# One variant of each kind of attention that test_tiny_compiles_for_v5e_2x2 does not compile:
+# a random table mixed with dot products, factorized random and factorized dense tables.
+# Each variant's matmuls are flops_per_example's exactly in its jaxpr
+# (tests/test_last_layer.py); Pre-LN's are Post-LN's, a fixed table's a trained one's, and
+# the pure Synthesizers' are their mixtures' but for the dot product.
 @pytest.mark.parametrize('variant', [
-    v for v in pretrain.VARIANTS if not (HAVE_LIBTPU and v in dict(V5E_TINY))])
-def test_every_variant_compiles_to_its_model_flops(variant):
-  # For a v5e:2x2 slice where libtpu is installed (always in CI; the variants of
-  # test_tiny_compiles_for_v5e_2x2 are judged there), else for this host's CPU devices (the
-  # same program, up to the platform's choices): compiled matmuls within 5% of
+    'synth_random_vanilla', 'synth_factorized_random', 'synth_factorized_dense'] + (
+        [] if HAVE_LIBTPU else [v for v, _ in V5E_TINY]))
+def test_every_kind_of_attention_compiles_to_its_model_flops(variant):
+  # For a v5e:2x2 slice where libtpu is installed (always in CI), else for this host's CPU
+  # devices (the same program, up to the platform's choices): compiled matmuls within 5% of
   # flops_per_example, scanned with accumulation, on a data x fsdp mesh.
   config = tiny(variant, mesh__fsdp=2, mesh__data=-1, model__scan_layers=True,
                 train__grad_accum_steps=2, train__eval_steps=0)  # the train step alone
