@@ -137,37 +137,6 @@ def test_vocabulary_is_padded_to_128_and_padding_is_never_predicted():
   assert bool((jax.nn.softmax(logits)[..., 50:] == 0).all())
 
 
-def _stack_layers(params, num_layers):
-  """Unrolled encoder params (layers_0, layers_1, ...) -> nn.scan's stacked 'layers'."""
-  params = dict(params)
-  layers = [params.pop(f'layers_{i}') for i in range(num_layers)]
-  params['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-  return params
-
-
-@pytest.mark.parametrize('variant,policy', [('realformer', 'none'), ('preln', 'dots'),
-                                            ('synth_dense_vanilla', 'full')])
-def test_scan_over_layers_matches_the_unrolled_stack(variant, policy):
-  batch = make_batch()
-  plain = models.build(small_config(variant), head='encoder')
-  scanned = models.build(small_config(variant, scan_layers=True, remat_policy=policy),
-                         head='encoder')
-  params = perturbed_params(plain, batch)
-  stacked = _stack_layers(params, plain.spec.num_layers)
-  shapes = jax.tree.map(jnp.shape, nn.unbox(jax.eval_shape(
-      scanned.init, jax.random.PRNGKey(0), batch)['params']))
-  assert jax.tree.map(jnp.shape, stacked) == shapes  # the layout scan expects
-  a = plain.apply({'params': params}, batch, capture_attention=True)
-  b = scanned.apply({'params': stacked}, batch, capture_attention=True)
-  np.testing.assert_allclose(b.hidden, a.hidden, rtol=1e-5, atol=1e-5)
-  for pa, pb in zip(a.attention, b.attention):
-    np.testing.assert_allclose(pb, pa, rtol=1e-5, atol=1e-6)
-  ga = _stack_layers(jax.grad(_loss(plain, batch))(params), plain.spec.num_layers)
-  gb = jax.grad(_loss(scanned, batch))(stacked)
-  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
-    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-4)
-
-
 def test_realformer_carries_float32_scores_under_bfloat16():
   batch = make_batch()
   spec = resolve(small_config('realformer', dtype='bfloat16'))

@@ -176,12 +176,16 @@ def _stack_layers(params, n):
   return enc
 
 
-@pytest.mark.parametrize('variant,remat', [('realformer', 'none'), ('realformer', 'dots'),
-                                           ('preln', 'full'), ('synth_random_vanilla', 'full')])
-def test_scan_and_remat_equal_unrolled(variant, remat):
+@pytest.mark.parametrize('variant,remat,running_mean', [
+    ('realformer', 'none', True), ('realformer', 'dots', False), ('preln', 'dots', True),
+    ('synth_random_vanilla', 'full', True), ('synth_dense_vanilla', 'full', False)])
+def test_scan_and_remat_equal_unrolled(variant, remat, running_mean):
+  """Scanned layers (with each remat policy) compute the unrolled stack's hidden states,
+  attention probabilities and gradients, RealFormer's scores carried with and without the
+  running mean."""
   batch = make_batch()
-  unrolled = models.build(small_config(variant, running_mean=True), head='encoder')
-  scanned = models.build(small_config(variant, running_mean=True, scan_layers=True,
+  unrolled = models.build(small_config(variant, running_mean=running_mean), head='encoder')
+  scanned = models.build(small_config(variant, running_mean=running_mean, scan_layers=True,
                                       remat_policy=remat), head='encoder')
   params = perturbed_params(unrolled, batch)
   stacked = _stack_layers(params, 3)
