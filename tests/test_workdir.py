@@ -195,7 +195,7 @@ def test_warmup_as_a_fraction_of_the_run():
   assert pretrain.get_config('postln,tiny,runlocal').optimizer.warmup_steps == -1
 
 
-def test_command_line_second_run_refused_and_preemption_exits_not_finished(tmp_path):
+def test_command_line_second_run_refused_and_preemption_exits_not_finished(commands, tmp_path):
   env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1))
   args = [sys.executable, 'train.py', f'--workdir={tmp_path}', '--config.data.sources=synthetic',
           '--config.model.num_layers=1', '--config.model.hidden_size=32',
@@ -209,8 +209,7 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(tmp_p
   try:
     metrics = tmp_path / 'metrics.jsonl'
     _wait_for(first, lambda: metrics.exists() and metrics.read_text().strip(), every=0.5)
-    second = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=240)
+    second = commands.run(args[1:], env=env)  # refused before it trains
     assert second.returncode == 1
     errors = [l for l in second.stderr.splitlines() if l.startswith('error:')]
     assert len(errors) == 1 and f'in use by pid {first.pid}' in errors[0], second.stderr[-3000:]
@@ -719,7 +718,7 @@ def _glue_rte(folder, rows: int, malformed_at: int = 0, test: bool = False):
                                      + '\n')
 
 
-def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_path):
+def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(commands, tmp_path):
   """finetune.py as a user runs it: a held workdir is refused naming the holder; a skipped
   malformed row is counted; SIGTERM saves and exits 'not finished' (75); a resume under
   another config is refused with config.json kept; the plain resume finishes with no
@@ -741,8 +740,10 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_pat
     assert 'Traceback' not in proc.stderr
     return errors[0]
 
+  # (The refusals, before anything trains, from the preloaded interpreter: the first start,
+  # the preempted one and the resume are `python` itself.)
   with workdir_lib.Lock(str(workdir), 'a test'):
-    held = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    held = commands.run(args[1:], env=env)
   assert f'in use by pid {os.getpid()} on {socket.gethostname()}' in one_error(held)
   first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
@@ -758,8 +759,7 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(tmp_pat
   assert 'not finished: stopped by SIGTERM after saving step' in err
   assert 'skipped 1 malformed rows' in err and 'RTE/train.tsv (lines 6)' in err
   stored = (workdir / 'config.json').read_text()
-  other = subprocess.run(args + ['--config.optimizer.learning_rate=1e-3'], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=240)
+  other = commands.run(args[1:] + ['--config.optimizer.learning_rate=1e-3'], env=env)
   assert ('holds a checkpoint of another config (1 field): optimizer.learning_rate'
           in one_error(other))
   assert (workdir / 'config.json').read_text() == stored
