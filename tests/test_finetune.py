@@ -470,12 +470,29 @@ def test_preemption_saves_mid_epoch_and_the_resumed_run_matches(pretrained, tmp_
                              [want[s] for s in sorted(want)], rtol=1e-6)
 
 
-def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretrained, tmp_path):
+@pytest.fixture(scope='module')
+def mrpc_bucketed(pretrained, tmp_path_factory):
+  """An MRPC run with the lengths that pad least, compiled in the background (the default):
+  (its summary, its workdir). The tests that change it work on a copy."""
+  workdir = tmp_path_factory.mktemp('mrpc') / 'run'
+  summary = run(ft_config('mrpc', pretrained, compile_in_background=True,
+                          bucket_compile_seconds=0.0), str(workdir))
+  return summary, workdir
+
+
+def _train_losses(workdir):
+  return [r['loss'] for r in map(json.loads, open(workdir / 'metrics.jsonl'))
+          if r['split'] == 'train']
+
+
+def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretrained, mrpc_bucketed,
+                                                                      tmp_path):
   """A run trained with length buckets (the default), evaluated again with them off
   (config.length_buckets=0: every batch padded to max_seq_length): the same dev metrics and
   the same predictions, through finetune.py's own evaluation."""
+  bucketed, trained = mrpc_bucketed
   workdir = tmp_path / 'mrpc'
-  bucketed = run(ft_config('mrpc', pretrained, bucket_compile_seconds=0.0), str(workdir))
+  shutil.copytree(trained, workdir)
   stored = json.load(open(workdir / RunDir.LENGTH_BUCKETS))['lengths']
   assert min(stored) < 64  # some shorter: padded less
   predictions = (workdir / 'predictions' / 'MRPC.tsv').read_text()
@@ -484,20 +501,20 @@ def test_length_buckets_off_gives_the_same_dev_results_and_predictions(pretraine
   assert (workdir / 'predictions' / 'MRPC.tsv').read_text() == predictions
 
 
-def test_compiling_in_the_background_trains_exactly_as_compiling_first(pretrained, tmp_path):
+def test_compiling_in_the_background_trains_exactly_as_compiling_first(pretrained, mrpc_bucketed,
+                                                                       tmp_path):
   """config.compile_in_background (the default) compiles each length while training runs:
   the same programs, so the same losses, dev results and predictions as compiling first."""
-  def trained(background):
-    workdir = tmp_path / f'background_{background}'
-    summary = run(ft_config('mrpc', pretrained, compile_in_background=background,
-                            bucket_compile_seconds=0.0),
-                  str(workdir))
-    losses = [r['loss'] for r in map(json.loads, open(workdir / 'metrics.jsonl'))
-              if r['split'] == 'train']
-    return summary['dev'], losses, (workdir / 'predictions' / 'MRPC.tsv').read_text()
-  first, background = trained(False), trained(True)
+  summary, workdir = mrpc_bucketed
+  background = (summary['dev'], _train_losses(workdir),
+                (workdir / 'predictions' / 'MRPC.tsv').read_text())
+  first_dir = tmp_path / 'background_False'
+  summary = run(ft_config('mrpc', pretrained, compile_in_background=False,
+                          bucket_compile_seconds=0.0), str(first_dir))
+  first = (summary['dev'], _train_losses(first_dir),
+           (first_dir / 'predictions' / 'MRPC.tsv').read_text())
   assert len(first[1]) > 1 and background == first
-  order = json.load(open(tmp_path / 'background_True' / RunDir.LENGTH_BUCKETS))['lengths']
+  order = json.load(open(workdir / RunDir.LENGTH_BUCKETS))['lengths']
   assert len(order) > 1  # several programs, compiled while the run went on
 
 
