@@ -326,6 +326,20 @@ def _the_evaluation_step_decides(config, target, report):
 
 
 @needs_libtpu
+def test_a_tpu_target_leaves_the_environment_as_it_found_it(monkeypatch):
+  """The TPU VM description libtpu reads as it loads is set for that moment only: the
+  programs this process starts (a sweep's runs, a test's commands) do not inherit another
+  slice's accelerator type; a value the user gave is used and kept."""
+  for name in ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES', 'ALLOW_MULTIPLE_LIBTPU_LOAD'):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv('TPU_WORKER_HOSTNAMES', 'localhost')
+  assert len(launch.tpu_target('v5p:2x2x1').devices) == 4
+  assert 'TPU_ACCELERATOR_TYPE' not in os.environ
+  assert 'ALLOW_MULTIPLE_LIBTPU_LOAD' not in os.environ
+  assert os.environ['TPU_WORKER_HOSTNAMES'] == 'localhost'
+
+
+@needs_libtpu
 def test_multi_host_slice_compiles_from_one_process():
   config = tiny('realformer', mesh__fsdp=4, mesh__data=-1, model__scan_layers=True)
   config.train.batch_size = 64

@@ -139,21 +139,23 @@ def tpu_target(name: str) -> Target:
     raise LaunchError('compiling for a TPU slice needs libtpu, which is not installed: '
                       'pip install -r requirements-tpu.txt')
   _ensure_cpu_host()
-  # Compiling loads libtpu, which otherwise takes a machine-wide lock: two compiles (or two
-  # test workers) at once would fail.
-  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-  # libtpu reads a TPU VM's description when it loads; anywhere else, give it one, so that
-  # it neither asks the cloud's metadata server nor prints errors about what is missing
-  # (the compile follows the topology named below, not these).
   chips = math.prod(int(n) for n in shape.split('x'))
-  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
-  os.environ.setdefault('TPU_ACCELERATOR_TYPE', _ACCELERATOR_TYPE[generation](chips))
   from jax.experimental import topologies
   kw = {'chip_config_name': 'megacore'} if generation in _MEGACORE else {}
   dims = [int(n) for n in shape.split('x')]
   if generation in _SINGLE_HOST_UP_TO and chips <= _SINGLE_HOST_UP_TO[generation]:
     kw['chips_per_host_bounds'] = (dims + [1, 1])[:3]  # one VM holds the whole slice
+  # Compiling loads libtpu, which otherwise takes a machine-wide lock: two compiles (or two
+  # test workers) at once would fail. libtpu reads a TPU VM's description when it loads;
+  # anywhere else, give it one, so that it neither asks the cloud's metadata server nor
+  # prints errors about what is missing (the compile follows the topology named here, not
+  # these). Set while libtpu loads, and as they were afterwards (the programs this process
+  # starts, and a later TPU VM's settings, are not to inherit them).
+  vm = {'ALLOW_MULTIPLE_LIBTPU_LOAD': '1', 'TPU_SKIP_MDS_QUERY': '1',
+        'TPU_WORKER_HOSTNAMES': 'localhost',
+        'TPU_ACCELERATOR_TYPE': _ACCELERATOR_TYPE[generation](chips)}
+  given = {k: os.environ.get(k) for k in vm}
+  os.environ.update({k: v for k, v in vm.items() if given[k] is None})
   try:
     desc = topologies.get_topology_desc(topology_name=name, platform='tpu', **kw)
   except Exception as e:  # libtpu's message: first line only
@@ -163,6 +165,10 @@ def tpu_target(name: str) -> Target:
     raise LaunchError(f'--compile_for={name!r}: libtpu does not know this topology ({first}); '
                       f'use a slice shape the generation offers (e.g. v5e:2x2, v5e:4x4, '
                       f'v5p:2x2x1, v5p:4x4x4, v4:2x2x4, v6e:4x8)') from None
+  finally:
+    for k, v in given.items():
+      if v is None:
+        os.environ.pop(k, None)
   devices = list(desc.devices)
   hosts = len({d.process_index for d in devices})
   return Target(name, 'tpu', devices, hosts, devices[0].device_kind,
