@@ -519,7 +519,6 @@ def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   ck = tf1_checkpoint
   workdir, hf_dir, back = (str(tmp_path / n) for n in ('w', 'hf', 'back'))
-  level = logging.getLogger('absl').level
   interop.main(['import-tf1', '--ckpt', ck['prefix'], '--bert_config', ck['config'],
                 '--vocab', ck['vocab'], '--out', workdir, '--variant', 'postln'])
   interop.main(['export-hf', '--workdir', workdir, '--out', hf_dir])
@@ -527,9 +526,15 @@ def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):
   torch.save({n: torch.from_numpy(x) for n, x in tensors.items()},
              os.path.join(hf_dir, 'pytorch_model.bin'))
   os.remove(os.path.join(hf_dir, 'model.safetensors'))
-  interop.main(['import-hf', '--src', hf_dir, '--out', back])
-  # The CLI quiets absl's INFO lines while it works, not for the rest of a Python session.
-  assert logging.getLogger('absl').level == level
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  absl_logger.setLevel(logging.INFO)
+  try:
+    interop.main(['import-hf', '--src', hf_dir, '--out', back])
+    # The CLI quiets absl's INFO lines while it works, not for the rest of a Python session.
+    assert absl_logger.level == logging.INFO
+  finally:
+    absl_logger.setLevel(level)
   first, _ = _restore_all(workdir)
   again, cfg = _restore_all(back)
   assert cfg.model.variant == 'postln'

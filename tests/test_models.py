@@ -180,7 +180,7 @@ def _stack_layers(params, n):
     ('realformer', 'none', True), ('realformer', 'dots', False), ('preln', 'dots', True),
     ('synth_random_vanilla', 'full', True), ('synth_dense_vanilla', 'full', False)])
 def test_scan_and_remat_equal_unrolled(variant, remat, running_mean):
-  """Scanned layers (with each remat policy) compute the unrolled stack's hidden states,
+  """Scanned layers (remat none, dots and full) compute the unrolled stack's hidden states,
   attention probabilities and gradients, RealFormer's scores carried with and without the
   running mean."""
   batch = make_batch()
