@@ -101,10 +101,9 @@ def test_train_step_matmuls_are_exactly_flops_per_example(variant):
   """The gradient's matmuls, counted in its jaxpr, are train_lib.flops_per_example (the figure
   the benchmarks divide by) exactly, for every row and for the pruned last layer; for every
   variant (tests/test_launch.py judges the compiled programs' FLOPs of one variant of each
-  kind of attention). Two differ from it by what the figure leaves out, stated here exactly:
-  a fixed random table takes no gradient, so the backward pass skips the probabilities'
-  (one 2 R T D product a layer); a factorized random table's R1 R2^T does not grow with the
-  batch (computed once, forward and backward, but per example in a pruned last layer)."""
+  kind of attention). A factorized random table's R1 R2^T is not in the figure (it does not
+  grow with the batch: computed once, forward and backward, but per example in a pruned last
+  layer): added here exactly."""
   batch = pretraining_batch()
   b, t = batch['input_ids'].shape
   p = batch['masked_lm_positions'].shape[1]
@@ -116,12 +115,9 @@ def test_train_step_matmuls_are_exactly_flops_per_example(variant):
     jaxpr = jax.make_jaxpr(jax.grad(_loss(model)))(params, batch).jaxpr
     counted[rows] = model_matmul_flops(jaxpr)
     want = b * train_lib.flops_per_example(config, t, p)
-    n, d, h, k = (config.num_layers, config.hidden_size, config.num_heads,
-                  config.synth_factorized_rank)
+    n, h, k = config.num_layers, config.num_heads, config.synth_factorized_rank
     last = rows_lib.num_last_layer_rows(p, t) if rows == 'predicted' else t
-    if variant == 'synth_random_fixed':
-      want -= b * 2 * t * d * ((n - 1) * t + last)
-    elif variant == 'synth_factorized_random':
+    if variant == 'synth_factorized_random':
       product = 3 * 2 * h * t * k  # R1 R2^T for a row of T, forward and backward
       want += ((n - 1) * t + last) * product if rows == 'all' else (
           (n - 1) * t * product + b * last * product)

@@ -687,7 +687,9 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
     heads:      pooler + NSP                           2 D^2 + 4 D
                 MLM transform + tied decoder (P slots) 2 P D^2 + 2 P D V
 
-  and training = 3 x forward (the backward pass costs two forwards). Embedding lookups,
+  and training = 3 x forward (the backward pass costs two forwards), less one 2 R T D a layer
+  where no logit takes a gradient (a fixed random table alone: the backward pass forms the
+  values' gradient but not the probabilities'). Embedding lookups,
   softmax, LayerNorm, the row selections and the random synthesizers' products (batch-
   independent but for the factorized one's rows in a pruned last layer) are not counted.
   These are the FLOPs the step performs: a last layer over every row (HF's
@@ -698,7 +700,10 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
   pruned = s.last_layer == 'predicted' and not s.scan_layers
   last = rows_lib.num_last_layer_rows(p, seq_len) if pruned else seq_len
   heads = 2 * d * d + 4 * d + 2 * p * d * d + 2 * p * d * s.padded_vocab_size
-  return training_flops(encoder_flops(s, seq_len, last) + heads)
+  flops = training_flops(encoder_flops(s, seq_len, last) + heads)
+  if not any(c == 'dot' or not synthetic.component(c).fixed_params(s) for c in s.attention):
+    flops -= 2 * seq_len * d * ((s.num_layers - 1) * seq_len + last)
+  return flops
 
 
 def encoder_flops(spec: EncoderSpec, seq_len: int, last_rows: Optional[int] = None) -> float:
