@@ -144,6 +144,23 @@ def test_another_machines_programs_are_not_read_nor_touched(own_cache):
   assert [f for f in os.listdir(own_cache) if f.startswith('jit__lambda')] == list(files)
 
 
+def test_the_local_launch_check_says_when_its_step_came_from_the_cache(own_cache):
+  """`--compile_for local` with the compilation cache on: a second check of the same step
+  loads it, and the report says so rather than "compiled"."""
+  from realformer.tools import launch  # pylint: disable=g-import-not-at-top
+  from tests.test_train import tiny_config  # pylint: disable=g-import-not-at-top
+  config = tiny_config(eval_steps=0)
+  target = launch.local_target()
+  target.devices = target.devices[:1]
+  config.mesh.data = 1
+  texts = []
+  for _ in range(2):
+    report, _ = launch.compile_step(config, target)
+    texts.append(launch.format_report(config, target, report))
+  assert 'sequence; compiled in' in texts[0]
+  assert 'sequence; loaded from the compilation cache in' in texts[1], texts[1]
+
+
 def test_an_entry_that_cannot_be_read_is_compiled_again_and_replaced(own_cache):
   """jax keeps an entry that is there: one cut short by an earlier start would be read in
   vain (a warning), compiled anew and kept, at every start; and jax's check whether a key

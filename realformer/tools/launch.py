@@ -43,6 +43,7 @@ import numpy as np
 
 from realformer.layers import flash_attention as flash_lib
 from realformer.tools import hlo_stats
+from realformer.train import compile_cache
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
 from realformer.train import train_lib
@@ -282,6 +283,7 @@ class Report:
   xla_flops: float = 0.0         # cost_analysis()['flops'] (loop bodies once)
   collectives: Dict[str, dict] = dataclasses.field(default_factory=dict)
   compile_seconds: float = 0.0
+  loaded: bool = False           # the train step came from the compilation cache (local)
   refusal: str = ''              # the compiler's one-line reason when it would not fit
   eval_total_bytes: int = 0      # the evaluation step (the whole global batch at once, no
   eval_refusal: str = ''         #   accumulation) beside the train state; 0: not compiled
@@ -359,7 +361,7 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   report = Report(batch_size=batch_size, fits=False, hbm_bytes=target.hbm_bytes,
                   state_bytes=_state_bytes(program.abstract),
                   model_flops=per_example * batch_size / len(target.devices))
-  start = time.time()
+  start, hits = time.time(), compile_cache.stats()['hits']
   with jax.set_mesh(mesh), flash_lib.compiling_for(target.devices):
     lowered = program.train_step.lower(program.abstract, batch,
                                        *train_lib.abstract_step_arguments())
@@ -376,6 +378,7 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
         target.hbm_bytes = report.hbm_bytes = available
       return report, None
   report.compile_seconds = time.time() - start
+  report.loaded = compile_cache.stats()['hits'] > hits
   mem = compiled.memory_analysis()
   report.argument_bytes = int(mem.argument_size_in_bytes)
   report.output_bytes = int(mem.output_size_in_bytes)
@@ -611,7 +614,8 @@ def format_report(config, target: Target, r: Report) -> str:
          (f'; {r.batch_size / target.num_hosts:g} per host' if target.num_hosts > 1 else ''))
   lines = [describe(config, target),
            f'global batch {r.batch_size} x {t} tokens ({per}), {p} predictions per '
-           f'sequence; compiled in {r.compile_seconds:.0f} s']
+           f'sequence; ' + ('loaded from the compilation cache' if r.loaded else 'compiled') +
+           f' in {r.compile_seconds:.0f} s']
   hbm = f'{r.hbm_bytes / GiB:.2f} GiB' if r.hbm_bytes else 'unknown'
   if r.hbm_bytes and target.platform == 'tpu':
     hbm += ' usable'
