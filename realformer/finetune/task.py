@@ -424,8 +424,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def flops_per_example(self, length: int) -> float:
     """Training FLOPs of one example padded to `length`: the encoder over every row, and
     the head."""
-    return train_lib.training_flops(train_lib.encoder_flops(self.spec, length) +
-                                    self.head_flops(length))
+    return (train_lib.encoder_training_flops(self.spec, length) +
+            train_lib.training_flops(self.head_flops(length)))
 
   # ---- trainer.Task.
 

@@ -700,9 +700,19 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
   pruned = s.last_layer == 'predicted' and not s.scan_layers
   last = rows_lib.num_last_layer_rows(p, seq_len) if pruned else seq_len
   heads = 2 * d * d + 4 * d + 2 * p * d * d + 2 * p * d * s.padded_vocab_size
-  flops = training_flops(encoder_flops(s, seq_len, last) + heads)
-  if not any(c == 'dot' or not synthetic.component(c).fixed_params(s) for c in s.attention):
-    flops -= 2 * seq_len * d * ((s.num_layers - 1) * seq_len + last)
+  return encoder_training_flops(s, seq_len, last) + training_flops(heads)
+
+
+def encoder_training_flops(spec: EncoderSpec, seq_len: int,
+                           last_rows: Optional[int] = None) -> float:
+  """Training FLOPs of the encoder's layers for one example (flops_per_example's table):
+  3 x forward, less the probabilities' gradient, 2 R T D a layer, where no logit takes a
+  gradient (a fixed random table alone)."""
+  last = seq_len if last_rows is None else last_rows
+  flops = training_flops(encoder_flops(spec, seq_len, last))
+  if not any(c == 'dot' or not synthetic.component(c).fixed_params(spec)
+             for c in spec.attention):
+    flops -= 2 * seq_len * spec.hidden_size * ((spec.num_layers - 1) * seq_len + last)
   return flops
 
 
