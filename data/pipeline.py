@@ -342,7 +342,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
           raise ValueError(f'preparing {prepared_dir} failed on {failed}')
         if time.time() > deadline:
           raise TimeoutError(f'process 0 did not finish preparing {prepared_dir}')
-        time.sleep(2)
+        time.sleep(prepare_lib.POLL_SECONDS)
   found = prepare_lib.read_metadata(prepared_dir, config)
   if not storage.is_url(prepared_dir):
     return prepared_dir

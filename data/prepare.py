@@ -74,6 +74,9 @@ from realformer import storage
 
 METADATA = 'metadata.json'
 SPLITS = ('train', 'eval')
+# How often a host waiting on the others (their shares, process 0's gathering, a preparation
+# lease) looks again.
+POLL_SECONDS = 2.0
 
 
 # Fingerprint keys present only when they differ from these values.
@@ -509,7 +512,7 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: f
     if time.time() > deadline:
       raise TimeoutError(f'preparation workers {missing[:8]} of {total} did not finish in '
                          f'{timeout_s:.0f} s; is every host running it?')
-    time.sleep(2)
+    time.sleep(POLL_SECONDS)
 
 
 def failure_since(out_dir: str, since: float) -> Optional[str]:
@@ -588,7 +591,7 @@ def _gather_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overw
         return read_metadata(out_dir)
       if time.time() > deadline:
         raise
-      time.sleep(2)
+      time.sleep(POLL_SECONDS)
   try:
     return _copy_objects(config, tokenizer, tmp, out_dir, total, overwrite, started)
   finally:

@@ -132,6 +132,9 @@ if args.get('step_seconds') or args.get('pause_at'):
         open(args['paused'], 'w').close()
         while not os.path.exists(args['resume']):
           time.sleep(0.05)
+        if args.get('storage_seconds_after_pause'):  # the test stopped the server meanwhile
+          from realformer import storage
+          storage.REQUEST_SECONDS = args['storage_seconds_after_pause']
       time.sleep(args.get('step_seconds', 0))
       return step_fn(state, batch, *rest)
     return step
@@ -434,8 +437,11 @@ def test_e_the_server_stopped_mid_run_stops_it_in_one_line_and_it_resumes(server
                                                                          reference):
   url = f'{server.root}/e'
   paused, resume = tmp_path / 'paused', tmp_path / 'resume'
+  # (once the server is stopped, the child's requests fail within 2 s instead of the run's
+  # 10: its first failure and its last attempt to delete what it wrote each wait that long)
   proc = _child(server, tmp_path, workdir=url, pause_at=5, paused=str(paused),
-                resume=str(resume), train={'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3})
+                resume=str(resume), storage_seconds_after_pause=2,
+                train={'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3})
   marker = storage.path(url) / 'checkpoints' / '3' / checkpoints.COMMIT_FILE
   deadline = time.time() + 240
   while not (paused.exists() and marker.exists()):  # between the saves of steps 3 and 6

@@ -203,6 +203,7 @@ def test_hosts_wait_for_process_zero_and_finished_preparations_are_kept(
   config.data.prepared_dir = str(tmp_path / 'shared')
   monkeypatch.setattr(jax, 'process_index', lambda: 1)  # the second of two hosts: it
   monkeypatch.setattr(jax, 'process_count', lambda: 2)  # prepares its share, then waits
+  monkeypatch.setattr(prepare, 'POLL_SECONDS', 0.1)      # (looking every 0.1 s, not 2)
   with pytest.raises(TimeoutError, match='did not finish preparing'):
     pipeline.ensure_prepared(config, str(tmp_path), timeout_s=0.1)
   writer = threading.Timer(0.5, prepare.prepare, (config, config.data.prepared_dir))
@@ -225,6 +226,7 @@ def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, m
   config.data.prepared_dir = str(tmp_path / 'shared')
   monkeypatch.setattr(jax, 'process_index', lambda: 1)
   monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(prepare, 'POLL_SECONDS', 0.1)
 
   def process_zero():
     with pytest.raises(ValueError, match='gave no training examples'):
