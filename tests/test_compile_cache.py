@@ -59,6 +59,7 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
   first = _train(tmp_path / 'a', cache)
   loaded, written = _counts(first)
   assert written > 0  # (a program built twice in one process is loaded the second time)
+  assert f'compilation cache: {cache}' in first and 'Resetting cache' not in first  # (jax's)
   (folder,) = os.listdir(cache)  # one machine: one subfolder
   assert folder == compile_cache.fingerprint(compile_cache.machine_facts())
   assert len(os.listdir(cache / folder)) > 0

@@ -41,6 +41,7 @@ run cost nothing.
 """
 
 import hashlib
+import logging as std_logging
 import os
 import secrets
 import threading
@@ -214,7 +215,15 @@ def _open_as_whole_entries(path: str) -> None:
   built = jax_compilation_cache._cache  # pylint: disable=protected-access
   # (Also when none was built: a compile after disable() left jax decided against a cache.)
   if not isinstance(built, WholeEntries) or jax.config.jax_compilation_cache_dir != path:
-    jax_compilation_cache.reset_cache()
+    # (without jax's INFO line "Resetting cache at <empty>.": the reset is ours, and the
+    # start already names the cache's folder)
+    jax_logger = std_logging.getLogger(jax_compilation_cache.__name__)
+    level = jax_logger.level
+    jax_logger.setLevel(max(level, std_logging.WARNING))
+    try:
+      jax_compilation_cache.reset_cache()
+    finally:
+      jax_logger.setLevel(level)
   jax_compilation_cache.LRUCache = WholeEntries
 
 
