@@ -35,7 +35,7 @@ def trace_and_lower(config) -> tuple:
   with jax.set_mesh(mesh):
     start = time.perf_counter()
     traced = program.train_step.trace(program.abstract, batch,
-                                      *train_lib.abstract_step_arguments())
+                                      *train_lib.abstract_step_arguments(mesh))
     traced_at = time.perf_counter()
     traced.lower()
     return traced_at - start, time.perf_counter() - traced_at

@@ -86,9 +86,10 @@ def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path
   table = shardings.params['encoder']['layers_0']['attention']['synth_relpos']['table']
   assert tuple(table.spec) == ('tensor', None)
   # Its FLOPs: the compiled step's matmuls are the model's count, its declaration included
-  # (a declaration is read: a component claiming 1 MFLOP a row adds it to every layer).
+  # (a declaration is read: a component claiming 1 MFLOP a row adds it to every layer). The
+  # launch check's step is the program the runs above trained with: the cache's entry.
   report, _ = launch.compile_step(_relpos_config(eval_steps=0), launch.local_target())
-  assert report.flop_ratio == pytest.approx(1.0, abs=0.05)
+  assert report.flop_ratio == pytest.approx(1.0, abs=0.05) and report.loaded
   before = train_lib.flops_per_example(spec, 32, 5)
   monkeypatch.setattr(RelativePositionBias, 'flops', staticmethod(lambda s, r, t: r * 1e6))
   assert train_lib.flops_per_example(spec, 32, 5) == before + 3 * 1e6 * (32 + 8)

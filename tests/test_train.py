@@ -917,7 +917,9 @@ def test_an_init_with_known_params_draws_only_the_rest():
 def test_runs_of_other_rates_schedules_lengths_and_seeds_compile_one_program():
   """The learning rate and the dropout key are the step's arguments: configs that differ in
   them (rate, schedule, warm-up, num_steps, seed) lower to the same program text, which the
-  persistent cache keys on; the rate reaches the step's metrics as given."""
+  persistent cache keys on, and so does the trainer's call with its arrays (a step compiled
+  ahead of time, by the launch check or fine-tuning's lengths, is the program the trainer
+  runs); the rate reaches the step's metrics as given."""
   mesh = partitioning.make_mesh(tiny_config().mesh, jax.devices()[:1])
   texts = []
   for lr, schedule, steps, seed in ((3e-3, 'constant', 6, 0), (1e-4, 'linear', 600, 7),
@@ -928,13 +930,15 @@ def test_runs_of_other_rates_schedules_lengths_and_seeds_compile_one_program():
     program = train_lib.pretraining_program(config, mesh)
     with jax.set_mesh(mesh):
       texts.append(program.train_step.lower(program.abstract, program.batch_shapes,
-                                            *train_lib.abstract_step_arguments()).as_text())
+                                            *train_lib.abstract_step_arguments(mesh)).as_text())
   assert texts[0] == texts[1] == texts[2]
   state = program.init()
   batch = train_lib.global_batch(next(train_lib.SyntheticPretrainingData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=0)), mesh)
   rates = train_lib.LearningRates(program.schedule)
   with jax.set_mesh(mesh):
+    assert program.train_step.lower(state, batch, rates(0), program.dropout_key()).as_text() == (
+        texts[0])
     for step in range(5):
       state, metrics = program.train_step(state, batch, rates(step),
                                           train_lib.dropout_key(config.seed, mesh))

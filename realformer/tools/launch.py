@@ -364,7 +364,7 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   start, hits = time.time(), compile_cache.stats()['hits']
   with jax.set_mesh(mesh), flash_lib.compiling_for(target.devices):
     lowered = program.train_step.lower(program.abstract, batch,
-                                       *train_lib.abstract_step_arguments())
+                                       *train_lib.abstract_step_arguments(mesh))
     try:
       compiled = lowered.compile()
     except Exception as e:  # XLA's errors are not a public type

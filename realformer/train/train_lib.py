@@ -281,11 +281,15 @@ def dropout_key(seed: int, mesh) -> jax.Array:
                                       lambda index: key[index])
 
 
-def abstract_step_arguments() -> Tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-  """The shapes of the train step's learning rate and dropout key (to lower it ahead of
-  time)."""
-  return (jax.ShapeDtypeStruct((), jnp.float32),
-          jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+def abstract_step_arguments(mesh) -> Tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+  """The train step's learning rate and dropout key as the trainer passes them, shapes and
+  shardings (dropout_key's replicated key), to lower the step ahead of time: the program is
+  then the one the trainer runs, and its compilation-cache entry the run's. (A key without
+  its sharding lowers to another program.)"""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  return (jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+          jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated))
 
 
 # --------------------------------------------------------------------------------------
