@@ -36,12 +36,17 @@ def _loss(model):
   return lambda p, b: loss_fn(p, b, None, train_lib.pretraining_totals(b))[0]
 
 
-def _compare(variant, dtype='float32', **extra):
+def _models(variant, dtype='float32', **extra):
+  """(the model computing every row of its last layer, the pruned one, params, batch)."""
   batch = pretraining_batch()
   build = lambda rows: models.build(small_config(variant, dtype=dtype, last_layer=rows,
                                                  **extra))
   full, pruned = build('all'), build('predicted')
-  params = perturbed_params(full, batch)
+  return full, pruned, perturbed_params(full, batch), batch
+
+
+def _compare(variant, dtype='float32', **extra):
+  full, pruned, params, batch = _models(variant, dtype, **extra)
   apply = lambda m: m.apply({'params': params}, batch, full_hidden=False)
   a, b = apply(full), apply(pruned)
   tol = 0.05 if dtype == 'bfloat16' else 2e-5
@@ -55,7 +60,6 @@ def _compare(variant, dtype='float32', **extra):
   for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(np.asarray(v) / scale, np.asarray(u) / scale, atol=tol,
                                err_msg=jax.tree_util.keystr(path))
-  return full, pruned, params, batch
 
 
 @pytest.mark.parametrize('variant', VARIANTS)
@@ -126,7 +130,8 @@ def test_train_step_matmuls_are_exactly_flops_per_example(variant):
 
 
 def test_contract_paths_keep_every_row():
-  full, pruned, params, batch = _compare('synth_dense_vanilla')
+  # (the pruned model's own outputs and gradients: the variant's case above)
+  full, pruned, params, batch = _models('synth_dense_vanilla')
   # The public contract: by default hidden is every row, whatever last_layer says.
   out = pruned.apply({'params': params}, batch)
   assert out.hidden.shape == (3, 12, 32)
