@@ -681,7 +681,7 @@ def test_an_eval_split_too_small_is_refused_before_the_first_step(tmp_path, capl
 
 def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   """Learning on the prepared embedded corpus (grain's pipeline, not synthetic batches), and
-  a resume from its step-30 checkpoint logging the uninterrupted run's losses to the bit:
+  a resume from its step-50 checkpoint logging the uninterrupted run's losses to the bit:
   the input stream's position restored through the trainer, and the evaluation's batches
   the same in a resumed process."""
   pytest.importorskip('data.pipeline')
@@ -691,7 +691,7 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   c.data.max_seq_length, c.data.max_predictions_per_seq = 64, 10
   t = c.train
   t.batch_size, t.num_steps, t.log_every_steps = 16, 60, 10
-  t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 60, 2, 30
+  t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 60, 2, 50
   c.optimizer.warmup_steps = 6
   summary = trained(c, tmp_path)  # learning on the embedded corpus, not sharding
   mlm = losses(tmp_path, key='mlm_loss')
