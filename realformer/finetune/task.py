@@ -446,7 +446,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
       self.program = dataclasses.replace(program, train_step=Programs(
           program.train_step, (program.abstract,),
           self._batch_of(c.batch_size, self.train), self._lengths_by_first_use(),
-          'train step', self.mesh, self._compiler, after=train_lib.abstract_step_arguments(self.mesh)))
+          'train step', self.mesh, self._compiler,
+          after=train_lib.abstract_step_arguments(self.mesh)))
       self._prediction()  # queued behind the train step's lengths
 
   def _prediction(self) -> Programs:
