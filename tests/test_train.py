@@ -1063,6 +1063,35 @@ def test_a_run_cut_to_its_checkpoint_on_resume_is_evaluated_at_its_end(tmp_path)
   assert 5 in losses(tmp_path, 'eval')
 
 
+def test_the_first_logged_window_compiles_nothing(tmp_path, monkeypatch):
+  """The host's metric ops (adding two steps' metrics, computing their values) compile
+  before the first window's clock starts, not inside it, so the first logged steps/s is the
+  steps' own (on an accelerator an eager op's compile is the larger part of a short window).
+  Trained on a device no other test trains on alone: its eager ops compile afresh here."""
+  compiles, marks = [], []
+
+  def listener(event, duration, **_):
+    if event == '/jax/core/compile/backend_compile_duration':
+      compiles.append(time.perf_counter() - duration)
+  restart, log = trainer.Window.restart_clock, trainer.Trainer._log
+
+  def logged(self, *args, **kwargs):
+    log(self, *args, **kwargs)
+    marks.append(time.perf_counter())
+  monkeypatch.setattr(trainer.Window, 'restart_clock',
+                      lambda self: (marks.append(time.perf_counter()), restart(self))[1])
+  monkeypatch.setattr(trainer.Trainer, '_log', logged)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    train.train_and_evaluate(tiny_config(num_steps=4, log_every_steps=2), str(tmp_path),
+                             devices=jax.devices()[5:6])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  # marks: the loop's first window made, its clock restarted after the first step, its log
+  first_window = (marks[1], marks[2])
+  assert compiles and not [t for t in compiles if first_window[0] < t < first_window[1]]
+
+
 def test_checkpoint_saves_are_not_counted_as_training_time(tmp_path, monkeypatch):
   """A save that blocks (here 1 s) is left out of the logged steps/s, as evaluation and
   compilation are: the same training reads the same speed whatever the checkpoint cadence."""

@@ -518,6 +518,9 @@ class Trainer:
           logging.info('first step: %.1f s (tracing, compiling or loading, and running it)',
                        time.time() - first_call)
           compile_cache.log_stats('compiling the train step')
+          # The host's metric ops (adding two steps' metrics, computing their values)
+          # compile at their first use: here, not in the first logged window's time.
+          metrics_lib.to_floats(metrics_lib.merge(step_metrics, step_metrics))
           window.restart_clock()
           if budget is not None:
             budget.start()
