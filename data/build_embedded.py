@@ -68,9 +68,10 @@ def build_corpus(package: str, out_path: str, index_path: str = '') -> int:
   finally:
     if os.path.exists(partial):
       os.remove(partial)
-  if index_path:
-    with open(index_path, 'w', encoding='utf-8') as f:
+  if index_path:  # likewise replaced only by a complete one
+    with open(index_path + '.partial', 'w', encoding='utf-8') as f:
       f.writelines('\t'.join(row) + '\n' for row in [list(sotu.INDEX_FIELDS)] + index)
+    os.replace(index_path + '.partial', index_path)
   return n
 
 
