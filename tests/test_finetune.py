@@ -735,7 +735,18 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   # Before any run starts: a pretrained checkpoint that is not there.
   with pytest.raises(ValueError, match="--init_checkpoint='/ck' is not a train.py"):
     finetune_grid.main(['--tasks', 'rte', '--root', root, '--init_checkpoint', '/ck'])
+  # a fine-tuning run's own folder (not its best/): refused once, not by each of its runs
+  (tmp_path / 'ft_rte').mkdir()
+  (tmp_path / 'ft_rte' / 'config.json').write_text(json.dumps({'task': 'rte'}))
+  with pytest.raises(ValueError, match='ft_rte is a fine-tuning run'):
+    finetune_grid.main(['--tasks', 'rte', '--root', root, '--init_checkpoint',
+                        str(tmp_path / 'ft_rte')])
   assert 'failed runs: rte/seed=0' in capsys.readouterr().out
+  # Hugging Face data (hf:) is no directory here: the runs load it
+  with mock.patch.object(finetune_grid.sweep, 'run_all', return_value={'seed=0': 0}) as runs:
+    finetune_grid.main(['--tasks', 'rte', '--root', f'{root}/hf_run', '--seeds', '1',
+                        '--data_dir', 'hf:nyu-mll/glue', '--set', 'from_scratch=True'])
+  assert all(run['data_dir'] == 'hf:nyu-mll/glue' for run in runs.call_args.args[0])
   finetune_grid.main(['--tasks', 'rte', '--root', root, '--learning_rates', '1e-4',
                       '--batch_sizes', '16', '--epochs', '3', '--seeds', '1', '--print_only'])
   one = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python')]

@@ -32,6 +32,7 @@ from absl import flags
 from realformer import cli
 from realformer import storage
 from realformer.tools import sweep
+from realformer.train import checkpoints
 from realformer.train.run_dir import RunDir
 
 GRID_KEYS = ('optimizer.learning_rate', 'batch_size', 'num_epochs')
@@ -218,11 +219,14 @@ def main(argv=None):
       types.update(sweep.field_types(config_arg(task)))
     for assignment in sweep.parse_assignments(args.set, multi=False, types=types):
       fixed.update(assignment[0])
-    if not args.print_only and not fixed.get('from_scratch') and not (
-        storage.path(args.init_checkpoint or '.') / RunDir.CONFIG).is_file():
-      raise ValueError(f'--init_checkpoint={args.init_checkpoint!r} is not a train.py or '
-                       f'import workdir (no config.json); pass one, or --set from_scratch=True')
-    if (not args.print_only and args.data_dir and
+    if not args.print_only and not fixed.get('from_scratch'):
+      if not (storage.path(args.init_checkpoint or '.') / RunDir.CONFIG).is_file():
+        raise ValueError(f'--init_checkpoint={args.init_checkpoint!r} is not a train.py or '
+                         'import workdir (no config.json); pass one, or --set '
+                         'from_scratch=True')
+      # (a fine-tuning run's own folder, say, refused here rather than by each of its runs)
+      checkpoints.read_pretraining_config(args.init_checkpoint)
+    if (not args.print_only and args.data_dir and not args.data_dir.startswith('hf:') and
         not storage.path(args.data_dir).is_dir()):
       raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')
     runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
