@@ -4,7 +4,10 @@ Paths go through etils.epath. For gs:// it uses gcsfs, not TensorFlow's tf.io.gf
 epath would pick whenever TensorFlow is installed: that would import TensorFlow into every run
 and ignore STORAGE_EMULATOR_HOST, so nothing could test it): EPATH_USE_TF defaults to false
 here, before any gs:// path is touched. Orbax writes checkpoints to gs:// natively (its
-commit-file protocol, no renames) and reads the same environment: see docs/launching.md.
+commit-file protocol, no renames) through tensorstore, which reads its endpoint from
+TENSORSTORE_GCS_HTTP_URL, not from STORAGE_EMULATOR_HOST (gcsfs, google-cloud-storage): a run
+pointed at another Cloud Storage endpoint (an emulator, a private endpoint) through the latter
+gets the former set to the same (`same_endpoint`), so that no file goes elsewhere.
 
 Object storage has no append and no rename: an object is written whole, atomically. So a
 file that grows while a run goes (metrics.jsonl, TensorBoard events, machine.jsonl) is a
@@ -74,7 +77,37 @@ def join(base, *names: str) -> str:
 def path(p) -> epath.Path:
   """A local path made absolute (~ expanded), or a URL as given."""
   p = os.fspath(p)
-  return epath.Path(p if is_url(p) else os.path.abspath(os.path.expanduser(p)))
+  if is_url(p):
+    same_endpoint()
+    return epath.Path(p)
+  return epath.Path(os.path.abspath(os.path.expanduser(p)))
+
+
+_TENSORSTORE_URL = 'TENSORSTORE_GCS_HTTP_URL'
+_derived_url = None  # the TENSORSTORE_GCS_HTTP_URL that same_endpoint() set, if any
+
+
+def same_endpoint() -> None:
+  """Points tensorstore (Orbax's arrays) at the Cloud Storage endpoint that
+  STORAGE_EMULATOR_HOST names for the other clients, by setting TENSORSTORE_GCS_HTTP_URL (and
+  follows the variable when it changes, or removes what it set); raises a one-line ValueError
+  when the user set both to different endpoints, or only tensorstore's: a run's arrays would
+  be written to another service than its other files."""
+  global _derived_url
+  host = os.environ.get('STORAGE_EMULATOR_HOST', '').rstrip('/')
+  url = host if not host or '://' in host else f'http://{host}'
+  given = os.environ.get(_TENSORSTORE_URL)
+  if given is None or given == _derived_url:
+    if url:
+      os.environ[_TENSORSTORE_URL] = _derived_url = url
+    elif given is not None:
+      del os.environ[_TENSORSTORE_URL]
+      _derived_url = None
+  elif given.rstrip('/') != url:
+    raise ValueError(f'{_TENSORSTORE_URL}={given} but STORAGE_EMULATOR_HOST='
+                     f'{host or "(unset)"}: the checkpoints\' arrays would go to another '
+                     'Cloud Storage endpoint than the other files; set both to the same '
+                     f'endpoint, or unset {_TENSORSTORE_URL}')
 
 
 # Where the exception types of the storage clients come from (gcsfs over aiohttp for files,
@@ -145,15 +178,21 @@ def check_location(p, what: str) -> None:
   """One-line ValueErrors for a folder that a run, a preparation or an import writes, before
   anything is written: a URL other than gs://, a bucket itself (the temporary and lock
   objects beside the folder would name other buckets), URL syntax in a gs:// path
-  (URL_SYNTAX) or a . or .. in it, or a local path on a gcsfuse mount (refuse_gcsfuse).
+  (URL_SYNTAX) or a ., .. or empty name in it, a local path that is a mistyped gs:// URL
+  (gs:/bucket/run), a local path on a gcsfuse mount (refuse_gcsfuse), or Cloud Storage
+  endpoints that disagree (same_endpoint).
   `what` names the setting, e.g. --workdir."""
   text = os.fspath(p)
   if not is_url(text):
+    if text.startswith('gs:'):  # gs:/bucket/run, gs:bucket/run: a local folder named gs:
+      raise ValueError(f'{what} {text}: a gs:// URL has two slashes; give gs://'
+                       f'{text[3:].lstrip("/")} for the bucket, or ./{text} for a local folder')
     refuse_gcsfuse(text, what)
     return
   if not text.startswith('gs://'):
     raise ValueError(f'{what} {text!r}: object storage is supported for gs:// (Cloud Storage) '
                      'URLs; give a gs:// URL or a local folder')
+  same_endpoint()
   bucket, _, prefix = text[len('gs://'):].partition('/')
   if not prefix.strip('/'):
     raise ValueError(f'{what} {text}: give a folder inside the bucket (e.g. gs://{bucket}/'
@@ -166,6 +205,9 @@ def check_location(p, what: str) -> None:
   if dots:  # object names keep them, while some clients resolve them: files in two places
     raise ValueError(f'{what} {text}: {dots[0]!r} in a gs:// path names no folder in a '
                      'bucket; give the path without it')
+  if '' in prefix.rstrip('/').split('/'):  # likewise an empty name between two slashes
+    raise ValueError(f'{what} {text}: // in a gs:// path names no folder in a bucket; give '
+                     'the path with single slashes')
 
 
 def refuse_gcsfuse(p, what: str) -> None:

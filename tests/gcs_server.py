@@ -1,9 +1,10 @@
 """A Cloud Storage server for the tests: gcp-storage-emulator (the GCS JSON API, objects in
 memory) with object generations and preconditions (tests/gcs_emulator.py) on 127.0.0.1, and
-the environment that points every client at it and at nothing else: gcsfs (etils.epath)
-through STORAGE_EMULATOR_HOST, tensorstore (Orbax's arrays) through TENSORSTORE_GCS_HTTP_URL
-and a test token, google-cloud-storage anonymously; the metadata server that credential
-discovery would ask is a closed loopback port."""
+the environment that points every client at it and at nothing else: gcsfs (etils.epath) and
+google-cloud-storage (anonymously) through STORAGE_EMULATOR_HOST, tensorstore (Orbax's arrays)
+through the TENSORSTORE_GCS_HTTP_URL that realformer.storage derives from it (as a user's run
+gets it) and a test token; the metadata server that credential discovery would ask is a closed
+loopback port."""
 
 import contextlib
 import os
@@ -31,7 +32,7 @@ class GcsServer:
     self.port, self.data_dir, self._proc = _free_port(), data_dir, None
     self.root = f'gs://{BUCKET}'
     url = f'http://127.0.0.1:{self.port}'
-    self.env = {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
+    self.env = {'STORAGE_EMULATOR_HOST': url,
                 'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'test', 'EPATH_USE_TF': 'false',
                 'FSSPEC_GCS': '{"token": "anon"}', 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
                 'GCE_METADATA_HOST': '127.0.0.1:9', 'GCE_METADATA_IP': '127.0.0.1:9'}

@@ -15,7 +15,7 @@ its objects in a folder so that it can be stopped and started again):
      the same command resumes once the server is back, as if nothing had happened;
   f. the programs of b and e open connections to 127.0.0.1 only (Python's socket audit
      events: gcsfs and google-cloud-storage; tensorstore's own connections go to
-     TENSORSTORE_GCS_HTTP_URL, the same server), and credential discovery asks no metadata
+     TENSORSTORE_GCS_HTTP_URL, which realformer.storage sets to the same server), and credential discovery asks no metadata
      server.
 """
 

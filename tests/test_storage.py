@@ -329,6 +329,10 @@ def test_a_refresh_that_fails_after_the_release_says_nothing(gcs, monkeypatch, c
     ('gs://bucket/runs/*', r'\* in a gs:// path'),
     ('gs://bucket/runs/../bert', r"'..' in a gs:// path names no folder in a bucket"),
     ('gs://bucket/./bert', r"'.' in a gs:// path"),
+    ('gs://bucket/runs//bert', '// in a gs:// path names no folder in a bucket'),
+    ('gs:/bucket/run', 'a gs:// URL has two slashes; give gs://bucket/run for the bucket, or '
+                       r'\./gs:/bucket/run for a local folder'),
+    ('gs:bucket/run', 'give gs://bucket/run for the bucket'),
     ('s3://bucket/run', 'object storage is supported for gs://')])
 def test_a_url_that_cannot_hold_a_run_is_refused_before_anything_is_written(url, expected):
   """tensorstore ends a gs:// path at # or ?, so a run's arrays would land in another
@@ -340,6 +344,37 @@ def test_a_url_that_cannot_hold_a_run_is_refused_before_anything_is_written(url,
   with pytest.raises(ValueError, match='the prepared data folder'):
     prepare.prepare(ml_collections.ConfigDict({'data': {}}), url)
   storage.check_location('gs://bucket/runs/bert-base_v2.1', '--workdir')  # fine
+  storage.check_location('gs://bucket/runs/bert/', '--workdir')  # a trailing slash too
+
+
+def test_tensorstore_writes_to_the_endpoint_that_the_other_clients_use(monkeypatch):
+  """Orbax's arrays go through tensorstore, which reads TENSORSTORE_GCS_HTTP_URL, not the
+  STORAGE_EMULATOR_HOST that gcsfs and google-cloud-storage read: set from it (and following
+  it), or refused in one line where a user set them apart."""
+  monkeypatch.delenv('TENSORSTORE_GCS_HTTP_URL', raising=False)
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', '127.0.0.1:4443')
+  storage.path('gs://bucket/run')
+  assert os.environ['TENSORSTORE_GCS_HTTP_URL'] == 'http://127.0.0.1:4443'
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://127.0.0.1:5555/')
+  storage.check_location('gs://bucket/run', '--workdir')
+  assert os.environ['TENSORSTORE_GCS_HTTP_URL'] == 'http://127.0.0.1:5555'
+  monkeypatch.delenv('STORAGE_EMULATOR_HOST')
+  storage.path('gs://bucket/run')  # Cloud Storage itself, for every client
+  assert 'TENSORSTORE_GCS_HTTP_URL' not in os.environ
+  storage.path('/tmp/run')  # local paths leave the environment alone
+  for emulator, tensorstore in (('127.0.0.1:4443', 'http://10.0.0.1:80'),
+                                (None, 'http://127.0.0.1:4443')):
+    if emulator:
+      monkeypatch.setenv('STORAGE_EMULATOR_HOST', emulator)
+    else:
+      monkeypatch.delenv('STORAGE_EMULATOR_HOST')
+    monkeypatch.setenv('TENSORSTORE_GCS_HTTP_URL', tensorstore)
+    with pytest.raises(ValueError, match=f'TENSORSTORE_GCS_HTTP_URL={re.escape(tensorstore)} '
+                       f'but STORAGE_EMULATOR_HOST={emulator or "[(]unset[)]"}: the '
+                       "checkpoints' arrays would go to another Cloud Storage endpoint"):
+      RunDir('gs://bucket/run')
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://127.0.0.1:4443')
+  storage.check_location('gs://bucket/run', '--workdir')  # the user's, the same: kept
 
 
 def test_a_bucket_folder_holding_other_objects_is_not_taken_for_prepared_data(gcs):
