@@ -637,7 +637,12 @@ def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, cou
   if os.path.exists(out_dir):
     if not overwrite and os.path.exists(os.path.join(out_dir, METADATA)):
       return read_metadata(out_dir)
-    shutil.rmtree(out_dir)
+    # The old preparation leaves by a rename (deleted from <out_dir>.tmp with the workers'
+    # files), never deleted in place: a kill midway would leave its metadata.json beside
+    # some of its shards, which a run would take for a complete preparation.
+    replaced = os.path.join(os.path.dirname(gathered), 'replaced')
+    shutil.rmtree(replaced, ignore_errors=True)
+    os.rename(out_dir, replaced)
   try:
     os.rename(gathered, out_dir)
   except OSError:  # another process renamed its preparation into place first

@@ -217,6 +217,36 @@ def test_hosts_wait_for_process_zero_and_finished_preparations_are_kept(
   assert prepare.prepare(config, config.data.prepared_dir, overwrite=False) == first
 
 
+def test_a_re_preparation_killed_midway_never_leaves_a_half_deleted_one(prepared, tmp_path,
+                                                                        monkeypatch):
+  """The preparation an overwrite replaces is never deleted in place: a kill while it is
+  deleted (here, once every file but its metadata.json is gone) would leave a folder that a
+  run takes for complete."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  config, _, _ = prepared
+  out = str(tmp_path / 'shards')
+  prepare.prepare(config, out)
+  rmtree = shutil.rmtree
+
+  def killed_midway(path, *args, **kwargs):
+    if os.path.isfile(os.path.join(path, prepare.METADATA)):
+      for name in os.listdir(path):
+        if name != prepare.METADATA:
+          os.remove(os.path.join(path, name))
+      raise KeyboardInterrupt
+    return rmtree(path, *args, **kwargs)
+  monkeypatch.setattr(shutil, 'rmtree', killed_midway)
+  try:
+    prepare.prepare(config, out)  # overwrites
+  except KeyboardInterrupt:
+    pass
+  monkeypatch.setattr(shutil, 'rmtree', rmtree)
+  metadata = prepare.read_metadata(out)
+  for split in prepare.SPLITS:
+    for path in prepare.shard_paths(out, split, prepare.num_files(metadata, split)):
+      assert os.path.isfile(path), path
+
+
 def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, monkeypatch):
   """Process 0 fails to gather (an empty corpus gives no examples): the other hosts stop
   with its message instead of waiting hours for metadata.json."""
