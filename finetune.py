@@ -50,6 +50,10 @@ def finetune(config, workdir: str, *, devices=None) -> dict:
 
 def main(argv):
   cli.refuse_arguments(argv)
+  try:
+    cli.check_program(flags.FLAGS.config, 'finetune.py')
+  except ValueError as e:
+    cli.fail(str(e))
   if not flags.FLAGS.workdir:
     cli.fail('--workdir is required: the directory for checkpoints, metrics and predictions '
              '(e.g. --workdir /tmp/ft_sst2)')

@@ -68,14 +68,19 @@ def main(argv=None):
     storage.write_text(out + '.csv', sweep.to_csv(header, table))
     print(markdown + f'\n(written to {out}.md and {out}.csv)')
     return 0
+  sweep.check_program(args.program, args.config)
   runs = sweep.expand(args.sweep, args.set, args.seeds, args.sweep_file,
                       types=sweep.field_types(args.config))
   sweep.check_keys(args.config, runs)
+  # Every --sweep key names the runs, also one given a single value: a sweep extended one
+  # value at a time into the same root gives each value a folder of its own.
+  swept = [assignment.partition('=')[0].strip() for assignment in args.sweep]
   if args.cmd == 'print':
     print(sweep.launch_script(runs, root=args.root, program=args.program, config=args.config,
-                              target=args.target), end='')
+                              target=args.target, always=swept), end='')
     return 0
-  codes = sweep.run_all(runs, root=args.root, program=args.program, config=args.config)
+  codes = sweep.run_all(runs, root=args.root, program=args.program, config=args.config,
+                        always=swept)
   failed = [n for n, c in codes.items() if c and c != sweep.RUNNING_ELSEWHERE]  # OTHER_RUN too
   elsewhere = [n for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
   print(f'{list(codes.values()).count(0)}/{len(codes)} runs finished' +

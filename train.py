@@ -97,6 +97,10 @@ def check_launch():
 def main(argv):
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
   cli.refuse_arguments(argv)
+  try:
+    cli.check_program(flags.FLAGS.config, 'train.py')
+  except ValueError as e:
+    cli.fail(str(e))
   if flags.FLAGS.compile_for:
     check_launch()
     return

@@ -17,6 +17,7 @@ import re
 import sys
 import traceback
 import types
+from typing import Optional
 
 from absl import flags
 
@@ -71,6 +72,30 @@ def fail(message: str):
   """A usage mistake found outside run_main: `error: <message>`, exit status 1."""
   print(f'error: {" ".join(message.split())}', file=sys.stderr)
   sys.exit(1)
+
+
+# The programs' configs: what each is, and its file.
+PROGRAMS = {'train.py': ('pretraining', 'configs/pretrain.py:<variant>,<size>'),
+            'finetune.py': ('fine-tuning', 'configs/finetune.py:<kind>/<task>')}
+
+
+def program_of(config) -> Optional[str]:
+  """The program whose config `config` is: train.py (a model and a train section),
+  finetune.py (a benchmark), or None (neither)."""
+  if 'model' in config and 'train' in config:
+    return 'train.py'
+  return 'finetune.py' if 'benchmark' in config else None
+
+
+def check_program(config, program: str) -> None:
+  """A one-line ValueError when `config` is another program's (the two config files
+  swapped), instead of the KeyError deep in the run that the missing section would raise."""
+  theirs = program_of(config)
+  if theirs != program:
+    what = (f'a {PROGRAMS[theirs][0]} config: run it with {theirs}' if theirs else
+            'not a config of train.py or finetune.py')
+    raise ValueError(f'--config is {what}, or give {program} a {PROGRAMS[program][0]} config '
+                     f'({PROGRAMS[program][1]})')
 
 
 def refuse_arguments(argv) -> None:

@@ -22,6 +22,7 @@ which prepares into data/) take theirs from here.
   data/                 prepared pretraining shards when data.prepared_dir is empty
   A run that a sweep or a grid started (realformer/tools/sweep.py) also holds:
   overrides.json        the overrides that name it in its sweep
+  command.json          its program and config file (a folder is never resumed by another)
   log.txt               the program's output
   DONE                  written once the program exited 0
   LOCK                  the sweep process running it (a flock, or a lease on gs://)
@@ -44,6 +45,7 @@ class RunNames:
   RESULTS = 'results.json'
   DATA = 'data'
   OVERRIDES = 'overrides.json'
+  COMMAND = 'command.json'
   LOG = 'log.txt'
   DONE = 'DONE'
   SWEEP_LOCK = 'LOCK'

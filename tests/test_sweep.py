@@ -260,6 +260,36 @@ def test_a_key_set_twice_is_an_error_not_a_silently_dropped_grid_point():
     sweep.expand(['train.num_steps=2,3'], ['train.num_steps=4'])
 
 
+def test_a_sweep_extends_one_value_at_a_time_and_another_config_never_takes_its_runs(
+    tmp_path, capsys):
+  """Every --sweep key names the runs, so a value added by a later sweep of one value gets a
+  folder of its own; a sweep of another --config (or program) into the root is refused, not
+  skipped as finished (the folder names leave the config out)."""
+  program = tmp_path / 'fake_train.py'
+  program.write_text(FAKE_PROGRAM)
+  root = str(tmp_path / 'sweep')
+  args = ['--root', root, '--program', str(program)]
+  for lr in ('1e-4', '2e-4'):
+    assert sweep_cli.main(['run'] + args + ['--config', 'cfg', '--sweep',
+                                            f'optimizer.learning_rate={lr}']) == 0
+  assert sorted(os.listdir(root)) == ['optimizer.learning_rate=0.0001,seed=0',
+                                      'optimizer.learning_rate=0.0002,seed=0']
+  capsys.readouterr()
+  other = args + ['--config', 'cfg2', '--sweep', 'optimizer.learning_rate=1e-4']
+  assert sweep_cli.main(['run'] + other) == 1
+  assert ("holds a run with other overrides (--config 'cfg' (asked 'cfg2')); left alone"
+          in capsys.readouterr().out)
+  with pytest.raises(ValueError, match=r"1 of the runs would go into folders .*--config 'cfg' "
+                                       r"\(asked 'cfg2'\)"):
+    sweep_cli.main(['print'] + other)
+  for name in os.listdir(root):
+    assert (tmp_path / 'sweep' / name / 'calls.txt').read_text().count('call') == 1
+  # a config file's path as given, relative to the repository or absolute, is one config
+  assert sweep.program_and_config('train.py', 'configs/pretrain.py:postln,tiny') == (
+      sweep.program_and_config(os.path.join(REPO, 'train.py'),
+                               os.path.join(REPO, 'configs/pretrain.py') + ':postln,tiny'))
+
+
 def test_a_printed_script_never_sends_a_run_into_the_folder_of_another(tmp_path, capsys):
   """`print` refuses a root whose folders hold runs with other overrides (their names leave
   out the --set values): the printed command would resume that run in place."""
@@ -354,7 +384,7 @@ def test_real_sweep_of_train_py(tmp_path, monkeypatch):
   rows = sweep.collect(str(root), ['eval/mlm_accuracy', 'eval/loss'])
   assert len(rows) == 1 and all(r['done'] for r in rows)
   assert all(math.isfinite(r['metrics']['eval/loss']) for r in rows)
-  run = root / 'seed=0'  # one run: only the seed names it
+  run = root / 'model.variant=realformer,seed=0'  # a --sweep key names it, one value or more
   assert json.loads((run / 'config.json').read_text())['model']['variant'] == 'realformer'
 
 

@@ -343,6 +343,16 @@ ONE_LINE_ERRORS = [
      'config.json'),
     (['train.py', '--workdir', '{tmp}/w', '--config', 'configs/nope.py:postln,tiny'],
      "cannot load the --config file: No such file or directory: 'configs/nope.py'"),
+    (['train.py', '--workdir', '{tmp}/w', '--config', 'configs/finetune.py:glue/rte'],
+     '--config is a fine-tuning config: run it with finetune.py, or give train.py a '
+     'pretraining config (configs/pretrain.py:<variant>,<size>)'),
+    (['finetune.py', '--workdir', '{tmp}/w', '--config', 'configs/pretrain.py:postln,tiny'],
+     '--config is a pretraining config: run it with train.py, or give finetune.py a '
+     'fine-tuning config (configs/finetune.py:<kind>/<task>)'),
+    (['sweep.py', 'run', '--root', '{tmp}/s', '--program', 'finetune.py'],
+     '--config is a pretraining config: run it with train.py'),
+    (['sweep.py', 'print', '--root', '{tmp}/s', '--program', 'finetune'],
+     '--program finetune: no such file'),
     (['train.py', '--workdir', '{tmp}/w', '--config', 'configs/pretrain.py:foo,tiny'],
      "unknown variant 'foo'; choose one of postln"),
     (['train.py'], '--workdir is required'),

@@ -231,16 +231,33 @@ def run_names(runs: Sequence[Run], always: Sequence[str] = ()) -> List[str]:
   return [run_name(r, keys) for r in runs]
 
 
-def other_run(workdir: str, run: Run) -> List[str]:
+def program_and_config(program: str, config: str) -> Dict[str, str]:
+  """What a run's command.json records: the program's file name and the config file (its
+  path from the repository root, where runs start) with its argument."""
+  file, colon, arg = config.partition(':') if '.py:' in config else (config, '', '')
+  if file.endswith('.py'):
+    file = os.path.relpath(os.path.join(_ROOT, file), _ROOT)  # (an absolute path too)
+  return {'program': os.path.basename(program), 'config': file + colon + arg}
+
+
+def other_run(workdir: str, run: Run, command_of: Optional[Dict[str, str]] = None
+              ) -> List[str]:
   """How the run recorded in `workdir` differs from `run`, key by key ([] if it does not),
-  compared as the command-line text each value becomes (a run sees nothing else)."""
+  compared as the command-line text each value becomes (a run sees nothing else), and, given
+  `command_of` (program_and_config), by its program and config file."""
   path = storage.path(workdir) / RunDir.OVERRIDES
   if not path.exists():
     return []
   recorded = json.loads(path.read_text())
   mine, theirs = _as_text(run), _as_text(recorded)
-  return [f'{k} {recorded.get(k)!r} (asked {run.get(k)!r})'
-          for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+  differ = [f'{k} {recorded.get(k)!r} (asked {run.get(k)!r})'
+            for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+  command_path = storage.path(workdir) / RunDir.COMMAND
+  if command_of and command_path.exists():
+    ran = json.loads(command_path.read_text())
+    differ += [f'--{k} {ran.get(k)!r} (asked {v!r})' for k, v in command_of.items()
+               if ran.get(k) != v]
+  return differ
 
 
 def _is_number(value: Any) -> bool:
@@ -259,6 +276,17 @@ def command(program: str, config: str, workdir: str, run: Run) -> List[str]:
   argv = [sys.executable, program, '--config', config, '--workdir', workdir]
   argv += [f'--config.{k}={_fmt(v)}' for k, v in sorted(run.items())]
   return argv
+
+
+def check_program(program: str, config: str) -> None:
+  """One-line errors, before any run starts: a program that is not a file of the repository,
+  or train.py / finetune.py given the other's config (cli.check_program)."""
+  if not os.path.isfile(os.path.join(_ROOT, program)):
+    raise ValueError(f'--program {program}: no such file in {_ROOT}; give train.py or '
+                     'finetune.py')
+  cfg = _load(config)
+  if cfg is not None and os.path.basename(program) in cli.PROGRAMS:
+    cli.check_program(cfg, os.path.basename(program))
 
 
 def check_keys(config: str, runs: Sequence[Run]):
@@ -431,9 +459,9 @@ def release(workdir: str):
   os.close(fd)
 
 
-def _not_to_start(workdir: str, run: Run, say) -> Optional[int]:
+def _not_to_start(workdir: str, run: Run, say, command_of: Dict[str, str]) -> Optional[int]:
   """run_all's code for a run it leaves alone, said with `say`; None for one to start."""
-  differ = other_run(workdir, run)
+  differ = other_run(workdir, run, command_of)
   if differ:
     say(f'{workdir} holds a run with other overrides ({"; ".join(differ)}); left alone. '
         'Give this sweep its own --root')
@@ -448,15 +476,17 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
             echo=print, always: Sequence[str] = ()) -> Dict[str, int]:
   """Runs one after another; returns {name: exit code}: 0 for finished runs (also those
   skipped as finished), RUNNING_ELSEWHERE for runs another live sweep holds, OTHER_RUN for
-  names whose directory holds a run with other overrides (never reused, never resumed)."""
+  names whose directory holds a run with other overrides, or of another program or config
+  file (never reused, never resumed)."""
   codes = {}
+  command_of = program_and_config(program, config)
   root = absolute(root)
   names = reuse_names(root, runs, run_names(runs, always))
   for i, (run, name) in enumerate(zip(runs, names)):
     workdir = storage.join(root, name)
 
     say = lambda text, i=i, name=name: echo(f'[{i + 1}/{len(runs)}] {name}: {text}')
-    if (code := _not_to_start(workdir, run, say)) is not None:
+    if (code := _not_to_start(workdir, run, say, command_of)) is not None:
       codes[name] = code
       continue
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
@@ -466,13 +496,14 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
       continue
     # Again with the lock held: another sweep may have run it (or another run may have
     # taken the folder) between the look above and the lock.
-    if (code := _not_to_start(workdir, run, say)) is not None:
+    if (code := _not_to_start(workdir, run, say, command_of)) is not None:
       release(workdir)
       codes[name] = code
       continue
     try:
       storage.write_text(storage.join(workdir, RunDir.OVERRIDES),
                          json.dumps(run, indent=1, sort_keys=True))
+      storage.write_text(storage.join(workdir, RunDir.COMMAND), json.dumps(command_of))
       argv = command(program, config, workdir, run)
       say(shlex.join(argv))
       code = _call_logged(argv, storage.join(workdir, RunDir.LOG))
@@ -509,13 +540,16 @@ def reuse_names(root: str, runs: Sequence[Run], names: Sequence[str]) -> List[st
   return [recorded.get(_canonical(r), n) for r, n in zip(runs, names)]
 
 
-def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str]) -> None:
-  """Each run's overrides.json, before it is launched (what collect and run_all read)."""
+def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str],
+                     command_of: Dict[str, str]) -> None:
+  """Each run's overrides.json and command.json (`command_of`: program_and_config), before
+  it is launched (what collect and run_all read)."""
   for run, name in zip(runs, names):
     path = storage.join(root, name, RunDir.OVERRIDES)
     if not storage.path(path).exists():
       storage.path(storage.join(root, name)).mkdir(parents=True, exist_ok=True)
       storage.write_text(path, json.dumps(run, indent=1, sort_keys=True))
+      storage.write_text(storage.join(root, name, RunDir.COMMAND), json.dumps(command_of))
 
 
 def _call_logged(argv, log_path: str) -> int:
@@ -552,8 +586,9 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
                      'copy of; give a gs:// URL for runs on a pod slice')
   root = absolute(root)
   names = reuse_names(root, runs, run_names(runs, always))
+  command_of = program_and_config(program, config)
   clashes = [(name, differ) for run, name in zip(runs, names)
-             if (differ := other_run(storage.join(root, name), run))]
+             if (differ := other_run(storage.join(root, name), run, command_of))]
   if clashes:  # a printed run would resume, in place, the run its folder holds
     name, differ = clashes[0]
     raise ValueError(f'{len(clashes)} of the runs would go into folders of {root} that hold '
@@ -577,7 +612,7 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
                    f'--wrap {shlex.quote(job)}')
     else:
       lines.append(cmd)
-  record_overrides(root, runs, names)
+  record_overrides(root, runs, names, command_of)
   return '\n'.join(lines) + '\n'
 
 
