@@ -161,6 +161,17 @@ def test_one_line_errors_of_the_term(kernel):
 
 
 @pytest.mark.parametrize('kernel', KERNELS)
+def test_each_gradient_is_in_its_inputs_dtype(kernel):
+  """dQ, dK and dV come back in q's, k's and v's own dtypes (a float32 v beside bfloat16
+  q and k: its gradient is not rounded to k's bfloat16)."""
+  q, k = (jnp.ones((1, 8, 2, 16), jnp.bfloat16) * 0.1 for _ in range(2))
+  v = jnp.linspace(-1, 1, 8 * 2 * 16, dtype=jnp.float32).reshape(1, 8, 2, 16)
+  grads = jax.grad(lambda q, k, v: KERNELS[kernel](q, k, v, jnp.zeros((1, 8))).astype(
+      jnp.float32).sum(), (0, 1, 2))(q, k, v)
+  assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+
+
+@pytest.mark.parametrize('kernel', KERNELS)
 def test_a_bfloat16_carry_is_within_rounding_of_the_plain_path(kernel):
   """bfloat16 q, k, v and carried scores, as a GPU trains RealFormer with
   model.residual_dtype=bfloat16: the scores rounded once, the gradients in bfloat16."""

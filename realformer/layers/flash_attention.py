@@ -5,7 +5,7 @@ variant whose logits are a dot product plus additive terms:
 
     own    = Q K^T / sqrt(d) + term               (term: [B or 1, H, Tq, Tk], or none)
     P      = softmax(own * scale + bias)          (bias: 0 for real keys, NEG_INF padding)
-    out    = (where(keep, P / P(keep), 0) in Q's dtype) V
+    out    = (where(keep, P / P(keep), 0) in V's dtype) V
     scores = own, where asked                     (RealFormer's carried scores)
 
 with gradients to Q, K, V and the term (the incoming gradient of `scores` included): plain
@@ -25,14 +25,15 @@ The mask is `realformer.layers.dropout.keep_mask(key, rate, [B, H, Tq, Tk])` bit
 element (b, h, q, k) keeps the 16-bit word k % 4 of threefry-2x32(key, row, k // 4), with
 row = (b * H + h) * Tq + q, computed inside the kernel. So with the same dropout key this
 kernel drops the same entries as the plain path, and the two differ only by rounding (the
-online softmax, and P rounded to Q's dtype before its normalisation). To draw each threefry
+online softmax, and P rounded to V's dtype before its normalisation). To draw each threefry
 block once for its four keys, the key axis is read as [Tk / 4, 4]: a program's column block
 holds `block_c` threefry blocks and their 4 * block_c keys, four dots of `block_c` keys each.
 
 On a GPU these are Triton kernels; on a CPU they run in Pallas's interpreter (for tests, slow).
 Inputs: q [B, Tq, H, D], k and v [B, Tk, H, D] (any lengths: padded to whole blocks inside),
-key_bias [B, Tk] float32. No sharding rule: under a mesh, call it per shard (see
-realformer/model/attention.py) with the shard's global batch and head offsets.
+key_bias [B, Tk] float32 (the padding mask: a constant, given no gradient). No sharding
+rule: under a mesh, call it per shard (see realformer/model/attention.py) with the shard's
+global batch and head offsets.
 """
 
 import contextlib
@@ -475,8 +476,8 @@ def _dkv(args, d: _Dims, tiling: Tiling, interpret, dscores=None):
     operands.append((by_keys(), _paired(dscores)))
     if dscores.dtype == dlogits_dtype:  # written over the incoming gradient, tile by tile
       aliases = {len(operands) - 1: 2}
-  grouped_k = jax.ShapeDtypeStruct(_grouped(ops.k).shape, ops.k.dtype)
-  out_specs, out_shape = [sp.k_block, sp.k_block], [grouped_k, grouped_k]
+  out_specs = [sp.k_block, sp.k_block]
+  out_shape = [jax.ShapeDtypeStruct(_grouped(x).shape, x.dtype) for x in (ops.k, ops.v)]
   if d.term_batch:
     out_specs.append(by_keys())
     out_shape.append(jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len, d.groups, 4),
@@ -610,7 +611,8 @@ def default_tilings(q_len: int, k_len: int, itemsize: int = 2, term: bool = Fals
   compiled for a GPU of that class (SHARED_MEMORY) at lengths 128 and 512: on Hopper the
   dK/dV kernel in 2 stages for float32 with a term; on the A100's 163 KiB, 2 stages of it
   with a term, and for float32 2 stages everywhere and 32-query dK/dV blocks; below that
-  (99 KiB), 2 stages and 32-query blocks everywhere, and for float32 16-key blocks too."""
+  (99 KiB), 2 stages and 32-query dK/dV blocks, and for float32 32-query blocks and 16-key
+  blocks everywhere."""
   block_q = _least_padding(q_len, (64, 32, 16))
   block_c = _least_padding(-(-k_len // 4), (32, 16))
   tuned = Tilings(forward=Tiling(block_q, block_c, 4, 3), dkv=Tiling(block_q, block_c, 4, 3),
@@ -639,7 +641,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   """softmax((q k^T / sqrt(d) + term) * logit_scale + key_bias) v, with inverted dropout on
   the probabilities.
 
-  q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores).
+  q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores; a constant: no gradient).
   term: None, or an additive term of the logits [B or 1, H, Tq, Tk] (float32 or bfloat16;
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
   weighted logits. logit_scale: None (1), or a float32 scalar that multiplies the logits

@@ -5,7 +5,7 @@ inputs and outputs:
 
     own    = Q K^T / sqrt(d) + term            (term: [B or 1, H, Tq, Tk], or none)
     P      = softmax(own * scale + key_bias)
-    out    = (where(keep, P / P(keep), 0) in Q's dtype) V
+    out    = (where(keep, P / P(keep), 0) in V's dtype) V
     scores = own, in scores_dtype, where asked (RealFormer's carried scores)
 
 with gradients to Q, K, V and the term (the incoming gradient of `scores` included), and the
@@ -24,8 +24,8 @@ tile: from that gradient, or, without a term, from the probabilities rebuilt). T
 statistics (max and log-sum, apart, as on the GPU: a row whose keys are all padding keeps
 1 / Tk) are stored lane-dense, [B, H, 1, Tq].
 
-Inputs as the GPU kernel's: q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] float32;
-any lengths (padded to whole tiles inside). No sharding rule: flash_attention_on_mesh in
+Inputs as the GPU kernel's: q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] float32
+(a constant: no gradient); any lengths (padded to whole tiles inside). No sharding rule: flash_attention_on_mesh in
 realformer.layers.flash_attention calls it per shard.
 """
 
@@ -323,8 +323,8 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
     operands.append((sp.tile(), dscores))
     if dscores.dtype == dlogits_dtype:  # written over the incoming gradient, tile by tile
       aliases = {len(operands) - 1: 2}
-  k_shape = jax.ShapeDtypeStruct(ops.k.shape, ops.k.dtype)
-  out_specs, out_shape = [sp.keys(), sp.keys()], [k_shape, k_shape]
+  out_specs = [sp.keys(), sp.keys()]
+  out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (ops.k, ops.v)]
   if d.term_batch:
     out_specs.append(sp.tile())
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), dlogits_dtype))

@@ -54,7 +54,8 @@ def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> b
   dot product plus additive terms (spec.dot_product_plus_terms: every variant but the pure
   Synthesizers), where asked (`flash`) or under `auto`: on TPUs for every such variant, on
   GPUs for plain dot-product attention where the kernel runs and was faster than the plain
-  path (bfloat16 or float16: BENCHMARKS.md; flash_attention.runs_here). Without attention
+  path (bfloat16: BENCHMARKS.md; flash_attention.runs_here; float16, untimed and without
+  loss scaling, keeps the plain path unless asked). Without attention
   dropout `flash` is `auto`. Not for the pruned last layer (its few query rows): the plain
   path computes that one."""
   if (not spec.dot_product_plus_terms or capture or rows is not None or deterministic
@@ -67,7 +68,7 @@ def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> b
   if spec.target_platform == 'tpu':
     return flash_lib.whole_heads_here(spec.num_heads)
   return (spec.plain_dot_product and spec.target_platform == 'gpu'
-          and spec.dtype in (jnp.bfloat16, jnp.float16)
+          and spec.dtype == jnp.bfloat16
           and flash_lib.runs_here(spec.num_heads, spec.head_dim))
 
 
