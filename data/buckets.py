@@ -24,7 +24,8 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
-# Features whose second axis is the sequence: sliced to the batch's bucket length.
+# Features whose second axis is the sequence: sliced to the batch's bucket length (a task
+# with per-token labels adds its own: FinetuneTask.sequence_keys).
 SEQUENCE_KEYS = ('input_ids', 'segment_ids', 'attention_mask')
 
 
@@ -126,10 +127,10 @@ def eval_batches(lengths: np.ndarray, buckets: Sequence[int], batch_size: int
       yield int(length), np.resize(idx, batch_size), np.arange(batch_size) < len(idx)
 
 
-def take(features: Dict[str, np.ndarray], idx: np.ndarray, length: int
-         ) -> Dict[str, np.ndarray]:
-  """Rows `idx` of the features, the sequence axes cut to `length`."""
-  return {k: v[idx, :length] if k in SEQUENCE_KEYS else v[idx] for k, v in features.items()}
+def take(features: Dict[str, np.ndarray], idx: np.ndarray, length: int,
+         sequence_keys: Sequence[str] = SEQUENCE_KEYS) -> Dict[str, np.ndarray]:
+  """Rows `idx` of the features, the sequence axes (of `sequence_keys`) cut to `length`."""
+  return {k: v[idx, :length] if k in sequence_keys else v[idx] for k, v in features.items()}
 
 
 def describe(lengths: np.ndarray, buckets: Sequence[int], max_seq_length: int) -> str:

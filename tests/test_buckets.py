@@ -126,6 +126,31 @@ def test_bucketed_predictions_equal_the_padded_ones(variant, head):
       assert np.array_equal(b.argmax(-1), a.argmax(-1))
 
 
+def test_per_token_outputs_with_classes_and_per_token_labels_are_bucketed():
+  """A tagging task's pieces: per-token outputs [B, length, C] come back padded to
+  max_seq_length on the length axis alone, and labels per token (a task's sequence_keys) are
+  cut to the batch's length with the inputs."""
+  n, max_len = 6, 16
+  lengths = np.array([3, 5, 16, 7, 2, 9])
+  mask = (np.arange(max_len) < lengths[:, None]).astype(np.int32)
+  features = {'input_ids': mask * 4, 'segment_ids': 0 * mask, 'attention_mask': mask}
+  predict = jax.jit(lambda p, b: (jax.nn.one_hot(b['input_ids'], 5) + p,))
+  mesh = partitioning.make_mesh(ml_mesh(data=2), devices=jax.devices()[:2])
+  with jax.set_mesh(mesh):
+    out, = finetune_task.run_model(predict, 1.0, features, batch_size=2, buckets=(8, 16),
+                                   mesh=mesh, token_outputs=True)
+  assert out.shape == (n, max_len, 5)
+  real = mask == 1
+  np.testing.assert_array_equal(out[real], np.tile([1., 1., 1., 1., 2.], (real.sum(), 1)))
+  short = lengths <= 8  # batched at length 8: the positions past it are -inf
+  assert np.all(np.isneginf(out[short][:, 8:])) and np.all(np.isfinite(out[~short]))
+  labels = {'attention_mask': mask, 'tags': np.arange(n * max_len).reshape(n, max_len),
+            'label': np.arange(n)}
+  taken = buckets.take(labels, np.array([0, 1]), 8, buckets.SEQUENCE_KEYS + ('tags',))
+  assert taken['tags'].shape == (2, 8) and taken['label'].shape == (2,)
+  assert buckets.take(labels, np.array([0, 1]), 8)['tags'].shape == (2, 16)
+
+
 def ml_mesh(**axes):
   mesh = pretrain.mesh_config()
   mesh.unlock()

@@ -545,6 +545,18 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
   assert finetune_task.eval_lengths(config(2, 32), task_now, (64, 96)) == (64, 96, 128)
   assert finetune_task.eval_lengths(config(5, 8), task_now, (64, 96)) == (64, 96, 104)
   assert finetune_task.eval_lengths(config(5, 8), task, (64, 120)) == (64, 120)
+  # The training batches do not depend on the dev and test files: a longer example there
+  # gets an evaluation length of its own, not a longer training bucket.
+  short = {'attention_mask': (np.arange(128) < 20).astype(np.int32)[None]}
+  (tmp_path / 'short').mkdir()
+  train_only = finetune_task.length_buckets(
+      config(5, 8), types.SimpleNamespace(train=features, eval_features=lambda: [short]),
+      RunDir(tmp_path / 'short'), resuming=False)
+  (tmp_path / 'long').mkdir()
+  long_eval = {'attention_mask': np.ones((1, 128), np.int32)}
+  assert max(train_only) < 128 and finetune_task.length_buckets(
+      config(5, 8), types.SimpleNamespace(train=features, eval_features=lambda: [long_eval]),
+      RunDir(tmp_path / 'long'), resuming=False) == train_only
   # A file of an older version (the lengths alone): kept to finish the epoch, then chosen
   # again with the settings of the day.
   with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
@@ -932,6 +944,13 @@ def test_the_bucket_count_follows_the_runs_length(tmp_path):
   per_token, worth = finetune_task.compile_cost_in_tokens(config(1), flops)
   assert per_token == pytest.approx(flops(128) / 128 / 1e11)
   assert worth == pytest.approx(8.0 / per_token)
+  # A known accelerator's peak (here 1e12 a device): 40% of it on every device of the job,
+  # which share the batch.
+  with mock.patch.object(finetune_task.metrics_lib, 'peak_flops_per_device',
+                         return_value=1e12):
+    per_token, _ = finetune_task.compile_cost_in_tokens(
+        ml_collections.ConfigDict(dict(config(1), bucket_flops_per_second=0.0)), flops)
+  assert per_token == pytest.approx(flops(128) / 128 / (0.4e12 * jax.device_count()))
   short = finetune_task.length_buckets(config(1), task, RunDir(tmp_path), resuming=False)
   (tmp_path / 'long').mkdir()
   long = finetune_task.length_buckets(config(300), task, RunDir(tmp_path / 'long'),

@@ -102,8 +102,10 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
 
 def length_buckets(config, task, run: RunDir, resuming: bool,
                    mid_epoch: bool = False) -> Tuple[int, ...]:
-  """The compiled sequence lengths: chosen from the training lengths, the longest covering
-  every split; (max_seq_length,) when config.length_buckets is 0. Stored in the run
+  """The compiled sequence lengths: chosen from the training lengths alone, so that the
+  training batches do not depend on the dev or test files (a longer dev or test example gets
+  a length of its own for evaluation: eval_lengths); (max_seq_length,) when
+  config.length_buckets is 0. Stored in the run
   directory with the settings that chose them: a resumed run with the same bucket settings
   (length_buckets, bucket_multiple, bucket_compile_seconds, bucket_flops_per_second) keeps
   them (they shape the epoch's batches), whatever dev or test files changed. A change of a
@@ -150,9 +152,7 @@ def _longest_eval(task) -> int:
 
 def eval_lengths(config, task, buckets: Tuple[int, ...]) -> Tuple[int, ...]:
   """The lengths evaluation and predictions compile: the training buckets, and one more
-  when a dev or test example is longer than the longest of them (buckets kept by a resumed
-  run cover the splits as they were: a test.tsv added since, a dev file changed). The
-  training batches keep the stored buckets, so an epoch's plan does not change."""
+  when a dev or test example is longer than the longest of them."""
   longest = _longest_eval(task)
   if longest <= max(buckets):
     return buckets
@@ -169,27 +169,28 @@ def compile_cost_in_tokens(config, flops_per_example: Callable[[int], float]
   """(seconds per padded token, padded tokens one more compiled length is worth).
 
   A length costs config.bucket_compile_seconds of compiling (its train step and its
-  prediction program); a padded token costs the training FLOPs of one token at
-  max_seq_length (the task's flops_per_example) at config.bucket_flops_per_second:
-  0 = 40% of the device's peak where metrics.PEAK_FLOPS_PER_DEVICE knows it, else 1e11 (the
-  order of a few CPU cores). Both are estimates, fixed by the config and the device kind, so
-  the plan (and with it the run's batches) does not depend on a timing."""
+  prediction program; every host compiles at once); a padded token costs the training FLOPs
+  of one token at max_seq_length (the task's flops_per_example) at the run's rate,
+  config.bucket_flops_per_second: 0 = 40% of the devices' peak where
+  metrics.PEAK_FLOPS_PER_DEVICE knows it (the job's devices share the batch: on 8 GPUs a
+  padded token costs an eighth of one GPU's time), else 1e11 (the order of a few CPU cores).
+  Both are estimates, fixed by the config, the device kind and count, so the plan (and with it
+  the run's batches) does not depend on a timing."""
   rate = config.bucket_flops_per_second
   if not rate:
     peak = metrics_lib.peak_flops_per_device(jax.devices()[0])
-    rate = 0.4 * peak if peak else 1e11
+    rate = 0.4 * peak * jax.device_count() if peak else 1e11
   per_token = flops_per_example(config.max_seq_length) / (config.max_seq_length * rate)
   return per_token, config.bucket_compile_seconds / per_token
 
 
 def _choose_buckets(config, task) -> Tuple[int, ...]:
   lengths = buckets_lib.lengths_of(task.train)
-  cover = _longest_eval(task)
   per_token, tokens_per_compile = (compile_cost_in_tokens(config, task.flops_per_example)
                                    if config.bucket_compile_seconds else (0.0, 0.0))
   epochs = config.num_epochs
   chosen = buckets_lib.choose_lengths(lengths, config.length_buckets, config.bucket_multiple,
-                                      config.max_seq_length, cover=cover, epochs=epochs,
+                                      config.max_seq_length, epochs=epochs,
                                       tokens_per_compile=tokens_per_compile)
   padded = buckets_lib.padded_tokens(lengths, chosen) * epochs
   logging.info('%s; %d epochs of %.3g padded tokens (~%.0f s at ~%.2g s a token) against %d '
@@ -256,7 +257,7 @@ class Programs:
 def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
               token_outputs: bool) -> Tuple[np.ndarray, ...]:
   """`predict`'s outputs for every row of `features`, in order: batches within each length
-  bucket; per-token outputs padded back to max_seq_length with -inf."""
+  bucket; per-token outputs ([B, length, ...]) padded back to max_seq_length with -inf."""
   n, max_len = features['input_ids'].shape
   lengths = buckets_lib.lengths_of(features)
   outs = None
@@ -266,7 +267,8 @@ def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
                                                  whole=True))
     out = [np.asarray(o)[valid] for o in out]
     if token_outputs:
-      out = [np.pad(o, ((0, 0), (0, max_len - length)), constant_values=-np.inf) for o in out]
+      out = [np.pad(o, [(0, 0), (0, max_len - length)] + [(0, 0)] * (o.ndim - 2),
+                    constant_values=-np.inf) for o in out]
     if outs is None:
       outs = [np.empty((n,) + o.shape[1:], o.dtype) for o in out]
     for full, o in zip(outs, out):
@@ -282,6 +284,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
   `train` (the training features: dict of [N, max_seq_length] arrays + labels) in `load`."""
   command = 'finetune.py'
   token_outputs = False  # whether the head's outputs are per token (SQuAD's spans)
+  # The training features cut to a batch's bucket length with the inputs (a task with labels
+  # per token, [N, max_seq_length], adds their key).
+  sequence_keys = buckets_lib.SEQUENCE_KEYS
   needs_final_results = True  # the predictions and results.json of a rerun
   nonfinite_hint = ('lower config.optimizer.learning_rate or raise '
                     'config.optimizer.warmup_fraction')
@@ -467,7 +472,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
     """length -> the abstract batch of that length."""
     sharding = partitioning.batch_sharding(self.mesh)
     return lambda length: {
-        k: jax.ShapeDtypeStruct((batch_size,) + ((length,) if k in buckets_lib.SEQUENCE_KEYS
+        k: jax.ShapeDtypeStruct((batch_size,) + ((length,) + self.train[k].shape[2:]
+                                                 if k in self.sequence_keys
                                                  else self.train[k].shape[1:]),
                                 self.train[k].dtype, sharding=sharding) for k in keys}
 
@@ -487,7 +493,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
         length, idx = plan[i]
         cost = trainer.StepCost(examples=len(idx), length=length,
                                 real_tokens=int(self.lengths[idx].sum()))
-        yield train_lib.global_batch(buckets_lib.take(self.train, idx, length), self.mesh,
+        yield train_lib.global_batch(buckets_lib.take(self.train, idx, length,
+                                                      self.sequence_keys), self.mesh,
                                      whole=True), cost
 
   def outputs(self, params):
