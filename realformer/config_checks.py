@@ -11,12 +11,14 @@ from typing import List
 
 
 def warmup_steps(opt_config, num_steps: int) -> int:
-  """optimizer.warmup_steps, or with -1, int(optimizer.warmup_fraction * num_steps)."""
+  """optimizer.warmup_steps, or with -1, int(optimizer.warmup_fraction * num_steps) (a
+  fraction outside [0, 1] is an error either way)."""
   warmup = int(opt_config.warmup_steps)
+  fraction = float(opt_config.get('warmup_fraction', 0.0))
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f'optimizer.warmup_fraction={fraction} must lie in [0, 1] (it counts '
+                     'where optimizer.warmup_steps=-1)')
   if warmup == -1:
-    fraction = float(opt_config.get('warmup_fraction', 0.0))
-    if not 0.0 <= fraction <= 1.0:
-      raise ValueError(f'optimizer.warmup_fraction={fraction} must lie in [0, 1]')
     return int(fraction * num_steps)
   if warmup > num_steps or warmup < 0:
     raise ValueError(f'optimizer.warmup_steps={warmup} must lie in [0, train.num_steps='

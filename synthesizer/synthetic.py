@@ -33,6 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from realformer import cli
 from realformer.layers.dense import dense
 from realformer.layers.rows import gather_rows, take_rows
 
@@ -102,13 +103,20 @@ def register(name: str):
 
 def component(name: str) -> Optional[type]:
   """The LogitComponent named `name`: registered here, or by synthesizer/<name>.py (imported
-  on first use); None if there is none."""
+  on first use); None if there is none. A file of that name that fails to import, or that
+  registers no component as `name`, is a one-line ValueError naming the fix."""
   if name not in SYNTHESIZERS and name.isidentifier() and name != 'dot':
     try:
       importlib.import_module(f'{__package__}.{name}')
     except ModuleNotFoundError as e:
-      if e.name != f'{__package__}.{name}':
-        raise  # the component's module is there but fails to import
+      if e.name != f'{__package__}.{name}':  # the component's file is there but fails
+        raise ValueError(cli.code_error(f'{__package__}/{name}.py', e)) from e
+      return None
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(cli.code_error(f'{__package__}/{name}.py', e)) from e
+    if name not in SYNTHESIZERS:
+      raise ValueError(f'{__package__}/{name}.py registers no logit component as {name!r}; '
+                       f"decorate its LogitComponent with @register('{name}')")
   return SYNTHESIZERS.get(name)
 
 

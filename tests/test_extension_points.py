@@ -225,8 +225,8 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
                                                                         monkeypatch):
   """synthesizer/<name>.py and realformer/finetune/tasks/<kind>.py are imported when a config
   first names them (here from a folder added to the packages' paths); a file that registers
-  nothing under its name, a GLUE name that is no training task, and a config whose kind was
-  changed by an override are one-line errors."""
+  nothing under its name or fails to import, a GLUE name that is no training task, and a
+  config whose kind was changed by an override are one-line errors."""
   import synthesizer  # pylint: disable=g-import-not-at-top
   from realformer.finetune import tasks  # pylint: disable=g-import-not-at-top
   (tmp_path / 'scaled_bias.py').write_text(
@@ -236,6 +236,7 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
       '  def __call__(self, x, rows=None):\n'
       '    raise NotImplementedError\n')
   (tmp_path / 'unregistered.py').write_text('NOTHING = 1\n')
+  (tmp_path / 'broken.py').write_text('def f(:\n')
   monkeypatch.syspath_prepend(str(tmp_path))
   monkeypatch.setattr(synthesizer, '__path__', list(synthesizer.__path__) + [str(tmp_path)])
   monkeypatch.setattr(tasks, '__path__', list(tasks.__path__) + [str(tmp_path)])
@@ -249,9 +250,21 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
                                        r'distinct components .* \(or one of your own: '
                                        r'synthesizer/<name>.py\)'):
     resolve(config)
+  config.attention = 'unregistered+dot'
+  with pytest.raises(ValueError, match=r'synthesizer/unregistered.py registers no logit '
+                                       r"component as 'unregistered'; decorate its "
+                                       r"LogitComponent with @register\('unregistered'\)"):
+    resolve(config)
+  config.attention = 'broken+dot'
+  with pytest.raises(ValueError, match=r'synthesizer/broken.py failed \(.*broken.py, line 1\): '
+                                       r'SyntaxError: .*; fix the file'):
+    resolve(config)
   with pytest.raises(ValueError, match=r'realformer/finetune/tasks/unregistered.py registers '
                                        r"no task as 'unregistered'"):
     finetune_configs.get_config('unregistered/x')
+  with pytest.raises(ValueError, match=r'realformer/finetune/tasks/broken.py failed \(.*line 1'
+                                       r'\): SyntaxError'):
+    finetune_configs.get_config('broken/x')
   for name, error in (('ax', 'it has no training set: fine-tune glue/mnli'),
                       ('sst5', 'unknown GLUE task; choose one of cola, sst2')):
     with pytest.raises(ValueError, match=f'config arg glue/{name}: {error}'):

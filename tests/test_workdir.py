@@ -5,6 +5,7 @@ import errno
 import fcntl
 import json
 import os
+import logging
 import signal
 import socket
 import subprocess
@@ -99,6 +100,16 @@ def test_a_run_without_a_checkpoint_may_be_restarted_with_another_config(tmp_pat
   assert json.loads((tmp_path / 'config.json').read_text())['model']['variant'] == 'postln'
 
 
+def test_a_vocab_size_the_tokenizer_replaces_is_said(caplog):
+  config = tiny_config()
+  config.data.sources = 'embedded'  # the shipped corpus and its 8,000-piece tokenizer
+  config.model.vocab_size = 30522
+  with caplog.at_level(logging.INFO):
+    assert pretraining.resolved_config(config).model.vocab_size == 8000
+  assert ("model.vocab_size=8000: the tokenizer's (data.tokenizer), in place of the config's "
+          '30522' in caplog.text)
+
+
 @pytest.mark.parametrize('text', ['[1, 2]', '{"model": {"variant": "postln"', '"text"'])
 def test_a_config_json_that_is_no_config_object(tmp_path, text):
   (tmp_path / 'config.json').write_text(text)
@@ -131,6 +142,10 @@ def test_grain_worker_count_is_fixed_for_a_run_and_its_read_threads_are_not(tmp_
   faster = tiny_config()
   faster.data.read_threads = 7
   assert workdir_lib.check_resume_config(str(tmp_path), faster, True) == ['data.read_threads']
+  relaid = tiny_config()  # the prepared files' layout, and where TFDS keeps its data
+  relaid.data.records_per_file, relaid.data.tfds_data_dir = 3, '/elsewhere'
+  assert workdir_lib.check_resume_config(str(tmp_path), relaid, True) == [
+      'data.records_per_file', 'data.tfds_data_dir']
   workers = tiny_config()
   workers.data.worker_count = 2
   with pytest.raises(ValueError, match=r'data.worker_count: 0 -> 2; resume'):
@@ -171,6 +186,9 @@ def test_warmup_as_a_fraction_of_the_run():
   opt.warmup_steps = 10
   with pytest.raises(ValueError, match='warmup_steps=10 must lie.*set it to -1'):
     train_lib.warmup_steps(opt, 5)
+  opt.warmup_fraction = 7.0  # a mistake even where warmup_steps, not it, sets the warm-up
+  with pytest.raises(ValueError, match=r'warmup_fraction=7.0 must lie in \[0, 1\]'):
+    train_lib.warmup_steps(opt, 300)
   assert pretrain.get_config('postln,tiny').optimizer.warmup_steps == -1
   assert pretrain.get_config('postln,tiny,runlocal').optimizer.warmup_steps == -1
 

@@ -12,6 +12,8 @@ import importlib
 import pkgutil
 from typing import Dict, List
 
+from realformer import cli
+
 _TASKS = 'realformer.finetune.tasks'
 _REGISTERED: Dict[str, type] = {}
 
@@ -46,7 +48,10 @@ def get(kind: str) -> type:
   """The FinetuneTask class of `kind`, its module imported if needed; an unknown kind is a
   one-line error listing the known ones."""
   if kind not in _REGISTERED and kind in kinds():
-    importlib.import_module(f'{_TASKS}.{kind}')
+    try:
+      importlib.import_module(f'{_TASKS}.{kind}')
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(cli.code_error(f'realformer/finetune/tasks/{kind}.py', e)) from e
     if kind not in _REGISTERED:
       raise ValueError(f'realformer/finetune/tasks/{kind}.py registers no task as {kind!r}; '
                        f"decorate its FinetuneTask with @register('{kind}')")

@@ -10,6 +10,7 @@ the majority predictors' accuracies on those batches beside the model's.
 
 from typing import Dict
 
+from absl import logging
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
@@ -30,7 +31,12 @@ def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
   config_checks.check_config(config)
   if config.data.sources != 'synthetic':
     from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-    config.model.vocab_size = tokenizer_lib.load_for_config(config.data).vocab_size
+    size = tokenizer_lib.load_for_config(config.data).vocab_size
+    if config.model.vocab_size != size:  # (a size preset's, or an override's: said)
+      logging.info('model.vocab_size=%d: the tokenizer\'s (data.tokenizer), in place of the '
+                   'config\'s %d; another vocabulary needs a tokenizer of that size, or '
+                   'data.sources=synthetic', size, config.model.vocab_size)
+    config.model.vocab_size = size
     resolve(config.model)  # with the tokenizer's vocabulary
   return config
 

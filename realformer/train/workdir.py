@@ -57,7 +57,9 @@ RESUMABLE = (
     'model.remat_policy', 'model.fused_attention', 'model.dense_impl',  # how, not what
     'data.read_threads', 'data.prepared_dir', 'data.prepare_workers',  # (not worker_count:
     # grain's saved iterator state holds its workers' positions)
-    'data.blocks_per_file',       # the prepared files' layout, not the stream they give
+    'data.blocks_per_file', 'data.records_per_file',  # the prepared files' layout, not
+    # the stream they give
+    'data.tfds_data_dir',         # where TFDS keeps a dataset, not which
     # fine-tuning (finetune.py)
     'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
     'compile_in_background',
