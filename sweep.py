@@ -23,6 +23,7 @@ from realformer import storage
 from realformer.tools import sweep
 
 
+DEFAULT_METRICS = 'eval/mlm_accuracy,eval/nsp_accuracy,eval/loss'
 COMMANDS = {'run': 'run every unfinished run, one after another',
             'print': 'print a launch script instead of running',
             'summarize': 'final metrics of all runs, over seeds'}
@@ -33,8 +34,10 @@ def _define(cmd):
     flags.DEFINE_string('root', None, 'directory holding one workdir per run', flag_values=f,
                         required=True)
     if cmd == 'summarize':
-      flags.DEFINE_string('metrics', 'eval/mlm_accuracy,eval/nsp_accuracy,eval/loss',
-                          'comma-separated metrics to summarise', flag_values=f)
+      flags.DEFINE_string('metrics', DEFAULT_METRICS,
+                          'comma-separated metrics to summarise, <split>/<name> as '
+                          'metrics.jsonl logs them (fine-tuning: e.g. dev_rte/accuracy)',
+                          flag_values=f)
       flags.DEFINE_string('out', None, 'prefix of .md/.csv (default <root>/summary)',
                           flag_values=f)
       return
@@ -61,7 +64,9 @@ def main(argv=None):
 
   if args.cmd == 'summarize':
     metrics = args.metrics.split(',')
-    header, table = sweep.summarize(sweep.collect(args.root, metrics), metrics)
+    rows = sweep.collect(args.root, metrics)
+    sweep.check_metrics(rows, metrics, given=args.metrics != DEFAULT_METRICS)
+    header, table = sweep.summarize(rows, metrics)
     out = args.out or storage.join(args.root, 'summary')
     markdown = sweep.to_markdown(header, table)
     storage.write_text(out + '.md', markdown)

@@ -113,6 +113,13 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
 
   assert sweep_cli.main(['summarize', '--root', str(root), '--metrics',
                          'eval/mlm_accuracy']) == 0
+  # A metric no finished run logged (a misspelling; pretraining's defaults of fine-tuning
+  # runs): one line naming those they did, not a table of empty cells.
+  for metrics in ('eval/mlm_acc', 'eval/loss,dev_rte/accuracy'):
+    with pytest.raises(ValueError, match=f'--metrics {metrics}: no finished run logged it; '
+                                         'they log eval/mlm_accuracy, eval/step$'):
+      sweep_cli.main(['summarize', '--root', str(root), '--metrics', metrics])
+  assert sweep_cli.main(['summarize', '--root', str(root)]) == 0  # a default of the three
   header, table = sweep.summarize(sweep.collect(str(root), ['eval/mlm_accuracy']),
                                   ['eval/mlm_accuracy'])
   assert header[:2] == ['optimizer.learning_rate', 'n']  # fixed keys are not columns

@@ -618,20 +618,20 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
 
 # ---------------------------------------------------------------------------- summaries
 
-def final_metrics(workdir: str, split: str = 'eval') -> Dict[str, float]:
-  """The last record of `split` in <workdir>/metrics.jsonl, keys prefixed with the split."""
-  last = None
+def final_metrics(workdir: str, split: Optional[str] = 'eval') -> Dict[str, float]:
+  """The last record of `split` (None: of every split) in <workdir>/metrics.jsonl, keys
+  prefixed with the split."""
+  last = {}
   for record in _log_records(workdir):
-    if record.get('split') == split:
-      last = record
-  if last is None:
-    return {}
-  return {f'{split}/{k}': v for k, v in last.items()
-          if k not in ('split',) and isinstance(v, (int, float))}
+    if split is None or record.get('split') == split:
+      last[record.get('split')] = record
+  return {f'{name}/{k}': v for name, record in last.items() for k, v in record.items()
+          if k != 'split' and isinstance(v, (int, float))}
 
 
 def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
-  """One row per run under root: its overrides and its final metrics."""
+  """One row per run under root: its overrides and its final metrics (a finished run's
+  other metrics' names under 'logged')."""
   rows = []
   for name in sorted(p.name for p in storage.path(root).iterdir()):
     workdir = storage.join(root, name)
@@ -643,12 +643,23 @@ def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
     except ValueError as e:
       raise ValueError(f'{path} is not readable JSON ({e}); restore it (the run\'s '
                        '--config.<key>=<value> overrides) or delete its folder') from None
-    values = {}
-    for split in {m.split('/')[0] for m in metrics}:
-      values.update(final_metrics(workdir, split))
+    values = final_metrics(workdir, None)
     rows.append({'run': run, 'done': is_done(workdir, run),
-                 'metrics': {m: values.get(m) for m in metrics}})
+                 'metrics': {m: values.get(m) for m in metrics}, 'logged': sorted(values)})
   return rows
+
+
+def check_metrics(rows: Sequence[Dict[str, Any]], metrics: Sequence[str], given: bool
+                  ) -> None:
+  """A one-line ValueError for a `given` metric that no finished run logged (a
+  misspelling), or for default ones of which none was (pretraining's asked of fine-tuning
+  runs), naming those the runs did log."""
+  done = [r for r in rows if r['done']]
+  missing = [m for m in metrics if done and all(r['metrics'][m] is None for r in done)]
+  if missing and (given or len(missing) == len(metrics)):
+    logged = sorted({m for r in done for m in r['logged']})
+    raise ValueError(f'--metrics {",".join(missing)}: no finished run logged it; they log '
+                     f'{", ".join(logged) or "nothing"}')
 
 
 def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
