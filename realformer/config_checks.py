@@ -83,9 +83,16 @@ def check_counts(tc) -> None:
   if int(tc.batch_size) < 1:
     raise ValueError(f'train.batch_size={tc.batch_size}: give a positive number of examples '
                      '(the global batch, over all hosts)')
+  check_accumulation(int(tc.batch_size), int(tc.get('grad_accum_steps', 1)))
   if tc.get('keep_checkpoints', 1) is not None and int(tc.keep_checkpoints) < 1:
     raise ValueError(f'train.keep_checkpoints={tc.keep_checkpoints}: keep at least 1 (the '
                      'newest is the one a resume needs)')
+
+
+def check_accumulation(batch_size: int, grad_accum_steps: int) -> None:
+  if grad_accum_steps < 1 or batch_size % grad_accum_steps:
+    raise ValueError(f'train.grad_accum_steps={grad_accum_steps} does not divide '
+                     f'train.batch_size={batch_size}; pick a divisor of the batch size')
 
 
 def check_lengths(config) -> None:

@@ -672,7 +672,9 @@ def test_sweep_values_are_checked_against_their_fields_as_the_command_line_reads
   for bad, message in (({'train.num_steps': -5}, 'train.num_steps=-5: give a positive'),
                        ({'data.masked_lm_prob': 2}, 'masked_lm_prob=2.0 must be in'),
                        ({'train.num_steps': 5, 'optimizer.warmup_steps': 10},
-                        'warmup_steps=10 must lie')):
+                        'warmup_steps=10 must lie'),
+                       ({'train.grad_accum_steps': 3},
+                        'grad_accum_steps=3 does not divide train.batch_size=')):
     with pytest.raises(ValueError, match=f'the run with .*{message}.*fix the --sweep/--set'):
       sweep.check_keys(config, [{'model.variant': 'postln'}, bad])
 

@@ -552,6 +552,9 @@ def test_layout_errors_come_before_compile(tmp_path):
   c.mesh.data, c.mesh.fsdp = 3, 1
   with pytest.raises(ValueError, match='does not divide the 8 devices'):
     train.train_and_evaluate(c, str(tmp_path / 'a'))
+  c.mesh.data = 0
+  with pytest.raises(ValueError, match='config.mesh.data=0: give a positive size, or -1'):
+    train.train_and_evaluate(c, str(tmp_path / 'a'))
   c = tiny_config(batch_size=12)
   with pytest.raises(ValueError, match='does not divide the data-parallel size 8'):
     train.train_and_evaluate(c, str(tmp_path / 'b'))

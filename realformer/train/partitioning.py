@@ -38,8 +38,12 @@ def mesh_shape(mesh_config, num_devices: int) -> Tuple[int, ...]:
   sizes = [int(mesh_config[a]) for a in MESH_AXES]
   if sizes.count(-1) > 1:
     raise ValueError(f'config.mesh {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1')
+  bad = [f'{a}={s}' for a, s in zip(MESH_AXES, sizes) if s == 0 or s < -1]
+  if bad:
+    raise ValueError(f'config.mesh.{bad[0]}: give a positive size, or -1 for the devices the '
+                     'other axes leave')
   known = int(np.prod([s for s in sizes if s != -1]))
-  if any(s == 0 or s < -1 for s in sizes) or num_devices % known:
+  if num_devices % known:
     raise ValueError(f'config.mesh {dict(zip(MESH_AXES, sizes))} does not divide the '
                      f'{num_devices} devices; make the product of the axes divide it')
   sizes = [num_devices // known if s == -1 else s for s in sizes]

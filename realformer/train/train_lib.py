@@ -644,9 +644,7 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
   b, k = int(global_batch_size), int(grad_accum_steps)
   if b < 1:
     raise ValueError(f'train.batch_size={b}: give a positive number of sequences per step')
-  if k < 1 or b % k:
-    raise ValueError(f'train.grad_accum_steps={k} does not divide train.batch_size={b}; pick '
-                     f'a divisor of the batch size')
+  config_checks.check_accumulation(b, k)
   if b % process_count:
     raise ValueError(f'train.batch_size={b} does not divide over {process_count} processes; '
                      f'make it a multiple of the process count')
