@@ -80,8 +80,16 @@ def check_launch():
 
   launch.ensure_unlimited_stack(sys.argv)  # XLA:TPU's compiler may need more than 8 MiB
 
+  local = flags.FLAGS.compile_for == 'local'
+  if flags.FLAGS['measure_steps'].present and not local:
+    cli.fail(f'--measure_steps is not read with --compile_for={flags.FLAGS.compile_for}: the '
+             'step is compiled for it, not run; --compile_for local measures steps here')
+  if flags.FLAGS['workdir'].present:
+    cli.fail('--workdir is not read with --compile_for: the launch check writes no run (its '
+             'programs go to the compilation cache, its report to --launch_json); drop one')
+
   def compile_and_report():
-    if flags.FLAGS.compile_for != 'local':
+    if not local:
       compile_cache.disable()  # a compile-only target has no client to load programs into
       launch.target_for(flags.FLAGS.compile_for)  # errors and the CPU host, before jax starts
     else:  # every host of a multi-host TPU VM or SLURM job, as train.py would see them

@@ -367,6 +367,10 @@ ONE_LINE_ERRORS = [
     (['finetune.py', '--workdir', '{tmp}/w', '--config', 'configs/pretrain.py:postln,tiny'],
      '--config is a pretraining config: run it with train.py, or give finetune.py a '
      'fine-tuning config (configs/finetune.py:<kind>/<task>)'),
+    (['train.py', '--compile_for', 'v5e:2x2', '--measure_steps', '3'],
+     '--measure_steps is not read with --compile_for=v5e:2x2: the step is compiled for it'),
+    (['train.py', '--compile_for', 'local', '--workdir', '{tmp}/w'],
+     '--workdir is not read with --compile_for: the launch check writes no run'),
     (['sweep.py', 'run', '--root', '{tmp}/s', '--program', 'finetune.py'],
      '--config is a pretraining config: run it with train.py'),
     (['sweep.py', 'print', '--root', '{tmp}/s', '--program', 'finetune'],
