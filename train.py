@@ -22,6 +22,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from configs import pretrain as pretrain_configs
 from realformer import cli
 from realformer.train import compile_cache
 from realformer.train import distributed
@@ -31,7 +32,10 @@ from realformer.train import trainer
 
 _REPO = os.path.dirname(os.path.abspath(__file__))
 trainer.define_flags(os.path.join(_REPO, 'configs', 'pretrain.py') + ':postln,tiny',
-                     'Config file and its argument, e.g. configs/pretrain.py:realformer,base',
+                     'Config file and its argument, configs/pretrain.py:<variant>,<size> '
+                     f'(variants: {", ".join(pretrain_configs.VARIANTS)}; sizes: '
+                     f'{", ".join(pretrain_configs.SIZES)}); any field is overridden by '
+                     '--config.<key>=<value>, e.g. --config.train.num_steps=1000',
                      'Directory for checkpoints, logs and config.json.')
 flags.adopt_module_key_flags(trainer)  # --help lists them
 flags.DEFINE_string('compile_for', None,
