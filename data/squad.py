@@ -254,6 +254,13 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
   if max_seq_length - min(max_query_length, max_seq_length) - 3 <= 0:
     raise ValueError(f'max_seq_length={max_seq_length} leaves no room for the context after '
                      f'max_query_length={max_query_length}; raise it or lower the other')
+  shortest = max_seq_length - max_query_length - 3  # the window beside the longest question
+  if doc_stride >= shortest:
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.warning('doc_stride=%d is not shorter than a window (%d context tokens beside a '
+                    'question of max_query_length=%d): windows do not overlap there, and an '
+                    'answer across their boundary is never a target; lower doc_stride (BERT: '
+                    '128 at max_seq_length 384)', doc_stride, shortest, max_query_length)
   want_infos, rows, infos = infos, [], []
   for example_index, ex in enumerate(examples):
     query = tokenizer.encode(ex.question)[:max_query_length]

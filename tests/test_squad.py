@@ -89,7 +89,7 @@ def _ends_inside_a_word(ex):
 
 
 @pytest.mark.parametrize('version', ['v1.1', 'v2.0'])
-def test_every_window_maps_its_answer_back_to_the_exact_text(version, tok):
+def test_every_window_maps_its_answer_back_to_the_exact_text(version, tok, caplog):
   examples = _examples(version)
   feats, infos = squad.featurize(examples, tok, max_seq_length=48, doc_stride=16,
                                  max_query_length=12, training=True)
@@ -99,6 +99,11 @@ def test_every_window_maps_its_answer_back_to_the_exact_text(version, tok):
   # max_query_length included
   wide, wide_infos = squad.featurize(examples, tok, max_seq_length=64, doc_stride=16,
                                      max_query_length=40, training=False)
+  assert 'windows do not overlap' not in caplog.text
+  squad.featurize(examples[:1], tok, max_seq_length=64, doc_stride=21, max_query_length=40,
+                  training=False)
+  assert ('doc_stride=21 is not shorter than a window (21 context tokens beside a question of '
+          'max_query_length=40): windows do not overlap there') in caplog.text
   firsts = [f for f, info in enumerate(wide_infos) if f + 1 < len(wide_infos) and
             wide_infos[f + 1].example_index == info.example_index]
   assert max(len(tok.encode(examples[wide_infos[f].example_index].question))

@@ -9,7 +9,8 @@ A `FinetuneTask` is a trainer.Task over a pretrained encoder with a task head:
               config file such as configs/pretrain.py:postln,tiny;
   batches     epochs of the training features, shuffled by (seed, epoch), each batch padded
               to one of a few length buckets chosen from the data (data/buckets.py) and
-              compiled before the first step; `length_buckets=0` pads to max_seq_length;
+              compiled while training runs (compile_in_background) or before the first
+              step; `length_buckets=0` pads to max_seq_length;
   evaluation  the dev sets at the end of every epoch, batched within buckets as well;
               the best epoch's params kept in <run>/best (keep_best);
   a finished run  writes the test predictions and <run>/results.json, and keeps its params in

@@ -14,8 +14,8 @@ after another, or printed as launch commands for a cluster (--print_only). The s
 the task's headline metric (GLUE's: MCC for CoLA, F1 for MRPC/QQP, Pearson for STS-B,
 accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median; a
 setting is the grid's values and any other override that differs between the task's runs.
-Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli also reports mismatched and
-predicts AX), squad/v1.1, squad/v2.0 (`squad` = both), tsv/<name> (a task of your own, its
+Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli's runs also evaluate mismatched,
+in their results.json, and predict AX; the summary reads matched), squad/v1.1, squad/v2.0 (`squad` = both), tsv/<name> (a task of your own, its
 columns and labels given with --set tsv.<key>=...), or <kind>/<name> of any kind in
 realformer/finetune/tasks/.
 """
