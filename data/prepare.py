@@ -55,7 +55,7 @@ import shutil
 import threading
 import time
 import zlib
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
@@ -580,26 +580,33 @@ def _gather_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overw
   metadata.json (written last: the preparation's commit). Two preparations of the same
   output (runs on separate machines) take turns on a lease object; the second finds the
   first's metadata.json and keeps it."""
-  lease = storage.Lease(f'{out_dir}.lock', storage.holder_record('data.prepare'))
+  lease = storage.Lease(f'{out_dir}.lock', storage.holder_record('data.prepare'),
+                        guards=out_dir)
   deadline = time.time() + storage.LEASE_SECONDS * 2
   while True:
     try:
       lease.take()
       break
-    except storage.HeldError:
+    except storage.HeldError as e:
       if not overwrite and _path(out_dir, METADATA).exists():
         return read_metadata(out_dir)
       if time.time() > deadline:
-        raise
+        raise cli.UserError(str(e)) from None
       time.sleep(POLL_SECONDS)
+
+  def fence():  # a gatherer whose lease lapsed writes nothing more: another may be at work
+    if lease.lost:
+      raise cli.UserError(f'{lease.lost}; this preparation of {out_dir} stopped before '
+                          'writing again: run it again')
   try:
-    return _copy_objects(config, tokenizer, tmp, out_dir, total, overwrite, started)
+    return _copy_objects(config, tokenizer, tmp, out_dir, total, overwrite, started, fence)
   finally:
     lease.release()
 
 
 def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bool,
-                  started: float) -> dict:
+                  started: float, fence: Callable[[], None]) -> dict:
+  """_gather_objects' work under the lease; `fence()` before every write."""
   fp = fingerprint(config)
   results = [_done(tmp, i, total, fp) for i in range(total)]  # read under the lease
   if any(r is None for r in results):  # another preparation gathered them meanwhile
@@ -607,14 +614,17 @@ def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwri
   if _path(out_dir, METADATA).exists():
     if not overwrite:
       return read_metadata(out_dir)
+    fence()
     _path(out_dir, METADATA).unlink()  # first: never a metadata.json over mixed shards
   if _path(out_dir).exists():
+    fence()
     _path(out_dir).rmtree()  # shards of an earlier attempt cut short
   counts, files, stats = {}, {}, collections.Counter()
   for split in SPLITS:
     paths = [_worker_dir(tmp, i) + '/' + name
              for i, r in enumerate(results) for name in r['files'][split]]
     for path, final in zip(paths, shard_paths(out_dir, split, len(paths))):
+      fence()
       _path(path).copy(_path(final), overwrite=True)
     files[split] = len(paths)
     counts[split] = sum(r['counts'][split] for r in results)
@@ -624,7 +634,9 @@ def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwri
   stats = collections.Counter({k: v for k, v in stats.items() if v})
   metadata = _metadata(config, tokenizer, counts, files, stats, _layout(results), total,
                        started)
+  fence()
   _path(out_dir, METADATA).write_text(json.dumps(metadata, indent=2))
+  fence()
   _path(tmp).rmtree()
   return metadata
 

@@ -641,13 +641,14 @@ class Lease:
   it under the same precondition, so a holder whose lease was taken over never deletes its
   successor's lock. `lost` says why the lock is no longer this holder's: taken over (seen
   by a refresh), or not refreshed for lease_seconds - 2 * REFRESH_SECONDS (so a holder that
-  was cut off stops writing before anyone may take over)."""
+  was cut off stops writing before anyone may take over). `guards`: the folder it locks, as
+  messages name it (default: the one holding the lock object)."""
 
-  def __init__(self, url: str, record: dict):
+  def __init__(self, url: str, record: dict, guards: Optional[str] = None):
     if not url.startswith('gs://'):
       raise ValueError(f'{url}: object storage is supported for gs:// (Cloud Storage) URLs; '
                        'give a gs:// URL or a local folder')
-    self.url = url
+    self.url, self.guards = url, guards or url.rpartition('/')[0]
     self.record = dict(record, lease_seconds=LEASE_SECONDS, nonce=uuid.uuid4().hex)
     self._bucket, _, self._name = url[len('gs://'):].partition('/')
     self.generation, self._lost = None, None
@@ -733,7 +734,7 @@ class Lease:
         why = f'its lease expired {age - lease:.0f} s ago'
       else:
         raise HeldError(
-            f'{self.url.rpartition("/")[0]} is in use by {describe_holder(holder)}, its lease '
+            f'{self.guards} is in use by {describe_holder(holder)}, its lease '
             f'renewed {age:.0f} s ago; wait for it to finish or stop it, or use another '
             f'folder; if it is no longer running, delete {self.url} (or wait '
             f'{lease - age:.0f} s for its lease to expire)')

@@ -15,8 +15,8 @@ its objects in a folder so that it can be stopped and started again):
      the same command resumes once the server is back, as if nothing had happened;
   f. the programs of b and e open connections to 127.0.0.1 only (Python's socket audit
      events: gcsfs and google-cloud-storage; tensorstore's own connections go to
-     TENSORSTORE_GCS_HTTP_URL, which realformer.storage sets to the same server), and credential discovery asks no metadata
-     server.
+     TENSORSTORE_GCS_HTTP_URL, which realformer.storage sets to the same server), and
+     credential discovery asks no metadata server.
 """
 
 import contextlib
@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import jax
 import numpy as np
@@ -37,6 +38,7 @@ import train
 from data import pipeline
 from data import prepare
 from data import tokenizer as tokenizer_lib
+from realformer import cli
 from realformer import storage
 from realformer.tools import sweep
 from realformer.train import checkpoints
@@ -241,6 +243,12 @@ def test_data_prepared_into_a_bucket_by_workers_on_hosts_matches_a_local_prepara
   config.data.prepare_workers = 2
   url = f'{server.root}/prepared'
   assert prepare.prepare(config, url, process_index=1, process_count=2) is None  # host 1
+  # A gatherer whose lease lapsed (a host suspended past it) writes nothing more.
+  with mock.patch.object(storage.Lease, 'lost', 'the lock could not be refreshed'):
+    with pytest.raises(cli.UserError, match='the lock could not be refreshed; this '
+                       'preparation of .*/prepared stopped before writing again'):
+      prepare.prepare(config, url, process_index=0, process_count=2)
+  assert not storage.path(url).exists()
   hosts = prepare.prepare(config, url, process_index=0, process_count=2)  # host 0 gathers
   assert hosts['workers'] == 4 and hosts['counts'] == one['counts']
   assert not storage.path(f'{url}.tmp').exists()  # the workers' objects are gone

@@ -377,6 +377,24 @@ def test_tensorstore_writes_to_the_endpoint_that_the_other_clients_use(monkeypat
   storage.check_location('gs://bucket/run', '--workdir')  # the user's, the same: kept
 
 
+def test_a_preparation_held_by_another_gatherer_too_long_is_one_line_naming_it(gcs,
+                                                                              monkeypatch):
+  """A gatherer that waited its time for another's lease on <out_dir>.lock stops with one
+  line (a user error, not a traceback) that names the prepared folder, not its parent."""
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  out_dir = f'{gcs}/prepared/shards'
+  other = storage.Lease(f'{out_dir}.lock', storage.holder_record('data.prepare'))
+  other.take()
+  try:
+    monkeypatch.setattr(storage, 'LEASE_SECONDS', 0.2)  # (the wait, not the holder's lease)
+    monkeypatch.setattr(prepare, 'POLL_SECONDS', 0.05)
+    with pytest.raises(cli.UserError, match=f'^{re.escape(out_dir)} is in use by pid '):
+      prepare._gather_objects(None, None, '', out_dir, 1, True, 0.0)  # pylint: disable=protected-access
+  finally:
+    other.release()
+
+
 def test_a_bucket_folder_holding_other_objects_is_not_taken_for_prepared_data(gcs):
   from data import prepare  # pylint: disable=g-import-not-at-top
   folder = f'{gcs}/shared'
