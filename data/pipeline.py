@@ -291,7 +291,8 @@ def check_saved_position(step_dir: str, process_count: int) -> None:
   positions say nothing about where m hosts stand."""
   folder = storage.path(step_dir) / 'data'
   saved = {int(m.group(1)) for m in (re.fullmatch(r'process_\d+-of-(\d+)\.json', p.name)
-                                     for p in (folder.iterdir() if folder.is_dir() else ()))
+                                     for p in (folder.iterdir() if storage.is_dir(folder)
+                                               else ()))
            if m}
   if saved and saved != {process_count}:
     n = max(saved)

@@ -115,7 +115,7 @@ def tokenizer_signature(path: str) -> Optional[str]:
   preparation records it, so that reusing or resuming it is refused instead of mixing the
   two. None where the file is not here."""
   path = path or tokenizer_lib.EMBEDDED_TOKENIZER
-  if not storage.path(path).is_file():  # (loading it then says what is wrong)
+  if not storage.is_file(path):  # (loading it then says what is wrong)
     return None
   crc = zlib.crc32(storage.path(path).read_bytes())
   if path.endswith('.txt'):
@@ -320,7 +320,7 @@ def refuse_other_files(out_dir: str) -> None:
   """A preparation replaces its folder whole (an earlier preparation, or the shards of one
   cut short): a folder holding anything else is refused before anything is written."""
   folder = _path(out_dir)
-  if not folder.is_dir():
+  if not storage.is_dir(folder):  # (an outage raises: the folder is deleted next)
     return
   # (A bucket folder made in the console holds a placeholder object named after the folder.)
   other = sorted(p.name for p in folder.iterdir()
@@ -358,13 +358,13 @@ def _upload_worker(staging: str, tmp: str, worker: int) -> None:
 def _done(tmp: str, worker: int, total: int, fp: dict) -> Optional[dict]:
   """The worker's result, if it finished with these settings and this worker count."""
   path = _path(_worker_dir(tmp, worker), 'done.json')
-  if not path.is_file():
+  if not storage.is_file(path):
     return None
   done = json.loads(path.read_text())
   if done['fingerprint'] != fp or done['workers'] != total:
     return None
   names = [n for split in SPLITS for n in done['files'][split]]
-  if not all(_path(_worker_dir(tmp, worker), n).is_file() for n in names):
+  if not all(storage.is_file(_path(_worker_dir(tmp, worker), n)) for n in names):
     return None  # a gathering was cut short after moving its files: redo this worker
   return done
 

@@ -83,8 +83,32 @@ def path(p) -> epath.Path:
   return epath.Path(os.path.abspath(os.path.expanduser(p)))
 
 
+def is_file(p) -> bool:
+  """Whether `p` is a file. On gs:// a storage that does not answer raises, where epath's
+  is_file answers False (gcsfs takes any error for absence): a check that decides what to
+  write or delete must not read an outage as "not there"."""
+  return _kind(p) == 'file' if is_url(p) else path(p).is_file()
+
+
+def is_dir(p) -> bool:
+  """Whether `p` is a folder (on gs://, objects under the prefix), raising as is_file does."""
+  return _kind(p) == 'directory' if is_url(p) else path(p).is_dir()
+
+
+def _kind(url) -> Optional[str]:
+  url = os.fspath(url)
+  same_endpoint()
+  from etils.epath import backend  # pylint: disable=g-import-not-at-top
+  try:
+    return backend.fsspec_backend.fs(url).info(url)['type']
+  except FileNotFoundError:
+    return None
+
+
 _TENSORSTORE_URL = 'TENSORSTORE_GCS_HTTP_URL'
-_derived_url = None  # the TENSORSTORE_GCS_HTTP_URL that same_endpoint() set, if any
+# The TENSORSTORE_GCS_HTTP_URL that same_endpoint() set (in this process or the one that
+# started it: the environment goes to child processes with it), if any.
+_DERIVED = 'REALFORMER_DERIVED_TENSORSTORE_URL'
 
 
 def same_endpoint() -> None:
@@ -93,16 +117,14 @@ def same_endpoint() -> None:
   follows the variable when it changes, or removes what it set); raises a one-line ValueError
   when the user set both to different endpoints, or only tensorstore's: a run's arrays would
   be written to another service than its other files."""
-  global _derived_url
   host = os.environ.get('STORAGE_EMULATOR_HOST', '').rstrip('/')
   url = host if not host or '://' in host else f'http://{host}'
   given = os.environ.get(_TENSORSTORE_URL)
-  if given is None or given == _derived_url:
+  if given is None or given == os.environ.get(_DERIVED):
     if url:
-      os.environ[_TENSORSTORE_URL] = _derived_url = url
+      os.environ[_TENSORSTORE_URL] = os.environ[_DERIVED] = url
     elif given is not None:
-      del os.environ[_TENSORSTORE_URL]
-      _derived_url = None
+      del os.environ[_TENSORSTORE_URL], os.environ[_DERIVED]
   elif given.rstrip('/') != url:
     raise ValueError(f'{_TENSORSTORE_URL}={given} but STORAGE_EMULATOR_HOST='
                      f'{host or "(unset)"}: the checkpoints\' arrays would go to another '

@@ -226,8 +226,8 @@ def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server, mo
           '--sweep', 'model.variant=realformer', '--seeds', '1']
   for item in test_sweep.TINY:
     args += ['--set', item]
-  assert sweep_cli.main(args) == 0, (storage.path(root) / 'seed=0' / 'log.txt').read_text()
-  run = storage.path(root) / 'seed=0'
+  run = storage.path(root) / 'model.variant=realformer,seed=0'
+  assert sweep_cli.main(args) == 0, (run / 'log.txt').read_text()
   assert {'DONE', 'log.txt', RunDir.OVERRIDES, 'config.json'} <= {p.name for p in run.iterdir()}
   assert RunDir.SWEEP_LOCK not in {p.name for p in run.iterdir()}  # the lease object is released
   assert sweep_cli.main(args) == 0  # finished: skipped

@@ -352,6 +352,7 @@ def test_tensorstore_writes_to_the_endpoint_that_the_other_clients_use(monkeypat
   STORAGE_EMULATOR_HOST that gcsfs and google-cloud-storage read: set from it (and following
   it), or refused in one line where a user set them apart."""
   monkeypatch.delenv('TENSORSTORE_GCS_HTTP_URL', raising=False)
+  monkeypatch.delenv('REALFORMER_DERIVED_TENSORSTORE_URL', raising=False)
   monkeypatch.setenv('STORAGE_EMULATOR_HOST', '127.0.0.1:4443')
   storage.path('gs://bucket/run')
   assert os.environ['TENSORSTORE_GCS_HTTP_URL'] == 'http://127.0.0.1:4443'
@@ -362,6 +363,18 @@ def test_tensorstore_writes_to_the_endpoint_that_the_other_clients_use(monkeypat
   storage.path('gs://bucket/run')  # Cloud Storage itself, for every client
   assert 'TENSORSTORE_GCS_HTTP_URL' not in os.environ
   storage.path('/tmp/run')  # local paths leave the environment alone
+  # A child process of one that derived it gets both variables, and follows them the same.
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', '127.0.0.1:4443')
+  storage.path('gs://bucket/run')
+  child = subprocess.run([sys.executable, '-c', 'import os; from realformer import storage; '
+                          'storage.path("gs://b/r"); print(os.environ.get('
+                          '"TENSORSTORE_GCS_HTTP_URL"))'], capture_output=True, text=True,
+                         env=dict(os.environ, STORAGE_EMULATOR_HOST=""),
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         check=True)
+  assert child.stdout.strip() == 'None'  # the emulator unset there: what was derived goes
+  monkeypatch.delenv('STORAGE_EMULATOR_HOST')
+  storage.path('gs://bucket/run')
   for emulator, tensorstore in (('127.0.0.1:4443', 'http://10.0.0.1:80'),
                                 (None, 'http://127.0.0.1:4443')):
     if emulator:
@@ -375,6 +388,18 @@ def test_tensorstore_writes_to_the_endpoint_that_the_other_clients_use(monkeypat
       RunDir('gs://bucket/run')
   monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://127.0.0.1:4443')
   storage.check_location('gs://bucket/run', '--workdir')  # the user's, the same: kept
+
+
+def test_is_file_and_is_dir_in_a_bucket_and_on_disk(gcs, tmp_path):
+  """storage.is_file / is_dir (which, unlike gcsfs's isdir, raise when the storage does not
+  answer) answer as epath does where it answers."""
+  storage.write_text(f'{gcs}/folder/a.txt', 'a')
+  (tmp_path / 'folder').mkdir()
+  (tmp_path / 'folder' / 'a.txt').write_text('a')
+  for root in (gcs, str(tmp_path)):
+    assert storage.is_file(f'{root}/folder/a.txt') and not storage.is_dir(f'{root}/folder/a.txt')
+    assert storage.is_dir(f'{root}/folder') and not storage.is_file(f'{root}/folder')
+    assert not storage.is_file(f'{root}/none') and not storage.is_dir(f'{root}/none')
 
 
 def test_a_preparation_held_by_another_gatherer_too_long_is_one_line_naming_it(gcs,

@@ -286,7 +286,7 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   program's: a finished fine-tuning run keeps no checkpoint in checkpoints/, yet its
   best/, final/ and metrics would be mixed with a pretraining run's."""
   path = storage.path(workdir) / RunNames.CONFIG
-  if not path.is_file():
+  if not storage.is_file(path):
     if has_checkpoint:  # config.json is written before the first checkpoint: removed since
       raise ValueError(f'{workdir} holds checkpoints but no config.json, so the config they '
                        'were trained with is unknown; restore config.json (a copy of the '
