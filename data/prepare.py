@@ -241,10 +241,13 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
                      f'{process_index} of {process_count} valid)')
   fp = fingerprint(config)  # reads the corpus files' names and sizes: fails before any write
   out_dir = out_dir.rstrip('/')
-  tmp = f'{out_dir}.tmp'  # the workers' results, where process 0 finds them
+  tmp = tmp_dir(out_dir)  # the workers' results, where process 0 finds them
   # Where this process's workers write: for a bucket, a local folder of its own.
   staging = staging_dir(out_dir, process_index) if remote else tmp
   os.makedirs(staging, exist_ok=True)
+  # What this attempt's files are newer than, by the clock that stamps them (1 s earlier:
+  # a file system may keep coarser times).
+  since = storage.clock(tmp) - 1
   lock = _single_host_lock(staging) if process_count == 1 else None
   try:
     if not overwrite and _path(out_dir, METADATA).exists():
@@ -260,7 +263,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
     try:
       _run_workers(config, tokenizer, staging, todo, total,
                    made_since=_path(out_dir, METADATA) if process_index else None,
-                   since=started - 1)
+                   since=since)
       if remote:  # each worker's files, then its done.json (the mark that it finished)
         for i in todo:  # (none done: process 0 gathered every host's while this one looked)
           if _done(staging, i, total, fp):
@@ -287,7 +290,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       return None
     try:
       # Signed again: a corpus that changed while it was prepared is an error, not a mix.
-      if _wait_for_workers(tmp, total, fingerprint(config), timeout_s, since=started - 1,
+      if _wait_for_workers(tmp, total, fingerprint(config), timeout_s, since=since,
                            made=None if overwrite else _path(out_dir, METADATA)):
         return read_metadata(out_dir)  # another preparation gathered them first
       return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
@@ -515,10 +518,15 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: f
     time.sleep(POLL_SECONDS)
 
 
+def tmp_dir(out_dir: str) -> str:
+  """Where a preparation of `out_dir` keeps its workers' results and failure notices."""
+  return f'{out_dir.rstrip("/")}.tmp'
+
+
 def failure_since(out_dir: str, since: float) -> Optional[str]:
   """The message of a host's failed preparation of `out_dir` written after `since` (a
   host waiting for metadata.json stops on it), or None."""
-  return _failure(f'{out_dir.rstrip("/")}.tmp', since)
+  return _failure(tmp_dir(out_dir), since)
 
 
 def _failure(tmp: str, since: float, hosts_only: bool = False) -> Optional[str]:

@@ -98,9 +98,8 @@ def is_dir(p) -> bool:
 def _kind(url) -> Optional[str]:
   url = os.fspath(url)
   same_endpoint()
-  from etils.epath import backend  # pylint: disable=g-import-not-at-top
   try:
-    return backend.fsspec_backend.fs(url).info(url)['type']
+    return _fs(url).info(url)['type']
   except FileNotFoundError:
     return None
 
@@ -308,6 +307,24 @@ def walk(root):
   scheme = root.split('://', 1)[0]
   for folder, dirnames, filenames in _fs(root).walk(root, topdown=True):
     yield f'{scheme}://{folder}', dirnames, filenames
+
+
+def clock(folder) -> float:
+  """Now, by the clock that stamps the files of `folder` (the storage service's for gs://,
+  a network file system's server's for a shared disk), read off a probe written there and
+  deleted: what to compare the times of files that other hosts write there with, whatever
+  this host's clock says. A local folder is made if it is not there."""
+  if not is_url(folder):
+    os.makedirs(folder, exist_ok=True)
+  probe = join(folder, f'.clock-{uuid.uuid4().hex}')
+  write_text(probe, '')
+  try:
+    return mtime(probe)
+  finally:
+    try:
+      path(probe).unlink()
+    except FileNotFoundError:
+      pass
 
 
 def mtime(p) -> float:

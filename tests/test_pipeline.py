@@ -247,9 +247,15 @@ def test_a_re_preparation_killed_midway_never_leaves_a_half_deleted_one(prepared
       assert os.path.isfile(path), path
 
 
-def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, monkeypatch):
+@pytest.mark.parametrize('skew', [0.0, 30.0])
+def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, monkeypatch,
+                                                           skew):
   """Process 0 fails to gather (an empty corpus gives no examples): the other hosts stop
-  with its message instead of waiting hours for metadata.json."""
+  with its message instead of waiting hours for metadata.json, also a host whose clock is
+  `skew` seconds ahead of the one that stamps the shared files (the notice is dated by it)."""
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(pipeline, 'time', types.SimpleNamespace(
+      time=lambda: time.time() + skew, sleep=time.sleep))
   (tmp_path / 'empty.txt').write_text('')
   config = prepared[0].copy_and_resolve_references()
   config.data.sources = f'files:{tmp_path}/empty.txt'
@@ -266,7 +272,7 @@ def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, m
   start = time.time()
   with pytest.raises(ValueError,
                      match=r'failed on process 0 \(gathering\): .*no training examples'):
-    pipeline.ensure_prepared(config, str(tmp_path))
+    pipeline.ensure_prepared(config, str(tmp_path), timeout_s=30)
   host.join()
   assert time.time() - start < 60
 
