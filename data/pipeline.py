@@ -8,9 +8,10 @@ a resume keeps the count, workdir.check_resume_config): grain's IndexSampler shu
 records of every epoch with the seed, each host takes its own contiguous share (ShardOptions
 by process; another host count reads another stream, so a run resumes on as many hosts as
 saved it: check_saved_position), and
-masking draws from a generator that grain seeds with (seed, global record index), so an epoch
-re-masks every instance differently and a restored iterator continues with exactly the batches
-an uninterrupted run would have seen.
+masking draws from a generator that grain seeds from the seed and the global record index
+(their sum: seed s at index i + 1 draws as seed s + 1 at index i, which another seed's
+shuffle puts on another record), so an epoch re-masks every instance differently and a
+restored iterator continues with exactly the batches an uninterrupted run would have seen.
 """
 
 import collections

@@ -105,7 +105,9 @@ def fingerprint(config) -> dict:
              if 'tfds:' in d.sources else {}),
           **({'hf_rows_per_document': ';'.join(map(str, rows))} if grouped else {}),
           **({'files': files} if (files := sources.files_signature(d.sources)) else {}),
-          **({'tokenizer_crc': crc} if (crc := tokenizer_signature(d.tokenizer)) else {})}
+          **({'tokenizer_crc': crc} if (crc := tokenizer_signature(d.tokenizer)) else {}),
+          # (held out by the documents' numbers in their own sources: is_eval_document)
+          **({'eval_split': 'by_source'} if len(specs) > 1 else {})}
 
 
 def tokenizer_signature(path: str) -> Optional[str]:
@@ -125,14 +127,15 @@ def tokenizer_signature(path: str) -> Optional[str]:
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
-  """A fixed share of documents is held out: a hash of the document's index in the stream,
-  the same for every seed while the order of the stream is (with data.weights the sources
-  interleave in an order drawn from config.seed, so the held-out documents follow it)."""
+  """A fixed share of documents is held out: a hash of the document's number in its own
+  source (sources.iter_documents(numbered=True)), the same for every seed and interleave,
+  and for every copy of a source listed twice (a document used twice is held out or trained
+  on both times, never both)."""
   return (zlib.crc32(str(index).encode()) % 1_000_000) < eval_fraction * 1_000_000
 
 
-def _split_stream(documents, split, eval_fraction):
-  for i, doc in enumerate(documents):
+def _split_stream(numbered_documents, split, eval_fraction):
+  for i, doc in numbered_documents:
     if is_eval_document(i, eval_fraction) == (split == 'eval'):
       yield doc
 
@@ -455,7 +458,8 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
                                   tfds_text_feature=d.get('tfds_text_feature', 'text'),
                                   hf_text_column=d.get('hf_text_column', 'text'),
                                   hf_rows_per_document=d.get('hf_rows_per_document', '1'),
-                                  lazy=True)  # sentences split only in the owned blocks
+                                  lazy=True,  # sentences split only in the owned blocks
+                                  numbered=True)
     writers = ShardWriters(out, split, d.get('records_per_file', 65536), run)
     n = 0
 

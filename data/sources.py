@@ -474,10 +474,11 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
                    weights: Union[str, Sequence[float], None] = None, seed: int = 0,
                    tfds_text_feature: str = 'text',
                    hf_text_column: str = 'text', hf_rows_per_document: Union[int, str] = 1,
-                   lazy: bool = False) -> Iterator[List[str]]:
+                   lazy: bool = False, numbered: bool = False) -> Iterator[List[str]]:
   """Yields the documents (lists of sentences) of `config.data.sources`, streaming; with
   lazy=True, the documents of tfds and hf sources as Unsplit texts (`sentences(doc)` splits
-  one), the same documents in the same order.
+  one), the same documents in the same order; with numbered=True, (n, document) pairs, n the
+  document's number in its own source (the same for a source listed twice).
 
   Several sources are interleaved until every one is exhausted. With `weights`, each next
   document comes from a source drawn with those probabilities (renormalised over the sources
@@ -496,6 +497,7 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
              for s, r in zip(specs, rows)]
   rng = np.random.default_rng(seed)
   progress = [0.0] * len(streams)
+  yielded = [0] * len(streams)  # documents given of each source
   live = [i for i in range(len(streams)) if probs is None or probs[i] > 0]
   turn = 0
   while live:
@@ -513,13 +515,14 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
       continue
     doc, progress[i] = item
     if isinstance(doc, Unsplit):
-      yield doc if lazy else sentences(doc)
-      continue
-    doc = [s for s in doc if s.strip()]
-    if doc:
-      yield doc
+      doc = doc if lazy else sentences(doc)
     else:
-      stats['empty_documents'] += 1
+      doc = [s for s in doc if s.strip()]
+      if not doc:
+        stats['empty_documents'] += 1
+        continue
+    yield (yielded[i], doc) if numbered else doc
+    yielded[i] += 1
 
 
 def iter_sentences(documents: Iterable[List[str]]) -> Iterator[str]:

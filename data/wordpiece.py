@@ -24,7 +24,11 @@ transformers' BertTokenizer, whose engine this is): lower-casing is letter by le
 word-final capital sigma becomes 'σ', where Python's str.lower() gives 'ς'; and private-use
 characters (Unicode category Co) are dropped with the control characters, where BERT drops
 only Cc and Cf and keeps a private-use character inside its word, which then becomes [UNK]
-('ab\ue000cd': BERT [UNK], here the pieces of 'abcd').
+('ab\ue000cd': BERT [UNK], here the pieces of 'abcd'); a word of 101 to 200 characters is
+[UNK], where BERT (max_input_chars_per_word=200) gives its pieces; and the library's tables
+of CJK ideographs and Unicode categories are its own (the 256 ideographs U+2B820-U+2B91F are
+not split apart; marks newer than its Unicode version, such as U+0890, are classed
+otherwise).
 """
 
 import json

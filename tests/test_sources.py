@@ -466,3 +466,20 @@ def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
     glue.read_tfds('rte', 'train')
   with pytest.raises(ValueError, match=r'load squad/v2.0 .*train-v2.0.json'):
     squad.read_tfds('v2.0', 'train')
+
+
+def test_a_source_listed_twice_is_held_out_or_trained_on_both_times(tmp_path):
+  """The held-out documents are chosen by their number in their own source, so a source
+  listed twice (to use it twice) puts no document in both splits, and a second source of
+  its own keeps the first one's split."""
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  corpus = tmp_path / 'corpus.txt'
+  docs = list(itertools.islice(sources.iter_documents('embedded'), 30))
+  corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in docs))
+  split = lambda spec, name: [tuple(d) for d in prepare._split_stream(  # pylint: disable=protected-access
+      sources.iter_documents(spec, numbered=True), name, 0.3)]
+  once = {name: split(f'files:{corpus}', name) for name in prepare.SPLITS}
+  twice = {name: split(f'files:{corpus};files:{corpus}', name) for name in prepare.SPLITS}
+  assert once['eval'] and once['train'] and not set(twice['eval']) & set(twice['train'])
+  assert sorted(twice['eval']) == sorted(once['eval'] * 2)
+  assert sorted(twice['train']) == sorted(once['train'] * 2)
