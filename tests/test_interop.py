@@ -291,15 +291,48 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
   base = BertModel.from_pretrained(hf_dir, attn_implementation='eager').eval()
   _assert_close_real(ours.hidden, _torch_hidden(base, batch).last_hidden_state.numpy(),
                      batch['attention_mask'])
-  # The class config.json names for each set of heads holds exactly those heads.
+  # The class config.json names for each set of heads holds exactly the weights exported:
+  # the pretraining heads' (from this run) and the fine-tuned tasks' (GLUE's classifier,
+  # SQuAD's span head), which load into their classes and compute our logits.
   import transformers  # pylint: disable=g-import-not-at-top
-  hf_config = transformers.BertConfig.from_pretrained(hf_dir)
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  heads_of = {'mlm_head': ('mlm_head',), 'nsp_head': ('nsp_head',)}
   for heads, architecture in interop.HF_ARCHITECTURES.items():
-    cls_modules = {'.'.join(k.split('.')[:2])
-                   for k in getattr(transformers, architecture)(hf_config).state_dict()
-                   if k.startswith('cls.')}
-    assert cls_modules == {{'mlm_head': 'cls.predictions', 'nsp_head': 'cls.seq_relationship'}[h]
-                           for h in heads}, architecture
+    if any(h in interop.TASK_HEADS for h in heads):
+      head = heads[0]
+      labels = 3 if head == 'classifier' else 2
+      tuned = {'encoder': params['encoder'], head: {
+          'kernel': rng.normal(size=(cfg.model.hidden_size, labels)).astype(np.float32),
+          'bias': rng.normal(size=labels).astype(np.float32)}}
+    else:
+      tuned = {k: v for k, v in params.items()
+               if k == 'encoder' or any(k in heads_of.get(h, ()) for h in heads)}
+    run = tmp_path / architecture
+    checkpoints.save_params(str(run), tuned, cfg)
+    out = interop.export_hf(str(run), str(tmp_path / f'{architecture}_hf'))
+    hf = getattr(transformers, architecture).from_pretrained(out, attn_implementation='eager')
+    expected = {k for k in hf.state_dict()  # (the decoder: tied to the embeddings, the bias)
+                if not k.startswith('cls.predictions.decoder.')}
+    assert set(load_file(os.path.join(out, 'model.safetensors'))) == expected, architecture
+    if heads in (('classifier',), ('span_head',)):
+      kind = 'classification' if heads == ('classifier',) else 'span'
+      model = models.build(cfg.model, head=kind, **({'num_labels': 3} if kind == 'classification'
+                                                   else {}))
+      ours_out = model.apply({'params': tuned}, jax.tree.map(jnp.asarray, batch))
+      theirs = _torch_hidden(hf.eval(), batch)
+      if kind == 'classification':
+        np.testing.assert_allclose(ours_out[1], theirs.logits.numpy(), rtol=1e-5, atol=1e-5)
+        assert hf.config.num_labels == 3
+      else:
+        _assert_close_real(ours_out[1], theirs.start_logits.numpy(), batch['attention_mask'])
+        _assert_close_real(ours_out[2], theirs.end_logits.numpy(), batch['attention_mask'])
+  # A head of one's own has no HF class: refused in one line, not dropped.
+  checkpoints.save_params(str(tmp_path / 'own'), {'encoder': params['encoder'], 'keyword_head': {
+      'kernel': np.zeros((cfg.model.hidden_size, 2), np.float32)}}, cfg)
+  with pytest.raises(ValueError, match=r"holds a head that BERT's HF classes have no place for "
+                                       r"\(keyword_head: a task of one's own\)"):
+    interop.export_hf(str(tmp_path / 'own'), str(tmp_path / 'own_hf'))
 
   interop.import_hf(hf_dir, back)
   again, _ = _restore_all(back)

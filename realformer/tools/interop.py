@@ -769,7 +769,15 @@ def hf_config(model_config, architecture: str, pad_token_id: int = 0) -> dict:
 # The transformers class whose weights are exactly the encoder and these heads.
 HF_ARCHITECTURES = {(): 'BertModel', ('mlm_head',): 'BertForMaskedLM',
                     ('nsp_head',): 'BertForNextSentencePrediction',
-                    ('mlm_head', 'nsp_head'): 'BertForPreTraining'}
+                    ('mlm_head', 'nsp_head'): 'BertForPreTraining',
+                    ('classifier',): 'BertForSequenceClassification',
+                    ('span_head',): 'BertForQuestionAnswering'}
+# A fine-tuned task's head (realformer/finetune/: GLUE's classifier on the pooled [CLS],
+# SQuAD's start and end logits per token) -> its name in those classes (a linear layer's
+# weight [out, in] and bias, as ours transposed).
+TASK_HEADS = {'classifier': 'classifier', 'span_head': 'qa_outputs'}
+# The classes that transformers builds without BERT's pooler (add_pooling_layer=False).
+WITHOUT_POOLER = ('BertForMaskedLM', 'BertForQuestionAnswering')
 
 
 def _check_export_out(out: str) -> None:
@@ -790,9 +798,12 @@ def _check_export_out(out: str) -> None:
 
 
 def export_hf(workdir: str, out: str) -> str:
-  """A workdir (pretraining run or import) -> an HF directory that
-  `transformers.BertModel.from_pretrained(out)` (or BertForPreTraining with both heads)
-  loads: config.json, model.safetensors, and vocab.txt when the run used a WordPiece one.
+  """A workdir (pretraining run or import; or a fine-tuning run's best/ or final/) -> an HF
+  directory that `transformers.BertModel.from_pretrained(out)` loads, and the class that
+  holds its heads (HF_ARCHITECTURES: BertForPreTraining with both of pretraining's,
+  BertForSequenceClassification with GLUE's classifier, BertForQuestionAnswering with
+  SQuAD's span head): config.json, model.safetensors, and vocab.txt when the run used a
+  WordPiece one.
   `workdir` and `out` may be gs:// URLs (the files are written locally, then uploaded)."""
   if storage.is_url(out):
     folder = tempfile.mkdtemp(prefix='realformer-export-')
@@ -812,16 +823,33 @@ def export_hf(workdir: str, out: str) -> str:
   if 'encoder' not in stored:
     raise ValueError(f'checkpoint of {workdir} has no encoder parameters (it has '
                      f'{sorted(stored)}); pass a pretraining or import workdir')
-  heads = [h for h in ('mlm_head', 'nsp_head') if h in stored]
+  other = sorted(set(stored) - {'encoder', 'mlm_head', 'nsp_head', *TASK_HEADS})
+  if other:
+    raise ValueError(f'the checkpoint of {workdir} holds a head that BERT\'s HF classes have '
+                     f'no place for ({other[0]}: a task of one\'s own); HF exports take '
+                     'pretraining\'s heads, GLUE\'s classifier and SQuAD\'s span head')
+  heads = [h for h in ('mlm_head', 'nsp_head', *TASK_HEADS) if h in stored]
+  if tuple(heads) not in HF_ARCHITECTURES:
+    raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, which no one HF '
+                     'class holds together')
   target = abstract_params(model_config)
-  target = {k: target[k] for k in ['encoder'] + heads}  # nothing missing: no fresh params
+  target = {k: target[k] for k in ['encoder'] + heads if k in target}  # no fresh params
+  for head in set(heads) & set(TASK_HEADS):  # its shape (its number of labels) as stored
+    target[head] = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                dict(stored[head]))
   params, _ = checkpoints.restore_params(workdir, target)
   params = jax.tree.map(np.asarray, params)
   params['encoder'] = _unscan(params['encoder'], int(model_config.num_layers))
+  task = {h: params.pop(h) for h in set(heads) & set(TASK_HEADS)}
   flat = convert_from_params(params, model_config, fmt='hf')
   if heads:
     flat = {(n if n.startswith('cls.') else 'bert.' + n): x for n, x in flat.items()}
+  for head, weights in task.items():
+    flat[f'{TASK_HEADS[head]}.weight'] = np.ascontiguousarray(weights['kernel'].T)
+    flat[f'{TASK_HEADS[head]}.bias'] = weights['bias']
   architecture = HF_ARCHITECTURES[tuple(heads)]
+  if architecture in WITHOUT_POOLER:
+    flat = {n: x for n, x in flat.items() if not n.startswith('bert.pooler.')}
 
   os.makedirs(out, exist_ok=True)
   pad_id = 0
@@ -842,8 +870,15 @@ def export_hf(workdir: str, out: str) -> str:
     logging.warning('the run\'s tokenizer %r is not a WordPiece vocab.txt: exported weights '
                     'only (HF\'s BertTokenizer cannot read a sentencepiece model)',
                     tokenizer_path)
+  hf = hf_config(model_config, architecture, pad_id)
+  if 'classifier' in task:  # (one label: a regression, as GLUE's STS-B)
+    labels = int(task['classifier']['bias'].shape[0])
+    hf['id2label'] = {str(i): f'LABEL_{i}' for i in range(labels)}
+    hf['label2id'] = {f'LABEL_{i}': i for i in range(labels)}
+    hf['problem_type'] = ('regression' if labels == 1 else
+                          'single_label_classification')
   with open(os.path.join(out, HF_CONFIG), 'w') as f:
-    json.dump(hf_config(model_config, architecture, pad_id), f, indent=2, sort_keys=True)
+    json.dump(hf, f, indent=2, sort_keys=True)
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   save_file(flat, os.path.join(out, HF_SAFETENSORS), metadata={'format': 'pt'})
   return out
