@@ -213,11 +213,16 @@ def spread(values, digits: int = 4) -> str:
           f'({min(values):.{digits}f}-{max(values):.{digits}f})')
 
 
+# The fewest paired seeds that decide an ordering: with n a side, a clean split of 2n runs
+# happens by chance once in C(2n, n) / 2 (3 seeds: one in 20; 2: one in 6; 1: one in 2).
+MIN_PAIRED_SEEDS = 3
+
+
 def ordering(per_variant: dict, first: str, second: str, lower: bool = False) -> str:
   """Whether `first` is above (lower: below) `second` beyond the spread over the seeds both
   ran (same seed: same held-out batches and data): held when every such seed of `first` is
-  beyond every such seed of `second`, reversed when the other way round, else undecided;
-  with the paired count."""
+  beyond every such seed of `second`, reversed when the other way round, else undecided
+  (also with fewer than MIN_PAIRED_SEEDS of them); with the paired count."""
   a, b = per_variant.get(first, {}), per_variant.get(second, {})
   if not a or not b:
     return 'not run'
@@ -228,8 +233,10 @@ def ordering(per_variant: dict, first: str, second: str, lower: bool = False) ->
   wins = sum(sign * (a[s] - b[s]) > 0 for s in seeds)
   sa, sb = [sign * a[s] for s in seeds], [sign * b[s] for s in seeds]
   verdict = 'held' if min(sa) > max(sb) else 'reversed' if max(sa) < min(sb) else 'undecided'
-  return (f'{verdict} ({first} {"below" if lower else "ahead"} on {wins} of {len(seeds)} '
-          'paired seeds)')
+  few = len(seeds) < MIN_PAIRED_SEEDS
+  return (f'{"undecided" if few else verdict} ({first} {"below" if lower else "ahead"} on '
+          f'{wins} of {len(seeds)} paired seeds'
+          f'{f"; a verdict needs {MIN_PAIRED_SEEDS}" if few else ""})')
 
 
 def attention_over_seeds(root: str, runs, names, codes) -> str:

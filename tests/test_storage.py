@@ -415,7 +415,8 @@ def test_a_preparation_held_by_another_gatherer_too_long_is_one_line_naming_it(g
     monkeypatch.setattr(storage, 'LEASE_SECONDS', 0.2)  # (the wait, not the holder's lease)
     monkeypatch.setattr(prepare, 'POLL_SECONDS', 0.05)
     with pytest.raises(cli.UserError, match=f'^{re.escape(out_dir)} is in use by pid '):
-      prepare._gather_objects(None, None, '', out_dir, 1, True, 0.0)  # pylint: disable=protected-access
+      prepare._gather_objects(  # pylint: disable=protected-access
+          None, None, '', out_dir, 1, True, 0.0)
   finally:
     other.release()
 

@@ -514,9 +514,13 @@ def test_study_orderings_pair_seeds_and_reports_read_only_their_own_runs(tmp_pat
   import study  # pylint: disable=g-import-not-at-top
   assert study.ordering({'a': {0: 0.146}, 'b': {1: 0.140}}, 'a', 'b') == (
       'undecided (no seed run by both a and b)')
-  # a's seed 2 (lowest) has no partner: the two paired seeds decide.
+  # a's seed 3 (lowest) has no partner: the three paired seeds decide.
+  assert study.ordering({'a': {0: 0.3, 1: 0.31, 2: 0.32, 3: 0.1},
+                         'b': {0: 0.2, 1: 0.21, 2: 0.22}}, 'a', 'b') == (
+      'held (a ahead on 3 of 3 paired seeds)')
+  # Fewer than three paired seeds decide nothing (a clean split of two is one chance in six).
   assert study.ordering({'a': {0: 0.3, 1: 0.31, 2: 0.1}, 'b': {0: 0.2, 1: 0.21}}, 'a', 'b') == (
-      'held (a ahead on 2 of 2 paired seeds)')
+      'undecided (a ahead on 2 of 2 paired seeds; a verdict needs 3)')
   run = {'model.variant': 'postln', 'train.num_steps': 400, 'seed': 0}
   _write_run(tmp_path / 'seed=0', 400, 0.2, 0.08)  # named when only the seed varied
   (tmp_path / 'seed=0' / RunDir.OVERRIDES).write_text(json.dumps(run))
@@ -618,7 +622,8 @@ def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
   assert '- postln > preln: undecided (postln ahead on 1 of 3 paired seeds)' in report
   # Equal time: postln's median steady rate is 8 steps/s, so 400 steps are 50 s.
   assert study.equal_minutes(args) == pytest.approx(round(50 / 60, 2))
-  assert study.ordering({'a': {0: 0.1}, 'b': {0: 0.2}}, 'a', 'b').startswith('reversed')
+  assert study.ordering({'a': {0: 0.1, 1: 0.1, 2: 0.1}, 'b': {0: 0.2, 1: 0.2, 2: 0.2}},
+                        'a', 'b').startswith('reversed')
   scores = {'pretrained': {'postln': {0: 0.80, 1: 0.82}, 'realformer': {0: 0.84, 1: 0.85}},
             'scratch': {'postln': {0: 0.70, 1: 0.74}, 'realformer': {0: 0.71, 1: None}}}
   report = study.finetune_report(argparse.Namespace(**dict(vars(args),
@@ -627,8 +632,9 @@ def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
   assert '| postln | 2 | 0.8100 (0.8000-0.8200) | 0.7200 (0.7000-0.7400) | ' \
          '0.0900 (0.0800-0.1000) | - |' in report
   assert '| realformer | 2 | 0.8450 (0.8400-0.8500) | 0.7100 | 0.1300 | - |' in report
-  assert '- realformer > postln: held (realformer ahead on 2 of 2 paired seeds)' in report
-  assert '- postln: pretrained > random init: held (pretrained ahead on 2 of 2' in report
+  assert ('- realformer > postln: undecided (realformer ahead on 2 of 2 paired seeds; a '
+          'verdict needs 3)') in report
+  assert '- postln: pretrained > random init: undecided (pretrained ahead on 2 of 2' in report
 
 
 def test_study_attention_over_seeds_tests_the_claimed_orderings(tmp_path, monkeypatch):
@@ -647,11 +653,12 @@ def test_study_attention_over_seeds_tests_the_claimed_orderings(tmp_path, monkey
   monkeypatch.setattr(study.analysis, 'analyze_run', fake_analyze)
   table = study.attention_over_seeds(str(tmp_path), runs, names, dict.fromkeys(names, 0))
   assert '| realformer | 2 | 2.6500 (2.6000-2.7000) | 2.5500 (2.5000-2.6000) |' in table
-  assert '- entropy: realformer < postln: held (realformer below on 2 of 2 paired seeds)' in table
+  assert ('- entropy: realformer < postln: undecided (realformer below on 2 of 2 paired seeds; '
+          'a verdict needs 3)') in table
   assert '- entropy: realformer < preln: undecided (realformer below on 1 of 2' in table
   stored = json.loads((tmp_path / 'attention_seeds.json').read_text())['preln']['1']
   assert stored['js_adjacent'] == stored['js_all_pairs'] == pytest.approx(0.029)
-  assert '- JS over all layer pairs: realformer < postln: held' in table
+  assert '- JS over all layer pairs: realformer < postln: undecided (realformer below on 2' in table
 
 
 def test_sweep_values_are_checked_against_their_fields_as_the_command_line_reads_them():
