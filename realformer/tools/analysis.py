@@ -3,7 +3,8 @@
 From a pretraining workdir's newest checkpoint, on held-out text, through the public
 contract (`model.apply(..., capture_attention=True)`):
   - per layer, the distribution of attention entropy  H(p) = -sum_k p_k ln p_k  of every
-    (example, head, real query position): lower is sparser;
+    (example, head, real query position): lower is sparser (the heads of a layer pooled,
+    where the paper's figure draws each head's distribution, ordered by median);
   - the Jensen-Shannon divergence between the attention distributions of two layers,
     JS(p, q) = (KL(p || m) + KL(q || m)) / 2 with m = (p + q) / 2, averaged over examples,
     heads and real query positions, for adjacent layers and all pairs: lower is closer.
