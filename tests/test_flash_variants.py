@@ -239,7 +239,12 @@ def _use(kernel, monkeypatch):
 # Every variant through Triton's kernel; through Mosaic's, one of each kind of term
 # (RealFormer's carry in both dtypes, a term shared by the batch, one per example).
 IN_THE_MODEL = [(v, c, 'triton') for v, c in VARIANTS] + [
-    (v, c, 'mosaic') for v, c in VARIANTS[:1] + VARIANTS[2:5]]
+    (v, c, 'mosaic') for v, c in VARIANTS[:1] + VARIANTS[2:5]] + [
+        # as a TPU trains it: the layers scanned (the running mean's scale a traced layer
+        # index) and rematerialised
+        ('realformer', dict(scan_layers=True, remat_policy='full', running_mean=True,
+                            num_layers=2),
+         'mosaic')]
 
 
 @pytest.mark.parametrize('variant,cfg,kernel', IN_THE_MODEL)
