@@ -314,9 +314,12 @@ def test_weight_decay_mask_is_the_same_for_stacked_layers_and_every_variant():
     mask = by_name(variant, False)
     assert by_name(variant, True) == mask, variant
     assert all(len(v) == 1 for v in mask.values()), variant  # each layer alike
+    # BERT's exclusions: a bias (its optimizer matches 'bias' in the name: the MLM
+    # decoder's output_bias too) and a LayerNorm's gain (flax's LayerNorm: 'scale'),
+    # whatever the LayerNorm module is named
     for names, (decays,) in mask.items():
-      assert decays == (not names[-1].endswith('bias') and
-                        not any('layer_norm' in n for n in names)), (variant, names)
+      assert decays == (not names[-1].endswith('bias') and names[-1] != 'scale'), (
+          variant, names)
     if variant == 'preln':
       assert mask[('encoder', 'final_layer_norm', 'scale')] == {False}
     if variant == 'synth_random_vanilla':
@@ -1000,10 +1003,12 @@ def test_a_checkpoint_is_never_committed_without_its_time_record(tmp_path, monke
 
 @pytest.mark.parametrize('kind,peak', [
     ('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12), ('NVIDIA H100 NVL', 835e12),
-    ('NVIDIA H200', 989e12), ('NVIDIA A100-SXM4-80GB', 312e12), ('TPU v5 lite', 197e12),
+    ('NVIDIA H200', 989e12), ('NVIDIA H200 NVL', 835e12), ('NVIDIA A100-SXM4-80GB', 312e12),
+    ('TPU v5 lite', 197e12),
     ('TPU v5p', 459e12), ('TPU v6 lite', 918e12), ('cpu', None)])
 def test_mfu_reads_each_device_against_its_own_peak(kind, peak):
-  """The vendors' dense bfloat16 figures; an H100 PCIe or NVL is not the SXM card."""
+  """The vendors' dense bfloat16 figures; an H100 PCIe or NVL (or an H200 NVL) is not the SXM
+  card."""
   device = types.SimpleNamespace(device_kind=kind)
   assert metrics_lib.peak_flops_per_device(device) == peak
   assert metrics_lib.peak_flops_per_device(device, override=1e12) == 1e12
@@ -1109,6 +1114,25 @@ def test_checkpoint_saves_are_not_counted_as_training_time(tmp_path, monkeypatch
   assert min(rate for step, rate in rates.items() if step > 2) > 5.0, rates  # (with: < 2)
 
 
+def test_a_stop_right_after_an_evaluation_logs_the_training_time_alone(tmp_path,
+                                                                      monkeypatch):
+  """A stop signal seen at an evaluation step (not a logging one) logs the steps since the
+  last log before leaving: their steps/s leaves the evaluation (here 1 s) out."""
+  from realformer.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  evaluate = trainer.Trainer._evaluate  # pylint: disable=protected-access
+
+  def slow(self, step):
+    time.sleep(1.0)
+    return evaluate(self, step)
+  monkeypatch.setattr(trainer.Trainer, '_evaluate', slow)
+  monkeypatch.setattr(workdir_lib.StopSignal, 'reached', lambda self, manager, step: step == 4)
+  summary = trained(tiny_config(num_steps=8, log_every_steps=100, eval_every_steps=4,
+                                eval_steps=1), tmp_path)
+  assert summary['preempted'] == 4
+  rate = losses(tmp_path, key='steps_per_sec')[4]
+  assert rate > 5.0, rate  # (with the evaluation counted: below 3)
+
+
 def test_a_time_budget_on_several_hosts_records_the_time_at_each_save(tmp_path, monkeypatch):
   """Process 0's clock is agreed every SYNC_EVERY steps and at every checkpoint step (the
   loop asks for it there): a checkpoint between two agreements records the time spent at
@@ -1128,7 +1152,7 @@ def test_a_time_budget_on_several_hosts_records_the_time_at_each_save(tmp_path, 
     assert budget.update(15, sync=True) == budget.spent >= 0.3  # a checkpoint step's own
     budget.save(15)
     assert json.loads((tmp_path / RunDir.TIME_SPENT).read_text())['15'] == budget.spent
-  # The loop syncs exactly at its checkpoint steps.
+  # The loop syncs exactly at its checkpoint steps, the last one included.
   asked, update = [], trainer.TimeBudget.update
 
   def recorded(self, step, sync=False):
@@ -1137,4 +1161,4 @@ def test_a_time_budget_on_several_hosts_records_the_time_at_each_save(tmp_path, 
   monkeypatch.setattr(trainer.TimeBudget, 'update', recorded)
   trained(tiny_config(num_steps=6, checkpoint_every_steps=4, time_budget_minutes=60),
           tmp_path / 'run')
-  assert [step for step, sync in asked if sync] == [4] and len(asked) == 6
+  assert [step for step, sync in asked if sync] == [4, 6] and len(asked) == 6

@@ -94,6 +94,7 @@ PEAK_FLOPS_PER_DEVICE = (
     ('TPU v6 lite', 918e12),
     ('TPU v6e', 918e12),
     ('TPU v4', 275e12),
+    ('H200 NVL', 835e12),
     ('H200', 989e12),
     ('H100 PCIe', 756e12),
     ('H100 NVL', 835e12),

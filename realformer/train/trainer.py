@@ -525,8 +525,8 @@ class Trainer:
           if budget is not None:
             budget.start()
         last = step == c.num_steps
-        if budget is not None:  # (synced at checkpoint steps: a save records this figure)
-          budget.update(step, sync=step % c.checkpoint_every == 0)
+        if budget is not None:  # (synced where a save follows: it records this figure)
+          budget.update(step, sync=step % c.checkpoint_every == 0 or last)
           last = last or budget.over()
         evaluating = c.eval_every > 0 and (step % c.eval_every == 0 or last)
         logging_now = step % c.log_every == 0 or last or (evaluating and
@@ -537,7 +537,9 @@ class Trainer:
           self._log(step, window, whole_period=evaluating and step - c.eval_every >= start)
           window = Window()
         if evaluating:
+          evaluated = time.time()
           self._evaluate(step)
+          window.exclude(time.time() - evaluated)  # (for a stop's log, below)
         # After the evaluation: a signal that came during it is seen at this step.
         stopping = stop.reached(self.manager, step) and not last
         if stopping and not logging_now:  # the steps since the last log, before leaving
