@@ -196,10 +196,22 @@ def folders(root: str, runs, always=()) -> list:
   return sweep.reuse_names(root, runs, sweep.run_names(runs, always))
 
 
-def finished(workdir: str, run=None) -> bool:
+def pretraining_config(args) -> str:
+  """The config file of the study's pretraining runs (its variants by override)."""
+  return os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
+
+
+FINETUNE_CONFIG = os.path.join(REPO, 'configs', 'finetune.py') + ':glue/sst2'
+
+
+def finished(workdir: str, run=None, config: str = '') -> bool:
   """The run in `workdir` finished, and it is `run` (not one of other settings that the
-  folder holds: an earlier study at another budget, whose numbers are not this one's)."""
-  return not (run and sweep.other_run(workdir, run)) and sweep.is_done(workdir, run)
+  folder holds: an earlier study at another budget, or, given the `config` it runs with, of
+  another model size, whose numbers are not this one's)."""
+  program = 'finetune.py' if 'finetune.py' in config else 'train.py'
+  command_of = sweep.program_and_config(program, config) if config else None
+  return (not (run and sweep.other_run(workdir, run, command_of)) and
+          sweep.is_done(workdir, run))
 
 
 def spread(values, digits: int = 4) -> str:
@@ -213,8 +225,9 @@ def spread(values, digits: int = 4) -> str:
           f'({min(values):.{digits}f}-{max(values):.{digits}f})')
 
 
-# The fewest paired seeds that decide an ordering: with n a side, a clean split of 2n runs
-# happens by chance once in C(2n, n) / 2 (3 seeds: one in 20; 2: one in 6; 1: one in 2).
+# The fewest paired seeds that decide an ordering: with n a side, a named side above the
+# other on all of them happens by chance once in C(2n, n) (3 seeds: one in 20; 2: one in 6;
+# 1: one in 2).
 MIN_PAIRED_SEEDS = 3
 
 
@@ -280,7 +293,7 @@ def attention_over_seeds(root: str, runs, names, codes) -> str:
   return table
 
 
-def curves(root: str, runs, names, out_path: str):
+def curves(root: str, runs, names, out_path: str, config: str = ''):
   """Train loss and held-out MLM accuracy against step, mean over the finished seeds with a
   min-max band."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -290,7 +303,7 @@ def curves(root: str, runs, names, out_path: str):
   series, baselines = {}, []
   for run, name in zip(runs, names):
     path = storage.join(root, name, RunDir.METRICS)
-    if not storage.path(path).exists() or not finished(storage.join(root, name), run):
+    if not storage.path(path).exists() or not finished(storage.join(root, name), run, config):
       continue  # (an unfinished run would cut the mean short and end in a false final dot)
     records = list(metrics_jsonl.read_jsonl(path, 'train').values()) + list(
         metrics_jsonl.read_jsonl(path, 'eval').values())  # (skips a line cut short by a kill)
@@ -349,7 +362,7 @@ def stability_fixed(args):
           'train.eval_steps=4', f'train.checkpoint_every_steps={args.steps}']
 
 
-def stability_cell(workdir: str, run=None) -> dict:
+def stability_cell(workdir: str, run=None, config: str = '') -> dict:
   """{'status': 'diverged' | 'rose' | 'ok' | 'missing', 'final', 'start', 'step'} of a run
   (finished as sweep.is_done judges it: its DONE marker, or its checkpoint at its last step
   or at its spent time budget, e.g. a run whose sweep process was killed as it finished)."""
@@ -358,7 +371,7 @@ def stability_cell(workdir: str, run=None) -> dict:
     with _open(marker) as f:
       return dict(json.load(f), status='diverged')
   path = storage.join(workdir, RunDir.METRICS)
-  if not storage.path(path).exists() or not finished(workdir, run):
+  if not storage.path(path).exists() or not finished(workdir, run, config):
     return {'status': 'missing'}
   losses = [(step, r['loss']) for step, r in sorted(metrics_jsonl.read_jsonl(path).items())
             if 'loss' in r]
@@ -461,7 +474,7 @@ def stability(args) -> int:
           if not r['optimizer.warmup_steps'] or
           r['optimizer.learning_rate'] <= args.warmup_max_lr * (1 + 1e-9)]
   names = folders(root, runs, STABILITY_AXES)
-  config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
+  config = pretraining_config(args)
   if args.print_only:
     print(sweep.launch_script(runs, root=root, program='train.py', always=STABILITY_AXES,
                               config=f'configs/pretrain.py:postln,{args.size}',
@@ -480,7 +493,7 @@ def stability(args) -> int:
   cells = collections.defaultdict(lambda: {'status': 'not in the grid'})
   for run, name in zip(runs, names):
     cells[run['model.variant'], run['optimizer.learning_rate'], run['optimizer.warmup_steps'],
-          run['seed']] = stability_cell(storage.join(root, name), run)
+          run['seed']] = stability_cell(storage.join(root, name), run, config)
   table = stability_report(cells, variants, rates, warmups, root,
                            seeds=sorted({run['seed'] for run in runs}))
   print(table)
@@ -555,7 +568,7 @@ def budget_table(root: str, found) -> str:
 
 def budget_search(args) -> int:
   root = storage.join(args.root, 'budget')
-  config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
+  config = pretraining_config(args)
   found, scripts = None, []
   for layers, seq_len, steps in budget_candidates(args):
     cand = types.SimpleNamespace(**dict(vars(args), layers=layers, seq_len=seq_len,
@@ -654,7 +667,8 @@ def equal_minutes(args) -> float:
   """--minutes auto: the reference variant's median training time in the steps view."""
   runs, names, root = compare_runs(args)
   seconds = [training_seconds(storage.join(root, n), args.steps) for r, n in zip(runs, names)
-             if r['model.variant'] == args.reference and finished(storage.join(root, n), r)]
+             if r['model.variant'] == args.reference and
+             finished(storage.join(root, n), r, pretraining_config(args))]
   if not seconds:
     raise ValueError(f'--minutes auto takes the time of {args.reference} in {root}: run '
                      '`study.py compare` (the steps view) first, or give --minutes M')
@@ -666,7 +680,7 @@ def claims_report(args, runs, names, root, minutes: float) -> str:
   per_variant, rows = {}, {}
   for run, name in zip(runs, names):
     workdir = storage.join(root, name)
-    r = held_out(workdir) if finished(workdir, run) else {}
+    r = held_out(workdir) if finished(workdir, run, pretraining_config(args)) else {}
     if r:
       per_variant.setdefault(run['model.variant'], {})[run['seed']] = r['mlm_accuracy']
       rows.setdefault(run['model.variant'], []).append(dict(
@@ -700,7 +714,7 @@ def compare(args) -> int:
   if args.minutes:
     minutes = equal_minutes(args) if args.minutes == 'auto' else float(args.minutes)
   runs, names, root = compare_runs(args, minutes)
-  config = os.path.join(REPO, 'configs', 'pretrain.py') + f':postln,{args.size}'
+  config = pretraining_config(args)
   if args.print_only:
     print_era_note(args)
     print(sweep.launch_script(runs, root=root, program='train.py',
@@ -711,7 +725,8 @@ def compare(args) -> int:
     print(f'equal wall-clock time: {minutes} minutes of training per run (run these one at '
           'a time on an otherwise idle machine: the time decides the steps)')
   if args.report_only:  # the finished runs there are, nothing run
-    codes = {n: 0 for r, n in zip(runs, names) if finished(storage.join(root, n), r)}
+    codes = {n: 0 for r, n in zip(runs, names)
+             if finished(storage.join(root, n), r, config)}
     if not codes:
       raise ValueError(f'no finished run under {root}; run study.py compare without '
                        '--report_only first (with the same options)')
@@ -726,7 +741,7 @@ def compare(args) -> int:
   with _open(storage.join(root, 'summary.csv'), 'w') as f:
     f.write(sweep.to_csv(header, table))
   report = claims_report(args, runs, names, root, minutes)
-  curves(root, runs, names, storage.join(root, 'learning_curves.png'))
+  curves(root, runs, names, storage.join(root, 'learning_curves.png'), config)
   first = [(r['model.variant'], n) for r, n in zip(runs, names)
            if r['seed'] == 0 and codes.get(n) == 0]
   results = [analysis.analyze_run(storage.join(root, n)) for _, n in first]
@@ -774,11 +789,11 @@ def dev_accuracy(workdir: str):
 def finetune(args) -> int:
   resolve_budget(args)
   runs, names, root = compare_runs(args)
-  config = os.path.join(REPO, 'configs', 'finetune.py') + ':glue/sst2'
+  config = FINETUNE_CONFIG
   scores, codes, script = {}, {}, []
   for run, name in zip(runs, names):
     pretrained = storage.join(root, name)
-    if not args.print_only and not finished(pretrained, run):
+    if not args.print_only and not finished(pretrained, run, pretraining_config(args)):
       print(f'{name}: not pretrained yet (study.py compare), left out')
       continue
     for arm in ('pretrained', 'scratch'):
@@ -794,7 +809,7 @@ def finetune(args) -> int:
             ft, root=ft_root, program=os.path.join(REPO, 'finetune.py'),
             config=config).items()})
       ft_dir = storage.join(ft_root, folders(ft_root, ft)[0])
-      acc = dev_accuracy(ft_dir) if finished(ft_dir, ft[0]) else None
+      acc = dev_accuracy(ft_dir) if finished(ft_dir, ft[0], config) else None
       scores.setdefault(arm, {}).setdefault(run['model.variant'], {})[run['seed']] = acc
     scores.setdefault('mlm', {}).setdefault(run['model.variant'], {})[run['seed']] = (
         held_out(pretrained).get('mlm_accuracy'))

@@ -79,7 +79,7 @@ def main(argv=None):
   sweep.check_keys(args.config, runs)
   # Every --sweep key names the runs, also one given a single value: a sweep extended one
   # value at a time into the same root gives each value a folder of its own.
-  swept = [assignment.partition('=')[0].strip() for assignment in args.sweep]
+  swept = [sweep.assignment_key(assignment) for assignment in args.sweep]
   if args.cmd == 'print':
     print(sweep.launch_script(runs, root=args.root, program=args.program, config=args.config,
                               target=args.target, always=swept), end='')

@@ -88,9 +88,8 @@ def check_launch():
   if flags.FLAGS['measure_steps'].present and not local:
     cli.fail(f'--measure_steps is not read with --compile_for={flags.FLAGS.compile_for}: the '
              'step is compiled for it, not run; --compile_for local measures steps here')
-  if flags.FLAGS['workdir'].present:
-    cli.fail('--workdir is not read with --compile_for: the launch check writes no run (its '
-             'programs go to the compilation cache, its report to --launch_json); drop one')
+  # (--workdir is allowed and unread: the run's own command line with --compile_for local
+  # appended warms the compilation cache for it)
 
   def compile_and_report():
     if not local:

@@ -69,8 +69,8 @@ def get_config(arg: str = 'glue/sst2'):
   # How many of them: as many as pay for their compilation over the run (finetune/task.py:
   # compile_cost_in_tokens): a length costs about bucket_compile_seconds to compile, a padded
   # token its training FLOPs at bucket_flops_per_second (the run's, all devices: 0 = 40% of
-  # the devices' peak, or 1e11 where the peak is unknown, as on a CPU). Lower bucket_compile_seconds when the compilation
-  # cache holds the programs.
+  # the devices' peak, or 1e11 where the peak is unknown, as on a CPU). Lower
+  # bucket_compile_seconds when the compilation cache holds the programs.
   c.bucket_compile_seconds = 8.0
   c.bucket_flops_per_second = 0.0
   # Compile the lengths in a background thread while training runs (the first step waits for

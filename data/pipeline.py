@@ -333,8 +333,7 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
   if not metadata.exists():
     # The failure notices of this attempt, which the hosts but process 0 wait on, are newer,
     # by the clock that stamps them (1 s earlier: a file system may keep coarser times).
-    started = (storage.clock(prepare_lib.tmp_dir(prepared_dir)) - 1
-               if jax.process_index() != 0 else None)
+    started = (storage.clock(prepared_dir) - 1 if jax.process_index() != 0 else None)
     # Every host prepares its share (data.prepare_workers processes each); process 0 gathers.
     prepare_lib.prepare(config, prepared_dir, overwrite=False,
                         process_index=jax.process_index(),

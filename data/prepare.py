@@ -248,9 +248,10 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   # Where this process's workers write: for a bucket, a local folder of its own.
   staging = staging_dir(out_dir, process_index) if remote else tmp
   os.makedirs(staging, exist_ok=True)
-  # What this attempt's files are newer than, by the clock that stamps them (1 s earlier:
-  # a file system may keep coarser times).
-  since = storage.clock(tmp) - 1
+  # What this attempt's files are newer than, by the clock that stamps them (read beside
+  # the output, not in a folder a gathering deletes; 1 s earlier: a file system may keep
+  # coarser times).
+  since = storage.clock(out_dir) - 1
   lock = _single_host_lock(staging) if process_count == 1 else None
   try:
     if not overwrite and _path(out_dir, METADATA).exists():
@@ -648,7 +649,12 @@ def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwri
                        started)
   fence()
   _path(out_dir, METADATA).write_text(json.dumps(metadata, indent=2))
-  fence()
+  try:
+    fence()
+  except cli.UserError as e:  # committed: it stands; the workers' objects are left alone
+    logging.warning('%s (after its metadata.json was written: the preparation is complete)',
+                    e)
+    return metadata
   _path(tmp).rmtree()
   return metadata
 
@@ -742,6 +748,13 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
   metadata = json.loads(path.read_text())
   if config is None:
     return metadata
+  specs = [x.strip() for x in config.data.sources.split(';') if x.strip()]
+  twice = sorted({x for x in specs if specs.count(x) > 1})
+  if twice and 'eval_split' not in metadata['fingerprint']:
+    raise ValueError(f'prepared data in {prepared_dir} was made by an earlier version, which '
+                     'held out documents by their place in the mixed stream, so the source '
+                     f'listed twice ({twice[0]}) put documents in both splits; delete the '
+                     'directory (or point config.data.prepared_dir elsewhere) to prepare again')
   # Keys written only when they differ from their default stand for it when absent; keys
   # added to the fingerprint since a preparation was made are not held against it, nor are
   # those of the files' layout.

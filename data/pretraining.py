@@ -243,14 +243,15 @@ class Masker:
 
   def _choose(self, ids: np.ndarray, n_real: int, num: int, rng) -> np.ndarray:
     """Sorted positions to predict: groups in random order, skipping those that overflow
-    (as BERT does). A word longer than `num` pieces, which could never be chosen, is masked
-    piece by piece: to sentencepiece a text without spaces (Chinese, Japanese, Thai; a long
-    URL) is one word, where BERT's tokenizer splits CJK characters apart."""
+    (as BERT does). A word of more pieces than max_predictions_per_seq, which no instance
+    could choose, is masked piece by piece: to sentencepiece a text without spaces (Chinese,
+    Japanese, Thai; a long URL) is one word, where BERT's tokenizer splits CJK characters
+    apart."""
     if not self.whole_word:  # every group is one position: the first `num` of the order
       cand = np.flatnonzero(~self.is_special[ids[:n_real]])
       return np.sort(cand[rng.permutation(cand.size)[:num]])
     groups = [part for g in self._groups(ids, n_real)
-              for part in (np.split(g, g.size) if g.size > num else [g])]
+              for part in (np.split(g, g.size) if g.size > self.max_predictions else [g])]
     chosen, count = [], 0
     for g in rng.permutation(len(groups)):
       if count >= num:

@@ -309,14 +309,16 @@ def walk(root):
     yield f'{scheme}://{folder}', dirnames, filenames
 
 
-def clock(folder) -> float:
-  """Now, by the clock that stamps the files of `folder` (the storage service's for gs://,
-  a network file system's server's for a shared disk), read off a probe written there and
-  deleted: what to compare the times of files that other hosts write there with, whatever
-  this host's clock says. A local folder is made if it is not there."""
-  if not is_url(folder):
-    os.makedirs(folder, exist_ok=True)
-  probe = join(folder, f'.clock-{uuid.uuid4().hex}')
+def clock(beside: str) -> float:
+  """Now, by the clock that stamps the files beside `beside` (the storage service's for
+  gs://, a network file system's server's for a shared disk), read off a probe written and
+  deleted there (<beside>.clock-<nonce>, as a lock object <beside>.lock is named): what to
+  compare the times of files that other hosts write there with, whatever this host's clock
+  says. A local folder to hold it is made if it is not there."""
+  beside = os.fspath(beside).rstrip('/')
+  if not is_url(beside):
+    os.makedirs(os.path.dirname(os.path.abspath(beside)), exist_ok=True)
+  probe = f'{beside}.clock-{uuid.uuid4().hex}'
   write_text(probe, '')
   try:
     return mtime(probe)

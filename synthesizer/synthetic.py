@@ -33,7 +33,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from realformer import cli
 from realformer.layers.dense import dense
 from realformer.layers.rows import gather_rows, take_rows
 
@@ -108,12 +107,11 @@ def component(name: str) -> Optional[type]:
   if name not in SYNTHESIZERS and name.isidentifier() and name != 'dot':
     try:
       importlib.import_module(f'{__package__}.{name}')
-    except ModuleNotFoundError as e:
-      if e.name != f'{__package__}.{name}':  # the component's file is there but fails
-        raise ValueError(cli.code_error(f'{__package__}/{name}.py', e)) from e
-      return None
     except Exception as e:  # pylint: disable=broad-except
-      raise ValueError(cli.code_error(f'{__package__}/{name}.py', e)) from e
+      if isinstance(e, ModuleNotFoundError) and e.name == f'{__package__}.{name}':
+        return None  # no such file
+      raise ValueError(f'{__package__}/{name}.py failed to import ({type(e).__name__}: {e}); '
+                       'fix the file (--verbose_errors shows the traceback)') from e
     if name not in SYNTHESIZERS:
       raise ValueError(f'{__package__}/{name}.py registers no logit component as {name!r}; '
                        f"decorate its LogitComponent with @register('{name}')")

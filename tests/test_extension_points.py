@@ -256,8 +256,8 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
                                        r"LogitComponent with @register\('unregistered'\)"):
     resolve(config)
   config.attention = 'broken+dot'
-  with pytest.raises(ValueError, match=r'synthesizer/broken.py failed \(.*broken.py, line 1\): '
-                                       r'SyntaxError: .*; fix the file'):
+  with pytest.raises(ValueError, match=r'synthesizer/broken.py failed to import \(SyntaxError: '
+                                       r'.*broken.py, line 1\)\); fix the file'):
     resolve(config)
   with pytest.raises(ValueError, match=r'realformer/finetune/tasks/unregistered.py registers '
                                        r"no task as 'unregistered'"):

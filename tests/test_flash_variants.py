@@ -280,10 +280,10 @@ def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients(variant,
 def test_a_bfloat16_model_through_flash_is_within_the_plain_paths_rounding(variant, cfg, kernel,
                                                                           monkeypatch):
   """The model in bfloat16, as accelerators train it (the mixture's dot weight folded into
-  bfloat16 queries, RealFormer's carry in bfloat16 or float32): the kernel's outputs and gradients lie
-  as close to the plain path's in bfloat16 as the plain path's lie to its own float32 values
-  (parameter gradients of at least 1e-3 of the largest; the keys' biases get none in exact
-  arithmetic)."""
+  bfloat16 queries, RealFormer's carry in bfloat16 or float32): the kernel's outputs and
+  gradients lie as close to the plain path's in bfloat16 as the plain path's lie to its own
+  float32 values (parameter gradients of at least 1e-3 of the largest; the keys' biases get
+  none in exact arithmetic)."""
   _use(kernel, monkeypatch)
   batch = make_batch()
   mask = np.asarray(batch['attention_mask'], bool)

@@ -228,11 +228,13 @@ def test_a_re_preparation_killed_midway_never_leaves_a_half_deleted_one(prepared
   prepare.prepare(config, out)
   rmtree = shutil.rmtree
 
-  def killed_midway(path, *args, **kwargs):
-    if os.path.isfile(os.path.join(path, prepare.METADATA)):
-      for name in os.listdir(path):
-        if name != prepare.METADATA:
-          os.remove(os.path.join(path, name))
+  def killed_midway(path, *args, **kwargs):  # any deletion of a preparation, at any depth
+    held = [(folder, names) for folder, _, names in os.walk(path) if prepare.METADATA in names]
+    if held:
+      for folder, names in held:
+        for name in names:
+          if name != prepare.METADATA:
+            os.remove(os.path.join(folder, name))
       raise KeyboardInterrupt
     return rmtree(path, *args, **kwargs)
   monkeypatch.setattr(shutil, 'rmtree', killed_midway)

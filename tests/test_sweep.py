@@ -276,9 +276,8 @@ def test_a_sweep_extends_one_value_at_a_time_and_another_config_never_takes_its_
   program.write_text(FAKE_PROGRAM)
   root = str(tmp_path / 'sweep')
   args = ['--root', root, '--program', str(program)]
-  for lr in ('1e-4', '2e-4'):
-    assert sweep_cli.main(['run'] + args + ['--config', 'cfg', '--sweep',
-                                            f'optimizer.learning_rate={lr}']) == 0
+  for key in ('optimizer.learning_rate=1e-4', 'config.optimizer.learning_rate=2e-4'):
+    assert sweep_cli.main(['run'] + args + ['--config', 'cfg', '--sweep', key]) == 0
   assert sorted(os.listdir(root)) == ['optimizer.learning_rate=0.0001,seed=0',
                                       'optimizer.learning_rate=0.0002,seed=0']
   capsys.readouterr()
@@ -530,6 +529,14 @@ def test_study_orderings_pair_seeds_and_reports_read_only_their_own_runs(tmp_pat
   assert study.finished(str(tmp_path / names[0]), runs[0])
   other = dict(run, **{'train.num_steps': 1000})
   assert not study.finished(str(tmp_path / names[0]), other)  # done, but not this run
+  # A run of another model size (which only the config file's argument names) is not
+  # this study's either.
+  (tmp_path / names[0] / RunDir.COMMAND).write_text(json.dumps(sweep.program_and_config(
+      'train.py', 'configs/pretrain.py:postln,small')))
+  tiny = study.pretraining_config(argparse.Namespace(size='tiny'))
+  assert not study.finished(str(tmp_path / names[0]), runs[0], tiny)
+  assert study.finished(str(tmp_path / names[0]), runs[0],
+                        study.pretraining_config(argparse.Namespace(size='small')))
 
 
 def _write_run(workdir, steps, accuracy, baseline, rate=10.0):
@@ -609,7 +616,7 @@ def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
                             steps=400, layers=4, seq_len=64, batch=32, learning_rate=2e-3,
                             corpus='embedded', eval_steps=16, eval_fraction=0.03, minutes=0,
                             print_only=False, reference='postln', ft_learning_rate=3e-4,
-                            ft_batch=16, ft_epochs=10)
+                            ft_batch=16, ft_epochs=10, size='tiny')
   runs, names, root = study.compare_runs(args)
   accuracy = {'postln': [0.20, 0.21, 0.22], 'preln': [0.19, 0.215, 0.23],
               'realformer': [0.23, 0.24, 0.25]}

@@ -369,8 +369,6 @@ ONE_LINE_ERRORS = [
      'fine-tuning config (configs/finetune.py:<kind>/<task>)'),
     (['train.py', '--compile_for', 'v5e:2x2', '--measure_steps', '3'],
      '--measure_steps is not read with --compile_for=v5e:2x2: the step is compiled for it'),
-    (['train.py', '--compile_for', 'local', '--workdir', '{tmp}/w'],
-     '--workdir is not read with --compile_for: the launch check writes no run'),
     (['sweep.py', 'run', '--root', '{tmp}/s', '--program', 'finetune.py'],
      '--config is a pretraining config: run it with train.py'),
     (['sweep.py', 'print', '--root', '{tmp}/s', '--program', 'finetune'],

@@ -159,9 +159,9 @@ def eval_lengths(config, task, buckets: Tuple[int, ...]) -> Tuple[int, ...]:
     return buckets
   extra = min(config.max_seq_length, -(-longest // config.bucket_multiple) *
               config.bucket_multiple)
-  logging.info('a dev/test example of %d tokens is longer than the stored length buckets %s: '
-               'evaluation and predictions also compile length %d', longest, list(buckets),
-               extra)
+  logging.info('a dev/test example of %d tokens is longer than the training\'s length '
+               'buckets %s: evaluation and predictions also compile length %d', longest,
+               list(buckets), extra)
   return tuple(buckets) + (extra,)
 
 

@@ -641,7 +641,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   """softmax((q k^T / sqrt(d) + term) * logit_scale + key_bias) v, with inverted dropout on
   the probabilities.
 
-  q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores; a constant: no gradient).
+  q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores; a
+  constant: no gradient).
   term: None, or an additive term of the logits [B or 1, H, Tq, Tk] (float32 or bfloat16;
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
   weighted logits. logit_scale: None (1), or a float32 scalar that multiplies the logits

@@ -25,8 +25,8 @@ statistics (max and log-sum, apart, as on the GPU: a row whose keys are all padd
 1 / Tk) are stored lane-dense, [B, H, 1, Tq].
 
 Inputs as the GPU kernel's: q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] float32
-(a constant: no gradient); any lengths (padded to whole tiles inside). No sharding rule: flash_attention_on_mesh in
-realformer.layers.flash_attention calls it per shard.
+(a constant: no gradient); any lengths (padded to whole tiles inside). No sharding rule:
+flash_attention_on_mesh in realformer.layers.flash_attention calls it per shard.
 """
 
 import dataclasses

@@ -15,9 +15,9 @@ the task's headline metric (GLUE's: MCC for CoLA, F1 for MRPC/QQP, Pearson for S
 accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median; a
 setting is the grid's values and any other override that differs between the task's runs.
 Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli's runs also evaluate mismatched,
-in their results.json, and predict AX; the summary reads matched), squad/v1.1, squad/v2.0 (`squad` = both), tsv/<name> (a task of your own, its
-columns and labels given with --set tsv.<key>=...), or <kind>/<name> of any kind in
-realformer/finetune/tasks/.
+in their results.json, and predict AX; the summary reads matched), squad/v1.1, squad/v2.0
+(`squad` = both), tsv/<name> (a task of your own, its columns and labels given with --set
+tsv.<key>=...), or <kind>/<name> of any kind in realformer/finetune/tasks/.
 """
 
 import json
@@ -225,7 +225,7 @@ def main(argv=None):
                          'import workdir (no config.json); pass one, or --set '
                          'from_scratch=True')
       # (a fine-tuning run's own folder, say, refused here rather than by each of its runs)
-      checkpoints.read_pretraining_config(args.init_checkpoint)
+      checkpoints.read_pretraining_config(args.init_checkpoint or '.')
     if (not args.print_only and args.data_dir and not args.data_dir.startswith('hf:') and
         not storage.path(args.data_dir).is_dir()):
       raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')

@@ -114,6 +114,11 @@ def parse_value(text: str, kind: type = type(None)) -> Any:
   return text
 
 
+def assignment_key(item: str) -> str:
+  """'config.model.variant=x' (or without 'config.') -> 'model.variant'."""
+  return item.partition('=')[0].removeprefix('config.')
+
+
 def parse_assignments(items: Sequence[str], *, multi: bool,
                       types: Optional[Dict[str, type]] = None) -> List[List[Run]]:
   """['a=1,2', 'b=x'] -> [h.sweep('a', [1, 2]), h.sweep('b', ['x'])]; `types` (field_types)
@@ -123,7 +128,7 @@ def parse_assignments(items: Sequence[str], *, multi: bool,
     key, sep, values = item.partition('=')
     if not sep or not key:
       raise ValueError(f'{item!r}: write key=value{",value..." if multi else ""}')
-    key = key.removeprefix('config.')
+    key = assignment_key(item)
     vals = values.split(',') if multi else [values]
     try:
       out.append(Hyper.sweep(key, [parse_value(v, (types or {}).get(key, type(None)))

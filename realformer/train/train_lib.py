@@ -443,8 +443,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
   The batch is a dict of global arrays sharded over (data, fsdp) on axis 0. Dropout keys
   are fold_in(fold_in(rng, step), microbatch), so a resumed run draws the same masks.
   A non-finite loss or gradient norm is left to the caller, which checks every step's before
-  it saves or evaluates (trainer.Trainer._check_finite); a select over the state here made XLA copy both Adam
-  moments every step (it cannot update them in place under the select).
+  it saves or evaluates (trainer.Trainer._check_finite); a select over the state here made
+  XLA copy both Adam moments every step (it cannot update them in place under the select).
   """
   k = int(grad_accum_steps)
 
