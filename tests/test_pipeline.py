@@ -249,6 +249,20 @@ def test_a_re_preparation_killed_midway_never_leaves_a_half_deleted_one(prepared
       assert os.path.isfile(path), path
 
 
+def test_an_old_preparation_of_a_source_listed_twice_is_refused(prepared, tmp_path):
+  """A preparation made before the held-out documents were chosen by their number in their
+  source (its fingerprint has no eval_split) put a source listed twice in both splits."""
+  config = prepared[0].copy_and_resolve_references()
+  config.data.sources = f'{config.data.sources};{config.data.sources}'
+  (tmp_path / prepare.METADATA).write_text(json.dumps(
+      {'fingerprint': {k: v for k, v in prepare.fingerprint(config).items()
+                       if k != 'eval_split'}}))
+  with pytest.raises(ValueError, match=r'made by an earlier version, which held out documents '
+                                       r'by their place in the mixed stream, so the source '
+                                       r'listed twice \(files:'):
+    prepare.read_metadata(str(tmp_path), config)
+
+
 @pytest.mark.parametrize('skew', [0.0, 30.0])
 def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, monkeypatch,
                                                            skew):
