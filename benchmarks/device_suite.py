@@ -25,24 +25,26 @@ time is reported, and the rest still run), in this order:
               Post-LN without attention dropout: our plain softmax path against cuDNN's fused
               attention (--smoke on a CPU: the flash kernel in Pallas's interpreter, and
               jax.nn.dot_product_attention's XLA implementation in cuDNN's place)
+  step128     the same at length 128 (batch 256), through the flash kernel only (Post-LN
+              also through the plain path) and HF
   finetune    three epochs of all-MiniLM-L6-v2 on the shipped sentiment
               sentences, finetune.py against HF with dynamic padding
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy;
               ours from an empty compilation cache (cold), then again with its programs in
               the cache (warm), then HF again (the race's warm pairing); --extras adds
               HF with transformers' length-grouped sampler, last
-  step128     the same at length 128 (batch 256), through the flash kernel only (Post-LN
-              also through the plain path) and HF
 
 A part's contenders run as processes, all at once on a GPU's host (two thirds of the cores'
 worth elsewhere): each builds its state and compiles its step while the others do, then on
 its turn takes the device alone (a lock) and, once none of the started ones is still
-compiling (XLA's autotuning runs on the GPU; at most two minutes' wait), warms up and times
-it (one whose turn passed while it waited is not timed, and is stopped); its row is
-written as soon as it is done, so a part cut off by its time cap keeps what it measured. They share one jax
-compilation cache in the scratch folder, and with it XLA's per-fusion autotuning results (the
-variants' matmuls are the same shapes, so one contender's autotuning serves the others). The
-step time is the median over blocks of back-to-back steps. FLOPs are
+compiling (XLA's autotuning runs on the GPU; the wait ends TIMING_RESERVE_S before the
+part's cap), warms up and times it; one not timed within TURN_LIMIT_S of when it could start,
+or still compiling at that deadline, is passed over and stopped. Each row is
+written as soon as it is timed, so a part cut off by its time cap keeps what it measured.
+They share one jax compilation cache in the scratch folder, and with it XLA's per-fusion
+autotuning results: the step128 part finds what step512's autotuned (within a part the
+contenders compile at once, each autotuning its own). The step time is the median over
+blocks of back-to-back steps. FLOPs are
 train_lib.flops_per_example's (HF's: every row of its last layer and of its MLM decoder), as
 in benchmarks/train_step.py.
 
@@ -97,8 +99,8 @@ PARTS = {
     'env': (40, 'versions, device, matmul rate'),
     'start': (150, 'time to the first pretraining step, cold, warm and resumed'),
     'step512': (200, 'BERT-base train step, each variant fused and plain, length 512'),
-    'finetune': (110, 'fine-tuning all-MiniLM-L6-v2, ours against HF, cold and warm'),
     'step128': (110, 'BERT-base train step, length 128'),
+    'finetune': (110, 'fine-tuning all-MiniLM-L6-v2, ours against HF, cold and warm'),
 }
 # The default wall time of all the parts: what fits the device tool's 10 minutes a command
 # with the wheels' install and a margin (the estimate on an H200: env 10 s, start 150 s,
@@ -191,12 +193,16 @@ def part_env(out: str, smoke: bool, scratch: str, opts) -> None:  # pylint: disa
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
   f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(10):
-    t = time.perf_counter()
+  # Warmed up for a second (a GPU's clocks ramp up from idle), then 50 products back to
+  # back, synchronised once: the rate of the device, not of the host's dispatch.
+  warm = time.perf_counter()
+  while time.perf_counter() - warm < (0.1 if smoke else 1.0):
     f(a, b).block_until_ready()
-    times.append(time.perf_counter() - t)
+  t = time.perf_counter()
+  for _ in range(50):
+    out = f(a, b)
+  out.block_until_ready()
+  times = [(time.perf_counter() - t) / 50]
   smi = ''
   if shutil.which('nvidia-smi'):
     smi = subprocess.run(['nvidia-smi', '--query-gpu=name,memory.total,driver_version,clocks.max.sm',
@@ -302,21 +308,25 @@ def _compiling_marker(scratch: str, part: str, index: int) -> str:
   return os.path.join(scratch, f'{part}.{index}.compiling')
 
 
+def _compiling(scratch: str, part: str) -> set:
+  """The indices of the part's contenders that are starting or compiling (a marker whose
+  process is alive)."""
+  busy = set()
+  for marker in glob.glob(os.path.join(scratch, f'{part}.*.compiling')):
+    try:
+      with open(marker, encoding='utf-8') as f:
+        os.kill(int(f.read()), 0)
+      busy.add(int(os.path.basename(marker).split('.')[1]))
+    except (OSError, ValueError):  # gone, or its process is
+      pass
+  return busy
+
+
 def _wait_for_compiles(scratch: str, part: str, deadline: float) -> None:
   """Returns once no live contender of the part is compiling (XLA's autotuning runs kernels
   on the GPU, which would share it with a contender's timing), or at `deadline` (time.time()):
   a compile that hangs must not cost the part the rows of those that finished."""
-  while time.time() < deadline:
-    busy = False
-    for marker in glob.glob(os.path.join(scratch, f'{part}.*.compiling')):
-      try:
-        with open(marker, encoding='utf-8') as f:
-          os.kill(int(f.read()), 0)
-        busy = True
-      except (OSError, ValueError):  # gone, or its process is
-        pass
-    if not busy:
-      return
+  while time.time() < deadline and _compiling(scratch, part):
     time.sleep(0.5)
 
 
@@ -435,8 +445,11 @@ def _timed(c, entry, s, args, rate, scratch: str, part: str, index: int, path: s
 
 
 # Seconds before a part's cap at which contenders stop waiting for others' compiles (and
-# time anyway), and at most a profile may take before the next contender's turn.
+# time anyway); at most a contender may take to be timed once it may start (it is compiled,
+# and none is compiling or that wait is over: a longer one hangs and is passed over); and
+# at most its profile may take before the next contender's turn.
 TIMING_RESERVE_S = 60
+TURN_LIMIT_S = 30
 PROFILE_LIMIT_S = 30
 
 
@@ -450,9 +463,11 @@ def _read_scratch(path: str) -> dict:
 def _step_part(out: str, part: str, smoke: bool, scratch: str, opts) -> None:
   """Runs the part's contenders as processes, `parallel` at a time (their compiles overlap),
   gives them the device one at a time in their order (<part>.turn: the next turn comes when
-  a contender is done, has failed, has profiled for PROFILE_LIMIT_S, or is still not timed
-  15 s past the compile deadline; one passed over unfinished is stopped), and writes their
-  rows, in the contenders' order, as each is timed: a part stopped at its cap keeps them."""
+  a contender is done, has failed, has profiled for PROFILE_LIMIT_S, is not timed
+  TURN_LIMIT_S after it could start (compiled, with none compiling or the compile deadline,
+  TIMING_RESERVE_S before the cap, past), or is still compiling at that deadline; one passed
+  over unfinished is stopped), and writes their rows, in the contenders' order, as each is
+  timed: a part stopped at its cap keeps them."""
   import jax  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
   from realformer.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
@@ -473,7 +488,8 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, opts) -> None:
   cores = os.cpu_count() or 2
   parallel = max(1, min(len(entries), cores if device.platform == 'gpu' else cores * 2 // 3))
   waiting, running, exited = list(range(len(entries))), {}, {}
-  turn, turn_timed = 0, None  # whose turn, and when its row appeared
+  # whose turn, when it could start timing, and when its row appeared
+  turn, turn_ready, turn_timed = 0, None, None
   skipped = {}  # contenders whose turn passed before they were timed
 
   def collect() -> dict:
@@ -512,16 +528,22 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, opts) -> None:
     current = collect()[turn]
     if current.get('timed') and turn_timed is None:
       turn_timed = time.time()
-    if (turn in exited or current.get('done') or 'note' in current or
+    compiling = _compiling(scratch, part) if turn_timed is None else set()
+    if turn_ready is None and turn in running and turn not in compiling and (
+        not compiling or time.time() > deadline):
+      turn_ready = time.time()
+    late = turn_timed is None and turn in compiling and time.time() > deadline
+    if (turn in exited or current.get('done') or 'note' in current or late or
         (turn_timed is not None and time.time() - turn_timed > PROFILE_LIMIT_S) or
-        (turn_timed is None and time.time() > deadline + TIMING_RESERVE_S / 4)):  # hung
+        (turn_timed is None and turn_ready is not None and
+         time.time() - turn_ready > TURN_LIMIT_S)):  # hung
       if not current.get('timed') and 'note' not in current and turn not in exited:
-        skipped[turn] = (f'contender {turn} ({entries[turn]}): failed: not timed before its '
-                         'part\'s deadline (it compiled too long, or no time was left for its '
-                         'turn)')
+        skipped[turn] = (f'contender {turn} ({entries[turn]}): failed: ' + (
+            f'still compiling {TIMING_RESERVE_S} s before the part\'s cap' if late else
+            f'not timed within {TURN_LIMIT_S} s of its turn (hung)'))
       if turn in running and not current.get('done'):  # hung, or profiling too long: it
         running[turn].kill()  # lets go of the device (a row it wrote stands)
-      turn, turn_timed = turn + 1, None
+      turn, turn_ready, turn_timed = turn + 1, None, None
       if turn < len(entries):
         give_turn(turn)
   collect()
@@ -681,10 +703,11 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float, opts)
   it in its log), and its last lines into suite.md when the part fails."""
   os.makedirs(out, exist_ok=True)
   env = dict(os.environ, PYTHONUNBUFFERED='1',
-             # jax allocates as it needs, so that torch's allocator finds the rest.
-             XLA_PYTHON_CLIENT_PREALLOCATE='false',
              # one cache for every contender: XLA's autotuning results are shared through it
              JAX_COMPILATION_CACHE_DIR=os.path.join(scratch, 'jax_cache'))
+  # In the step parts jax allocates as it needs, so that torch's allocator (HF's contender,
+  # on the device at once) finds the rest; the start and the race run as a user runs.
+  step_env = dict(env, XLA_PYTHON_CLIENT_PREALLOCATE='false')
   start = time.perf_counter()
   results, failed = {}, 0
   for part in parts:
@@ -702,7 +725,8 @@ def run_suite(out: str, scratch: str, parts, smoke: bool, budget_s: float, opts)
                  ['--smoke'] if smoke else [])
       # Its own process group, so that a part stopped at its cap (or by ^C here) takes its
       # contenders along.
-      proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=sys.stdout,
+      proc = subprocess.Popen(cmd, cwd=_REPO, env=step_env if part.startswith('step') else env,
+                              stdout=sys.stdout,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
       tail = collections.deque(maxlen=60)
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import threading
 import time
 
@@ -145,7 +146,7 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
 def test_an_unknown_part_or_variant_is_refused_in_one_line():
   for argv, expected in (
       (['--parts', 'step1024'], '--parts step1024: unknown; choose from env, start, step512, '
-                                'finetune, step128'),
+                                'step128, finetune'),
       (['--variants', 'postln,realformr'], '--variants realformr: unknown; choose from postln, '
                                            'realformer, preln, synth_random_vanilla')):
     proc = subprocess.run([sys.executable, 'benchmarks/device_suite.py'] + argv,
@@ -250,7 +251,51 @@ def test_a_contender_never_timed_is_reported_not_dropped(tmp_path, monkeypatch):
   with open(tmp_path / 'out' / 'step128.json') as f:
     data = json.load(f)
   assert data['rows'] == [] and len(data['notes']) == 2
-  assert all("failed: not timed before its part's deadline" in n for n in data['notes'])
+  assert all("failed: still compiling 4 s before the part's cap" in n for n in data['notes'])
+
+
+def test_a_contender_compiled_in_time_is_timed_whenever_its_turn_comes(tmp_path, monkeypatch):
+  """Contenders compiled before the compile deadline (4 s before the cap of 8 s), whose turns
+  come one after another past it, are each timed, not passed over for the part's clock."""
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import device_suite  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(device_suite, 'cap_s', lambda part, smoke: 8)
+  monkeypatch.setattr(device_suite, 'TIMING_RESERVE_S', 4)
+  monkeypatch.setattr(device_suite.os, 'cpu_count', lambda: 6)  # all compile at once
+  monkeypatch.setattr(device_suite, '_contenders',
+                      lambda part, platform, variants='', extras=False: [
+                          ('ours', 'postln', {}, ''), ('ours', 'realformer', {}, ''), ('hf',)])
+  scratch, real_popen, started = tmp_path / 'scratch', subprocess.Popen, []
+  contender = textwrap.dedent('''
+      import json, os, sys, time
+      scratch, k = sys.argv[1], int(sys.argv[2])
+      time.sleep(1.0 + 0.3 * k)  # compiling, done before the deadline
+      os.remove(os.path.join(scratch, f'step128.{k}.compiling'))
+      while open(os.path.join(scratch, 'step128.turn')).read().strip() != str(k):
+        time.sleep(0.05)
+      time.sleep(1.5)  # its timing: the last turn ends past the deadline
+      with open(os.path.join(scratch, f'step128.{k}.json'), 'w') as f:
+        json.dump({'row': {'contender': str(k)}, 'timed': True, 'done': True}, f)
+      ''')
+
+  def compiled_late(cmd, **kwargs):
+    del kwargs
+    k = cmd[cmd.index('--contender') + 1].split(':')[1]
+    started.append(real_popen([sys.executable, '-c', contender, str(scratch), k]))
+    return started[-1]
+
+  monkeypatch.setattr(device_suite.subprocess, 'Popen', compiled_late)
+  (tmp_path / 'out').mkdir()
+  try:
+    device_suite._step_part(str(tmp_path / 'out'), 'step128', True, str(scratch),
+                            argparse.Namespace(variants='', extras=False, cap_s=0.0))
+  finally:
+    for proc in started:
+      proc.kill()
+      proc.wait()
+  with open(tmp_path / 'out' / 'step128.json') as f:
+    data = json.load(f)
+  assert [r['contender'] for r in data['rows']] == ['0', '1', '2'] and not data['notes'], data
 
 
 def test_every_smoke_contender_of_both_step_parts_traces_its_gradient():
