@@ -222,6 +222,21 @@ def test_a_contender_is_timed_only_once_no_live_contender_is_compiling(tmp_path)
   hung.wait()
 
 
+def _step128_part(device_suite, tmp_path, started) -> dict:
+  """The step128 part run here into tmp_path/out (its contenders' processes, `started`, stopped
+  after it), and its step128.json."""
+  (tmp_path / 'out').mkdir()
+  try:
+    device_suite._step_part(str(tmp_path / 'out'), 'step128', True, str(tmp_path / 'scratch'),
+                            argparse.Namespace(variants='', extras=False, cap_s=0.0))
+  finally:
+    for proc in started:
+      proc.kill()
+      proc.wait()
+  with open(tmp_path / 'out' / 'step128.json') as f:
+    return json.load(f)
+
+
 def test_a_contender_never_timed_is_reported_not_dropped(tmp_path, monkeypatch):
   """A contender still compiling (or hung) when its turn runs out gets a note, and the part
   is then 'partly failed', not 'ok' with a row silently missing."""
@@ -240,16 +255,7 @@ def test_a_contender_never_timed_is_reported_not_dropped(tmp_path, monkeypatch):
     return started[-1]
 
   monkeypatch.setattr(device_suite.subprocess, 'Popen', never_timed)
-  (tmp_path / 'out').mkdir()
-  try:
-    device_suite._step_part(str(tmp_path / 'out'), 'step128', True, str(tmp_path / 'scratch'),
-                            argparse.Namespace(variants='', extras=False, cap_s=0.0))
-  finally:
-    for proc in started:
-      proc.kill()
-      proc.wait()
-  with open(tmp_path / 'out' / 'step128.json') as f:
-    data = json.load(f)
+  data = _step128_part(device_suite, tmp_path, started)
   assert data['rows'] == [] and len(data['notes']) == 2
   assert all("failed: still compiling 4 s before the part's cap" in n for n in data['notes'])
 
@@ -265,7 +271,7 @@ def test_a_contender_compiled_in_time_is_timed_whenever_its_turn_comes(tmp_path,
   monkeypatch.setattr(device_suite, '_contenders',
                       lambda part, platform, variants='', extras=False: [
                           ('ours', 'postln', {}, ''), ('ours', 'realformer', {}, ''), ('hf',)])
-  scratch, real_popen, started = tmp_path / 'scratch', subprocess.Popen, []
+  scratch, real_popen, started = tmp_path / 'scratch', subprocess.Popen, []  # (the part's)
   contender = textwrap.dedent('''
       import json, os, sys, time
       scratch, k = sys.argv[1], int(sys.argv[2])
@@ -285,16 +291,7 @@ def test_a_contender_compiled_in_time_is_timed_whenever_its_turn_comes(tmp_path,
     return started[-1]
 
   monkeypatch.setattr(device_suite.subprocess, 'Popen', compiled_late)
-  (tmp_path / 'out').mkdir()
-  try:
-    device_suite._step_part(str(tmp_path / 'out'), 'step128', True, str(scratch),
-                            argparse.Namespace(variants='', extras=False, cap_s=0.0))
-  finally:
-    for proc in started:
-      proc.kill()
-      proc.wait()
-  with open(tmp_path / 'out' / 'step128.json') as f:
-    data = json.load(f)
+  data = _step128_part(device_suite, tmp_path, started)
   assert [r['contender'] for r in data['rows']] == ['0', '1', '2'] and not data['notes'], data
 
 
