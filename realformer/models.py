@@ -9,7 +9,8 @@
 
 `batch` holds int32 [B, T] arrays input_ids, segment_ids, attention_mask (1 = real token).
 Ids are not checked inside the model (it is traced): input_ids must lie in [0, vocab_size)
-(one past the table gives NaN rows, a negative one wraps) and segment_ids in
+(an id in [vocab_size, padded_vocab_size) embeds an untrained padding row of the table, one
+past the table gives NaN rows, a negative one wraps) and segment_ids in
 [0, type_vocab_size) (one past it embeds no token type); the programs check their data.
 Other heads: models.build(config.model, head='encoder' | 'classification' (num_labels=k) |
 'span'). The modules themselves live in realformer/model/ (encoder.py, attention.py, spec.py).

@@ -169,6 +169,29 @@ def test_realformer_logits_are_the_sum_of_own_scores():
     np.testing.assert_allclose(probs, reference.softmax(total + bias), atol=2e-5)
 
 
+def test_realformer_carries_its_raw_scores_unmasked_and_undivided():
+  """The scores a RealFormer layer passes on (the official residual_attention_layer's `cur`):
+  its own Q K^T / sqrt(d) plus the incoming scores, at every key including padding (the mask
+  is added after), and not divided by the running mean's layer count (only the softmax's
+  logits are)."""
+  from realformer.model import attention as attn_lib  # pylint: disable=g-import-not-at-top
+  spec = resolve(small_config('realformer', running_mean=True))
+  layer = attn_lib.SelfAttention(spec)
+  rng = np.random.default_rng(0)
+  b, t, h = 2, 6, spec.num_heads
+  x = jnp.asarray(rng.normal(size=(b, t, spec.hidden_size)), jnp.float32)
+  bias = attn_lib.mask_bias(jnp.asarray([[1] * 6, [1] * 4 + [0] * 2]))
+  prev = jnp.asarray(rng.normal(size=(b, h, t, t)), jnp.float32)
+  params = nn.unbox(layer.init(jax.random.PRNGKey(0), x, bias, prev, 2)['params'])
+  params = jax.tree.map(lambda p: p + 0.1 * jnp.asarray(rng.normal(size=p.shape), p.dtype),
+                        params)  # (biases not zero)
+  _, carry, _ = layer.apply({'params': params}, x, bias, prev, 2)
+  heads = lambda name: (np.asarray(x, np.float64) @ np.asarray(params[name]['kernel'])
+                        + np.asarray(params[name]['bias'])).reshape(b, t, h, spec.head_dim)
+  own = np.einsum('bqhd,bkhd->bhqk', heads('query'), heads('key')) / np.sqrt(spec.head_dim)
+  np.testing.assert_allclose(carry, own + np.asarray(prev), rtol=2e-5, atol=2e-5)
+
+
 def _stack_layers(params, n):
   enc = dict(params)
   layers = [enc.pop(f'layers_{i}') for i in range(n)]
@@ -258,13 +281,13 @@ def test_sequence_longer_than_max_len_is_a_clear_error():
       model.init(jax.random.PRNGKey(0), batch)
 
 
-def test_mixture_weights_sum_to_one_and_fixed_random_gets_no_gradient():
+def test_a_fixed_random_table_gets_no_gradient_and_the_mixture_weights_do():
+  """(That the mixture weights are a softmax over the components: the float64 reference
+  tests above.)"""
   batch = make_batch()
   model = models.build(small_config('synth_random_fixed', attention='random+dot'),
                        head='encoder')
   params = nn.unbox(model.init(jax.random.PRNGKey(0), batch)['params'])
-  mix = params['layers_0']['attention']['mixture_logits']
-  np.testing.assert_allclose(jax.nn.softmax(mix).sum(), 1.0, rtol=1e-6)
   grads = jax.grad(lambda p: jnp.sum(model.apply({'params': p}, batch).hidden ** 2))(params)
   att = grads['layers_0']['attention']
   assert float(jnp.abs(att['synth_random']['random_logits']).max()) == 0.0
