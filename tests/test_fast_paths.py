@@ -13,7 +13,7 @@ import pytest
 from realformer import models
 from realformer.model import attention as attn_lib
 from realformer.model.spec import VARIANTS, resolve
-from tests.test_models import make_batch, perturbed_params, small_config
+from tests.test_models import assert_bfloat16_close, make_batch, perturbed_params, small_config
 
 
 def _loss(model, batch, **kw):
@@ -62,9 +62,7 @@ def test_fused_kernel_in_bfloat16_stays_close_to_float32():
   params = perturbed_params(plain, batch)
   a, b = plain.apply({'params': params}, batch), fused.apply({'params': params}, batch)
   assert b.hidden.dtype == jnp.bfloat16
-  mask = np.asarray(batch['attention_mask'], bool)
-  np.testing.assert_allclose(np.asarray(b.hidden, np.float32)[mask], np.asarray(a.hidden)[mask],
-                             atol=0.1)
+  assert_bfloat16_close(b.hidden, a.hidden, batch['attention_mask'])
 
 
 def test_fused_kernel_in_float16_keeps_a_fully_masked_row_finite():
@@ -151,9 +149,8 @@ def test_realformer_carries_float32_scores_under_bfloat16():
   half = models.build(small_config('realformer', dtype='bfloat16'), head='encoder')
   params = perturbed_params(plain, batch)
   mask = np.asarray(batch['attention_mask'], bool)
-  np.testing.assert_allclose(
-      np.asarray(half.apply({'params': params}, batch).hidden, np.float32)[mask],
-      np.asarray(plain.apply({'params': params}, batch).hidden)[mask], atol=0.1)
+  assert_bfloat16_close(half.apply({'params': params}, batch).hidden,
+                        plain.apply({'params': params}, batch).hidden, mask)
 
 
 def test_only_the_word_table_gradient_is_a_scatter_and_it_sums_in_float32():

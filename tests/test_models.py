@@ -50,6 +50,15 @@ def perturbed_params(model, batch, seed=0):
   return jax.tree.unflatten(tree, leaves)
 
 
+def assert_bfloat16_close(got, want, mask):
+  """bfloat16 hidden states `got` against float32 `want` at the real positions: within 2% in
+  norm (bfloat16's rounding of this model with perturbed params: 0.7%; RealFormer's residual
+  attention moves Post-LN's by about 5%, so a bug of that size shows)."""
+  got, want = (np.asarray(x, np.float64)[np.asarray(mask, bool)] for x in (got, want))
+  assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want), (
+      np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
 def np_batch(batch):
   return {k: np.asarray(v) for k, v in batch.items()}
 
@@ -245,10 +254,11 @@ def test_bfloat16_compute_keeps_float32_params_and_softmax(variant):
   bf16 = models.build(small_config(variant, dtype='bfloat16'), head='encoder')
   variables = bf16.init(jax.random.PRNGKey(0), batch)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nn.unbox(variables)))
+  variables = {'params': perturbed_params(bf16, batch)}
   a = f32.apply(variables, batch, capture_attention=True)
   b = bf16.apply(variables, batch, capture_attention=True)
   assert b.hidden.dtype == jnp.bfloat16 and b.attention[0].dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(b.hidden, np.float32), a.hidden, atol=0.1)
+  assert_bfloat16_close(b.hidden, a.hidden, batch['attention_mask'])
 
 
 def test_fully_padded_row_stays_finite():
