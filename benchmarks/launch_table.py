@@ -340,7 +340,8 @@ def check_estimates(args):
     if cell['target'] not in targets:
       targets[cell['target']] = launch.tpu_target(cell['target'])
     config = make_config(cell)
-    config.train.eval_steps = 0  # as the table's cells were compiled: the train step alone
+    config.train.eval_steps = 0  # the train step alone, whose figure each cell stores (the
+    # table's verdicts also compiled the evaluation step: train.eval_steps as configured)
     fits = {}
     for batch in (estimate, estimate + MULTIPLE):
       report, _ = launch.compile_step(config, targets[cell['target']], batch)

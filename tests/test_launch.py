@@ -167,6 +167,67 @@ def test_hlo_stats_reads_start_and_step_and_batch_groups_from_hand_written_hlo()
     hlo_stats.analyze('HloModule empty')
 
 
+# Two all-reduces of one channel id in two computations (XLA:TPU numbers channels per
+# computation), and a boolean conditional with a dot in each branch.
+CHANNELS_AND_BRANCHES = '''HloModule m
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%cond (p: (s32[], f32[4,8])) -> pred[] {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %r = f32[4,8]{1,0} all-reduce(%x), channel_id=1, replica_groups={}, to_apply=%sum
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[4,8]) tuple(%next, %r)
+}
+
+%small (x: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8] parameter(0)
+  %w = f32[8,8] constant({...})
+  ROOT %d = f32[4,8] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%large (x: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8] parameter(0)
+  %w = f32[8,8] constant({...})
+  %d = f32[4,8] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %e = f32[4,8] dot(%d, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[4,8], v: f32[6], c: pred[]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %v = f32[6]{0} parameter(1)
+  %c = pred[] parameter(2)
+  %s = f32[6]{0} all-reduce(%v), channel_id=1, replica_groups={}, to_apply=%sum
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,8]) tuple(%zero, %x)
+  %loop = (s32[], f32[4,8]) while(%init), condition=%cond, body=%body
+  %y = f32[4,8] get-tuple-element(%loop), index=1
+  ROOT %out = f32[4,8] conditional(%c, %y, %y), true_computation=%small, false_computation=%large
+}
+'''
+
+
+def test_hlo_stats_tells_collectives_of_one_channel_apart_and_counts_one_branch():
+  stats = hlo_stats.analyze(CHANNELS_AND_BRANCHES)
+  reduce = stats.collectives['all-reduce']
+  assert reduce.count == 4 + 1 and reduce.bytes == 4 * 4 * 8 * 4 + 6 * 4
+  assert stats.matmul_flops == 2 * (2 * 4 * 8 * 8)  # the costlier branch, once
+
+
 # XLA:GPU's optimized HLO: dots rewritten into cuBLAS calls (a batched one in a loop of 3, as
 # a scanned layer's attention scores), and a cuDNN fused-attention kernel, whose FLOPs the
 # HLO does not state.
@@ -332,11 +393,11 @@ def test_a_tpu_target_leaves_the_environment_as_it_found_it(monkeypatch):
   slice's accelerator type; a value the user gave is used and kept."""
   for name in ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES', 'ALLOW_MULTIPLE_LIBTPU_LOAD'):
     monkeypatch.delenv(name, raising=False)
-  monkeypatch.setenv('TPU_WORKER_HOSTNAMES', 'localhost')
+  monkeypatch.setenv('TPU_WORKER_HOSTNAMES', '127.0.0.1')  # (not what the code would set)
   assert len(launch.tpu_target('v5p:2x2x1').devices) == 4
   assert 'TPU_ACCELERATOR_TYPE' not in os.environ
   assert 'ALLOW_MULTIPLE_LIBTPU_LOAD' not in os.environ
-  assert os.environ['TPU_WORKER_HOSTNAMES'] == 'localhost'
+  assert os.environ['TPU_WORKER_HOSTNAMES'] == '127.0.0.1'
 
 
 @needs_libtpu
@@ -394,6 +455,20 @@ def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
     truth = max(b for b in range(4, 4000, 4) if fake_compile(None, None, b)[0].fits)
     assert (best, fails) == (truth, truth + 4)
     assert len(tried) <= 10
+  # Memory exactly affine in the batch: the line's crossing, rounded down, is the answer,
+  # and the next unit up confirms it (from any start: a guess at the largest batch that
+  # fitted is moved one unit up, not dropped for a doubling).
+  for slope, start in ((0.37, 4), (0.37, 1024), (0.0093, 32), (2.9, 8)):
+    affine = lambda config, target, b=None, slope=slope: (lambda total: (launch.Report(
+        batch_size=b or config.train.batch_size, fits=total <= hbm, total_bytes=total,
+        temp_bytes=total - 2 * launch.GiB), object()))(
+            int((2 + slope * (b or config.train.batch_size)) * launch.GiB))
+    monkeypatch.setattr(launch, 'compile_step', affine)
+    config.train.batch_size = start
+    tried = launch.find_max_batch(config, target, log=lambda *_: None)
+    summary = launch.search_summary(tried, 4)
+    assert summary['converged'] and len(tried) <= 4, [r.batch_size for r in tried]
+  monkeypatch.setattr(launch, 'compile_step', fake_compile)
   # The command's --max_compiles bounds the search (and says how to go on).
   monkeypatch.setattr(launch, 'target_for', lambda name: target)
   monkeypatch.setattr(launch, 'format_report', lambda *a: '')

@@ -365,6 +365,8 @@ class _Walk:
       for attr, callee in _CALLEE_ATTRS.findall(inst.attrs):
         if attr == 'condition' or (attr == 'to_apply' and inst.opcode != 'call'):
           continue  # loop conditions and reducers do no matmuls or collectives
+        if attr in ('true_computation', 'false_computation'):
+          continue  # a boolean conditional's branches: below, as an indexed one's
         factor = 1
         if inst.opcode == 'while' and attr == 'body':
           n, guessed = self.trip_count(inst, by_name)
@@ -372,7 +374,9 @@ class _Walk:
           self.assumed += guessed and n is not None
           factor = 1 if n is None else n
         self.visit(callee, times * factor)
-      for group in _BRANCHES.findall(inst.attrs):
+      pair = [c for a, c in _CALLEE_ATTRS.findall(inst.attrs)
+              if a in ('true_computation', 'false_computation')]
+      for group in _BRANCHES.findall(inst.attrs) + ([','.join(pair)] if pair else []):
         # A conditional runs one branch: counted as its costliest (an upper bound).
         branches = re.findall(r'%?([\w.\-]+)', group)
         costs = [_cost_of(self.computations, b) for b in branches]
@@ -388,7 +392,11 @@ class _Walk:
     if inst.opcode.endswith('-start'):  # the result tuple repeats the operands
       result_bytes -= operand_bytes
     channel = re.search(r'\bchannel_id=(\d+)', inst.attrs)
-    key = ('channel', channel.group(1)) if channel else ('op', len(self.seen), inst.name)
+    # XLA numbers channels per computation on TPUs: two collectives of one id in two
+    # computations are told apart by what they move (layouts aside).
+    moved = re.sub(r'\{[^}]*\}', '', ' '.join(types.get(o, '') for o in inst.operands))
+    key = (('channel', channel.group(1), kind, moved) if channel else
+           ('op', len(self.seen), inst.name))
     times_seen = self.seen.get(key, (kind, 0.0, 0))[1]
     self.seen[key] = (kind, max(times, times_seen), max(operand_bytes, result_bytes))
 

@@ -246,8 +246,8 @@ def local_target() -> Target:
   """This process's devices (a GPU node, a TPU VM, or the CPU)."""
   devices = jax.devices()
   limit = None
-  try:
-    limit = (devices[0].memory_stats() or {}).get('bytes_limit')
+  try:  # (of a device of this host's: on the other hosts of a job devices[0] is not)
+    limit = (jax.local_devices()[0].memory_stats() or {}).get('bytes_limit')
   except Exception:  # CPU devices keep no memory statistics
     pass
   return Target('local', jax.default_backend(), devices, jax.process_count(),
@@ -465,9 +465,10 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
 
   Memory per chip is close to affine in the batch, so each guess is where the line through
   the two nearest compiles (a refusal counts with the temporaries the compiler said it
-  needed) crosses HBM, kept strictly inside the bracket (largest fitting, smallest failing);
-  when two compiles in a row land on the same side, one bisection step follows. The search
-  ends when the bracket is one unit wide, or after `max_compiles`.
+  needed) crosses HBM, rounded down to the batch unit and kept strictly inside the bracket
+  (largest fitting, smallest failing); when two compiles in a row land on the same side of
+  a closed bracket, one bisection step follows. The search ends when the bracket is one unit
+  wide, or after `max_compiles`.
   """
   _check_memory_known(target)
   unit = batch_unit(config, target, multiple)
@@ -495,10 +496,12 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
       break
     if lo is not None and lo.batch_size >= limit:
       break
-    # After a line guess that moved the same end of the bracket as the compile before it
-    # (the line keeps missing on one side), bisect once.
+    # After a line guess that moved the same end of a closed bracket as the compile before
+    # it (the line keeps missing on one side), bisect once (while no batch has failed,
+    # bisecting would be doubling, past where the line points).
     sides.append(r.fits)
-    bisect_next = (not bisect_next and len(sides) >= 3 and sides[-1] == sides[-2])
+    bisect_next = (not bisect_next and hi is not None and len(sides) >= 3 and
+                   sides[-1] == sides[-2])
     b = _next_guess(reports, lo, hi, target.hbm_bytes, unit, limit, bisect_next)
   return reports
 
@@ -531,10 +534,8 @@ def _next_guess(reports, lo, hi, hbm, unit, limit, bisect: bool) -> int:
     elif points:  # one point: memory proportional to the batch
       b0, m0 = points[0]
       guess = b0 * hbm / max(m0, 1)
-  if guess is not None:
-    guess = int(guess // unit * unit)
-    if not floor < guess < ceiling:
-      guess = None
+  if guess is not None:  # rounded down to the unit, and kept strictly inside the bracket
+    guess = min(max(int(guess // unit * unit), floor + unit), ceiling - unit)
   if guess is None:  # bisection (doubling / halving while one side is open)
     if hi is None:
       guess = min(limit, max(unit, floor * 2))
