@@ -771,6 +771,10 @@ def pack() -> None:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
   import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
+  src, dst = pretrained_vs_scratch.minilm_dir(), os.path.join(CARRY, 'minilm')
+  if os.path.realpath(src) == os.path.realpath(dst):  # (REALFORMER_MINILM_DIR names the copy)
+    raise SystemExit(f'the MiniLM to pack is {src}, the packed copy itself: unset '
+                     'REALFORMER_MINILM_DIR (or point it at the original) and pack again')
   pins = {}
   with open(os.path.join(_REPO, 'requirements.txt'), encoding='utf-8') as f:
     for line in f:
@@ -781,7 +785,6 @@ def pack() -> None:
   subprocess.run([sys.executable, '-m', 'pip', 'download', '-q', '--no-deps',
                   '--only-binary=:all:', '--python-version', '3.12', '-d', wheels] +
                  [f'{name}=={pins[name]}' for name in CARRIED_WHEELS], check=True)
-  src, dst = pretrained_vs_scratch.minilm_dir(), os.path.join(CARRY, 'minilm')
   shutil.rmtree(dst, ignore_errors=True)
   os.makedirs(dst)
   for name in os.listdir(src):
