@@ -15,6 +15,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from tests.conftest import cpu_xla_flags
 from tests.test_interop import needs_minilm
 
@@ -220,6 +222,19 @@ def test_a_contender_is_timed_only_once_no_live_contender_is_compiling(tmp_path)
   assert hung.poll() is None and 1 <= time.perf_counter() - t < 10
   hung.kill()
   hung.wait()
+
+
+def test_pack_never_packs_its_own_copy_over_itself(tmp_path, monkeypatch):
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import device_suite  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'minilm').mkdir()
+  (tmp_path / 'minilm' / 'config.json').write_text('{}')
+  monkeypatch.setattr(device_suite, 'CARRY', str(tmp_path))
+  monkeypatch.setenv('REALFORMER_MINILM_DIR', str(tmp_path / 'minilm'))
+  with pytest.raises(SystemExit, match='the packed copy itself'):
+    device_suite.pack()
+  assert (tmp_path / 'minilm' / 'config.json').exists()  # and nothing was downloaded
+  assert sorted(os.listdir(tmp_path)) == ['minilm']
 
 
 def _step128_part(device_suite, tmp_path, started) -> dict:
