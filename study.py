@@ -27,7 +27,6 @@ import collections
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import tempfile
@@ -389,19 +388,7 @@ def stability_cell(workdir: str, run=None, config: str = '') -> dict:
   return cell
 
 
-def mark_diverged(workdir: str) -> bool:
-  """After a failed run: True (and the marker written) when its loss became nan/inf."""
-  log = storage.join(workdir, RunDir.LOG)
-  if not storage.path(log).exists():
-    return False
-  tail = storage.path(log).read_bytes()[-16000:].decode('utf-8', 'replace')[-4000:]
-  match = re.search(r'(loss|gradient norm) became (nan|inf|-inf) at step (\d+)', tail)
-  if not match:
-    return False
-  with _open(storage.join(workdir, RunDir.DIVERGED), 'w') as f:
-    json.dump({'what': match.group(1), 'value': match.group(2),
-               'step': int(match.group(3))}, f)
-  return True
+mark_diverged = sweep.mark_diverged
 
 
 def stability_report(cells, variants, rates, warmups, out_dir: str, seeds=(0,)) -> str:

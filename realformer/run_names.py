@@ -26,7 +26,8 @@ which prepares into data/) take theirs from here.
   log.txt               the program's output
   DONE                  written once the program exited 0
   LOCK                  the sweep process running it (a flock, or a lease on gs://)
-  diverged.json         a study's marker: the run's loss became nan/inf (study.py)
+  diverged.json         the run's loss became nan/inf: a study or a grid runs it no more
+                        (tools/sweep.mark_diverged)
 """
 
 

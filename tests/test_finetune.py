@@ -754,6 +754,22 @@ def test_grid_commands_and_summary(tmp_path, capsys):
     finetune_grid.main(['--tasks', 'rte', '--root', root, '--init_checkpoint',
                         str(tmp_path / 'ft_rte')])
   assert 'failed runs: rte/seed=0' in capsys.readouterr().out
+  # A run whose loss became nan is a result, said once and not run again by later calls.
+  with mock.patch.object(finetune_grid.sweep, 'run_all', return_value={'seed=0': 1}) as runs:
+    name = 'batch_size=16,num_epochs=2,optimizer.learning_rate=0.0001,seed=0'
+    (tmp_path / 'dv' / 'rte' / name).mkdir(parents=True)
+    (tmp_path / 'dv' / 'rte' / name / 'log.txt').write_text(
+        'error: the loss became nan at step 7; lower the learning rate\n')
+    runs.return_value = {name: 1}
+    grid_args = ['--tasks', 'rte', '--root', str(tmp_path / 'dv'), '--seeds', '1',
+                 '--learning_rates', '1e-4', '--batch_sizes', '16', '--epochs', '2',
+                 '--set', 'from_scratch=True']
+    assert finetune_grid.main(grid_args) == 0
+    assert f'diverged (nan/inf; left out of the table, not run again): rte/{name}' in (
+        capsys.readouterr().out)
+    runs.return_value = {}
+    assert finetune_grid.main(grid_args) == 0
+    assert runs.call_args.args[0] == []  # the diverged run is not started again
   # Hugging Face data (hf:) is no directory here: the runs load it
   with mock.patch.object(finetune_grid.sweep, 'run_all', return_value={'seed=0': 0}) as runs:
     finetune_grid.main(['--tasks', 'rte', '--root', f'{root}/hf_run', '--seeds', '1',

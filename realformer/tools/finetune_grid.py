@@ -8,8 +8,9 @@ r"""The fine-tuning grid of the paper's practice, for one task or all of GLUE, o
 Every (learning rate, batch size, epochs, seed) of every task is one finetune.py run in
 <root>/<task>/<its grid values and other varying overrides> (realformer.tools.sweep names, skips
 finished runs and resumes interrupted ones, so a grid can be extended in the same root; a
-directory holding a run with other fixed overrides is refused, never reused), run here one
-after another, or printed as launch commands for a cluster (--print_only). The summary
+directory holding a run with other fixed overrides is refused, never reused; a run whose loss
+became nan/inf is marked so, left out of the summary and not run again), run here one after
+another, or printed as launch commands for a cluster (--print_only). The summary
 (<root>/results.md and .csv) gives each setting's median (and mean, min, max) over seeds of
 the task's headline metric (GLUE's: MCC for CoLA, F1 for MRPC/QQP, Pearson for STS-B,
 accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median; a
@@ -232,20 +233,27 @@ def main(argv=None):
     runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
     for task in tasks:  # every task's config takes the --set keys, before any run starts
       sweep.check_keys(config_arg(task), runs)
-    failed, elsewhere = [], []
+    failed, elsewhere, diverged = [], [], []
     for task in tasks:
       root = task_root(args.root, task)
       if args.print_only:
         print(sweep.launch_script(runs, root=root, program=PROGRAM, config=config_arg(task),
                                   target=args.target, always=GRID_KEYS), end='')
         continue
-      codes = sweep.run_all(runs, root=root, program=PROGRAM, config=config_arg(task),
+      # A run that diverged (its loss became nan/inf) is a result of its settings: left out
+      # of later calls, which would only repeat it.
+      todo = [r for r, gone in zip(runs, sweep.diverged(root, runs, GRID_KEYS)) if not gone]
+      codes = sweep.run_all(todo, root=root, program=PROGRAM, config=config_arg(task),
                             always=GRID_KEYS)
-      failed += [f'{task}/{n}' for n, c in codes.items()
-                 if c and c != sweep.RUNNING_ELSEWHERE]
+      for n, c in codes.items():
+        if c and c != sweep.RUNNING_ELSEWHERE:
+          (diverged if sweep.mark_diverged(storage.join(root, n)) else failed).append(
+              f'{task}/{n}')
       elsewhere += [f'{task}/{n}' for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
     if args.print_only:
       return 0
+    if diverged:
+      print(f'diverged (nan/inf; left out of the table, not run again): {", ".join(diverged)}')
     if failed:
       print(f'failed runs: {", ".join(failed)}')
     if elsewhere:

@@ -522,6 +522,29 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   return codes
 
 
+def mark_diverged(workdir: str) -> bool:
+  """After a failed run: True (and <workdir>/diverged.json written) when its log says its
+  loss or gradient norm became nan/inf: a result of its settings, which running it again
+  would repeat (a study's or a grid's later calls leave it out), not a failure to resume."""
+  log = storage.join(workdir, RunDir.LOG)
+  if not storage.path(log).exists():
+    return False
+  tail = storage.path(log).read_bytes()[-16000:].decode('utf-8', 'replace')[-4000:]
+  match = re.search(r'(loss|gradient norm) became (nan|inf|-inf) at step (\d+)', tail)
+  if not match:
+    return False
+  storage.write_text(storage.join(workdir, RunDir.DIVERGED), json.dumps(
+      {'what': match.group(1), 'value': match.group(2), 'step': int(match.group(3))}))
+  return True
+
+
+def diverged(root: str, runs: Sequence[Run], always: Sequence[str] = ()) -> List[bool]:
+  """Whether each run's folder under `root` holds a diverged.json (mark_diverged)."""
+  names = reuse_names(absolute(root), runs, run_names(runs, always))
+  return [storage.path(storage.join(absolute(root), n, RunDir.DIVERGED)).exists()
+          for n in names]
+
+
 def absolute(root: str) -> str:
   """A local root as an absolute path (runs start from the repository root); URLs as given."""
   return root if storage.is_url(root) else os.path.abspath(root)
