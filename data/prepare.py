@@ -92,7 +92,7 @@ def fingerprint(config) -> dict:
   """The settings that determine the prepared instances and their files (masking is not
   among them)."""
   d = config.data
-  specs = [s.strip() for s in d.sources.split(';') if s.strip()]
+  specs = sources.source_specs(d.sources)
   rows = config_checks.rows_per_document(d.get('hf_rows_per_document', '1'), d.sources)
   grouped = any(r != 1 and s.startswith('hf:') for s, r in zip(specs, rows))
   return {'sources': d.sources, 'weights': d.weights, 'tokenizer': d.tokenizer or 'embedded',
@@ -748,7 +748,7 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
   metadata = json.loads(path.read_text())
   if config is None:
     return metadata
-  specs = [x.strip() for x in config.data.sources.split(';') if x.strip()]
+  specs = sources.source_specs(config.data.sources)
   twice = sorted({x for x in specs if specs.count(x) > 1})
   if twice and 'eval_split' not in metadata['fingerprint']:
     raise ValueError(f'prepared data in {prepared_dir} was made by an earlier version, which '

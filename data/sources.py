@@ -469,6 +469,11 @@ def parse_weights(weights: Union[str, Sequence[float], None], n: int) -> Optiona
   return w / w.sum()
 
 
+def source_specs(sources: str) -> List[str]:
+  """config.data.sources -> its ';'-joined sources, in order (empty ones dropped)."""
+  return [s.strip() for s in sources.split(';') if s.strip()]
+
+
 def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
                    stats: Optional[collections.Counter] = None,
                    weights: Union[str, Sequence[float], None] = None, seed: int = 0,
@@ -488,7 +493,7 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
   source cannot tell its size (a tfds split without counts), round robin.
   """
   stats = collections.Counter() if stats is None else stats
-  specs = [s.strip() for s in sources.split(';') if s.strip()]
+  specs = source_specs(sources)
   if not specs:
     raise ValueError(f'config.data.sources is empty; {_SOURCES_HELP}')
   probs = parse_weights(weights, len(specs))
