@@ -5,7 +5,8 @@ r"""Attention analysis of pretraining checkpoints (entropy per layer, JS diverge
 
 Workdirs and --out may be gs:// URLs.
 
-Writes attention_entropy.png (violins per layer), attention_js.png (layer x layer JS
+Writes attention_entropy.png (violins per layer), attention_entropy_heads.png (each layer's
+heads ordered by median, as the paper's Figure 4), attention_js.png (layer x layer JS
 divergence), attention.json and attention.md. See realformer/tools/analysis.py for the definitions.
 """
 

@@ -745,7 +745,7 @@ def compare(args) -> int:
     prefix = 'equal_time_' if minutes else ''
     _copy(storage.join(root, 'learning_curves.png'),
           os.path.join(args.figures, f'{prefix}learning_curves.png'))
-    for name in ('attention_entropy.png', 'attention_js.png'):
+    for name in ('attention_entropy.png', 'attention_entropy_heads.png', 'attention_js.png'):
       if storage.path(storage.join(attention_dir, name)).exists():
         _copy(storage.join(attention_dir, name), os.path.join(args.figures, prefix + name))
   record(args, root)

@@ -29,6 +29,23 @@ def test_entropy_hand_computed_and_padding_excluded():
   np.testing.assert_allclose(ent, [math.log(3), 0.0])
 
 
+def test_head_entropies_are_per_head_and_ordered_by_median():
+  """The paper's Figure 4: each head's entropies over the real queries, the heads of a layer
+  ordered by their medians."""
+  uniform, one_hot = [1 / 4] * 4, [1.0, 0.0, 0.0, 0.0]
+  half = [0.5, 0.5, 0.0, 0.0]
+  probs = np.array([[[uniform, uniform, uniform, half],       # head 0: medians ln 4
+                     [one_hot, one_hot, half, one_hot],       # head 1: 0
+                     [half, half, half, uniform]]], np.float64)  # head 2: ln 2
+  heads = analysis.head_entropies(probs, np.array([[1, 1, 1, 0]]))  # last query is padding
+  assert [len(h) for h in heads] == [3, 3, 3]
+  np.testing.assert_allclose(heads[0], [0.0, 0.0, math.log(2)])
+  np.testing.assert_allclose(heads[1], [math.log(2)] * 3)
+  np.testing.assert_allclose(heads[2], [math.log(4)] * 3)
+  pooled = analysis.attention_entropy(probs, np.array([[1, 1, 1, 0]]))
+  np.testing.assert_allclose(np.sort(np.concatenate(heads)), np.sort(pooled))
+
+
 def test_js_divergence_hand_computed():
   mask = np.array([[1, 1]])
   p = rows([0.5, 0.5], [1.0, 0.0])
@@ -70,9 +87,16 @@ def test_analysis_reads_the_saved_encoder(tiny_run):
   encoder = models.build(config.model, head='encoder')
   out = encoder.apply({'params': params['encoder']}, batch, capture_attention=True)
   assert result['entropies'][0].size == 2 * (4 * 32 - 5)  # heads x real queries
-  for got, probs in zip(result['entropies'], out.attention):
+  for got, heads, medians, probs in zip(result['entropies'], result['head_entropies'],
+                                       result['entropy_head_medians'], out.attention):
     np.testing.assert_allclose(got, analysis.attention_entropy(probs, batch['attention_mask']),
                                rtol=1e-5)
+    want = analysis.head_entropies(probs, batch['attention_mask'])
+    assert len(heads) == 2 and all(h.size == 4 * 32 - 5 for h in heads)
+    for g, w in zip(heads, want):
+      np.testing.assert_allclose(g, w, rtol=1e-5)
+    assert medians == sorted(medians)
+    np.testing.assert_allclose(medians, [np.median(h) for h in want], rtol=1e-5)
 
 
 def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
@@ -87,10 +111,12 @@ def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
   out = tmp_path / 'report'
   analyze.main(['--workdir', tiny_run, '--workdir', tiny_run, '--label', 'a', '--label', 'b',
                 '--out', str(out), '--num_examples', '8'])
-  for name in ('attention_entropy.png', 'attention_js.png', 'attention.json', 'attention.md'):
+  for name in ('attention_entropy.png', 'attention_entropy_heads.png', 'attention_js.png',
+               'attention.json', 'attention.md'):
     assert (out / name).stat().st_size > 100
   numbers = json.loads((out / 'attention.json').read_text())
   assert numbers['a']['js_adjacent'] == pytest.approx(result['js_adjacent'])
+  np.testing.assert_allclose(numbers['b']['entropy_head_medians'], result['entropy_head_medians'])
 
 
 def test_runs_of_one_variant_get_labels_of_their_own():

@@ -212,7 +212,7 @@ def test_the_attention_analysis_reads_a_bucket_run_and_writes_its_report_there(
   assert '| postln |' in capsys.readouterr().out
   names = {p.name for p in storage.path(out).iterdir()}
   assert names == {'attention.json', 'attention.md', 'attention_entropy.png',
-                   'attention_js.png'}
+                   'attention_entropy_heads.png', 'attention_js.png'}
   numbers = json.loads((storage.path(out) / 'attention.json').read_text())
   assert len(numbers['postln']['entropy_mean']) == 2  # one per layer
 

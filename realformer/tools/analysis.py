@@ -2,9 +2,10 @@
 
 From a pretraining workdir's newest checkpoint, on held-out text, through the public
 contract (`model.apply(..., capture_attention=True)`):
-  - per layer, the distribution of attention entropy  H(p) = -sum_k p_k ln p_k  of every
-    (example, head, real query position): lower is sparser (the heads of a layer pooled,
-    where the paper's figure draws each head's distribution, ordered by median);
+  - per layer and head, the distribution of attention entropy  H(p) = -sum_k p_k ln p_k  of
+    every (example, real query position): lower is sparser. The paper's Figure 4 draws each
+    head's distribution, the heads of a layer ordered by their medians
+    (attention_entropy_heads.png); attention_entropy.png pools the heads of a layer;
   - the Jensen-Shannon divergence between the attention distributions of two layers,
     JS(p, q) = (KL(p || m) + KL(q || m)) / 2 with m = (p + q) / 2, averaged over examples,
     heads and real query positions, for adjacent layers and all pairs: lower is closer.
@@ -36,6 +37,16 @@ def attention_entropy(probs: np.ndarray, mask: np.ndarray) -> np.ndarray:
   ent = -_xlogx(p).sum(-1)                                   # [B, H, T]
   real = np.broadcast_to(np.asarray(mask, bool)[:, None, :], ent.shape)
   return ent[real]
+
+
+def head_entropies(probs: np.ndarray, mask: np.ndarray) -> List[np.ndarray]:
+  """probs [B, H, T, T], mask [B, T] -> per head, the entropies of its real queries, the
+  heads ordered by their medians (ascending), as the paper's Figure 4 draws them."""
+  p = np.asarray(probs, np.float64)
+  ent = -_xlogx(p).sum(-1)                                   # [B, H, T]
+  real = np.asarray(mask, bool)
+  heads = [ent[:, h][real] for h in range(ent.shape[1])]
+  return sorted(heads, key=np.median)
 
 
 def js_divergence(p: np.ndarray, q: np.ndarray, mask: np.ndarray) -> float:
@@ -103,9 +114,12 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   attention = [np.asarray(a) for a in out.attention]
   mask = batch['attention_mask']
   entropies = [attention_entropy(a, mask) for a in attention]
+  heads = [head_entropies(a, mask) for a in attention]
   pairs = js_matrix(attention, mask)
   return {'variant': config.model.variant, 'workdir': workdir, 'entropies': entropies,
+          'head_entropies': heads,
           'entropy_mean': [float(e.mean()) for e in entropies],
+          'entropy_head_medians': [[float(np.median(h)) for h in layer] for layer in heads],
           'js_adjacent': [float(pairs[i, i + 1]) for i in range(len(attention) - 1)],
           'js_all_pairs': pairs.tolist()}
 
@@ -122,7 +136,8 @@ def default_labels(results: Sequence[dict]) -> List[str]:
 
 
 def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None) -> dict:
-  """Violin plots of entropy per layer, JS heatmaps, numbers as JSON and markdown."""
+  """Violin plots of entropy per layer, box plots per head (ordered by median within each
+  layer), JS heatmaps, numbers as JSON and markdown."""
   labels = list(labels or default_labels(results))
   if len(set(labels)) != len(labels):
     raise ValueError(f'the labels {labels} repeat one; give each --workdir its own --label')
@@ -142,6 +157,7 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   fig.tight_layout()
   save_png(fig, out / 'attention_entropy.png')
   plt.close(fig)
+  _plot_head_entropies(plt, results, labels, out / 'attention_entropy_heads.png')
   vmax = max(max(max(row) for row in r['js_all_pairs']) for r in results) or 1.0
   fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
   for ax, r, label in zip(axes[0], results, labels):
@@ -152,8 +168,8 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   fig.colorbar(im, ax=axes[0].tolist(), label='JS divergence (nats)')
   save_png(fig, out / 'attention_js.png')
   plt.close(fig)
-  numbers = {label: {k: r[k] for k in ('variant', 'workdir', 'entropy_mean', 'js_adjacent',
-                                       'js_all_pairs')}
+  numbers = {label: {k: r[k] for k in ('variant', 'workdir', 'entropy_mean',
+                                       'entropy_head_medians', 'js_adjacent', 'js_all_pairs')}
              for label, r in zip(labels, results)}
   storage.write_text(out / 'attention.json', json.dumps(numbers, indent=1))
   lines = ['| run | mean entropy per layer (nats) | JS adjacent layers | mean JS all pairs |',
@@ -165,6 +181,31 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
                  f'{", ".join(f"{j:.4f}" for j in r["js_adjacent"])} | {off:.4f} |')
   storage.write_text(out / 'attention.md', '\n'.join(lines) + '\n')
   return numbers
+
+
+def _plot_head_entropies(plt, results, labels, path) -> None:
+  """One row per run: each layer's heads as box plots side by side, ordered by median."""
+  n = len(results)
+  width = max(len(r['head_entropies']) * (len(r['head_entropies'][0]) + 1) for r in results)
+  fig, axes = plt.subplots(n, 1, figsize=(max(6.0, 0.12 * width), 2.6 * n), sharey=True,
+                           squeeze=False)
+  for ax, r, label in zip(axes[:, 0], results, labels):
+    heads = r['head_entropies']
+    num_heads = len(heads[0])
+    centers = []
+    for layer, layer_heads in enumerate(heads):
+      start = layer * (num_heads + 1)
+      ax.boxplot(layer_heads, positions=[start + h for h in range(num_heads)], widths=0.7,
+                 showfliers=False, manage_ticks=False)
+      centers.append(start + (num_heads - 1) / 2)
+    ax.set_xticks(centers)
+    ax.set_xticklabels([str(i + 1) for i in range(len(heads))])
+    ax.set_title(f'{label}: heads of each layer, ordered by median')
+    ax.set_ylabel('entropy (nats)')
+  axes[-1, 0].set_xlabel('layer')
+  fig.tight_layout()
+  save_png(fig, path)
+  plt.close(fig)
 
 
 def save_png(fig, path) -> None:
