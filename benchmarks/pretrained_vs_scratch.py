@@ -120,8 +120,8 @@ def pretraining_sources(init: str) -> str:
 
 def fine_tune_grid(root: str, init: str, data_dir: str, scratch: bool, args) -> list:
   """One arm's grid (realformer.tools.finetune_grid: every setting over the seeds); returns its
-  summary rows, by results.csv's header (learning_rate, batch_size, num_epochs, n, left out,
-  median, mean, min, max, best), of the settings with a run to summarize."""
+  summary rows, by results.csv's header (learning_rate, batch_size, num_epochs, n, failed,
+  unfinished, median, mean, min, max, best), of the settings whose median is a score."""
   fixed = ['max_seq_length=64', f'from_scratch={scratch}'] + args.set
   os.makedirs(root, exist_ok=True)
   log = os.path.join(root, 'grid_log.txt')
@@ -136,7 +136,8 @@ def fine_tune_grid(root: str, init: str, data_dir: str, scratch: bool, args) -> 
   if code:
     raise SystemExit(f'fine-tuning runs under {root} failed or were refused; see {log}')
   with open(os.path.join(root, 'results.csv'), newline='') as f:
-    return [row for row in csv.DictReader(f) if row['median']]  # (a setting with none left)
+    return [row for row in csv.DictReader(f)  # (not a setting with none finished, or failed)
+            if row['median'] not in ('', 'failed')]
 
 
 def per_seed(root: str, setting) -> list:

@@ -44,7 +44,7 @@ TASKS = {
                  ('sentence',), _TFDS),
     'mrpc': Task('MRPC', ('#1 String', '#2 String'), 'Quality', ('0', '1'), 'f1', _STD,
                  ('sentence1', 'sentence2'), _TFDS),
-    'stsb': Task('STS-B', ('sentence1', 'sentence2'), 'score', (), 'pearson', _STD,
+    'stsb': Task('STS-B', ('sentence1', 'sentence2'), 'score', (), 'spearman', _STD,
                  ('sentence1', 'sentence2'), _TFDS),
     'qqp': Task('QQP', ('question1', 'question2'), 'is_duplicate', ('0', '1'), 'f1', _STD,
                 ('question1', 'question2'), _TFDS),

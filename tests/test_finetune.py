@@ -172,6 +172,9 @@ def test_metrics_match_their_definitions():
   assert m['spearman'] == pytest.approx(3.75 / 4.5)
   assert finetune_metrics.headline('rte', {'accuracy': 0.7}) == 0.7
   assert finetune_metrics.headline('cola', {'accuracy': 0.7, 'mcc': 0.2}) == 0.2
+  # the BERT paper's Table 1: Spearman for STS-B, F1 for MRPC and QQP
+  assert finetune_metrics.headline('stsb', {'pearson': 0.9, 'spearman': 0.8}) == 0.8
+  assert finetune_metrics.headline('qqp', {'accuracy': 0.9, 'f1': 0.8}) == 0.8
   # The headline is the task's own metric (data/glue.TASKS), one place for a fork to change.
   for name, task in glue.TASKS.items():
     allowed = finetune_metrics.CLASSIFICATION if task.labels else finetune_metrics.REGRESSION
@@ -765,7 +768,7 @@ def test_grid_commands_and_summary(tmp_path, capsys):
                  '--learning_rates', '1e-4', '--batch_sizes', '16', '--epochs', '2',
                  '--set', 'from_scratch=True']
     assert finetune_grid.main(grid_args) == 0
-    assert f'diverged (nan/inf; left out of the table, not run again): rte/{name}' in (
+    assert f'diverged (nan/inf; failed in the table, not run again): rte/{name}' in (
         capsys.readouterr().out)
     runs.return_value = {}
     assert finetune_grid.main(grid_args) == 0
@@ -842,27 +845,35 @@ def test_a_grid_compiles_each_program_once(pretrained, tmp_path, monkeypatch):
 
 def check_grid_summary(root: str):
   """Runs of three settings in the grid's `root` (a folder or a gs:// URL): the summary
-  marks the one with the higher median over seeds best; a non-finite headline (NaN: no
-  correlation of constant predictions) and an unfinished run are left out, and counted."""
+  marks the one with the higher median over seeds best, a failed seed (a non-finite headline:
+  no correlation of constant predictions; or a diverged run) counting below every score, so
+  that a setting does not win on the median of the seeds it did not fail; an unfinished run
+  is left out, and counted."""
   from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
   nan = float('nan')
   for lr, seed, headline in [(1e-5, 0, 0.9), (1e-5, 1, 0.5), (1e-5, 2, 0.5),
                              (2e-5, 0, 0.6), (2e-5, 1, nan), (2e-5, 2, 0.1), (2e-5, 3, 0.6),
-                             (2e-5, 4, None), (3e-5, 0, nan)]:
+                             (2e-5, 4, None), (2e-5, 5, 'diverged'), (2e-5, 6, 0.7),
+                             (3e-5, 0, nan), (3e-5, 1, 'diverged'), (4e-5, 0, None)]:
     run = {'optimizer.learning_rate': lr, 'batch_size': 16, 'num_epochs': 2, 'seed': seed}
     workdir = storage.path(root) / 'rte' / f'lr={lr},seed={seed}'
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / 'overrides.json').write_text(json.dumps(run))
-    if headline is not None:
+    if headline == 'diverged':
+      (workdir / 'diverged.json').write_text(json.dumps({'what': 'loss', 'step': 3}))
+    elif headline is not None:
       (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
   finetune_grid.main(['--tasks', 'rte', '--root', root, '--summarize_only'])
   rows = (storage.path(root) / 'results.csv').read_text().splitlines()
   assert rows[0].split(',') == finetune_grid.HEADER
-  best = [r.split(',') for r in rows[1:] if r.split(',')[10] == 'best']
-  assert len(best) == 1 and best[0][1] == '2e-05' and best[0][4:7] == ['3', '2', '0.6']
+  best = [r.split(',') for r in rows[1:] if r.split(',')[11] == 'best']
+  # 2e-05's scored seeds have the median 0.6, above 1e-05's 0.5; with its two failed seeds
+  # below them, its median is that of (fail, fail, 0.1, 0.6, 0.6, 0.7): 0.35
+  assert len(best) == 1 and best[0][1] == '1e-05' and best[0][4:8] == ['3', '0', '0', '0.5']
   markdown = (storage.path(root) / 'results.md').read_text()
-  assert '| rte | 1e-05 | 16 | 2 | 3 | 0 | 0.5000 |' in markdown
-  assert '| rte | 3e-05 | 16 | 2 | 0 | 1 |  |  |  |  |  |' in markdown
+  assert '| rte | 2e-05 | 16 | 2 | 6 | 2 | 1 | 0.3500 | 0.5000 | 0.1000 | 0.7000 |  |' in markdown
+  assert '| rte | 3e-05 | 16 | 2 | 2 | 2 | 0 | failed |  |  |  |  |' in markdown
+  assert '| rte | 4e-05 | 16 | 2 | 0 | 0 | 1 |  |  |  |  |  |' in markdown
 
 
 def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, capsys):
@@ -884,10 +895,11 @@ def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, cap
   finetune_grid.main(['--tasks', 'rte,glue/rte', '--root', str(root), '--summarize_only'])
   markdown = (root / 'results.md').read_text()
   assert markdown.count('| rte |') == 3, markdown  # one task, three settings
-  assert '| rte | 2e-05 | 16 | 2 | 1 | 0 | 0.1000 | 0.1000 | 0.1000 | 0.1000 |  | max_seq_length=64 |' in markdown
-  assert ('| rte | 2e-05 | 16 | 2 | 2 | 0 | 0.7000 | 0.7000 | 0.6000 | 0.8000 | best | '
+  assert ('| rte | 2e-05 | 16 | 2 | 1 | 0 | 0 | 0.1000 | 0.1000 | 0.1000 | 0.1000 |  | '
+          'max_seq_length=64 |') in markdown
+  assert ('| rte | 2e-05 | 16 | 2 | 2 | 0 | 0 | 0.7000 | 0.7000 | 0.6000 | 0.8000 | best | '
           'max_seq_length=128 |') in markdown
-  assert '| rte |  |  |  | 0 | 1 |' in markdown
+  assert '| rte |  |  |  | 0 | 0 | 1 |' in markdown
   assert finetune_grid.expand_tasks('glue,rte').count('rte') == 1
   capsys.readouterr()
   finetune_grid.main(['--tasks', 'tsv/topics', '--root', str(tmp_path / 'tsv'), '--seeds', '1',

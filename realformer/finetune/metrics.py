@@ -7,8 +7,10 @@
   the others      accuracy (MNLI: matched and mismatched separately)
   SQuAD           exact match and token F1 (v2.0: with the no-answer threshold tuned on dev)
 
-A GLUE task's headline (what a GLUE table reports for it, and what picks best/ and the best
-grid setting) is its `metric` in data/glue.TASKS, the one place a task names it.
+A GLUE task's headline (what picks best/ and the best grid setting) is its `metric` in
+data/glue.TASKS, the one place a task names it: the number the BERT paper's GLUE table
+(Table 1) reports, MCC for CoLA, F1 for MRPC and QQP, Spearman for STS-B, accuracy elsewhere
+(the GLUE leaderboard's score averages the two of MRPC, QQP and STS-B; results.json has both).
 """
 
 import collections

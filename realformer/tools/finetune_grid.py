@@ -9,12 +9,15 @@ Every (learning rate, batch size, epochs, seed) of every task is one finetune.py
 <root>/<task>/<its grid values and other varying overrides> (realformer.tools.sweep names, skips
 finished runs and resumes interrupted ones, so a grid can be extended in the same root; a
 directory holding a run with other fixed overrides is refused, never reused; a run whose loss
-became nan/inf is marked so, left out of the summary and not run again), run here one after
+became nan/inf is marked so, counted as failed and not run again), run here one after
 another, or printed as launch commands for a cluster (--print_only). The summary
-(<root>/results.md and .csv) gives each setting's median (and mean, min, max) over seeds of
-the task's headline metric (GLUE's: MCC for CoLA, F1 for MRPC/QQP, Pearson for STS-B,
-accuracy elsewhere; SQuAD F1), and marks the best setting of each task by that median; a
-setting is the grid's values and any other override that differs between the task's runs.
+(<root>/results.md and .csv) gives each setting's median over seeds of the task's headline
+metric (the BERT paper's: MCC for CoLA, F1 for MRPC/QQP, Spearman for STS-B, accuracy
+elsewhere; SQuAD F1), a failed seed (diverged, or a headline that is not finite: a
+regression's constant predictions have no correlation) counting below every score, and the
+mean, min and max of the scored seeds; it marks the best setting of each task by that
+median. A setting is the grid's values and any other override that differs between the
+task's runs; unfinished runs are counted and left out.
 Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli's runs also evaluate mismatched,
 in their results.json, and predict AX; the summary reads matched), squad/v1.1, squad/v2.0
 (`squad` = both), tsv/<name> (a task of your own, its columns and labels given with --set
@@ -96,16 +99,20 @@ def task_root(root: str, task: str) -> str:
 
 
 def collect(root: str) -> List[Dict[str, Any]]:
-  """(overrides, headline) of every run under one task's root: None for a run without
-  results.json (unfinished, or stopped by a non-finite loss)."""
+  """(overrides, headline, state) of every run under one task's root: state 'done' (its
+  results.json's headline), 'diverged' (its loss became nan/inf: sweep.mark_diverged) or
+  'unfinished' (headline None for both)."""
   rows = []
   folder = storage.path(root)
   for name in sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []:
-    overrides, results = folder / name / RunDir.OVERRIDES, folder / name / RunDir.RESULTS
-    if not overrides.exists():
+    run = folder / name
+    if not (run / RunDir.OVERRIDES).exists():
       continue
-    rows.append({'run': _read_json(overrides),
-                 'headline': _read_json(results)['headline'] if results.exists() else None})
+    done = (run / RunDir.RESULTS).exists()
+    state = ('done' if done else
+             'diverged' if (run / RunDir.DIVERGED).exists() else 'unfinished')
+    rows.append({'run': _read_json(run / RunDir.OVERRIDES), 'state': state,
+                 'headline': _read_json(run / RunDir.RESULTS)['headline'] if done else None})
   return rows
 
 
@@ -128,34 +135,43 @@ def _in_order(key):
 
 
 def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
-  """One row per setting: task, lr, batch, epochs, n (runs with a finite headline), left
-  out (unfinished runs, and those whose headline is not finite: a regression's constant
-  predictions have no correlation), then the median, mean, min and max of the n, 'best' on
-  the setting of the highest median, and the setting's other overrides that differ between
-  the task's runs (a grid extended in its root with another --set: never averaged with the
+  """One row per setting: task, lr, batch, epochs; n (finished runs), failed (of those, the
+  diverged and those whose headline is not finite: a regression's constant predictions have
+  no correlation), unfinished (left out); the median over the n, a failed run counting below
+  every score ('failed' where the median falls on one: a setting that fails some seeds does
+  not win on the median of the others); the mean, min and max of the scored runs; 'best' on
+  the setting of the highest median; the setting's other overrides that differ between the
+  task's runs (a grid extended in its root with another --set: never averaged with the
   first)."""
   others = [k for k in sweep.varying_keys([r['run'] for r in rows])
             if k not in GRID_KEYS + ('seed',)]
   groups = {}
   for row in rows:
     key = tuple(row['run'].get(k, '') for k in GRID_KEYS + tuple(others))
-    groups.setdefault(key, []).append(row['headline'])
-  table = []
-  for key, headlines in sorted(groups.items(), key=lambda item: _in_order(item[0])):
-    v = [h for h in headlines if h is not None and math.isfinite(h)]
-    stats = [statistics.median(v), statistics.mean(v), min(v), max(v)] if v else [''] * 4
+    groups.setdefault(key, []).append(row)
+  table, medians = [], []
+  for key, runs in sorted(groups.items(), key=lambda item: _in_order(item[0])):
+    finished = [r for r in runs if r['state'] != 'unfinished']
+    scores = [r['headline'] if r['state'] == 'done' and math.isfinite(r['headline'])
+              else -math.inf for r in finished]
+    scored = [x for x in scores if x > -math.inf]
+    median = statistics.median(scores) if scores else None
+    medians.append(median if median is not None and math.isfinite(median) else None)
+    stats = [statistics.mean(scored), min(scored), max(scored)] if scored else [''] * 3
+    shown = '' if median is None else (median if math.isfinite(median) else 'failed')
     grid_values = [_fmt(x) for x in key[:len(GRID_KEYS)]]
     other = ','.join(f'{k}={_fmt(x)}' for k, x in zip(others, key[len(GRID_KEYS):])
                      if x != '')
-    table.append([task, *grid_values, len(v), len(headlines) - len(v), *stats, '', other])
-  scored = [r for r in table if r[4]]
-  if scored:
-    max(scored, key=lambda r: r[6])[-2] = 'best'
+    table.append([task, *grid_values, len(finished), len(scores) - len(scored),
+                  len(runs) - len(finished), shown, *stats, '', other])
+  if any(m is not None for m in medians):
+    best = max((m, -i) for i, m in enumerate(medians) if m is not None)[1] * -1
+    table[best][-2] = 'best'
   return table
 
 
-HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'left out', 'median',
-          'mean', 'min', 'max', 'best', 'other overrides']
+HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'failed', 'unfinished',
+          'median', 'mean', 'min', 'max', 'best', 'other overrides']
 
 
 def write_summary(root: str, tasks: Sequence[str]) -> str:
@@ -253,7 +269,7 @@ def main(argv=None):
     if args.print_only:
       return 0
     if diverged:
-      print(f'diverged (nan/inf; left out of the table, not run again): {", ".join(diverged)}')
+      print(f'diverged (nan/inf; failed in the table, not run again): {", ".join(diverged)}')
     if failed:
       print(f'failed runs: {", ".join(failed)}')
     if elsewhere:
