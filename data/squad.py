@@ -49,6 +49,12 @@ class Example:
   def is_impossible(self) -> bool:
     return not self.answers
 
+  @property
+  def aligned(self) -> bool:
+    """Whether a training target can be taken: unanswerable, or the first answer stands at
+    its answer_start in the context."""
+    return self.is_impossible or self.start_word >= 0
+
 
 def _is_whitespace(c: str) -> bool:
   return c in ' \t\r\n' or ord(c) == 0x202F
@@ -72,14 +78,16 @@ def split_words(context: str) -> Tuple[List[str], List[int]]:
 
 def make_example(qid: str, question: str, context: str, answers: Sequence[str],
                  answer_starts: Sequence[int]) -> Example:
-  """One question; answers/answer_starts are empty for an unanswerable (v2.0) question."""
+  """One question; answers/answer_starts are empty for an unanswerable (v2.0) question.
+  A first answer that is not at its answer_start leaves the example without a training
+  target (`aligned` False): evaluation reads only the answers' texts, and featurize leaves
+  such a question out of training, as BERT's run_squad does."""
   words, char_to_word = split_words(context)
   ex = Example(qid, question, context, words, list(answers))
   if answers:
     text, start = answers[0], answer_starts[0]
     if context[start:start + len(text)] != text:
-      raise ValueError(f'question {qid}: answer {text!r} is not at character {start} of its '
-                       'context; is the file SQuAD JSON?')
+      return ex
     ex.answer_text, ex.answer_start = text, start
     # the words of its first and last non-space characters (an answer may start or end
     # with a space: its character there belongs to no word, or to the one before)
@@ -243,6 +251,27 @@ def _answer_span(ex: Example, doc: List[int], sub_to_word: List[int], chars, tok
   return _improve_span(doc, start, end, tokenizer, ex.answer_text)
 
 
+def _with_training_targets(examples: Sequence[Example]) -> Sequence[Example]:
+  """The examples a training target can be taken from: a question whose answer is not at its
+  answer_start is left out and counted (BERT's run_squad: "Could not find answer"); none
+  left of the answerable ones is an error."""
+  misaligned = [ex for ex in examples if not ex.aligned]
+  if not misaligned:
+    return examples
+  answerable = sum(not ex.is_impossible for ex in examples)
+  ex = misaligned[0]
+  if len(misaligned) == answerable:
+    raise ValueError(f'none of the {answerable} answerable training questions has its answer '
+                     f'at its answer_start in the context (question {ex.qid}: '
+                     f'{ex.answers[0]!r}); is the file SQuAD JSON?')
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.warning('%d of %d answerable training questions have their answer elsewhere than '
+                  'at its answer_start (question %s: %r); they are left out of training, as '
+                  "BERT's run_squad leaves them out", len(misaligned), answerable, ex.qid,
+                  ex.answers[0])
+  return [ex for ex in examples if ex.aligned]
+
+
 def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
               doc_stride: int, max_query_length: int, training: bool, infos: bool = True
               ) -> Tuple[Dict[str, np.ndarray], List[FeatureInfo]]:
@@ -262,6 +291,8 @@ def featurize(examples: Sequence[Example], tokenizer, *, max_seq_length: int,
                     'answer across their boundary is never a target; lower doc_stride (BERT: '
                     '128 at max_seq_length 384)', doc_stride, shortest, max_query_length)
   want_infos, rows, infos = infos, [], []
+  if training:
+    examples = _with_training_targets(examples)
   for example_index, ex in enumerate(examples):
     query = tokenizer.encode(ex.question)[:max_query_length]
     max_window = max_seq_length - len(query) - 3  # run_squad's max_tokens_for_doc

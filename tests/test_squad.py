@@ -346,3 +346,30 @@ def test_a_malformed_squad_file_names_the_entry(tmp_path):
   bad['data'][0]['paragraphs'][0]['qas'].pop()
   path.write_text(json.dumps(bad))
   assert [e.answer_text for e in squad.read_json(str(path))] == ['France']
+
+
+def test_a_training_answer_away_from_its_answer_start_is_left_out_as_bert_does(caplog):
+  """An answer whose answer_start does not point at it gives no training target: that
+  question is left out of training and counted (BERT's run_squad: "Could not find answer");
+  evaluation reads only the answers' texts, so a dev file with such an offset still scores.
+  A training file where no answer is at its offset is not SQuAD: one line."""
+  tok = tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
+  context = 'The capital of France is Paris and of Italy Rome.'
+  good = squad.make_example('good', 'Which city?', context, ['Paris'], [context.index('Paris')])
+  bad = squad.make_example('bad', 'Which city?', context, ['Rome'], [3])
+  assert good.aligned and not bad.aligned and bad.answers == ['Rome']
+  none = squad.make_example('none', 'Which city?', context, [], [])
+  kw = dict(max_seq_length=48, doc_stride=16, max_query_length=12)
+  with caplog.at_level('WARNING'):
+    train, _ = squad.featurize([good, bad, none], tok, training=True, **kw)
+  assert '1 of 2 answerable training questions' in caplog.text and 'bad' in caplog.text
+  alone, _ = squad.featurize([good, none], tok, training=True, **kw)
+  assert {k: v.tolist() for k, v in train.items()} == {k: v.tolist() for k, v in alone.items()}
+  feats, infos = squad.featurize([good, bad], tok, training=False, **kw)
+  assert len(infos) == 2  # evaluation keeps it
+  start = np.zeros(feats['input_ids'].shape, np.float32)
+  answers, _ = squad.postprocess([good, bad], infos, feats, start, start, tok)
+  assert set(answers) == {'good', 'bad'}
+  with pytest.raises(ValueError, match=r"none of the 1 answerable training questions has its "
+                     r"answer at its answer_start .*question bad: 'Rome'.*SQuAD JSON"):
+    squad.featurize([bad, none], tok, training=True, **kw)
