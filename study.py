@@ -207,10 +207,14 @@ def finished(workdir: str, run=None, config: str = '') -> bool:
   """The run in `workdir` finished, and it is `run` (not one of other settings that the
   folder holds: an earlier study at another budget, or, given the `config` it runs with, of
   another model size, whose numbers are not this one's)."""
-  program = 'finetune.py' if 'finetune.py' in config else 'train.py'
-  command_of = sweep.program_and_config(program, config) if config else None
-  return (not (run and sweep.other_run(workdir, run, command_of)) and
+  return (not (run and sweep.other_run(workdir, run, command_of(config))) and
           sweep.is_done(workdir, run))
+
+
+def command_of(config: str):
+  """What a run of the study's `config` records in command.json (None without a config)."""
+  program = 'finetune.py' if 'finetune.py' in config else 'train.py'
+  return sweep.program_and_config(program, config) if config else None
 
 
 def spread(values, digits: int = 4) -> str:
@@ -366,7 +370,7 @@ def stability_cell(workdir: str, run=None, config: str = '') -> dict:
   (finished as sweep.is_done judges it: its DONE marker, or its checkpoint at its last step
   or at its spent time budget, e.g. a run whose sweep process was killed as it finished)."""
   marker = storage.join(workdir, RunDir.DIVERGED)
-  if storage.path(marker).exists():
+  if sweep.is_diverged(workdir, run, command_of(config)):
     with _open(marker) as f:
       return dict(json.load(f), status='diverged')
   path = storage.join(workdir, RunDir.METRICS)
@@ -386,9 +390,6 @@ def stability_cell(workdir: str, run=None, config: str = '') -> dict:
     cell['start'] = min(cell['start'], cell['chance'])
   cell['status'] = 'rose' if cell['final'] > cell['start'] else 'ok'
   return cell
-
-
-mark_diverged = sweep.mark_diverged
 
 
 def stability_report(cells, variants, rates, warmups, out_dir: str, seeds=(0,)) -> str:
@@ -470,13 +471,11 @@ def stability(args) -> int:
   if args.report_only and not any(storage.path(storage.join(root, n)).is_dir() for n in names):
     raise ValueError(f'no run of this grid under {root}; run study.py stability without '
                      '--report_only first (with the same options)')
-  todo = [r for r, n in zip(runs, names)
-          if not storage.path(storage.join(root, n, RunDir.DIVERGED)).exists()]
+  gone = sweep.diverged(root, runs, STABILITY_AXES, command_of(config))
   codes = {} if args.report_only else sweep.run_all(
-      todo, root=root, program=os.path.join(REPO, 'train.py'), config=config,
-      always=STABILITY_AXES)
-  failed = [n for n, c in codes.items() if c not in (0, sweep.RUNNING_ELSEWHERE) and
-            not mark_diverged(storage.join(root, n))]
+      [r for r, g in zip(runs, gone) if not g], root=root,
+      program=os.path.join(REPO, 'train.py'), config=config, always=STABILITY_AXES)
+  failed, _ = sweep.failed_or_diverged(root, codes)
   cells = collections.defaultdict(lambda: {'status': 'not in the grid'})
   for run, name in zip(runs, names):
     cells[run['model.variant'], run['optimizer.learning_rate'], run['optimizer.warmup_steps'],

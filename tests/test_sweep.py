@@ -440,11 +440,29 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys, gcs):
     (workdir / 'log.txt').write_text(log)
     if name in ('ok', 'rose'):
       (workdir / RunDir.DONE).write_text('')
-    assert study.mark_diverged(str(workdir)) == (name == 'nan')
+    assert sweep.mark_diverged(str(workdir)) == (name == 'nan')
     cells[name] = study.stability_cell(str(workdir))
   assert [cells[n]['status'] for n in ('ok', 'rose', 'nan', 'missing')] == [
       'ok', 'rose', 'diverged', 'missing']
   assert cells['nan']['step'] == 37 and cells['ok']['final'] == 7.0
+  # A marker belongs to the run its folder records: a grid of another model size (config) or
+  # other settings that reaches the folder neither skips its own run nor reports the marker.
+  nan_run = {'model.variant': 'postln', 'optimizer.learning_rate': 2e-3}
+  (tmp_path / 'nan' / RunDir.OVERRIDES).write_text(json.dumps(nan_run))
+  (tmp_path / 'nan' / RunDir.COMMAND).write_text(json.dumps(
+      sweep.program_and_config('train.py', 'configs/pretrain.py:postln,tiny')))
+  small = 'configs/pretrain.py:postln,small'
+  assert study.stability_cell(str(tmp_path / 'nan'), nan_run)['status'] == 'diverged'
+  assert study.stability_cell(str(tmp_path / 'nan'), nan_run, small)['status'] == 'missing'
+  assert not sweep.is_diverged(str(tmp_path / 'nan'), dict(nan_run, seed=1))
+  assert sweep.diverged(str(tmp_path), [dict(nan_run, seed=0)], ('model.variant',)) == [False]
+  # run_all's refusal of such a folder is a failure, and never marks the other run's log
+  (tmp_path / 'ok' / 'log.txt').write_text('loss became nan at step 3')
+  assert sweep.failed_or_diverged(str(tmp_path), {
+      'ok': sweep.OTHER_RUN, 'nan': 0, 'missing': sweep.RUNNING_ELSEWHERE}) == (['ok'], [])
+  assert not (tmp_path / 'ok' / RunDir.DIVERGED).exists()
+  assert sweep.failed_or_diverged(str(tmp_path), {'ok': 1}) == ([], ['ok'])
+  (tmp_path / 'ok' / RunDir.DIVERGED).unlink()
   # A first logged window that spiked (20 nats) is no start: a random model's loss is.
   spike = tmp_path / 'spike'
   spike.mkdir()

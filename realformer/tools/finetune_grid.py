@@ -258,13 +258,13 @@ def main(argv=None):
         continue
       # A run that diverged (its loss became nan/inf) is a result of its settings: left out
       # of later calls, which would only repeat it.
-      todo = [r for r, gone in zip(runs, sweep.diverged(root, runs, GRID_KEYS)) if not gone]
-      codes = sweep.run_all(todo, root=root, program=PROGRAM, config=config_arg(task),
-                            always=GRID_KEYS)
-      for n, c in codes.items():
-        if c and c != sweep.RUNNING_ELSEWHERE:
-          (diverged if sweep.mark_diverged(storage.join(root, n)) else failed).append(
-              f'{task}/{n}')
+      gone = sweep.diverged(root, runs, GRID_KEYS,
+                            sweep.program_and_config(PROGRAM, config_arg(task)))
+      codes = sweep.run_all([r for r, g in zip(runs, gone) if not g], root=root,
+                            program=PROGRAM, config=config_arg(task), always=GRID_KEYS)
+      task_failed, task_diverged = sweep.failed_or_diverged(root, codes)
+      failed += [f'{task}/{n}' for n in task_failed]
+      diverged += [f'{task}/{n}' for n in task_diverged]
       elsewhere += [f'{task}/{n}' for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
     if args.print_only:
       return 0

@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import zlib
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from realformer import cli
 from realformer import storage
@@ -538,11 +538,35 @@ def mark_diverged(workdir: str) -> bool:
   return True
 
 
-def diverged(root: str, runs: Sequence[Run], always: Sequence[str] = ()) -> List[bool]:
-  """Whether each run's folder under `root` holds a diverged.json (mark_diverged)."""
+def is_diverged(workdir: str, run: Optional[Run] = None,
+                command_of: Optional[Dict[str, str]] = None) -> bool:
+  """Whether `workdir` holds a diverged.json (mark_diverged) of `run`: a folder that holds a
+  run of other settings (other_run) holds none of this one's."""
+  return (storage.path(storage.join(workdir, RunDir.DIVERGED)).exists() and
+          not (run and other_run(workdir, run, command_of)))
+
+
+def diverged(root: str, runs: Sequence[Run], always: Sequence[str] = (),
+             command_of: Optional[Dict[str, str]] = None) -> List[bool]:
+  """is_diverged of each run in its folder under `root`."""
   names = reuse_names(absolute(root), runs, run_names(runs, always))
-  return [storage.path(storage.join(absolute(root), n, RunDir.DIVERGED)).exists()
-          for n in names]
+  return [is_diverged(storage.join(absolute(root), n), run, command_of)
+          for n, run in zip(names, runs)]
+
+
+def failed_or_diverged(root: str, codes: Dict[str, int]) -> Tuple[List[str], List[str]]:
+  """run_all's codes -> (names of runs that failed, names of runs that diverged: marked by
+  mark_diverged). A run held elsewhere has not failed; one refused for a folder of other
+  settings (OTHER_RUN) has, and is never marked (the log there is the other run's)."""
+  failed, gone = [], []
+  for name, code in codes.items():
+    if code in (0, RUNNING_ELSEWHERE):
+      continue
+    if code != OTHER_RUN and mark_diverged(storage.join(root, name)):
+      gone.append(name)
+    else:
+      failed.append(name)
+  return failed, gone
 
 
 def absolute(root: str) -> str:
