@@ -750,7 +750,8 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
     return metadata
   specs = sources.source_specs(config.data.sources)
   twice = sorted({x for x in specs if specs.count(x) > 1})
-  if twice and 'eval_split' not in metadata['fingerprint']:
+  if (twice and 'eval_split' not in metadata['fingerprint'] and
+      metadata['fingerprint'].get('sources') == config.data.sources):
     raise ValueError(f'prepared data in {prepared_dir} was made by an earlier version, which '
                      'held out documents by their place in the mixed stream, so the source '
                      f'listed twice ({twice[0]}) put documents in both splits; delete the '

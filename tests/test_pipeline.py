@@ -261,6 +261,13 @@ def test_an_old_preparation_of_a_source_listed_twice_is_refused(prepared, tmp_pa
                                        r'by their place in the mixed stream, so the source '
                                        r'listed twice \(files:'):
     prepare.read_metadata(str(tmp_path), config)
+  # A preparation of this version from the source once is not "earlier": its sources differ.
+  once = prepared[0].copy_and_resolve_references()
+  (tmp_path / prepare.METADATA).write_text(json.dumps(
+      {'fingerprint': prepare.fingerprint(once)}))
+  with pytest.raises(ValueError, match='made with other settings') as e:
+    prepare.read_metadata(str(tmp_path), config)
+  assert 'earlier version' not in str(e.value) and 'sources' in str(e.value)
 
 
 @pytest.mark.parametrize('skew', [0.0, 30.0])
