@@ -102,16 +102,21 @@ def register(name: str):
 
 def component(name: str) -> Optional[type]:
   """The LogitComponent named `name`: registered here, or by synthesizer/<name>.py (imported
-  on first use); None if there is none. A file of that name that fails to import, or that
-  registers no component as `name`, is a one-line ValueError naming the fix."""
+  on first use); None if there is none (this module, and a file that defines no
+  LogitComponent, are none). A file of that name that fails to import, or that defines a
+  component but registers none as `name`, is a one-line ValueError naming the fix."""
   if name not in SYNTHESIZERS and name.isidentifier() and name != 'dot':
     try:
-      importlib.import_module(f'{__package__}.{name}')
+      module = importlib.import_module(f'{__package__}.{name}')
     except Exception as e:  # pylint: disable=broad-except
       if isinstance(e, ModuleNotFoundError) and e.name == f'{__package__}.{name}':
         return None  # no such file
       raise ValueError(f'{__package__}/{name}.py failed to import ({type(e).__name__}: {e}); '
                        'fix the file (--verbose_errors shows the traceback)') from e
+    own = [v for v in vars(module).values() if isinstance(v, type)
+           and issubclass(v, LogitComponent) and v.__module__ == module.__name__]
+    if module.__name__ == __name__ or not own:
+      return None
     if name not in SYNTHESIZERS:
       raise ValueError(f'{__package__}/{name}.py registers no logit component as {name!r}; '
                        f"decorate its LogitComponent with @register('{name}')")

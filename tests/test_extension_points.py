@@ -235,7 +235,11 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
       'class ScaledBias(synthetic.LogitComponent):\n'
       '  def __call__(self, x, rows=None):\n'
       '    raise NotImplementedError\n')
-  (tmp_path / 'unregistered.py').write_text('NOTHING = 1\n')
+  (tmp_path / 'unregistered.py').write_text(  # a component, its @register forgotten
+      'from synthesizer import synthetic\n'
+      'class Forgotten(synthetic.LogitComponent):\n'
+      '  pass\n')
+  (tmp_path / 'helpers.py').write_text('NOTHING = 1\n')  # no component: not one at all
   (tmp_path / 'broken.py').write_text('def f(:\n')
   monkeypatch.syspath_prepend(str(tmp_path))
   monkeypatch.setattr(synthesizer, '__path__', list(synthesizer.__path__) + [str(tmp_path)])
@@ -245,11 +249,12 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
   config.attention = 'scaled_bias+dot'
   assert resolve(config).attention == ('scaled_bias', 'dot')
   assert synthetic.SYNTHESIZERS['scaled_bias'].__module__ == 'synthesizer.scaled_bias'
-  config.attention = 'scaled_biass+dot'
-  with pytest.raises(ValueError, match=r"model.attention='scaled_biass\+dot': expected "
-                                       r'distinct components .* \(or one of your own: '
-                                       r'synthesizer/<name>.py\)'):
-    resolve(config)
+  for name in ('scaled_biass', 'synthetic', 'helpers'):  # (the package's own module too)
+    config.attention = f'{name}+dot'
+    with pytest.raises(ValueError, match=rf"model.attention='{name}\+dot': expected "
+                                         r'distinct components .* \(or one of your own: '
+                                         r'synthesizer/<name>.py\)'):
+      resolve(config)
   config.attention = 'unregistered+dot'
   with pytest.raises(ValueError, match=r'synthesizer/unregistered.py registers no logit '
                                        r"component as 'unregistered'; decorate its "
