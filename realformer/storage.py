@@ -6,8 +6,9 @@ and ignore STORAGE_EMULATOR_HOST, so nothing could test it): EPATH_USE_TF defaul
 here, before any gs:// path is touched. Orbax writes checkpoints to gs:// natively (its
 commit-file protocol, no renames) through tensorstore, which reads its endpoint from
 TENSORSTORE_GCS_HTTP_URL, not from STORAGE_EMULATOR_HOST (gcsfs, google-cloud-storage): a run
-pointed at another Cloud Storage endpoint (an emulator, a private endpoint) through the latter
-gets the former set to the same (`same_endpoint`), so that no file goes elsewhere.
+pointed at a Cloud Storage emulator through the latter gets the former set to the same
+(`same_endpoint`), so that no file goes elsewhere. (STORAGE_EMULATOR_HOST is for emulators:
+google-cloud-storage sends no credentials to it.)
 
 Object storage has no append and no rename: an object is written whole, atomically. So a
 file that grows while a run goes (metrics.jsonl, TensorBoard events, machine.jsonl) is a
@@ -105,6 +106,7 @@ def _kind(url) -> Optional[str]:
 
 
 _TENSORSTORE_URL = 'TENSORSTORE_GCS_HTTP_URL'
+_GCS_URL = 'https://storage.googleapis.com'  # every client's endpoint when none is set
 # The TENSORSTORE_GCS_HTTP_URL that same_endpoint() set (in this process or the one that
 # started it: the environment goes to child processes with it), if any.
 _DERIVED = 'REALFORMER_DERIVED_TENSORSTORE_URL'
@@ -124,7 +126,7 @@ def same_endpoint() -> None:
       os.environ[_TENSORSTORE_URL] = os.environ[_DERIVED] = url
     elif given is not None:
       del os.environ[_TENSORSTORE_URL], os.environ[_DERIVED]
-  elif given.rstrip('/') != url:
+  elif given.rstrip('/') != (url or _GCS_URL):
     raise ValueError(f'{_TENSORSTORE_URL}={given} but STORAGE_EMULATOR_HOST='
                      f'{host or "(unset)"}: the checkpoints\' arrays would go to another '
                      'Cloud Storage endpoint than the other files; set both to the same '

@@ -388,6 +388,10 @@ def test_tensorstore_writes_to_the_endpoint_that_the_other_clients_use(monkeypat
       RunDir('gs://bucket/run')
   monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://127.0.0.1:4443')
   storage.check_location('gs://bucket/run', '--workdir')  # the user's, the same: kept
+  monkeypatch.delenv('STORAGE_EMULATOR_HOST')  # Cloud Storage itself, named: the same service
+  monkeypatch.setenv('TENSORSTORE_GCS_HTTP_URL', 'https://storage.googleapis.com/')
+  storage.check_location('gs://bucket/run', '--workdir')
+  assert os.environ['TENSORSTORE_GCS_HTTP_URL'] == 'https://storage.googleapis.com/'
 
 
 def test_is_file_and_is_dir_in_a_bucket_and_on_disk(gcs, tmp_path):
