@@ -94,7 +94,7 @@ PACKAGES = ('jax', 'jaxlib', 'jax-cuda13-plugin', 'flax', 'optax', 'orbax-checkp
             'tokenizers', 'safetensors', 'sentencepiece', 'scipy', 'scikit-learn')
 
 # name -> (time cap in seconds, what it measures); run in this order, each for its cap or the
-# time left of the budget if less (step128 last: its goals are the fewest).
+# time left of the budget if less.
 PARTS = {
     'env': (40, 'versions, device, matmul rate'),
     'start': (150, 'time to the first pretraining step, cold, warm and resumed'),

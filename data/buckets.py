@@ -3,10 +3,12 @@ not to max_seq_length.
 
 Fine-tuning sets are mostly short sentences (SST-2's median is about 10 word pieces at a
 max_seq_length of 128), so padding every batch to max_seq_length spends most of the compute
-on padding. Here the examples' lengths choose at most `num_buckets` lengths (multiples of
-`multiple`; the longest covers every example of every split), each example goes to the
+on padding. Here the training examples' lengths choose at most `num_buckets` lengths
+(multiples of `multiple`; the longest covers every training example), each example goes to the
 shortest bucket that holds it, and a batch is drawn from one bucket: at most `num_buckets`
-shapes are ever compiled for training, whatever the data.
+shapes are ever compiled for training, whatever the data. A dev or test example longer than
+every bucket gets one more length, for evaluation only
+(realformer/finetune/task.eval_lengths).
 
 Training: an epoch's batches are a pure function of (seed, epoch) and the lengths, so a run
 resumes at any step, and every host computes the same plan (multi-host safe). Examples left
