@@ -3,10 +3,11 @@ r"""Prepares pretraining instances once, streaming, into array_record shards.
   python -m data.prepare --config configs/pretrain.py:postln,tiny --out_dir /tmp/prepared
   python -m data.prepare --config configs/pretrain.py:realformer,base \
       --config.data.sources='tfds:wikipedia/20230601.en;tfds:bookcorpus' \
-      --config.data.tokenizer=/data/wiki_30k.model --out_dir /mnt/bucket/prepared
+      --config.data.tokenizer=/data/wiki_30k.model --out_dir gs://my-bucket/prepared
   python -m data.prepare --config configs/pretrain.py:postln,base \
       --config.data.sources='hf:wikimedia/wikipedia:20231101.en;hf:rojagtap/bookcorpus' \
-      --config.data.hf_rows_per_document='1;100' --out_dir /data/prepared
+      --config.data.hf_rows_per_document='1;100' \
+      --config.data.tokenizer=/data/uncased_L-12_H-768_A-12/vocab.txt --out_dir /data/prepared
 
 train.py calls the same code on first start (into <workdir>/data unless
 config.data.prepared_dir is set). Writes train-XXXXX-of-NNNNN and eval-XXXXX-of-NNNNN
@@ -237,6 +238,12 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
     raise ValueError(f'{out_dir} is a file; the prepared data needs a folder there: give '
                      'another path (config.data.prepared_dir or --out_dir)')
   d = config.data
+  if tokenizer is None and not d.tokenizer and any(
+      not spec.startswith(('embedded', 'synthetic')) for spec in sources.source_specs(d.sources)):
+    logging.warning('data.tokenizer is empty: the shipped 8k vocabulary of the State of the '
+                    'Union speeches tokenizes %s; name your corpus\'s vocabulary with '
+                    '--config.data.tokenizer (python -m data.tokenizer trains one; BERT\'s '
+                    'vocab.txt works too)', d.sources)
   tokenizer = tokenizer or tokenizer_lib.load_for_config(d)
   workers = int(d.get('prepare_workers', 1) or 1)
   if workers < 1 or process_count < 1 or not 0 <= process_index < process_count:

@@ -354,7 +354,7 @@ def test_processes_read_disjoint_shares_that_cover_the_data(prepared, tok):
   assert sum((originals - everything).values()) < 8  # only the dropped remainder is missing
 
 
-def test_bad_inputs_are_clear_errors(prepared, tok, tmp_path):
+def test_bad_inputs_are_clear_errors(prepared, tok, tmp_path, caplog):
   config, prepared_dir, _ = prepared
   long = tiny_config(config.data.sources, max_seq_length=256)
   with pytest.raises(ValueError, match='exceeds the model\'s positions'):
@@ -362,6 +362,14 @@ def test_bad_inputs_are_clear_errors(prepared, tok, tmp_path):
   (tmp_path / 'empty.txt').write_bytes(b'')
   with pytest.raises(ValueError, match='gave no training examples'):
     prepare.prepare(tiny_config(f'files:{tmp_path}/empty.txt'), str(tmp_path / 'y'))
+  # a corpus of one's own read with the shipped speeches' vocabulary: said (a warning)
+  assert ('data.tokenizer is empty: the shipped 8k vocabulary of the State of the Union '
+          f'speeches tokenizes files:{tmp_path}/empty.txt') in caplog.text
+  caplog.clear()
+  with pytest.raises(ValueError, match='gave no training examples'):
+    prepare.prepare(tiny_config(f'files:{tmp_path}/empty.txt',
+                                tokenizer=tokenizer_lib.EMBEDDED_TOKENIZER), str(tmp_path / 'y'))
+  assert 'data.tokenizer is empty' not in caplog.text
   other = tiny_config(config.data.sources, prepared_dir=prepared_dir, short_seq_prob=0.5)
   with pytest.raises(ValueError, match='made with other settings'):
     pipeline.ensure_prepared(other, str(tmp_path))
