@@ -21,7 +21,8 @@ predictions/<Task>.tsv (GLUE submission format, from the final params; SQuAD:
 predictions/predictions.json of dev, plus null_odds.json for v2.0).
 The program is flags -> the task of the config's kind (realformer/finetune/tasks/<kind>.py)
 -> the trainer that pretraining uses too (realformer/train/trainer.py). The grid of the
-paper's practice: `python -m realformer.tools.finetune_grid` (see its docstring).
+paper's practice: `python -m realformer.tools.finetune_grid` (see its docstring). A mistake
+is one line, `error: ...` naming the fix (docs/errors.md); --verbose_errors adds its traceback.
 """
 
 import json

@@ -20,7 +20,7 @@ of docs/study.md, each number from a run's metrics.jsonl), learning_curves.png,
 attention/ (seed 0) and attention_seeds.md (every seed), finetune.md, stability.{md,png};
 --figures DIR copies the figures. R may be a gs:// URL (storage.py: the runs, their records
 and every report live in the bucket). docs/study.md has the budget of the whole study (about
-four hours of 2 CPU cores) and the results.
+2.5 hours of 2 CPU cores, part by part) and the results.
 """
 
 import collections

@@ -11,7 +11,8 @@ flags -> PretrainingTask (realformer/train/pretraining.py) -> Trainer
 again continues the run in DIR). The files of DIR are listed in realformer/train/run_dir.py.
 docs/launching.md shows TPU pod
 and GPU cluster launches. `config.data.sources=synthetic` trains on random tokens of the
-same format (throughput checks only).
+same format (throughput checks only). A mistake is one line, `error: ...` naming the fix
+(docs/errors.md); --verbose_errors adds its traceback.
 """
 
 import os

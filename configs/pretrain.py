@@ -14,7 +14,8 @@ synth_random_vanilla. Sizes: tiny (tests and CPU demos), and the RealFormer pape
 `runlocal` shrinks batch and steps for a quick check on a laptop CPU.
 Unknown keys on the command line are an error (the config is locked). A field added here
 needs a word on what runs written before it stood for (realformer/train/workdir.py,
-ADDED_DEFAULTS or RESUMABLE); tests/test_workdir.py holds the list of fields.
+ADDED_DEFAULTS or RESUMABLE) and a line in tests/data/config_keys.json, the list of fields
+that tests/test_workdir.py checks.
 """
 
 import ml_collections
@@ -83,9 +84,11 @@ def model_config(variant='postln', size='base'):
   m.scan_layers = False  # nn.scan over layers (faster compile for deep models)
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
   # auto | xla | cudnn (jax.nn.dot_product_attention, without attention dropout) | flash
-  # (our Pallas kernel, attention dropout inside it: GPUs) | off. auto: on a GPU in bf16/fp16,
-  # flash under attention dropout where it runs (docs/launching.md) and cuDNN's kernel
-  # without dropout; elsewhere the plain path.
+  # (our Pallas kernels, attention dropout inside them: Triton on GPUs, Mosaic on TPUs) |
+  # off. auto: on a TPU, the Mosaic kernels for every variant with a dot product under
+  # attention dropout; on an NVIDIA GPU, the Triton kernel for Post-LN/Pre-LN in bfloat16
+  # under attention dropout where it runs (heads of 32 or 64: docs/launching.md) and cuDNN's
+  # kernel without dropout (bf16/fp16); elsewhere the plain path.
   m.fused_attention = 'auto'
   m.dense_impl = 'auto'  # auto | flax | cpu (custom VJP for XLA:CPU: realformer/layers/dense.py)
   # predicted: in the pretraining loss the last layer computes only [CLS] and the masked
@@ -137,7 +140,10 @@ def get_config(arg: str = 'postln,tiny'):
 
   # Input pipeline (data/). Sources: 'embedded' (the CC0 corpus shipped in the repository),
   # 'files:<glob>' (BERT's format: one sentence per line, blank line between documents),
-  # 'tfds:<name>[:<split>]' (e.g. tfds:wikipedia/20230601.en), several joined by ';'.
+  # 'tfds:<name>[:<split>]' (e.g. tfds:wikipedia/20230601.en; built in tfds_data_dir),
+  # 'hf:<dataset>[:<config>]' (Hugging Face datasets), several joined by ';'
+  # (data/sources.py); or 'synthetic' alone: random token batches of the real format, for
+  # throughput checks (nothing is prepared).
   c.data = ml_collections.ConfigDict()
   c.data.sources = 'embedded'
   # How the sources interleave, ';'-joined like `sources` ('' = proportional to size): each

@@ -239,7 +239,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
                      'another path (config.data.prepared_dir or --out_dir)')
   d = config.data
   if tokenizer is None and not d.tokenizer and any(
-      not spec.startswith(('embedded', 'synthetic')) for spec in sources.source_specs(d.sources)):
+      spec != 'embedded' for spec in sources.source_specs(d.sources)):
     logging.warning('data.tokenizer is empty: the shipped 8k vocabulary of the State of the '
                     'Union speeches tokenizes %s; name your corpus\'s vocabulary with '
                     '--config.data.tokenizer (python -m data.tokenizer trains one; BERT\'s '

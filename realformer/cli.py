@@ -188,6 +188,7 @@ def parse_tool_flags(define, argv=None, *, prog: str, doc: str, positional=()):
     for name in sorted(values):
       if values[name].help and name not in ('flagfile', 'undefok'):
         print(f'  --{name}: {values[name].help} (default: {values[name].default_as_str})')
+    print('  --verbose_errors: an error\'s traceback too, not only its line')
     sys.exit(0)
   try:
     words = values([prog] + argv)[1:]

@@ -15,7 +15,8 @@ remat, scan and last_layer, with the backend-dependent 'auto' choices made for t
 platform (spec.platform), not for the compiling host.
 
 Printed per chip: parameter + optimizer bytes, the compiled program's arguments, outputs
-and temporaries (memory_analysis) and their total against the chip's HBM (HBM_GIB), a
+and temporaries (memory_analysis) and their total against the HBM a program may use
+(USABLE_HBM_GIB: the chip's HBM_GIB less what the runtime keeps), a
 verdict (the TPU compiler itself refuses a program that does not fit: that is "does not
 fit" too); the compiled matmul FLOPs per step (hlo_stats, loop bodies times their trip
 counts) against train_lib.flops_per_example (their ratio: 1 up to the partitioner's
