@@ -90,6 +90,17 @@ def get_config(arg: str = 'glue/sst2'):
                                           warmup_steps=-1)  # -1: from warmup_fraction
   c.optimizer.warmup_fraction = 0.1
   c.mesh = pretrain.mesh_config()
+  # How the pretrained encoder computes in this run ('' or None: as it was pretrained; the
+  # meanings of configs/pretrain.py's model fields). What the encoder is (sizes, variant,
+  # positions) comes from the checkpoint's config.json and cannot change here.
+  c.model = ml_collections.ConfigDict()
+  c.model.dtype = ''  # float32 | bfloat16 | float16 (e.g. an import of float32 weights)
+  c.model.residual_dtype = ''  # RealFormer's carried scores
+  c.model.remat_policy = ''
+  c.model.fused_attention = ''
+  c.model.dense_impl = ''
+  c.model.dropout_rate = ml_collections.FieldReference(None, field_type=float)
+  c.model.attention_dropout_rate = ml_collections.FieldReference(None, field_type=float)
   task.configure(c, name)
   c.lock()
   return c

@@ -1034,3 +1034,25 @@ def test_a_task_of_ones_own_named_like_a_glue_split_is_scored_by_its_own_metric(
   task.task, task.evals = tsv.tsv_task(config), {config.task: None}
   task._predictions = lambda *_: (np.array([0, 1, 2, 2]), np.array([0, 1, 2, 1]))
   assert set(task.evaluate_outputs(None)['mnli_mismatched']) == {'accuracy', 'macro_f1'}
+
+
+def test_config_model_sets_how_the_pretrained_encoder_computes(pretrained, tmp_path):
+  """config.model's fields that are set replace the pretraining's (an import of float32
+  weights fine-tuned in bfloat16, another dropout, the plain attention path); what the
+  encoder is stays the checkpoint's, and best/ and final/ keep its config; a field left
+  empty is as pretrained."""
+  from realformer.finetune import registry  # pylint: disable=g-import-not-at-top
+  from realformer.train import partitioning  # pylint: disable=g-import-not-at-top
+  config = ft_config('rte', pretrained)
+  config.model.dtype, config.model.attention_dropout_rate = 'bfloat16', 0.0
+  config.model.fused_attention = 'off'
+  mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
+  task = registry.get('glue')(config, mesh, RunDir(str(tmp_path / 'ft')))
+  pre = finetune_task.pretrained_config(pretrained)
+  assert task.spec.dtype == jax.numpy.bfloat16 and task.spec.attention_dropout_rate == 0.0
+  assert task.spec.fused_attention == 'off'
+  assert task.spec.dropout_rate == pre.model.dropout_rate == 0.1  # not set: as pretrained
+  assert (task.spec.num_layers, task.spec.hidden_size) == (pre.model.num_layers,
+                                                           pre.model.hidden_size)
+  assert task.params_config.model.dtype == pre.model.dtype == 'float32'
+  assert finetune_task.computed_as(pre.model, ft_config('rte', pretrained).model) is pre.model

@@ -167,6 +167,22 @@ def test_fine_tuning_settings_of_how_it_runs_may_change_on_resume(tmp_path):
   changed.max_seq_length = 64
   with pytest.raises(ValueError, match='max_seq_length: 128 -> 64'):
     workdir_lib.check_resume_config(str(tmp_path), changed, True)
+  # How the encoder computes (config.model): kernels and remat may change, its dtype and
+  # dropout may not; a run begun before config.model existed computed as pretrained.
+  (tmp_path / 'config.json').write_text(config.to_json_best_effort())
+  kernels = finetune_configs.get_config('glue/rte')
+  kernels.model.fused_attention, kernels.model.remat_policy = 'off', 'full'
+  assert workdir_lib.check_resume_config(str(tmp_path), kernels, True) == [
+      'model.fused_attention', 'model.remat_policy']
+  old = json.loads(config.to_json_best_effort())
+  del old['model']
+  (tmp_path / 'config.json').write_text(json.dumps(old))
+  assert workdir_lib.check_resume_config(str(tmp_path), config, True) == []
+  for key, value in (('dtype', 'bfloat16'), ('attention_dropout_rate', 0.0)):
+    other = finetune_configs.get_config('glue/rte')
+    other.model[key] = value
+    with pytest.raises(ValueError, match=f'model.{key}: .* -> {value!r}; resume'):
+      workdir_lib.check_resume_config(str(tmp_path), other, True)
 
 
 def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
@@ -927,3 +943,4 @@ def test_a_new_config_field_says_what_runs_before_it_meant():
     assert recorded[name] - keys == set(), f'{name} lost fields: remove them from the record'
   for key in workdir_lib.ADDED_DEFAULTS:
     assert key in now['configs/pretrain.py'] | now['configs/finetune.py'], key
+  assert set(workdir_lib.ADDED_FINETUNE_DEFAULTS) <= now['configs/finetune.py']

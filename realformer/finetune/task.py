@@ -79,6 +79,18 @@ def gpu_kernels_off_gpus(model):
   return model
 
 
+def computed_as(model, overrides) -> ml_collections.ConfigDict:
+  """The pretraining's model config with the fine-tuning's config.model fields that are set
+  (how the encoder computes: dtype, dropout, kernels, remat; '' or None: as pretrained)."""
+  given = {k: v for k, v in (overrides or {}).items() if v not in ('', None)}
+  if not given:
+    return model
+  model = ml_collections.ConfigDict(model)
+  for k, v in given.items():
+    model[k] = v
+  return model
+
+
 def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
   """The pretraining config: a run directory's config.json, or, for a random-init baseline
   (from_scratch=True), a pretraining config file such as configs/pretrain.py:postln,tiny,
@@ -329,7 +341,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
       raise ValueError(f'{num_train} training examples are fewer than one batch of '
                        f'{config.batch_size}; lower config.batch_size')
     self.cadence = trainer.make_cadence(config, self.steps_per_epoch)
-    self.spec = resolve(gpu_kernels_off_gpus(pre.model))
+    self.spec = resolve(computed_as(gpu_kernels_off_gpus(pre.model), config.get('model')))
     model = self.build(self.spec)
     self.program = train_lib.make_program(
         model, config.optimizer, self.cadence.num_steps, mesh, config.seed,

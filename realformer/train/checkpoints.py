@@ -160,11 +160,12 @@ def read_pretraining_config(workdir: str) -> dict:
   except (ValueError, UnicodeDecodeError) as e:
     raise ValueError(f'{path} is not valid JSON ({e}); pass a workdir written by train.py '
                      'or realformer.tools.interop') from None
-  if not isinstance(config, dict) or not isinstance(config.get('model'), dict):
-    what = ('a fine-tuning run' if isinstance(config, dict) and 'task' in config else
-            'not a pretraining config')
-    raise ValueError(f'{workdir} is {what} ({RunNames.CONFIG} has no model section): pass a '
-                     'pretraining workdir, or a fine-tuning run\'s best/ or final/ folder')
+  fine_tuning = isinstance(config, dict) and 'task' in config  # (finetune.py's; no pretraining key)
+  if fine_tuning or not isinstance(config, dict) or not isinstance(config.get('model'), dict):
+    what = ('a fine-tuning run (its config.json is finetune.py\'s)' if fine_tuning else
+            f'not a pretraining config ({RunNames.CONFIG} has no model section)')
+    raise ValueError(f'{workdir} is {what}: pass a pretraining workdir, or a fine-tuning '
+                     'run\'s best/ or final/ folder')
   data = config.get('data')
   tokenizer = data.get('tokenizer') if isinstance(data, dict) else None
   if tokenizer and not storage.path(tokenizer).exists():

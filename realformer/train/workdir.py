@@ -261,12 +261,17 @@ def _resumable(key: str) -> bool:
 # Fields added since runs began, with the value that a config written before them stood
 # for: a stored config without the field is compared as if it held that value.
 ADDED_DEFAULTS = {'optimizer.name': 'adamw', 'model.gelu': 'erf'}
+# The same for finetune.py's config only (its `model` section, how the pretrained encoder
+# computes: '' or None, as pretrained), kept apart from pretraining's fields of those names.
+ADDED_FINETUNE_DEFAULTS = {'model.dtype': '', 'model.residual_dtype': '',
+                           'model.dropout_rate': None, 'model.attention_dropout_rate': None}
 
 
 def _flat_pair(stored: dict, new: dict):
   """Both configs flattened to dotted keys, the stored one with ADDED_DEFAULTS filled in."""
   b = flatten(new)
-  return {**{k: v for k, v in ADDED_DEFAULTS.items() if k in b}, **flatten(stored)}, b
+  added = {**ADDED_DEFAULTS, **(ADDED_FINETUNE_DEFAULTS if 'benchmark' in new else {})}
+  return {**{k: v for k, v in added.items() if k in b}, **flatten(stored)}, b
 
 
 def config_differences(stored: dict, new: dict):
