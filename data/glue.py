@@ -69,6 +69,11 @@ TASKS = {
     'ax': Task('AX', ('sentence1', 'sentence2'), '', ('entailment', 'neutral', 'contradiction'),
                'accuracy', {'test': 'diagnostic'}, ('premise', 'hypothesis'), {'test': 'test'}),
 }
+# The files of a GLUE benchmark submission (gluebenchmark.com takes one zip of all eleven),
+# by the training task whose run writes them: MNLI's run predicts mismatched and AX too.
+SUBMISSION = {t: (TASKS[t].name,) for t in ('cola', 'sst2', 'mrpc', 'stsb', 'qqp', 'qnli',
+                                            'rte', 'wnli')}
+SUBMISSION['mnli'] = tuple(TASKS[t].name for t in ('mnli', 'mnli_mismatched', 'ax'))
 # Folders of the official download (download_glue_data.py layout).
 FOLDERS = {'cola': 'CoLA', 'sst2': 'SST-2', 'mrpc': 'MRPC', 'stsb': 'STS-B', 'qqp': 'QQP',
            'mnli': 'MNLI', 'mnli_mismatched': 'MNLI', 'qnli': 'QNLI', 'rte': 'RTE',

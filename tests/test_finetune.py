@@ -1056,3 +1056,41 @@ def test_config_model_sets_how_the_pretrained_encoder_computes(pretrained, tmp_p
                                                            pre.model.hidden_size)
   assert task.params_config.model.dtype == pre.model.dtype == 'float32'
   assert finetune_task.computed_as(pre.model, ft_config('rte', pretrained).model) is pre.model
+
+
+def test_the_grid_zips_a_glue_submission_from_each_tasks_best_run(tmp_path, capsys):
+  """--submission: for each GLUE task, the predictions of its best setting (by median) and,
+  of that setting, the seed with the best dev score, at the zip's top level; MNLI's run gives
+  MNLI-m, MNLI-mm and AX; the files the benchmark still lacks are named."""
+  import zipfile  # pylint: disable=g-import-not-at-top
+  from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
+  root = tmp_path / 'grid'
+  runs = {'rte': [(1e-5, 0, 0.70), (1e-5, 1, 0.60), (1e-5, 2, 0.65),
+                  (2e-5, 0, 0.90), (2e-5, 1, 0.50), (2e-5, 2, 0.55)],
+          'mnli': [(1e-5, 0, 0.80), (1e-5, 1, 0.82)]}
+  for task, cells in runs.items():
+    for lr, seed, headline in cells:
+      workdir = root / task / f'lr={lr},seed={seed}'
+      (workdir / 'predictions').mkdir(parents=True)
+      (workdir / 'overrides.json').write_text(json.dumps(
+          {'optimizer.learning_rate': lr, 'batch_size': 16, 'num_epochs': 2, 'seed': seed}))
+      (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
+      stems = glue.SUBMISSION[task]
+      for stem in stems:
+        (workdir / 'predictions' / f'{stem}.tsv').write_text(f'index\tprediction\n{lr} {seed}\n')
+  out = tmp_path / 'submission.zip'
+  assert finetune_grid.main(['--tasks', 'rte,mnli,squad/v1.1', '--root', str(root),
+                             '--summarize_only', '--submission', str(out)]) == 0
+  with zipfile.ZipFile(out) as z:
+    got = {name: z.read(name).decode().splitlines()[1] for name in z.namelist()}
+  # RTE: 1e-05's median 0.65 beats 2e-05's 0.55 (whose best seed, 0.90, does not decide);
+  # its best seed is 0. MNLI: one setting, seed 1 the better.
+  assert got == {'RTE.tsv': '1e-05 0', 'MNLI-m.tsv': '1e-05 1', 'MNLI-mm.tsv': '1e-05 1',
+                 'AX.tsv': '1e-05 1'}
+  out_text = capsys.readouterr().out
+  assert 'rte: lr=1e-05,seed=0 (dev 0.7000): RTE.tsv' in out_text
+  assert (f'wrote {out} (4 files); the benchmark takes all 11: missing CoLA, SST-2, MRPC, '
+          'STS-B, QQP, QNLI, WNLI') in out_text
+  with pytest.raises(ValueError, match='no GLUE test predictions under'):
+    finetune_grid.main(['--tasks', 'cola', '--root', str(root), '--summarize_only',
+                        '--submission', str(out)])

@@ -17,7 +17,9 @@ elsewhere; SQuAD F1), a failed seed (diverged, or a headline that is not finite:
 regression's constant predictions have no correlation) counting below every score, and the
 mean, min and max of the scored seeds; it marks the best setting of each task by that
 median. A setting is the grid's values and any other override that differs between the
-task's runs; unfinished runs are counted and left out.
+task's runs; unfinished runs are counted and left out. --submission Z.zip also zips GLUE's
+test predictions for the benchmark's server: each task's from its best setting's seed of the
+best dev score (the BERT paper chose its restarts on dev), and names the files it lacks.
 Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli's runs also evaluate mismatched,
 in their results.json, and predict AX; the summary reads matched), squad/v1.1, squad/v2.0
 (`squad` = both), tsv/<name> (a task of your own, its columns and labels given with --set
@@ -111,7 +113,7 @@ def collect(root: str) -> List[Dict[str, Any]]:
     done = (run / RunDir.RESULTS).exists()
     state = ('done' if done else
              'diverged' if (run / RunDir.DIVERGED).exists() else 'unfinished')
-    rows.append({'run': _read_json(run / RunDir.OVERRIDES), 'state': state,
+    rows.append({'run': _read_json(run / RunDir.OVERRIDES), 'state': state, 'folder': name,
                  'headline': _read_json(run / RunDir.RESULTS)['headline'] if done else None})
   return rows
 
@@ -143,31 +145,103 @@ def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
   the setting of the highest median; the setting's other overrides that differ between the
   task's runs (a grid extended in its root with another --set: never averaged with the
   first)."""
+  others, settings = _settings(rows)
+  table = []
+  for key, runs in settings:
+    finished = [r for r in runs if r['state'] != 'unfinished']
+    scores = [_score(r) for r in finished]
+    scored = [x for x in scores if x > -math.inf]
+    median = _median(runs)
+    stats = [statistics.mean(scored), min(scored), max(scored)] if scored else [''] * 3
+    shown = (median if median is not None else
+             'failed' if finished else '')
+    grid_values = [_fmt(x) for x in key[:len(GRID_KEYS)]]
+    other = ','.join(f'{k}={_fmt(x)}' for k, x in zip(others, key[len(GRID_KEYS):])
+                     if x != '')
+    table.append([task, *grid_values, len(finished), len(scores) - len(scored),
+                  len(runs) - len(finished), shown, *stats, '', other])
+  best = _best_setting(settings)
+  if best is not None:
+    table[best][-2] = 'best'
+  return table
+
+
+def _settings(rows):
+  """(the other overrides that differ between the runs, [(setting, its runs)] in order)."""
   others = [k for k in sweep.varying_keys([r['run'] for r in rows])
             if k not in GRID_KEYS + ('seed',)]
   groups = {}
   for row in rows:
     key = tuple(row['run'].get(k, '') for k in GRID_KEYS + tuple(others))
     groups.setdefault(key, []).append(row)
-  table, medians = [], []
-  for key, runs in sorted(groups.items(), key=lambda item: _in_order(item[0])):
-    finished = [r for r in runs if r['state'] != 'unfinished']
-    scores = [r['headline'] if r['state'] == 'done' and math.isfinite(r['headline'])
-              else -math.inf for r in finished]
-    scored = [x for x in scores if x > -math.inf]
-    median = statistics.median(scores) if scores else None
-    medians.append(median if median is not None and math.isfinite(median) else None)
-    stats = [statistics.mean(scored), min(scored), max(scored)] if scored else [''] * 3
-    shown = '' if median is None else (median if math.isfinite(median) else 'failed')
-    grid_values = [_fmt(x) for x in key[:len(GRID_KEYS)]]
-    other = ','.join(f'{k}={_fmt(x)}' for k, x in zip(others, key[len(GRID_KEYS):])
-                     if x != '')
-    table.append([task, *grid_values, len(finished), len(scores) - len(scored),
-                  len(runs) - len(finished), shown, *stats, '', other])
-  if any(m is not None for m in medians):
-    best = max((m, -i) for i, m in enumerate(medians) if m is not None)[1] * -1
-    table[best][-2] = 'best'
-  return table
+  return others, sorted(groups.items(), key=lambda item: _in_order(item[0]))
+
+
+def _score(row) -> float:
+  """A finished run's headline; -inf for a failed one (diverged, or not finite)."""
+  ok = row['state'] == 'done' and math.isfinite(row['headline'])
+  return row['headline'] if ok else -math.inf
+
+
+def _median(runs):
+  """The median score of a setting's finished runs, or None (none finished, or it falls on
+  a failed run)."""
+  scores = [_score(r) for r in runs if r['state'] != 'unfinished']
+  median = statistics.median(scores) if scores else None
+  return median if median is not None and math.isfinite(median) else None
+
+
+def _best_setting(settings):
+  """The index of the setting of the highest median (the first of equals), or None."""
+  medians = [_median(runs) for _, runs in settings]
+  scored = [(m, -i) for i, m in enumerate(medians) if m is not None]
+  return -max(scored)[1] if scored else None
+
+
+def best_run(rows):
+  """The run a submission takes: of the best setting (summarize's), the seed with the best
+  dev headline (the BERT paper's restarts, chosen on dev); None without a scored run."""
+  _, settings = _settings(rows)
+  best = _best_setting(settings)
+  if best is None:
+    return None
+  return max(settings[best][1], key=_score)
+
+
+def write_submission(root: str, tasks: Sequence[str], out: str) -> str:
+  """The GLUE benchmark's submission zip at `out` (a path or gs:// URL): for each GLUE task
+  of `tasks`, the predictions/ files (glue.SUBMISSION) of its best_run, at the zip's top
+  level. Returns what went in and which of the benchmark's files are missing."""
+  import io  # pylint: disable=g-import-not-at-top
+  import zipfile  # pylint: disable=g-import-not-at-top
+  from data import glue  # pylint: disable=g-import-not-at-top
+  files, lines = {}, []
+  for task in tasks:
+    if task not in glue.SUBMISSION:
+      continue  # (not a GLUE task: SQuAD and a task of one's own have no such benchmark)
+    run = best_run(collect(task_root(root, task)))
+    if run is None:
+      lines.append(f'{task}: no scored run')
+      continue
+    folder = storage.path(task_root(root, task)) / run['folder'] / 'predictions'
+    have = [s for s in glue.SUBMISSION[task] if (folder / f'{s}.tsv').exists()]
+    for stem in have:
+      files[stem] = (folder / f'{stem}.tsv').read_bytes()
+    lines.append(f'{task}: {run["folder"]} (dev {run["headline"]:.4f}): '
+                 f'{", ".join(f"{s}.tsv" for s in have) or "no predictions (no test.tsv?)"}')
+  if not files:
+    raise ValueError(f'no GLUE test predictions under {root} for --tasks '
+                     f'{",".join(tasks)}; the runs write predictions/ when their data has '
+                     'test.tsv')
+  buf = io.BytesIO()
+  with zipfile.ZipFile(buf, 'w', zipfile.ZIP_DEFLATED) as z:
+    for stem in sorted(files):
+      z.writestr(f'{stem}.tsv', files[stem])
+  storage.path(out).write_bytes(buf.getvalue())
+  missing = [s for stems in glue.SUBMISSION.values() for s in stems if s not in files]
+  lines.append(f'wrote {out} ({len(files)} files)' + (
+      f'; the benchmark takes all 11: missing {", ".join(missing)}' if missing else ''))
+  return '\n'.join(lines)
 
 
 HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'failed', 'unfinished',
@@ -204,6 +278,9 @@ def _define(f):
                     'commands launch', flag_values=f)
   flags.DEFINE_boolean('summarize_only', False, 'only the results table of the runs there are',
                        flag_values=f)
+  flags.DEFINE_string('submission', None, 'also write the GLUE benchmark\'s submission zip '
+                      'here: each GLUE task\'s test predictions from its best setting\'s best '
+                      'dev seed', flag_values=f)
 
 
 def _numbers(args, name, kind):
@@ -276,6 +353,8 @@ def main(argv=None):
       print(f'run by another grid process (not in the table yet): {", ".join(elsewhere)}')
   print(write_summary(args.root, tasks))
   print(f'(written to {args.root}/results.md and {args.root}/results.csv)')
+  if args.submission:
+    print(write_submission(args.root, tasks, args.submission))
   return 1 if not args.summarize_only and (failed or elsewhere) else 0
 
 
