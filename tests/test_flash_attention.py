@@ -268,7 +268,8 @@ def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients_under_dr
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 
-def test_flash_stands_in_only_under_dropout_for_a_dot_product_and_not_in_the_last_layer():
+def test_flash_stands_in_only_under_dropout_for_a_dot_product_and_not_in_the_last_layer(
+    caplog):
   cfg = dict(fused_attention='flash', attention_dropout_rate=0.3)
   for variant in ('realformer', 'synth_random_vanilla'):  # tests/test_flash_variants.py
     assert attn_lib._use_flash(resolve(small_config(variant, **cfg)), False, False, None)
@@ -282,6 +283,11 @@ def test_flash_stands_in_only_under_dropout_for_a_dot_product_and_not_in_the_las
                                                       attention_dropout_rate=0.0)),
                                  False, False, None)
   assert attn_lib._use_fused(spec, True, False) is None  # auto's choice on a CPU
+  # flash asked for on a CPU runs Pallas's interpreter: said once
+  attn_lib._said_interpreted.cache_clear()
+  with caplog.at_level('WARNING'):
+    assert attn_lib._flash_kernel(spec)[1] and attn_lib._flash_kernel(spec)[1]
+  assert caplog.text.count("on a CPU runs the GPU kernel in Pallas's interpreter") == 1
   # The pretraining model's last layer: tests/test_flash_variants.py.
 
 

@@ -17,9 +17,11 @@ own scaled scores, without mask, mean division or dropout (official realformer.p
 vanilla component is Q K^T / sqrt(d_head), scaled before anything is added.
 """
 
+import functools
 import math
 from typing import Optional
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -77,7 +79,16 @@ def _flash_kernel(spec: EncoderSpec):
   TPUs, Triton on GPUs, Triton's in Pallas's interpreter on a CPU (tests)."""
   if spec.target_platform == 'tpu':
     return flash_tpu_lib.flash_attention, False
+  if spec.target_platform == 'cpu':
+    _said_interpreted()
   return flash_lib.flash_attention, spec.target_platform == 'cpu'
+
+
+@functools.cache
+def _said_interpreted() -> None:
+  logging.warning('model.fused_attention=flash on a CPU runs the GPU kernel in Pallas\'s '
+                  'interpreter (for tests: far slower than the plain path); auto or off '
+                  'trains with the plain path here')
 
 
 def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optional[str]:
