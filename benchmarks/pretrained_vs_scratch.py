@@ -38,7 +38,6 @@ import importlib.util
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 
@@ -141,12 +140,14 @@ def fine_tune_grid(root: str, init: str, data_dir: str, scratch: bool, args) -> 
 
 
 def per_seed(root: str, setting) -> list:
-  """Dev accuracy of every seed of one grid setting, by seed."""
+  """Dev accuracy of every finished seed of one grid setting, by seed (a failed seed, which
+  the grid's median counts below every score: nan)."""
   keys = ('optimizer.learning_rate', 'batch_size', 'num_epochs')
-  rows = [r for r in finetune_grid.collect(os.path.join(root, 'sst2'))
-          if [str(r['run'].get(k)) for k in keys] == [str(v) for v in setting]]
-  return [r['headline'] for r in sorted(rows, key=lambda r: r['run']['seed'])
-          if r['headline'] is not None and math.isfinite(r['headline'])]
+  rows = [r for r in finetune_grid.collect(os.path.join(root, 'sst2'), 'sst2')
+          if [str(r['run'].get(k)) for k in keys] == [str(v) for v in setting]
+          and r['state'] != 'unfinished']
+  return [r['headline'] if r['headline'] is not None and math.isfinite(r['headline'])
+          else math.nan for r in sorted(rows, key=lambda r: r['run']['seed'])]
 
 
 def main(argv=None):
@@ -215,11 +216,10 @@ def main(argv=None):
             f'{row["num_epochs"]:3s}  {float(row["median"]):.3f} {row["best"]}')
     top = max(table, key=lambda r: float(r['median']))
     setting = [top[k] for k in ('learning_rate', 'batch_size', 'num_epochs')]
-    best[label] = (setting, per_seed(root, setting))
-  for label, (setting, values) in best.items():
+    best[label] = (setting, float(top['median']), per_seed(root, setting))
+  for label, (setting, median, values) in best.items():
     print(f'{label:12s} best (lr {setting[0]}, batch {setting[1]}, {setting[2]} epochs): '
-          f'median {statistics.median(values):.3f}  per seed '
-          + ' '.join(f'{v:.3f}' for v in values))
+          f'median {median:.3f}  per seed ' + ' '.join(f'{v:.3f}' for v in values))
 
 
 if __name__ == '__main__':

@@ -116,8 +116,8 @@ def same_endpoint() -> None:
   """Points tensorstore (Orbax's arrays) at the Cloud Storage endpoint that
   STORAGE_EMULATOR_HOST names for the other clients, by setting TENSORSTORE_GCS_HTTP_URL (and
   follows the variable when it changes, or removes what it set); raises a one-line ValueError
-  when the user set both to different endpoints, or only tensorstore's: a run's arrays would
-  be written to another service than its other files."""
+  when the user set both to different endpoints, or only tensorstore's to another than Cloud
+  Storage's own: a run's arrays would be written to another service than its other files."""
   host = os.environ.get('STORAGE_EMULATOR_HOST', '').rstrip('/')
   url = host if not host or '://' in host else f'http://{host}'
   given = os.environ.get(_TENSORSTORE_URL)

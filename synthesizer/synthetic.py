@@ -115,7 +115,7 @@ def component(name: str) -> Optional[type]:
                        'fix the file (--verbose_errors shows the traceback)') from e
     own = [v for v in vars(module).values() if isinstance(v, type)
            and issubclass(v, LogitComponent) and v.__module__ == module.__name__]
-    if module.__name__ == __name__ or not own:
+    if name not in SYNTHESIZERS and (module.__name__ == __name__ or not own):
       return None
     if name not in SYNTHESIZERS:
       raise ValueError(f'{__package__}/{name}.py registers no logit component as {name!r}; '

@@ -240,6 +240,9 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
       'class Forgotten(synthetic.LogitComponent):\n'
       '  pass\n')
   (tmp_path / 'helpers.py').write_text('NOTHING = 1\n')  # no component: not one at all
+  (tmp_path / 'aliased.py').write_text(  # a class defined elsewhere, registered here
+      'from synthesizer import synthetic\n'
+      'synthetic.register("aliased")(synthetic.SYNTHESIZERS["dense"])\n')
   (tmp_path / 'broken.py').write_text('def f(:\n')
   monkeypatch.syspath_prepend(str(tmp_path))
   monkeypatch.setattr(synthesizer, '__path__', list(synthesizer.__path__) + [str(tmp_path)])
@@ -249,6 +252,7 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
   config.attention = 'scaled_bias+dot'
   assert resolve(config).attention == ('scaled_bias', 'dot')
   assert synthetic.SYNTHESIZERS['scaled_bias'].__module__ == 'synthesizer.scaled_bias'
+  assert synthetic.component('aliased') is synthetic.SYNTHESIZERS['dense']  # the first call
   for name in ('scaled_biass', 'synthetic', 'helpers'):  # (the package's own module too)
     config.attention = f'{name}+dot'
     with pytest.raises(ValueError, match=rf"model.attention='{name}\+dot': expected "

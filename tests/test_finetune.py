@@ -351,27 +351,38 @@ def test_best_dev_checkpoint_of_an_earlier_run_is_not_taken_for_this_one(tmp_pat
   a run starting at step 0 removes it instead of comparing its epochs with the old best;
   a run resuming before the best's step (killed after it, before the next checkpoint)
   removes it too: that stretch is trained again, maybe under a changed schedule. A best/
-  whose record is not of its params (killed between the two writes) is removed."""
+  whose record is not of its params (killed between the two writes) is removed. A kept
+  record's headline is recomputed by today's rule (STS-B's was Pearson, now Spearman)."""
   best_dir = tmp_path / RunDir.BEST
+  stsb = types.SimpleNamespace(dev_headline=lambda dev: finetune_metrics.headline(
+      'stsb', dev['stsb']))
+  task = types.SimpleNamespace(record_headline=lambda record: (
+      finetune_task.FinetuneTask.record_headline(stsb, record)))
 
   def plant(step=9, record=9):
     checkpoints.save_params(str(best_dir), {'w': np.zeros(2, np.float32)},
                             ml_collections.ConfigDict(), step=step)
     if record is not None:
-      (best_dir / 'results.json').write_text(json.dumps({'step': record, 'epoch': 3,
-                                                         'headline': 0.99}))
+      (best_dir / 'results.json').write_text(json.dumps(
+          {'step': record, 'epoch': 3, 'headline': 0.99,
+           'dev': {'stsb': {'pearson': 0.99, 'spearman': 0.97}}}))
   for step, record in ((9, 6), (9, None)):
     plant(step, record)
-    assert trainer.BestParams(RunDir(tmp_path), None, True, start=12).best is None
+    assert trainer.BestParams(RunDir(tmp_path), task, True, start=12).best is None
     assert not best_dir.exists()
   plant()
-  resumed = trainer.BestParams(RunDir(tmp_path), None, True, start=9)
-  assert resumed.best['headline'] == 0.99  # a resumed run keeps its own best
-  assert trainer.BestParams(RunDir(tmp_path), None, True, start=12).best['step'] == 9
-  earlier = trainer.BestParams(RunDir(tmp_path), None, True, start=6)
+  resumed = trainer.BestParams(RunDir(tmp_path), task, True, start=9)
+  assert resumed.best['headline'] == 0.97  # a resumed run keeps its own best (Spearman)
+  record = json.loads((best_dir / 'results.json').read_text())
+  (best_dir / 'results.json').write_text(json.dumps(dict(record, dev={})))
+  # a record without the dev metrics the rule reads: its headline as recorded
+  assert trainer.BestParams(RunDir(tmp_path), task, True, start=9).best['headline'] == 0.99
+  (best_dir / 'results.json').write_text(json.dumps(record))
+  assert trainer.BestParams(RunDir(tmp_path), task, True, start=12).best['step'] == 9
+  earlier = trainer.BestParams(RunDir(tmp_path), task, True, start=6)
   assert earlier.best is None and not best_dir.exists()
   plant()
-  fresh = trainer.BestParams(RunDir(tmp_path), None, True, start=0)
+  fresh = trainer.BestParams(RunDir(tmp_path), task, True, start=0)
   assert fresh.best is None and not best_dir.exists()
 
 
@@ -1078,7 +1089,7 @@ def test_the_grid_zips_a_glue_submission_from_each_tasks_best_run(tmp_path, caps
       stems = glue.SUBMISSION[task]
       for stem in stems:
         (workdir / 'predictions' / f'{stem}.tsv').write_text(f'index\tprediction\n{lr} {seed}\n')
-  out = tmp_path / 'submission.zip'
+  out = tmp_path / 'new' / 'submission.zip'  # (its folder made)
   assert finetune_grid.main(['--tasks', 'rte,mnli,squad/v1.1', '--root', str(root),
                              '--summarize_only', '--submission', str(out)]) == 0
   with zipfile.ZipFile(out) as z:
@@ -1094,3 +1105,14 @@ def test_the_grid_zips_a_glue_submission_from_each_tasks_best_run(tmp_path, caps
   with pytest.raises(ValueError, match='no GLUE test predictions under'):
     finetune_grid.main(['--tasks', 'cola', '--root', str(root), '--summarize_only',
                         '--submission', str(out)])
+  with pytest.raises(ValueError, match='--submission with --print_only: the runs have not'):
+    finetune_grid.main(['--tasks', 'rte', '--root', str(root), '--print_only',
+                        '--submission', str(out)])
+  # A run recorded before STS-B's headline became Spearman is read by today's rule.
+  workdir = root / 'stsb' / 'old'
+  workdir.mkdir(parents=True)
+  (workdir / 'overrides.json').write_text(json.dumps(
+      {'optimizer.learning_rate': 1e-5, 'batch_size': 16, 'num_epochs': 2, 'seed': 0}))
+  (workdir / 'results.json').write_text(json.dumps(
+      {'headline': 0.9, 'dev': {'stsb': {'pearson': 0.9, 'spearman': 0.8}}}))
+  assert [r['headline'] for r in finetune_grid.collect(str(root / 'stsb'), 'stsb')] == [0.8]

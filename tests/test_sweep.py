@@ -455,7 +455,14 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys, gcs):
   assert study.stability_cell(str(tmp_path / 'nan'), nan_run)['status'] == 'diverged'
   assert study.stability_cell(str(tmp_path / 'nan'), nan_run, small)['status'] == 'missing'
   assert not sweep.is_diverged(str(tmp_path / 'nan'), dict(nan_run, seed=1))
-  assert sweep.diverged(str(tmp_path), [dict(nan_run, seed=0)], ('model.variant',)) == [False]
+  grid = tmp_path / 'grid'  # the marked run in the folder its overrides name
+  grid.mkdir()
+  shutil.copytree(tmp_path / 'nan', grid / sweep.run_names([nan_run])[0])
+  tiny = sweep.program_and_config('train.py', 'configs/pretrain.py:postln,tiny')
+  assert sweep.diverged(str(grid), [nan_run], (), tiny) == [True]
+  assert sweep.diverged(str(grid), [nan_run], (), sweep.program_and_config(
+      'train.py', small)) == [False]  # another size's grid: not its run
+  assert sweep.diverged(str(grid), [dict(nan_run, seed=1)], ()) == [False]
   # run_all's refusal of such a folder is a failure, and never marks the other run's log
   (tmp_path / 'ok' / 'log.txt').write_text('loss became nan at step 3')
   assert sweep.failed_or_diverged(str(tmp_path), {

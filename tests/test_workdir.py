@@ -185,6 +185,19 @@ def test_fine_tuning_settings_of_how_it_runs_may_change_on_resume(tmp_path):
       workdir_lib.check_resume_config(str(tmp_path), other, True)
 
 
+def test_a_pretraining_folder_is_not_taken_over_by_fine_tuning(tmp_path):
+  """The other direction: finetune.py in a pretraining run's folder (its config.json shares
+  the model.* names of fine-tuning's config.model) is another program's run, with a
+  checkpoint or without (a run stopped before its first save)."""
+  from configs import finetune as finetune_configs  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'config.json').write_text(tiny_config().to_json_best_effort())
+  for task in ('glue/rte', 'squad/v1.1'):
+    for has_checkpoint in (False, True):
+      with pytest.raises(ValueError, match=r'is not a config of this program .*another'):
+        workdir_lib.check_resume_config(str(tmp_path), finetune_configs.get_config(task),
+                                        has_checkpoint)
+
+
 def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
   """A finished fine-tuning run keeps no checkpoint in checkpoints/ (its params are in
   best/ and final/): train.py must still see that the folder is another program's."""

@@ -301,8 +301,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
   # per token, [N, max_seq_length], adds their key).
   sequence_keys = buckets_lib.SEQUENCE_KEYS
   needs_final_results = True  # the predictions and results.json of a rerun
-  nonfinite_hint = ('lower config.optimizer.learning_rate or raise '
-                    'config.optimizer.warmup_fraction')
+  nonfinite_hint = ('lower config.optimizer.learning_rate, raise '
+                    'config.optimizer.warmup_fraction or train in float32 (config.model.dtype)')
   train: Dict[str, np.ndarray]
 
   def __init__(self, config, mesh, run: RunDir):
@@ -531,6 +531,13 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   def best_record(self, step: int, results: trainer.Results) -> dict:
     return {'epoch': step // self.steps_per_epoch, 'dev': self.dev_results(results)}
+
+  def record_headline(self, record: dict) -> float:
+    """From the record's dev metrics (STS-B's headline was Pearson before it was Spearman)."""
+    try:
+      return self.dev_headline(record['dev'])
+    except (KeyError, TypeError):
+      return record['headline']
 
   def finish(self, params, step, results, run: RunDir, best: Optional[dict]) -> dict:
     dev = self.dev_results(results)

@@ -100,10 +100,10 @@ def task_root(root: str, task: str) -> str:
   return storage.join(root, task.replace('/', '_'))
 
 
-def collect(root: str) -> List[Dict[str, Any]]:
-  """(overrides, headline, state) of every run under one task's root: state 'done' (its
-  results.json's headline), 'diverged' (its loss became nan/inf: sweep.mark_diverged) or
-  'unfinished' (headline None for both)."""
+def collect(root: str, task: str = '') -> List[Dict[str, Any]]:
+  """(overrides, headline, state, folder) of every run under the root of `task`: state
+  'done' (its results.json's headline, by today's rule: _headline), 'diverged' (its loss
+  became nan/inf: sweep.mark_diverged) or 'unfinished' (headline None for both)."""
   rows = []
   folder = storage.path(root)
   for name in sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []:
@@ -114,8 +114,20 @@ def collect(root: str) -> List[Dict[str, Any]]:
     state = ('done' if done else
              'diverged' if (run / RunDir.DIVERGED).exists() else 'unfinished')
     rows.append({'run': _read_json(run / RunDir.OVERRIDES), 'state': state, 'folder': name,
-                 'headline': _read_json(run / RunDir.RESULTS)['headline'] if done else None})
+                 'headline': _headline(_read_json(run / RunDir.RESULTS), task) if done else None})
   return rows
+
+
+def _headline(results: Dict[str, Any], task: str):
+  """A finished run's headline: a GLUE task's recomputed from its dev metrics by today's
+  rule (a run of before STS-B's headline became Spearman recorded Pearson), else as
+  recorded."""
+  from data import glue  # pylint: disable=g-import-not-at-top
+  from realformer.finetune import metrics  # pylint: disable=g-import-not-at-top
+  dev = (results.get('dev') or {}).get(task)
+  if task in glue.TASKS and isinstance(dev, dict) and glue.get_task(task).metric in dev:
+    return metrics.headline(task, dev)
+  return results['headline']
 
 
 def _read_json(path) -> Dict[str, Any]:
@@ -219,7 +231,7 @@ def write_submission(root: str, tasks: Sequence[str], out: str) -> str:
   for task in tasks:
     if task not in glue.SUBMISSION:
       continue  # (not a GLUE task: SQuAD and a task of one's own have no such benchmark)
-    run = best_run(collect(task_root(root, task)))
+    run = best_run(collect(task_root(root, task), task))
     if run is None:
       lines.append(f'{task}: no scored run')
       continue
@@ -237,6 +249,7 @@ def write_submission(root: str, tasks: Sequence[str], out: str) -> str:
   with zipfile.ZipFile(buf, 'w', zipfile.ZIP_DEFLATED) as z:
     for stem in sorted(files):
       z.writestr(f'{stem}.tsv', files[stem])
+  storage.path(out).parent.mkdir(parents=True, exist_ok=True)
   storage.path(out).write_bytes(buf.getvalue())
   missing = [s for stems in glue.SUBMISSION.values() for s in stems if s not in files]
   lines.append(f'wrote {out} ({len(files)} files)' + (
@@ -251,7 +264,7 @@ HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'failed', 'u
 def write_summary(root: str, tasks: Sequence[str]) -> str:
   table = []
   for task in tasks:
-    table += summarize(task, collect(task_root(root, task)))
+    table += summarize(task, collect(task_root(root, task), task))
   markdown = sweep.to_markdown(HEADER, table)
   storage.write_text(storage.join(root, 'results.md'), markdown)
   storage.write_text(storage.join(root, 'results.csv'), sweep.to_csv(HEADER, table))
@@ -302,6 +315,9 @@ def main(argv=None):
   args.epochs = _numbers(args, 'epochs', int)
 
   tasks = expand_tasks(args.tasks)
+  if args.submission and args.print_only:
+    raise ValueError('--submission with --print_only: the runs have not run here; once they '
+                     'have, run the grid again with --summarize_only --submission')
   if not args.summarize_only:
     def local(path: str) -> str:  # runs start in the repository root: local paths absolute
       keep = (not path or storage.is_url(path) or path.startswith('hf:') or

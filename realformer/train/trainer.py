@@ -219,6 +219,11 @@ class Task(abc.ABC):
     del step
     return {'results': results}
 
+  def record_headline(self, record: dict) -> float:
+    """The headline of a stored best record, by today's rule (a record written under an
+    earlier one recorded another number)."""
+    return record['headline']
+
   def finish(self, params, step: int, results: Optional[Results], run: RunDir,
              best: Optional[dict]) -> dict:
     """Outputs of a finished run (predictions, results files); returns summary entries."""
@@ -781,7 +786,7 @@ class BestParams:
                       why)
       run.remove(RunDir.BEST)
     elif enabled:
-      self.best = stored
+      self.best = dict(stored, headline=task.record_headline(stored))
 
   def offer(self, params, step: int, results: Results):
     if not self.enabled:

@@ -264,7 +264,9 @@ ADDED_DEFAULTS = {'optimizer.name': 'adamw', 'model.gelu': 'erf'}
 # The same for finetune.py's config only (its `model` section, how the pretrained encoder
 # computes: '' or None, as pretrained), kept apart from pretraining's fields of those names.
 ADDED_FINETUNE_DEFAULTS = {'model.dtype': '', 'model.residual_dtype': '',
-                           'model.dropout_rate': None, 'model.attention_dropout_rate': None}
+                           'model.dropout_rate': None, 'model.attention_dropout_rate': None,
+                           'model.remat_policy': '', 'model.fused_attention': '',
+                           'model.dense_impl': ''}
 
 
 def _flat_pair(stored: dict, new: dict):
@@ -308,7 +310,10 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
                      'restore the file or use another --workdir') from None
   new = json.loads(config.to_json_best_effort())
   fixed, allowed, added = config_differences(stored, new)
-  if len(added) * 2 > len(flatten(new)):  # fields added since are few; this is another file
+  programs = cli.program_of(stored), cli.program_of(new)
+  # (a config of another program: told by its sections, or, for a file of neither, by the
+  # fields it lacks: fields added since are few)
+  if (None not in programs and programs[0] != programs[1]) or len(added) * 2 > len(flatten(new)):
     where = (f'yet {workdir} holds checkpoints' if has_checkpoint else
              f'so {workdir} is another program\'s run (e.g. a fine-tuning run\'s folder)')
     raise ValueError(
