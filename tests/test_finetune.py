@@ -1044,7 +1044,12 @@ def test_a_task_of_ones_own_named_like_a_glue_split_is_scored_by_its_own_metric(
   task.config, task.name = config, config.task
   task.task, task.evals = tsv.tsv_task(config), {config.task: None}
   task._predictions = lambda *_: (np.array([0, 1, 2, 2]), np.array([0, 1, 2, 1]))
-  assert set(task.evaluate_outputs(None)['mnli_mismatched']) == {'accuracy', 'macro_f1'}
+  dev = task.evaluate_outputs(None)
+  assert set(dev['mnli_mismatched']) == {'accuracy', 'macro_f1'}
+  # per class F1: 1, 2/3, 2/3 (the last example, a 'b' taken for a 'c')
+  assert dev['mnli_mismatched']['macro_f1'] == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
+  assert dev['mnli_mismatched']['accuracy'] == 0.75
+  assert task.dev_headline(dev) == dev['mnli_mismatched']['macro_f1']
 
 
 def test_config_model_sets_how_the_pretrained_encoder_computes(pretrained, tmp_path):

@@ -308,7 +308,8 @@ def test_a_bfloat16_model_through_flash_is_within_the_plain_paths_rounding(varia
 
 
 def test_pure_synthesizers_keep_the_plain_path():
-  for variant in ('synth_dense', 'synth_random', 'synth_factorized_random'):
+  for variant in ('synth_dense', 'synth_random', 'synth_random_fixed',
+                  'synth_factorized_dense', 'synth_factorized_random'):
     spec = resolve(small_config(variant, fused_attention='flash', attention_dropout_rate=0.1))
     assert not attn_lib._use_flash(spec, False, False, None), variant
 

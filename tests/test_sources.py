@@ -2,6 +2,7 @@
 plain, bad bytes and empty files counted), tfds datasets read through the Wikipedia code
 path from a dataset built locally, and mixing several sources."""
 
+import base64
 import collections
 import gzip
 import itertools
@@ -10,6 +11,7 @@ import os
 import shutil
 import tarfile
 
+import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
@@ -171,6 +173,18 @@ def test_tfds_source_reads_a_prepared_dataset_like_wikipedia(tfds_dir):
 
 
 def test_streaming_reads_only_what_is_asked(tmp_path):
+  """The first documents of a 4 MB gzip file come before its cut-off end is read (only
+  draining the stream meets it); a glob that matches nothing shows up on its first draw."""
+  noise = base64.b64encode(np.random.default_rng(0).bytes(3_000_000))  # 4 MB, incompressible
+  lines = [noise[i:i + 78] + (b'.\n\n' if i % 234 == 156 else b'.\n')
+           for i in range(0, len(noise), 78)]
+  big = tmp_path / 'big.txt.gz'
+  big.write_bytes(gzip.compress(b''.join(lines), 1)[:-1_000_000])  # its last megabyte gone
+  assert big.stat().st_size > 2_000_000
+  stream = sources.iter_documents(f'files:{big}')
+  assert len(list(itertools.islice(stream, 5))) == 5
+  with pytest.raises(ValueError, match='is a corrupt or truncated gzip file'):
+    list(stream)
   write_docs(tmp_path / 'a.txt', 'a', 10)
   stream = sources.iter_documents(f'files:{tmp_path}/a.txt;files:{tmp_path}/missing*')
   with pytest.raises(FileNotFoundError):  # the bad glob shows up on its first draw
