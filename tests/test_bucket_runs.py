@@ -21,6 +21,7 @@ its objects in a folder so that it can be stopped and started again):
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -218,6 +219,8 @@ def test_the_attention_analysis_reads_a_bucket_run_and_writes_its_report_there(
 
 
 def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server, monkeypatch):
+  """The real train.py run by sweep.py (the local root's machinery: tests/test_sweep.py's
+  fake programs), here rooted in a bucket."""
   monkeypatch.setenv('XLA_FLAGS', cpu_xla_flags(1))  # the sweep's train.py on one device
   root = f'{server.root}/sweep'
   args = ['run', '--root', root, '--config',
@@ -230,6 +233,9 @@ def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server, mo
   assert sweep_cli.main(args) == 0, (run / 'log.txt').read_text()
   assert {'DONE', 'log.txt', RunDir.OVERRIDES, 'config.json'} <= {p.name for p in run.iterdir()}
   assert RunDir.SWEEP_LOCK not in {p.name for p in run.iterdir()}  # the lease object is released
+  assert json.loads((run / 'config.json').read_text())['model']['variant'] == 'realformer'
+  rows = sweep.collect(root, ['eval/mlm_accuracy', 'eval/loss'])
+  assert len(rows) == 1 and rows[0]['done'] and math.isfinite(rows[0]['metrics']['eval/loss'])
   assert sweep_cli.main(args) == 0  # finished: skipped
   assert sweep_cli.main(['summarize', '--root', root, '--metrics', 'eval/loss']) == 0
   assert (storage.path(root) / 'summary.md').read_text().startswith('| n |')

@@ -18,7 +18,6 @@ import pytest
 import sweep as sweep_cli
 from realformer.tools import sweep
 from realformer.train.run_dir import RunDir
-from tests.conftest import cpu_xla_flags
 from tests.gcs_server import gcs  # pylint: disable=unused-import
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -375,23 +374,6 @@ TINY = ['train.num_steps=3', 'train.batch_size=8', 'train.log_every_steps=1',
         'optimizer.warmup_steps=1', 'data.max_seq_length=32', 'data.max_predictions_per_seq=5',
         'model.num_layers=2', 'model.hidden_size=32', 'model.num_heads=2', 'model.mlp_dim=64',
         'model.max_len=32']
-
-
-def test_real_sweep_of_train_py(tmp_path, monkeypatch):
-  monkeypatch.setenv('XLA_FLAGS', cpu_xla_flags(1))  # the sweep's train.py on one device
-  root = tmp_path / 'sweep'
-  args = ['run', '--root', str(root), '--config',
-          os.path.join(REPO, 'configs', 'pretrain.py') + ':postln,tiny',
-          '--program', os.path.join(REPO, 'train.py'),
-          '--sweep', 'model.variant=realformer', '--seeds', '1']
-  for item in TINY:
-    args += ['--set', item]
-  assert sweep_cli.main(args) == 0, (root / os.listdir(root)[0] / 'log.txt').read_text()[-3000:]
-  rows = sweep.collect(str(root), ['eval/mlm_accuracy', 'eval/loss'])
-  assert len(rows) == 1 and all(r['done'] for r in rows)
-  assert all(math.isfinite(r['metrics']['eval/loss']) for r in rows)
-  run = root / 'model.variant=realformer,seed=0'  # a --sweep key names it, one value or more
-  assert json.loads((run / 'config.json').read_text())['model']['variant'] == 'realformer'
 
 
 def test_study_plan_and_learning_curves(tmp_path, capsys, gcs):
