@@ -47,6 +47,11 @@ class LogitComponent(nn.Module):
   """An attention-logit component: the layer input x [B, T, D] (and `rows`) -> float32 logits
   [B or 1, H, S, T], before the padding mask. Its declarations:
 
+    mixed             whether its logits join the learned mixture of `model.attention`'s
+                      components (the Synthesizer paper's: weights w = softmax of learned
+                      logits, one per mixed component and the dot product, summing to 1);
+                      False adds them with weight 1, as a bias of the logits (a relative
+                      position bias, ALiBi's distance penalty) is added;
     fusable           whether the flash kernels may take its logits as an additive term of
                       the dot product's (realformer/model/attention.py, spec.
                       dot_product_plus_terms); a component whose logits do not simply add
@@ -63,8 +68,10 @@ class LogitComponent(nn.Module):
   Its parameters' sharding follows the logical axis names they are created with
   (nn.with_logical_partitioning, layers.dense.dense; realformer/train/partitioning.py's rules
   map them to the mesh, and a mesh axis that does not divide its dimension is a one-line
-  error naming the parameter)."""
+  error naming the parameter). A component without parameters (a constant of the shapes)
+  needs none of @nn.compact."""
   spec: Any  # the EncoderSpec (realformer/model/spec.py)
+  mixed: ClassVar[bool] = True
   fusable: ClassVar[bool] = True
 
   @staticmethod

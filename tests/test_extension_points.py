@@ -1,7 +1,8 @@
 """A new attention-logit component and a new fine-tuning task are one file each: this one
 defines both, with no library file naming them. The component (a learned per-head
-relative-position bias) declares its logical axes, FLOPs, fixed parameters and that the
-fused attention may add it; it pretrains on a data x fsdp x tensor mesh, resumes, runs
+relative-position bias) declares its logical axes, FLOPs, fixed parameters, that it is a
+bias of the logits (added with weight 1, not mixed) and that the fused attention may add it;
+it pretrains on a data x fsdp x tensor mesh, resumes, runs
 through the flash kernel as the plain path does, and reports its FLOPs. The task kind (its
 config fields, data, head, head FLOPs and metric) fine-tunes from that pretraining."""
 
@@ -17,6 +18,7 @@ import train
 from configs import finetune as finetune_configs
 from data import glue
 from data import tokenizer as tokenizer_lib
+from realformer import models as models_lib
 from realformer.finetune import registry
 from realformer.finetune.task import FinetuneTask
 from realformer.layers.dense import dense
@@ -39,7 +41,9 @@ MAX_DISTANCE = 6
 class RelativePositionBias(synthetic.LogitComponent):
   """logits[h, q, k] = table[h, clip(k - q, -MAX_DISTANCE, MAX_DISTANCE)]: one learned bias
   per head and clipped distance, shared by the batch (as T5's, without its log buckets).
-  A gather, no matmul (flops: 0); nothing fixed; fusable: it adds to Q K^T."""
+  A gather, no matmul (flops: 0); nothing fixed; a bias of the logits, added with weight 1
+  (not mixed); fusable: it adds to Q K^T."""
+  mixed = False
 
   @nn.compact
   def __call__(self, x, rows=None):
@@ -67,6 +71,38 @@ def relpos_pretraining(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('relpos'))
   assert train.train_and_evaluate(_relpos_config(num_steps=4), workdir)['step'] == 4
   return workdir
+
+
+def test_a_bias_of_the_logits_is_added_with_weight_one():
+  """A component declared not `mixed` adds its logits to Q K^T / sqrt(d) as they are: each
+  real query's log-probabilities differ from Post-LN's (the same parameters) by the bias, up
+  to the row's normalisation; no mixture weight is made."""
+  from tests.test_models import make_batch, perturbed_params, small_config  # pylint: disable=g-import-not-at-top
+  batch = make_batch()
+  plain = models_lib.build(small_config('postln'), head='encoder')
+  biased = models_lib.build(small_config('postln', attention='relpos+dot'), head='encoder')
+  assert biased.spec.mixture == () and resolve(small_config(
+      'postln', attention='random+relpos+dot')).mixture == ('random', 'dot')
+  params = perturbed_params(biased, batch)
+  assert not any('mixture_logits' in jax.tree_util.keystr(path)
+                 for path, _ in jax.tree_util.tree_leaves_with_path(params))
+  shared = jax.tree.map(lambda x: x, params)
+  for layer in (k for k in shared if k.startswith('layers_')):
+    del shared[layer]['attention']['synth_relpos']
+  a = plain.apply({'params': shared}, batch, capture_attention=True).attention[0]
+  b = biased.apply({'params': params}, batch, capture_attention=True).attention[0]
+  table = np.asarray(params['layers_0']['attention']['synth_relpos']['table'])
+  t = batch['input_ids'].shape[1]
+  distance = np.clip(np.arange(t)[None, :] - np.arange(t)[:, None], -MAX_DISTANCE, MAX_DISTANCE)
+  bias = table[:, distance + MAX_DISTANCE]  # [H, T, T]
+  real = np.asarray(batch['attention_mask'], bool)
+  for i in range(len(real)):
+    keys = real[i]
+    pick = lambda p: np.log(np.asarray(p[i], np.float64)[:, keys][:, :, keys])
+    diff = pick(b) - pick(a)
+    want = bias[:, keys][:, :, keys]
+    np.testing.assert_allclose(diff - diff.mean(-1, keepdims=True),
+                               want - want.mean(-1, keepdims=True), atol=2e-4)
 
 
 # pylint: disable=redefined-outer-name  (the fixture)

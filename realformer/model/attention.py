@@ -1,7 +1,9 @@
 """One self-attention path for every encoder family; variants differ only in the logits.
 
     logits = sum_c w_c * logits_c            (components c: dot, dense, random, ...;
-                                              w = softmax of learned mixture weights, or 1)
+                                              w = softmax of learned mixture weights over
+                                              spec.mixture, or 1: a single mixed component,
+                                              or one declared not `mixed`, a logit bias)
     RealFormer (residual_attention):         cur = logits + prev    (prev = 0 at layer 0)
                                              logits = cur / (l + 1) if running_mean else cur
     probs = dropout(softmax(logits + mask))  (mask: 0 for real keys, NEG_INF for padding)
@@ -112,23 +114,23 @@ class SelfAttention(nn.Module):
     return y.reshape(x.shape[:2] + (s.num_heads, s.head_dim))  # [B, T, H, dh]
 
   def _mixture_weights(self):
-    """Softmax of the learnable mixture logits (equal at init): one weight per component,
-    in spec.attention's order, summing to 1; None for a single component."""
-    n = len(self.spec.attention)
-    if n == 1:
-      return None
+    """{component: its weight}: the softmax of the learnable mixture logits (equal at init),
+    one per component of spec.mixture, summing to 1; {} without a mixture."""
+    names = self.spec.mixture
+    if not names:
+      return {}
     mix = self.param('mixture_logits', nn.with_logical_partitioning(
-        nn.initializers.zeros, (None,)), (n,), jnp.float32)
-    return jax.nn.softmax(mix)
+        nn.initializers.zeros, (None,)), (len(names),), jnp.float32)
+    return dict(zip(names, jax.nn.softmax(mix)))
 
   def _synthesized(self, x, rows, weights):
-    """The weighted sum of the non-dot components' logits ([B or 1, H, S, T] float32), or
-    None if there are none."""
+    """The sum of the non-dot components' logits ([B or 1, H, S, T] float32), each mixed
+    one weighted, or None if there are none."""
     s, term = self.spec, None
-    for i, name in enumerate(s.attention):
+    for name in s.attention:
       if name != 'dot':
         c = synthetic.component(name)(s, name=synthetic.module_name(name))(x, rows)
-        c = c if weights is None else weights[i] * c
+        c = weights[name] * c if name in weights else c
         term = c if term is None else term + c
     return term
 
@@ -164,8 +166,8 @@ class SelfAttention(nn.Module):
       query, key = self._heads(xq, 'query'), self._heads(x, 'key')
       own = jnp.einsum('bqhd,bkhd->bhqk', query, key, preferred_element_type=jnp.float32)
       own = own.astype(jnp.float32) / math.sqrt(s.head_dim)
-      if weights is not None:
-        own = weights[s.attention.index('dot')] * own
+      if 'dot' in weights:
+        own = weights['dot'] * own
       logits = own if logits is None else own + logits
 
     carry = None
@@ -192,8 +194,8 @@ class SelfAttention(nn.Module):
     query, key = self._heads(xq, 'query'), self._heads(x, 'key')
     weights = self._mixture_weights()
     term = self._synthesized(x, None, weights)
-    if weights is not None:  # w * (q k^T) = (w q) k^T
-      w = weights[s.attention.index('dot')]
+    if 'dot' in weights:  # w * (q k^T) = (w q) k^T
+      w = weights['dot']
       query = (query.astype(jnp.float32) * w).astype(query.dtype)
     scores_dtype = logit_scale = None
     if s.residual_attention:

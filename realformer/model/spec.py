@@ -104,6 +104,14 @@ class EncoderSpec:
         synthetic.component(c).fusable for c in self.attention if c != 'dot')
 
   @property
+  def mixture(self) -> Tuple[str, ...]:
+    """The components whose logits the learned mixture weights (the dot product and each
+    component that declares itself `mixed`), in `attention`'s order; () for fewer than two:
+    no mixture then, each component's logits added with weight 1."""
+    mixed = tuple(c for c in self.attention if c == 'dot' or synthetic.component(c).mixed)
+    return mixed if len(mixed) > 1 else ()
+
+  @property
   def head_dim(self) -> int:
     return self.hidden_size // self.num_heads
 
