@@ -915,6 +915,11 @@ def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, cap
           'max_seq_length=128 |') in markdown
   assert '| rte |  |  |  | 0 | 0 | 1 |' in markdown
   assert finetune_grid.expand_tasks('glue,rte').count('rte') == 1
+  with pytest.raises(ValueError, match=r'--tasks tsv: the kind tsv takes any task name; name '
+                                       r'yours, --tasks tsv/<name>'):
+    finetune_grid.expand_tasks('tsv')
+  with pytest.raises(ValueError, match=r"unknown task 'squad/v3'; use GLUE names"):
+    finetune_grid.expand_tasks('squad/v3')
   capsys.readouterr()
   finetune_grid.main(['--tasks', 'tsv/topics', '--root', str(tmp_path / 'tsv'), '--seeds', '1',
                       '--learning_rates', '1e-4', '--batch_sizes', '16', '--epochs', '1',
@@ -1074,6 +1079,9 @@ def test_config_model_sets_how_the_pretrained_encoder_computes(pretrained, tmp_p
   assert (task.spec.num_layers, task.spec.hidden_size) == (pre.model.num_layers,
                                                            pre.model.hidden_size)
   assert task.params_config.model.dtype == pre.model.dtype == 'float32'
+  # best/ and final/ record the kind that made their head, for export-hf
+  assert task.params_config.finetuned.to_dict() == {
+      'kind': 'glue', 'task': 'rte', 'hf_architecture': 'BertForSequenceClassification'}
   assert finetune_task.computed_as(pre.model, ft_config('rte', pretrained).model) is pre.model
 
 
@@ -1124,3 +1132,39 @@ def test_the_grid_zips_a_glue_submission_from_each_tasks_best_run(tmp_path, caps
   (workdir / 'results.json').write_text(json.dumps(
       {'headline': 0.9, 'dev': {'stsb': {'pearson': 0.9, 'spearman': 0.8}}}))
   assert [r['headline'] for r in finetune_grid.collect(str(root / 'stsb'), 'stsb')] == [0.8]
+
+
+def test_a_kind_of_ones_own_is_told_its_contract_in_one_line(pretrained, tmp_path):
+  """A kind whose per-token labels are not in its sequence_keys (length buckets would not
+  cut them) is refused before anything is written; one whose model returns its head's
+  outputs alone (not the encoder's output first) is told so when its evaluation traces."""
+  from realformer.finetune import registry  # pylint: disable=g-import-not-at-top
+  from realformer.train import partitioning  # pylint: disable=g-import-not-at-top
+  config = ft_config('rte', pretrained)
+  mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
+  glue_task = registry.get('glue')
+
+  class Tagged(glue_task):
+    def load(self, tokenizer):
+      super().load(tokenizer)
+      self.train['tags'] = np.zeros_like(self.train['input_ids'])
+  with pytest.raises(ValueError, match=r"Tagged: the training features \['tags'\] hold a value "
+                     r'per token .* add them \(sequence_keys = buckets.SEQUENCE_KEYS \+ '
+                     r"\('tags',\)\)"):
+    Tagged(config, mesh, RunDir(str(tmp_path / 'a')))
+
+  class HeadOnly(glue_task):
+    def build(self, spec):
+      class Logits(nn.Module):
+        spec: object
+
+        @nn.compact
+        def __call__(self, batch, **kw):
+          return models.build(self.spec, head='classification', num_labels=2)(batch, **kw)[1]
+      return Logits(spec)
+  task = HeadOnly(config, mesh, RunDir(str(tmp_path / 'b')))
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in task.program.batch_shapes.items()
+           if k != 'label'}
+  with pytest.raises(ValueError, match=r"HeadOnly.build: its model returns .*; a fine-tuning "
+                     r"model returns \(the encoder's output, \*the head's outputs\)"):
+    jax.eval_shape(task.program.eval_step, task.program.abstract.params, batch)

@@ -331,8 +331,26 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
   checkpoints.save_params(str(tmp_path / 'own'), {'encoder': params['encoder'], 'keyword_head': {
       'kernel': np.zeros((cfg.model.hidden_size, 2), np.float32)}}, cfg)
   with pytest.raises(ValueError, match=r"holds a head that BERT's HF classes have no place for "
-                                       r"\(keyword_head: a task of one's own\)"):
+                                       r"\(keyword_head: a task of one's own\).*--encoder_only"):
     interop.export_hf(str(tmp_path / 'own'), str(tmp_path / 'own_hf'))
+  # ... also when it is named as GLUE's is: best/ and final/ record the kind that made it
+  # (here a tagging kind of one's own, which declares no HF class); --encoder_only exports
+  # the encoder of either as BertModel, which computes our hidden states.
+  tagged = cfg.copy_and_resolve_references()
+  tagged.finetuned = {'kind': 'tagging', 'task': 'toy', 'hf_architecture': ''}
+  checkpoints.save_params(str(tmp_path / 'tagged'), {'encoder': params['encoder'], 'classifier': {
+      'kernel': np.zeros((cfg.model.hidden_size, 7), np.float32),
+      'bias': np.zeros(7, np.float32)}}, tagged)
+  with pytest.raises(ValueError, match=r"no place for \(tagging/toy: a task of one's own\)"):
+    interop.export_hf(str(tmp_path / 'tagged'), str(tmp_path / 'tagged_hf'))
+  for name in ('tagged', 'own'):
+    assert interop.main(['export-hf', '--workdir', str(tmp_path / name), '--out',
+                         str(tmp_path / f'{name}_encoder'), '--encoder_only']) is None
+    hf = transformers.AutoModel.from_pretrained(tmp_path / f'{name}_encoder',
+                                                attn_implementation='eager').eval()
+    assert type(hf).__name__ == 'BertModel'
+    _assert_close_real(ours.hidden, _torch_hidden(hf, batch).last_hidden_state.numpy(),
+                       batch['attention_mask'])
 
   interop.import_hf(hf_dir, back)
   again, _ = _restore_all(back)

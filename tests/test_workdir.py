@@ -945,10 +945,17 @@ def test_a_new_config_field_says_what_runs_before_it_meant():
   from configs import finetune as finetune_configs  # pylint: disable=g-import-not-at-top
   with open(os.path.join(os.path.dirname(__file__), 'data', 'config_keys.json')) as f:
     recorded = {k: set(v) for k, v in json.load(f).items()}
+  import pkgutil  # pylint: disable=g-import-not-at-top
+  from realformer.finetune import registry  # pylint: disable=g-import-not-at-top
+  from realformer.finetune import tasks  # pylint: disable=g-import-not-at-top
+  files = [m.name for m in pkgutil.iter_modules(tasks.__path__) if not m.name.startswith('_')]
+  # (every kind of the repository's files; not one a test registers in its own file)
+  kinds = {kind: (registry.get(kind).names() or ('x',))[-1] for kind in files}
+  assert {'glue', 'squad', 'tsv'} <= set(kinds)
   now = {'configs/pretrain.py': _config_keys(tiny_config()),
          'configs/finetune.py': set().union(*(  # each kind of realformer/finetune/tasks/
-             _config_keys(finetune_configs.get_config(arg))
-             for arg in ('glue/rte', 'squad/v2.0', 'tsv/topics')))}
+             _config_keys(finetune_configs.get_config(f'{kind}/{name}'))
+             for kind, name in kinds.items()))}
   for name, keys in now.items():
     assert keys - recorded[name] == set(), (
         f'{name} has new fields: give each a workdir.ADDED_DEFAULTS entry (or a RESUMABLE '

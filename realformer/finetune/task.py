@@ -41,6 +41,7 @@ from data import buckets as buckets_lib
 from data import tokenizer as tokenizer_lib
 from realformer import cli
 from realformer import config_checks
+from realformer.model.encoder import EncoderOutput
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
 from realformer.train import metrics as metrics_lib
@@ -297,6 +298,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
   `train` (the training features: dict of [N, max_seq_length] arrays + labels) in `load`."""
   command = 'finetune.py'
   token_outputs = False  # whether the head's outputs are per token (SQuAD's spans)
+  # The transformers class that holds the encoder and this kind's head, for export-hf (best/
+  # and final/ record it); None: a head of one's own, whose export takes the encoder alone.
+  hf_architecture: Optional[str] = None
   # The training features cut to a batch's bucket length with the inputs (a task with labels
   # per token, [N, max_seq_length], adds their key).
   sequence_keys = buckets_lib.SEQUENCE_KEYS
@@ -331,6 +335,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
     self.params_config.data.max_seq_length = (
         config.max_seq_length if config.from_scratch else
         max(trained, config.max_seq_length) if known else pre.model.max_len)
+    with self.params_config.unlocked():
+      self.params_config.finetuned = {'kind': config.benchmark, 'task': config.task,
+                                      'hf_architecture': self.hf_architecture or ''}
     self.load(tokenizer)
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',
@@ -341,16 +348,31 @@ class FinetuneTask(trainer.Task, abc.ABC):
       raise ValueError(f'{num_train} training examples are fewer than one batch of '
                        f'{config.batch_size}; lower config.batch_size')
     self.cadence = trainer.make_cadence(config, self.steps_per_epoch)
+    if config.length_buckets:
+      per_token = sorted(k for k, v in self.train.items() if v.shape[1:] == (
+          config.max_seq_length,) and k not in self.sequence_keys)
+      if per_token:
+        raise ValueError(f'{type(self).__name__}: the training features {per_token} hold a '
+                         f'value per token ([N, max_seq_length={config.max_seq_length}]) but '
+                         'are not in its sequence_keys, which length buckets cut with the '
+                         f'inputs; add them (sequence_keys = buckets.SEQUENCE_KEYS + '
+                         f'{tuple(per_token)})')
     self.spec = resolve(computed_as(gpu_kernels_off_gpus(pre.model), config.get('model')))
     model = self.build(self.spec)
+
+    def eval_fn(params, batch):
+      out = model.apply({'params': params}, batch)
+      if not (isinstance(out, tuple) and out and isinstance(out[0], EncoderOutput)):
+        raise ValueError(f'{type(self).__name__}.build: its model returns '
+                         f'{type(out).__name__}; a fine-tuning model returns (the encoder\'s '
+                         'output, *the head\'s outputs), as models.build\'s heads do')
+      return out[1:]
     self.program = train_lib.make_program(
         model, config.optimizer, self.cadence.num_steps, mesh, config.seed,
         {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
          for k, v in self.train.items()},
         loss_fn=self.loss_fn(model), metrics_cls=FinetuneMetrics,
-        totals_fn=lambda b: {'examples': jnp.asarray(b['input_ids'].shape[0], jnp.float32)},
-        eval_fn=lambda params, batch: model.apply({'params': params}, batch)[1:],
-        flops_per_example=self.flops_per_example)
+        totals_fn=self.totals, eval_fn=eval_fn, flops_per_example=self.flops_per_example)
     if not config.from_scratch:
       self.init_checkpoint = trainer.InitCheckpoint(config.init_checkpoint, ('encoder',),
                                                     allow_missing=False)
@@ -421,7 +443,14 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   @abc.abstractmethod
   def loss_fn(self, model) -> Callable:
-    """(params, batch, rng, totals) -> (mean loss over totals['examples'], {})."""
+    """(params, batch, rng, totals) -> (the batch's summed loss over its normaliser in
+    `totals` (the whole step's: totals(batch)), {})."""
+
+  @staticmethod
+  def totals(batch) -> Dict[str, jax.Array]:
+    """What a step's loss is normalised by, over the whole step's batch: its examples (a
+    kind whose loss is a mean over labelled tokens returns their count too)."""
+    return {'examples': jnp.asarray(batch['input_ids'].shape[0], jnp.float32)}
 
   @abc.abstractmethod
   def eval_features(self) -> List[Dict[str, np.ndarray]]:

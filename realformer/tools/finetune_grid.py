@@ -62,6 +62,9 @@ def expand_tasks(tasks: str) -> List[str]:
     if t in kinds and registry.get(t).names():
       names += [n if t == 'glue' else f'{t}/{n}' for n in registry.get(t).names()]
       continue
+    if t in kinds:
+      raise ValueError(f'--tasks {t}: the kind {t} takes any task name; name yours, '
+                       f'--tasks {t}/<name>')
     kind, _, name = t.partition('/') if '/' in t else ('glue', '', t)
     known = registry.get(kind).names() if kind in kinds else None
     if known is None or not name or (known and name not in known):

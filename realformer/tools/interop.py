@@ -797,19 +797,21 @@ def _check_export_out(out: str) -> None:
                      'beside the export; export to a new or empty directory')
 
 
-def export_hf(workdir: str, out: str) -> str:
+def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   """A workdir (pretraining run or import; or a fine-tuning run's best/ or final/) -> an HF
   directory that `transformers.BertModel.from_pretrained(out)` loads, and the class that
   holds its heads (HF_ARCHITECTURES: BertForPreTraining with both of pretraining's,
   BertForSequenceClassification with GLUE's classifier, BertForQuestionAnswering with
   SQuAD's span head): config.json, model.safetensors, and vocab.txt when the run used a
-  WordPiece one.
+  WordPiece one. A fine-tuning kind's head is exported as the class the kind declares
+  (FinetuneTask.hf_architecture, recorded in best/ and final/); a head of one's own is
+  refused, and `encoder_only` exports the encoder alone (BertModel) from any workdir.
   `workdir` and `out` may be gs:// URLs (the files are written locally, then uploaded)."""
   if storage.is_url(out):
     folder = tempfile.mkdtemp(prefix='realformer-export-')
     try:
       _check_export_out(out)
-      export_hf(workdir, folder)
+      export_hf(workdir, folder, encoder_only)
       storage.copy_tree(folder, out)
     finally:
       shutil.rmtree(folder, ignore_errors=True)
@@ -823,12 +825,24 @@ def export_hf(workdir: str, out: str) -> str:
   if 'encoder' not in stored:
     raise ValueError(f'checkpoint of {workdir} has no encoder parameters (it has '
                      f'{sorted(stored)}); pass a pretraining or import workdir')
+  finetuned = config.get('finetuned') or {}
   other = sorted(set(stored) - {'encoder', 'mlm_head', 'nsp_head', *TASK_HEADS})
-  if other:
+  own = other[0] if other else (
+      f'{finetuned["kind"]}/{finetuned["task"]}' if finetuned and
+      not finetuned.get('hf_architecture') else None)
+  if own and not encoder_only:
     raise ValueError(f'the checkpoint of {workdir} holds a head that BERT\'s HF classes have '
-                     f'no place for ({other[0]}: a task of one\'s own); HF exports take '
-                     'pretraining\'s heads, GLUE\'s classifier and SQuAD\'s span head')
-  heads = [h for h in ('mlm_head', 'nsp_head', *TASK_HEADS) if h in stored]
+                     f'no place for ({own}: a task of one\'s own); HF exports take '
+                     'pretraining\'s heads, GLUE\'s classifier and SQuAD\'s span head: '
+                     'pass --encoder_only to export the encoder alone')
+  heads = ([] if encoder_only else
+           [h for h in ('mlm_head', 'nsp_head', *TASK_HEADS) if h in stored])
+  if (finetuned.get('hf_architecture') and heads and
+      HF_ARCHITECTURES.get(tuple(heads)) != finetuned['hf_architecture']):
+    raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, but its '
+                     f'fine-tuning ({finetuned["kind"]}) declares '
+                     f'{finetuned["hf_architecture"]}; pass --encoder_only to export the '
+                     'encoder alone')
   if tuple(heads) not in HF_ARCHITECTURES:
     raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, which no one HF '
                      'class holds together')
@@ -853,8 +867,9 @@ def export_hf(workdir: str, out: str) -> str:
 
   os.makedirs(out, exist_ok=True)
   pad_id = 0
-  tokenizer_path = config.data.get('tokenizer', '') if 'data' in config else ''
-  tokenizer_path = _local_file(tokenizer_path) if tokenizer_path.endswith('.txt') else ''
+  named = (config.data.get('tokenizer', '') if 'data' in config else '') or (
+      'the shipped sentencepiece model')
+  tokenizer_path = _local_file(named) if named.endswith('.txt') else ''
   if tokenizer_path and not os.path.isfile(tokenizer_path):
     raise FileNotFoundError(f'the run\'s vocabulary {tokenizer_path} is not there; put it back '
                             '(or a copy in the workdir beside config.json) to export it with the '
@@ -867,9 +882,8 @@ def export_hf(workdir: str, out: str) -> str:
       json.dump(dict(tokenizer.normalization, tokenizer_class='BertTokenizer',
                      model_max_length=int(model_config.max_len)), f)
   else:
-    logging.warning('the run\'s tokenizer %r is not a WordPiece vocab.txt: exported weights '
-                    'only (HF\'s BertTokenizer cannot read a sentencepiece model)',
-                    tokenizer_path)
+    logging.warning('the run\'s tokenizer (%s) is not a WordPiece vocab.txt: exported weights '
+                    'only (HF\'s BertTokenizer cannot read a sentencepiece model)', named)
   hf = hf_config(model_config, architecture, pad_id)
   if 'classifier' in task:  # (one label: a regression, as GLUE's STS-B)
     labels = int(task['classifier']['bias'].shape[0])
@@ -916,6 +930,8 @@ def _define(command):
                         'code (the default with realformer)', flag_values=f)
     else:
       flags.DEFINE_string('workdir', None, 'a Post-LN workdir', flag_values=f, required=True)
+      flags.DEFINE_boolean('encoder_only', False, 'export the encoder alone (BertModel), '
+                           'leaving out any head', flag_values=f)
     flags.DEFINE_string('out', None, 'the new workdir' if command.startswith('import') else
                         'the new HF directory', flag_values=f, required=True)
   return define
@@ -933,7 +949,7 @@ def main(argv=None) -> None:
       print(import_tf1(args.ckpt, args.bert_config, args.vocab, args.out,
                        variant=args.variant, do_lower_case=not args.cased, gelu=args.gelu))
     else:
-      print(export_hf(args.workdir, args.out))
+      print(export_hf(args.workdir, args.out, encoder_only=args.encoder_only))
 
 
 if __name__ == '__main__':

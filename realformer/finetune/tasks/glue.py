@@ -31,6 +31,7 @@ class GlueTask(FinetuneTask):
   """One GLUE task (mnli also evaluates mismatched dev and predicts AX): a classifier (a
   regressor for STS-B) on [CLS]'s pooled output, GLUE's metrics, the submission files."""
   token_outputs = False  # the head's outputs are per example
+  hf_architecture = 'BertForSequenceClassification'
 
   @classmethod
   def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:

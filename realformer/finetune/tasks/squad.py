@@ -28,6 +28,7 @@ from realformer.finetune.task import FinetuneTask
 class SquadTask(FinetuneTask):
   """SQuAD v1.1 or v2.0: span head, windows, n-best post-processing, official metrics."""
   token_outputs = True  # start and end logits per position
+  hf_architecture = 'BertForQuestionAnswering'
 
   @classmethod
   def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
