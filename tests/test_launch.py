@@ -338,6 +338,16 @@ V5E_TINY = [
 ]
 
 
+def test_the_report_names_an_attention_that_overrides_the_variants():
+  """A variant whose attention fields are overridden reports what it computes, not only
+  the preset's name; a preset as it is reports its name alone."""
+  target = launch.Target('v5e:2x2', 'tpu', [None] * 4, 1, 'TPU v5 lite', None)
+  mixed = tiny('postln', model__attention='random+dot', model__residual_attention=True)
+  assert 'postln, 2 layers x 128 on v5e:2x2 (4 x TPU v5 lite); mesh data=4 fsdp=1 tensor=1; ' \
+      'attention random+dot with residual scores, post_ln, ' in launch.describe(mixed, target)
+  assert 'attention' not in launch.describe(tiny('synth_random_vanilla'), target)
+
+
 @needs_libtpu
 @pytest.mark.parametrize('variant,overrides', V5E_TINY)
 def test_tiny_compiles_for_v5e_2x2(variant, overrides):
@@ -371,6 +381,10 @@ def test_tiny_compiles_for_v5e_2x2(variant, overrides):
   text = launch.format_report(config, target, report)
   assert 'verdict: fits' in text and 'TPU v5 lite' in text
   assert report.eval_total_bytes > 0  # (the tiny configs evaluate)
+  # The kernels' runs per step, as the report says: forward, dK/dV and dQ of each layer but
+  # the pruned last (unrolled), or of both scanned layers in each of 16 microbatches.
+  runs = {'postln': 3, 'realformer': 16 * 2 * 3, 'synth_dense_vanilla': 3}[variant]
+  assert report.kernels == runs and f'custom kernels: {runs} runs per step' in text
   if variant == 'realformer':  # (16 microbatches of 2048: see V5E_TINY)
     _the_evaluation_step_decides(config, target, report)
 

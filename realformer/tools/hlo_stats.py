@@ -89,6 +89,7 @@ class HloStats:
   unknown_trip_counts: int  # while loops whose trip count could not be read (counted once)
   assumed_trip_counts: int = 0  # bound read, start and step taken as jax's 0 and 1
   opaque_kernels: int = 0   # custom-call kernels whose FLOPs are not counted, per step
+  kernels: int = 0          # custom-call kernels (Pallas, cuDNN) run per step, all of them
 
 
 def _balanced(text: str, start: int) -> int:
@@ -241,9 +242,14 @@ def _stated_flops(inst: Instruction) -> Optional[float]:
   return float(m.group(1)) if m else None
 
 
+def is_kernel(inst: Instruction) -> bool:
+  """A custom-call kernel: Pallas (Mosaic on TPUs, Triton on GPUs) or cuDNN's."""
+  return bool(_OPAQUE_TARGETS.search(_custom_target(inst)))
+
+
 def is_opaque_kernel(inst: Instruction) -> bool:
   """A custom-call kernel whose FLOPs the HLO does not state (see the module docstring)."""
-  return bool(_OPAQUE_TARGETS.search(_custom_target(inst))) and _stated_flops(inst) is None
+  return is_kernel(inst) and _stated_flops(inst) is None
 
 
 def matmul_flops(inst: Instruction, types: Dict[str, str]) -> float:
@@ -320,7 +326,7 @@ def analyze(text: str) -> HloStats:
     c.count += int(times)
     c.bytes += times * nbytes
   return HloStats(walk.flops, walk.selection, collectives, walk.unknown, walk.assumed,
-                  int(walk.opaque))
+                  int(walk.opaque), int(walk.kernels))
 
 
 def _scalar_constants(text: str) -> Dict[str, int]:
@@ -343,7 +349,7 @@ class _Walk:
   def __init__(self, computations, constants: Dict[str, int]):
     self.computations, self.constants = computations, constants
     self.flops, self.selection, self.unknown, self.assumed = 0.0, 0.0, 0, 0
-    self.opaque = 0.0
+    self.opaque, self.kernels = 0.0, 0.0
     # One entry per collective: TPU splits an async collective into a start fusion, a
     # continuation and a done fusion, each holding a copy of the op with the same channel_id.
     self.seen = {}
@@ -355,6 +361,7 @@ class _Walk:
     for inst in insts:
       f = times * matmul_flops(inst, types)
       self.opaque += times * is_opaque_kernel(inst)
+      self.kernels += times * is_kernel(inst)
       if f and _is_selection(inst, types):
         self.selection += f
       else:

@@ -43,6 +43,8 @@ import jax
 import numpy as np
 
 from realformer.layers import flash_attention as flash_lib
+from realformer.model import spec as spec_lib
+from realformer.model.spec import resolve
 from realformer.tools import hlo_stats
 from realformer.train import compile_cache
 from realformer.train import metrics as metrics_lib
@@ -292,6 +294,7 @@ class Report:
   unknown_trip_counts: int = 0
   assumed_trip_counts: int = 0
   opaque_kernels: int = 0        # custom-call kernels (cuDNN attention, Pallas) not counted
+  kernels: int = 0               # custom-call kernels run per step (the attention's, fused)
 
   @property
   def flop_ratio(self) -> float:
@@ -400,6 +403,7 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   report.unknown_trip_counts = stats.unknown_trip_counts
   report.assumed_trip_counts = stats.assumed_trip_counts
   report.opaque_kernels = stats.opaque_kernels
+  report.kernels = stats.kernels
   report.collectives = {k: dataclasses.asdict(v) for k, v in sorted(stats.collectives.items())}
   return report, compiled
 
@@ -601,6 +605,14 @@ def describe(config, target: Target) -> str:
     flags.append(f'last_layer {m.last_layer}')
   if m.get('residual_dtype', 'float32') != 'float32':
     flags.append(f'residual_dtype {m.residual_dtype}')
+  spec = resolve(m, platform=target.platform)
+  preset = {**spec_lib.PRESET_DEFAULTS, **spec_lib.VARIANTS[m.variant]}
+  if ('+'.join(spec.attention), spec.residual_attention, spec.block) != (
+      preset['attention'], preset['residual_attention'], preset['block']):
+    # (the variant's fields overridden: what the encoder computes, not what its name says)
+    flags.insert(0, f'attention {"+".join(spec.attention)}' +
+                 (' with residual scores' if spec.residual_attention else '') +
+                 f', {spec.block}')
   return (f'{m.variant}, {m.num_layers} layers x {m.hidden_size} on {target.name} '
           f'({len(target.devices)} x {target.device_kind}{hosts}); mesh {mesh}; '
           f'{", ".join(flags)}; grad_accum_steps {tc.grad_accum_steps}')
@@ -660,6 +672,9 @@ def format_report(config, target: Target, r: Report) -> str:
   if r.opaque_kernels:
     note += (f' ({r.opaque_kernels} runs of custom kernels, such as cuDNN or Pallas attention, '
              'whose FLOPs the HLO does not state: not counted)')
+  if r.kernels:
+    lines.append(f'custom kernels: {r.kernels} runs per step (the fused attention\'s Pallas '
+                 'kernels, forward and backward, or cuDNN\'s)')
   lines += [f'FLOPs per chip per step: compiled matmuls {r.compiled_flops:.4g}, model '
             f'(flops_per_example) {r.model_flops:.4g}, ratio {r.flop_ratio:.3f}{note}',
             f'  (plus one-hot row selections {r.selection_flops:.3g}; XLA\'s cost_analysis '
