@@ -373,3 +373,16 @@ def test_realformer_bfloat16_carry_is_close_to_float32_and_carried_in_bfloat16()
   np.testing.assert_allclose(c.hidden, b.hidden, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match='residual_dtype'):
     resolve(small_config('realformer', residual_dtype='float16'))
+
+
+def test_every_preset_is_named_where_users_read_the_list():
+  """realformer/model/spec.py's VARIANTS is the one list; the README's variant table and
+  configs/pretrain.py's docstring name each preset for the reader, and fall behind silently
+  without this."""
+  import os  # pylint: disable=g-import-not-at-top
+  readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             'README.md'), encoding='utf-8').read()
+  table = readme[:readme.index('Sizes:')]
+  for variant in pretrain.VARIANTS:
+    assert f'`{variant}`' in table, variant
+    assert variant in pretrain.__doc__, variant
