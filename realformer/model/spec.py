@@ -104,6 +104,18 @@ class EncoderSpec:
         synthetic.component(c).fusable for c in self.attention if c != 'dot')
 
   @property
+  def summary(self) -> str:
+    """One line of what the encoder computes (a run's log says it at its start)."""
+    attention = '+'.join(self.attention) + (
+        f' (mixture of {"+".join(self.mixture)})' if self.mixture and
+        len(self.mixture) < len(self.attention) else ' (mixed)' if self.mixture else '')
+    if self.residual_attention:
+      attention += ' with residual scores' + (' (running mean)' if self.running_mean else '')
+    return (f'{self.num_layers} layers x {self.hidden_size} ({self.num_heads} heads), '
+            f'{self.block}, attention {attention}, {jnp.dtype(self.dtype).name}, '
+            f'fused_attention {self.fused_attention}')
+
+  @property
   def mixture(self) -> Tuple[str, ...]:
     """The components whose logits the learned mixture weights (the dot product and each
     component that declares itself `mixed`), in `attention`'s order; () for fewer than two:

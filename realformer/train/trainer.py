@@ -679,6 +679,9 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
                jax.process_count())
   with run.hold(task_cls.command, config), jax.set_mesh(mesh):
     task = task_cls(config, mesh, run)
+    spec = getattr(task.program.model, 'spec', None)
+    if spec is not None:
+      logging.info('encoder: %s', spec.summary)
     return task, Trainer(task, run).run()
 
 
