@@ -13,13 +13,17 @@ Ids are not checked inside the model (it is traced): input_ids must lie in [0, v
 past the table gives NaN rows, a negative one wraps) and segment_ids in
 [0, type_vocab_size) (one past it embeds no token type); the programs check their data.
 Other heads: models.build(config.model, head='encoder' | 'classification' (num_labels=k) |
-'span'). The modules themselves live in realformer/model/ (encoder.py, attention.py, spec.py).
+'span'). A head of one's own (a fine-tuning kind's build): models.Encoder(spec,
+name='encoder') and the head on its output, returning (the encoder's output, *the head's
+outputs), as encoder.py's BertForQuestionAnswering does. The modules themselves live in
+realformer/model/ (encoder.py, attention.py, spec.py).
 """
 
 from realformer.model.encoder import Block
 from realformer.model.encoder import build
+from realformer.model.encoder import Encoder
 from realformer.model.encoder import EncoderOutput
 from realformer.model.encoder import HEADS
 from realformer.model.encoder import PretrainingOutput
 
-__all__ = ['HEADS', 'Block', 'EncoderOutput', 'PretrainingOutput', 'build']
+__all__ = ['HEADS', 'Block', 'Encoder', 'EncoderOutput', 'PretrainingOutput', 'build']
