@@ -26,6 +26,7 @@ synthesizer/<name>.py, which `component(name)` imports when a config first names
 every program, and a fine-tuning of a checkpoint trained with it, finds it).
 """
 
+import functools
 import importlib
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
@@ -128,6 +129,16 @@ def component(name: str) -> Optional[type]:
       raise ValueError(f'{__package__}/{name}.py registers no logit component as {name!r}; '
                        f"decorate its LogitComponent with @register('{name}')")
   return SYNTHESIZERS.get(name)
+
+
+@functools.lru_cache(maxsize=None)
+def trains(name: str, spec) -> bool:
+  """Whether component `name` has parameters that train under `spec` (any parameter its
+  init makes, less its fixed_params): whether its logits take a gradient."""
+  module = component(name)(spec)
+  x = jax.ShapeDtypeStruct((1, min(spec.max_len, 8), spec.hidden_size), jnp.float32)
+  made = jax.eval_shape(lambda x: module.init(jax.random.PRNGKey(0), x), x).get('params', {})
+  return bool(set(made) - set(component(name).fixed_params(spec)))
 
 
 def module_name(name: str) -> str:

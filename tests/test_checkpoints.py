@@ -191,6 +191,14 @@ def test_params_only_partial_restore_and_mismatch_errors(reference):
     checkpoints.restore_params(workdir, wide_params['params'], subtree=('encoder',))
   with pytest.raises(FileNotFoundError, match='does not exist'):
     checkpoints.restore_params(workdir + '_nope', wide_params['params'])
+  # An encoder parameter of the checkpoint that the model has no place for (a model of another
+  # config: here one layer fewer) is refused, where a partial restore would drop it silently.
+  config.model.hidden_size, config.model.num_layers = 32, 1
+  short = models.build(config.model, head='encoder')
+  short_params = nn.unbox(jax.eval_shape(lambda: short.init(jax.random.PRNGKey(0), batch)))
+  with pytest.raises(ValueError, match=r'it holds params/encoder/layers_1/\S+, which the '
+                                       r'model has no place for \(\d+ such\)'):
+    checkpoints.restore_params(workdir, short_params['params'], subtree=('encoder',))
 
 
 def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):

@@ -1149,9 +1149,9 @@ def test_a_kind_of_ones_own_is_told_its_contract_in_one_line(pretrained, tmp_pat
     def load(self, tokenizer):
       super().load(tokenizer)
       self.train['tags'] = np.zeros_like(self.train['input_ids'])
-  with pytest.raises(ValueError, match=r"Tagged: the training features \['tags'\] hold a value "
-                     r'per token .* add them \(sequence_keys = buckets.SEQUENCE_KEYS \+ '
-                     r"\('tags',\)\)"):
+  with pytest.raises(ValueError, match=r"Tagged: the training features \['tags'\] hold values "
+                     r"per token .* add them \(sequence_keys = \('input_ids', 'segment_ids', "
+                     r"'attention_mask'\) \+ \('tags',\)\)"):
     Tagged(config, mesh, RunDir(str(tmp_path / 'a')))
 
   class HeadOnly(glue_task):
@@ -1166,6 +1166,12 @@ def test_a_kind_of_ones_own_is_told_its_contract_in_one_line(pretrained, tmp_pat
   task = HeadOnly(config, mesh, RunDir(str(tmp_path / 'b')))
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in task.program.batch_shapes.items()
            if k != 'label'}
-  with pytest.raises(ValueError, match=r"HeadOnly.build: its model returns .*; a fine-tuning "
-                     r"model returns \(the encoder's output, \*the head's outputs\)"):
+  with pytest.raises(ValueError, match=r"HeadOnly.build: its model returns an array; a "
+                     r"fine-tuning model returns \(the encoder's output, \*the head's outputs\)"):
     jax.eval_shape(task.program.eval_step, task.program.abstract.params, batch)
+  # The HF class a kind's head exports as is declared where its build is: HeadOnly's own head
+  # inherits none of GLUE's; Tagged keeps GLUE's head, and its class.
+  assert finetune_task.hf_architecture_of(HeadOnly) == ''
+  assert finetune_task.hf_architecture_of(Tagged) == 'BertForSequenceClassification'
+  assert finetune_task.hf_architecture_of(registry.get('tsv')) == 'BertForSequenceClassification'
+  assert finetune_task.hf_architecture_of(registry.get('squad')) == 'BertForQuestionAnswering'

@@ -309,7 +309,12 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
       tuned = {k: v for k, v in params.items()
                if k == 'encoder' or any(k in heads_of.get(h, ()) for h in heads)}
     run = tmp_path / architecture
-    checkpoints.save_params(str(run), tuned, cfg)
+    saved = cfg
+    if any(h in interop.TASK_HEADS for h in heads):  # as a fine-tuning's best/ records it
+      saved = cfg.copy_and_resolve_references()
+      saved.finetuned = {'kind': 'glue' if heads == ('classifier',) else 'squad',
+                         'task': 'x', 'hf_architecture': architecture}
+    checkpoints.save_params(str(run), tuned, saved)
     out = interop.export_hf(str(run), str(tmp_path / f'{architecture}_hf'))
     hf = getattr(transformers, architecture).from_pretrained(out, attn_implementation='eager')
     expected = {k for k in hf.state_dict()  # (the decoder: tied to the embeddings, the bias)
@@ -343,6 +348,17 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
       'bias': np.zeros(7, np.float32)}}, tagged)
   with pytest.raises(ValueError, match=r"no place for \(tagging/toy: a task of one's own\)"):
     interop.export_hf(str(tmp_path / 'tagged'), str(tmp_path / 'tagged_hf'))
+  for declared, why in (('BertForQuestionAnswering', r"whose head is not the checkpoint's "
+                                                     r"\['classifier'\]"),
+                        ('BertForTokenClassification', r'which the export does not write')):
+    tagged.finetuned.hf_architecture = declared
+    checkpoints.save_params(str(tmp_path / f'declares_{declared}'), {
+        'encoder': params['encoder'], 'classifier': {
+            'kernel': np.zeros((cfg.model.hidden_size, 7), np.float32),
+            'bias': np.zeros(7, np.float32)}}, tagged)
+    with pytest.raises(ValueError, match=rf'is a fine-tuning \(tagging\) that declares '
+                                         rf'{declared}, {why}.*--encoder_only'):
+      interop.export_hf(str(tmp_path / f'declares_{declared}'), str(tmp_path / 'd_hf'))
   for name in ('tagged', 'own'):
     assert interop.main(['export-hf', '--workdir', str(tmp_path / name), '--out',
                          str(tmp_path / f'{name}_encoder'), '--encoder_only']) is None

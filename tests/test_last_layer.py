@@ -15,6 +15,7 @@ from realformer import models
 from realformer.layers import rows as rows_lib
 from realformer.model.spec import resolve
 from realformer.train import train_lib
+from synthesizer import synthetic
 from tests.test_models import VARIANTS, make_batch, perturbed_params, small_config
 
 # Masked positions per row, padding ones included (weight 0), repeats and position 0 too.
@@ -134,6 +135,35 @@ def test_train_step_matmuls_are_exactly_flops_per_example(variant):
           (n - 1) * t * product + b * last * product)
     assert counted[rows] == want, rows
   assert counted['predicted'] < counted['all']
+
+
+@synthetic.register('distance_penalty')
+class DistancePenalty(synthetic.LogitComponent):
+  """-|k - q| / 4 for every head: a constant of the shapes (no parameters), a bias of the
+  logits (added with weight 1)."""
+  mixed = False
+
+  def __call__(self, x, rows=None):
+    keys = jnp.arange(x.shape[1])
+    queries = keys[None, :] if rows is None else rows  # [1 or B, S]
+    bias = -jnp.abs(keys[None, None, :] - queries[:, :, None]).astype(jnp.float32) / 4
+    return jnp.broadcast_to(bias[:, None], (bias.shape[0], self.spec.num_heads) + bias.shape[1:])
+
+
+def test_no_gradient_of_the_probabilities_where_no_logit_trains():
+  """A fixed random table with a bias that has no parameters: no logit takes a gradient, so
+  the probabilities' gradient is neither formed (the jaxpr) nor counted (the figure)."""
+  batch = pretraining_batch()
+  b, t = batch['input_ids'].shape
+  p = batch['masked_lm_positions'].shape[1]
+  for rows in ('all', 'predicted'):
+    config = small_config('synth_random_fixed', attention='random+distance_penalty',
+                          last_layer=rows)
+    assert resolve(config).mixture == ()
+    model = models.build(config)
+    params = perturbed_params(model, batch)
+    jaxpr = jax.make_jaxpr(jax.grad(_loss(model)))(params, batch).jaxpr
+    assert model_matmul_flops(jaxpr) == b * train_lib.flops_per_example(config, t, p), rows
 
 
 def test_contract_paths_keep_every_row():

@@ -80,6 +80,14 @@ def gpu_kernels_off_gpus(model):
   return model
 
 
+def hf_architecture_of(cls) -> str:
+  """The HF class the kind's head exports as: declared by the class that defines its
+  `build` ('' for none: a subclass that builds a head of its own does not inherit its
+  parent's)."""
+  owner = next(c for c in cls.__mro__ if 'build' in vars(c))
+  return vars(owner).get('hf_architecture') or ''
+
+
 def computed_as(model, overrides) -> ml_collections.ConfigDict:
   """The pretraining's model config with the fine-tuning's config.model fields that are set
   (how the encoder computes: dtype, dropout, kernels, remat; '' or None: as pretrained)."""
@@ -299,7 +307,10 @@ class FinetuneTask(trainer.Task, abc.ABC):
   command = 'finetune.py'
   token_outputs = False  # whether the head's outputs are per token (SQuAD's spans)
   # The transformers class that holds the encoder and this kind's head, for export-hf (best/
-  # and final/ record it); None: a head of one's own, whose export takes the encoder alone.
+  # and final/ record it; one of interop.HF_ARCHITECTURES', whose heads are named as GLUE's
+  # classifier and SQuAD's span_head); None: a head of one's own, whose export takes the
+  # encoder alone. Declared by the class that defines `build`: a subclass with a head of its
+  # own declares none by inheriting it (hf_architecture_of).
   hf_architecture: Optional[str] = None
   # The training features cut to a batch's bucket length with the inputs (a task with labels
   # per token, [N, max_seq_length], adds their key).
@@ -337,7 +348,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
         max(trained, config.max_seq_length) if known else pre.model.max_len)
     with self.params_config.unlocked():
       self.params_config.finetuned = {'kind': config.benchmark, 'task': config.task,
-                                      'hf_architecture': self.hf_architecture or ''}
+                                      'hf_architecture': hf_architecture_of(type(self))}
     self.load(tokenizer)
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',
@@ -349,23 +360,26 @@ class FinetuneTask(trainer.Task, abc.ABC):
                        f'{config.batch_size}; lower config.batch_size')
     self.cadence = trainer.make_cadence(config, self.steps_per_epoch)
     if config.length_buckets:
-      per_token = sorted(k for k, v in self.train.items() if v.shape[1:] == (
-          config.max_seq_length,) and k not in self.sequence_keys)
+      per_token = sorted(k for k, v in self.train.items() if v.ndim >= 2 and v.shape[1] ==
+                         config.max_seq_length and k not in self.sequence_keys)
       if per_token:
-        raise ValueError(f'{type(self).__name__}: the training features {per_token} hold a '
-                         f'value per token ([N, max_seq_length={config.max_seq_length}]) but '
-                         'are not in its sequence_keys, which length buckets cut with the '
-                         f'inputs; add them (sequence_keys = buckets.SEQUENCE_KEYS + '
-                         f'{tuple(per_token)})')
+        name = type(self).__name__
+        raise ValueError(f'{name}: the training features {per_token} hold values per token '
+                         f'([N, max_seq_length={config.max_seq_length}, ...]) but are not in '
+                         'its sequence_keys, which length buckets cut with the inputs; add '
+                         f'them (sequence_keys = {self.sequence_keys} + {tuple(per_token)})')
     self.spec = resolve(computed_as(gpu_kernels_off_gpus(pre.model), config.get('model')))
     model = self.build(self.spec)
 
     def eval_fn(params, batch):
       out = model.apply({'params': params}, batch)
       if not (isinstance(out, tuple) and out and isinstance(out[0], EncoderOutput)):
-        raise ValueError(f'{type(self).__name__}.build: its model returns '
-                         f'{type(out).__name__}; a fine-tuning model returns (the encoder\'s '
-                         'output, *the head\'s outputs), as models.build\'s heads do')
+        what = ('an array' if hasattr(out, 'shape') else
+                f'a tuple whose first item is {type(out[0]).__name__}'
+                if isinstance(out, tuple) and out else type(out).__name__)
+        raise ValueError(f'{type(self).__name__}.build: its model returns {what}; a '
+                         'fine-tuning model returns (the encoder\'s output, *the head\'s '
+                         'outputs), as models.build\'s heads do')
       return out[1:]
     self.program = train_lib.make_program(
         model, config.optimizer, self.cadence.num_steps, mesh, config.seed,

@@ -837,12 +837,15 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
                      'pass --encoder_only to export the encoder alone')
   heads = ([] if encoder_only else
            [h for h in ('mlm_head', 'nsp_head', *TASK_HEADS) if h in stored])
-  if (finetuned.get('hf_architecture') and heads and
-      HF_ARCHITECTURES.get(tuple(heads)) != finetuned['hf_architecture']):
-    raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, but its '
-                     f'fine-tuning ({finetuned["kind"]}) declares '
-                     f'{finetuned["hf_architecture"]}; pass --encoder_only to export the '
-                     'encoder alone')
+  declared = finetuned.get('hf_architecture')
+  if declared and heads and HF_ARCHITECTURES.get(tuple(heads)) != declared:
+    why = ('which the export does not write (it writes ' +
+           ', '.join(sorted(set(HF_ARCHITECTURES.values()))) + ')'
+           if declared not in HF_ARCHITECTURES.values() else
+           f'whose head is not the checkpoint\'s {heads}')
+    raise ValueError(f'the checkpoint of {workdir} is a fine-tuning ({finetuned["kind"]}) that '
+                     f'declares {declared}, {why}; pass --encoder_only to export the encoder '
+                     'alone')
   if tuple(heads) not in HF_ARCHITECTURES:
     raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, which no one HF '
                      'class holds together')

@@ -217,9 +217,20 @@ def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -
   """Compare a checkpoint's state with the model's abstract target, before reading arrays.
 
   Returns the target paths the checkpoint lacks (allowed only with allow_missing); raises a
-  ValueError naming the first parameter whose shape differs or that is missing.
+  ValueError naming the first parameter whose shape differs or that is missing, or an
+  encoder parameter of the checkpoint that the model has no place for (a model of another
+  config, which would run without it: a mixture's weights, say, of a component since
+  declared a bias). Heads the model lacks are left behind (a fine-tuning's encoder alone).
   """
   stored = _shapes(stored_tree(step_dir))
+  wanted_paths = _shapes(target)
+  encoders = {p.rsplit('/encoder/', 1)[0] for p in wanted_paths if '/encoder/' in p}
+  unused = sorted(p for p in stored if p not in wanted_paths and any(
+      p.startswith(e + '/encoder/') for e in encoders))
+  if unused:
+    raise ValueError(f'checkpoint {step_dir} does not match the model: it holds {unused[0]}, '
+                     f'which the model has no place for ({len(unused)} such); use the '
+                     'config.json of the run that wrote it')
   missing = []
   wanted = sorted(_shapes(target).items(), key=lambda kv: not kv[0].startswith('params/'))
   for path, shape in wanted:  # params first: their names are the ones a user knows

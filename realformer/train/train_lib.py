@@ -709,11 +709,12 @@ def encoder_training_flops(spec: EncoderSpec, seq_len: int,
                            last_rows: Optional[int] = None) -> float:
   """Training FLOPs of the encoder's layers for one example (flops_per_example's table):
   3 x forward, less the probabilities' gradient, 2 R T D a layer, where no logit takes a
-  gradient (a fixed random table alone)."""
+  gradient (a fixed random table alone, or with components without trainable parameters;
+  a mixture's weights train, so a mixture takes one)."""
   last = seq_len if last_rows is None else last_rows
   flops = training_flops(encoder_flops(spec, seq_len, last))
-  if not any(c == 'dot' or not synthetic.component(c).fixed_params(spec)
-             for c in spec.attention):
+  if not ('dot' in spec.attention or spec.mixture or
+          any(synthetic.trains(c, spec) for c in spec.attention)):
     flops -= 2 * seq_len * spec.hidden_size * ((spec.num_layers - 1) * seq_len + last)
   return flops
 
