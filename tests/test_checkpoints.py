@@ -162,7 +162,7 @@ def test_two_processes_train_checkpoint_and_resume_together(tmp_path, reference)
   assert '8' in os.listdir(tmp_path / 'checkpoints')
 
 
-def test_params_only_partial_restore_and_mismatch_errors(reference):
+def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):
   workdir = str(reference[0])
   config = tiny_config()
   step_dir = checkpoints.resolve_step_dir(workdir)
@@ -197,8 +197,20 @@ def test_params_only_partial_restore_and_mismatch_errors(reference):
   short = models.build(config.model, head='encoder')
   short_params = nn.unbox(jax.eval_shape(lambda: short.init(jax.random.PRNGKey(0), batch)))
   with pytest.raises(ValueError, match=r'it holds params/encoder/layers_1/\S+, which the '
-                                       r'model has no place for \(\d+ such\)'):
+                                       r'model has no place for \(\d+ such\); use the'):
     checkpoints.restore_params(workdir, short_params['params'], subtree=('encoder',))
+  # A mixture's weights where the code now declares the component a bias: said so.
+  config.model.num_layers = 2
+  encoder = models.build(config.model, head='encoder')
+  params = jax.tree.map(np.asarray, nn.unbox(encoder.init(jax.random.PRNGKey(0), batch)))
+  params['params']['layers_0']['attention']['mixture_logits'] = np.zeros(2, np.float32)
+  checkpoints.save_params(str(tmp_path / 'mixed'), {'encoder': params['params']}, config)
+  abstract_encoder = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  nn.unbox(jax.eval_shape(lambda: encoder.init(
+                                      jax.random.PRNGKey(0), batch)))['params'])
+  with pytest.raises(ValueError, match=r'holds params/encoder/layers_0/attention/mixture_logits'
+                                       r'.*now declared `mixed = False`'):
+    checkpoints.restore_params(str(tmp_path / 'mixed'), abstract_encoder, subtree=('encoder',))
 
 
 def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):

@@ -959,7 +959,8 @@ def test_a_new_config_field_says_what_runs_before_it_meant():
   for name, keys in now.items():
     assert keys - recorded[name] == set(), (
         f'{name} has new fields: give each a workdir.ADDED_DEFAULTS entry (or a RESUMABLE '
-        'one), then add them to tests/data/config_keys.json')
+        'one), then add them to tests/data/config_keys.json (a new kind\'s own fields, which '
+        'no earlier run has: only list them there)')
     assert recorded[name] - keys == set(), f'{name} lost fields: remove them from the record'
   for key in workdir_lib.ADDED_DEFAULTS:
     assert key in now['configs/pretrain.py'] | now['configs/finetune.py'], key

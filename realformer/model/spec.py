@@ -107,10 +107,10 @@ class EncoderSpec:
   def summary(self) -> str:
     """One line of what the encoder computes (a run's log says it at its start)."""
     biases = [c for c in self.attention if c != 'dot' and c not in self.mixture]
-    attention = '+'.join(self.attention) + (
-        f' (mixed: {"+".join(self.mixture)})' if self.mixture else '') + (
-        f' ({"+".join(biases)}: added with weight 1)' if biases and len(self.attention) > 1
-        else '')
+    notes = ([f'mixed: {"+".join(self.mixture)}'] if self.mixture else []) + (
+        [f'{"+".join(biases)}: added with weight 1'] if biases and len(self.attention) > 1
+        else [])
+    attention = '+'.join(self.attention) + (f' ({"; ".join(notes)})' if notes else '')
     if self.residual_attention:
       attention += ' with residual scores' + (' (running mean)' if self.running_mean else '')
     return (f'{self.num_layers} layers x {self.hidden_size} ({self.num_heads} heads), '

@@ -225,11 +225,15 @@ def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -
   stored = _shapes(stored_tree(step_dir))
   wanted_paths = _shapes(target)
   encoders = {p.rsplit('/encoder/', 1)[0] for p in wanted_paths if '/encoder/' in p}
-  unused = sorted(p for p in stored if p not in wanted_paths and any(
-      p.startswith(e + '/encoder/') for e in encoders))
+  unused = sorted((p for p in stored if p not in wanted_paths and any(
+      p.startswith(e + '/encoder/') for e in encoders)),
+                  key=lambda p: (not p.startswith('params/'), p))  # params first
   if unused:
+    why = ('; a component of model.attention is now declared `mixed = False` (a bias), '
+           'where the code that wrote it mixed it' if unused[0].endswith('mixture_logits')
+           else '')
     raise ValueError(f'checkpoint {step_dir} does not match the model: it holds {unused[0]}, '
-                     f'which the model has no place for ({len(unused)} such); use the '
+                     f'which the model has no place for ({len(unused)} such){why}; use the '
                      'config.json of the run that wrote it')
   missing = []
   wanted = sorted(_shapes(target).items(), key=lambda kv: not kv[0].startswith('params/'))
