@@ -76,7 +76,7 @@ def main(argv=None):
   sweep.check_program(args.program, args.config)
   runs = sweep.expand(args.sweep, args.set, args.seeds, args.sweep_file,
                       types=sweep.field_types(args.config))
-  sweep.check_keys(args.config, runs)
+  sweep.check_keys(args.config, runs, here=args.cmd != 'print')
   # Every --sweep key names the runs, also one given a single value: a sweep extended one
   # value at a time into the same root gives each value a folder of its own.
   swept = [sweep.assignment_key(assignment) for assignment in args.sweep]

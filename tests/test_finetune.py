@@ -785,6 +785,14 @@ def test_grid_commands_and_summary(tmp_path, capsys):
     runs.return_value = {}
     assert finetune_grid.main(grid_args) == 0
     assert runs.call_args.args[0] == []  # the diverged run is not started again
+  # A setting every run's own checks refuse: one line before any run starts (not a failure
+  # in each run's log); printed for a cluster, the kind's checks are the runs' there.
+  with mock.patch.object(finetune_grid.sweep, 'run_all') as runs:
+    with pytest.raises(ValueError, match=r'the run with .*length_buckets=-1: '
+                                         r'config.length_buckets=-1: give the number'):
+      finetune_grid.main(['--tasks', 'rte', '--root', root, '--seeds', '1',
+                          '--set', 'from_scratch=True', '--set', 'length_buckets=-1'])
+    runs.assert_not_called()
   # Hugging Face data (hf:) is no directory here: the runs load it
   with mock.patch.object(finetune_grid.sweep, 'run_all', return_value={'seed=0': 0}) as runs:
     finetune_grid.main(['--tasks', 'rte', '--root', f'{root}/hf_run', '--seeds', '1',

@@ -344,7 +344,7 @@ def main(argv=None):
       raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')
     runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
     for task in tasks:  # every task's config takes the --set keys, before any run starts
-      sweep.check_keys(config_arg(task), runs)
+      sweep.check_keys(config_arg(task), runs, here=not args.print_only)
     failed, elsewhere, diverged = [], [], []
     for task in tasks:
       root = task_root(args.root, task)

@@ -294,10 +294,12 @@ def check_program(program: str, config: str) -> None:
     cli.check_program(cfg, os.path.basename(program))
 
 
-def check_keys(config: str, runs: Sequence[Run]):
+def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
   """One-line errors, before any run starts (each run would otherwise fail the same way):
   an override key the config does not have, or a value its field cannot take (the runs
-  pass values as --config.<key>=<text>, which the field's type parses; None has no text)."""
+  pass values as --config.<key>=<text>, which the field's type parses; None has no text);
+  then each run's whole config as its program checks it (a fine-tuning kind's checks only
+  `here`, where the runs start: they may read its files)."""
   import difflib  # pylint: disable=g-import-not-at-top
   cfg = _load(config)
   if cfg is None:
@@ -335,24 +337,39 @@ def check_keys(config: str, runs: Sequence[Run]):
                'fix the --sweep/--set value')
         raise ValueError(f'{key}={value!r} does not fit the field ({kind(key).__name__}, '
                          f'now {current!r}); {fix}') from None
+  def whole(run):  # the run's config, as --config.<key>=<text> would set it
+    full = cfg.copy_and_resolve_references()
+    for key, value in run.items():
+      if key == 'seed':
+        continue
+      *path, name = key.split('.')
+      holder = full
+      for part in path:
+        holder = holder[part]
+      holder[name] = (bool(value) if kind(key) is bool else
+                      _fmt(value) if kind(key) is str else value)
+    return full
+
   if 'model' in cfg and 'variant' in cfg.model and 'train' in cfg:  # a pretraining config:
     from realformer import config_checks  # pylint: disable=g-import-not-at-top
-    for run in runs:  # each run's whole config, as train.py checks it (a variant, a step
-      full = cfg.copy_and_resolve_references()  # count, the warm-up, the lengths, ...)
-      for key, value in run.items():
-        if key == 'seed':
-          continue
-        *path, name = key.split('.')
-        holder = full
-        for part in path:
-          holder = holder[part]
-        holder[name] = (bool(value) if kind(key) is bool else  # as --config.<key>=<text>
-                        _fmt(value) if kind(key) is str else value)  # would set it
-      try:
-        config_checks.check_config(full)
-      except ValueError as e:
-        changed = ', '.join(f'{k}={v}' for k, v in run.items() if k != 'seed')
-        raise ValueError(f'the run with {changed}: {e}; fix the --sweep/--set value') from None
+    check = config_checks.check_config  # (a variant, a step count, the warm-up, lengths...)
+  elif 'benchmark' in cfg and 'task' in cfg and here:  # a fine-tuning config: its kind's
+    import jax  # pylint: disable=g-import-not-at-top
+    from realformer.finetune import registry  # pylint: disable=g-import-not-at-top
+    from realformer.train import partitioning  # pylint: disable=g-import-not-at-top
+    # Over a mesh of one device, never the machine's: a sweep process that started a GPU
+    # backend would hold the memory its runs need (a batch that does not split over the
+    # runs' devices stays the run's own one line).
+    one = jax.sharding.AbstractMesh((1,) * len(partitioning.MESH_AXES), partitioning.MESH_AXES)
+    check = lambda full: registry.get(full.benchmark).checked_config(full, one)
+  else:
+    return
+  for run in runs:
+    try:
+      check(whole(run))
+    except ValueError as e:
+      changed = ', '.join(f'{k}={v}' for k, v in run.items() if k != 'seed')
+      raise ValueError(f'the run with {changed}: {e}; fix the --sweep/--set value') from None
 
 
 def _log_records(workdir: str) -> List[dict]:
