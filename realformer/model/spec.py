@@ -104,6 +104,17 @@ class EncoderSpec:
         synthetic.component(c).fusable for c in self.attention if c != 'dot')
 
   @property
+  def name(self) -> str:
+    """The variant, and what the encoder computes where its attention fields override the
+    preset's (a Post-LN with `model.attention=alibi+dot` is not Post-LN)."""
+    preset = {**PRESET_DEFAULTS, **VARIANTS.get(self.variant, {})}
+    if ('+'.join(self.attention), self.residual_attention, self.block) == (
+        preset['attention'], preset['residual_attention'], preset['block']):
+      return self.variant
+    return (f'{self.variant} (attention {"+".join(self.attention)}' +
+            (' with residual scores' if self.residual_attention else '') + f', {self.block})')
+
+  @property
   def summary(self) -> str:
     """One line of what the encoder computes (a run's log says it at its start)."""
     biases = [c for c in self.attention if c != 'dot' and c not in self.mixture]

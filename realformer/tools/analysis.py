@@ -24,6 +24,7 @@ import numpy as np
 
 from realformer import models
 from realformer import storage
+from realformer.model.spec import resolve
 from realformer.train import checkpoints
 
 
@@ -116,7 +117,8 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   entropies = [attention_entropy(a, mask) for a in attention]
   heads = [head_entropies(a, mask) for a in attention]
   pairs = js_matrix(attention, mask)
-  return {'variant': config.model.variant, 'workdir': workdir, 'entropies': entropies,
+  return {'variant': resolve(config.model).name, 'workdir': workdir,
+          'entropies': entropies,
           'head_entropies': heads,
           'entropy_mean': [float(e.mean()) for e in entropies],
           'entropy_head_medians': [[float(np.median(h)) for h in layer] for layer in heads],

@@ -43,7 +43,6 @@ import jax
 import numpy as np
 
 from realformer.layers import flash_attention as flash_lib
-from realformer.model import spec as spec_lib
 from realformer.model.spec import resolve
 from realformer.tools import hlo_stats
 from realformer.train import compile_cache
@@ -605,15 +604,8 @@ def describe(config, target: Target) -> str:
     flags.append(f'last_layer {m.last_layer}')
   if m.get('residual_dtype', 'float32') != 'float32':
     flags.append(f'residual_dtype {m.residual_dtype}')
-  spec = resolve(m, platform=target.platform)
-  preset = {**spec_lib.PRESET_DEFAULTS, **spec_lib.VARIANTS[m.variant]}
-  if ('+'.join(spec.attention), spec.residual_attention, spec.block) != (
-      preset['attention'], preset['residual_attention'], preset['block']):
-    # (the variant's fields overridden: what the encoder computes, not what its name says)
-    flags.insert(0, f'attention {"+".join(spec.attention)}' +
-                 (' with residual scores' if spec.residual_attention else '') +
-                 f', {spec.block}')
-  return (f'{m.variant}, {m.num_layers} layers x {m.hidden_size} on {target.name} '
+  name = resolve(m, platform=target.platform).name  # (the attention where it overrides)
+  return (f'{name}, {m.num_layers} layers x {m.hidden_size} on {target.name} '
           f'({len(target.devices)} x {target.device_kind}{hosts}); mesh {mesh}; '
           f'{", ".join(flags)}; grad_accum_steps {tc.grad_accum_steps}')
 
