@@ -211,6 +211,13 @@ def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):
   with pytest.raises(ValueError, match=r'holds params/encoder/layers_0/attention/mixture_logits'
                                        r'.*now declared `mixed = False`'):
     checkpoints.restore_params(str(tmp_path / 'mixed'), abstract_encoder, subtree=('encoder',))
+  # ... but where a component's own parameters are left over too, the config lacks it: no hint
+  params['params']['layers_0']['attention']['synth_dense'] = {'b': np.zeros(2, np.float32)}
+  checkpoints.save_params(str(tmp_path / 'dense'), {'encoder': params['params']}, config)
+  with pytest.raises(ValueError, match=r'mixture_logits, which the model has no place for '
+                                       r'\(2 such\); use the config.json') as e:
+    checkpoints.restore_params(str(tmp_path / 'dense'), abstract_encoder, subtree=('encoder',))
+  assert 'mixed = False' not in str(e.value)
 
 
 def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):

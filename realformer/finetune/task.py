@@ -413,7 +413,10 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def checked_config(cls, config, mesh):
     """One-line errors for settings that would fail after the run directory was written
     (a kind extends it), beginning with a config that lacks fields of its kind (its
-    config.benchmark overridden to another kind's); returns `config`."""
+    config.benchmark overridden to another kind's); returns `config`. Sweeps and grids also
+    call it for each run before any starts, in a process without an accelerator backend and
+    over a one-device jax.sharding.AbstractMesh: read only `mesh.shape` (no devices, no
+    jax.process_count())."""
     probe = copy.deepcopy(config)
     probe.unlock()
     fields = set(workdir_lib.flatten(probe.to_dict()))

@@ -737,7 +737,7 @@ def check_exportable(model_config) -> None:
         f'model variant {spec.variant!r} (block={spec.block}, residual_attention='
         f'{spec.residual_attention}, attention={"+".join(spec.attention)}) cannot be '
         'represented by HF BertModel; only Post-LN encoders whose attention is the dot product '
-        'alone (variant postln, model.attention unset) can be exported')
+        'alone (variant postln, as its preset has it) can be exported')
 
 
 def _unscan(encoder: dict, num_layers: int) -> dict:

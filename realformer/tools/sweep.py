@@ -369,7 +369,8 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
       check(whole(run))
     except ValueError as e:
       changed = ', '.join(f'{k}={v}' for k, v in run.items() if k != 'seed')
-      raise ValueError(f'the run with {changed}: {e}; fix the --sweep/--set value') from None
+      which = f'the run with {changed}' if changed else f'{config} itself'
+      raise ValueError(f'{which}: {e}; fix the --sweep/--set value') from None
 
 
 def _log_records(workdir: str) -> List[dict]:

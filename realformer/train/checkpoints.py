@@ -230,8 +230,8 @@ def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -
                   key=lambda p: (not p.startswith('params/'), p))  # params first
   if unused:
     why = ('; a component of model.attention is now declared `mixed = False` (a bias), '
-           'where the code that wrote it mixed it' if unused[0].endswith('mixture_logits')
-           else '')
+           'where the code that wrote it mixed it'
+           if all(p.rpartition('/')[2] == 'mixture_logits' for p in unused) else '')
     raise ValueError(f'checkpoint {step_dir} does not match the model: it holds {unused[0]}, '
                      f'which the model has no place for ({len(unused)} such){why}; use the '
                      'config.json of the run that wrote it')

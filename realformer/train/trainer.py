@@ -436,8 +436,9 @@ class Trainer:
     # init gives it.
     unknown = jax.tree.map(lambda _: None, program.abstract.params)
     state = program.init(_with_subtree(unknown, init.subtree, loaded))
-    logging.info('initialized %s from %s (%d of its parameters kept fresh); the rest fresh',
-                 '/'.join(init.subtree) or 'params', init.path, len(missing))
+    logging.info('initialized %s from %s (%d of them kept fresh: the checkpoint lacks them)%s',
+                 '/'.join(init.subtree) or 'params', init.path, len(missing),
+                 '; the rest fresh' if init.subtree else '')
     return state
 
   def _data_args(self, mode: str) -> Dict[str, Any]:
