@@ -338,6 +338,8 @@ def test_auto_takes_the_flash_kernel_on_gpus_in_half_precision_under_attention_d
     assert attn_lib._use_flash(tpu, False, False, None)
     assert attn_lib._flash_kernel(tpu)[0] is flash_tpu_lib.flash_attention
   assert not attn_lib._use_flash(spec('synth_dense', platform='tpu'), False, False, None)
+  # Mosaic has no float16 tiles: auto keeps the plain path there (flash: tested below).
+  assert not attn_lib._use_flash(spec(platform='tpu', dtype='float16'), False, False, None)
   for other in (spec(dtype='float32'), spec(dtype='float16'), spec(platform='cpu'),
                 spec(hidden_size=32, num_heads=4),  # heads of 8
                 spec(hidden_size=256, num_heads=2),  # heads of 128: not tuned or lowered
@@ -383,6 +385,9 @@ def test_one_line_errors():
             platform='gpu')
   assert resolve(small_config('postln', fused_attention='flash', hidden_size=64, num_heads=2),
                  platform='gpu').head_dim == 32
+  with pytest.raises(ValueError, match='flash on a TPU takes bfloat16 or float32.*float16'):
+    resolve(small_config('realformer', fused_attention='flash', dtype='float16'),
+            platform='tpu')
   # Where flash never runs (a pure Synthesizer, no attention dropout), no error.
   resolve(small_config('synth_dense', fused_attention='flash'), platform='tpu')
   resolve(small_config('postln', fused_attention='flash', attention_dropout_rate=0.0),

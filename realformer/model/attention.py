@@ -56,12 +56,12 @@ def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> b
   """Whether a flash kernel (realformer.layers.flash_attention on GPUs, flash_attention_tpu
   on TPUs) computes this layer: in training, with attention dropout, for logits that are a
   dot product plus additive terms (spec.dot_product_plus_terms: every variant but the pure
-  Synthesizers), where asked (`flash`) or under `auto`: on TPUs for every such variant, on
-  GPUs for plain dot-product attention where the kernel runs and was faster than the plain
-  path (bfloat16: BENCHMARKS.md; flash_attention.runs_here; float16, untimed and without
-  loss scaling, keeps the plain path unless asked). Without attention
-  dropout `flash` is `auto`. Not for the pruned last layer (its few query rows): the plain
-  path computes that one."""
+  Synthesizers), where asked (`flash`) or under `auto`: on TPUs for every such variant but
+  in float16 (Mosaic has no float16 tiles), on GPUs for plain dot-product attention where
+  the kernel runs and was faster than the plain path (bfloat16: BENCHMARKS.md;
+  flash_attention.runs_here; float16, untimed and without loss scaling, keeps the plain path
+  unless asked). Without attention dropout `flash` is `auto`. Not for the pruned last layer
+  (its few query rows): the plain path computes that one."""
   if (not spec.dot_product_plus_terms or capture or rows is not None or deterministic
       or spec.attention_dropout_rate <= 0):
     return False
@@ -69,8 +69,8 @@ def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> b
     return True
   if spec.fused_attention != 'auto':
     return False
-  if spec.target_platform == 'tpu':
-    return flash_lib.whole_heads_here(spec.num_heads)
+  if spec.target_platform == 'tpu':  # (Mosaic has no float16 tiles)
+    return spec.dtype != jnp.float16 and flash_lib.whole_heads_here(spec.num_heads)
   return (spec.plain_dot_product and spec.target_platform == 'gpu'
           and spec.dtype == jnp.bfloat16
           and flash_lib.runs_here(spec.num_heads, spec.head_dim))

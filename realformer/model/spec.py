@@ -240,6 +240,9 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
       raise ValueError(f'model.fused_attention=flash needs a head size that is a power of 2 '
                        f'of at least 16 (Triton\'s arrays), not {head_dim} (hidden_size / '
                        'num_heads); use auto')
+    if spec.target_platform == 'tpu' and spec.dtype == jnp.float16:
+      raise ValueError('model.fused_attention=flash on a TPU takes bfloat16 or float32 '
+                       '(Mosaic has no float16 tiles), not float16; use model.dtype=bfloat16')
   for c in components:  # each component's own checks of the settings it reads
     if c != 'dot':
       synthetic.component(c).check(spec)
