@@ -64,7 +64,7 @@ def threefry2x32(k0, k1, x0, x1) -> Tuple[jax.Array, jax.Array]:
   const = lambda v: np.array(np.uint32(v)).astype(dtype)  # the same bits in int32
 
   def rotl(x, r):
-    return (x << const(r)) | ((x >> const(32 - r)) & const((1 << r) - 1))
+    return (x << const(r)) | jax.lax.shift_right_logical(x, const(32 - r))
 
   ks = (k0, k1, k0 ^ k1 ^ const(_PARITY))
   x0, x1 = x0 + ks[0], x1 + ks[1]
