@@ -39,6 +39,8 @@ from tests.test_train import tiny_config
 if args.get('num_processes'):
   distributed.maybe_initialize(args['coordinator'], args['num_processes'],
                                args['process_id'])
+  if args.get('sigterm_at_start') == args['process_id']:  # before restoring and compiling
+    os.kill(os.getpid(), signal.SIGTERM)
 if args.get('kill_after'):
   make_step = train_lib.make_train_step
   def killing_make_step(*a, **kw):
@@ -55,7 +57,9 @@ if args.get('kill_after'):
       return out
     return step
   train_lib.make_train_step = killing_make_step
-train.train_and_evaluate(tiny_config(**args['train']), args['workdir'])
+summary = train.train_and_evaluate(tiny_config(**args['train']), args['workdir'])
+if 'preempted' in summary:  # (train.py's main exits with the not-finished status here)
+  print('preempted: saved step', summary['preempted'])
 '''
 
 
@@ -141,23 +145,31 @@ def test_sigkill_then_resume_is_exact_and_half_written_steps_are_ignored(tmp_pat
 
 
 def test_two_processes_train_checkpoint_and_resume_together(tmp_path, reference):
-  """Two CPU processes with one device each (gloo collectives) = the 2-device reference."""
-  def launch(num_steps):
+  """Two CPU processes with one device each (gloo collectives) = the 2-device reference,
+  through a preemption: a resumed run whose process 0 gets SIGTERM before its loop (while
+  it restores and compiles; jax's preemption notifier owns the signal) saves at its first
+  step on both processes and exits with the not-finished status, and the next launch goes
+  on from there."""
+  def launch(num_steps, **args):
     with socket.socket() as s:
       s.bind(('localhost', 0))
       port = s.getsockname()[1]
     procs = [child({'workdir': str(tmp_path), 'coordinator': f'localhost:{port}',
-                    'num_processes': 2, 'process_id': i,
+                    'num_processes': 2, 'process_id': i, **args,
                     'train': {'num_steps': num_steps, 'checkpoint_every_steps': 2}},
                    devices=DEVICES // 2)
              for i in range(2)]
     outs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outs):
       assert p.returncode == 0, out[-3000:]
+    return outs
 
   launch(4)
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
-  launch(NUM_STEPS)  # resumes from step 4 in the same workdir
+  for out in launch(NUM_STEPS, sigterm_at_start=0):  # resumes from step 4, stops after 5
+    assert 'preempted: saved step 5' in out, out[-3000:]
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4', '5']
+  launch(NUM_STEPS)  # resumes from step 5
   assert_same_losses(tmp_path, reference[1], rtol=2e-5)
   assert '8' in os.listdir(tmp_path / 'checkpoints')
 
@@ -278,6 +290,21 @@ def test_a_step_killed_while_being_deleted_never_looks_complete(tmp_path, monkey
   checkpoints.delete_step(manager, 1)
   assert not checkpoints.has_complete_step(str(tmp_path))
   manager.close()
+
+
+def test_saves_leave_jaxs_preemption_count_to_the_training_loop(tmp_path, monkeypatch):
+  """jax's preemption sync agrees on a stop by the number of checks each process made
+  (workdir.StopSignal counts the loop's); orbax's manager would report each save's step
+  number to it too, which a resumed run's count could then never meet."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  reported = []
+  monkeypatch.setattr(multihost_utils, 'reached_preemption_sync_point',
+                      lambda step: reported.append(step) or False)
+  manager = checkpoints.make_manager(str(tmp_path), item_names=('state',))
+  checkpoints.save(manager, 7, {'step': 7, 'params': {'w': np.ones(3)}}, force=True)
+  manager.wait_until_finished()
+  manager.close()
+  assert reported == []
 
 
 def test_an_error_right_after_a_save_began_still_commits_it(tmp_path, monkeypatch):

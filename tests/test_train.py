@@ -1125,7 +1125,8 @@ def test_a_stop_right_after_an_evaluation_logs_the_training_time_alone(tmp_path,
     time.sleep(1.0)
     return evaluate(self, step)
   monkeypatch.setattr(trainer.Trainer, '_evaluate', slow)
-  monkeypatch.setattr(workdir_lib.StopSignal, 'reached', lambda self, manager, step: step == 4)
+  checks = iter(range(1, 100))  # the loop checks once a step, from step 1
+  monkeypatch.setattr(workdir_lib.StopSignal, 'reached', lambda self: next(checks) == 4)
   summary = trained(tiny_config(num_steps=8, log_every_steps=100, eval_every_steps=4,
                                 eval_steps=1), tmp_path)
   assert summary['preempted'] == 4

@@ -57,7 +57,11 @@ def make_manager(workdir: str, *, keep: Optional[int] = 3, read_only: bool = Fal
       temporary_path_class=None if fence is None else _fenced(directory, fence))
   for attempt in range(3):
     try:
-      return ocp.CheckpointManager(directory, item_names=item_names, options=options)
+      manager = ocp.CheckpointManager(directory, item_names=item_names, options=options)
+      # Several processes: jax's preemption sync counts the training loop's checks
+      # (workdir.StopSignal); orbax would feed it each save's step number as well.
+      manager.reached_preemption = lambda step: False
+      return manager
     except FileNotFoundError:  # another process's listing saw process 0's clean-up midway
       if not remote or attempt == 2:
         raise

@@ -548,7 +548,7 @@ class Trainer:
           self._evaluate(step)
           window.exclude(time.time() - evaluated)  # (for a stop's log, below)
         # After the evaluation: a signal that came during it is seen at this step.
-        stopping = stop.reached(self.manager, step) and not last
+        stopping = stop.reached() and not last
         if stopping and not logging_now:  # the steps since the last log, before leaving
           self._check_finite(*pending)
           self._log(step, window, whole_period=False)

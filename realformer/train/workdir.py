@@ -338,16 +338,21 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
 
 
 class StopSignal:
-  """Set by SIGTERM (preemption): the trainer's loop saves at the current
-  step and return; the program then calls exit_not_finished."""
+  """Set by SIGTERM (preemption): the trainer's loop saves at the current step and returns;
+  the program then calls exit_not_finished. With several processes jax's preemption
+  notifier owns SIGTERM, and its sync protocol picks the stop: each process reports how many
+  checks it has made, and all stop at the check after the largest count. So the checks are
+  counted here from 1 (a resumed run's step numbers would never meet the count a notice
+  before the loop agreed on: 1), and checkpoints.make_manager keeps orbax from counting its
+  saves' steps too."""
 
   def __init__(self):
     self.event = threading.Event()
     self._previous = None
+    self._checks = 0
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-      # Several processes: jax's preemption notifier owns SIGTERM (manager.reached_preemption).
       self._previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
     return self
 
@@ -355,10 +360,17 @@ class StopSignal:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
 
-  def reached(self, manager, step: int) -> bool:
-    """SIGTERM here, or (several processes) jax's preemption notice for this step."""
-    return self.event.is_set() or (jax.process_count() > 1 and
-                                   manager.reached_preemption(step))
+  def reached(self) -> bool:
+    """Whether to save and stop now: SIGTERM here, or (several processes, called once a
+    step by each) jax's preemption notice, at the same step on every process."""
+    if jax.process_count() == 1:
+      return self.event.is_set()
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    self._checks += 1
+    try:
+      return multihost_utils.reached_preemption_sync_point(self._checks)
+    except RuntimeError:  # jax's preemption service is off (jax_enable_preemption_service)
+      return False
 
 
 def exit_on_sigterm() -> None:
