@@ -174,6 +174,39 @@ def test_two_processes_train_checkpoint_and_resume_together(tmp_path, reference)
   assert '8' in os.listdir(tmp_path / 'checkpoints')
 
 
+_LISTING = r'''
+import sys
+sys.path.insert(0, {repo!r})
+from realformer.train import checkpoints, distributed
+distributed.maybe_initialize({coordinator!r}, 2, {pid})
+if {pid} == 1:  # this host lists the folder before step 4 is committed
+  complete = checkpoints.is_complete
+  checkpoints.is_complete = lambda d: complete(d) and not str(d).endswith('4')
+print('resolved', checkpoints.resolve_step_dir({workdir!r}))
+'''
+
+
+def test_every_process_reads_the_step_process_0_found(tmp_path):
+  """An init checkpoint of a run still training: a step committed between two hosts'
+  listings is the newest for one only; both read process 0's (a mix of steps across the
+  shards would go unnoticed)."""
+  for step in (2, 4):
+    os.makedirs(tmp_path / 'checkpoints' / str(step))
+    (tmp_path / 'checkpoints' / str(step) / checkpoints.COMMIT_FILE).write_text('')
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(
+      [sys.executable, '-c', _LISTING.format(repo=REPO, coordinator=f'localhost:{port}',
+                                             pid=pid, workdir=str(tmp_path))],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+  for p in procs:
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert f'resolved {tmp_path / "checkpoints" / "4"}' in out, out[-3000:]
+
+
 def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):
   workdir = str(reference[0])
   config = tiny_config()

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -127,16 +128,28 @@ def delete_step(manager: ocp.CheckpointManager, step: int) -> None:
 
 
 def latest_complete_step(manager: ocp.CheckpointManager) -> Optional[int]:
-  """The newest finalized step with orbax's commit marker (None: no checkpoint).
-
-  Incomplete step directories newer than it are deleted."""
+  """The newest finalized step with orbax's commit marker (None: no checkpoint), as process
+  0 found it (agreed_step). Incomplete step directories newer than it are deleted."""
+  newest = None
   for step in sorted(manager.all_steps(), reverse=True):
     step_dir = storage.path(manager.directory) / str(step)
     if is_complete(step_dir):
-      return step
+      newest = step
+      break
     logging.warning('deleting incomplete checkpoint %s (no %s)', step_dir, COMMIT_FILE)
     manager.delete(step)  # else a later save of this step number would be refused
-  return None
+  return agreed_step(newest)
+
+
+def agreed_step(step: Optional[int]) -> Optional[int]:
+  """`step` as process 0 found it, on every process (called by all): hosts list a folder at
+  different moments (a run still training commits and deletes steps in between) or through
+  different caches, and restoring different steps would mix them silently."""
+  if jax.process_count() == 1:
+    return step
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if step is None else step)))
+  return None if agreed < 0 else agreed
 
 
 def write_config(workdir, config) -> str:
@@ -278,10 +291,11 @@ def resolve_step_dir(path: str) -> str:
                             f'checkpoints/ directory or a step directory')
   steps = sorted(int(d.name) for d in path.iterdir()
                  if re.fullmatch(r'\d+', d.name) and is_complete(d))
-  if not steps:
+  newest = agreed_step(steps[-1] if steps else None)
+  if newest is None:
     raise FileNotFoundError(f'no complete checkpoint under {path}; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')
-  return str(path / str(steps[-1]))
+  return str(path / str(newest))
 
 
 def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] = ()
