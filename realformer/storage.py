@@ -616,10 +616,15 @@ def holder_record(program: str) -> dict:
   """Who holds a lock: host, pid (with the process's start time, pid namespace and the
   machine's boot id, so that a reused pid, a process of another container or of another
   machine of the same hostname, a cloned VM, is never taken for this one), program and
-  start time."""
-  return {'host': socket.gethostname(), 'pid': os.getpid(),
-          'pid_start': _process_start(os.getpid()), 'pid_ns': _pid_namespace(),
-          'boot_id': _boot_id(), 'program': program, 'since': _now()}
+  start time; under SLURM the job's id and restart count (a requeued job may start on
+  another node: workdir.Lock takes over its earlier run's lock)."""
+  record = {'host': socket.gethostname(), 'pid': os.getpid(),
+            'pid_start': _process_start(os.getpid()), 'pid_ns': _pid_namespace(),
+            'boot_id': _boot_id(), 'program': program, 'since': _now()}
+  if os.environ.get('SLURM_JOB_ID'):
+    record.update(slurm_job=os.environ['SLURM_JOB_ID'],
+                  slurm_restart=int(os.environ.get('SLURM_RESTART_COUNT') or 0))
+  return record
 
 
 def describe_holder(holder: dict) -> str:

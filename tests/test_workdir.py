@@ -54,7 +54,8 @@ def run(config, workdir):
   return train.train_and_evaluate(config, str(workdir), devices=jax.devices()[:1])
 
 
-def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplog):
+def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplog,
+                                                                monkeypatch):
   with workdir_lib.Lock(str(tmp_path)):
     with pytest.raises(workdir_lib.WorkdirInUseError,
                        match=f'in use by pid {os.getpid()} on {socket.gethostname()}'):
@@ -70,6 +71,22 @@ def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path, caplo
   (tmp_path / '.lock').write_text(json.dumps({'host': 'other-host', 'pid': 1, 'since': 'x'}))
   with pytest.raises(workdir_lib.WorkdirInUseError, match='delete .*/.lock'):
     workdir_lib.Lock(str(tmp_path)).__enter__()
+  # SLURM: a requeued job (a node failed) takes over its earlier start's lock on any node;
+  # the same start (another step of the job running at once) or another job does not.
+  (tmp_path / '.lock').write_text(json.dumps({'host': 'other-host', 'pid': 1, 'since': 'x',
+                                              'slurm_job': '77', 'slurm_restart': 0}))
+  monkeypatch.setenv('SLURM_JOB_ID', '77')
+  for restart, job in (('0', '77'), ('1', '78')):
+    monkeypatch.setenv('SLURM_RESTART_COUNT', restart)
+    monkeypatch.setenv('SLURM_JOB_ID', job)
+    with pytest.raises(workdir_lib.WorkdirInUseError, match='delete .*/.lock'):
+      workdir_lib.Lock(str(tmp_path)).__enter__()
+  monkeypatch.setenv('SLURM_JOB_ID', '77')
+  monkeypatch.setenv('SLURM_RESTART_COUNT', '1')
+  with workdir_lib.Lock(str(tmp_path)):
+    record = json.loads((tmp_path / '.lock').read_text())
+    assert (record['slurm_job'], record['slurm_restart']) == ('77', 1)
+  assert 'taking over the lock of pid 1 on other-host' in caplog.text
   (tmp_path / '.lock').write_text('')
 
 

@@ -180,7 +180,7 @@ class Lock:
       return self._take()
     previous = _read(fd)
     if previous is not None:
-      if previous.get('host') != socket.gethostname():
+      if previous.get('host') != socket.gethostname() and not _requeued(previous):
         os.close(fd)
         raise WorkdirInUseError(
             f'{self.workdir} is locked by {storage.describe_holder(previous)}, another host; if that run '
@@ -220,6 +220,15 @@ class Lock:
       fcntl.flock(self._fd, fcntl.LOCK_UN)
       os.close(self._fd)
       self._fd = None
+
+
+def _requeued(previous: dict) -> bool:
+  """Whether this process runs a later start of the SLURM job that wrote `previous` (a job
+  requeued after a node failed: SLURM runs one start of a job at a time, and the new one
+  may begin on another node)."""
+  job = os.environ.get('SLURM_JOB_ID')
+  return bool(job) and previous.get('slurm_job') == job and (
+      int(os.environ.get('SLURM_RESTART_COUNT') or 0) > int(previous.get('slurm_restart', 0)))
 
 
 def _same_file(fd: int, path: str) -> bool:
