@@ -27,6 +27,22 @@ def test_a_nodes_only_task_drives_every_gpu_of_the_node(env, want):
   assert distributed.slurm_node_devices(env) == want
 
 
+def test_without_gpus_scheduled_a_nodes_only_task_drives_every_gpu_of_its_driver(
+    tmp_path, monkeypatch):
+  """A cluster that does not schedule GPUs as SLURM resources sets neither
+  CUDA_VISIBLE_DEVICES nor SLURM_GPUS_ON_NODE: the driver's GPUs, not jax's one GPU."""
+  for gpu in ('0000:18:00.0', '0000:2a:00.0', '0000:3a:00.0'):
+    (tmp_path / gpu).mkdir()
+  monkeypatch.setattr(distributed, 'NVIDIA_GPUS', str(tmp_path))
+  unscheduled = {k: v for k, v in SLURM.items() if k != 'SLURM_GPUS_ON_NODE'}
+  assert distributed.slurm_node_devices(unscheduled) == [0, 1, 2]
+  assert distributed.slurm_node_devices(dict(unscheduled, CUDA_VISIBLE_DEVICES='')) is None
+  assert distributed.slurm_node_devices(dict(unscheduled, CUDA_VISIBLE_DEVICES='1')) == [0]
+  assert distributed.slurm_node_devices(dict(SLURM, SLURM_STEP_TASKS_PER_NODE='2(x2)')) is None
+  monkeypatch.setattr(distributed, 'NVIDIA_GPUS', str(tmp_path / 'absent'))
+  assert distributed.slurm_node_devices(unscheduled) is None
+
+
 def _jax_detects(monkeypatch, env, **given):
   for key in [k for k in os.environ if k.startswith('SLURM_')]:
     monkeypatch.delenv(key)

@@ -22,10 +22,15 @@ def define_flags() -> None:
   flags.DEFINE_integer('process_id', None, 'This process (or $JAX_PROCESS_ID).')
 
 
+# One folder per GPU that the NVIDIA driver sees on this node.
+NVIDIA_GPUS = '/proc/driver/nvidia/gpus'
+
+
 def slurm_node_devices(env: Mapping[str, str]) -> Optional[List[int]]:
   """The local device ids a SLURM task drives when it is its node's only task: every GPU it
-  can see (CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE). None otherwise:
-  several tasks per node are jax's own layout, one GPU per task (SLURM_LOCALID), which
+  can see (CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE, else, on a cluster that does not
+  schedule GPUs as resources, every GPU of the node's driver). None otherwise: several
+  tasks per node are jax's own layout, one GPU per task (SLURM_LOCALID), which
   jax.distributed.initialize() also applies to a single task per node unless told."""
   if 'SLURM_JOB_ID' not in env:
     return None
@@ -36,6 +41,11 @@ def slurm_node_devices(env: Mapping[str, str]) -> Optional[List[int]]:
   visible = [d for d in env.get('CUDA_VISIBLE_DEVICES', '').split(',') if d.strip()]
   gpus = env.get('SLURM_GPUS_ON_NODE', '').strip()
   n = len(visible) if visible else int(gpus) if gpus.isdigit() else 0
+  if not (n or gpus or 'CUDA_VISIBLE_DEVICES' in env):  # GPUs not scheduled by SLURM
+    try:
+      n = len(os.listdir(NVIDIA_GPUS))
+    except OSError:  # no NVIDIA driver
+      pass
   return list(range(n)) or None
 
 
