@@ -1,4 +1,5 @@
-r"""BERT pretraining (masked language modelling + next sentence prediction).
+r"""Pretraining: BERT's masked language modelling + next sentence prediction, or RoBERTa's
+masked language modelling alone (`objective`).
 
 Pick the encoder family and size with `get_config("<variant>,<size>[,runlocal]")`:
 
@@ -136,6 +137,11 @@ def get_config(arg: str = 'postln,tiny'):
 
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # mlm_nsp: BERT's masked language modelling + next sentence prediction, on sentence pairs
+  # [CLS] A [SEP] B [SEP]; mlm: RoBERTa's masked language modelling alone, on DOC-SENTENCES
+  # inputs (one segment of a document's consecutive sentences, full length), no NSP head
+  # (data/pretraining.py; the data is prepared for one or the other).
+  c.objective = 'mlm_nsp'
   c.model = model_config(variant, size)
 
   # Input pipeline (data/). Sources: 'embedded' (the CC0 corpus shipped in the repository),

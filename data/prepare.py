@@ -81,7 +81,7 @@ POLL_SECONDS = 2.0
 
 
 # Fingerprint keys present only when they differ from these values.
-FINGERPRINT_DEFAULTS = {'hf_rows_per_document': '1'}
+FINGERPRINT_DEFAULTS = {'hf_rows_per_document': '1', 'instances': 'pairs'}
 # Keys a finished preparation is reused whatever they were: of the files' layout, not of the
 # stream (blocks_per_file; num_shards, of older fingerprints: the writers whose files' order
 # was the stream's before the records were read in block order). A preparation's workers
@@ -106,6 +106,8 @@ def fingerprint(config) -> dict:
              if 'tfds:' in d.sources else {}),
           **({'hf_rows_per_document': ';'.join(map(str, rows))} if grouped else {}),
           **({'files': files} if (files := sources.files_signature(d.sources)) else {}),
+          **({'instances': kind} if (kind := pretraining.objective(
+              config.get('objective', 'mlm_nsp')).instances_name) != 'pairs' else {}),
           **({'tokenizer_crc': crc} if (crc := tokenizer_signature(d.tokenizer)) else {}),
           # (held out by the documents' numbers in their own sources: is_eval_document)
           **({'eval_split': 'by_source'} if len(specs) > 1 else {})}
@@ -476,11 +478,12 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
       stats['empty_sentences'] += sum(not s for s in ids)  # nothing left after tokenising
       return [np.asarray(s, np.int32) for s in ids if s]
 
+    make_instances = pretraining.objective(config.get('objective', 'mlm_nsp')).instances
     for block, block_docs in _own_blocks(_split_stream(docs, split, d.eval_fraction),
                                          block_size, run, worker, total, tokenise):
       seed = int(np.random.SeedSequence([config.seed, SPLITS.index(split), block]
                                         ).generate_state(1)[0])
-      for inst in pretraining.block_instances(
+      for inst in make_instances(
           block_docs, max_seq_length=d.max_seq_length,
           short_seq_prob=d.short_seq_prob, dupe_factor=d.dupe_factor, seed=seed, stats=stats):
         writers.write(inst.to_bytes(), block)

@@ -1,7 +1,9 @@
-"""BERT pretraining examples: sentence-pair instances (prepared once) and MLM masking (redone
-dynamically, per epoch).
+"""Pretraining examples: instances (prepared once) and MLM masking (redone dynamically, per
+epoch), for each objective of config.objective (OBJECTIVES): BERT's MLM + next sentence
+prediction on sentence pairs ('mlm_nsp'), or RoBERTa's MLM alone on DOC-SENTENCES inputs
+('mlm': `doc_sentence_instances`, one segment of a document's consecutive sentences).
 
-Instances follow google-research/bert's create_pretraining_data.py:
+Pair instances follow google-research/bert's create_pretraining_data.py:
   - a document's sentences are packed into chunks up to a target length of
     max_seq_length - 3 tokens (with probability short_seq_prob a random shorter target);
   - a chunk is split at a random sentence boundary into A and B; with probability 1/2 (and
@@ -40,7 +42,7 @@ Where this differs from google-research/bert, on purpose:
 
 import collections
 import random
-from typing import Dict, Iterable, Iterator, List, NamedTuple, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Sequence
 
 import numpy as np
 
@@ -190,11 +192,68 @@ def block_instances(documents: Iterable[Document], *, max_seq_length: int,
                                          short_seq_prob, rng)
 
 
+def doc_sentence_instances(documents: Iterable[Document], *, max_seq_length: int,
+                           short_seq_prob: float, dupe_factor: int, seed: int,
+                           stats: collections.Counter) -> Iterator[Instance]:
+  """RoBERTa's DOC-SENTENCES inputs (Liu et al. 2019, section 4.2), one block of documents:
+  each document's consecutive sentences packed into instances of at most max_seq_length - 2
+  tokens ([CLS] and [SEP] around them), one segment, no B; a sentence longer than that is cut
+  into pieces of that length. short_seq_prob and the block's other documents play no part
+  (RoBERTa trains on full-length inputs; the documents are not mixed), nor does `seed`
+  (packing is deterministic); dupe_factor repeats the instances (masked anew at each
+  reading either way)."""
+  del short_seq_prob, seed
+  if max_seq_length < 3:
+    raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP]; '
+                     'use at least 3 (RoBERTa uses 512)')
+  budget = max_seq_length - 2
+  for doc in documents:
+    doc = _compact(doc, stats)
+    if doc is None:
+      continue
+    pieces = [s[i:i + budget].tolist() for s in doc for i in range(0, len(s), budget)]
+    packed, chunk = [], []
+    for piece in pieces:
+      if chunk and len(chunk) + len(piece) > budget:
+        packed.append(chunk)
+        chunk = []
+      chunk = chunk + piece
+    packed.append(chunk)
+    for _ in range(dupe_factor):
+      for tokens in packed:
+        yield Instance(list(tokens), [], False)
+
+
+class Objective(NamedTuple):
+  """What config.objective names: whether the model predicts the next sentence (BERT's NSP
+  head and loss on [CLS] A [SEP] B [SEP] pairs, the batch's next_sentence_labels), and the
+  builder of its instances (data/prepare.py's, for one block of documents)."""
+  next_sentence: bool
+  instances: Callable[..., Iterator[Instance]]
+  instances_name: str  # (the preparation's fingerprint records it)
+
+
+OBJECTIVES = {
+    'mlm_nsp': Objective(True, block_instances, 'pairs'),  # BERT
+    'mlm': Objective(False, doc_sentence_instances, 'doc_sentences'),  # RoBERTa
+}
+
+
+def objective(name: str) -> Objective:
+  if name not in OBJECTIVES:
+    raise ValueError(f'config.objective={name!r}; choose mlm_nsp (BERT: masked language '
+                     'modelling + next sentence prediction) or mlm (RoBERTa: masked language '
+                     'modelling alone, on full-length single-segment inputs)')
+  return OBJECTIVES[name]
+
+
 def make_features(instance: Instance, *, cls_id: int, sep_id: int, pad_id: int,
                   max_seq_length: int) -> Dict[str, np.ndarray]:
-  """[CLS] A [SEP] B [SEP], padded: input_ids, segment_ids, attention_mask, NSP label."""
+  """[CLS] A [SEP] B [SEP] (a pair, with its NSP label), or [CLS] A [SEP] (an instance
+  without B: doc_sentence_instances'), padded: input_ids, segment_ids, attention_mask[,
+  next_sentence_labels]."""
   a, b = instance.tokens_a, instance.tokens_b
-  ids = [cls_id] + a + [sep_id] + b + [sep_id]
+  ids = [cls_id] + a + [sep_id] + (b + [sep_id] if b else [])
   n = len(ids)
   if n > max_seq_length:
     raise ValueError(f'a prepared example has {n} tokens > data.max_seq_length='
@@ -206,8 +265,10 @@ def make_features(instance: Instance, *, cls_id: int, sep_id: int, pad_id: int,
   segment_ids[len(a) + 2:n] = 1
   mask = np.zeros(max_seq_length, np.int32)
   mask[:n] = 1
-  return {'input_ids': input_ids, 'segment_ids': segment_ids, 'attention_mask': mask,
-          'next_sentence_labels': np.int32(instance.is_random_next)}
+  features = {'input_ids': input_ids, 'segment_ids': segment_ids, 'attention_mask': mask}
+  if b:
+    features['next_sentence_labels'] = np.int32(instance.is_random_next)
+  return features
 
 
 class Masker:

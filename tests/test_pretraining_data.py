@@ -1,6 +1,7 @@
-"""BERT pretraining examples without a tokenizer: masking hand-computed with a scripted
-generator, whole-word groups, sentence pairs that keep to their documents, and the bounded
-document window that keeps preparation's memory independent of the corpus size.
+"""Pretraining examples without a tokenizer: masking hand-computed with a scripted
+generator, whole-word groups, sentence pairs that keep to their documents, the bounded
+document window that keeps preparation's memory independent of the corpus size, and
+RoBERTa's single-segment DOC-SENTENCES inputs.
 
 (tests/test_data.py covers the same code on the embedded corpus: rates, NSP balance, the
 hand-computed instance layout and truncation.)"""
@@ -218,3 +219,31 @@ def test_block_instances_draw_random_next_from_every_other_document_of_the_block
                                             stats=collections.Counter()))
   # A block of one document: its actual next pairs, no random next (there is no other).
   assert single and not any(x.is_random_next for x in single)
+
+
+def test_doc_sentences_pack_a_documents_consecutive_sentences_into_one_segment():
+  """RoBERTa's DOC-SENTENCES (config.objective=mlm): each document's sentences in order,
+  packed up to max_seq_length - 2 tokens, a longer sentence cut into pieces of that length,
+  never two documents in one instance; [CLS] A [SEP], one segment, no NSP label."""
+  docs = [[[5, 6, 7], [8, 9], [10, 11, 12, 13]],  # 3 + 2 fit in 6; the next does not
+          [[], [14] * 14],  # an empty sentence; one of 14 tokens: 6 + 6 + 2
+          [[]],  # empty: counted, left out
+          [[15]]]
+  stats = collections.Counter()
+  got = list(pretraining.doc_sentence_instances(docs, max_seq_length=8, short_seq_prob=0.5,
+                                                dupe_factor=2, seed=0, stats=stats))
+  packed = [[5, 6, 7, 8, 9], [10, 11, 12, 13], [14] * 6, [14] * 6, [14] * 2, [15]]
+  assert [i.tokens_a for i in got] == packed[:2] * 2 + packed[2:5] * 2 + packed[5:] * 2
+  assert all(i.tokens_b == [] and not i.is_random_next for i in got)
+  assert stats['documents'] == 3 and stats['empty_documents'] == 1
+  f = features([5, 6, 7], [], length=8)
+  np.testing.assert_array_equal(f['input_ids'], [CLS, 5, 6, 7, SEP, 0, 0, 0])
+  np.testing.assert_array_equal(f['segment_ids'], np.zeros(8))
+  np.testing.assert_array_equal(f['attention_mask'], [1, 1, 1, 1, 1, 0, 0, 0])
+  assert 'next_sentence_labels' not in f
+  assert 'next_sentence_labels' in features([5], [6], length=8)
+  with pytest.raises(ValueError, match='leaves no room for \\[CLS\\] A \\[SEP\\]'):
+    list(pretraining.doc_sentence_instances(docs, max_seq_length=2, short_seq_prob=0.0,
+                                            dupe_factor=1, seed=0, stats=stats))
+  with pytest.raises(ValueError, match='config.objective=.electra.; choose mlm_nsp'):
+    pretraining.objective('electra')

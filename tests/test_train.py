@@ -725,6 +725,55 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
                              max(labels.mean(), 1 - labels.mean()), rtol=1e-6)
 
 
+def test_mlm_alone_on_doc_sentences_learns_and_leaves_the_pooler_as_initialised(tmp_path):
+  """config.objective=mlm (RoBERTa): the embedded corpus prepared as one-segment
+  DOC-SENTENCES inputs, a model without the NSP head whose loss is its MLM loss, learning;
+  the pooler, which no loss reaches, left at its init (weight decay would shrink it); data
+  prepared for the other objective, and a resume under it, refused in one line."""
+  pytest.importorskip('data.pipeline')
+  c = pretrain.get_config('postln,tiny')
+  c.objective = 'mlm'
+  m = c.model
+  m.hidden_size, m.num_heads, m.mlp_dim, m.max_len = 64, 2, 128, 64
+  c.data.max_seq_length, c.data.max_predictions_per_seq = 64, 10
+  t = c.train
+  t.batch_size, t.num_steps, t.log_every_steps = 16, 40, 10
+  t.eval_every_steps, t.eval_steps = 40, 2
+  c.optimizer.warmup_steps, c.optimizer.weight_decay = 4, 0.1
+  summary = trained(c, tmp_path)
+  mlm = losses(tmp_path, key='mlm_loss')
+  assert mlm[40] < mlm[10] - 0.5, mlm
+  assert summary['eval']['loss'] == summary['eval']['mlm_loss']  # the loss is the MLM loss
+  assert not any(k.startswith('nsp') for k in summary['eval'])
+  batch = next(pretraining.make_input_fn(c, str(tmp_path))('eval', c.seed))
+  assert 'next_sentence_labels' not in batch and not batch['segment_ids'].any()
+  resolved = pretraining.resolved_config(c)
+  mesh = partitioning.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
+  init = train_lib.pretraining_program(resolved, mesh).init().params
+  assert set(init) == {'encoder', 'mlm_head'}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
+  final, _ = checkpoints.restore_params(str(tmp_path), abstract)
+  moved = {jax.tree_util.keystr(path): not np.array_equal(leaf, _subtree_at(init, path))
+           for path, leaf in jax.tree_util.tree_leaves_with_path(final)}
+  pooler = {k for k in moved if "'pooler'" in k}
+  assert len(pooler) == 2 and not any(moved[k] for k in pooler)
+  assert all(v for k, v in moved.items() if k not in pooler), moved  # every other one trained
+  pairs = c.copy_and_resolve_references()
+  pairs.objective = 'mlm_nsp'
+  pairs.data.prepared_dir = str(tmp_path / 'data')
+  with pytest.raises(ValueError, match="made with other settings.*'instances'"):
+    trained(pairs, tmp_path.parent / f'{tmp_path.name}_pairs')
+  pairs.data.prepared_dir = None
+  with pytest.raises(ValueError, match="objective: 'mlm' -> 'mlm_nsp'"):
+    trained(pairs, tmp_path)
+
+
+def _subtree_at(tree, path):
+  for key in path:
+    tree = tree[key.key]
+  return tree
+
+
 def test_eval_loss_is_the_evaluations_mlm_and_nsp_losses():
   """Over batches holding different numbers of masked tokens, the eval loss is mlm_loss +
   nsp_loss of the whole evaluation (each weighted by its own counts), not a mean of the

@@ -37,7 +37,7 @@ class PretrainingOutput:
   hidden: jax.Array
   pooled: jax.Array
   mlm_logits: jax.Array                          # [B, P, V] float32 (P = T if no positions)
-  nsp_logits: jax.Array                          # [B, 2] float32
+  nsp_logits: Optional[jax.Array]                # [B, 2] float32 (None: MLM alone)
   attention: Optional[Tuple[jax.Array, ...]] = None
 
 
@@ -253,7 +253,9 @@ class MlmHead(nn.Module):
 
 
 class BertForPretraining(nn.Module):
-  """Encoder + MLM head (only at masked_lm_positions when given) + NSP classifier.
+  """Encoder + MLM head (only at masked_lm_positions when given) + NSP classifier (none with
+  next_sentence=False: RoBERTa's MLM alone, config.objective=mlm; the pooler then trains on
+  nothing and the optimizer leaves it at its init, for fine-tuning to train).
 
   full_hidden=False (the pretraining loss): out.hidden holds only the masked positions'
   rows, [B, P, D], and with model.last_layer='predicted' the last layer computes only those
@@ -263,6 +265,7 @@ class BertForPretraining(nn.Module):
   out.hidden [B, T, D].
   """
   spec: EncoderSpec
+  next_sentence: bool = True
 
   @nn.compact
   def __call__(self, batch, *, deterministic=True, capture_attention=False, full_hidden=True):
@@ -277,9 +280,11 @@ class BertForPretraining(nn.Module):
     table = enc.variables['params']['embeddings']['word_embeddings']['embedding']
     table = nn.meta.unbox(table)
     mlm_logits = MlmHead(s, name='mlm_head')(hidden, table)
-    nsp_logits = dense(2, ('mlp', None), s, 'nsp_head')(out.pooled)
+    nsp_logits = None
+    if self.next_sentence:
+      nsp_logits = dense(2, ('mlp', None), s, 'nsp_head')(out.pooled).astype(jnp.float32)
     return PretrainingOutput(hidden=out.hidden, pooled=out.pooled, mlm_logits=mlm_logits,
-                             nsp_logits=nsp_logits.astype(jnp.float32), attention=out.attention)
+                             nsp_logits=nsp_logits, attention=out.attention)
 
 
 class BertForSequenceClassification(nn.Module):

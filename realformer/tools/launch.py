@@ -565,7 +565,8 @@ def measure(config, target: Target, compiled, steps: int) -> dict:
       vocab_size=program.model.spec.vocab_size, seq_len=config.data.max_seq_length,
       num_predictions=config.data.max_predictions_per_seq,
       global_batch_size=tc.batch_size, seed=config.seed,
-      process_index=jax.process_index(), process_count=jax.process_count())
+      process_index=jax.process_index(), process_count=jax.process_count(),
+      next_sentence='next_sentence_labels' in program.batch_shapes)
   rate, rng = np.float32(program.peak_learning_rate), program.dropout_key()
   times = []
   with jax.set_mesh(mesh):

@@ -5,11 +5,11 @@ eval batches gives the token- or example-weighted mean, never a mean of means:
 
   mlm_loss       sum_i w_i CE_i / sum_i w_i          (w = masked_lm_weights, per masked slot)
   mlm_accuracy   sum_i w_i [argmax_i = label_i] / sum_i w_i
-  nsp_loss       mean over examples of the NSP cross-entropy
-  nsp_accuracy   mean over examples of [argmax = label]
+  nsp_loss       mean over examples of the NSP cross-entropy      (MLM + NSP only)
+  nsp_accuracy   mean over examples of [argmax = label]           (MLM + NSP only)
   loss           train: mlm_loss + nsp_loss of each step, averaged over the logged steps;
                  eval: mlm_loss + nsp_loss of the whole evaluation (each part weighted by
-                 its own counts across the batches)
+                 its own counts across the batches); mlm_loss alone without NSP
   grad_norm      global L2 norm of the gradient before clipping, averaged over logged steps
   learning_rate  the schedule's value at the last logged step
 
@@ -67,6 +67,32 @@ class PretrainingTrainMetrics(metrics.Collection):
   nsp_accuracy: metrics.Average
   learning_rate: metrics.LastValue
   grad_norm: metrics.Average
+
+
+@flax.struct.dataclass
+class MlmEvalMetrics(metrics.Collection):
+  """PretrainingEvalMetrics of MLM alone (config.objective=mlm)."""
+  mlm_loss: metrics.Average
+  mlm_accuracy: metrics.Average
+
+  def compute(self) -> Dict[str, jax.Array]:
+    values = super().compute()
+    return {'loss': values['mlm_loss'], **values}
+
+
+@flax.struct.dataclass
+class MlmTrainMetrics(metrics.Collection):
+  loss: metrics.Average
+  mlm_loss: metrics.Average
+  mlm_accuracy: metrics.Average
+  learning_rate: metrics.LastValue
+  grad_norm: metrics.Average
+
+
+def pretraining_metrics(next_sentence: bool):
+  """(train, eval) Collection classes of pretraining, with NSP's or without."""
+  return ((PretrainingTrainMetrics, PretrainingEvalMetrics) if next_sentence else
+          (MlmTrainMetrics, MlmEvalMetrics))
 
 
 def collection(cls, **values: metrics.Metric) -> metrics.Collection:

@@ -1,4 +1,5 @@
-"""The pretraining task: BERT's masked language modelling + next sentence prediction.
+"""The pretraining task: BERT's masked language modelling + next sentence prediction, or
+RoBERTa's masked language modelling alone (config.objective).
 
 What it gives the trainer (trainer.Task): train_lib.pretraining_program (the model with its
 MLM and NSP heads and its train and eval steps: the program the launch check compiles), the
@@ -49,10 +50,11 @@ def make_input_fn(config, workdir: str):
   kw = dict(global_batch_size=config.train.batch_size,
             process_index=jax.process_index(), process_count=jax.process_count())
   if config.data.sources == 'synthetic':
+    from data import pretraining  # pylint: disable=g-import-not-at-top
     return lambda split, seed: train_lib.SyntheticPretrainingData(
         vocab_size=config.model.vocab_size, seq_len=config.data.max_seq_length,
         num_predictions=config.data.max_predictions_per_seq, seed=seed + (split == 'eval'),
-        **kw)
+        next_sentence=pretraining.objective(config.objective).next_sentence, **kw)
   from data import pipeline  # pylint: disable=g-import-not-at-top
   from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
@@ -92,7 +94,7 @@ class StreamPosition(trainer.DataState):
 
 
 class PretrainingTask(trainer.Task):
-  """MLM + NSP on config.data's sources (config: a resolved_config)."""
+  """MLM + NSP, or MLM alone, on config.data's sources (config: a resolved_config)."""
   command = 'train.py'
   name = 'pretraining'
   nonfinite_hint = ('lower optimizer.learning_rate, raise optimizer.warmup_steps or train '

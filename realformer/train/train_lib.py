@@ -80,20 +80,22 @@ def decay_mask(params) -> Any:
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def fixed_params_fn(spec: EncoderSpec) -> Optional[Callable[[Any], Any]]:
+def fixed_params_fn(spec: EncoderSpec, untrained: Optional[Callable[[Any], bool]] = None
+                    ) -> Optional[Callable[[Any], Any]]:
   """params -> bool tree of parameters that must never change, or None when none are: those
   each logit component declares fixed under `spec` (LogitComponent.fixed_params; e.g. the
-  fixed-random Synthesizer's table, variant synth_random_fixed). The model stops their
-  gradient, and the optimizer must also leave them alone (weight decay alone would otherwise
-  shrink them)."""
+  fixed-random Synthesizer's table, variant synth_random_fixed), and those `untrained`
+  names. The model stops the components' gradient, and the optimizer must also leave them
+  alone (weight decay alone would otherwise shrink them)."""
   fixed = {synthetic.module_name(c): synthetic.component(c).fixed_params(spec)
            for c in spec.attention if c != 'dot'}
   fixed = {module: names for module, names in fixed.items() if names}
-  if not fixed:
+  if not fixed and untrained is None:
     return None
   def is_fixed(path) -> bool:  # a parameter the component created itself (self.param)
     names = _names(path)
-    return len(names) > 1 and names[-1] in fixed.get(names[-2], ())
+    return (len(names) > 1 and names[-1] in fixed.get(names[-2], ())) or bool(
+        untrained and untrained(path))
   return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: is_fixed(path), params)
 
 
@@ -212,12 +214,15 @@ def _unit_learning_rate(count):
   return jnp.ones((), jnp.float32)
 
 
-def make_optimizer(opt_config, spec: EncoderSpec) -> optax.GradientTransformation:
+def make_optimizer(opt_config, spec: EncoderSpec,
+                   untrained: Optional[Callable[[Any], bool]] = None
+                   ) -> optax.GradientTransformation:
   """The optimizer of every program, at a learning rate of 1: AdamW (adamw: PyTorch's, Adam's
   moments bias-corrected), BERT's own AdamWeightDecayOptimizer (bert_adamw: not corrected)
   or LAMB (lamb; large-batch pretraining) after global-norm clipping, weight decay masked by path
   (decay_mask), and the encoder's fixed parameters (fixed_params_fn(spec)) never updated, so
-  neither pretraining nor fine-tuning moves them. The train step multiplies its updates by
+  neither pretraining nor fine-tuning moves them, nor those `untrained` (a param path ->
+  bool) names (a parameter no loss reaches, which weight decay alone would shrink). The train step multiplies its updates by
   the step's learning rate (apply_learning_rate): the optimizer's last transformation is the
   learning rate's scale, so that is the optimizer at that rate, to the bit (the sign flip by
   a rate of 1 is exact). Its state is what optax's schedule-driven optimizer keeps (a count),
@@ -229,7 +234,7 @@ def make_optimizer(opt_config, spec: EncoderSpec) -> optax.GradientTransformatio
   any prefix (e.g. 'encoder').
   """
   config_checks.check_optimizer(opt_config)
-  frozen = fixed_params_fn(spec)
+  frozen = fixed_params_fn(spec, untrained)
   parts = []
   if opt_config.clip_norm and opt_config.clip_norm > 0:
     parts.append(clip_by_global_norm(float(opt_config.clip_norm)))
@@ -369,20 +374,21 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, batch
 
 
 # --------------------------------------------------------------------------------------
-# Pretraining loss (MLM + NSP).
+# Pretraining loss (MLM + NSP, or MLM alone).
 # --------------------------------------------------------------------------------------
 
 def pretraining_totals(batch) -> Dict[str, jax.Array]:
   """Normalizers of a whole step's batch: masked-token weight and example count."""
   return {'mlm_weight': jnp.maximum(jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)),
                                     1e-6),
-          'examples': jnp.asarray(batch['next_sentence_labels'].shape[0], jnp.float32)}
+          'examples': jnp.asarray(batch['input_ids'].shape[0], jnp.float32)}
 
 
 def pretraining_loss_fn(model: nn.Module) -> Callable:
-  """loss_fn for make_train_step / make_eval_step: BERT's MLM + NSP objective.
+  """loss_fn for make_train_step / make_eval_step: BERT's MLM + NSP objective, or MLM alone
+  for a model without the NSP head (model.next_sentence False: config.objective=mlm).
 
-  loss = sum_i w_i CE(mlm_logits_i, masked_lm_ids_i) / sum_i w_i  +  mean NSP CE,
+  loss = sum_i w_i CE(mlm_logits_i, masked_lm_ids_i) / sum_i w_i  [+  mean NSP CE],
   the sums running over the whole step's batch (the denominators are `totals`). Logits are
   float32 whatever model.dtype is.
   """
@@ -395,18 +401,19 @@ def pretraining_loss_fn(model: nn.Module) -> Callable:
     mlm_ce = optax.softmax_cross_entropy_with_integer_labels(mlm_logits, batch['masked_lm_ids'])
     mlm_sum = jnp.sum(mlm_ce * weights)
     mlm_correct = jnp.sum((jnp.argmax(mlm_logits, -1) == batch['masked_lm_ids']) * weights)
-    nsp_logits = out.nsp_logits.astype(jnp.float32)                    # [b, 2]
-    labels = batch['next_sentence_labels']
-    nsp_ce = optax.softmax_cross_entropy_with_integer_labels(nsp_logits, labels)
-    nsp_correct = jnp.sum(jnp.argmax(nsp_logits, -1) == labels)
-    loss = mlm_sum / totals['mlm_weight'] + jnp.sum(nsp_ce) / totals['examples']
-    n = labels.shape[0]
-    return loss, {
-        'mlm_loss': metrics_lib.average(mlm_sum, jnp.sum(weights)),
-        'mlm_accuracy': metrics_lib.average(mlm_correct, jnp.sum(weights)),
-        'nsp_loss': metrics_lib.average(jnp.sum(nsp_ce), n),
-        'nsp_accuracy': metrics_lib.average(nsp_correct, n),
-    }
+    loss = mlm_sum / totals['mlm_weight']
+    stats = {'mlm_loss': metrics_lib.average(mlm_sum, jnp.sum(weights)),
+             'mlm_accuracy': metrics_lib.average(mlm_correct, jnp.sum(weights))}
+    if out.nsp_logits is not None:
+      nsp_logits = out.nsp_logits.astype(jnp.float32)                  # [b, 2]
+      labels = batch['next_sentence_labels']
+      nsp_ce = optax.softmax_cross_entropy_with_integer_labels(nsp_logits, labels)
+      nsp_correct = jnp.sum(jnp.argmax(nsp_logits, -1) == labels)
+      loss = loss + jnp.sum(nsp_ce) / totals['examples']
+      n = labels.shape[0]
+      stats.update(nsp_loss=metrics_lib.average(jnp.sum(nsp_ce), n),
+                   nsp_accuracy=metrics_lib.average(nsp_correct, n))
+    return loss, stats
   return loss_fn
 
 
@@ -515,7 +522,8 @@ def loss_metrics(loss_fn: Callable, metrics_cls, totals_fn: Callable = pretraini
 
 
 def make_label_counts(mesh, vocab_size: int) -> Callable:
-  """A jitted batch -> {'mlm': [vocab] masked-token weight per label id, 'nsp': [2]}.
+  """A jitted batch -> {'mlm': [vocab] masked-token weight per label id, 'nsp': [2] (where
+  the batch has next_sentence_labels)}.
 
   Summed over the evaluation batches, these give the trivial baselines on exactly those
   batches: always predicting the most frequent masked token, always the majority NSP label
@@ -523,6 +531,8 @@ def make_label_counts(mesh, vocab_size: int) -> Callable:
   def counts(batch):
     mlm = jnp.zeros((vocab_size,), jnp.float32).at[batch['masked_lm_ids'].reshape(-1)].add(
         batch['masked_lm_weights'].astype(jnp.float32).reshape(-1))
+    if 'next_sentence_labels' not in batch:
+      return {'mlm': mlm}
     nsp = jnp.zeros((2,), jnp.float32).at[batch['next_sentence_labels'].reshape(-1)].add(1.0)
     return {'mlm': mlm, 'nsp': nsp}
 
@@ -532,9 +542,8 @@ def make_label_counts(mesh, vocab_size: int) -> Callable:
 
 def majority_baselines(counts: Dict[str, Any]) -> Dict[str, float]:
   """eval metrics of the constant predictors from summed make_label_counts outputs."""
-  mlm, nsp = np.asarray(counts['mlm']), np.asarray(counts['nsp'])
-  return {'mlm_majority_accuracy': float(mlm.max() / max(mlm.sum(), 1e-6)),
-          'nsp_majority_accuracy': float(nsp.max() / max(nsp.sum(), 1e-6))}
+  majority = lambda c: float(np.max(c) / max(np.sum(c), 1e-6))
+  return {f'{name}_majority_accuracy': majority(c) for name, c in counts.items()}
 
 
 def global_batch(batch: Dict[str, np.ndarray], mesh, whole: bool = False
@@ -548,14 +557,17 @@ def global_batch(batch: Dict[str, np.ndarray], mesh, whole: bool = False
       sharding, np.asarray(v), np.shape(v) if whole else None) for k, v in batch.items()}
 
 
-def abstract_batch(global_batch_size: int, seq_len: int, num_predictions: int) -> dict:
+def abstract_batch(global_batch_size: int, seq_len: int, num_predictions: int,
+                   next_sentence: bool = True) -> dict:
   """ShapeDtypeStructs of one global pretraining batch (for init and compile)."""
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   b, t, p = global_batch_size, seq_len, num_predictions
-  return {'input_ids': i32(b, t), 'segment_ids': i32(b, t), 'attention_mask': i32(b, t),
-          'masked_lm_positions': i32(b, p), 'masked_lm_ids': i32(b, p),
-          'masked_lm_weights': jax.ShapeDtypeStruct((b, p), jnp.float32),
-          'next_sentence_labels': i32(b)}
+  batch = {'input_ids': i32(b, t), 'segment_ids': i32(b, t), 'attention_mask': i32(b, t),
+           'masked_lm_positions': i32(b, p), 'masked_lm_ids': i32(b, p),
+           'masked_lm_weights': jax.ShapeDtypeStruct((b, p), jnp.float32)}
+  if next_sentence:
+    batch['next_sentence_labels'] = i32(b)
+  return batch
 
 
 # --------------------------------------------------------------------------------------
@@ -596,11 +608,12 @@ def make_program(model: nn.Module, opt_config, num_steps: int, mesh, seed: int,
                  batch_shapes: dict, *, loss_fn: Callable, metrics_cls, eval_fn: Callable,
                  flops_per_example: Callable[[int], float],
                  totals_fn: Callable = pretraining_totals,
-                 grad_accum_steps: int = 1) -> Program:
+                 grad_accum_steps: int = 1, untrained=None) -> Program:
   """The Program of `model` (built on model.spec) trained on `loss_fn` with
   config.optimizer `opt_config` for `num_steps` steps; eval_fn(params, batch) -> the
-  evaluation's outputs (make_eval_step)."""
-  tx = make_optimizer(opt_config, model.spec)
+  evaluation's outputs (make_eval_step). untrained: a param path -> whether the optimizer
+  leaves that parameter as it is (make_optimizer)."""
+  tx = make_optimizer(opt_config, model.spec, untrained)
   abstract, shardings = state_shardings(model, tx, batch_shapes, mesh)
   return Program(
       model=model, tx=tx, schedule=make_schedule(opt_config, num_steps),
@@ -614,23 +627,31 @@ def make_program(model: nn.Module, opt_config, num_steps: int, mesh, seed: int,
 
 
 def pretraining_program(config, mesh, platform: str = '') -> Program:
-  """The MLM + NSP program of a (resolved) pretraining `config` on `mesh`.
+  """The program of a (resolved) pretraining `config` on `mesh`: MLM + NSP, or MLM alone
+  (config.objective; without NSP the pooler, which nothing trains, is left as initialised).
 
   platform: the platform the step is compiled for ('' = this process's backend); the
   backend-dependent 'auto' choices of the model follow it (spec.platform).
   """
+  from data import pretraining as objectives  # pylint: disable=g-import-not-at-top
   tc = config.train
   spec = resolve(config.model, platform=platform)
-  model = models.build(spec)
+  nsp = objectives.objective(config.get('objective', 'mlm_nsp')).next_sentence
+  model = models.build(spec, next_sentence=nsp)
   preds = config.data.max_predictions_per_seq
   loss_fn = pretraining_loss_fn(model)
+  train_metrics, eval_metrics = metrics_lib.pretraining_metrics(nsp)
   return make_program(
       model, config.optimizer, tc.num_steps, mesh, config.seed,
-      abstract_batch(tc.batch_size, config.data.max_seq_length, preds),
-      loss_fn=loss_fn, metrics_cls=metrics_lib.PretrainingTrainMetrics,
-      eval_fn=loss_metrics(loss_fn, metrics_lib.PretrainingEvalMetrics),
-      flops_per_example=lambda length: flops_per_example(spec, length, preds),
-      grad_accum_steps=tc.grad_accum_steps)
+      abstract_batch(tc.batch_size, config.data.max_seq_length, preds, nsp),
+      loss_fn=loss_fn, metrics_cls=train_metrics,
+      eval_fn=loss_metrics(loss_fn, eval_metrics),
+      flops_per_example=lambda length: flops_per_example(spec, length, preds, nsp),
+      grad_accum_steps=tc.grad_accum_steps, untrained=None if nsp else _is_pooler)
+
+
+def _is_pooler(path) -> bool:
+  return 'pooler' in _names(path)
 
 
 # --------------------------------------------------------------------------------------
@@ -669,7 +690,8 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
 # FLOP count.
 # --------------------------------------------------------------------------------------
 
-def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float:
+def flops_per_example(model_config, seq_len: int, num_predictions: int,
+                      next_sentence: bool = True) -> float:
   """Training FLOPs of one example (matmuls only; 2 FLOPs per multiply-add).
 
   With T = seq_len, P = num_predictions, D = hidden, F = mlp_dim, H = heads,
@@ -686,7 +708,7 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
                   dense                                2 R D^2 + 2 R D H M
                   factorized dense                     2 R D H (a + b)
                 MLP                                    4 R D F
-    heads:      pooler + NSP                           2 D^2 + 4 D
+    heads:      pooler + NSP (next_sentence)               2 D^2 + 4 D
                 MLM transform + tied decoder (P slots) 2 P D^2 + 2 P D V
 
   and training = 3 x forward (the backward pass costs two forwards), less one 2 R T D a layer
@@ -701,7 +723,8 @@ def flops_per_example(model_config, seq_len: int, num_predictions: int) -> float
   p, d = num_predictions, s.hidden_size
   pruned = s.last_layer == 'predicted' and not s.scan_layers
   last = rows_lib.num_last_layer_rows(p, seq_len) if pruned else seq_len
-  heads = 2 * d * d + 4 * d + 2 * p * d * d + 2 * p * d * s.padded_vocab_size
+  heads = 2 * p * d * d + 2 * p * d * s.padded_vocab_size + (
+      2 * d * d + 4 * d if next_sentence else 0)
   return encoder_training_flops(s, seq_len, last) + training_flops(heads)
 
 
@@ -752,12 +775,15 @@ class SyntheticPretrainingData:
   Not language: for throughput and sharding checks only. The state is the next batch
   index (a JSON dict), saved in the checkpoint's 'data' item like the real pipeline's.
   Every host draws the global batch and keeps its rows, so any process count agrees.
+  next_sentence=False (config.objective=mlm): one segment and no next_sentence_labels.
   """
 
   def __init__(self, *, vocab_size: int, seq_len: int, num_predictions: int,
                global_batch_size: int, seed: int, process_index: int = 0,
-               process_count: int = 1, num_special: int = 5, mask_id: int = 4):
+               process_count: int = 1, num_special: int = 5, mask_id: int = 4,
+               next_sentence: bool = True):
     self.vocab_size, self.seq_len, self.num_predictions = vocab_size, seq_len, num_predictions
+    self.next_sentence = next_sentence
     self.global_batch_size, self.seed, self.num_special = global_batch_size, seed, num_special
     self.mask_id = mask_id  # [MASK] of the sentencepiece vocabularies trained here
     per_host = global_batch_size // process_count
@@ -782,8 +808,12 @@ class SyntheticPretrainingData:
     batch = {'input_ids': ids * mask, 'segment_ids': segment, 'attention_mask': mask,
              'masked_lm_positions': positions.astype(np.int32),
              'masked_lm_ids': labels,
-             'masked_lm_weights': weights,
-             'next_sentence_labels': rng.integers(0, 2, (b,), dtype=np.int32)}
+             'masked_lm_weights': weights}
+    nsp = rng.integers(0, 2, (b,), dtype=np.int32)  # (drawn either way: the same batches)
+    if self.next_sentence:
+      batch['next_sentence_labels'] = nsp
+    else:
+      batch['segment_ids'] = np.zeros_like(segment)  # one segment
     return {k: v[self._rows] for k, v in batch.items()}
 
   def get_state(self) -> dict:
