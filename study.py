@@ -192,7 +192,7 @@ def held_out(workdir: str) -> dict:
 def folders(root: str, runs, always=()) -> list:
   """Each run's folder under root, as sweep.run_all finds it (a folder an earlier, narrower
   sweep made for the same run is that run's)."""
-  return sweep.reuse_names(root, runs, sweep.run_names(runs, always))
+  return sweep.folder_names(root, runs, always)
 
 
 def pretraining_config(args) -> str:

@@ -163,8 +163,8 @@ def test_runs_start_in_the_repository_and_a_wider_sweep_keeps_finished_runs(
 
 
 def test_a_directory_holding_another_run_is_never_reused(tmp_path, capsys):
-  # The fixed overrides do not name a run, so a second sweep into the same root with
-  # another --set reaches the first one's directories: refused, not skipped as finished.
+  # A second sweep into the same root with another --set: the key it adds names its runs
+  # (folder_names), so they get folders of their own, the first sweep's left as they are.
   program = tmp_path / 'fake_train.py'
   program.write_text(FAKE_PROGRAM)
   root = tmp_path / 'sweep'
@@ -172,13 +172,16 @@ def test_a_directory_holding_another_run_is_never_reused(tmp_path, capsys):
           '--sweep', 'optimizer.learning_rate=1e-4,2e-4']
   assert sweep_cli.main(args + ['--set', 'train.num_steps=2']) == 0
   capsys.readouterr()
-  assert sweep_cli.main(args + ['--set', 'train.num_steps=3']) == 1
-  out = capsys.readouterr().out
-  assert 'holds a run with other overrides (train.num_steps 2 (asked 3)); left alone' in out
-  assert '0/2 runs finished; failed: optimizer.learning_rate=0.0001,seed=0' in out
+  assert sweep_cli.main(args + ['--set', 'train.num_steps=3']) == 0
+  assert sorted(os.listdir(root)) == [
+      'optimizer.learning_rate=0.0001,seed=0',
+      'optimizer.learning_rate=0.0001,train.num_steps=3,seed=0',
+      'optimizer.learning_rate=0.0002,seed=0',
+      'optimizer.learning_rate=0.0002,train.num_steps=3,seed=0']
   for name in os.listdir(root):
     assert (root / name / 'calls.txt').read_text().count('call') == 1
-    assert json.loads((root / name / RunDir.OVERRIDES).read_text())['train.num_steps'] == 2
+    assert json.loads((root / name / RunDir.OVERRIDES).read_text())['train.num_steps'] == (
+        3 if 'num_steps' in name else 2)
   # A grid's axes always name its runs, so a one-value grid does not collide.
   runs = sweep.expand(['num_epochs=2'], ['batch_size=16'])
   assert sweep.run_names(runs) == ['seed=0']
@@ -253,10 +256,27 @@ def test_runs_recorded_before_values_were_typed_are_the_same_runs(tmp_path):
     (root / name).mkdir(parents=True)
     recorded = dict(run, **{'data.hf_rows_per_document': int(run['data.hf_rows_per_document'])})
     (root / name / RunDir.OVERRIDES).write_text(json.dumps(recorded))
-  assert sweep.reuse_names(str(root), runs, sweep.run_names(runs)) == ['old_a', 'old_b']
+  assert sweep.folder_names(str(root), runs) == ['old_a', 'old_b']
   assert sweep.other_run(str(root / 'old_a'), runs[0]) == []
   assert sweep.other_run(str(root / 'old_a'), runs[1]) == [
       "data.hf_rows_per_document 1 (asked '100')"]
+
+
+def test_a_sweep_extended_in_its_root_with_another_set_gets_folders_of_its_own(tmp_path):
+  """The root records a run; the same point with another --set is another run, named by the
+  key that --set adds, never sent to the first run's folder (which holds other overrides)."""
+  first = {'optimizer.learning_rate': 0.001, 'seed': 0}
+  (tmp_path / 'optimizer.learning_rate=0.001,seed=0').mkdir()
+  (tmp_path / 'optimizer.learning_rate=0.001,seed=0' / RunDir.OVERRIDES).write_text(
+      json.dumps(first))
+  again = dict(first, **{'data.max_seq_length': 64})
+  assert sweep.folder_names(str(tmp_path), [again, first], ('optimizer.learning_rate',)) == [
+      'data.max_seq_length=64,optimizer.learning_rate=0.001,seed=0',
+      'optimizer.learning_rate=0.001,seed=0']
+  script = sweep.launch_script([again], root=str(tmp_path), program='train.py',
+                               config='configs/pretrain.py:postln,tiny', target='local',
+                               always=('optimizer.learning_rate',))
+  assert 'data.max_seq_length=64,optimizer.learning_rate=0.001,seed=0' in script
 
 
 def test_a_key_set_twice_is_an_error_not_a_silently_dropped_grid_point():
@@ -296,8 +316,9 @@ def test_a_sweep_extends_one_value_at_a_time_and_another_config_never_takes_its_
 
 
 def test_a_printed_script_never_sends_a_run_into_the_folder_of_another(tmp_path, capsys):
-  """`print` refuses a root whose folders hold runs with other overrides (their names leave
-  out the --set values): the printed command would resume that run in place."""
+  """`print` with another --set into a root whose folders hold the first --set's runs (the
+  names leave out the --set values) sends them to folders of their own: the printed command
+  never resumes another run in place."""
   program = tmp_path / 'fake_train.py'
   program.write_text(FAKE_PROGRAM)
   root = str(tmp_path / 'sweep')
@@ -308,9 +329,10 @@ def test_a_printed_script_never_sends_a_run_into_the_folder_of_another(tmp_path,
   assert sweep_cli.main(['print', '--target', 'local'] + args +
                         ['--set', 'train.num_steps=2']) == 0
   assert capsys.readouterr().out.count('fake_train.py') == 3  # (the comment line too)
-  with pytest.raises(ValueError, match=r'2 of the runs would go into folders of .* that hold '
-                     r'runs with other overrides \(e.g. .*train.num_steps 2 \(asked 3\)\)'):
-    sweep_cli.main(['print', '--target', 'local'] + args + ['--set', 'train.num_steps=3'])
+  capsys.readouterr()
+  assert sweep_cli.main(['print', '--target', 'local'] + args +
+                        ['--set', 'train.num_steps=3']) == 0  # folders of its own
+  assert capsys.readouterr().out.count('train.num_steps=3,seed=0 ') == 2
 
 
 def test_a_time_budgeted_run_is_finished_when_its_last_checkpoint_spent_the_budget(tmp_path):
@@ -573,7 +595,7 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   ran = []
 
   def fake_run_all(runs, *, root, always, **_):  # accuracy grows with layers x steps
-    name = sweep.run_names(runs, always=always)[0]
+    name = sweep.folder_names(root, runs, always)[0]
     layers, steps = runs[0]['model.num_layers'], runs[0]['train.num_steps']
     ran.append((layers, steps))
     _write_run(tmp_path / 'budget' / name, steps, 0.05 + layers * steps / 40000, 0.07)
@@ -604,13 +626,12 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   lines = [l for l in out.splitlines() if l.startswith('python train.py')]
   assert len(lines) == 15 and all('--config.train.num_steps=1000' in l and
                                   '--config.model.num_layers=4' in l for l in lines)
-  # Another budget into the folders those runs were printed for: refused, never resumed.
-  with pytest.raises(ValueError, match=r'15 of the runs would go into folders .*train.num_steps '
-                     r'1000 \(asked 300\)'):
-    study.main(['--root', str(tmp_path), '--print_only', '--steps', '300'])
-  shutil.rmtree(tmp_path / 'compare')
+  # Another budget into the root those runs were printed for: folders of its own, named by
+  # the steps that differ, never the first runs' (resumed in place).
   assert study.main(['--root', str(tmp_path), '--print_only', '--steps', '300']) == 0
-  assert '--config.train.num_steps=300\n' in capsys.readouterr().out
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  assert len(lines) == 15 and all(',train.num_steps=300,seed=' in l and
+                                  '--config.train.num_steps=300' in l for l in lines)
   # Nothing reaches the target: exit 1, no budget written.
   (tmp_path / 'budget.json').unlink()
   assert study.main(args + ['--target_ratio', '5']) == 1
@@ -761,7 +782,7 @@ def test_a_float_fields_whole_number_is_one_run_however_it_is_written(tmp_path):
   (tmp_path / 'old' / RunDir.OVERRIDES).write_text(json.dumps(
       {'optimizer.weight_decay': 0, 'train.num_steps': 3, 'seed': 0}))
   assert sweep.other_run(str(tmp_path / 'old'), run) == []
-  assert sweep.reuse_names(str(tmp_path), [run], ['new']) == ['old']
+  assert sweep.folder_names(str(tmp_path), [run]) == ['old']
 
 
 def test_h_zip_of_two_lists_of_one_key_is_an_error():

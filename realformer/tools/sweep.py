@@ -504,7 +504,7 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   codes = {}
   command_of = program_and_config(program, config)
   root = absolute(root)
-  names = reuse_names(root, runs, run_names(runs, always))
+  names = folder_names(root, runs, always)
   for i, (run, name) in enumerate(zip(runs, names)):
     workdir = storage.join(root, name)
 
@@ -567,7 +567,7 @@ def is_diverged(workdir: str, run: Optional[Run] = None,
 def diverged(root: str, runs: Sequence[Run], always: Sequence[str] = (),
              command_of: Optional[Dict[str, str]] = None) -> List[bool]:
   """is_diverged of each run in its folder under `root`."""
-  names = reuse_names(absolute(root), runs, run_names(runs, always))
+  names = folder_names(absolute(root), runs, always)
   return [is_diverged(storage.join(absolute(root), n), run, command_of)
           for n, run in zip(names, runs)]
 
@@ -596,10 +596,13 @@ def _canonical(run: Run) -> str:
   return json.dumps(_as_text(run), sort_keys=True)  # as the command line gives it
 
 
-def reuse_names(root: str, runs: Sequence[Run], names: Sequence[str]) -> List[str]:
-  """`names`, except that a run some folder of `root` already records (its overrides.json:
-  an earlier sweep, named by the fewer keys that varied then) keeps that folder."""
-  recorded = {}
+def folder_names(root: str, runs: Sequence[Run], always: Sequence[str] = ()) -> List[str]:
+  """Each run's folder under `root`: the folder that already records it (its overrides.json:
+  an earlier sweep's, named by the fewer keys that varied then), else run_names' name, or,
+  where a folder of that name records another run (a sweep or grid extended in its root
+  with another --set, which run_names leaves out of the names), that name with the keys the
+  two differ in: folders of its own, the first runs' left alone."""
+  recorded, taken = {}, {}
   if storage.path(root).is_dir():
     for path in storage.path(root).iterdir():
       try:
@@ -607,7 +610,17 @@ def reuse_names(root: str, runs: Sequence[Run], names: Sequence[str]) -> List[st
       except (OSError, ValueError):
         continue
       recorded.setdefault(_canonical(run), path.name)
-  return [recorded.get(_canonical(r), n) for r, n in zip(runs, names)]
+      taken[path.name] = run
+  keys = set(varying_keys(runs)) | set(always)
+  names = []
+  for run in runs:
+    name = recorded.get(_canonical(run)) or run_name(run, sorted(keys))
+    if name in taken and _canonical(taken[name]) != _canonical(run):
+      mine, theirs = _as_text(run), _as_text(taken[name])
+      name = run_name(run, sorted(keys | {k for k in set(mine) | set(theirs)
+                                          if mine.get(k) != theirs.get(k)}))
+    names.append(name)
+  return names
 
 
 def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str],
@@ -655,7 +668,7 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
     raise ValueError(f'--root {root} is a local folder, which each TPU worker would have a '
                      'copy of; give a gs:// URL for runs on a pod slice')
   root = absolute(root)
-  names = reuse_names(root, runs, run_names(runs, always))
+  names = folder_names(root, runs, always)
   command_of = program_and_config(program, config)
   clashes = [(name, differ) for run, name in zip(runs, names)
              if (differ := other_run(storage.join(root, name), run, command_of))]
