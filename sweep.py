@@ -10,7 +10,10 @@ r"""Sweeps from the command line: run them, print their launch commands, summari
 `--sweep key=v1,v2` values are swept (product over all --sweep flags and the seeds),
 `--set key=value` is fixed for every run, `--sweep_file F.py` adds a big_vision-style
 get_hyper(h) (see realformer/tools/sweep.py). Each run lives in <root>/<its overrides>; finished
-runs are skipped and interrupted ones resume. `--program finetune.py` sweeps fine-tuning.
+runs are skipped, interrupted ones resume, and one whose loss became nan/inf is marked
+(diverged.json) and not run again. SIGTERM or Ctrl-C stops the run in progress, which saves,
+and the sweep (exit 75: run the same command to go on). `--program finetune.py` sweeps
+fine-tuning.
 `--root` may be a gs:// URL (the runs, their overrides, logs and the summary live there).
 """
 
@@ -84,12 +87,18 @@ def main(argv=None):
     print(sweep.launch_script(runs, root=args.root, program=args.program, config=args.config,
                               target=args.target, always=swept), end='')
     return 0
-  codes = sweep.run_all(runs, root=args.root, program=args.program, config=args.config,
-                        always=swept)
-  failed = [n for n, c in codes.items() if c and c != sweep.RUNNING_ELSEWHERE]  # OTHER_RUN too
+  # A run whose loss became nan/inf is a result of its settings: marked, and left out of
+  # later calls, which would only repeat it.
+  gone = sweep.diverged(args.root, runs, swept,
+                        sweep.program_and_config(args.program, args.config))
+  codes = sweep.run_all([r for r, g in zip(runs, gone) if not g], root=args.root,
+                        program=args.program, config=args.config, always=swept)
+  failed, diverged = sweep.failed_or_diverged(sweep.absolute(args.root), codes)
   elsewhere = [n for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
-  print(f'{list(codes.values()).count(0)}/{len(codes)} runs finished' +
+  print(f'{list(codes.values()).count(0)}/{len(runs)} runs finished' +
         (f'; failed: {", ".join(failed)}' if failed else '') +
+        (f'; diverged (nan/inf; not run again): {sum(gone) + len(diverged)}'
+         if diverged or any(gone) else '') +
         (f'; run by another sweep process: {", ".join(elsewhere)}' if elsewhere else ''))
   return 1 if failed or elsewhere else 0
 

@@ -4,6 +4,7 @@ pretraining checkpoint to dev metrics and submission files (resume and mismatch 
 import dataclasses
 import json
 import os
+import re
 import shutil
 import types
 from unittest import mock
@@ -807,11 +808,12 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   hf_args = ['--tasks', 'rte', '--seeds', '1', '--print_only', '--data_dir',
              'hf:nyu-mll/glue', '--learning_rates', '1e-5', '--batch_sizes', '16', '--epochs',
              '2']
-  with pytest.raises(ValueError, match=r'1 of the runs would go into folders .* that hold runs '
-                     r"with other overrides \(.*data_dir '' \(asked 'hf:nyu-mll/glue'\)"):
-    finetune_grid.main(hf_args + ['--root', root])  # the first grid's run of that setting
-  finetune_grid.main(hf_args + ['--root', f'{root}/hf'])
-  assert '--config.data_dir=hf:nyu-mll/glue ' in capsys.readouterr().out
+  # A setting the first grid ran with another --data_dir: a folder of its own, named by it.
+  finetune_grid.main(hf_args + ['--root', root])
+  out = capsys.readouterr().out
+  assert re.search(f'--workdir {root}/rte/batch_size=16,data_dir=hf_nyu-mll_glue,[^ ]*'
+                   'optimizer.learning_rate=1e-05,seed=0 ', out), out
+  assert '--config.data_dir=hf:nyu-mll/glue ' in out
   for flags, error in ((['--seeds', '0'], 'need at least one seed'),
                        (['--learning_rates', '2e-5,2e-05'], 'the grid repeats a run'),
                        (['--set', 'batch_size=64'], '--set batch_size: the grid sets it'),
@@ -897,6 +899,19 @@ def check_grid_summary(root: str):
   assert '| rte | 2e-05 | 16 | 2 | 6 | 2 | 1 | 0.3500 | 0.5000 | 0.1000 | 0.7000 |  |' in markdown
   assert '| rte | 3e-05 | 16 | 2 | 2 | 2 | 0 | failed |  |  |  |  |' in markdown
   assert '| rte | 4e-05 | 16 | 2 | 0 | 0 | 1 |  |  |  |  |  |' in markdown
+  # A grid of another task into the same root keeps the first task's rows (the tasks the
+  # root holds are read from its runs' command.json).
+  (storage.path(root) / 'rte' / 'lr=1e-05,seed=0' / 'command.json').write_text(json.dumps(
+      {'program': 'finetune.py', 'config': 'configs/finetune.py:glue/rte'}))
+  mrpc = storage.path(root) / 'mrpc' / 'seed=0'
+  mrpc.mkdir(parents=True, exist_ok=True)
+  (mrpc / 'overrides.json').write_text(json.dumps(
+      {'optimizer.learning_rate': 1e-5, 'batch_size': 16, 'num_epochs': 2, 'seed': 0}))
+  (mrpc / 'results.json').write_text(json.dumps({'headline': 0.8}))
+  finetune_grid.main(['--tasks', 'mrpc', '--root', root, '--summarize_only'])
+  markdown = (storage.path(root) / 'results.md').read_text()
+  assert '| mrpc | 1e-05 | 16 | 2 | 1 | 0 | 0 | 0.8000 |' in markdown
+  assert markdown.count('| rte |') == 4 and markdown.index('| mrpc |') < markdown.index('| rte |')
 
 
 def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, capsys):

@@ -829,3 +829,87 @@ def test_study_reports_of_nothing_are_one_line_errors(tmp_path):
                      ('stability', 'no run of this grid under')):
     with pytest.raises(ValueError, match=said):
       study.main([part, '--root', str(tmp_path), '--report_only'])
+
+
+WAITING_PROGRAM = textwrap.dedent('''
+    """Stands in for train.py: 'error' and 'nan' fail as train.py does; 'wait' runs until
+    SIGTERM, which it answers as train.py does (saved, exit 75)."""
+    import os, signal, sys, time
+    args = dict(a.split('=', 1) for a in sys.argv[1:] if a.startswith('--config.'))
+    workdir = sys.argv[sys.argv.index('--workdir') + 1]
+    mode = args['--config.mode']
+    if mode == 'error':
+      print('error: data.sources=nowhere matches no file; check the path', file=sys.stderr)
+      sys.exit(1)
+    if mode == 'nan':
+      print('error: the loss became nan at step 3; lower optimizer.learning_rate', flush=True)
+      sys.exit(1)
+    if mode == 'ok':
+      sys.exit(0)
+    def saved(*_):
+      open(os.path.join(workdir, 'saved'), 'a').write('saved\\n')
+      sys.exit(75)
+    signal.signal(signal.SIGTERM, saved)
+    open(os.path.join(workdir, 'started'), 'a').write('started\\n')
+    time.sleep(60)
+''')
+
+
+def _wait_for(path, lines=1, seconds=30.0):
+  import time  # pylint: disable=g-import-not-at-top
+  end = time.time() + seconds
+  while time.time() < end:
+    if os.path.exists(path) and open(path).read().count('\n') >= lines:
+      return
+    time.sleep(0.05)
+  raise AssertionError(f'{path} did not reach {lines} lines')
+
+
+def test_a_stopped_sweep_stops_its_run_and_a_failed_run_says_why(tmp_path, capsys):
+  """SIGTERM (or Ctrl-C) to a sweep reaches the run it is running, which saves; no other run
+  starts and the sweep exits 75. A sweep killed outright takes its run with it (the run's
+  parent-death signal). A failed run's own error line is shown; one whose loss became nan
+  is marked diverged and not run again; one that failed before its first checkpoint gives
+  its folder to the corrected settings."""
+  program = tmp_path / 'waiting.py'
+  program.write_text(WAITING_PROGRAM)
+  root = tmp_path / 'sweep'
+  args = ['run', '--root', str(root), '--program', str(program), '--config', 'cfg']
+  assert sweep_cli.main(args + ['--sweep', 'mode=error,nan']) == 1
+  out = capsys.readouterr().out
+  assert ('exit 1: error: data.sources=nowhere matches no file; check the path; see '
+          f'{root}/mode=error,seed=0/log.txt') in out
+  assert '0/2 runs finished; failed: mode=error,seed=0; diverged (nan/inf; not run again): 1' in out
+  assert (root / 'mode=nan,seed=0' / RunDir.DIVERGED).exists()
+  assert sweep_cli.main(args + ['--sweep', 'mode=nan']) == 0  # left out: not run again
+  assert '0/1 runs finished; diverged (nan/inf; not run again): 1' in capsys.readouterr().out
+  # A run that failed before its first checkpoint holds nothing: the corrected settings
+  # take its folder (the names leave out --set values); a finished one keeps its own.
+  fixed = ['run', '--root', str(tmp_path / 'fixed'), '--program', str(program), '--config',
+           'cfg', '--set']
+  assert sweep_cli.main(fixed + ['mode=error']) == 1
+  assert sweep_cli.main(fixed + ['mode=ok']) == 0
+  assert 'takes the folder of a run that stopped before its first checkpoint' in (
+      capsys.readouterr().out)
+  assert json.loads((tmp_path / 'fixed' / 'seed=0' / RunDir.OVERRIDES).read_text())[
+      'mode'] == 'ok'
+  assert sweep_cli.main(fixed + ['mode=error']) == 1
+  assert sorted(os.listdir(tmp_path / 'fixed')) == ['mode=error,seed=0', 'seed=0']
+  command = [sys.executable, 'sweep.py'] + args + ['--sweep', 'mode=wait,other']
+  first = root / 'mode=wait,seed=0'
+  proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  _wait_for(first / 'started')
+  proc.send_signal(subprocess.signal.SIGTERM)
+  out = proc.communicate(timeout=60)[0]
+  assert proc.returncode == 75, out
+  assert 'stopped before its end (exit 75); run again to resume' in out
+  assert 'not finished: stopped by a signal after mode=wait,seed=0' in out
+  assert (first / 'saved').read_text() == 'saved\n'
+  assert not (root / 'mode=other,seed=0').exists()  # never started
+  proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  _wait_for(first / 'started', lines=2)
+  proc.kill()
+  proc.wait()
+  _wait_for(first / 'saved', lines=2)  # the run went with its sweep, saving

@@ -261,7 +261,7 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(comma
     first.send_signal(signal.SIGTERM)  # a scheduler's preemption notice
     _, err = first.communicate(timeout=240)
     assert first.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
-    assert 'not finished: stopped by SIGTERM after saving step' in err
+    assert 'not finished: stopped by SIGTERM or Ctrl-C after saving step' in err
     assert checkpoints.has_complete_step(str(tmp_path))
   finally:
     if first.poll() is None:
@@ -287,7 +287,7 @@ def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
     if proc.poll() is None:
       proc.kill()
   assert proc.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
-  assert 'not finished: stopped by SIGTERM' in err and 'Traceback' not in err
+  assert 'not finished: stopped by SIGTERM or Ctrl-C' in err and 'Traceback' not in err
   # Released as on a clean exit: the requeued run takes the workdir without a warning.
   assert (tmp_path / RunDir.LOCK).read_text() == ''
 
@@ -816,7 +816,7 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(command
     if first.poll() is None:
       first.kill()
   assert first.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
-  assert 'not finished: stopped by SIGTERM after saving step' in err
+  assert 'not finished: stopped by SIGTERM or Ctrl-C after saving step' in err
   assert 'skipped 1 malformed rows' in err and 'RTE/train.tsv (lines 6)' in err
   stored = (workdir / 'config.json').read_text()
   other = commands.run(args[1:] + ['--config.optimizer.learning_rate=1e-3'], env=env)

@@ -8,11 +8,12 @@ r"""The fine-tuning grid of the paper's practice, for one task or all of GLUE, o
 Every (learning rate, batch size, epochs, seed) of every task is one finetune.py run in
 <root>/<task>/<its grid values and other varying overrides> (realformer.tools.sweep names, skips
 finished runs and resumes interrupted ones, so a grid can be extended in the same root; a
-directory holding a run with other fixed overrides is refused, never reused; a run whose loss
-became nan/inf is marked so, counted as failed and not run again), run here one after
-another, or printed as launch commands for a cluster (--print_only). The summary
-(<root>/results.md and .csv) gives each setting's median over seeds of the task's headline
-metric (the BERT paper's: MCC for CoLA, F1 for MRPC/QQP, Spearman for STS-B, accuracy
+run with other fixed overrides (another --set) gets a folder of its own, named by them; a
+run that failed before its first checkpoint gives its folder to the next call's settings; a
+run whose loss became nan/inf is marked so, counted as failed and not run again), run here
+one after another, or printed as launch commands for a cluster (--print_only). The summary
+(<root>/results.md and .csv: the --tasks and every other task the root holds) gives each
+setting's median over seeds of the task's headline metric (the BERT paper's: MCC for CoLA, F1 for MRPC/QQP, Spearman for STS-B, accuracy
 elsewhere; SQuAD F1), a failed seed (diverged, or a headline that is not finite: a
 regression's constant predictions have no correlation) counting below every score, and the
 mean, min and max of the scored seeds; it marks the best setting of each task by that
@@ -264,7 +265,28 @@ HEADER = ['task', 'learning_rate', 'batch_size', 'num_epochs', 'n', 'failed', 'u
           'median', 'mean', 'min', 'max', 'best', 'other overrides']
 
 
+def tasks_in(root: str) -> List[str]:
+  """The tasks whose runs the grid's root holds (each run's command.json names its config)."""
+  found = []
+  folder = storage.path(root)
+  for task_dir in sorted(folder.iterdir(), key=lambda p: p.name) if folder.is_dir() else []:
+    for run in sorted(task_dir.iterdir(), key=lambda p: p.name) if task_dir.is_dir() else []:
+      try:
+        config = json.loads((run / RunDir.COMMAND).read_text())['config']
+      except (OSError, ValueError, KeyError, TypeError):
+        continue
+      name = config.partition(':')[2]
+      task = name[len('glue/'):] if name.startswith('glue/') else name
+      if task and task.replace('/', '_') == task_dir.name:
+        found.append(task)
+        break
+  return found
+
+
 def write_summary(root: str, tasks: Sequence[str]) -> str:
+  """results.md and .csv of `tasks` and of every other task whose runs the root holds (a
+  grid of one task into the root of another's keeps both in the table)."""
+  tasks = list(tasks) + [t for t in tasks_in(root) if t not in tasks]
   table = []
   for task in tasks:
     table += summarize(task, collect(task_root(root, task), task))

@@ -31,10 +31,12 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -43,6 +45,7 @@ from realformer import storage
 from realformer.train import checkpoints
 from realformer.train import metrics_jsonl
 from realformer.train.run_dir import RunDir
+from realformer.train.workdir import EXIT_NOT_FINISHED
 
 Run = Dict[str, Any]
 _LEASES: Dict[str, Any] = {}  # the lock objects this process holds, by workdir (gs://)
@@ -482,9 +485,25 @@ def release(workdir: str):
   os.close(fd)
 
 
+def holds_nothing(workdir: str) -> bool:
+  """Whether a run's folder holds nothing that another run in it could lose: a run a sweep
+  ran here (its log.txt) that failed before its first checkpoint (a path mistyped, say),
+  neither finished nor diverged. Its folder goes to the run asked for now, whatever the
+  first one's settings were (a printed run, which may be queued or running elsewhere, keeps
+  its folder)."""
+  path = storage.path(workdir)
+  keep = (RunDir.DONE, RunDir.RESULTS, RunDir.DIVERGED, RunDir.BEST, RunDir.FINAL)
+  return (path / RunDir.LOG).exists() and not (
+      any((path / name).exists() for name in keep) or checkpoints.complete_steps(workdir))
+
+
 def _not_to_start(workdir: str, run: Run, say, command_of: Dict[str, str]) -> Optional[int]:
   """run_all's code for a run it leaves alone, said with `say`; None for one to start."""
   differ = other_run(workdir, run, command_of)
+  if differ and holds_nothing(workdir):
+    say(f'takes the folder of a run that stopped before its first checkpoint '
+        f'({"; ".join(differ)})')
+    return None
   if differ:
     say(f'{workdir} holds a run with other overrides ({"; ".join(differ)}); left alone. '
         'Give this sweep its own --root')
@@ -529,14 +548,18 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
       storage.write_text(storage.join(workdir, RunDir.COMMAND), json.dumps(command_of))
       argv = command(program, config, workdir, run)
       say(shlex.join(argv))
-      code = _call_logged(argv, storage.join(workdir, RunDir.LOG))
+      code, stopped = _call_logged(argv, storage.join(workdir, RunDir.LOG))
       if code == 0:
         storage.write_text(storage.join(workdir, RunDir.DONE), '')
       else:
-        echo(f'  exit {code}; see {workdir}/log.txt (run again to resume)')
+        echo(f'  {_why_failed(code, storage.join(workdir, RunDir.LOG))}; see {workdir}/log.txt')
     finally:
       release(workdir)
     codes[name] = code
+    if stopped:  # SIGTERM or Ctrl-C: the run saved (or finished); start no other
+      echo(f'not finished: stopped by a signal after {name}; run the same command to go on '
+           f'(exit status {EXIT_NOT_FINISHED})')
+      sys.exit(EXIT_NOT_FINISHED)
   return codes
 
 
@@ -599,9 +622,9 @@ def _canonical(run: Run) -> str:
 def folder_names(root: str, runs: Sequence[Run], always: Sequence[str] = ()) -> List[str]:
   """Each run's folder under `root`: the folder that already records it (its overrides.json:
   an earlier sweep's, named by the fewer keys that varied then), else run_names' name, or,
-  where a folder of that name records another run (a sweep or grid extended in its root
-  with another --set, which run_names leaves out of the names), that name with the keys the
-  two differ in: folders of its own, the first runs' left alone."""
+  where a folder of that name records another run that holds something (a sweep or grid
+  extended in its root with another --set, which run_names leaves out of the names), that
+  name with the keys the two differ in: folders of its own, the first runs' left alone."""
   recorded, taken = {}, {}
   if storage.path(root).is_dir():
     for path in storage.path(root).iterdir():
@@ -615,7 +638,8 @@ def folder_names(root: str, runs: Sequence[Run], always: Sequence[str] = ()) -> 
   names = []
   for run in runs:
     name = recorded.get(_canonical(run)) or run_name(run, sorted(keys))
-    if name in taken and _canonical(taken[name]) != _canonical(run):
+    if (name in taken and _canonical(taken[name]) != _canonical(run)
+        and not holds_nothing(storage.join(root, name))):
       mine, theirs = _as_text(run), _as_text(taken[name])
       name = run_name(run, sorted(keys | {k for k in set(mine) | set(theirs)
                                           if mine.get(k) != theirs.get(k)}))
@@ -629,25 +653,68 @@ def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str],
   it is launched (what collect and run_all read)."""
   for run, name in zip(runs, names):
     path = storage.join(root, name, RunDir.OVERRIDES)
-    if not storage.path(path).exists():
-      storage.path(storage.join(root, name)).mkdir(parents=True, exist_ok=True)
+    workdir = storage.join(root, name)
+    if not storage.path(path).exists() or (other_run(workdir, run, command_of) and
+                                           holds_nothing(workdir)):
+      storage.path(workdir).mkdir(parents=True, exist_ok=True)
       storage.write_text(path, json.dumps(run, indent=1, sort_keys=True))
       storage.write_text(storage.join(root, name, RunDir.COMMAND), json.dumps(command_of))
 
 
-def _call_logged(argv, log_path: str) -> int:
+def _call_logged(argv, log_path: str) -> Tuple[int, bool]:
   """Runs argv with its output appended to `log_path` (in a bucket: a local spool, uploaded
-  every 30 s while it runs and when it ends)."""
+  every 30 s while it runs and when it ends); returns (its exit code, whether this process
+  was asked to stop meanwhile). A SIGTERM or SIGINT (Ctrl-C) that this process gets is
+  passed on to the run as SIGTERM, which saves and exits with the not-finished status; if
+  this process dies without passing it on (kill -9), the run gets SIGTERM all the same
+  (Linux's parent-death signal), so that no run trains on without its sweep."""
   log = storage.GrowingFile(log_path, binary=True)
+  stop = []
   try:
-    with subprocess.Popen(argv, cwd=_ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT) as proc:
-      for line in proc.stdout:
-        log.write(line)
-        log.flush()
-    return proc.returncode
+    with subprocess.Popen([sys.executable, '-c', _WITH_PARENT, str(os.getpid())] + argv,
+                          cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+      def pass_on(signum, _):
+        stop.append(signum)
+        proc.send_signal(signal.SIGTERM)
+      previous = {}
+      if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+      try:
+        for line in proc.stdout:
+          log.write(line)
+          log.flush()
+      finally:
+        for sig, handler in previous.items():
+          signal.signal(sig, handler)
+    return proc.returncode, bool(stop)
   finally:
     log.close()
+
+
+# Run by a run's own interpreter before its program (this threaded process is never forked):
+# asks for SIGTERM when the sweep's process ends (Linux's PR_SET_PDEATHSIG, kept across exec;
+# elsewhere nothing), stops if the sweep is gone already, then becomes the program.
+_WITH_PARENT = """import ctypes, os, signal, sys
+try:
+  ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+  pass
+if os.getppid() != int(sys.argv[1]):
+  sys.exit(75)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _why_failed(code: int, log_path: str) -> str:
+  """A failed run's line for the sweep's output: its one-line error from the log's end."""
+  if code == EXIT_NOT_FINISHED:
+    return f'stopped before its end (exit {code}); run again to resume'
+  try:
+    tail = storage.path(log_path).read_bytes()[-8000:].decode('utf-8', 'replace')
+  except OSError:
+    tail = ''
+  errors = [l for l in tail.splitlines() if l.startswith('error: ')]
+  return f'exit {code}: {errors[-1]}' if errors else f'exit {code} (run again to resume)'
 
 
 def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
@@ -671,7 +738,8 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
   names = folder_names(root, runs, always)
   command_of = program_and_config(program, config)
   clashes = [(name, differ) for run, name in zip(runs, names)
-             if (differ := other_run(storage.join(root, name), run, command_of))]
+             if (differ := other_run(storage.join(root, name), run, command_of))
+             and not holds_nothing(storage.join(root, name))]
   if clashes:  # a printed run would resume, in place, the run its folder holds
     name, differ = clashes[0]
     raise ValueError(f'{len(clashes)} of the runs would go into folders of {root} that hold '

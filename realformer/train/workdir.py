@@ -347,8 +347,8 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
 
 
 class StopSignal:
-  """Set by SIGTERM (preemption): the trainer's loop saves at the current step and returns;
-  the program then calls exit_not_finished. With several processes jax's preemption
+  """Set by SIGTERM (preemption) or Ctrl-C (SIGINT): the trainer's loop saves at the current
+  step and returns; the program then calls exit_not_finished. With several processes jax's preemption
   notifier owns SIGTERM, and its sync protocol picks the stop: each process reports how many
   checks it has made, and all stop at the check after the largest count. So the checks are
   counted here from 1 (a resumed run's step numbers would never meet the count a notice
@@ -362,12 +362,18 @@ class StopSignal:
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
+      self._previous = {sig: signal.signal(sig, self._stop)
+                        for sig in (signal.SIGTERM, signal.SIGINT)}
     return self
 
+  def _stop(self, signum, _):
+    self.event.set()
+    if signum == signal.SIGINT:  # Ctrl-C saves as SIGTERM does; a second one interrupts
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for sig, previous in (self._previous or {}).items():
+      signal.signal(sig, previous)
 
   def reached(self) -> bool:
     """Whether to save and stop now: SIGTERM here, or (several processes, called once a
@@ -384,7 +390,7 @@ class StopSignal:
 
 def exit_on_sigterm() -> None:
   """Outside the training loop (preparing the data, compiling, the final evaluation) a
-  SIGTERM stops the run with the not-finished status, as the loop's StopSignal does after
+  SIGTERM or Ctrl-C stops the run with the not-finished status, as the loop's StopSignal does after
   saving: a scheduler then requeues it, and the rerun resumes from the last complete
   checkpoint. The exit is immediate, as a kill's (os._exit: an exception raised wherever the
   signal lands could be swallowed, or crash the interpreter's shutdown under XLA's
@@ -398,15 +404,16 @@ def exit_on_sigterm() -> None:
       child.terminate()
     for release in list(_HELD.values()):  # as on a clean exit (the kernel drops the flock)
       release()
-    print(f'not finished: stopped by SIGTERM outside the training loop (preparing, compiling '
-          f'or finishing); run the same command to resume from the last complete checkpoint '
-          f'(exit status {EXIT_NOT_FINISHED})', file=sys.stderr, flush=True)
+    print(f'not finished: stopped by SIGTERM or Ctrl-C outside the training loop (preparing, '
+          f'compiling or finishing); run the same command to resume from the last complete '
+          f'checkpoint (exit status {EXIT_NOT_FINISHED})', file=sys.stderr, flush=True)
     os._exit(EXIT_NOT_FINISHED)  # pylint: disable=protected-access
   if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
 
 def exit_not_finished(step: int):
-  print(f'not finished: stopped by SIGTERM after saving step {step}; run the same command '
-        f'to resume (exit status {EXIT_NOT_FINISHED})', file=sys.stderr)
+  print(f'not finished: stopped by SIGTERM or Ctrl-C after saving step {step}; run the same '
+        f'command to resume (exit status {EXIT_NOT_FINISHED})', file=sys.stderr)
   sys.exit(EXIT_NOT_FINISHED)
