@@ -168,6 +168,10 @@ def get_config(arg: str = 'postln,tiny'):
   # the result is the same for any number): raise it to the host's cores for a big corpus.
   c.data.prepare_workers = 1
   c.data.tokenizer = ''  # sentencepiece model path; '' = the embedded corpus's tokenizer
+  # The preparation's seed (its pairings, the sources' interleaving); None: the run's `seed`.
+  # Runs of several seeds share one data.prepared_dir with this set (BERT prepared its data
+  # once, with its own seed).
+  c.data.seed = ml_collections.FieldReference(None, field_type=int)
   c.data.prepared_dir = ''  # array_record shards; '' = <workdir>/data
   c.data.max_seq_length = 128
   c.data.max_predictions_per_seq = 20

@@ -89,6 +89,12 @@ FINGERPRINT_DEFAULTS = {'hf_rows_per_document': '1', 'instances': 'pairs'}
 FINGERPRINT_LAYOUT = ('blocks_per_file', 'num_shards')
 
 
+def data_seed(config) -> int:
+  """The preparation's seed: config.data.seed, else the run's config.seed."""
+  seed = config.data.get('seed')
+  return int(config.seed if seed is None else seed)
+
+
 def fingerprint(config) -> dict:
   """The settings that determine the prepared instances and their files (masking is not
   among them)."""
@@ -99,7 +105,7 @@ def fingerprint(config) -> dict:
   return {'sources': d.sources, 'weights': d.weights, 'tokenizer': d.tokenizer or 'embedded',
           'max_seq_length': d.max_seq_length, 'short_seq_prob': d.short_seq_prob,
           'dupe_factor': d.dupe_factor, 'eval_fraction': d.eval_fraction,
-          'blocks_per_file': d.get('blocks_per_file', 8), 'seed': config.seed,
+          'blocks_per_file': d.get('blocks_per_file', 8), 'seed': data_seed(config),
           'document_window': d.get('document_window', 1000),  # the blocks' layout
           **({'hf_text_column': d.get('hf_text_column', 'text')} if 'hf:' in d.sources else {}),
           **({'tfds_text_feature': d.get('tfds_text_feature', 'text')}
@@ -464,7 +470,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
   for split in SPLITS:
     read_stats, stats = collections.Counter(), collections.Counter()
     docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=read_stats,
-                                  weights=d.weights, seed=config.seed,
+                                  weights=d.weights, seed=data_seed(config),
                                   tfds_text_feature=d.get('tfds_text_feature', 'text'),
                                   hf_text_column=d.get('hf_text_column', 'text'),
                                   hf_rows_per_document=d.get('hf_rows_per_document', '1'),
@@ -481,7 +487,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
     make_instances = pretraining.objective(config.get('objective', 'mlm_nsp')).instances
     for block, block_docs in _own_blocks(_split_stream(docs, split, d.eval_fraction),
                                          block_size, run, worker, total, tokenise):
-      seed = int(np.random.SeedSequence([config.seed, SPLITS.index(split), block]
+      seed = int(np.random.SeedSequence([data_seed(config), SPLITS.index(split), block]
                                         ).generate_state(1)[0])
       for inst in make_instances(
           block_docs, max_seq_length=d.max_seq_length,
@@ -786,8 +792,10 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
     what = ('other corpus files' if set(diff) == {'files'} else
             'another tokenizer file (retrained at the same path?)'
             if set(diff) == {'tokenizer_crc'} else 'other settings')
+    seed = (f'set data.seed={diff["seed"][0]} (the seed it was prepared with), ' if
+            set(diff) == {'seed'} else '')
     raise ValueError(f'prepared data in {prepared_dir} was made with {what} '
-                     f'(prepared, configured): {diff}; point config.data.prepared_dir '
+                     f'(prepared, configured): {diff}; {seed}point config.data.prepared_dir '
                      'elsewhere or delete the directory to prepare again')
   return metadata
 

@@ -401,6 +401,14 @@ def test_a_changed_corpus_is_not_silently_reused(tmp_path):
     pipeline.ensure_prepared(moved, str(tmp_path))
   assert (prepare.fingerprint(moved)['files'] == prepare.fingerprint(config)['files'])
   pipeline.ensure_prepared(config, str(tmp_path))  # unchanged: reused
+  # A run of another seed: the preparation takes the run's seed, unless data.seed is set.
+  other_seed = config.copy_and_resolve_references()
+  other_seed.seed = 1
+  with pytest.raises(ValueError, match=r"made with other settings \(prepared, configured\): "
+                     r"\{'seed': \(0, 1\)\}; set data.seed=0 \(the seed it was prepared with"):
+    pipeline.ensure_prepared(other_seed, str(tmp_path))
+  other_seed.data.seed = 0
+  pipeline.ensure_prepared(other_seed, str(tmp_path))  # reused
   with open(corpus, 'a') as f:
     f.write('One more sentence was added.\n')
   with pytest.raises(ValueError, match='made with other corpus files.*delete the directory'):

@@ -279,6 +279,21 @@ def test_a_sweep_extended_in_its_root_with_another_set_gets_folders_of_its_own(t
   assert 'data.max_seq_length=64,optimizer.learning_rate=0.001,seed=0' in script
 
 
+def test_seeds_sharing_prepared_data_need_its_own_seed():
+  """--seeds N with one data.prepared_dir: its preparation takes the run's seed, so seeds 1
+  and on would be refused by its fingerprint, each after starting: one line before any run,
+  naming data.seed, which makes the data one for every seed."""
+  config = 'configs/pretrain.py:postln,tiny'
+  types = sweep.field_types(config)
+  runs = sweep.expand([], ['data.prepared_dir=/shared/data'], seeds=2, types=types)
+  with pytest.raises(ValueError, match=r'the runs of several seeds share '
+                     r'data.prepared_dir=/shared/data, .*--set data.seed=0'):
+    sweep.check_keys(config, runs)
+  sweep.check_keys(config, sweep.expand([], ['data.prepared_dir=/shared/data', 'data.seed=0'],
+                                        seeds=2, types=types))
+  sweep.check_keys(config, sweep.expand([], [], seeds=2, types=types))  # each its own data
+
+
 def test_a_key_set_twice_is_an_error_not_a_silently_dropped_grid_point():
   with pytest.raises(ValueError, match='optimizer.learning_rate is set by two of the lists'):
     sweep.expand(['optimizer.learning_rate=1e-4', 'optimizer.learning_rate=2e-4'])

@@ -356,6 +356,12 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
   if 'model' in cfg and 'variant' in cfg.model and 'train' in cfg:  # a pretraining config:
     from realformer import config_checks  # pylint: disable=g-import-not-at-top
     check = config_checks.check_config  # (a variant, a step count, the warm-up, lengths...)
+    shared = {str(r.get('data.prepared_dir') or '') for r in runs}
+    if (len({r.get('seed') for r in runs}) > 1 and shared != {''} and len(shared) == 1
+        and not any('data.seed' in r for r in runs)):
+      raise ValueError(f'the runs of several seeds share data.prepared_dir={shared.pop()}, '
+                       'whose preparation takes the run\'s seed: --set data.seed=0 to '
+                       'prepare it once for every seed')
   elif 'benchmark' in cfg and 'task' in cfg and here:  # a fine-tuning config: its kind's
     import jax  # pylint: disable=g-import-not-at-top
     from realformer.finetune import registry  # pylint: disable=g-import-not-at-top

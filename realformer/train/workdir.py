@@ -269,7 +269,8 @@ def _resumable(key: str) -> bool:
 
 # Fields added since runs began, with the value that a config written before them stood
 # for: a stored config without the field is compared as if it held that value.
-ADDED_DEFAULTS = {'optimizer.name': 'adamw', 'model.gelu': 'erf', 'objective': 'mlm_nsp'}
+ADDED_DEFAULTS = {'optimizer.name': 'adamw', 'model.gelu': 'erf', 'objective': 'mlm_nsp',
+                  'data.seed': None}
 # The same for finetune.py's config only (its `model` section, how the pretrained encoder
 # computes: '' or None, as pretrained), kept apart from pretraining's fields of those names.
 ADDED_FINETUNE_DEFAULTS = {'model.dtype': '', 'model.residual_dtype': '',
