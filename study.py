@@ -146,10 +146,20 @@ RECORD_SKIP_DIRS = (RunDir.CHECKPOINTS, RunDir.DATA, RunDir.PREDICTIONS, RunDir.
 def record(args, part_root: str) -> None:
   """--record DIR: DIR/<part>/... mirrors part_root with only the files the reports read (and
   R/budget.json), so every number of docs/study.md stays traceable after the runs' root is
-  gone. Rerunning overwrites the copies; files of runs no longer there are kept."""
+  gone. Rerunning overwrites the copies; files of runs no longer there are kept; a record
+  that holds a run of the same name with other settings (another study) is refused."""
   if not args.record:
     return
   dest_root = os.path.join(args.record, os.path.relpath(part_root, args.root))
+  for dirpath, dirnames, filenames in storage.walk(part_root):  # never two studies in one
+    dirnames[:] = [d for d in dirnames if d not in RECORD_SKIP_DIRS]
+    dest = os.path.join(dest_root, os.path.relpath(dirpath, part_root))
+    if RunDir.OVERRIDES in filenames and os.path.exists(os.path.join(dest, RunDir.OVERRIDES)):
+      differ = sweep.other_run(dest, _overrides(dirpath))
+      if differ:
+        raise ValueError(f'--record {args.record}: {dest} holds a run of other settings '
+                         f'({"; ".join(differ)}), which this record would replace beside the '
+                         'rest of that study; record into another folder, or delete that one')
   copied = 0
   for dirpath, dirnames, filenames in storage.walk(part_root):
     dirnames[:] = sorted(d for d in dirnames if d not in RECORD_SKIP_DIRS)

@@ -548,6 +548,13 @@ def test_study_record_keeps_what_the_reports_read_and_no_checkpoints(tmp_path):
   study.record(args, str(root / 'compare'))
   assert (kept / 'compare' / cut.name / RunDir.DONE).exists()
   assert study.finished(str(kept / 'compare' / cut.name))
+  # A study of other settings into the same record (the docs' own, say): refused, whole.
+  (cut / 'overrides.json').write_text(json.dumps({'train.num_steps': 20}))
+  (cut / 'metrics.jsonl').write_text('{"other": 1}')
+  with pytest.raises(ValueError, match=r'--record .*preln,seed=0 holds a run of other '
+                     r'settings \(train.num_steps 1000 \(asked 20\)\)'):
+    study.record(args, str(root / 'compare'))
+  assert (kept / 'compare' / cut.name / 'metrics.jsonl').read_text() == '{}'
 
 
 def test_study_orderings_pair_seeds_and_reports_read_only_their_own_runs(tmp_path):
