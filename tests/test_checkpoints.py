@@ -3,7 +3,9 @@ restored, two processes training and resuming together, params-only partial rest
 clear errors for a checkpoint that does not match the model."""
 
 import json
+import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -265,7 +267,7 @@ def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):
   assert 'mixed = False' not in str(e.value)
 
 
-def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):
+def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference, caplog):
   """An encoder-only checkpoint (as interop imports write) initializes a pretraining run:
   the encoder comes from it, the MLM/NSP heads keep their fresh initialization; resuming
   that run with another model shape is refused (workdir.check_resume_config), and a
@@ -297,6 +299,18 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference):
   with pytest.raises(ValueError, match=r'model: params/encoder/layers_0/mlp/intermediate/'
                                        r'\w+ has shape \S*64\S* in the checkpoint but \S*128'):
     run(config, tmp_path / 'run2')
+  # A run not finished (still training, or stopped) as the init checkpoint: its newest step,
+  # named, and a warning that its run has not reached its end.
+  unfinished = tmp_path / 'unfinished'
+  shutil.copytree(reference[0], unfinished)
+  stored = json.loads((unfinished / 'config.json').read_text())
+  stored['train']['num_steps'] = 20
+  (unfinished / 'config.json').write_text(json.dumps(stored))
+  with caplog.at_level(logging.INFO):
+    run(tiny_config(num_steps=1, init_checkpoint=str(unfinished)), tmp_path / 'run3')
+  assert f'initialized params from {unfinished}/checkpoints/{NUM_STEPS}' in caplog.text
+  assert (f"{unfinished} is at step {NUM_STEPS} of its run's 20: a run not finished"
+          in caplog.text)
 
 
 def _abstract_params(config):

@@ -43,6 +43,7 @@ import abc
 import contextlib
 import dataclasses
 import datetime
+import json
 import os
 import shutil
 import tempfile
@@ -427,8 +428,9 @@ class Trainer:
     init = task.init_checkpoint
     if init is None or not init.path:
       return program.init()
+    step_dir = checkpoints.resolve_step_dir(init.path)  # (the newest, as process 0 found it)
     loaded, missing = checkpoints.restore_params(
-        init.path, _subtree(program.abstract.params, init.subtree), subtree=init.subtree)
+        step_dir, _subtree(program.abstract.params, init.subtree), subtree=init.subtree)
     if missing and not init.allow_missing:
       raise ValueError(f'checkpoint {init.path} does not match the model: it has no '
                        f'{missing[0]} ({len(missing)} missing)')
@@ -436,9 +438,10 @@ class Trainer:
     # init gives it.
     unknown = jax.tree.map(lambda _: None, program.abstract.params)
     state = program.init(_with_subtree(unknown, init.subtree, loaded))
-    logging.info('initialized %s from %s (%d of them kept fresh: the checkpoint lacks them)%s',
-                 '/'.join(init.subtree) or 'params', init.path, len(missing),
-                 '; the rest fresh' if init.subtree else '')
+    logging.info('initialized %s from %s%s', '/'.join(init.subtree) or 'params', step_dir,
+                 f' ({len(missing)} of them drawn fresh: the checkpoint lacks them)'
+                 if missing else '; the rest drawn fresh' if init.subtree else '')
+    _say_if_unfinished(init.path, int(os.path.basename(step_dir)))
     return state
 
   def _data_args(self, mode: str) -> Dict[str, Any]:
@@ -721,6 +724,20 @@ def run_program(fn: Callable[..., dict], *args) -> dict:
   if 'preempted' in summary:
     workdir_lib.exit_not_finished(summary['preempted'])
   return summary
+
+
+def _say_if_unfinished(path: str, step: int) -> None:
+  """A warning when an init checkpoint's run had not reached its train.num_steps (a
+  pretraining still running, or stopped): its step and its run's length in one line."""
+  config = storage.path(path) / RunDir.CONFIG
+  try:
+    num_steps = int(json.loads(config.read_text())['train']['num_steps'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return  # (an import's, or a step folder's: no run to compare with)
+  if 0 < step < num_steps:
+    logging.warning('%s is at step %d of its run\'s %d: a run not finished (still '
+                    'training, or stopped); its newest checkpoint is what this run starts '
+                    'from', path, step, num_steps)
 
 
 def _params_config(task: Task):
