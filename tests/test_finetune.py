@@ -335,7 +335,14 @@ def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
   summary = run(config, str(tmp_path / 'ft'))
   assert set(summary['dev']['topics']) == {'accuracy', 'macro_f1'}
   assert summary['headline'] == summary['dev']['topics']['macro_f1']
-  lines = (tmp_path / 'ft' / 'predictions' / 'topics.tsv').read_text().splitlines()
+  results = json.loads((tmp_path / 'ft' / 'results.json').read_text())
+  assert results['headline_metric'] == 'macro_f1'  # named, for the grid's table
+  from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'grid' / 'tsv_topics').mkdir(parents=True)
+  (tmp_path / 'ft').rename(tmp_path / 'grid' / 'tsv_topics' / 'seed=0')
+  assert finetune_grid.headline_metric(str(tmp_path / 'grid'), 'tsv/topics') == 'macro_f1'
+  lines = (tmp_path / 'grid' / 'tsv_topics' / 'seed=0' / 'predictions' / 'topics.tsv'
+           ).read_text().splitlines()
   assert lines[0] == 'index\tprediction' and len(lines) == 6
   assert all(l.split('\t')[1] in words for l in lines[1:])
   config.tsv.metric = 'f1'  # of two labels only: refused before anything is written
@@ -933,6 +940,8 @@ def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, cap
   finetune_grid.main(['--tasks', 'rte,glue/rte', '--root', str(root), '--summarize_only'])
   markdown = (root / 'results.md').read_text()
   assert markdown.count('| rte |') == 3, markdown  # one task, three settings
+  assert markdown.startswith("median, mean, min and max of each task's headline metric "
+                             '(rte: accuracy)')  # (runs that did not name it: by the task)
   assert ('| rte | 2e-05 | 16 | 2 | 1 | 0 | 0 | 0.1000 | 0.1000 | 0.1000 | 0.1000 |  | '
           'max_seq_length=64 |') in markdown
   assert ('| rte | 2e-05 | 16 | 2 | 2 | 0 | 0 | 0.7000 | 0.7000 | 0.6000 | 0.8000 | best | '

@@ -290,11 +290,15 @@ def test_v2_headline_is_the_sweep_unless_a_threshold_is_given():
   """BERT tunes v2.0's null threshold on dev (best_f1); a given threshold reports the f1 of
   the answers written with it."""
   dev = {'squad': {'f1': 50.0, 'best_f1': 60.0}}
-  task = lambda threshold, v2=True: types.SimpleNamespace(
-      name='squad/v2.0' if v2 else 'squad/v1.1', version_2=v2,
-      config=types.SimpleNamespace(null_score_diff_threshold=threshold))
+  def task(threshold, v2=True):
+    t = types.SimpleNamespace(name='squad/v2.0' if v2 else 'squad/v1.1', version_2=v2,
+                              config=types.SimpleNamespace(null_score_diff_threshold=threshold))
+    t.headline_metric = lambda: squad_task.SquadTask.headline_metric(t)
+    return t
   assert squad_task.SquadTask.dev_headline(task(None), dev) == 60.0
+  assert squad_task.SquadTask.headline_metric(task(None)) == 'best_f1'
   assert squad_task.SquadTask.dev_headline(task(0.0), dev) == 50.0
+  assert squad_task.SquadTask.headline_metric(task(0.0)) == 'f1'
   assert squad_task.SquadTask.dev_headline(task(0.0, v2=False), dev) == 50.0  # v1.1: f1
 
 

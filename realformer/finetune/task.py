@@ -485,6 +485,10 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def dev_headline(self, dev: Dict[str, Dict[str, float]]) -> float:
     """The task's headline dev metric (higher is better)."""
 
+  def headline_metric(self) -> str:
+    """The name of dev_headline's metric, as results.json and the grid's table give it."""
+    return 'headline'
+
   def flops_per_example(self, length: int) -> float:
     """Training FLOPs of one example padded to `length`: the encoder over every row, and
     the head."""
@@ -589,6 +593,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
     dev = self.dev_results(results)
     self.write_predictions(self.outputs(params), dev, str(run.path(RunDir.PREDICTIONS)))
     summary = {'task': self.name, 'step': step, 'dev': dev,
-               'headline': self.dev_headline(dev), 'best': best}
+               'headline': self.dev_headline(dev), 'headline_metric': self.headline_metric(),
+               'best': best}
     run.write_json(RunDir.RESULTS, summary, indent=2)
     return summary

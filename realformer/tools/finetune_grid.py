@@ -283,14 +283,33 @@ def tasks_in(root: str) -> List[str]:
   return found
 
 
+def headline_metric(root: str, task: str) -> str:
+  """The name of a task's headline metric: what its finished runs recorded, else a GLUE or
+  SQuAD task's by name (runs from before results.json named it), else 'headline'."""
+  from data import glue  # pylint: disable=g-import-not-at-top
+  from realformer.finetune import metrics  # pylint: disable=g-import-not-at-top
+  folder = storage.path(task_root(root, task))
+  for run in sorted(folder.iterdir(), key=lambda p: p.name) if folder.is_dir() else []:
+    try:
+      return json.loads((run / RunDir.RESULTS).read_text())['headline_metric']
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+  if task in glue.TASKS:
+    return glue.get_task(task).metric
+  return metrics.SQUAD_HEADLINE.get(task, 'headline')
+
+
 def write_summary(root: str, tasks: Sequence[str]) -> str:
   """results.md and .csv of `tasks` and of every other task whose runs the root holds (a
-  grid of one task into the root of another's keeps both in the table)."""
+  grid of one task into the root of another's keeps both in the table); results.md names
+  each task's headline metric above the table."""
   tasks = list(tasks) + [t for t in tasks_in(root) if t not in tasks]
   table = []
   for task in tasks:
     table += summarize(task, collect(task_root(root, task), task))
-  markdown = sweep.to_markdown(HEADER, table)
+  named = '; '.join(f'{task}: {headline_metric(root, task)}' for task in tasks)
+  markdown = (f'median, mean, min and max of each task\'s headline metric ({named})\n\n' +
+              sweep.to_markdown(HEADER, table))
   storage.write_text(storage.join(root, 'results.md'), markdown)
   storage.write_text(storage.join(root, 'results.csv'), sweep.to_csv(HEADER, table))
   return markdown

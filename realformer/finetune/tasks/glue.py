@@ -149,3 +149,6 @@ class GlueTask(FinetuneTask):
 
   def dev_headline(self, dev) -> float:
     return finetune_metrics.headline(self._spec(self.name), dev[self.name])
+
+  def headline_metric(self) -> str:
+    return glue.get_task(self._spec(self.name)).metric

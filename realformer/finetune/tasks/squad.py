@@ -142,6 +142,9 @@ class SquadTask(FinetuneTask):
   def dev_headline(self, dev) -> float:
     """v2.0 with a null_score_diff_threshold given: the f1 of the answers written with it
     (not the sweep's best_f1, which tunes the threshold on dev)."""
+    return dev['squad'][self.headline_metric()]
+
+  def headline_metric(self) -> str:
     if self.version_2 and self.config.null_score_diff_threshold is not None:
-      return dev['squad']['f1']
-    return finetune_metrics.headline(self.name, dev['squad'])
+      return 'f1'
+    return finetune_metrics.SQUAD_HEADLINE[self.name]
