@@ -74,7 +74,10 @@ def get_config(arg: str = 'glue/sst2'):
   c.bucket_compile_seconds = 8.0
   c.bucket_flops_per_second = 0.0
   # Compile the lengths in a background thread while training runs (the first step waits for
-  # its own length only); False compiles every length before the first step.
+  # its own length only); False compiles every length before the first step. One process
+  # only: several compile every length before the first step, in one order (a GPU compile
+  # shares its autotuning across processes, which a length that one process had cancelled
+  # and another compiled would wait on).
   c.compile_in_background = True
   c.batch_size = 32
   c.eval_batch_size = 64

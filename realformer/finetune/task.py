@@ -507,7 +507,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
     self.eval_buckets = eval_lengths(c, self, self.buckets)
     self._start_step = start_step
     self._compiler = (futures.ThreadPoolExecutor(1, thread_name_prefix='compile')
-                      if c.compile_in_background else None)
+                      if c.compile_in_background and jax.process_count() == 1 else None)
     self._predict = None
     if start_step < self.cadence.num_steps:
       program = self.program
