@@ -247,6 +247,16 @@ def objective(name: str) -> Objective:
   return OBJECTIVES[name]
 
 
+def check_objective(config) -> Objective:
+  """A pretraining config's objective, and what it asks of the model (one-line errors)."""
+  from realformer import config_checks  # pylint: disable=g-import-not-at-top
+  chosen = objective(config.get('objective', 'mlm_nsp'))
+  if chosen.next_sentence:
+    config_checks.check_segments(2, config.model.type_vocab_size,
+                                 'pretraining pairs ([CLS] A [SEP] B [SEP])', 'set it to 2')
+  return chosen
+
+
 def make_features(instance: Instance, *, cls_id: int, sep_id: int, pad_id: int,
                   max_seq_length: int) -> Dict[str, np.ndarray]:
   """[CLS] A [SEP] B [SEP] (a pair, with its NSP label), or [CLS] A [SEP] (an instance

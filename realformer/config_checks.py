@@ -103,10 +103,6 @@ def check_lengths(config) -> None:
                      f'positions (model.max_len={config.model.max_len}); lower the first or '
                      'raise the second')
   rows_per_document(config.data.get('hf_rows_per_document', '1'), config.data.sources)
-  from data import pretraining  # pylint: disable=g-import-not-at-top
-  if pretraining.objective(config.get('objective', 'mlm_nsp')).next_sentence:
-    check_segments(2, config.model.type_vocab_size,
-                   'pretraining pairs ([CLS] A [SEP] B [SEP])', 'set it to 2')
 
 
 def check_segments(needed: int, type_vocab_size: int, what: str, fix: str) -> None:
@@ -198,10 +194,9 @@ def check_used(model_config, spec) -> None:
 
 def check_config(config) -> None:
   """Everything the pretraining config alone can show: the model's settings, step counts
-  and cadences, the warm-up and the optimizer, the objective, the lengths, the masking."""
+  and cadences, the warm-up and the optimizer, the lengths, the masking (the objective's
+  own: data/pretraining.check_objective)."""
   from realformer.model.spec import resolve  # pylint: disable=g-import-not-at-top (jax)
-  from data import pretraining  # pylint: disable=g-import-not-at-top
-  pretraining.objective(config.objective)
   check_used(config.model, resolve(config.model))
   check_counts(config.train)
   warmup_steps(config.optimizer, int(config.train.num_steps))

@@ -201,8 +201,8 @@ def test_every_process_reads_the_step_process_0_found(tmp_path):
   procs = [subprocess.Popen(
       [sys.executable, '-c', _LISTING.format(repo=REPO, coordinator=f'localhost:{port}',
                                              pid=pid, workdir=str(tmp_path))],
-      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=cpu_xla_flags(1)),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
   for p in procs:
     out = p.communicate(timeout=120)[0]
     assert p.returncode == 0, out[-3000:]

@@ -247,3 +247,21 @@ def test_doc_sentences_pack_a_documents_consecutive_sentences_into_one_segment()
                                             dupe_factor=1, seed=0, stats=stats))
   with pytest.raises(ValueError, match='config.objective=.electra.; choose mlm_nsp'):
     pretraining.objective('electra')
+
+
+def test_the_objective_is_checked_before_anything_runs():
+  """config.objective: a name of OBJECTIVES, and BERT's pairs need two token types (RoBERTa's
+  single segment takes one); a sweep checks each run's before any starts."""
+  from configs import pretrain  # pylint: disable=g-import-not-at-top
+  from realformer.tools import sweep  # pylint: disable=g-import-not-at-top
+  config = pretrain.get_config('postln,tiny')
+  assert pretraining.check_objective(config).next_sentence
+  config.model.type_vocab_size = 1
+  with pytest.raises(ValueError, match=r'model.type_vocab_size=1: pretraining pairs'):
+    pretraining.check_objective(config)
+  config.objective = 'mlm'
+  assert not pretraining.check_objective(config).next_sentence
+  runs = sweep.expand(['objective=mlm,electra'], types=sweep.field_types('configs/pretrain.py'))
+  with pytest.raises(ValueError, match=r"the run with objective=electra: config.objective="
+                                       r"'electra'; choose mlm_nsp"):
+    sweep.check_keys('configs/pretrain.py:postln,tiny', runs)

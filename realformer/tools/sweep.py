@@ -354,8 +354,10 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
     return full
 
   if 'model' in cfg and 'variant' in cfg.model and 'train' in cfg:  # a pretraining config:
+    from data import pretraining  # pylint: disable=g-import-not-at-top
     from realformer import config_checks  # pylint: disable=g-import-not-at-top
-    check = config_checks.check_config  # (a variant, a step count, the warm-up, lengths...)
+    # (a variant, a step count, the warm-up, lengths..., the objective)
+    check = lambda full: (config_checks.check_config(full), pretraining.check_objective(full))
     shared = {str(r.get('data.prepared_dir') or '') for r in runs}
     if (len({r.get('seed') for r in runs}) > 1 and shared != {''} and len(shared) == 1
         and not any('data.seed' in r for r in runs)):

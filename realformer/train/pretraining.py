@@ -30,6 +30,8 @@ def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
   preparation or compile)."""
   config = config.copy_and_resolve_references()
   config_checks.check_config(config)
+  from data import pretraining  # pylint: disable=g-import-not-at-top
+  pretraining.check_objective(config)
   if config.data.sources != 'synthetic':
     from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
     size = tokenizer_lib.load_for_config(config.data).vocab_size
