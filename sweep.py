@@ -68,7 +68,7 @@ def main(argv=None):
   if args.cmd == 'summarize':
     metrics = args.metrics.split(',')
     rows = sweep.collect(args.root, metrics)
-    sweep.check_metrics(rows, metrics, given=args.metrics != DEFAULT_METRICS)
+    metrics = sweep.check_metrics(rows, metrics, given=args.metrics != DEFAULT_METRICS)
     header, table = sweep.summarize(rows, metrics)
     out = args.out or storage.join(args.root, 'summary')
     markdown = sweep.to_markdown(header, table)

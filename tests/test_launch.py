@@ -340,7 +340,7 @@ V5E_TINY = [
 
 def test_the_report_names_an_attention_that_overrides_the_variants():
   """A variant whose attention fields are overridden reports what it computes, not only
-  the preset's name; a preset as it is reports its name alone."""
+  the preset's name; a preset as it is reports its name alone; RoBERTa's objective is named."""
   target = launch.Target('v5e:2x2', 'tpu', [None] * 4, 1, 'TPU v5 lite', None)
   mixed = tiny('postln', model__attention='random+dot', model__residual_attention=True)
   assert launch.describe(mixed, target).startswith(
@@ -348,6 +348,9 @@ def test_the_report_names_an_attention_that_overrides_the_variants():
       '(4 x TPU v5 lite); mesh data=4 fsdp=1 tensor=1; ')
   assert launch.describe(tiny('synth_random_vanilla'), target).startswith(
       'synth_random_vanilla, 2 layers')
+  roberta = tiny('realformer')
+  roberta.objective = 'mlm'  # and an objective other than BERT's
+  assert launch.describe(roberta, target).startswith('realformer (mlm), 2 layers')
 
 
 @needs_libtpu

@@ -119,6 +119,8 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
                                          'they log eval/mlm_accuracy, eval/step$'):
       sweep_cli.main(['summarize', '--root', str(root), '--metrics', metrics])
   assert sweep_cli.main(['summarize', '--root', str(root)]) == 0  # a default of the three
+  summary = (root / 'summary.md').read_text()  # (the defaults no run logged: no columns)
+  assert 'eval/mlm_accuracy mean' in summary and 'eval/nsp_accuracy' not in summary
   header, table = sweep.summarize(sweep.collect(str(root), ['eval/mlm_accuracy']),
                                   ['eval/mlm_accuracy'])
   assert header[:2] == ['optimizer.learning_rate', 'n']  # fixed keys are not columns

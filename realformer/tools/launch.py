@@ -606,6 +606,8 @@ def describe(config, target: Target) -> str:
   if m.get('residual_dtype', 'float32') != 'float32':
     flags.append(f'residual_dtype {m.residual_dtype}')
   name = resolve(m, platform=target.platform).name  # (the attention where it overrides)
+  if config.get('objective', 'mlm_nsp') != 'mlm_nsp':
+    name += f' ({config.objective})'
   return (f'{name}, {m.num_layers} layers x {m.hidden_size} on {target.name} '
           f'({len(target.devices)} x {target.device_kind}{hosts}); mesh {mesh}; '
           f'{", ".join(flags)}; grad_accum_steps {tc.grad_accum_steps}')

@@ -809,16 +809,18 @@ def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
 
 
 def check_metrics(rows: Sequence[Dict[str, Any]], metrics: Sequence[str], given: bool
-                  ) -> None:
-  """A one-line ValueError for a `given` metric that no finished run logged (a
-  misspelling), or for default ones of which none was (pretraining's asked of fine-tuning
-  runs), naming those the runs did log."""
+                  ) -> List[str]:
+  """The metrics to summarize: a one-line ValueError for a `given` metric that no finished
+  run logged (a misspelling), or for default ones of which none was (pretraining's asked of
+  fine-tuning runs), naming those the runs did log; the default ones that some run logged
+  (not NSP's, of runs of MLM alone)."""
   done = [r for r in rows if r['done']]
   missing = [m for m in metrics if done and all(r['metrics'][m] is None for r in done)]
   if missing and (given or len(missing) == len(metrics)):
     logged = sorted({m for r in done for m in r['logged']})
     raise ValueError(f'--metrics {",".join(missing)}: no finished run logged it; they log '
                      f'{", ".join(logged) or "nothing"}')
+  return [m for m in metrics if m not in missing]
 
 
 def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
@@ -844,7 +846,7 @@ def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
       n = max(n, len(vals))
       if vals:
         cells += [statistics.mean(vals), statistics.median(vals),
-                  statistics.stdev(vals) if len(vals) > 1 else 0.0, min(vals), max(vals)]
+                  statistics.stdev(vals) if len(vals) > 1 else None, min(vals), max(vals)]
       else:
         cells += [None] * 5
     table.append(line + [n] + cells + [len(group) - len(members)])

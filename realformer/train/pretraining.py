@@ -111,6 +111,9 @@ class PretrainingTask(trainer.Task):
 
   def __init__(self, config, mesh, run: RunDir):
     self.config = config
+    if config.objective != 'mlm_nsp':
+      logging.info('objective: %s (masked language modelling alone, no NSP head)',
+                   config.objective)
     self.cadence = trainer.make_cadence(config.train)
     self.program = train_lib.pretraining_program(config, mesh)
     if config.train.init_checkpoint:
