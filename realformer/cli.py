@@ -32,16 +32,30 @@ _EMBEDDED = re.compile(
     r'Traceback \(most recent call last\):.*\n(?:\w+\.)*\w+(?:Error|Exception): ', re.S)
 
 
+def _override_path(key: str) -> str:
+  """The dotted path of the command line's --config.<path>=... override that ends in `key`
+  (ml_collections names the last key alone), else `key`."""
+  for arg in sys.argv[1:]:
+    if arg.startswith('--config.'):
+      path = arg[len('--config.'):].split('=', 1)[0]
+      if path.rpartition('.')[2] == key:
+        return path
+  return key
+
+
 def _one_line(e: BaseException) -> str:
   text = _EMBEDDED.sub('', str(e)).strip()
   if isinstance(e, (AttributeError, KeyError)):
     text = text.strip('\'"')
     m = re.search(r"'?\\?'?(\w+)\\?'?.*?Did you mean \"(\w+)\"", text, re.S)
     if m:
-      return (f'unknown config key {m.group(1)!r} (did you mean {m.group(2)!r}?); the fields '
-              f'and their meaning are in the config file')
+      path = _override_path(m.group(1))
+      return (f'unknown config key {path!r} (did you mean '
+              f'{path[:len(path) - len(m.group(1))] + m.group(2)!r}?); the fields and their '
+              f'meaning are in the config file')
     key = re.sub(r'[\\\'"]', '', text.splitlines()[0]) if text else '?'
-    return f'unknown config key {key!r}; check its spelling against the config file'
+    return (f'unknown config key {_override_path(key)!r}; check its spelling against the '
+            'config file')
   text = ' '.join(text.split())
   if isinstance(e, flags.IllegalFlagValueError) and text.startswith('flag --config.'):
     text += "; give a value of the field's type (the config file shows it)"

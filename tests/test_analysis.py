@@ -3,6 +3,7 @@ the whole analysis on a tiny checkpoint."""
 
 import json
 import math
+import os
 
 import jax
 import flax.linen as nn
@@ -13,6 +14,7 @@ import analyze
 from configs import pretrain
 from realformer import models
 from realformer.tools import analysis
+from realformer.train import checkpoints
 from realformer.train import checkpoints
 
 
@@ -117,6 +119,12 @@ def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
   numbers = json.loads((out / 'attention.json').read_text())
   assert numbers['a']['js_adjacent'] == pytest.approx(result['js_adjacent'])
   np.testing.assert_allclose(numbers['b']['entropy_head_medians'], result['entropy_head_medians'])
+  step = int(os.path.basename(checkpoints.resolve_step_dir(tiny_run)))
+  assert numbers['a']['step'] == result['step'] == step  # the checkpoint analysed, named
+  assert f'| a | {step} | ' in (out / 'attention.md').read_text()
+  with pytest.raises(ValueError, match=r'--num_examples=100000: the eval split of .* holds '
+                     r'\d+ examples; give at most'):
+    analysis.analyze_run(tiny_run, num_examples=100000)
 
 
 def test_runs_of_one_variant_get_labels_of_their_own():

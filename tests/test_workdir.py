@@ -294,7 +294,7 @@ def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
 
 @pytest.mark.parametrize('program,override,expected', [
     ('train.py', '--config.train.num_stepz=5',
-     "error: unknown config key 'num_stepz' (did you mean 'num_steps'?)"),
+     "error: unknown config key 'train.num_stepz' (did you mean 'train.num_steps'?)"),
     ('train.py', '--config.train.num_steps=abc',
      "error: flag --config.train.num_steps=abc: invalid literal for int() with base 10: 'abc'"),
     ('finetune.py', '--config.batch_sise=3',

@@ -70,7 +70,7 @@ def js_matrix(attention: Sequence[np.ndarray], mask: np.ndarray) -> np.ndarray:
 
 
 def load_run(workdir: str):
-  """(config, encoder, encoder params) of the newest checkpoint of a workdir.
+  """(config, encoder, encoder params, step) of the newest checkpoint of a workdir.
 
   Only state/params/encoder is read, so pretraining runs and params-only imports both work.
   """
@@ -83,11 +83,12 @@ def load_run(workdir: str):
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           jax.tree.map(lambda x: getattr(x, 'value', x), abstract,
                                        is_leaf=lambda x: hasattr(x, 'value')))
-  params, missing = checkpoints.restore_params(workdir, abstract, subtree=('encoder',))
+  step_dir = checkpoints.resolve_step_dir(workdir)
+  params, missing = checkpoints.restore_params(step_dir, abstract, subtree=('encoder',))
   if missing:
     raise ValueError(f'checkpoint in {workdir} lacks {missing[:3]}...; is it a pretraining '
                      'run of this codebase (params/encoder/...)?')
-  return config, model, params
+  return config, model, params, int(os.path.basename(step_dir))
 
 
 def heldout_batch(workdir: str, config, num_examples: int) -> Dict[str, np.ndarray]:
@@ -96,6 +97,11 @@ def heldout_batch(workdir: str, config, num_examples: int) -> Dict[str, np.ndarr
   from data import tokenizer as tokenizer_lib
   prepared = pipeline.ensure_prepared(config, workdir, reader=(0, 1),  # the whole eval split
                                       splits=('eval',))
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  held_out = prepare.read_metadata(prepared)['counts']['eval']
+  if num_examples > held_out:
+    raise ValueError(f'--num_examples={num_examples}: the eval split of {prepared} holds '
+                     f'{held_out} examples; give at most {held_out}')
   tok = tokenizer_lib.load_for_config(config.data)
   it = pipeline.make_pretraining_iterator(config.data, tok, prepared, split='eval',
                                           global_batch_size=num_examples, seed=0)
@@ -109,7 +115,7 @@ def heldout_batch(workdir: str, config, num_examples: int) -> Dict[str, np.ndarr
 
 
 def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
-  config, model, params = load_run(workdir)
+  config, model, params, step = load_run(workdir)
   batch = batch if batch is not None else heldout_batch(workdir, config, num_examples)
   out = model.apply({'params': params}, batch, deterministic=True, capture_attention=True)
   attention = [np.asarray(a) for a in out.attention]
@@ -117,7 +123,7 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   entropies = [attention_entropy(a, mask) for a in attention]
   heads = [head_entropies(a, mask) for a in attention]
   pairs = js_matrix(attention, mask)
-  return {'variant': resolve(config.model).name, 'workdir': workdir,
+  return {'variant': resolve(config.model).name, 'workdir': workdir, 'step': step,
           'entropies': entropies,
           'head_entropies': heads,
           'entropy_mean': [float(e.mean()) for e in entropies],
@@ -170,16 +176,17 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   fig.colorbar(im, ax=axes[0].tolist(), label='JS divergence (nats)')
   save_png(fig, out / 'attention_js.png')
   plt.close(fig)
-  numbers = {label: {k: r[k] for k in ('variant', 'workdir', 'entropy_mean',
+  numbers = {label: {k: r.get(k) for k in ('variant', 'workdir', 'step', 'entropy_mean',
                                        'entropy_head_medians', 'js_adjacent', 'js_all_pairs')}
              for label, r in zip(labels, results)}
   storage.write_text(out / 'attention.json', json.dumps(numbers, indent=1))
-  lines = ['| run | mean entropy per layer (nats) | JS adjacent layers | mean JS all pairs |',
-           '|---|---|---|---|']
+  lines = ['| run | step | mean entropy per layer (nats) | JS adjacent layers | '
+           'mean JS all pairs |', '|---|---|---|---|---|']
   for label, r in zip(labels, results):
     m = np.array(r['js_all_pairs'])
     off = m[~np.eye(len(m), dtype=bool)].mean() if len(m) > 1 else 0.0
-    lines.append(f'| {label} | {", ".join(f"{e:.3f}" for e in r["entropy_mean"])} | '
+    lines.append(f'| {label} | {r.get("step", "")} | '
+                 f'{", ".join(f"{e:.3f}" for e in r["entropy_mean"])} | '
                  f'{", ".join(f"{j:.4f}" for j in r["js_adjacent"])} | {off:.4f} |')
   storage.write_text(out / 'attention.md', '\n'.join(lines) + '\n')
   return numbers
