@@ -15,7 +15,6 @@ from configs import pretrain
 from realformer import models
 from realformer.tools import analysis
 from realformer.train import checkpoints
-from realformer.train import checkpoints
 
 
 def rows(*dists):
