@@ -821,6 +821,9 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   assert re.search(f'--workdir {root}/rte/batch_size=16,data_dir=hf_nyu-mll_glue,[^ ]*'
                    'optimizer.learning_rate=1e-05,seed=0 ', out), out
   assert '--config.data_dir=hf:nyu-mll/glue ' in out
+  with pytest.raises(ValueError, match=f'--root {root} is a local folder, which each TPU '
+                     'worker would have a copy of'):  # (the root given, not a task's)
+    finetune_grid.main(hf_args + ['--root', root, '--target', 'tpu'])
   for flags, error in ((['--seeds', '0'], 'need at least one seed'),
                        (['--learning_rates', '2e-5,2e-05'], 'the grid repeats a run'),
                        (['--set', 'batch_size=64'], '--set batch_size: the grid sets it'),

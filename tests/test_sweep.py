@@ -388,6 +388,7 @@ def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
   slurm = [l for l in capsys.readouterr().out.splitlines() if l.startswith('sbatch')]
   assert len(slurm) == 4 and all('srun python train.py' in l for l in slurm)
   assert all('--signal=TERM@120 --requeue' in l and 'scontrol requeue' in l for l in slurm)
+  assert all(f'--output={tmp_path}/slurm/' in l and '/log.txt ' in l for l in slurm)
   # Runs the script started (no DONE marker) are summarised once they finished: their
   # checkpoint at train.num_steps (from config.json), or a fine-tuning run's results.json.
   names = sorted(os.listdir(tmp_path / 'slurm'))

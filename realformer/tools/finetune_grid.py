@@ -359,6 +359,9 @@ def main(argv=None):
   args.epochs = _numbers(args, 'epochs', int)
 
   tasks = expand_tasks(args.tasks)
+  if args.print_only and args.target == 'tpu' and not storage.is_url(args.root):
+    raise ValueError(f'--root {args.root} is a local folder, which each TPU worker would have '
+                     'a copy of; give a gs:// URL for runs on a pod slice')
   if args.submission and args.print_only:
     raise ValueError('--submission with --print_only: the runs have not run here; once they '
                      'have, run the grid again with --summarize_only --submission')

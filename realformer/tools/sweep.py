@@ -495,14 +495,17 @@ def release(workdir: str):
 
 def holds_nothing(workdir: str) -> bool:
   """Whether a run's folder holds nothing that another run in it could lose: a run a sweep
-  ran here (its log.txt) that failed before its first checkpoint (a path mistyped, say),
-  neither finished nor diverged. Its folder goes to the run asked for now, whatever the
-  first one's settings were (a printed run, which may be queued or running elsewhere, keeps
-  its folder)."""
+  ran here, or a printed SLURM job (its log.txt), that failed before its first checkpoint (a
+  path mistyped, say), neither finished nor diverged, and that no program holds (a run
+  still starting or running elsewhere keeps its folder, as does a printed run never
+  started). Its folder goes to the run asked for now, whatever the first one's settings
+  were."""
   path = storage.path(workdir)
   keep = (RunDir.DONE, RunDir.RESULTS, RunDir.DIVERGED, RunDir.BEST, RunDir.FINAL)
+  lock = path / RunDir.LOCK  # (a run holding it: emptied, or deleted in a bucket, on release)
   return (path / RunDir.LOG).exists() and not (
-      any((path / name).exists() for name in keep) or checkpoints.complete_steps(workdir))
+      any((path / name).exists() for name in keep) or checkpoints.complete_steps(workdir)
+      or (lock.exists() and lock.read_bytes().strip()))
 
 
 def _not_to_start(workdir: str, run: Run, say, command_of: Dict[str, str]) -> Optional[int]:
@@ -765,9 +768,11 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
                    f'--command {shlex.quote("cd ~/realformer && " + cmd)}')
     elif target == 'slurm':
       job = f'srun {cmd}; code=$?; [ $code -eq 75 ] && scontrol requeue $SLURM_JOB_ID; exit $code'
+      output = ('' if storage.is_url(root) else  # (the job's log in the run's folder)
+                f'--output={shlex.quote(storage.join(root, name, RunDir.LOG))} ')
       lines.append('sbatch --nodes=${NODES:-1} --ntasks-per-node=1 --gpus-per-node=${GPUS:-8} '
                    '${CPUS:+--cpus-per-task=$CPUS} --signal=TERM@120 --requeue '
-                   f'--open-mode=append --job-name={shlex.quote(name[:100])} '
+                   f'--open-mode=append {output}--job-name={shlex.quote(name[:100])} '
                    f'--wrap {shlex.quote(job)}')
     else:
       lines.append(cmd)
