@@ -138,9 +138,10 @@ def get_config(arg: str = 'postln,tiny'):
   c = ml_collections.ConfigDict()
   c.seed = 0
   # mlm_nsp: BERT's masked language modelling + next sentence prediction, on sentence pairs
-  # [CLS] A [SEP] B [SEP]; mlm: RoBERTa's masked language modelling alone, on DOC-SENTENCES
-  # inputs (one segment of a document's consecutive sentences, full length), no NSP head
-  # (data/pretraining.py; the data is prepared for one or the other).
+  # [CLS] A [SEP] B [SEP]; mlm: RoBERTa's masked language modelling alone, no NSP head, on
+  # FULL-SENTENCES inputs (one segment of consecutive sentences up to the full length,
+  # across documents, [SEP] between them); mlm_doc: the same on DOC-SENTENCES (within one
+  # document). The data is prepared for one of them (data/pretraining.py).
   c.objective = 'mlm_nsp'
   c.model = model_config(variant, size)
 

@@ -1,7 +1,8 @@
 """Pretraining examples: instances (prepared once) and MLM masking (redone dynamically, per
 epoch), for each objective of config.objective (OBJECTIVES): BERT's MLM + next sentence
-prediction on sentence pairs ('mlm_nsp'), or RoBERTa's MLM alone on DOC-SENTENCES inputs
-('mlm': `doc_sentence_instances`, one segment of a document's consecutive sentences).
+prediction on sentence pairs ('mlm_nsp'), or RoBERTa's MLM alone on one segment of
+consecutive sentences: FULL-SENTENCES, across documents ('mlm': `full_sentence_instances`),
+or DOC-SENTENCES, within one ('mlm_doc': `doc_sentence_instances`).
 
 Pair instances follow google-research/bert's create_pretraining_data.py:
   - a document's sentences are packed into chunks up to a target length of
@@ -203,10 +204,7 @@ def doc_sentence_instances(documents: Iterable[Document], *, max_seq_length: int
   (packing is deterministic); dupe_factor repeats the instances (masked anew at each
   reading either way)."""
   del short_seq_prob, seed
-  if max_seq_length < 3:
-    raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP]; '
-                     'use at least 3 (RoBERTa uses 512)')
-  budget = max_seq_length - 2
+  budget = _single_segment_budget(max_seq_length)
   for doc in documents:
     doc = _compact(doc, stats)
     if doc is None:
@@ -224,6 +222,49 @@ def doc_sentence_instances(documents: Iterable[Document], *, max_seq_length: int
         yield Instance(list(tokens), [], False)
 
 
+# In a FULL-SENTENCES instance's tokens: where one document ends and the next begins
+# (make_features writes [SEP] there, as RoBERTa separates documents with its </s>).
+DOCUMENT_BREAK = -1
+
+
+def full_sentence_instances(documents: Iterable[Document], *, max_seq_length: int,
+                            short_seq_prob: float, dupe_factor: int, seed: int,
+                            stats: collections.Counter) -> Iterator[Instance]:
+  """RoBERTa's FULL-SENTENCES inputs (Liu et al. 2019, section 4.2; the paper's choice for
+  the rest of its experiments and its released model), one block of documents: the
+  block's sentences in order, packed into instances of at most max_seq_length - 2 tokens
+  ([CLS] and [SEP] around them) that cross document boundaries, with a separator between
+  two documents (DOCUMENT_BREAK); one segment, no B; a sentence longer than that is cut
+  into pieces of that length. short_seq_prob and `seed` play no part (packing is
+  deterministic); dupe_factor repeats the instances (masked anew at each reading)."""
+  del short_seq_prob, seed
+  budget = _single_segment_budget(max_seq_length)
+  packed, chunk = [], []
+  for doc in documents:
+    doc = _compact(doc, stats)
+    if doc is None:
+      continue
+    for k, piece in enumerate(s[i:i + budget].tolist() for s in doc
+                              for i in range(0, len(s), budget)):
+      joint = [DOCUMENT_BREAK] if chunk and k == 0 else []  # (none opens an instance)
+      if chunk and len(chunk) + len(joint) + len(piece) > budget:
+        packed.append(chunk)
+        chunk, joint = [], []
+      chunk = chunk + joint + piece
+  if chunk:
+    packed.append(chunk)
+  for _ in range(dupe_factor):
+    for tokens in packed:
+      yield Instance(list(tokens), [], False)
+
+
+def _single_segment_budget(max_seq_length: int) -> int:
+  if max_seq_length < 3:
+    raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP]; '
+                     'use at least 3 (RoBERTa uses 512)')
+  return max_seq_length - 2
+
+
 class Objective(NamedTuple):
   """What config.objective names: whether the model predicts the next sentence (BERT's NSP
   head and loss on [CLS] A [SEP] B [SEP] pairs, the batch's next_sentence_labels), and the
@@ -235,15 +276,16 @@ class Objective(NamedTuple):
 
 OBJECTIVES = {
     'mlm_nsp': Objective(True, block_instances, 'pairs'),  # BERT
-    'mlm': Objective(False, doc_sentence_instances, 'doc_sentences'),  # RoBERTa
+    'mlm': Objective(False, full_sentence_instances, 'full_sentences'),  # RoBERTa
+    'mlm_doc': Objective(False, doc_sentence_instances, 'doc_sentences'),  # RoBERTa's other
 }
 
 
 def objective(name: str) -> Objective:
   if name not in OBJECTIVES:
     raise ValueError(f'config.objective={name!r}; choose mlm_nsp (BERT: masked language '
-                     'modelling + next sentence prediction) or mlm (RoBERTa: masked language '
-                     'modelling alone, on full-length single-segment inputs)')
+                     'modelling + next sentence prediction), mlm (RoBERTa: masked language '
+                     'modelling alone on FULL-SENTENCES inputs) or mlm_doc (on DOC-SENTENCES)')
   return OBJECTIVES[name]
 
 
@@ -260,9 +302,11 @@ def check_objective(config) -> Objective:
 def make_features(instance: Instance, *, cls_id: int, sep_id: int, pad_id: int,
                   max_seq_length: int) -> Dict[str, np.ndarray]:
   """[CLS] A [SEP] B [SEP] (a pair, with its NSP label), or [CLS] A [SEP] (an instance
-  without B: doc_sentence_instances'), padded: input_ids, segment_ids, attention_mask[,
-  next_sentence_labels]."""
+  without B: RoBERTa's, its DOCUMENT_BREAKs as [SEP]), padded: input_ids, segment_ids,
+  attention_mask[, next_sentence_labels]."""
   a, b = instance.tokens_a, instance.tokens_b
+  if DOCUMENT_BREAK in a:  # (FULL-SENTENCES: a separator between two documents)
+    a = [sep_id if t == DOCUMENT_BREAK else t for t in a]
   ids = [cls_id] + a + [sep_id] + (b + [sep_id] if b else [])
   n = len(ids)
   if n > max_seq_length:

@@ -222,7 +222,7 @@ def test_block_instances_draw_random_next_from_every_other_document_of_the_block
 
 
 def test_doc_sentences_pack_a_documents_consecutive_sentences_into_one_segment():
-  """RoBERTa's DOC-SENTENCES (config.objective=mlm): each document's sentences in order,
+  """RoBERTa's DOC-SENTENCES (config.objective=mlm_doc): each document's sentences in order,
   packed up to max_seq_length - 2 tokens, a longer sentence cut into pieces of that length,
   never two documents in one instance; [CLS] A [SEP], one segment, no NSP label."""
   docs = [[[5, 6, 7], [8, 9], [10, 11, 12, 13]],  # 3 + 2 fit in 6; the next does not
@@ -247,6 +247,31 @@ def test_doc_sentences_pack_a_documents_consecutive_sentences_into_one_segment()
                                             dupe_factor=1, seed=0, stats=stats))
   with pytest.raises(ValueError, match='config.objective=.electra.; choose mlm_nsp'):
     pretraining.objective('electra')
+
+
+def test_full_sentences_pack_across_documents_with_a_separator_between_them():
+  """RoBERTa's FULL-SENTENCES (config.objective=mlm): the block's sentences in order, packed
+  up to max_seq_length - 2 tokens across documents, a separator (DOCUMENT_BREAK, [SEP] in
+  the features) where one document ends and the next begins, none opening an instance; a
+  longer sentence cut into pieces; one segment, no NSP label."""
+  brk = pretraining.DOCUMENT_BREAK
+  docs = [[[5, 6], [7]],  # 2 + 1
+          [[8, 9]],  # + break + 2 = 6 tokens: full
+          [[], [10] * 7],  # an empty sentence; 7 tokens: cut into 6 + 1
+          [[]],  # empty: counted, left out
+          [[11, 12]]]
+  stats = collections.Counter()
+  got = list(pretraining.full_sentence_instances(docs, max_seq_length=8, short_seq_prob=0.5,
+                                                 dupe_factor=1, seed=0, stats=stats))
+  assert [i.tokens_a for i in got] == [[5, 6, 7, brk, 8, 9], [10] * 6, [10, brk, 11, 12]]
+  assert all(i.tokens_b == [] and not i.is_random_next for i in got)
+  assert stats['documents'] == 4 and stats['empty_documents'] == 1
+  f = features(got[2].tokens_a, [], length=8)
+  np.testing.assert_array_equal(f['input_ids'], [CLS, 10, SEP, 11, 12, SEP, 0, 0])
+  np.testing.assert_array_equal(f['segment_ids'], np.zeros(8))
+  assert 'next_sentence_labels' not in f
+  assert pretraining.objective('mlm').instances is pretraining.full_sentence_instances
+  assert pretraining.objective('mlm_doc').instances is pretraining.doc_sentence_instances
 
 
 def test_the_objective_is_checked_before_anything_runs():

@@ -725,9 +725,9 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
                              max(labels.mean(), 1 - labels.mean()), rtol=1e-6)
 
 
-def test_mlm_alone_on_doc_sentences_learns_and_leaves_the_pooler_as_initialised(tmp_path):
+def test_mlm_alone_on_full_sentences_learns_and_leaves_the_pooler_as_initialised(tmp_path):
   """config.objective=mlm (RoBERTa): the embedded corpus prepared as one-segment
-  DOC-SENTENCES inputs, a model without the NSP head whose loss is its MLM loss, learning;
+  FULL-SENTENCES inputs, a model without the NSP head whose loss is its MLM loss, learning;
   the pooler, which no loss reaches, left at its init (weight decay would shrink it); data
   prepared for the other objective, and a resume under it, refused in one line."""
   pytest.importorskip('data.pipeline')
