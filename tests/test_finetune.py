@@ -763,6 +763,17 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   assert all('--config.init_checkpoint=/ck' in l and '--config.max_seq_length=96' in l
              for l in lines)
   assert any('configs/finetune.py:squad/v1.1' in l for l in lines)
+  # Several encoders in one grid: each its own runs, named by it (the table's rows apart).
+  finetune_grid.main(['--tasks', 'rte', '--root', f'{root}/two', '--init_checkpoint', '/ck/a',
+                      '--init_checkpoint', '/ck/b', '--seeds', '1', '--learning_rates', '1e-4',
+                      '--batch_sizes', '16', '--epochs', '2', '--print_only'])
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python')]
+  assert len(lines) == 2 and all(
+      f'init_checkpoint=_ck_{e},num_epochs=2,optimizer.learning_rate=0.0001,seed=0 ' in l and
+      f'--config.init_checkpoint=/ck/{e} ' in l for l, e in zip(lines, 'ab'))
+  with pytest.raises(ValueError, match='the grid repeats a run'):
+    finetune_grid.main(['--tasks', 'rte', '--root', f'{root}/two', '--init_checkpoint', '/ck/a',
+                        '--init_checkpoint', '/ck/a', '--print_only'])
   # A failed (or refused) run makes the grid's exit code non-zero, after the summary.
   with mock.patch.object(finetune_grid.sweep, 'run_all', return_value={'seed=0': 3}):
     assert finetune_grid.main(['--tasks', 'rte', '--root', root, '--seeds', '1',

@@ -5,7 +5,8 @@ r"""The fine-tuning grid of the paper's practice, for one task or all of GLUE, o
   python -m realformer.tools.finetune_grid --tasks glue ... --print_only --target slurm
   python -m realformer.tools.finetune_grid --tasks rte --root /tmp/grid --summarize_only
 
-Every (learning rate, batch size, epochs, seed) of every task is one finetune.py run in
+Every (encoder, learning rate, batch size, epochs, seed) of every task is one finetune.py run
+(--init_checkpoint repeated: several encoders, each named in its runs' folders) in
 <root>/<task>/<its grid values and other varying overrides> (realformer.tools.sweep names, skips
 finished runs and resumes interrupted ones, so a grid can be extended in the same root; a
 run with other fixed overrides (another --set) gets a folder of its own, named by them; a
@@ -80,23 +81,26 @@ def expand_tasks(tasks: str) -> List[str]:
 
 
 def grid(learning_rates: Sequence[float], batch_sizes: Sequence[int],
-         epochs: Sequence[int], seeds: int, fixed: Dict[str, Any]) -> List[sweep.Run]:
-  """The product of the grid and the seeds; `fixed` overrides go into every run. A grid that
-  names a run twice (1e-5 and 1e-05; a --set of a grid key) is an error."""
+         epochs: Sequence[int], seeds: int, fixed: Dict[str, Any],
+         init_checkpoints: Sequence[str] = ('',)) -> List[sweep.Run]:
+  """The product of the encoders (init_checkpoints), the grid and the seeds; `fixed`
+  overrides go into every run. A grid that names a run twice (1e-5 and 1e-05; a --set of a
+  grid key; an encoder given twice) is an error."""
   if seeds < 1:
     raise ValueError(f'--seeds={seeds}: need at least one seed')
-  clash = sorted(k for k in fixed if k in GRID_KEYS + ('seed',))
+  clash = sorted(k for k in fixed if k in GRID_KEYS + ('seed', 'init_checkpoint'))
   if clash:
     raise ValueError(f'--set {clash[0]}: the grid sets it (--learning_rates, --batch_sizes, '
-                     '--epochs, --seeds); give its values there')
+                     '--epochs, --seeds, --init_checkpoint); give its values there')
   h = sweep.Hyper
-  runs = h.product([h.sweep('optimizer.learning_rate', learning_rates),
+  runs = h.product([h.sweep('init_checkpoint', init_checkpoints),
+                    h.sweep('optimizer.learning_rate', learning_rates),
                     h.sweep('batch_size', batch_sizes), h.sweep('num_epochs', epochs),
                     [fixed], h.sweep('seed', range(seeds))])
   names = sweep.run_names(runs, always=GRID_KEYS)
   if len(set(names)) != len(names):
     raise ValueError('the grid repeats a run (a value given twice); check --learning_rates, '
-                     '--batch_sizes and --epochs')
+                     '--batch_sizes, --epochs and --init_checkpoint')
   return runs
 
 
@@ -320,8 +324,9 @@ def _define(f):
                       required=True)
   flags.DEFINE_string('root', None, 'one folder per task, one workdir per run', flag_values=f,
                       required=True)
-  flags.DEFINE_string('init_checkpoint', '', 'the pretraining (or import) workdir',
-                      flag_values=f)
+  flags.DEFINE_multi_string('init_checkpoint', [], 'the pretraining (or import) workdir; '
+                            'repeat to fine-tune several encoders in one grid (each its own '
+                            'rows)', flag_values=f)
   flags.DEFINE_string('data_dir', '', "GLUE TSV / SQuAD JSON folder ('' = tfds)", flag_values=f)
   flags.DEFINE_list('learning_rates', ['1e-5', '2e-5', '3e-5', '4e-5', '5e-5'],
                     'comma-separated', flag_values=f)
@@ -370,23 +375,24 @@ def main(argv=None):
       keep = (not path or storage.is_url(path) or path.startswith('hf:') or
               '.py:' in path or path.endswith('.py'))  # hf: data, a config file
       return path if keep else os.path.abspath(path)
-    fixed = {'init_checkpoint': local(args.init_checkpoint), 'data_dir': local(args.data_dir)}
+    inits = [local(p) for p in args.init_checkpoint] or ['']
+    fixed = {'data_dir': local(args.data_dir)}
     types = {}  # each --set value read as its field's type, as sweep.py reads it
     for task in tasks:
       types.update(sweep.field_types(config_arg(task)))
     for assignment in sweep.parse_assignments(args.set, multi=False, types=types):
       fixed.update(assignment[0])
-    if not args.print_only and not fixed.get('from_scratch'):
-      if not (storage.path(args.init_checkpoint or '.') / RunDir.CONFIG).is_file():
-        raise ValueError(f'--init_checkpoint={args.init_checkpoint!r} is not a train.py or '
-                         'import workdir (no config.json); pass one, or --set '
-                         'from_scratch=True')
+    for init in inits if not args.print_only and not fixed.get('from_scratch') else ():
+      if not (storage.path(init or '.') / RunDir.CONFIG).is_file():
+        raise ValueError(f'--init_checkpoint={init!r} is not a train.py or import workdir (no '
+                         'config.json); pass one, or --set from_scratch=True')
       # (a fine-tuning run's own folder, say, refused here rather than by each of its runs)
-      checkpoints.read_pretraining_config(args.init_checkpoint or '.')
+      checkpoints.read_pretraining_config(init or '.')
     if (not args.print_only and args.data_dir and not args.data_dir.startswith('hf:') and
         not storage.path(args.data_dir).is_dir()):
       raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')
-    runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed)
+    runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed, inits)
+    axes = GRID_KEYS + (('init_checkpoint',) if len(inits) > 1 else ())  # what names a run
     for task in tasks:  # every task's config takes the --set keys, before any run starts
       sweep.check_keys(config_arg(task), runs, here=not args.print_only)
     failed, elsewhere, diverged = [], [], []
@@ -394,14 +400,13 @@ def main(argv=None):
       root = task_root(args.root, task)
       if args.print_only:
         print(sweep.launch_script(runs, root=root, program=PROGRAM, config=config_arg(task),
-                                  target=args.target, always=GRID_KEYS), end='')
+                                  target=args.target, always=axes), end='')
         continue
       # A run that diverged (its loss became nan/inf) is a result of its settings: left out
       # of later calls, which would only repeat it.
-      gone = sweep.diverged(root, runs, GRID_KEYS,
-                            sweep.program_and_config(PROGRAM, config_arg(task)))
+      gone = sweep.diverged(root, runs, axes, sweep.program_and_config(PROGRAM, config_arg(task)))
       codes = sweep.run_all([r for r, g in zip(runs, gone) if not g], root=root,
-                            program=PROGRAM, config=config_arg(task), always=GRID_KEYS)
+                            program=PROGRAM, config=config_arg(task), always=axes)
       task_failed, task_diverged = sweep.failed_or_diverged(root, codes)
       failed += [f'{task}/{n}' for n in task_failed]
       diverged += [f'{task}/{n}' for n in task_diverged]
