@@ -727,13 +727,14 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
   and lets each host read (and copy from a bucket) only the files that hold its share of
   them (data.pipeline)."""
   d = config.data
-  if stats['eval/documents'] == 1 and counts['eval']:
+  pairs = pretraining.objective(config.get('objective', 'mlm_nsp')).next_sentence
+  if pairs and stats['eval/documents'] == 1 and counts['eval']:
     logging.warning('the eval split holds one document, so it has no random-next segments '
                     '(every NSP label is 0) and eval NSP accuracy means nothing; raise '
                     'data.eval_fraction (now %g) to hold out at least two documents',
                     d.eval_fraction)
   single, documents = stats['train/single_sentence_documents'], stats['train/documents']
-  if documents and single > documents / 2:
+  if pairs and documents and single > documents / 2:
     logging.warning('%d of the %d training documents hold one sentence, so all their '
                     'instances are random next (NSP label 1) with a one-sentence B; a source '
                     'with a sentence per row (hf:) needs config.data.hf_rows_per_document > 1, '

@@ -311,6 +311,16 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference, cap
   assert f'initialized params from {unfinished}/checkpoints/{NUM_STEPS}' in caplog.text
   assert (f"{unfinished} is at step {NUM_STEPS} of its run's 20: a run not finished"
           in caplog.text)
+  # Not said of a fine-tuned encoder (best/, final/: a fine-tuning's step), a time-budgeted
+  # run, or a step folder of another name.
+  from realformer.train import trainer  # pylint: disable=g-import-not-at-top
+  caplog.clear()
+  for change in ({'finetuned': {'task': 'rte'}},
+                 {'train': dict(stored['train'], time_budget_minutes=5)}):
+    (unfinished / 'config.json').write_text(json.dumps(dict(stored, **change)))
+    trainer._say_if_unfinished(str(unfinished), str(NUM_STEPS))  # pylint: disable=protected-access
+  trainer._say_if_unfinished(str(unfinished), 'bert_base')  # pylint: disable=protected-access
+  assert 'not finished' not in caplog.text
 
 
 def _abstract_params(config):

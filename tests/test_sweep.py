@@ -279,6 +279,39 @@ def test_a_sweep_extended_in_its_root_with_another_set_gets_folders_of_its_own(t
                                config='configs/pretrain.py:postln,tiny', target='local',
                                always=('optimizer.learning_rate',))
   assert 'data.max_seq_length=64,optimizer.learning_rate=0.001,seed=0' in script
+  # A name made of the differing keys that another run's folder holds too: made unique.
+  (tmp_path / 'data.max_seq_length=64,optimizer.learning_rate=0.001,seed=0' / RunDir.DONE
+   ).write_text('')
+  third = dict(again, **{'model.num_layers': 4})
+  (name,) = sweep.folder_names(str(tmp_path), [third], ('optimizer.learning_rate',))
+  assert re.fullmatch(r'data.max_seq_length=64,model.num_layers=4,optimizer.learning_rate='
+                      r'0.001,seed=0', name), name
+  (tmp_path / name).mkdir()
+  (tmp_path / name / RunDir.OVERRIDES).write_text(json.dumps(dict(third, extra=1)))
+  (tmp_path / name / RunDir.DONE).write_text('')
+  (again_name,) = sweep.folder_names(str(tmp_path), [third], ('optimizer.learning_rate',))
+  assert again_name.startswith(name + '-') and again_name != name
+
+
+def test_a_failed_runs_folder_goes_to_new_settings_once(tmp_path):
+  """A folder whose run failed before its first checkpoint (its log.txt written after its
+  overrides.json) is given to the next settings; once they are recorded there (a printed
+  run, queued or running elsewhere), the old log no longer makes it free."""
+  folder = tmp_path / 'seed=0'
+  folder.mkdir()
+  (folder / RunDir.OVERRIDES).write_text(json.dumps({'train.num_steps': 5, 'seed': 0}))
+  (folder / RunDir.LOG).write_text('error: data.sources=nowhere matches no file\n')
+  assert sweep.holds_nothing(str(folder))
+  args = dict(root=str(tmp_path), program='train.py', config='configs/pretrain.py:postln,tiny',
+              target='local')
+  first = sweep.launch_script([{'train.num_steps': 1000, 'seed': 0}], **args)
+  assert f'--workdir {folder} ' in first
+  assert json.loads((folder / RunDir.OVERRIDES).read_text())['train.num_steps'] == 1000
+  os.utime(folder / RunDir.LOG, (1, 1))  # (older than the overrides the print recorded)
+  assert not sweep.holds_nothing(str(folder))
+  second = sweep.launch_script([{'train.num_steps': 2000, 'seed': 0}], **args)
+  assert f'--workdir {folder} ' not in second and 'train.num_steps=2000,seed=0' in second
+  assert json.loads((folder / RunDir.OVERRIDES).read_text())['train.num_steps'] == 1000
 
 
 def test_seeds_sharing_prepared_data_need_its_own_seed():

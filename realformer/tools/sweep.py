@@ -358,12 +358,6 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
     from realformer import config_checks  # pylint: disable=g-import-not-at-top
     # (a variant, a step count, the warm-up, lengths..., the objective)
     check = lambda full: (config_checks.check_config(full), pretraining.check_objective(full))
-    shared = {str(r.get('data.prepared_dir') or '') for r in runs}
-    if (len({r.get('seed') for r in runs}) > 1 and shared != {''} and len(shared) == 1
-        and not any('data.seed' in r for r in runs)):
-      raise ValueError(f'the runs of several seeds share data.prepared_dir={shared.pop()}, '
-                       'whose preparation takes the run\'s seed: --set data.seed=0 to '
-                       'prepare it once for every seed')
   elif 'benchmark' in cfg and 'task' in cfg and here:  # a fine-tuning config: its kind's
     import jax  # pylint: disable=g-import-not-at-top
     from realformer.finetune import registry  # pylint: disable=g-import-not-at-top
@@ -382,6 +376,14 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
       changed = ', '.join(f'{k}={v}' for k, v in run.items() if k != 'seed')
       which = f'the run with {changed}' if changed else f'{config} itself'
       raise ValueError(f'{which}: {e}; fix the --sweep/--set value') from None
+  if 'variant' in cfg.get('model', {}):  # pretraining: seeds over one prepared corpus
+    data = [whole(run).data for run in runs]
+    shared = {str(d.prepared_dir or '') for d in data}
+    if (len({r.get('seed', 0) for r in runs}) > 1 and shared != {''} and len(shared) == 1
+        and any(d.get('seed') is None for d in data)):
+      raise ValueError(f'the runs of several seeds share data.prepared_dir={shared.pop()}, '
+                       'whose preparation takes the run\'s seed: --set data.seed=0 to '
+                       'prepare it once for every seed')
 
 
 def _log_records(workdir: str) -> List[dict]:
@@ -501,9 +503,14 @@ def holds_nothing(workdir: str) -> bool:
   started). Its folder goes to the run asked for now, whatever the first one's settings
   were."""
   path = storage.path(workdir)
-  keep = (RunDir.DONE, RunDir.RESULTS, RunDir.DIVERGED, RunDir.BEST, RunDir.FINAL)
+  keep = (RunDir.DONE, RunDir.RESULTS, RunDir.DIVERGED, RunDir.BEST, RunDir.FINAL, RunDir.DATA)
   lock = path / RunDir.LOCK  # (a run holding it: emptied, or deleted in a bucket, on release)
-  return (path / RunDir.LOG).exists() and not (
+  log, recorded = path / RunDir.LOG, path / RunDir.OVERRIDES
+  try:  # the log of the run its overrides.json records, not of one before it
+    ran = storage.mtime(log) >= storage.mtime(recorded)
+  except OSError:
+    return False
+  return ran and not (
       any((path / name).exists() for name in keep) or checkpoints.complete_steps(workdir)
       or (lock.exists() and lock.read_bytes().strip()))
 
@@ -654,6 +661,8 @@ def folder_names(root: str, runs: Sequence[Run], always: Sequence[str] = ()) -> 
       mine, theirs = _as_text(run), _as_text(taken[name])
       name = run_name(run, sorted(keys | {k for k in set(mine) | set(theirs)
                                           if mine.get(k) != theirs.get(k)}))
+      if name in taken and _canonical(taken[name]) != _canonical(run):  # taken as well
+        name += '-' + format(zlib.crc32(_canonical(run).encode()), '08x')
     names.append(name)
   return names
 

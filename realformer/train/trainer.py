@@ -441,7 +441,7 @@ class Trainer:
     logging.info('initialized %s from %s%s', '/'.join(init.subtree) or 'params', step_dir,
                  f' ({len(missing)} of them drawn fresh: the checkpoint lacks them)'
                  if missing else '; the rest drawn fresh' if init.subtree else '')
-    _say_if_unfinished(init.path, int(os.path.basename(step_dir)))
+    _say_if_unfinished(init.path, os.path.basename(step_dir))
     return state
 
   def _data_args(self, mode: str) -> Dict[str, Any]:
@@ -726,14 +726,20 @@ def run_program(fn: Callable[..., dict], *args) -> dict:
   return summary
 
 
-def _say_if_unfinished(path: str, step: int) -> None:
-  """A warning when an init checkpoint's run had not reached its train.num_steps (a
-  pretraining still running, or stopped): its step and its run's length in one line."""
-  config = storage.path(path) / RunDir.CONFIG
+def _say_if_unfinished(path: str, step_name: str) -> None:
+  """A warning when an init checkpoint's pretraining run had not reached its
+  train.num_steps (still running, or stopped) nor spent its time budget: its step and its
+  run's length in one line. Not for an import's (step 0), a fine-tuned encoder's (best/,
+  final/: a step of the fine-tuning), a step folder's of another name."""
   try:
-    num_steps = int(json.loads(config.read_text())['train']['num_steps'])
+    config = json.loads((storage.path(path) / RunDir.CONFIG).read_text())
+    num_steps = int(config['train']['num_steps'])
+    step = int(step_name)
   except (OSError, ValueError, KeyError, TypeError):
-    return  # (an import's, or a step folder's: no run to compare with)
+    return  # (no run to compare with)
+  budget = config['train'].get('time_budget_minutes')
+  if 'finetuned' in config or budget:  # (a budget's run may end before num_steps)
+    return
   if 0 < step < num_steps:
     logging.warning('%s is at step %d of its run\'s %d: a run not finished (still '
                     'training, or stopped); its newest checkpoint is what this run starts '
