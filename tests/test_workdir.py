@@ -248,7 +248,10 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(comma
           '--config.train.batch_size=4', '--config.train.num_steps=100000',
           '--config.train.log_every_steps=1', '--config.train.eval_steps=0',
           '--config.train.checkpoint_every_steps=100000']
-  first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+  # (Ctrl-C's default restored first: a test run in the background inherits it ignored)
+  interactive = [sys.executable, '-c', 'import os, signal, sys; signal.signal(signal.SIGINT, '
+                 'signal.SIG_DFL); os.execv(sys.executable, [sys.executable] + sys.argv[1:])']
+  first = subprocess.Popen(interactive + args[1:], cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
   try:
     metrics = tmp_path / 'metrics.jsonl'
@@ -258,7 +261,7 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(comma
     errors = [l for l in second.stderr.splitlines() if l.startswith('error:')]
     assert len(errors) == 1 and f'in use by pid {first.pid}' in errors[0], second.stderr[-3000:]
     assert 'Traceback' not in second.stderr
-    first.send_signal(signal.SIGTERM)  # a scheduler's preemption notice
+    first.send_signal(signal.SIGINT)  # Ctrl-C, as a scheduler's SIGTERM (test_checkpoints)
     _, err = first.communicate(timeout=240)
     assert first.returncode == workdir_lib.EXIT_NOT_FINISHED, err[-3000:]
     assert 'not finished: stopped by SIGTERM or Ctrl-C after saving step' in err
@@ -805,7 +808,10 @@ def test_finetune_command_line_lock_preemption_resume_and_malformed_rows(command
   with workdir_lib.Lock(str(workdir), 'a test'):
     held = commands.run(args[1:], env=env)
   assert f'in use by pid {os.getpid()} on {socket.gethostname()}' in one_error(held)
-  first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+  # (Ctrl-C's default restored first: a test run in the background inherits it ignored)
+  interactive = [sys.executable, '-c', 'import os, signal, sys; signal.signal(signal.SIGINT, '
+                 'signal.SIG_DFL); os.execv(sys.executable, [sys.executable] + sys.argv[1:])']
+  first = subprocess.Popen(interactive + args[1:], cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
   try:
     metrics = workdir / 'metrics.jsonl'

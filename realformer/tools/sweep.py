@@ -45,6 +45,7 @@ from realformer import storage
 from realformer.train import checkpoints
 from realformer.train import metrics_jsonl
 from realformer.train.run_dir import RunDir
+from realformer.train import workdir as workdir_lib
 from realformer.train.workdir import EXIT_NOT_FINISHED
 
 Run = Dict[str, Any]
@@ -698,7 +699,7 @@ def _call_logged(argv, log_path: str) -> Tuple[int, bool]:
         proc.send_signal(signal.SIGTERM)
       previous = {}
       if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, pass_on) for sig in workdir_lib.stop_signals()}
       try:
         for line in proc.stdout:
           log.write(line)

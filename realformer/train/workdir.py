@@ -363,8 +363,7 @@ class StopSignal:
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-      self._previous = {sig: signal.signal(sig, self._stop)
-                        for sig in (signal.SIGTERM, signal.SIGINT)}
+      self._previous = {sig: signal.signal(sig, self._stop) for sig in stop_signals()}
     return self
 
   def _stop(self, signum, _):
@@ -410,8 +409,15 @@ def exit_on_sigterm() -> None:
           f'checkpoint (exit status {EXIT_NOT_FINISHED})', file=sys.stderr, flush=True)
     os._exit(EXIT_NOT_FINISHED)  # pylint: disable=protected-access
   if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    for sig in stop_signals():
+      signal.signal(sig, stop)
+
+
+def stop_signals():
+  """SIGTERM, and SIGINT (Ctrl-C) unless this process was started with it ignored (a
+  background job of a shell script, which Ctrl-C of the script is not meant to stop)."""
+  ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+  return (signal.SIGTERM,) + (() if ignored else (signal.SIGINT,))
 
 
 def exit_not_finished(step: int):
