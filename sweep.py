@@ -26,7 +26,10 @@ from realformer import storage
 from realformer.tools import sweep
 
 
-DEFAULT_METRICS = 'eval/mlm_accuracy,eval/nsp_accuracy,eval/loss'
+# The MLM figures of either objective (eval/loss adds NSP's under mlm_nsp alone), the
+# majority predictor's accuracy on the same batches beside them, and NSP's where there is one.
+DEFAULT_METRICS = ('eval/mlm_accuracy,eval/mlm_majority_accuracy,eval/mlm_loss,'
+                   'eval/nsp_accuracy')
 COMMANDS = {'run': 'run every unfinished run, one after another',
             'print': 'print a launch script instead of running',
             'summarize': 'final metrics of all runs, over seeds'}

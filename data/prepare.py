@@ -11,7 +11,8 @@ r"""Prepares pretraining instances once, streaming, into array_record shards.
 
 train.py calls the same code on first start (into <workdir>/data unless
 config.data.prepared_dir is set). Writes train-XXXXX-of-NNNNN and eval-XXXXX-of-NNNNN
-array_record shards (one sentence-pair instance per record, unmasked: masking is dynamic)
+array_record shards (one instance per record: a sentence pair, or RoBERTa's one segment;
+unmasked: masking is dynamic)
 and metadata.json (counts, skipped items, and the fingerprint of the settings that shaped the
 instances). Memory stays bounded: documents stream in blocks of `data.document_window`
 documents (a document's random-next segments come from its block) and instances go straight
@@ -87,6 +88,12 @@ FINGERPRINT_DEFAULTS = {'hf_rows_per_document': '1', 'instances': 'pairs'}
 # was the stream's before the records were read in block order). A preparation's workers
 # resume only under the same ones.
 FINGERPRINT_LAYOUT = ('blocks_per_file', 'num_shards')
+
+
+def _objective_of(instances: str) -> str:
+  """The config.objective whose instances a preparation holds ('a or b' where several)."""
+  return ' or '.join(name for name, o in pretraining.OBJECTIVES.items()
+                     if o.instances_name == instances) or '?'
 
 
 def data_seed(config) -> int:
@@ -794,7 +801,9 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
             'another tokenizer file (retrained at the same path?)'
             if set(diff) == {'tokenizer_crc'} else 'other settings')
     seed = (f'set data.seed={diff["seed"][0]} (the seed it was prepared with), ' if
-            set(diff) == {'seed'} else '')
+            set(diff) == {'seed'} else
+            f'set config.objective={_objective_of(diff["instances"][0])} (what it was '
+            'prepared for), ' if set(diff) == {'instances'} else '')
     raise ValueError(f'prepared data in {prepared_dir} was made with {what} '
                      f'(prepared, configured): {diff}; {seed}point config.data.prepared_dir '
                      'elsewhere or delete the directory to prepare again')

@@ -199,10 +199,10 @@ def doc_sentence_instances(documents: Iterable[Document], *, max_seq_length: int
   """RoBERTa's DOC-SENTENCES inputs (Liu et al. 2019, section 4.2), one block of documents:
   each document's consecutive sentences packed into instances of at most max_seq_length - 2
   tokens ([CLS] and [SEP] around them), one segment, no B; a sentence longer than that is cut
-  into pieces of that length. short_seq_prob and the block's other documents play no part
-  (RoBERTa trains on full-length inputs; the documents are not mixed), nor does `seed`
-  (packing is deterministic); dupe_factor repeats the instances (masked anew at each
-  reading either way)."""
+  into pieces of that length, and a document's last instance may be short (the paper grew
+  its batch to make up the tokens; here a batch is a fixed count of sequences).
+  short_seq_prob and the block's other documents play no part, nor does `seed` (packing is
+  deterministic); dupe_factor repeats the instances (masked anew at each reading)."""
   del short_seq_prob, seed
   budget = _single_segment_budget(max_seq_length)
   for doc in documents:

@@ -327,6 +327,12 @@ def test_seeds_sharing_prepared_data_need_its_own_seed():
   sweep.check_keys(config, sweep.expand([], ['data.prepared_dir=/shared/data', 'data.seed=0'],
                                         seeds=2, types=types))
   sweep.check_keys(config, sweep.expand([], [], seeds=2, types=types))  # each its own data
+  # Objectives whose instances differ cannot share one prepared corpus either.
+  with pytest.raises(ValueError, match=r'runs of objectives whose instances differ '
+                     r'\(full_sentences, pairs\) share data.prepared_dir=/shared/data'):
+    sweep.check_keys(config, sweep.expand(['objective=mlm,mlm_nsp'],
+                                          ['data.prepared_dir=/shared/data', 'data.seed=0'],
+                                          types=types))
 
 
 def test_a_key_set_twice_is_an_error_not_a_silently_dropped_grid_point():

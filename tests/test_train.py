@@ -761,7 +761,8 @@ def test_mlm_alone_on_full_sentences_learns_and_leaves_the_pooler_as_initialised
   pairs = c.copy_and_resolve_references()
   pairs.objective = 'mlm_nsp'
   pairs.data.prepared_dir = str(tmp_path / 'data')
-  with pytest.raises(ValueError, match="made with other settings.*'instances'"):
+  with pytest.raises(ValueError, match="made with other settings.*'instances'.*; set "
+                     r'config.objective=mlm \(what it was prepared for\)'):
     trained(pairs, tmp_path.parent / f'{tmp_path.name}_pairs')
   pairs.data.prepared_dir = None
   with pytest.raises(ValueError, match="objective: 'mlm' -> 'mlm_nsp'"):

@@ -377,14 +377,26 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
       changed = ', '.join(f'{k}={v}' for k, v in run.items() if k != 'seed')
       which = f'the run with {changed}' if changed else f'{config} itself'
       raise ValueError(f'{which}: {e}; fix the --sweep/--set value') from None
-  if 'variant' in cfg.get('model', {}):  # pretraining: seeds over one prepared corpus
-    data = [whole(run).data for run in runs]
-    shared = {str(d.prepared_dir or '') for d in data}
-    if (len({r.get('seed', 0) for r in runs}) > 1 and shared != {''} and len(shared) == 1
-        and any(d.get('seed') is None for d in data)):
-      raise ValueError(f'the runs of several seeds share data.prepared_dir={shared.pop()}, '
-                       'whose preparation takes the run\'s seed: --set data.seed=0 to '
-                       'prepare it once for every seed')
+  if 'variant' in cfg.get('model', {}):  # pretraining: runs that share a prepared corpus
+    from data import pretraining as objectives  # pylint: disable=g-import-not-at-top
+    by_dir = {}
+    for run in runs:
+      full = whole(run)
+      if full.data.prepared_dir:
+        by_dir.setdefault(str(full.data.prepared_dir), []).append((run, full))
+    for folder, shared in by_dir.items():
+      kinds = {objectives.objective(f.get('objective', 'mlm_nsp')).instances_name
+               for _, f in shared}
+      if len(kinds) > 1:
+        raise ValueError(f'runs of objectives whose instances differ ({", ".join(sorted(kinds))})'
+                         f' share data.prepared_dir={folder}, which holds one kind; give each '
+                         'objective its own (a --sweep_file h.zip of objective and '
+                         'data.prepared_dir)')
+      if (len({r.get('seed', 0) for r, _ in shared}) > 1 and
+          any(f.data.get('seed') is None for _, f in shared)):
+        raise ValueError(f'the runs of several seeds share data.prepared_dir={folder}, '
+                         'whose preparation takes the run\'s seed: --set data.seed=0 to '
+                         'prepare it once for every seed')
 
 
 def _log_records(workdir: str) -> List[dict]:

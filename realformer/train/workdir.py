@@ -60,6 +60,8 @@ RESUMABLE = (
     'data.blocks_per_file', 'data.records_per_file',  # the prepared files' layout, not
     # the stream they give
     'data.tfds_data_dir',         # where TFDS keeps a dataset, not which
+    'data.seed',                  # None -> the run's seed given as a number: the prepared
+    # data's fingerprint refuses any that would prepare other instances
     # fine-tuning (finetune.py)
     'eval_batch_size', 'log_every_steps', 'keep_best', 'keep_optimizer_state',
     'compile_in_background',
