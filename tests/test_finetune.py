@@ -933,6 +933,20 @@ def check_grid_summary(root: str):
   markdown = (storage.path(root) / 'results.md').read_text()
   assert '| mrpc | 1e-05 | 16 | 2 | 1 | 0 | 0 | 0.8000 |' in markdown
   assert markdown.count('| rte |') == 4 and markdown.index('| mrpc |') < markdown.index('| rte |')
+  # Runs of two encoders (--init_checkpoint repeated): the best setting of each is marked.
+  for init, lr, headline in (('/a', 1e-5, 0.7), ('/a', 2e-5, 0.6), ('/b', 1e-5, 0.5),
+                             ('/b', 2e-5, 0.55)):
+    workdir = storage.path(root) / 'mrpc' / f'init={init[1]},lr={lr}'
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / 'overrides.json').write_text(json.dumps(
+        {'init_checkpoint': init, 'optimizer.learning_rate': lr, 'batch_size': 16,
+         'num_epochs': 2, 'seed': 0}))
+    (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
+  finetune_grid.main(['--tasks', 'mrpc', '--root', root, '--summarize_only'])
+  rows = [r.split(',') for r in (storage.path(root) / 'results.csv').read_text().splitlines()
+          if r.startswith('mrpc,') and 'init_checkpoint' in r]
+  assert sorted((r[-1], r[1]) for r in rows if r[-2] == 'best') == [
+      ('init_checkpoint=/a', '1e-05'), ('init_checkpoint=/b', '2e-05')], rows
 
 
 def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, capsys):

@@ -162,9 +162,9 @@ def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
   no correlation), unfinished (left out); the median over the n, a failed run counting below
   every score ('failed' where the median falls on one: a setting that fails some seeds does
   not win on the median of the others); the mean, min and max of the scored runs; 'best' on
-  the setting of the highest median; the setting's other overrides that differ between the
-  task's runs (a grid extended in its root with another --set: never averaged with the
-  first)."""
+  the setting of the highest median (of each encoder, where the runs have several); the
+  setting's other overrides that differ between the task's runs (a grid extended in its
+  root with another --set: never averaged with the first)."""
   others, settings = _settings(rows)
   table = []
   for key, runs in settings:
@@ -180,9 +180,14 @@ def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
                      if x != '')
     table.append([task, *grid_values, len(finished), len(scores) - len(scored),
                   len(runs) - len(finished), shown, *stats, '', other])
-  best = _best_setting(settings)
-  if best is not None:
-    table[best][-2] = 'best'
+  # The best setting of each encoder (a grid over several --init_checkpoint compares them).
+  encoder = (lambda key: key[len(GRID_KEYS) + others.index('init_checkpoint')]
+             ) if 'init_checkpoint' in others else (lambda key: '')
+  for init in dict.fromkeys(encoder(key) for key, _ in settings):
+    members = [i for i, (key, _) in enumerate(settings) if encoder(key) == init]
+    best = _best_setting([settings[i] for i in members])
+    if best is not None:
+      table[members[best]][-2] = 'best'
   return table
 
 
