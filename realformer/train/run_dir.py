@@ -41,6 +41,7 @@ class RunDir(RunNames):
     storage.check_location(root, '--workdir')
     self.root = storage.path(root)
     self._lock: Optional[workdir_lib.Lock] = None
+    self.resumed_from: Optional[dict] = None  # (hold)
 
   def __str__(self) -> str:
     return os.fspath(self.root)
@@ -60,9 +61,11 @@ class RunDir(RunNames):
   @contextlib.contextmanager
   def hold(self, command: str, config):
     """Holds the lock for the body (its record naming `command`, e.g. 'train.py'), after
-    refusing a resume under another config."""
+    refusing a resume under another config; `resumed_from` is then the stored config (a
+    dict) of a run resumed with resumable fields changed, else None."""
     with workdir_lib.Lock(str(self), command) as lock:
-      workdir_lib.check_resume_config(str(self), config, self.has_checkpoint())
+      changed = workdir_lib.check_resume_config(str(self), config, self.has_checkpoint())
+      self.resumed_from = json.loads(self.path(self.CONFIG).read_text()) if changed else None
       self._lock = lock
       try:
         yield self

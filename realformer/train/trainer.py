@@ -415,6 +415,7 @@ class Trainer:
                                        self._data_args('restore'))
       if task.data is not None:
         task.data.restored(data['data'])
+      _say_if_the_rate_moves(run.resumed_from, task, latest)
       return TrainState.from_checkpoint(tree)
     if checkpoints.has_complete_step(str(final)):
       params, missing = checkpoints.restore_params(str(final), program.abstract.params)
@@ -724,6 +725,27 @@ def run_program(fn: Callable[..., dict], *args) -> dict:
   if 'preempted' in summary:
     workdir_lib.exit_not_finished(summary['preempted'])
   return summary
+
+
+def _say_if_the_rate_moves(stored: Optional[dict], task: Task, step: int) -> None:
+  """A warning when a resume with another train.num_steps (or warm-up) moves the learning
+  rate at the step it resumes from: the schedule follows the new settings, which a run
+  extended in place may not expect (a rate that jumps back up)."""
+  config = task.config
+  if not stored or 'train' not in stored or 'train' not in config:
+    return
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  try:
+    before = train_lib.make_schedule(ml_collections.ConfigDict(stored['optimizer']),
+                                     int(stored['train']['num_steps']))(step)
+  except (KeyError, TypeError, ValueError):
+    return  # (a stored config this version's schedule cannot read)
+  after = task.program.schedule(step)
+  if abs(float(after) - float(before)) > 1e-3 * max(abs(float(before)), 1e-12):
+    logging.warning('resumed at step %d with train.num_steps %s -> %s: the learning rate '
+                    'there moves from %.3g to %.3g (the schedule, warm-up included, follows '
+                    'the new length)', step, stored['train']['num_steps'],
+                    config.train.num_steps, float(before), float(after))
 
 
 def _say_if_unfinished(path: str, step_name: str) -> None:
