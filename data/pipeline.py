@@ -330,7 +330,9 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
   prepared_dir = config.data.prepared_dir or f'{str(workdir).rstrip("/")}/{RunNames.DATA}'
   config_checks.check_lengths(config)
   metadata = storage.path(prepared_dir) / prepare_lib.METADATA
-  if not metadata.exists():
+  made = not metadata.exists()
+  if made:
+    start = time.time()
     # The failure notices of this attempt, which the hosts but process 0 wait on, are newer,
     # by the clock that stamps them (1 s earlier: a file system may keep coarser times).
     started = (storage.clock(prepared_dir) - 1 if jax.process_index() != 0 else None)
@@ -348,6 +350,10 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
           raise TimeoutError(f'process 0 did not finish preparing {prepared_dir}')
         time.sleep(prepare_lib.POLL_SECONDS)
   found = prepare_lib.read_metadata(prepared_dir, config)
+  counts = found.get('counts', {})
+  logging.info('%s %s: %s train and %s eval instances%s', 'prepared' if made else 'reading',
+               prepared_dir, counts.get('train'), counts.get('eval'),
+               f' in {time.time() - start:.0f} s' if made else ' (prepared before)')
   if not storage.is_url(prepared_dir):
     return prepared_dir
   reader = reader or (jax.process_index(), jax.process_count())
