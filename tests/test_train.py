@@ -758,6 +758,8 @@ def test_mlm_alone_on_full_sentences_learns_and_leaves_the_pooler_as_initialised
   pooler = {k for k in moved if "'pooler'" in k}
   assert len(pooler) == 2 and not any(moved[k] for k in pooler)
   assert all(v for k, v in moved.items() if k not in pooler), moved  # every other one trained
+  from realformer.tools import analysis  # pylint: disable=g-import-not-at-top
+  assert analysis.analyze_run(str(tmp_path), num_examples=8)['variant'] == 'postln (mlm)'
   pairs = c.copy_and_resolve_references()
   pairs.objective = 'mlm_nsp'
   pairs.data.prepared_dir = str(tmp_path / 'data')

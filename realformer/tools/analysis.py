@@ -123,7 +123,10 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   entropies = [attention_entropy(a, mask) for a in attention]
   heads = [head_entropies(a, mask) for a in attention]
   pairs = js_matrix(attention, mask)
-  return {'variant': resolve(config.model).name, 'workdir': workdir, 'step': step,
+  objective = config.get('objective', 'mlm_nsp')
+  variant = resolve(config.model).name
+  return {'variant': variant if objective == 'mlm_nsp' else f'{variant} ({objective})',
+          'workdir': workdir, 'step': step,
           'entropies': entropies,
           'head_entropies': heads,
           'entropy_mean': [float(e.mean()) for e in entropies],
@@ -133,8 +136,9 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
 
 
 def default_labels(results: Sequence[dict]) -> List[str]:
-  """Each run's variant; runs of one variant are told apart by their workdir's last folder
-  (and, where those match too, by their place in the list)."""
+  """Each run's variant (with its objective where it is not BERT's); runs of one variant
+  are told apart by their workdir's last folder (and, where those match too, by their place
+  in the list)."""
   labels = [r['variant'] for r in results]
   shared = {v for v in labels if labels.count(v) > 1}
   labels = [f'{r["variant"]} ({os.path.basename(os.path.normpath(r["workdir"]))})'
