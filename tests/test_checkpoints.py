@@ -311,6 +311,12 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference, cap
   assert f'initialized params from {unfinished}/checkpoints/{NUM_STEPS}' in caplog.text
   assert (f"{unfinished} is at step {NUM_STEPS} of its run's 20: a run not finished"
           in caplog.text)
+  # A head of the checkpoint that the model has not (NSP's, for RoBERTa's objective): said.
+  roberta = tiny_config(num_steps=1, init_checkpoint=str(reference[0]))
+  roberta.objective = 'mlm'
+  with caplog.at_level(logging.INFO):
+    run(roberta, tmp_path / 'run4')
+  assert f'not used from {reference[0]}/checkpoints/{NUM_STEPS}: nsp_head' in caplog.text
   # Not said of a fine-tuned encoder (best/, final/: a fine-tuning's step), a time-budgeted
   # run, or a step folder of another name.
   from realformer.train import trainer  # pylint: disable=g-import-not-at-top

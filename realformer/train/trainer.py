@@ -442,6 +442,12 @@ class Trainer:
     logging.info('initialized %s from %s%s', '/'.join(init.subtree) or 'params', step_dir,
                  f' ({len(missing)} of them drawn fresh: the checkpoint lacks them)'
                  if missing else '; the rest drawn fresh' if init.subtree else '')
+    if not init.subtree:  # whole params: a head of the checkpoint this model has not
+      unused = sorted(set(checkpoints.stored_tree(step_dir)['params']) -
+                      set(program.abstract.params))
+      if unused:
+        logging.info('not used from %s: %s (this model has no such head; e.g. NSP\'s, under '
+                     'config.objective=mlm)', step_dir, ', '.join(unused))
     _say_if_unfinished(init.path, os.path.basename(step_dir))
     return state
 
