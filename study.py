@@ -121,7 +121,7 @@ def fixed_settings(args) -> list:
   trains that long (train.time_budget_minutes; --steps x 3 is then only an upper bound and the
   warm-up a tenth of the time), so a slower variant gets fewer steps."""
   steps = args.steps * 3 if args.minutes else args.steps
-  fixed = [f'train.num_steps={steps}', f'train.batch_size={args.batch}',
+  fixed = objective_settings(args) + [f'train.num_steps={steps}', f'train.batch_size={args.batch}',
            f'model.num_layers={args.layers}', f'data.max_seq_length={args.seq_len}',
            f'model.max_len={max(args.seq_len, 128)}',
            f'optimizer.learning_rate={args.learning_rate}',
@@ -367,12 +367,20 @@ STABILITY_AXES = ('model.variant', 'optimizer.learning_rate', 'optimizer.warmup_
 STABILITY_RATES = '5e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2,6.4e-2,1.28e-1'
 
 
+def objective_settings(args) -> list:
+  """config.objective where it is not BERT's (a study of RoBERTa's: --objective mlm); left
+  out for BERT's, so that the runs of studies made before the flag are the same runs."""
+  objective = getattr(args, 'objective', 'mlm_nsp')
+  return [] if objective == 'mlm_nsp' else [f'objective={objective}']
+
+
 def stability_fixed(args):
-  return [f'train.num_steps={args.steps}', f'train.batch_size={args.batch}',
-          f'model.num_layers={args.layers}', f'data.max_seq_length={args.seq_len}',
-          f'model.max_len={max(args.seq_len, 128)}', 'model.scan_layers=True',
-          f'train.log_every_steps={args.log_every}', f'train.eval_every_steps={args.steps}',
-          'train.eval_steps=4', f'train.checkpoint_every_steps={args.steps}']
+  return objective_settings(args) + [
+      f'train.num_steps={args.steps}', f'train.batch_size={args.batch}',
+      f'model.num_layers={args.layers}', f'data.max_seq_length={args.seq_len}',
+      f'model.max_len={max(args.seq_len, 128)}', 'model.scan_layers=True',
+      f'train.log_every_steps={args.log_every}', f'train.eval_every_steps={args.steps}',
+      'train.eval_steps=4', f'train.checkpoint_every_steps={args.steps}']
 
 
 def stability_cell(workdir: str, run=None, config: str = '') -> dict:
@@ -511,7 +519,7 @@ def stability(args) -> int:
 
 BUDGET_AXES = ('model.num_layers', 'data.max_seq_length', 'train.num_steps')
 # What else a budget was found with, recorded in R/budget.json: compare refuses other values.
-BUDGET_CONTEXT = ('corpus', 'size', 'eval_steps', 'eval_fraction')
+BUDGET_CONTEXT = ('corpus', 'size', 'eval_steps', 'eval_fraction', 'objective')
 
 
 def _ints(text: str, flag: str) -> list:
@@ -609,7 +617,7 @@ def budget_search(args) -> int:
     return 1
   chosen = {'layers': found['layers'], 'seq_len': found['seq_len'], 'steps': found['steps'],
             'batch': args.batch, 'learning_rate': args.learning_rate,
-            **{key: getattr(args, key) for key in BUDGET_CONTEXT},
+            **{key: getattr(args, key, 'mlm_nsp') for key in BUDGET_CONTEXT},
             'reference': args.reference, 'target_ratio': args.target_ratio,
             'evidence': {k: found[k] for k in ('run', 'mlm_accuracy', 'mlm_majority_accuracy',
                                                 'ratio')}}
@@ -634,8 +642,9 @@ def resolve_budget(args) -> dict:
     if getattr(args, key) is None:
       setattr(args, key, found.get(key, default))
   # The budget holds for the data and model it was searched on (older records lack some).
-  differ = [f'--{key} {found[key]} (given {getattr(args, key)})' for key in BUDGET_CONTEXT
-            if key in found and found[key] != getattr(args, key)]
+  given = lambda key: getattr(args, key, 'mlm_nsp')  # (objective: new since some records)
+  differ = [f'--{key} {found[key]} (given {given(key)})' for key in BUDGET_CONTEXT
+            if key in found and found[key] != given(key)]
   if differ:
     raise ValueError(f'{path} was searched with {", ".join(differ)}: its budget says nothing '
                      'of these settings; give those, or search again (study.py budget) with '
@@ -869,6 +878,9 @@ def _define(f):
   integer('layers', None, 'default: R/budget.json, else 4 (stability: 12)', flag_values=f)
   integer('seq_len', None, 'default: R/budget.json, else 64', flag_values=f)
   number('learning_rate', None, 'default: R/budget.json, else 2e-3', flag_values=f)
+  flags.DEFINE_enum('objective', 'mlm_nsp', ['mlm_nsp', 'mlm', 'mlm_doc'],
+                    'the pretraining objective of every run (config.objective): BERT\'s '
+                    'mlm_nsp, RoBERTa\'s mlm (FULL-SENTENCES) or mlm_doc', flag_values=f)
   flags.DEFINE_enum('corpus', 'era', ['era', 'embedded'],
                     'era: the speeches less those the fine-tuning task holds out; embedded: '
                     'all of them', flag_values=f)

@@ -464,6 +464,12 @@ def test_study_plan_and_learning_curves(tmp_path, capsys, gcs):
   assert all('--config.train.num_steps=150' in l and '--config.model.num_layers=4' in l
              for l in lines)
   assert sum('--config.model.variant=synth_dense_vanilla' in l for l in lines) == 3
+  assert not any('objective' in l for l in lines)  # BERT's: the runs of earlier studies
+  # A study of RoBERTa's objective: every run of it, in a root of its own.
+  assert study.main(['--root', str(tmp_path / 'roberta'), '--seeds', '1', '--print_only',
+                     '--objective', 'mlm', '--corpus', 'embedded']) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  assert len(lines) == 5 and all('--config.objective=mlm' in l for l in lines)
   runs = [{'model.variant': v, 'seed': s} for v in ('postln', 'realformer') for s in (0, 1)]
   names = sweep.run_names(runs)
   for i, (run, name) in enumerate(zip(runs, names)):
