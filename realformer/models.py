@@ -13,9 +13,11 @@ Ids are not checked inside the model (it is traced): input_ids must lie in [0, v
 past the table gives NaN rows, a negative one wraps) and segment_ids in
 [0, type_vocab_size) (one past it embeds no token type); the programs check their data.
 Other heads: models.build(config.model, head='encoder' | 'classification' (num_labels=k) |
-'span'). A head of one's own (a fine-tuning kind's build): models.Encoder(spec,
-name='encoder') and the head on its output, returning (the encoder's output, *the head's
-outputs), as encoder.py's BertForQuestionAnswering does. The modules themselves live in
+'span'); models.build(config.model, next_sentence=False): MLM alone (config.objective=mlm).
+A head of one's own (a fine-tuning kind's build): models.Encoder(spec, name='encoder') and
+the head on its output, returning (the encoder's output, *the head's outputs), as
+encoder.py's BertForQuestionAnswering does; models.MlmHead is the tied MLM head (a
+pretraining objective of one's own: BertForPretraining shows its use). The modules themselves live in
 realformer/model/ (encoder.py, attention.py, spec.py).
 """
 
@@ -24,6 +26,8 @@ from realformer.model.encoder import build
 from realformer.model.encoder import Encoder
 from realformer.model.encoder import EncoderOutput
 from realformer.model.encoder import HEADS
+from realformer.model.encoder import MlmHead
 from realformer.model.encoder import PretrainingOutput
 
-__all__ = ['HEADS', 'Block', 'Encoder', 'EncoderOutput', 'PretrainingOutput', 'build']
+__all__ = ['HEADS', 'Block', 'Encoder', 'EncoderOutput', 'MlmHead', 'PretrainingOutput',
+           'build']
