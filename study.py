@@ -642,7 +642,9 @@ def resolve_budget(args) -> dict:
     if getattr(args, key) is None:
       setattr(args, key, found.get(key, default))
   # The budget holds for the data and model it was searched on (older records lack some).
-  given = lambda key: getattr(args, key, 'mlm_nsp')  # (objective: new since some records)
+  given = lambda key: getattr(args, key, 'mlm_nsp')
+  if found:  # a budget recorded before --objective was searched under BERT's
+    found.setdefault('objective', 'mlm_nsp')
   differ = [f'--{key} {found[key]} (given {given(key)})' for key in BUDGET_CONTEXT
             if key in found and found[key] != given(key)]
   if differ:

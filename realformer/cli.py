@@ -35,12 +35,10 @@ _EMBEDDED = re.compile(
 def _override_path(key: str) -> str:
   """The dotted path of the command line's --config.<path>=... override that ends in `key`
   (ml_collections names the last key alone), else `key`."""
-  for arg in sys.argv[1:]:
-    if arg.startswith('--config.'):
-      path = arg[len('--config.'):].split('=', 1)[0]
-      if path.rpartition('.')[2] == key:
-        return path
-  return key
+  paths = {arg[len('--config.'):].split('=', 1)[0] for arg in sys.argv[1:]
+           if arg.startswith('--config.')}
+  ending = [p for p in paths if p.rpartition('.')[2] == key]
+  return ending[0] if len(ending) == 1 else key  # (two that end so: which one is not said)
 
 
 def _one_line(e: BaseException) -> str:

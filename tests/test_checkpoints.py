@@ -327,6 +327,11 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference, cap
     trainer._say_if_unfinished(str(unfinished), str(NUM_STEPS))  # pylint: disable=protected-access
   trainer._say_if_unfinished(str(unfinished), 'bert_base')  # pylint: disable=protected-access
   assert 'not finished' not in caplog.text
+  # Given as its checkpoints/ folder or a step's, the run's config.json is found above it.
+  (unfinished / 'config.json').write_text(json.dumps(stored))
+  trainer._say_if_unfinished(  # pylint: disable=protected-access
+      str(unfinished / 'checkpoints' / str(NUM_STEPS)), str(NUM_STEPS))
+  assert "of its run's 20: a run not finished" in caplog.text
 
 
 def _abstract_params(config):

@@ -1185,6 +1185,16 @@ def test_the_grid_zips_a_glue_submission_from_each_tasks_best_run(tmp_path, caps
   with pytest.raises(ValueError, match='--submission with --print_only: the runs have not'):
     finetune_grid.main(['--tasks', 'rte', '--root', str(root), '--print_only',
                         '--submission', str(out)])
+  # A root whose runs fine-tune several encoders: a submission is one encoder's, refused.
+  other = root / 'rte' / 'other_encoder'
+  other.mkdir()
+  (other / 'overrides.json').write_text(json.dumps(
+      {'init_checkpoint': '/b', 'optimizer.learning_rate': 1e-5, 'batch_size': 16,
+       'num_epochs': 2, 'seed': 0}))
+  with pytest.raises(ValueError, match=r"rte's runs fine-tune several encoders"):
+    finetune_grid.main(['--tasks', 'rte', '--root', str(root), '--summarize_only',
+                        '--submission', str(out)])
+  shutil.rmtree(other)
   # A run recorded before STS-B's headline became Spearman is read by today's rule.
   workdir = root / 'stsb' / 'old'
   workdir.mkdir(parents=True)

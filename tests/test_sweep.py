@@ -302,6 +302,11 @@ def test_a_failed_runs_folder_goes_to_new_settings_once(tmp_path):
   (folder / RunDir.OVERRIDES).write_text(json.dumps({'train.num_steps': 5, 'seed': 0}))
   (folder / RunDir.LOG).write_text('error: data.sources=nowhere matches no file\n')
   assert sweep.holds_nothing(str(folder))
+  stopped = (folder / RunDir.LOG).read_text()
+  (folder / RunDir.LOG).write_text(stopped + 'not finished: stopped by SIGTERM or Ctrl-C '
+                                   'outside the training loop (...) (exit status 75)\n')
+  assert not sweep.holds_nothing(str(folder))  # stopped to be resumed: a requeued job's
+  (folder / RunDir.LOG).write_text(stopped)
   args = dict(root=str(tmp_path), program='train.py', config='configs/pretrain.py:postln,tiny',
               target='local')
   first = sweep.launch_script([{'train.num_steps': 1000, 'seed': 0}], **args)
@@ -327,6 +332,9 @@ def test_seeds_sharing_prepared_data_need_its_own_seed():
   sweep.check_keys(config, sweep.expand([], ['data.prepared_dir=/shared/data', 'data.seed=0'],
                                         seeds=2, types=types))
   sweep.check_keys(config, sweep.expand([], [], seeds=2, types=types))  # each its own data
+  # Seeds whose preparations take one seed all the same may share it.
+  sweep.check_keys(config, [{'data.prepared_dir': '/shared/data', 'seed': 0},
+                            {'data.prepared_dir': '/shared/data', 'data.seed': 0, 'seed': 1}])
   # Objectives whose instances differ cannot share one prepared corpus either.
   with pytest.raises(ValueError, match=r'runs of objectives whose instances differ '
                      r'\(full_sentences, pairs\) share data.prepared_dir=/shared/data'):
@@ -687,6 +695,12 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   with pytest.raises(ValueError, match=r'budget.json was searched with --corpus embedded '
                                        r'\(given era\)'):
     study.main(['--root', str(tmp_path), '--print_only'])
+  # ... and for BERT's objective, also a budget recorded before --objective existed.
+  old = {k: v for k, v in chosen.items() if k != 'objective'}
+  (tmp_path / 'budget.json').write_text(json.dumps(old))
+  with pytest.raises(ValueError, match=r'--objective mlm_nsp \(given mlm\)'):
+    study.main(['--root', str(tmp_path), '--print_only', '--corpus', 'embedded',
+                '--objective', 'mlm'])
   chosen['corpus'] = 'era'  # (as if found on the era corpus: the launches read R/era)
   (tmp_path / 'budget.json').write_text(json.dumps(chosen))
   capsys.readouterr()

@@ -992,3 +992,18 @@ def test_a_new_config_field_says_what_runs_before_it_meant():
   for key in workdir_lib.ADDED_DEFAULTS:
     assert key in now['configs/pretrain.py'] | now['configs/finetune.py'], key
   assert set(workdir_lib.ADDED_FINETUNE_DEFAULTS) <= now['configs/finetune.py']
+
+
+def test_an_unknown_key_is_named_by_the_one_override_that_ends_in_it(monkeypatch):
+  """The dotted path where exactly one --config.<path> override ends in the key
+  ml_collections names; two that end so (train.batch_size and data.batch_size): the key."""
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  # (as the config flag's override raises it: test_config_mistakes_are_one_line's command)
+  error = KeyError('\'num_stepz\'\nDid you mean "num_steps" instead of "num_stepz"?')
+  monkeypatch.setattr(sys, 'argv', ['train.py', '--config.train.num_stepz=5'])
+  assert "unknown config key 'train.num_stepz' (did you mean 'train.num_steps'?)" in (
+      cli._one_line(error))  # pylint: disable=protected-access
+  monkeypatch.setattr(sys, 'argv', ['train.py', '--config.train.num_stepz=5',
+                                    '--config.data.num_stepz=5'])
+  assert "unknown config key 'num_stepz' (did you mean 'num_steps'?)" in (
+      cli._one_line(error))  # pylint: disable=protected-access

@@ -244,7 +244,11 @@ def write_submission(root: str, tasks: Sequence[str], out: str) -> str:
   for task in tasks:
     if task not in glue.SUBMISSION:
       continue  # (not a GLUE task: SQuAD and a task of one's own have no such benchmark)
-    run = best_run(collect(task_root(root, task), task))
+    rows = collect(task_root(root, task), task)
+    if len({str(r['run'].get('init_checkpoint', '')) for r in rows}) > 1:
+      raise ValueError(f'{task}\'s runs fine-tune several encoders (--init_checkpoint); a '
+                       'submission is one encoder\'s: summarize a root of its runs alone')
+    run = best_run(rows)
     if run is None:
       lines.append(f'{task}: no scored run')
       continue

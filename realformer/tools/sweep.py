@@ -392,8 +392,9 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
                          f' share data.prepared_dir={folder}, which holds one kind; give each '
                          'objective its own (a --sweep_file h.zip of objective and '
                          'data.prepared_dir)')
-      if (len({r.get('seed', 0) for r, _ in shared}) > 1 and
-          any(f.data.get('seed') is None for _, f in shared)):
+      seeds = {r.get('seed', cfg.get('seed', 0)) if f.data.get('seed') is None else
+               f.data.seed for r, f in shared}  # each preparation's seed
+      if len(seeds) > 1:
         raise ValueError(f'the runs of several seeds share data.prepared_dir={folder}, '
                          'whose preparation takes the run\'s seed: --set data.seed=0 to '
                          'prepare it once for every seed')
@@ -521,8 +522,11 @@ def holds_nothing(workdir: str) -> bool:
   log, recorded = path / RunDir.LOG, path / RunDir.OVERRIDES
   try:  # the log of the run its overrides.json records, not of one before it
     ran = storage.mtime(log) >= storage.mtime(recorded)
+    tail = log.read_bytes()[-4000:].decode('utf-8', 'replace')
   except OSError:
     return False
+  if 'not finished: stopped by' in tail:
+    return False  # stopped to be resumed (a requeued job's, say): its folder, still
   return ran and not (
       any((path / name).exists() for name in keep) or checkpoints.complete_steps(workdir)
       or (lock.exists() and lock.read_bytes().strip()))

@@ -740,6 +740,8 @@ def _say_if_the_rate_moves(stored: Optional[dict], task: Task, step: int) -> Non
   config = task.config
   if not stored or 'train' not in stored or 'train' not in config:
     return
+  if stored['train'].get('time_budget_minutes') or config.train.get('time_budget_minutes'):
+    return  # (a time budget's schedule follows the clock, not the steps)
   import ml_collections  # pylint: disable=g-import-not-at-top
   try:
     before = train_lib.make_schedule(ml_collections.ConfigDict(stored['optimizer']),
@@ -759,11 +761,15 @@ def _say_if_unfinished(path: str, step_name: str) -> None:
   train.num_steps (still running, or stopped) nor spent its time budget: its step and its
   run's length in one line. Not for an import's (step 0), a fine-tuned encoder's (best/,
   final/: a step of the fine-tuning), a step folder's of another name."""
+  # (path: a workdir, its checkpoints/ folder or one step's folder)
+  folder = storage.path(path)
+  found = [f / RunDir.CONFIG for f in (folder, folder.parent, folder.parent.parent)
+           if (f / RunDir.CONFIG).exists()]
   try:
-    config = json.loads((storage.path(path) / RunDir.CONFIG).read_text())
+    config = json.loads(found[0].read_text())
     num_steps = int(config['train']['num_steps'])
     step = int(step_name)
-  except (OSError, ValueError, KeyError, TypeError):
+  except (IndexError, OSError, ValueError, KeyError, TypeError):
     return  # (no run to compare with)
   budget = config['train'].get('time_budget_minutes')
   if 'finetuned' in config or budget:  # (a budget's run may end before num_steps)
