@@ -522,10 +522,9 @@ def holds_nothing(workdir: str) -> bool:
   log, recorded = path / RunDir.LOG, path / RunDir.OVERRIDES
   try:  # the log of the run its overrides.json records, not of one before it
     ran = storage.mtime(log) >= storage.mtime(recorded)
-    tail = log.read_bytes()[-4000:].decode('utf-8', 'replace')
   except OSError:
     return False
-  if 'not finished: stopped by' in tail:
+  if 'not finished: stopped by' in log_tail(workdir):
     return False  # stopped to be resumed (a requeued job's, say): its folder, still
   return ran and not (
       any((path / name).exists() for name in keep) or checkpoints.complete_steps(workdir)
@@ -587,7 +586,7 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
       if code == 0:
         storage.write_text(storage.join(workdir, RunDir.DONE), '')
       else:
-        echo(f'  {_why_failed(code, storage.join(workdir, RunDir.LOG))}; see {workdir}/log.txt')
+        echo(f'  {_why_failed(code, workdir)}; see {workdir}/log.txt')
     finally:
       release(workdir)
     codes[name] = code
@@ -598,15 +597,24 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   return codes
 
 
+def log_tail(workdir: str, size: int = 4000) -> str:
+  """The end of the run's log.txt (its last `size` bytes, read alone) as text; '' without
+  one."""
+  try:
+    with storage.open_binary(storage.join(workdir, RunDir.LOG)) as f:
+      f.seek(0, os.SEEK_END)
+      f.seek(max(0, f.tell() - size))
+      return f.read().decode('utf-8', 'replace')
+  except OSError:
+    return ''
+
+
 def mark_diverged(workdir: str) -> bool:
   """After a failed run: True (and <workdir>/diverged.json written) when its log says its
   loss or gradient norm became nan/inf: a result of its settings, which running it again
   would repeat (a study's or a grid's later calls leave it out), not a failure to resume."""
-  log = storage.join(workdir, RunDir.LOG)
-  if not storage.path(log).exists():
-    return False
-  tail = storage.path(log).read_bytes()[-16000:].decode('utf-8', 'replace')[-4000:]
-  match = re.search(r'(loss|gradient norm) became (nan|inf|-inf) at step (\d+)', tail)
+  match = re.search(r'(loss|gradient norm) became (nan|inf|-inf) at step (\d+)',
+                    log_tail(workdir))
   if not match:
     return False
   storage.write_text(storage.join(workdir, RunDir.DIVERGED), json.dumps(
@@ -742,15 +750,11 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def _why_failed(code: int, log_path: str) -> str:
+def _why_failed(code: int, workdir: str) -> str:
   """A failed run's line for the sweep's output: its one-line error from the log's end."""
   if code == EXIT_NOT_FINISHED:
     return f'stopped before its end (exit {code}); run again to resume'
-  try:
-    tail = storage.path(log_path).read_bytes()[-8000:].decode('utf-8', 'replace')
-  except OSError:
-    tail = ''
-  errors = [l for l in tail.splitlines() if l.startswith('error: ')]
+  errors = [l for l in log_tail(workdir, 8000).splitlines() if l.startswith('error: ')]
   return f'exit {code}: {errors[-1]}' if errors else f'exit {code} (run again to resume)'
 
 
