@@ -119,8 +119,8 @@ def fingerprint(config) -> dict:
              if 'tfds:' in d.sources else {}),
           **({'hf_rows_per_document': ';'.join(map(str, rows))} if grouped else {}),
           **({'files': files} if (files := sources.files_signature(d.sources)) else {}),
-          **({'instances': kind} if (kind := pretraining.objective(
-              config.get('objective', 'mlm_nsp')).instances_name) != 'pairs' else {}),
+          **({'instances': kind}
+             if (kind := pretraining.of_config(config).instances_name) != 'pairs' else {}),
           **({'tokenizer_crc': crc} if (crc := tokenizer_signature(d.tokenizer)) else {}),
           # (held out by the documents' numbers in their own sources: is_eval_document)
           **({'eval_split': 'by_source'} if len(specs) > 1 else {})}
@@ -491,7 +491,7 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
       stats['empty_sentences'] += sum(not s for s in ids)  # nothing left after tokenising
       return [np.asarray(s, np.int32) for s in ids if s]
 
-    make_instances = pretraining.objective(config.get('objective', 'mlm_nsp')).instances
+    make_instances = pretraining.of_config(config).instances
     for block, block_docs in _own_blocks(_split_stream(docs, split, d.eval_fraction),
                                          block_size, run, worker, total, tokenise):
       seed = int(np.random.SeedSequence([data_seed(config), SPLITS.index(split), block]
@@ -734,7 +734,7 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
   and lets each host read (and copy from a bucket) only the files that hold its share of
   them (data.pipeline)."""
   d = config.data
-  pairs = pretraining.objective(config.get('objective', 'mlm_nsp')).next_sentence
+  pairs = pretraining.of_config(config).next_sentence
   if pairs and stats['eval/documents'] == 1 and counts['eval']:
     logging.warning('the eval split holds one document, so it has no random-next segments '
                     '(every NSP label is 0) and eval NSP accuracy means nothing; raise '

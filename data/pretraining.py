@@ -289,10 +289,16 @@ def objective(name: str) -> Objective:
   return OBJECTIVES[name]
 
 
+def of_config(config) -> Objective:
+  """A pretraining config's objective (BERT's where the config has none: one written before
+  the field)."""
+  return objective(config.get('objective', 'mlm_nsp'))
+
+
 def check_objective(config) -> Objective:
   """A pretraining config's objective, and what it asks of the model (one-line errors)."""
   from realformer import config_checks  # pylint: disable=g-import-not-at-top
-  chosen = objective(config.get('objective', 'mlm_nsp'))
+  chosen = of_config(config)
   if chosen.next_sentence:
     config_checks.check_segments(2, config.model.type_vocab_size,
                                  'pretraining pairs ([CLS] A [SEP] B [SEP])', 'set it to 2')

@@ -385,7 +385,7 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
       if full.data.prepared_dir:
         by_dir.setdefault(str(full.data.prepared_dir), []).append((run, full))
     for folder, shared in by_dir.items():
-      kinds = {objectives.objective(f.get('objective', 'mlm_nsp')).instances_name
+      kinds = {objectives.of_config(f).instances_name
                for _, f in shared}
       if len(kinds) > 1:
         raise ValueError(f'runs of objectives whose instances differ ({", ".join(sorted(kinds))})'

@@ -56,8 +56,7 @@ def make_input_fn(config, workdir: str):
     return lambda split, seed: train_lib.SyntheticPretrainingData(
         vocab_size=config.model.vocab_size, seq_len=config.data.max_seq_length,
         num_predictions=config.data.max_predictions_per_seq, seed=seed + (split == 'eval'),
-        next_sentence=pretraining.objective(config.get('objective', 'mlm_nsp')
-                                            ).next_sentence, **kw)
+        next_sentence=pretraining.of_config(config).next_sentence, **kw)
   from data import pipeline  # pylint: disable=g-import-not-at-top
   from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top

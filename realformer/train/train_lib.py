@@ -636,7 +636,7 @@ def pretraining_program(config, mesh, platform: str = '') -> Program:
   from data import pretraining as objectives  # pylint: disable=g-import-not-at-top
   tc = config.train
   spec = resolve(config.model, platform=platform)
-  nsp = objectives.objective(config.get('objective', 'mlm_nsp')).next_sentence
+  nsp = objectives.of_config(config).next_sentence
   model = models.build(spec, next_sentence=nsp)
   preds = config.data.max_predictions_per_seq
   loss_fn = pretraining_loss_fn(model)
