@@ -364,6 +364,44 @@ def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant, kernel
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize('block,tiles', [(128, 2), (256, 2), (384, 1), (512, 1)])
+def test_each_mosaic_tile_draws_keep_masks_mask(block, tiles):
+  """The mask a Mosaic kernel draws for each tile (its threefry blocks drawn once for four
+  keys, then gathered lane by lane) is keep_mask's, bit for bit, at every tile the kernels
+  take (tile_for), over several query and key tiles, for a shard whose sequences and heads
+  are offset (flash_attention_on_mesh's offsets), with lengths short of whole tiles."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  b, h, batch0, head0, heads = 2, 2, 1, 3, 5
+  tq, tk = block * tiles - 5, block * tiles - 9
+  rate, key = 0.3, jax.random.PRNGKey(11)
+  d = flash_tpu_lib._Dims(block * tiles, block * tiles, 64, block, rate, tq, tk)
+
+  def kernel(seed_ref, offsets_ref, out_ref):
+    ids = [pl.program_id(a) for a in range(4)]
+    out_ref[...] = flash_tpu_lib._keep(d, seed_ref, offsets_ref, *ids).astype(jnp.int32)
+
+  smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+  got = pl.pallas_call(
+      kernel, grid=(b, h, tiles, tiles), in_specs=[smem, smem],
+      out_specs=pl.BlockSpec((None, None, block, block), lambda i, j, q, k: (i, j, q, k)),
+      out_shape=jax.ShapeDtypeStruct((b, h, d.q_len, d.k_len), jnp.int32), interpret=True)(
+          jnp.concatenate([jax.lax.bitcast_convert_type(key, jnp.int32),
+                           jnp.zeros((1,), jnp.int32)]),
+          jnp.asarray([batch0, head0, heads], jnp.int32))
+  want, _ = dropout_lib.keep_mask(key, rate, (batch0 + b, heads, tq, tk))
+  want = np.asarray(want)[batch0:, head0:head0 + h]
+  np.testing.assert_array_equal(np.asarray(got)[:, :, :tq, :tk].astype(bool), want)
+  assert 0.6 < want.mean() < 0.8
+
+
+def test_mosaic_tiles_pad_no_more_than_lanes_do():
+  """tile_for: the largest tile up to 512 that divides both lengths rounded to 128."""
+  for (tq, tk), tile in {(512, 512): 512, (13, 13): 128, (136, 136): 256, (300, 300): 384,
+                         (1024, 1024): 512, (640, 640): 128, (512, 256): 256}.items():
+    assert flash_tpu_lib.tile_for(tq, tk) == tile, (tq, tk)
+
+
 def _summed(kernel, logit_scale, scores_dtype):
   """loss(q, k, v, term, bias, key): the kernel's output (and scores) summed, under dropout."""
   def loss(q, k, v, term, bias, key):

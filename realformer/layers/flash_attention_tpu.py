@@ -11,13 +11,13 @@ inputs and outputs:
 with gradients to Q, K, V and the term (the incoming gradient of `scores` included), and the
 mask `realformer.layers.dropout.keep_mask(key, rate, [B, H, Tq, Tk])` bit for bit: element
 (b, h, q, k) keeps the 16-bit word k % 4 of threefry-2x32(key, row, k // 4), with
-row = (b * H + h) * Tq + q. On a TPU each element's block is drawn where the element is used
-(a tile's 128 keys take lanes; their four words are picked lane by lane), in integer
-arithmetic on int32 (threefry's bits are the same), and drawn again in the backward kernels
-rather than stored: no [B, H, Tq, Tk] array of any kind is kept for the backward.
+row = (b * H + h) * Tq + q. On a TPU a tile's blocks are drawn where the tile is used, each
+block once for its four keys (`_keep`), in integer arithmetic on int32 (threefry's bits are
+the same), and drawn again in the backward kernels rather than stored: no [B, H, Tq, Tk]
+array of any kind is kept for the backward.
 
-Three kernels, each over tiles of `block` queries x `block` keys (multiples of 128, the
-lanes): the forward (online softmax over the key tiles, FlashAttention-2's algorithm), dK/dV
+Three kernels, each over tiles of `block` queries x `block` keys (a multiple of 128, the
+lanes, up to 512: tile_for): the forward (online softmax over the key tiles, FlashAttention-2's algorithm), dK/dV
 (a key tile against every query tile: with a term it also writes the logits' gradient tile,
 which is the term's gradient and what dQ reads), and dQ (a query tile against every key
 tile: from that gradient, or, without a term, from the probabilities rebuilt). The row
@@ -32,6 +32,7 @@ flash_attention_on_mesh in realformer.layers.flash_attention calls it per shard.
 import dataclasses
 import functools
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ from realformer.layers.flash_attention import (BLOCK_PADDING, Constants, Operand
                                                threefry2x32)
 
 _LANES = 128
+MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float32 arrays)
 _TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
 _TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
 
@@ -64,16 +66,34 @@ class _Dims(Constants):
 
 def _keep(d: _Dims, seed_ref, offsets_ref, b, h, q_tile, k_tile):
   """keep_mask's mask of the tile [block, block] at query tile q_tile, key tile k_tile of
-  sequence b (local), head h (local): int32 threefry, word k % 4 of block k // 4."""
+  sequence b (local), head h (local): word k % 4 of threefry block k // 4 of the element's
+  row. One block serves four keys: the tile's blocks are drawn once, as a [block / 4, block]
+  array whose lane quarter a holds row quarter a (rows a * block / 4 + r, blocks of column
+  c at lane a * block / 4 + c), and each 128-key vreg of the mask gathers its blocks from
+  the one vreg that holds them (int32 threefry: the same bits)."""
+  rows_q, n = d.block // 4, d.block
   base = ((b + offsets_ref[0]) * offsets_ref[2] + h + offsets_ref[1]) * d.mask_q_len
-  shape = (d.block, d.block)
-  rows = base + q_tile * d.block + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-  keys = k_tile * d.block + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  b1, b2 = threefry2x32(seed_ref[0], seed_ref[1], rows, keys >> 2)
-  word = keys & 3
-  half = jnp.where(word < 2, b1, b2)
-  bits = jnp.where((word & 1) == 0, half, half >> 16) & 0xFFFF
-  return bits >= d.threshold
+  shape = (rows_q, n)
+  lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  quarter, column = lane // rows_q, lane % rows_q
+  rows = (base + q_tile * d.block + quarter * rows_q
+          + jax.lax.broadcasted_iota(jnp.int32, shape, 0))
+  b1, b2 = threefry2x32(seed_ref[0], seed_ref[1], rows, k_tile * rows_q + column)
+  out_lane = jax.lax.broadcasted_iota(jnp.int32, (rows_q, _LANES), 1)
+  word = out_lane & 3
+  quarters = []
+  for a in range(4):
+    vregs = []
+    for u in range(n // _LANES):
+      first = a * rows_q + u * (_LANES // 4)  # the blocks of keys 128u.. of row quarter a
+      src = slice(first // _LANES * _LANES, first // _LANES * _LANES + _LANES)
+      index = first % _LANES + (out_lane >> 2)
+      h1 = jnp.take_along_axis(b1[:, src], index, axis=1)
+      h2 = jnp.take_along_axis(b2[:, src], index, axis=1)
+      half = jnp.where(word < 2, h1, h2)
+      vregs.append(jnp.where((word & 1) == 0, half, half >> 16) & 0xFFFF)
+    quarters.append(jnp.concatenate(vregs, axis=1) if len(vregs) > 1 else vregs[0])
+  return jnp.concatenate(quarters, axis=0) >= d.threshold
 
 
 def _drop(d: _Dims, x, keep):
@@ -410,18 +430,28 @@ def _flash_bwd(static, residuals, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def tile_for(q_len: int, k_len: int) -> int:
+  """The largest tile of at most MAX_TILE queries and keys that pads neither length more
+  than whole lanes do: fewer grid steps (each costs a fixed overhead), and a tile of 512
+  keys draws its dropout blocks four to a vreg (_keep)."""
+  lengths = [round_up(n, _LANES) for n in (q_len, k_len)]
+  return max(b for b in range(_LANES, MAX_TILE + 1, _LANES)
+             if all(n % b == 0 for n in lengths))
+
+
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
                     term=None, logit_scale=None, scores_dtype=None,
                     dropout_rate: float = 0.0, dropout_key=None, offsets=(0, 0, None),
-                    interpret: bool = False, block: int = _LANES):
+                    interpret: bool = False, block: Optional[int] = None):
   """realformer.layers.flash_attention.flash_attention's contract on a TPU (see there):
   returns out [B, Tq, H, D], or (out, scores [B, H, Tq, Tk]) with scores_dtype. block: the
-  tiles' queries and keys (a multiple of 128)."""
+  tiles' queries and keys (a multiple of 128; default: tile_for(Tq, Tk))."""
   if dropout_rate > 0 and dropout_key is None:
     raise ValueError('flash_attention with dropout needs dropout_key')
   if scores_dtype is not None and term is None:
     raise ValueError('flash_attention returns scores only with a term (RealFormer passes the '
                      'previous layer\'s, zeros at the first)')
+  block = tile_for(q.shape[1], k.shape[1]) if block is None else block
   if block % _LANES:
     raise ValueError(f'flash attention on a TPU: block={block} is not a multiple of 128')
   batch, q_len, heads, head_dim = q.shape
