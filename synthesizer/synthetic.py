@@ -28,6 +28,7 @@ every program, and a fine-tuning of a checkpoint trained with it, finds it).
 
 import functools
 import importlib
+import pkgutil
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import flax.linen as nn
@@ -129,6 +130,15 @@ def component(name: str) -> Optional[type]:
       raise ValueError(f'{__package__}/{name}.py registers no logit component as {name!r}; '
                        f"decorate its LogitComponent with @register('{name}')")
   return SYNTHESIZERS.get(name)
+
+
+def known_names() -> Tuple[str, ...]:
+  """The registered components, then the files synthesizer/<name>.py not imported yet (but
+  for helpers whose name starts with _): what an error about an unknown name lists."""
+  package = importlib.import_module(__package__)
+  files = [m.name for m in pkgutil.iter_modules(package.__path__)
+           if not m.name.startswith('_') and f'{__package__}.{m.name}' != __name__]
+  return tuple(dict.fromkeys(list(SYNTHESIZERS) + sorted(files)))
 
 
 @functools.lru_cache(maxsize=None)

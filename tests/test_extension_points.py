@@ -197,9 +197,12 @@ class KeywordTask(FinetuneTask):
   def eval_features(self):
     return [self.dev]
 
-  def evaluate_outputs(self, outputs):
+  def _predict(self, outputs):  # a helper named as FinetuneTask's own bookkeeping once was
     (logits,) = outputs(self.dev)
-    guess, label = logits.argmax(-1), self.dev['label']
+    return logits.argmax(-1)
+
+  def evaluate_outputs(self, outputs):
+    guess, label = self._predict(outputs), self.dev['label']
     recalls = [float(np.mean(guess[label == k] == k)) for k in (0, 1) if (label == k).any()]
     return {self.name: {'balanced_accuracy': float(np.mean(recalls)),
                         'accuracy': float(np.mean(guess == label))}}
@@ -252,8 +255,9 @@ def test_a_task_of_ones_own_is_one_file(relpos_pretraining, tmp_path):
 def test_a_kind_is_registered_once():
   with pytest.raises(ValueError, match="two fine-tuning tasks are registered as 'keyword'"):
     registry.register('keyword')(type('Other', (KeywordTask,), {}))
+  assert {'glue', 'keyword', 'squad', 'tsv'} <= set(registry.kinds())  # (and any of yours)
   with pytest.raises(ValueError, match="no fine-tuning task kind 'keywords'; choose one of "
-                                       'glue, keyword, squad, tsv'):
+                                       + ', '.join(registry.kinds())):
     finetune_configs.get_config('keywords/cell')
 
 
@@ -280,6 +284,7 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
       'from synthesizer import synthetic\n'
       'synthetic.register("aliased")(synthetic.SYNTHESIZERS["dense"])\n')
   (tmp_path / 'broken.py').write_text('def f(:\n')
+  (tmp_path / 'later_bias.py').write_text('')  # not imported before the error lists it
   monkeypatch.syspath_prepend(str(tmp_path))
   monkeypatch.setattr(synthesizer, '__path__', list(synthesizer.__path__) + [str(tmp_path)])
   monkeypatch.setattr(tasks, '__path__', list(tasks.__path__) + [str(tmp_path)])
@@ -295,6 +300,8 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
                                          r'distinct components .* \(or one of your own: '
                                          r'synthesizer/<name>.py\)'):
       resolve(config)
+  with pytest.raises(ValueError, match=r'from dot, dense, .*scaled_bias, .*later_bias'):
+    resolve(config)
   config.attention = 'unregistered+dot'
   with pytest.raises(ValueError, match=r'synthesizer/unregistered.py registers no logit '
                                        r"component as 'unregistered'; decorate its "

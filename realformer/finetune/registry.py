@@ -5,7 +5,8 @@ A kind is one module of realformer/finetune/tasks/ (glue.py, squad.py, tsv.py) w
 FinetuneTask subclass is decorated with `@register('<kind>')`; the module is imported when
 its kind is first asked for. A task of one's own is one more module there (or a class
 registered by code that runs before the config is read, as a test does): nothing else
-lists the kinds.
+lists the kinds (a kind's own config fields are listed with every field's in
+tests/data/config_keys.json).
 """
 
 import importlib

@@ -303,7 +303,9 @@ def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
 class FinetuneTask(trainer.Task, abc.ABC):
   """A fine-tuning run of configs/finetune.py's `config` on `mesh` (see the module
   docstring). Subclasses implement the methods marked abstract below and set `name` and
-  `train` (the training features: dict of [N, max_seq_length] arrays + labels) in `load`."""
+  `train` (the training features: dict of [N, max_seq_length] arrays + labels) in `load`.
+  Its own bookkeeping is name-mangled (self.__predict, ...): a subclass's helpers may take
+  any name (a `_predict` of its own shadowed the prediction programs once)."""
   command = 'finetune.py'
   token_outputs = False  # whether the head's outputs are per token (SQuAD's spans)
   # The transformers class that holds the encoder and this kind's head, for export-hf (best/
@@ -391,8 +393,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
       self.init_checkpoint = trainer.InitCheckpoint(config.init_checkpoint, ('encoder',),
                                                     allow_missing=False)
     self.lengths = buckets_lib.lengths_of(self.train)
-    self._compiler: Optional[futures.Executor] = None  # prepare() starts it
-    self._predict: Optional[Programs] = None
+    self.__compiler: Optional[futures.Executor] = None  # prepare() starts it
+    self.__predict: Optional[Programs] = None
 
   # ---- What each kind supplies.
 
@@ -505,33 +507,33 @@ class FinetuneTask(trainer.Task, abc.ABC):
     self.buckets = length_buckets(c, self, self.run_dir, resuming=start_step > 0,
                                   mid_epoch=start_step % self.steps_per_epoch != 0)
     self.eval_buckets = eval_lengths(c, self, self.buckets)
-    self._start_step = start_step
-    self._compiler = (futures.ThreadPoolExecutor(1, thread_name_prefix='compile')
+    self.__start_step = start_step
+    self.__compiler = (futures.ThreadPoolExecutor(1, thread_name_prefix='compile')
                       if c.compile_in_background and jax.process_count() == 1 else None)
-    self._predict = None
+    self.__predict = None
     if start_step < self.cadence.num_steps:
       program = self.program
       self.program = dataclasses.replace(program, train_step=Programs(
           program.train_step, (program.abstract,),
-          self._batch_of(c.batch_size, self.train), self._lengths_by_first_use(),
-          'train step', self.mesh, self._compiler,
+          self.__batch_of(c.batch_size, self.train), self.__lengths_by_first_use(),
+          'train step', self.mesh, self.__compiler,
           after=train_lib.abstract_step_arguments(self.mesh)))
-      self._prediction()  # queued behind the train step's lengths
+      self.__prediction()  # queued behind the train step's lengths
 
-  def _prediction(self) -> Programs:
+  def __prediction(self) -> Programs:
     """The program's eval step (the head's outputs) compiled for each evaluated length."""
-    if self._predict is None:
-      self._predict = Programs(
+    if self.__predict is None:
+      self.__predict = Programs(
           self.program.eval_step, (self.program.abstract.params,),
-          self._batch_of(self.config.eval_batch_size, buckets_lib.SEQUENCE_KEYS),
-          self.eval_buckets, 'prediction', self.mesh, self._compiler)
-    return self._predict
+          self.__batch_of(self.config.eval_batch_size, buckets_lib.SEQUENCE_KEYS),
+          self.eval_buckets, 'prediction', self.mesh, self.__compiler)
+    return self.__predict
 
   def close(self) -> None:
-    if self._compiler is not None:  # a run that stops early leaves compilations queued
-      self._compiler.shutdown(wait=False, cancel_futures=True)
+    if self.__compiler is not None:  # a run that stops early leaves compilations queued
+      self.__compiler.shutdown(wait=False, cancel_futures=True)
 
-  def _batch_of(self, batch_size, keys):
+  def __batch_of(self, batch_size, keys):
     """length -> the abstract batch of that length."""
     sharding = partitioning.batch_sharding(self.mesh)
     return lambda length: {
@@ -540,9 +542,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
                                                  else self.train[k].shape[1:]),
                                 self.train[k].dtype, sharding=sharding) for k in keys}
 
-  def _lengths_by_first_use(self) -> List[int]:
+  def __lengths_by_first_use(self) -> List[int]:
     """The bucket lengths in the order the run's next steps need them."""
-    spe, start = self.steps_per_epoch, self._start_step
+    spe, start = self.steps_per_epoch, self.__start_step
     plan = buckets_lib.train_batches(self.lengths, self.buckets, self.config.batch_size,
                                      self.config.seed, start // spe)
     order = [length for length, _ in plan[start % spe:]] + list(self.buckets)
@@ -562,7 +564,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   def outputs(self, params):
     """features -> the head's outputs for every row."""
-    return lambda features: run_model(self._prediction(), params, features, mesh=self.mesh,
+    return lambda features: run_model(self.__prediction(), params, features, mesh=self.mesh,
                                       buckets=self.eval_buckets,
                                       batch_size=self.config.eval_batch_size,
                                       token_outputs=self.token_outputs)

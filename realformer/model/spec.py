@@ -193,7 +193,7 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   bad = [p for p in components if p != 'dot' and synthetic.component(p) is None]
   if bad or not components or len(set(components)) != len(components):
     raise ValueError(f'model.attention={attention!r}: expected distinct components joined by "+" '
-                     f'from {", ".join(("dot",) + tuple(synthetic.SYNTHESIZERS))} (or one of your own: '
+                     f'from {", ".join(("dot",) + synthetic.known_names())} (or one of your own: '
                      f'synthesizer/<name>.py)')
   if block not in BLOCKS:
     raise ValueError(f'model.block={block!r}; choose one of {", ".join(BLOCKS)}')
