@@ -6,7 +6,8 @@ libtpu writes the final schedule of every kernel it compiles where asked
 (LIBTPU_INIT_ARGS=--xla_jf_dump_llo_text=true --xla_jf_dump_to=DIR); this compiles the
 three kernels of realformer.layers.flash_attention_tpu, forward and backward, for a named
 slice at BERT's attention, per chip as flash_attention_on_mesh calls them, and reports for
-each kernel the bundles of its loop body x its grid steps: the kernel's cycles before stalls.
+each kernel the bundles of its loop body x its grid steps: the kernel's cycles before stalls
+(less the loop's back-branch and its delay slots, a few bundles a step).
 No TPU runs: the figures compare designs of the kernels (tiles, how the mask is drawn),
 they are not timings.
 
@@ -63,7 +64,7 @@ def compile_one(args) -> None:
     def loss(q, k, v, term):
       result = flash_attention_tpu.flash_attention(
           q, k, v, bias, term=term, logit_scale=scale, scores_dtype=dtype,
-          dropout_rate=args.rate, dropout_key=key, block=args.block)
+          dropout_rate=args.rate, dropout_key=key, block=args.block, group=args.group)
       out, scores = result if dtype is not None else (result, None)
       value = out.astype(jnp.float32).sum()
       return value if scores is None else value + scores.astype(jnp.float32).sum()
@@ -84,14 +85,16 @@ def compile_one(args) -> None:
 
 
 def grid_steps(args) -> int:
-  """Each kernel's grid steps per chip: sequences x heads x query tiles x key tiles."""
-  block = args.block
-  if block is None:
+  """Each kernel's grid steps per chip: sequences x groups of heads x query tiles x key
+  tiles."""
+  block, group = args.block, args.group or 1
+  if block is None or args.group is None:
     sys.path.insert(0, ROOT)
     from realformer.layers import flash_attention_tpu  # pylint: disable=g-import-not-at-top
-    block = flash_attention_tpu.tile_for(args.length, args.length)
+    block = block or flash_attention_tpu.tile_for(args.length, args.length)
+    group = args.group or flash_attention_tpu.heads_per_step(args.heads, block)
   tiles = -(-args.length // block)
-  return args.batch * args.heads * tiles * tiles
+  return args.batch * args.heads // group * tiles * tiles
 
 
 def schedule(dump: str, steps: int) -> dict:
@@ -123,6 +126,8 @@ def main() -> None:
   parser.add_argument('--rate', type=float, default=0.1, help='attention dropout')
   parser.add_argument('--block', type=int, default=None,
                       help="the tile (default: the kernel's own, tile_for)")
+  parser.add_argument('--group', type=int, default=None,
+                      help="heads a grid step computes (default: the kernel's, heads_per_step)")
   parser.add_argument('--variants', default=','.join(VARIANTS))
   parser.add_argument('--json', help='also write the figures here')
   parser.add_argument('--variant', help=argparse.SUPPRESS)  # (one variant, in a child)
@@ -142,7 +147,8 @@ def main() -> None:
                      env=env, check=True, stdout=subprocess.DEVNULL)
       rows[variant] = schedule(dump, grid_steps(args))
   print(f'{args.topology}, {args.batch} sequences of {args.length} per chip, {args.heads} heads '
-        f'of {args.head_dim}, dropout {args.rate}, tile {args.block or "tile_for"}: bundles '
+        f'of {args.head_dim}, dropout {args.rate}, tile {args.block or "tile_for"}, heads a step '
+        f'{args.group or "heads_per_step"}: bundles '
         'per grid step x steps (the static schedule, per core)')
   for variant, kernels in rows.items():
     cells = [f'{k} {v["bundles_per_step"]} x {v["steps"]}' for k, v in kernels.items()]

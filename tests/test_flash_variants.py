@@ -38,18 +38,18 @@ B, H, D = 3, 2, 16
 KERNELS = {
     'triton': functools.partial(flash_lib.flash_attention,
                                 tilings=flash_lib.Tilings.same(8, 2), interpret=True),
-    'mosaic': functools.partial(flash_tpu_lib.flash_attention, interpret=True),
+    'mosaic': functools.partial(flash_tpu_lib.flash_attention, interpret=True, block=128),
 }
 
 
-def _case(tq, tk, lengths, term_batch, seed=0):
+def _case(tq, tk, lengths, term_batch, seed=0, heads=H):
   """float64 q, k, v, the term, the output and scores weights of the loss, and the key bias
   (the last sequence's keys all padding when its length is 0)."""
   rng = np.random.default_rng(seed)
-  q, w = (rng.normal(size=(B, tq, H, D)) for _ in range(2))
-  k, v = (rng.normal(size=(B, tk, H, D)) for _ in range(2))
-  term = 2.0 * rng.normal(size=(term_batch, H, tq, tk))
-  ws = rng.normal(size=(B, H, tq, tk))
+  q, w = (rng.normal(size=(B, tq, heads, D)) for _ in range(2))
+  k, v = (rng.normal(size=(B, tk, heads, D)) for _ in range(2))
+  term = 2.0 * rng.normal(size=(term_batch, heads, tq, tk))
+  ws = rng.normal(size=(B, heads, tq, tk))
   real = np.arange(tk)[None] < np.array(lengths)[:, None]
   bias = np.where(real, 0.0, attn_lib.NEG_INF)
   return q, k, v, term, w, ws, bias
@@ -78,16 +78,38 @@ def _reference_loss(keep, scale, bias, logit_scale, with_scores):
 ])
 def test_term_kernel_matches_a_float64_reference(kernel, tq, tk, lengths, term_batch, rate,
                                                  logit_scale, with_scores):
-  q, k, v, term, w, ws, bias = _case(tq, tk, lengths, max(term_batch, 1),
+  _check_against_the_reference(KERNELS[kernel], tq, tk, lengths, term_batch, rate,
+                               logit_scale, with_scores)
+
+
+@pytest.mark.parametrize('tq,tk,block,heads,group', [
+    (300, 300, None, H, None),  # the kernels' own choice: one 384 tile, both heads a step
+    (136, 264, 128, 4, 2),  # 2 x 3 tiles of 128 (Tq != Tk), two steps of two heads
+])
+def test_mosaic_tiles_and_heads_a_step_match_the_float64_reference(tq, tk, block, heads,
+                                                                   group):
+  """RealFormer's contract (a term in, scores out, under dropout) at the tiles and heads a
+  grid step that tile_for and heads_per_step choose, and across several tiles of each
+  length one head at a time."""
+  kernel = functools.partial(flash_tpu_lib.flash_attention, interpret=True, block=block,
+                             group=group)
+  _check_against_the_reference(kernel, tq, tk, (tk, tk - 30, 5), B, 0.2, None, True,
+                               heads=heads)
+
+
+def _check_against_the_reference(kernel, tq, tk, lengths, term_batch, rate, logit_scale,
+                                 with_scores, heads=H):
+  """The kernel's loss, outputs and gradients against the float64 reference."""
+  q, k, v, term, w, ws, bias = _case(tq, tk, lengths, max(term_batch, 1), heads=heads,
                                      seed=tq + term_batch)
   if not term_batch:
     term = np.zeros_like(term)
   key = jax.random.PRNGKey(7)
-  keep, scale = (None, 1.0) if rate == 0 else dropout_lib.keep_mask(key, rate, (B, H, tq, tk))
+  keep, scale = (None, 1.0) if rate == 0 else dropout_lib.keep_mask(key, rate, (B, heads, tq, tk))
   keep = None if keep is None else np.asarray(keep)
 
   def ours(q, k, v, term, w, ws):
-    result = KERNELS[kernel](
+    result = kernel(
         q, k, v, jnp.asarray(bias, jnp.float32), term=term if term_batch else None,
         logit_scale=logit_scale, scores_dtype=jnp.float32 if with_scores else None,
         dropout_rate=rate, dropout_key=key)
@@ -106,7 +128,7 @@ def test_term_kernel_matches_a_float64_reference(kernel, tq, tk, lengths, term_b
     if with_scores:
       want_scores = np.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + term
       np.testing.assert_allclose(scores, want_scores, atol=1e-5)
-  assert out.shape == (B, tq, H, D)
+  assert out.shape == (B, tq, heads, D)
   np.testing.assert_allclose(value, want_value, rtol=1e-5)
   for name, g, r in list(zip(('dq', 'dk', 'dv', 'dterm'), grads, want_grads))[
       :4 if term_batch else 3]:
@@ -395,11 +417,15 @@ def test_each_mosaic_tile_draws_keep_masks_mask(block, tiles):
   assert 0.6 < want.mean() < 0.8
 
 
-def test_mosaic_tiles_pad_no_more_than_lanes_do():
-  """tile_for: the largest tile up to 512 that divides both lengths rounded to 128."""
+def test_mosaic_tiles_pad_no_more_than_lanes_do_and_share_steps_among_heads():
+  """tile_for: the largest tile up to 512 that divides both lengths rounded to 128;
+  heads_per_step: the most heads (dividing them) whose tiles hold no more than a 512 tile."""
   for (tq, tk), tile in {(512, 512): 512, (13, 13): 128, (136, 136): 256, (300, 300): 384,
                          (1024, 1024): 512, (640, 640): 128, (512, 256): 256}.items():
     assert flash_tpu_lib.tile_for(tq, tk) == tile, (tq, tk)
+  for (heads, tile), group in {(12, 128): 12, (16, 128): 16, (32, 128): 16, (12, 256): 4,
+                               (12, 384): 1, (12, 512): 1, (7, 256): 1, (2, 128): 2}.items():
+    assert flash_tpu_lib.heads_per_step(heads, tile) == group, (heads, tile)
 
 
 def _summed(kernel, logit_scale, scores_dtype):

@@ -17,9 +17,10 @@ the same), and drawn again in the backward kernels rather than stored: no [B, H,
 array of any kind is kept for the backward.
 
 Three kernels, each over tiles of `block` queries x `block` keys (a multiple of 128, the
-lanes, up to 512: tile_for): the forward (online softmax over the key tiles, FlashAttention-2's algorithm), dK/dV
-(a key tile against every query tile: with a term it also writes the logits' gradient tile,
-which is the term's gradient and what dQ reads), and dQ (a query tile against every key
+lanes, up to 512: tile_for), `group` heads a grid step (heads_per_step): the forward
+(online softmax over the key tiles, FlashAttention-2's algorithm), dK/dV (a key tile
+against every query tile: with a term it also writes the logits' gradient tile, which is
+the term's gradient and what dQ reads), and dQ (a query tile against every key
 tile: from that gradient, or, without a term, from the probabilities rebuilt). The row
 statistics (max and log-sum, apart, as on the GPU: a row whose keys are all padding keeps
 1 / Tk) are stored lane-dense, [B, H, 1, Tq].
@@ -62,6 +63,7 @@ class _Dims(Constants):
   term_batch: int = 0  # 0 (no term), 1 (shared by the batch) or B
   scores: bool = False
   scaled: bool = False
+  group: int = 1  # heads a grid step computes, one after the other (heads_per_step)
 
 
 def _keep(d: _Dims, seed_ref, offsets_ref, b, h, q_tile, k_tile):
@@ -127,7 +129,7 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
   o_ref, m_ref, log_l_ref = refs[:3]
   scores_ref = refs[3] if d.scores else None
   m_sc, l_sc, acc_sc = refs[-3:]
-  b, h, i, j = (pl.program_id(a) for a in range(4))
+  b, group, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
   def _():
@@ -135,28 +137,31 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  own, logits = _logits(d, q_ref[...], k_ref[...], None if term_ref is None else term_ref[...],
-                        scale_ref)
-  if scores_ref is not None:
-    scores_ref[...] = own.astype(scores_ref.dtype)
-  s = logits + bias_ref[...]
-  m_prev = m_sc[...]
-  m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-  alpha = jnp.exp(m_prev - m_new)
-  p = jnp.exp(s - m_new)
-  l_sc[...] = alpha * l_sc[...] + p.sum(axis=1, keepdims=True)
-  m_sc[...] = m_new
-  keep = _keep(d, seed_ref, offsets_ref, b, h, i, j) if d.dropout else None
-  v = v_ref[...]
-  acc_sc[...] = alpha * acc_sc[...] + jnp.dot(_drop(d, p, keep).astype(v.dtype), v,
-                                              preferred_element_type=jnp.float32)
+  for e in range(d.group):  # each head of the step: its views are ref[e]
+    own, logits = _logits(d, q_ref[e], k_ref[e], None if term_ref is None else term_ref[e],
+                          scale_ref)
+    if scores_ref is not None:
+      scores_ref[e] = own.astype(scores_ref.dtype)
+    s = logits + bias_ref[...]
+    m_prev = m_sc[e]
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.exp(s - m_new)
+    l_sc[e] = alpha * l_sc[e] + p.sum(axis=1, keepdims=True)
+    m_sc[e] = m_new
+    keep = (_keep(d, seed_ref, offsets_ref, b, group * d.group + e, i, j) if d.dropout
+            else None)
+    v = v_ref[e]
+    acc_sc[e] = alpha * acc_sc[e] + jnp.dot(_drop(d, p, keep).astype(v.dtype), v,
+                                            preferred_element_type=jnp.float32)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
-    l = l_sc[...]
-    o_ref[...] = (acc_sc[...] / l).astype(o_ref.dtype)
-    m_ref[...] = _row(m_sc[...])
-    log_l_ref[...] = _row(jnp.log(l))
+    for e in range(d.group):
+      l = l_sc[e]
+      o_ref[e] = (acc_sc[e] / l).astype(o_ref.dtype)
+      m_ref[e] = _row(m_sc[e])
+      log_l_ref[e] = _row(jnp.log(l))
 
 
 def _probabilities(d, q, k, term, bias, m, log_l, scale_ref):
@@ -172,28 +177,31 @@ def _dkv_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref,
   dk_ref, dv_ref = refs[:2]
   dlogits_ref = refs[2] if d.term_batch else None
   dk_sc, dv_sc = refs[-2:]
-  b, h, j, i = (pl.program_id(a) for a in range(4))  # key tile j, query tile i (inner)
+  b, group, j, i = (pl.program_id(a) for a in range(4))  # key tile j, query tile i (inner)
 
   @pl.when(i == 0)
   def _():
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-  p = _probabilities(d, q, k, None if term_ref is None else term_ref[...], bias_ref[...],
-                     m_ref[...], log_l_ref[...], scale_ref)
-  keep = _keep(d, seed_ref, offsets_ref, b, h, i, j) if d.dropout else None
-  dv_sc[...] += jax.lax.dot_general(_drop(d, p, keep).astype(do.dtype), do, _TRANS_A,
+  for e in range(d.group):
+    q, k, v, do = q_ref[e], k_ref[e], v_ref[e], do_ref[e]
+    p = _probabilities(d, q, k, None if term_ref is None else term_ref[e], bias_ref[...],
+                       m_ref[e], log_l_ref[e], scale_ref)
+    keep = (_keep(d, seed_ref, offsets_ref, b, group * d.group + e, i, j) if d.dropout
+            else None)
+    dv_sc[e] += jax.lax.dot_general(_drop(d, p, keep).astype(do.dtype), do, _TRANS_A,
                                     preferred_element_type=jnp.float32)
-  dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32), keep)
-  ds = p * (dp - _column(delta_ref[...]))
-  if d.scaled:
-    ds = ds * scale_ref[0]
-  if dscores_ref is not None:
-    ds = ds + dscores_ref[...].astype(jnp.float32)
-  if dlogits_ref is not None:
-    dlogits_ref[...] = ds.astype(dlogits_ref.dtype)
-  dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A,
+    dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32),
+               keep)
+    ds = p * (dp - _column(delta_ref[e]))
+    if d.scaled:
+      ds = ds * scale_ref[0]
+    if dscores_ref is not None:
+      ds = ds + dscores_ref[e].astype(jnp.float32)
+    if dlogits_ref is not None:
+      dlogits_ref[e] = ds.astype(dlogits_ref.dtype)
+    dk_sc[e] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A,
                                     preferred_element_type=jnp.float32)
 
   @pl.when(i == pl.num_programs(3) - 1)
@@ -206,20 +214,23 @@ def _dq_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, 
                log_l_ref, delta_ref, *refs, d: _Dims):
   """Plain attention (no term): the probabilities and their gradient rebuilt."""
   dq_ref, dq_sc = refs
-  b, h, i, j = (pl.program_id(a) for a in range(4))
+  b, group, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
   def _():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-  p = _probabilities(d, q, k, None, bias_ref[...], m_ref[...], log_l_ref[...], scale_ref)
-  keep = _keep(d, seed_ref, offsets_ref, b, h, i, j) if d.dropout else None
-  dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32), keep)
-  ds = p * (dp - _column(delta_ref[...]))
-  if d.scaled:
-    ds = ds * scale_ref[0]
-  dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+  for e in range(d.group):
+    q, k, v, do = q_ref[e], k_ref[e], v_ref[e], do_ref[e]
+    p = _probabilities(d, q, k, None, bias_ref[...], m_ref[e], log_l_ref[e], scale_ref)
+    keep = (_keep(d, seed_ref, offsets_ref, b, group * d.group + e, i, j) if d.dropout
+            else None)
+    dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32),
+               keep)
+    ds = p * (dp - _column(delta_ref[e]))
+    if d.scaled:
+      ds = ds * scale_ref[0]
+    dq_sc[e] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
@@ -234,8 +245,9 @@ def _dq_from_logits_kernel(k_ref, dlogits_ref, dq_ref, dq_sc, *, d: _Dims):
   def _():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  k = k_ref[...]
-  dq_sc[...] += jnp.dot(dlogits_ref[...].astype(k.dtype), k, preferred_element_type=jnp.float32)
+  for e in range(d.group):
+    k = k_ref[e]
+    dq_sc[e] += jnp.dot(dlogits_ref[e].astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
@@ -243,8 +255,8 @@ def _dq_from_logits_kernel(k_ref, dlogits_ref, dq_ref, dq_sc, *, d: _Dims):
 
 
 class _Specs:
-  """BlockSpecs over grid (b, h, outer tile, inner tile); `by_q`: the outer tile counts
-  queries (forward, dQ), else keys (dK/dV)."""
+  """BlockSpecs over grid (b, group of d.group heads, outer tile, inner tile); `by_q`: the
+  outer tile counts queries (forward, dQ), else keys (dK/dV)."""
 
   def __init__(self, d: _Dims, by_q: bool):
     self.d, self.by_q = d, by_q
@@ -253,22 +265,22 @@ class _Specs:
     return (i, j) if self.by_q else (j, i)
 
   def queries(self):  # [B, H, Tq, D] at the query tile
-    return pl.BlockSpec((None, None, self.d.block, self.d.head_dim),
+    return pl.BlockSpec((None, self.d.group, self.d.block, self.d.head_dim),
                         lambda b, h, i, j: (b, h, self._qk(i, j)[0], 0))
 
   def keys(self):  # [B, H, Tk, D] at the key tile
-    return pl.BlockSpec((None, None, self.d.block, self.d.head_dim),
+    return pl.BlockSpec((None, self.d.group, self.d.block, self.d.head_dim),
                         lambda b, h, i, j: (b, h, self._qk(i, j)[1], 0))
 
   def key_bias(self):  # [B, 1, Tk]
     return pl.BlockSpec((None, 1, self.d.block), lambda b, h, i, j: (b, 0, self._qk(i, j)[1]))
 
   def row_stats(self):  # [B, H, 1, Tq]
-    return pl.BlockSpec((None, None, 1, self.d.block),
+    return pl.BlockSpec((None, self.d.group, 1, self.d.block),
                         lambda b, h, i, j: (b, h, 0, self._qk(i, j)[0]))
 
   def tile(self, shared=False):  # [B or 1, H, Tq, Tk] at (query tile, key tile)
-    return pl.BlockSpec((None, None, self.d.block, self.d.block),
+    return pl.BlockSpec((None, self.d.group, self.d.block, self.d.block),
                         lambda b, h, i, j: (0 if shared else b, h, *self._qk(i, j)))
 
   @staticmethod
@@ -283,7 +295,7 @@ def _call(kernel, d, grid, operands, out_specs, out_shape, scratch, interpret, n
   key lengths, 2 Tq Tk D FLOPs each per sequence and head, and an exp per score: what
   realformer.tools.hlo_stats counts for the kernel (padding is not the model's work)."""
   specs, arrays = zip(*operands)
-  batch, heads = grid[:2]
+  batch, heads = grid[0], grid[1] * d.group
   scores = batch * heads * d.mask_q_len * d.k_real
   nbytes = sum(x.size * x.dtype.itemsize for x in arrays) + sum(
       math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(out_shape))
@@ -317,9 +329,10 @@ def _forward(ops, d: _Dims, interpret, scores_dtype):
   if d.scores:
     out_specs.append(sp.tile())
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), scores_dtype))
-  scratch = [pltpu.VMEM((d.block, 1), jnp.float32), pltpu.VMEM((d.block, 1), jnp.float32),
-             pltpu.VMEM((d.block, d.head_dim), jnp.float32)]
-  grid = (batch, heads, d.q_len // d.block, d.k_len // d.block)
+  scratch = [pltpu.VMEM((d.group, d.block, 1), jnp.float32),
+             pltpu.VMEM((d.group, d.block, 1), jnp.float32),
+             pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)]
+  grid = (batch, heads // d.group, d.q_len // d.block, d.k_len // d.block)
   out, m, log_l, *scores = _call(_forward_kernel, d, grid, operands, out_specs, out_shape,
                                  scratch, interpret, 'flash_attention_tpu_forward', matmuls=2)
   return out, (scores[0] if scores else None), (m, log_l)
@@ -330,7 +343,7 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   m, log_l = stats
   delta = jnp.einsum('bhqd,bhqd->bhq', out.astype(jnp.float32),
                      dout.astype(jnp.float32))[:, :, None, :]
-  grid_k = (batch, heads, d.k_len // d.block, d.q_len // d.block)
+  grid_k = (batch, heads // d.group, d.k_len // d.block, d.q_len // d.block)
   sp = _Specs(d, by_q=False)
   operands = _common(ops, sp) + [(sp.queries(), dout), (sp.row_stats(), m),
                                  (sp.row_stats(), log_l), (sp.row_stats(), delta)]
@@ -348,13 +361,13 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   if d.term_batch:
     out_specs.append(sp.tile())
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), dlogits_dtype))
-  scratch = [pltpu.VMEM((d.block, d.head_dim), jnp.float32)] * 2
+  scratch = [pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)] * 2
   dk, dv, *dlogits = _call(_dkv_kernel, d, grid_k, operands, out_specs, out_shape, scratch,
                            interpret, 'flash_attention_tpu_dkv', matmuls=4, aliases=aliases)
-  grid_q = (batch, heads, d.q_len // d.block, d.k_len // d.block)
+  grid_q = (batch, heads // d.group, d.q_len // d.block, d.k_len // d.block)
   sp = _Specs(d, by_q=True)
   dq_shape = jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype)
-  scratch = [pltpu.VMEM((d.block, d.head_dim), jnp.float32)]
+  scratch = [pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)]
   if d.term_batch:
     dq = _call(_dq_from_logits_kernel, d, grid_q,
                [(sp.keys(), ops.k), (sp.tile(), dlogits[0])], sp.queries(), dq_shape, scratch,
@@ -439,13 +452,23 @@ def tile_for(q_len: int, k_len: int) -> int:
              if all(n % b == 0 for n in lengths))
 
 
+def heads_per_step(heads: int, block: int) -> int:
+  """The most heads (a divisor of `heads`) a grid step computes, one after the other, whose
+  tiles together hold no more than one MAX_TILE x MAX_TILE tile: at short lengths a step's
+  fixed cost is shared by several heads."""
+  return max(g for g in range(1, heads + 1)
+             if heads % g == 0 and g * block * block <= MAX_TILE * MAX_TILE)
+
+
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
                     term=None, logit_scale=None, scores_dtype=None,
                     dropout_rate: float = 0.0, dropout_key=None, offsets=(0, 0, None),
-                    interpret: bool = False, block: Optional[int] = None):
+                    interpret: bool = False, block: Optional[int] = None,
+                    group: Optional[int] = None):
   """realformer.layers.flash_attention.flash_attention's contract on a TPU (see there):
   returns out [B, Tq, H, D], or (out, scores [B, H, Tq, Tk]) with scores_dtype. block: the
-  tiles' queries and keys (a multiple of 128; default: tile_for(Tq, Tk))."""
+  tiles' queries and keys (a multiple of 128; default: tile_for(Tq, Tk)); group: the heads
+  a grid step computes (a divisor of H; default: heads_per_step(H, block))."""
   if dropout_rate > 0 and dropout_key is None:
     raise ValueError('flash_attention with dropout needs dropout_key')
   if scores_dtype is not None and term is None:
@@ -460,9 +483,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
                            or term.shape[1:] != (heads, q_len, k_len)):
     raise ValueError(f'flash_attention: term {term.shape} is not [B or 1, H, Tq, Tk] = '
                      f'[{batch} or 1, {heads}, {q_len}, {k_len}]')
+  group = heads_per_step(heads, block) if group is None else group
+  if heads % group:
+    raise ValueError(f'flash attention on a TPU: group={group} does not divide the {heads} '
+                     'heads')
   d = _Dims(round_up(q_len, block), round_up(k_len, block), head_dim, block,
             float(dropout_rate), q_len, k_len, term_batch=0 if term is None else term.shape[0],
-            scores=scores_dtype is not None, scaled=logit_scale is not None)
+            scores=scores_dtype is not None, scaled=logit_scale is not None, group=group)
   key = jnp.zeros((2,), jnp.uint32) if dropout_key is None else dropout_key
   batch0, head0, total = offsets
   ops = Operands(
