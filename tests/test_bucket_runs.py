@@ -580,6 +580,67 @@ def test_sigterm_saves_and_releases_the_lock_object(server, tmp_path):
   assert checkpoints.latest_complete_step(checkpoints.make_manager(url, read_only=True)) == 4
 
 
+_PROCESS_ZERO = r"""
+import sys, time
+sys.path.insert(0, {repo!r})
+import ml_collections
+import orbax.checkpoint as ocp
+from realformer import storage
+from realformer.train import checkpoints, distributed
+distributed.maybe_initialize({coordinator!r}, 2, {pid})
+uncommitted = storage.path({workdir!r}) / 'checkpoints' / '5'
+if {pid} == 0:  # a slow clean-up, which the other process must not list midway
+  remove = checkpoints._remove_uncommitted
+  checkpoints._remove_uncommitted = lambda folder: (time.sleep(2), remove(folder))
+else:
+  made = ocp.CheckpointManager
+  def listing(*a, **kw):
+    print('listed with the uncommitted step:', uncommitted.exists())
+    return made(*a, **kw)
+  ocp.CheckpointManager = listing
+manager = checkpoints.make_manager({workdir!r})
+print('steps', list(manager.all_steps()))
+manager.close()
+if {pid} == 0:
+  def refused(*args):
+    raise OSError('the bucket refused the write')
+  storage.write_text = refused
+try:
+  checkpoints.write_config({workdir!r}, ml_collections.ConfigDict(dict(a=1)))
+except Exception as e:
+  print('error', type(e).__name__, e)
+"""
+
+
+def test_process_zeros_clean_up_and_write_are_waited_for_and_fail_on_every_process(
+    server, tmp_path):
+  """Several processes: the others list the checkpoints only once process 0 has deleted the
+  uncommitted steps, and a write of process 0 that fails (config.json) stops them all in one
+  line, none waiting at the next collective for a process that has stopped."""
+  import socket  # pylint: disable=g-import-not-at-top
+  url = f'{server.root}/process_zero'
+  folder = storage.path(url) / 'checkpoints'
+  storage.write_text(folder / '3' / checkpoints.COMMIT_FILE, '')
+  storage.write_text(folder / '5' / 'state' / 'part', 'cut short')
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(
+      [sys.executable, '-c', _PROCESS_ZERO.format(repo=REPO, coordinator=f'localhost:{port}',
+                                                  pid=pid, workdir=url)],
+      cwd=REPO, env=dict(os.environ, **server.env, JAX_PLATFORMS='cpu',
+                         XLA_FLAGS=cpu_xla_flags(1)),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+    assert 'steps [3]' in out, out[-3000:]
+  assert 'listed with the uncommitted step: False' in outs[1], outs[1][-3000:]
+  assert 'error OSError the bucket refused the write' in outs[0], outs[0][-3000:]
+  assert (f'error RuntimeError process 0 failed to write {url}/config.json; its log says '
+          'why') in outs[1], outs[1][-3000:]
+
+
 def test_two_processes_train_and_resume_a_run_in_a_bucket(server, tmp_path, reference):
   """As the hosts of a pod: two processes (one device each) share a gs:// workdir (process 0
   holds the lock object, all write their checkpoint shards there), stop after 6 steps and

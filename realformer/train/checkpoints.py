@@ -18,7 +18,6 @@ trainer's (realformer/train/trainer.py).
 
 import json
 import re
-import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import jax
@@ -28,6 +27,7 @@ from absl import logging
 
 from realformer import storage
 from realformer.run_names import RunNames
+from realformer.train import distributed
 
 # Orbax writes this into a step as the last act before the rename that finalizes it (on
 # gs://: as the act that finalizes it); a step directory without it (e.g. a partial copy of
@@ -47,8 +47,9 @@ def make_manager(workdir: str, *, keep: Optional[int] = 3, read_only: bool = Fal
   holder's directory."""
   directory = storage.path(workdir) / RunNames.CHECKPOINTS
   remote = storage.is_url(workdir)
-  if remote and not read_only and jax.process_index() == 0:
-    _remove_uncommitted(directory)
+  if remote and not read_only:  # (the other processes list the folder once it is done)
+    distributed.on_process_zero(lambda: _remove_uncommitted(directory),
+                                f'delete the uncommitted checkpoints in {directory}')
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=not read_only, read_only=read_only,
       # In a bucket, orbax's own clean-up deletes in the background while its constructor
@@ -56,17 +57,11 @@ def make_manager(workdir: str, *, keep: Optional[int] = 3, read_only: bool = Fal
       cleanup_tmp_directories=not read_only and not remote,
       enable_async_checkpointing=not read_only,
       temporary_path_class=None if fence is None else _fenced(directory, fence))
-  for attempt in range(3):
-    try:
-      manager = ocp.CheckpointManager(directory, item_names=item_names, options=options)
-      # Several processes: jax's preemption sync counts the training loop's checks
-      # (workdir.StopSignal); orbax would feed it each save's step number as well.
-      manager.reached_preemption = lambda step: False
-      return manager
-    except FileNotFoundError:  # another process's listing saw process 0's clean-up midway
-      if not remote or attempt == 2:
-        raise
-      time.sleep(1)
+  manager = ocp.CheckpointManager(directory, item_names=item_names, options=options)
+  # Several processes: jax's preemption sync counts the training loop's checks
+  # (workdir.StopSignal); orbax would feed it each save's step number as well.
+  manager.reached_preemption = lambda step: False
+  return manager
 
 
 def _remove_uncommitted(directory) -> None:
@@ -153,11 +148,13 @@ def agreed_step(step: Optional[int]) -> Optional[int]:
 
 
 def write_config(workdir, config) -> str:
-  """<workdir>/config.json, replaced whole (storage.write_text; process 0 only, other
-  processes return the path)."""
+  """<workdir>/config.json, replaced whole (storage.write_text), by process 0 (the first
+  write of a run's start: with several processes all of them stop if it fails,
+  distributed.on_process_zero)."""
   path = storage.path(workdir) / RunNames.CONFIG
-  if jax.process_index() == 0:
-    storage.write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
+  distributed.on_process_zero(
+      lambda: storage.write_text(path, config.to_json_best_effort(indent=2, sort_keys=True)),
+      f'write {path}')
   return str(path)
 
 

@@ -7,7 +7,7 @@ and finetune.py alike.
 
 import os
 import re
-from typing import List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional
 
 import jax
 from absl import flags
@@ -93,3 +93,28 @@ def maybe_initialize(coordinator_address: Optional[str] = None,
 def initialize_from_flags() -> None:
   f = flags.FLAGS
   maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
+
+
+def on_process_zero(action: Callable[[], object], what: str) -> None:
+  """Runs `action` on process 0 alone (a write to the run's shared folder, a clean-up before
+  the other processes list it). With several processes every process returns only once it
+  is done (a collective: every process calls this at the same point), and if it raised,
+  every process raises: process 0 its own error, the others a one-line error saying that
+  process 0 failed to `what` (they would otherwise run on to the next collective and wait
+  there for a process that has stopped)."""
+  if jax.process_count() == 1:
+    action()
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  error = None
+  if jax.process_index() == 0:
+    try:
+      action()
+    except Exception as e:  # pylint: disable=broad-except  (re-raised after the broadcast)
+      error = e
+  failed = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+  if error is not None:
+    raise error
+  if failed:
+    raise RuntimeError(f'process 0 failed to {what}; its log says why')
