@@ -15,9 +15,12 @@ restored iterator continues with exactly the batches an uninterrupted run would 
 """
 
 import collections
+import contextlib
 import json
 import os
 import re
+import signal
+import threading
 import time
 import zlib
 from typing import Dict, List, Optional, Tuple
@@ -130,13 +133,19 @@ class _Iterator:
   checked against the config, so they are taken as these shards, if these are read in the
   files' order as all were then)."""
 
-  def __init__(self, iterator, source: PreparedShards):
+  def __init__(self, iterator, source: PreparedShards, workers: bool = False):
     self._iterator, self._source = iterator, source
+    self._workers_to_start = workers
 
   def __iter__(self):
     return self
 
   def __next__(self):
+    if self._workers_to_start:  # grain starts them for the first batch
+      with _workers_deaf_to_ctrl_c():
+        batch = next(self._iterator)
+      self._workers_to_start = False
+      return batch
     return next(self._iterator)
 
   def get_state(self) -> bytes:
@@ -152,6 +161,25 @@ class _Iterator:
 
   def start_prefetch(self):
     self._iterator.start_prefetch()
+
+
+@contextlib.contextmanager
+def _workers_deaf_to_ctrl_c():
+  """SIGINT ignored while grain starts its worker processes (from a thread of its own, for
+  the first batch), which keep an ignored signal (a blocked one they do not: Python's spawn
+  clears the mask): a Ctrl-C at the terminal reaches the whole process group, and the run
+  then saves at its next step (workdir.stop_signals) while its workers go on feeding it,
+  where they would have died with a KeyboardInterrupt (a traceback each, and a failed run
+  once the batches they had prefetched ran out). Only the main thread may set a handler
+  (elsewhere this does nothing); a Ctrl-C while the first batch is read is lost."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def host_records(num_records: int, process_index: int, process_count: int) -> Tuple[int, int]:
@@ -259,7 +287,7 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
                                    prefetch_buffer_size=64)
   loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
                             worker_count=config_data.worker_count, read_options=read_options)
-  return _Iterator(iter(loader), source)
+  return _Iterator(iter(loader), source, workers=config_data.worker_count > 0)
 
 
 def check_split(metadata: dict, prepared_dir: str, split: str, examples: int,

@@ -136,6 +136,37 @@ def test_worker_processes_give_the_same_batches(prepared, tok):
   assert config.data.worker_count == 0
 
 
+def test_grain_workers_leave_ctrl_c_to_the_run(prepared, tmp_path):
+  """A Ctrl-C at the terminal reaches the run's whole process group; grain's workers ignore
+  it and go on feeding the run, which saves at its next step (workdir.stop_signals), where
+  they died with a KeyboardInterrupt and the stream stopped once their batches ran out."""
+  config, prepared_dir, _ = prepared
+  config = config.copy_and_resolve_references()
+  config.data.worker_count = 1
+  (tmp_path / 'data.json').write_text(config.data.to_json())
+  code = textwrap.dedent(f"""
+      import json, multiprocessing, os, signal, sys
+      sys.path.insert(0, {REPO!r})
+      import ml_collections
+      from data import pipeline, tokenizer
+      data = ml_collections.ConfigDict(json.load(open({str(tmp_path / 'data.json')!r})))
+      it = pipeline.make_pretraining_iterator(
+          data, tokenizer.Tokenizer.load(tokenizer.EMBEDDED_TOKENIZER), {prepared_dir!r},
+          global_batch_size={BATCH}, seed=5)
+      next(it)
+      workers = multiprocessing.active_children()
+      for worker in workers:  # as the terminal's Ctrl-C to the process group
+        os.kill(worker.pid, signal.SIGINT)
+      print('read', sum(1 for _ in zip(range(40), it)), 'batches after', len(workers),
+            'workers were sent SIGINT', flush=True)
+      """)
+  proc = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
+                        text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'read 40 batches after 1 workers were sent SIGINT' in proc.stdout, proc.stderr[-3000:]
+  assert 'KeyboardInterrupt' not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_metadata_records_what_was_prepared(prepared):
   _, prepared_dir, metadata = prepared
   with open(os.path.join(prepared_dir, 'metadata.json')) as f:
