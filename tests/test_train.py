@@ -689,7 +689,8 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   """Learning on the prepared embedded corpus (grain's pipeline, not synthetic batches), and
   a resume from its step-50 checkpoint logging the uninterrupted run's losses to the bit:
   the input stream's position restored through the trainer, and the evaluation's batches
-  the same in a resumed process."""
+  the same in a resumed process, and drawn with the preparation's seed (data.seed), which
+  the runs of every seed over one prepared corpus share."""
   pytest.importorskip('data.pipeline')
   c = pretrain.get_config('postln,tiny')
   m = c.model
@@ -699,6 +700,7 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   t.batch_size, t.num_steps, t.log_every_steps = 16, 60, 10
   t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 60, 2, 50
   c.optimizer.warmup_steps = 6
+  c.data.seed = 7  # (not the run's seed, 0)
   summary = trained(c, tmp_path)  # learning on the embedded corpus, not sharding
   mlm = losses(tmp_path, key='mlm_loss')
   assert mlm[60] < mlm[10] - 1.0, mlm
@@ -713,7 +715,7 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   assert losses(resumed) == losses(tmp_path) and len(losses(resumed)) == 6
   assert losses(resumed, 'eval') == losses(tmp_path, 'eval')  # the same held-out batches
   # The majority baselines on the same evaluation batches, recounted in NumPy.
-  eval_iter = pretraining.make_input_fn(c, str(tmp_path))('eval', c.seed)
+  eval_iter = pretraining.make_input_fn(c, str(tmp_path))('eval', c.data.seed)
   batches = [next(eval_iter) for _ in range(t.eval_steps)]
   ids = np.concatenate([b['masked_lm_ids'].ravel() for b in batches])
   weights = np.concatenate([b['masked_lm_weights'].ravel() for b in batches])

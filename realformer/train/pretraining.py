@@ -132,7 +132,10 @@ class PretrainingTask(trainer.Task):
       yield train_lib.global_batch(next(self.train_iter), self.program.mesh), cost
 
   def evaluate(self, params, step: int) -> trainer.Results:
-    eval_iter = self._make_input('eval', self.config.seed)  # the same batches every time
+    # The same batches every time, and for every run seed that reads one prepared corpus
+    # (data.seed): the seeds of a sweep are compared on one evaluation set and its masks.
+    from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+    eval_iter = self._make_input('eval', prepare_lib.data_seed(self.config))
     collected, counts = None, None
     for _ in range(self.config.train.eval_steps):
       batch = train_lib.global_batch(next(eval_iter), self.program.mesh)
