@@ -209,6 +209,43 @@ def test_every_process_reads_the_step_process_0_found(tmp_path):
     assert f'resolved {tmp_path / "checkpoints" / "4"}' in out, out[-3000:]
 
 
+_ONE_HOSTS_DISK = r'''
+import sys
+sys.path.insert(0, {repo!r})
+from etils import epath
+from realformer.train import checkpoints, distributed
+distributed.maybe_initialize({coordinator!r}, 2, {pid})
+if {pid} == 1:  # the folder is on the other host's own disk
+  checkpoints.storage.path = lambda p: epath.Path('/nonexistent' + str(p))
+try:
+  checkpoints.resolve_step_dir({workdir!r})
+except FileNotFoundError as e:
+  print('error', e)
+'''
+
+
+def test_a_checkpoint_one_process_cannot_read_is_an_error_on_every_process(tmp_path):
+  """An init checkpoint in a folder of one host's own disk: the host that does not see it
+  says so, and so does every other (which waited for it at the step's agreement, until
+  jax's coordination service gave up)."""
+  os.makedirs(tmp_path / 'checkpoints' / '2')
+  (tmp_path / 'checkpoints' / '2' / checkpoints.COMMIT_FILE).write_text('')
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(
+      [sys.executable, '-c', _ONE_HOSTS_DISK.format(
+          repo=REPO, coordinator=f'localhost:{port}', pid=pid, workdir=str(tmp_path))],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=cpu_xla_flags(1)),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  assert (f'error checkpoint {tmp_path} is not readable from process 1 of 2 (a folder on '
+          "one host's own disk?); put it where every host reads it" in outs[0]), outs[0][-3000:]
+  assert f'error checkpoint /nonexistent{tmp_path} does not exist' in outs[1], outs[1][-3000:]
+
+
 def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):
   workdir = str(reference[0])
   config = tiny_config()

@@ -277,22 +277,45 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: dict,
 
 
 def resolve_step_dir(path: str) -> str:
-  """A workdir, its checkpoints/ dir or one step dir -> the step dir to read (newest step)."""
-  path = storage.path(path)
+  """A workdir, its checkpoints/ dir or one step dir -> the step dir to read (newest step,
+  as process 0 found it). With several processes a checkpoint that some process cannot
+  read (a folder on one host's own disk) is a one-line error on every process."""
+  try:
+    folder, steps, error = *_step_folder(storage.path(path)), None
+  except FileNotFoundError as e:
+    folder, steps, error = None, [], e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    found = multihost_utils.process_allgather(np.int32(error is None))
+    blind = [i for i, ok in enumerate(np.ravel(found)) if not ok]
+    if blind and error is None:
+      raise FileNotFoundError(
+          f'checkpoint {path} is not readable from process {", ".join(map(str, blind))} of '
+          f'{jax.process_count()} (a folder on one host\'s own disk?); put it where every '
+          'host reads it: a shared file system or a gs:// bucket')
+  if error is not None:
+    raise error
+  if steps is None:
+    return str(folder)
+  newest = agreed_step(steps[-1] if steps else None)
+  if newest is None:
+    raise FileNotFoundError(f'no complete checkpoint under {folder}; pass a workdir, its '
+                            f'checkpoints/ directory or a step directory')
+  return str(folder / str(newest))
+
+
+def _step_folder(path):
+  """(path, None) for a step dir; else (the folder of steps, its complete steps, oldest
+  first). A path that is neither is a FileNotFoundError."""
   if (path / 'state').is_dir():
-    return str(path)
+    return path, None
   if (path / RunNames.CHECKPOINTS).is_dir():
     path = path / RunNames.CHECKPOINTS
   if not path.is_dir():
     raise FileNotFoundError(f'checkpoint {path} does not exist; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')
-  steps = sorted(int(d.name) for d in path.iterdir()
-                 if re.fullmatch(r'\d+', d.name) and is_complete(d))
-  newest = agreed_step(steps[-1] if steps else None)
-  if newest is None:
-    raise FileNotFoundError(f'no complete checkpoint under {path}; pass a workdir, its '
-                            f'checkpoints/ directory or a step directory')
-  return str(path / str(newest))
+  return path, sorted(int(d.name) for d in path.iterdir()
+                      if re.fullmatch(r'\d+', d.name) and is_complete(d))
 
 
 def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] = ()
