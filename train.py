@@ -84,6 +84,7 @@ def check_launch():
   from realformer.tools import launch
 
   launch.ensure_unlimited_stack(sys.argv)  # XLA:TPU's compiler may need more than 8 MiB
+  cli.stop_at_once_on_ctrl_c()  # (it writes nothing until its report)
 
   local = flags.FLAGS.compile_for == 'local'
   if flags.FLAGS['measure_steps'].present and not local:

@@ -14,7 +14,9 @@ import errno
 import logging as logging_std
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 import types
 from typing import Optional
@@ -318,10 +320,29 @@ def _message(e: BaseException) -> str:
   return ' '.join(str(e).split())
 
 
+EXIT_INTERRUPTED = 130  # the shell's status for a program stopped by SIGINT
+
+
+def stop_at_once_on_ctrl_c() -> None:
+  """For a program that saves nothing (the launch check): Ctrl-C ends it at once, with
+  `stopped by Ctrl-C` and status 130, wherever the signal lands: a KeyboardInterrupt raised
+  in a callback of XLA's compiler is swallowed there, and a search of batch sizes went on
+  compiling. Not where SIGINT was ignored at start (a script's background job)."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    return
+
+  def stop(*_):
+    print('stopped by Ctrl-C', file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
+  signal.signal(signal.SIGINT, stop)
+
+
 def run_main(main, *args, also=()):
   """main(*args) with user errors (USER_ERRORS, a busy workdir, and the types in `also`)
-  as `error: <message>` and exit status 1 (the traceback with --verbose_errors or
-  REALFORMER_VERBOSE_ERRORS=1). Returns main's result. Starts no TPU backend on a machine
+  as `error: <message>` and exit status 1, and a Ctrl-C as `stopped by Ctrl-C` and status
+  130 (the traceback with --verbose_errors or REALFORMER_VERBOSE_ERRORS=1). Returns main's
+  result. Starts no TPU backend on a machine
   without TPUs (platforms.skip_absent_tpu)."""
   platforms.skip_absent_tpu()
   absl_logger = logging_std.getLogger('absl')  # also where absl's app.run does not handle it
@@ -332,6 +353,11 @@ def run_main(main, *args, also=()):
     sys.argv.remove('--verbose_errors')
   try:
     return main(*args)
+  except KeyboardInterrupt:  # (a training loop saves on Ctrl-C: workdir.stop_signals)
+    if verbose:
+      raise
+    print('stopped by Ctrl-C', file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
   except USER_ERRORS + tuple(also) as e:
     if verbose:
       raise

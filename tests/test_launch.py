@@ -652,6 +652,38 @@ def test_every_kind_of_attention_compiles_to_its_model_flops(variant):
 
 
 @needs_libtpu
+@needs_libtpu
+def test_ctrl_c_stops_a_batch_search_at_once(tmp_path):
+  """Ctrl-C during --find_max_batch's compiles: `stopped by Ctrl-C`, status 130, at once (a
+  KeyboardInterrupt raised in a callback of XLA's compiler was swallowed there and the
+  search compiled on for minutes)."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  log = tmp_path / 'stderr.txt'
+  # (Ctrl-C's default restored first: a test run in the background inherits it ignored)
+  with open(log, 'w') as err:
+    proc = subprocess.Popen(
+        [sys.executable, '-c', 'import os, signal, sys; signal.signal(signal.SIGINT, '
+         'signal.SIG_DFL); os.execv(sys.executable, [sys.executable] + sys.argv[1:])',
+         'train.py', '--config=configs/pretrain.py:postln,base', '--compile_for=v5e:2x2',
+         '--find_max_batch'], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True)
+  try:
+    deadline = time.time() + 120
+    while 'model.vocab_size' not in log.read_text():  # configured: compiling comes next
+      assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+      time.sleep(0.1)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    sent = time.time()
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  text = log.read_text()
+  assert proc.returncode == 130 and time.time() - sent < 10, text[-3000:]
+  assert text.strip().splitlines()[-1] == 'stopped by Ctrl-C' and 'Traceback' not in text
+
+
 def test_bfloat16_with_remat_compiles_from_the_command_line(tmp_path):
   """XLA:TPU's compiler overflowed the default 8 MiB stack on bfloat16 with remat 'full' (a
   segmentation fault, status -11): --compile_for re-runs itself with an unlimited stack."""

@@ -18,6 +18,7 @@ import pytest
 
 import train
 from configs import pretrain
+from realformer import cli
 from realformer.train import checkpoints
 from realformer.train import pretraining
 from realformer.train import train_lib
@@ -269,6 +270,31 @@ def test_command_line_second_run_refused_and_preemption_exits_not_finished(comma
   finally:
     if first.poll() is None:
       first.kill()
+
+
+def test_ctrl_c_outside_a_training_loop_is_one_line():
+  """A program stopped by Ctrl-C where nothing saves (a launch check, a tool): one line and
+  the shell's status for SIGINT, not a traceback."""
+  code = ('import signal, sys, time\n'
+          f'sys.path.insert(0, {REPO!r})\n'
+          'signal.signal(signal.SIGINT, signal.default_int_handler)  # (as at a terminal)\n'
+          'from realformer import cli\n'
+          'def main():\n'
+          '  print("ready", flush=True)\n'
+          '  time.sleep(60)\n'
+          'cli.run_main(main)\n')
+  proc = subprocess.Popen([sys.executable, '-c', code], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  try:
+    assert proc.stdout.readline().strip() == 'ready'
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == cli.EXIT_INTERRUPTED, err[-3000:]
+  assert err.strip().splitlines()[-1] == 'stopped by Ctrl-C' and 'Traceback' not in err
 
 
 def test_sigterm_before_the_training_loop_exits_not_finished(tmp_path):
