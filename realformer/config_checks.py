@@ -196,10 +196,15 @@ def check_config(config) -> None:
   """Everything the pretraining config alone can show: the model's settings, step counts
   and cadences, the warm-up and the optimizer, the lengths, the masking (the objective's
   own: data/pretraining.check_objective)."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
   from realformer.model.spec import resolve  # pylint: disable=g-import-not-at-top (jax)
   check_used(config.model, resolve(config.model))
   check_counts(config.train)
-  warmup_steps(config.optimizer, int(config.train.num_steps))
+  if 0 < warmup_steps(config.optimizer, int(config.train.num_steps)) == config.train.num_steps:
+    logging.warning('optimizer.warmup_steps=%d is train.num_steps: the whole run warms up '
+                    '(the learning rate reaches optimizer.learning_rate at its last step); '
+                    'give a shorter warm-up, e.g. optimizer.warmup_steps=-1 for '
+                    'optimizer.warmup_fraction of the run', config.train.num_steps)
   check_optimizer(config.optimizer)
   check_lengths(config)
   check_masking(config.data)

@@ -371,6 +371,43 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference, cap
   assert "of its run's 20: a run not finished" in caplog.text
 
 
+def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tmp_path,
+                                                                   caplog):
+  """A fresh run's train.init_checkpoint (BERT's second phase, at a longer length) is
+  checked before the corpus is prepared: a path that is not there, a position table the
+  longer length does not fit (said as such), another tokenizer (an error) or another
+  variant (a warning). A step folder of it names its run's config for fine-tuning too."""
+  from realformer.train import pretraining  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  missing = tiny_config(num_steps=1, init_checkpoint=str(tmp_path / 'nope'))
+  missing.data.sources, missing.model.vocab_size = 'embedded', 0
+  with pytest.raises(FileNotFoundError, match='nope does not exist'):
+    run(missing, tmp_path / 'run')
+  assert not (tmp_path / 'run').exists()  # nothing prepared, no workdir left
+  config = tiny_config(num_steps=1, init_checkpoint=str(reference[0]))
+  longer = config.copy_and_resolve_references()
+  longer.model.max_len = 64
+  with pytest.raises(ValueError, match=r'has 32 positions, this model 64 \(model.max_len\): a '
+                                       r'position table does not grow; train the first run '
+                                       r'with --config.model.max_len=64'):
+    pretraining.check_init_checkpoint(longer, _abstract_params(longer))
+  other = tmp_path / 'other.model'  # another tokenizer file (its bytes differ)
+  other.write_bytes(open(tokenizer_lib.EMBEDDED_TOKENIZER, 'rb').read() + b'\0')
+  retokenized = config.copy_and_resolve_references()
+  retokenized.data.tokenizer = str(other)
+  with pytest.raises(ValueError, match=rf'was trained with the tokenizer embedded, this run '
+                                       rf'reads {other} .*; set data.tokenizer='):
+    pretraining.check_init_checkpoint(retokenized, _abstract_params(retokenized))
+  realformer = tiny_config('realformer', num_steps=1, init_checkpoint=str(reference[0]))
+  with caplog.at_level(logging.WARNING):
+    pretraining.check_init_checkpoint(realformer, _abstract_params(realformer))
+  assert (f'{reference[0]} was trained as postln; this run is realformer: its weights start '
+          'another variant') in caplog.text
+  for folder in (reference[0] / 'checkpoints', reference[0] / 'checkpoints' / str(NUM_STEPS)):
+    assert checkpoints.read_pretraining_config(str(folder)) == json.loads(
+        (reference[0] / 'config.json').read_text())
+
+
 def _abstract_params(config):
   model = models.build(config.model)
   batch = next(train_lib.SyntheticPretrainingData(

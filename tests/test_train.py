@@ -527,6 +527,20 @@ def test_schedules():
   np.testing.assert_allclose(train_lib.make_schedule(opt, 100)(0), 1.0)
 
 
+def test_a_warm_up_as_long_as_the_run_is_said(caplog):
+  """A second phase given the preset's warm-up as its whole length (base: 10,000 of 10,000
+  steps) trains at a rising rate throughout: a warning at the start."""
+  config = pretrain.get_config('postln,tiny')
+  config.train.num_steps, config.optimizer.warmup_steps = 50, 49
+  with caplog.at_level(logging.WARNING):
+    config_checks.check_config(config)
+  assert 'the whole run warms up' not in caplog.text
+  config.optimizer.warmup_steps = 50
+  with caplog.at_level(logging.WARNING):
+    config_checks.check_config(config)
+  assert 'optimizer.warmup_steps=50 is train.num_steps: the whole run warms up' in caplog.text
+
+
 @pytest.mark.parametrize('variant', ['postln', 'synth_dense'])
 def test_flops_per_example_matches_xla_count(variant):
   """The stated formula against XLA's own count of the forward pass (x 3 for training)."""

@@ -402,6 +402,11 @@ def test_a_resume_prints_no_warning_but_a_moved_learning_rate(commands, tmp_path
   assert ('another config (2 fields): model.hidden_size: 32 -> 64, model.num_heads: 2 -> 4'
           in errors[0])
   assert (tmp_path / 'config.json').read_text() == stored
+  proc = commands.run(args[1:] + ['--config.data.max_seq_length=16'], env=env)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+  assert errors[0].endswith('(a second phase at another length: a new --workdir with '
+                            f'--config.train.init_checkpoint={tmp_path})'), errors[0]
   # The record of a run that died on this host (kill -9: its flock went with it).
   (tmp_path / RunDir.LOCK).write_text(json.dumps(
       {'host': socket.gethostname(), 'pid': 999999, 'since': 'earlier', 'program': 'train.py'}))

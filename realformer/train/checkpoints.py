@@ -164,13 +164,17 @@ def read_config(workdir) -> dict:
 
 def read_pretraining_config(workdir: str) -> dict:
   """config.json of a workdir that holds an encoder (train.py, an import, or a
-  fine-tuning run's best/ and final/), with a one-line error for anything else."""
-  path = storage.path(workdir) / RunNames.CONFIG
+  fine-tuning run's best/ and final/), or of the run whose checkpoints/ folder or step
+  folder `workdir` is, with a one-line error for anything else."""
+  folder = storage.path(workdir)
+  run = (folder.parent if folder.name == RunNames.CHECKPOINTS else
+         folder.parent.parent if folder.parent.name == RunNames.CHECKPOINTS else folder)
+  path = run / RunNames.CONFIG
   if not path.is_file():
     raise FileNotFoundError(f'{workdir} has no {RunNames.CONFIG}: pass a workdir written by '
                             'train.py or realformer.tools.interop')
   try:
-    config = read_config(workdir)
+    config = read_config(run)
   except (ValueError, UnicodeDecodeError) as e:
     raise ValueError(f'{path} is not valid JSON ({e}); pass a workdir written by train.py '
                      'or realformer.tools.interop') from None
@@ -184,7 +188,7 @@ def read_pretraining_config(workdir: str) -> dict:
   tokenizer = data.get('tokenizer') if isinstance(data, dict) else None
   if tokenizer and not storage.path(tokenizer).exists():
     # A workdir that keeps its own vocabulary (an import's vocab.txt), moved or copied since.
-    beside = storage.join(workdir, tokenizer.rstrip('/').rpartition('/')[2])
+    beside = storage.join(str(run), tokenizer.rstrip('/').rpartition('/')[2])
     if storage.path(beside).is_file():
       data['tokenizer'] = str(beside)
   return config
@@ -255,6 +259,12 @@ def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -
     if path not in stored:
       missing.append(path)
     elif stored[path] != shape:
+      if path.endswith('position_embeddings/embedding') and stored[path][1:] == shape[1:]:
+        raise ValueError(
+            f'checkpoint {step_dir} has {stored[path][0]} positions, this model '
+            f'{shape[0]} (model.max_len): a position table does not grow; train the first '
+            f'run with --config.model.max_len={shape[0]} (BERT keeps its 512 positions from '
+            'the first phase, at length 128, on; the tiny preset has 128)')
       raise ValueError(f'checkpoint {step_dir} does not match the model: {path} has shape '
                        f'{stored[path]} in the checkpoint but {shape} in the model; use the '
                        f'config.json of the run that wrote it')

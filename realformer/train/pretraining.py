@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 
 from realformer import config_checks
 from realformer.model.spec import resolve
+from realformer.train import checkpoints
 from realformer.train import metrics as metrics_lib
 from realformer.train import train_lib
 from realformer.train import trainer
@@ -42,6 +43,36 @@ def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     config.model.vocab_size = size
     resolve(config.model)  # with the tokenizer's vocabulary
   return config
+
+
+def check_init_checkpoint(config, abstract_params) -> None:
+  """A fresh run's train.init_checkpoint (a second phase at a longer length, say), before
+  its data is prepared: it is there and fits the model (a one-line error), it was trained
+  with this run's tokenizer where both are here to compare (a one-line error: its word
+  embeddings stand for another vocabulary's pieces), and with this variant (a warning: its
+  weights start another model)."""
+  path = config.train.init_checkpoint
+  checkpoints.check_matches(checkpoints.resolve_step_dir(path), {'params': abstract_params},
+                            allow_missing=True)
+  try:
+    stored = ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
+  except (FileNotFoundError, ValueError):
+    return  # (weights of no train.py run: nothing recorded to compare)
+  from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+  theirs, ours = (prepare_lib.tokenizer_signature(c.data.get('tokenizer', ''))
+                  for c in (stored, config))
+  if theirs and ours and theirs != ours:
+    raise ValueError(f'train.init_checkpoint {path} was trained with the tokenizer '
+                     f'{stored.data.tokenizer or "embedded"}, this run reads '
+                     f'{config.data.tokenizer or "embedded"} (other pieces behind the same '
+                     f'ids); set data.tokenizer={stored.data.tokenizer or repr("")}')
+  try:
+    trained = resolve(stored.model).name
+  except (ValueError, KeyError, AttributeError):
+    return
+  if trained != resolve(config.model).name:
+    logging.warning('train.init_checkpoint %s was trained as %s; this run is %s: its weights '
+                    'start another variant', path, trained, resolve(config.model).name)
 
 
 def make_input_fn(config, workdir: str):
@@ -118,6 +149,8 @@ class PretrainingTask(trainer.Task):
     self.program = train_lib.pretraining_program(config, mesh)
     if config.train.init_checkpoint:
       self.init_checkpoint = trainer.InitCheckpoint(config.train.init_checkpoint)
+      if not run.has_checkpoint():  # a fresh start reads it: checked before the data
+        check_init_checkpoint(config, self.program.abstract.params)
     self._make_input = make_input_fn(config, str(run))  # prepares the data (under the lock)
     self.train_iter = self._make_input('train', config.seed)
     self.data = StreamPosition(self.train_iter)

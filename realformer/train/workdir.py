@@ -336,10 +336,13 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   if fixed:
     a, b = _flat_pair(stored, new)
     shown = ', '.join(f'{k}: {a[k]!r} -> {b[k]!r}' for k in fixed)  # every one of them
+    phase = ((' (a second phase at another length: a new --workdir with '
+              f'--config.train.init_checkpoint={workdir})')
+             if 'data.max_seq_length' in fixed and 'train' in new else '')
     raise ValueError(
         f'{workdir} holds a checkpoint of another config ({len(fixed)} '
         f'field{"s" if len(fixed) > 1 else ""}): {shown}; resume with the '
-        f'stored values (its config.json) or start a new --workdir')
+        f'stored values (its config.json) or start a new --workdir{phase}')
   for k in allowed:
     logging.info('resuming with %s changed: %r -> %r', k, _flat_pair(stored, new)[0][k],
                  flatten(new)[k])
