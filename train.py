@@ -84,7 +84,8 @@ def check_launch():
   from realformer.tools import launch
 
   launch.ensure_unlimited_stack(sys.argv)  # XLA:TPU's compiler may need more than 8 MiB
-  cli.stop_at_once_on_ctrl_c()  # (it writes nothing until its report)
+  cli.stop_at_once_on_ctrl_c()  # (before its report it writes only compilation-cache entries,
+  # each whole or not at all)
 
   local = flags.FLAGS.compile_for == 'local'
   if flags.FLAGS['measure_steps'].present and not local:

@@ -166,12 +166,13 @@ class _Iterator:
 @contextlib.contextmanager
 def _workers_deaf_to_ctrl_c():
   """SIGINT ignored while grain starts its worker processes (from a thread of its own, for
-  the first batch), which keep an ignored signal (a blocked one they do not: Python's spawn
-  clears the mask): a Ctrl-C at the terminal reaches the whole process group, and the run
-  then saves at its next step (workdir.stop_signals) while its workers go on feeding it,
-  where they would have died with a KeyboardInterrupt (a traceback each, and a failed run
-  once the batches they had prefetched ran out). Only the main thread may set a handler
-  (elsewhere this does nothing); a Ctrl-C while the first batch is read is lost."""
+  an iterator's first batch), which keep an ignored signal (a blocked one they do not:
+  Python's spawn clears the mask): a Ctrl-C at the terminal reaches the whole process group,
+  and the run then saves at its next step (workdir.stop_signals) while its workers go on
+  feeding it, where they would have died with a KeyboardInterrupt (a traceback each, and a
+  failed run once the batches they had prefetched ran out). Only the main thread may set a
+  handler (elsewhere this does nothing); a Ctrl-C while an iterator reads its first batch
+  (the training's, and each evaluation's) is lost."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return

@@ -321,21 +321,33 @@ def _message(e: BaseException) -> str:
 
 
 EXIT_INTERRUPTED = 130  # the shell's status for a program stopped by SIGINT
+STOPPED_BY_CTRL_C = 'stopped by Ctrl-C'
+
+
+def exit_at_once_on(signals, message: str, status: int, before=None) -> None:
+  """From now on each of `signals` ends this process at once: `before()`, `message` on
+  stderr, os._exit(status), wherever the signal lands (an exception raised there could be
+  swallowed, as in a callback of XLA's compiler, or crash the interpreter's shutdown under
+  XLA's threads). Only the main thread may set handlers: elsewhere this does nothing."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+
+  def stop(*_):
+    if before is not None:
+      before()
+    print(message, file=sys.stderr, flush=True)
+    os._exit(status)  # pylint: disable=protected-access
+  for sig in signals:
+    signal.signal(sig, stop)
 
 
 def stop_at_once_on_ctrl_c() -> None:
   """For a program that saves nothing (the launch check): Ctrl-C ends it at once, with
-  `stopped by Ctrl-C` and status 130, wherever the signal lands: a KeyboardInterrupt raised
-  in a callback of XLA's compiler is swallowed there, and a search of batch sizes went on
-  compiling. Not where SIGINT was ignored at start (a script's background job)."""
-  if (threading.current_thread() is not threading.main_thread()
-      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-    return
-
-  def stop(*_):
-    print('stopped by Ctrl-C', file=sys.stderr, flush=True)
-    os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
-  signal.signal(signal.SIGINT, stop)
+  `stopped by Ctrl-C` and status 130 (a KeyboardInterrupt raised in a callback of XLA's
+  compiler is swallowed there, and a search of batch sizes went on compiling). Not where
+  SIGINT was ignored at start (a script's background job)."""
+  if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    exit_at_once_on((signal.SIGINT,), STOPPED_BY_CTRL_C, EXIT_INTERRUPTED)
 
 
 def run_main(main, *args, also=()):
@@ -356,7 +368,7 @@ def run_main(main, *args, also=()):
   except KeyboardInterrupt:  # (a training loop saves on Ctrl-C: workdir.stop_signals)
     if verbose:
       raise
-    print('stopped by Ctrl-C', file=sys.stderr)
+    print(STOPPED_BY_CTRL_C, file=sys.stderr)
     sys.exit(EXIT_INTERRUPTED)
   except USER_ERRORS + tuple(also) as e:
     if verbose:

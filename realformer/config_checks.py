@@ -201,10 +201,11 @@ def check_config(config) -> None:
   check_used(config.model, resolve(config.model))
   check_counts(config.train)
   if 0 < warmup_steps(config.optimizer, int(config.train.num_steps)) == config.train.num_steps:
-    logging.warning('optimizer.warmup_steps=%d is train.num_steps: the whole run warms up '
-                    '(the learning rate reaches optimizer.learning_rate at its last step); '
-                    'give a shorter warm-up, e.g. optimizer.warmup_steps=-1 for '
-                    'optimizer.warmup_fraction of the run', config.train.num_steps)
+    setting = ('optimizer.warmup_fraction=1' if int(config.optimizer.warmup_steps) == -1 else
+               f'optimizer.warmup_steps={config.train.num_steps}')
+    logging.warning('%s: the whole run of %d steps warms up (the learning rate reaches '
+                    'optimizer.learning_rate at its last step); give a shorter warm-up',
+                    setting, config.train.num_steps)
   check_optimizer(config.optimizer)
   check_lengths(config)
   check_masking(config.data)

@@ -18,7 +18,7 @@ import pytest
 BUCKET = 'realformer-test'
 
 
-def _free_port() -> int:
+def free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
@@ -29,7 +29,7 @@ class GcsServer:
   objects when they live in `data_dir`, else they are lost with the process)."""
 
   def __init__(self, data_dir: str = ''):
-    self.port, self.data_dir, self._proc = _free_port(), data_dir, None
+    self.port, self.data_dir, self._proc = free_port(), data_dir, None
     self.root = f'gs://{BUCKET}'
     url = f'http://127.0.0.1:{self.port}'
     self.env = {'STORAGE_EMULATOR_HOST': url,

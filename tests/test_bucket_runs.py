@@ -55,6 +55,7 @@ from tests import test_sweep
 from tests.conftest import cpu_xla_flags
 from tests.gcs_server import GcsServer
 from tests.test_train import REPO, tiny_config, trained
+from tests.gcs_server import free_port
 
 DEVICES = 2
 NUM_STEPS = 12
@@ -617,14 +618,11 @@ def test_process_zeros_clean_up_and_write_are_waited_for_and_fail_on_every_proce
   """Several processes: the others list the checkpoints only once process 0 has deleted the
   uncommitted steps, and a write of process 0 that fails (config.json) stops them all in one
   line, none waiting at the next collective for a process that has stopped."""
-  import socket  # pylint: disable=g-import-not-at-top
   url = f'{server.root}/process_zero'
   folder = storage.path(url) / 'checkpoints'
   storage.write_text(folder / '3' / checkpoints.COMMIT_FILE, '')
   storage.write_text(folder / '5' / 'state' / 'part', 'cut short')
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    port = s.getsockname()[1]
+  port = free_port()
   procs = [subprocess.Popen(
       [sys.executable, '-c', _PROCESS_ZERO.format(repo=REPO, coordinator=f'localhost:{port}',
                                                   pid=pid, workdir=url)],
@@ -645,14 +643,11 @@ def test_two_processes_train_and_resume_a_run_in_a_bucket(server, tmp_path, refe
   """As the hosts of a pod: two processes (one device each) share a gs:// workdir (process 0
   holds the lock object, all write their checkpoint shards there), stop after 6 steps and
   resume to the end: the losses of the one-process, two-device run on local disk."""
-  import socket  # pylint: disable=g-import-not-at-top
   url = f'{server.root}/two_processes'
   coordinators = []
 
   def launch(num_steps):
-    with socket.socket() as s:
-      s.bind(('localhost', 0))
-      port = s.getsockname()[1]
+    port = free_port()
     coordinators.append(port)
     procs = [_child(server, tmp_path, devices=1, workdir=url, coordinator=f'localhost:{port}',
                     num_processes=2, process_id=i,

@@ -83,14 +83,14 @@ def test_term_kernel_matches_a_float64_reference(kernel, tq, tk, lengths, term_b
 
 
 @pytest.mark.parametrize('tq,tk,block,heads,group', [
-    (300, 300, None, H, None),  # the kernels' own choice: one 384 tile, both heads a step
+    (300, 300, None, H, None),  # the kernels' own choice: one 384 tile, one head a step
     (136, 264, 128, 4, 2),  # 2 x 3 tiles of 128 (Tq != Tk), two steps of two heads
 ])
 def test_mosaic_tiles_and_heads_a_step_match_the_float64_reference(tq, tk, block, heads,
                                                                    group):
   """RealFormer's contract (a term in, scores out, under dropout) at the tiles and heads a
   grid step that tile_for and heads_per_step choose, and across several tiles of each
-  length one head at a time."""
+  length with two steps of two heads."""
   kernel = functools.partial(flash_tpu_lib.flash_attention, interpret=True, block=block,
                              group=group)
   _check_against_the_reference(kernel, tq, tk, (tk, tk - 30, 5), B, 0.2, None, True,

@@ -652,7 +652,6 @@ def test_every_kind_of_attention_compiles_to_its_model_flops(variant):
 
 
 @needs_libtpu
-@needs_libtpu
 def test_ctrl_c_stops_a_batch_search_at_once(tmp_path):
   """Ctrl-C during --find_max_batch's compiles: `stopped by Ctrl-C`, status 130, at once (a
   KeyboardInterrupt raised in a callback of XLA's compiler was swallowed there and the
@@ -684,6 +683,7 @@ def test_ctrl_c_stops_a_batch_search_at_once(tmp_path):
   assert text.strip().splitlines()[-1] == 'stopped by Ctrl-C' and 'Traceback' not in text
 
 
+@needs_libtpu
 def test_bfloat16_with_remat_compiles_from_the_command_line(tmp_path):
   """XLA:TPU's compiler overflowed the default 8 MiB stack on bfloat16 with remat 'full' (a
   segmentation fault, status -11): --compile_for re-runs itself with an unlimited stack."""

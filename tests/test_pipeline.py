@@ -154,6 +154,7 @@ def test_grain_workers_leave_ctrl_c_to_the_run(prepared, tmp_path):
           data, tokenizer.Tokenizer.load(tokenizer.EMBEDDED_TOKENIZER), {prepared_dir!r},
           global_batch_size={BATCH}, seed=5)
       next(it)
+      assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (restored)
       workers = multiprocessing.active_children()
       for worker in workers:  # as the terminal's Ctrl-C to the process group
         os.kill(worker.pid, signal.SIGINT)

@@ -538,7 +538,7 @@ def test_a_warm_up_as_long_as_the_run_is_said(caplog):
   config.optimizer.warmup_steps = 50
   with caplog.at_level(logging.WARNING):
     config_checks.check_config(config)
-  assert 'optimizer.warmup_steps=50 is train.num_steps: the whole run warms up' in caplog.text
+  assert 'optimizer.warmup_steps=50: the whole run of 50 steps warms up' in caplog.text
 
 
 @pytest.mark.parametrize('variant', ['postln', 'synth_dense'])

@@ -25,6 +25,7 @@ from realformer.train import train_lib
 from realformer.train import workdir as workdir_lib
 from realformer.train.run_dir import RunDir
 from tests.conftest import cpu_xla_flags
+from tests.gcs_server import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -922,9 +923,7 @@ def test_finetune_data_and_checkpoint_mistakes_through_the_command_line(commands
 def test_every_process_of_a_multi_host_run_stops_when_the_workdir_is_held(tmp_path):
   """Two processes (gloo collectives stand in for hosts): process 0 cannot take the lock, and
   both stop with one line instead of process 1 running on to wait at the first collective."""
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    port = s.getsockname()[1]
+  port = free_port()
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS=cpu_xla_flags(1))
   with workdir_lib.Lock(str(tmp_path), 'a test'):
@@ -961,9 +960,7 @@ def test_finetune_on_two_processes_is_one_run(tmp_path):
       [sys.executable, 'finetune.py', f'--workdir={tmp_path}/one'] + args, cwd=REPO,
       env=dict(env, XLA_FLAGS=cpu_xla_flags(2)),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    port = s.getsockname()[1]
+  port = free_port()
   two = [subprocess.Popen(
       [sys.executable, 'finetune.py', f'--workdir={tmp_path}/two', f'--process_id={i}',
        f'--coordinator_address=localhost:{port}', '--num_processes=2'] + args, cwd=REPO,

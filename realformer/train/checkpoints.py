@@ -140,10 +140,7 @@ def agreed_step(step: Optional[int]) -> Optional[int]:
   """`step` as process 0 found it, on every process (called by all): hosts list a folder at
   different moments (a run still training commits and deletes steps in between) or through
   different caches, and restoring different steps would mix them silently."""
-  if jax.process_count() == 1:
-    return step
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if step is None else step)))
+  agreed = distributed.from_process_zero(-1 if step is None else step)
   return None if agreed < 0 else agreed
 
 
@@ -166,9 +163,12 @@ def read_pretraining_config(workdir: str) -> dict:
   """config.json of a workdir that holds an encoder (train.py, an import, or a
   fine-tuning run's best/ and final/), or of the run whose checkpoints/ folder or step
   folder `workdir` is, with a one-line error for anything else."""
-  folder = storage.path(workdir)
-  run = (folder.parent if folder.name == RunNames.CHECKPOINTS else
-         folder.parent.parent if folder.parent.name == RunNames.CHECKPOINTS else folder)
+  run = storage.path(workdir)
+  if not (run / RunNames.CONFIG).is_file():  # a run's checkpoints/ folder, or a step of it
+    if run.name == RunNames.CHECKPOINTS:
+      run = run.parent
+    elif run.name.isdigit() and run.parent.name == RunNames.CHECKPOINTS:
+      run = run.parent.parent
   path = run / RunNames.CONFIG
   if not path.is_file():
     raise FileNotFoundError(f'{workdir} has no {RunNames.CONFIG}: pass a workdir written by '
@@ -260,11 +260,13 @@ def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -
       missing.append(path)
     elif stored[path] != shape:
       if path.endswith('position_embeddings/embedding') and stored[path][1:] == shape[1:]:
-        raise ValueError(
-            f'checkpoint {step_dir} has {stored[path][0]} positions, this model '
-            f'{shape[0]} (model.max_len): a position table does not grow; train the first '
-            f'run with --config.model.max_len={shape[0]} (BERT keeps its 512 positions from '
-            'the first phase, at length 128, on; the tiny preset has 128)')
+        fix = (f'set --config.model.max_len={stored[path][0]} (a table longer than '
+               'data.max_seq_length is fine)' if stored[path][0] > shape[0] else
+               'a position table does not grow; train the first run with '
+               f'--config.model.max_len={shape[0]} (BERT keeps its 512 positions from the '
+               'first phase, at length 128, on; the tiny preset has 128)')
+        raise ValueError(f'checkpoint {step_dir} has {stored[path][0]} positions, this model '
+                         f'{shape[0]} (model.max_len): {fix}')
       raise ValueError(f'checkpoint {step_dir} does not match the model: {path} has shape '
                        f'{stored[path]} in the checkpoint but {shape} in the model; use the '
                        f'config.json of the run that wrote it')
@@ -294,15 +296,16 @@ def resolve_step_dir(path: str) -> str:
     folder, steps, error = *_step_folder(storage.path(path)), None
   except FileNotFoundError as e:
     folder, steps, error = None, [], e
-  if jax.process_count() > 1:
+  if jax.process_count() > 1:  # what each process sees: 0 nothing, 1 a step, 2 a run's steps
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    found = multihost_utils.process_allgather(np.int32(error is None))
-    blind = [i for i, ok in enumerate(np.ravel(found)) if not ok]
-    if blind and error is None:
+    seen = np.ravel(multihost_utils.process_allgather(
+        np.int32(0 if error is not None else 1 if steps is None else 2)))
+    blind = [i for i, kind in enumerate(seen) if not kind]
+    if blind and len(blind) < len(seen) or len(set(seen) - {0}) > 1:
       raise FileNotFoundError(
-          f'checkpoint {path} is not readable from process {", ".join(map(str, blind))} of '
-          f'{jax.process_count()} (a folder on one host\'s own disk?); put it where every '
-          'host reads it: a shared file system or a gs:// bucket')
+          f'checkpoint {path} is not the same folder on every process (none on process '
+          f'{", ".join(map(str, blind)) or "-"} of {len(seen)}: a folder on one host\'s own '
+          'disk?); put it where every host reads it: a shared file system or a gs:// bucket')
   if error is not None:
     raise error
   if steps is None:

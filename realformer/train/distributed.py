@@ -95,6 +95,16 @@ def initialize_from_flags() -> None:
   maybe_initialize(f.coordinator_address, f.num_processes, f.process_id)
 
 
+def from_process_zero(value: int) -> int:
+  """`value` as process 0 has it, on every process (a collective: every process calls
+  this at the same point); `value` itself with one process."""
+  if jax.process_count() == 1:
+    return int(value)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
 def on_process_zero(action: Callable[[], object], what: str) -> None:
   """Runs `action` on process 0 alone (a write to the run's shared folder, a clean-up before
   the other processes list it). With several processes every process returns only once it
@@ -105,15 +115,13 @@ def on_process_zero(action: Callable[[], object], what: str) -> None:
   if jax.process_count() == 1:
     action()
     return
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   error = None
   if jax.process_index() == 0:
     try:
       action()
-    except Exception as e:  # pylint: disable=broad-except  (re-raised after the broadcast)
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised after the broadcast)
       error = e
-  failed = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+  failed = from_process_zero(error is not None)
   if error is not None:
     raise error
   if failed:

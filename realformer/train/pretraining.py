@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from realformer import config_checks
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
+from realformer.train import distributed
 from realformer.train import metrics as metrics_lib
 from realformer.train import train_lib
 from realformer.train import trainer
@@ -59,13 +60,15 @@ def check_init_checkpoint(config, abstract_params) -> None:
   except (FileNotFoundError, ValueError):
     return  # (weights of no train.py run: nothing recorded to compare)
   from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
-  theirs, ours = (prepare_lib.tokenizer_signature(c.data.get('tokenizer', ''))
-                  for c in (stored, config))
-  if theirs and ours and theirs != ours:
-    raise ValueError(f'train.init_checkpoint {path} was trained with the tokenizer '
-                     f'{stored.data.tokenizer or "embedded"}, this run reads '
-                     f'{config.data.tokenizer or "embedded"} (other pieces behind the same '
-                     f'ids); set data.tokenizer={stored.data.tokenizer or repr("")}')
+  data = stored.get('data') or {}
+  if 'tokenizer' in data:  # (recorded: '' is the embedded one)
+    theirs, ours = (prepare_lib.tokenizer_signature(t)
+                    for t in (data['tokenizer'], config.data.tokenizer))
+    if theirs and ours and theirs != ours:
+      raise ValueError(f'train.init_checkpoint {path} was trained with the tokenizer '
+                       f'{data["tokenizer"] or "embedded"}, this run reads '
+                       f'{config.data.tokenizer or "embedded"} (other pieces behind the same '
+                       f'ids); set data.tokenizer={data["tokenizer"] or repr("")}')
   try:
     trained = resolve(stored.model).name
   except (ValueError, KeyError, AttributeError):
@@ -149,7 +152,8 @@ class PretrainingTask(trainer.Task):
     self.program = train_lib.pretraining_program(config, mesh)
     if config.train.init_checkpoint:
       self.init_checkpoint = trainer.InitCheckpoint(config.train.init_checkpoint)
-      if not run.has_checkpoint():  # a fresh start reads it: checked before the data
+      # A fresh start reads it: checked before the data (as process 0 sees the run).
+      if not distributed.from_process_zero(run.has_checkpoint()):
         check_init_checkpoint(config, self.program.abstract.params)
     self._make_input = make_input_fn(config, str(run))  # prepares the data (under the lock)
     self.train_iter = self._make_input('train', config.seed)

@@ -24,6 +24,7 @@ import jax
 from etils import epath
 
 from realformer.train import checkpoints
+from realformer.train import distributed
 from realformer.train import machine
 from realformer.train import metrics as metrics_lib
 from realformer import storage
@@ -86,9 +87,7 @@ class RunDir(RunNames):
       return
     lost = self._lock.lost
     if jax.process_count() > 1 and storage.is_url(self.root):
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      import numpy as np  # pylint: disable=g-import-not-at-top
-      if int(multihost_utils.broadcast_one_to_all(np.int32(lost is not None))):
+      if distributed.from_process_zero(lost is not None):
         lost = lost or f'process 0 lost the lock of {self}'
     if lost:
       raise workdir_lib.WorkdirInUseError(f'{lost}; this run stopped without saving (only '

@@ -36,6 +36,7 @@ from absl import logging
 from realformer import cli
 from realformer import storage
 from realformer.run_names import RunNames
+from realformer.train import distributed
 
 
 # Exit status of a run stopped by SIGTERM (preemption) after saving: not finished, to be
@@ -128,11 +129,9 @@ class Lock:
         self._take()
       except Exception as e:  # pylint: disable=broad-except  (re-raised after the broadcast)
         error = e
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
     # 0: taken; 1: another run holds it; 2: process 0 failed otherwise (its log says why).
     code = 0 if error is None else 1 if isinstance(error, WorkdirInUseError) else 2
-    code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+    code = distributed.from_process_zero(code)
     if error is not None:
       raise error
     if code == 1:
@@ -403,19 +402,17 @@ def exit_on_sigterm() -> None:
   checkpoint step is passed over, a preparation keeps its finished workers (its worker
   processes are stopped first), and the lock of a process that is gone is taken over.
   Several processes: jax's preemption notifier owns SIGTERM."""
-  def stop(*_):
+  def before():
     import multiprocessing  # pylint: disable=g-import-not-at-top
     for child in multiprocessing.active_children():  # a preparation's workers
       child.terminate()
     for release in list(_HELD.values()):  # as on a clean exit (the kernel drops the flock)
       release()
-    print(f'not finished: stopped by SIGTERM or Ctrl-C outside the training loop (preparing, '
-          f'compiling or finishing); run the same command to resume from the last complete '
-          f'checkpoint (exit status {EXIT_NOT_FINISHED})', file=sys.stderr, flush=True)
-    os._exit(EXIT_NOT_FINISHED)  # pylint: disable=protected-access
-  if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-    for sig in stop_signals():
-      signal.signal(sig, stop)
+  if jax.process_count() == 1:
+    cli.exit_at_once_on(
+        stop_signals(), 'not finished: stopped by SIGTERM or Ctrl-C outside the training loop '
+        '(preparing, compiling or finishing); run the same command to resume from the last '
+        f'complete checkpoint (exit status {EXIT_NOT_FINISHED})', EXIT_NOT_FINISHED, before)
 
 
 def stop_signals():
