@@ -398,9 +398,13 @@ def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tm
     pretraining.check_init_checkpoint(realformer, _abstract_params(realformer))
   assert (f'{reference[0]} was trained as postln; this run is realformer: its weights start '
           'another variant') in caplog.text
+  stored = json.loads((reference[0] / 'config.json').read_text())
   for folder in (reference[0] / 'checkpoints', reference[0] / 'checkpoints' / str(NUM_STEPS)):
-    assert checkpoints.read_pretraining_config(str(folder)) == json.loads(
-        (reference[0] / 'config.json').read_text())
+    assert checkpoints.read_pretraining_config(str(folder)) == stored
+  for name in ('checkpoints/run1', 'checkpoints'):  # runs whose own folders have those names
+    (tmp_path / name).mkdir(parents=True, exist_ok=True)
+    (tmp_path / name / 'config.json').write_text(json.dumps(dict(stored, seed=5)))
+    assert checkpoints.read_pretraining_config(str(tmp_path / name))['seed'] == 5
 
 
 def _abstract_params(config):
