@@ -342,9 +342,10 @@ def exit_at_once_on(signals, message: str, status: int, before=None) -> None:
 
 
 def stop_at_once_on_ctrl_c() -> None:
-  """For a program that saves nothing (the launch check): Ctrl-C ends it at once, with
-  `stopped by Ctrl-C` and status 130 (a KeyboardInterrupt raised in a callback of XLA's
-  compiler is swallowed there, and a search of batch sizes went on compiling). Not where
+  """For a program that saves nothing (the launch check): Ctrl-C ends it with `stopped by
+  Ctrl-C` and status 130 at the next Python instruction of the main thread (at the latest
+  when the compile in progress returns), where a KeyboardInterrupt raised in a callback of
+  XLA's compiler was swallowed and a search of batch sizes went on compiling. Not where
   SIGINT was ignored at start (a script's background job)."""
   if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     exit_at_once_on((signal.SIGINT,), STOPPED_BY_CTRL_C, EXIT_INTERRUPTED)

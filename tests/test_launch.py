@@ -653,9 +653,9 @@ def test_every_kind_of_attention_compiles_to_its_model_flops(variant):
 
 @needs_libtpu
 def test_ctrl_c_stops_a_batch_search_at_once(tmp_path):
-  """Ctrl-C during --find_max_batch's compiles: `stopped by Ctrl-C`, status 130, at once (a
-  KeyboardInterrupt raised in a callback of XLA's compiler was swallowed there and the
-  search compiled on for minutes)."""
+  """Ctrl-C during --find_max_batch's compiles: `stopped by Ctrl-C`, status 130, at once or
+  when the compile in progress returns (a KeyboardInterrupt raised in a callback of XLA's
+  compiler was swallowed there and the search compiled on for more than ten minutes)."""
   import signal  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
   log = tmp_path / 'stderr.txt'
@@ -674,12 +674,12 @@ def test_ctrl_c_stops_a_batch_search_at_once(tmp_path):
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
     sent = time.time()
-    proc.wait(timeout=60)
+    proc.wait(timeout=240)
   finally:
     if proc.poll() is None:
       proc.kill()
   text = log.read_text()
-  assert proc.returncode == 130 and time.time() - sent < 10, text[-3000:]
+  assert proc.returncode == 130 and time.time() - sent < 180, text[-3000:]
   assert text.strip().splitlines()[-1] == 'stopped by Ctrl-C' and 'Traceback' not in text
 
 

@@ -146,6 +146,7 @@ def test_grain_workers_leave_ctrl_c_to_the_run(prepared, tmp_path):
   (tmp_path / 'data.json').write_text(config.data.to_json())
   code = textwrap.dedent(f"""
       import json, multiprocessing, os, signal, sys
+      signal.signal(signal.SIGINT, signal.default_int_handler)  # (as at a terminal)
       sys.path.insert(0, {REPO!r})
       import ml_collections
       from data import pipeline, tokenizer
