@@ -355,8 +355,7 @@ def run_main(main, *args, also=()):
   """main(*args) with user errors (USER_ERRORS, a busy workdir, and the types in `also`)
   as `error: <message>` and exit status 1, and a Ctrl-C as `stopped by Ctrl-C` and status
   130 (the traceback with --verbose_errors or REALFORMER_VERBOSE_ERRORS=1). Returns main's
-  result. Starts no TPU backend on a machine
-  without TPUs (platforms.skip_absent_tpu)."""
+  result. Starts no TPU backend on a machine without TPUs (platforms.skip_absent_tpu)."""
   platforms.skip_absent_tpu()
   absl_logger = logging_std.getLogger('absl')  # also where absl's app.run does not handle it
   if not any(isinstance(f, QuietLibraries) for f in absl_logger.filters):
