@@ -389,7 +389,7 @@ def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant, kernel
 @pytest.mark.parametrize('block,tiles', [(128, 2), (256, 2), (384, 1), (512, 1)])
 def test_each_mosaic_tile_draws_keep_masks_mask(block, tiles):
   """The mask a Mosaic kernel draws for each tile (its threefry blocks drawn once for four
-  keys, then gathered lane by lane) is keep_mask's, bit for bit, at every tile the kernels
+  keys, their keep bits gathered lane by lane) is keep_mask's, bit for bit, at every tile the kernels
   take (tile_for), over several query and key tiles, for a shard whose sequences and heads
   are offset (flash_attention_on_mesh's offsets), with lengths short of whole tiles."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
@@ -401,7 +401,8 @@ def test_each_mosaic_tile_draws_keep_masks_mask(block, tiles):
 
   def kernel(seed_ref, offsets_ref, out_ref):
     ids = [pl.program_id(a) for a in range(4)]
-    out_ref[...] = flash_tpu_lib._keep(d, seed_ref, offsets_ref, *ids).astype(jnp.int32)
+    nibbles = flash_tpu_lib._nibbles(d, seed_ref, offsets_ref, *ids)
+    out_ref[...] = flash_tpu_lib._keep(d, nibbles).astype(jnp.int32)
 
   smem = pl.BlockSpec(memory_space=pltpu.SMEM)
   got = pl.pallas_call(

@@ -1,6 +1,6 @@
 """What a training step keeps for its backward pass on TPUs (encoder.recomputes_elementwise): the LayerNorms and GELU rematerialised, the hidden dropout's
-mask drawn again from its key, and the flash kernels keeping nothing [B, H, T, T] but
-RealFormer's carry. The same values and gradients as what the CPU keeps, bit for bit, with
+mask drawn again from its key, and the flash kernels keeping their masks' bits and nothing
+else [B, H, T, T] but RealFormer's carry. The same values and gradients as what the CPU keeps, bit for bit, with
 fewer residuals (the arrays jax.vjp's closure keeps)."""
 
 import jax
@@ -69,3 +69,30 @@ def test_on_tpus_the_layer_recomputes_its_elementwise_work_with_the_same_numbers
   # one boolean mask per hidden dropout fewer: the embeddings' and two in each layer
   mask = ((b, t, cfg.hidden_size), 'bool')
   assert kept['cpu'].count(mask) - kept['tpu'].count(mask) == 1 + 2 * cfg.num_layers
+
+
+@pytest.mark.parametrize('rate', [0.0, 0.1])
+@pytest.mark.parametrize('with_term', [False, True])
+def test_the_mosaic_kernels_keep_the_masks_bits_and_no_probabilities(rate, with_term):
+  """What the TPU kernels' backward keeps (Pallas's interpreter): under dropout, one byte
+  per threefry block (four keys' keep bits) that the forward drew, int8 [B, H, Tq / 4, Tk]
+  at whole tiles, and nothing else [B, H, Tq, Tk] but the term (RealFormer's previous
+  scores); without dropout no bits. The backward kernels read the bits, not the key: the
+  gradients are those of keep_mask's mask (tests/test_flash_variants.py)."""
+  from realformer.layers import flash_attention_tpu  # pylint: disable=g-import-not-at-top
+  b, t, h, d = 2, 40, 2, 16
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (b, t, h, d)) for i in range(3))
+  term = jax.random.normal(jax.random.PRNGKey(3), (b, h, t, t)) if with_term else None
+  bias = jnp.zeros((b, t), jnp.float32)
+
+  def loss(q, k, v, term):
+    out = flash_attention_tpu.flash_attention(
+        q, k, v, bias, term=term, dropout_rate=rate, dropout_key=jnp.array([1, 2], jnp.uint32),
+        interpret=True)
+    return out.sum()
+
+  kept = _residual_shapes(loss, q, k, v, term)
+  bits = [s for s in kept if s[1] == 'int8']
+  assert bits == ([((b, h, 128 // 4, 128), 'int8')] if rate else [])
+  pairs = [s for s in kept if s[0][-2:] in ((t, t), (128, 128))]
+  assert pairs == ([((b, h, t, t), 'float32')] if with_term else [])

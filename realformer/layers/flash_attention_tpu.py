@@ -11,10 +11,12 @@ inputs and outputs:
 with gradients to Q, K, V and the term (the incoming gradient of `scores` included), and the
 mask `realformer.layers.dropout.keep_mask(key, rate, [B, H, Tq, Tk])` bit for bit: element
 (b, h, q, k) keeps the 16-bit word k % 4 of threefry-2x32(key, row, k // 4), with
-row = (b * H + h) * Tq + q. On a TPU a tile's blocks are drawn where the tile is used, each
-block once for its four keys (`_keep`), in integer arithmetic on int32 (threefry's bits are
-the same), and drawn again in the backward kernels rather than stored: no [B, H, Tq, Tk]
-array of any kind is kept for the backward.
+row = (b * H + h) * Tq + q. On a TPU the forward kernel draws a tile's blocks where the tile
+is used, each block once for its four keys, in integer arithmetic on int32 (threefry's bits
+are the same), and keeps each block's four keep bits for the backward kernels (`_nibbles`:
+int8 [B, H, Tq / 4, Tk], B * H * Tq * Tk / 4 bytes, as the GPU kernels keep theirs), which
+read them instead of drawing the mask again: threefry's 20 rounds were most of each
+kernel's schedule. Nothing else [B, H, Tq, Tk] is kept for the backward.
 
 Three kernels, each over tiles of `block` queries x `block` keys (a multiple of 128, the
 lanes, up to 512: tile_for), `group` heads a grid step (heads_per_step): the forward
@@ -66,13 +68,13 @@ class _Dims(Constants):
   group: int = 1  # heads a grid step computes, one after the other (heads_per_step)
 
 
-def _keep(d: _Dims, seed_ref, offsets_ref, b, h, q_tile, k_tile):
-  """keep_mask's mask of the tile [block, block] at query tile q_tile, key tile k_tile of
-  sequence b (local), head h (local): word k % 4 of threefry block k // 4 of the element's
-  row. One block serves four keys: the tile's blocks are drawn once, as a [block / 4, block]
-  array whose lane quarter a holds row quarter a (rows a * block / 4 + r, blocks of column
-  c at lane a * block / 4 + c), and each 128-key vreg of the mask gathers its blocks from
-  the one vreg that holds them (int32 threefry: the same bits)."""
+def _nibbles(d: _Dims, seed_ref, offsets_ref, b, h, q_tile, k_tile):
+  """The tile's threefry blocks at query tile q_tile, key tile k_tile of sequence b (local),
+  head h (local), each drawn once for its four keys, as their keep bits: int32
+  [block / 4, block], bit w of an element set where keep_mask keeps key 4c + w (word w of
+  threefry-2x32(key, row, c) at or above the threshold). Lane quarter a holds row quarter a:
+  element (r, a * block / 4 + c) is query row a * block / 4 + r of the tile, block c of its
+  key tile."""
   rows_q, n = d.block // 4, d.block
   base = ((b + offsets_ref[0]) * offsets_ref[2] + h + offsets_ref[1]) * d.mask_q_len
   shape = (rows_q, n)
@@ -81,21 +83,28 @@ def _keep(d: _Dims, seed_ref, offsets_ref, b, h, q_tile, k_tile):
   rows = (base + q_tile * d.block + quarter * rows_q
           + jax.lax.broadcasted_iota(jnp.int32, shape, 0))
   b1, b2 = threefry2x32(seed_ref[0], seed_ref[1], rows, k_tile * rows_q + column)
+  words = (b1 & 0xFFFF, jax.lax.shift_right_logical(b1, 16), b2 & 0xFFFF,
+           jax.lax.shift_right_logical(b2, 16))
+  return sum((word >= d.threshold).astype(jnp.int32) << w for w, word in enumerate(words))
+
+
+def _keep(d: _Dims, nibbles):
+  """keep_mask's mask of the tile, bool [block, block], from its _nibbles: each 128-key vreg
+  of row quarter a gathers its blocks lane by lane from the one vreg that holds them, and
+  key k takes bit k % 4."""
+  rows_q, n = d.block // 4, d.block
   out_lane = jax.lax.broadcasted_iota(jnp.int32, (rows_q, _LANES), 1)
-  word = out_lane & 3
   quarters = []
   for a in range(4):
     vregs = []
     for u in range(n // _LANES):
       first = a * rows_q + u * (_LANES // 4)  # the blocks of keys 128u.. of row quarter a
-      src = slice(first // _LANES * _LANES, first // _LANES * _LANES + _LANES)
-      index = first % _LANES + (out_lane >> 2)
-      h1 = jnp.take_along_axis(b1[:, src], index, axis=1)
-      h2 = jnp.take_along_axis(b2[:, src], index, axis=1)
-      half = jnp.where(word < 2, h1, h2)
-      vregs.append(jnp.where((word & 1) == 0, half, half >> 16) & 0xFFFF)
+      start = first // _LANES * _LANES
+      held = jnp.take_along_axis(nibbles[:, start:start + _LANES],
+                                 first % _LANES + (out_lane >> 2), axis=1)
+      vregs.append(jax.lax.shift_right_logical(held, out_lane & 3) & 1)
     quarters.append(jnp.concatenate(vregs, axis=1) if len(vregs) > 1 else vregs[0])
-  return jnp.concatenate(quarters, axis=0) >= d.threshold
+  return jnp.concatenate(quarters, axis=0) != 0
 
 
 def _drop(d: _Dims, x, keep):
@@ -128,6 +137,7 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
   term_ref = refs.pop(0) if d.term_batch else None
   o_ref, m_ref, log_l_ref = refs[:3]
   scores_ref = refs[3] if d.scores else None
+  nibbles_ref = refs[3 + d.scores] if d.dropout else None
   m_sc, l_sc, acc_sc = refs[-3:]
   b, group, i, j = (pl.program_id(a) for a in range(4))
 
@@ -149,8 +159,11 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
     p = jnp.exp(s - m_new)
     l_sc[e] = alpha * l_sc[e] + p.sum(axis=1, keepdims=True)
     m_sc[e] = m_new
-    keep = (_keep(d, seed_ref, offsets_ref, b, group * d.group + e, i, j) if d.dropout
-            else None)
+    keep = None
+    if d.dropout:  # drawn here, kept for the backward kernels
+      nibbles = _nibbles(d, seed_ref, offsets_ref, b, group * d.group + e, i, j)
+      nibbles_ref[e] = nibbles.astype(nibbles_ref.dtype)
+      keep = _keep(d, nibbles)
     v = v_ref[e]
     acc_sc[e] = alpha * acc_sc[e] + jnp.dot(_drop(d, p, keep).astype(v.dtype), v,
                                             preferred_element_type=jnp.float32)
@@ -169,15 +182,16 @@ def _probabilities(d, q, k, term, bias, m, log_l, scale_ref):
   return jnp.exp((logits + bias - _column(m)) - _column(log_l))
 
 
-def _dkv_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref,
-                log_l_ref, delta_ref, *refs, d: _Dims):
+def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref,
+                *refs, d: _Dims):
   refs = list(refs)
+  nibbles_ref = refs.pop(0) if d.dropout else None
   term_ref = refs.pop(0) if d.term_batch else None
   dscores_ref = refs.pop(0) if d.scores else None
   dk_ref, dv_ref = refs[:2]
   dlogits_ref = refs[2] if d.term_batch else None
   dk_sc, dv_sc = refs[-2:]
-  b, group, j, i = (pl.program_id(a) for a in range(4))  # key tile j, query tile i (inner)
+  i = pl.program_id(3)  # the query tile (inner), against the step's key tile
 
   @pl.when(i == 0)
   def _():
@@ -188,8 +202,7 @@ def _dkv_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref,
     q, k, v, do = q_ref[e], k_ref[e], v_ref[e], do_ref[e]
     p = _probabilities(d, q, k, None if term_ref is None else term_ref[e], bias_ref[...],
                        m_ref[e], log_l_ref[e], scale_ref)
-    keep = (_keep(d, seed_ref, offsets_ref, b, group * d.group + e, i, j) if d.dropout
-            else None)
+    keep = _keep(d, nibbles_ref[e].astype(jnp.int32)) if d.dropout else None
     dv_sc[e] += jax.lax.dot_general(_drop(d, p, keep).astype(do.dtype), do, _TRANS_A,
                                     preferred_element_type=jnp.float32)
     dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32),
@@ -210,11 +223,13 @@ def _dkv_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref,
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref,
-               log_l_ref, delta_ref, *refs, d: _Dims):
+def _dq_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref,
+               *refs, d: _Dims):
   """Plain attention (no term): the probabilities and their gradient rebuilt."""
+  refs = list(refs)
+  nibbles_ref = refs.pop(0) if d.dropout else None
   dq_ref, dq_sc = refs
-  b, group, i, j = (pl.program_id(a) for a in range(4))
+  j = pl.program_id(3)
 
   @pl.when(j == 0)
   def _():
@@ -223,8 +238,7 @@ def _dq_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, 
   for e in range(d.group):
     q, k, v, do = q_ref[e], k_ref[e], v_ref[e], do_ref[e]
     p = _probabilities(d, q, k, None, bias_ref[...], m_ref[e], log_l_ref[e], scale_ref)
-    keep = (_keep(d, seed_ref, offsets_ref, b, group * d.group + e, i, j) if d.dropout
-            else None)
+    keep = _keep(d, nibbles_ref[e].astype(jnp.int32)) if d.dropout else None
     dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32),
                keep)
     ds = p * (dp - _column(delta_ref[e]))
@@ -283,6 +297,10 @@ class _Specs:
     return pl.BlockSpec((None, self.d.group, self.d.block, self.d.block),
                         lambda b, h, i, j: (0 if shared else b, h, *self._qk(i, j)))
 
+  def nibbles(self):  # [B, H, Tq / 4, Tk] at (query tile, key tile): _nibbles of each tile
+    return pl.BlockSpec((None, self.d.group, self.d.block // 4, self.d.block),
+                        lambda b, h, i, j: (b, h, *self._qk(i, j)))
+
   @staticmethod
   def smem():
     return pl.BlockSpec(memory_space=pltpu.SMEM)
@@ -311,16 +329,16 @@ def _call(kernel, d, grid, operands, out_specs, out_shape, scratch, interpret, n
 
 
 def _common(ops, sp):
-  """The leading operands every kernel but dQ-from-logits reads."""
-  return [(sp.smem(), ops.seed), (sp.smem(), ops.offsets), (sp.smem(), ops.scalars),
-          (sp.queries(), ops.q), (sp.keys(), ops.k), (sp.keys(), ops.v),
-          (sp.key_bias(), ops.key_bias)]
+  """The leading operands of the kernels that compute probabilities (all but
+  dQ-from-logits); the forward kernel reads the dropout key and offsets before them."""
+  return [(sp.smem(), ops.scalars), (sp.queries(), ops.q), (sp.keys(), ops.k),
+          (sp.keys(), ops.v), (sp.key_bias(), ops.key_bias)]
 
 
 def _forward(ops, d: _Dims, interpret, scores_dtype):
   batch, heads = ops.q.shape[:2]
   sp = _Specs(d, by_q=True)
-  operands = _common(ops, sp)
+  operands = [(sp.smem(), ops.seed), (sp.smem(), ops.offsets)] + _common(ops, sp)
   if d.term_batch:
     operands.append((sp.tile(d.term_batch == 1), ops.term))
   stats = jax.ShapeDtypeStruct((batch, heads, 1, d.q_len), jnp.float32)
@@ -329,24 +347,30 @@ def _forward(ops, d: _Dims, interpret, scores_dtype):
   if d.scores:
     out_specs.append(sp.tile())
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), scores_dtype))
+  if d.dropout:
+    out_specs.append(sp.nibbles())
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len // 4, d.k_len), jnp.int8))
   scratch = [pltpu.VMEM((d.group, d.block, 1), jnp.float32),
              pltpu.VMEM((d.group, d.block, 1), jnp.float32),
              pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)]
   grid = (batch, heads // d.group, d.q_len // d.block, d.k_len // d.block)
-  out, m, log_l, *scores = _call(_forward_kernel, d, grid, operands, out_specs, out_shape,
-                                 scratch, interpret, 'flash_attention_tpu_forward', matmuls=2)
-  return out, (scores[0] if scores else None), (m, log_l)
+  out, m, log_l, *rest = _call(_forward_kernel, d, grid, operands, out_specs, out_shape,
+                               scratch, interpret, 'flash_attention_tpu_forward', matmuls=2)
+  scores = rest.pop(0) if d.scores else None
+  return out, scores, (m, log_l, rest[0] if d.dropout else None)
 
 
 def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   batch, heads = ops.q.shape[:2]
-  m, log_l = stats
+  m, log_l, nibbles = stats
   delta = jnp.einsum('bhqd,bhqd->bhq', out.astype(jnp.float32),
                      dout.astype(jnp.float32))[:, :, None, :]
   grid_k = (batch, heads // d.group, d.k_len // d.block, d.q_len // d.block)
   sp = _Specs(d, by_q=False)
   operands = _common(ops, sp) + [(sp.queries(), dout), (sp.row_stats(), m),
                                  (sp.row_stats(), log_l), (sp.row_stats(), delta)]
+  if d.dropout:
+    operands.append((sp.nibbles(), nibbles))
   if d.term_batch:
     operands.append((sp.tile(d.term_batch == 1), ops.term))
   aliases = None
@@ -375,6 +399,8 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   else:
     operands = _common(ops, sp) + [(sp.queries(), dout), (sp.row_stats(), m),
                                    (sp.row_stats(), log_l), (sp.row_stats(), delta)]
+    if d.dropout:
+      operands.append((sp.nibbles(), nibbles))
     dq = _call(_dq_kernel, d, grid_q, operands, sp.queries(), dq_shape, scratch, interpret,
                'flash_attention_tpu_dq', matmuls=3)
   return dq, dk, dv, (dlogits[0] if dlogits else None)
