@@ -389,9 +389,11 @@ def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant, kernel
 @pytest.mark.parametrize('block,tiles', [(128, 2), (256, 2), (384, 1), (512, 1)])
 def test_each_mosaic_tile_draws_keep_masks_mask(block, tiles):
   """The mask a Mosaic kernel draws for each tile (its threefry blocks drawn once for four
-  keys, their keep bits gathered lane by lane) is keep_mask's, bit for bit, at every tile the kernels
-  take (tile_for), over several query and key tiles, for a shard whose sequences and heads
-  are offset (flash_attention_on_mesh's offsets), with lengths short of whole tiles."""
+  keys, their keep bits gathered lane by lane) is keep_mask's bit for bit, and so is the
+  mask the backward kernels rebuild from the bits the forward keeps (packed into int32s),
+  at every tile the kernels take (tile_for), over several query and key tiles, for a shard
+  whose sequences and heads are offset (flash_attention_on_mesh's offsets), with lengths
+  short of whole tiles."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   b, h, batch0, head0, heads = 2, 2, 1, 3, 5
@@ -402,7 +404,9 @@ def test_each_mosaic_tile_draws_keep_masks_mask(block, tiles):
   def kernel(seed_ref, offsets_ref, out_ref):
     ids = [pl.program_id(a) for a in range(4)]
     nibbles = flash_tpu_lib._nibbles(d, seed_ref, offsets_ref, *ids)
-    out_ref[...] = flash_tpu_lib._keep(d, nibbles).astype(jnp.int32)
+    kept = flash_tpu_lib._unpacked(d, flash_tpu_lib._packed(d, nibbles))  # the backward's
+    out_ref[...] = (flash_tpu_lib._keep(d, nibbles).astype(jnp.int32)
+                    + 2 * flash_tpu_lib._keep(d, kept).astype(jnp.int32))
 
   smem = pl.BlockSpec(memory_space=pltpu.SMEM)
   got = pl.pallas_call(
@@ -414,7 +418,9 @@ def test_each_mosaic_tile_draws_keep_masks_mask(block, tiles):
           jnp.asarray([batch0, head0, heads], jnp.int32))
   want, _ = dropout_lib.keep_mask(key, rate, (batch0 + b, heads, tq, tk))
   want = np.asarray(want)[batch0:, head0:head0 + h]
-  np.testing.assert_array_equal(np.asarray(got)[:, :, :tq, :tk].astype(bool), want)
+  got = np.asarray(got)[:, :, :tq, :tk]
+  np.testing.assert_array_equal(got & 1, want)  # the forward's mask
+  np.testing.assert_array_equal(got >> 1, want)  # the backward's, from the bits kept
   assert 0.6 < want.mean() < 0.8
 
 

@@ -74,10 +74,10 @@ def test_on_tpus_the_layer_recomputes_its_elementwise_work_with_the_same_numbers
 @pytest.mark.parametrize('rate', [0.0, 0.1])
 @pytest.mark.parametrize('with_term', [False, True])
 def test_the_mosaic_kernels_keep_the_masks_bits_and_no_probabilities(rate, with_term):
-  """What the TPU kernels' backward keeps (Pallas's interpreter): under dropout, one byte
-  per threefry block (four keys' keep bits) that the forward drew, int8 [B, H, Tq / 4, Tk]
-  at whole tiles, and nothing else [B, H, Tq, Tk] but the term (RealFormer's previous
-  scores); without dropout no bits. The backward kernels read the bits, not the key: the
+  """What the TPU kernels' backward keeps (Pallas's interpreter): under dropout, the keep
+  bits of each threefry block (four keys) that the forward drew, four blocks an int32 at
+  128-key tiles ([B, H, Tq / 16, Tk] at whole tiles), and nothing else [B, H, Tq, Tk] but
+  the term (RealFormer's previous scores); without dropout no bits. The backward kernels read the bits, not the key: the
   gradients are those of keep_mask's mask (tests/test_flash_variants.py)."""
   from realformer.layers import flash_attention_tpu  # pylint: disable=g-import-not-at-top
   b, t, h, d = 2, 40, 2, 16
@@ -92,7 +92,7 @@ def test_the_mosaic_kernels_keep_the_masks_bits_and_no_probabilities(rate, with_
     return out.sum()
 
   kept = _residual_shapes(loss, q, k, v, term)
-  bits = [s for s in kept if s[1] == 'int8']
-  assert bits == ([((b, h, 128 // 4, 128), 'int8')] if rate else [])
+  bits = [s for s in kept if s[1] == 'int32' and len(s[0]) == 4]
+  assert bits == ([((b, h, 128 // 16, 128), 'int32')] if rate else [])
   pairs = [s for s in kept if s[0][-2:] in ((t, t), (128, 128))]
   assert pairs == ([((b, h, t, t), 'float32')] if with_term else [])

@@ -13,10 +13,11 @@ mask `realformer.layers.dropout.keep_mask(key, rate, [B, H, Tq, Tk])` bit for bi
 (b, h, q, k) keeps the 16-bit word k % 4 of threefry-2x32(key, row, k // 4), with
 row = (b * H + h) * Tq + q. On a TPU the forward kernel draws a tile's blocks where the tile
 is used, each block once for its four keys, in integer arithmetic on int32 (threefry's bits
-are the same), and keeps each block's four keep bits for the backward kernels (`_nibbles`:
-int8 [B, H, Tq / 4, Tk], B * H * Tq * Tk / 4 bytes, as the GPU kernels keep theirs), which
-read them instead of drawing the mask again: threefry's 20 rounds were most of each
-kernel's schedule. Nothing else [B, H, Tq, Tk] is kept for the backward.
+are the same), and keeps each block's four keep bits for the backward kernels (`_nibbles`,
+`_packed` eight blocks to an int32 at tiles of 256 and 512 keys: a bit a key, B * H * Tq *
+Tk / 8 bytes; four at 128 and 384), which read them instead of drawing the mask again:
+threefry's 20 rounds were most of each kernel's schedule. Nothing else [B, H, Tq, Tk] is
+kept for the backward.
 
 Three kernels, each over tiles of `block` queries x `block` keys (a multiple of 128, the
 lanes, up to 512: tile_for), `group` heads a grid step (heads_per_step): the forward
@@ -86,6 +87,27 @@ def _nibbles(d: _Dims, seed_ref, offsets_ref, b, h, q_tile, k_tile):
   words = (b1 & 0xFFFF, jax.lax.shift_right_logical(b1, 16), b2 & 0xFFFF,
            jax.lax.shift_right_logical(b2, 16))
   return sum((word >= d.threshold).astype(jnp.int32) << w for w, word in enumerate(words))
+
+
+def _packing(d: _Dims) -> int:
+  """How many rows of a tile's _nibbles one int32 holds (4 bits each): 8 where the packed
+  rows stay whole sublanes (tiles of 256 and 512 keys), else 4."""
+  rows_q = d.block // 4
+  return 8 if rows_q % 64 == 0 else 4
+
+
+def _packed(d: _Dims, nibbles):
+  """[block / 4, block] nibbles -> int32 [block / 4 / p, block] (p = _packing): row r holds
+  rows r + s * block / 4 / p at bits 4s."""
+  n = nibbles.shape[0] // _packing(d)
+  return functools.reduce(jnp.bitwise_or, (nibbles[s * n:(s + 1) * n] << 4 * s
+                                           for s in range(_packing(d))))
+
+
+def _unpacked(d: _Dims, packed):
+  """_packed's inverse."""
+  return jnp.concatenate([jax.lax.shift_right_logical(packed, 4 * s) & 15
+                          for s in range(_packing(d))], axis=0)
 
 
 def _keep(d: _Dims, nibbles):
@@ -162,7 +184,7 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
     keep = None
     if d.dropout:  # drawn here, kept for the backward kernels
       nibbles = _nibbles(d, seed_ref, offsets_ref, b, group * d.group + e, i, j)
-      nibbles_ref[e] = nibbles.astype(nibbles_ref.dtype)
+      nibbles_ref[e] = _packed(d, nibbles)
       keep = _keep(d, nibbles)
     v = v_ref[e]
     acc_sc[e] = alpha * acc_sc[e] + jnp.dot(_drop(d, p, keep).astype(v.dtype), v,
@@ -202,7 +224,7 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
     q, k, v, do = q_ref[e], k_ref[e], v_ref[e], do_ref[e]
     p = _probabilities(d, q, k, None if term_ref is None else term_ref[e], bias_ref[...],
                        m_ref[e], log_l_ref[e], scale_ref)
-    keep = _keep(d, nibbles_ref[e].astype(jnp.int32)) if d.dropout else None
+    keep = _keep(d, _unpacked(d, nibbles_ref[e])) if d.dropout else None
     dv_sc[e] += jax.lax.dot_general(_drop(d, p, keep).astype(do.dtype), do, _TRANS_A,
                                     preferred_element_type=jnp.float32)
     dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32),
@@ -238,7 +260,7 @@ def _dq_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_re
   for e in range(d.group):
     q, k, v, do = q_ref[e], k_ref[e], v_ref[e], do_ref[e]
     p = _probabilities(d, q, k, None, bias_ref[...], m_ref[e], log_l_ref[e], scale_ref)
-    keep = _keep(d, nibbles_ref[e].astype(jnp.int32)) if d.dropout else None
+    keep = _keep(d, _unpacked(d, nibbles_ref[e])) if d.dropout else None
     dp = _drop(d, jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32),
                keep)
     ds = p * (dp - _column(delta_ref[e]))
@@ -297,8 +319,9 @@ class _Specs:
     return pl.BlockSpec((None, self.d.group, self.d.block, self.d.block),
                         lambda b, h, i, j: (0 if shared else b, h, *self._qk(i, j)))
 
-  def nibbles(self):  # [B, H, Tq / 4, Tk] at (query tile, key tile): _nibbles of each tile
-    return pl.BlockSpec((None, self.d.group, self.d.block // 4, self.d.block),
+  def nibbles(self):  # [B, H, Tq / 4 / p, Tk] at (query tile, key tile): _packed _nibbles
+    return pl.BlockSpec((None, self.d.group, self.d.block // 4 // _packing(self.d),
+                         self.d.block),
                         lambda b, h, i, j: (b, h, *self._qk(i, j)))
 
   @staticmethod
@@ -349,7 +372,8 @@ def _forward(ops, d: _Dims, interpret, scores_dtype):
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), scores_dtype))
   if d.dropout:
     out_specs.append(sp.nibbles())
-    out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len // 4, d.k_len), jnp.int8))
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len // 4 // _packing(d), d.k_len),
+                                          jnp.int32))
   scratch = [pltpu.VMEM((d.group, d.block, 1), jnp.float32),
              pltpu.VMEM((d.group, d.block, 1), jnp.float32),
              pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)]
