@@ -85,6 +85,8 @@ def test_term_kernel_matches_a_float64_reference(kernel, tq, tk, lengths, term_b
 @pytest.mark.parametrize('tq,tk,block,heads,group', [
     (300, 300, None, H, None),  # the kernels' own choice: one 384 tile, one head a step
     (136, 264, 128, 4, 2),  # 2 x 3 tiles of 128 (Tq != Tk), two steps of two heads
+    (300, 300, 256, 4, 2),  # 2 x 2 tiles of 256: the mask's bits kept eight blocks an int32
+    (600, 600, 512, H, None),  # 2 x 2 tiles of 512, likewise
 ])
 def test_mosaic_tiles_and_heads_a_step_match_the_float64_reference(tq, tk, block, heads,
                                                                    group):

@@ -1,6 +1,7 @@
-"""What a training step keeps for its backward pass on TPUs (encoder.recomputes_elementwise): the LayerNorms and GELU rematerialised, the hidden dropout's
-mask drawn again from its key, and the flash kernels keeping their masks' bits and nothing
-else [B, H, T, T] but RealFormer's carry. The same values and gradients as what the CPU keeps, bit for bit, with
+"""What a training step keeps for its backward pass on TPUs (encoder.recomputes_elementwise):
+the LayerNorms and GELU rematerialised, the hidden dropout's mask drawn again from its key,
+and the flash kernels keeping their masks' bits and nothing else [B, H, T, T] but
+RealFormer's carry. The same values and gradients as what the CPU keeps, bit for bit, with
 fewer residuals (the arrays jax.vjp's closure keeps)."""
 
 import jax
@@ -71,16 +72,17 @@ def test_on_tpus_the_layer_recomputes_its_elementwise_work_with_the_same_numbers
   assert kept['cpu'].count(mask) - kept['tpu'].count(mask) == 1 + 2 * cfg.num_layers
 
 
-@pytest.mark.parametrize('rate', [0.0, 0.1])
+@pytest.mark.parametrize('rate,t', [(0.0, 40), (0.1, 40), (0.1, 200)])
 @pytest.mark.parametrize('with_term', [False, True])
-def test_the_mosaic_kernels_keep_the_masks_bits_and_no_probabilities(rate, with_term):
+def test_the_mosaic_kernels_keep_the_masks_bits_and_no_probabilities(rate, t, with_term):
   """What the TPU kernels' backward keeps (Pallas's interpreter): under dropout, the keep
   bits of each threefry block (four keys) that the forward drew, four blocks an int32 at
-  128-key tiles ([B, H, Tq / 16, Tk] at whole tiles), and nothing else [B, H, Tq, Tk] but
-  the term (RealFormer's previous scores); without dropout no bits. The backward kernels read the bits, not the key: the
+  128-key tiles ([B, H, Tq / 16, Tk] at whole tiles), eight at 256 ([B, H, Tq / 32, Tk]),
+  and nothing else [B, H, Tq, Tk] but the term (RealFormer's previous scores); without
+  dropout no bits. The backward kernels read the bits, not the key: the
   gradients are those of keep_mask's mask (tests/test_flash_variants.py)."""
   from realformer.layers import flash_attention_tpu  # pylint: disable=g-import-not-at-top
-  b, t, h, d = 2, 40, 2, 16
+  b, h, d = 2, 2, 16
   q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (b, t, h, d)) for i in range(3))
   term = jax.random.normal(jax.random.PRNGKey(3), (b, h, t, t)) if with_term else None
   bias = jnp.zeros((b, t), jnp.float32)
@@ -92,7 +94,9 @@ def test_the_mosaic_kernels_keep_the_masks_bits_and_no_probabilities(rate, with_
     return out.sum()
 
   kept = _residual_shapes(loss, q, k, v, term)
+  tile = flash_attention_tpu.tile_for(t, t)
+  rows = tile // (16 if tile == 128 else 32)
   bits = [s for s in kept if s[1] == 'int32' and len(s[0]) == 4]
-  assert bits == ([((b, h, 128 // 16, 128), 'int32')] if rate else [])
-  pairs = [s for s in kept if s[0][-2:] in ((t, t), (128, 128))]
+  assert bits == ([((b, h, rows, tile), 'int32')] if rate else [])
+  pairs = [s for s in kept if s[0][-2:] in ((t, t), (tile, tile))]
   assert pairs == ([((b, h, t, t), 'float32')] if with_term else [])

@@ -15,7 +15,7 @@ row = (b * H + h) * Tq + q. On a TPU the forward kernel draws a tile's blocks wh
 is used, each block once for its four keys, in integer arithmetic on int32 (threefry's bits
 are the same), and keeps each block's four keep bits for the backward kernels (`_nibbles`,
 `_packed` eight blocks to an int32 at tiles of 256 and 512 keys: a bit a key, B * H * Tq *
-Tk / 8 bytes; four at 128 and 384), which read them instead of drawing the mask again:
+Tk / 8 bytes at lengths padded to whole tiles; four at 128 and 384), which read them instead of drawing the mask again:
 threefry's 20 rounds were most of each kernel's schedule. Nothing else [B, H, Tq, Tk] is
 kept for the backward.
 
@@ -496,7 +496,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def tile_for(q_len: int, k_len: int) -> int:
   """The largest tile of at most MAX_TILE queries and keys that pads neither length more
   than whole lanes do: fewer grid steps (each costs a fixed overhead), and a tile of 512
-  keys draws its dropout blocks four to a vreg (_keep)."""
+  keys draws its dropout blocks four to a vreg (_nibbles)."""
   lengths = [round_up(n, _LANES) for n in (q_len, k_len)]
   return max(b for b in range(_LANES, MAX_TILE + 1, _LANES)
              if all(n % b == 0 for n in lengths))
