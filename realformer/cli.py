@@ -10,6 +10,7 @@ keeps the traceback.
 """
 
 import contextlib
+import difflib
 import errno
 import logging as logging_std
 import os
@@ -19,7 +20,7 @@ import sys
 import threading
 import traceback
 import types
-from typing import Optional
+from typing import List, Optional
 
 from absl import flags
 
@@ -43,7 +44,30 @@ def _override_path(key: str) -> str:
   return ending[0] if len(ending) == 1 else key  # (two that end so: which one is not said)
 
 
-def _one_line(e: BaseException) -> str:
+def _nearest_keys(path: str, default_config: Optional[str]) -> List[str]:
+  """The --config file's dotted keys (the command line's, else `default_config`) that an
+  unknown override `path` may have meant: those ending in its last part (a field given
+  without its section: learning_rate for optimizer.learning_rate), else the closest
+  spellings. [] where the file cannot be read."""
+  given = [a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--config=')]
+  given += [b for a, b in zip(sys.argv[1:], sys.argv[2:]) if a == '--config']
+  try:
+    config = load_config((given or [default_config])[0])
+  except Exception:  # pylint: disable=broad-except  (a hint only: the error stands without)
+    return []
+
+  def keys(node, prefix=''):
+    for name, value in node.items():
+      yield prefix + name
+      if hasattr(value, 'items'):
+        yield from keys(value, f'{prefix}{name}.')
+  known = list(keys(config))
+  last = path.rpartition('.')[2]
+  return ([k for k in known if k.rpartition('.')[2] == last][:3]
+          or difflib.get_close_matches(path, known, n=2, cutoff=0.75))
+
+
+def _one_line(e: BaseException, default_config: Optional[str] = None) -> str:
   text = _EMBEDDED.sub('', str(e)).strip()
   if isinstance(e, (AttributeError, KeyError)):
     text = text.strip('\'"')
@@ -54,8 +78,12 @@ def _one_line(e: BaseException) -> str:
               f'{path[:len(path) - len(m.group(1))] + m.group(2)!r}?); the fields and their '
               f'meaning are in the config file')
     key = re.sub(r'[\\\'"]', '', text.splitlines()[0]) if text else '?'
-    return (f'unknown config key {_override_path(key)!r}; check its spelling against the '
-            'config file')
+    path = _override_path(key)
+    near = _nearest_keys(path, default_config)
+    if near:
+      return (f'unknown config key {path!r} (did you mean {" or ".join(map(repr, near))}?); '
+              'the fields and their meaning are in the config file')
+    return f'unknown config key {path!r}; check its spelling against the config file'
   text = ' '.join(text.split())
   if isinstance(e, flags.IllegalFlagValueError) and text.startswith('flag --config.'):
     text += "; give a value of the field's type (the config file shows it)"
@@ -70,15 +98,15 @@ def _verbose(argv) -> bool:
 
 
 @contextlib.contextmanager
-def config_overrides():
-  """Around config_flags.DEFINE_config_file, which applies the command line's
-  --config.<key>=<value> overrides when it is called (an unknown key fails there)."""
+def config_overrides(default_config: Optional[str] = None):
+  """Around config_flags.DEFINE_config_file(..., default_config), which applies the command
+  line's --config.<key>=<value> overrides when it is called (an unknown key fails there)."""
   try:
     yield
   except _ERRORS as e:
     if _verbose(sys.argv):
       raise
-    print(f'error: {_one_line(e)}', file=sys.stderr)
+    print(f'error: {_one_line(e, default_config)}', file=sys.stderr)
     sys.exit(1)
 
 

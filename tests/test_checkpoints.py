@@ -325,11 +325,12 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference, cap
   # Resuming under another model is refused before the checkpoint is touched ...
   with pytest.raises(ValueError, match=r'another config \(2 fields\): model.mlp_dim: 64 -> 128'):
     run(config, tmp_path / 'run')
-  # ... and a checkpoint that does not fit the model names the parameter.
+  # ... and a checkpoint that does not fit the model names the parameter and the sizes.
   config = tiny_config(num_steps=1, init_checkpoint=str(tmp_path / 'imported'))
   config.model.mlp_dim = 128
-  with pytest.raises(ValueError, match=r'model: params/encoder/layers_0/mlp/intermediate/'
-                                       r'\w+ has shape \S*64\S* in the checkpoint but \S*128'):
+  with pytest.raises(ValueError, match=r'of other sizes than this run\'s \(params/encoder/'
+                                       r'layers_0/mlp/intermediate/\w+ has shape \S*64\S* in '
+                                       r'the checkpoint but \S*128.*: --config.model.mlp_dim=64'):
     run(config, tmp_path / 'run2')
   # A run not finished (still training, or stopped) as the init checkpoint: its newest step,
   # named, and a warning that its run has not reached its end.
@@ -401,6 +402,26 @@ def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tm
   stored = json.loads((reference[0] / 'config.json').read_text())
   for folder in (reference[0] / 'checkpoints', reference[0] / 'checkpoints' / str(NUM_STEPS)):
     assert checkpoints.read_pretraining_config(str(folder)) == stored
+  # Another model's sizes: the overrides that give this run the run's that wrote it.
+  wider = config.copy_and_resolve_references()
+  wider.model.hidden_size, wider.model.num_layers = 64, 3
+  with pytest.raises(ValueError, match=r'holds a model of other sizes than this run\'s \(.*\); '
+                     r'give this run those of the run that wrote it: --config.model.num_layers=2 '
+                     r'--config.model.hidden_size=32$'):
+    pretraining.check_init_checkpoint(wider, _abstract_params(wider))
+  # Weights of another codebase, given where a workdir of ours is wanted: import them first.
+  hf, tf1 = tmp_path / 'hf', tmp_path / 'tf1'
+  hf.mkdir()
+  (hf / 'config.json').write_text(json.dumps({'model_type': 'bert', 'hidden_size': 32}))
+  tf1.mkdir()
+  (tf1 / 'bert_model.ckpt.index').write_bytes(b'')
+  for folder, how in ((hf, f'import-hf --src {hf} --out WORKDIR'), (tf1, 'import-tf1')):
+    kind = 'Hugging Face' if folder == hf else 'TF1'
+    with pytest.raises(FileNotFoundError, match=f'{folder} is a {kind} checkpoint, not a '
+                       f'workdir of ours: import it first .*{how}'):
+      checkpoints.resolve_step_dir(str(folder))
+  with pytest.raises(ValueError, match=f'{hf} is a Hugging Face checkpoint'):
+    checkpoints.read_pretraining_config(str(hf))  # (finetune.py's init_checkpoint)
   for name in ('checkpoints/run1', 'checkpoints'):  # runs whose own folders have those names
     (tmp_path / name).mkdir(parents=True, exist_ok=True)
     (tmp_path / name / 'config.json').write_text(json.dumps(dict(stored, seed=5)))

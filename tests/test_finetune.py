@@ -1140,9 +1140,10 @@ def test_config_model_sets_how_the_pretrained_encoder_computes(pretrained, tmp_p
   assert (task.spec.num_layers, task.spec.hidden_size) == (pre.model.num_layers,
                                                            pre.model.hidden_size)
   assert task.params_config.model.dtype == pre.model.dtype == 'float32'
-  # best/ and final/ record the kind that made their head, for export-hf
+  # best/ and final/ record the kind that made their head and its labels, for export-hf
   assert task.params_config.finetuned.to_dict() == {
-      'kind': 'glue', 'task': 'rte', 'hf_architecture': 'BertForSequenceClassification'}
+      'kind': 'glue', 'task': 'rte', 'hf_architecture': 'BertForSequenceClassification',
+      'labels': ['entailment', 'not_entailment']}
   assert finetune_task.computed_as(pre.model, ft_config('rte', pretrained).model) is pre.model
 
 

@@ -313,10 +313,13 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
     if any(h in interop.TASK_HEADS for h in heads):  # as a fine-tuning's best/ records it
       saved = cfg.copy_and_resolve_references()
       saved.finetuned = {'kind': 'glue' if heads == ('classifier',) else 'squad',
-                         'task': 'x', 'hf_architecture': architecture}
+                         'task': 'x', 'hf_architecture': architecture,
+                         'labels': ['contradiction', 'entailment', 'neutral']}
     checkpoints.save_params(str(run), tuned, saved)
     out = interop.export_hf(str(run), str(tmp_path / f'{architecture}_hf'))
     hf = getattr(transformers, architecture).from_pretrained(out, attn_implementation='eager')
+    if heads == ('classifier',):  # the run's label names, in id order
+      assert hf.config.id2label == {0: 'contradiction', 1: 'entailment', 2: 'neutral'}
     expected = {k for k in hf.state_dict()  # (the decoder: tied to the embeddings, the bias)
                 if not k.startswith('cls.predictions.decoder.')}
     assert set(load_file(os.path.join(out, 'model.safetensors'))) == expected, architecture
@@ -375,7 +378,8 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
-  with pytest.raises(ValueError, match='cannot be represented by HF BertModel'):
+  with pytest.raises(ValueError, match='cannot be represented by HF BertModel: it has residual '
+                     'attention'):
     interop.export_hf(str(_realformer_workdir(ck, tmp_path)), str(tmp_path / 'no'))
   # A parameter BERT has no place for (a fork's addition to the encoder) is never dropped.
   grown = jax.tree.map(lambda x: x, params)
@@ -473,6 +477,11 @@ def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
     interop.load_hf(str(hf_dir))
   with pytest.raises(FileNotFoundError, match='neither model.safetensors nor pytorch_model.bin'):
     interop.read_hf_tensors(str(tmp_path))
+  # A folder that is no checkpoint (a package's root, its checkpoint a folder down): said
+  # before its tokenizer files are looked for.
+  with pytest.raises(FileNotFoundError, match=r'has no config.json \(its subfolder '
+                     r'.*/roberta has one\); pass an HF checkpoint directory'):
+    interop.import_hf(str(tmp_path), str(tmp_path / 'nowhere'))
   # Damaged files: an interrupted download, a Git LFS pointer in place of the weights.
   (hf_dir / 'model.safetensors').write_text('version https://git-lfs.github.com/spec/v1\n')
   with pytest.raises(ValueError, match='model.safetensors is not a readable safetensors file'):
@@ -586,8 +595,9 @@ def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   ck = tf1_checkpoint
   workdir, hf_dir, back = (str(tmp_path / n) for n in ('w', 'hf', 'back'))
-  interop.main(['import-tf1', '--ckpt', ck['prefix'], '--bert_config', ck['config'],
-                '--vocab', ck['vocab'], '--out', workdir, '--variant', 'postln'])
+  interop.main(['import-tf1', '--ckpt', ck['prefix'] + '.index',  # (a file: its prefix)
+                '--bert_config', ck['config'], '--vocab', ck['vocab'], '--out', workdir,
+                '--variant', 'postln'])
   interop.main(['export-hf', '--workdir', workdir, '--out', hf_dir])
   tensors = load_file(os.path.join(hf_dir, 'model.safetensors'))
   torch.save({n: torch.from_numpy(x) for n, x in tensors.items()},

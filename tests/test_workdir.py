@@ -1022,6 +1022,23 @@ def test_a_new_config_field_says_what_runs_before_it_meant():
   assert set(workdir_lib.ADDED_FINETUNE_DEFAULTS) <= now['configs/finetune.py']
 
 
+def test_an_unknown_key_without_its_section_is_pointed_to_it(monkeypatch):
+  """A field given without its section, or misspelt where ml_collections has no guess (at
+  the top level): the --config file's keys that end so, or the closest; from the command
+  line's --config, else the program's default."""
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  one_line = cli._one_line  # pylint: disable=protected-access
+  monkeypatch.setattr(sys, 'argv', ['finetune.py', '--config.warmup_fraction=0.5'])
+  assert "unknown config key 'warmup_fraction' (did you mean 'optimizer.warmup_fraction'?)" in (
+      one_line(KeyError("'warmup_fraction'"), 'configs/finetune.py'))
+  monkeypatch.setattr(sys, 'argv', ['train.py', '--config', 'configs/pretrain.py:postln,tiny',
+                                    '--config.trian.num_steps=3'])
+  assert "unknown config key 'trian' (did you mean 'train'?)" in one_line(KeyError("'trian'"))
+  monkeypatch.setattr(sys, 'argv', ['train.py', '--config.nothing_like_it=1'])
+  assert one_line(KeyError("'nothing_like_it'"), 'configs/pretrain.py:postln,tiny') == (
+      "unknown config key 'nothing_like_it'; check its spelling against the config file")
+
+
 def test_an_unknown_key_is_named_by_the_one_override_that_ends_in_it(monkeypatch):
   """The dotted path where exactly one --config.<path> override ends in the key
   ml_collections names; two that end so (train.batch_size and data.batch_size): the key."""

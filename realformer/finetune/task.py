@@ -27,7 +27,7 @@ import copy
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import flax
 import jax
@@ -352,6 +352,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
       self.params_config.finetuned = {'kind': config.benchmark, 'task': config.task,
                                       'hf_architecture': hf_architecture_of(type(self))}
     self.load(tokenizer)
+    with self.params_config.unlocked():
+      self.params_config.finetuned.labels = list(self.label_names())
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',
                                  'fine-tune a checkpoint with two token types')
@@ -490,6 +492,11 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def headline_metric(self) -> str:
     """The name of dev_headline's metric, as results.json and the grid's table give it."""
     return 'headline'
+
+  def label_names(self) -> Sequence[str]:
+    """The names of a classifier's outputs in id order, after `load` (best/ and final/
+    record them: an HF export's id2label); () where the head has none."""
+    return ()
 
   def flops_per_example(self, length: int) -> float:
     """Training FLOPs of one example padded to `length`: the encoder over every row, and

@@ -553,13 +553,22 @@ def _check_unused(tensors, used, ignored: Callable[[str], bool], source: str,
     logging.warning('%s: %d tensors not imported, e.g. %s', source, len(unused), unused[:5])
 
 
+def _hf_config_path(src: str) -> str:
+  """src's config.json; a one-line error, naming a subfolder that has one, where it has none."""
+  path = os.path.join(src, HF_CONFIG)
+  if os.path.isfile(path):
+    return path
+  inside = sorted(d for d in os.listdir(src)
+                  if os.path.isfile(os.path.join(src, d, HF_CONFIG))) if os.path.isdir(src) else []
+  where = f' (its subfolder {os.path.join(src, inside[0])} has one)' if inside else ''
+  raise FileNotFoundError(f'{src} has no {HF_CONFIG}{where}; pass an HF checkpoint directory '
+                          '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
+
+
 def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, dict]:
   """An HF BERT directory -> (params, run config, its tokenizer's normalisation settings:
   do_lower_case, strip_accents, tokenize_chinese_chars), nothing written."""
-  config_path = os.path.join(src, HF_CONFIG)
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(f'{src} has no {HF_CONFIG}; pass an HF checkpoint directory '
-                            '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
+  config_path = _hf_config_path(src)
   try:
     with open(config_path) as f:
       bert = json.load(f)
@@ -605,6 +614,7 @@ def import_hf(src: str, out: str) -> str:
                                                 'not found') +
                             ': pass the folder of an HF BERT checkpoint '
                             '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
+  _hf_config_path(src)  # (before the tokenizer files: is it a checkpoint at all?)
   with tempfile.TemporaryDirectory(prefix='realformer-vocab-') as tmp:
     vocab = os.path.join(src, VOCAB)
     if not os.path.isfile(vocab) and os.path.isfile(os.path.join(src, HF_TOKENIZER_JSON)):
@@ -643,9 +653,20 @@ def vocab_from_tokenizer_json(path: str, out: str) -> str:
 # TF1 (google-research/bert and the official RealFormer release).
 # ----------------------------------------------------------------------------------------
 
+def tf1_prefix(path: str) -> str:
+  """A TF1 checkpoint's prefix from the prefix or one of its files (model.ckpt.index,
+  model.ckpt.data-00000-of-00001, model.ckpt.meta -> model.ckpt)."""
+  return re.sub(r'\.(index|meta|data-\d+-of-\d+)$', '', path)
+
+
 def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
-  """All variables of a TF1 checkpoint (prefix such as model.ckpt-1000000) except optimizer
-  slots and the step counter."""
+  """All variables of a TF1 checkpoint (prefix such as model.ckpt-1000000, or one of its
+  files) except optimizer slots and the step counter."""
+  prefix = tf1_prefix(prefix)
+  # TensorFlow's C++ start-up lines (oneDNN's notice, absl's) where it is first imported: it
+  # only reads tensors here, and our errors say what went wrong in one line.
+  for variable in ('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS'):
+    os.environ.setdefault(variable, '3' if variable == 'TF_CPP_MIN_LOG_LEVEL' else '0')
   try:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -715,7 +736,8 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
   """Import a TF1 BERT / RealFormer checkpoint into a params-only workdir (each path may be a
   gs:// URL)."""
   _new_out(out)
-  folder, _, name = prefix.rstrip('/').rpartition('/')
+  prefix = tf1_prefix(prefix.rstrip('/'))
+  folder, _, name = prefix.rpartition('/')
   if storage.is_url(prefix):  # the prefix's .index and .data-* objects
     prefix = os.path.join(_local_files(folder, lambda n: n.startswith(name + '.')), name)
   vocab, bert_config = _local_file(vocab), _local_file(bert_config)
@@ -732,12 +754,18 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
 def check_exportable(model_config) -> None:
   """HF's BertModel is a Post-LN encoder with dot-product attention and nothing more."""
   spec = resolve(model_config)
-  if spec.block != 'post_ln' or not spec.plain_dot_product:
+  lacks = ([f'{spec.block} blocks (BertModel\'s are post_ln)'] if spec.block != 'post_ln'
+           else [])
+  if spec.residual_attention:
+    lacks.append('residual attention (each layer adds the previous layer\'s scores)')
+  if tuple(spec.attention) != ('dot',):
+    lacks.append(f'attention {"+".join(spec.attention)} (BertModel\'s is the dot product)')
+  if lacks or not spec.plain_dot_product:
     raise ValueError(
-        f'model variant {spec.variant!r} (block={spec.block}, residual_attention='
-        f'{spec.residual_attention}, attention={"+".join(spec.attention)}) cannot be '
-        'represented by HF BertModel; only Post-LN encoders whose attention is the dot product '
-        'alone (variant postln, as its preset has it) can be exported')
+        f'model variant {spec.variant!r} cannot be represented by HF BertModel: it has '
+        f'{" and ".join(lacks) or "more than dot-product attention"}; only Post-LN encoders '
+        'whose attention is the dot product alone (variant postln, as its preset has it) can '
+        'be exported')
 
 
 def _unscan(encoder: dict, num_layers: int) -> dict:
@@ -890,8 +918,11 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   hf = hf_config(model_config, architecture, pad_id)
   if 'classifier' in task:  # (one label: a regression, as GLUE's STS-B)
     labels = int(task['classifier']['bias'].shape[0])
-    hf['id2label'] = {str(i): f'LABEL_{i}' for i in range(labels)}
-    hf['label2id'] = {f'LABEL_{i}': i for i in range(labels)}
+    names = [str(n) for n in finetuned.get('labels') or ()]  # (the run's, in id order)
+    if len(names) != labels or len(set(names)) != labels:
+      names = [f'LABEL_{i}' for i in range(labels)]
+    hf['id2label'] = {str(i): n for i, n in enumerate(names)}
+    hf['label2id'] = {n: i for i, n in enumerate(names)}
     hf['problem_type'] = ('regression' if labels == 1 else
                           'single_label_classification')
   with open(os.path.join(out, HF_CONFIG), 'w') as f:

@@ -179,6 +179,8 @@ def read_pretraining_config(workdir: str) -> dict:
     raise ValueError(f'{path} is not valid JSON ({e}); pass a workdir written by train.py '
                      'or realformer.tools.interop') from None
   fine_tuning = isinstance(config, dict) and 'task' in config  # (finetune.py's; no pretraining key)
+  if isinstance(config, dict) and 'model_type' in config:
+    raise ValueError(_import_first(workdir, 'hf'))
   if fine_tuning or not isinstance(config, dict) or not isinstance(config.get('model'), dict):
     what = ('a fine-tuning run (its config.json is finetune.py\'s)' if fine_tuning else
             f'not a pretraining config ({RunNames.CONFIG} has no model section)')
@@ -312,9 +314,31 @@ def resolve_step_dir(path: str) -> str:
     return str(folder)
   newest = agreed_step(steps[-1] if steps else None)
   if newest is None:
+    if _foreign(folder):
+      raise FileNotFoundError(_import_first(path, _foreign(folder)))
     raise FileNotFoundError(f'no complete checkpoint under {folder}; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')
   return str(folder / str(newest))
+
+
+def _foreign(folder) -> Optional[str]:
+  """Which other codebase's weights a folder holds: 'hf' (a config.json with a model_type),
+  'tf1' (a checkpoint's .index), else None."""
+  try:
+    if 'model_type' in read_config(folder):
+      return 'hf'
+  except (OSError, ValueError, TypeError):
+    pass
+  return 'tf1' if any(folder.glob('*.ckpt*.index')) else None
+
+
+def _import_first(path, kind: str) -> str:
+  """The error for another codebase's weights where a workdir of ours was wanted."""
+  how = (f'import-hf --src {path} --out WORKDIR' if kind == 'hf' else
+         'import-tf1 --ckpt PREFIX ... (docs/interop.md)')
+  return (f'{path} is a {"Hugging Face" if kind == "hf" else "TF1"} checkpoint, not a workdir '
+          f'of ours: import it first (python -m realformer.tools.interop {how}) and pass the '
+          'WORKDIR it writes')
 
 
 def _step_folder(path):

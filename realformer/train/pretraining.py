@@ -53,12 +53,23 @@ def check_init_checkpoint(config, abstract_params) -> None:
   embeddings stand for another vocabulary's pieces), and with this variant (a warning: its
   weights start another model)."""
   path = config.train.init_checkpoint
-  checkpoints.check_matches(checkpoints.resolve_step_dir(path), {'params': abstract_params},
-                            allow_missing=True)
+  step_dir = checkpoints.resolve_step_dir(path)
   try:
     stored = ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
   except (FileNotFoundError, ValueError):
-    return  # (weights of no train.py run: nothing recorded to compare)
+    stored = None  # (weights of no train.py run: nothing recorded to compare)
+  try:
+    checkpoints.check_matches(step_dir, {'params': abstract_params}, allow_missing=True)
+  except ValueError as e:
+    sizes = _sizes_to_match(stored, config) if stored is not None else ''
+    if not sizes:
+      raise
+    what = str(e).partition('does not match the model: ')[2].partition('; use the')[0]
+    raise ValueError(f'train.init_checkpoint {path} holds a model of other sizes than this '
+                     f'run\'s ({what}); give this run those of the run that wrote it: '
+                     f'{sizes}') from None
+  if stored is None:
+    return
   from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
   data = stored.get('data') or {}
   if 'tokenizer' in data:  # (recorded: '' is the embedded one)
@@ -76,6 +87,23 @@ def check_init_checkpoint(config, abstract_params) -> None:
   if trained != resolve(config.model).name:
     logging.warning('train.init_checkpoint %s was trained as %s; this run is %s: its weights '
                     'start another variant', path, trained, resolve(config.model).name)
+
+
+# The model fields that set its parameters' shapes (model.max_len has its own message; the
+# vocabulary is the tokenizer's).
+_SIZES = ('num_layers', 'hidden_size', 'num_heads', 'mlp_dim', 'type_vocab_size')
+
+
+def _sizes_to_match(stored, config) -> str:
+  """The overrides that give this run the sizes (and vocabulary) of the run that wrote an
+  init checkpoint, where they differ: '--config.model.hidden_size=384 ...', else ''."""
+  model = stored.get('model') or {}
+  flags = [f'--config.model.{f}={model[f]}' for f in _SIZES
+           if f in model and model[f] != config.model.get(f)]
+  tokenizer = (stored.get('data') or {}).get('tokenizer')
+  if tokenizer is not None and tokenizer != config.data.tokenizer:
+    flags.append(f'--config.data.tokenizer={tokenizer or repr("")}')
+  return ' '.join(flags)
 
 
 def make_input_fn(config, workdir: str):

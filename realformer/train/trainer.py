@@ -703,7 +703,7 @@ def define_flags(config_file: str, config_help: str, workdir_help: str) -> None:
   set-up and of the compilation cache."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  with cli.config_overrides():
+  with cli.config_overrides(config_file):
     config_flags.DEFINE_config_file('config', config_file, config_help, lock_config=True)
   flags.DEFINE_string('workdir', None, workdir_help)
   distributed.define_flags()

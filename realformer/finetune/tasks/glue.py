@@ -98,6 +98,9 @@ class GlueTask(FinetuneTask):
     return models.build(spec, head='classification',
                         num_labels=len(self.task.labels) or 1)
 
+  def label_names(self):
+    return tuple(self.task.labels)
+
   def head_flops(self, length: int) -> float:
     del length  # the pooler and the classifier read [CLS] alone
     d = self.spec.hidden_size
