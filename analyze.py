@@ -37,8 +37,15 @@ def main(argv=None):
   if out.exists() and not out.is_dir():
     raise ValueError(f'--out {args.out} is a file; give a folder for the report')
   for w in args.workdir:
+    if not storage.path(w).is_dir():
+      raise FileNotFoundError(f'--workdir {w} does not exist: pass the --workdir of a train.py '
+                              'run')
     if not (storage.path(w) / RunDir.CONFIG).exists():
-      raise FileNotFoundError(f'{w} has no config.json: pass the --workdir of a train.py run')
+      runs = sorted(p.name for p in storage.path(w).iterdir()
+                    if (p / RunDir.CONFIG).exists())
+      inside = f' (a sweep\'s root? its runs are folders such as {w}/{runs[0]})' if runs else ''
+      raise FileNotFoundError(f'{w} has no config.json{inside}: pass the --workdir of a '
+                              'train.py run')
   results = [analysis.analyze_run(w, args.num_examples) for w in args.workdir]
   analysis.write_report(results, args.out, args.label)
   print((out / 'attention.md').read_text())

@@ -824,6 +824,9 @@ def finetune(args) -> int:
     print_era_note(args)
     print(''.join(script), end='')
     return 0
+  if not scores and not args.report_only:
+    raise ValueError(f'no run under {args.root} is pretrained yet: run study.py compare '
+                     'first (with the same --root, --variants and --seeds)')
   if args.report_only and not any(v is not None for arm in ('pretrained', 'scratch')
                                   for seeds in scores.get(arm, {}).values()
                                   for v in seeds.values()):

@@ -23,6 +23,7 @@ from absl import flags
 
 from realformer import cli
 from realformer import storage
+from realformer.run_names import RunNames
 from realformer.tools import sweep
 
 
@@ -71,6 +72,9 @@ def main(argv=None):
   if args.cmd == 'summarize':
     metrics = args.metrics.split(',')
     rows = sweep.collect(args.root, metrics)
+    if not rows:
+      raise ValueError(f'--root {args.root} holds no runs of a sweep (folders with '
+                       f'{RunNames.OVERRIDES}); pass the --root that sweep.py run was given')
     metrics = sweep.check_metrics(rows, metrics, given=args.metrics != DEFAULT_METRICS)
     header, table = sweep.summarize(rows, metrics)
     out = args.out or storage.join(args.root, 'summary')

@@ -121,6 +121,13 @@ def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
   step = int(os.path.basename(checkpoints.resolve_step_dir(tiny_run)))
   assert numbers['a']['step'] == result['step'] == step  # the checkpoint analysed, named
   assert f'| a | {step} | ' in (out / 'attention.md').read_text()
+  # Not a run: a path that is not there, a sweep's root (which names a run inside it).
+  with pytest.raises(FileNotFoundError, match='--workdir /nowhere does not exist'):
+    analyze.main(['--workdir', '/nowhere', '--out', str(tmp_path / 'r2')])
+  parent = os.path.dirname(tiny_run)
+  with pytest.raises(FileNotFoundError, match=rf"{parent} has no config.json \(a sweep's root\? "
+                     rf'its runs are folders such as {parent}/'):
+    analyze.main(['--workdir', parent, '--out', str(tmp_path / 'r2')])
   with pytest.raises(ValueError, match=r'--num_examples=100000: the eval split of .* holds '
                      r'\d+ examples; give at most'):
     analysis.analyze_run(tiny_run, num_examples=100000)

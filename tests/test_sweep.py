@@ -88,7 +88,8 @@ def test_names_are_stable_safe_and_distinct():
   assert '/' not in odd and '*' not in odd and ';' not in odd and ' ' not in odd
   runs = sweep.expand(['optimizer.learning_rate=1e-4,1e-3'], seeds=2)
   assert len({sweep.run_name(r) for r in runs}) == 4
-  with pytest.raises(ValueError, match='repeats a run'):
+  with pytest.raises(ValueError, match=r'repeats a run \(optimizer.learning_rate=0.001,seed=0 '
+                     'twice: two values of a --sweep key that read the same'):
     sweep.expand(['optimizer.learning_rate=1e-3,0.001'])
   with pytest.raises(ValueError, match="would share the folder 'data.sources=files__d_a_.txt"):
     sweep.expand(['data.sources=files:/d/a*.txt,files:/d/a?.txt'])
@@ -119,6 +120,12 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
                                          'they log eval/mlm_accuracy, eval/step$'):
       sweep_cli.main(['summarize', '--root', str(root), '--metrics', metrics])
   assert sweep_cli.main(['summarize', '--root', str(root)]) == 0  # a default of the three
+  # A folder that holds no sweep (a run of it, a typo): one line, nothing written there.
+  for other in (root / names[0], tmp_path / 'nowhere'):
+    with pytest.raises((ValueError, FileNotFoundError), match=f'--root {other} (holds no runs '
+                       'of a sweep|is not a folder)'):
+      sweep_cli.main(['summarize', '--root', str(other)])
+    assert not (other / 'summary.md').exists()
   summary = (root / 'summary.md').read_text()  # (the defaults no run logged: no columns)
   assert 'eval/mlm_accuracy mean' in summary and 'eval/nsp_accuracy' not in summary
   header, table = sweep.summarize(sweep.collect(str(root), ['eval/mlm_accuracy']),
@@ -237,6 +244,13 @@ def test_values_are_read_as_their_fields_types():
     sweep.expand(['model.residual_attention=yes'], types=types)
   assert [r['model.residual_attention'] for r in sweep.expand(
       ['model.residual_attention=true,0'], types=types)] == [True, False]
+  # An int field's whole number in scientific notation is that int; None is no value to give
+  # (its default is had by leaving the key out), said as such.
+  assert [r['train.num_steps'] for r in sweep.expand(
+      ['train.num_steps=1e3,1.5e1'], types=types)] == [1000, 15]
+  with pytest.raises(ValueError, match=r'data.seed=None does not fit the field \(int, now '
+                     r'None\); leave the key out of the run'):
+    sweep.check_keys(config, sweep.expand([], ['data.seed=None'], types=types))
   with pytest.raises(ValueError, match=r'model.attention=1: model.attention=.1.: expected'):
     sweep.check_keys(config, sweep.expand(['model.attention=1,dot'], types=types))
   with pytest.raises(ValueError, match=r'model.block=None does not fit the field \(str, now '
@@ -906,13 +920,17 @@ def test_a_run_finished_or_taken_between_the_look_and_the_lock_is_not_started(
 
 def test_study_reports_of_nothing_are_one_line_errors(tmp_path):
   """--report_only where no run of the part finished (a wrong --root, or options other than
-  the runs'): one line, not a table of '(not run)' that exits 0."""
+  the runs'), and fine-tuning where nothing is pretrained yet: one line, not a table of
+  '(not run)' that exits 0."""
   import study  # pylint: disable=g-import-not-at-top
   for part, said in (('compare', 'no finished run under'),
                      ('finetune', 'no finished fine-tuning run under'),
                      ('stability', 'no run of this grid under')):
     with pytest.raises(ValueError, match=said):
       study.main([part, '--root', str(tmp_path), '--report_only'])
+  with pytest.raises(ValueError, match=f'no run under {tmp_path} is pretrained yet: run '
+                     'study.py compare first'):
+    study.main(['finetune', '--root', str(tmp_path), '--seeds', '1'])
 
 
 WAITING_PROGRAM = textwrap.dedent('''

@@ -100,10 +100,19 @@ def parse_value(text: str, kind: type = type(None)) -> Any:
   if kind is str:
     return text
   if kind in (int, float):  # (a value the type cannot read: check_keys names the field)
+    if low in ('none', 'null'):
+      return None  # (which check_keys refuses: a default of None is had by leaving it out)
     try:
       return kind(text)
     except ValueError:
       pass
+    if kind is int and 'e' in low:  # a whole number in scientific notation: 1e3 -> 1000
+      try:
+        number = float(text)
+      except ValueError:
+        number = float('nan')
+      if number.is_integer():
+        return int(number)
   if kind is bool:
     if low not in ('true', 'false', '1', '0'):
       raise ValueError(f'{text!r} is not true or false, which this bool field takes')
@@ -208,7 +217,11 @@ def expand(sweeps: Sequence[str] = (), fixed: Sequence[str] = (), seeds: int = 1
       raise ValueError(f'two runs of the sweep would share the folder {first!r} (values that '
                        'differ only in characters a folder name cannot hold); give values '
                        'that differ in letters or digits')
-    raise ValueError('the sweep repeats a run (the same overrides twice); check --sweep/--set')
+    seen = [json.dumps(r, sort_keys=True) for r in runs]
+    twice = next(r for r, s in zip(runs, seen) if seen.count(s) > 1)
+    raise ValueError(f'the sweep repeats a run ({run_name(twice)} twice: two values of a '
+                     '--sweep key that read the same, such as 1e-4 and 0.0001); check '
+                     '--sweep/--set')
   return runs
 
 
@@ -827,6 +840,8 @@ def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
   """One row per run under root: its overrides and its final metrics (a finished run's
   other metrics' names under 'logged')."""
   rows = []
+  if not storage.path(root).is_dir():
+    raise FileNotFoundError(f'--root {root} is not a folder; pass the --root of a sweep')
   for name in sorted(p.name for p in storage.path(root).iterdir()):
     workdir = storage.join(root, name)
     path = storage.path(workdir) / RunDir.OVERRIDES
