@@ -950,6 +950,7 @@ WAITING_PROGRAM = textwrap.dedent('''
       sys.exit(0)
     def saved(*_):
       open(os.path.join(workdir, 'saved'), 'a').write('saved\\n')
+      print('saved at the stop', flush=True)  # (its log's last line)
       sys.exit(75)
     signal.signal(signal.SIGTERM, saved)
     open(os.path.join(workdir, 'started'), 'a').write('started\\n')
@@ -1006,6 +1007,9 @@ def test_a_stopped_sweep_stops_its_run_and_a_failed_run_says_why(tmp_path, capsy
   out = proc.communicate(timeout=60)[0]
   assert proc.returncode == 75, out
   assert 'stopped before its end (exit 75); run again to resume' in out
+  # A run killed by a signal while it started (before its handler was set): said as such.
+  assert sweep._why_failed(-15, str(tmp_path / 'nothing')) == (  # pylint: disable=protected-access
+      'stopped by SIGTERM before it could save (exit -15); run again to resume')
   assert 'not finished: stopped by a signal after mode=wait,seed=0' in out
   assert (first / 'saved').read_text() == 'saved\n'
   assert not (root / 'mode=other,seed=0').exists()  # never started
@@ -1015,3 +1019,5 @@ def test_a_stopped_sweep_stops_its_run_and_a_failed_run_says_why(tmp_path, capsy
   proc.kill()
   proc.wait()
   _wait_for(first / 'saved', lines=2)  # the run went with its sweep, saving
+  _wait_for(first / RunDir.LOG, lines=2)  # and its log kept the lines it wrote after
+  assert (first / RunDir.LOG).read_text().count('saved at the stop') == 2

@@ -437,7 +437,7 @@ ONE_LINE_ERRORS = [
       '--init_checkpoint', '{tmp}/none'], 'is not a train.py or import workdir'),
     (['-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny', '--out_dir',
       '{tmp}/p', '--config.data.sources=files:{tmp}/none*'], 'matches no file'),
-    (['analyze.py', '--workdir', '{tmp}/none', '--out', '{tmp}/a'], 'has no config.json'),
+    (['analyze.py', '--workdir', '{tmp}/none', '--out', '{tmp}/a'], 'does not exist'),
     (['-m', 'realformer.tools.interop', 'import-hf', '--src', '{tmp}/none', '--out', '{tmp}/x'],
      'none not found: pass the folder of an HF BERT checkpoint'),
     (['study.py', '--root', '{tmp}/st', '--seeds', '0'], 'need at least one seed'),

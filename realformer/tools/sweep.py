@@ -720,17 +720,23 @@ def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str],
 
 
 def _call_logged(argv, log_path: str) -> Tuple[int, bool]:
-  """Runs argv with its output appended to `log_path` (in a bucket: a local spool, uploaded
-  every 30 s while it runs and when it ends); returns (its exit code, whether this process
-  was asked to stop meanwhile). A SIGTERM or SIGINT (Ctrl-C) that this process gets is
-  passed on to the run as SIGTERM, which saves and exits with the not-finished status; if
-  this process dies without passing it on (kill -9), the run gets SIGTERM all the same
-  (Linux's parent-death signal), so that no run trains on without its sweep."""
-  log = storage.GrowingFile(log_path, binary=True)
+  """Runs argv with its output appended to `log_path` (a local file the run writes itself;
+  in a bucket, through a local spool that this process uploads every 30 s while the run
+  runs and when it ends); returns (its exit code, whether this process was asked to stop
+  meanwhile). A SIGTERM or SIGINT (Ctrl-C) that this process gets is passed on to the run
+  as SIGTERM, which saves and exits with the not-finished status; if this process dies
+  without passing it on (kill -9), the run gets SIGTERM all the same (Linux's parent-death
+  signal), so that no run trains on without its sweep, and a local log keeps its last
+  lines (the run's save)."""
+  local = not storage.is_url(log_path)
+  if local:
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+  log = open(log_path, 'ab') if local else storage.GrowingFile(log_path, binary=True)
   stop = []
   try:
     with subprocess.Popen([sys.executable, '-c', _WITH_PARENT, str(os.getpid())] + argv,
-                          cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+                          cwd=_ROOT, stdout=log if local else subprocess.PIPE,
+                          stderr=subprocess.STDOUT) as proc:
       def pass_on(signum, _):
         stop.append(signum)
         proc.send_signal(signal.SIGTERM)
@@ -738,7 +744,9 @@ def _call_logged(argv, log_path: str) -> Tuple[int, bool]:
       if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, pass_on) for sig in workdir_lib.stop_signals()}
       try:
-        for line in proc.stdout:
+        if local:
+          proc.wait()
+        for line in proc.stdout or ():
           log.write(line)
           log.flush()
       finally:
@@ -768,7 +776,15 @@ def _why_failed(code: int, workdir: str) -> str:
   if code == EXIT_NOT_FINISHED:
     return f'stopped before its end (exit {code}); run again to resume'
   errors = [l for l in log_tail(workdir, 8000).splitlines() if l.startswith('error: ')]
-  return f'exit {code}: {errors[-1]}' if errors else f'exit {code} (run again to resume)'
+  if errors:
+    return f'exit {code}: {errors[-1]}'
+  if code < 0:  # a signal before the run could answer it (while it was starting)
+    try:
+      name = signal.Signals(-code).name
+    except ValueError:
+      name = f'signal {-code}'
+    return f'stopped by {name} before it could save (exit {code}); run again to resume'
+  return f'exit {code} (run again to resume)'
 
 
 def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
