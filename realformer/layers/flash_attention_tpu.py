@@ -15,9 +15,9 @@ row = (b * H + h) * Tq + q. On a TPU the forward kernel draws a tile's blocks wh
 is used, each block once for its four keys, in integer arithmetic on int32 (threefry's bits
 are the same), and keeps each block's four keep bits for the backward kernels (`_nibbles`,
 `_packed` eight blocks to an int32 at tiles of 256 and 512 keys: a bit a key, B * H * Tq *
-Tk / 8 bytes at lengths padded to whole tiles; four at 128 and 384), which read them instead of drawing the mask again:
-threefry's 20 rounds were most of each kernel's schedule. Nothing else [B, H, Tq, Tk] is
-kept for the backward.
+Tk / 8 bytes at lengths padded to whole tiles; four at 128 and 384), which read them
+instead of drawing the mask again: threefry's 20 rounds were most of each kernel's
+schedule. Nothing else [B, H, Tq, Tk] is kept for the backward.
 
 Three kernels, each over tiles of `block` queries x `block` keys (a multiple of 128, the
 lanes, up to 512: tile_for), `group` heads a grid step (heads_per_step): the forward

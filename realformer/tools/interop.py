@@ -558,8 +558,8 @@ def _hf_config_path(src: str) -> str:
   path = os.path.join(src, HF_CONFIG)
   if os.path.isfile(path):
     return path
-  inside = sorted(d for d in os.listdir(src)
-                  if os.path.isfile(os.path.join(src, d, HF_CONFIG))) if os.path.isdir(src) else []
+  inside = (sorted(d for d in os.listdir(src) if os.path.isfile(os.path.join(src, d, HF_CONFIG)))
+            if os.path.isdir(src) else [])
   where = f' (its subfolder {os.path.join(src, inside[0])} has one)' if inside else ''
   raise FileNotFoundError(f'{src} has no {HF_CONFIG}{where}; pass an HF checkpoint directory '
                           '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')

@@ -314,8 +314,9 @@ def resolve_step_dir(path: str) -> str:
     return str(folder)
   newest = agreed_step(steps[-1] if steps else None)
   if newest is None:
-    if _foreign(folder):
-      raise FileNotFoundError(_import_first(path, _foreign(folder)))
+    kind = _foreign(folder)
+    if kind:
+      raise FileNotFoundError(_import_first(path, kind))
     raise FileNotFoundError(f'no complete checkpoint under {folder}; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')
   return str(folder / str(newest))
