@@ -4,7 +4,8 @@ r"""Fine-tune a pretrained encoder on a GLUE task or SQuAD; evaluate on dev; wri
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/glue
   python finetune.py --config configs/finetune.py:squad/v2.0 --workdir /tmp/ft_squad2 \
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad \
-      --config.max_seq_length=128   # bert_tiny has 128 positions; BERT-base takes 384
+      --config.max_seq_length=128 --config.doc_stride=32  # bert_tiny has 128 positions
+      # (BERT-base takes 384 and BERT's doc_stride of 128)
 
 The encoder is restored from the newest checkpoint of `init_checkpoint` (only the encoder:
 the pretraining heads and optimizer are not read); a checkpoint whose architecture or

@@ -18,7 +18,8 @@ mismatched and predicts AX), qnli, rte, wnli. Defaults follow BERT: lr 2e-5, bat
 
   python finetune.py --config configs/finetune.py:squad/v1.1 --workdir /tmp/ft_squad \
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad \
-      --config.max_seq_length=128   # bert_tiny has 128 positions; BERT-base takes 384
+      --config.max_seq_length=128 --config.doc_stride=32  # bert_tiny has 128 positions
+      # (BERT-base takes 384 and BERT's doc_stride of 128)
 
 A task of your own (`tsv/<name>`): data_dir holds train.tsv and dev.tsv (test.tsv optional,
 predicted into predictions/<name>.tsv), each with a header row; config.tsv names the text

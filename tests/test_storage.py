@@ -757,7 +757,7 @@ def test_squad_and_glue_files_in_a_bucket_read_as_on_disk(gcs):
   from data import glue  # pylint: disable=g-import-not-at-top
   from data import squad  # pylint: disable=g-import-not-at-top
   here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data')
-  local = os.path.join(here, 'squad', 'v2.0.json')
+  local = os.path.join(here, 'squad', 'dev-v2.0.json')
   with open(local, 'rb') as f:
     storage.path(f'{gcs}/squad/v2.0.json').write_bytes(f.read())
   assert squad.read_json(f'{gcs}/squad/v2.0.json') == squad.read_json(local)

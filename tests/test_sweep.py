@@ -992,8 +992,8 @@ def test_a_stopped_sweep_stops_its_run_and_a_failed_run_says_why(tmp_path, capsy
            'cfg', '--set']
   assert sweep_cli.main(fixed + ['mode=error']) == 1
   assert sweep_cli.main(fixed + ['mode=ok']) == 0
-  assert 'takes the folder of a run that stopped before its first checkpoint' in (
-      capsys.readouterr().out)
+  assert capsys.readouterr().out.count(  # (said once: looked at before and after its lock)
+      'takes the folder of a run that stopped before its first checkpoint') == 1
   assert json.loads((tmp_path / 'fixed' / 'seed=0' / RunDir.OVERRIDES).read_text())[
       'mode'] == 'ok'
   assert sweep_cli.main(fixed + ['mode=error']) == 1

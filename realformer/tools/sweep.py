@@ -574,7 +574,12 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
   for i, (run, name) in enumerate(zip(runs, names)):
     workdir = storage.join(root, name)
 
-    say = lambda text, i=i, name=name: echo(f'[{i + 1}/{len(runs)}] {name}: {text}')
+    said = set()  # (the look is taken twice, before and after the lock: each line once)
+
+    def say(text, i=i, name=name, said=said):
+      if text not in said:
+        said.add(text)
+        echo(f'[{i + 1}/{len(runs)}] {name}: {text}')
     if (code := _not_to_start(workdir, run, say, command_of)) is not None:
       codes[name] = code
       continue
