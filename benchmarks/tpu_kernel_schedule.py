@@ -74,7 +74,8 @@ def compile_one(args) -> None:
   local = jax.shard_map(step, mesh=mesh, in_specs=(P('data'),) * 4 + (P(), term_spec),
                         out_specs=(P('data'),) * 3 + ((term_spec,) if term_batch else ()),
                         check_vma=False)
-  q = jax.ShapeDtypeStruct((batch, t, heads, args.head_dim), jnp.bfloat16, sharding=data)
+  q = jax.ShapeDtypeStruct((batch, t, heads, args.head_dim), jnp.dtype(args.dtype),
+                           sharding=data)
   term = None if not term_batch else jax.ShapeDtypeStruct(
       (1 if term_batch == 1 else batch, heads, t, t), dtype or jnp.float32,
       sharding=NamedSharding(mesh, term_spec))
@@ -84,15 +85,21 @@ def compile_one(args) -> None:
       term).lower().compile()
 
 
-def grid_steps(args) -> int:
+def grid_steps(args, variant: str) -> int:
   """Each kernel's grid steps per chip: sequences x groups of heads x query tiles x key
   tiles."""
   block, group = args.block, args.group or 1
   if block is None or args.group is None:
     sys.path.insert(0, ROOT)
+    import numpy as np  # pylint: disable=g-import-not-at-top
     from realformer.layers import flash_attention_tpu  # pylint: disable=g-import-not-at-top
     block = block or flash_attention_tpu.tile_for(args.length, args.length)
-    group = args.group or flash_attention_tpu.heads_per_step(args.heads, block)
+    term_batch, scores_dtype, _ = VARIANTS[variant]
+    itemsize = np.dtype(args.dtype).itemsize
+    term = np.dtype(scores_dtype or 'float32').itemsize if term_batch else 0
+    pair_bytes = (term + max(term, itemsize) + (term if scores_dtype else 0)) if term else 0
+    group = args.group or flash_attention_tpu.heads_per_step(
+        args.heads, block, args.head_dim, itemsize, pair_bytes)
   tiles = -(-args.length // block)
   return args.batch * args.heads // group * tiles * tiles
 
@@ -124,6 +131,7 @@ def main() -> None:
   parser.add_argument('--heads', type=int, default=12)
   parser.add_argument('--head_dim', type=int, default=64)
   parser.add_argument('--rate', type=float, default=0.1, help='attention dropout')
+  parser.add_argument('--dtype', default='bfloat16', help="q, k and v's (model.dtype)")
   parser.add_argument('--block', type=int, default=None,
                       help="the tile (default: the kernel's own, tile_for)")
   parser.add_argument('--group', type=int, default=None,
@@ -145,7 +153,7 @@ def main() -> None:
               if v is not None and k not in ('variants', 'json')]
       subprocess.run([sys.executable, os.path.abspath(__file__), *argv, '--variant', variant],
                      env=env, check=True, stdout=subprocess.DEVNULL)
-      rows[variant] = schedule(dump, grid_steps(args))
+      rows[variant] = schedule(dump, grid_steps(args, variant))
   print(f'{args.topology}, {args.batch} sequences of {args.length} per chip, {args.heads} heads '
         f'of {args.head_dim}, dropout {args.rate}, tile {args.block or "tile_for"}, heads a step '
         f'{args.group or "heads_per_step"}: bundles '

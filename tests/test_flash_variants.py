@@ -435,6 +435,10 @@ def test_mosaic_tiles_pad_no_more_than_lanes_do_and_share_steps_among_heads():
   for (heads, tile), group in {(12, 128): 12, (16, 128): 16, (32, 128): 16, (12, 256): 4,
                                (12, 384): 1, (12, 512): 1, (7, 256): 1, (2, 128): 2}.items():
     assert flash_tpu_lib.heads_per_step(heads, tile) == group, (heads, tile)
+  # and as many as VMEM holds of the dK/dV kernel's blocks: RealFormer's (a term, its
+  # gradient and the scores' gradient, float32) with bfloat16 q, k, v, and float32 ones
+  for itemsize, group in ((2, 16), (4, 8)):
+    assert flash_tpu_lib.heads_per_step(16, 128, 64, itemsize, pair_bytes=12) == group
 
 
 def _summed(kernel, logit_scale, scores_dtype):
@@ -477,6 +481,29 @@ def test_mosaic_kernels_compile_for_tpu_slices(topology):
   and backward, compiled by libtpu for the named slice on this CPU."""
   with bypassing_the_runs_compilation_cache():
     _compile_the_mosaic_kernels_for(topology)
+
+
+@needs_libtpu
+def test_mosaic_kernels_fit_vmem_in_float32_with_a_term():
+  """RealFormer-large's 16 heads at length 128 in float32 (a float32 model on a TPU: the
+  default dtype), compiled for v5p: sixteen heads a step ran out of VMEM in the dK/dV
+  kernel; heads_per_step takes eight."""
+  target = launch.tpu_target('v5p:2x2x1')
+  mesh = jax.sharding.Mesh(np.array(target.devices), ('data',))
+  data = NamedSharding(mesh, P('data'))
+
+  def step(q, k, v, bias, key, term):
+    loss = _summed(flash_tpu_lib.flash_attention, None, jnp.float32)
+    return jax.grad(loss, (0, 1, 2, 3))(q, k, v, term, bias, key)
+  local = jax.shard_map(step, mesh=mesh, in_specs=(P('data'),) * 4 + (P(), P('data')),
+                        out_specs=(P('data'),) * 4, check_vma=False)
+  n = 4 * len(target.devices)
+  q = jax.ShapeDtypeStruct((n, 128, 16, 64), jnp.float32, sharding=data)
+  with bypassing_the_runs_compilation_cache():
+    jax.jit(local).trace(
+        q, q, q, jax.ShapeDtypeStruct((n, 128), jnp.float32, sharding=data),
+        jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P())),
+        jax.ShapeDtypeStruct((n, 16, 128, 128), jnp.float32, sharding=data)).lower().compile()
 
 
 def _compile_the_mosaic_kernels_for(topology):

@@ -563,6 +563,27 @@ def test_errors_are_one_line_and_name_the_fix(monkeypatch):
     launch.tpu_target('v9:2x2')
   with pytest.raises(launch.LaunchError, match='AxB'):
     launch.tpu_target('v5e:2by2')
+  # A slice of the wrong dimensions for its generation (which libtpu compiles all the same),
+  # and Cloud TPU's type names: said in the form a slice is named.
+  with pytest.raises(launch.LaunchError, match=r"'v5e:2x2x2': v5e slices are AxB, not 2x2x2 "
+                     r'\(e.g. v5e:2x2\)'):
+    launch.tpu_target('v5e:2x2x2')
+  with pytest.raises(launch.LaunchError, match=r"v5p slices are AxBxC, not 2x2 \(e.g. "
+                     r'v5p:2x2x1\)'):
+    launch.tpu_target('v5p:2x2')
+  # A kernel out of on-chip memory is not the batch's refusal (no batch would fit): said so.
+  oom = 'RESOURCE_EXHAUSTED: Ran out of memory in memory space {} while allocating {}'
+  assert launch._out_of_memory(RuntimeError(oom.format('hbm', 'temps'))).startswith(  # pylint: disable=protected-access
+      'RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm')
+  with pytest.raises(launch.LaunchError, match=r'a kernel asks more on-chip memory than the '
+                     r'device has \(.*vmem.*\): its tiling, not the batch; compile with '
+                     r'--config.model.fused_attention=off'):
+    launch._out_of_memory(RuntimeError(oom.format('vmem', 'dkv')))  # pylint: disable=protected-access
+  for cloud, slice_ in (('v4-32', 'v4:2x2x4'), ('v5litepod-8', 'v5e:2x4'),
+                        ('v5p-128', 'v5p:4x4x4'), ('v6e-32', 'v6e:4x8')):
+    with pytest.raises(launch.LaunchError, match=f"'{cloud}' is a Cloud TPU type .*e.g. "
+                       f'{slice_} '):
+      launch.tpu_target(cloud)
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, 'find_spec',
                       lambda name, *a: None if name == 'libtpu' else real(name, *a))

@@ -439,7 +439,9 @@ def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
   sweep_cli.main(['print', '--target', 'tpu', '--root', f'{gcs}/printed'] + args)
   tpu = capsys.readouterr().out.splitlines()
   cmds = [l for l in tpu if l.startswith('gcloud')]
-  assert len(cmds) == 4 and all('--worker=all' in c and 'train.py' in c for c in cmds)
+  assert len(cmds) == 4 and all('--worker=all' in c and 'cd ~/realformer && .venv/bin/python '
+                                 'train.py' in c for c in cmds)  # (venv.sh's, as documented)
+  assert ': "${TPU:?set TPU to the name of the TPU VM first}"' in tpu  # (unset: it stops)
   assert any('model.variant=realformer,seed=1' in c for c in cmds)
   assert len(sweep.collect(f'{gcs}/printed', ['eval/loss'])) == 4  # the runs are recorded
   with pytest.raises(ValueError, match='is a local folder, which each TPU worker would have a '

@@ -573,7 +573,7 @@ def test_layout_errors_come_before_compile(tmp_path):
   with pytest.raises(ValueError, match='config.mesh.data=0: give a positive size, or -1'):
     train.train_and_evaluate(c, str(tmp_path / 'a'))
   c = tiny_config(batch_size=12)
-  with pytest.raises(ValueError, match='does not divide the data-parallel size 8'):
+  with pytest.raises(ValueError, match='is not a multiple of the data-parallel size 8'):
     train.train_and_evaluate(c, str(tmp_path / 'b'))
   c = tiny_config(grad_accum_steps=3)
   with pytest.raises(ValueError, match='grad_accum_steps=3 does not divide'):

@@ -49,6 +49,12 @@ from realformer.layers.flash_attention import (BLOCK_PADDING, Constants, Operand
 
 _LANES = 128
 MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float32 arrays)
+# What the blocks of one grid step of the dK/dV kernel (the largest: q, k, v, dO, dK, dV and,
+# with a term, the term, the scores' gradient and the logits' gradient), double-buffered,
+# may take of VMEM (heads_per_step). Compiled by libtpu 0.0.48.1 for v5p, 16 heads of 64 at
+# length 128 in one step: 9.0 MiB (bfloat16, a float32 carry) compiles, 12.0 MiB (float32
+# throughout) runs out of VMEM.
+STEP_VMEM_BYTES = 9 * 2 ** 20
 _TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
 _TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
 
@@ -502,12 +508,17 @@ def tile_for(q_len: int, k_len: int) -> int:
              if all(n % b == 0 for n in lengths))
 
 
-def heads_per_step(heads: int, block: int) -> int:
+def heads_per_step(heads: int, block: int, head_dim: int = 64, itemsize: int = 2,
+                   pair_bytes: int = 0) -> int:
   """The most heads (a divisor of `heads`) a grid step computes, one after the other, whose
-  tiles together hold no more than one MAX_TILE x MAX_TILE tile: at short lengths a step's
-  fixed cost is shared by several heads."""
-  return max(g for g in range(1, heads + 1)
-             if heads % g == 0 and g * block * block <= MAX_TILE * MAX_TILE)
+  tiles together hold no more than one MAX_TILE x MAX_TILE tile and whose dK/dV blocks fit
+  STEP_VMEM_BYTES: at short lengths a step's fixed cost is shared by several heads.
+  itemsize: q's; pair_bytes: the bytes per query-key pair of the [B, H, Tq, Tk] blocks (the
+  term, the logits' gradient and the scores' gradient; 0 without a term)."""
+  per_head = 2 * (6 * block * head_dim * itemsize + block * block * pair_bytes)
+  fits = max(1, STEP_VMEM_BYTES // per_head)
+  return max(g for g in range(1, heads + 1) if heads % g == 0 and g <= fits
+             and g * block * block <= MAX_TILE * MAX_TILE)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array, *,
@@ -518,7 +529,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   """realformer.layers.flash_attention.flash_attention's contract on a TPU (see there):
   returns out [B, Tq, H, D], or (out, scores [B, H, Tq, Tk]) with scores_dtype. block: the
   tiles' queries and keys (a multiple of 128; default: tile_for(Tq, Tk)); group: the heads
-  a grid step computes (a divisor of H; default: heads_per_step(H, block))."""
+  a grid step computes (a divisor of H; default: heads_per_step's for these shapes and
+  dtypes)."""
   if dropout_rate > 0 and dropout_key is None:
     raise ValueError('flash_attention with dropout needs dropout_key')
   if scores_dtype is not None and term is None:
@@ -533,7 +545,11 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
                            or term.shape[1:] != (heads, q_len, k_len)):
     raise ValueError(f'flash_attention: term {term.shape} is not [B or 1, H, Tq, Tk] = '
                      f'[{batch} or 1, {heads}, {q_len}, {k_len}]')
-  group = heads_per_step(heads, block) if group is None else group
+  if group is None:
+    pairs = [] if term is None else [term.dtype, jnp.promote_types(term.dtype, q.dtype)]
+    pairs += [] if scores_dtype is None else [scores_dtype]
+    group = heads_per_step(heads, block, head_dim, jnp.dtype(q.dtype).itemsize,
+                           sum(jnp.dtype(t).itemsize for t in pairs))
   if heads % group:
     raise ValueError(f'flash attention on a TPU: group={group} does not divide the {heads} '
                      'heads')

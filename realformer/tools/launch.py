@@ -52,8 +52,12 @@ from realformer.train import train_lib
 
 GiB = 1024 ** 3
 
-# HBM per chip (GiB) of the TPU generations a topology may name, as sold.
+# HBM per chip of the TPU generations a topology may name, as sold (GB in Google's tables:
+# v5p's 95 is of a 96 GiB part, of which the compiler offers 95.73 below).
 HBM_GIB = {'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
+# The dimensions of a generation's slice shapes: v5e and v6e slices are 2-D (AxB), v4 and
+# v5p slices 3-D (AxBxC).
+_DIMENSIONS = {'v4': 3, 'v5e': 2, 'v5p': 3, 'v6e': 2}
 # What a program may use of it: the "available HBM" in the TPU compiler's own refusals
 # (libtpu 0.0.48.1: "... exceeds available HBM (15.75G)"); the rest is the runtime's. The
 # verdict compares a program's total (arguments, outputs, temporaries, code) with this: the
@@ -127,9 +131,28 @@ _ACCELERATOR_TYPE = {'v4': lambda chips: f'v4-{2 * chips}',
 _SINGLE_HOST_UP_TO = {'v5e': 8, 'v6e': 8}
 
 
+def _shape_of(chips: int, dimensions: int) -> str:
+  """A slice shape of `chips` chips in `dimensions` dimensions, for a message, written as
+Cloud TPU's tables write them (2x2x1 for 4 chips in 3, 2x2x4 for 16, 4x8 for 32 in 2): the
+chips split as evenly as powers of two allow, ascending, ones last."""
+  dims = [1] * dimensions
+  while math.prod(dims) < chips and chips % (2 * math.prod(dims)) == 0:
+    dims[dims.index(min(dims))] *= 2
+  dims[-1] *= chips // math.prod(dims)
+  return 'x'.join(map(str, sorted(dims, key=lambda n: (n == 1, n))))
+
+
 def tpu_target(name: str) -> Target:
   """The compile-only devices of a TPU slice named '<generation>:<AxB[xC]>'."""
   generation, _, shape = name.partition(':')
+  cloud = re.fullmatch(r'(v4|v5p|v5litepod|v6e)-(\d+)', name)
+  if cloud:  # a Cloud TPU accelerator type (v4-32): its chips, and a shape of them
+    kind = {'v5litepod': 'v5e'}.get(cloud.group(1), cloud.group(1))
+    chips = int(cloud.group(2)) // (2 if kind in _MEGACORE else 1)
+    raise LaunchError(f'--compile_for={name!r} is a Cloud TPU type ({chips} chips); name its '
+                      f'slice as <generation>:<topology> in chips, e.g. {kind}:'
+                      f'{_shape_of(chips, _DIMENSIONS[kind])} (gcloud compute tpus '
+                      'accelerator-types describe gives its topology)')
   if generation not in HBM_GIB:
     raise LaunchError(f'--compile_for={name!r}: unknown TPU generation {generation!r}; name a '
                       f'slice as <generation>:<topology> with generation one of '
@@ -138,6 +161,10 @@ def tpu_target(name: str) -> Target:
   if not re.fullmatch(r'\d+x\d+(x\d+)?', shape):
     raise LaunchError(f'--compile_for={name!r}: topology {shape!r} is not AxB or AxBxC '
                       f'(chips per dimension, e.g. v5e:2x2, v5p:2x2x1)')
+  if shape.count('x') + 1 != _DIMENSIONS[generation]:
+    raise LaunchError(f'--compile_for={name!r}: {generation} slices are '
+                      f'{"AxB" if _DIMENSIONS[generation] == 2 else "AxBxC"}, not {shape} '
+                      f'(e.g. {generation}:{_shape_of(4, _DIMENSIONS[generation])})')
   if importlib.util.find_spec('libtpu') is None:
     raise LaunchError('compiling for a TPU slice needs libtpu, which is not installed: '
                       'pip install -r requirements-tpu.txt')
@@ -316,12 +343,16 @@ def _state_bytes(abstract) -> int:
 
 
 def _out_of_memory(error: Exception) -> Optional[str]:
-  """The compiler's refusal of a program too large for the device's memory, or None (a
-  kernel that asks more shared memory than a block has is a kernel's fault, not the
-  batch's: it propagates)."""
+  """The compiler's refusal of a program too large for the device's memory, or None for
+  other errors. A kernel that asks more on-chip memory than there is (a GPU block's shared
+  memory, a TPU core's VMEM) is its tiling's fault, not the batch's (no batch fits): a
+  one-line LaunchError."""
   text = str(error)
-  if 'Shared memory size limit' in text:
-    return None
+  if 'Shared memory size limit' in text or 'memory space vmem' in text:
+    first = next(l.strip() for l in text.splitlines() if 'memory' in l.lower())[:200]
+    raise LaunchError(f'a kernel asks more on-chip memory than the device has ({first}): its '
+                      'tiling, not the batch; compile with --config.model.fused_attention=off '
+                      'to check the rest, and report the config') from None
   if any(k in text for k in ('RESOURCE_EXHAUSTED', 'Ran out of memory', 'out of memory',
                              'exceeds the memory')):
     lines = [l.strip() for l in text.splitlines() if l.strip()]
@@ -657,8 +688,9 @@ def format_report(config, target: Target, r: Report) -> str:
             'dots_no_batch': ' (remat dots_no_batch recomputes the batched attention '
                              'matmuls: a little above 1)'}.get(config.model.remat_policy, '')
   elif r.flop_ratio > 1.05:
-    note = (' (above 1 without remat: XLA recomputed work to fit in memory, which happens '
-            'near the HBM limit, or the partitioner duplicated it)')
+    note = (' (above 1 without remat: the fused attention\'s backward rebuilds Q K^T, up to '
+            'about 1.05 at length 512; beyond, XLA recomputed work to fit in memory, which '
+            'happens near the HBM limit, or the partitioner duplicated it)')
   if r.unknown_trip_counts:
     note += f' ({r.unknown_trip_counts} loops of unknown trip count counted once)'
   if r.assumed_trip_counts:

@@ -823,9 +823,14 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
   lines = ['#!/usr/bin/env bash', f'# {len(runs)} runs of {program} {config}', 'set -e']
   if target == 'local':
     lines.append(f'cd {shlex.quote(_ROOT)}')
+  for value, name, what in ((tpu, 'TPU', 'the name of the TPU VM'), (zone, 'ZONE', 'its zone')):
+    if target == 'tpu' and value == f'${name}':  # (given in the environment)
+      lines.append(f': "${{{name}:?set {name} to {what} first}}"')
   for run, name in zip(runs, names):
     argv = command(program, config, storage.join(root, name), run)
-    argv[0] = 'python'  # the cluster's interpreter, not this one
+    # The cluster's interpreter, not this one: on a TPU VM the environment venv.sh made
+    # in ~/realformer (docs/launching.md); under SLURM the job's own.
+    argv[0] = '.venv/bin/python' if target == 'tpu' else 'python'
     cmd = shlex.join(argv)
     if target == 'tpu':
       lines.append(f'gcloud compute tpus tpu-vm ssh {tpu} --zone {zone} --worker=all '

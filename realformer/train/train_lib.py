@@ -671,8 +671,8 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
                      f'make it a multiple of the process count')
   if (b // k) % dp:
     raise ValueError(f'train.batch_size={b} / grad_accum_steps={k} = {b // k} examples per '
-                     f'microbatch does not divide the data-parallel size {dp} (mesh.data * '
-                     f'mesh.fsdp); make the microbatch a multiple of {dp}')
+                     f'microbatch is not a multiple of the data-parallel size {dp} (mesh.data '
+                     f'* mesh.fsdp); make the microbatch a multiple of {dp}')
   # Each host feeds its own batch_size / process_count rows, so the hosts must hold
   # distinct rows: the tensor axis (batch replicated over it) must stay within a host.
   # (Counted from the devices' process indices, for every process, so this also works for
