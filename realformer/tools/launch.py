@@ -52,8 +52,8 @@ from realformer.train import train_lib
 
 GiB = 1024 ** 3
 
-# HBM per chip of the TPU generations a topology may name, as sold (GB in Google's tables:
-# v5p's 95 is of a 96 GiB part, of which the compiler offers 95.73 below).
+# HBM per chip of the TPU generations a topology may name, as Google's tables give it (v5p's
+# 95 is below the 95.73 GiB its compiler offers: USABLE_HBM_GIB is what the verdict uses).
 HBM_GIB = {'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
 # The dimensions of a generation's slice shapes: v5e and v6e slices are 2-D (AxB), v4 and
 # v5p slices 3-D (AxBxC).
