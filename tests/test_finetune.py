@@ -1183,6 +1183,9 @@ def test_the_grid_zips_a_glue_submission_from_each_tasks_best_run(tmp_path, caps
   with pytest.raises(ValueError, match='no GLUE test predictions under'):
     finetune_grid.main(['--tasks', 'cola', '--root', str(root), '--summarize_only',
                         '--submission', str(out)])
+  with pytest.raises(ValueError, match='--tasks squad/v1.1 has no GLUE task; name them'):
+    finetune_grid.main(['--tasks', 'squad/v1.1', '--root', str(root), '--summarize_only',
+                        '--submission', str(out)])
   with pytest.raises(ValueError, match='--submission with --print_only: the runs have not'):
     finetune_grid.main(['--tasks', 'rte', '--root', str(root), '--print_only',
                         '--submission', str(out)])

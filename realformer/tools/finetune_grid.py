@@ -259,6 +259,9 @@ def write_submission(root: str, tasks: Sequence[str], out: str) -> str:
     lines.append(f'{task}: {run["folder"]} (dev {run["headline"]:.4f}): '
                  f'{", ".join(f"{s}.tsv" for s in have) or "no predictions (no test.tsv?)"}')
   if not files:
+    if not any(t in glue.SUBMISSION for t in tasks):
+      raise ValueError(f'--submission zips GLUE\'s test predictions, and --tasks '
+                       f'{",".join(tasks)} has no GLUE task; name them (--tasks glue for all)')
     raise ValueError(f'no GLUE test predictions under {root} for --tasks '
                      f'{",".join(tasks)}; the runs write predictions/ when their data has '
                      'test.tsv')
