@@ -224,7 +224,7 @@ def shipped_sentences():
             encoding='utf-8') as f:
     texts = [line.rsplit('\t', 1)[0] for line in f if line.strip()]
   for version in ('v1.1', 'v2.0'):
-    with open(os.path.join(here, 'data', 'squad', f'{version}.json'), encoding='utf-8') as f:
+    with open(os.path.join(here, 'data', 'squad', f'dev-{version}.json'), encoding='utf-8') as f:
       for article in json.load(f)['data']:
         for paragraph in article['paragraphs']:
           texts.append(paragraph['context'])
