@@ -94,12 +94,11 @@ def grid_steps(args, variant: str) -> int:
     import numpy as np  # pylint: disable=g-import-not-at-top
     from realformer.layers import flash_attention_tpu  # pylint: disable=g-import-not-at-top
     block = block or flash_attention_tpu.tile_for(args.length, args.length)
-    term_batch, scores_dtype, _ = VARIANTS[variant]
-    itemsize = np.dtype(args.dtype).itemsize
-    term = np.dtype(scores_dtype or 'float32').itemsize if term_batch else 0
-    pair_bytes = (term + max(term, itemsize) + (term if scores_dtype else 0)) if term else 0
+    term_batch, scores_dtype, _ = VARIANTS[variant]  # (the term in the scores' dtype)
+    pairs = flash_attention_tpu.pair_bytes(
+        args.dtype, (scores_dtype or 'float32') if term_batch else None, scores_dtype)
     group = args.group or flash_attention_tpu.heads_per_step(
-        args.heads, block, args.head_dim, itemsize, pair_bytes)
+        args.heads, block, args.head_dim, np.dtype(args.dtype).itemsize, pairs)
   tiles = -(-args.length // block)
   return args.batch * args.heads // group * tiles * tiles
 

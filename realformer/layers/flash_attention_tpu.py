@@ -508,13 +508,23 @@ def tile_for(q_len: int, k_len: int) -> int:
              if all(n % b == 0 for n in lengths))
 
 
+def pair_bytes(q_dtype, term_dtype=None, scores_dtype=None) -> int:
+  """The bytes per query-key pair of the dK/dV kernel's [B, H, Tq, Tk] blocks: the term, the
+  logits' gradient (in the term's dtype, or q's where wider) and the scores' gradient; 0
+  without a term."""
+  if term_dtype is None:
+    return 0
+  pairs = [term_dtype, jnp.promote_types(term_dtype, q_dtype)]
+  pairs += [] if scores_dtype is None else [scores_dtype]
+  return sum(jnp.dtype(t).itemsize for t in pairs)
+
+
 def heads_per_step(heads: int, block: int, head_dim: int = 64, itemsize: int = 2,
                    pair_bytes: int = 0) -> int:
   """The most heads (a divisor of `heads`) a grid step computes, one after the other, whose
   tiles together hold no more than one MAX_TILE x MAX_TILE tile and whose dK/dV blocks fit
   STEP_VMEM_BYTES: at short lengths a step's fixed cost is shared by several heads.
-  itemsize: q's; pair_bytes: the bytes per query-key pair of the [B, H, Tq, Tk] blocks (the
-  term, the logits' gradient and the scores' gradient; 0 without a term)."""
+  itemsize: q's; pair_bytes: the [B, H, Tq, Tk] blocks' (pair_bytes)."""
   per_head = 2 * (6 * block * head_dim * itemsize + block * block * pair_bytes)
   fits = max(1, STEP_VMEM_BYTES // per_head)
   return max(g for g in range(1, heads + 1) if heads % g == 0 and g <= fits
@@ -546,10 +556,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
     raise ValueError(f'flash_attention: term {term.shape} is not [B or 1, H, Tq, Tk] = '
                      f'[{batch} or 1, {heads}, {q_len}, {k_len}]')
   if group is None:
-    pairs = [] if term is None else [term.dtype, jnp.promote_types(term.dtype, q.dtype)]
-    pairs += [] if scores_dtype is None else [scores_dtype]
-    group = heads_per_step(heads, block, head_dim, jnp.dtype(q.dtype).itemsize,
-                           sum(jnp.dtype(t).itemsize for t in pairs))
+    group = heads_per_step(heads, block, head_dim, jnp.dtype(q.dtype).itemsize, pair_bytes(
+        q.dtype, None if term is None else term.dtype, scores_dtype))
   if heads % group:
     raise ValueError(f'flash attention on a TPU: group={group} does not divide the {heads} '
                      'heads')

@@ -133,8 +133,8 @@ _SINGLE_HOST_UP_TO = {'v5e': 8, 'v6e': 8}
 
 def _shape_of(chips: int, dimensions: int) -> str:
   """A slice shape of `chips` chips in `dimensions` dimensions, for a message, written as
-Cloud TPU's tables write them (2x2x1 for 4 chips in 3, 2x2x4 for 16, 4x8 for 32 in 2): the
-chips split as evenly as powers of two allow, ascending, ones last."""
+  Cloud TPU's tables write them (2x2x1 for 4 chips in 3, 2x2x4 for 16, 4x8 for 32 in 2): the
+  chips split as evenly as powers of two allow, ascending, ones last."""
   dims = [1] * dimensions
   while math.prod(dims) < chips and chips % (2 * math.prod(dims)) == 0:
     dims[dims.index(min(dims))] *= 2
