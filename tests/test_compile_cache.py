@@ -256,6 +256,13 @@ def test_programs_of_another_machine_are_in_another_folder():
                      ('cpu', 'another processor'), ('isa', 'x86_64 avx2')):
     assert compile_cache.fingerprint(dict(facts, **{key: other})) != here, key
   assert compile_cache.fingerprint(dict(facts, time='later', host='elsewhere')) == here
+  # A GPU's or a TPU's programs are the same whatever the host's processor: a job's hosts
+  # share one folder (process 0 writes it for all of them).
+  for backend, kind in (('gpu', 'NVIDIA H100 80GB HBM3'), ('tpu', 'TPU v5p')):
+    accelerator = dict(facts, backend=backend, device_kind=kind)
+    assert compile_cache.fingerprint(dict(accelerator, cpu='another processor',
+                                          isa='x86_64 avx2')) == \
+        compile_cache.fingerprint(accelerator), backend
 
 
 GRAVITON2 = ('processor\t: 0\nBogoMIPS\t: 243.75\n'

@@ -23,7 +23,10 @@ A program compiled for another machine is never loaded. jax's key already covers
 computation, the compile options, the XLA flags, the jaxlib version, the backend's platform
 version and the device kind. XLA:CPU compiles for the host processor's instruction set,
 which that key does not name, so programs live in a subfolder per (jax version, backend,
-device kind, processor and every feature it reports): <dir>/<backend>-<hash of those>.
+device kind, and on the CPU backend the processor and every feature it reports):
+<dir>/<backend>-<hash of those>. A GPU's or a TPU's programs do not depend on the host's
+processor, so hosts of one job with other processors (a GPU cluster's mixed nodes) share
+one subfolder: process 0 writes it, every process reads it.
 
 An entry is written whole or not at all, and one that cannot be read counts as missing
 (`WholeEntries`). jax writes an entry in place and never replaces one that exists, so a
@@ -81,8 +84,11 @@ def machine_facts() -> Dict[str, object]:
 
 def fingerprint(facts: Dict[str, object]) -> str:
   """The subfolder name for a machine's facts (machine_facts(): jax, backend, device_kind,
-  cpu, isa): programs compiled under other facts are in another subfolder."""
-  keyed = {k: str(facts.get(k)) for k in ('jax', 'backend', 'device_kind', 'cpu', 'isa')}
+  and for the CPU backend cpu and isa): programs compiled under other facts are in another
+  subfolder."""
+  names = ('jax', 'backend', 'device_kind') + (('cpu', 'isa') if facts.get('backend') == 'cpu'
+                                               else ())
+  keyed = {k: str(facts.get(k)) for k in names}
   digest = hashlib.sha256(repr(sorted(keyed.items())).encode()).hexdigest()[:16]
   return f'{keyed["backend"]}-{digest}'
 
