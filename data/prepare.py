@@ -230,26 +230,15 @@ def _keeps_workers(error: BaseException) -> bool:
           isinstance(error, sources.SourceUnavailableError))
 
 
-def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
-            process_index: int = 0, process_count: int = 1, timeout_s: float = 6 * 3600
-            ) -> dict:
-  """Writes the shards and metadata.json into `out_dir` (atomically); returns the metadata.
-
-  Runs this host's `data.prepare_workers` workers; process 0 then waits for every host's and
-  gathers them (the other processes return None: they wait for metadata.json, as
-  data.pipeline.ensure_prepared does). With overwrite=False a preparation that another
-  process finished first is kept (and its metadata returned) instead of being replaced.
-  Bad input (a ValueError) removes what this host wrote; anything else (an interrupted or
-  killed run, a storage fault) leaves finished workers for the next attempt to keep.
-  """
-  started = time.time()
-  storage.check_location(out_dir, 'the prepared data folder')
+def _checked(config, out_dir: str, tokenizer, process_index: int, process_count: int):
+  """prepare()'s checks of the config, the output and this host's inputs before anything is
+  written: (the tokenizer, the data's fingerprint, the folder this host's workers write,
+  their number)."""
   config_checks.check_lengths(config)
   config_checks.check_document_window(config.data)
   config_checks.check_fractions(config.data)
-  remote = storage.is_url(out_dir)
   refuse_other_files(out_dir)
-  if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+  if not storage.is_url(out_dir) and os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ValueError(f'{out_dir} is a file; the prepared data needs a folder there: give '
                      'another path (config.data.prepared_dir or --out_dir)')
   d = config.data
@@ -265,15 +254,42 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
     raise ValueError(f'data.prepare_workers={workers} must be >= 1 (and process '
                      f'{process_index} of {process_count} valid)')
   fp = fingerprint(config)  # reads the corpus files' names and sizes: fails before any write
-  out_dir = out_dir.rstrip('/')
-  tmp = tmp_dir(out_dir)  # the workers' results, where process 0 finds them
   # Where this process's workers write: for a bucket, a local folder of its own.
-  staging = staging_dir(out_dir, process_index) if remote else tmp
+  staging = (staging_dir(out_dir, process_index) if storage.is_url(out_dir)
+             else tmp_dir(out_dir))
   os.makedirs(staging, exist_ok=True)
+  return tokenizer, fp, staging, workers
+
+
+def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
+            process_index: int = 0, process_count: int = 1, timeout_s: float = 6 * 3600
+            ) -> dict:
+  """Writes the shards and metadata.json into `out_dir` (atomically); returns the metadata.
+
+  Runs this host's `data.prepare_workers` workers; process 0 then waits for every host's and
+  gathers them (the other processes return None: they wait for metadata.json, as
+  data.pipeline.ensure_prepared does). With overwrite=False a preparation that another
+  process finished first is kept (and its metadata returned) instead of being replaced.
+  Bad input (a ValueError) removes what this host wrote; anything else (an interrupted or
+  killed run, a storage fault) leaves finished workers for the next attempt to keep.
+  """
+  started = time.time()
+  storage.check_location(out_dir, 'the prepared data folder')
+  out_dir = out_dir.rstrip('/')
+  tmp = tmp_dir(out_dir)  # the workers' results and failure notices, where process 0 finds them
   # What this attempt's files are newer than, by the clock that stamps them (read beside
   # the output, not in a folder a gathering deletes; 1 s earlier: a file system may keep
-  # coarser times).
+  # coarser times); read first, so that a host's failure notice from the checks below is
+  # this attempt's to process 0.
   since = storage.clock(out_dir) - 1
+  try:
+    tokenizer, fp, staging, workers = _checked(config, out_dir, tokenizer, process_index,
+                                               process_count)
+  except BaseException as e:  # the others would wait for this host's workers for hours
+    if process_count > 1:
+      _notice(tmp, f'{process_index:05d}', e)
+    raise
+  remote = storage.is_url(out_dir)
   lock = _single_host_lock(staging) if process_count == 1 else None
   try:
     if not overwrite and _path(out_dir, METADATA).exists():
@@ -303,7 +319,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
         if not keep or not any(n.startswith('worker-') for n in os.listdir(staging)):
           shutil.rmtree(staging, ignore_errors=True)
       else:  # process 0 stops waiting for this host
-        failed.write_text(f'{type(e).__name__}: {e}')
+        _notice(tmp, f'{process_index:05d}', e)
       raise
     if remote:
       shutil.rmtree(staging, ignore_errors=True)  # uploaded
@@ -322,8 +338,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
     except BaseException as e:
       if process_count > 1:  # the other hosts, waiting for metadata.json, stop too
-        _path(tmp, 'failed-gather.txt').parent.mkdir(parents=True, exist_ok=True)
-        _path(tmp, 'failed-gather.txt').write_text(f'{type(e).__name__}: {e}')
+        _notice(tmp, 'gather', e)
       raise
   finally:
     if lock is not None:
@@ -555,6 +570,19 @@ def failure_since(out_dir: str, since: float) -> Optional[str]:
   """The message of a host's failed preparation of `out_dir` written after `since` (a
   host waiting for metadata.json stops on it), or None."""
   return _failure(tmp_dir(out_dir), since)
+
+
+def _notice(tmp: str, who: str, error: BaseException) -> None:
+  """<tmp>/failed-<who>.txt, the failure notice that the other hosts' waits stop on (process
+  0 waiting for the workers, the others for metadata.json): `who` is a host's number
+  (05d) or 'gather', process 0's gathering. A notice that cannot be written is logged (the
+  error raised stays the host's own)."""
+  try:
+    notice = _path(tmp, f'failed-{who}.txt')
+    notice.parent.mkdir(parents=True, exist_ok=True)
+    notice.write_text(f'{type(error).__name__}: {error}')
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning('could not tell the other hosts that this one failed (%s)', e)
 
 
 def _failure(tmp: str, since: float, hosts_only: bool = False) -> Optional[str]:

@@ -5,6 +5,7 @@ clear errors for a checkpoint that does not match the model."""
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -174,6 +175,26 @@ def test_two_processes_train_checkpoint_and_resume_together(tmp_path, reference)
   assert '8' in os.listdir(tmp_path / 'checkpoints')
 
 
+def two_processes(script: str, workdir) -> list:
+  """The outputs of `script` (formatted with repo, coordinator, pid and workdir) run as
+  processes 0 and 1 of one job, one CPU device each; both must exit 0 within 2 minutes (a
+  process left waiting in a collective for the other fails the test)."""
+  port = free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, '-c', script.format(repo=REPO, coordinator=f'localhost:{port}',
+                                           pid=pid, workdir=str(workdir))],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=cpu_xla_flags(1)),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  return outs
+
+
 _LISTING = r'''
 import sys
 sys.path.insert(0, {repo!r})
@@ -193,15 +214,7 @@ def test_every_process_reads_the_step_process_0_found(tmp_path):
   for step in (2, 4):
     os.makedirs(tmp_path / 'checkpoints' / str(step))
     (tmp_path / 'checkpoints' / str(step) / checkpoints.COMMIT_FILE).write_text('')
-  port = free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, '-c', _LISTING.format(repo=REPO, coordinator=f'localhost:{port}',
-                                             pid=pid, workdir=str(tmp_path))],
-      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=cpu_xla_flags(1)),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-  for p in procs:
-    out = p.communicate(timeout=120)[0]
-    assert p.returncode == 0, out[-3000:]
+  for out in two_processes(_LISTING, tmp_path):
     assert f'resolved {tmp_path / "checkpoints" / "4"}' in out, out[-3000:]
 
 
@@ -226,19 +239,135 @@ def test_a_checkpoint_one_process_cannot_read_is_an_error_on_every_process(tmp_p
   jax's coordination service gave up)."""
   os.makedirs(tmp_path / 'checkpoints' / '2')
   (tmp_path / 'checkpoints' / '2' / checkpoints.COMMIT_FILE).write_text('')
-  port = free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, '-c', _ONE_HOSTS_DISK.format(
-          repo=REPO, coordinator=f'localhost:{port}', pid=pid, workdir=str(tmp_path))],
-      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=cpu_xla_flags(1)),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-  outs = [p.communicate(timeout=120)[0] for p in procs]
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-3000:]
-  for out in outs:
+  for out in two_processes(_ONE_HOSTS_DISK, tmp_path):
     assert (f'error checkpoint {tmp_path} is not the same folder on every process (none on '
             "process 1 of 2: a folder on one host's own disk?); put it where every host reads "
             'it' in out), out[-3000:]
+
+
+_PROCESS_ZERO_FAILS = r'''
+import sys
+sys.path.insert(0, {repo!r})
+from realformer import storage
+from realformer.train import checkpoints, distributed, machine, metrics, metrics_jsonl
+from realformer.train.run_dir import RunDir
+distributed.maybe_initialize({coordinator!r}, 2, {pid})
+run = RunDir({workdir!r})
+def refused(*args, **kwargs):
+  raise OSError('no space left on the device')
+tensorboard, flush = metrics.TensorBoardWriter, metrics_jsonl.JsonlWriter.flush
+if {pid} == 0:  # every write of process 0's fails (a full disk, a bucket that stopped answering)
+  storage.write_text = machine.record = metrics.TensorBoardWriter = refused
+  type(run.path()).rmtree = type(run.path()).unlink = refused
+for what, action in [
+    ('json', lambda: run.write_json('results.json', dict(a=1))),
+    ('machine', run.record_machine),
+    ('open', lambda: run.metric_writer(0)),
+    ('remove', lambda: run.remove('best')),
+    ('marker', lambda: checkpoints.delete_step(checkpoints.make_manager({workdir!r}), 3))]:
+  try:
+    action()
+  except Exception as e:
+    print(what, 'error', type(e).__name__, e)
+if {pid} == 0:  # the logs open, then their upload with a checkpoint fails
+  metrics.TensorBoardWriter = tensorboard
+  metrics_jsonl.JsonlWriter.flush = lambda self, force=False: (refused() if force else
+                                                                flush(self, force))
+writer = run.metric_writer(0)
+writer.write_scalars(1, dict(loss=1.0))
+try:
+  writer.flush(force=True)
+except Exception as e:
+  print('flush error', type(e).__name__, e)
+print('all done')
+'''
+
+
+def test_a_write_that_fails_on_process_0_stops_every_process_in_one_line(tmp_path):
+  """The run's small files, its logs, a clean-up and a checkpoint's marker: process 0 writes
+  them, and when its write fails every process raises, process 0 its own error and the others
+  a line naming what it failed to do (they ran on into the next step's collective and waited
+  there for ever)."""
+  os.makedirs(tmp_path / 'best')
+  os.makedirs(tmp_path / 'checkpoints' / '3')
+  (tmp_path / 'checkpoints' / '3' / checkpoints.COMMIT_FILE).write_text('')
+  zero, one = two_processes(_PROCESS_ZERO_FAILS, tmp_path)
+  for out in (zero, one):
+    assert 'all done' in out, out[-3000:]
+  refused = 'error OSError no space left on the device'
+  for what, done in [('json', f'write {tmp_path}/results.json'),
+                     ('machine', f'write {tmp_path}/machine.jsonl'),
+                     ('open', f'open the logs of {tmp_path}'),
+                     ('remove', f'remove {tmp_path}/best'),
+                     ('marker', f'delete {tmp_path}/checkpoints/3/{checkpoints.COMMIT_FILE}'),
+                     ('flush', f'write the logs of {tmp_path}')]:
+    assert f'{what} {refused}' in zero, (what, zero[-3000:])
+    assert (f'{what} error RuntimeError process 0 failed to {done}; its log says why'
+            in one), (what, one[-3000:])
+
+
+_ONE_HOST_FAILS = r'''
+import sys
+sys.path.insert(0, {repo!r})
+from realformer.train import distributed
+distributed.maybe_initialize({coordinator!r}, 2, {pid})
+def read():
+  if {pid} == 1:  # a file of the other host's disk
+    raise FileNotFoundError('no such file: vocab.txt')
+try:
+  distributed.on_every_process(read, 'read the vocabulary')
+except Exception as e:
+  print('error', type(e).__name__, e)
+print('value', distributed.on_every_process(lambda: {pid} + 1, 'count'))
+try:
+  distributed.same_on_every_process(lambda: 7 + {pid}, 'the data', 'give every host the same')
+except ValueError as e:
+  print('differs:', e)
+distributed.same_on_every_process(lambda: 2 ** 32 - 1, 'a checksum', 'of 32 bits')
+print('all done')
+'''
+
+
+def test_work_each_host_does_alone_fails_or_differs_on_every_process_in_one_line(tmp_path):
+  """What each host reads for itself: where it fails on one, every process raises (that one
+  its own error, the others naming it), and where the hosts read different things, all say
+  so; none waits for ever at the next collective."""
+  zero, one = two_processes(_ONE_HOST_FAILS, tmp_path)
+  assert 'error RuntimeError process 1 failed to read the vocabulary; its log says why' in zero
+  assert 'error FileNotFoundError no such file: vocab.txt' in one
+  for out, value in ((zero, 1), (one, 2)):
+    assert f'value {value}' in out and 'all done' in out, out[-3000:]
+    assert ('differs: the data differs between processes (process 1 of 2 read other than '
+            'process 0); give every host the same') in out, out[-3000:]
+
+
+_OWN_DISKS = r'''
+import os, sys
+sys.path.insert(0, {repo!r})
+from realformer.train import distributed, workdir
+distributed.maybe_initialize({coordinator!r}, 2, {pid})
+workdir.SHARED_FILE_SECONDS = 1  # (a shared file system's cache: a minute)
+folder = os.path.join({workdir!r}, 'host{pid}', 'run')  # one --workdir, on each host's own disk
+try:
+  with workdir.Lock(folder):
+    print('held')
+except ValueError as e:
+  print('error', e)
+'''
+
+
+def test_a_workdir_on_each_hosts_own_disk_is_refused_on_every_process(tmp_path):
+  """A local --workdir that is not shared (a path on each host's disk) is a folder per host,
+  whose checkpoints would each hold a part of every step: every process refuses it in one
+  line, and process 0 leaves no folder behind."""
+  os.makedirs(tmp_path / 'host0')
+  for out in two_processes(_OWN_DISKS, tmp_path):
+    assert 'held' not in out, out[-3000:]
+    assert re.search(r"error --workdir \S+/run is not one folder for every process \(process 1 "
+                     r"of 2 does not see the lock process 0 took there: a folder on each "
+                     r"host's own disk\?\); give a folder they share: a gs:// bucket or a "
+                     r'shared file system', out), out[-3000:]
+  assert os.listdir(tmp_path / 'host0') == []
 
 
 def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import os
 import time
+import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import flax
@@ -44,6 +45,7 @@ from realformer import config_checks
 from realformer.model.encoder import EncoderOutput
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
+from realformer.train import distributed
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
 from realformer.train import train_lib
@@ -118,6 +120,14 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
     pre.model.vocab_size = tokenizer_lib.load_for_config(pre.data).vocab_size
     return pre
   return ml_collections.ConfigDict(checkpoints.read_pretraining_config(path))
+
+
+def _digest(features: Sequence[Dict[str, np.ndarray]]) -> int:
+  """A checksum of feature sets' token ids (and their number and shapes)."""
+  digest = zlib.crc32(repr([f['input_ids'].shape for f in features]).encode())
+  for f in features:
+    digest = zlib.crc32(np.ascontiguousarray(f['input_ids']).tobytes(), digest)
+  return digest
 
 
 # ------------------------------------------------------------------------------ buckets
@@ -324,11 +334,13 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   def __init__(self, config, mesh, run: RunDir):
     self.config, self.mesh, self.run_dir = config, mesh, run
-    pre = pretrained_config(config.init_checkpoint, config)
-    if config.max_seq_length > pre.model.max_len:
-      raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained '
-                       f'model\'s positions ({pre.model.max_len}); lower '
-                       f'config.max_seq_length')
+    # What each host reads for itself (with several processes all go on, or none does), and
+    # the same on each.
+    pre = distributed.on_every_process(
+        self.__read, f'read {config.task}\'s data or the checkpoint\'s config and vocabulary')
+    distributed.same_on_every_process(
+        lambda: _digest([self.train, *self.eval_features()]), f'{self.name}\'s data',
+        'give every host the same files (a copy of each, or a folder they share)')
     trained = int(pre.data.get('max_seq_length', pre.model.max_len))
     known = not config.from_scratch and pretrained_here(config.init_checkpoint)
     if config.max_seq_length > trained and known:
@@ -338,10 +350,6 @@ class FinetuneTask(trainer.Task, abc.ABC):
                       'lower config.max_seq_length to %d or pretrain at the longer length',
                       config.max_seq_length, trained, trained, config.max_seq_length - 1,
                       trained)
-    tokenizer = tokenizer_lib.load_for_config(pre.data)
-    if tokenizer.vocab_size != pre.model.vocab_size:
-      raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
-                       f'checkpoint was trained with {pre.model.vocab_size}')
     # best/ and final/ are encoders another run can start from: their data.max_seq_length
     # is the length their positions have been trained to (an import's is not known, so all).
     self.params_config = pre.copy_and_resolve_references()
@@ -351,7 +359,6 @@ class FinetuneTask(trainer.Task, abc.ABC):
     with self.params_config.unlocked():
       self.params_config.finetuned = {'kind': config.benchmark, 'task': config.task,
                                       'hf_architecture': hf_architecture_of(type(self))}
-    self.load(tokenizer)
     with self.params_config.unlocked():
       self.params_config.finetuned.labels = list(self.label_names())
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
@@ -397,6 +404,21 @@ class FinetuneTask(trainer.Task, abc.ABC):
     self.lengths = buckets_lib.lengths_of(self.train)
     self.__compiler: Optional[futures.Executor] = None  # prepare() starts it
     self.__predict: Optional[Programs] = None
+
+  def __read(self) -> ml_collections.ConfigDict:
+    """The pretraining config, after reading its vocabulary and the task's data (`load`)."""
+    config = self.config
+    pre = pretrained_config(config.init_checkpoint, config)
+    if config.max_seq_length > pre.model.max_len:
+      raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained '
+                       f'model\'s positions ({pre.model.max_len}); lower '
+                       f'config.max_seq_length')
+    tokenizer = tokenizer_lib.load_for_config(pre.data)
+    if tokenizer.vocab_size != pre.model.vocab_size:
+      raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
+                       f'checkpoint was trained with {pre.model.vocab_size}')
+    self.load(tokenizer)
+    return pre
 
   # ---- What each kind supplies.
 

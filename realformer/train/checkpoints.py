@@ -113,12 +113,10 @@ def has_complete_step(workdir) -> bool:
 def delete_step(manager: ocp.CheckpointManager, step: int) -> None:
   """Deletes a step so that a kill at any moment leaves no step that looks complete: the
   commit marker goes first (orbax removes the folder in no particular order; a step left
-  without its state but with its marker would be restored and fail)."""
-  if jax.process_index() == 0:
-    try:
-      (storage.path(manager.directory) / str(step) / COMMIT_FILE).unlink()
-    except FileNotFoundError:
-      pass
+  without its state but with its marker would be restored and fail). A collective with
+  several processes (process 0 removes the marker: distributed.on_process_zero)."""
+  marker = storage.path(manager.directory) / str(step) / COMMIT_FILE
+  distributed.on_process_zero(lambda: marker.unlink(missing_ok=True), f'delete {marker}')
   manager.delete(step)
 
 

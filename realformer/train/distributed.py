@@ -7,11 +7,14 @@ and finetune.py alike.
 
 import os
 import re
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, TypeVar
 
 import jax
+import numpy as np
 from absl import flags
 from absl import logging
+
+T = TypeVar('T')
 
 
 def define_flags() -> None:
@@ -101,7 +104,6 @@ def from_process_zero(value: int) -> int:
   if jax.process_count() == 1:
     return int(value)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
@@ -126,3 +128,44 @@ def on_process_zero(action: Callable[[], object], what: str) -> None:
     raise error
   if failed:
     raise RuntimeError(f'process 0 failed to {what}; its log says why')
+
+
+def gathered(value: int) -> List[int]:
+  """`value` (an int32) of every process, in process order (a collective)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(value)))]
+
+
+def on_every_process(action: Callable[[], T], what: str) -> T:
+  """`action()` on every process (work each host does alone: reading its own copy of a
+  file, checking its own view of a config); returns its value. With several processes
+  every process returns only once each is done (a collective: every process calls this at
+  the same point), and if it raised anywhere, every process raises: those it failed on
+  their own error, the others a one-line error naming the first that failed (they would
+  otherwise run on to the next collective and wait there for a process that has stopped)."""
+  if jax.process_count() == 1:
+    return action()
+  value, error = None, None
+  try:
+    value = action()
+  except BaseException as e:  # pylint: disable=broad-except  (re-raised after the gather)
+    error = e
+  failed = [i for i, f in enumerate(gathered(error is not None)) if f]
+  if error is not None:
+    raise error
+  if failed:
+    raise RuntimeError(f'process {failed[0]} failed to {what}; its log says why')
+  return value
+
+
+def same_on_every_process(digest: Callable[[], int], what: str, fix: str) -> None:
+  """Raises a one-line ValueError on every process unless `digest()` (a checksum of what
+  each host read for itself: its copy of the data) is the same on all (a collective; not
+  computed with one process)."""
+  if jax.process_count() == 1:
+    return
+  seen = gathered(np.uint32(digest()).view(np.int32))
+  differ = [i for i, v in enumerate(seen) if v != seen[0]]
+  if differ:
+    raise ValueError(f'{what} differs between processes (process {differ[0]} of {len(seen)} '
+                     f'read other than process 0); {fix}')

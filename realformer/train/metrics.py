@@ -29,6 +29,7 @@ import numpy as np
 from clu import metrics
 
 from realformer import storage
+from realformer.train import distributed
 from realformer.train import metrics_jsonl
 
 
@@ -207,14 +208,43 @@ class MultiWriter:
       raise error
 
 
-def create_writer(logdir: str, jsonl_path, process_index: int, start_step: int) -> MultiWriter:
+class RunWriter:
+  """A run's writer as every process holds it: process 0's MultiWriter writes, the others'
+  writes nothing. With several processes each call is a collective that every process makes
+  at the same point (the trainer's log, evaluation and checkpoint steps), and a write that
+  fails on process 0 (a bucket that stopped answering, a full disk) raises on every
+  process (distributed.on_process_zero): the others would otherwise run on into the next
+  step and wait there for a process that has stopped."""
+
+  def __init__(self, writer: MultiWriter, what: str):
+    self._writer, self._what = writer, what
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    distributed.on_process_zero(lambda: self._writer.write_scalars(step, scalars), self._what)
+
+  def flush(self, force: bool = False):
+    distributed.on_process_zero(lambda: self._writer.flush(force), self._what)
+
+  def close(self):
+    distributed.on_process_zero(self._writer.close, self._what)
+
+  def close_alone(self):
+    """This process's writers closed, no collective: for an error handler, where the other
+    processes may not come."""
+    self._writer.close()
+
+
+def create_writer(logdir: str, jsonl_path, start_step: int) -> RunWriter:
   """TensorBoard events (in `logdir`) and the JSON lines (to `jsonl_path`) from process 0,
-  each marking the start at `start_step`; nothing from the others. (The log is the
-  trainer's: one line per logged step or evaluation, on every process.)"""
-  if process_index > 0:
-    return MultiWriter([])
-  return MultiWriter([TensorBoardWriter(logdir, start_step),
-                      metrics_jsonl.JsonlWriter(jsonl_path, start_step)])
+  each marking the start at `start_step`; nothing from the others (a collective, as every
+  call of the RunWriter). (The log is the trainer's: one line per logged step or
+  evaluation, on every process.)"""
+  opened = []
+  distributed.on_process_zero(
+      lambda: opened.append(MultiWriter([TensorBoardWriter(logdir, start_step),
+                                         metrics_jsonl.JsonlWriter(jsonl_path, start_step)])),
+      f'open the logs of {logdir}')
+  return RunWriter(opened[0] if opened else MultiWriter([]), f'write the logs of {logdir}')
 
 
 def format_scalars(scalars: Mapping[str, Any]) -> str:

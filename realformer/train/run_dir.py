@@ -108,12 +108,13 @@ class RunDir(RunNames):
         str(self), keep=keep, item_names=item_names,
         fence=None if lock is None else functools.partial(_fence, lock))
 
-  # ---- Small files (process 0 writes; replaced whole).
+  # ---- Small files and the logs: process 0 writes (JSON replaced whole). With several
+  # processes each write (and remove) is a collective that every process makes at the same
+  # point, raising on all of them if process 0's failed (distributed.on_process_zero).
 
   def write_json(self, name: str, value: Any, indent: Optional[int] = None) -> epath.Path:
-    path = self.path(name)
-    if jax.process_index() == 0:
-      storage.write_text(path, json.dumps(value, indent=indent))
+    path, text = self.path(name), json.dumps(value, indent=indent)
+    distributed.on_process_zero(lambda: storage.write_text(path, text), f'write {path}')
     return path
 
   def read_json(self, name: str, default: Any = None) -> Any:
@@ -125,22 +126,26 @@ class RunDir(RunNames):
     return checkpoints.write_config(str(self), config)
 
   def record_machine(self) -> None:
-    machine.record(str(self))
+    distributed.on_process_zero(lambda: machine.record(str(self)),
+                                f'write {self.path(self.MACHINE)}')
 
   def metric_writer(self, start_step: int):
     """TensorBoard + console + metrics.jsonl (process 0; the others log to the console), for
     a start at `start_step` (metrics_jsonl: what the logs hold past it is forgotten)."""
-    return metrics_lib.create_writer(str(self), self.path(self.METRICS), jax.process_index(),
-                                     start_step)
+    return metrics_lib.create_writer(str(self), self.path(self.METRICS), start_step)
 
   def remove(self, name: str) -> None:
     """Deletes a file or folder of the run (process 0)."""
     path = self.path(name)
-    if jax.process_index() == 0 and path.exists():
-      if path.is_dir():
-        path.rmtree()
-      else:
-        path.unlink()
+
+    def remove():
+      if path.exists():
+        if path.is_dir():
+          path.rmtree()
+        else:
+          path.unlink()
+
+    distributed.on_process_zero(remove, f'remove {path}')
 
 
 def _fence(lock: workdir_lib.Lock) -> None:

@@ -361,30 +361,51 @@ class Window:
 class _Profile:
   """A jax profiler trace of `num_steps` steps from step start + 10 (warmed up) into `logdir`
   (TensorBoard's profile plugin reads it; for a gs:// run the trace is written to a local
-  folder, then copied there); process 0 only; nothing when num_steps is 0. A run that ends
-  inside the window ends the trace (close)."""
+  folder, then copied there); process 0 traces, every process takes part (its start and end
+  are collectives, distributed.on_process_zero: a trace that fails stops every process);
+  nothing when num_steps is 0. A run that ends inside the window ends the trace (the
+  context's exit)."""
 
   def __init__(self, num_steps: int, logdir: str, start: int):
-    self.first = start + 10 if num_steps and jax.process_index() == 0 else None
+    self.first = start + 10 if num_steps else None
     self.last, self.logdir, self.tracing = start + 10 + num_steps, logdir, False
     self._local = None
 
   def step(self, step: int):
     if self.first is not None and step == self.first:
-      if storage.is_url(self.logdir):
-        self._local = tempfile.mkdtemp(prefix='realformer-profile-')
-      jax.profiler.start_trace(self._local or self.logdir)
+      distributed.on_process_zero(self._start, f'start the profile in {self.logdir}')
       self.tracing = True
     elif self.tracing and step == self.last:
       self.close()
 
   def close(self):
     if self.tracing:
-      jax.profiler.stop_trace()
       self.tracing = False
-      if self._local is not None:
-        storage.copy_tree(self._local, self.logdir)
-        shutil.rmtree(self._local, ignore_errors=True)
+      distributed.on_process_zero(self._stop, f'write the profile to {self.logdir}')
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, error, *_):
+    """The loop's end closes the trace with the others (a collective); an error on process
+    0 alone, keeping what it can (the others may not come)."""
+    if error is None:
+      self.close()
+    elif self.tracing and jax.process_index() == 0:
+      self.tracing = False
+      with contextlib.suppress(Exception):
+        self._stop()
+
+  def _start(self):
+    if storage.is_url(self.logdir):
+      self._local = tempfile.mkdtemp(prefix='realformer-profile-')
+    jax.profiler.start_trace(self._local or self.logdir)
+
+  def _stop(self):
+    jax.profiler.stop_trace()
+    if self._local is not None:
+      storage.copy_tree(self._local, self.logdir)
+      shutil.rmtree(self._local, ignore_errors=True)
 
 
 class Trainer:
@@ -480,6 +501,9 @@ class Trainer:
       if c.time_budget_minutes > 0:
         self.budget = TimeBudget(c, task.program.schedule, run, start)
       preempted = self._train(start)
+      # (the lock first: a save whose lease was lost fails on process 0 alone, which the
+      # others would wait for in _finish)
+      self.run_dir.check_held()
       self.manager.wait_until_finished()
       summary = self._finish(preempted)
       compile_cache.log_stats('the run')  # the background compiles and predictions too
@@ -494,7 +518,7 @@ class Trainer:
           if jax.process_count() == 1:
             self.manager.wait_until_finished()
           if self.writer is not None:
-            self.writer.close()
+            self.writer.close_alone()
       raise
     finally:
       task.close()
@@ -515,7 +539,7 @@ class Trainer:
     window, pending, step = Window(), None, start  # pending: the step not yet checked
     first_call = 0.0  # when the first step was called (its batch at hand)
     self.period_start = time.time()
-    with workdir_lib.StopSignal() as stop, contextlib.closing(profile):
+    with workdir_lib.StopSignal() as stop, profile:
       batches = task.batches(start)
       while step < c.num_steps and not (budget is not None and budget.over()):
         batch, cost = next(batches)
@@ -683,7 +707,9 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
   (Trainer.run), all within the mesh. Returns (the task, the trainer's summary)."""
   run = RunDir(workdir)
   mesh = partitioning.make_mesh(config.mesh, devices)
-  checked = task_cls.checked_config(config, mesh)
+  # (each host checks its own view: a file only some of them see stops all of them)
+  checked = distributed.on_every_process(lambda: task_cls.checked_config(config, mesh),
+                                         'check the config')
   if checked is None:
     raise TypeError(f'{task_cls.__name__}.checked_config returned None: return the config')
   config = checked
@@ -835,19 +861,20 @@ class BestParams:
     self.run, self.task, self.enabled = run, task, enabled
     self.dir = run.sub(RunDir.BEST)
     self.best = None
-    if not self.dir.root.exists():
-      return
-    stored = self.dir.read_json(RunDir.RESULTS)
-    saved = checkpoints.complete_steps(str(self.dir))
-    why = ('an earlier run in this directory' if start == 0 else
-           'params without their record (a save cut short)' if not saved or not stored
-           or stored.get('step') != saved[-1] else
-           'the stretch after its last checkpoint' if saved[-1] > start else None)
-    if why:
+    stored, why = None, None
+    if self.dir.root.exists():
+      stored = self.dir.read_json(RunDir.RESULTS)
+      saved = checkpoints.complete_steps(str(self.dir))
+      why = ('an earlier run in this directory' if start == 0 else
+             'params without their record (a save cut short)' if not saved or not stored
+             or stored.get('step') != saved[-1] else
+             'the stretch after its last checkpoint' if saved[-1] > start else None)
+    # As process 0 found it (a host that looked after process 0 removed it would see none).
+    if distributed.from_process_zero(why is not None):
       logging.warning('removing %s, where this run starts at step %d: %s', self.dir, start,
-                      why)
+                      why or 'as process 0 found it')
       run.remove(RunDir.BEST)
-    elif enabled:
+    elif stored is not None and enabled:
       self.best = dict(stored, headline=task.record_headline(stored))
 
   def offer(self, params, step: int, results: Results):
@@ -883,11 +910,12 @@ def _drop_optimizer_state(manager, params, step: int, run: RunDir, best: BestPar
   checkpoint."""
   run.check_held()
   final = run.path(RunDir.FINAL)
-  if os.path.islink(final) or checkpoints.has_complete_step(str(final)):
+  # (as process 0 found it: a host that looks after process 0 linked it would find it)
+  if distributed.from_process_zero(os.path.islink(final) or
+                                   checkpoints.has_complete_step(str(final))):
     pass  # written by an attempt killed before the resume checkpoint was deleted
   elif best.best is not None and best.best['step'] == step and not storage.is_url(final):
-    if jax.process_index() == 0:
-      os.symlink(RunDir.BEST, final)
+    distributed.on_process_zero(lambda: os.symlink(RunDir.BEST, final), f'link {final}')
   else:
     checkpoints.save_params(str(final), params, _params_config(task), step=step)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

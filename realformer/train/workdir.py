@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Dict, List, Optional
 
 import jax
@@ -141,6 +142,16 @@ class Lock:
     if code == 2:
       raise ValueError(f'process 0 could not set up the workdir {self.workdir}; its log says '
                        'why')
+    # Every process sees the lock process 0 took: a local path on each host's own disk is a
+    # folder per host, each of whose checkpoints would hold a part of every step.
+    if not storage.is_url(self.workdir):
+      blind = [i for i, seen in enumerate(distributed.gathered(_appears(self.path))) if not seen]
+      if blind:
+        self.__exit__()  # (process 0's; the others hold nothing)
+        raise ValueError(f'--workdir {self.workdir} is not one folder for every process '
+                         f'(process {blind[0]} of {jax.process_count()} does not see the lock '
+                         'process 0 took there: a folder on each host\'s own disk?); give a '
+                         'folder they share: a gs:// bucket or a shared file system')
     self._held = True
     return self
 
@@ -221,6 +232,21 @@ class Lock:
       fcntl.flock(self._fd, fcntl.LOCK_UN)
       os.close(self._fd)
       self._fd = None
+
+
+# How long a process looks for a file another host made on a shared file system (a network
+# file system's client may answer from its cache that it is not there, for up to a minute).
+SHARED_FILE_SECONDS = 60.0
+
+
+def _appears(path: str) -> bool:
+  """Whether `path` exists, or appears within SHARED_FILE_SECONDS."""
+  deadline = time.monotonic() + SHARED_FILE_SECONDS
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.5)
+  return True
 
 
 def _requeued(previous: dict) -> bool:
