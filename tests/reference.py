@@ -116,6 +116,7 @@ def encoder(params, spec, input_ids, segment_ids, attention_mask):
       x = layer_norm(x + a, lp['attention_layer_norm'], spec.layer_norm_eps)
       x = layer_norm(x + mlp(x), lp['mlp_layer_norm'], spec.layer_norm_eps)
     else:
+      assert spec.block == 'pre_ln', f'no reference for block {spec.block!r}'
       x = x + a
       x = x + mlp(layer_norm(x, lp['mlp_layer_norm'], spec.layer_norm_eps))
   if spec.block == 'pre_ln':

@@ -683,6 +683,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   assert 'no test.tsv for rte' in caplog.text and 'no predictions were written' in caplog.text
   assert 'compiled lengths' in caplog.text  # the length buckets say how many shapes compile
   assert 'encoder: 2 layers x ' in caplog.text and ', attention dot, float32' in caplog.text
+  assert '; attention: training plain, evaluation plain' in caplog.text
   # A test.tsv added afterwards, longer than every stored bucket: the rerun predicts it
   # (one more compiled length for evaluation), the stored training buckets unchanged.
   stored = json.loads((tmp_path / 'ft' / RunDir.LENGTH_BUCKETS).read_text())['lengths']

@@ -20,7 +20,9 @@ from realformer.model import attention as attn_lib
 from realformer.finetune import task as finetune_task
 from realformer.model.spec import resolve
 from realformer.train import partitioning
+from realformer.train import pretraining
 from tests.test_models import make_batch, perturbed_params, small_config
+from tests.test_train import tiny_config
 
 
 def test_threefry_in_integer_ops_is_jaxs():
@@ -341,6 +343,13 @@ def test_auto_takes_the_flash_kernel_on_gpus_in_half_precision_under_attention_d
     assert attn_lib._use_flash(tpu, False, False, None)
     assert attn_lib._flash_kernel(tpu)[0] is flash_tpu_lib.flash_attention
   assert not attn_lib._use_flash(spec('synth_dense', platform='tpu'), False, False, None)
+  # A run's log says which path each layer's attention takes.
+  for got, want in ((gpu, 'flash (Triton), evaluation jax.nn.dot_product_attention (cudnn)'),
+                    (spec('realformer', platform='tpu'), 'flash (Mosaic), evaluation plain'),
+                    (spec('realformer'), 'plain, evaluation plain'),
+                    (spec(platform='cpu', fused_attention='xla'),
+                     'plain, evaluation jax.nn.dot_product_attention (xla)')):
+    assert attn_lib.paths(got) == 'training ' + want
   # Mosaic has no float16 tiles: auto keeps the plain path there (flash: tested below).
   assert not attn_lib._use_flash(spec(platform='tpu', dtype='float16'), False, False, None)
   for other in (spec(dtype='float32'), spec(dtype='float16'), spec(platform='cpu'),
@@ -405,6 +414,17 @@ def test_one_line_errors():
                                        'that divides 4'):
     partitioning.check_heads(resolve(small_config('postln', fused_attention='flash')), mesh)
   partitioning.check_heads(resolve(small_config('postln', fused_attention='off')), mesh)
+  # cuDNN's kernel off a GPU: the launch check's target, and train.py on a CPU (a stored
+  # config that names it builds anywhere: analysis and export; fine-tuning takes auto).
+  with pytest.raises(ValueError, match='cudnn needs a GPU, not tpu; use auto or xla'):
+    resolve(small_config('postln', fused_attention='cudnn'), platform='tpu')
+  assert resolve(small_config('postln', fused_attention='cudnn')).fused_attention == 'cudnn'
+  with pytest.raises(ValueError, match=r'^model.fused_attention=cudnn needs a GPU, not cpu; '
+                                       r'use auto \(or xla\)$'):
+    config = tiny_config()
+    config.model.fused_attention = 'cudnn'
+    pretraining.PretrainingTask.checked_config(config, partitioning.make_mesh(
+        {'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1]))
   old = jax.config.jax_default_prng_impl
   jax.config.update('jax_default_prng_impl', 'rbg')
   try:

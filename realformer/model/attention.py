@@ -104,6 +104,20 @@ def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optiona
   return spec.fused_attention  # 'xla' or 'cudnn', as asked
 
 
+def paths(spec: EncoderSpec) -> str:
+  """Which path computes a full layer's attention in training and in evaluation, as a run's
+  log says it (the pruned last layer and asked-for probabilities take the plain path):
+  e.g. 'training flash (Mosaic), evaluation plain'."""
+  def path(training: bool) -> str:
+    if _use_flash(spec, not training, False, None):
+      on = spec.target_platform
+      return ('flash (Mosaic)' if on == 'tpu' else
+              'flash (Triton' + (', interpreted)' if on == 'cpu' else ')'))
+    fused = _use_fused(spec, not training, False)
+    return f'jax.nn.dot_product_attention ({fused})' if fused else 'plain'
+  return f'training {path(True)}, evaluation {path(False)}'
+
+
 class SelfAttention(nn.Module):
   """Multi-head self-attention whose logits come from `spec.attention` components."""
   spec: EncoderSpec

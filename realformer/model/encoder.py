@@ -154,12 +154,15 @@ class Block(nn.Module):
       a, scores, probs = attention(x, bias, scores, layer_index, rows, **kw)
       x = layer_norm(s, 'attention_layer_norm')(residual + drop(a)).astype(s.dtype)
       x = layer_norm(s, 'mlp_layer_norm')(x + drop(Mlp(s, name='mlp')(x))).astype(s.dtype)
-    else:  # Pre-LN: x + Sublayer(LN(x))
+    elif s.block == 'pre_ln':  # x + Sublayer(LN(x))
       h = layer_norm(s, 'attention_layer_norm')(x).astype(s.dtype)
       a, scores, probs = attention(h, bias, scores, layer_index, rows, **kw)
       x = residual + drop(a)
       h = layer_norm(s, 'mlp_layer_norm')(x).astype(s.dtype)
       x = x + drop(Mlp(s, name='mlp')(h))
+    else:  # a name added to spec.BLOCKS without its layer here
+      raise ValueError(f'model.block={s.block!r} has no layer in Block '
+                       '(realformer/model/encoder.py): add its branch')
     return (x, scores), probs
 
 

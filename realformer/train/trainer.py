@@ -59,6 +59,7 @@ from absl import logging
 from realformer import cli
 from realformer import platforms
 from realformer import storage
+from realformer.model import attention as attention_lib
 from realformer.train import checkpoints
 from realformer.train import compile_cache
 from realformer.train import distributed
@@ -719,7 +720,7 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
     task = task_cls(config, mesh, run)
     spec = getattr(task.program.model, 'spec', None)
     if spec is not None:
-      logging.info('encoder: %s', spec.summary)
+      logging.info('encoder: %s; attention: %s', spec.summary, attention_lib.paths(spec))
     return task, Trainer(task, run).run()
 
 
