@@ -231,8 +231,8 @@ def _keeps_workers(error: BaseException) -> bool:
 
 
 def _checked(config, out_dir: str, tokenizer, process_index: int, process_count: int):
-  """prepare()'s checks of the config, the output and this host's inputs before anything is
-  written: (the tokenizer, the data's fingerprint, the folder this host's workers write,
+  """prepare()'s checks of the config, the output and this host's inputs before its workers
+  write anything: (the tokenizer, the data's fingerprint, the folder this host's workers write,
   their number)."""
   config_checks.check_lengths(config)
   config_checks.check_document_window(config.data)
@@ -277,11 +277,6 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   storage.check_location(out_dir, 'the prepared data folder')
   out_dir = out_dir.rstrip('/')
   tmp = tmp_dir(out_dir)  # the workers' results and failure notices, where process 0 finds them
-  # What this attempt's files are newer than, by the clock that stamps them (read beside
-  # the output, not in a folder a gathering deletes; 1 s earlier: a file system may keep
-  # coarser times); read first, so that a host's failure notice from the checks below is
-  # this attempt's to process 0.
-  since = storage.clock(out_dir) - 1
   try:
     tokenizer, fp, staging, workers = _checked(config, out_dir, tokenizer, process_index,
                                                process_count)
@@ -289,6 +284,10 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
     if process_count > 1:
       _notice(tmp, f'{process_index:05d}', e)
     raise
+  # What this attempt's files are newer than, by the clock that stamps them (read beside
+  # the output, not in a folder a gathering deletes; 1 s earlier: a file system may keep
+  # coarser times).
+  since = storage.clock(out_dir) - 1
   remote = storage.is_url(out_dir)
   lock = _single_host_lock(staging) if process_count == 1 else None
   try:
@@ -585,9 +584,15 @@ def _notice(tmp: str, who: str, error: BaseException) -> None:
     logging.warning('could not tell the other hosts that this one failed (%s)', e)
 
 
+# Hosts begin apart (started by hand; one reads more to check its inputs): a failure notice
+# from up to this long before an attempt's start (`since`) is still the attempt's.
+START_SKEW_SECONDS = 60.0
+
+
 def _failure(tmp: str, since: float, hosts_only: bool = False) -> Optional[str]:
-  """'<who>: <message>' of a failure file in `tmp` written since `since` (an earlier
-  attempt's is not this one's), or None; `hosts_only` passes over process 0's gathering."""
+  """'<who>: <message>' of a failure file in `tmp` written since `since` (START_SKEW_SECONDS
+  allowed; an earlier attempt's is not this one's), or None; `hosts_only` passes over
+  process 0's gathering."""
   try:
     names = sorted(p.name for p in _path(tmp).iterdir() if p.name.startswith('failed-') and
                    (p.name[7:12].isdigit() or not hosts_only))
@@ -596,7 +601,7 @@ def _failure(tmp: str, since: float, hosts_only: bool = False) -> Optional[str]:
   for name in names:
     path = _path(tmp, name)
     try:
-      if storage.mtime(path) >= since:
+      if storage.mtime(path) >= since - START_SKEW_SECONDS:
         who = name[len('failed-'):-len('.txt')]
         who = 'process 0 (gathering)' if who == 'gather' else f'host {int(who)}'
         return f'{who}: {path.read_text()}'

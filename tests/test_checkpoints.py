@@ -324,6 +324,7 @@ try:
 except ValueError as e:
   print('differs:', e)
 distributed.same_on_every_process(lambda: 2 ** 32 - 1, 'a checksum', 'of 32 bits')
+print('as process 0 has it:', distributed.json_from_process_zero(['best', {pid}, 'é']))
 print('all done')
 '''
 
@@ -331,12 +332,14 @@ print('all done')
 def test_work_each_host_does_alone_fails_or_differs_on_every_process_in_one_line(tmp_path):
   """What each host reads for itself: where it fails on one, every process raises (that one
   its own error, the others naming it), and where the hosts read different things, all say
-  so; none waits for ever at the next collective."""
+  so; none waits for ever at the next collective. What process 0 found, every process
+  takes."""
   zero, one = two_processes(_ONE_HOST_FAILS, tmp_path)
   assert 'error RuntimeError process 1 failed to read the vocabulary; its log says why' in zero
   assert 'error FileNotFoundError no such file: vocab.txt' in one
   for out, value in ((zero, 1), (one, 2)):
     assert f'value {value}' in out and 'all done' in out, out[-3000:]
+    assert "as process 0 has it: ['best', 0, 'é']" in out, out[-3000:]
     assert ('differs: the data differs between processes (process 1 of 2 read other than '
             'process 0); give every host the same') in out, out[-3000:]
 
@@ -359,12 +362,15 @@ except ValueError as e:
 def test_a_workdir_on_each_hosts_own_disk_is_refused_on_every_process(tmp_path):
   """A local --workdir that is not shared (a path on each host's disk) is a folder per host,
   whose checkpoints would each hold a part of every step: every process refuses it in one
-  line, and process 0 leaves no folder behind."""
+  line (also where the other host's folder holds the lock file of an earlier run of its
+  own), and process 0 leaves no folder behind."""
   os.makedirs(tmp_path / 'host0')
+  os.makedirs(tmp_path / 'host1' / 'run')
+  (tmp_path / 'host1' / 'run' / RunDir.LOCK).write_text('')
   for out in two_processes(_OWN_DISKS, tmp_path):
     assert 'held' not in out, out[-3000:]
     assert re.search(r"error --workdir \S+/run is not one folder for every process \(process 1 "
-                     r"of 2 does not see the lock process 0 took there: a folder on each "
+                     r"of 2 did not see the lock process 0 took there in 1 s: a folder on each "
                      r"host's own disk\?\); give a folder they share: a gs:// bucket or a "
                      r'shared file system', out), out[-3000:]
   assert os.listdir(tmp_path / 'host0') == []

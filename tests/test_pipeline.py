@@ -694,28 +694,22 @@ def test_a_host_that_fails_before_its_workers_start_stops_process_zero_at_once(
     corpus, tmp_path, monkeypatch):
   """A host that cannot begin (its vocabulary is a local file the others have; a corpus file
   it does not see) leaves a failure notice, which stops process 0's wait for its workers in
-  one line naming it (it waited for them until timeout_s: 6 hours by default)."""
+  one line naming it (it waited for them until timeout_s: 6 hours by default), also where
+  the host failed before process 0 began (hosts started by hand, seconds apart)."""
   config = tiny_config(corpus, document_window=5)
   out = str(tmp_path / 'out')
   theirs = config.copy_and_resolve_references()
   theirs.data.tokenizer = str(tmp_path / 'on_the_other_hosts.model')
+  with pytest.raises(Exception, match='on_the_other_hosts.model'):
+    prepare.prepare(theirs, out, process_index=1, process_count=2)
+  notice = out + '.tmp/failed-00001.txt'
+  os.utime(notice, (time.time() - 20,) * 2)  # 20 s before process 0 begins
   monkeypatch.setattr(prepare, 'POLL_SECONDS', 0.1)
-  errors = []
-
-  def host_one():
-    try:
-      prepare.prepare(theirs, out, process_index=1, process_count=2)
-    except Exception as e:  # pylint: disable=broad-except
-      errors.append(e)
-  host = threading.Timer(0.5, host_one)
-  host.start()
   start = time.time()
   with pytest.raises(RuntimeError, match=r'^preparation failed on host 1: \w+Error: .*'
                                          r'on_the_other_hosts.model'):
     prepare.prepare(config, out, process_index=0, process_count=2, timeout_s=30)
-  host.join()
   assert time.time() - start < 25
-  assert len(errors) == 1 and 'on_the_other_hosts.model' in str(errors[0]), errors
 
 
 def test_a_block_of_one_document_is_refused_in_one_line(corpus, tmp_path):

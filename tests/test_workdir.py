@@ -987,35 +987,44 @@ def test_finetune_on_two_processes_is_one_run(tmp_path):
   assert steps(b) == steps(a)  # one line per step and split: process 0's alone
 
 
-def test_hosts_whose_copies_of_the_task_differ_stop_in_one_line(tmp_path):
+def test_hosts_whose_copies_of_the_task_or_configs_differ_stop_in_one_line(tmp_path):
   """Each host reads the task's files for itself: one whose copy lacks test.tsv (it would
   compile other evaluation lengths and predict a split the others do not, and both would
   wait for ever at the first collective that differs) stops both before anything is
-  written."""
-  _glue_rte(tmp_path / 'full' / 'RTE', rows=32, test=True)
-  _glue_rte(tmp_path / 'partial' / 'RTE', rows=32)
-  port = free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, 'finetune.py', f'--workdir={tmp_path}/run', f'--process_id={i}',
-       f'--coordinator_address=localhost:{port}', '--num_processes=2',
-       '--config=configs/finetune.py:glue/rte', '--config.from_scratch=True',
-       '--config.init_checkpoint=configs/pretrain.py:postln,tiny',
-       f'--config.data_dir={tmp_path}/{folder}', '--config.batch_size=8'], cwd=REPO,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=cpu_xla_flags(1)),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i, folder in enumerate(('full', 'partial'))]
-  try:
-    errs = [proc.communicate(timeout=120)[1] for proc in procs]
-  finally:
-    for proc in procs:
-      proc.kill()
-  for proc, err in zip(procs, errs):
-    errors = [l for l in err.splitlines() if l.startswith('error:')]
-    assert proc.returncode == 1 and errors == [
-        "error: rte's data differs between processes (process 1 of 2 read other than process "
-        '0); give every host the same files (a copy of each, or a folder they share)'], \
-        err[-3000:]
-  assert not (tmp_path / 'run' / 'config.json').exists()
+  written; so does a config that differs between hosts (another command line)."""
+  _glue_rte(tmp_path / 'full' / 'glue' / 'RTE', rows=32, test=True)
+  _glue_rte(tmp_path / 'partial' / 'glue' / 'RTE', rows=32)
+  data_differs = ("error: rte's data differs between processes (process 1 of 2 read other "
+                  'than process 0); give every host the same files (a copy of each, or a '
+                  'folder they share)')
+  config_differs = ('error: the config differs between processes (process 1 of 2 read other '
+                    'than process 0); give every host the same command line, files and '
+                    'environment')
+  # (one command line, each host's own copy of the data: a home folder of its own; then
+  # each its own command line)
+  for data_dirs, want in ((('~/glue',) * 2, data_differs),
+                          ((f'{tmp_path}/full/glue', f'{tmp_path}/partial/glue'),
+                           config_differs)):
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, 'finetune.py', f'--workdir={tmp_path}/run', f'--process_id={i}',
+         f'--coordinator_address=localhost:{port}', '--num_processes=2',
+         '--config=configs/finetune.py:glue/rte', '--config.from_scratch=True',
+         '--config.init_checkpoint=configs/pretrain.py:postln,tiny',
+         f'--config.data_dir={data_dirs[i]}', '--config.batch_size=8'], cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=cpu_xla_flags(1),
+                 HOME=str(tmp_path / home)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i, home in enumerate(('full', 'partial'))]
+    try:
+      errs = [proc.communicate(timeout=120)[1] for proc in procs]
+    finally:
+      for proc in procs:
+        proc.kill()
+    for proc, err in zip(procs, errs):
+      errors = [l for l in err.splitlines() if l.startswith('error:')]
+      assert proc.returncode == 1 and errors == [want], err[-3000:]
+    assert not (tmp_path / 'run' / 'config.json').exists()
 
 
 def _config_keys(config) -> set:

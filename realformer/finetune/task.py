@@ -505,7 +505,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   @abc.abstractmethod
   def write_predictions(self, outputs, results, out_dir) -> None:
-    """The prediction files (process 0 writes; every process computes)."""
+    """The prediction files: every process computes them and calls
+    distributed.on_process_zero to have process 0 write them (with several processes a
+    collective, so that a write that fails stops every process)."""
 
   @abc.abstractmethod
   def dev_headline(self, dev: Dict[str, Dict[str, float]]) -> float:

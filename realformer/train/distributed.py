@@ -5,6 +5,7 @@ and finetune.py alike.
     distributed.initialize_from_flags()   # in main(), before jax is used
 """
 
+import json
 import os
 import re
 from typing import Callable, List, Mapping, Optional, TypeVar
@@ -105,6 +106,20 @@ def from_process_zero(value: int) -> int:
     return int(value)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def json_from_process_zero(value: T) -> T:
+  """`value` (anything JSON holds) as process 0 has it, on every process (a collective);
+  `value` itself with one process."""
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  size = from_process_zero(len(data))
+  sent = np.zeros(size, np.uint8)
+  if jax.process_index() == 0:
+    sent[:] = data
+  return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(sent))).decode())
 
 
 def on_process_zero(action: Callable[[], object], what: str) -> None:

@@ -48,6 +48,7 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import jax
@@ -678,7 +679,8 @@ class Trainer:
       logging.warning('stop signal: saved step %d in %s; run the same command to resume',
                       preempted, self.manager.directory)
       return dict(summary, preempted=preempted, eval=self.results or {})
-    evaluated = any(split != 'train' for split in logged)  # (at this step, earlier)
+    # (at this step, earlier; as process 0's log says: the others read it too)
+    evaluated = bool(distributed.from_process_zero(any(split != 'train' for split in logged)))
     # Resumed at the end (or cut to it: a shorter num_steps or time budget), nothing evaluated
     # in this process: the end is evaluated as the loop would have, if the run evaluates.
     if self.results is None and (task.needs_final_results or
@@ -714,6 +716,9 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
   if checked is None:
     raise TypeError(f'{task_cls.__name__}.checked_config returned None: return the config')
   config = checked
+  distributed.same_on_every_process(  # (what each host resolved: its vocabulary's size, ...)
+      lambda: zlib.crc32(config.to_json_best_effort(sort_keys=True).encode()), 'the config',
+      'give every host the same command line, files and environment')
   logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), mesh.size,
                jax.process_count())
   with run.hold(task_cls.command, config), jax.set_mesh(mesh):
@@ -870,10 +875,12 @@ class BestParams:
              'params without their record (a save cut short)' if not saved or not stored
              or stored.get('step') != saved[-1] else
              'the stretch after its last checkpoint' if saved[-1] > start else None)
-    # As process 0 found it (a host that looked after process 0 removed it would see none).
-    if distributed.from_process_zero(why is not None):
+    # As process 0 found them (a host that looked after process 0 removed it, or through a
+    # file system's cache, would see otherwise, and save or link where the others do not).
+    why, stored = distributed.json_from_process_zero([why, stored])
+    if why:
       logging.warning('removing %s, where this run starts at step %d: %s', self.dir, start,
-                      why or 'as process 0 found it')
+                      why)
       run.remove(RunDir.BEST)
     elif stored is not None and enabled:
       self.best = dict(stored, headline=task.record_headline(stored))

@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 from typing import Dict, List, Optional
 
 import jax
@@ -106,6 +107,7 @@ class Lock:
     self.path = (f'{self.workdir.rstrip("/")}/{RunNames.LOCK}' if storage.is_url(self.workdir)
                  else os.path.join(self.workdir, RunNames.LOCK))
     self._fd, self._created, self._lease = None, False, None
+    self._record = b''  # what process 0 wrote into a local lock file
     self._held = False  # between a successful __enter__ and __exit__, in every process
 
   @property
@@ -142,16 +144,20 @@ class Lock:
     if code == 2:
       raise ValueError(f'process 0 could not set up the workdir {self.workdir}; its log says '
                        'why')
-    # Every process sees the lock process 0 took: a local path on each host's own disk is a
-    # folder per host, each of whose checkpoints would hold a part of every step.
+    # Every process sees the lock process 0 took (its record, not an older run's lock file):
+    # a local path on each host's own disk is a folder per host, each of whose checkpoints
+    # would hold a part of every step.
     if not storage.is_url(self.workdir):
-      blind = [i for i, seen in enumerate(distributed.gathered(_appears(self.path))) if not seen]
+      record = distributed.from_process_zero(zlib.crc32(self._record) & 0x7fffffff)
+      blind = [i for i, seen in enumerate(distributed.gathered(_appears(self.path, record)))
+               if not seen]
       if blind:
         self.__exit__()  # (process 0's; the others hold nothing)
         raise ValueError(f'--workdir {self.workdir} is not one folder for every process '
-                         f'(process {blind[0]} of {jax.process_count()} does not see the lock '
-                         'process 0 took there: a folder on each host\'s own disk?); give a '
-                         'folder they share: a gs:// bucket or a shared file system')
+                         f'(process {blind[0]} of {jax.process_count()} did not see the lock '
+                         f'process 0 took there in {SHARED_FILE_SECONDS:.0f} s: a folder on '
+                         'each host\'s own disk?); give a folder they share: a gs:// bucket or '
+                         'a shared file system')
     self._held = True
     return self
 
@@ -204,7 +210,8 @@ class Lock:
     try:
       os.ftruncate(fd, 0)
       os.lseek(fd, 0, os.SEEK_SET)
-      os.write(fd, (json.dumps(storage.holder_record(self.program)) + '\n').encode())
+      self._record = (json.dumps(storage.holder_record(self.program)) + '\n').encode()
+      os.write(fd, self._record)
       os.fsync(fd)
     except OSError:  # a full disk: not held (the error goes to the user as one line)
       _HELD.pop(id(self), None)
@@ -239,14 +246,22 @@ class Lock:
 SHARED_FILE_SECONDS = 60.0
 
 
-def _appears(path: str) -> bool:
-  """Whether `path` exists, or appears within SHARED_FILE_SECONDS."""
+def _appears(path: str, record: int) -> bool:
+  """Whether the file `path` holds the lock record whose checksum is `record` (crc32, 31
+  bits), now or within SHARED_FILE_SECONDS (its folder listed at each look, which makes a
+  network file system's client ask its server again)."""
   deadline = time.monotonic() + SHARED_FILE_SECONDS
-  while not os.path.exists(path):
+  while True:
+    try:
+      os.listdir(os.path.dirname(path))
+      with open(path, 'rb') as f:
+        if zlib.crc32(f.read()) & 0x7fffffff == record:
+          return True
+    except OSError:  # not there (yet)
+      pass
     if time.monotonic() > deadline:
       return False
     time.sleep(0.5)
-  return True
 
 
 def _requeued(previous: dict) -> bool:

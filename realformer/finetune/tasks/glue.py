@@ -8,7 +8,6 @@ Its own field: skip_malformed_rows.
 
 from typing import Dict, Tuple
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
@@ -20,6 +19,7 @@ from realformer import models
 from realformer.finetune import metrics as finetune_metrics
 from realformer.finetune.registry import register
 from realformer.finetune.task import FinetuneTask
+from realformer.train import distributed
 
 # GLUE's nine tasks (the grid's `--tasks glue`); data/glue.TASKS also holds MNLI's mismatched
 # dev set and the AX diagnostic, which the mnli run evaluates and predicts.
@@ -143,8 +143,9 @@ class GlueTask(FinetuneTask):
     for name, examples in self.tests.items():
       if examples is not None:
         preds, _ = self._predictions(outputs, 'test', name)  # every process: collectives
-        if jax.process_index() == 0:
-          glue.write_predictions(self._spec(name), examples, preds, out_dir)
+        distributed.on_process_zero(
+            lambda: glue.write_predictions(self._spec(name), examples, preds, out_dir),
+            f'write the predictions for {name} to {out_dir}')
     if missing:
       logging.info('no test.tsv for %s in %s: trained and evaluated; no predictions were '
                    'written for %s', ', '.join(missing), self.config.data_dir,

@@ -10,7 +10,6 @@ files are of dev (predictions/predictions.json, and null_odds.json for v2.0).
 import json
 from typing import Dict, Tuple
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -22,6 +21,7 @@ from realformer import storage
 from realformer.finetune import metrics as finetune_metrics
 from realformer.finetune.registry import register
 from realformer.finetune.task import FinetuneTask
+from realformer.train import distributed
 
 
 @register('squad')
@@ -133,11 +133,12 @@ class SquadTask(FinetuneTask):
 
   def write_predictions(self, outputs, results, out_dir: str):
     del outputs, results  # SQuAD's test sets are hidden: the dev answers are written
-    if jax.process_index() != 0:
-      return
-    storage.write_text(f'{out_dir}/predictions.json', json.dumps(self.answers, indent=1))
-    if self.version_2:
-      storage.write_text(f'{out_dir}/null_odds.json', json.dumps(self.null_diff, indent=1))
+
+    def write():
+      storage.write_text(f'{out_dir}/predictions.json', json.dumps(self.answers, indent=1))
+      if self.version_2:
+        storage.write_text(f'{out_dir}/null_odds.json', json.dumps(self.null_diff, indent=1))
+    distributed.on_process_zero(write, f'write the predictions to {out_dir}')
 
   def dev_headline(self, dev) -> float:
     """v2.0 with a null_score_diff_threshold given: the f1 of the answers written with it
