@@ -553,7 +553,7 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: f
                          'host the same corpus and config')
     failed = _failure(tmp, since, hosts_only=True)
     if failed:
-      raise RuntimeError(f'preparation failed on {failed}')
+      raise cli.UserError(f'preparation failed on {failed}')
     if time.time() > deadline:
       raise TimeoutError(f'preparation workers {missing[:8]} of {total} did not finish in '
                          f'{timeout_s:.0f} s; is every host running it?')

@@ -635,7 +635,7 @@ def test_process_zeros_clean_up_and_write_are_waited_for_and_fail_on_every_proce
     assert 'steps [3]' in out, out[-3000:]
   assert 'listed with the uncommitted step: False' in outs[1], outs[1][-3000:]
   assert 'error OSError the bucket refused the write' in outs[0], outs[0][-3000:]
-  assert (f'error RuntimeError process 0 failed to write {url}/config.json; its log says '
+  assert (f'error ProcessFailed process 0 failed to write {url}/config.json; its log says '
           'why') in outs[1], outs[1][-3000:]
 
 

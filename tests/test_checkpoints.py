@@ -302,7 +302,7 @@ def test_a_write_that_fails_on_process_0_stops_every_process_in_one_line(tmp_pat
                      ('marker', f'delete {tmp_path}/checkpoints/3/{checkpoints.COMMIT_FILE}'),
                      ('flush', f'write the logs of {tmp_path}')]:
     assert f'{what} {refused}' in zero, (what, zero[-3000:])
-    assert (f'{what} error RuntimeError process 0 failed to {done}; its log says why'
+    assert (f'{what} error ProcessFailed process 0 failed to {done}; its log says why'
             in one), (what, one[-3000:])
 
 
@@ -335,7 +335,7 @@ def test_work_each_host_does_alone_fails_or_differs_on_every_process_in_one_line
   so; none waits for ever at the next collective. What process 0 found, every process
   takes."""
   zero, one = two_processes(_ONE_HOST_FAILS, tmp_path)
-  assert 'error RuntimeError process 1 failed to read the vocabulary; its log says why' in zero
+  assert 'error ProcessFailed process 1 failed to read the vocabulary; its log says why' in zero
   assert 'error FileNotFoundError no such file: vocab.txt' in one
   for out, value in ((zero, 1), (one, 2)):
     assert f'value {value}' in out and 'all done' in out, out[-3000:]

@@ -15,7 +15,14 @@ import numpy as np
 from absl import flags
 from absl import logging
 
+from realformer import cli
+
 T = TypeVar('T')
+
+
+class ProcessFailed(cli.UserError):
+  """Another process of the job failed at a step all of them take together: its own log
+  says why (here: one line, no traceback)."""
 
 
 def define_flags() -> None:
@@ -142,7 +149,7 @@ def on_process_zero(action: Callable[[], object], what: str) -> None:
   if error is not None:
     raise error
   if failed:
-    raise RuntimeError(f'process 0 failed to {what}; its log says why')
+    raise ProcessFailed(f'process 0 failed to {what}; its log says why')
 
 
 def gathered(value: int) -> List[int]:
@@ -169,7 +176,7 @@ def on_every_process(action: Callable[[], T], what: str) -> T:
   if error is not None:
     raise error
   if failed:
-    raise RuntimeError(f'process {failed[0]} failed to {what}; its log says why')
+    raise ProcessFailed(f'process {failed[0]} failed to {what}; its log says why')
   return value
 
 
