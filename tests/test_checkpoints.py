@@ -324,7 +324,8 @@ try:
 except ValueError as e:
   print('differs:', e)
 distributed.same_on_every_process(lambda: 2 ** 32 - 1, 'a checksum', 'of 32 bits')
-print('as process 0 has it:', distributed.json_from_process_zero(['best', {pid}, 'é']))
+print('as process 0 has it:', distributed.read_on_process_zero(lambda: ['best', {pid}, 'é'],
+                                                                'read it'))
 print('all done')
 '''
 

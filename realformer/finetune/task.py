@@ -148,7 +148,9 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
               'bucket_compile_seconds': float(config.bucket_compile_seconds),
               'bucket_flops_per_second': float(config.bucket_flops_per_second)}
   stored, stored_settings = None, None
-  saved = run.read_json(RunDir.LENGTH_BUCKETS) if resuming else None
+  saved = (distributed.read_on_process_zero(lambda: run.read_json(RunDir.LENGTH_BUCKETS),
+                                            f'read {run.path(RunDir.LENGTH_BUCKETS)}')
+           if resuming else None)
   if isinstance(saved, list):  # written before the settings were stored with them
     stored = tuple(saved)
   elif saved is not None:

@@ -129,6 +129,16 @@ def json_from_process_zero(value: T) -> T:
   return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(sent))).decode())
 
 
+def read_on_process_zero(read: Callable[[], T], what: str) -> T:
+  """`read()` (anything JSON holds) as process 0 finds it, on every process; with several
+  processes a collective, read by process 0 alone (what each host saw of a shared folder
+  could differ: a file system's cache, a file written meanwhile), and if the read fails
+  every process raises (on_process_zero)."""
+  found = []
+  on_process_zero(lambda: found.append(read()), what)
+  return json_from_process_zero(found[0] if found else None)
+
+
 def on_process_zero(action: Callable[[], object], what: str) -> None:
   """Runs `action` on process 0 alone (a write to the run's shared folder, a clean-up before
   the other processes list it). With several processes every process returns only once it

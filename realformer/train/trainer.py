@@ -867,17 +867,19 @@ class BestParams:
     self.run, self.task, self.enabled = run, task, enabled
     self.dir = run.sub(RunDir.BEST)
     self.best = None
-    stored, why = None, None
-    if self.dir.root.exists():
+
+    def look():  # (why best/ goes, its record)
+      if not self.dir.root.exists():
+        return None, None
       stored = self.dir.read_json(RunDir.RESULTS)
       saved = checkpoints.complete_steps(str(self.dir))
-      why = ('an earlier run in this directory' if start == 0 else
-             'params without their record (a save cut short)' if not saved or not stored
-             or stored.get('step') != saved[-1] else
-             'the stretch after its last checkpoint' if saved[-1] > start else None)
-    # As process 0 found them (a host that looked after process 0 removed it, or through a
+      return ('an earlier run in this directory' if start == 0 else
+              'params without their record (a save cut short)' if not saved or not stored
+              or stored.get('step') != saved[-1] else
+              'the stretch after its last checkpoint' if saved[-1] > start else None), stored
+    # As process 0 finds them (a host that looked after process 0 removed it, or through a
     # file system's cache, would see otherwise, and save or link where the others do not).
-    why, stored = distributed.json_from_process_zero([why, stored])
+    why, stored = distributed.read_on_process_zero(look, f'read {self.dir}')
     if why:
       logging.warning('removing %s, where this run starts at step %d: %s', self.dir, start,
                       why)
