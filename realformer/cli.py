@@ -414,7 +414,32 @@ def run_main(main, *args, also=()):
   except Exception as e:  # pylint: disable=broad-except
     if not verbose:
       _storage_fault(e)
+      _peer_lost(e)
     raise
+
+
+# What a collective's error says when another process of the job stopped (Gloo's and NCCL's
+# connections, the coordination service's heartbeats).
+_PEER_LOST = re.compile(r'Connection (closed|reset) by peer|heartbeat|remote process exited|'
+                        r'tasks are unhealthy|NCCL error')
+
+
+def _peer_lost(e: BaseException) -> None:
+  """A collective that failed because another process of a multi-process job stopped (a
+  node lost, a process killed): one line, and an exit that skips jax's shutdown barrier
+  (which would wait a minute and more for the stopped process, then abort). Returns where
+  `e` is not that."""
+  jax = sys.modules.get('jax')
+  if (jax is None or not isinstance(e, jax.errors.JaxRuntimeError)
+      or not _PEER_LOST.search(str(e)) or jax.process_count() == 1):
+    return
+  first = str(e).strip().splitlines()[0]
+  print(f'error: a collective of this job failed ({first[:200]}): another process stopped or '
+        'cannot be reached (its log, or its node\'s, says why); run the same command to '
+        'resume from the last complete checkpoint', file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access
 
 
 def _storage_fault(e: BaseException) -> None:

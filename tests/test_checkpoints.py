@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -175,10 +176,10 @@ def test_two_processes_train_checkpoint_and_resume_together(tmp_path, reference)
   assert '8' in os.listdir(tmp_path / 'checkpoints')
 
 
-def two_processes(script: str, workdir) -> list:
+def two_processes(script: str, workdir, returncodes=(0, 0)) -> list:
   """The outputs of `script` (formatted with repo, coordinator, pid and workdir) run as
-  processes 0 and 1 of one job, one CPU device each; both must exit 0 within 2 minutes (a
-  process left waiting in a collective for the other fails the test)."""
+  processes 0 and 1 of one job, one CPU device each; they must exit with `returncodes`
+  within 2 minutes (a process left waiting in a collective for the other fails the test)."""
   port = free_port()
   procs = [subprocess.Popen(
       [sys.executable, '-c', script.format(repo=REPO, coordinator=f'localhost:{port}',
@@ -190,8 +191,8 @@ def two_processes(script: str, workdir) -> list:
   finally:
     for p in procs:
       p.kill()
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-3000:]
+  for p, out, code in zip(procs, outs, returncodes):
+    assert p.returncode == code, out[-3000:]
   return outs
 
 
@@ -375,6 +376,40 @@ def test_a_workdir_on_each_hosts_own_disk_is_refused_on_every_process(tmp_path):
                      r"host's own disk\?\); give a folder they share: a gs:// bucket or a "
                      r'shared file system', out), out[-3000:]
   assert os.listdir(tmp_path / 'host0') == []
+
+
+_NODE_LOST = r'''
+import os, sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+from realformer import cli
+from realformer.train import distributed
+def main():
+  distributed.maybe_initialize({coordinator!r}, 2, {pid})
+  import jax, jax.numpy as jnp
+  distributed.gathered({pid})
+  if {pid} == 1:  # its node is lost
+    os._exit(3)
+  mesh = jax.make_mesh((2,), ('x',))
+  x = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, jax.P('x')),
+                                             np.ones((1,), np.float32))
+  jax.jit(jnp.sum)(x).block_until_ready()  # a collective with a process that is gone
+cli.run_main(main)
+'''
+
+
+def test_a_process_whose_peer_is_lost_stops_in_one_line_at_once(tmp_path):
+  """Another process of the job stopped (a node lost): the collective that fails is one line
+  naming what happened and the way on, and the process exits at once (jax's shutdown barrier
+  waited about 100 s for the lost process, then aborted with a C++ stack)."""
+  start = time.time()
+  zero, _ = two_processes(_NODE_LOST, tmp_path, returncodes=(1, 3))
+  errors = [l for l in zero.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and re.fullmatch(
+      r'error: a collective of this job failed \(.*Connection closed by peer.*\): another '
+      r'process stopped or cannot be reached \(its log, or its node\'s, says why\); run the '
+      r'same command to resume from the last complete checkpoint', errors[0]), zero[-3000:]
+  assert 'Traceback' not in zero and time.time() - start < 60
 
 
 def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):

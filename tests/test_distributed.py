@@ -19,11 +19,14 @@ SLURM = {'SLURM_JOB_ID': '123', 'SLURM_STEP_NODELIST': 'gpu[01-04]', 'SLURM_JOB_
     (dict(SLURM, SLURM_GPUS_ON_NODE='', CUDA_VISIBLE_DEVICES='0,1,2,3'), [0, 1, 2, 3]),
     (dict(SLURM, CUDA_VISIBLE_DEVICES='4,5'), [0, 1]),  # what the task can see
     (dict(SLURM, SLURM_STEP_TASKS_PER_NODE='8(x4)', SLURM_NTASKS='32'), None),  # one per GPU
+    # --gpus-per-task=1: each task sees its own GPU, not the one of its SLURM_LOCALID
+    (dict(SLURM, SLURM_STEP_TASKS_PER_NODE='8(x4)', SLURM_LOCALID='5', CUDA_VISIBLE_DEVICES='5'),
+     [0]),
     (dict(SLURM, SLURM_STEP_TASKS_PER_NODE='1,2'), None),
     (dict(SLURM, SLURM_GPUS_ON_NODE='', CUDA_VISIBLE_DEVICES=''), None),  # no GPU: jax decides
     ({}, None),
 ])
-def test_a_nodes_only_task_drives_every_gpu_of_the_node(env, want):
+def test_a_nodes_only_task_drives_every_gpu_of_the_node_and_a_task_its_own(env, want):
   assert distributed.slurm_node_devices(env) == want
 
 

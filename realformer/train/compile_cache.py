@@ -258,7 +258,13 @@ def stats() -> Dict[str, int]:
 
 
 def log_stats(what: str) -> None:
+  """The log's line of stats(): what process 0 compiled and wrote, or on the others what
+  they loaded (jax counts a program compiled where it writes it: process 0 alone)."""
   if _listening:
     counts = stats()
+    if jax.process_index() > 0:
+      logging.info('compilation cache after %s: %d programs loaded from it (process 0 writes '
+                   'those the job compiles)', what, counts['hits'])
+      return
     logging.info('compilation cache after %s: %d programs loaded from it, %d compiled and '
                  'written to it', what, counts['hits'], counts['misses'])

@@ -38,18 +38,19 @@ NVIDIA_GPUS = '/proc/driver/nvidia/gpus'
 
 
 def slurm_node_devices(env: Mapping[str, str]) -> Optional[List[int]]:
-  """The local device ids a SLURM task drives when it is its node's only task: every GPU it
-  can see (CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE, else, on a cluster that does not
-  schedule GPUs as resources, every GPU of the node's driver). None otherwise: several
-  tasks per node are jax's own layout, one GPU per task (SLURM_LOCALID), which
-  jax.distributed.initialize() also applies to a single task per node unless told."""
+  """The local device ids a SLURM task drives where jax's own choice, the GPU of its
+  SLURM_LOCALID (one task per GPU, each seeing all of the node's), is wrong: a node's only
+  task drives every GPU it can see (CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE, else, on
+  a cluster that does not schedule GPUs as resources, every GPU of the node's driver), and
+  a task that sees one GPU (--gpus-per-task=1: SLURM gives each task its own) drives that
+  one, whatever its SLURM_LOCALID. None otherwise (jax's layout stands)."""
   if 'SLURM_JOB_ID' not in env:
     return None
+  visible = [d for d in env.get('CUDA_VISIBLE_DEVICES', '').split(',') if d.strip()]
   per_node = env.get('SLURM_STEP_TASKS_PER_NODE') or env.get('SLURM_TASKS_PER_NODE') or ''
   counts = re.findall(r'(\d+)(?:\(x\d+\))?', per_node)  # e.g. '1(x4)' or '2,1'
   if not counts or any(int(c) != 1 for c in counts):
-    return None
-  visible = [d for d in env.get('CUDA_VISIBLE_DEVICES', '').split(',') if d.strip()]
+    return [0] if len(visible) == 1 else None
   gpus = env.get('SLURM_GPUS_ON_NODE', '').strip()
   n = len(visible) if visible else int(gpus) if gpus.isdigit() else 0
   if not (n or gpus or 'CUDA_VISIBLE_DEVICES' in env):  # GPUs not scheduled by SLURM
