@@ -1,8 +1,16 @@
 """Several processes (TPU pod hosts, GPU nodes): jax.distributed.initialize() for train.py
-and finetune.py alike.
+and finetune.py alike, and the steps every process takes together.
 
     distributed.define_flags()            # --coordinator_address, --num_processes, --process_id
     distributed.initialize_from_flags()   # in main(), before jax is used
+
+With several processes, a process that raises while the others go on into the next
+collective leaves them waiting there for ever. So the work one process does for all
+(on_process_zero: a write to the run's folder; read_on_process_zero: a look at it) and the
+work each does alone (on_every_process: its own copy of a file, its own checks) are
+collectives themselves: every process calls them at the same point, and a failure anywhere
+raises on every process, the others with a one-line ProcessFailed naming the process. With
+one process each is the plain call.
 """
 
 import json
