@@ -277,6 +277,9 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   storage.check_location(out_dir, 'the prepared data folder')
   out_dir = out_dir.rstrip('/')
   tmp = tmp_dir(out_dir)  # the workers' results and failure notices, where process 0 finds them
+  if process_count > 1:  # an earlier attempt's notices of this host's are not this one's
+    for stale in [f'{process_index:05d}'] + (['gather'] if process_index == 0 else []):
+      _path(tmp, f'failed-{stale}.txt').unlink(missing_ok=True)
   try:
     tokenizer, fp, staging, workers = _checked(config, out_dir, tokenizer, process_index,
                                                process_count)
@@ -295,11 +298,6 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       return read_metadata(out_dir)  # another process finished while this one waited
     total = workers * process_count
     ids = [process_index * workers + w for w in range(workers)]
-    failed = _path(tmp, f'failed-{process_index:05d}.txt')
-    for stale in [failed] + ([_path(tmp, 'failed-gather.txt')] if process_index == 0
-                             else []):
-      if stale.exists():
-        stale.unlink()
     todo = [i for i in ids if not (remote and _done(tmp, i, total, fp))]
     try:
       _run_workers(config, tokenizer, staging, todo, total,
@@ -331,7 +329,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
       return None
     try:
       # Signed again: a corpus that changed while it was prepared is an error, not a mix.
-      if _wait_for_workers(tmp, total, fingerprint(config), timeout_s, since=since,
+      if _wait_for_workers(out_dir, total, fingerprint(config), timeout_s, since=since,
                            made=None if overwrite else _path(out_dir, METADATA)):
         return read_metadata(out_dir)  # another preparation gathered them first
       return _gather(config, tokenizer, tmp, out_dir, total, overwrite, started)
@@ -526,10 +524,12 @@ def _work(config, tokenizer, tmp: str, worker: int, total: int):
   os.replace(os.path.join(out, 'done.json.tmp'), os.path.join(out, 'done.json'))
 
 
-def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: float,
+def _wait_for_workers(out_dir: str, total: int, fp: dict, timeout_s: float, since: float,
                       made=None) -> bool:
-  """Waits until every worker is done (False), or until `made` (the output's metadata.json)
-  exists: another preparation gathered them first (True)."""
+  """Waits until every worker of the preparation of `out_dir` is done (False), or until
+  `made` (the output's metadata.json) exists: another preparation gathered them first
+  (True)."""
+  tmp = tmp_dir(out_dir)
   deadline = time.time() + timeout_s
   while True:
     missing = [i for i in range(total) if _done(tmp, i, total, fp) is None]
@@ -553,7 +553,7 @@ def _wait_for_workers(tmp: str, total: int, fp: dict, timeout_s: float, since: f
                          'host the same corpus and config')
     failed = _failure(tmp, since, hosts_only=True)
     if failed:
-      raise cli.UserError(f'preparation failed on {failed}')
+      raise cli.UserError(f'preparing {out_dir} failed on {failed}')
     if time.time() > deadline:
       raise TimeoutError(f'preparation workers {missing[:8]} of {total} did not finish in '
                          f'{timeout_s:.0f} s; is every host running it?')

@@ -418,10 +418,11 @@ def run_main(main, *args, also=()):
     raise
 
 
-# What a collective's error says when another process of the job stopped (Gloo's and NCCL's
-# connections, the coordination service's heartbeats).
-_PEER_LOST = re.compile(r'Connection (closed|reset) by peer|heartbeat|remote process exited|'
-                        r'tasks are unhealthy|NCCL error')
+# What a collective's error says when another process of the job stopped: Gloo's connection
+# (CPU), NCCL's (GPU: "remote process exited or there was a network error"), the coordination
+# service's missed heartbeats.
+_PEER_LOST = re.compile(r'Connection (closed|reset) by peer|remote process exited|'
+                        r'heartbeat timeout|tasks are unhealthy')
 
 
 def _peer_lost(e: BaseException) -> None:

@@ -707,7 +707,7 @@ def test_a_host_that_fails_before_its_workers_start_stops_process_zero_at_once(
   os.utime(notice, (time.time() - 20,) * 2)  # 20 s before process 0 begins
   monkeypatch.setattr(prepare, 'POLL_SECONDS', 0.1)
   start = time.time()
-  with pytest.raises(cli.UserError, match=r'^preparation failed on host 1: \w+Error: .*'
+  with pytest.raises(cli.UserError, match=r'^preparing \S+ failed on host 1: \w+Error: .*'
                                          r'on_the_other_hosts.model'):
     prepare.prepare(config, out, process_index=0, process_count=2, timeout_s=30)
   assert time.time() - start < 25

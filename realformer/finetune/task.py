@@ -123,10 +123,14 @@ def pretrained_config(path: str, config=None) -> ml_collections.ConfigDict:
 
 
 def _digest(features: Sequence[Dict[str, np.ndarray]]) -> int:
-  """A checksum of feature sets' token ids (and their number and shapes)."""
-  digest = zlib.crc32(repr([f['input_ids'].shape for f in features]).encode())
+  """A checksum of feature sets: every array's name, shape and values (token ids, labels)."""
+  digest = 0
   for f in features:
-    digest = zlib.crc32(np.ascontiguousarray(f['input_ids']).tobytes(), digest)
+    for key in sorted(f):
+      array = np.ascontiguousarray(f[key])
+      digest = zlib.crc32(f'{key}{array.shape}{array.dtype}'.encode(), digest)
+      digest = zlib.crc32(array.tobytes() if array.dtype != object else
+                          repr(array.tolist()).encode(), digest)
   return digest
 
 

@@ -9,8 +9,10 @@ collective leaves them waiting there for ever. So the work one process does for 
 (on_process_zero: a write to the run's folder; read_on_process_zero: a look at it) and the
 work each does alone (on_every_process: its own copy of a file, its own checks) are
 collectives themselves: every process calls them at the same point, and a failure anywhere
-raises on every process, the others with a one-line ProcessFailed naming the process. With
-one process each is the plain call.
+raises on every process, the others with a one-line ProcessFailed naming the process.
+same_on_every_process checks that what each host read for itself is the same everywhere (a
+ValueError on every process where not); from_process_zero and json_from_process_zero give
+every process process 0's value. With one process each is the plain call.
 """
 
 import json
@@ -84,7 +86,8 @@ def maybe_initialize(coordinator_address: Optional[str] = None,
   Explicit values (flags, else $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES /
   $JAX_PROCESS_ID) win; otherwise jax detects SLURM jobs (SLURM_NTASKS > 1) and Cloud TPU
   VMs (a pod slice's workers, from the TPU metadata; a single-host slice is one process).
-  Under SLURM a node's only task drives all the node's GPUs (slurm_node_devices). A single
+  Under SLURM a node's only task drives all the node's GPUs, and a task that sees one GPU
+  drives it (slurm_node_devices). A single
   process on one machine initializes nothing.
   """
   env = os.environ

@@ -167,10 +167,7 @@ class PretrainingTask(trainer.Task):
   @classmethod
   def checked_config(cls, config, mesh):
     config = resolved_config(config)
-    platform = mesh.devices.flat[0].platform
-    if config.model.get('fused_attention') == 'cudnn' and platform != 'gpu':
-      raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto '
-                       '(or xla)')
+    resolve(config.model, platform=mesh.devices.flat[0].platform)  # (the devices' own checks)
     train_lib.check_batch_layout(config.train.batch_size, config.train.grad_accum_steps, mesh,
                                  jax.process_count())
     return config

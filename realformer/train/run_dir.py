@@ -65,13 +65,19 @@ class RunDir(RunNames):
     refusing a resume under another config; `resumed_from` is then the stored config (a
     dict) of a run resumed with resumable fields changed, else None."""
     with workdir_lib.Lock(str(self), command) as lock:
-      changed = workdir_lib.check_resume_config(str(self), config, self.has_checkpoint())
-      self.resumed_from = json.loads(self.path(self.CONFIG).read_text()) if changed else None
+      # (as process 0 finds the workdir: a check that fails there stops every process)
+      changed, self.resumed_from = distributed.read_on_process_zero(
+          lambda: self._resume_check(config), f'check the config against {self}\'s')
       self._lock = lock
       try:
         yield self
       finally:
         self._lock = None
+
+  def _resume_check(self, config):
+    """(the resumable fields a resume changes, the stored config then, else None)."""
+    changed = workdir_lib.check_resume_config(str(self), config, self.has_checkpoint())
+    return changed, json.loads(self.path(self.CONFIG).read_text()) if changed else None
 
   def lock_lost(self) -> Optional[str]:
     """Why this process's lock was taken over, or None: this process's own view, no

@@ -264,7 +264,8 @@ class TimeBudget:
     self._grid = np.linspace(0.0, cadence.num_steps, 2049)  # the schedule, tabulated once
     self._table = np.asarray(jax.vmap(schedule)(self._grid))
     self._run = run
-    self._record = run.read_json(RunDir.TIME_SPENT, {})
+    self._record = distributed.read_on_process_zero(
+        lambda: run.read_json(RunDir.TIME_SPENT, {}), f'read {run.path(RunDir.TIME_SPENT)}')
     # A checkpoint without its record (made before records were written first): the newest
     # record before it, which undercounts by less than one checkpoint interval.
     recorded = max((int(k) for k in self._record if int(k) <= start_step), default=None)
@@ -656,9 +657,11 @@ class Trainer:
 
   def _logged(self, step: int) -> Results:
     """What metrics.jsonl holds for `step`, {split: {name: value}} (a finished run started
-    again trains and evaluates nothing: its summary is what it logged)."""
+    again trains and evaluates nothing: its summary is what it logged), as process 0 reads
+    it (a collective)."""
     path = self.run_dir.path(RunDir.METRICS)
-    return metrics_jsonl.logged_at(str(path), step)
+    return distributed.read_on_process_zero(lambda: metrics_jsonl.logged_at(str(path), step),
+                                            f'read {path}')
 
   def _finish(self, preempted: Optional[int]) -> dict:
     """The summary; a finished run's last evaluation, outputs and lean params."""
@@ -679,8 +682,7 @@ class Trainer:
       logging.warning('stop signal: saved step %d in %s; run the same command to resume',
                       preempted, self.manager.directory)
       return dict(summary, preempted=preempted, eval=self.results or {})
-    # (at this step, earlier; as process 0's log says: the others read it too)
-    evaluated = bool(distributed.from_process_zero(any(split != 'train' for split in logged)))
+    evaluated = any(split != 'train' for split in logged)  # (at this step, earlier)
     # Resumed at the end (or cut to it: a shorter num_steps or time budget), nothing evaluated
     # in this process: the end is evaluated as the loop would have, if the run evaluates.
     if self.results is None and (task.needs_final_results or
@@ -920,9 +922,10 @@ def _drop_optimizer_state(manager, params, step: int, run: RunDir, best: BestPar
   checkpoint."""
   run.check_held()
   final = run.path(RunDir.FINAL)
-  # (as process 0 found it: a host that looks after process 0 linked it would find it)
-  if distributed.from_process_zero(os.path.islink(final) or
-                                   checkpoints.has_complete_step(str(final))):
+  # (as process 0 finds it: a host that looks after process 0 linked it would find it)
+  if distributed.read_on_process_zero(
+      lambda: os.path.islink(final) or checkpoints.has_complete_step(str(final)),
+      f'read {final}'):
     pass  # written by an attempt killed before the resume checkpoint was deleted
   elif best.best is not None and best.best['step'] == step and not storage.is_url(final):
     distributed.on_process_zero(lambda: os.symlink(RunDir.BEST, final), f'link {final}')

@@ -100,7 +100,8 @@ class Lock:
   for a local (or shared-filesystem) folder, a leased lock object for gs:// (storage.Lease).
   With several processes every process learns whether it was taken, so all of them stop
   with the one line (the others would otherwise run on and wait for process 0 at the first
-  collective)."""
+  collective), and a local workdir must be one folder for all of them: each process must
+  see process 0's lock record there (a path on each host's own disk is refused)."""
 
   def __init__(self, workdir: str, program: str = 'train.py'):
     self.workdir, self.program = os.fspath(workdir), program
