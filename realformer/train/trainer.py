@@ -433,15 +433,18 @@ class Trainer:
                          f'{c.steps_setting} >= {-(-latest // c.steps_per_unit)} '
                          '(a run may be shortened on resume, down to its newest checkpoint)')
       logging.info('resuming from step %d (%s)', latest, manager.directory / str(latest))
-      if task.data is not None:
-        task.data.check_restorable(str(manager.directory / str(latest)))
+      if task.data is not None:  # (every host's own check: all go on, or none)
+        distributed.on_every_process(
+            lambda: task.data.check_restorable(str(manager.directory / str(latest))),
+            f'check the input position saved at step {latest}')
       tree, data = checkpoints.restore(manager, latest, program.abstract.to_checkpoint(),
                                        self._data_args('restore'))
       if task.data is not None:
         task.data.restored(data['data'])
       _say_if_the_rate_moves(run.resumed_from, task, latest)
       return TrainState.from_checkpoint(tree)
-    if checkpoints.has_complete_step(str(final)):
+    if distributed.read_on_process_zero(lambda: checkpoints.has_complete_step(str(final)),
+                                        f'read {final}'):  # (one path for every process)
       params, missing = checkpoints.restore_params(str(final), program.abstract.params)
       if missing:
         raise ValueError(f'{final} does not match the model: it has no {missing[0]} '
