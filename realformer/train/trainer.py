@@ -507,10 +507,11 @@ class Trainer:
       if c.time_budget_minutes > 0:
         self.budget = TimeBudget(c, task.program.schedule, run, start)
       preempted = self._train(start)
-      # (the lock first: a save whose lease was lost fails on process 0 alone, which the
-      # others would wait for in _finish)
+      # A save whose lease was lost fails on process 0 alone, which the others would wait
+      # for in _finish: the lock first, then the wait, which stops all if it fails on one.
       self.run_dir.check_held()
-      self.manager.wait_until_finished()
+      distributed.on_every_process(self.manager.wait_until_finished,
+                                   f'finish saving the checkpoints of {run}')
       summary = self._finish(preempted)
       compile_cache.log_stats('the run')  # the background compiles and predictions too
     except BaseException as e:
