@@ -327,6 +327,22 @@ except ValueError as e:
 distributed.same_on_every_process(lambda: 2 ** 32 - 1, 'a checksum', 'of 32 bits')
 print('as process 0 has it:', distributed.read_on_process_zero(lambda: ['best', {pid}, 'é'],
                                                                 'read it'))
+import os, time
+marker = os.path.join({workdir!r}, 'downloaded')
+def download():  # into a folder both share
+  if {pid} == 0:
+    time.sleep(0.5)
+    open(marker, 'w').close()
+  return os.path.exists(marker)
+print('found', distributed.on_every_process(download, 'download', process_zero_first=True))
+def offline():
+  if {pid} == 0:
+    raise ConnectionError('no network')
+  print('process 1 downloaded too')
+try:
+  distributed.on_every_process(offline, 'download glue/rte', process_zero_first=True)
+except Exception as e:
+  print('error', type(e).__name__, e)
 print('all done')
 '''
 
@@ -335,13 +351,18 @@ def test_work_each_host_does_alone_fails_or_differs_on_every_process_in_one_line
   """What each host reads for itself: where it fails on one, every process raises (that one
   its own error, the others naming it), and where the hosts read different things, all say
   so; none waits for ever at the next collective. What process 0 found, every process
-  takes."""
+  takes. A download process 0 makes first is there for the others (where it failed, they
+  do not try)."""
   zero, one = two_processes(_ONE_HOST_FAILS, tmp_path)
   assert 'error ProcessFailed process 1 failed to read the vocabulary; its log says why' in zero
   assert 'error FileNotFoundError no such file: vocab.txt' in one
+  assert 'error ConnectionError no network' in zero
+  assert 'error ProcessFailed process 0 failed to download glue/rte; its log says why' in one
+  assert 'process 1 downloaded too' not in one
   for out, value in ((zero, 1), (one, 2)):
     assert f'value {value}' in out and 'all done' in out, out[-3000:]
     assert "as process 0 has it: ['best', 0, 'é']" in out, out[-3000:]
+    assert 'found True' in out, out[-3000:]  # process 0's download was done before 1 began
     assert ('differs: the data differs between processes (process 1 of 2 read other than '
             'process 0); give every host the same') in out, out[-3000:]
 

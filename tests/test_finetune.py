@@ -669,6 +669,16 @@ def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
   assert start.shape == final.shape and not np.allclose(start, final)
 
 
+def test_process_zero_loads_first_only_where_the_data_is_downloaded(tmp_path):
+  """With several processes, process 0 loads a task's data first where it comes over the
+  network (tfds, the Hugging Face hub: into a folder the hosts may share); files of one's
+  own (a folder, a local copy of a hub dataset) are read by every host at once."""
+  for data_dir, downloads in [('', True), ('hf:', True), ('hf:nyu-mll/glue', True),
+                              (f'hf:{tmp_path}', False), (str(tmp_path), False)]:
+    task = types.SimpleNamespace(config=ml_collections.ConfigDict({'data_dir': data_dir}))
+    assert finetune_task.FinetuneTask.downloads(task) == downloads, data_dir
+
+
 def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_path, caplog):
   data = tmp_path / 'glue' / 'RTE'
   data.mkdir(parents=True)

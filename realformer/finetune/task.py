@@ -343,7 +343,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
     # What each host reads for itself (with several processes all go on, or none does), and
     # the same on each.
     pre = distributed.on_every_process(
-        self.__read, f'read {config.task}\'s data or the checkpoint\'s config and vocabulary')
+        self.__read, f'read {config.task}\'s data or the checkpoint\'s config and vocabulary',
+        process_zero_first=self.downloads())
     distributed.same_on_every_process(
         lambda: _digest([self.train, *self.eval_features()]), f'{self.name}\'s data',
         'give every host the same files (a copy of each, or a folder they share)')
@@ -434,6 +435,14 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
     """Adds the kind's own fields to `config` (configs/finetune.py's common fields, unlocked)
     and sets its defaults; raises ValueError for a task `name` the kind does not have."""
+
+  def downloads(self) -> bool:
+    """Whether `load` fetches its data over the network into a folder the hosts may share
+    (tfds's, for an empty config.data_dir; a Hugging Face hub dataset's, for `hf:<name>`):
+    with several processes, process 0 then loads first and the others after it. A kind whose
+    data comes otherwise overrides it."""
+    data_dir = self.config.data_dir
+    return not data_dir or (data_dir.startswith('hf:') and not os.path.isdir(data_dir[3:]))
 
   @classmethod
   def names(cls) -> Tuple[str, ...]:
