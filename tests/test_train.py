@@ -5,6 +5,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1168,18 +1169,31 @@ def test_the_first_logged_window_compiles_nothing(tmp_path, monkeypatch):
   assert compiles and not [t for t in compiles if first_window[0] < t < first_window[1]]
 
 
-def test_checkpoint_saves_are_not_counted_as_training_time(tmp_path, monkeypatch):
+def test_checkpoint_saves_are_not_counted_as_training_time(tmp_path, monkeypatch, caplog):
   """A save that blocks (here 1 s) is left out of the logged steps/s, as evaluation and
-  compilation are: the same training reads the same speed whatever the checkpoint cadence."""
+  compilation are: the same training reads the same speed whatever the checkpoint cadence.
+  The ETA counts the saves still to come at the last one's time."""
   save = checkpoints.save
 
   def slow(*args, **kwargs):
     time.sleep(1.0)
     return save(*args, **kwargs)
   monkeypatch.setattr(checkpoints, 'save', slow)
-  trained(tiny_config(num_steps=8, log_every_steps=2, checkpoint_every_steps=2), tmp_path)
+  with caplog.at_level(logging.INFO):
+    trained(tiny_config(num_steps=8, log_every_steps=2, checkpoint_every_steps=2), tmp_path)
   rates = losses(tmp_path, key='steps_per_sec')
   assert min(rate for step, rate in rates.items() if step > 2) > 5.0, rates  # (with: < 2)
+  etas = {int(step): int(h) * 3600 + int(m) * 60 + int(sec) for step, h, m, sec in re.findall(
+      r'step (\d+)/8: .* ETA (\d+):(\d+):(\d+)', caplog.text)}
+  # at step 4, the saves of steps 4, 6 and 8 (over a second each) and 4 quick steps; at 8, its own
+  assert etas[4] >= 3 and etas[6] >= 2 and etas[8] >= 1, etas  # (the steps alone: 0 s)
+
+
+def test_the_evaluations_and_saves_still_to_come_count_the_last_step():
+  cadence = trainer.Cadence(num_steps=12, log_every=1, eval_every=5, checkpoint_every=4)
+  assert [cadence.still_to_come(step, 5) for step in (1, 5, 6, 10, 11, 12)] == [3, 3, 2, 2, 1, 1]
+  assert [cadence.still_to_come(step, 4) for step in (1, 4, 5, 12)] == [3, 3, 2, 1]
+  assert cadence.still_to_come(3, 0) == 0  # no evaluation
 
 
 def test_a_stop_right_after_an_evaluation_logs_the_training_time_alone(tmp_path,

@@ -98,6 +98,14 @@ class Cadence:
   steps_setting: str = 'train.num_steps'
   steps_per_unit: int = 1
 
+  def still_to_come(self, step: int, every: int) -> int:
+    """How many evaluations or saves (those of `every` steps, and the last step's) come
+    from step `step` on, that one's included."""
+    if every <= 0 or step > self.num_steps:
+      return 0
+    return (self.num_steps // every - (max(step, 1) - 1) // every +
+            (self.num_steps % every != 0))
+
   def check(self):
     for name in ('num_steps', 'log_every', 'checkpoint_every'):
       if getattr(self, name) <= 0:
@@ -497,6 +505,8 @@ class Trainer:
     self.writer, self.budget = None, None
     self.results: Optional[Results] = None
     self.last_logged: Dict[str, float] = {}
+    # The last evaluation's and save's seconds, for the ETA (0 until there was one).
+    self.seconds_of = {'evaluation': 0.0, 'save': 0.0}
     try:  # (from prepare on: the task may have started work that close() stops)
       task.prepare(start)
       # Every check has passed (config, model, checkpoint): the run directory describes it.
@@ -587,7 +597,8 @@ class Trainer:
         if evaluating:
           evaluated = time.time()
           self._evaluate(step)
-          window.exclude(time.time() - evaluated)  # (for a stop's log, below)
+          self.seconds_of['evaluation'] = time.time() - evaluated
+          window.exclude(self.seconds_of['evaluation'])  # (for a stop's log, below)
         # After the evaluation: a signal that came during it is seen at this step.
         stopping = stop.reached() and not last
         if stopping and not logging_now:  # the steps since the last log, before leaving
@@ -597,7 +608,8 @@ class Trainer:
           self._check_finite(*pending)
           saving = time.time()
           self._save(step)
-          window.exclude(time.time() - saving)  # (a save is not training time either)
+          self.seconds_of['save'] = time.time() - saving
+          window.exclude(self.seconds_of['save'])  # (a save is not training time either)
         if stopping:
           return step
         if evaluating:  # evaluation is not training time (the window's metrics stay)
@@ -632,9 +644,15 @@ class Trainer:
       values[f'{c.eval_period_name}_seconds'] = time.time() - self.period_start
     self.writer.write_scalars(step, {f'train/{k}': v for k, v in values.items()})
     self.writer.flush()
-    # (a time budget's run ends when the budget is spent: num_steps only bounds it)
-    _log_progress(step, c.num_steps, values, None if self.budget is None else
-                  max(0.0, self.budget.seconds - self.budget.spent))
+    if self.budget is not None:  # its run ends when the budget is spent (num_steps bounds it)
+      seconds_left = max(0.0, self.budget.seconds - self.budget.spent)
+    elif 'steps_per_sec' in values:  # the steps, and the evaluations and saves still to come
+      seconds_left = ((c.num_steps - step) / values['steps_per_sec'] +
+                      c.still_to_come(step, c.eval_every) * self.seconds_of['evaluation'] +
+                      c.still_to_come(step, c.checkpoint_every) * self.seconds_of['save'])
+    else:
+      seconds_left = None
+    _log_progress(step, c.num_steps, values, seconds_left)
     self.last_logged = values
 
   def _evaluate(self, step: int):
@@ -840,16 +858,14 @@ _HEADLINE = ('loss', 'steps_per_sec', 'examples_per_s', 'tokens_per_s', 'padded_
              'tflops_per_device', 'mfu', 'uptime')
 
 
-def _log_progress(step: int, num_steps: int, values: dict, seconds_left=None):
-  """One line for a logged step: the loss, the speed and the ETA in words (from the speed,
-  or `seconds_left` where a time budget says), then every other scalar of the window as
+def _log_progress(step: int, num_steps: int, values: dict, seconds_left: Optional[float]):
+  """One line for a logged step: the loss, the speed and the ETA in words (`seconds_left`,
+  None where the window has no speed), then every other scalar of the window as
   'name=value'."""
   rest = metrics_lib.format_scalars({k: v for k, v in values.items() if k not in _HEADLINE})
   if 'steps_per_sec' not in values:
     logging.info('step %d/%d: loss %.4f; %s', step, num_steps, values['loss'], rest)
     return
-  if seconds_left is None:
-    seconds_left = (num_steps - step) / values['steps_per_sec']
   eta = datetime.timedelta(seconds=int(seconds_left))
   real = (f' ({values["tokens_per_s"] / values["padded_tokens_per_s"]:.0%} of the padded)'
           if 'padded_tokens_per_s' in values else '')
