@@ -28,7 +28,7 @@ def warmup_steps(opt_config, num_steps: int) -> int:
 
 
 OPTIMIZERS = ('adamw', 'bert_adamw', 'lamb')  # train_lib.OPTIMIZERS builds each
-SCHEDULES = ('linear', 'bert', 'cosine', 'constant')
+SCHEDULES = ('linear', 'bert', 'cosine', 'constant')  # train_lib.SCHEDULES builds each
 
 
 # [CLS] A [SEP] B [SEP] with a token in each segment: the shortest sequence that pretraining

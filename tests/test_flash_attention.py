@@ -4,7 +4,6 @@ outputs and gradients; inside the model it gives the plain path's outputs and gr
 attention dropout, sharded or not; and it lowers to Triton for CUDA from this CPU machine."""
 
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -360,8 +359,11 @@ def test_auto_takes_the_flash_kernel_on_gpus_in_half_precision_under_attention_d
     assert not attn_lib._use_flash(other, False, False, None), other
   for tensor, whole_heads in ((2, True), (4, False)):
     mesh = partitioning.make_mesh({'data': 8 // tensor, 'fsdp': 1, 'tensor': tensor})
-    with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+    with partitioning.traced_on(mesh):
       assert attn_lib._use_flash(gpu, False, False, None) == whole_heads
+      # (the run's log line, made in the same context)
+      assert attn_lib.paths(gpu).startswith('training flash' if whole_heads else
+                                            'training plain'), tensor
   impl = jax.config.jax_default_prng_impl
   try:
     jax.config.update('jax_default_prng_impl', 'rbg')
@@ -416,13 +418,20 @@ def test_one_line_errors():
   partitioning.check_heads(resolve(small_config('postln', fused_attention='off')), mesh)
   # cuDNN's kernel off a GPU: the launch check's target, and train.py on a CPU (a stored
   # config that names it builds anywhere: analysis and export; fine-tuning takes auto).
+  cudnn = lambda **kw: small_config('postln', fused_attention='cudnn', **kw)
   with pytest.raises(ValueError, match='cudnn needs a GPU, not tpu; use auto or xla'):
-    resolve(small_config('postln', fused_attention='cudnn'), platform='tpu')
-  assert resolve(small_config('postln', fused_attention='cudnn')).fused_attention == 'cudnn'
+    resolve(cudnn(dtype='bfloat16'), platform='tpu')
+  assert resolve(cudnn(dtype='bfloat16')).fused_attention == 'cudnn'
+  # cuDNN's attention takes half precision only: float32 would fail at the first evaluation
+  with pytest.raises(ValueError, match=r'^model.fused_attention=cudnn needs model.dtype='
+                                       r'bfloat16 or float16 \(cuDNN\'s attention takes no '
+                                       r'float32\); use auto'):
+    resolve(cudnn(), platform='gpu')
+  assert resolve(cudnn(dtype='float16'), platform='gpu').fused_attention == 'cudnn'
   with pytest.raises(ValueError, match=r'^model.fused_attention=cudnn needs a GPU, not cpu; '
                                        r'use auto or xla$'):
     config = tiny_config()
-    config.model.fused_attention = 'cudnn'
+    config.model.fused_attention, config.model.dtype = 'cudnn', 'bfloat16'
     pretraining.PretrainingTask.checked_config(config, partitioning.make_mesh(
         {'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1]))
   old = jax.config.jax_default_prng_impl

@@ -9,7 +9,6 @@ Mosaic kernels compile for TPU slices (libtpu)."""
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -376,7 +375,7 @@ def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant, kernel
   def loss_and_hidden(p):  # _loss's, with the hidden states: one program for both
     hidden = flash.apply({'params': p}, batch, deterministic=False, rngs=rngs).hidden
     return jnp.sum(hidden ** 2), hidden
-  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+  with partitioning.traced_on(mesh):
     step = jax.jit(jax.value_and_grad(loss_and_hidden, has_aux=True))
     text = step.lower(params).as_text()
     (_, got), grads = step(params)

@@ -342,7 +342,7 @@ def test_sharded_init_and_apply_equal_single_device():
   model = models.build(cfg)
   batch = make_batch(lengths=(12, 7, 3, 9, 1, 12, 4, 8))
   mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
-  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+  with partitioning.traced_on(mesh):
     abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch))
     shardings = partitioning.logical_to_sharding(abstract, mesh)
     variables = jax.jit(lambda r: model.init(r, batch), out_shardings=shardings)(

@@ -424,6 +424,7 @@ def test_bert_adamw_with_berts_schedule_is_berts_optimization_step_for_step():
       np.testing.assert_allclose(np.asarray(ours[a][b]), want[a][b], rtol=2e-5, atol=1e-7,
                                  err_msg=f'{a}/{b} step {t}')
   assert tuple(train_lib.OPTIMIZERS) == config_checks.OPTIMIZERS  # every name is built
+  assert tuple(train_lib.SCHEDULES) == config_checks.SCHEDULES
 
 
 def test_lamb_matches_a_float64_numpy_reference():
@@ -1016,6 +1017,22 @@ def test_runs_of_other_rates_schedules_lengths_and_seeds_compile_one_program():
       assert float(metrics.learning_rate.compute()) == rates(step) == np.float32(
           program.schedule(step))
   assert np.isclose(rates(4), 5e-5 * (1 - 4 / 40), rtol=1e-6, atol=0) and rates(0) == 0.0
+
+
+def test_a_time_budget_reads_the_schedule_exactly_where_the_warm_up_ends(tmp_path):
+  """A budget's progress reads the configured schedule at its position: the peak at the end
+  of a warm-up far shorter than the run's bound (500 of a million steps), BERT's drop there,
+  and the decay after it."""
+  cadence = types.SimpleNamespace(time_budget_minutes=1e6 / 60, num_steps=1_000_000)
+  for name in ('linear', 'bert'):
+    opt = tiny_config().optimizer
+    opt.schedule, opt.warmup_steps, opt.learning_rate = name, 500, 1e-3
+    schedule = train_lib.make_schedule(opt, cadence.num_steps)
+    budget = trainer.TimeBudget(cadence, schedule, RunDir(str(tmp_path)), 0)
+    for position in (250, 499, 500, 501, 400_000):
+      budget.spent = float(position)  # of a budget of 1e6 s: the position's share
+      np.testing.assert_allclose(budget.learning_rate(0), schedule(position), rtol=1e-5,
+                                 err_msg=f'{name} at {position}')
 
 
 def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):

@@ -233,6 +233,10 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
       raise ValueError(f'model.{field}={value!r}; choose one of {", ".join(choices)}')
   if spec.fused_attention == 'cudnn' and platform not in ('', 'gpu'):
     raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
+  if spec.fused_attention == 'cudnn' and spec.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f'model.fused_attention=cudnn needs model.dtype=bfloat16 or float16 '
+                     f'(cuDNN\'s attention takes no {jnp.dtype(spec.dtype).name}); use auto, '
+                     'which takes it where it can, or xla')
   if (spec.fused_attention == 'flash' and spec.dot_product_plus_terms
       and spec.attention_dropout_rate > 0):  # where it runs: _use_flash
     head_dim = spec.head_dim

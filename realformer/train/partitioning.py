@@ -7,7 +7,8 @@ Mesh axes: data (pure data parallel), fsdp (data parallel + parameters sharded o
 tensor (Megatron-style model parallel over heads and the MLP).
 """
 
-from typing import Sequence, Tuple
+import contextlib
+from typing import Iterator, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -31,6 +32,15 @@ LOGICAL_AXIS_RULES: Tuple[Tuple[str, object], ...] = (
     ('kv', None),
     ('layers', None),
 )
+
+
+@contextlib.contextmanager
+def traced_on(mesh: Mesh) -> Iterator[None]:
+  """The context a program over `mesh` is traced in: the mesh, and LOGICAL_AXIS_RULES, which
+  map the model's axis names onto it (what a layer decides from its heads' axis, such as
+  whether a fused kernel runs, is decided here as in the step)."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    yield
 
 
 def mesh_shape(mesh_config, num_devices: int) -> Tuple[int, ...]:

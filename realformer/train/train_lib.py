@@ -99,6 +99,33 @@ def fixed_params_fn(spec: EncoderSpec, untrained: Optional[Callable[[Any], bool]
   return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: is_fixed(path), params)
 
 
+def _warmed_up(peak: float, warmup: int, after: optax.Schedule) -> optax.Schedule:
+  """A linear rise from 0 to `peak` over `warmup` steps, then `after` (from the warm-up's
+  end)."""
+  if warmup == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def _bert_schedule(peak: float, warmup: int, num_steps: int) -> optax.Schedule:
+  warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
+  decay = optax.linear_schedule(peak, 0.0, max(num_steps, 1))  # counted from step 0
+  return lambda step: jnp.where(step < warmup, warm(step), decay(step))
+
+
+# optimizer.schedule -> (peak, warm-up steps, num_steps) -> the schedule (make_schedule says
+# each); config_checks.SCHEDULES names the same.
+SCHEDULES = {
+    'linear': lambda peak, warmup, num_steps: _warmed_up(
+        peak, warmup, optax.linear_schedule(peak, 0.0, max(num_steps - warmup, 1))),
+    'bert': _bert_schedule,
+    'cosine': lambda peak, warmup, num_steps: _warmed_up(
+        peak, warmup, optax.cosine_decay_schedule(peak, max(num_steps - warmup, 1))),
+    'constant': lambda peak, warmup, num_steps: _warmed_up(
+        peak, warmup, optax.constant_schedule(peak)),
+}
+
+
 def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
   """step -> learning rate, evaluated on the host (LearningRates); the train step takes the
   value as an argument. Over the warm-up (warmup_steps(opt_config, num_steps)) every schedule
@@ -110,20 +137,8 @@ def make_schedule(opt_config, num_steps: int) -> optax.Schedule:
     cosine:   cosine decay from the peak to 0 at num_steps;
     constant: the peak."""
   config_checks.check_optimizer(opt_config)  # a schedule of config_checks.SCHEDULES
-  lr, warmup = float(opt_config.learning_rate), warmup_steps(opt_config, num_steps)
-  warm = optax.linear_schedule(0.0, lr, max(warmup, 1))
-  if opt_config.schedule == 'bert':
-    decay = optax.linear_schedule(lr, 0.0, max(num_steps, 1))
-    return lambda step: jnp.where(step < warmup, warm(step), decay(step))
-  if opt_config.schedule == 'linear':
-    after = optax.linear_schedule(lr, 0.0, max(num_steps - warmup, 1))
-  elif opt_config.schedule == 'cosine':
-    after = optax.cosine_decay_schedule(lr, max(num_steps - warmup, 1))
-  else:
-    after = optax.constant_schedule(lr)
-  if warmup == 0:
-    return after
-  return optax.join_schedules([warm, after], [warmup])
+  return SCHEDULES[opt_config.schedule](float(opt_config.learning_rate),
+                                        warmup_steps(opt_config, num_steps), num_steps)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -334,7 +349,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, batch_sh
   divide the heads is refused or warned about first (partitioning.check_heads).
   """
   partitioning.check_heads(model.spec, mesh)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+  with partitioning.traced_on(mesh):
     boxed = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), _init_batch(batch_shapes, mesh))['params'])
     boxed_opt = jax.eval_shape(tx.init, boxed)
@@ -368,7 +383,7 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, batch
         lambda k, d: d if k is None else k, known, drawn, is_leaf=lambda x: x is None)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  with jax.set_mesh(mesh), nn.logical_axis_rules(partitioning.LOGICAL_AXIS_RULES):
+  with partitioning.traced_on(mesh):
     state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed), params)
   return state, shardings
 

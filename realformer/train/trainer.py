@@ -264,12 +264,15 @@ class TimeBudget:
   clock).
   """
   SYNC_EVERY = 10
+  TABLE = 2 ** 20
 
   def __init__(self, cadence: Cadence, schedule: optax.Schedule, run: RunDir,
                start_step: int):
     self.seconds = float(cadence.time_budget_minutes) * 60
     self.num_steps = cadence.num_steps
-    self._grid = np.linspace(0.0, cadence.num_steps, 2049)  # the schedule, tabulated once
+    # The schedule, tabulated once at every step (or, past TABLE steps, at TABLE + 1 even
+    # points): read between two steps, it is interpolated, exact at each step.
+    self._grid = np.linspace(0.0, self.num_steps, min(self.num_steps, self.TABLE) + 1)
     self._table = np.asarray(jax.vmap(schedule)(self._grid))
     self._run = run
     self._record = distributed.read_on_process_zero(
@@ -749,7 +752,8 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
     task = task_cls(config, mesh, run)
     spec = getattr(task.program.model, 'spec', None)
     if spec is not None:
-      logging.info('encoder: %s; attention: %s', spec.summary, attention_lib.paths(spec))
+      with partitioning.traced_on(mesh):  # (the heads' axis decides whether a kernel runs)
+        logging.info('encoder: %s; attention: %s', spec.summary, attention_lib.paths(spec))
     return task, Trainer(task, run).run()
 
 
