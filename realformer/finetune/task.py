@@ -366,7 +366,6 @@ class FinetuneTask(trainer.Task, abc.ABC):
     with self.params_config.unlocked():
       self.params_config.finetuned = {'kind': config.benchmark, 'task': config.task,
                                       'hf_architecture': hf_architecture_of(type(self))}
-    with self.params_config.unlocked():
       self.params_config.finetuned.labels = list(self.label_names())
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',
@@ -386,7 +385,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
                          f'([N, max_seq_length={config.max_seq_length}, ...]) but are not in '
                          'its sequence_keys, which length buckets cut with the inputs; add '
                          f'them (sequence_keys = {self.sequence_keys} + {tuple(per_token)})')
-    self.spec = resolve(computed_as(gpu_kernels_off_gpus(pre.model), config.get('model')))
+    self.spec = resolve(computed_as(gpu_kernels_off_gpus(pre.model), config.get('model')),
+                        platform=mesh.devices.flat[0].platform)
     model = self.build(self.spec)
 
     def eval_fn(params, batch):

@@ -148,6 +148,18 @@ class SelfAttention(nn.Module):
         term = c if term is None else term + c
     return term
 
+  def _term(self, x, rows, weights, residual_scores):
+    """What both paths add to the dot product's (weighted) logits: the other components'
+    weighted logits and RealFormer's previous scores, on the query rows `rows` (None: all),
+    [B or 1, H, S, T], or None where there is nothing. The plain path adds it itself, the
+    flash kernel as its additive term: a change to a variant's logits is made here (and,
+    for the dot product's weight and the running mean's scale, in both paths below)."""
+    term = self._synthesized(x, rows, weights)
+    if self.spec.residual_attention and residual_scores is not None:
+      prev = residual_scores if rows is None else gather_rows(residual_scores, rows, axis=2)
+      term = prev if term is None else term + prev
+    return term
+
   def _output(self, ctx, xq):
     s = self.spec
     return dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
@@ -175,20 +187,17 @@ class SelfAttention(nn.Module):
       return self._output(ctx, xq), None, None
 
     weights = self._mixture_weights()
-    logits = self._synthesized(x, rows, weights)
+    logits = self._term(x, rows, weights, residual_scores)
     if 'dot' in s.attention:
       query, key = self._heads(xq, 'query'), self._heads(x, 'key')
-      own = jnp.einsum('bqhd,bkhd->bhqk', query, key, preferred_element_type=jnp.float32)
-      own = own.astype(jnp.float32) / math.sqrt(s.head_dim)
+      own = jnp.einsum('bqhd,bkhd->bhqk', query, key,
+                       preferred_element_type=jnp.float32) / math.sqrt(s.head_dim)
       if 'dot' in weights:
         own = weights['dot'] * own
       logits = own if logits is None else own + logits
 
     carry = None
     if s.residual_attention:
-      if residual_scores is not None:
-        logits = logits + (residual_scores if rows is None
-                           else gather_rows(residual_scores, rows, axis=2))
       # The running sum: unmasked, undivided, before dropout; stored in residual_dtype
       # (float32 by default; bfloat16 halves the [B, H, T, T] tensor kept per layer).
       carry = logits.astype(s.residual_dtype)
@@ -207,15 +216,16 @@ class SelfAttention(nn.Module):
     s = self.spec
     query, key = self._heads(xq, 'query'), self._heads(x, 'key')
     weights = self._mixture_weights()
-    term = self._synthesized(x, None, weights)
+    if s.residual_attention and residual_scores is None:  # (the kernel writes scores where
+      # it reads a term)
+      residual_scores = jnp.zeros((x.shape[0], s.num_heads, x.shape[1], x.shape[1]),
+                                  s.residual_dtype)
+    term = self._term(x, None, weights, residual_scores)
     if 'dot' in weights:  # w * (q k^T) = (w q) k^T
       w = weights['dot']
       query = (query.astype(jnp.float32) * w).astype(query.dtype)
     scores_dtype = logit_scale = None
     if s.residual_attention:
-      prev = (residual_scores if residual_scores is not None else
-              jnp.zeros((x.shape[0], s.num_heads, x.shape[1], x.shape[1]), s.residual_dtype))
-      term = prev if term is None else term + prev
       scores_dtype = s.residual_dtype
       if s.running_mean:
         logit_scale = 1.0 / (jnp.asarray(layer_index, jnp.float32) + 1.0)

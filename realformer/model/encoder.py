@@ -300,7 +300,7 @@ class BertForSequenceClassification(nn.Module):
     s = self.spec
     out = Encoder(s, name='encoder')(batch, deterministic=deterministic,
                                      capture_attention=capture_attention)
-    pooled = dropout_lib.Dropout(s.dropout_rate)(out.pooled, deterministic=deterministic)
+    pooled = hidden_dropout(s)(out.pooled, deterministic=deterministic)
     logits = dense(self.num_labels, ('mlp', None), s, 'classifier')(pooled)
     return out, logits.astype(jnp.float32)
 

@@ -178,7 +178,8 @@ class PretrainingTask(trainer.Task):
       logging.info('objective: %s (masked language modelling alone, no NSP head)',
                    config.objective)
     self.cadence = trainer.make_cadence(config.train)
-    self.program = train_lib.pretraining_program(config, mesh)
+    self.program = train_lib.pretraining_program(config, mesh,
+                                                 platform=mesh.devices.flat[0].platform)
     if config.train.init_checkpoint:
       self.init_checkpoint = trainer.InitCheckpoint(config.train.init_checkpoint)
       # A fresh start reads it: checked before the data (as process 0 sees the run).
