@@ -33,6 +33,7 @@ from realformer import models  # pylint: disable=g-import-not-at-top,wrong-impor
 from realformer.train import checkpoints  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realformer.train import partitioning  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realformer import storage  # pylint: disable=g-import-not-at-top,wrong-import-position
+from realformer.train import pretraining  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realformer.train import train_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tests.gcs_server import gcs_server  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -71,7 +72,7 @@ def main():
   mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
   model = models.build(config.model)
   tx = train_lib.make_optimizer(config.optimizer, model.spec)
-  state, _ = train_lib.create_train_state(model, tx, train_lib.abstract_batch(2, 128, 20),
+  state, _ = train_lib.create_train_state(model, tx, pretraining.abstract_batch(2, 128, 20),
                                           mesh, 0)
   opt_state = state.opt_state
   if args.moments == 'trained':

@@ -42,11 +42,11 @@ def one(config_arg: str, arm: str) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from realformer.train import partitioning  # pylint: disable=g-import-not-at-top
-  from realformer.train import train_lib  # pylint: disable=g-import-not-at-top
+  from realformer.train import pretraining  # pylint: disable=g-import-not-at-top
   from configs import pretrain  # pylint: disable=g-import-not-at-top
   config = pretrain.get_config(config_arg)
   config.data.sources = 'synthetic'
-  program = train_lib.pretraining_program(config, partitioning.make_mesh(config.mesh))
+  program = pretraining.program(config, partitioning.make_mesh(config.mesh))
   known = jax.tree_util.tree_map_with_path(
       lambda path, a: None if drawn(jax.tree_util.keystr(path)) else jnp.zeros(
           a.shape, a.dtype, device=a.sharding), program.abstract.params)

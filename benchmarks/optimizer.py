@@ -34,6 +34,7 @@ from configs import pretrain
 from benchmarks import machine
 from realformer import models
 from realformer.model.spec import resolve
+from realformer.train import pretraining
 from realformer.train import train_lib
 
 
@@ -89,7 +90,7 @@ def main():
   config = pretrain.get_config(f'postln,{args.size}')
   model = models.build(config.model)
   batch = {k: jnp.zeros(v.shape, v.dtype)
-           for k, v in train_lib.abstract_batch(1, 8, 2).items()}
+           for k, v in pretraining.abstract_batch(1, 8, 2).items()}
   abstract = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), batch)['params'])
   shapes = [tuple(x.shape) for x in jax.tree.leaves(abstract)]
   tx = train_lib.make_optimizer(config.optimizer, resolve(config.model))

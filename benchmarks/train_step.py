@@ -65,6 +65,7 @@ from realformer import models
 from realformer.train import host_memory
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
+from realformer.train import pretraining
 from realformer.train import train_lib
 
 
@@ -145,23 +146,24 @@ class Ours:
     jax.set_mesh(mesh)
     model = models.build(config.model)
     spec = model.spec
-    data = train_lib.SyntheticPretrainingData(
+    data = pretraining.SyntheticData(
         vocab_size=config.model.vocab_size, seq_len=args.seq_len,
         num_predictions=args.predictions, global_batch_size=args.batch, seed=0)
     self.batch = train_lib.global_batch(next(data), mesh)
     tx = train_lib.make_optimizer(config.optimizer, spec)
-    abstract = train_lib.abstract_batch(args.batch, args.seq_len, args.predictions)
+    abstract = pretraining.abstract_batch(args.batch, args.seq_len, args.predictions)
     t = time.perf_counter()
     self.state, shardings = train_lib.create_train_state(model, tx, abstract, mesh, 0)
-    loss_fn = train_lib.pretraining_loss_fn(model)
+    loss_fn = pretraining.loss_fn(model)
     self.step_fn = train_lib.make_train_step(
         loss_fn, tx, mesh=mesh, shardings=shardings,
-        metrics_cls=metrics_lib.PretrainingTrainMetrics)
+        metrics_cls=metrics_lib.PretrainingTrainMetrics, totals_fn=pretraining.totals)
     # The step's learning rate and dropout key (its arguments; the peak is as costly as any).
     self.rate = np.float32(config.optimizer.learning_rate)
     self.rng = train_lib.dropout_key(0, mesh)
     self.eval_fn = train_lib.make_eval_step(
-        train_lib.loss_metrics(loss_fn, metrics_lib.PretrainingEvalMetrics), mesh=mesh,
+        train_lib.loss_metrics(loss_fn, metrics_lib.PretrainingEvalMetrics,
+                               pretraining.totals), mesh=mesh,
         params_sharding=shardings.params)
     compiled = self.step_fn.lower(self.state, self.batch, self.rate, self.rng).compile()
     self.memory = compiled.memory_analysis()
@@ -226,7 +228,7 @@ class HF:
     # Ours's very batch (Ours: train_lib's synthetic batches, seed 0): the same tokens,
     # segments, padding (lengths from T/2 to T, so SDPA gets the attention mask) and masked
     # positions as labels.
-    batch = next(train_lib.SyntheticPretrainingData(
+    batch = next(pretraining.SyntheticData(
         vocab_size=args.vocab_size, seq_len=args.seq_len, num_predictions=args.predictions,
         global_batch_size=args.batch, seed=0))
     labels = np.full(batch['input_ids'].shape, -100, np.int64)

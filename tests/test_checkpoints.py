@@ -21,6 +21,7 @@ import train
 from realformer import models
 from realformer.train import checkpoints
 from realformer.train import machine
+from realformer.train import pretraining
 from realformer.train import train_lib
 from realformer.train.run_dir import RunDir
 from tests.conftest import cpu_xla_flags
@@ -441,7 +442,7 @@ def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):
   assert step_dir.endswith(os.path.join('checkpoints', str(NUM_STEPS)))
   # The encoder alone, into a fine-tuning model's encoder.
   cls_model = models.build(config.model, head='classification', num_labels=3)
-  batch = next(train_lib.SyntheticPretrainingData(
+  batch = next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
   abstract = nn.unbox(jax.eval_shape(lambda: cls_model.init(jax.random.PRNGKey(0), batch)))
   encoder, missing = checkpoints.restore_params(workdir, abstract['params']['encoder'],
@@ -623,7 +624,7 @@ def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tm
 
 def _abstract_params(config):
   model = models.build(config.model)
-  batch = next(train_lib.SyntheticPretrainingData(
+  batch = next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
   return nn.unbox(jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch)))['params']
 

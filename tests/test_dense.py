@@ -11,7 +11,7 @@ import pytest
 from realformer import models
 from realformer.layers import dense as dense_lib
 from realformer.model.spec import resolve
-from realformer.train import train_lib
+from realformer.train import pretraining
 from tests.test_models import make_batch, perturbed_params, small_config
 from tests.test_train import grads_on_mesh
 
@@ -99,10 +99,10 @@ def test_bfloat16_cpu_dense_gradients_sharded_equal_one_device():
   cfg = small_config('realformer', dtype='bfloat16', dense_impl='cpu',
                      dropout_rate=0.0, attention_dropout_rate=0.0)
   model = models.build(cfg)
-  batch = next(train_lib.SyntheticPretrainingData(
+  batch = next(pretraining.SyntheticData(
       vocab_size=50, seq_len=16, num_predictions=3, global_batch_size=8, seed=2))
-  loss_fn = train_lib.pretraining_loss_fn(model)
-  loss = lambda p, b: loss_fn(p, b, None, train_lib.pretraining_totals(b))[0]
+  loss_fn = pretraining.loss_fn(model)
+  loss = lambda p, b: loss_fn(p, b, None, pretraining.totals(b))[0]
   one = grads_on_mesh(model, loss, batch, {'data': 1, 'fsdp': 1, 'tensor': 1},
                       jax.devices()[:1])
   many = grads_on_mesh(model, loss, batch, {'data': 2, 'fsdp': 2, 'tensor': 2})

@@ -319,7 +319,7 @@ def test_every_smoke_contender_of_both_step_parts_traces_its_gradient():
   import jax  # pylint: disable=g-import-not-at-top
   import train_step  # pylint: disable=g-import-not-at-top
   from realformer import models  # pylint: disable=g-import-not-at-top
-  from realformer.train import train_lib  # pylint: disable=g-import-not-at-top
+  from realformer.train import pretraining  # pylint: disable=g-import-not-at-top
   s = device_suite.sizes(smoke=True)
   traced = set()
   for part in ('step512', 'step128'):
@@ -333,11 +333,11 @@ def test_every_smoke_contender_of_both_step_parts_traces_its_gradient():
       config = train_step.make_config(variant, s['size'], args)
       config.model.update(overrides)
       model = models.build(config.model)
-      batch = train_lib.abstract_batch(args.batch, args.seq_len, args.predictions)
+      batch = pretraining.abstract_batch(args.batch, args.seq_len, args.predictions)
       inputs = {k: batch[k] for k in ('input_ids', 'segment_ids', 'attention_mask')}
       params = jax.eval_shape(model.init, jax.random.PRNGKey(0), inputs)['params']
       totals = {'mlm_weight': 1.0, 'examples': float(args.batch)}
-      loss_fn = train_lib.pretraining_loss_fn(model)
+      loss_fn = pretraining.loss_fn(model)
       grads = jax.eval_shape(jax.grad(lambda p, b: loss_fn(p, b, jax.random.PRNGKey(1),
                                                            totals)[0]), params, batch)
       assert jax.tree.structure(grads) == jax.tree.structure(params)

@@ -28,6 +28,7 @@ from realformer.model.spec import resolve
 from realformer.tools import hlo_stats
 from realformer.tools import launch
 from realformer.train import partitioning
+from realformer.train import pretraining
 from realformer.train import train_lib
 from realformer.train.run_dir import RunDir
 from synthesizer import synthetic
@@ -115,10 +116,10 @@ def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path
   resumed = train.train_and_evaluate(_relpos_config(num_steps=4), str(tmp_path / 'resumed'))
   assert resumed['step'] == 4
   assert losses(tmp_path / 'resumed') == losses(relpos_pretraining)
-  model, tx = train_lib.models.build(spec), train_lib.make_optimizer(_relpos_config().optimizer,
+  model, tx = models_lib.build(spec), train_lib.make_optimizer(_relpos_config().optimizer,
                                                                      spec)
   mesh = partitioning.make_mesh(_relpos_config().mesh)
-  _, shardings = train_lib.state_shardings(model, tx, train_lib.abstract_batch(8, 32, 5), mesh)
+  _, shardings = train_lib.state_shardings(model, tx, pretraining.abstract_batch(8, 32, 5), mesh)
   table = shardings.params['encoder']['layers_0']['attention']['synth_relpos']['table']
   assert tuple(table.spec) == ('tensor', None)
   # Its FLOPs: the compiled step's matmuls are the model's count, its declaration included

@@ -14,6 +14,7 @@ import pytest
 from realformer import models
 from realformer.layers import rows as rows_lib
 from realformer.model.spec import resolve
+from realformer.train import pretraining
 from realformer.train import train_lib
 from synthesizer import synthetic
 from tests.test_models import VARIANTS, make_batch, perturbed_params, small_config
@@ -33,8 +34,8 @@ def pretraining_batch():
 
 
 def _loss(model):
-  loss_fn = train_lib.pretraining_loss_fn(model)
-  return lambda p, b: loss_fn(p, b, None, train_lib.pretraining_totals(b))[0]
+  loss_fn = pretraining.loss_fn(model)
+  return lambda p, b: loss_fn(p, b, None, pretraining.totals(b))[0]
 
 
 def _models(variant, dtype='float32', **extra):

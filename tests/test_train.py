@@ -131,13 +131,13 @@ def _head_case(head, variant='postln'):
   """(model, numpy batch of 8, loss(params, batch)) for a head, as train.py / finetune.py."""
   c = tiny_config(variant)
   c.model.dropout_rate = c.model.attention_dropout_rate = 0.0
-  batch = next(train_lib.SyntheticPretrainingData(
+  batch = next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=1))
   ce = optax.softmax_cross_entropy_with_integer_labels
   if head == 'pretraining':
     model = models.build(c.model)
-    loss_fn = train_lib.pretraining_loss_fn(model)
-    return model, batch, lambda p, b: loss_fn(p, b, None, train_lib.pretraining_totals(b))[0]
+    loss_fn = pretraining.loss_fn(model)
+    return model, batch, lambda p, b: loss_fn(p, b, None, pretraining.totals(b))[0]
   rng = np.random.default_rng(0)
   batch = {k: batch[k] for k in ('input_ids', 'segment_ids', 'attention_mask')}
   if head == 'classification':
@@ -203,7 +203,7 @@ def test_fsdp_shards_every_matrix_and_tensor_parallel_splits_heads(variant):
   model = models.build(c.model)
   mesh = partitioning.make_mesh({'data': 1, 'fsdp': 4, 'tensor': 2})
   example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in next(
-      train_lib.SyntheticPretrainingData(vocab_size=120, seq_len=32, num_predictions=5,
+      pretraining.SyntheticData(vocab_size=120, seq_len=32, num_predictions=5,
                                          global_batch_size=8, seed=1)).items()}
   abstract, shardings = train_lib.state_shardings(model, optax.adamw(1e-3), example, mesh)
   heads = c.model.num_heads
@@ -224,7 +224,7 @@ def test_a_mesh_that_does_not_divide_the_heads_or_a_random_table(caplog):
   over fsdp; partitioning.check_divides reads it from the logical axes): inside jit these
   were IndivisibleErrors. Warned about for dot-product attention alone."""
   mesh = partitioning.make_mesh({'data': 1, 'fsdp': 2, 'tensor': 4})  # 2 heads
-  example = train_lib.abstract_batch(8, 32, 5)
+  example = pretraining.abstract_batch(8, 32, 5)
   for variant in ('synth_random_vanilla', 'synth_dense'):
     with pytest.raises(ValueError, match=r"mesh.tensor=4 does not divide model.num_heads=2, "
                                          r"and the synthesizer's weights are split"):
@@ -236,7 +236,7 @@ def test_a_mesh_that_does_not_divide_the_heads_or_a_random_table(caplog):
                                        r"which encoder/layers_0/attention/synth_random/"
                                        r"random_logits is split \(synth_len, its dimension 1\)"):
     train_lib.state_shardings(models.build(odd.model), optax.sgd(1.0),
-                              train_lib.abstract_batch(8, 30, 5),
+                              pretraining.abstract_batch(8, 30, 5),
                               partitioning.make_mesh({'data': 4, 'fsdp': 2, 'tensor': 1}))
   train_lib.state_shardings(models.build(tiny_config('postln').model), optax.sgd(1.0),
                             example, mesh)
@@ -249,15 +249,15 @@ def test_accumulation_gradient_equals_one_big_batch():
   c = tiny_config()
   c.model.dropout_rate = c.model.attention_dropout_rate = 0.0
   model = models.build(c.model)
-  batch = next(train_lib.SyntheticPretrainingData(
+  batch = next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=3))
   batch['masked_lm_weights'][:4, 2:] = 0.0  # uneven masked-token counts
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
   params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), batch)['params'])
-  loss_fn = train_lib.pretraining_loss_fn(model)
+  loss_fn = pretraining.loss_fn(model)
   grad = jax.jit(lambda b, totals: jax.grad(lambda p: loss_fn(p, b, None, totals)[0])(params))
-  whole = grad(batch, train_lib.pretraining_totals(batch))
-  totals = train_lib.pretraining_totals(batch)
+  whole = grad(batch, pretraining.totals(batch))
+  totals = pretraining.totals(batch)
   halves = [jax.tree.map(lambda x: x[i::2], batch) for i in range(2)]
   summed = jax.tree.map(jnp.add, *[grad(h, totals) for h in halves])
   for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(summed)):
@@ -269,7 +269,7 @@ def _fixed_random_synthesizer():
   leave alone)."""
   c = tiny_config('synth_random_fixed')
   spec = resolve(c.model)
-  batch = next(train_lib.SyntheticPretrainingData(
+  batch = next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
   params = nn.unbox(jax.jit(models.build(spec).init)(jax.random.PRNGKey(0), batch)['params'])
   return c, spec, params
@@ -297,7 +297,7 @@ def test_weight_decay_mask_is_the_same_for_stacked_layers_and_every_variant():
   by the same names, so a stacked tensor decays as each of its layers did. Every variant's
   own parameters follow BERT's rule: the mixture weights and the Synthesizers' tables and
   projections decay, Pre-LN's final LayerNorm does not."""
-  batch = next(train_lib.SyntheticPretrainingData(
+  batch = next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
 
   def by_name(variant, scan):
@@ -307,7 +307,7 @@ def test_weight_decay_mask_is_the_same_for_stacked_layers_and_every_variant():
     mask = {}
     for path, decays in jax.tree_util.tree_leaves_with_path(
         train_lib.decay_mask(nn.unbox(shapes['params']))):
-      names = tuple('layers' if n.startswith('layers_') else n for n in train_lib._names(path))
+      names = tuple('layers' if n.startswith('layers_') else n for n in train_lib.param_names(path))
       mask.setdefault(names, set()).add(decays)
     return mask
 
@@ -551,7 +551,7 @@ def test_flops_per_example_matches_xla_count(variant):
   c.model.hidden_size, c.model.mlp_dim, c.model.num_heads = 128, 512, 4
   c.model.last_layer = 'all'  # apply's default output: every row of the last layer
   model = models.build(c.model)
-  batch = next(train_lib.SyntheticPretrainingData(
+  batch = next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=4, seed=0))
   variables = model.init(jax.random.PRNGKey(0), batch)
   cost = jax.jit(lambda v, b: model.apply(v, b).mlm_logits).lower(
@@ -767,7 +767,7 @@ def test_mlm_alone_on_full_sentences_learns_and_leaves_the_pooler_as_initialised
   assert 'next_sentence_labels' not in batch and not batch['segment_ids'].any()
   resolved = pretraining.resolved_config(c)
   mesh = partitioning.make_mesh({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
-  init = train_lib.pretraining_program(resolved, mesh).init().params
+  init = pretraining.program(resolved, mesh).init().params
   assert set(init) == {'encoder', 'mlm_head'}
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
   final, _ = checkpoints.restore_params(str(tmp_path), abstract)
@@ -804,8 +804,8 @@ def test_eval_loss_is_the_evaluations_mlm_and_nsp_losses():
   shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
   state, shardings = train_lib.create_train_state(model, optax.sgd(1.0), shapes, mesh, 0)
   step = train_lib.make_eval_step(
-      train_lib.loss_metrics(train_lib.pretraining_loss_fn(model),
-                             metrics_lib.PretrainingEvalMetrics),
+      train_lib.loss_metrics(pretraining.loss_fn(model),
+                             metrics_lib.PretrainingEvalMetrics, pretraining.totals),
       mesh=mesh, params_sharding=shardings.params)
   few = dict(batch, masked_lm_weights=np.zeros_like(batch['masked_lm_weights']))
   few['masked_lm_weights'][0, 0] = 1.0  # one masked token against the full batch's many
@@ -815,8 +815,8 @@ def test_eval_loss_is_the_evaluations_mlm_and_nsp_losses():
   values = metrics_lib.to_floats(merged)
   assert values['loss'] == pytest.approx(values['mlm_loss'] + values['nsp_loss'], rel=1e-6)
   # mlm_loss from the two batches' sums over all their masked tokens.
-  loss_fn = train_lib.pretraining_loss_fn(model)
-  parts = [loss_fn(state.params, b, None, train_lib.pretraining_totals(b))[1] for b in batches]
+  loss_fn = pretraining.loss_fn(model)
+  parts = [loss_fn(state.params, b, None, pretraining.totals(b))[1] for b in batches]
   tokens = batch['masked_lm_weights'].sum() + 1
   mlm = sum(float(p['mlm_loss'].total) for p in parts) / tokens
   assert values['mlm_loss'] == pytest.approx(mlm, rel=1e-5)
@@ -829,12 +829,12 @@ def test_label_counts_sum_over_a_sharded_batch():
   batch = {'masked_lm_ids': rng.integers(0, 11, (16, 5)).astype(np.int32),
            'masked_lm_weights': (rng.random((16, 5)) < 0.7).astype(np.float32),
            'next_sentence_labels': rng.integers(0, 2, (16,)).astype(np.int32)}
-  counts = train_lib.make_label_counts(mesh, 11)(train_lib.global_batch(batch, mesh))
+  counts = pretraining.make_label_counts(mesh, 11)(train_lib.global_batch(batch, mesh))
   want = np.bincount(batch['masked_lm_ids'].ravel(), batch['masked_lm_weights'].ravel(), 11)
   np.testing.assert_allclose(np.asarray(counts['mlm']), want)
   np.testing.assert_allclose(np.asarray(counts['nsp']),
                              np.bincount(batch['next_sentence_labels'], minlength=2))
-  base = train_lib.majority_baselines(counts)
+  base = pretraining.majority_baselines(counts)
   assert base['mlm_majority_accuracy'] == pytest.approx(want.max() / want.sum())
 
 
@@ -870,13 +870,14 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
   tx, rates = train_lib.make_optimizer(opt, spec), train_lib.LearningRates(
       train_lib.make_schedule(opt, num_steps))
   mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
-  _, shardings = train_lib.state_shardings(model, tx, train_lib.abstract_batch(4, 16, 5), mesh)
+  _, shardings = train_lib.state_shardings(model, tx, pretraining.abstract_batch(4, 16, 5), mesh)
   params = jax.device_put(jax.tree.map(jnp.asarray, params), shardings.params)
   state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                opt_state=jax.jit(tx.init)(params))
-  step = train_lib.make_train_step(train_lib.pretraining_loss_fn(model), tx,
+  step = train_lib.make_train_step(pretraining.loss_fn(model), tx,
                                    mesh=mesh, shardings=shardings,
-                                   metrics_cls=metrics_lib.PretrainingTrainMetrics)
+                                   metrics_cls=metrics_lib.PretrainingTrainMetrics,
+                                   totals_fn=pretraining.totals)
   rng = train_lib.dropout_key(0, mesh)
 
   no_decay = lambda name: name.endswith('bias') or 'LayerNorm' in name
@@ -901,7 +902,7 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
                                             long(b['next_sentence_labels']))
     return (ce * w).sum() / w.sum() + nsp
 
-  data = train_lib.SyntheticPretrainingData(vocab_size=120, seq_len=16, num_predictions=5,
+  data = pretraining.SyntheticData(vocab_size=120, seq_len=16, num_predictions=5,
                                             global_batch_size=4, seed=1)
   for i in range(num_steps):
     b = next(data)
@@ -964,7 +965,7 @@ def test_an_init_with_known_params_draws_only_the_rest():
   the bit, every other leaf the whole init's value, the optimizer's init of the result,
   all in the whole init's shardings (on a data x fsdp x tensor mesh)."""
   mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
-  program = train_lib.pretraining_program(tiny_config(), mesh)
+  program = pretraining.program(tiny_config(), mesh)
   whole = program.init()
   drawn = lambda path: 'layers_1' in jax.tree_util.keystr(path)  # (a head's place)
   known = jax.tree_util.tree_map_with_path(
@@ -999,13 +1000,13 @@ def test_runs_of_other_rates_schedules_lengths_and_seeds_compile_one_program():
     config = tiny_config(num_steps=steps)
     config.optimizer.learning_rate, config.optimizer.schedule = lr, schedule
     config.optimizer.warmup_steps, config.seed = 0 if schedule == 'constant' else 4, seed
-    program = train_lib.pretraining_program(config, mesh)
+    program = pretraining.program(config, mesh)
     with jax.set_mesh(mesh):
       texts.append(program.train_step.lower(program.abstract, program.batch_shapes,
                                             *train_lib.abstract_step_arguments(mesh)).as_text())
   assert texts[0] == texts[1] == texts[2]
   state = program.init()
-  batch = train_lib.global_batch(next(train_lib.SyntheticPretrainingData(
+  batch = train_lib.global_batch(next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=8, seed=0)), mesh)
   rates = train_lib.LearningRates(program.schedule)
   with jax.set_mesh(mesh):

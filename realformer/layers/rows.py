@@ -69,3 +69,9 @@ def last_layer_rows(positions: jax.Array, seq_len: int) -> Optional[jax.Array]:
   cls = jnp.zeros((b, 1), positions.dtype)
   filler = jnp.zeros((b, r - p - 1), positions.dtype)
   return jnp.concatenate([cls, positions, filler], axis=1)
+
+
+def positions_of_last_layer(x: jax.Array, num_predictions: int) -> jax.Array:
+  """The rows of a last layer computed on last_layer_rows' rows ([B, R, ...]) that hold its
+  positions, in their order: [B, num_predictions, ...] (the layout is last_layer_rows')."""
+  return x[:, 1:1 + num_predictions]

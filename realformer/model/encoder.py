@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from realformer.layers import dropout as dropout_lib
 from realformer.layers.dense import dense
-from realformer.layers.rows import last_layer_rows, take_rows
+from realformer.layers.rows import last_layer_rows, positions_of_last_layer, take_rows
 from realformer.model import attention as attn_lib
 from realformer.model.spec import EncoderSpec, resolve
 
@@ -225,7 +225,7 @@ class Encoder(nn.Module):
       x = layer_norm(s, 'final_layer_norm')(x).astype(s.dtype)
     pooled = jnp.tanh(dense(s.hidden_size, ('embed', 'mlp'), s, 'pooler')(x[:, 0]))
     if rows is not None:
-      x = x[:, 1:1 + output_rows.shape[1]]
+      x = positions_of_last_layer(x, output_rows.shape[1])
     elif output_rows is not None:
       x = take_rows(x, output_rows)
     return EncoderOutput(hidden=x, pooled=pooled, attention=probs)

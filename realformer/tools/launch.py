@@ -9,7 +9,7 @@ For a TPU slice, the compile-only devices of the named topology come from libtpu
 (`pip install -r requirements-tpu.txt`) on any machine, the TPU's own devices unattached:
 jax runs on the CPU (JAX_PLATFORMS=cpu is set) and XLA:TPU compiles for the slice. A
 multi-host slice (v5p:4x4x4 is 64 chips on 16 hosts) compiles from one process. What is
-compiled is exactly train.py's step (train_lib.pretraining_program): the config's mesh over
+compiled is exactly train.py's step (pretraining.program): the config's mesh over
 the slice's devices, the batch shapes of the data config, gradient accumulation, dtype,
 remat, scan and last_layer, with the backend-dependent 'auto' choices made for the target
 platform (spec.platform), not for the compiling host.
@@ -48,6 +48,7 @@ from realformer.tools import hlo_stats
 from realformer.train import compile_cache
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
+from realformer.train import pretraining
 from realformer.train import train_lib
 
 GiB = 1024 ** 3
@@ -380,7 +381,7 @@ def build(config, target: Target, batch_size: Optional[int] = None):
     raise LaunchError(f'{e} (the target {target.name} has {len(target.devices)} chips)') from None
   train_lib.check_batch_layout(config.train.batch_size, config.train.grad_accum_steps, mesh,
                                target.num_hosts)
-  program = train_lib.pretraining_program(config, mesh, platform=target.platform)
+  program = pretraining.program(config, mesh, platform=target.platform)
   data = partitioning.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data)
            for k, v in program.batch_shapes.items()}
@@ -592,7 +593,7 @@ def measure(config, target: Target, compiled, steps: int) -> dict:
   mesh, program, _ = build(config, target)
   tc = config.train
   state = program.init()
-  data = train_lib.SyntheticPretrainingData(
+  data = pretraining.SyntheticData(
       vocab_size=program.model.spec.vocab_size, seq_len=config.data.max_seq_length,
       num_predictions=config.data.max_predictions_per_seq,
       global_batch_size=tc.batch_size, seed=config.seed,

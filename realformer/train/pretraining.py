@@ -1,30 +1,212 @@
 """The pretraining task: BERT's masked language modelling + next sentence prediction, or
 RoBERTa's masked language modelling alone (config.objective).
 
-What it gives the trainer (trainer.Task): train_lib.pretraining_program (the model with its
-MLM and NSP heads and its train and eval steps: the program the launch check compiles), the
-stream of prepared pretraining batches (its position saved in each checkpoint's 'data'
-item, so a resumed run reads on exactly where it stopped), and the held-out evaluation:
-the first `train.eval_steps` batches of the eval split, the same at every evaluation, with
-the majority predictors' accuracies on those batches beside the model's.
+The objective is here: the batch's format (abstract_batch), the loss over the step's totals
+(loss_fn, totals), the model with its MLM and NSP heads and its train and eval steps
+(program: what the launch check compiles) and the majority baselines. What the task gives
+the trainer (trainer.Task): that program, the stream of prepared pretraining batches (its
+position saved in each checkpoint's 'data' item, so a resumed run reads on exactly where it
+stopped), and the held-out evaluation: the first `train.eval_steps` batches of the eval
+split, the same at every evaluation, with the majority predictors' accuracies on those
+batches beside the model's.
 """
 
-from typing import Dict
+from typing import Any, Callable, Dict
 
 from absl import logging
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
+import optax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from realformer import config_checks
+from realformer import models
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
 from realformer.train import distributed
 from realformer.train import metrics as metrics_lib
+from realformer.train import partitioning
 from realformer.train import train_lib
 from realformer.train import trainer
 from realformer.train.run_dir import RunDir
 
+
+# --------------------------------------------------------------------------------------
+# The objective: the batch, the loss, the program.
+# --------------------------------------------------------------------------------------
+
+def abstract_batch(global_batch_size: int, seq_len: int, num_predictions: int,
+                   next_sentence: bool = True) -> dict:
+  """ShapeDtypeStructs of one global pretraining batch (for init and compile)."""
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  b, t, p = global_batch_size, seq_len, num_predictions
+  batch = {'input_ids': i32(b, t), 'segment_ids': i32(b, t), 'attention_mask': i32(b, t),
+           'masked_lm_positions': i32(b, p), 'masked_lm_ids': i32(b, p),
+           'masked_lm_weights': jax.ShapeDtypeStruct((b, p), jnp.float32)}
+  if next_sentence:
+    batch['next_sentence_labels'] = i32(b)
+  return batch
+
+
+def totals(batch) -> Dict[str, jax.Array]:
+  """Normalizers of a whole step's batch: masked-token weight and example count."""
+  return {'mlm_weight': jnp.maximum(jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)),
+                                    1e-6),
+          'examples': jnp.asarray(batch['input_ids'].shape[0], jnp.float32)}
+
+
+def loss_fn(model: nn.Module) -> Callable:
+  """The loss_fn of train_lib's steps: BERT's MLM + NSP objective, or MLM alone for a model
+  without the NSP head (model.next_sentence False: config.objective=mlm).
+
+  loss = sum_i w_i CE(mlm_logits_i, masked_lm_ids_i) / sum_i w_i  [+  mean NSP CE],
+  the sums running over the whole step's batch (the denominators are `totals`). Logits are
+  float32 whatever model.dtype is. The evaluation's loss is formed from the same two parts
+  (metrics.PretrainingEvalMetrics.compute): a change to how they combine is made in both.
+  """
+  def objective(params, batch, rng, normalizers):
+    deterministic = rng is None
+    out = model.apply({'params': params}, batch, deterministic=deterministic,
+                      rngs=None if deterministic else {'dropout': rng}, full_hidden=False)
+    mlm_logits = out.mlm_logits.astype(jnp.float32)                    # [b, P, V]
+    weights = batch['masked_lm_weights'].astype(jnp.float32)           # [b, P]
+    mlm_ce = optax.softmax_cross_entropy_with_integer_labels(mlm_logits, batch['masked_lm_ids'])
+    mlm_sum = jnp.sum(mlm_ce * weights)
+    mlm_correct = jnp.sum((jnp.argmax(mlm_logits, -1) == batch['masked_lm_ids']) * weights)
+    loss = mlm_sum / normalizers['mlm_weight']
+    stats = {'mlm_loss': metrics_lib.average(mlm_sum, jnp.sum(weights)),
+             'mlm_accuracy': metrics_lib.average(mlm_correct, jnp.sum(weights))}
+    if out.nsp_logits is not None:
+      nsp_logits = out.nsp_logits.astype(jnp.float32)                  # [b, 2]
+      labels = batch['next_sentence_labels']
+      nsp_ce = optax.softmax_cross_entropy_with_integer_labels(nsp_logits, labels)
+      nsp_correct = jnp.sum(jnp.argmax(nsp_logits, -1) == labels)
+      loss = loss + jnp.sum(nsp_ce) / normalizers['examples']
+      n = labels.shape[0]
+      stats.update(nsp_loss=metrics_lib.average(jnp.sum(nsp_ce), n),
+                   nsp_accuracy=metrics_lib.average(nsp_correct, n))
+    return loss, stats
+  return objective
+
+
+def program(config, mesh, platform: str = '') -> train_lib.Program:
+  """The program of a (resolved) pretraining `config` on `mesh`: MLM + NSP, or MLM alone
+  (config.objective; without NSP the pooler, which nothing trains, is left as initialised).
+
+  platform: the platform the step is compiled for ('' = this process's backend); the
+  backend-dependent 'auto' choices of the model follow it (spec.platform).
+  """
+  from data import pretraining as objectives  # pylint: disable=g-import-not-at-top
+  tc = config.train
+  spec = resolve(config.model, platform=platform)
+  nsp = objectives.of_config(config).next_sentence
+  model = models.build(spec, next_sentence=nsp)
+  preds = config.data.max_predictions_per_seq
+  loss = loss_fn(model)
+  train_metrics, eval_metrics = metrics_lib.pretraining_metrics(nsp)
+  return train_lib.make_program(
+      model, config.optimizer, tc.num_steps, mesh, config.seed,
+      abstract_batch(tc.batch_size, config.data.max_seq_length, preds, nsp),
+      loss_fn=loss, metrics_cls=train_metrics, totals_fn=totals,
+      eval_fn=train_lib.loss_metrics(loss, eval_metrics, totals),
+      flops_per_example=lambda length: train_lib.flops_per_example(spec, length, preds, nsp),
+      grad_accum_steps=tc.grad_accum_steps, untrained=None if nsp else _is_pooler)
+
+
+def _is_pooler(path) -> bool:
+  return 'pooler' in train_lib.param_names(path)
+
+
+def make_label_counts(mesh, vocab_size: int) -> Callable:
+  """A jitted batch -> {'mlm': [vocab] masked-token weight per label id, 'nsp': [2] (where
+  the batch has next_sentence_labels)}.
+
+  Summed over the evaluation batches, these give the trivial baselines on exactly those
+  batches: always predicting the most frequent masked token, always the majority NSP label
+  (what a model that has learned only token frequencies scores)."""
+  def counts(batch):
+    mlm = jnp.zeros((vocab_size,), jnp.float32).at[batch['masked_lm_ids'].reshape(-1)].add(
+        batch['masked_lm_weights'].astype(jnp.float32).reshape(-1))
+    if 'next_sentence_labels' not in batch:
+      return {'mlm': mlm}
+    nsp = jnp.zeros((2,), jnp.float32).at[batch['next_sentence_labels'].reshape(-1)].add(1.0)
+    return {'mlm': mlm, 'nsp': nsp}
+
+  return jax.jit(counts, in_shardings=(partitioning.batch_sharding(mesh),),
+                 out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def majority_baselines(counts: Dict[str, Any]) -> Dict[str, float]:
+  """eval metrics of the constant predictors from summed make_label_counts outputs."""
+  majority = lambda c: float(np.max(c) / max(np.sum(c), 1e-6))
+  return {f'{name}_majority_accuracy': majority(c) for name, c in counts.items()}
+
+
+# --------------------------------------------------------------------------------------
+# Synthetic data (throughput checks; config.data.sources == 'synthetic').
+# --------------------------------------------------------------------------------------
+
+class SyntheticData:
+  """Random pretraining batches of the real format, a pure function of (seed, index).
+
+  Not language: for throughput and sharding checks only. The state is the next batch
+  index (a JSON dict), saved in the checkpoint's 'data' item like the real pipeline's.
+  Every host draws the global batch and keeps its rows, so any process count agrees.
+  next_sentence=False (config.objective=mlm): one segment and no next_sentence_labels.
+  """
+
+  def __init__(self, *, vocab_size: int, seq_len: int, num_predictions: int,
+               global_batch_size: int, seed: int, process_index: int = 0,
+               process_count: int = 1, num_special: int = 5, mask_id: int = 4,
+               next_sentence: bool = True):
+    self.vocab_size, self.seq_len, self.num_predictions = vocab_size, seq_len, num_predictions
+    self.next_sentence = next_sentence
+    self.global_batch_size, self.seed, self.num_special = global_batch_size, seed, num_special
+    self.mask_id = mask_id  # [MASK] of the sentencepiece vocabularies trained here
+    per_host = global_batch_size // process_count
+    self._rows = slice(process_index * per_host, (process_index + 1) * per_host)
+    self.index = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    rng = np.random.default_rng((self.seed, self.index))
+    self.index += 1
+    b, t, p = self.global_batch_size, self.seq_len, self.num_predictions
+    ids = rng.integers(self.num_special, self.vocab_size, (b, t), dtype=np.int32)
+    lengths = rng.integers(t // 2, t + 1, (b,))
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.int32)
+    segment = ((np.arange(t)[None] >= lengths[:, None] // 2) * mask).astype(np.int32)
+    positions = np.sort(rng.permuted(np.tile(np.arange(1, t), (b, 1)), axis=1)[:, :p], axis=1)
+    weights = (positions < lengths[:, None]).astype(np.float32)
+    labels = np.take_along_axis(ids, positions, 1).astype(np.int32)
+    np.put_along_axis(ids, positions, self.mask_id, 1)  # the model must not see the answer
+    batch = {'input_ids': ids * mask, 'segment_ids': segment, 'attention_mask': mask,
+             'masked_lm_positions': positions.astype(np.int32),
+             'masked_lm_ids': labels,
+             'masked_lm_weights': weights}
+    nsp = rng.integers(0, 2, (b,), dtype=np.int32)  # (drawn either way: the same batches)
+    if self.next_sentence:
+      batch['next_sentence_labels'] = nsp
+    else:
+      batch['segment_ids'] = np.zeros_like(segment)  # one segment
+    return {k: v[self._rows] for k, v in batch.items()}
+
+  def get_state(self) -> dict:
+    return {'index': self.index}
+
+  def set_state(self, state: dict):
+    self.index = int(state['index'])
+
+
+# --------------------------------------------------------------------------------------
+# The task.
+# --------------------------------------------------------------------------------------
 
 def resolved_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """An unlocked copy with model.vocab_size set from the tokenizer (not for 'synthetic'),
@@ -115,7 +297,7 @@ def make_input_fn(config, workdir: str):
             process_index=jax.process_index(), process_count=jax.process_count())
   if config.data.sources == 'synthetic':
     from data import pretraining  # pylint: disable=g-import-not-at-top
-    return lambda split, seed: train_lib.SyntheticPretrainingData(
+    return lambda split, seed: SyntheticData(
         vocab_size=config.model.vocab_size, seq_len=config.data.max_seq_length,
         num_predictions=config.data.max_predictions_per_seq, seed=seed + (split == 'eval'),
         next_sentence=pretraining.of_config(config).next_sentence, **kw)
@@ -141,18 +323,18 @@ class StreamPosition(trainer.DataState):
     self.stream = stream
 
   def checkpoint_args(self, mode: str):
-    if isinstance(self.stream, train_lib.SyntheticPretrainingData):
+    if isinstance(self.stream, SyntheticData):
       return (ocp.args.JsonSave(self.stream.get_state()) if mode == 'save' else
               ocp.args.JsonRestore())
     from data import pipeline  # pylint: disable=g-import-not-at-top
     return pipeline.iterator_checkpoint_args(self.stream, mode)
 
   def restored(self, value):
-    if isinstance(self.stream, train_lib.SyntheticPretrainingData):
+    if isinstance(self.stream, SyntheticData):
       self.stream.set_state(value)
 
   def check_restorable(self, step_dir: str) -> None:
-    if not isinstance(self.stream, train_lib.SyntheticPretrainingData):
+    if not isinstance(self.stream, SyntheticData):
       from data import pipeline  # pylint: disable=g-import-not-at-top
       pipeline.check_saved_position(step_dir, jax.process_count())
 
@@ -178,8 +360,7 @@ class PretrainingTask(trainer.Task):
       logging.info('objective: %s (masked language modelling alone, no NSP head)',
                    config.objective)
     self.cadence = trainer.make_cadence(config.train)
-    self.program = train_lib.pretraining_program(config, mesh,
-                                                 platform=mesh.devices.flat[0].platform)
+    self.program = program(config, mesh, platform=mesh.devices.flat[0].platform)
     if config.train.init_checkpoint:
       self.init_checkpoint = trainer.InitCheckpoint(config.train.init_checkpoint)
       # A fresh start reads it: checked before the data (as process 0 sees the run).
@@ -188,7 +369,7 @@ class PretrainingTask(trainer.Task):
     self._make_input = make_input_fn(config, str(run))  # prepares the data (under the lock)
     self.train_iter = self._make_input('train', config.seed)
     self.data = StreamPosition(self.train_iter)
-    self._label_counts = train_lib.make_label_counts(mesh, config.model.vocab_size)
+    self._label_counts = make_label_counts(mesh, config.model.vocab_size)
     self._baselines: Dict[str, float] = {}  # majority predictors on the eval batches
 
   def batches(self, start_step: int):
@@ -212,5 +393,5 @@ class PretrainingTask(trainer.Task):
         counts = counted if counts is None else jax.tree.map(lambda a, b: a + b, counts,
                                                              counted)
     if not self._baselines:
-      self._baselines.update(train_lib.majority_baselines(counts))
+      self._baselines.update(majority_baselines(counts))
     return {'eval': dict(metrics_lib.to_floats(collected), **self._baselines)}

@@ -2,13 +2,13 @@
 and FLOP counts.
 
 The pieces are independent of the head and the loss, so every task builds its Program with
-them (make_program; pretraining_program for MLM + NSP):
+them (make_program; the pretraining objective's is realformer/train/pretraining.py's):
 
     tx = make_optimizer(config.optimizer, spec)
     schedule = make_schedule(config.optimizer, num_steps)
     state, shardings = create_train_state(model, tx, batch_shapes, mesh, seed)
     step = make_train_step(loss_fn, tx, mesh=mesh, shardings=shardings,
-                           metrics_cls=..., grad_accum_steps=k)
+                           metrics_cls=..., totals_fn=..., grad_accum_steps=k)
     rates, rng = LearningRates(schedule), dropout_key(seed, mesh)
     state, metrics = step(state, global_batch, rates(i), rng)  # i: the host's step count
 
@@ -35,7 +35,6 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from realformer import models
 from realformer import config_checks
 from realformer.config_checks import warmup_steps
 from realformer.layers import rows as rows_lib
@@ -64,7 +63,7 @@ class TrainState:
 # Optimizer.
 # --------------------------------------------------------------------------------------
 
-def _names(path) -> Tuple[str, ...]:
+def param_names(path) -> Tuple[str, ...]:
   """Dict keys along a pytree path (ignores box attributes and optax wrappers)."""
   return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
 
@@ -75,7 +74,7 @@ def decay_mask(params) -> Any:
   on its path has 'layer_norm' in its name, so a new parameter that should not be (a gate, a
   scale, an identity-initialised mix) is named accordingly or added here."""
   def decays(path, _):
-    names = _names(path)
+    names = param_names(path)
     return not (names[-1].endswith('bias') or any('layer_norm' in n for n in names))
   return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -93,7 +92,7 @@ def fixed_params_fn(spec: EncoderSpec, untrained: Optional[Callable[[Any], bool]
   if not fixed and untrained is None:
     return None
   def is_fixed(path) -> bool:  # a parameter the component created itself (self.param)
-    names = _names(path)
+    names = param_names(path)
     return (len(names) > 1 and names[-1] in fixed.get(names[-2], ())) or bool(
         untrained and untrained(path))
   return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: is_fixed(path), params)
@@ -165,7 +164,7 @@ def scale_by_layer_trust_ratio() -> optax.GradientTransformation:
   layer, so a scanned encoder trains as an unscanned one does."""
   def update_fn(updates, state, params):
     def scale(path, u, w):
-      axes = tuple(range(1, u.ndim)) if 'layers' in _names(path) else None
+      axes = tuple(range(1, u.ndim)) if 'layers' in param_names(path) else None
       norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=axes,
                                         keepdims=axes is not None))
       w_norm, u_norm = norm(w), norm(u)
@@ -389,50 +388,6 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, batch
 
 
 # --------------------------------------------------------------------------------------
-# Pretraining loss (MLM + NSP, or MLM alone).
-# --------------------------------------------------------------------------------------
-
-def pretraining_totals(batch) -> Dict[str, jax.Array]:
-  """Normalizers of a whole step's batch: masked-token weight and example count."""
-  return {'mlm_weight': jnp.maximum(jnp.sum(batch['masked_lm_weights'].astype(jnp.float32)),
-                                    1e-6),
-          'examples': jnp.asarray(batch['input_ids'].shape[0], jnp.float32)}
-
-
-def pretraining_loss_fn(model: nn.Module) -> Callable:
-  """loss_fn for make_train_step / make_eval_step: BERT's MLM + NSP objective, or MLM alone
-  for a model without the NSP head (model.next_sentence False: config.objective=mlm).
-
-  loss = sum_i w_i CE(mlm_logits_i, masked_lm_ids_i) / sum_i w_i  [+  mean NSP CE],
-  the sums running over the whole step's batch (the denominators are `totals`). Logits are
-  float32 whatever model.dtype is.
-  """
-  def loss_fn(params, batch, rng, totals):
-    deterministic = rng is None
-    out = model.apply({'params': params}, batch, deterministic=deterministic,
-                      rngs=None if deterministic else {'dropout': rng}, full_hidden=False)
-    mlm_logits = out.mlm_logits.astype(jnp.float32)                    # [b, P, V]
-    weights = batch['masked_lm_weights'].astype(jnp.float32)           # [b, P]
-    mlm_ce = optax.softmax_cross_entropy_with_integer_labels(mlm_logits, batch['masked_lm_ids'])
-    mlm_sum = jnp.sum(mlm_ce * weights)
-    mlm_correct = jnp.sum((jnp.argmax(mlm_logits, -1) == batch['masked_lm_ids']) * weights)
-    loss = mlm_sum / totals['mlm_weight']
-    stats = {'mlm_loss': metrics_lib.average(mlm_sum, jnp.sum(weights)),
-             'mlm_accuracy': metrics_lib.average(mlm_correct, jnp.sum(weights))}
-    if out.nsp_logits is not None:
-      nsp_logits = out.nsp_logits.astype(jnp.float32)                  # [b, 2]
-      labels = batch['next_sentence_labels']
-      nsp_ce = optax.softmax_cross_entropy_with_integer_labels(nsp_logits, labels)
-      nsp_correct = jnp.sum(jnp.argmax(nsp_logits, -1) == labels)
-      loss = loss + jnp.sum(nsp_ce) / totals['examples']
-      n = labels.shape[0]
-      stats.update(nsp_loss=metrics_lib.average(jnp.sum(nsp_ce), n),
-                   nsp_accuracy=metrics_lib.average(nsp_correct, n))
-    return loss, stats
-  return loss_fn
-
-
-# --------------------------------------------------------------------------------------
 # Train and eval steps.
 # --------------------------------------------------------------------------------------
 
@@ -448,8 +403,7 @@ def split_microbatches(batch, k: int, mesh):
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh,
-                    shardings: TrainState, metrics_cls,
-                    totals_fn: Callable = pretraining_totals,
+                    shardings: TrainState, metrics_cls, totals_fn: Callable,
                     grad_accum_steps: int = 1) -> Callable:
   """A jitted (state, batch, learning_rate, rng) -> (state, metrics) with the state donated.
 
@@ -526,39 +480,13 @@ def make_eval_step(fn: Callable, *, mesh, params_sharding) -> Callable:
                  out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def loss_metrics(loss_fn: Callable, metrics_cls, totals_fn: Callable = pretraining_totals
-                 ) -> Callable:
+def loss_metrics(loss_fn: Callable, metrics_cls, totals_fn: Callable) -> Callable:
   """(params, batch) -> metrics_cls of loss_fn's sums, deterministic (no dropout);
   metrics_cls derives the loss from them (make_eval_step's fn)."""
   def fn(params, batch):
     _, stats = loss_fn(params, batch, None, totals_fn(batch))
     return metrics_lib.collection(metrics_cls, **stats)
   return fn
-
-
-def make_label_counts(mesh, vocab_size: int) -> Callable:
-  """A jitted batch -> {'mlm': [vocab] masked-token weight per label id, 'nsp': [2] (where
-  the batch has next_sentence_labels)}.
-
-  Summed over the evaluation batches, these give the trivial baselines on exactly those
-  batches: always predicting the most frequent masked token, always the majority NSP label
-  (what a model that has learned only token frequencies scores)."""
-  def counts(batch):
-    mlm = jnp.zeros((vocab_size,), jnp.float32).at[batch['masked_lm_ids'].reshape(-1)].add(
-        batch['masked_lm_weights'].astype(jnp.float32).reshape(-1))
-    if 'next_sentence_labels' not in batch:
-      return {'mlm': mlm}
-    nsp = jnp.zeros((2,), jnp.float32).at[batch['next_sentence_labels'].reshape(-1)].add(1.0)
-    return {'mlm': mlm, 'nsp': nsp}
-
-  return jax.jit(counts, in_shardings=(partitioning.batch_sharding(mesh),),
-                 out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def majority_baselines(counts: Dict[str, Any]) -> Dict[str, float]:
-  """eval metrics of the constant predictors from summed make_label_counts outputs."""
-  majority = lambda c: float(np.max(c) / max(np.sum(c), 1e-6))
-  return {f'{name}_majority_accuracy': majority(c) for name, c in counts.items()}
 
 
 def global_batch(batch: Dict[str, np.ndarray], mesh, whole: bool = False
@@ -570,19 +498,6 @@ def global_batch(batch: Dict[str, np.ndarray], mesh, whole: bool = False
   sharding = partitioning.batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(
       sharding, np.asarray(v), np.shape(v) if whole else None) for k, v in batch.items()}
-
-
-def abstract_batch(global_batch_size: int, seq_len: int, num_predictions: int,
-                   next_sentence: bool = True) -> dict:
-  """ShapeDtypeStructs of one global pretraining batch (for init and compile)."""
-  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-  b, t, p = global_batch_size, seq_len, num_predictions
-  batch = {'input_ids': i32(b, t), 'segment_ids': i32(b, t), 'attention_mask': i32(b, t),
-           'masked_lm_positions': i32(b, p), 'masked_lm_ids': i32(b, p),
-           'masked_lm_weights': jax.ShapeDtypeStruct((b, p), jnp.float32)}
-  if next_sentence:
-    batch['next_sentence_labels'] = i32(b)
-  return batch
 
 
 # --------------------------------------------------------------------------------------
@@ -621,8 +536,7 @@ class Program:
 
 def make_program(model: nn.Module, opt_config, num_steps: int, mesh, seed: int,
                  batch_shapes: dict, *, loss_fn: Callable, metrics_cls, eval_fn: Callable,
-                 flops_per_example: Callable[[int], float],
-                 totals_fn: Callable = pretraining_totals,
+                 flops_per_example: Callable[[int], float], totals_fn: Callable,
                  grad_accum_steps: int = 1, untrained=None) -> Program:
   """The Program of `model` (built on model.spec) trained on `loss_fn` with
   config.optimizer `opt_config` for `num_steps` steps; eval_fn(params, batch) -> the
@@ -639,34 +553,6 @@ def make_program(model: nn.Module, opt_config, num_steps: int, mesh, seed: int,
                                  grad_accum_steps=grad_accum_steps),
       eval_step=make_eval_step(eval_fn, mesh=mesh, params_sharding=shardings.params),
       flops_per_example=flops_per_example)
-
-
-def pretraining_program(config, mesh, platform: str = '') -> Program:
-  """The program of a (resolved) pretraining `config` on `mesh`: MLM + NSP, or MLM alone
-  (config.objective; without NSP the pooler, which nothing trains, is left as initialised).
-
-  platform: the platform the step is compiled for ('' = this process's backend); the
-  backend-dependent 'auto' choices of the model follow it (spec.platform).
-  """
-  from data import pretraining as objectives  # pylint: disable=g-import-not-at-top
-  tc = config.train
-  spec = resolve(config.model, platform=platform)
-  nsp = objectives.of_config(config).next_sentence
-  model = models.build(spec, next_sentence=nsp)
-  preds = config.data.max_predictions_per_seq
-  loss_fn = pretraining_loss_fn(model)
-  train_metrics, eval_metrics = metrics_lib.pretraining_metrics(nsp)
-  return make_program(
-      model, config.optimizer, tc.num_steps, mesh, config.seed,
-      abstract_batch(tc.batch_size, config.data.max_seq_length, preds, nsp),
-      loss_fn=loss_fn, metrics_cls=train_metrics,
-      eval_fn=loss_metrics(loss_fn, eval_metrics),
-      flops_per_example=lambda length: flops_per_example(spec, length, preds, nsp),
-      grad_accum_steps=tc.grad_accum_steps, untrained=None if nsp else _is_pooler)
-
-
-def _is_pooler(path) -> bool:
-  return 'pooler' in _names(path)
 
 
 # --------------------------------------------------------------------------------------
@@ -778,61 +664,3 @@ def encoder_flops(spec: EncoderSpec, seq_len: int, last_rows: Optional[int] = No
 def training_flops(forward_flops: float) -> float:
   """A training step's FLOPs from the forward pass's: the backward costs two forwards."""
   return 3.0 * forward_flops
-
-
-# --------------------------------------------------------------------------------------
-# Synthetic data (throughput checks; config.data.sources == 'synthetic').
-# --------------------------------------------------------------------------------------
-
-class SyntheticPretrainingData:
-  """Random pretraining batches of the real format, a pure function of (seed, index).
-
-  Not language: for throughput and sharding checks only. The state is the next batch
-  index (a JSON dict), saved in the checkpoint's 'data' item like the real pipeline's.
-  Every host draws the global batch and keeps its rows, so any process count agrees.
-  next_sentence=False (config.objective=mlm): one segment and no next_sentence_labels.
-  """
-
-  def __init__(self, *, vocab_size: int, seq_len: int, num_predictions: int,
-               global_batch_size: int, seed: int, process_index: int = 0,
-               process_count: int = 1, num_special: int = 5, mask_id: int = 4,
-               next_sentence: bool = True):
-    self.vocab_size, self.seq_len, self.num_predictions = vocab_size, seq_len, num_predictions
-    self.next_sentence = next_sentence
-    self.global_batch_size, self.seed, self.num_special = global_batch_size, seed, num_special
-    self.mask_id = mask_id  # [MASK] of the sentencepiece vocabularies trained here
-    per_host = global_batch_size // process_count
-    self._rows = slice(process_index * per_host, (process_index + 1) * per_host)
-    self.index = 0
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> Dict[str, np.ndarray]:
-    rng = np.random.default_rng((self.seed, self.index))
-    self.index += 1
-    b, t, p = self.global_batch_size, self.seq_len, self.num_predictions
-    ids = rng.integers(self.num_special, self.vocab_size, (b, t), dtype=np.int32)
-    lengths = rng.integers(t // 2, t + 1, (b,))
-    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.int32)
-    segment = ((np.arange(t)[None] >= lengths[:, None] // 2) * mask).astype(np.int32)
-    positions = np.sort(rng.permuted(np.tile(np.arange(1, t), (b, 1)), axis=1)[:, :p], axis=1)
-    weights = (positions < lengths[:, None]).astype(np.float32)
-    labels = np.take_along_axis(ids, positions, 1).astype(np.int32)
-    np.put_along_axis(ids, positions, self.mask_id, 1)  # the model must not see the answer
-    batch = {'input_ids': ids * mask, 'segment_ids': segment, 'attention_mask': mask,
-             'masked_lm_positions': positions.astype(np.int32),
-             'masked_lm_ids': labels,
-             'masked_lm_weights': weights}
-    nsp = rng.integers(0, 2, (b,), dtype=np.int32)  # (drawn either way: the same batches)
-    if self.next_sentence:
-      batch['next_sentence_labels'] = nsp
-    else:
-      batch['segment_ids'] = np.zeros_like(segment)  # one segment
-    return {k: v[self._rows] for k, v in batch.items()}
-
-  def get_state(self) -> dict:
-    return {'index': self.index}
-
-  def set_state(self, state: dict):
-    self.index = int(state['index'])
