@@ -101,11 +101,12 @@ def check_launch():
     else:  # every host of a multi-host TPU VM or SLURM job, as train.py would see them
       distributed.initialize_from_flags()
       compile_cache.enable_from_flags()
-    launch.run(pretraining.resolved_config(flags.FLAGS.config), flags.FLAGS.compile_for,
-               max_batch=flags.FLAGS.find_max_batch, measure_steps=flags.FLAGS.measure_steps,
-               json_path=flags.FLAGS.launch_json, max_compiles=flags.FLAGS.max_compiles,
-               batch_multiple=flags.FLAGS.batch_multiple)
-  cli.run_main(compile_and_report, also=(OSError,))
+    return launch.run(pretraining.resolved_config(flags.FLAGS.config), flags.FLAGS.compile_for,
+                      max_batch=flags.FLAGS.find_max_batch,
+                      measure_steps=flags.FLAGS.measure_steps,
+                      json_path=flags.FLAGS.launch_json, max_compiles=flags.FLAGS.max_compiles,
+                      batch_multiple=flags.FLAGS.batch_multiple)
+  sys.exit(launch.exit_status(cli.run_main(compile_and_report, also=(OSError,))))
 
 
 def main(argv):

@@ -327,9 +327,9 @@ def test_backend_choices_follow_the_target_platform():
 # are judged on that slice too: these here, the others by test_every_kind_of_attention_...
 # Post-LN in float32 (the configs' default dtype: the Mosaic kernels in float32), the others
 # in bfloat16.
-# RealFormer's step takes 16 microbatches of a batch of 2048: train.py evaluates the whole
-# global batch at once (no accumulation) beside the train state, so there the evaluation step
-# is the larger program and decides the verdict (at 1024 the train step is still the larger).
+# RealFormer's step takes 16 microbatches of a batch of 2048: train.py evaluates the batch in
+# the same microbatches, so its evaluation step is the smaller program (taken whole, it was
+# the larger, and decided the verdict).
 V5E_TINY = [
     ('postln', {'model__dtype': 'float32'}),
     ('realformer', {'mesh__fsdp': 4, 'mesh__data': 1, 'model__scan_layers': True,
@@ -368,6 +368,7 @@ def test_tiny_compiles_for_v5e_2x2(variant, overrides):
                  'flash_attention_tpu_dq'):
     assert kernel in text, kernel
   assert report.opaque_kernels == 0
+  assert report.attention == 'training flash (Mosaic), evaluation plain'
   assert 0 < report.total_bytes < target.hbm_bytes
   assert report.temp_bytes > 0 and report.argument_bytes >= report.state_bytes > 0
   # Parameters and both Adam moments in float32, sharded over fsdp (replicated over data).
@@ -391,12 +392,14 @@ def test_tiny_compiles_for_v5e_2x2(variant, overrides):
   runs = {'postln': 3, 'realformer': 16 * 2 * 3, 'synth_dense_vanilla': 3}[variant]
   assert report.kernels == runs and f'custom kernels: {runs} runs per step' in text
   if variant == 'realformer':  # (16 microbatches of 2048: see V5E_TINY)
-    _the_evaluation_step_decides(config, target, report)
+    assert 0 < report.eval_total_bytes < report.total_bytes
+    _the_verdict_covers_the_evaluation_step(config, target, report)
 
 
-def _the_evaluation_step_decides(config, target, report):
-  assert report.fits and report.eval_total_bytes > report.total_bytes > 0
+def _the_verdict_covers_the_evaluation_step(config, target, report):
+  """An evaluation step larger than the train step (a task's own) decides the verdict."""
   assert 'evaluation step, total' in launch.format_report(config, target, report)
+  report.eval_total_bytes = 2 * report.total_bytes
   between = (report.total_bytes + report.eval_total_bytes) // 2
   assert not launch.judge(report, between)
   report.hbm_bytes, report.fits = between, False
@@ -445,11 +448,20 @@ def test_a_mesh_across_the_slices_physical_axes_is_laid_with_a_warning(caplog):
 
 @needs_libtpu
 def test_a_program_too_big_for_hbm_is_refused_not_crashed():
+  """The compiler's refusal is the report's verdict and train.py's exit status
+  (EXIT_DOES_NOT_FIT: a script can check a config before it books a slice)."""
   config = tiny(model__scan_layers=True)  # scanned: the compiler refuses sooner
   config.train.batch_size = 1 << 16
-  report, compiled = launch.compile_step(config, launch.tpu_target('v5e:2x2'))
-  assert compiled is None and not report.fits and 'HBM' in report.refusal
-  assert report.refused_temp_bytes > 16 * launch.GiB
+  lines = []
+  result = launch.run(config, 'v5e:2x2', log=lines.append)
+  report = result['report']
+  assert not report['fits'] and 'HBM' in report['refusal']
+  assert report['refused_temp_bytes'] > 16 * launch.GiB
+  assert launch.exit_status(result) == launch.EXIT_DOES_NOT_FIT
+  assert lines[0] == 'compiling the train step and the evaluation step for v5e:2x2 (4 chips) ...'
+  assert 'does not fit: the compiler refused' in lines[1]
+  assert launch.exit_status({'report': dict(report, fits=True)}) == 0
+  assert launch.exit_status({'report': dict(report, hbm_bytes=None)}) == 0  # no limit known
 
 
 def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
@@ -579,11 +591,13 @@ def test_errors_are_one_line_and_name_the_fix(monkeypatch):
                      r'device has \(.*vmem.*\): its tiling, not the batch; compile with '
                      r'--config.model.fused_attention=off'):
     launch._out_of_memory(RuntimeError(oom.format('vmem', 'dkv')))  # pylint: disable=protected-access
-  for cloud, slice_ in (('v4-32', 'v4:2x2x4'), ('v5litepod-8', 'v5e:2x4'),
+  for cloud, slice_ in (('v4-32', 'v4:2x2x4'), ('v5litepod-8', 'v5e:2x4'), ('v5e-16', 'v5e:4x4'),
                         ('v5p-128', 'v5p:4x4x4'), ('v6e-32', 'v6e:4x8')):
     with pytest.raises(launch.LaunchError, match=f"'{cloud}' is a Cloud TPU type .*e.g. "
                        f'{slice_} '):
       launch.tpu_target(cloud)
+  with pytest.raises(launch.LaunchError, match="'v5e-16' is a Cloud TPU type"):
+    launch.target_for('V5E-16')  # any case
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, 'find_spec',
                       lambda name, *a: None if name == 'libtpu' else real(name, *a))
@@ -670,6 +684,13 @@ def test_every_kind_of_attention_compiles_to_its_model_flops(variant):
   report, _ = launch.compile_step(config, target)
   assert report.fits or not HAVE_LIBTPU
   assert report.flop_ratio == pytest.approx(1.0, abs=0.05), (variant, report.flop_ratio)
+  # The report names the attention's path: the Mosaic kernels for a mixture with the dot
+  # product on a TPU, the plain path for the pure Synthesizers (and no kernel at all).
+  pure = 'dot' not in resolve(config.model).attention
+  kernel = 'flash (Mosaic)' if HAVE_LIBTPU and not pure else 'plain'
+  assert report.attention == f'training {kernel}, evaluation plain', report.attention
+  if pure:
+    assert 'custom kernels: none' in launch.format_report(config, target, report)
 
 
 @needs_libtpu

@@ -823,6 +823,27 @@ def test_eval_loss_is_the_evaluations_mlm_and_nsp_losses():
   assert tokens > 10  # the two batches' losses differ in weight
 
 
+def test_an_evaluation_in_the_train_steps_microbatches_equals_the_whole_batchs():
+  """With gradient accumulation the evaluation takes the batch in the train step's
+  microbatches, one after the other (a batch that needs accumulation to train would not fit
+  whole): the same sums, and fewer bytes of temporaries."""
+  model, batch, _ = _head_case('pretraining')
+  mesh = partitioning.make_mesh({'data': 2, 'fsdp': 1, 'tensor': 1}, jax.devices()[:2])
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+  state, shardings = train_lib.create_train_state(model, optax.sgd(1.0), shapes, mesh, 0)
+  steps = {k: train_lib.make_eval_step(
+      train_lib.loss_metrics(pretraining.loss_fn(model), metrics_lib.PretrainingEvalMetrics,
+                             pretraining.totals, microbatches=k, mesh=mesh),
+      mesh=mesh, params_sharding=shardings.params) for k in (1, 4)}
+  whole = train_lib.global_batch(batch, mesh)
+  with jax.set_mesh(mesh):
+    values = {k: metrics_lib.to_floats(step(state.params, whole)) for k, step in steps.items()}
+    temps = {k: step.lower(state.params, whole).compile().memory_analysis().temp_size_in_bytes
+             for k, step in steps.items()}
+  assert values[4] == pytest.approx(values[1], rel=1e-5)
+  assert temps[4] < temps[1], temps
+
+
 def test_label_counts_sum_over_a_sharded_batch():
   mesh = partitioning.make_mesh(pretrain.mesh_config())  # 8 devices on the data axis
   rng = np.random.default_rng(0)

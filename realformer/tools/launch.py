@@ -28,6 +28,7 @@ that fitted and the smallest that did not finishes; every answer is a compile.
 """
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -43,6 +44,7 @@ import jax
 import numpy as np
 
 from realformer.layers import flash_attention as flash_lib
+from realformer.model import attention as attention_lib
 from realformer.model.spec import resolve
 from realformer.tools import hlo_stats
 from realformer.train import compile_cache
@@ -146,8 +148,8 @@ def _shape_of(chips: int, dimensions: int) -> str:
 def tpu_target(name: str) -> Target:
   """The compile-only devices of a TPU slice named '<generation>:<AxB[xC]>'."""
   generation, _, shape = name.partition(':')
-  cloud = re.fullmatch(r'(v4|v5p|v5litepod|v6e)-(\d+)', name)
-  if cloud:  # a Cloud TPU accelerator type (v4-32): its chips, and a shape of them
+  cloud = re.fullmatch(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)', name)
+  if cloud:  # a Cloud TPU accelerator type (v4-32; v5e's is v5litepod-16): its chips, a shape
     kind = {'v5litepod': 'v5e'}.get(cloud.group(1), cloud.group(1))
     chips = int(cloud.group(2)) // (2 if kind in _MEGACORE else 1)
     raise LaunchError(f'--compile_for={name!r} is a Cloud TPU type ({chips} chips); name its '
@@ -285,8 +287,11 @@ def local_target() -> Target:
 
 
 def target_for(name: str) -> Target:
+  """The devices of --compile_for's target: 'local', a GPU (h100:8) or a TPU slice (v5e:2x2;
+  any case)."""
   if name == 'local':
     return local_target()
+  name = name.lower()
   return gpu_target(name) if name.partition(':')[0] in GPUS else tpu_target(name)
 
 
@@ -315,9 +320,10 @@ class Report:
   compile_seconds: float = 0.0
   loaded: bool = False           # the train step came from the compilation cache (local)
   refusal: str = ''              # the compiler's one-line reason when it would not fit
-  eval_total_bytes: int = 0      # the evaluation step (the whole global batch at once, no
-  eval_refusal: str = ''         #   accumulation) beside the train state; 0: not compiled
+  eval_total_bytes: int = 0      # the evaluation step (the global batch in the train step's
+  eval_refusal: str = ''         #   microbatches) beside the train state; 0: not compiled
   refused_temp_bytes: int = 0    # the temporaries it said the program needed, if it said
+  attention: str = ''            # the path of each layer's attention (attention.paths)
   unknown_trip_counts: int = 0
   assumed_trip_counts: int = 0
   opaque_kernels: int = 0        # custom-call kernels (cuDNN attention, Pallas) not counted
@@ -378,7 +384,9 @@ def build(config, target: Target, batch_size: Optional[int] = None):
   try:
     mesh = partitioning.make_mesh(config.mesh, target.devices)
   except ValueError as e:
-    raise LaunchError(f'{e} (the target {target.name} has {len(target.devices)} chips)') from None
+    chips = len(target.devices)
+    raise LaunchError(f'{e} (the target {target.name} has {chips} '
+                      f'chip{"s" if chips > 1 else ""})') from None
   train_lib.check_batch_layout(config.train.batch_size, config.train.grad_accum_steps, mesh,
                                target.num_hosts)
   program = pretraining.program(config, mesh, platform=target.platform)
@@ -396,6 +404,8 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   report = Report(batch_size=batch_size, fits=False, hbm_bytes=target.hbm_bytes,
                   state_bytes=_state_bytes(program.abstract),
                   model_flops=per_example * batch_size / len(target.devices))
+  with partitioning.traced_on(mesh), flash_lib.compiling_for(target.devices):
+    report.attention = attention_lib.paths(program.model.spec)
   start, hits = time.time(), compile_cache.stats()['hits']
   with jax.set_mesh(mesh), flash_lib.compiling_for(target.devices):
     lowered = program.train_step.lower(program.abstract, batch,
@@ -448,9 +458,8 @@ def judge(report: Report, hbm_bytes: Optional[int]) -> bool:
 
 
 def _compile_eval(program, mesh, batch, report: Report) -> None:
-  """train.py's evaluation step: forward only, but on the whole global batch at once (no
-  accumulation), while the train state stays in HBM. With grad_accum_steps it can need
-  more memory than the train step; the verdict covers both."""
+  """train.py's evaluation step: forward only, the global batch in the train step's
+  microbatches, while the train state stays in HBM; the verdict covers both."""
   with jax.set_mesh(mesh):
     try:
       compiled = program.eval_step.lower(program.abstract.params, batch).compile()
@@ -656,7 +665,7 @@ def format_report(config, target: Target, r: Report) -> str:
   lines = [describe(config, target),
            f'global batch {r.batch_size} x {t} tokens ({per}), {p} predictions per '
            f'sequence; ' + ('loaded from the compilation cache' if r.loaded else 'compiled') +
-           f' in {r.compile_seconds:.0f} s']
+           f' in {r.compile_seconds:.0f} s', f'attention: {r.attention}']
   hbm = f'{r.hbm_bytes / GiB:.2f} GiB' if r.hbm_bytes else 'unknown'
   if r.hbm_bytes and target.platform == 'tpu':
     hbm += ' usable'
@@ -674,11 +683,11 @@ def format_report(config, target: Target, r: Report) -> str:
             f'  total                         {g(r.total_bytes)}   of {hbm} HBM' +
             (f' ({r.total_bytes / r.hbm_bytes:.0%})' if r.hbm_bytes else '')]
   if r.eval_refusal:
-    lines.append(f'  evaluation step: refused by the compiler ({r.eval_refusal}); it runs the '
-                 'global batch at once: lower train.batch_size or set train.eval_steps=0')
+    lines.append(f'  evaluation step: refused by the compiler ({r.eval_refusal}): lower '
+                 'train.batch_size, raise train.grad_accum_steps or set train.eval_steps=0')
   elif r.eval_total_bytes:
-    lines.append(f'  evaluation step, total        {g(r.eval_total_bytes)}   (forward only, the '
-                 'global batch at once, beside the train state)')
+    lines.append(f'  evaluation step, total        {g(r.eval_total_bytes)}   (forward only, in '
+                 'the train step\'s microbatches, beside the train state)')
   verdict = ('fits' if r.hbm_bytes and r.fits else 'does not fit' if r.hbm_bytes
              else 'no memory limit known for this device')
   lines.append(f'verdict: {verdict}')
@@ -700,9 +709,9 @@ def format_report(config, target: Target, r: Report) -> str:
   if r.opaque_kernels:
     note += (f' ({r.opaque_kernels} runs of custom kernels, such as cuDNN or Pallas attention, '
              'whose FLOPs the HLO does not state: not counted)')
-  if r.kernels:
-    lines.append(f'custom kernels: {r.kernels} runs per step (the fused attention\'s Pallas '
-                 'kernels, forward and backward, or cuDNN\'s)')
+  lines.append(f'custom kernels: {r.kernels} runs per step (the fused attention\'s Pallas '
+               'kernels, forward and backward, or cuDNN\'s)' if r.kernels else
+               'custom kernels: none')
   lines += [f'FLOPs per chip per step: compiled matmuls {r.compiled_flops:.4g}, model '
             f'(flops_per_example) {r.model_flops:.4g}, ratio {r.flop_ratio:.3f}{note}',
             f'  (plus one-hot row selections {r.selection_flops:.3g}; XLA\'s cost_analysis '
@@ -721,10 +730,24 @@ def _as_dict(r: Report) -> dict:
   return dict(dataclasses.asdict(r), flop_ratio=r.flop_ratio)
 
 
+# train.py --compile_for's exit status where the config's own step does not fit the target's
+# memory (the compiler refused it, or its bytes exceed the HBM a program may use): a script
+# that checks a config before it books a slice reads it (0: fits, or no limit is known;
+# 1: an error).
+EXIT_DOES_NOT_FIT = 3
+
+
+def exit_status(result: dict) -> int:
+  """train.py --compile_for's exit status for run()'s result: EXIT_DOES_NOT_FIT or 0."""
+  report = result['report']
+  return EXIT_DOES_NOT_FIT if report['hbm_bytes'] and not report['fits'] else 0
+
+
 def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int = 5,
         json_path: str = '', batch_multiple: int = 1, max_compiles: int = 12,
-        log=print) -> dict:
-  """The --compile_for command: compile, report, optionally search the batch and measure."""
+        log=functools.partial(print, flush=True)) -> dict:
+  """The --compile_for command: compile, report, optionally search the batch and measure
+  (exit_status(result): train.py's exit status)."""
   if max_compiles < 1 or batch_multiple < 1:
     raise LaunchError(f'--max_compiles={max_compiles} and --batch_multiple={batch_multiple} '
                       'must be at least 1')
@@ -736,6 +759,10 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
   target = target_for(compile_for)
   if max_batch:
     _check_memory_known(target)
+  chips = len(target.devices)
+  evaluates = int(config.train.eval_steps) > 0
+  log(f'compiling the train step{" and the evaluation step" if evaluates else ""}'
+      f' for {target.name} ({chips} chip{"s" if chips > 1 else ""}) ...')
   report, compiled = compile_step(config, target)
   log(format_report(config, target, report))
   result = {'target': target.name, 'chips': len(target.devices), 'hosts': target.num_hosts,

@@ -112,7 +112,8 @@ def program(config, mesh, platform: str = '') -> train_lib.Program:
       model, config.optimizer, tc.num_steps, mesh, config.seed,
       abstract_batch(tc.batch_size, config.data.max_seq_length, preds, nsp),
       loss_fn=loss, metrics_cls=train_metrics, totals_fn=totals,
-      eval_fn=train_lib.loss_metrics(loss, eval_metrics, totals),
+      eval_fn=train_lib.loss_metrics(loss, eval_metrics, totals,
+                                     microbatches=tc.grad_accum_steps, mesh=mesh),
       flops_per_example=lambda length: train_lib.flops_per_example(spec, length, preds, nsp),
       grad_accum_steps=tc.grad_accum_steps, untrained=None if nsp else _is_pooler)
 

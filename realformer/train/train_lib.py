@@ -480,12 +480,26 @@ def make_eval_step(fn: Callable, *, mesh, params_sharding) -> Callable:
                  out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def loss_metrics(loss_fn: Callable, metrics_cls, totals_fn: Callable) -> Callable:
+def loss_metrics(loss_fn: Callable, metrics_cls, totals_fn: Callable, *, microbatches: int = 1,
+                 mesh=None) -> Callable:
   """(params, batch) -> metrics_cls of loss_fn's sums, deterministic (no dropout);
-  metrics_cls derives the loss from them (make_eval_step's fn)."""
-  def fn(params, batch):
+  metrics_cls derives the loss from them (make_eval_step's fn). With `microbatches` (the
+  train step's grad_accum_steps; `mesh` then too) the batch is evaluated in that many
+  microbatches one after the other, as the train step takes it, and their sums merged:
+  a batch that needs accumulation to train does not need the whole batch's activations at
+  once to be evaluated."""
+  def one(params, batch):
     _, stats = loss_fn(params, batch, None, totals_fn(batch))
     return metrics_lib.collection(metrics_cls, **stats)
+
+  def fn(params, batch):
+    if microbatches == 1:
+      return one(params, batch)
+    micro = split_microbatches(batch, microbatches, mesh)
+    first = one(params, jax.tree.map(lambda x: x[0], micro))
+    merged, _ = jax.lax.scan(lambda sums, mb: (sums.merge(one(params, mb)), None), first,
+                             jax.tree.map(lambda x: x[1:], micro))
+    return merged
   return fn
 
 
