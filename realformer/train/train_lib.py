@@ -496,9 +496,9 @@ def loss_metrics(loss_fn: Callable, metrics_cls, totals_fn: Callable, *, microba
     if microbatches == 1:
       return one(params, batch)
     micro = split_microbatches(batch, microbatches, mesh)
-    first = one(params, jax.tree.map(lambda x: x[0], micro))
-    merged, _ = jax.lax.scan(lambda sums, mb: (sums.merge(one(params, mb)), None), first,
-                             jax.tree.map(lambda x: x[1:], micro))
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+        one, params, jax.tree.map(lambda x: x[0], micro)))  # (sums of nothing yet)
+    merged, _ = jax.lax.scan(lambda sums, mb: (sums.merge(one(params, mb)), None), zeros, micro)
     return merged
   return fn
 
