@@ -13,8 +13,10 @@ the architecture and tokenizer come from its config.json; `from_scratch=True` tr
 architecture from random initialisation (the baseline). `data_dir` holds the official GLUE
 TSV folders (CoLA/, SST-2/, MRPC/, STS-B/, QQP/, MNLI/, QNLI/, RTE/, WNLI/, diagnostic/);
 empty means tfds `glue/<task>`. Tasks: cola, sst2, mrpc, stsb, qqp, mnli (also evaluates
-mismatched and predicts AX), qnli, rte, wnli. Defaults follow BERT: lr 2e-5, batch 32,
-3 epochs, 10% warm-up. Unknown keys are errors (the config is locked).
+mismatched and predicts AX), qnli, rte, wnli. Defaults follow BERT's settings (lr 2e-5,
+batch 32, 3 epochs, 10% warm-up) with transformers' optimizer (bias-corrected AdamW, linear
+decay); BERT's own is --config.optimizer.name=bert_adamw --config.optimizer.schedule=bert.
+Unknown keys are errors (the config is locked).
 
   python finetune.py --config configs/finetune.py:squad/v1.1 --workdir /tmp/ft_squad \
       --config.init_checkpoint=/tmp/bert_tiny --config.data_dir=/data/squad \
@@ -91,8 +93,7 @@ def get_config(arg: str = 'glue/sst2'):
   c.seed = 0
   c.log_every_steps = 50
   c.optimizer = pretrain.optimizer_config(learning_rate=2e-5,
-                                          warmup_steps=-1)  # -1: from warmup_fraction
-  c.optimizer.warmup_fraction = 0.1
+                                          warmup_steps=-1)  # -1: from warmup_fraction (0.1)
   c.mesh = pretrain.mesh_config()
   # How the pretrained encoder computes in this run ('' or None: as it was pretrained; the
   # meanings of configs/pretrain.py's model fields). What the encoder is (sizes, variant,

@@ -8,7 +8,8 @@ a resume keeps the count, workdir.check_resume_config): grain's IndexSampler shu
 records of every epoch with the seed, each host takes its own contiguous share (ShardOptions
 by process; another host count reads another stream, so a run resumes on as many hosts as
 saved it: check_saved_position), and
-masking draws from a generator that grain seeds from the seed and the global record index
+masking draws from a generator that grain seeds from the seed and the record's index in
+the shuffled stream
 (their sum: seed s at index i + 1 draws as seed s + 1 at index i, which another seed's
 shuffle puts on another record), so an epoch re-masks every instance differently and a
 restored iterator continues with exactly the batches an uninterrupted run would have seen.
@@ -38,7 +39,8 @@ from realformer.run_names import RunNames
 
 
 class _Decode(grain.MapTransform):
-  """Record bytes -> padded [CLS] A [SEP] B [SEP] features and the NSP label."""
+  """Record bytes -> padded [CLS] A [SEP] B [SEP] features and the NSP label (an MLM-only
+  objective's instance is one segment, with no label)."""
 
   def __init__(self, tokenizer, max_seq_length):
     self._kw = dict(cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
@@ -247,7 +249,8 @@ def make_pretraining_iterator(config_data, tokenizer, prepared_dir: str, *, spli
   """This host's iterator of numpy batches of `global_batch_size // process_count` examples.
 
   Batch: input_ids, segment_ids, attention_mask int32 [b, T]; masked_lm_positions,
-  masked_lm_ids int32 [b, P]; masked_lm_weights float32 [b, P]; next_sentence_labels int32 [b].
+  masked_lm_ids int32 [b, P]; masked_lm_weights float32 [b, P]; next_sentence_labels int32 [b]
+  where the objective predicts the next sentence (mlm_nsp).
   """
   if split not in prepare_lib.SPLITS:
     raise ValueError(f'split {split!r}: use one of {prepare_lib.SPLITS}')

@@ -24,7 +24,7 @@ and the blocks are dealt out in runs of `data.blocks_per_file` consecutive ones:
 worker r mod W, W counting the `data.prepare_workers` processes of every host of the run
 (train.py: every host of a multi-host run prepares its share; the command line:
 --process_index/--process_count). A block's instances depend only on its documents, the seed,
-the split and b, so the prepared set (instances, split, counts) and the order readers take it
+the split and its number b, so the prepared set (instances, split, counts) and the order readers take it
 in (block after block: metadata.json's 'blocks' says where each block's records lie) are the
 same whatever W is: so is the stream a seed trains on. A file holds (part of) one run, so a
 host, which reads a contiguous share of that order, needs about its share of the files.
@@ -57,7 +57,7 @@ import shutil
 import threading
 import time
 import zlib
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -81,8 +81,14 @@ SPLITS = ('train', 'eval')
 POLL_SECONDS = 2.0
 
 
+# What a preparation writes for the same settings, as a number: raise it with any change to
+# that (data/pretraining.py's instance builders, data/sources.py's documents and sentence
+# splitting, the tokenising in _work), and prepared data of an older version is refused
+# instead of reused under the new code.
+PREPARE_VERSION = 1
+
 # Fingerprint keys present only when they differ from these values.
-FINGERPRINT_DEFAULTS = {'hf_rows_per_document': '1', 'instances': 'pairs'}
+FINGERPRINT_DEFAULTS = {'hf_rows_per_document': '1', 'instances': 'pairs', 'version': 1}
 # Keys a finished preparation is reused whatever they were: of the files' layout, not of the
 # stream (blocks_per_file; num_shards, of older fingerprints: the writers whose files' order
 # was the stream's before the records were read in block order). A preparation's workers
@@ -123,7 +129,8 @@ def fingerprint(config) -> dict:
              if (kind := pretraining.of_config(config).instances_name) != 'pairs' else {}),
           **({'tokenizer_crc': crc} if (crc := tokenizer_signature(d.tokenizer)) else {}),
           # (held out by the documents' numbers in their own sources: is_eval_document)
-          **({'eval_split': 'by_source'} if len(specs) > 1 else {})}
+          **({'eval_split': 'by_source'} if len(specs) > 1 else {}),
+          **({'version': PREPARE_VERSION} if PREPARE_VERSION != 1 else {})}
 
 
 def tokenizer_signature(path: str) -> Optional[str]:
@@ -253,6 +260,12 @@ def _checked(config, out_dir: str, tokenizer, process_index: int, process_count:
   if workers < 1 or process_count < 1 or not 0 <= process_index < process_count:
     raise ValueError(f'data.prepare_workers={workers} must be >= 1 (and process '
                      f'{process_index} of {process_count} valid)')
+  unpinned = sources.unpinned_hub_sources(d.sources)
+  if unpinned and workers * process_count > 1:
+    logging.warning('%s: every one of the %d workers streams it on its own; pin a revision '
+                    '(hf:<dataset>@<commit or tag>) so that all of them, and a resumed '
+                    'preparation, read the same rows', ', '.join(unpinned),
+                    workers * process_count)
   fp = fingerprint(config)  # reads the corpus files' names and sizes: fails before any write
   # Where this process's workers write: for a bucket, a local folder of its own.
   staging = (staging_dir(out_dir, process_index) if storage.is_url(out_dir)
@@ -621,16 +634,12 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
   shutil.rmtree(gathered, ignore_errors=True)  # a gathering that was cut short
   os.makedirs(gathered)
   try:
-    counts, files, stats = {}, {}, collections.Counter()
+    files = {}
     for split in SPLITS:
       paths = [os.path.join(_worker_dir(tmp, i), name)
                for i, r in enumerate(results) for name in r['files'][split]]
       files[split] = name_files(paths, gathered, split)
-      counts[split] = sum(r['counts'][split] for r in results)
-    for r in results:  # counts of each worker's own documents add up ...
-      stats.update(r['stats'])
-    stats.update(results[0]['read_stats'])  # ... every worker read the whole stream
-    stats = collections.Counter({k: v for k, v in stats.items() if v})
+    counts, stats = _totals(results)
     metadata = _finish(config, tokenizer, gathered, out_dir, overwrite, counts, files, stats,
                        _layout(results), total, started)
   except BaseException as e:
@@ -688,7 +697,7 @@ def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwri
   if _path(out_dir).exists():
     fence()
     _path(out_dir).rmtree()  # shards of an earlier attempt cut short
-  counts, files, stats = {}, {}, collections.Counter()
+  files = {}
   for split in SPLITS:
     paths = [_worker_dir(tmp, i) + '/' + name
              for i, r in enumerate(results) for name in r['files'][split]]
@@ -696,11 +705,7 @@ def _copy_objects(config, tokenizer, tmp: str, out_dir: str, total: int, overwri
       fence()
       _path(path).copy(_path(final), overwrite=True)
     files[split] = len(paths)
-    counts[split] = sum(r['counts'][split] for r in results)
-  for r in results:
-    stats.update(r['stats'])
-  stats.update(results[0]['read_stats'])
-  stats = collections.Counter({k: v for k, v in stats.items() if v})
+  counts, stats = _totals(results)
   metadata = _metadata(config, tokenizer, counts, files, stats, _layout(results), total,
                        started)
   fence()
@@ -736,6 +741,18 @@ def _finish(config, tokenizer, gathered: str, out_dir: str, overwrite: bool, cou
       raise
     return read_metadata(out_dir)
   return metadata
+
+
+def _totals(results) -> Tuple[Dict[str, int], collections.Counter]:
+  """The workers' instance counts by split and their statistics, summed: each worker's
+  counts of its own documents add up, and the stream's (`read_stats`), which every worker
+  read whole, are taken once."""
+  counts = {split: sum(r['counts'][split] for r in results) for split in SPLITS}
+  stats = collections.Counter()
+  for r in results:
+    stats.update(r['stats'])
+  stats.update(results[0]['read_stats'])
+  return counts, collections.Counter({k: v for k, v in stats.items() if v})
 
 
 def _layout(results) -> dict:
@@ -832,7 +849,9 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
             if have.get(k) != want.get(k)}
     what = ('other corpus files' if set(diff) == {'files'} else
             'another tokenizer file (retrained at the same path?)'
-            if set(diff) == {'tokenizer_crc'} else 'other settings')
+            if set(diff) == {'tokenizer_crc'} else
+            'another version of the preparation\'s code (data/prepare.py PREPARE_VERSION)'
+            if set(diff) == {'version'} else 'other settings')
     seed = (f'set data.seed={diff["seed"][0]} (the seed it was prepared with), ' if
             set(diff) == {'seed'} else
             f'set config.objective={_objective_of(diff["instances"][0])} (what it was '

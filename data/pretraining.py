@@ -14,8 +14,10 @@ Pair instances follow google-research/bert's create_pretraining_data.py:
   - the pair is truncated to max_seq_length - 3 tokens, one token at a time from the longer
     side, from its front or back at random;
   - the example is [CLS] A [SEP] B [SEP] with segment ids 0 for [CLS] A [SEP] and 1 after.
-Masking (`Masker`): masked_lm_prob of the tokens (at least one, at most
-max_predictions_per_seq), never [CLS], [SEP] or [PAD] (no special token); each chosen token
+Masking (`Masker`): masked_lm_prob of the tokens (rounded, at least one, at most
+max_predictions_per_seq; with whole-word masking, whole words up to that count, so an
+instance of a few long words may get none, as in BERT), never [CLS], [SEP] or [PAD] (no
+special token); each chosen token
 becomes [MASK] 80% of the time, a random non-special token 10%, itself 10%. With whole-word
 masking a word's pieces are chosen together (a piece whose `word_start_mask` is False
 continues the word before it).
@@ -39,6 +41,10 @@ Where this differs from google-research/bert, on purpose:
     whitespace-separated word (`Tokenizer.word_start_mask`: punctuation joins its word),
     where BERT's WordPiece groups split punctuation apart; a WordPiece vocabulary
     (data.tokenizer --model_type wordpiece) groups as BERT does.
+
+Instances are prepared once and kept (data/prepare.py): a change to how they are built for
+the same settings raises data/prepare.PREPARE_VERSION, so that data prepared before is
+refused instead of reused; masks are drawn when a batch is read and need nothing of it.
 """
 
 import collections
@@ -332,7 +338,16 @@ def make_features(instance: Instance, *, cls_id: int, sep_id: int, pad_id: int,
 
 
 class Masker:
-  """Dynamic MLM masking with BERT's 80/10/10 rule; deterministic given the generator."""
+  """Dynamic MLM masking with BERT's 80/10/10 rule; deterministic given the generator.
+
+  Another masking scheme is a class with this call (features and a generator in, the
+  features with input_ids masked and masked_lm_positions/ids/weights of
+  max_predictions_per_seq out) that data/pipeline.make_masker builds from config.data; its
+  settings are config fields (configs/pretrain.py, their checks in
+  config_checks.check_masking, a default for older runs' configs in
+  workdir.ADDED_DEFAULTS, a line each in tests/data/config_keys.json), and a feature of
+  its own goes into realformer/train/pretraining.abstract_batch and the loss beside it.
+  Masks are drawn when a batch is read, so prepared data is reused as it is."""
 
   def __init__(self, *, vocab_size: int, special_ids: Iterable[int], mask_id: int,
                masked_lm_prob: float, max_predictions_per_seq: int,
@@ -352,10 +367,10 @@ class Masker:
     self.word_start = word_start_mask
 
   def _groups(self, input_ids: np.ndarray, n_real: int) -> List[np.ndarray]:
-    """Candidate positions, grouped by word when whole-word masking."""
+    """Candidate positions, grouped by word (whole-word masking)."""
     cand = np.flatnonzero(~self.is_special[input_ids[:n_real]])
-    if not self.whole_word or cand.size == 0:
-      return np.split(cand, cand.size)
+    if cand.size == 0:
+      return []
     starts = self.word_start[input_ids[cand]].copy()
     starts[0] = True
     # A piece continues the previous group only if it directly follows it.

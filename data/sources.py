@@ -469,6 +469,15 @@ def parse_weights(weights: Union[str, Sequence[float], None], n: int) -> Optiona
   return w / w.sum()
 
 
+def unpinned_hub_sources(sources: str) -> List[str]:
+  """The sources of `sources` that stream a Hugging Face hub dataset without a pinned
+  revision (hf:<dataset>@<revision>): each preparation worker streams the dataset on its
+  own, so the hub's rows changing between workers, hosts or a resumed preparation would
+  duplicate or lose documents."""
+  return [spec for spec in source_specs(sources) if spec.startswith('hf:') and
+          '@' not in (name := _hf_parts(spec[3:])[0]) and not os.path.isdir(name)]
+
+
 def source_specs(sources: str) -> List[str]:
   """config.data.sources -> its ';'-joined sources, in order (empty ones dropped)."""
   return [s.strip() for s in sources.split(';') if s.strip()]
@@ -528,9 +537,3 @@ def iter_documents(sources: str, *, tfds_data_dir: Optional[str] = None,
         continue
     yield (yielded[i], doc) if numbered else doc
     yielded[i] += 1
-
-
-def iter_sentences(documents: Iterable[List[str]]) -> Iterator[str]:
-  """The sentences of `documents`, in order."""
-  for doc in documents:
-    yield from doc

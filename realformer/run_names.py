@@ -13,7 +13,8 @@ which prepares into data/) take theirs from here.
   events.out.tfevents.* TensorBoard events (metrics.TensorBoardWriter)
   machine.jsonl         one line per start: processor, cores, jax, devices (machine.facts)
   time_spent.json       {step: seconds} of a time-budgeted run (train.time_budget_minutes)
-  length_buckets.json   the compiled sequence lengths of a fine-tuning run and their settings
+  length_buckets.json   the compiled sequence lengths of a fine-tuning run, their settings and
+                        a checksum of its training examples (a resume on others is refused)
   best/                 params of the best evaluation so far, params-only, + config.json and
                         results.json (fine-tuning)
   final/                params of a finished run whose optimizer state was dropped

@@ -172,13 +172,14 @@ def test_metrics_match_their_definitions():
   m = finetune_metrics.glue_metrics('stsb', [1.0, 1.0, 2.0, 3.0], [1.0, 2.0, 2.0, 3.0])
   assert m['spearman'] == pytest.approx(3.75 / 4.5)
   assert finetune_metrics.headline('rte', {'accuracy': 0.7}) == 0.7
+  assert tuple(finetune_metrics.CLASSIFICATION) == glue.CLASSIFICATION_METRICS  # one list
   assert finetune_metrics.headline('cola', {'accuracy': 0.7, 'mcc': 0.2}) == 0.2
   # the BERT paper's Table 1: Spearman for STS-B, F1 for MRPC and QQP
   assert finetune_metrics.headline('stsb', {'pearson': 0.9, 'spearman': 0.8}) == 0.8
   assert finetune_metrics.headline('qqp', {'accuracy': 0.9, 'f1': 0.8}) == 0.8
   # The headline is the task's own metric (data/glue.TASKS), one place for a fork to change.
   for name, task in glue.TASKS.items():
-    allowed = finetune_metrics.CLASSIFICATION if task.labels else finetune_metrics.REGRESSION
+    allowed = finetune_metrics.CLASSIFICATION if task.labels else glue.REGRESSION_METRICS
     assert task.metric in allowed, name
   rte = glue.TASKS['rte']
   with mock.patch.dict(glue.TASKS, rte=rte._replace(metric='f1')):
@@ -540,6 +541,35 @@ def test_compiling_in_the_background_trains_exactly_as_compiling_first(pretraine
   assert len(first[1]) > 1 and background == first
   order = json.load(open(workdir / RunDir.LENGTH_BUCKETS))['lengths']
   assert len(order) > 1  # several programs, compiled while the run went on
+
+
+def test_a_resume_on_other_training_examples_is_refused(tmp_path):
+  """A run resumed after its training examples changed (its train file edited, tokenized
+  otherwise, tfds's copy updated) would train on other batches: refused in one line. The
+  dev and test files may change; a file of before the checksum is taken as it is."""
+  rows = (np.arange(32) < np.random.default_rng(0).integers(3, 30, size=64)[:, None])
+  features = {'attention_mask': rows.astype(np.int32)}
+  config = ml_collections.ConfigDict(
+      {'length_buckets': 0, 'bucket_multiple': 8, 'max_seq_length': 32, 'num_epochs': 1,
+       'bucket_compile_seconds': 0.0, 'bucket_flops_per_second': 0.0})
+  task = lambda train, dev=features: types.SimpleNamespace(name='rte', train=train,
+                                                           eval_features=lambda: [dev])
+  workdir = RunDir(tmp_path)
+  finetune_task.length_buckets(config, task(features), workdir, resuming=False)
+  other_dev = {'attention_mask': np.ones((3, 32), np.int32)}
+  assert finetune_task.length_buckets(config, task(features, other_dev), workdir, True) == (32,)
+  edited = {'attention_mask': features['attention_mask'][::-1].copy()}  # the rows reordered
+  with pytest.raises(ValueError, match=r"^rte's training examples are not those this run "
+                                       r'began with \(their checksum in .*length_buckets.json\)'
+                                       r": its train file, their tokenization or tfds's copy "
+                                       r'changed; resume with the data as it was, or train '
+                                       r'afresh in another --workdir$'):
+    finetune_task.length_buckets(config, task(edited), workdir, resuming=True)
+  stored = json.load(open(tmp_path / RunDir.LENGTH_BUCKETS))
+  del stored['train_digest']  # (a run of before the checksum)
+  with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
+    json.dump(stored, f)
+  assert finetune_task.length_buckets(config, task(edited), workdir, resuming=True) == (32,)
 
 
 def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epoch(tmp_path):

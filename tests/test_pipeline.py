@@ -304,6 +304,18 @@ def test_an_old_preparation_of_a_source_listed_twice_is_refused(prepared, tmp_pa
   assert 'earlier version' not in str(e.value) and 'sources' in str(e.value)
 
 
+def test_data_prepared_by_an_older_version_of_the_code_is_refused(prepared, monkeypatch):
+  """A change to what a preparation writes for the same settings (an instance builder, the
+  sentence splitting) raises PREPARE_VERSION: data prepared before is refused, not reused."""
+  config, out, _ = prepared
+  prepare.read_metadata(out, config)  # (prepared at version 1)
+  monkeypatch.setattr(prepare, 'PREPARE_VERSION', 2)
+  with pytest.raises(ValueError, match=r"made with another version of the preparation's code "
+                                       r"\(data/prepare.py PREPARE_VERSION\) \(prepared, "
+                                       r"configured\): \{'version': \(1, 2\)\}"):
+    prepare.read_metadata(out, config)
+
+
 @pytest.mark.parametrize('skew', [0.0, 30.0])
 def test_hosts_waiting_for_process_zero_stop_when_it_fails(prepared, tmp_path, monkeypatch,
                                                            skew):

@@ -498,3 +498,13 @@ def test_a_source_listed_twice_is_held_out_or_trained_on_both_times(tmp_path):
   assert once['eval'] and once['train'] and not set(twice['eval']) & set(twice['train'])
   assert sorted(twice['eval']) == sorted(once['eval'] * 2)
   assert sorted(twice['train']) == sorted(once['train'] * 2)
+
+
+def test_hub_sources_without_a_pinned_revision_are_named(tmp_path):
+  """A hub dataset without @<revision> is streamed by every preparation worker on its own
+  (prepare warns where there are several); a pinned one, a local folder and the other kinds
+  are not named."""
+  got = sources.unpinned_hub_sources(
+      f'embedded;hf:wikimedia/wikipedia:20231101.en;hf:org/books@v1.0:train;hf:{tmp_path}:train;'
+      'files:/data/*.txt')
+  assert got == ['hf:wikimedia/wikipedia:20231101.en']

@@ -33,8 +33,9 @@ def _skm():
   return metrics
 
 
-# The metrics a task may name as its headline (data/glue.CLASSIFICATION_METRICS: accuracy is
-# always reported too; a regression reports both of REGRESSION).
+# The metrics a classification task may name as its headline, by data/glue's names
+# (CLASSIFICATION_METRICS: the same, in this order); accuracy is always reported too. A
+# regression reports both of glue.REGRESSION_METRICS (glue_metrics).
 CLASSIFICATION = {
     'accuracy': lambda labels, predictions: np.mean(np.asarray(labels) ==
                                                     np.asarray(predictions)),
@@ -44,7 +45,6 @@ CLASSIFICATION = {
     'macro_f1': lambda labels, predictions: _skm().f1_score(labels, predictions,
                                                             average='macro', zero_division=0.0),
 }
-REGRESSION = glue.REGRESSION_METRICS
 
 
 def glue_metrics(task, predictions: np.ndarray, labels: np.ndarray) -> Dict[str, float]:
@@ -62,9 +62,8 @@ def glue_metrics(task, predictions: np.ndarray, labels: np.ndarray) -> Dict[str,
 
 
 def headline(task, metrics: Dict[str, float]) -> float:
-  """The number a GLUE (or SQuAD) table reports for the task (used to pick the best)."""
-  if isinstance(task, str) and task in SQUAD_HEADLINE:
-    return metrics[SQUAD_HEADLINE[task]]
+  """The number a GLUE table reports for the task (a name, or a glue.Task), from its dev
+  metrics (used to pick the best; SQuAD's: SQUAD_HEADLINE)."""
   return metrics[glue.get_task(task).metric]
 
 

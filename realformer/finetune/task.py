@@ -146,7 +146,9 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
   (length_buckets, bucket_multiple, bucket_compile_seconds, bucket_flops_per_second) keeps
   them (they shape the epoch's batches), whatever dev or test files changed. A change of a
   setting takes effect at an epoch's start; in mid-epoch it is an error (the rest of the
-  epoch would be drawn from another plan)."""
+  epoch would be drawn from another plan). A checksum of the training examples is stored
+  beside them: a resume whose training examples differ (the file, its tokenization, tfds's
+  copy changed) is an error (it would train on other batches without a word)."""
   settings = {'length_buckets': int(config.length_buckets),
               'bucket_multiple': int(config.bucket_multiple),
               'bucket_compile_seconds': float(config.bucket_compile_seconds),
@@ -155,6 +157,13 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
   saved = (distributed.read_on_process_zero(lambda: run.read_json(RunDir.LENGTH_BUCKETS),
                                             f'read {run.path(RunDir.LENGTH_BUCKETS)}')
            if resuming else None)
+  train_digest = _digest([task.train])
+  began = saved.get('train_digest') if isinstance(saved, dict) else None  # (older: none)
+  if began is not None and began != train_digest:
+    raise ValueError(f'{task.name}\'s training examples are not those this run began with '
+                     f'(their checksum in {run.path(RunDir.LENGTH_BUCKETS)}): its train file, '
+                     'their tokenization or tfds\'s copy changed; resume with the data as it '
+                     'was, or train afresh in another --workdir')
   if isinstance(saved, list):  # written before the settings were stored with them
     stored = tuple(saved)
   elif saved is not None:
@@ -178,7 +187,8 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
                      f'the bucket settings as they were, and change them once the epoch is '
                      f'over')
   run.write_json(RunDir.LENGTH_BUCKETS, {  # kept: the settings that chose them, as known
-      'lengths': list(chosen), 'settings': stored_settings if kept else settings})
+      'lengths': list(chosen), 'settings': stored_settings if kept else settings,
+      'train_digest': train_digest})
   return chosen
 
 
@@ -522,7 +532,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def write_predictions(self, outputs, results, out_dir) -> None:
     """The prediction files: every process computes them and calls
     distributed.on_process_zero to have process 0 write them (with several processes a
-    collective, so that a write that fails stops every process)."""
+    collective, so that a write that fails stops every process). Called by `finish` right
+    after the final evaluation (`results`: its results), so what that evaluation kept
+    (SQuAD's answers) is the final params' too."""
 
   @abc.abstractmethod
   def dev_headline(self, dev: Dict[str, Dict[str, float]]) -> float:
