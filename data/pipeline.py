@@ -300,8 +300,7 @@ def check_split(metadata: dict, prepared_dir: str, split: str, examples: int,
   `batches` (an evaluation's steps), a warning if they read examples more than once."""
   per_host = global_batch_size // process_count
   if examples // process_count < per_host:
-    stats = metadata.get('stats', {})
-    undecodable = max(stats.get('train/non_utf8_lines', 0), stats.get('eval/non_utf8_lines', 0))
+    undecodable = prepare_lib.undecodable_lines(metadata.get('stats', {}))
     why = (f' ({undecodable} lines of the corpus were not UTF-8 and were skipped: convert the '
            f'files to UTF-8 and delete {prepared_dir} to prepare again)' if undecodable else '')
     fix = ('a larger data.eval_fraction (prepared again in a new data.prepared_dir), or '

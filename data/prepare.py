@@ -28,8 +28,8 @@ the split and its number b, so the prepared set (instances, split, counts) and t
 in (block after block: metadata.json's 'blocks' says where each block's records lie) are the
 same whatever W is: so is the stream a seed trains on. A file holds (part of) one run, so a
 host, which reads a contiguous share of that order, needs about its share of the files.
-Every worker reads the whole stream and tokenises only its own blocks
-(tokenising is most of the work). Workers write into <out_dir>.tmp/worker-XXXXX/ and mark
+Every worker reads the whole stream once, both splits at a time, and tokenises only its own
+blocks (tokenising is most of the work). Workers write into <out_dir>.tmp/worker-XXXXX/ and mark
 themselves done; process 0 gathers them into <out_dir>. An interrupted preparation resumes:
 finished workers (same settings, same W) are kept, the others start their share again. The
 gathering links the workers' files into <out_dir>.tmp/gathered/ and renames that to
@@ -157,10 +157,16 @@ def is_eval_document(index: int, eval_fraction: float) -> bool:
   return (zlib.crc32(str(index).encode()) % 1_000_000) < eval_fraction * 1_000_000
 
 
-def _split_stream(numbered_documents, split, eval_fraction):
-  for i, doc in numbered_documents:
-    if is_eval_document(i, eval_fraction) == (split == 'eval'):
-      yield doc
+def undecodable_lines(stats) -> int:
+  """The corpus's lines that were not UTF-8, from a preparation's stats (the stream's count;
+  a preparation of before the stream was read once counted it in each split's pass)."""
+  return int(stats.get('non_utf8_lines', 0) or max(stats.get('train/non_utf8_lines', 0),
+                                                   stats.get('eval/non_utf8_lines', 0)))
+
+
+def split_of(number: int, eval_fraction: float) -> str:
+  """The split of the document of that number in its own source (is_eval_document)."""
+  return 'eval' if is_eval_document(number, eval_fraction) else 'train'
 
 
 def num_files(metadata: dict, split: str) -> int:
@@ -471,67 +477,92 @@ def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
   pool.shutdown()
 
 
-def _own_blocks(documents, block_size: int, run: int, worker: int, total: int, transform):
-  """(block number, its documents through `transform`) of the worker's blocks: those of the
-  runs of `run` consecutive blocks numbered r with r % total == worker; the other documents
-  are passed over, untransformed."""
-  block, docs = 0, []
-  for i, doc in enumerate(documents):
-    b = i // block_size
-    if b != block:
-      if docs:
-        yield block, docs
-      block, docs = b, []
-    if b // run % total == worker:
-      docs.append(transform(doc))
-  if docs:
-    yield block, docs
+def owns(block: int, run: int, worker: int, total: int) -> bool:
+  """Whether worker `worker` of `total` prepares the block of that number: blocks are dealt
+  to the workers in turn, in runs of `run` (data.blocks_per_file) consecutive blocks."""
+  return block // run % total == worker
+
+
+class _Share:
+  """One worker's share of one split, fed the split's documents in the stream's order: they
+  are numbered within the split and cut into blocks of `document_window`; the documents of
+  the worker's blocks (those of the runs of `blocks_per_file` consecutive blocks numbered r
+  with r % total == worker) are tokenised as they come (a block holds their compact ids,
+  not their text), and each such block, once whole, is made into instances and written; the
+  other documents are passed over untouched."""
+
+  def __init__(self, config, tokenizer, out: str, split: str, worker: int, total: int):
+    d = config.data
+    self.config, self.tokenizer, self.split = config, tokenizer, split
+    self.worker, self.total = worker, total
+    self.block_size, self.run = d.get('document_window', 1000), d.get('blocks_per_file', 8)
+    self.writers = ShardWriters(out, split, d.get('records_per_file', 65536), self.run)
+    self.make_instances = pretraining.of_config(config).instances
+    self.stats, self.count = collections.Counter(), 0
+    self.seen, self.block, self.docs = 0, 0, []
+
+  def add(self, doc) -> None:
+    block = self.seen // self.block_size
+    self.seen += 1
+    if block != self.block:
+      self._write()
+      self.block = block
+    if owns(block, self.run, self.worker, self.total):
+      ids = self.tokenizer.encode_batch(sources.sentences(doc))
+      self.stats['empty_sentences'] += sum(not s for s in ids)  # nothing left after tokenising
+      self.docs.append([np.asarray(s, np.int32) for s in ids if s])
+
+  def _write(self) -> None:
+    if not self.docs:
+      return
+    d = self.config.data
+    seed = int(np.random.SeedSequence([data_seed(self.config), SPLITS.index(self.split),
+                                       self.block]).generate_state(1)[0])
+    for inst in self.make_instances(
+        self.docs, max_seq_length=d.max_seq_length, short_seq_prob=d.short_seq_prob,
+        dupe_factor=d.dupe_factor, seed=seed, stats=self.stats):
+      self.writers.write(inst.to_bytes(), self.block)
+      self.count += 1
+    self.docs = []
+
+  def close(self) -> dict:
+    """Writes the last block and closes the files: what done.json records of the split."""
+    self._write()
+    return {'files': [os.path.basename(p) for p in self.writers.close()],
+            'counts': self.count, 'file_records': self.writers.records,
+            'blocks': self.writers.segments,
+            'stats': {f'{self.split}/{k}': v for k, v in self.stats.items()}}
 
 
 def _work(config, tokenizer, tmp: str, worker: int, total: int):
-  """One worker: its blocks of both splits into <tmp>/worker-XXXXX/, then done.json."""
+  """One worker: its blocks of both splits into <tmp>/worker-XXXXX/, then done.json. The
+  stream is read once: each document goes to its split (is_eval_document), whose share
+  tokenises it if it is the worker's."""
   d = config.data
   if isinstance(tokenizer, str):  # a spawned process loads its own
     tokenizer = tokenizer_lib.Tokenizer.load(tokenizer)
   out = _worker_dir(tmp, worker)
   shutil.rmtree(out, ignore_errors=True)
   os.makedirs(out)
-  block_size, run = d.get('document_window', 1000), d.get('blocks_per_file', 8)
+  read_stats = collections.Counter()
+  docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=read_stats,
+                                weights=d.weights, seed=data_seed(config),
+                                tfds_text_feature=d.get('tfds_text_feature', 'text'),
+                                hf_text_column=d.get('hf_text_column', 'text'),
+                                hf_rows_per_document=d.get('hf_rows_per_document', '1'),
+                                lazy=True,  # sentences split only in the owned blocks
+                                numbered=True)
+  shares = {split: _Share(config, tokenizer, out, split, worker, total) for split in SPLITS}
+  for number, doc in docs:
+    shares[split_of(number, d.eval_fraction)].add(doc)
   result = {'fingerprint': fingerprint(config), 'workers': total, 'counts': {}, 'files': {},
-            'file_records': {}, 'blocks': {}, 'read_stats': {}, 'stats': {}}
-  for split in SPLITS:
-    read_stats, stats = collections.Counter(), collections.Counter()
-    docs = sources.iter_documents(d.sources, tfds_data_dir=d.tfds_data_dir, stats=read_stats,
-                                  weights=d.weights, seed=data_seed(config),
-                                  tfds_text_feature=d.get('tfds_text_feature', 'text'),
-                                  hf_text_column=d.get('hf_text_column', 'text'),
-                                  hf_rows_per_document=d.get('hf_rows_per_document', '1'),
-                                  lazy=True,  # sentences split only in the owned blocks
-                                  numbered=True)
-    writers = ShardWriters(out, split, d.get('records_per_file', 65536), run)
-    n = 0
-
-    def tokenise(doc, stats=stats):  # compact at once: a block holds block_size documents
-      ids = tokenizer.encode_batch(sources.sentences(doc))
-      stats['empty_sentences'] += sum(not s for s in ids)  # nothing left after tokenising
-      return [np.asarray(s, np.int32) for s in ids if s]
-
-    make_instances = pretraining.of_config(config).instances
-    for block, block_docs in _own_blocks(_split_stream(docs, split, d.eval_fraction),
-                                         block_size, run, worker, total, tokenise):
-      seed = int(np.random.SeedSequence([data_seed(config), SPLITS.index(split), block]
-                                        ).generate_state(1)[0])
-      for inst in make_instances(
-          block_docs, max_seq_length=d.max_seq_length,
-          short_seq_prob=d.short_seq_prob, dupe_factor=d.dupe_factor, seed=seed, stats=stats):
-        writers.write(inst.to_bytes(), block)
-        n += 1
-    result['files'][split] = [os.path.basename(p) for p in writers.close()]
-    result['counts'][split] = n
-    result['file_records'][split] = writers.records
-    result['blocks'][split] = writers.segments
-    result['read_stats'].update({f'{split}/{k}': v for k, v in read_stats.items()})
-    result['stats'].update({f'{split}/{k}': v for k, v in stats.items()})
+            'file_records': {}, 'blocks': {}, 'stats': {},
+            'read_stats': dict(read_stats)}  # (the whole stream's, read once)
+  for split, share in shares.items():
+    done = share.close()
+    result['stats'].update(done.pop('stats'))
+    for key, value in done.items():
+      result[key][split] = value
   with open(os.path.join(out, 'done.json.tmp'), 'w') as f:
     json.dump(result, f)
   os.replace(os.path.join(out, 'done.json.tmp'), os.path.join(out, 'done.json'))
@@ -797,8 +828,7 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
                     'with a sentence per row (hf:) needs config.data.hf_rows_per_document > 1, '
                     'and files a blank line between documents, not between sentences',
                     single, documents)
-  # Each split's pass reads every file: the count of one pass is the corpus's.
-  undecodable = max(stats['train/non_utf8_lines'], stats['eval/non_utf8_lines'])
+  undecodable = undecodable_lines(stats)
   if undecodable:
     logging.warning('%d lines of config.data.sources=%r are not UTF-8 and were skipped; '
                     'convert the files to UTF-8 (e.g. iconv -f latin1 -t utf-8)', undecodable,

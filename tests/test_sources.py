@@ -490,9 +490,8 @@ def test_a_source_listed_twice_is_held_out_or_trained_on_both_times(tmp_path):
   corpus = tmp_path / 'corpus.txt'
   docs = list(itertools.islice(sources.iter_documents('embedded'), 30))
   corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in docs))
-  split_stream = prepare._split_stream  # pylint: disable=protected-access
-  split = lambda spec, name: [tuple(d) for d in split_stream(
-      sources.iter_documents(spec, numbered=True), name, 0.3)]
+  split = lambda spec, name: [tuple(d) for i, d in sources.iter_documents(spec, numbered=True)
+                              if prepare.split_of(i, 0.3) == name]
   once = {name: split(f'files:{corpus}', name) for name in prepare.SPLITS}
   twice = {name: split(f'files:{corpus};files:{corpus}', name) for name in prepare.SPLITS}
   assert once['eval'] and once['train'] and not set(twice['eval']) & set(twice['train'])

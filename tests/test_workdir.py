@@ -699,7 +699,7 @@ def test_data_file_mistakes_through_the_command_line(commands, tmp_path):
         f'--config.data_dir={tmp_path}/glue'],
        'RTE/train.tsv:3: 2 columns where 4 are expected'),
       (['train.py', '--workdir', tmp_path / 'tr',
-        f'--config.data.sources=files:{tmp_path}/latin1.txt'], "'train/non_utf8_lines': 40"),
+        f'--config.data.sources=files:{tmp_path}/latin1.txt'], "'non_utf8_lines': 40"),
       (['train.py', '--workdir', tmp_path / 'tr2',
         f'--config.data.sources=files:{tmp_path}/mostly_latin1.txt'],
        'fewer than one batch of 32 per process (40 lines of the corpus were not UTF-8 and '
