@@ -148,6 +148,22 @@ def test_per_token_outputs_with_classes_and_per_token_labels_are_bucketed():
             'label': np.arange(n)}
   taken = buckets.take(labels, np.array([0, 1]), 8, buckets.SEQUENCE_KEYS + ('tags',))
   assert taken['tags'].shape == (2, 8) and taken['label'].shape == (2,)
+  # A model with a per-token input of its own (a task's input_keys, in its sequence_keys)
+  # gets it in evaluation too, cut with the others; labels stay out of the model's batch.
+  features = dict(features, word_starts=mask * 2, tags=mask * 7)
+  extra = buckets.SEQUENCE_KEYS + ('word_starts',)
+  predict = jax.jit(lambda p, b: (jax.nn.one_hot(b['word_starts'], 5) + p,))
+  with jax.set_mesh(mesh):
+    out, = finetune_task.run_model(predict, 1.0, features, batch_size=2, buckets=(8, 16),
+                                   mesh=mesh, token_outputs=True, input_keys=extra,
+                                   sequence_keys=extra + ('tags',))
+  np.testing.assert_array_equal(out[real], np.tile([1., 1., 2., 1., 1.], (real.sum(), 1)))
+  seen = []
+  spy = lambda p, b: seen.append(sorted(b)) or predict(p, b)
+  with jax.set_mesh(mesh):
+    finetune_task.run_model(spy, 1.0, features, batch_size=2, buckets=(16,), mesh=mesh,
+                            token_outputs=True, input_keys=extra)
+  assert seen[0] == sorted(extra)
   assert buckets.take(labels, np.array([0, 1]), 8)['tags'].shape == (2, 16)
 
 

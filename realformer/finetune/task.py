@@ -303,16 +303,19 @@ class Programs:
 
 
 def run_model(predict, params, features, *, batch_size: int, buckets, mesh,
-              token_outputs: bool) -> Tuple[np.ndarray, ...]:
-  """`predict`'s outputs for every row of `features`, in order: batches within each length
+              token_outputs: bool, input_keys: Sequence[str] = buckets_lib.SEQUENCE_KEYS,
+              sequence_keys: Sequence[str] = buckets_lib.SEQUENCE_KEYS
+              ) -> Tuple[np.ndarray, ...]:
+  """`predict`'s outputs for every row of `features` (given their `input_keys`, those of
+  `sequence_keys` cut to each batch's length), in order: batches within each length
   bucket; per-token outputs ([B, length, ...]) padded back to max_seq_length with -inf."""
   n, max_len = features['input_ids'].shape
   lengths = buckets_lib.lengths_of(features)
   outs = None
   for length, idx, valid in buckets_lib.eval_batches(lengths, buckets, batch_size):
-    inputs = {k: features[k] for k in buckets_lib.SEQUENCE_KEYS}
-    out = predict(params, train_lib.global_batch(buckets_lib.take(inputs, idx, length), mesh,
-                                                 whole=True))
+    inputs = {k: features[k] for k in input_keys}
+    out = predict(params, train_lib.global_batch(
+        buckets_lib.take(inputs, idx, length, sequence_keys), mesh, whole=True))
     out = [np.asarray(o)[valid] for o in out]
     if token_outputs:
       out = [np.pad(o, [(0, 0), (0, max_len - length)] + [(0, 0)] * (o.ndim - 2),
@@ -343,6 +346,10 @@ class FinetuneTask(trainer.Task, abc.ABC):
   # The training features cut to a batch's bucket length with the inputs (a task with labels
   # per token, [N, max_seq_length], adds their key).
   sequence_keys = buckets_lib.SEQUENCE_KEYS
+  # The features the model reads (evaluation gives it these alone; training the whole
+  # batch): a model with an input of its own (a tagger's word-start mask) adds it here,
+  # and to sequence_keys where it is per token.
+  input_keys = buckets_lib.SEQUENCE_KEYS
   needs_final_results = True  # the predictions and results.json of a rerun
   nonfinite_hint = ('lower config.optimizer.learning_rate, raise '
                     'config.optimizer.warmup_fraction or train in float32 (config.model.dtype)')
@@ -583,7 +590,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
     if self.__predict is None:
       self.__predict = Programs(
           self.program.eval_step, (self.program.abstract.params,),
-          self.__batch_of(self.config.eval_batch_size, buckets_lib.SEQUENCE_KEYS),
+          self.__batch_of(self.config.eval_batch_size, self.input_keys),
           self.eval_buckets, 'prediction', self.mesh, self.__compiler)
     return self.__predict
 
@@ -625,7 +632,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
     return lambda features: run_model(self.__prediction(), params, features, mesh=self.mesh,
                                       buckets=self.eval_buckets,
                                       batch_size=self.config.eval_batch_size,
-                                      token_outputs=self.token_outputs)
+                                      token_outputs=self.token_outputs,
+                                      input_keys=self.input_keys,
+                                      sequence_keys=self.sequence_keys)
 
   def evaluate(self, params, step: int) -> trainer.Results:
     # metrics.jsonl lines {"step": s, "split": "dev_<set>", "accuracy": ...}
