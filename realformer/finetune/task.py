@@ -365,6 +365,30 @@ class FinetuneTask(trainer.Task, abc.ABC):
     distributed.same_on_every_process(
         lambda: _digest([self.train, *self.eval_features()]), f'{self.name}\'s data',
         'give every host the same files (a copy of each, or a folder they share)')
+    self.params_config = self.__params_config(pre)
+    self.__check_features(pre)
+    num_train = len(self.train['input_ids'])
+    self.steps_per_epoch = num_train // config.batch_size
+    if self.steps_per_epoch == 0:
+      raise ValueError(f'{num_train} training examples are fewer than one batch of '
+                       f'{config.batch_size}; lower config.batch_size')
+    self.cadence = trainer.make_cadence(config, self.steps_per_epoch)
+    self.spec = resolve(computed_as(gpu_kernels_off_gpus(pre.model), config.get('model')),
+                        platform=mesh.devices.flat[0].platform)
+    self.program = self.__program(self.build(self.spec))
+    if not config.from_scratch:
+      self.init_checkpoint = trainer.InitCheckpoint(config.init_checkpoint, ('encoder',),
+                                                    allow_missing=False)
+    self.lengths = buckets_lib.lengths_of(self.train)
+    self.__compiler: Optional[futures.Executor] = None  # prepare() starts it
+    self.__predict: Optional[Programs] = None
+
+  def __params_config(self, pre) -> ml_collections.ConfigDict:
+    """The config best/ and final/ carry, encoders another run can start from: the
+    pretraining's, with data.max_seq_length the length their positions have been trained to
+    (an import's is not known, so all) and what the fine-tuning was (`finetuned`). A warning
+    where config.max_seq_length reaches past the pretrained positions."""
+    config = self.config
     trained = int(pre.data.get('max_seq_length', pre.model.max_len))
     known = not config.from_scratch and pretrained_here(config.init_checkpoint)
     if config.max_seq_length > trained and known:
@@ -374,25 +398,24 @@ class FinetuneTask(trainer.Task, abc.ABC):
                       'lower config.max_seq_length to %d or pretrain at the longer length',
                       config.max_seq_length, trained, trained, config.max_seq_length - 1,
                       trained)
-    # best/ and final/ are encoders another run can start from: their data.max_seq_length
-    # is the length their positions have been trained to (an import's is not known, so all).
-    self.params_config = pre.copy_and_resolve_references()
-    self.params_config.data.max_seq_length = (
+    params_config = pre.copy_and_resolve_references()
+    params_config.data.max_seq_length = (
         config.max_seq_length if config.from_scratch else
         max(trained, config.max_seq_length) if known else pre.model.max_len)
-    with self.params_config.unlocked():
-      self.params_config.finetuned = {'kind': config.benchmark, 'task': config.task,
-                                      'hf_architecture': hf_architecture_of(type(self))}
-      self.params_config.finetuned.labels = list(self.label_names())
+    with params_config.unlocked():
+      params_config.finetuned = {'kind': config.benchmark, 'task': config.task,
+                                 'hf_architecture': hf_architecture_of(type(self))}
+      params_config.finetuned.labels = list(self.label_names())
+    return params_config
+
+  def __check_features(self, pre) -> None:
+    """One-line errors for training features the run cannot take: more token types than
+    the checkpoint has, or (with length buckets) features per token left out of
+    sequence_keys."""
+    config = self.config
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',
                                  'fine-tune a checkpoint with two token types')
-    num_train = len(self.train['input_ids'])
-    self.steps_per_epoch = num_train // config.batch_size
-    if self.steps_per_epoch == 0:
-      raise ValueError(f'{num_train} training examples are fewer than one batch of '
-                       f'{config.batch_size}; lower config.batch_size')
-    self.cadence = trainer.make_cadence(config, self.steps_per_epoch)
     if config.length_buckets:
       per_token = sorted(k for k, v in self.train.items() if v.ndim >= 2 and v.shape[1] ==
                          config.max_seq_length and k not in self.sequence_keys)
@@ -402,9 +425,11 @@ class FinetuneTask(trainer.Task, abc.ABC):
                          f'([N, max_seq_length={config.max_seq_length}, ...]) but are not in '
                          'its sequence_keys, which length buckets cut with the inputs; add '
                          f'them (sequence_keys = {self.sequence_keys} + {tuple(per_token)})')
-    self.spec = resolve(computed_as(gpu_kernels_off_gpus(pre.model), config.get('model')),
-                        platform=mesh.devices.flat[0].platform)
-    model = self.build(self.spec)
+
+  def __program(self, model) -> train_lib.Program:
+    """The run's program: `model` (build's) trained on loss_fn, evaluated through its head's
+    outputs (all but the encoder's)."""
+    config = self.config
 
     def eval_fn(params, batch):
       out = model.apply({'params': params}, batch)
@@ -416,18 +441,12 @@ class FinetuneTask(trainer.Task, abc.ABC):
                          'fine-tuning model returns (the encoder\'s output, *the head\'s '
                          'outputs), as models.build\'s heads do')
       return out[1:]
-    self.program = train_lib.make_program(
-        model, config.optimizer, self.cadence.num_steps, mesh, config.seed,
+    return train_lib.make_program(
+        model, config.optimizer, self.cadence.num_steps, self.mesh, config.seed,
         {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype)
          for k, v in self.train.items()},
         loss_fn=self.loss_fn(model), metrics_cls=FinetuneMetrics,
         totals_fn=self.totals, eval_fn=eval_fn, flops_per_example=self.flops_per_example)
-    if not config.from_scratch:
-      self.init_checkpoint = trainer.InitCheckpoint(config.init_checkpoint, ('encoder',),
-                                                    allow_missing=False)
-    self.lengths = buckets_lib.lengths_of(self.train)
-    self.__compiler: Optional[futures.Executor] = None  # prepare() starts it
-    self.__predict: Optional[Programs] = None
 
   def __read(self) -> ml_collections.ConfigDict:
     """The pretraining config, after reading its vocabulary and the task's data (`load`)."""
