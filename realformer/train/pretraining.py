@@ -382,7 +382,9 @@ class PretrainingTask(trainer.Task):
 
   def evaluate(self, params, step: int) -> trainer.Results:
     # The same batches every time, and for every run seed that reads one prepared corpus
-    # (data.seed): the seeds of a sweep are compared on one evaluation set and its masks.
+    # (data.seed) with the same train.batch_size, host count and data.worker_count (they
+    # deal the shuffled eval stream): the seeds of a sweep are compared on one evaluation
+    # set and its masks; runs of other batch sizes on other draws of the same split.
     from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
     eval_iter = self._make_input('eval', prepare_lib.data_seed(self.config))
     collected, counts = None, None
