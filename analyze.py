@@ -7,7 +7,10 @@ Workdirs and --out may be gs:// URLs.
 
 Writes attention_entropy.png (violins per layer), attention_entropy_heads.png (each layer's
 heads ordered by median, as the paper's Figure 4), attention_js.png (layer x layer JS
-divergence), attention.json and attention.md. See realformer/tools/analysis.py for the definitions.
+divergence), attention.json and attention.md. Runs of one tokenizer and length are analysed
+on the same held-out examples (the first such run's); the report says which text each was
+(how many examples, their length, a CRC32 of their token ids). See
+realformer/tools/analysis.py for the definitions.
 """
 
 from absl import flags
@@ -19,8 +22,10 @@ from realformer.train.run_dir import RunDir
 
 
 def _define(f):
-  flags.DEFINE_multi_string('workdir', None, 'a pretraining workdir (repeat for several)',
-                            flag_values=f, required=True)
+  flags.DEFINE_multi_string('workdir', None, 'a pretraining workdir (its newest checkpoint), '
+                            'one of its checkpoints/<step> folders, or an encoder folder '
+                            '(best/, final/, an import); repeat for several', flag_values=f,
+                            required=True)
   flags.DEFINE_multi_string('label', None, 'one per --workdir', flag_values=f)
   flags.DEFINE_string('out', None, 'the report folder', flag_values=f, required=True)
   flags.DEFINE_integer('num_examples', 32, 'held-out examples per run', lower_bound=1,
@@ -40,13 +45,17 @@ def main(argv=None):
     if not storage.path(w).is_dir():
       raise FileNotFoundError(f'--workdir {w} does not exist: pass the --workdir of a train.py '
                               'run')
+    folder = storage.path(w)
+    if folder.name == RunDir.CHECKPOINTS or (folder.name.isdigit() and
+                                             folder.parent.name == RunDir.CHECKPOINTS):
+      continue  # a run's checkpoints, or one step of them: its config is the run's
     if not (storage.path(w) / RunDir.CONFIG).exists():
       runs = sorted(p.name for p in storage.path(w).iterdir()
                     if (p / RunDir.CONFIG).exists())
       inside = f' (a sweep\'s root? its runs are folders such as {w}/{runs[0]})' if runs else ''
       raise FileNotFoundError(f'{w} has no config.json{inside}: pass the --workdir of a '
                               'train.py run')
-  results = [analysis.analyze_run(w, args.num_examples) for w in args.workdir]
+  results = analysis.analyze_runs(args.workdir, args.num_examples)
   analysis.write_report(results, args.out, args.label)
   print((out / 'attention.md').read_text())
 

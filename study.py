@@ -751,7 +751,7 @@ def compare(args) -> int:
   curves(root, runs, names, storage.join(root, 'learning_curves.png'), config)
   first = [(r['model.variant'], n) for r, n in zip(runs, names)
            if r['seed'] == 0 and codes.get(n) == 0]
-  results = [analysis.analyze_run(storage.join(root, n)) for _, n in first]
+  results = analysis.analyze_runs([storage.join(root, n) for _, n in first])
   attention_dir = storage.join(root, 'attention')
   if results:
     analysis.write_report(results, attention_dir, [v for v, _ in first])

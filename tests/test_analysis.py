@@ -144,3 +144,38 @@ def test_runs_of_one_variant_get_labels_of_their_own():
       'realformer (seed=0)', 'realformer (seed=1)', 'postln', 'preln (run) #4', 'preln (run) #5']
   with pytest.raises(ValueError, match='repeat one; give each --workdir its own --label'):
     analysis.write_report(runs[:2], '/tmp/unused', ['a', 'a'])
+
+
+def test_runs_of_other_seeds_are_analysed_on_one_text_and_the_folder_stays_as_it_was(
+    tiny_run, tmp_path):
+  """Each run's own preparation holds out other documents when its seed differs: runs of
+  one tokenizer and length are analysed on the first one's held-out examples, and the
+  report says which text each was; a run of another length gets its own, said as such.
+  An encoder folder (best/, final/, an import) gets no data/ folder written into it, and
+  a run's checkpoint step folder is taken too."""
+  workdir, config, params = tiny_run
+  other = str(tmp_path / 'seed1')
+  config_1 = config.copy_and_resolve_references()
+  config_1.seed = 1
+  checkpoints.save_params(other, params, config_1, step=7)
+  short = str(tmp_path / 'short')
+  config_s = config.copy_and_resolve_references()
+  config_s.data.max_seq_length = 16
+  checkpoints.save_params(short, params, config_s, step=7)
+  results = analysis.analyze_runs([workdir, other, short], num_examples=4)
+  texts = [r['text'] for r in results]
+  assert texts[0] == texts[1] and texts[0]['from'] == workdir and texts[1]['from'] == workdir
+  assert texts[2]['max_seq_length'] == 16 and texts[2]['from'] == short
+  assert analysis.text_of(analysis.heldout_batch(other, config_1, 4))['crc'] != texts[0]['crc']
+  for folder in (workdir, other, short):
+    assert not os.path.exists(os.path.join(folder, 'data')), folder
+  numbers = analysis.write_report(results, str(tmp_path / 'report'), ['a', 'b', 'c'])
+  assert numbers['b']['text'] == texts[0] and len(numbers['c']['entropy_median_by_head']) == 3
+  assert sorted(numbers['a']['entropy_median_by_head'][0]) == numbers['a'][
+      'entropy_head_medians'][0]  # the same medians, in head order
+  md = (tmp_path / 'report' / 'attention.md').read_text()
+  assert f'Text of a, b: 4 held-out examples of {workdir} at length 32' in md
+  assert 'analysed on different texts' in md
+  step_dir = str(checkpoints.resolve_step_dir(workdir))  # one of its checkpoints
+  analyze.main(['--workdir', step_dir, '--out', str(tmp_path / 'step'), '--num_examples', '4'])
+  assert json.loads((tmp_path / 'step' / 'attention.json').read_text())['realformer']['step'] == 7

@@ -16,6 +16,7 @@ Natural logarithms throughout (JS lies in [0, ln 2]). Padding keys carry no prob
 import io
 import json
 import os
+import zlib
 from typing import Dict, List, Sequence
 
 import jax
@@ -24,6 +25,7 @@ import numpy as np
 
 from realformer import models
 from realformer import storage
+from realformer.run_names import RunNames
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
 
@@ -40,14 +42,16 @@ def attention_entropy(probs: np.ndarray, mask: np.ndarray) -> np.ndarray:
   return ent[real]
 
 
-def head_entropies(probs: np.ndarray, mask: np.ndarray) -> List[np.ndarray]:
+def head_entropies(probs: np.ndarray, mask: np.ndarray, by_median: bool = True
+                   ) -> List[np.ndarray]:
   """probs [B, H, T, T], mask [B, T] -> per head, the entropies of its real queries, the
-  heads ordered by their medians (ascending), as the paper's Figure 4 draws them."""
+  heads ordered by their medians (ascending), as the paper's Figure 4 draws them
+  (by_median=False: in head order)."""
   p = np.asarray(probs, np.float64)
   ent = -_xlogx(p).sum(-1)                                   # [B, H, T]
   real = np.asarray(mask, bool)
   heads = [ent[:, h][real] for h in range(ent.shape[1])]
-  return sorted(heads, key=np.median)
+  return sorted(heads, key=np.median) if by_median else heads
 
 
 def js_divergence(p: np.ndarray, q: np.ndarray, mask: np.ndarray) -> float:
@@ -91,11 +95,30 @@ def load_run(workdir: str):
   return config, model, params, int(os.path.basename(step_dir))
 
 
+def _data_folder(workdir: str, config) -> str:
+  """The folder whose data ensure_prepared reads the held-out examples from: the run's own
+  (config.data.prepared_dir, or the <run>/data that training prepared, for the run whose
+  folder, checkpoints/ or step folder `workdir` is); else (best/, final/, an import, a run
+  whose data/ was deleted) a folder of this host's cache named by the preparation's
+  settings, so that nothing is written into the folder analysed."""
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  run = storage.path(workdir)
+  if run.name.isdigit() and run.parent.name == RunNames.CHECKPOINTS:
+    run = run.parent.parent
+  elif run.name == RunNames.CHECKPOINTS:
+    run = run.parent
+  if config.data.prepared_dir or (run / RunNames.DATA / prepare.METADATA).exists():
+    return str(run)  # (ensure_prepared: config.data.prepared_dir, else <run>/data)
+  key = json.dumps(prepare.fingerprint(config), sort_keys=True)
+  return os.path.join(storage.cache_dir('analysis'), storage.cache_key(key))
+
+
 def heldout_batch(workdir: str, config, num_examples: int) -> Dict[str, np.ndarray]:
   """Held-out examples (the eval split), with the masked tokens put back."""
   from data import pipeline  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib
-  prepared = pipeline.ensure_prepared(config, workdir, reader=(0, 1),  # the whole eval split
+  prepared = pipeline.ensure_prepared(config, _data_folder(workdir, config),
+                                      reader=(0, 1),  # the whole eval split
                                       splits=('eval',))
   from data import prepare  # pylint: disable=g-import-not-at-top
   held_out = prepare.read_metadata(prepared)['counts']['eval']
@@ -114,6 +137,34 @@ def heldout_batch(workdir: str, config, num_examples: int) -> Dict[str, np.ndarr
           'attention_mask': batch['attention_mask']}
 
 
+def text_of(batch: Dict[str, np.ndarray]) -> dict:
+  """What a batch of examples is, for a report: how many, their length, a CRC32 of their
+  token ids (runs analysed on the same text have the same)."""
+  ids = np.ascontiguousarray(batch['input_ids'], np.int32)
+  return {'num_examples': int(ids.shape[0]), 'max_seq_length': int(ids.shape[1]),
+          'crc': f'{zlib.crc32(ids.tobytes()):08x}'}
+
+
+def analyze_runs(workdirs: Sequence[str], num_examples: int = 32) -> List[dict]:
+  """analyze_run of each workdir, on one text wherever they can share it: the held-out
+  examples of the first run of each tokenizer, vocabulary size and length are every such
+  run's (a run's own preparation holds out other documents where its seed or objective
+  differ, and a comparison would mix the models with their texts). Each result's 'text'
+  says which it was (text_of, and 'from': the workdir whose held-out examples)."""
+  texts, results = {}, []
+  for workdir in workdirs:
+    config = ml_collections.ConfigDict(checkpoints.read_pretraining_config(workdir))
+    key = (config.data.get('tokenizer') or '', int(config.model.vocab_size),
+           int(config.data.max_seq_length))
+    if key not in texts:
+      texts[key] = (workdir, heldout_batch(workdir, config, num_examples))
+    source, batch = texts[key]
+    result = analyze_run(workdir, num_examples, batch=batch)
+    result['text']['from'] = source
+    results.append(result)
+  return results
+
+
 def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   config, model, params, step = load_run(workdir)
   batch = batch if batch is not None else heldout_batch(workdir, config, num_examples)
@@ -122,6 +173,8 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   mask = batch['attention_mask']
   entropies = [attention_entropy(a, mask) for a in attention]
   heads = [head_entropies(a, mask) for a in attention]
+  by_head = [[float(np.median(h)) for h in head_entropies(a, mask, by_median=False)]
+             for a in attention]
   pairs = js_matrix(attention, mask)
   objective = config.get('objective', 'mlm_nsp')
   variant = resolve(config.model).name
@@ -131,6 +184,8 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
           'head_entropies': heads,
           'entropy_mean': [float(e.mean()) for e in entropies],
           'entropy_head_medians': [[float(np.median(h)) for h in layer] for layer in heads],
+          'entropy_median_by_head': by_head,  # (the same medians, in head order)
+          'text': dict(text_of(batch), **{'from': workdir}),
           'js_adjacent': [float(pairs[i, i + 1]) for i in range(len(attention) - 1)],
           'js_all_pairs': pairs.tolist()}
 
@@ -173,15 +228,22 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   vmax = max(max(max(row) for row in r['js_all_pairs']) for r in results) or 1.0
   fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
   for ax, r, label in zip(axes[0], results, labels):
-    im = ax.imshow(np.array(r['js_all_pairs']), vmin=0, vmax=vmax, cmap='viridis')
+    layers = len(r['js_all_pairs'])
+    im = ax.imshow(np.array(r['js_all_pairs']), vmin=0, vmax=vmax, cmap='viridis',
+                   extent=(0.5, layers + 0.5, layers + 0.5, 0.5))  # layers 1..n, as above
+    ax.set_xticks(range(1, layers + 1))
+    ax.set_yticks(range(1, layers + 1))
     ax.set_title(label)
     ax.set_xlabel('layer')
     ax.set_ylabel('layer')
+  fig.subplots_adjust(wspace=0.45)
   fig.colorbar(im, ax=axes[0].tolist(), label='JS divergence (nats)')
   save_png(fig, out / 'attention_js.png')
   plt.close(fig)
-  numbers = {label: {k: r.get(k) for k in ('variant', 'workdir', 'step', 'entropy_mean',
-                                       'entropy_head_medians', 'js_adjacent', 'js_all_pairs')}
+  numbers = {label: {k: r.get(k) for k in ('variant', 'workdir', 'step', 'text',
+                                       'entropy_mean', 'entropy_head_medians',
+                                       'entropy_median_by_head', 'js_adjacent',
+                                       'js_all_pairs')}
              for label, r in zip(labels, results)}
   storage.write_text(out / 'attention.json', json.dumps(numbers, indent=1))
   lines = ['| run | step | mean entropy per layer (nats) | JS adjacent layers | '
@@ -192,6 +254,18 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     lines.append(f'| {label} | {r.get("step", "")} | '
                  f'{", ".join(f"{e:.3f}" for e in r["entropy_mean"])} | '
                  f'{", ".join(f"{j:.4f}" for j in r["js_adjacent"])} | {off:.4f} |')
+  texts = {}
+  for label, r in zip(labels, results):
+    if r.get('text'):
+      texts.setdefault(tuple(sorted((k, str(v)) for k, v in r['text'].items())),
+                       (r['text'], []))[1].append(label)
+  for text, runs in texts.values():
+    lines.append(f'\nText{"" if len(texts) == 1 else " of " + ", ".join(runs)}: '
+                 f'{text["num_examples"]} held-out examples of {text["from"]} at length '
+                 f'{text["max_seq_length"]} (token ids CRC32 {text["crc"]})')
+  if len(texts) > 1:
+    lines.append('\nThe runs were analysed on different texts (their tokenizers, vocabulary '
+                 'sizes or lengths differ): their numbers differ by the text too.')
   storage.write_text(out / 'attention.md', '\n'.join(lines) + '\n')
   return numbers
 
