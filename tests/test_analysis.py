@@ -179,3 +179,20 @@ def test_runs_of_other_seeds_are_analysed_on_one_text_and_the_folder_stays_as_it
   step_dir = str(checkpoints.resolve_step_dir(workdir))  # one of its checkpoints
   analyze.main(['--workdir', step_dir, '--out', str(tmp_path / 'step'), '--num_examples', '4'])
   assert json.loads((tmp_path / 'step' / 'attention.json').read_text())['realformer']['step'] == 7
+
+
+def test_the_analysis_in_chunks_gives_the_whole_batchs_figures(tiny_run, monkeypatch):
+  """The model sees the examples a chunk at a time (memory: one chunk's attention); the
+  entropies, the medians and the JS divergences are those of one pass over all of them."""
+  workdir, config, _ = tiny_run
+  batch = analysis.heldout_batch(workdir, config, 8)
+  batch['attention_mask'][5, -7:] = 0  # a padded example, in the second chunk
+  whole = analysis.analyze_run(workdir, batch=batch)
+  monkeypatch.setattr(analysis, 'CHUNK', 3)  # chunks of 3, 3 and 2
+  chunked = analysis.analyze_run(workdir, batch=batch)
+  for a, b in zip(whole['entropies'], chunked['entropies']):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+  np.testing.assert_allclose(whole['js_all_pairs'], chunked['js_all_pairs'], rtol=1e-5)
+  np.testing.assert_allclose(whole['entropy_median_by_head'],
+                             chunked['entropy_median_by_head'], rtol=1e-5)
+  assert whole['entropies'][0].size == 2 * (8 * 32 - 7)
