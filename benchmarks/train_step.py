@@ -28,7 +28,7 @@ trains threefry's builds through the flash kernel and the others through the pla
 
 A step is the full update: forward, backward, global-norm clipping and AdamW (BERT's
 settings), with dropout 0.1 on both sides, MLM loss at max_predictions masked positions
-and NSP, on one batch that both sides get (train_lib's synthetic batch: its tokens,
+and NSP, on one batch that both sides get (pretraining.SyntheticData's batch: its tokens,
 segments, masked positions and padding, lengths from T/2 to T, so that both attend under a
 padding mask). The input pipeline is excluded (one fixed batch; benchmarks/input_pipeline.py
 measures it). All contenders are compiled first, then stepped in turn, round after round, so
@@ -225,7 +225,7 @@ class HF:
     self.model = transformers.BertForPreTraining(cfg).to(self.device).train()
     self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01,
                                  eps=1e-6)
-    # Ours's very batch (Ours: train_lib's synthetic batches, seed 0): the same tokens,
+    # Ours's very batch (Ours: pretraining.SyntheticData's batches, seed 0): the same tokens,
     # segments, padding (lengths from T/2 to T, so SDPA gets the attention mask) and masked
     # positions as labels.
     batch = next(pretraining.SyntheticData(

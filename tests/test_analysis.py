@@ -162,10 +162,16 @@ def test_runs_of_other_seeds_are_analysed_on_one_text_and_the_folder_stays_as_it
   config_s = config.copy_and_resolve_references()
   config_s.data.max_seq_length = 16
   checkpoints.save_params(short, params, config_s, step=7)
-  results = analysis.analyze_runs([workdir, other, short], num_examples=4)
+  mlm = str(tmp_path / 'mlm')  # RoBERTa's objective: one segment, not sentence pairs
+  config_m = config.copy_and_resolve_references()
+  config_m.objective = 'mlm'
+  checkpoints.save_params(mlm, params, config_m, step=7)
+  results = analysis.analyze_runs([workdir, other, short, mlm], num_examples=4)
   texts = [r['text'] for r in results]
   assert texts[0] == texts[1] and texts[0]['from'] == workdir and texts[1]['from'] == workdir
   assert texts[2]['max_seq_length'] == 16 and texts[2]['from'] == short
+  assert texts[3]['from'] == mlm and texts[3]['crc'] != texts[0]['crc']
+  results = results[:3]
   assert analysis.text_of(analysis.heldout_batch(other, config_1, 4))['crc'] != texts[0]['crc']
   for folder in (workdir, other, short):
     assert not os.path.exists(os.path.join(folder, 'data')), folder

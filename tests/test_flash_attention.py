@@ -428,6 +428,7 @@ def test_one_line_errors():
                                        r'float32\); use auto'):
     resolve(cudnn(), platform='gpu')
   assert resolve(cudnn(dtype='float16'), platform='gpu').fused_attention == 'cudnn'
+  assert resolve(cudnn()).dtype == jnp.float32  # (a stored config still builds: analysis)
   with pytest.raises(ValueError, match=r'^model.fused_attention=cudnn needs a GPU, not cpu; '
                                        r'use auto or xla$'):
     config = tiny_config()

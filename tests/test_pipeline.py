@@ -6,6 +6,7 @@ processes give the same batches, and preparation is safe with several processes.
 mid-epoch restore, disjoint host shares, clear errors.)"""
 
 import collections
+import hashlib
 import itertools
 import json
 import os
@@ -800,3 +801,24 @@ def test_worker_processes_exit_when_their_parent_is_killed(tmp_path):
   while any(alive(p) for p in workers) and time.time() < deadline:
     time.sleep(0.1)
   assert not any(alive(p) for p in workers)
+
+
+# The prepared records of the `prepared` fixture (4 documents of the embedded corpus, length
+# 32, a fifth held out), in the order the pipeline reads them: what this version of the
+# preparation writes for these settings (data/prepare.PREPARE_VERSION).
+PREPARED_SHA256 = {
+    'train': '7a46bfb2cedf78e441df7271435a28c3da55532593669f03ca95901c69c16540',
+    'eval': '85b82d4dc72d20d5163b04dad0870c2954e207ebbf212235cf76be2599c14f26'}
+
+
+def test_the_preparation_writes_what_its_version_says(prepared):
+  """A change to what a preparation writes for the same settings (an instance builder, the
+  sentence splitting, the tokenising, the stream's order) changes these digests: raise
+  data/prepare.PREPARE_VERSION with it, so that data prepared before is refused instead of
+  reused, and write the new digests here."""
+  config, out, metadata = prepared
+  got = {split: hashlib.sha256(b''.join(records)).hexdigest()
+         for split, records in _records(out, metadata).items()}
+  assert prepare.PREPARE_VERSION == 1 and got == PREPARED_SHA256, (
+      f'the prepared records changed ({got}): raise data/prepare.PREPARE_VERSION and '
+      'update PREPARED_SHA256')

@@ -233,7 +233,8 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
       raise ValueError(f'model.{field}={value!r}; choose one of {", ".join(choices)}')
   if spec.fused_attention == 'cudnn' and platform not in ('', 'gpu'):
     raise ValueError(f'model.fused_attention=cudnn needs a GPU, not {platform}; use auto or xla')
-  if spec.fused_attention == 'cudnn' and spec.dtype not in (jnp.bfloat16, jnp.float16):
+  if (platform and spec.fused_attention == 'cudnn'  # (a stored config still builds anywhere)
+      and spec.dtype not in (jnp.bfloat16, jnp.float16)):
     raise ValueError(f'model.fused_attention=cudnn needs model.dtype=bfloat16 or float16 '
                      f'(cuDNN\'s attention takes no {jnp.dtype(spec.dtype).name}); use auto, '
                      'which takes it where it can, or xla')

@@ -147,15 +147,16 @@ def text_of(batch: Dict[str, np.ndarray]) -> dict:
 
 def analyze_runs(workdirs: Sequence[str], num_examples: int = 32) -> List[dict]:
   """analyze_run of each workdir, on one text wherever they can share it: the held-out
-  examples of the first run of each tokenizer, vocabulary size and length are every such
-  run's (a run's own preparation holds out other documents where its seed or objective
+  examples of the first run of each tokenizer, vocabulary size, length and kind of instance
+  (sentence pairs, or one segment: config.objective) are every such run's (a run's own preparation holds out other documents where its seed or objective
   differ, and a comparison would mix the models with their texts). Each result's 'text'
   says which it was (text_of, and 'from': the workdir whose held-out examples)."""
   texts, results = {}, []
   for workdir in workdirs:
     config = ml_collections.ConfigDict(checkpoints.read_pretraining_config(workdir))
+    from data import pretraining  # pylint: disable=g-import-not-at-top
     key = (config.data.get('tokenizer') or '', int(config.model.vocab_size),
-           int(config.data.max_seq_length))
+           int(config.data.max_seq_length), pretraining.of_config(config).instances_name)
     if key not in texts:
       texts[key] = (workdir, heldout_batch(workdir, config, num_examples))
     source, batch = texts[key]

@@ -40,6 +40,7 @@ program:
 """
 
 import abc
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -273,7 +274,7 @@ class TimeBudget:
     # The schedule, tabulated once at every step (or, past TABLE steps, at TABLE + 1 even
     # points): read between two steps, it is interpolated, exact at each step.
     self._grid = np.linspace(0.0, self.num_steps, min(self.num_steps, self.TABLE) + 1)
-    self._table = np.asarray(jax.vmap(schedule)(self._grid))
+    self._table = np.asarray(jax.vmap(schedule)(self._grid), np.float64)  # (np.interp's)
     self._run = run
     self._record = distributed.read_on_process_zero(
         lambda: run.read_json(RunDir.TIME_SPENT, {}), f'read {run.path(RunDir.TIME_SPENT)}')
@@ -508,8 +509,10 @@ class Trainer:
     self.writer, self.budget = None, None
     self.results: Optional[Results] = None
     self.last_logged: Dict[str, float] = {}
-    # The last evaluation's and save's seconds, for the ETA (0 until there was one).
+    # The last evaluation's and save's seconds, for the ETA: 0 until a second one (the first
+    # after a start compiles its program and opens its files).
     self.seconds_of = {'evaluation': 0.0, 'save': 0.0}
+    self._timed = collections.Counter()
     try:  # (from prepare on: the task may have started work that close() stops)
       task.prepare(start)
       # Every check has passed (config, model, checkpoint): the run directory describes it.
@@ -600,8 +603,7 @@ class Trainer:
         if evaluating:
           evaluated = time.time()
           self._evaluate(step)
-          self.seconds_of['evaluation'] = time.time() - evaluated
-          window.exclude(self.seconds_of['evaluation'])  # (for a stop's log, below)
+          window.exclude(self._timed_since(evaluated, 'evaluation'))  # (for a stop's log)
         # After the evaluation: a signal that came during it is seen at this step.
         stopping = stop.reached() and not last
         if stopping and not logging_now:  # the steps since the last log, before leaving
@@ -611,14 +613,22 @@ class Trainer:
           self._check_finite(*pending)
           saving = time.time()
           self._save(step)
-          self.seconds_of['save'] = time.time() - saving
-          window.exclude(self.seconds_of['save'])  # (a save is not training time either)
+          window.exclude(self._timed_since(saving, 'save'))  # (not training time either)
         if stopping:
           return step
         if evaluating:  # evaluation is not training time (the window's metrics stay)
           window.restart_clock()
           self.period_start = time.time()
     return None
+
+  def _timed_since(self, start: float, what: str) -> float:
+    """The seconds since `start` of an evaluation or a save, kept for the ETA from the second
+    of its kind on."""
+    seconds = time.time() - start
+    self._timed[what] += 1
+    if self._timed[what] > 1:
+      self.seconds_of[what] = seconds
+    return seconds
 
   def _check_finite(self, step: int, step_metrics):
     # The gradient too: a finite loss with an inf gradient has already made the new

@@ -36,7 +36,7 @@ class GlueTask(FinetuneTask):
   @classmethod
   def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
     if cls.names() and name not in cls.names():
-      raise ValueError(f'config arg {cls.kind}/{name}: '
+      raise ValueError(f'config arg {cls.kind or "glue"}/{name}: '
                        + ('it has no training set: fine-tune glue/mnli, which also evaluates '
                           'mismatched dev and predicts AX' if name in glue.TASKS else
                           f'unknown GLUE task; choose one of {", ".join(cls.names())}'))
