@@ -219,15 +219,25 @@ def read_tsv(task_name, data_dir: str, split: str,
   return examples
 
 
+_TFDS_OFFLINE = ('pass config.data_dir=<a folder with the task\'s official TSV files> or '
+                 'hf:<a local copy of nyu-mll/glue>')
+
+
+def _tfds_name(task_name: str) -> str:
+  return 'glue/' + ('mnli' if task_name == 'mnli_mismatched' else task_name)
+
+
+def prepare_tfds(task_name: str, data_dir: Optional[str] = None) -> None:
+  """Downloads and prepares tfds glue/<task> where it is not yet (sources.prepare_tfds_task)."""
+  sources.prepare_tfds_task(_tfds_name(task_name), data_dir, _TFDS_OFFLINE)
+
+
 def read_tfds(task_name: str, split: str, data_dir: Optional[str] = None) -> List[Example]:
   """Examples of one split of tfds glue/<task> (needs network or a prepared data_dir)."""
   task = get_task(task_name)
-  name = 'glue/' + ('mnli' if task_name == 'mnli_mismatched' else task_name)
   examples = []
-  for ex in sources.load_tfds_task(
-      name, task.tfds_splits[split], data_dir,
-      offline='pass config.data_dir=<a folder with the task\'s official TSV files> or '
-      'hf:<a local copy of nyu-mll/glue>'):
+  for ex in sources.load_tfds_task(_tfds_name(task_name), task.tfds_splits[split], data_dir,
+                                   offline=_TFDS_OFFLINE):
     text = [ex[k].decode('utf-8') for k in task.tfds_text]
     label = None if split == 'test' else float(ex['label'])
     examples.append(Example(str(int(ex['idx'])), text[0], text[1] if len(text) > 1 else None,

@@ -40,6 +40,7 @@ mwparserfromhell) and set `config.data.tfds_data_dir=DIR`.
 """
 
 import collections
+import contextlib
 import glob as glob_lib
 import gzip
 import json
@@ -178,9 +179,25 @@ def load_tfds_task(name: str, split: str, data_dir: Optional[str], offline: str)
   failure (most often no network, after tfds's retries) is one line with the offline route
   (`offline`: what to pass instead). Yields numpy examples."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  try:
+  with _tfds_failure(name, offline):
     return tfds.as_numpy(tfds.load(name, split=split, data_dir=data_dir,
                                    shuffle_files=False))
+
+
+def prepare_tfds_task(name: str, data_dir: Optional[str], offline: str) -> None:
+  """Downloads and prepares tfds dataset `name` into `data_dir` where it is not there yet
+  (what load_tfds_task would do first): on one host of several that share the folder,
+  before the others read it (tfds's preparations of one dataset at once collide at their
+  final rename)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  with _tfds_failure(name, offline):
+    tfds.builder(name, data_dir=data_dir).download_and_prepare()
+
+
+@contextlib.contextmanager
+def _tfds_failure(name: str, offline: str):
+  try:
+    yield
   except Exception as e:  # pylint: disable=broad-except (requests, tfds, OSError, ...)
     why = ' '.join((str(e).strip().splitlines() or [''])[0].split())[:160]
     raise ValueError(f'tfds could not load {name} ({type(e).__name__}: {why}); without '

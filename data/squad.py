@@ -132,13 +132,21 @@ def read_json(path: str) -> List[Example]:
   return examples
 
 
+_TFDS_OFFLINE = ('pass config.data_dir=<a folder with the official train-v1.1.json and '
+                 'dev-v1.1.json (v2.0: train-v2.0.json, dev-v2.0.json)>')
+
+
+def prepare_tfds(version: str, data_dir: Optional[str] = None) -> None:
+  """Downloads and prepares tfds squad/<version> where it is not yet
+  (sources.prepare_tfds_task)."""
+  sources.prepare_tfds_task(f'squad/{version}', data_dir, _TFDS_OFFLINE)
+
+
 def read_tfds(version: str, split: str, data_dir: Optional[str] = None) -> List[Example]:
   """Examples of tfds squad/v1.1 or squad/v2.0 ('train' or 'validation')."""
   examples = []
-  for ex in sources.load_tfds_task(
-      f'squad/{version}', split, data_dir,
-      offline='pass config.data_dir=<a folder with the official train-v1.1.json and '
-      'dev-v1.1.json (v2.0: train-v2.0.json, dev-v2.0.json)>'):
+  for ex in sources.load_tfds_task(f'squad/{version}', split, data_dir,
+                                   offline=_TFDS_OFFLINE):
     dec = lambda x: x.decode('utf-8')
     answers = ex['answers']
     impossible = bool(ex.get('is_impossible', False))

@@ -699,14 +699,31 @@ def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
   assert start.shape == final.shape and not np.allclose(start, final)
 
 
-def test_process_zero_loads_first_only_where_the_data_is_downloaded(tmp_path):
-  """With several processes, process 0 loads a task's data first where it comes over the
-  network (tfds, the Hugging Face hub: into a folder the hosts may share); files of one's
-  own (a folder, a local copy of a hub dataset) are read by every host at once."""
-  for data_dir, downloads in [('', True), ('hf:', True), ('hf:nyu-mll/glue', True),
-                              (f'hf:{tmp_path}', False), (str(tmp_path), False)]:
-    task = types.SimpleNamespace(config=ml_collections.ConfigDict({'data_dir': data_dir}))
-    assert finetune_task.FinetuneTask.downloads(task) == downloads, data_dir
+def test_process_zero_downloads_what_tfds_prepares_before_every_host_loads(monkeypatch):
+  """With several processes, process 0 alone fetches what tfds would download and prepare
+  into a folder the hosts may share (FinetuneTask.download, before every host loads): the
+  task's datasets, mnli's AX too; nothing for files of one's own or Hugging Face's copies."""
+  from realformer.finetune.tasks import glue as glue_kind
+  from realformer.finetune.tasks import squad as squad_kind
+  from data import squad as squad_data
+  fetched = []
+  monkeypatch.setattr(glue, 'prepare_tfds', lambda task, data_dir: fetched.append(
+      (f'glue/{task}', data_dir)))
+  monkeypatch.setattr(squad_data, 'prepare_tfds', lambda version, data_dir: fetched.append(
+      (f'squad/{version}', data_dir)))
+  for kind, task, data_dir, want in [
+      (glue_kind.GlueTask, 'rte', '', [('glue/rte', '/tfds')]),
+      (glue_kind.GlueTask, 'mnli', '', [('glue/mnli', '/tfds'), ('glue/ax', '/tfds')]),
+      (glue_kind.GlueTask, 'rte', 'tests/data/glue', []),
+      (glue_kind.GlueTask, 'rte', 'hf:nyu-mll/glue', []),
+      (squad_kind.SquadTask, 'v2.0', '', [('squad/v2.0', '/tfds')]),
+      (squad_kind.SquadTask, 'v1.1', 'tests/data/squad', [])]:
+    fetched.clear()
+    task_ = object.__new__(kind)
+    task_.config = ml_collections.ConfigDict({'task': task, 'data_dir': data_dir,
+                                              'tfds_data_dir': '/tfds'})
+    task_.download()
+    assert fetched == want, (kind, task, data_dir)
 
 
 def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_path, caplog):

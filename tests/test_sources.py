@@ -480,6 +480,21 @@ def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
     glue.read_tfds('rte', 'train')
   with pytest.raises(ValueError, match=r'load squad/v2.0 .*train-v2.0.json'):
     squad.read_tfds('v2.0', 'train')
+  # The same where process 0 downloads and prepares them before the hosts load them.
+  class Offline:
+    def __init__(self, name, data_dir):
+      self.name = name
+
+    def download_and_prepare(self):
+      raise ConnectionError(f"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'"
+                            f'\n({self.name})')
+  monkeypatch.setattr(tfds, 'builder', Offline)
+  with pytest.raises(ValueError, match=r"^tfds could not load glue/mnli \(ConnectionError: "
+                     r"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'\); "
+                     r"without network, pass config.data_dir=<a folder with the task's "):
+    glue.prepare_tfds('mnli_mismatched', '/tfds')
+  with pytest.raises(ValueError, match=r'load squad/v1.1 .*train-v1.1.json'):
+    squad.prepare_tfds('v1.1')
 
 
 def test_a_source_listed_twice_is_held_out_or_trained_on_both_times(tmp_path):

@@ -359,9 +359,10 @@ class FinetuneTask(trainer.Task, abc.ABC):
     self.config, self.mesh, self.run_dir = config, mesh, run
     # What each host reads for itself (with several processes all go on, or none does), and
     # the same on each.
-    pre = distributed.on_every_process(
-        self.__read, f'read {config.task}\'s data or the checkpoint\'s config and vocabulary',
-        process_zero_first=self.downloads())
+    pre, tokenizer = distributed.on_every_process(
+        self.__pretrained, 'read the checkpoint\'s config and vocabulary')
+    distributed.on_process_zero(self.download, f'download {config.task}\'s data')
+    distributed.on_every_process(lambda: self.load(tokenizer), f'read {config.task}\'s data')
     distributed.same_on_every_process(
         lambda: _digest([self.train, *self.eval_features()]), f'{self.name}\'s data',
         'give every host the same files (a copy of each, or a folder they share)')
@@ -448,8 +449,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
         loss_fn=self.loss_fn(model), metrics_cls=FinetuneMetrics,
         totals_fn=self.totals, eval_fn=eval_fn, flops_per_example=self.flops_per_example)
 
-  def __read(self) -> ml_collections.ConfigDict:
-    """The pretraining config, after reading its vocabulary and the task's data (`load`)."""
+  def __pretrained(self):
+    """(the pretraining config, its tokenizer), checked against the task's settings."""
     config = self.config
     pre = pretrained_config(config.init_checkpoint, config)
     if config.max_seq_length > pre.model.max_len:
@@ -460,8 +461,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
     if tokenizer.vocab_size != pre.model.vocab_size:
       raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
                        f'checkpoint was trained with {pre.model.vocab_size}')
-    self.load(tokenizer)
-    return pre
+    return pre, tokenizer
 
   # ---- What each kind supplies.
 
@@ -472,13 +472,13 @@ class FinetuneTask(trainer.Task, abc.ABC):
     """Adds the kind's own fields to `config` (configs/finetune.py's common fields, unlocked)
     and sets its defaults; raises ValueError for a task `name` the kind does not have."""
 
-  def downloads(self) -> bool:
-    """Whether `load` fetches its data over the network into a folder the hosts may share
-    (tfds's, for an empty config.data_dir; a Hugging Face hub dataset's, for `hf:<name>`):
-    with several processes, process 0 then loads first and the others after it. A kind whose
-    data comes otherwise overrides it."""
-    data_dir = self.config.data_dir
-    return not data_dir or (data_dir.startswith('hf:') and not os.path.isdir(data_dir[3:]))
+  def download(self) -> None:
+    """Fetches, before any host loads, what `load` would download into a folder the hosts
+    may share and prepare there at once (tfds's preparation of the task's datasets, for an
+    empty config.data_dir: several at once collide at their last rename): run by process 0
+    alone, then every host loads (a host whose folder is its own fetches its own copy as it
+    loads). Nothing by default (files of one's own; Hugging Face's cache takes its turns
+    itself)."""
 
   @classmethod
   def names(cls) -> Tuple[str, ...]:

@@ -180,32 +180,25 @@ def gathered(value: int) -> List[int]:
   return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(value)))]
 
 
-def on_every_process(action: Callable[[], T], what: str,
-                     process_zero_first: bool = False) -> T:
+def on_every_process(action: Callable[[], T], what: str) -> T:
   """`action()` on every process (work each host does alone: reading its own copy of a
   file, checking its own view of a config); returns its value. With several processes
   every process returns only once each is done (a collective: every process calls this at
   the same point), and if it raised anywhere, every process raises: those it failed on
   their own error, the others a one-line error naming the first that failed (they would
-  otherwise run on to the next collective and wait there for a process that has stopped).
-  `process_zero_first`: process 0 runs it alone before the others start (a download into a
-  folder the hosts may share: the others then find it there; tfds's preparations would
-  collide); where it failed there, the others do not run it."""
+  otherwise run on to the next collective and wait there for a process that has stopped)."""
   if jax.process_count() == 1:
     return action()
   value, error = None, None
-  zero = jax.process_index() == 0
-  for turn in ((True, False) if process_zero_first else (zero,)):
-    if turn == zero:
-      try:
-        value = action()
-      except BaseException as e:  # pylint: disable=broad-except  (re-raised after the gather)
-        error = e
-    failed = [i for i, f in enumerate(gathered(error is not None)) if f]
-    if error is not None:
-      raise error
-    if failed:
-      raise ProcessFailed(f'process {failed[0]} failed to {what}; its log says why')
+  try:
+    value = action()
+  except BaseException as e:  # pylint: disable=broad-except  (re-raised after the gather)
+    error = e
+  failed = [i for i, f in enumerate(gathered(error is not None)) if f]
+  if error is not None:
+    raise error
+  if failed:
+    raise ProcessFailed(f'process {failed[0]} failed to {what}; its log says why')
   return value
 
 

@@ -53,6 +53,11 @@ class GlueTask(FinetuneTask):
     """The task's columns, labels and metric (data/glue.Task)."""
     return glue.get_task(self.config.task)
 
+  def download(self) -> None:
+    if not self.config.data_dir:  # tfds glue/<task> (mnli: its mismatched sets, and AX)
+      for task in (self.config.task,) + (('ax',) if self.config.task == 'mnli' else ()):
+        glue.prepare_tfds(task, self.config.tfds_data_dir)
+
   def load(self, tokenizer):
     config = self.config
     self.name = config.task

@@ -70,6 +70,10 @@ class SquadTask(FinetuneTask):
     self.dev_features, self.dev_infos = self.featurize(self.dev, False)
     self.answers = None  # dev answers of the last evaluation, for the prediction file
 
+  def download(self) -> None:
+    if not self.config.data_dir:  # tfds squad/<version>
+      squad.prepare_tfds(self.config.task, self.config.tfds_data_dir)
+
   def _load(self, split: str):
     if self.config.data_dir.startswith('hf:'):
       return squad.read_hf(self.config.task, 'train' if split == 'train' else 'validation',
