@@ -815,7 +815,9 @@ def test_the_preparation_writes_what_its_version_says(prepared):
   """A change to what a preparation writes for the same settings (an instance builder, the
   sentence splitting, the tokenising, the stream's order) changes these digests: raise
   data/prepare.PREPARE_VERSION with it, so that data prepared before is refused instead of
-  reused, and write the new digests here."""
+  reused, and write the new digests here. (A change of the settings themselves, such as a
+  default of configs/pretrain.py, changes the fingerprint, which refuses the old data
+  already: then only the digests are written anew.)"""
   config, out, metadata = prepared
   got = {split: hashlib.sha256(b''.join(records)).hexdigest()
          for split, records in _records(out, metadata).items()}
