@@ -18,6 +18,7 @@ from absl import flags
 from realformer import cli
 from realformer import storage
 from realformer.tools import analysis
+from realformer.train import checkpoints
 from realformer.train.run_dir import RunDir
 
 
@@ -45,9 +46,7 @@ def main(argv=None):
     if not storage.path(w).is_dir():
       raise FileNotFoundError(f'--workdir {w} does not exist: pass the --workdir of a train.py '
                               'run')
-    folder = storage.path(w)
-    if folder.name == RunDir.CHECKPOINTS or (folder.name.isdigit() and
-                                             folder.parent.name == RunDir.CHECKPOINTS):
+    if checkpoints.owning_run(storage.path(w)) is not None:
       continue  # a run's checkpoints, or one step of them: its config is the run's
     if not (storage.path(w) / RunDir.CONFIG).exists():
       runs = sorted(p.name for p in storage.path(w).iterdir()

@@ -102,11 +102,7 @@ def _data_folder(workdir: str, config) -> str:
   whose data/ was deleted) a folder of this host's cache named by the preparation's
   settings, so that nothing is written into the folder analysed."""
   from data import prepare  # pylint: disable=g-import-not-at-top
-  run = storage.path(workdir)
-  if run.name.isdigit() and run.parent.name == RunNames.CHECKPOINTS:
-    run = run.parent.parent
-  elif run.name == RunNames.CHECKPOINTS:
-    run = run.parent
+  run = checkpoints.owning_run(storage.path(workdir)) or storage.path(workdir)
   if config.data.prepared_dir or (run / RunNames.DATA / prepare.METADATA).exists():
     return str(run)  # (ensure_prepared: config.data.prepared_dir, else <run>/data)
   key = json.dumps(prepare.fingerprint(config), sort_keys=True)

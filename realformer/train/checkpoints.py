@@ -157,16 +157,23 @@ def read_config(workdir) -> dict:
   return json.loads((storage.path(workdir) / RunNames.CONFIG).read_text())
 
 
+def owning_run(path):
+  """The run folder whose checkpoints/ folder, or one step of it, `path` (an epath) is;
+  None for any other folder."""
+  if path.name == RunNames.CHECKPOINTS:
+    return path.parent
+  if path.name.isdigit() and path.parent.name == RunNames.CHECKPOINTS:
+    return path.parent.parent
+  return None
+
+
 def read_pretraining_config(workdir: str) -> dict:
   """config.json of a workdir that holds an encoder (train.py, an import, or a
   fine-tuning run's best/ and final/), or of the run whose checkpoints/ folder or step
   folder `workdir` is, with a one-line error for anything else."""
   run = storage.path(workdir)
   if not (run / RunNames.CONFIG).is_file():  # a run's checkpoints/ folder, or a step of it
-    if run.name == RunNames.CHECKPOINTS:
-      run = run.parent
-    elif run.name.isdigit() and run.parent.name == RunNames.CHECKPOINTS:
-      run = run.parent.parent
+    run = owning_run(run) or run
   path = run / RunNames.CONFIG
   if not path.is_file():
     raise FileNotFoundError(f'{workdir} has no {RunNames.CONFIG}: pass a workdir written by '
