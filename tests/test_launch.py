@@ -583,6 +583,20 @@ def test_errors_are_one_line_and_name_the_fix(monkeypatch):
   with pytest.raises(launch.LaunchError, match=r"v5p slices are AxBxC, not 2x2 \(e.g. "
                      r'v5p:2x2x1\)'):
     launch.tpu_target('v5p:2x2')
+  # Shapes libtpu compiles (v5p:4x4x5 is 80 chips on 20 hosts) but Cloud TPU never creates.
+  for name, why in (('v5p:4x4x5', r'v5p slices are 2x2x1, 2x2x2, 2x2x4, 2x4x4, then AxBxC '
+                                  r'with A <= B <= C, each a multiple of 4, up to 8960 chips'),
+                    ('v4:16x16x20', 'v4 slices are .* up to 4096 chips'),
+                    ('v5e:3x5', 'v5e slices are 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16$'),
+                    ('v6e:16x32', 'v6e slices are 1x1, '),
+                    ('v5e:4x2', 'Cloud TPU writes this slice v5e:2x4$'),
+                    ('v5p:8x4x4', 'Cloud TPU writes this slice v5p:4x4x8$'),
+                    ('v4:1x2x2', 'Cloud TPU writes this slice v4:2x2x1$')):
+    with pytest.raises(launch.LaunchError, match=f"^--compile_for='{name}': no such slice: {why}"):
+      launch.tpu_target(name)
+  for name in ('v4:2x4x4', 'v5p:4x4x12', 'v5p:16x20x28', 'v6e:16x16'):
+    assert launch._not_offered(name[:name.index(':')],  # pylint: disable=protected-access
+                               [int(n) for n in name.split(':')[1].split('x')]) is None, name
   # A kernel out of on-chip memory is not the batch's refusal (no batch would fit): said so.
   oom = 'RESOURCE_EXHAUSTED: Ran out of memory in memory space {} while allocating {}'
   assert launch._out_of_memory(RuntimeError(oom.format('hbm', 'temps'))).startswith(  # pylint: disable=protected-access
@@ -621,8 +635,6 @@ def test_hosts_of_v5e_slices_are_the_vms_google_sells():
 
 @needs_libtpu
 def test_slice_errors(monkeypatch):
-  with pytest.raises(launch.LaunchError, match='does not know this topology'):
-    launch.tpu_target('v5e:3x5')
   target = launch.tpu_target('v5e:2x2')
   config = tiny(mesh__fsdp=3)
   with pytest.raises(launch.LaunchError, match='does not divide.*v5e:2x2 has 4 chips'):

@@ -145,6 +145,38 @@ def _shape_of(chips: int, dimensions: int) -> str:
   return 'x'.join(map(str, sorted(dims, key=lambda n: (n == 1, n))))
 
 
+# The slice shapes Cloud TPU offers (its accelerator-types tables; libtpu compiles for any
+# shape its hosts divide, v5p:4x4x5 included): v5e and v6e a fixed list; v4 and v5p four
+# small shapes, then AxBxC with A <= B <= C, each a multiple of 4, up to the generation's
+# largest slice (v4 4096 chips, v5p 8960).
+_OFFERED_2D = ('1x1', '2x2', '2x4', '4x4', '4x8', '8x8', '8x16', '16x16')
+_SMALL_3D = ('2x2x1', '2x2x2', '2x2x4', '2x4x4')
+_MAX_CHIPS_3D = {'v4': 4096, 'v5p': 8960}
+
+
+def _not_offered(generation: str, dims: list) -> Optional[str]:
+  """Why Cloud TPU offers no `generation` slice of shape `dims`, with the nearest name it
+  does offer where the dimensions are only out of order; None if it offers one."""
+  shape = 'x'.join(map(str, dims))
+  if _DIMENSIONS[generation] == 2:
+    if shape in _OFFERED_2D:
+      return None
+    ordered = 'x'.join(map(str, sorted(dims)))
+    if ordered in _OFFERED_2D:
+      return f'Cloud TPU writes this slice {generation}:{ordered}'
+    return f'{generation} slices are {", ".join(_OFFERED_2D)}'
+  if shape in _SMALL_3D:
+    return None
+  ordered = 'x'.join(map(str, sorted(dims, key=lambda n: (n == 1, n))))
+  if ordered in _SMALL_3D or (ordered == 'x'.join(map(str, sorted(dims)))
+                              and all(n % 4 == 0 for n in dims)
+                              and math.prod(dims) <= _MAX_CHIPS_3D[generation]):
+    return f'Cloud TPU writes this slice {generation}:{ordered}' if ordered != shape else None
+  return (f'{generation} slices are {", ".join(_SMALL_3D)}, then AxBxC with A <= B <= C, '
+          f'each a multiple of 4, up to {_MAX_CHIPS_3D[generation]} chips '
+          f'(e.g. {generation}:4x4x4, {generation}:4x4x8)')
+
+
 def tpu_target(name: str) -> Target:
   """The compile-only devices of a TPU slice named '<generation>:<AxB[xC]>'."""
   generation, _, shape = name.partition(':')
@@ -168,6 +200,9 @@ def tpu_target(name: str) -> Target:
     raise LaunchError(f'--compile_for={name!r}: {generation} slices are '
                       f'{"AxB" if _DIMENSIONS[generation] == 2 else "AxBxC"}, not {shape} '
                       f'(e.g. {generation}:{_shape_of(4, _DIMENSIONS[generation])})')
+  why = _not_offered(generation, [int(n) for n in shape.split('x')])
+  if why:  # (libtpu compiles it all the same, for a slice nobody can create)
+    raise LaunchError(f'--compile_for={name!r}: no such slice: {why}')
   if importlib.util.find_spec('libtpu') is None:
     raise LaunchError('compiling for a TPU slice needs libtpu, which is not installed: '
                       'pip install -r requirements-tpu.txt')
