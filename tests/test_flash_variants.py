@@ -174,6 +174,20 @@ def test_a_sequence_whose_keys_are_all_padding_is_the_plain_paths_with_a_term(ke
 
 
 @pytest.mark.parametrize('kernel', KERNELS)
+def test_a_key_bias_of_minus_infinity_masks_as_the_finite_one(kernel):
+  """Left padding past a whole first block of keys (Triton's 8 keys here, Mosaic's 128): with
+  -inf there, the online softmax's first block would make its row NaN."""
+  q, k, v, term, *_ = (jnp.asarray(x, jnp.float32) for x in _case(16, 136, (136,) * B, 1))
+  left = np.arange(136)[None] < np.array([130, 0, 9])[:, None]
+  key = jax.random.PRNGKey(1)
+  out = {name: KERNELS[kernel](q, k, v, jnp.where(left, fill, 0.0), term=term,
+                               dropout_rate=0.1, dropout_key=key)
+         for name, fill in (('finite', attn_lib.NEG_INF), ('inf', -jnp.inf))}
+  assert np.isfinite(out['inf']).all()
+  np.testing.assert_array_equal(out['inf'], out['finite'])
+
+
+@pytest.mark.parametrize('kernel', KERNELS)
 def test_one_line_errors_of_the_term(kernel):
   q = jnp.zeros((2, 8, 2, 16))
   bias = jnp.zeros((2, 8))

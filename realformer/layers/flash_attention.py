@@ -112,10 +112,10 @@ class _Dims(Constants):
   """Static sizes, the dropout constants and which logits the kernels compute, shared by
   every kernel."""
   batch: int
-  q_len: int
+  q_len: int  # padded to whole tiles
   heads: int
   head_dim: int
-  k_len: int
+  k_len: int  # padded to whole tiles
   block_q: int  # the kernel's tile: queries a step
   block_c: int  # and threefry blocks (4 keys each) a step
   rate: float
@@ -194,7 +194,8 @@ class Tilings:
 class Operands(NamedTuple):
   """What the kernels take, padded to whole tiles (kernel_inputs): q [B, Tq, H, D]; k, v
   [B, Tk, H, D]; key_bias [B, Tk] float32; term [B or 1, H, Tq, Tk] or None; scalars float32
-  [1] (the logit scale); seed uint32 [3] (the threefry key, 0); offsets int32 [3]."""
+  [1] (the logit scale); seed [3] (the threefry key, 0: uint32 here, its bits as int32 for
+  the TPU kernels); offsets int32 [3]."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -470,8 +471,9 @@ def _dkv(args, d: _Dims, tiling: Tiling, interpret, dscores=None):
   if d.dropout:
     operands.append((sp.mask(d.q_len, lambda i: 0), mask))
   aliases = None
-  if d.term_batch:  # in the term's dtype, or q's where that is wider: dQ is read from it
-    dlogits_dtype = jnp.promote_types(ops.term.dtype, ops.q.dtype)
+  # The term's gradient: in its dtype, or q's where that is wider (dQ is read from it);
+  # written scores come with a term (flash_attention refuses them without one).
+  dlogits_dtype = jnp.promote_types(ops.term.dtype, ops.q.dtype) if d.term_batch else None
   if d.scores:
     operands.append((by_keys(), _paired(dscores)))
     if dscores.dtype == dlogits_dtype:  # written over the incoming gradient, tile by tile
@@ -547,6 +549,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Below the scores of padding keys (NEG_INF = -1e9 in realformer.model.attention), so a row
 # whose real keys are all padding still spreads evenly over those keys alone.
 BLOCK_PADDING = -3e9
+# The least key bias the kernels take (a smaller one, -inf included, is raised to it): the
+# online softmax's running max starts at -inf, and a first block of -inf scores would make
+# exp(-inf - -inf) NaN in every later block of the row. exp of it is 0 in float32.
+LEAST_KEY_BIAS = -1e9
+
+
+def finite_key_bias(key_bias: jax.Array) -> jax.Array:
+  """`key_bias` in float32, raised to LEAST_KEY_BIAS where below it (a padding mask of -inf
+  masks the same keys)."""
+  return jnp.maximum(key_bias.astype(jnp.float32), LEAST_KEY_BIAS)
 
 
 def round_up(n: int, m: int) -> int:
@@ -642,7 +654,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   the probabilities.
 
   q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores; a
-  constant: no gradient).
+  constant: no gradient; values below LEAST_KEY_BIAS, -inf included, are taken as it).
   term: None, or an additive term of the logits [B or 1, H, Tq, Tk] (float32 or bfloat16;
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
   weighted logits. logit_scale: None (1), or a float32 scalar that multiplies the logits
@@ -682,7 +694,7 @@ def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings
   q_len, k_len = q.shape[1], k.shape[1]
   pad_q = round_up(q_len, tilings.block_q) - q_len
   pad_k = round_up(k_len, 4 * tilings.block_c) - k_len
-  key_bias = key_bias.astype(jnp.float32)
+  key_bias = finite_key_bias(key_bias)
   if pad_q:
     q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
   if pad_k:

@@ -44,8 +44,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from realformer.layers.flash_attention import (BLOCK_PADDING, Constants, Operands, round_up,
-                                               threefry2x32)
+from realformer.layers.flash_attention import (BLOCK_PADDING, Constants, Operands,
+                                               finite_key_bias, round_up, threefry2x32)
 
 _LANES = 128
 MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float32 arrays)
@@ -404,8 +404,9 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   if d.term_batch:
     operands.append((sp.tile(d.term_batch == 1), ops.term))
   aliases = None
-  if d.term_batch:  # in the term's dtype, or q's where that is wider: dQ is read from it
-    dlogits_dtype = jnp.promote_types(ops.term.dtype, ops.q.dtype)
+  # The term's gradient: in its dtype, or q's where that is wider (dQ is read from it);
+  # written scores come with a term (flash_attention refuses them without one).
+  dlogits_dtype = jnp.promote_types(ops.term.dtype, ops.q.dtype) if d.term_batch else None
   if d.scores:
     operands.append((sp.tile(), dscores))
     if dscores.dtype == dlogits_dtype:  # written over the incoming gradient, tile by tile
@@ -567,7 +568,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   key = jnp.zeros((2,), jnp.uint32) if dropout_key is None else dropout_key
   batch0, head0, total = offsets
   ops = Operands(
-      q=q, k=k, v=v, key_bias=key_bias.astype(jnp.float32), term=term,
+      q=q, k=k, v=v, key_bias=finite_key_bias(key_bias), term=term,
       scalars=jax.lax.stop_gradient(jnp.asarray(1.0 if logit_scale is None else logit_scale,
                                                 jnp.float32).reshape(1)),
       seed=jnp.concatenate([jax.lax.bitcast_convert_type(
