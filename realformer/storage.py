@@ -139,20 +139,34 @@ _CLIENT_MODULES = ('aiohttp', 'gcsfs', 'google.api_core', 'google.auth', 'google
                    'google.resumable_media', 'requests', 'urllib3')
 # How gcsfs words a refusal it raises as a bare OSError.
 _REFUSALS = ('Forbidden', 'Unauthorized')
+# The host an HTTP client's error names (requests and urllib3: host='...'; aiohttp: host
+# ...:443), and the hosts that are object storage's: Google's APIs (storage, OAuth), the
+# metadata server that gives a VM its credentials, loopback (an emulator, the tests').
+_ERROR_HOST = re.compile(r"\bhost[= ]'?([A-Za-z0-9.-]+)")
+_STORAGE_HOSTS = re.compile(r'(^|\.)googleapis\.com$|(^|\.)google\.internal$|'
+                            r'^169\.254\.169\.254$|^127\.|^localhost$')
+
+
+def _another_service(e: BaseException) -> bool:
+  """Whether the client error `e` names a host other than object storage's: a download of
+  tfds's, the Hugging Face hub (which use the same HTTP clients)."""
+  host = _ERROR_HOST.search(str(e))
+  return host is not None and not _STORAGE_HOSTS.search(host.group(1))
 
 
 def fault(e: BaseException):
   """The exception in `e`'s chain that says object storage failed, or None: an error raised by
   a storage client (gcsfs and the aiohttp under it, google-cloud-storage, google-auth), a
   refusal that gcsfs raises as a bare OSError ('Forbidden: ...'), or a tensorstore error on
-  a gs:// path. The chain is followed as Python prints it (a context suppressed by
+  a gs:// path; not one of those clients' errors that names another host (a dataset's
+  download). The chain is followed as Python prints it (a context suppressed by
   `raise ... from None` is not), so an error of this code's own is never taken for one."""
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
     module = type(e).__module__ or ''
     text = str(e)
-    if (module.startswith(_CLIENT_MODULES) or
+    if ((module.startswith(_CLIENT_MODULES) and not _another_service(e)) or
         (type(e) is OSError and e.errno is None and text.startswith(_REFUSALS)) or
         (isinstance(e, ValueError) and 'gs://' in text and any(
             code in text for code in ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'CURL',

@@ -744,6 +744,22 @@ def test_storage_faults_are_told_from_this_codes_own_errors():
   for own in (BrokenPipeError(), ConnectionResetError(), TimeoutError('workers'),
               OSError(28, 'No space left on device'), ValueError('bad config')):
     assert storage.fault(own) is None, own
+  # The same HTTP clients fetch datasets (tfds's downloads, the Hugging Face hub): their
+  # errors name another host, and the one-line error wrapping them is what the user reads.
+  import requests  # pylint: disable=g-import-not-at-top
+  pool = "HTTPSConnectionPool(host='{}', port=443): Max retries exceeded"
+  for host, is_storage in (('dl.fbaipublicfiles.com', False), ('huggingface.co', False),
+                           ('storage.googleapis.com', True), ('oauth2.googleapis.com', True),
+                           ('metadata.google.internal', True), ('127.0.0.1', True)):
+    try:
+      try:
+        raise requests.ConnectionError(pool.format(host))
+      except requests.ConnectionError as e:
+        raise ValueError('tfds could not load glue/rte; without network, pass ...') from e
+    except ValueError as wrapped:
+      assert (storage.fault(wrapped) is not None) == is_storage, host
+  other = aiohttp.ClientConnectionError('Cannot connect to host huggingface.co:443 ssl:default')
+  assert storage.fault(other) is None
   try:  # a bug of ours raised while handling a storage error, the context suppressed
     try:
       raise down
