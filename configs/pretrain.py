@@ -86,7 +86,7 @@ def model_config(variant='postln', size='base'):
   m.remat_policy = 'none'  # none | full | dots | dots_no_batch
   # auto | xla | cudnn (jax.nn.dot_product_attention, without attention dropout) | flash
   # (our Pallas kernels, attention dropout inside them: Triton on GPUs, Mosaic on TPUs) |
-  # off. auto: on a TPU, the Mosaic kernels for every variant with a dot product under
+  # off. auto: on a TPU, the Mosaic kernels for every variant under
   # attention dropout; on an NVIDIA GPU, the Triton kernel for Post-LN/Pre-LN in bfloat16
   # under attention dropout where it runs (heads of 32 or 64: docs/launching.md) and cuDNN's
   # kernel without dropout (bf16/fp16); elsewhere the plain path.

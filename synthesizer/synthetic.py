@@ -54,10 +54,11 @@ class LogitComponent(nn.Module):
                       logits, one per mixed component and the dot product, summing to 1);
                       False adds them with weight 1, as a bias of the logits (a relative
                       position bias, ALiBi's distance penalty) is added;
-    fusable           whether the flash kernels may take its logits as an additive term of
-                      the dot product's (realformer/model/attention.py, spec.
-                      dot_product_plus_terms); a component whose logits do not simply add
-                      sets it False, and its variants run the plain path;
+    fusable           whether the flash kernels may take its logits as an additive term
+                      (of the dot product's, or the logits alone where there is none:
+                      realformer/model/attention.py, spec.flash_fusable); a component whose
+                      logits do not simply add sets it False, and its variants run the
+                      plain path;
     flops(spec, rows, length)   forward matmul FLOPs of one example in a layer computing
                       `rows` query rows over `length` keys (train_lib.flops_per_example adds
                       them, so the logged MFU counts the component);

@@ -109,7 +109,7 @@ def test_a_bias_of_the_logits_is_added_with_weight_one():
 # pylint: disable=redefined-outer-name  (the fixture)
 def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path, monkeypatch):
   spec = resolve(_relpos_config().model)
-  assert spec.attention == ('relpos', 'dot') and spec.dot_product_plus_terms
+  assert spec.attention == ('relpos', 'dot') and spec.flash_fusable
   # Pretrained on a 2 x 2 x 2 mesh, its table split by head over tensor as declared; a run
   # stopped after step 2 and resumed logs the uninterrupted run's losses to the bit.
   train.train_and_evaluate(_relpos_config(num_steps=2), str(tmp_path / 'resumed'))

@@ -272,12 +272,10 @@ def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients_under_dr
     np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 
-def test_flash_stands_in_only_under_dropout_for_a_dot_product_and_not_in_the_last_layer(
-    caplog):
+def test_flash_stands_in_only_under_dropout_and_not_in_the_last_layer(caplog):
   cfg = dict(fused_attention='flash', attention_dropout_rate=0.3)
-  for variant in ('realformer', 'synth_random_vanilla'):  # tests/test_flash_variants.py
+  for variant in ('realformer', 'synth_random_vanilla', 'synth_dense'):  # (test_flash_variants)
     assert attn_lib._use_flash(resolve(small_config(variant, **cfg)), False, False, None)
-  assert not attn_lib._use_flash(resolve(small_config('synth_dense', **cfg)), False, False, None)
   spec = resolve(small_config('postln', **cfg))
   assert attn_lib._use_flash(spec, False, False, None)
   assert not attn_lib._use_flash(spec, True, False, None)  # no dropout: flash is auto
@@ -338,10 +336,10 @@ def test_auto_takes_the_flash_kernel_on_gpus_in_half_precision_under_attention_d
   assert not attn_lib._use_flash(gpu, True, False, None)  # evaluation: cuDNN's kernel
   assert attn_lib._use_fused(gpu, True, False) == 'cudnn'
   for tpu in (spec(platform='tpu'), spec('realformer', platform='tpu', dtype='float32'),
-              spec('synth_random_vanilla', platform='tpu')):  # the Mosaic kernel
+              spec('synth_random_vanilla', platform='tpu'),
+              spec('synth_dense', platform='tpu')):  # the Mosaic kernel, for every variant
     assert attn_lib._use_flash(tpu, False, False, None)
     assert attn_lib._flash_kernel(tpu)[0] is flash_tpu_lib.flash_attention
-  assert not attn_lib._use_flash(spec('synth_dense', platform='tpu'), False, False, None)
   # A run's log says which path each layer's attention takes.
   for got, want in ((gpu, 'flash (Triton), evaluation jax.nn.dot_product_attention (cudnn)'),
                     (spec('realformer', platform='tpu'), 'flash (Mosaic), evaluation plain'),

@@ -54,10 +54,11 @@ def _case(tq, tk, lengths, term_batch, seed=0, heads=H):
   return q, k, v, term, w, ws, bias
 
 
-def _reference_loss(keep, scale, bias, logit_scale, with_scores):
-  """float64 (under enable_x64): sum(out * w) [+ sum(scores * ws)] of the contract."""
+def _reference_loss(keep, scale, bias, logit_scale, with_scores, dot=True):
+  """float64 (under enable_x64): sum(out * w) [+ sum(scores * ws)] of the contract (without
+  the dot product: the term alone)."""
   def loss(q, k, v, term, w, ws):
-    own = jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + term
+    own = (jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) if dot else 0.0) + term
     p = jax.nn.softmax(own * logit_scale + bias[:, None, None, :], axis=-1)
     if keep is not None:
       p = jnp.where(keep, p * scale, 0.0)
@@ -81,6 +82,19 @@ def test_term_kernel_matches_a_float64_reference(kernel, tq, tk, lengths, term_b
                                logit_scale, with_scores)
 
 
+@pytest.mark.parametrize('kernel', KERNELS)
+@pytest.mark.parametrize('tk,lengths,term_batch,rate,logit_scale,with_scores', [
+    (136, (136, 119, 3), 1, 0.2, None, False),  # pure Random: a table shared by the batch
+    (13, (13, 9, 4), B, 0.5, 0.5, True),  # pure Dense per example, odd lengths, scores out
+])
+def test_the_term_alone_matches_a_float64_reference(kernel, tk, lengths, term_batch, rate,
+                                                    logit_scale, with_scores):
+  """Without q and k the logits are the term (the pure Synthesizers): q's and k's gradients
+  are zero, the term's and v's the reference's."""
+  _check_against_the_reference(KERNELS[kernel], tk, tk, lengths, term_batch, rate,
+                               logit_scale, with_scores, dot=False)
+
+
 @pytest.mark.parametrize('tq,tk,block,heads,group', [
     (300, 300, None, H, None),  # the kernels' own choice: one 384 tile, one head a step
     (136, 264, 128, 4, 2),  # 2 x 3 tiles of 128 (Tq != Tk), two steps of two heads
@@ -99,8 +113,9 @@ def test_mosaic_tiles_and_heads_a_step_match_the_float64_reference(tq, tk, block
 
 
 def _check_against_the_reference(kernel, tq, tk, lengths, term_batch, rate, logit_scale,
-                                 with_scores, heads=H):
-  """The kernel's loss, outputs and gradients against the float64 reference."""
+                                 with_scores, heads=H, dot=True):
+  """The kernel's loss, outputs and gradients against the float64 reference (dot=False:
+  the kernel given no q and k)."""
   q, k, v, term, w, ws, bias = _case(tq, tk, lengths, max(term_batch, 1), heads=heads,
                                      seed=tq + term_batch)
   if not term_batch:
@@ -111,7 +126,8 @@ def _check_against_the_reference(kernel, tq, tk, lengths, term_batch, rate, logi
 
   def ours(q, k, v, term, w, ws):
     result = kernel(
-        q, k, v, jnp.asarray(bias, jnp.float32), term=term if term_batch else None,
+        q if dot else None, k if dot else None, v, jnp.asarray(bias, jnp.float32),
+        term=term if term_batch else None,
         logit_scale=logit_scale, scores_dtype=jnp.float32 if with_scores else None,
         dropout_rate=rate, dropout_key=key)
     out, scores = result if with_scores else (result, None)
@@ -123,11 +139,11 @@ def _check_against_the_reference(kernel, tq, tk, lengths, term_batch, rate, logi
                                                      has_aux=True)(*args)
   with jax.enable_x64():
     ref = _reference_loss(keep, scale, bias, 1.0 if logit_scale is None else logit_scale,
-                          with_scores)
+                          with_scores, dot)
     want_value, want_grads = jax.value_and_grad(ref, argnums=(0, 1, 2, 3))(
         q, k, v, term, w, ws)
     if with_scores:
-      want_scores = np.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) + term
+      want_scores = (np.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(D) if dot else 0) + term
       np.testing.assert_allclose(scores, want_scores, atol=1e-5)
   assert out.shape == (B, tq, heads, D)
   np.testing.assert_allclose(value, want_value, rtol=1e-5)
@@ -140,7 +156,7 @@ def _check_against_the_reference(kernel, tq, tk, lengths, term_batch, rate, logi
     assert np.abs(np.asarray(want_grads[3])).max() > 1e-3  # the term's gradient is not trivial
   if rate:  # the mask did act
     assert not np.allclose(value, jax.jit(_reference_loss(
-        None, 1.0, bias, 1.0 if logit_scale is None else logit_scale, with_scores))(
+        None, 1.0, bias, 1.0 if logit_scale is None else logit_scale, with_scores, dot))(
         *args), rtol=1e-3)
 
 
@@ -242,7 +258,8 @@ def test_a_bfloat16_carry_is_within_rounding_of_the_plain_path(kernel):
                                atol=0.1, rtol=2e-2)
 
 
-# Every variant whose logits are a dot product plus additive terms, in the model.
+# Every variant, in the model: those whose logits are a dot product plus additive terms,
+# and the pure Synthesizers (the terms alone).
 VARIANTS = [
     ('realformer', {}),
     ('realformer', dict(running_mean=True)),
@@ -252,6 +269,12 @@ VARIANTS = [
     ('synth_random_vanilla', dict(synth_random_trainable=False)),
     ('postln', dict(attention='factorized_random+dot')),
     ('postln', dict(attention='factorized_dense+dot')),
+    ('synth_random', {}),
+    ('synth_dense', {}),
+    ('synth_random_fixed', {}),
+    ('synth_factorized_random', {}),
+    ('synth_factorized_dense', {}),
+    ('postln', dict(attention='random+dense')),  # a mixture without the dot product
 ]
 
 
@@ -274,9 +297,10 @@ def _use(kernel, monkeypatch):
 
 
 # Every variant through Triton's kernel; through Mosaic's, one of each kind of term
-# (RealFormer's carry in both dtypes, a term shared by the batch, one per example).
+# (RealFormer's carry in both dtypes, a term shared by the batch, one per example, each
+# alone).
 IN_THE_MODEL = [(v, c, 'triton') for v, c in VARIANTS] + [
-    (v, c, 'mosaic') for v, c in VARIANTS[:1] + VARIANTS[2:5]] + [
+    (v, c, 'mosaic') for v, c in VARIANTS[:1] + VARIANTS[2:5] + VARIANTS[8:10]] + [
         # as a TPU trains it: the layers scanned (the running mean's scale a traced layer
         # index) and rematerialised
         ('realformer', dict(scan_layers=True, remat_policy='full', running_mean=True,
@@ -344,14 +368,8 @@ def test_a_bfloat16_model_through_flash_is_within_the_plain_paths_rounding(varia
           np.asarray(got_plain, np.float64) - want)
 
 
-def test_pure_synthesizers_keep_the_plain_path():
-  for variant in ('synth_dense', 'synth_random', 'synth_random_fixed',
-                  'synth_factorized_dense', 'synth_factorized_random'):
-    spec = resolve(small_config(variant, fused_attention='flash', attention_dropout_rate=0.1))
-    assert not attn_lib._use_flash(spec, False, False, None), variant
-
-
-@pytest.mark.parametrize('variant', ['postln', 'realformer', 'synth_random_vanilla'])
+@pytest.mark.parametrize('variant', ['postln', 'realformer', 'synth_random_vanilla',
+                                     'synth_dense'])
 def test_pretraining_model_with_the_pruned_last_layer_under_flash(variant):
   """The last layer computes only [CLS] and the masked rows on the plain path (RealFormer's
   reading the scores the flash kernel carried out of the layer before): the plain path's
@@ -373,7 +391,8 @@ def test_pretraining_model_with_the_pruned_last_layer_under_flash(variant):
 
 @pytest.mark.parametrize('variant,kernel', [
     ('postln', 'triton'), ('realformer', 'triton'), ('synth_random_vanilla', 'triton'),
-    ('postln', 'mosaic'), ('realformer', 'mosaic')])
+    ('synth_dense', 'triton'), ('postln', 'mosaic'), ('realformer', 'mosaic'),
+    ('synth_random', 'mosaic')])
 def test_sharded_flash_drops_what_the_unsharded_plain_path_drops(variant, kernel, monkeypatch):
   """data x fsdp x tensor = 2 x 2 x 2: each shard computes its own sequences and heads, its
   mask rows offset to their global place; the scores and a per-example term split by batch

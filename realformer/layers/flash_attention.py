@@ -123,6 +123,7 @@ class _Dims(Constants):
   term_batch: int = 0  # the additive term's batch: 0 (no term), 1 (shared) or `batch`
   scores: bool = False  # write own + term (RealFormer's carry) and take its gradient
   scaled: bool = False  # multiply own + term by the scalar logit scale
+  dot: bool = True  # q k^T in own; False: the term alone (q and k are not read)
 
   @property
   def groups(self) -> int:  # threefry blocks per mask row
@@ -141,11 +142,13 @@ class _Dims(Constants):
     return jnp.where(keep, x * self.keep_scale, 0.0)
 
   def logits(self, q, k, term, scale_ref):
-    """(own + term, the logits before the key bias) of one quarter [rows, block_c]:
-    own = q k^T / sqrt(d) in float32; the logits are (own + term) * scale where scaled."""
-    own = plgpu.dot(q, k, trans_b=True) * self.sm_scale
+    """(own, the logits before the key bias) of one quarter [rows, block_c], float32:
+    own = q k^T / sqrt(d) + term (the term alone without the dot product: q and k None);
+    the logits are own * scale where scaled."""
+    own = None if q is None else plgpu.dot(q, k, trans_b=True) * self.sm_scale
     if term is not None:
-      own = own + term.astype(jnp.float32)
+      term = term.astype(jnp.float32)
+      own = term if own is None else own + term
     return own, (own * scale_ref[0] if self.scaled else own)
 
   def tiled(self, tiling: 'Tiling') -> '_Dims':
@@ -232,7 +235,7 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
   mask_ref = refs[3] if d.dropout else None
   scores_ref = refs[-1] if d.scores else None
   q_start = pl.program_id(2) * d.block_q
-  q = q_ref[...]
+  q = q_ref[...] if d.dot else None
   rows = (d.row_base(offsets_ref) + _iota(q_start, d.block_q)).astype(jnp.uint32)
 
   def body(j, carry):
@@ -245,8 +248,8 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
       mask_ref[:, c] = _nibbles(keeps)
     s = []
     for i in range(4):
-      own, logits = d.logits(q, k_ref[c, i, :], None if term_ref is None else term_ref[:, c, i],
-                             scale_ref)
+      own, logits = d.logits(q, k_ref[c, i, :] if d.dot else None,
+                             None if term_ref is None else term_ref[:, c, i], scale_ref)
       if scores_ref is not None:
         scores_ref[:, c, i] = own.astype(scores_ref.dtype)
       s.append(logits + bias_ref[c, i][None, :])
@@ -283,14 +286,14 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
   dscores_ref = refs.pop(0) if d.scores else None
   dk_ref, dv_ref, *dterm_ref = refs
   c = pl.ds(pl.program_id(2) * d.block_c, d.block_c)
-  ks = [k_ref[c, i, :] for i in range(4)]
+  ks = [k_ref[c, i, :] if d.dot else None for i in range(4)]
   vs = [v_ref[c, i, :] for i in range(4)]
   biases = [bias_ref[c, i] for i in range(4)]
 
   def body(t, carry):
     dks, dvs = carry
     rows = pl.ds(t * d.block_q, d.block_q)
-    q, do = q_ref[rows, :], do_ref[rows, :]
+    q, do = q_ref[rows, :] if d.dot else None, do_ref[rows, :]
     m, log_l, delta = m_ref[rows], log_l_ref[rows], delta_ref[rows]
     keeps = _unpack(mask_ref[rows, c]) if d.dropout else (None,) * 4
     new_dks, new_dvs = [], []
@@ -308,7 +311,8 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
         ds = ds + dscores_ref[rows, :, i].astype(jnp.float32)
       if dterm_ref:
         dterm_ref[0][rows, :, i] = ds.astype(dterm_ref[0].dtype)
-      new_dks.append(dks[i] + plgpu.dot(q, ds.astype(q.dtype), trans_a=True))
+      new_dks.append(dks[i] + plgpu.dot(q, ds.astype(q.dtype), trans_a=True) if d.dot
+                     else dks[i])  # (zeros without the dot product)
     return tuple(new_dks), tuple(new_dvs)
 
   zeros = tuple(jnp.zeros((d.head_dim, d.block_c), jnp.float32) for _ in range(4))
@@ -532,7 +536,7 @@ def _flash_bwd(static, residuals, cotangents):
   dout, dscores = cotangents
   args = _backward_args(ops, out, stats, dout)
   dk, dv, dlogits = _dkv(args, d, tilings.dkv, interpret, dscores)
-  dq = _dq(args, d, tilings.dq, interpret, dlogits)
+  dq = _dq(args, d, tilings.dq, interpret, dlogits) if d.dot else jnp.zeros_like(ops.q)
   zeros = lambda x: np.zeros(x.shape, jax.dtypes.float0)
   dterm = None
   if d.term_batch:  # a term shared by the batch gets the sum of its examples' gradients
@@ -553,6 +557,22 @@ BLOCK_PADDING = -3e9
 # online softmax's running max starts at -inf, and a first block of -inf scores would make
 # exp(-inf - -inf) NaN in every later block of the row. exp of it is 0 in float32.
 LEAST_KEY_BIAS = -1e9
+
+
+def operand_slots(q, k, v, term) -> Tuple[jax.Array, jax.Array, bool]:
+  """(what the kernels' q and k slots hold, whether the logits have the dot product): q and
+  k; or, both None, the logits are the term alone (the pure Synthesizers), the slots hold
+  v, which the kernels then never read, and the queries are the keys' positions."""
+  if (q is None) != (k is None):
+    raise ValueError('flash_attention: give both q and k, or neither (the logits are then '
+                     'the term alone)')
+  if q is not None:
+    return q, k, True
+  if term is None or term.ndim != 4 or term.shape[2] != v.shape[1]:
+    raise ValueError(f'flash_attention without q and k takes its logits from a term [B or 1, '
+                     f'H, Tk, Tk] (Tk = {v.shape[1]}), not '
+                     f'{None if term is None else term.shape}')
+  return v, v, False
 
 
 def finite_key_bias(key_bias: jax.Array) -> jax.Array:
@@ -655,6 +675,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
 
   q [B, Tq, H, D]; k, v [B, Tk, H, D]; key_bias [B, Tk] (added to every query's scores; a
   constant: no gradient; values below LEAST_KEY_BIAS, -inf included, are taken as it).
+  q and k None: the logits are the term alone, [B or 1, H, Tk, Tk] (the pure Synthesizers;
+  no product is computed for them).
   term: None, or an additive term of the logits [B or 1, H, Tq, Tk] (float32 or bfloat16;
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
   weighted logits. logit_scale: None (1), or a float32 scalar that multiplies the logits
@@ -675,10 +697,11 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   if scores_dtype is not None and term is None:
     raise ValueError('flash_attention returns scores only with a term (RealFormer passes the '
                      'previous layer\'s, zeros at the first)')
+  q, k, dot = operand_slots(q, k, v, term)
   tilings = tilings or default_tilings(q.shape[1], k.shape[1], q.dtype.itemsize,
                                        term is not None, shared_memory_here())
   ops, d = kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings,
-                         term, logit_scale, scores_dtype is not None)
+                         term, logit_scale, scores_dtype is not None, dot)
   out, scores = _flash(ops, (d, tilings, interpret, scores_dtype))
   out = out[:, :q.shape[1]]
   if scores_dtype is None:
@@ -687,7 +710,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
 
 
 def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings: Tilings,
-                  term=None, logit_scale=None, scores=False) -> Tuple[Operands, _Dims]:
+                  term=None, logit_scale=None, scores=False,
+                  dot=True) -> Tuple[Operands, _Dims]:
   """What the kernels take: q, k, v, key_bias and the term padded to whole tiles, the logit
   scale, the dropout seed, the offsets as int32 [3] (Operands), and the static _Dims
   (benchmarks/flash_tiles.py times the kernels one by one from these)."""
@@ -710,7 +734,7 @@ def kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings
     if pad_q or pad_k:
       term = jnp.pad(term, ((0, 0), (0, 0), (0, pad_q), (0, pad_k)))
   d = _Dims(*q.shape, k.shape[1], tilings.block_q, tilings.block_c, float(dropout_rate), q_len,
-            term_batch=term_batch, scores=bool(scores), scaled=logit_scale is not None)
+            term_batch=term_batch, scores=bool(scores), scaled=logit_scale is not None, dot=dot)
   seed = (jnp.zeros((3,), jnp.uint32) if dropout_key is None
           else jnp.concatenate([jnp.asarray(dropout_key, jnp.uint32).reshape(2),
                                 jnp.zeros((1,), jnp.uint32)]))
@@ -739,7 +763,7 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
     return flash(q, k, v, key_bias, term=term, logit_scale=logit_scale,
                  dropout_key=dropout_key, **kwargs)
   batch, _, heads, _ = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
-  total_heads = q.shape[2]
+  total_heads = v.shape[2]
   head_shards = _axes_size(mesh, heads)
   if total_heads % head_shards:  # partitioning.check_heads says so before anything compiles
     raise ValueError(f'model.fused_attention=flash splits the {total_heads} heads over '
@@ -751,8 +775,8 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
   scale = jnp.asarray(1.0 if logit_scale is None else logit_scale, jnp.float32)
 
   def local(q, k, v, key_bias, key, term, scale):
-    batch0 = jax.lax.axis_index(batch) * q.shape[0] if batch else 0
-    head0 = jax.lax.axis_index(heads) * q.shape[2] if heads else 0
+    batch0 = jax.lax.axis_index(batch) * v.shape[0] if batch else 0
+    head0 = jax.lax.axis_index(heads) * v.shape[2] if heads else 0
     return flash(q, k, v, key_bias, term=term, logit_scale=None if logit_scale is None else scale,
                  dropout_key=key, offsets=(batch0, head0, total_heads), **kwargs)
 
@@ -760,8 +784,9 @@ def flash_attention_on_mesh(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: 
   if term is not None:  # a term shared by the batch is split by head only
     term_spec = pairs if term.shape[0] > 1 else P(None, heads, None, None)
   out_specs = seq if scores_dtype is None else (seq, pairs)
+  qk_spec = None if q is None else seq  # (None: the term alone)
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(seq, seq, seq, P(batch, None), P(), term_spec, P()),
+                       in_specs=(qk_spec, qk_spec, seq, P(batch, None), P(), term_spec, P()),
                        out_specs=out_specs, check_vma=False)(q, k, v, key_bias, key, term,
                                                              scale)
 

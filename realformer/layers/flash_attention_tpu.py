@@ -45,7 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from realformer.layers.flash_attention import (BLOCK_PADDING, Constants, Operands,
-                                               finite_key_bias, round_up, threefry2x32)
+                                               finite_key_bias, operand_slots, round_up,
+                                               threefry2x32)
 
 _LANES = 128
 MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float32 arrays)
@@ -72,6 +73,7 @@ class _Dims(Constants):
   term_batch: int = 0  # 0 (no term), 1 (shared by the batch) or B
   scores: bool = False
   scaled: bool = False
+  dot: bool = True  # q k^T in own; False: the term alone (q and k stay in HBM, unread)
   group: int = 1  # heads a grid step computes, one after the other (heads_per_step)
 
 
@@ -152,11 +154,19 @@ def _row(column):
 
 
 def _logits(d: _Dims, q, k, term, scale_ref):
-  """(own = q k^T / sqrt(d) + term, own * scale) of one tile, float32."""
-  own = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32) * d.sm_scale
+  """(own = q k^T / sqrt(d) + term, own * scale) of one tile, float32 (own = the term alone
+  without the dot product: q and k None)."""
+  own = None if q is None else jax.lax.dot_general(
+      q, k, _TRANS_B, preferred_element_type=jnp.float32) * d.sm_scale
   if term is not None:
-    own = own + term.astype(jnp.float32)
+    term = term.astype(jnp.float32)
+    own = term if own is None else own + term
   return own, (own * scale_ref[0] if d.scaled else own)
+
+
+def _qk(d: _Dims, q_ref, k_ref, e):
+  """Head e's q and k tiles, or (None, None) without the dot product."""
+  return (q_ref[e], k_ref[e]) if d.dot else (None, None)
 
 
 def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_ref, *refs,
@@ -176,8 +186,8 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
   for e in range(d.group):  # each head of the step: its views are ref[e]
-    own, logits = _logits(d, q_ref[e], k_ref[e], None if term_ref is None else term_ref[e],
-                          scale_ref)
+    own, logits = _logits(d, *_qk(d, q_ref, k_ref, e),
+                          None if term_ref is None else term_ref[e], scale_ref)
     if scores_ref is not None:
       scores_ref[e] = own.astype(scores_ref.dtype)
     s = logits + bias_ref[...]
@@ -227,7 +237,7 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
   for e in range(d.group):
-    q, k, v, do = q_ref[e], k_ref[e], v_ref[e], do_ref[e]
+    (q, k), v, do = _qk(d, q_ref, k_ref, e), v_ref[e], do_ref[e]
     p = _probabilities(d, q, k, None if term_ref is None else term_ref[e], bias_ref[...],
                        m_ref[e], log_l_ref[e], scale_ref)
     keep = _keep(d, _unpacked(d, nibbles_ref[e])) if d.dropout else None
@@ -242,8 +252,9 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
       ds = ds + dscores_ref[e].astype(jnp.float32)
     if dlogits_ref is not None:
       dlogits_ref[e] = ds.astype(dlogits_ref.dtype)
-    dk_sc[e] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A,
-                                    preferred_element_type=jnp.float32)
+    if d.dot:  # (dK stays zero without the dot product)
+      dk_sc[e] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A,
+                                      preferred_element_type=jnp.float32)
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _():
@@ -334,20 +345,25 @@ class _Specs:
   def smem():
     return pl.BlockSpec(memory_space=pltpu.SMEM)
 
+  @staticmethod
+  def unread():  # an operand left where it is (HBM), not copied tile by tile
+    return pl.BlockSpec(memory_space=pl.ANY)
+
 
 def _call(kernel, d, grid, operands, out_specs, out_shape, scratch, interpret, name,
-          matmuls: int, aliases=None):
+          matmuls: int, aliases=None, exps: bool = True):
   """pallas_call over grid (b, h, outer tile, inner tile: sequential); operands: (BlockSpec,
   array) pairs. Its cost estimate states `matmuls` products of the real (unpadded) query and
-  key lengths, 2 Tq Tk D FLOPs each per sequence and head, and an exp per score: what
+  key lengths, 2 Tq Tk D FLOPs each per sequence and head, and an exp per score (`exps`): what
   realformer.tools.hlo_stats counts for the kernel (padding is not the model's work)."""
   specs, arrays = zip(*operands)
   batch, heads = grid[0], grid[1] * d.group
   scores = batch * heads * d.mask_q_len * d.k_real
-  nbytes = sum(x.size * x.dtype.itemsize for x in arrays) + sum(
+  nbytes = sum(x.size * x.dtype.itemsize for spec, x in operands  # (unread ones not)
+               if spec.memory_space is not pl.ANY) + sum(
       math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(out_shape))
   cost = pl.CostEstimate(flops=2 * matmuls * scores * d.head_dim,
-                         transcendentals=scores if matmuls > 1 else 0,
+                         transcendentals=scores if exps else 0,
                          bytes_accessed=int(nbytes))
   params = pltpu.CompilerParams(
       dimension_semantics=('parallel', 'parallel', 'parallel', 'arbitrary'))
@@ -360,8 +376,10 @@ def _call(kernel, d, grid, operands, out_specs, out_shape, scratch, interpret, n
 def _common(ops, sp):
   """The leading operands of the kernels that compute probabilities (all but
   dQ-from-logits); the forward kernel reads the dropout key and offsets before them."""
-  return [(sp.smem(), ops.scalars), (sp.queries(), ops.q), (sp.keys(), ops.k),
-          (sp.keys(), ops.v), (sp.key_bias(), ops.key_bias)]
+  dot = sp.d.dot
+  return [(sp.smem(), ops.scalars), (sp.queries() if dot else sp.unread(), ops.q),
+          (sp.keys() if dot else sp.unread(), ops.k), (sp.keys(), ops.v),
+          (sp.key_bias(), ops.key_bias)]
 
 
 def _forward(ops, d: _Dims, interpret, scores_dtype):
@@ -385,7 +403,8 @@ def _forward(ops, d: _Dims, interpret, scores_dtype):
              pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)]
   grid = (batch, heads // d.group, d.q_len // d.block, d.k_len // d.block)
   out, m, log_l, *rest = _call(_forward_kernel, d, grid, operands, out_specs, out_shape,
-                               scratch, interpret, 'flash_attention_tpu_forward', matmuls=2)
+                               scratch, interpret, 'flash_attention_tpu_forward',
+                               matmuls=1 + d.dot)
   scores = rest.pop(0) if d.scores else None
   return out, scores, (m, log_l, rest[0] if d.dropout else None)
 
@@ -418,15 +437,18 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), dlogits_dtype))
   scratch = [pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)] * 2
   dk, dv, *dlogits = _call(_dkv_kernel, d, grid_k, operands, out_specs, out_shape, scratch,
-                           interpret, 'flash_attention_tpu_dkv', matmuls=4, aliases=aliases)
+                           interpret, 'flash_attention_tpu_dkv', matmuls=2 + 2 * d.dot,
+                           aliases=aliases)
   grid_q = (batch, heads // d.group, d.q_len // d.block, d.k_len // d.block)
   sp = _Specs(d, by_q=True)
   dq_shape = jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype)
   scratch = [pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)]
-  if d.term_batch:
+  if not d.dot:
+    dq = jnp.zeros(dq_shape.shape, dq_shape.dtype)
+  elif d.term_batch:
     dq = _call(_dq_from_logits_kernel, d, grid_q,
                [(sp.keys(), ops.k), (sp.tile(), dlogits[0])], sp.queries(), dq_shape, scratch,
-               interpret, 'flash_attention_tpu_dq', matmuls=1)
+               interpret, 'flash_attention_tpu_dq', matmuls=1, exps=False)
   else:
     operands = _common(ops, sp) + [(sp.queries(), dout), (sp.row_stats(), m),
                                    (sp.row_stats(), log_l), (sp.row_stats(), delta)]
@@ -538,7 +560,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
                     interpret: bool = False, block: Optional[int] = None,
                     group: Optional[int] = None):
   """realformer.layers.flash_attention.flash_attention's contract on a TPU (see there):
-  returns out [B, Tq, H, D], or (out, scores [B, H, Tq, Tk]) with scores_dtype. block: the
+  returns out [B, Tq, H, D], or (out, scores [B, H, Tq, Tk]) with scores_dtype (q and k
+  None: the logits are the term alone, and q's and k's tiles are never read). block: the
   tiles' queries and keys (a multiple of 128; default: tile_for(Tq, Tk)); group: the heads
   a grid step computes (a divisor of H; default: heads_per_step's for these shapes and
   dtypes)."""
@@ -547,6 +570,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   if scores_dtype is not None and term is None:
     raise ValueError('flash_attention returns scores only with a term (RealFormer passes the '
                      'previous layer\'s, zeros at the first)')
+  q, k, dot = operand_slots(q, k, v, term)
   block = tile_for(q.shape[1], k.shape[1]) if block is None else block
   if block % _LANES:
     raise ValueError(f'flash attention on a TPU: block={block} is not a multiple of 128')
@@ -564,7 +588,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
                      'heads')
   d = _Dims(round_up(q_len, block), round_up(k_len, block), head_dim, block,
             float(dropout_rate), q_len, k_len, term_batch=0 if term is None else term.shape[0],
-            scores=scores_dtype is not None, scaled=logit_scale is not None, group=group)
+            scores=scores_dtype is not None, scaled=logit_scale is not None, dot=dot,
+            group=group)
   key = jnp.zeros((2,), jnp.uint32) if dropout_key is None else dropout_key
   batch0, head0, total = offsets
   ops = Operands(

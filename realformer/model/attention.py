@@ -55,14 +55,14 @@ def in_dtype(bias: jax.Array, dtype) -> jax.Array:
 def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> bool:
   """Whether a flash kernel (realformer.layers.flash_attention on GPUs, flash_attention_tpu
   on TPUs) computes this layer: in training, with attention dropout, for logits that are a
-  dot product plus additive terms (spec.dot_product_plus_terms: every variant but the pure
-  Synthesizers), where asked (`flash`) or under `auto`: on TPUs for every such variant but
-  in float16 (Mosaic has no float16 tiles), on GPUs for plain dot-product attention where
-  the kernel runs and was faster than the plain path (bfloat16: BENCHMARKS.md;
+  dot product plus additive terms or those terms alone (spec.flash_fusable: every variant,
+  the pure Synthesizers included), where asked (`flash`) or under `auto`: on TPUs for every
+  such variant but in float16 (Mosaic has no float16 tiles), on GPUs for plain dot-product
+  attention where the kernel runs and was faster than the plain path (bfloat16: BENCHMARKS.md;
   flash_attention.runs_here; float16, untimed and without loss scaling, keeps the plain path
   unless asked). Without attention dropout `flash` is `auto`. Not for the pruned last layer
   (its few query rows): the plain path computes that one."""
-  if (not spec.dot_product_plus_terms or capture or rows is not None or deterministic
+  if (not spec.flash_fusable or capture or rows is not None or deterministic
       or spec.attention_dropout_rate <= 0):
     return False
   if spec.fused_attention == 'flash':
@@ -211,10 +211,13 @@ class SelfAttention(nn.Module):
   def _flash(self, x, xq, value, bias, residual_scores, layer_index):
     """The layer through realformer.layers.flash_attention: the dot product's weight folded
     into the queries, every other component's weighted logits (and RealFormer's previous
-    scores) as the kernel's additive term, the running mean as its logit scale; the kernel
-    writes RealFormer's carried scores itself. The same dropout mask as the plain path."""
+    scores) as the kernel's additive term (the logits themselves for a pure Synthesizer:
+    no queries or keys), the running mean as its logit scale; the kernel writes RealFormer's
+    carried scores itself. The same dropout mask as the plain path."""
     s = self.spec
-    query, key = self._heads(xq, 'query'), self._heads(x, 'key')
+    query = key = None
+    if 'dot' in s.attention:
+      query, key = self._heads(xq, 'query'), self._heads(x, 'key')
     weights = self._mixture_weights()
     if s.residual_attention and residual_scores is None:  # (the kernel writes scores where
       # it reads a term)

@@ -95,13 +95,12 @@ class EncoderSpec:
     return self.attention == ('dot',) and not self.residual_attention
 
   @property
-  def dot_product_plus_terms(self) -> bool:
+  def flash_fusable(self) -> bool:
     """Whether the logits are Q K^T / sqrt(d_head) (weighted, in a mixture) plus additive
-    terms: other components' logits, RealFormer's previous scores. What the flash kernel
-    (realformer.layers.flash_attention) computes: every variant but the pure Synthesizers
-    (and those with a component that declares itself not fusable)."""
-    return 'dot' in self.attention and all(
-        synthetic.component(c).fusable for c in self.attention if c != 'dot')
+    terms (other components' logits, RealFormer's previous scores), or those terms alone (the
+    pure Synthesizers): what the flash kernels (realformer.layers.flash_attention) compute.
+    Every variant but those with a component that declares itself not fusable."""
+    return all(synthetic.component(c).fusable for c in self.attention if c != 'dot')
 
   @property
   def name(self) -> str:
@@ -238,7 +237,7 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
     raise ValueError(f'model.fused_attention=cudnn needs model.dtype=bfloat16 or float16 '
                      f'(cuDNN\'s attention takes no {jnp.dtype(spec.dtype).name}); use auto, '
                      'which takes it where it can, or xla')
-  if (spec.fused_attention == 'flash' and spec.dot_product_plus_terms
+  if (spec.fused_attention == 'flash' and spec.flash_fusable
       and spec.attention_dropout_rate > 0):  # where it runs: _use_flash
     head_dim = spec.head_dim
     if spec.target_platform == 'gpu' and (head_dim < 16 or head_dim & (head_dim - 1)):
