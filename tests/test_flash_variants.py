@@ -473,10 +473,12 @@ def test_mosaic_tiles_pad_no_more_than_lanes_do_and_share_steps_among_heads():
     assert flash_tpu_lib.heads_per_step(16, 128, 64, itemsize, pair_bytes=12) == group
 
 
-def _summed(kernel, logit_scale, scores_dtype):
-  """loss(q, k, v, term, bias, key): the kernel's output (and scores) summed, under dropout."""
+def _summed(kernel, logit_scale, scores_dtype, dot=True):
+  """loss(q, k, v, term, bias, key): the kernel's output (and scores) summed, under dropout
+  (without the dot product: q and k not given to the kernel)."""
   def loss(q, k, v, term, bias, key):
-    result = kernel(q, k, v, bias, term=term, logit_scale=logit_scale,
+    result = kernel(*((q, k) if dot else (None, None)), v, bias, term=term,
+                    logit_scale=logit_scale,
                     scores_dtype=scores_dtype, dropout_rate=0.1, dropout_key=key)
     out, scores = result if scores_dtype else (result, None)
     total = out.astype(jnp.float32).sum()
@@ -484,23 +486,27 @@ def _summed(kernel, logit_scale, scores_dtype):
   return loss
 
 
-@pytest.mark.parametrize('term_batch,scores_dtype,logit_scale', [
-    (4, jnp.float32, None), (4, jnp.bfloat16, 0.5), (1, None, None)])
-def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_scale):
+@pytest.mark.parametrize('term_batch,scores_dtype,logit_scale,dot', [
+    (4, jnp.float32, None, True), (4, jnp.bfloat16, 0.5, True), (1, None, None, True),
+    (1, None, None, False), (4, None, None, False)])
+def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_scale, dot):
   """BERT-base's heads at length 512 in bfloat16: RealFormer with a float32 and a bfloat16
-  carry (and the running mean's scale), a Random term shared by the batch."""
+  carry (and the running mean's scale), a Random term shared by the batch, and the pure
+  Synthesizers' term alone (Random's, Dense's: no dQ kernel)."""
   q = jax.ShapeDtypeStruct((4, 512, 12, 64), jnp.bfloat16)
   bias = jax.ShapeDtypeStruct((4, 512), jnp.float32)
   term = jax.ShapeDtypeStruct((term_batch, 12, 512, 512), scores_dtype or jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
-  loss = _summed(flash_lib.flash_attention, logit_scale, scores_dtype)
+  loss = _summed(flash_lib.flash_attention, logit_scale, scores_dtype, dot)
   with _an_h100():
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(
         q, q, q, term, bias, key).lower(lowering_platforms=('cuda',))
   text = lowered.as_text()
-  assert text.count('xla.gpu.triton') == 3
-  for name in ('flash_attention_forward', 'flash_attention_dkv', 'flash_attention_dq'):
+  names = ('flash_attention_forward', 'flash_attention_dkv') + (
+      ('flash_attention_dq',) if dot else ())
+  assert text.count('xla.gpu.triton') == len(names)
+  for name in names:
     assert f'name = "{name}' in text, name
 
 
@@ -509,8 +515,9 @@ def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_s
 def test_mosaic_kernels_compile_for_tpu_slices(topology):
   """BERT-base's heads at length 512 in bfloat16, per shard of a data-parallel slice (as
   flash_attention_on_mesh calls them): plain attention, RealFormer with a float32 and a
-  bfloat16 carry (and the running mean's scale), a Random term shared by the batch; forward
-  and backward, compiled by libtpu for the named slice on this CPU."""
+  bfloat16 carry (and the running mean's scale), a Random term shared by the batch, and that
+  term alone (pure Random: q and k left unread in HBM); forward and backward, compiled by
+  libtpu for the named slice on this CPU."""
   with bypassing_the_runs_compilation_cache():
     _compile_the_mosaic_kernels_for(topology)
 
@@ -543,10 +550,11 @@ def _compile_the_mosaic_kernels_for(topology):
   mesh = jax.sharding.Mesh(np.array(target.devices), ('data',))
   n = len(target.devices)
   data = NamedSharding(mesh, P('data'))
-  for term_batch, scores_dtype, scale in ((0, None, None), (2 * n, jnp.float32, None),
-                                          (2 * n, jnp.bfloat16, 0.5), (1, None, None)):
-    def step(q, k, v, bias, key, term, scale=scale, scores_dtype=scores_dtype):
-      loss = _summed(flash_tpu_lib.flash_attention, scale, scores_dtype)
+  for term_batch, scores_dtype, scale, dot in (
+      (0, None, None, True), (2 * n, jnp.float32, None, True),
+      (2 * n, jnp.bfloat16, 0.5, True), (1, None, None, True), (1, None, None, False)):
+    def step(q, k, v, bias, key, term, scale=scale, scores_dtype=scores_dtype, dot=dot):
+      loss = _summed(flash_tpu_lib.flash_attention, scale, scores_dtype, dot)
       return jax.grad(loss, (0, 1, 2) + ((3,) if term is not None else ()))(
           q, k, v, term, bias, key)
 
@@ -564,6 +572,8 @@ def _compile_the_mosaic_kernels_for(topology):
         term).lower().compile()
     stats = hlo_stats.analyze(compiled.as_text())
     # Per device: 2 sequences x 12 heads, 512 x 512 scores, 64 wide: forward 2 products,
-    # dK/dV 4, dQ 1 from the logits' gradient (with a term) or 3 rebuilt (without).
-    assert stats.matmul_flops == 2 * 12 * 512 * 512 * 64 * 2 * (6 + (1 if term_batch else 3))
+    # dK/dV 4, dQ 1 from the logits' gradient (with a term) or 3 rebuilt (without); the term
+    # alone: forward 1 (P V), dK/dV 2 (dV, dP), no dQ.
+    products = (6 + (1 if term_batch else 3)) if dot else 3
+    assert stats.matmul_flops == 2 * 12 * 512 * 512 * 64 * 2 * products
     assert stats.opaque_kernels == 0
