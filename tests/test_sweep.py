@@ -147,6 +147,11 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
                                   ['eval/mlm_accuracy'])
   row = {row[0]: row for row in table}['0.0001']
   assert row[1] == 2 and row[2] == pytest.approx(0.6) and row[-1] == 1
+  # One finished seed a setting: a column of each metric's value, not five copies of it.
+  header, table = sweep.summarize([r for r in sweep.collect(str(root), ['eval/mlm_accuracy'])
+                                   if r['run']['seed'] == 0], ['eval/mlm_accuracy'])
+  assert header == ['optimizer.learning_rate', 'n', 'eval/mlm_accuracy', 'unfinished']
+  assert {row[0]: row[2] for row in table} == pytest.approx({'0.0001': 0.1, '0.0002': 0.2})
 
 
 def test_runs_start_in_the_repository_and_a_wider_sweep_keeps_finished_runs(

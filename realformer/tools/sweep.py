@@ -899,17 +899,20 @@ def check_metrics(rows: Sequence[Dict[str, Any]], metrics: Sequence[str], given:
   return [m for m in metrics if m not in missing]
 
 
+STATISTICS = ('mean', 'median', 'std', 'min', 'max')
+
+
 def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
   """Groups runs by their non-seed overrides: (header, table rows) with mean, median, std,
   min, max and n over the finished seeds for each metric, and how many runs of the setting
-  are not finished (left out)."""
+  are not finished (left out). Where no setting has two finished seeds, each metric is one
+  column of its value (the five statistics would repeat it)."""
   groups = {}
   for row in rows:
     key = tuple(sorted((k, _fmt(v)) for k, v in row['run'].items() if k != 'seed'))
     groups.setdefault(key, []).append(row)
   swept = [k for k in varying_keys([r['run'] for r in rows]) if k != 'seed']
-  header = swept + ['n'] + [f'{m} {s}' for m in metrics
-                             for s in ('mean', 'median', 'std', 'min', 'max')] + ['unfinished']
+  header = swept + ['n'] + [f'{m} {s}' for m in metrics for s in STATISTICS] + ['unfinished']
   table = []
   for key, group in sorted(groups.items()):
     d = dict(key)
@@ -926,6 +929,11 @@ def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
       else:
         cells += [None] * 5
     table.append(line + [n] + cells + [len(group) - len(members)])
+  if all(row[len(swept)] <= 1 for row in table):  # one seed: its values (the mean's column)
+    keep = [i for i, h in enumerate(header)
+            if not h.endswith(tuple(f' {s}' for s in STATISTICS[1:]))]
+    header = [h[:-len(' mean')] if h.endswith(' mean') else h for h in (header[i] for i in keep)]
+    table = [[row[i] for i in keep] for row in table]
   return header, table
 
 
