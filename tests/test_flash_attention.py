@@ -400,7 +400,8 @@ def test_one_line_errors():
   with pytest.raises(ValueError, match='flash on a TPU takes bfloat16 or float32.*float16'):
     resolve(small_config('realformer', fused_attention='flash', dtype='float16'),
             platform='tpu')
-  # Where flash never runs (a pure Synthesizer, no attention dropout), no error.
+  # float32 on a TPU (a pure Synthesizer's term alone too), and where flash never runs (no
+  # attention dropout): no error.
   resolve(small_config('synth_dense', fused_attention='flash'), platform='tpu')
   resolve(small_config('postln', fused_attention='flash', attention_dropout_rate=0.0),
           platform='tpu')

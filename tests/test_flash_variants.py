@@ -1,9 +1,10 @@
 """The flash kernels' contract, for both: Triton's (realformer.layers.flash_attention) and
 Mosaic's (realformer.layers.flash_attention_tpu), in Pallas's interpreter on the CPU:
-plain attention, an additive term, RealFormer's carried scores and the Synthesizer mixtures.
-Values and every gradient (q, k, v, the term, the incoming scores' gradient) against a
-float64 reference with keep_mask's mask; in the model, the plain path's outputs and parameter
-gradients under attention dropout for every variant with a dot product, sharded or not, in
+plain attention, an additive term, RealFormer's carried scores, the Synthesizer mixtures and
+the term alone (the pure Synthesizers). Values and every gradient (q, k, v, the term, the
+incoming scores' gradient) against a float64 reference with keep_mask's mask; in the model,
+the plain path's outputs and parameter gradients under attention dropout for every variant,
+sharded or not, in
 float32 and bfloat16, with the pruned last layer; the Triton kernels lower for CUDA and the
 Mosaic kernels compile for TPU slices (libtpu)."""
 

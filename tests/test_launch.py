@@ -586,7 +586,9 @@ def test_errors_are_one_line_and_name_the_fix(monkeypatch):
   # Shapes libtpu compiles (v5p:4x4x5 is 80 chips on 20 hosts) but Cloud TPU never creates.
   for name, why in (('v5p:4x4x5', r'v5p slices are 2x2x1, 2x2x2, 2x2x4, 2x4x4, then AxBxC '
                                   r'with A <= B <= C, each a multiple of 4, up to 8960 chips'),
-                    ('v4:16x16x20', 'v4 slices are .* up to 4096 chips'),
+                    ('v4:16x16x20', 'v4 slices are .* each a multiple of 4 up to 16, up to '
+                                    '4096 chips'),
+                    ('v4:4x4x64', 'v4 slices are'),
                     ('v5e:3x5', 'v5e slices are 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16$'),
                     ('v6e:16x32', 'v6e slices are 1x1, '),
                     ('v5e:4x2', 'Cloud TPU writes this slice v5e:2x4$'),
@@ -696,13 +698,12 @@ def test_every_kind_of_attention_compiles_to_its_model_flops(variant):
   report, _ = launch.compile_step(config, target)
   assert report.fits or not HAVE_LIBTPU
   assert report.flop_ratio == pytest.approx(1.0, abs=0.05), (variant, report.flop_ratio)
-  # The report names the attention's path: the Mosaic kernels for a mixture with the dot
-  # product on a TPU, the plain path for the pure Synthesizers (and no kernel at all).
-  pure = 'dot' not in resolve(config.model).attention
-  kernel = 'flash (Mosaic)' if HAVE_LIBTPU and not pure else 'plain'
+  # The report names the attention's path: the Mosaic kernels on a TPU for every variant (a
+  # pure Synthesizer's logits the term alone), the plain path elsewhere.
+  kernel = 'flash (Mosaic)' if HAVE_LIBTPU else 'plain'
   assert report.attention == f'training {kernel}, evaluation plain', report.attention
-  if pure:
-    assert 'custom kernels: none' in launch.format_report(config, target, report)
+  assert ('custom kernels: none' in launch.format_report(config, target, report)) == (
+      not HAVE_LIBTPU)
 
 
 @needs_libtpu

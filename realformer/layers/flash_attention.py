@@ -1,17 +1,18 @@
 """Flash attention with BERT's attention dropout inside the kernel (Pallas, Triton on GPUs).
 
 Computes what the plain path in realformer/model/attention.py computes in training for every
-variant whose logits are a dot product plus additive terms:
+variant, whose logits are a dot product plus additive terms, or the terms alone:
 
-    own    = Q K^T / sqrt(d) + term               (term: [B or 1, H, Tq, Tk], or none)
+    own    = Q K^T / sqrt(d) + term               (term: [B or 1, H, Tq, Tk], or none;
+                                                   without Q and K: the term alone)
     P      = softmax(own * scale + bias)          (bias: 0 for real keys, NEG_INF padding)
     out    = (where(keep, P / P(keep), 0) in V's dtype) V
     scores = own, where asked                     (RealFormer's carried scores)
 
 with gradients to Q, K, V and the term (the incoming gradient of `scores` included): plain
 attention has no term; RealFormer's term is the previous layer's scores and its running mean
-the scale; a Synthesizer mixture's term is its other components' weighted logits
-(docs/design.md). realformer/layers/flash_attention_tpu.py is the same contract for TPUs.
+the scale; a Synthesizer mixture's term is its other components' weighted logits, a pure
+Synthesizer's its logits, with no Q and K (docs/design.md). realformer/layers/flash_attention_tpu.py is the same contract for TPUs.
 It never writes the probabilities to memory (nor the scores, unless asked): each program holds a
 block of queries, runs over the keys with an online softmax, and the backward pass rebuilds
 P block by block from the row max and log-sum (FlashAttention-2's algorithm, Dao 2023, with

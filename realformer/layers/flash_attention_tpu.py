@@ -3,7 +3,8 @@
 The contract of realformer.layers.flash_attention (the Triton kernels for GPUs), the same
 inputs and outputs:
 
-    own    = Q K^T / sqrt(d) + term            (term: [B or 1, H, Tq, Tk], or none)
+    own    = Q K^T / sqrt(d) + term            (term: [B or 1, H, Tq, Tk], or none;
+                                                without Q and K: the term alone)
     P      = softmax(own * scale + key_bias)
     out    = (where(keep, P / P(keep), 0) in V's dtype) V
     scores = own, in scores_dtype, where asked (RealFormer's carried scores)
