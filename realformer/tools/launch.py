@@ -145,13 +145,15 @@ def _shape_of(chips: int, dimensions: int) -> str:
   return 'x'.join(map(str, sorted(dims, key=lambda n: (n == 1, n))))
 
 
-# The slice shapes Cloud TPU offers (its accelerator-types tables; libtpu compiles for any
-# shape its hosts divide, v5p:4x4x5 included): v5e and v6e a fixed list; v4 and v5p four
-# small shapes, then AxBxC with A <= B <= C, each a multiple of 4, up to the generation's
-# largest slice (v4 4096 chips, v5p 8960).
+# The slice shapes Cloud TPU can create (its accelerator-types tables; libtpu compiles for
+# any shape its hosts divide, v5p:4x4x5 included): v5e and v6e a fixed list; v4 and v5p four
+# small shapes, then AxBxC with A <= B <= C, each a multiple of 4 (v4's at most 16), up to
+# the generation's largest slice (v4 4096 chips, v5p 8960). A rule, not the list of every
+# shape sold: it refuses what no slice has.
 _OFFERED_2D = ('1x1', '2x2', '2x4', '4x4', '4x8', '8x8', '8x16', '16x16')
 _SMALL_3D = ('2x2x1', '2x2x2', '2x2x4', '2x4x4')
 _MAX_CHIPS_3D = {'v4': 4096, 'v5p': 8960}
+_MAX_DIMENSION_3D = {'v4': 16}  # (v5p's: none but its chips')
 
 
 def _not_offered(generation: str, dims: list) -> Optional[str]:
@@ -170,11 +172,13 @@ def _not_offered(generation: str, dims: list) -> Optional[str]:
   ordered = 'x'.join(map(str, sorted(dims, key=lambda n: (n == 1, n))))
   if ordered in _SMALL_3D or (ordered == 'x'.join(map(str, sorted(dims)))
                               and all(n % 4 == 0 for n in dims)
+                              and max(dims) <= _MAX_DIMENSION_3D.get(generation, max(dims))
                               and math.prod(dims) <= _MAX_CHIPS_3D[generation]):
     return f'Cloud TPU writes this slice {generation}:{ordered}' if ordered != shape else None
+  largest = _MAX_DIMENSION_3D.get(generation)
   return (f'{generation} slices are {", ".join(_SMALL_3D)}, then AxBxC with A <= B <= C, '
-          f'each a multiple of 4, up to {_MAX_CHIPS_3D[generation]} chips '
-          f'(e.g. {generation}:4x4x4, {generation}:4x4x8)')
+          f'each a multiple of 4{f" up to {largest}" if largest else ""}, up to '
+          f'{_MAX_CHIPS_3D[generation]} chips (e.g. {generation}:4x4x4, {generation}:4x4x8)')
 
 
 def tpu_target(name: str) -> Target:
