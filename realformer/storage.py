@@ -140,18 +140,24 @@ _CLIENT_MODULES = ('aiohttp', 'gcsfs', 'google.api_core', 'google.auth', 'google
 # How gcsfs words a refusal it raises as a bare OSError.
 _REFUSALS = ('Forbidden', 'Unauthorized')
 # The host an HTTP client's error names (requests and urllib3: host='...'; aiohttp: host
-# ...:443), and the hosts that are object storage's: Google's APIs (storage, OAuth), the
-# metadata server that gives a VM its credentials, loopback (an emulator, the tests').
+# ...:443), and the hosts that are object storage's: Google's APIs (storage, OAuth, and the
+# token URI of older service-account keys), the metadata server that gives a VM its
+# credentials, loopback, and the endpoints STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL
+# name (an emulator's).
 _ERROR_HOST = re.compile(r"\bhost[= ]'?([A-Za-z0-9.-]+)")
 _STORAGE_HOSTS = re.compile(r'(^|\.)googleapis\.com$|(^|\.)google\.internal$|'
-                            r'^169\.254\.169\.254$|^127\.|^localhost$')
+                            r'^accounts\.google\.com$|^169\.254\.169\.254$|^127\.|^localhost$')
 
 
 def _another_service(e: BaseException) -> bool:
   """Whether the client error `e` names a host other than object storage's: a download of
   tfds's, the Hugging Face hub (which use the same HTTP clients)."""
-  host = _ERROR_HOST.search(str(e))
-  return host is not None and not _STORAGE_HOSTS.search(host.group(1))
+  named = _ERROR_HOST.search(str(e))
+  if named is None or _STORAGE_HOSTS.search(named.group(1)):
+    return False
+  endpoints = (os.environ.get(v, '') for v in ('STORAGE_EMULATOR_HOST', _TENSORSTORE_URL))
+  return not any(named.group(1) == re.sub(r'^\w+://|[:/].*$', '', url) for url in endpoints
+                 if url)
 
 
 def fault(e: BaseException):

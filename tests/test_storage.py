@@ -726,7 +726,7 @@ def test_a_corpus_in_a_bucket_reads_as_the_same_files_on_disk(gcs, tmp_path):
     list(sources.iter_documents(f'files:{gcs}/corpus/*.md'))
 
 
-def test_storage_faults_are_told_from_this_codes_own_errors():
+def test_storage_faults_are_told_from_this_codes_own_errors(monkeypatch):
   import aiohttp  # pylint: disable=g-import-not-at-top
   from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
   down = aiohttp.ClientConnectionError('Cannot connect to host 127.0.0.1:9')
@@ -750,7 +750,8 @@ def test_storage_faults_are_told_from_this_codes_own_errors():
   pool = "HTTPSConnectionPool(host='{}', port=443): Max retries exceeded"
   for host, is_storage in (('dl.fbaipublicfiles.com', False), ('huggingface.co', False),
                            ('storage.googleapis.com', True), ('oauth2.googleapis.com', True),
-                           ('metadata.google.internal', True), ('127.0.0.1', True)):
+                           ('accounts.google.com', True), ('metadata.google.internal', True),
+                           ('127.0.0.1', True)):
     try:
       try:
         raise requests.ConnectionError(pool.format(host))
@@ -760,6 +761,10 @@ def test_storage_faults_are_told_from_this_codes_own_errors():
       assert (storage.fault(wrapped) is not None) == is_storage, host
   other = aiohttp.ClientConnectionError('Cannot connect to host huggingface.co:443 ssl:default')
   assert storage.fault(other) is None
+  emulator = aiohttp.ClientConnectionError('Cannot connect to host fake-gcs:4443 ssl:default')
+  assert storage.fault(emulator) is None  # (no emulator set: another service)
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://fake-gcs:4443')
+  assert storage.fault(emulator) is emulator
   try:  # a bug of ours raised while handling a storage error, the context suppressed
     try:
       raise down
