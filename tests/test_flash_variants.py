@@ -276,6 +276,7 @@ VARIANTS = [
     ('synth_factorized_random', {}),
     ('synth_factorized_dense', {}),
     ('postln', dict(attention='random+dense')),  # a mixture without the dot product
+    ('realformer', dict(attention='dense')),  # RealFormer's carry beside a term alone
 ]
 
 
