@@ -832,6 +832,11 @@ def test_grid_commands_and_summary(tmp_path, capsys):
   with pytest.raises(ValueError, match='the grid repeats a run'):
     finetune_grid.main(['--tasks', 'rte', '--root', f'{root}/two', '--init_checkpoint', '/ck/a',
                         '--init_checkpoint', '/ck/a', '--print_only'])
+  # A misspelt --set key: named with the grid's own flag (it has no --sweep).
+  with pytest.raises(ValueError, match=r'max_seq_lenght is not a field of .*\(did you mean '
+                                       r'max_seq_length\?\); fix the --set key$'):
+    finetune_grid.main(['--tasks', 'rte', '--root', root, '--print_only', '--set',
+                        'max_seq_lenght=96'])
   # A failed (or refused) run makes the grid's exit code non-zero, after the summary.
   with mock.patch.object(finetune_grid.sweep, 'run_all', return_value={'seed=0': 3}):
     assert finetune_grid.main(['--tasks', 'rte', '--root', root, '--seeds', '1',

@@ -406,7 +406,7 @@ def main(argv=None):
     runs = grid(args.learning_rates, args.batch_sizes, args.epochs, args.seeds, fixed, inits)
     axes = GRID_KEYS + (('init_checkpoint',) if len(inits) > 1 else ())  # what names a run
     for task in tasks:  # every task's config takes the --set keys, before any run starts
-      sweep.check_keys(config_arg(task), runs, here=not args.print_only)
+      sweep.check_keys(config_arg(task), runs, here=not args.print_only, flags='--set')
     failed, elsewhere, diverged = [], [], []
     for task in tasks:
       root = task_root(args.root, task)

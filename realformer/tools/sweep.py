@@ -147,7 +147,8 @@ def parse_assignments(items: Sequence[str], *, multi: bool,
       out.append(Hyper.sweep(key, [parse_value(v, (types or {}).get(key, type(None)))
                                    for v in vals]))
     except ValueError as e:
-      raise ValueError(f'{key}: {e}; fix the --sweep/--set value') from None
+      raise ValueError(f'{key}: {e}; fix the {"--sweep" if multi else "--set"} value'
+                       ) from None
   return out
 
 
@@ -311,12 +312,14 @@ def check_program(program: str, config: str) -> None:
     cli.check_program(cfg, os.path.basename(program))
 
 
-def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
+def check_keys(config: str, runs: Sequence[Run], *, here: bool = True,
+               flags: str = '--sweep/--set'):
   """One-line errors, before any run starts (each run would otherwise fail the same way):
   an override key the config does not have, or a value its field cannot take (the runs
   pass values as --config.<key>=<text>, which the field's type parses; None has no text);
   then each run's whole config as its program checks it (a fine-tuning kind's checks only
-  `here`, where the runs start: they may read its files)."""
+  `here`, where the runs start: they may read its files). `flags`: where the program's
+  overrides come from, as the errors name them."""
   import difflib  # pylint: disable=g-import-not-at-top
   cfg = _load(config)
   if cfg is None:
@@ -326,7 +329,7 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
     if key not in known:
       close = difflib.get_close_matches(key, sorted(known), n=1)
       hint = f' (did you mean {close[0]}?)' if close else ''
-      raise ValueError(f'{key} is not a field of {config}{hint}; fix the --sweep/--set key')
+      raise ValueError(f'{key} is not a field of {config}{hint}; fix the {flags} key')
 
   def kind(key):  # the field's type, also where its default is None (a typed placeholder)
     return known[key].get_type(key.rpartition('.')[2])
@@ -351,7 +354,7 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
           holder.copy_and_resolve_references()[name] = value
       except TypeError:
         fix = ('leave the key out of the run (its default stands)' if value is None else
-               'fix the --sweep/--set value')
+               f'fix the {flags} value')
         raise ValueError(f'{key}={value!r} does not fit the field ({kind(key).__name__}, '
                          f'now {current!r}); {fix}') from None
   def whole(run):  # the run's config, as --config.<key>=<text> would set it
@@ -389,7 +392,7 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True):
     except ValueError as e:
       changed = ', '.join(f'{k}={v}' for k, v in run.items() if k != 'seed')
       which = f'the run with {changed}' if changed else f'{config} itself'
-      raise ValueError(f'{which}: {e}; fix the --sweep/--set value') from None
+      raise ValueError(f'{which}: {e}; fix the {flags} value') from None
   if 'variant' in cfg.get('model', {}):  # pretraining: runs that share a prepared corpus
     from data import pretraining as objectives  # pylint: disable=g-import-not-at-top
     by_dir = {}
