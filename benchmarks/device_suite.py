@@ -21,8 +21,10 @@ time is reported, and the rest still run), in this order:
               plain path, and HF transformers' BertForPreTraining (torch, bf16 autocast, SDPA
               attention) on the same batch (padding included): step time, tokens/s, MFU,
               compiled footprint (HF: torch's peak). --extras adds Pre-LN, RealFormer's
-              bfloat16 carry through the plain path, and the attention implementations on
-              Post-LN without attention dropout: our plain softmax path against cuDNN's fused
+              bfloat16 carry through the plain path, the pure Random Synthesizer through
+              the flash kernel (its logits the term alone) and the plain path, and the
+              attention implementations on Post-LN without attention dropout: our plain
+              softmax path against cuDNN's fused
               attention (--smoke on a CPU: the flash kernel in Pallas's interpreter, and
               jax.nn.dot_product_attention's XLA implementation in cuDNN's place)
   step128     the same at length 128 (batch 256), through the flash kernel only (Post-LN
@@ -275,8 +277,10 @@ def _contenders(part: str, platform: str, variants: str = '', extras: bool = Fal
   Synthesizer Random+Vanilla through the flash kernel. At 512 also RealFormer and the
   Synthesizer through the plain path: each variant fused and plain in one run. `extras`
   (--extras) adds Pre-LN, RealFormer's bfloat16 carry through the plain path, and at 512 the
-  attention implementations on Post-LN without attention dropout (our plain path against
-  cuDNN's fused attention; --smoke: jax's XLA implementation in cuDNN's place)."""
+  pure Random Synthesizer fused and plain (whether `auto` should take the kernel for the
+  pure Synthesizers on GPUs) and the attention implementations on Post-LN without attention
+  dropout (our plain path against cuDNN's fused attention; --smoke: jax's XLA implementation
+  in cuDNN's place)."""
   plain = "fused_attention=off, the plain path's dropout"
   other = ([('ours', 'postln', {'fused': 'off'}, plain)] if platform == 'gpu' else
            [('ours', 'postln', {'fused': 'flash'}, 'fused_attention=flash, dropout in the kernel')])
@@ -295,6 +299,8 @@ def _contenders(part: str, platform: str, variants: str = '', extras: bool = Fal
     entries += [('ours', variant, overrides, label) for variant, overrides, label
                 in STEP_CONTENDERS if variant == 'preln']
     if part == 'step512':
+      entries += [('ours', 'synth_random', {'fused': 'flash'}, 'flash kernel'),
+                  ('ours', 'synth_random', {'fused': 'off'}, plain)]
       entries += [('ours', 'postln', {'fused': impl, 'attention_dropout_rate': 0.0},
                    f'fused_attention={impl}, no attention dropout')
                   for impl in (['cudnn'] if platform == 'gpu' else ['xla']) + ['off']]

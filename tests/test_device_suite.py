@@ -190,6 +190,7 @@ def test_each_variant_is_timed_fused_and_plain_at_512_and_variants_narrow_it():
   assert names(device_suite._contenders('step128', 'gpu')) == everything[:6]
   extras = names(device_suite._contenders('step512', 'gpu', extras=True))
   assert extras == everything + [f'realformer [bf16 carry, {plain}]', 'preln',
+                                 'synth_random [flash kernel]', f'synth_random [{plain}]',
                                  'postln [fused_attention=cudnn, no attention dropout]',
                                  'postln [fused_attention=off, no attention dropout]']
   assert names(device_suite._contenders('step512', 'gpu', 'postln', extras=True)) == (
@@ -342,4 +343,4 @@ def test_every_smoke_contender_of_both_step_parts_traces_its_gradient():
                                                            totals)[0]), params, batch)
       assert jax.tree.structure(grads) == jax.tree.structure(params)
       traced.add((part, variant, args.fused, tuple(sorted(overrides.items()))))
-  assert len(traced) == 17, sorted(traced)  # 11 at 512 (with the extras), 6 at 128
+  assert len(traced) == 19, sorted(traced)  # 13 at 512 (with the extras), 6 at 128
