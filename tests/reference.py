@@ -44,8 +44,17 @@ def split_heads(y, h):
   return y.reshape(b, t, h, d // h).transpose(0, 2, 1, 3)  # [B, H, T, dh]
 
 
+# The float64 formulas of attention-logit components of one's own: name -> f(params, x, spec)
+# -> logits [B or 1, H, T, T] (params: the component's, {} if it has none; x [B, T, D]).
+# A component's test adds its own, written from its definition, not from its Flax code.
+COMPONENTS = {}
+
+
 def synth_logits(name, p, x, spec):
-  """Logits [B or 1, H, T, T] of one synthesizer, straight from the paper's definitions."""
+  """Logits [B or 1, H, T, T] of one synthesizer, straight from the paper's definitions (or
+  a component of one's own, from COMPONENTS)."""
+  if name in COMPONENTS:
+    return COMPONENTS[name](p, x, spec)
   b, t, _ = x.shape
   h, L = spec.num_heads, spec.max_len
   if name == 'dense':  # F(X_i) = W2 relu(W1 X_i + b1) + b2, one row of L logits per token/head
@@ -65,7 +74,8 @@ def synth_logits(name, p, x, spec):
   if name == 'factorized_random':
     r1, r2 = p['random_factor_1'][:, :t], p['random_factor_2'][:, :t]
     return np.einsum('hik,hjk->hij', r1, r2)[None]
-  raise ValueError(name)
+  raise ValueError(f'no float64 reference for the component {name!r}: add its formula to '
+                   'tests/reference.py COMPONENTS')
 
 
 def encoder(params, spec, input_ids, segment_ids, attention_mask):
@@ -86,19 +96,18 @@ def encoder(params, spec, input_ids, segment_ids, attention_mask):
     ap = lp['attention']
     y = x if spec.block == 'post_ln' else layer_norm(x, lp['attention_layer_norm'],
                                                      spec.layer_norm_eps)
-    comps, own = [], None
+    # The mixture's components weighted by the softmax of its logits, in spec.mixture's
+    # order; the others (biases of the logits, or a single component) added as they are.
+    weights = dict(zip(spec.mixture, softmax(ap['mixture_logits']))) if spec.mixture else {}
+    logits, own = 0.0, None
     for name in spec.attention:
       if name == 'dot':
         q, k = split_heads(linear(y, ap['query']), h), split_heads(linear(y, ap['key']), h)
         own = q @ k.transpose(0, 1, 3, 2) / math.sqrt(spec.head_dim)
-        comps.append(own)
+        comp = own
       else:
-        comps.append(synth_logits(name, ap[f'synth_{name}'], y, spec))
-    if len(comps) > 1:
-      w = softmax(ap['mixture_logits'])
-      logits = sum(wi * c for wi, c in zip(w, comps))
-    else:
-      logits = comps[0]
+        comp = synth_logits(name, ap.get(f'synth_{name}', {}), y, spec)
+      logits = logits + weights.get(name, 1.0) * comp
     all_own.append(own)
     if spec.residual_attention:
       cur = logits if prev is None else logits + prev

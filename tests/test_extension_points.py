@@ -106,6 +106,34 @@ def test_a_bias_of_the_logits_is_added_with_weight_one():
                                want - want.mean(-1, keepdims=True), atol=2e-4)
 
 
+def _relpos_reference(p, x, spec):
+  """The component's float64 formula, from its definition: table[h, clip(k - q)]."""
+  t = x.shape[1]
+  distance = np.clip(np.arange(t)[None, :] - np.arange(t)[:, None], -MAX_DISTANCE, MAX_DISTANCE)
+  return p['table'][:, distance + MAX_DISTANCE][None]
+
+
+@pytest.mark.parametrize('attention', ['relpos+dot', 'random+relpos+dot'])
+def test_the_component_against_the_float64_reference(attention, monkeypatch):
+  """The encoder against tests/reference.py with the component's formula added to it
+  (reference.COMPONENTS): alone beside the dot product, and beside a mixture it stays out of
+  (Random and the dot product weighted, the bias added as it is)."""
+  from tests import reference  # pylint: disable=g-import-not-at-top
+  from tests.test_models import make_batch, np_batch, perturbed_params, small_config  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(reference.COMPONENTS, 'relpos', _relpos_reference)
+  config = small_config('postln', attention=attention)
+  model = models_lib.build(config, head='encoder')
+  batch = make_batch()
+  params = perturbed_params(model, batch)
+  out = model.apply({'params': params}, batch, capture_attention=True)
+  b = np_batch(batch)
+  hidden, probs, _, _ = reference.encoder(params, resolve(config), b['input_ids'],
+                                          b['segment_ids'], b['attention_mask'])
+  np.testing.assert_allclose(out.hidden, hidden, rtol=2e-4, atol=2e-4)
+  for got, want in zip(out.attention, probs):
+    np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=2e-5)
+
+
 # pylint: disable=redefined-outer-name  (the fixture)
 def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path, monkeypatch):
   spec = resolve(_relpos_config().model)
