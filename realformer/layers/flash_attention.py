@@ -12,7 +12,8 @@ variant, whose logits are a dot product plus additive terms, or the terms alone:
 with gradients to Q, K, V and the term (the incoming gradient of `scores` included): plain
 attention has no term; RealFormer's term is the previous layer's scores and its running mean
 the scale; a Synthesizer mixture's term is its other components' weighted logits, a pure
-Synthesizer's its logits, with no Q and K (docs/design.md). realformer/layers/flash_attention_tpu.py is the same contract for TPUs.
+Synthesizer's its logits, with no Q and K (docs/design.md).
+realformer/layers/flash_attention_tpu.py is the same contract for TPUs.
 It never writes the probabilities to memory (nor the scores, unless asked): each program holds a
 block of queries, runs over the keys with an online softmax, and the backward pass rebuilds
 P block by block from the row max and log-sum (FlashAttention-2's algorithm, Dao 2023, with
