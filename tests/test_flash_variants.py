@@ -76,6 +76,7 @@ def _reference_loss(keep, scale, bias, logit_scale, with_scores, dot=True):
     (32, 32, (32, 19, 6), 1, 0.2, None, False),  # a term shared by the batch (Random)
     (20, 20, (20, 11, 1), B, 0.0, None, False),  # a per-example term (Dense), no dropout
     (136, 136, (136, 130, 7), 0, 0.1, 0.5, False),  # no term, a scale; two tiles of 128
+    (32, 32, (32, 19, 6), 0, 0.2, None, True),  # RealFormer's first layer: scores, no term
 ])
 def test_term_kernel_matches_a_float64_reference(kernel, tq, tk, lengths, term_batch, rate,
                                                  logit_scale, with_scores):
@@ -210,8 +211,11 @@ def test_one_line_errors_of_the_term(kernel):
   bias = jnp.zeros((2, 8))
   with pytest.raises(ValueError, match=r'term \(2, 2, 8, 4\) is not \[B or 1, H, Tq, Tk\]'):
     KERNELS[kernel](q, q, q, bias, term=jnp.zeros((2, 2, 8, 4)))
-  with pytest.raises(ValueError, match='returns scores only with a term'):
-    KERNELS[kernel](q, q, q, bias, scores_dtype=jnp.float32)
+  with pytest.raises(ValueError, match='give both q and k, or neither'):
+    KERNELS[kernel](q, None, q, bias, term=jnp.zeros((2, 2, 8, 8)))
+  with pytest.raises(ValueError, match=r'without q and k takes its logits from a term \[B or '
+                                       r'1, H, Tk, Tk\] \(Tk = 8\), not None'):
+    KERNELS[kernel](None, None, q, bias)
 
 
 @pytest.mark.parametrize('kernel', KERNELS)
@@ -490,14 +494,16 @@ def _summed(kernel, logit_scale, scores_dtype, dot=True):
 
 @pytest.mark.parametrize('term_batch,scores_dtype,logit_scale,dot', [
     (4, jnp.float32, None, True), (4, jnp.bfloat16, 0.5, True), (1, None, None, True),
-    (1, None, None, False), (4, None, None, False)])
+    (1, None, None, False), (4, None, None, False), (0, jnp.float32, None, True)])
 def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_scale, dot):
   """BERT-base's heads at length 512 in bfloat16: RealFormer with a float32 and a bfloat16
-  carry (and the running mean's scale), a Random term shared by the batch, and the pure
-  Synthesizers' term alone (Random's, Dense's: no dQ kernel)."""
+  carry (and the running mean's scale), a Random term shared by the batch, the pure
+  Synthesizers' term alone (Random's, Dense's: no dQ kernel), and RealFormer's first layer
+  (scores written without a term)."""
   q = jax.ShapeDtypeStruct((4, 512, 12, 64), jnp.bfloat16)
   bias = jax.ShapeDtypeStruct((4, 512), jnp.float32)
-  term = jax.ShapeDtypeStruct((term_batch, 12, 512, 512), scores_dtype or jnp.float32)
+  term = None if not term_batch else jax.ShapeDtypeStruct((term_batch, 12, 512, 512),
+                                                          scores_dtype or jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
   loss = _summed(flash_lib.flash_attention, logit_scale, scores_dtype, dot)
@@ -517,9 +523,9 @@ def test_term_kernels_lower_to_triton_for_cuda(term_batch, scores_dtype, logit_s
 def test_mosaic_kernels_compile_for_tpu_slices(topology):
   """BERT-base's heads at length 512 in bfloat16, per shard of a data-parallel slice (as
   flash_attention_on_mesh calls them): plain attention, RealFormer with a float32 and a
-  bfloat16 carry (and the running mean's scale), a Random term shared by the batch, and that
-  term alone (pure Random: q and k left unread in HBM); forward and backward, compiled by
-  libtpu for the named slice on this CPU."""
+  bfloat16 carry (and the running mean's scale) and its first layer (scores, no term), a
+  Random term shared by the batch, and that term alone (pure Random: q and k left unread in
+  HBM); forward and backward, compiled by libtpu for the named slice on this CPU."""
   with bypassing_the_runs_compilation_cache():
     _compile_the_mosaic_kernels_for(topology)
 
@@ -554,7 +560,8 @@ def _compile_the_mosaic_kernels_for(topology):
   data = NamedSharding(mesh, P('data'))
   for term_batch, scores_dtype, scale, dot in (
       (0, None, None, True), (2 * n, jnp.float32, None, True),
-      (2 * n, jnp.bfloat16, 0.5, True), (1, None, None, True), (1, None, None, False)):
+      (2 * n, jnp.bfloat16, 0.5, True), (1, None, None, True), (1, None, None, False),
+      (0, jnp.float32, None, True)):
     def step(q, k, v, bias, key, term, scale=scale, scores_dtype=scores_dtype, dot=dot):
       loss = _summed(flash_tpu_lib.flash_attention, scale, scores_dtype, dot)
       return jax.grad(loss, (0, 1, 2) + ((3,) if term is not None else ()))(
@@ -574,8 +581,8 @@ def _compile_the_mosaic_kernels_for(topology):
         term).lower().compile()
     stats = hlo_stats.analyze(compiled.as_text())
     # Per device: 2 sequences x 12 heads, 512 x 512 scores, 64 wide: forward 2 products,
-    # dK/dV 4, dQ 1 from the logits' gradient (with a term) or 3 rebuilt (without); the term
-    # alone: forward 1 (P V), dK/dV 2 (dV, dP), no dQ.
-    products = (6 + (1 if term_batch else 3)) if dot else 3
+    # dK/dV 4, dQ 1 from the logits' gradient (with a term or written scores) or 3 rebuilt
+    # (without); the term alone: forward 1 (P V), dK/dV 2 (dV, dP), no dQ.
+    products = (6 + (1 if term_batch or scores_dtype else 3)) if dot else 3
     assert stats.matmul_flops == 2 * 12 * 512 * 512 * 64 * 2 * products
     assert stats.opaque_kernels == 0

@@ -88,9 +88,18 @@ def _keep_words(seed_ref, rows, cols, threshold):
 
 
 class Constants:
-  """What both kernels derive from a dataclass's `head_dim` and dropout `rate`."""
+  """What both kernels derive from a dataclass's `head_dim`, dropout `rate`, `term_batch`
+  and `scores`."""
   head_dim: int
   rate: float
+  term_batch: int
+  scores: bool
+
+  @property
+  def dlogits(self) -> bool:
+    """Whether the dK/dV kernel writes the gradient of the logits (the term's, or that of
+    the written scores: dQ is then computed from it)."""
+    return bool(self.term_batch or self.scores)
 
   @property
   def sm_scale(self) -> float:
@@ -477,16 +486,14 @@ def _dkv(args, d: _Dims, tiling: Tiling, interpret, dscores=None):
   if d.dropout:
     operands.append((sp.mask(d.q_len, lambda i: 0), mask))
   aliases = None
-  # The term's gradient: in its dtype, or q's where that is wider (dQ is read from it);
-  # written scores come with a term (flash_attention refuses them without one).
-  dlogits_dtype = jnp.promote_types(ops.term.dtype, ops.q.dtype) if d.term_batch else None
+  dlogits_dtype = dlogits_dtype_of(ops, dscores)
   if d.scores:
     operands.append((by_keys(), _paired(dscores)))
     if dscores.dtype == dlogits_dtype:  # written over the incoming gradient, tile by tile
       aliases = {len(operands) - 1: 2}
   out_specs = [sp.k_block, sp.k_block]
   out_shape = [jax.ShapeDtypeStruct(_grouped(x).shape, x.dtype) for x in (ops.k, ops.v)]
-  if d.term_batch:
+  if d.dlogits:
     out_specs.append(by_keys())
     out_shape.append(jax.ShapeDtypeStruct((d.batch, d.heads, d.q_len, d.groups, 4),
                                           dlogits_dtype))
@@ -497,15 +504,24 @@ def _dkv(args, d: _Dims, tiling: Tiling, interpret, dscores=None):
   return dk, dv, dlogits
 
 
+def dlogits_dtype_of(ops: Operands, dscores):
+  """The dtype of the logits' gradient, where the dK/dV kernel writes it: the term's (or,
+  without one, the written scores'), or q's where that is wider (dQ is read from it)."""
+  if ops.term is None and dscores is None:
+    return None
+  return jnp.promote_types(ops.q.dtype, ops.term.dtype if ops.term is not None else
+                           dscores.dtype)
+
+
 def _dq(args, d: _Dims, tiling: Tiling, interpret, dlogits=None):
-  """dQ [B, Tq, H, D]: a program per block_q queries, over every key; with a term, from the
-  logits' gradient that _dkv returned."""
+  """dQ [B, Tq, H, D]: a program per block_q queries, over every key; with a term or
+  written scores, from the logits' gradient that _dkv returned."""
   ops, dout, m, log_l, delta, mask = args
   d = d.tiled(tiling)
   sp = _Specs(d)
   grid = (d.batch, d.heads, d.q_len // d.block_q)
   dq = jax.ShapeDtypeStruct(ops.q.shape, ops.q.dtype)
-  if d.term_batch:
+  if d.dlogits:
     return _call(_dq_from_logits_kernel, d, tiling, grid,
                  [(sp.grouped, _grouped(ops.k)),
                   (sp.pairs(d.block_q, d.groups, True), _paired(dlogits))],
@@ -641,7 +657,8 @@ def default_tilings(q_len: int, k_len: int, itemsize: int = 2, term: bool = Fals
   shapes on an H200 at length 512 and 128 (benchmarks/flash_tiles.py; BENCHMARKS.md).
 
   Smaller where that would not fit the GPU's shared memory (itemsize: q's bytes, 4 for
-  float32; term: with an additive term, whose tiles the kernels hold too), each choice
+  float32; term: with an additive term or written scores, whose tiles, or their
+  gradient's, the kernels hold too), each choice
   compiled for a GPU of that class (SHARED_MEMORY) at lengths 128 and 512: on Hopper the
   dK/dV kernel in 2 stages for float32 with a term; on the A100's 163 KiB, 2 stages of it
   with a term, and for float32 2 stages everywhere and 32-query dK/dV blocks; below that
@@ -683,9 +700,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
   weighted logits. logit_scale: None (1), or a float32 scalar that multiplies the logits
   before the key bias (RealFormer's running mean, 1 / (l + 1)), a constant: no gradient.
-  scores_dtype: with a term, also return own + term = q k^T / sqrt(d) + term in that dtype,
-  before scale and bias (RealFormer's carried scores), whose incoming gradient flows into
-  q, k and the term.
+  scores_dtype: also return own = q k^T / sqrt(d) + term in that dtype, before scale and bias
+  (RealFormer's carried scores; at its first layer, without a term), whose incoming gradient
+  flows into q, k and the term.
   dropout_key: a threefry key's data, uint32 [2] (dropout.threefry_key_data), needed when
   dropout_rate > 0. offsets (batch, head, total heads): where this shard's first sequence and
   head sit in the global [B, H] that the mask rows count (0, 0, H for an unsharded call).
@@ -696,12 +713,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   """
   if dropout_rate > 0 and dropout_key is None:
     raise ValueError('flash_attention with dropout needs dropout_key')
-  if scores_dtype is not None and term is None:
-    raise ValueError('flash_attention returns scores only with a term (RealFormer passes the '
-                     'previous layer\'s, zeros at the first)')
   q, k, dot = operand_slots(q, k, v, term)
   tilings = tilings or default_tilings(q.shape[1], k.shape[1], q.dtype.itemsize,
-                                       term is not None, shared_memory_here())
+                                       term is not None or scores_dtype is not None,
+                                       shared_memory_here())
   ops, d = kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings,
                          term, logit_scale, scores_dtype is not None, dot)
   out, scores = _flash(ops, (d, tilings, interpret, scores_dtype))

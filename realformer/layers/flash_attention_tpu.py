@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from realformer.layers.flash_attention import (BLOCK_PADDING, Constants, Operands,
-                                               finite_key_bias, operand_slots, round_up,
-                                               threefry2x32)
+                                               dlogits_dtype_of, finite_key_bias,
+                                               operand_slots, round_up, threefry2x32)
 
 _LANES = 128
 MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float32 arrays)
@@ -228,7 +228,7 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
   term_ref = refs.pop(0) if d.term_batch else None
   dscores_ref = refs.pop(0) if d.scores else None
   dk_ref, dv_ref = refs[:2]
-  dlogits_ref = refs[2] if d.term_batch else None
+  dlogits_ref = refs[2] if d.dlogits else None
   dk_sc, dv_sc = refs[-2:]
   i = pl.program_id(3)  # the query tile (inner), against the step's key tile
 
@@ -424,16 +424,14 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   if d.term_batch:
     operands.append((sp.tile(d.term_batch == 1), ops.term))
   aliases = None
-  # The term's gradient: in its dtype, or q's where that is wider (dQ is read from it);
-  # written scores come with a term (flash_attention refuses them without one).
-  dlogits_dtype = jnp.promote_types(ops.term.dtype, ops.q.dtype) if d.term_batch else None
+  dlogits_dtype = dlogits_dtype_of(ops, dscores)
   if d.scores:
     operands.append((sp.tile(), dscores))
     if dscores.dtype == dlogits_dtype:  # written over the incoming gradient, tile by tile
       aliases = {len(operands) - 1: 2}
   out_specs = [sp.keys(), sp.keys()]
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (ops.k, ops.v)]
-  if d.term_batch:
+  if d.dlogits:
     out_specs.append(sp.tile())
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, d.q_len, d.k_len), dlogits_dtype))
   scratch = [pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)] * 2
@@ -446,7 +444,7 @@ def _backward(ops, d: _Dims, interpret, out, stats, dout, dscores):
   scratch = [pltpu.VMEM((d.group, d.block, d.head_dim), jnp.float32)]
   if not d.dot:
     dq = jnp.zeros(dq_shape.shape, dq_shape.dtype)
-  elif d.term_batch:
+  elif d.dlogits:
     dq = _call(_dq_from_logits_kernel, d, grid_q,
                [(sp.keys(), ops.k), (sp.tile(), dlogits[0])], sp.queries(), dq_shape, scratch,
                interpret, 'flash_attention_tpu_dq', matmuls=1, exps=False)
@@ -534,11 +532,12 @@ def tile_for(q_len: int, k_len: int) -> int:
 
 def pair_bytes(q_dtype, term_dtype=None, scores_dtype=None) -> int:
   """The bytes per query-key pair of the dK/dV kernel's [B, H, Tq, Tk] blocks: the term, the
-  logits' gradient (in the term's dtype, or q's where wider) and the scores' gradient; 0
-  without a term."""
-  if term_dtype is None:
+  logits' gradient (in the term's dtype, or the scores', or q's where wider) and the scores'
+  gradient; 0 with neither a term nor scores."""
+  if term_dtype is None and scores_dtype is None:
     return 0
-  pairs = [term_dtype, jnp.promote_types(term_dtype, q_dtype)]
+  pairs = [] if term_dtype is None else [term_dtype]
+  pairs += [jnp.promote_types(term_dtype or scores_dtype, q_dtype)]
   pairs += [] if scores_dtype is None else [scores_dtype]
   return sum(jnp.dtype(t).itemsize for t in pairs)
 
@@ -568,9 +567,6 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   dtypes)."""
   if dropout_rate > 0 and dropout_key is None:
     raise ValueError('flash_attention with dropout needs dropout_key')
-  if scores_dtype is not None and term is None:
-    raise ValueError('flash_attention returns scores only with a term (RealFormer passes the '
-                     'previous layer\'s, zeros at the first)')
   q, k, dot = operand_slots(q, k, v, term)
   block = tile_for(q.shape[1], k.shape[1]) if block is None else block
   if block % _LANES:

@@ -219,11 +219,7 @@ class SelfAttention(nn.Module):
     if 'dot' in s.attention:
       query, key = self._heads(xq, 'query'), self._heads(x, 'key')
     weights = self._mixture_weights()
-    if s.residual_attention and residual_scores is None:  # (the kernel writes scores where
-      # it reads a term)
-      residual_scores = jnp.zeros((x.shape[0], s.num_heads, x.shape[1], x.shape[1]),
-                                  s.residual_dtype)
-    term = self._term(x, None, weights, residual_scores)
+    term = self._term(x, None, weights, residual_scores)  # (RealFormer's first layer: none)
     if 'dot' in weights:  # w * (q k^T) = (w q) k^T
       w = weights['dot']
       query = (query.astype(jnp.float32) * w).astype(query.dtype)
