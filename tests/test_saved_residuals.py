@@ -100,3 +100,23 @@ def test_the_mosaic_kernels_keep_the_masks_bits_and_no_probabilities(rate, t, wi
   assert bits == ([((b, h, rows, tile), 'int32')] if rate else [])
   pairs = [s for s in kept if s[0][-2:] in ((t, t), (tile, tile))]
   assert pairs == ([((b, h, t, t), 'float32')] if with_term else [])
+
+
+def test_realformers_first_layer_keeps_no_carry_through_the_flash_kernel():
+  """Unscanned, RealFormer's first layer reads no previous scores: through the flash kernel
+  (Triton's, in Pallas's interpreter) it keeps nothing [B, H, T, T] for its backward, and
+  each later layer keeps the one carry it reads (a carry of zeros was built, kept and read
+  at the first)."""
+  batch = make_batch()
+  b, t = batch['input_ids'].shape
+  rngs = {'dropout': jax.random.PRNGKey(5)}
+  for layers in (1, 2):
+    cfg = small_config('realformer', fused_attention='flash', attention_dropout_rate=0.1,
+                       dropout_rate=0.0, num_layers=layers)
+    model = models.build(cfg, head='encoder')
+    params = perturbed_params(model, batch)
+    loss = lambda p, model=model: jnp.sum(model.apply(
+        {'params': p}, batch, deterministic=False, rngs=rngs).hidden ** 2)
+    carries = [s for s in _residual_shapes(loss, params)
+               if len(s[0]) == 4 and s[0][:2] == (b, cfg.num_heads) and s[1] == 'float32']
+    assert len(carries) == layers - 1, (layers, carries)

@@ -196,8 +196,10 @@ class Encoder(nn.Module):
     mask = batch.get('attention_mask', jnp.ones_like(input_ids))
     bias = attn_lib.mask_bias(mask)
     x = Embeddings(s, name='embeddings')(input_ids, segment_ids, deterministic)
-    scores = (jnp.zeros((b, s.num_heads, t, t), s.residual_dtype) if s.residual_attention
-              else None)
+    # RealFormer's carried scores: none into the first layer, except where the layers are
+    # scanned (one program for all: the first reads a carry of zeros).
+    scores = (jnp.zeros((b, s.num_heads, t, t), s.residual_dtype)
+              if s.residual_attention and s.scan_layers else None)
 
     rows = None  # the last layer's rows, when it computes only some: [CLS], output_rows, filler
     if (output_rows is not None and s.last_layer == 'predicted' and not s.scan_layers
