@@ -474,9 +474,10 @@ def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
     raise ConnectionError(f"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'\n"
                           f'({name}, {kw["split"]})')
   monkeypatch.setattr(tfds, 'load', no_network)
-  with pytest.raises(ValueError, match=r"^tfds could not load glue/rte \(ConnectionError: "
-                     r"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'\); "
-                     r"without network, pass config.data_dir=<a folder with the task's "):
+  offline = (r"^tfds could not load glue/{} \(ConnectionError: HTTPSConnectionPool: Failed "
+             r"to resolve 'dl.fbaipublicfiles.com'\); without network, pass "
+             r"config.data_dir=<a folder with the task's ")
+  with pytest.raises(ValueError, match=offline.format('rte')):
     glue.read_tfds('rte', 'train')
   with pytest.raises(ValueError, match=r'load squad/v2.0 .*train-v2.0.json'):
     squad.read_tfds('v2.0', 'train')
@@ -489,9 +490,7 @@ def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
       raise ConnectionError(f"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'"
                             f'\n({self.name})')
   monkeypatch.setattr(tfds, 'builder', Offline)
-  with pytest.raises(ValueError, match=r"^tfds could not load glue/mnli \(ConnectionError: "
-                     r"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'\); "
-                     r"without network, pass config.data_dir=<a folder with the task's "):
+  with pytest.raises(ValueError, match=offline.format('mnli')):
     glue.prepare_tfds('mnli_mismatched', '/tfds')
   with pytest.raises(ValueError, match=r'load squad/v1.1 .*train-v1.1.json'):
     squad.prepare_tfds('v1.1')
