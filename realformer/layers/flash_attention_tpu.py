@@ -477,11 +477,13 @@ def _padded_pairs(x, d: _Dims):
 
 
 def _kernel_layout(ops: Operands, d: _Dims) -> Operands:
-  """The operands as the kernels read them: heads-major, padded to whole tiles."""
+  """The operands as the kernels read them: heads-major, padded to whole tiles (without the
+  dot product, q's and k's unread slots hold v's one copy, not two more of their own)."""
   bias = jnp.pad(ops.key_bias, ((0, 0), (0, d.k_len - d.k_real)),
                  constant_values=BLOCK_PADDING)[:, None, :]
-  return ops._replace(q=_heads_major(ops.q, d), k=_heads_major(ops.k, d),
-                      v=_heads_major(ops.v, d), key_bias=bias, term=_padded_pairs(ops.term, d))
+  v = _heads_major(ops.v, d)
+  q, k = (_heads_major(ops.q, d), _heads_major(ops.k, d)) if d.dot else (v, v)
+  return ops._replace(q=q, k=k, v=v, key_bias=bias, term=_padded_pairs(ops.term, d))
 
 
 # The custom VJP takes and keeps the operands in the caller's layout ([B, T, H, D], unpadded):
