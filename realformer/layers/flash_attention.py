@@ -566,6 +566,10 @@ def _flash_bwd(static, residuals, cotangents):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+# One program for each static configuration (_Dims, tilings, ...): a model's layers of one
+# shape trace and lower the kernels once, not once a layer, and an eagerly run model (the
+# interpreter's tests) compiles each kernel once.
+_flash_program = jax.jit(_flash, static_argnums=1)
 
 
 # Below the scores of padding keys (NEG_INF = -1e9 in realformer.model.attention), so a row
@@ -719,7 +723,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
                                        shared_memory_here())
   ops, d = kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings,
                          term, logit_scale, scores_dtype is not None, dot)
-  out, scores = _flash(ops, (d, tilings, interpret, scores_dtype))
+  out, scores = _flash_program(ops, (d, tilings, interpret, scores_dtype))
   out = out[:, :q.shape[1]]
   if scores_dtype is None:
     return out

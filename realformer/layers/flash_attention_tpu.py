@@ -521,6 +521,8 @@ def _flash_bwd(static, residuals, cotangents):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+# One program for each static configuration (as flash_attention._flash_program).
+_flash_program = jax.jit(_flash, static_argnums=1)
 
 
 def tile_for(q_len: int, k_len: int) -> int:
@@ -599,5 +601,5 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
           jnp.asarray(key, jnp.uint32).reshape(2), jnp.int32), jnp.zeros((1,), jnp.int32)]),
       offsets=jnp.stack([jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32),
                          jnp.asarray(heads if total is None else total, jnp.int32)]))
-  out, scores = _flash(ops, (d, interpret, scores_dtype))
+  out, scores = _flash_program(ops, (d, interpret, scores_dtype))
   return out if scores_dtype is None else (out, scores)
