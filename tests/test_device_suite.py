@@ -182,11 +182,11 @@ def test_each_variant_is_timed_fused_and_plain_at_512_and_variants_narrow_it():
   plain = "fused_attention=off, the plain path's dropout"
   everything = names(device_suite._contenders('step512', 'gpu'))
   # timed in this order: what the goals read first (a part cut short loses the last); all
-  # of them compile at once on the GPU's host, so eight, not more
+  # of them compile at once on the GPU's host (16 cores), so nine, not more
   assert everything == ['postln', 'HF', f'postln [{plain}]', 'realformer [flash kernel]',
                         'realformer [bf16 carry, flash kernel]',
                         'synth_random_vanilla [flash kernel]', f'realformer [{plain}]',
-                        f'synth_random_vanilla [{plain}]']
+                        f'synth_random_vanilla [{plain}]', 'postln [scanned layers]']
   assert names(device_suite._contenders('step128', 'gpu')) == everything[:6]
   extras = names(device_suite._contenders('step512', 'gpu', extras=True))
   assert extras == everything + [f'realformer [bf16 carry, {plain}]', 'preln',
@@ -194,9 +194,10 @@ def test_each_variant_is_timed_fused_and_plain_at_512_and_variants_narrow_it():
                                  'postln [fused_attention=cudnn, no attention dropout]',
                                  'postln [fused_attention=off, no attention dropout]']
   assert names(device_suite._contenders('step512', 'gpu', 'postln', extras=True)) == (
-      everything[:3] + extras[-2:])
+      everything[:3] + everything[-1:] + extras[-2:])
   on_cpu = names(device_suite._contenders('step512', 'cpu', 'postln', extras=True))
-  assert on_cpu[2:4] == ['postln [fused_attention=flash, dropout in the kernel]',
+  assert on_cpu[2:5] == ['postln [fused_attention=flash, dropout in the kernel]',
+                         'postln [scanned layers]',
                          'postln [fused_attention=xla, no attention dropout]']
   assert names(device_suite._contenders('step128', 'cpu', 'realformer')) == [
       'HF', 'realformer [flash kernel]', 'realformer [bf16 carry, flash kernel]']
@@ -343,4 +344,4 @@ def test_every_smoke_contender_of_both_step_parts_traces_its_gradient():
                                                            totals)[0]), params, batch)
       assert jax.tree.structure(grads) == jax.tree.structure(params)
       traced.add((part, variant, args.fused, tuple(sorted(overrides.items()))))
-  assert len(traced) == 19, sorted(traced)  # 13 at 512 (with the extras), 6 at 128
+  assert len(traced) == 20, sorted(traced)  # 14 at 512 (with the extras), 6 at 128
