@@ -106,6 +106,9 @@ def get_config(arg: str = 'glue/sst2'):
   c.model.dense_impl = ''
   c.model.dropout_rate = ml_collections.FieldReference(None, field_type=float)
   c.model.attention_dropout_rate = ml_collections.FieldReference(None, field_type=float)
+  # The layers scanned (one layer's program: faster compiles, more memory) or unrolled,
+  # whichever way the checkpoint stored them (its parameters are laid out on restore).
+  c.model.scan_layers = ml_collections.FieldReference(None, field_type=bool)
   task.configure(c, name)
   c.lock()
   return c

@@ -617,6 +617,58 @@ def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tm
     assert checkpoints.read_pretraining_config(str(tmp_path / name))['seed'] == 5
 
 
+def test_the_layers_restore_scanned_from_unrolled_and_unrolled_from_scanned(reference,
+                                                                          tmp_path):
+  """model.scan_layers stacks the layers' parameters ('layers' [L, ...]); unrolled they are
+  layers_0 ... layers_{L-1}. Params restore from either layout into either (a fine-tuning
+  that scans an unrolled pretraining's layers, a second phase that stops scanning them):
+  the same values, the same outputs, sharded as the target asks (the layer axis
+  unsharded)."""
+  unrolled = tiny_config()
+  scanned = tiny_config()
+  scanned.model.scan_layers = True
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('x',))
+
+  def sharded(abstract):  # the last axis of each matrix (and stacked vector) split over 'x'
+    def place(x):
+      spec = [None] * x.ndim
+      if x.ndim >= 2 and x.shape[-1] % 2 == 0:
+        spec[-1] = 'x'
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec(*spec)))
+    return jax.tree.map(place, abstract)
+
+  workdir = str(reference[0])
+  want, missing = checkpoints.restore_params(workdir, _abstract_params(unrolled))
+  assert not missing
+  got, missing = checkpoints.restore_params(
+      workdir, sharded(_abstract_params(scanned)))
+  assert not missing and 'layers_0' not in got['encoder']
+  for i in range(unrolled.model.num_layers):
+    for a, b in zip(jax.tree.leaves(got['encoder']['layers']),
+                    jax.tree.leaves(want['encoder'][f'layers_{i}'])):
+      np.testing.assert_array_equal(np.asarray(a)[i], b)
+  kernel = got['encoder']['layers']['mlp']['intermediate']['kernel']
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, None, 'x')
+  assert got['mlm_head']['transform']['kernel'].sharding.spec[-1] == 'x'
+  batch = next(pretraining.SyntheticData(vocab_size=120, seq_len=32, num_predictions=5,
+                                         global_batch_size=2, seed=1))
+  outputs = [models.build(c.model).apply({'params': p}, batch)
+             for c, p in ((unrolled, want), (scanned, got))]
+  for a, b in zip(jax.tree.leaves(outputs[0]), jax.tree.leaves(outputs[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  # ... and back: the scanned params, written, restore unrolled (and the encoder alone).
+  checkpoints.save_params(str(tmp_path / 'scanned'), jax.device_get(got), scanned)
+  back, missing = checkpoints.restore_params(
+      str(tmp_path / 'scanned'), sharded(_abstract_params(unrolled)['encoder']),
+      subtree=('encoder',))
+  assert not missing and 'layers' not in back
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want['encoder'])):
+    np.testing.assert_array_equal(a, b)
+  assert back['layers_1']['mlp']['intermediate']['kernel'].sharding.spec == jax.sharding.PartitionSpec(
+      None, 'x')
+
+
 def _abstract_params(config):
   model = models.build(config.model)
   batch = next(pretraining.SyntheticData(

@@ -1187,13 +1187,14 @@ def test_a_task_of_ones_own_named_like_a_glue_split_is_scored_by_its_own_metric(
 def test_config_model_sets_how_the_pretrained_encoder_computes(pretrained, tmp_path):
   """config.model's fields that are set replace the pretraining's (an import of float32
   weights fine-tuned in bfloat16, another dropout, the plain attention path); what the
-  encoder is stays the checkpoint's, and best/ and final/ keep its config; a field left
-  empty is as pretrained."""
+  encoder is stays the checkpoint's, and best/ and final/ keep its config (with the layout
+  of their layers: scanned here, where the pretraining's were unrolled); a field left empty
+  is as pretrained."""
   from realformer.finetune import registry  # pylint: disable=g-import-not-at-top
   from realformer.train import partitioning  # pylint: disable=g-import-not-at-top
   config = ft_config('rte', pretrained)
   config.model.dtype, config.model.attention_dropout_rate = 'bfloat16', 0.0
-  config.model.fused_attention = 'off'
+  config.model.fused_attention, config.model.scan_layers = 'off', True
   mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
   task = registry.get('glue')(config, mesh, RunDir(str(tmp_path / 'ft')))
   pre = finetune_task.pretrained_config(pretrained)
@@ -1203,6 +1204,8 @@ def test_config_model_sets_how_the_pretrained_encoder_computes(pretrained, tmp_p
   assert (task.spec.num_layers, task.spec.hidden_size) == (pre.model.num_layers,
                                                            pre.model.hidden_size)
   assert task.params_config.model.dtype == pre.model.dtype == 'float32'
+  assert task.spec.scan_layers and task.params_config.model.scan_layers
+  assert not pre.model.scan_layers
   # best/ and final/ record the kind that made their head and its labels, for export-hf
   assert task.params_config.finetuned.to_dict() == {
       'kind': 'glue', 'task': 'rte', 'hf_architecture': 'BertForSequenceClassification',

@@ -400,6 +400,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
                       config.max_seq_length, trained, trained, config.max_seq_length - 1,
                       trained)
     params_config = pre.copy_and_resolve_references()
+    scan = (config.get('model') or {}).get('scan_layers')
+    if scan is not None:  # (the layout its params are written in)
+      params_config.model.scan_layers = scan
     params_config.data.max_seq_length = (
         config.max_seq_length if config.from_scratch else
         max(trained, config.max_seq_length) if known else pre.model.max_len)

@@ -238,7 +238,8 @@ def stored_tree(step_dir: str) -> Any:
   return getattr(meta, 'item_metadata', meta)
 
 
-def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -> list:
+def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False,
+                  either_layout: bool = False) -> list:
   """Compare a checkpoint's state with the model's abstract target, before reading arrays.
 
   Returns the target paths the checkpoint lacks (allowed only with allow_missing); raises a
@@ -246,7 +247,11 @@ def check_matches(step_dir: str, target: dict, *, allow_missing: bool = False) -
   encoder parameter of the checkpoint that the model has no place for (a model of another
   config, which would run without it: a mixture's weights, say, of a component since
   declared a bias). Heads the model lacks are left behind (a fine-tuning's encoder alone).
+  either_layout: the encoder's layers may be stacked in one and unrolled in the other
+  (params that restore_params restores; a resumed state's layout is its run's own).
   """
+  if either_layout:
+    target = _as_stored_layers(step_dir, target)[0]
   stored = _shapes(stored_tree(step_dir))
   wanted_paths = _shapes(target)
   encoders = {p.rsplit('/encoder/', 1)[0] for p in wanted_paths if '/encoder/' in p}
@@ -379,6 +384,8 @@ def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] 
   default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda x: x if getattr(x, 'sharding', None) is not None else
                         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default), target)
+  wanted = target
+  target, relayout = _as_stored_layers(step_dir, target)
   missing = set(check_matches(step_dir, target, allow_missing=True))
   present = jax.tree_util.tree_map_with_path(
       lambda p, x: None if _path_str(p) in missing else x, target)
@@ -387,10 +394,70 @@ def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] 
       args=ocp.args.PyTreeRestore(item=present, partial_restore=True,
                                   restore_args=ocp.checkpoint_utils.construct_restore_args(
                                       present)))
-  params = restored['params']
+  params = relayout(restored, wanted)['params']
   for key in subtree:
     params = params[key]
   if missing:
     logging.warning('init checkpoint %s lacks %d parameters (kept fresh): %s', step_dir,
                     len(missing), sorted(missing)[:10])
   return params, sorted(missing)
+
+
+def _as_stored_layers(step_dir: str, target: dict) -> Tuple[dict, Callable]:
+  """(the target with its encoder's layers laid out as the checkpoint stores them, a function
+  of (what was restored in that layout, the target) that lays them out as the target has
+  them). model.scan_layers stacks the layers' parameters ('layers' [L, ...], each leading
+  axis unsharded); unrolled they are 'layers_0' ... 'layers_{L-1}'. A run restores either
+  layout into either (a fine-tuning that scans the layers of an unrolled pretraining, a
+  second phase that stops scanning them); the arrays stay sharded as the target asks."""
+  encoder = target['params'].get('encoder')
+  if not isinstance(encoder, dict):
+    return target, lambda restored, _: restored
+  stored = stored_tree(step_dir).get('params', {}).get('encoder', {})
+  stacked = 'layers' in encoder
+  if stacked == ('layers' in stored) or not ('layers' in stored or 'layers_0' in stored):
+    return target, lambda restored, _: restored
+  if stacked:
+    num_layers = jax.tree.leaves(encoder['layers'])[0].shape[0]
+    per_layer = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=_spec_shifted(x, -1)),
+        encoder['layers'])
+    laid = {k: v for k, v in encoder.items() if k != 'layers'}
+    laid.update({f'layers_{i}': per_layer for i in range(num_layers)})
+  else:
+    num_layers = sum(1 for k in encoder if re.fullmatch(r'layers_\d+', k))
+    laid = {k: v for k, v in encoder.items() if not re.fullmatch(r'layers_\d+', k)}
+    laid['layers'] = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((num_layers,) + x.shape, x.dtype,
+                                       sharding=_spec_shifted(x, 1)), encoder['layers_0'])
+
+  def relayout(restored, wanted):
+    enc, want = restored['params']['encoder'], wanted['params']['encoder']
+    if stacked:
+      layers = [enc.pop(f'layers_{i}') for i in range(num_layers)]
+      enc['layers'] = jax.tree.map(
+          lambda w, *xs: None if any(x is None for x in xs) else jax.jit(
+              lambda *xs: jax.numpy.stack(xs), out_shardings=w.sharding)(*xs),
+          want['layers'], *layers, is_leaf=lambda x: x is None)
+    else:
+      layers = enc.pop('layers')
+      split = [jax.tree.map(
+          lambda w, x, i=i: None if x is None else jax.jit(
+              lambda x: x[i], out_shardings=w.sharding)(x),
+          want[f'layers_{i}'], layers, is_leaf=lambda x: x is None)
+               for i in range(num_layers)]
+      enc.update({f'layers_{i}': layer for i, layer in enumerate(split)})
+    return restored
+
+  return ({**target, 'params': {**target['params'], 'encoder': laid}}, relayout)
+
+
+def _spec_shifted(x, by: int):
+  """x's sharding for its array with a leading (layer) axis added (by=1, unsharded) or
+  removed (by=-1)."""
+  sharding = x.sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec)
+  spec = (None,) + spec if by > 0 else spec[1:]
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))

@@ -242,7 +242,8 @@ def check_init_checkpoint(config, abstract_params) -> None:
   except (FileNotFoundError, ValueError):
     stored = None  # (weights of no train.py run: nothing recorded to compare)
   try:
-    checkpoints.check_matches(step_dir, {'params': abstract_params}, allow_missing=True)
+    checkpoints.check_matches(step_dir, {'params': abstract_params}, allow_missing=True,
+                              either_layout=True)
   except ValueError as e:
     sizes = _sizes_to_match(stored, config) if stored is not None else ''
     if not sizes:
