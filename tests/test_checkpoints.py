@@ -561,7 +561,7 @@ def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tm
   """A fresh run's train.init_checkpoint (BERT's second phase, at a longer length) is
   checked before the corpus is prepared: a path that is not there, a position table the
   longer length does not fit (said as such), another tokenizer (an error) or another
-  variant (a warning). A step folder of it names its run's config for fine-tuning too."""
+  variant (a warning); the layers scanned where they were not pass. A step folder of it names its run's config for fine-tuning too."""
   from realformer.train import pretraining  # pylint: disable=g-import-not-at-top
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   missing = tiny_config(num_steps=1, init_checkpoint=str(tmp_path / 'nope'))
@@ -588,6 +588,9 @@ def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tm
     pretraining.check_init_checkpoint(realformer, _abstract_params(realformer))
   assert (f'{reference[0]} was trained as postln; this run is realformer: its weights start '
           'another variant') in caplog.text
+  scanned = config.copy_and_resolve_references()  # its layers' layout: either restores
+  scanned.model.scan_layers = True
+  pretraining.check_init_checkpoint(scanned, _abstract_params(scanned))
   stored = json.loads((reference[0] / 'config.json').read_text())
   for folder in (reference[0] / 'checkpoints', reference[0] / 'checkpoints' / str(NUM_STEPS)):
     assert checkpoints.read_pretraining_config(str(folder)) == stored
