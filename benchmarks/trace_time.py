@@ -25,6 +25,7 @@ from benchmarks import machine  # pylint: disable=g-import-not-at-top,wrong-impo
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from realformer import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from realformer.layers import flash_attention as flash_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realformer.tools import launch  # pylint: disable=g-import-not-at-top,wrong-import-position
 from realformer.train import train_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -34,7 +35,8 @@ def trace_and_lower(config, target) -> tuple:
   the target's devices."""
   jax.clear_caches()
   mesh, program, batch = launch.build(config, target, config.train.batch_size)
-  with jax.set_mesh(mesh):
+  # (as the launch check compiles it: the flash kernels' tiles for the target's card)
+  with jax.set_mesh(mesh), flash_lib.compiling_for(target.devices):
     start = time.perf_counter()
     traced = program.train_step.trace(program.abstract, batch,
                                       *train_lib.abstract_step_arguments(mesh))
