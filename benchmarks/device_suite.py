@@ -35,7 +35,8 @@ time is reported, and the rest still run), in this order:
               (benchmarks/finetune_vs_hf.py): epoch times, whole process, dev accuracy;
               ours from an empty compilation cache (cold), then again with its programs in
               the cache (warm), then HF again (the race's warm pairing); --extras adds
-              HF with transformers' length-grouped sampler, last
+              HF with transformers' length-grouped sampler and ours with the layers
+              scanned (cold), last
 
 A part's contenders run as processes, all at once on a GPU's host (two thirds of the cores'
 worth elsewhere): each builds its state and compiles its step while the others do, then on
@@ -593,10 +594,11 @@ def race_arms(peer: bool, extras: bool) -> list:
   """The fine-tuning race's runs, in order. HF first (the shorter run): a part stopped at
   its cap keeps every run that finished. The warm pair next: ours with its programs in the
   cache, and HF again. `extras` (--extras) then adds HF with transformers' length-grouped
-  sampler (the Trainer's group_by_length: less padding, as our length buckets), last, so
-  that it never costs the race's own rows their time."""
+  sampler (the Trainer's group_by_length: less padding, as our length buckets) and ours
+  with the layers scanned (cold: one layer's program to compile), last, so that they never
+  cost the race's own rows their time."""
   return (['hf'] * peer + ['ours', 'ours_warm'] + ['hf_warm'] * peer
-          + ['hf_grouped'] * (peer and extras))
+          + ['hf_grouped'] * (peer and extras) + ['ours_scanned'] * extras)
 
 
 def part_finetune(out, smoke, scratch, opts):
@@ -683,6 +685,7 @@ def markdown(results: dict) -> str:
                      f'{wall} | {x["accuracy"]:.3f} |')
       walls = {x['arm']: x.get('wall_s') for x in rows}
       for ours, hf, name in (('ours', 'hf', 'cold'), ('ours_warm', 'hf_warm', 'warm'),
+                             ('ours_scanned', 'hf', 'cold, our layers scanned'),
                              ('ours', 'hf_grouped', 'cold, HF length-grouped'),
                              ('ours_warm', 'hf_grouped', 'warm, HF length-grouped')):
         if walls.get(ours) and walls.get(hf):

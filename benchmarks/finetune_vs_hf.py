@@ -10,6 +10,9 @@ by each framework with its own best practice, the same recipe (batch, learning r
               into an empty compilation cache (cold)
   ours_warm   the same again, its programs now in the cache (after `ours` of the same seed)
   ours_fixed  finetune.py with config.length_buckets=0: every batch padded to max_seq_length
+  ours_scanned  ours with the layers scanned (config.model.scan_layers=True: one layer's
+              program to compile; the imported checkpoint's layers are stacked on restore),
+              cold
   hf          BertForSequenceClassification, a PyTorch loop over a DataLoader with
               DataCollatorWithPadding (each batch padded to its longest sentence), the HF
               course's full training loop (benchmarks/hf_finetune.py: its process imports
@@ -48,10 +51,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # pylint: disable=g-import-not-at-top
 import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
 
-ARMS = ('hf', 'ours', 'ours_warm', 'ours_fixed', 'hf_warm', 'hf_grouped')
+ARMS = ('hf', 'ours', 'ours_warm', 'ours_fixed', 'ours_scanned', 'hf_warm', 'hf_grouped')
 
 
-def run_ours(args, init: str, workdir: str, buckets: bool, cache: str) -> dict:
+def run_ours(args, init: str, workdir: str, buckets: bool, cache: str,
+             scanned: bool = False) -> dict:
   wall = None
   if not os.path.isfile(os.path.join(workdir, 'results.json')):
     start = time.perf_counter()
@@ -63,7 +67,9 @@ def run_ours(args, init: str, workdir: str, buckets: bool, cache: str) -> dict:
          f'--config.optimizer.learning_rate={args.learning_rate}',
          f'--config.max_seq_length={args.max_seq_length}', '--config.log_every_steps=1000',
          f'--compilation_cache={cache}',
-         *([] if buckets else ['--config.length_buckets=0'])] + [f'--config.{kv}' for kv in args.set],
+         *([] if buckets else ['--config.length_buckets=0']),
+         *(['--config.model.scan_layers=True'] if scanned else [])] + [
+             f'--config.{kv}' for kv in args.set],
         cwd=_REPO, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode:
@@ -156,7 +162,8 @@ def race(args, on_result=None) -> dict:
       else:
         if arm != 'ours_warm':
           shutil.rmtree(cache, ignore_errors=True)
-        r = run_ours(args, init, run_dir, buckets=arm != 'ours_fixed', cache=cache)
+        r = run_ours(args, init, run_dir, buckets=arm != 'ours_fixed', cache=cache,
+                     scanned=arm == 'ours_scanned')
       results[arm].append(r)
       if on_result is not None:
         on_result(arm, r)

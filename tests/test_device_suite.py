@@ -157,20 +157,23 @@ def test_an_unknown_part_or_variant_is_refused_in_one_line():
     assert proc.stderr.strip().splitlines()[-1] == expected
 
 
-def test_extras_race_hf_with_its_length_grouped_sampler_last():
+def test_extras_race_hf_with_its_length_grouped_sampler_and_ours_scanned_last():
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import device_suite  # pylint: disable=g-import-not-at-top
   assert device_suite.race_arms(True, False) == ['hf', 'ours', 'ours_warm', 'hf_warm']
   assert device_suite.race_arms(True, True) == ['hf', 'ours', 'ours_warm', 'hf_warm',
-                                                'hf_grouped']
-  assert device_suite.race_arms(False, True) == ['ours', 'ours_warm']  # no torch: no HF arm
-  walls = dict(hf=15.0, ours=12.0, ours_warm=6.0, hf_warm=15.0, hf_grouped=9.0)
+                                                'hf_grouped', 'ours_scanned']
+  # no torch: no HF arm
+  assert device_suite.race_arms(False, True) == ['ours', 'ours_warm', 'ours_scanned']
+  walls = dict(hf=15.0, ours=12.0, ours_warm=6.0, hf_warm=15.0, hf_grouped=9.0,
+               ours_scanned=10.0)
   md = device_suite.markdown({'finetune': dict(status='ok', seconds=60, cap_s=110, data=dict(
       rows=[dict(arm=arm, epoch_seconds=[1.0], wall_s=w, accuracy=0.9)
             for arm, w in walls.items()]))})
   assert '| hf_grouped | 1.00 | 9.0 | 0.900 |' in md
   for name, ratio in (('cold', '1.25'), ('warm', '2.50'), ('cold, HF length-grouped', '0.75'),
-                      ('warm, HF length-grouped', '1.50')):
+                      ('warm, HF length-grouped', '1.50'),
+                      ('cold, our layers scanned', '1.50')):
     assert f'- the race, {name} (whole process, HF / ours): {ratio}x' in md
 
 
