@@ -319,7 +319,7 @@ ADDED_DEFAULTS = {'optimizer.name': 'adamw', 'model.gelu': 'erf', 'objective': '
 ADDED_FINETUNE_DEFAULTS = {'model.dtype': '', 'model.residual_dtype': '',
                            'model.dropout_rate': None, 'model.attention_dropout_rate': None,
                            'model.remat_policy': '', 'model.fused_attention': '',
-                           'model.dense_impl': ''}
+                           'model.dense_impl': '', 'model.scan_layers': None}
 
 
 def _flat_pair(stored: dict, new: dict):
