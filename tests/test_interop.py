@@ -10,6 +10,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -276,6 +277,20 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
   interop.export_hf(workdir, hf_dir)
   with open(os.path.join(hf_dir, 'config.json')) as f:
     assert json.load(f)['vocab_size'] == 60  # unpadded
+  # The same weights with the layers scanned (stacked) export the same files.
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  cfg = ml_collections.ConfigDict(checkpoints.read_pretraining_config(workdir))
+  cfg.model.scan_layers = True
+  stacked = checkpoints.restore_params(workdir, interop.abstract_params(cfg.model))[0]
+  assert 'layers' in stacked['encoder'] and not any(
+      k.startswith('layers_') for k in stacked['encoder'])
+  checkpoints.save_params(str(tmp_path / 'scanned'), jax.device_get(stacked), cfg)
+  interop.export_hf(str(tmp_path / 'scanned'), str(tmp_path / 'scanned_hf'))
+  want, got = (load_file(os.path.join(d, 'model.safetensors'))
+               for d in (hf_dir, str(tmp_path / 'scanned_hf')))
+  assert sorted(got) == sorted(want)
+  for name, x in want.items():
+    np.testing.assert_array_equal(got[name], x, err_msg=name)
 
   params, cfg = _restore_all(workdir)
   tokenizer = wordpiece.WordPieceTokenizer.load(os.path.join(hf_dir, 'vocab.txt'))
@@ -295,7 +310,6 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
   # the pretraining heads' (from this run) and the fine-tuned tasks' (GLUE's classifier,
   # SQuAD's span head), which load into their classes and compute our logits.
   import transformers  # pylint: disable=g-import-not-at-top
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   heads_of = {'mlm_head': ('mlm_head',), 'nsp_head': ('nsp_head',)}
   for heads, architecture in interop.HF_ARCHITECTURES.items():

@@ -768,16 +768,6 @@ def check_exportable(model_config) -> None:
         'be exported')
 
 
-def _unscan(encoder: dict, num_layers: int) -> dict:
-  """nn.scan's stacked 'layers' [L, ...] -> 'layers_0' ... 'layers_{L-1}'."""
-  if 'layers' not in encoder:
-    return encoder
-  out = {k: v for k, v in encoder.items() if k != 'layers'}
-  for i in range(num_layers):
-    out[f'layers_{i}'] = jax.tree.map(lambda x, i=i: np.asarray(x)[i], encoder['layers'])
-  return out
-
-
 def hf_config(model_config, architecture: str, pad_token_id: int = 0) -> dict:
   m = model_config
   return {
@@ -877,14 +867,15 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   if tuple(heads) not in HF_ARCHITECTURES:
     raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, which no one HF '
                      'class holds together')
-  target = abstract_params(model_config)
+  unrolled = model_config.copy_and_resolve_references()  # (HF's layers: a scanned
+  unrolled.scan_layers = False                             # checkpoint's are laid out so)
+  target = abstract_params(unrolled)
   target = {k: target[k] for k in ['encoder'] + heads if k in target}  # no fresh params
   for head in set(heads) & set(TASK_HEADS):  # its shape (its number of labels) as stored
     target[head] = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
                                 dict(stored[head]))
   params, _ = checkpoints.restore_params(workdir, target)
   params = jax.tree.map(np.asarray, params)
-  params['encoder'] = _unscan(params['encoder'], int(model_config.num_layers))
   task = {h: params.pop(h) for h in set(heads) & set(TASK_HEADS)}
   flat = convert_from_params(params, model_config, fmt='hf')
   if heads:
