@@ -195,9 +195,10 @@ def test_each_variant_is_timed_fused_and_plain_at_512_and_variants_narrow_it():
   assert extras == everything + [f'realformer [bf16 carry, {plain}]', 'preln',
                                  'synth_random [flash kernel]', f'synth_random [{plain}]',
                                  'postln [fused_attention=cudnn, no attention dropout]',
-                                 'postln [fused_attention=off, no attention dropout]']
+                                 'postln [fused_attention=off, no attention dropout]',
+                                 'postln [scanned layers, remat_policy=dots]']
   assert names(device_suite._contenders('step512', 'gpu', 'postln', extras=True)) == (
-      everything[:3] + everything[-1:] + extras[-2:])
+      everything[:3] + everything[-1:] + extras[-3:])
   on_cpu = names(device_suite._contenders('step512', 'cpu', 'postln', extras=True))
   assert on_cpu[2:5] == ['postln [fused_attention=flash, dropout in the kernel]',
                          'postln [scanned layers]',
@@ -347,4 +348,4 @@ def test_every_smoke_contender_of_both_step_parts_traces_its_gradient():
                                                            totals)[0]), params, batch)
       assert jax.tree.structure(grads) == jax.tree.structure(params)
       traced.add((part, variant, args.fused, tuple(sorted(overrides.items()))))
-  assert len(traced) == 20, sorted(traced)  # 14 at 512 (with the extras), 6 at 128
+  assert len(traced) == 21, sorted(traced)  # 15 at 512 (with the extras), 6 at 128
