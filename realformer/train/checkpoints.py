@@ -431,22 +431,23 @@ def _as_stored_layers(step_dir: str, target: dict) -> Tuple[dict, Callable]:
         lambda x: jax.ShapeDtypeStruct((num_layers,) + x.shape, x.dtype,
                                        sharding=_spec_shifted(x, 1)), encoder['layers_0'])
 
+  # (eager ops, whose programs are cached by shape: one compile per distinct parameter
+  # shape, not one per layer and parameter)
   def relayout(restored, wanted):
     enc, want = restored['params']['encoder'], wanted['params']['encoder']
     if stacked:
       layers = [enc.pop(f'layers_{i}') for i in range(num_layers)]
       enc['layers'] = jax.tree.map(
-          lambda w, *xs: None if any(x is None for x in xs) else jax.jit(
-              lambda *xs: jax.numpy.stack(xs), out_shardings=w.sharding)(*xs),
+          lambda w, *xs: None if any(x is None for x in xs) else jax.device_put(
+              jax.numpy.stack(xs), w.sharding),
           want['layers'], *layers, is_leaf=lambda x: x is None)
     else:
       layers = enc.pop('layers')
-      split = [jax.tree.map(
-          lambda w, x, i=i: None if x is None else jax.jit(
-              lambda x: x[i], out_shardings=w.sharding)(x),
-          want[f'layers_{i}'], layers, is_leaf=lambda x: x is None)
-               for i in range(num_layers)]
-      enc.update({f'layers_{i}': layer for i, layer in enumerate(split)})
+      for i in range(num_layers):
+        enc[f'layers_{i}'] = jax.tree.map(
+            lambda w, x, i=i: None if x is None else jax.device_put(
+                jax.lax.dynamic_index_in_dim(x, i, keepdims=False), w.sharding),
+            want[f'layers_{i}'], layers, is_leaf=lambda x: x is None)
     return restored
 
   return ({**target, 'params': {**target['params'], 'encoder': laid}}, relayout)
