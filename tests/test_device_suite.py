@@ -196,7 +196,7 @@ def test_each_variant_is_timed_fused_and_plain_at_512_and_variants_narrow_it():
                                  'synth_random [flash kernel]', f'synth_random [{plain}]',
                                  'postln [fused_attention=cudnn, no attention dropout]',
                                  'postln [fused_attention=off, no attention dropout]',
-                                 'postln [scanned layers, remat_policy=dots]']
+                                 'postln [scanned layers, remat_policy=dots_flash]']
   assert names(device_suite._contenders('step512', 'gpu', 'postln', extras=True)) == (
       everything[:3] + everything[-1:] + extras[-3:])
   on_cpu = names(device_suite._contenders('step512', 'cpu', 'postln', extras=True))

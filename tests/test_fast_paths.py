@@ -106,7 +106,7 @@ def test_auto_picks_the_plain_path_on_cpu_and_never_for_other_variants():
     assert attn_lib._use_fused(spec, True, False) is None
 
 
-@pytest.mark.parametrize('policy', ['full', 'dots', 'dots_no_batch'])
+@pytest.mark.parametrize('policy', ['full', 'dots', 'dots_no_batch', 'dots_flash'])
 def test_remat_policies_match_plain_outputs_and_gradients(policy):
   batch = make_batch()
   plain = models.build(small_config('realformer'), head='encoder')

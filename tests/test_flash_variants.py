@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.interpreters import partial_eval
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -338,6 +339,50 @@ def test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients(variant,
     fixed = [x for path, x in jax.tree_util.tree_leaves_with_path(gb)
              if 'random_logits' in jax.tree_util.keystr(path)]
     assert fixed and all(not np.any(np.asarray(x)) for x in fixed)
+
+
+def _runs(program: jax.extend.core.ClosedJaxpr, primitive: str) -> int:
+  """How many times `program` runs `primitive`: its equations counted through every nested
+  program (each call site its own), once dead code is removed."""
+  def count(jaxpr):
+    return (sum(eqn.primitive.name == primitive for eqn in jaxpr.eqns)
+            + sum(count(sub) for sub in jax.extend.core.subjaxprs(jaxpr)))
+  live, _ = partial_eval.dce_jaxpr(program.jaxpr, [True] * len(program.jaxpr.outvars))
+  return count(live)
+
+
+@pytest.mark.parametrize('variant,scan,kernel', [('postln', False, 'triton'),
+                                                 ('realformer', True, 'mosaic')])
+def test_remat_dots_flash_recomputes_no_kernel_and_no_dropout_mask(variant, scan, kernel,
+                                                                  monkeypatch):
+  """model.remat_policy='dots_flash' keeps the matmuls, the flash kernels' outputs and
+  statistics, and the hidden dropout's masks: its backward pass runs each kernel as often as
+  without remat and draws no mask twice, where `dots` runs the forward kernel again in every
+  layer and draws the hidden masks again (on a TPU the hidden masks are drawn again by
+  design: encoder.recomputes_elementwise); the same outputs and gradients as without remat."""
+  _use(kernel, monkeypatch)
+  batch = make_batch()
+  rngs = {'dropout': jax.random.PRNGKey(3)}
+  counts, results = {}, {}
+  for policy in ('none', 'dots', 'dots_flash'):
+    model = models.build(small_config(variant, fused_attention='flash', num_layers=2,
+                                      scan_layers=scan, remat_policy=policy,
+                                      attention_dropout_rate=0.2, dropout_rate=0.1),
+                         head='encoder')
+    if policy == 'none':
+      params = perturbed_params(model, batch)
+    grad = jax.grad(_loss(model, batch, rngs))
+    program = jax.make_jaxpr(grad)(params)
+    counts[policy] = (_runs(program, 'pallas_call'), _runs(program, 'threefry2x32'))
+    if policy != 'dots':
+      results[policy] = grad(params)
+  layers = 1 if scan else 2  # a scanned program holds one layer's
+  assert counts['none'][0] == 3 * layers  # forward, dK/dV, dQ
+  assert counts['dots'][0] == 4 * layers and counts['dots'][1] > counts['none'][1]
+  assert counts['dots_flash'] == counts['none']
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(results['none']),
+                          jax.tree.leaves(results['dots_flash'])):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize('variant,cfg,kernel', [

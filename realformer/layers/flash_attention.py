@@ -48,11 +48,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from realformer.layers import dropout as dropout_lib
+
+# The name of what a kernel's forward keeps for its backward (the attention output and the
+# softmax statistics): a remat policy that saves it (model.remat_policy='dots_flash')
+# recomputes no kernel in the backward pass.
+RESIDUALS_NAME = 'flash_attention_residuals'
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA  # threefry's key-schedule constant
@@ -545,6 +551,7 @@ def _flash(ops: Operands, static):
 def _flash_fwd(ops: Operands, static):
   d, tilings, interpret, scores_dtype = static
   out, scores, stats = _forward(ops, d, tilings.forward, interpret, scores_dtype)
+  out, stats = checkpoint_name((out, stats), RESIDUALS_NAME)
   return (out, scores), (ops, out, stats)
 
 

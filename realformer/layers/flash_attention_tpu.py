@@ -42,11 +42,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from realformer.layers.flash_attention import (BLOCK_PADDING, Constants, Operands,
-                                               dlogits_dtype_of, finite_key_bias,
+from realformer.layers.flash_attention import (BLOCK_PADDING, RESIDUALS_NAME, Constants,
+                                               Operands, dlogits_dtype_of, finite_key_bias,
                                                operand_slots, round_up, threefry2x32)
 
 _LANES = 128
@@ -500,6 +501,7 @@ def _flash_fwd(ops, static):
   out = _tokens_major(out, d.mask_q_len)
   if scores is not None:
     scores = scores[:, :, :d.mask_q_len, :d.k_real]
+  out, stats = checkpoint_name((out, stats), RESIDUALS_NAME)
   return (out, scores), (ops, out, stats)
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from realformer.layers import dropout as dropout_lib
+from realformer.layers import flash_attention as flash_lib
 from realformer.layers.dense import dense
 from realformer.layers.rows import last_layer_rows, positions_of_last_layer, take_rows
 from realformer.model import attention as attn_lib
@@ -70,10 +71,14 @@ def recomputes_elementwise(spec: EncoderSpec) -> bool:
   return spec.target_platform == 'tpu'
 
 
+HIDDEN_DROPOUT_MASKS = 'hidden_dropout_masks'  # their name for remat policies (dots_flash)
+
+
 def hidden_dropout(spec: EncoderSpec) -> dropout_lib.Dropout:
   """BERT's dropout of the hidden states (embeddings, sublayer outputs); its mask drawn again
   in the backward pass where recomputes_elementwise."""
-  return dropout_lib.Dropout(spec.dropout_rate, redraw=recomputes_elementwise(spec))
+  return dropout_lib.Dropout(spec.dropout_rate, redraw=recomputes_elementwise(spec),
+                             mask_name=HIDDEN_DROPOUT_MASKS)
 
 
 def gelu(spec: EncoderSpec, x):
@@ -166,10 +171,20 @@ class Block(nn.Module):
     return (x, scores), probs
 
 
+# model.remat_policy: what each layer keeps for its backward pass (the rest is recomputed
+# there). `full` keeps the layer's input alone; `dots` the matmuls' outputs; `dots_no_batch`
+# those without batch dimensions (not the attention's); `dots_flash` the matmuls' outputs,
+# the flash kernels' outputs and softmax statistics and the hidden dropout's masks, so that
+# only element-wise work (LayerNorm, GELU, biases, sums) runs again: no kernel forward, no
+# threefry draw (`dots` runs both again).
 _REMAT_POLICIES = {
     'full': None,
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_no_batch': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    'dots_flash': jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots,
+        jax.checkpoint_policies.save_only_these_names(flash_lib.RESIDUALS_NAME,
+                                                      HIDDEN_DROPOUT_MASKS)),
 }
 
 

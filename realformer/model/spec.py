@@ -31,7 +31,7 @@ VARIANTS = {
     'synth_random_vanilla': dict(attention='random+dot'),
 }
 BLOCKS = ('post_ln', 'pre_ln')
-REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch')
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'dots_flash')
 FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'flash', 'off')
 DENSE_IMPLS = ('auto', 'flax', 'cpu')  # realformer/layers/dense.py
 LAST_LAYER = ('predicted', 'all')  # rows the last layer computes for the pretraining loss

@@ -735,7 +735,9 @@ def format_report(config, target: Target, r: Report) -> str:
     note = {'full': ' (remat full recomputes the forward pass: expect about 4/3)',
             'dots': ' (remat dots saves the matmuls: expect about 1)',
             'dots_no_batch': ' (remat dots_no_batch recomputes the batched attention '
-                             'matmuls: a little above 1)'}.get(config.model.remat_policy, '')
+                             'matmuls: a little above 1)',
+            'dots_flash': ' (remat dots_flash saves the matmuls: expect about 1)'}.get(
+                config.model.remat_policy, '')
   elif r.flop_ratio > 1.05:
     note = (' (above 1 without remat: the fused attention\'s backward rebuilds Q K^T, up to '
             'about 1.05 at length 512; beyond, XLA recomputed work to fit in memory, which '
