@@ -28,7 +28,8 @@ time is reported, and the rest still run), in this order:
               softmax path against cuDNN's fused
               attention (--smoke on a CPU: the flash kernel in Pallas's interpreter, and
               jax.nn.dot_product_attention's XLA implementation in cuDNN's place), and
-              Post-LN's scanned layers under remat_policy=dots_flash
+              Post-LN's scanned layers under remat_policy=dots_flash, and (GPUs) Post-LN
+              with every matmul on cuBLAS (XLA_FLAGS=--xla_gpu_enable_triton_gemm=false)
   step128     the same at length 128 (batch 256), through the flash kernel only (Post-LN
               also through the plain path) and HF
   finetune    three epochs of all-MiniLM-L6-v2 on the shipped sentiment
@@ -84,6 +85,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Dict, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
@@ -127,6 +129,9 @@ STEP_CONTENDERS = (
     ('synth_random_vanilla', {}, ''),
 )
 
+
+# The XLA flag of the --extras contender that puts every matmul on cuBLAS (GPUs).
+TRITON_GEMM_OFF = '--xla_gpu_enable_triton_gemm=false'
 
 # Kernels listed for each of our contenders (suite.md: where the step's time goes).
 KERNELS = 10
@@ -284,7 +289,8 @@ def _contenders(part: str, platform: str, variants: str = '', extras: bool = Fal
   pure Random Synthesizer fused and plain (whether `auto` should take the kernel for the
   pure Synthesizers on GPUs) and the attention implementations on Post-LN without attention
   dropout (our plain path against cuDNN's fused attention; --smoke: jax's XLA implementation
-  in cuDNN's place) and Post-LN's scanned layers under `remat_policy=dots_flash`."""
+  in cuDNN's place), Post-LN's scanned layers under `remat_policy=dots_flash`, and on GPUs
+  Post-LN with every matmul on cuBLAS (TRITON_GEMM_OFF in its process's XLA_FLAGS)."""
   plain = "fused_attention=off, the plain path's dropout"
   other = ([('ours', 'postln', {'fused': 'off'}, plain)] if platform == 'gpu' else
            [('ours', 'postln', {'fused': 'flash'}, 'fused_attention=flash, dropout in the kernel')])
@@ -317,6 +323,11 @@ def _contenders(part: str, platform: str, variants: str = '', extras: bool = Fal
       # nor dropout mask twice (`dots` would: 9.3 GiB, 48 kernel runs a step against 36)
       entries += [('ours', 'postln', {'scan_layers': True, 'remat_policy': 'dots_flash'},
                    'scanned layers, remat_policy=dots_flash')]
+      if platform == 'gpu':
+        # every matmul through cuBLAS, none a Triton GEMM fusion: compiled for an H100 on a
+        # CPU in 35 s against 43-46 s, 14.9 GiB against 16.8 (no autotuning there); whether
+        # the card's cold compile, autotuning included, and its step gain too
+        entries += [('ours', 'postln', {'xla_flags': TRITON_GEMM_OFF}, TRITON_GEMM_OFF[2:])]
   keep = set(filter(None, variants.split(',')))
   return [e for e in entries if e[0] == 'hf' or not keep or e[1] in keep]
 
@@ -390,6 +401,15 @@ def _device(scratch: str, part: str):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def contender_env(entry) -> Optional[Dict[str, str]]:
+  """The environment of a contender's process: the suite's, with the XLA flags its entry
+  names (overrides['xla_flags']) added to XLA_FLAGS; None (the suite's own) for the rest."""
+  flags = entry[2].get('xla_flags') if entry[0] == 'ours' else None
+  if not flags:
+    return None
+  return dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+
+
 def contender_main(part: str, index: int, scratch: str, smoke: bool, opts,
                    deadline: float) -> None:
   """One contender in its own process: builds and compiles it (while the others compile),
@@ -420,6 +440,7 @@ def contender_main(part: str, index: int, scratch: str, smoke: bool, opts,
         _, variant, overrides, label = entry
         overrides = dict(overrides)
         args.fused = overrides.pop('fused', 'auto')
+        overrides.pop('xla_flags', None)  # in this process's environment (contender_env)
         c = train_step.Ours(variant, s['size'], args, overrides=overrides, label=label,
                             first_step=False)
     finally:
@@ -538,7 +559,7 @@ def _step_part(out: str, part: str, smoke: bool, scratch: str, opts) -> None:
       running[k] = proc = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), '--contender', f'{part}:{k}',
            '--scratch', scratch, '--deadline', str(deadline)] + _selection(opts) +
-          (['--smoke'] if smoke else []), cwd=_REPO)
+          (['--smoke'] if smoke else []), cwd=_REPO, env=contender_env(entries[k]))
       marker = _compiling_marker(scratch, part, k)  # before the process can time anything
       _write_text(marker, str(proc.pid))
     time.sleep(0.5)

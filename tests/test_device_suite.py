@@ -196,9 +196,15 @@ def test_each_variant_is_timed_fused_and_plain_at_512_and_variants_narrow_it():
                                  'synth_random [flash kernel]', f'synth_random [{plain}]',
                                  'postln [fused_attention=cudnn, no attention dropout]',
                                  'postln [fused_attention=off, no attention dropout]',
-                                 'postln [scanned layers, remat_policy=dots_flash]']
+                                 'postln [scanned layers, remat_policy=dots_flash]',
+                                 'postln [xla_gpu_enable_triton_gemm=false]']
   assert names(device_suite._contenders('step512', 'gpu', 'postln', extras=True)) == (
-      everything[:3] + everything[-1:] + extras[-3:])
+      everything[:3] + everything[-1:] + extras[-4:])
+  # the cuBLAS contender's process gets its flag in XLA_FLAGS, the others the suite's own
+  cublas = device_suite._contenders('step512', 'gpu', extras=True)[-1]
+  assert device_suite.contender_env(cublas)['XLA_FLAGS'].split()[-1] == (
+      '--xla_gpu_enable_triton_gemm=false')
+  assert device_suite.contender_env(device_suite._contenders('step512', 'gpu')[0]) is None
   on_cpu = names(device_suite._contenders('step512', 'cpu', 'postln', extras=True))
   assert on_cpu[2:5] == ['postln [fused_attention=flash, dropout in the kernel]',
                          'postln [scanned layers]',
