@@ -84,7 +84,7 @@ def model_config(variant='postln', size='base'):
   m.residual_dtype = 'float32'
   m.scan_layers = False  # nn.scan over layers (faster compile for deep models)
   # none | full | dots | dots_no_batch | dots_flash (the matmuls, the flash kernels' outputs
-  # and the hidden dropout's masks kept; the element-wise work recomputed)
+  # and the dropout masks kept: only the element-wise work recomputed)
   m.remat_policy = 'none'
   # auto | xla | cudnn (jax.nn.dot_product_attention, without attention dropout) | flash
   # (our Pallas kernels, attention dropout inside them: Triton on GPUs, Mosaic on TPUs) |

@@ -109,10 +109,16 @@ def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]):
   return keep, keep_scale(rate)
 
 
-def _dropped(x: jax.Array, key: jax.Array, rate: float, mask_name: Optional[str] = None):
+# The name every dropout mask carries for jax.checkpoint's policies (checkpoint_name): a
+# remat policy that saves it keeps the masks rather than drawing them again in the backward
+# pass (model.remat_policy='dots_flash'); Dropout.redraw's backward draws its mask again
+# whatever the policy keeps.
+MASKS_NAME = 'dropout_masks'
+
+
+def _dropped(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
   keep, scale = keep_mask(key, rate, x.shape)
-  if mask_name:
-    keep = checkpoint_name(keep, mask_name)
+  keep = checkpoint_name(keep, MASKS_NAME)
   kept = (x.astype(jnp.float32) * scale).astype(x.dtype)  # scale rounded once, not twice
   return jnp.where(keep, kept, jnp.zeros((), x.dtype))
 
@@ -141,13 +147,10 @@ class Dropout(nn.Module):
   redraw: keep only the key for the backward pass and draw the mask again there, instead of
   keeping the boolean mask (a byte an element): the same values and gradients, for the
   price of a second draw (realformer.model.encoder.recomputes_elementwise: on TPUs).
-  mask_name: the mask's name for jax.checkpoint policies (jax.ad_checkpoint.checkpoint_name),
-  so that a remat policy may keep it rather than draw it again.
   """
   rate: float
   rng_collection: str = 'dropout'
   redraw: bool = False
-  mask_name: Optional[str] = None
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
@@ -156,7 +159,7 @@ class Dropout(nn.Module):
     key = self.make_rng(self.rng_collection)
     if self.redraw:
       return _dropped_redrawn(x, key, self.rate)
-    return _dropped(x, key, self.rate, self.mask_name)
+    return _dropped(x, key, self.rate)
 
   def threefry_key(self) -> jax.Array:
     """The uint32[2] threefry key data that __call__ would draw its mask from: the same

@@ -65,20 +65,20 @@ def recomputes_elementwise(spec: EncoderSpec) -> bool:
   they would keep otherwise (a LayerNorm's float32 centred and normalised copies of its
   input, GELU's intermediates, a byte of mask an element) was most of a layer's memory once
   attention kept nothing [B, H, T, T] (BENCHMARKS.md: the launch check of BERT-large), and
-  the recomputation is element-wise work beside the matrix units. Not on GPUs, whose step
+  the recomputation is element-wise work beside the matrix units (model.remat_policy
+  'dots_flash' keeps the masks: hidden_dropout). Not on GPUs, whose step
   time is dominated by such element-wise work and the threefry draws (docs/gpu.md), nor on
   the CPU."""
   return spec.target_platform == 'tpu'
 
 
-HIDDEN_DROPOUT_MASKS = 'hidden_dropout_masks'  # their name for remat policies (dots_flash)
-
-
 def hidden_dropout(spec: EncoderSpec) -> dropout_lib.Dropout:
   """BERT's dropout of the hidden states (embeddings, sublayer outputs); its mask drawn again
-  in the backward pass where recomputes_elementwise."""
-  return dropout_lib.Dropout(spec.dropout_rate, redraw=recomputes_elementwise(spec),
-                             mask_name=HIDDEN_DROPOUT_MASKS)
+  in the backward pass where recomputes_elementwise, unless model.remat_policy='dots_flash'
+  keeps it (there a redrawn mask would be drawn three times: the forward, the recomputed
+  forward, the backward)."""
+  redraw = recomputes_elementwise(spec) and spec.remat_policy != 'dots_flash'
+  return dropout_lib.Dropout(spec.dropout_rate, redraw=redraw)
 
 
 def gelu(spec: EncoderSpec, x):
@@ -174,9 +174,9 @@ class Block(nn.Module):
 # model.remat_policy: what each layer keeps for its backward pass (the rest is recomputed
 # there). `full` keeps the layer's input alone; `dots` the matmuls' outputs; `dots_no_batch`
 # those without batch dimensions (not the attention's); `dots_flash` the matmuls' outputs,
-# the flash kernels' outputs and softmax statistics and the hidden dropout's masks, so that
-# only element-wise work (LayerNorm, GELU, biases, sums) runs again: no kernel forward, no
-# threefry draw (`dots` runs both again).
+# the flash kernels' outputs and softmax statistics and the dropout masks, so that only
+# element-wise work (LayerNorm, GELU, softmax, biases, sums) runs again: no flash kernel's
+# forward and no mask's threefry draw (`dots` runs both again).
 _REMAT_POLICIES = {
     'full': None,
     'dots': jax.checkpoint_policies.checkpoint_dots,
@@ -184,7 +184,7 @@ _REMAT_POLICIES = {
     'dots_flash': jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.checkpoint_dots,
         jax.checkpoint_policies.save_only_these_names(flash_lib.RESIDUALS_NAME,
-                                                      HIDDEN_DROPOUT_MASKS)),
+                                                      dropout_lib.MASKS_NAME)),
 }
 
 

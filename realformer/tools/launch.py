@@ -736,7 +736,8 @@ def format_report(config, target: Target, r: Report) -> str:
             'dots': ' (remat dots saves the matmuls: expect about 1)',
             'dots_no_batch': ' (remat dots_no_batch recomputes the batched attention '
                              'matmuls: a little above 1)',
-            'dots_flash': ' (remat dots_flash saves the matmuls: expect about 1)'}.get(
+            'dots_flash': ' (remat dots_flash saves the matmuls and the flash kernels\' '
+                          'outputs: expect about 1)'}.get(
                 config.model.remat_policy, '')
   elif r.flop_ratio > 1.05:
     note = (' (above 1 without remat: the fused attention\'s backward rebuilds Q K^T, up to '
