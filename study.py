@@ -346,7 +346,8 @@ def curves(root: str, runs, names, out_path: str, config: str = ''):
       axes[1].axhline(factor * float(np.mean(baselines)), color='gray', linestyle=style,
                       label=f'{factor}x majority baseline' if factor > 1 else
                       'majority baseline')
-  axes[1].legend(fontsize=8)
+  if axes[1].get_legend_handles_labels()[0]:  # (no finished run yet: nothing to name)
+    axes[1].legend(fontsize=8)
   fig.tight_layout()
   analysis.save_png(fig, storage.path(out_path))
   plt.close(fig)

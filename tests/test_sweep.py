@@ -484,6 +484,7 @@ TINY = ['train.num_steps=3', 'train.batch_size=8', 'train.log_every_steps=1',
         'model.max_len=32']
 
 
+@pytest.mark.filterwarnings('error::UserWarning')  # (matplotlib's: a legend of nothing)
 def test_study_plan_and_learning_curves(tmp_path, capsys, gcs):
   import study  # pylint: disable=g-import-not-at-top
   # A bucket root (the loopback server: planning reads R/budget.json there).
