@@ -55,9 +55,9 @@ from jax.sharding import PartitionSpec as P
 
 from realformer.layers import dropout as dropout_lib
 
-# The name of what a kernel's forward keeps for its backward (the attention output and the
-# softmax statistics): a remat policy that saves it (model.remat_policy='dots_flash')
-# recomputes no kernel in the backward pass.
+# The name of what a kernel's forward keeps for its backward (the attention output, the
+# softmax statistics and the mask's bits): a remat policy that saves it
+# (model.remat_policy='dots_flash') runs no kernel's forward again in the backward pass.
 RESIDUALS_NAME = 'flash_attention_residuals'
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
