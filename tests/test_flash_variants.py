@@ -365,7 +365,7 @@ def test_remat_dots_flash_recomputes_no_kernel_and_no_dropout_mask(variant, scan
   statistics, and the dropout masks: its gradient runs each kernel as often as without remat
   and draws each mask once (threefry2x32: the hidden dropout's and the plain path's; the
   kernels draw theirs inside), where `dots` runs the forward kernel again in every layer and
-  draws masks again; the same outputs and gradients as without remat."""
+  draws the layers' masks a second time; the same outputs and gradients as without remat."""
   _use(kernel, monkeypatch)
   batch = make_batch()
   rngs = {'dropout': jax.random.PRNGKey(3)}
@@ -391,7 +391,9 @@ def test_remat_dots_flash_recomputes_no_kernel_and_no_dropout_mask(variant, scan
   masks = _runs(jax.make_jaxpr(loss)(params), 'threefry2x32')  # drawn in the forward pass
   layers = 1 if scan else 2 - pretraining  # a scanned program holds one layer's
   assert counts['dots_flash'] == (3 * layers, masks)  # forward, dK/dV, dQ; each mask once
-  assert counts['dots'][0] == 4 * layers and counts['dots'][1] > masks
+  # `dots` draws the layers' masks again in their recomputed forward, and no more (a TPU's
+  # hidden dropout does not also redraw them in its own backward: encoder.hidden_dropout)
+  assert counts['dots'][0] == 4 * layers and masks < counts['dots'][1] <= 2 * masks
   if platform == 'cpu':
     assert counts['none'] == counts['dots_flash']
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(results.get('none', {})),

@@ -65,8 +65,8 @@ def recomputes_elementwise(spec: EncoderSpec) -> bool:
   they would keep otherwise (a LayerNorm's float32 centred and normalised copies of its
   input, GELU's intermediates, a byte of mask an element) was most of a layer's memory once
   attention kept nothing [B, H, T, T] (BENCHMARKS.md: the launch check of BERT-large), and
-  the recomputation is element-wise work beside the matrix units (model.remat_policy
-  'dots_flash' keeps the masks: hidden_dropout). Not on GPUs, whose step
+  the recomputation is element-wise work beside the matrix units (under a remat policy the
+  masks are the recomputed forward's: hidden_dropout). Not on GPUs, whose step
   time is dominated by such element-wise work and the threefry draws (docs/gpu.md), nor on
   the CPU."""
   return spec.target_platform == 'tpu'
@@ -74,10 +74,11 @@ def recomputes_elementwise(spec: EncoderSpec) -> bool:
 
 def hidden_dropout(spec: EncoderSpec) -> dropout_lib.Dropout:
   """BERT's dropout of the hidden states (embeddings, sublayer outputs); its mask drawn again
-  in the backward pass where recomputes_elementwise, unless model.remat_policy='dots_flash'
-  keeps it (there a redrawn mask would be drawn three times: the forward, the recomputed
-  forward, the backward)."""
-  redraw = recomputes_elementwise(spec) and spec.remat_policy != 'dots_flash'
+  in the backward pass where recomputes_elementwise and the layers are not rematerialised.
+  Under a remat policy the layer's recomputed forward draws the mask again anyway (or
+  `dots_flash` keeps it), and the dropout's gradient reads that one: a redraw in the
+  dropout's own backward would be a third draw for no memory saved."""
+  redraw = recomputes_elementwise(spec) and spec.remat_policy == 'none'
   return dropout_lib.Dropout(spec.dropout_rate, redraw=redraw)
 
 
