@@ -72,6 +72,31 @@ def test_on_tpus_the_layer_recomputes_its_elementwise_work_with_the_same_numbers
   assert kept['cpu'].count(mask) - kept['tpu'].count(mask) == 1 + 2 * cfg.num_layers
 
 
+@pytest.mark.parametrize('policy', ['dots', 'full', 'dots_flash'])
+def test_under_a_remat_policy_a_tpus_layer_recomputes_as_a_gpus_does(policy):
+  """Under model.remat_policy the layer's recomputed forward computes the LayerNorms, GELU and
+  the masks again; a TPU's model does not rematerialise them inside it as well (a third
+  LayerNorm, a third draw of each mask): its gradient computes as many LayerNorms (rsqrt)
+  and draws as many masks (threefry2x32) as a GPU's, at most twice the forward's."""
+  from tests.test_flash_variants import _runs  # pylint: disable=g-import-not-at-top
+  cfg = small_config('postln', dense_impl='flax', fused_attention='off',
+                     attention_dropout_rate=0.1, dropout_rate=0.1, remat_policy=policy)
+  batch = make_batch()
+  counts = {}
+  for platform in ('gpu', 'tpu'):
+    spec = resolve(cfg, platform=platform)
+    assert not encoder.recomputes_elementwise(spec)
+    model = models.build(spec, head='encoder')
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch))['params']  # pylint: disable=cell-var-from-loop
+    loss = lambda p: jnp.sum(model.apply({'params': p}, batch, deterministic=False,  # pylint: disable=cell-var-from-loop
+                                         rngs={'dropout': jax.random.PRNGKey(1)}).hidden ** 2)
+    grad, forward = jax.make_jaxpr(jax.grad(loss))(params), jax.make_jaxpr(loss)(params)
+    counts[platform] = [(_runs(grad, p), _runs(forward, p)) for p in ('rsqrt', 'threefry2x32')]
+  assert counts['tpu'] == counts['gpu']
+  for in_grad, in_forward in counts['tpu']:
+    assert in_forward <= in_grad <= 2 * in_forward
+
+
 @pytest.mark.parametrize('rate,t', [(0.0, 40), (0.1, 40), (0.1, 200)])
 @pytest.mark.parametrize('with_term', [False, True])
 def test_the_mosaic_kernels_keep_the_masks_bits_and_no_probabilities(rate, t, with_term):

@@ -65,21 +65,18 @@ def recomputes_elementwise(spec: EncoderSpec) -> bool:
   they would keep otherwise (a LayerNorm's float32 centred and normalised copies of its
   input, GELU's intermediates, a byte of mask an element) was most of a layer's memory once
   attention kept nothing [B, H, T, T] (BENCHMARKS.md: the launch check of BERT-large), and
-  the recomputation is element-wise work beside the matrix units (under a remat policy the
-  masks are the recomputed forward's: hidden_dropout). Not on GPUs, whose step
-  time is dominated by such element-wise work and the threefry draws (docs/gpu.md), nor on
-  the CPU."""
-  return spec.target_platform == 'tpu'
+  the recomputation is element-wise work beside the matrix units; not under a remat policy
+  (model.remat_policy), which decides what each layer keeps: its recomputed forward already
+  computes them again, and rematerialising them inside it too would compute each LayerNorm
+  and draw each mask a third time. Not on GPUs, whose step time is dominated by such
+  element-wise work and the threefry draws (docs/gpu.md), nor on the CPU."""
+  return spec.target_platform == 'tpu' and spec.remat_policy == 'none'
 
 
 def hidden_dropout(spec: EncoderSpec) -> dropout_lib.Dropout:
   """BERT's dropout of the hidden states (embeddings, sublayer outputs); its mask drawn again
-  in the backward pass where recomputes_elementwise and the layers are not rematerialised.
-  Under a remat policy the layer's recomputed forward draws the mask again anyway (or
-  `dots_flash` keeps it), and the dropout's gradient reads that one: a redraw in the
-  dropout's own backward would be a third draw for no memory saved."""
-  redraw = recomputes_elementwise(spec) and spec.remat_policy == 'none'
-  return dropout_lib.Dropout(spec.dropout_rate, redraw=redraw)
+  in the backward pass where recomputes_elementwise."""
+  return dropout_lib.Dropout(spec.dropout_rate, redraw=recomputes_elementwise(spec))
 
 
 def gelu(spec: EncoderSpec, x):
