@@ -355,9 +355,9 @@ def _runs(program: jax.extend.core.ClosedJaxpr, primitive: str) -> int:
 
 @pytest.mark.parametrize('variant,scan,kernel,platform', [
     ('postln', False, 'triton', 'cpu'), ('realformer', True, 'mosaic', 'cpu'),
-    # as a TPU builds it (its hidden dropout otherwise draws its masks again in the backward
-    # pass: encoder.recomputes_elementwise), the pretraining model's last layer pruned to the
-    # masked rows (the plain path's attention dropout); counted, not run (not interpreted)
+    # as a TPU builds it (which rematerialises LayerNorm, GELU and the hidden masks itself
+    # without remat: encoder.recomputes_elementwise), the pretraining model's last layer
+    # pruned to the masked rows (the plain path's attention dropout); counted, not run
     ('realformer', False, 'mosaic', 'tpu')])
 def test_remat_dots_flash_recomputes_no_kernel_and_no_dropout_mask(variant, scan, kernel,
                                                                   platform, monkeypatch):
@@ -392,7 +392,7 @@ def test_remat_dots_flash_recomputes_no_kernel_and_no_dropout_mask(variant, scan
   layers = 1 if scan else 2 - pretraining  # a scanned program holds one layer's
   assert counts['dots_flash'] == (3 * layers, masks)  # forward, dK/dV, dQ; each mask once
   # `dots` draws the layers' masks again in their recomputed forward, and no more (a TPU's
-  # hidden dropout does not also redraw them in its own backward: encoder.hidden_dropout)
+  # hidden dropout does not also redraw them in its own backward: recomputes_elementwise)
   assert counts['dots'][0] == 4 * layers and masks < counts['dots'][1] <= 2 * masks
   if platform == 'cpu':
     assert counts['none'] == counts['dots_flash']
