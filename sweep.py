@@ -27,10 +27,6 @@ from realformer.run_names import RunNames
 from realformer.tools import sweep
 
 
-# The MLM figures of either objective (eval/loss adds NSP's under mlm_nsp alone), the
-# majority predictor's accuracy on the same batches beside them, and NSP's where there is one.
-DEFAULT_METRICS = ('eval/mlm_accuracy,eval/mlm_majority_accuracy,eval/mlm_loss,'
-                   'eval/nsp_accuracy')
 COMMANDS = {'run': 'run every unfinished run, one after another',
             'print': 'print a launch script instead of running',
             'summarize': 'final metrics of all runs, over seeds'}
@@ -41,9 +37,11 @@ def _define(cmd):
     flags.DEFINE_string('root', None, 'directory holding one workdir per run', flag_values=f,
                         required=True)
     if cmd == 'summarize':
-      flags.DEFINE_string('metrics', DEFAULT_METRICS,
+      flags.DEFINE_string('metrics', None,
                           'comma-separated metrics to summarise, <split>/<name> as '
-                          'metrics.jsonl logs them (fine-tuning: e.g. dev_rte/accuracy)',
+                          'metrics.jsonl logs them (default: pretraining\'s MLM accuracy '
+                          'and loss, its majority baseline and NSP\'s accuracy; of '
+                          'fine-tuning runs their last dev evaluation, e.g. dev_rte/accuracy)',
                           flag_values=f)
       flags.DEFINE_string('out', None, 'prefix of .md/.csv (default <root>/summary)',
                           flag_values=f)
@@ -70,12 +68,11 @@ def main(argv=None):
   args.cmd = cmd
 
   if args.cmd == 'summarize':
-    metrics = args.metrics.split(',')
-    rows = sweep.collect(args.root, metrics)
+    rows = sweep.collect(args.root, args.metrics.split(',') if args.metrics else None)
     if not rows:
       raise ValueError(f'--root {args.root} holds no runs of a sweep (folders with '
                        f'{RunNames.OVERRIDES}); pass the --root that sweep.py run was given')
-    metrics = sweep.check_metrics(rows, metrics, given=args.metrics != DEFAULT_METRICS)
+    metrics = sweep.check_metrics(rows, list(rows[0]['metrics']), given=bool(args.metrics))
     header, table = sweep.summarize(rows, metrics)
     out = args.out or storage.join(args.root, 'summary')
     markdown = sweep.to_markdown(header, table)

@@ -32,6 +32,8 @@ FAKE_PROGRAM = textwrap.dedent('''
     if args.get('--config.fail_once') == 'True' and not os.path.exists(
         os.path.join(workdir, 'failed_before')):
       open(os.path.join(workdir, 'failed_before'), 'w').close()
+      os.makedirs(os.path.join(workdir, 'checkpoints', '5'))  # a step saved before it failed
+      open(os.path.join(workdir, 'checkpoints', '5', 'commit_success.txt'), 'w').close()
       sys.exit(3)
     lr, seed = float(args['--config.optimizer.learning_rate']), int(args['--config.seed'])
     with open(os.path.join(workdir, 'metrics.jsonl'), 'a') as f:
@@ -95,7 +97,7 @@ def test_names_are_stable_safe_and_distinct():
     sweep.expand(['data.sources=files:/d/a*.txt,files:/d/a?.txt'])
 
 
-def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
+def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path, capsys):
   program = tmp_path / 'fake_train.py'
   program.write_text(FAKE_PROGRAM)
   root = tmp_path / 'sweep'
@@ -105,7 +107,10 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
   names = sorted(os.listdir(root))
   assert 'optimizer.learning_rate=0.0001,seed=2' in names  # named by what varies
   assert len(names) == 6 and not any(sweep.is_done(root / n) for n in names)
+  assert 'resumes from' not in capsys.readouterr().out
   assert sweep_cli.main(args + ['--set', 'fail_once=True']) == 0  # resumed: all finish
+  said = capsys.readouterr().out
+  assert said.count(': resumes from step 5: ') == 6 and said.count('  (output: log.txt)') == 6
   assert sweep_cli.main(args + ['--set', 'fail_once=True']) == 0  # finished: all skipped
   for n in names:
     assert (root / n / 'calls.txt').read_text().count('call') == 2
@@ -152,6 +157,38 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path):
                                    if r['run']['seed'] == 0], ['eval/mlm_accuracy'])
   assert header == ['optimizer.learning_rate', 'n', 'eval/mlm_accuracy', 'unfinished']
   assert {row[0]: row[2] for row in table} == pytest.approx({'0.0001': 0.1, '0.0002': 0.2})
+
+
+def test_a_fine_tuning_sweep_summarizes_its_dev_metrics_by_default(tmp_path):
+  """Without --metrics, runs that log no pretraining evaluation (finetune.py's) are summarised
+  by their last dev evaluation: every <dev split>/<metric> but the step (pretraining's MLM
+  defaults were refused there, naming a --metrics flag not given)."""
+  program = tmp_path / 'fake_finetune.py'
+  program.write_text(textwrap.dedent('''
+      import json, os, sys
+      args = dict(a.split('=', 1) for a in sys.argv[1:] if a.startswith('--config.'))
+      lr = float(args['--config.optimizer.learning_rate'])
+      workdir = sys.argv[sys.argv.index('--workdir') + 1]
+      with open(os.path.join(workdir, 'metrics.jsonl'), 'a') as f:
+        for step, split, record in ((1, 'train', {'loss': 0.7}), (1, 'dev_rte', {'accuracy': 0.1}),
+                                    (2, 'dev_rte', {'accuracy': lr * 1e5})):
+          f.write(json.dumps(dict(step=step, split=split, **record)) + '\\n')
+  '''))
+  root = tmp_path / 'sweep'
+  assert sweep_cli.main(['run', '--root', str(root), '--program', str(program), '--config',
+                         'cfg', '--sweep', 'optimizer.learning_rate=1e-5,3e-5']) == 0
+  assert sweep_cli.main(['summarize', '--root', str(root)]) == 0
+  header, *rows = (root / 'summary.csv').read_text().splitlines()
+  assert header == 'optimizer.learning_rate,n,dev_rte/accuracy,unfinished'
+  assert [r.split(',')[2] for r in rows] == ['1.0', '3.0']  # the last evaluation's
+  # Runs that logged neither evaluation: one line naming what they did log.
+  for run in root.iterdir():
+    if run.is_dir():
+      (run / 'metrics.jsonl').write_text('{"step": 1, "split": "train", "loss": 0.7}\n')
+  with pytest.raises(ValueError, match=r'^no finished run logged the default metrics \(eval/'
+                     r'.*\); they log train/loss, train/step: name those to summarise with '
+                     r'--metrics$'):
+    sweep_cli.main(['summarize', '--root', str(root)])
 
 
 def test_runs_start_in_the_repository_and_a_wider_sweep_keeps_finished_runs(

@@ -602,7 +602,9 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
                          json.dumps(run, indent=1, sort_keys=True))
       storage.write_text(storage.join(workdir, RunDir.COMMAND), json.dumps(command_of))
       argv = command(program, config, workdir, run)
-      say(shlex.join(argv))
+      steps = checkpoints.complete_steps(workdir)
+      say((f'resumes from step {steps[-1]}: ' if steps else '') + shlex.join(argv)
+          + f'  (output: {RunDir.LOG})')
       code, stopped = _call_logged(argv, storage.join(workdir, RunDir.LOG))
       if code == 0:
         storage.write_text(storage.join(workdir, RunDir.DONE), '')
@@ -865,9 +867,28 @@ def final_metrics(workdir: str, split: Optional[str] = 'eval') -> Dict[str, floa
           if k != 'split' and isinstance(v, (int, float))}
 
 
-def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
-  """One row per run under root: its overrides and its final metrics (a finished run's
-  other metrics' names under 'logged')."""
+# What `sweep.py summarize` reports of pretraining runs without --metrics: the MLM figures of
+# either objective (eval/loss adds NSP's under mlm_nsp alone), the majority predictor's
+# accuracy on the same batches beside them, and NSP's where there is one.
+PRETRAINING_METRICS = ('eval/mlm_accuracy', 'eval/mlm_majority_accuracy', 'eval/mlm_loss',
+                       'eval/nsp_accuracy')
+
+
+def default_metrics(logged: Iterable[str]) -> List[str]:
+  """The metrics summarised where none are named, from those the finished runs logged:
+  fine-tuning's last dev evaluation (every <dev split>/<metric> but its step) where they
+  logged one and no pretraining evaluation, else PRETRAINING_METRICS."""
+  logged = set(logged)
+  dev = sorted(m for m in logged if m.startswith('dev') and not m.endswith('/step'))
+  if dev and not any(m.startswith('eval/') for m in logged):
+    return dev
+  return list(PRETRAINING_METRICS)
+
+
+def collect(root: str, metrics: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+  """One row per run under root: its overrides and its final `metrics` (None:
+  default_metrics; every row holds the same names, in order), and the names of every
+  metric a finished run logged under 'logged'."""
   rows = []
   if not storage.path(root).is_dir():
     raise FileNotFoundError(f'--root {root} is not a folder; pass the --root of a sweep')
@@ -881,24 +902,31 @@ def collect(root: str, metrics: Sequence[str]) -> List[Dict[str, Any]]:
     except ValueError as e:
       raise ValueError(f'{path} is not readable JSON ({e}); restore it (the run\'s '
                        '--config.<key>=<value> overrides) or delete its folder') from None
-    values = final_metrics(workdir, None)
     rows.append({'run': run, 'done': is_done(workdir, run),
-                 'metrics': {m: values.get(m) for m in metrics}, 'logged': sorted(values)})
+                 'metrics': final_metrics(workdir, None)})
+  if metrics is None:
+    metrics = default_metrics(m for r in rows if r['done'] for m in r['metrics'])
+  for row in rows:
+    values = row['metrics']
+    row.update(metrics={m: values.get(m) for m in metrics}, logged=sorted(values))
   return rows
 
 
 def check_metrics(rows: Sequence[Dict[str, Any]], metrics: Sequence[str], given: bool
                   ) -> List[str]:
   """The metrics to summarize: a one-line ValueError for a `given` metric that no finished
-  run logged (a misspelling), or for default ones of which none was (pretraining's asked of
-  fine-tuning runs), naming those the runs did log; the default ones that some run logged
-  (not NSP's, of runs of MLM alone)."""
+  run logged (a misspelling), or for default ones of which none was (runs of a program that
+  logs neither evaluation), naming those the runs did log; the default ones that some run
+  logged (not NSP's, of runs of MLM alone)."""
   done = [r for r in rows if r['done']]
   missing = [m for m in metrics if done and all(r['metrics'][m] is None for r in done)]
   if missing and (given or len(missing) == len(metrics)):
-    logged = sorted({m for r in done for m in r['logged']})
-    raise ValueError(f'--metrics {",".join(missing)}: no finished run logged it; they log '
-                     f'{", ".join(logged) or "nothing"}')
+    logged = ", ".join(sorted({m for r in done for m in r['logged']})) or "nothing"
+    if given:
+      raise ValueError(f'--metrics {",".join(missing)}: no finished run logged it; they log '
+                       f'{logged}')
+    raise ValueError(f'no finished run logged the default metrics ({", ".join(missing)}); '
+                     f'they log {logged}: name those to summarise with --metrics')
   return [m for m in metrics if m not in missing]
 
 
