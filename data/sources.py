@@ -50,6 +50,7 @@ import zlib
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from absl import logging
 
 from realformer import config_checks
 from realformer import storage
@@ -186,12 +187,19 @@ def load_tfds_task(name: str, split: str, data_dir: Optional[str], offline: str)
 
 def prepare_tfds_task(name: str, data_dir: Optional[str], offline: str) -> None:
   """Downloads and prepares tfds dataset `name` into `data_dir` where it is not there yet
-  (what load_tfds_task would do first): on one host of several that share the folder,
-  before the others read it (tfds's preparations of one dataset at once collide at their
-  final rename)."""
+  (what load_tfds_task would do first), saying so first (without network tfds gives up only
+  after minutes of retries): on one host of several that share the folder, before the
+  others read it (tfds's preparations of one dataset at once collide at their final
+  rename)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   with _tfds_failure(name, offline):
-    tfds.builder(name, data_dir=data_dir).download_and_prepare()
+    builder = tfds.builder(name, data_dir=data_dir)
+    if builder.is_prepared():
+      return
+    logging.warning('%s is not in %s: tfds downloads and prepares it there once (without '
+                    'network it gives up after about 3 minutes of retries; then %s)', name,
+                    builder.data_dir, offline)
+    builder.download_and_prepare()
 
 
 @contextlib.contextmanager
@@ -199,7 +207,12 @@ def _tfds_failure(name: str, offline: str):
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except (requests, tfds, OSError, ...)
-    why = ' '.join((str(e).strip().splitlines() or [''])[0].split())[:160]
+    text = ' '.join(str(e).split())
+    host = re.search(r"\bhost='([^']+)'", text)  # requests' and urllib3's connection errors
+    why = (f'could not reach {host.group(1)}' if host else
+           ' '.join((str(e).strip().splitlines() or [''])[0].split()))
+    if len(why) > 160:
+      why = why[:157] + '...'
     raise ValueError(f'tfds could not load {name} ({type(e).__name__}: {why}); without '
                      f'network, {offline}') from e
 

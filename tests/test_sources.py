@@ -464,9 +464,11 @@ def test_a_tokenizer_retrained_at_the_same_path_or_another_tfds_feature_is_notic
   prepare.read_metadata(str(prepared), config)
 
 
-def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
+def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch, caplog):
   """GLUE and SQuAD without data_dir go through tfds.load, which downloads: without network
-  its failure (after tfds's retries) names the offline route instead of a long traceback."""
+  its failure (after tfds's retries) names the offline route instead of a long traceback,
+  and the host it could not reach; a download is said before it begins, one already
+  prepared is not begun."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from data import glue, squad  # pylint: disable=g-import-not-at-top
 
@@ -483,8 +485,13 @@ def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
     squad.read_tfds('v2.0', 'train')
   # The same where process 0 downloads and prepares them before the hosts load them.
   class Offline:
+    prepared = False
+
     def __init__(self, name, data_dir):
-      self.name = name
+      self.name, self.data_dir = name, f'{data_dir}/{name}/1.0.0'
+
+    def is_prepared(self):
+      return self.prepared
 
     def download_and_prepare(self):
       raise ConnectionError(f"HTTPSConnectionPool: Failed to resolve 'dl.fbaipublicfiles.com'"
@@ -492,8 +499,24 @@ def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch):
   monkeypatch.setattr(tfds, 'builder', Offline)
   with pytest.raises(ValueError, match=offline.format('mnli')):
     glue.prepare_tfds('mnli_mismatched', '/tfds')
+  assert ('glue/mnli is not in /tfds/glue/mnli/1.0.0: tfds downloads and prepares it there '
+          'once (without network it gives up after about 3 minutes of retries; then pass '
+          'config.data_dir=') in caplog.text
   with pytest.raises(ValueError, match=r'load squad/v1.1 .*train-v1.1.json'):
     squad.prepare_tfds('v1.1')
+  # requests' own words: the host named, the message not cut in the middle of its brackets.
+  Offline.download_and_prepare = lambda self: (_ for _ in ()).throw(ConnectionError(
+      "HTTPSConnectionPool(host='dl.fbaipublicfiles.com', port=443): Max retries exceeded "
+      "with url: /glue/data/RTE.zip (Caused by NameResolutionError(\"<urllib3.connection."
+      "HTTPSConnection object at 0x7f>: Failed to resolve 'dl.fbaipublicfiles.com' ([Errno -3] "
+      "Temporary failure in name resolution)\"))"))
+  with pytest.raises(ValueError, match=r'^tfds could not load glue/rte \(ConnectionError: '
+                     r'could not reach dl.fbaipublicfiles.com\); without network, pass '):
+    glue.prepare_tfds('rte', '/tfds')
+  caplog.clear()
+  Offline.prepared = True  # nothing to download: nothing said, nothing begun
+  glue.prepare_tfds('rte', '/tfds')
+  assert 'tfds downloads' not in caplog.text
 
 
 def test_a_source_listed_twice_is_held_out_or_trained_on_both_times(tmp_path):
