@@ -129,8 +129,10 @@ def main(argv):
                          '(e.g. --workdir /tmp/bert_tiny)')
   summary = trainer.run_program(train_and_evaluate, flags.FLAGS.config, flags.FLAGS.workdir)
   held_out = summary['eval']
-  logging.info('done at step %d%s', summary['step'],
-               f'; eval: {metrics_lib.format_scalars(held_out)}' if held_out else '')
+  logging.info('done at step %d%s; the run (checkpoints, metrics.jsonl, TensorBoard\'s '
+               'events) is in %s', summary['step'],
+               f'; eval: {metrics_lib.format_scalars(held_out)}' if held_out else '',
+               flags.FLAGS.workdir)
 
 
 if __name__ == '__main__':

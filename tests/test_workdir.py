@@ -414,6 +414,12 @@ def test_a_resume_prints_no_warning_but_a_moved_learning_rate(commands, tmp_path
   proc = commands.run(args[1:] + ['--config.train.num_steps=3'], env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'taking over the lock of pid 999999' in proc.stderr
+  # Nothing left to train: said as such (not "resuming"), and where the run is.
+  assert ('the run finished at step 3 (' in proc.stderr and 'nothing is left to train (a '
+          'larger train.num_steps trains it further)' in proc.stderr), proc.stderr[-3000:]
+  assert 'resuming from' not in proc.stderr
+  assert (f"done at step 3; the run (checkpoints, metrics.jsonl, TensorBoard's events) is in "
+          f'{tmp_path}') in proc.stderr
   # A run is not shortened past its checkpoint; a workdir whose config.json is gone does
   # not say what its checkpoints are (it resumed as whatever model was asked for).
   def refused(steps):

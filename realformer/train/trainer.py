@@ -444,7 +444,13 @@ class Trainer:
                          f'{c.steps_setting}={c.num_steps // c.steps_per_unit}; give '
                          f'{c.steps_setting} >= {-(-latest // c.steps_per_unit)} '
                          '(a run may be shortened on resume, down to its newest checkpoint)')
-      logging.info('resuming from step %d (%s)', latest, manager.directory / str(latest))
+      if latest == self.cadence.num_steps:
+        c = self.cadence
+        logging.info('the run finished at step %d (%s): nothing is left to train (a larger %s '
+                     'trains it further)', latest, manager.directory / str(latest),
+                     c.steps_setting)
+      else:
+        logging.info('resuming from step %d (%s)', latest, manager.directory / str(latest))
       if task.data is not None:  # (every host's own check: all go on, or none)
         distributed.on_every_process(
             lambda: task.data.check_restorable(str(manager.directory / str(latest))),
