@@ -212,9 +212,19 @@ def test_a_pretraining_folder_is_not_taken_over_by_fine_tuning(tmp_path):
   (tmp_path / 'config.json').write_text(tiny_config().to_json_best_effort())
   for task in ('glue/rte', 'squad/v1.1'):
     for has_checkpoint in (False, True):
-      with pytest.raises(ValueError, match=r'is not a config of this program .*another'):
+      with pytest.raises(ValueError, match=(
+          rf"^{tmp_path} is a pretraining run \(its config.json is train.py's\), not a "
+          rf'fine-tuning run; use another --workdir \(to fine-tune it: '
+          rf"--config.init_checkpoint={tmp_path} and a --workdir of the fine-tuning run's "
+          r'own\)$')):
         workdir_lib.check_resume_config(str(tmp_path), finetune_configs.get_config(task),
                                         has_checkpoint)
+  # The reverse: train.py in a fine-tuning run's folder.
+  (tmp_path / 'config.json').write_text(finetune_configs.get_config('glue/rte')
+                                        .to_json_best_effort())
+  with pytest.raises(ValueError, match=rf"^{tmp_path} is a fine-tuning run \(its config.json "
+                     r"is finetune.py's\), not a pretraining run; use another --workdir$"):
+    workdir_lib.check_resume_config(str(tmp_path), tiny_config(), False)
 
 
 def test_a_finished_fine_tuning_run_is_not_taken_over_by_pretraining(tmp_path):
@@ -441,6 +451,9 @@ ONE_LINE_ERRORS = [
       '--sweep', 'model.varient=postln'], 'model.varient is not a field'),
     (['-m', 'realformer.tools.finetune_grid', '--tasks', 'rte', '--root', '{tmp}/g',
       '--init_checkpoint', '{tmp}/none'], 'is not a train.py or import workdir'),
+    (['-m', 'realformer.tools.finetune_grid', '--tasks', 'rte', '--root', '{tmp}/g'],
+     '--init_checkpoint is required: the train.py or import workdir whose encoder the grid '
+     'fine-tunes (or --set from_scratch=True)'),
     (['-m', 'data.prepare', '--config', 'configs/pretrain.py:postln,tiny', '--out_dir',
       '{tmp}/p', '--config.data.sources=files:{tmp}/none*'], 'matches no file'),
     (['analyze.py', '--workdir', '{tmp}/none', '--out', '{tmp}/a'], 'does not exist'),

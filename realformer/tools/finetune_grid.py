@@ -395,11 +395,14 @@ def main(argv=None):
     for assignment in sweep.parse_assignments(args.set, multi=False, types=types):
       fixed.update(assignment[0])
     for init in inits if not args.print_only and not fixed.get('from_scratch') else ():
-      if not (storage.path(init or '.') / RunDir.CONFIG).is_file():
+      if not init:
+        raise ValueError('--init_checkpoint is required: the train.py or import workdir whose '
+                         'encoder the grid fine-tunes (or --set from_scratch=True)')
+      if not (storage.path(init) / RunDir.CONFIG).is_file():
         raise ValueError(f'--init_checkpoint={init!r} is not a train.py or import workdir (no '
                          'config.json); pass one, or --set from_scratch=True')
       # (a fine-tuning run's own folder, say, refused here rather than by each of its runs)
-      checkpoints.read_pretraining_config(init or '.')
+      checkpoints.read_pretraining_config(init)
     if (not args.print_only and args.data_dir and not args.data_dir.startswith('hf:') and
         not storage.path(args.data_dir).is_dir()):
       raise FileNotFoundError(f'--data_dir={args.data_dir!r} is not a directory')

@@ -364,9 +364,15 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
   new = json.loads(config.to_json_best_effort())
   fixed, allowed, added = config_differences(stored, new)
   programs = cli.program_of(stored), cli.program_of(new)
-  # (a config of another program: told by its sections, or, for a file of neither, by the
-  # fields it lacks: fields added since are few)
-  if (None not in programs and programs[0] != programs[1]) or len(added) * 2 > len(flatten(new)):
+  # (a config of another program: told by its sections; a file of neither by the fields it
+  # lacks: fields added since are few)
+  if None not in programs and programs[0] != programs[1]:
+    kind, _ = cli.PROGRAMS[programs[0]]
+    hint = (f' (to fine-tune it: --config.init_checkpoint={workdir} and a --workdir of the '
+            'fine-tuning run\'s own)' if programs[0] == 'train.py' else '')
+    raise ValueError(f'{workdir} is a {kind} run (its {RunNames.CONFIG} is {programs[0]}\'s), '
+                     f'not a {cli.PROGRAMS[programs[1]][0]} run; use another --workdir{hint}')
+  if len(added) * 2 > len(flatten(new)):  # (a file of neither: told by the fields it lacks)
     where = (f'yet {workdir} holds checkpoints' if has_checkpoint else
              f'so {workdir} is another program\'s run (e.g. a fine-tuning run\'s folder)')
     raise ValueError(
