@@ -11,6 +11,7 @@ from unittest import mock
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -236,6 +237,17 @@ def ft_config(task, init, **overrides):
   for k, v in overrides.items():
     c[k] = v
   return c
+
+
+def test_a_nan_loss_advises_float32_to_a_run_in_half_precision_alone():
+  """(the dtype the encoder computes in: the pretrained one, or config.model.dtype)"""
+  hint = lambda dtype: finetune_task.FinetuneTask.nonfinite_hint.fget(types.SimpleNamespace(
+      spec=types.SimpleNamespace(dtype=dtype)))
+  assert hint(jnp.float32) == (
+      'lower config.optimizer.learning_rate or raise config.optimizer.warmup_fraction')
+  assert hint(jnp.bfloat16) == ('lower config.optimizer.learning_rate, raise '
+                                'config.optimizer.warmup_fraction or train in float32 '
+                                '(config.model.dtype)')
 
 
 def run(config, workdir: str, sharded: bool = False) -> dict:

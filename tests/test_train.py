@@ -597,8 +597,13 @@ def test_nan_loss_stops_and_is_not_saved(tmp_path):
                      match=r'(loss|gradient norm) became (nan|inf) at step \d+') as e:
     trained(c, str(tmp_path))
   bad_step = int(str(e.value).split(' at step ')[1].split(';')[0])
-  assert str(e.value).endswith('; the peak learning rate is 1e+12: lower optimizer.learning_rate, '
-                               'raise optimizer.warmup_steps or train in float32 (model.dtype)')
+  assert str(e.value).endswith('; the peak learning rate is 1e+12: lower '
+                               'optimizer.learning_rate or raise optimizer.warmup_steps')
+  # Training in float32 is advised to a run in half precision alone.
+  c.model.dtype = 'bfloat16'
+  hint = pretraining.PretrainingTask.nonfinite_hint.fget(types.SimpleNamespace(config=c))
+  assert hint == ('lower optimizer.learning_rate, raise optimizer.warmup_steps or train in '
+                  'float32 (model.dtype)')
   saved = sorted(int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit())
   assert all(s < bad_step for s in saved)
   if saved:

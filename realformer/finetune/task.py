@@ -351,8 +351,6 @@ class FinetuneTask(trainer.Task, abc.ABC):
   # and to sequence_keys where it is per token.
   input_keys = buckets_lib.SEQUENCE_KEYS
   needs_final_results = True  # the predictions and results.json of a rerun
-  nonfinite_hint = ('lower config.optimizer.learning_rate, raise '
-                    'config.optimizer.warmup_fraction or train in float32 (config.model.dtype)')
   train: Dict[str, np.ndarray]
 
   def __init__(self, config, mesh, run: RunDir):
@@ -383,6 +381,13 @@ class FinetuneTask(trainer.Task, abc.ABC):
     self.lengths = buckets_lib.lengths_of(self.train)
     self.__compiler: Optional[futures.Executor] = None  # prepare() starts it
     self.__predict: Optional[Programs] = None
+
+  @property
+  def nonfinite_hint(self) -> str:
+    half = jnp.dtype(self.spec.dtype) != jnp.float32  # (the pretrained dtype, or the set one)
+    return ('lower config.optimizer.learning_rate' + (', ' if half else ' or ') + 'raise '
+            'config.optimizer.warmup_fraction'
+            + (' or train in float32 (config.model.dtype)' if half else ''))
 
   def __params_config(self, pre) -> ml_collections.ConfigDict:
     """The config best/ and final/ carry, encoders another run can start from: the

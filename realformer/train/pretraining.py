@@ -345,8 +345,12 @@ class PretrainingTask(trainer.Task):
   """MLM + NSP, or MLM alone, on config.data's sources (config: a resolved_config)."""
   command = 'train.py'
   name = 'pretraining'
-  nonfinite_hint = ('lower optimizer.learning_rate, raise optimizer.warmup_steps or train '
-                    'in float32 (model.dtype)')
+
+  @property
+  def nonfinite_hint(self) -> str:
+    half = self.config.model.dtype != 'float32'
+    return ('lower optimizer.learning_rate' + (', ' if half else ' or ') + 'raise '
+            'optimizer.warmup_steps' + (' or train in float32 (model.dtype)' if half else ''))
 
   @classmethod
   def checked_config(cls, config, mesh):
