@@ -379,12 +379,31 @@ def stop_at_once_on_ctrl_c() -> None:
     exit_at_once_on((signal.SIGINT,), STOPPED_BY_CTRL_C, EXIT_INTERRUPTED)
 
 
+def _absl_format() -> None:
+  """A tool's log lines in absl's format (`W1201 10:00:00.123456 4242 file.py:10] ...`), as
+  train.py's and finetune.py's. absl's app.run installs its own handler; without it, a
+  library that logs through absl first (orbax, as it imports) has Python's basicConfig
+  handler made, which printed `WARNING:absl:...`: that handler (made here where there is
+  none yet) writes absl's format instead."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  root = logging_std.getLogger()
+  if any(isinstance(h, absl_logging.ABSLHandler) for h in root.handlers):
+    return
+  if not root.handlers:
+    logging_std.basicConfig()
+  for handler in root.handlers:
+    formatter = handler.formatter
+    if formatter is not None and formatter._fmt == logging_std.BASIC_FORMAT:  # pylint: disable=protected-access
+      handler.setFormatter(absl_logging.PythonFormatter())
+
+
 def run_main(main, *args, also=()):
   """main(*args) with user errors (USER_ERRORS, a busy workdir, and the types in `also`)
   as `error: <message>` and exit status 1, and a Ctrl-C as `stopped by Ctrl-C` and status
   130 (the traceback with --verbose_errors or REALFORMER_VERBOSE_ERRORS=1). Returns main's
   result. Starts no TPU backend on a machine without TPUs (platforms.skip_absent_tpu)."""
   platforms.skip_absent_tpu()
+  _absl_format()
   absl_logger = logging_std.getLogger('absl')  # also where absl's app.run does not handle it
   if not any(isinstance(f, QuietLibraries) for f in absl_logger.filters):
     absl_logger.addFilter(QuietLibraries())

@@ -4,6 +4,7 @@ TPU backend it could not start; a TPU VM and a user's JAX_PLATFORMS are left alo
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -139,3 +140,19 @@ def test_a_benchmarks_start_says_nothing_of_tpus():
       env={**_clean_env(), 'TF_CPP_MIN_LOG_LEVEL': '0'})
   assert proc.returncode == 0 and proc.stdout.split() == ["['cpu']"], proc.stderr[-2000:]
   assert 'tpu' not in proc.stderr.lower(), proc.stderr[-2000:]
+
+
+def test_a_tools_warning_is_in_absl_format_as_the_programs_are():
+  """A tool (cli.run_main without absl's app.run: sweep.py, the interop, ...) logs
+  `W1201 10:00:00.123456 4242 file.py:10] ...` as train.py does, whether a library logged
+  through absl before it (orbax as it imports: Python's basicConfig handler, which wrote
+  `WARNING:absl:...`) or nothing did."""
+  for first in ('', 'import orbax.checkpoint; '):
+    code = (first + 'from absl import logging; from realformer import cli; '
+            'cli.run_main(lambda: logging.warning("a warning"))')
+    proc = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=_clean_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r'^W\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ <string>:1\] a warning$',
+                     proc.stderr, re.M), proc.stderr[-2000:]
+    assert 'WARNING:absl' not in proc.stderr and proc.stderr.count('a warning') == 1
