@@ -140,7 +140,8 @@ def describe(lengths: np.ndarray, buckets: Sequence[int], max_seq_length: int) -
   counts = np.bincount(bucket_index(lengths, buckets), minlength=len(buckets))
   padded = padded_tokens(lengths, buckets)
   fixed = len(lengths) * max_seq_length
-  parts = ', '.join(f'{b} ({c})' for b, c in zip(buckets, counts))
-  return (f'length buckets {parts} examples: {len(buckets)} compiled lengths; '
-          f'{padded / max(fixed, 1):.0%} of the tokens of padding to {max_seq_length}, '
-          f'{int(lengths.sum()) / max(padded, 1):.0%} of them real')
+  parts = ', '.join(f'{b} ({c} examples)' for b, c in zip(buckets, counts))
+  return (f'length buckets {parts}: {len(buckets)} compiled '
+          f'length{"s" if len(buckets) > 1 else ""}, whose batches hold '
+          f'{padded / max(fixed, 1):.0%} of the tokens that padding every batch to '
+          f'{max_seq_length} would, {int(lengths.sum()) / max(padded, 1):.0%} of them real')

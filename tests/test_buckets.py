@@ -46,6 +46,14 @@ def test_chosen_lengths_edge_cases():
     buckets.bucket_index(np.array([40]), (16, 32))
 
 
+def test_the_buckets_log_line_counts_examples_and_padding():
+  assert buckets.describe(np.array([3, 5, 9, 10]), (8, 16), 16) == (
+      'length buckets 8 (2 examples), 16 (2 examples): 2 compiled lengths, whose batches hold '
+      '75% of the tokens that padding every batch to 16 would, 56% of them real')
+  assert buckets.describe(np.array([3, 5]), (8,), 16).startswith(
+      'length buckets 8 (2 examples): 1 compiled length, whose batches hold 50% ')
+
+
 def test_training_plan_is_a_deterministic_cover_of_the_epoch():
   rng = np.random.default_rng(0)
   lengths = rng.integers(2, 64, size=203)

@@ -241,11 +241,12 @@ def _choose_buckets(config, task) -> Tuple[int, ...]:
                                       config.max_seq_length, epochs=epochs,
                                       tokens_per_compile=tokens_per_compile)
   padded = buckets_lib.padded_tokens(lengths, chosen) * epochs
-  logging.info('%s; %d epochs of %.3g padded tokens (~%.0f s at ~%.2g s a token) against %d '
-               'compiles of ~%g s (config.length_buckets=%d at most, 0 pads every batch to '
-               'max_seq_length; config.bucket_compile_seconds=0 pads least)',
+  logging.info('%s. Chosen for %d epochs: %.3g padded tokens (~%.0f s of training at ~%.2g s '
+               'a token) against ~%g s of compiling each length (config.length_buckets=%d '
+               'lengths at most, 0: every batch padded to max_seq_length; '
+               'config.bucket_compile_seconds=0 pads least)',
                buckets_lib.describe(lengths, chosen, config.max_seq_length), epochs, padded,
-               padded * per_token, per_token, len(chosen), config.bucket_compile_seconds,
+               padded * per_token, per_token, config.bucket_compile_seconds,
                config.length_buckets)
   return chosen
 
