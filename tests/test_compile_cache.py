@@ -46,7 +46,20 @@ def _counts(log: str):
   line = [l for l in log.splitlines() if 'programs loaded from it' in l][-1]
   loaded = int(line.split(' programs loaded from it')[0].split()[-1])
   written = int(line.split(' compiled and written')[0].split()[-1])
+  assert line.endswith('compiled and written to it')  # (every program is: no threshold said)
   return loaded, written
+
+
+def test_the_cache_line_says_which_programs_it_does_not_keep(caplog):
+  caplog.set_level('INFO', logger='absl')
+  least = jax.config.jax_persistent_cache_min_compile_time_secs
+  try:
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+    compile_cache.log_stats('the run')
+  finally:
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', least)
+  assert caplog.text.rstrip().endswith(
+      ' compiled and written to it (those that compile in under 1 s are not kept)')
 
 
 def _losses(workdir) -> list:

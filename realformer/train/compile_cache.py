@@ -266,5 +266,7 @@ def log_stats(what: str) -> None:
       logging.info('compilation cache after %s: %d programs loaded from it (process 0 writes '
                    'those the job compiles)', what, counts['hits'])
       return
+    least = jax.config.jax_persistent_cache_min_compile_time_secs
     logging.info('compilation cache after %s: %d programs loaded from it, %d compiled and '
-                 'written to it', what, counts['hits'], counts['misses'])
+                 'written to it%s', what, counts['hits'], counts['misses'],
+                 f' (those that compile in under {least:g} s are not kept)' if least else '')
