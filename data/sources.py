@@ -209,8 +209,9 @@ def _tfds_failure(name: str, offline: str):
   except Exception as e:  # pylint: disable=broad-except (requests, tfds, OSError, ...)
     text = ' '.join(str(e).split())
     host = re.search(r"\bhost='([^']+)'", text)  # requests' and urllib3's connection errors
-    why = (f'could not reach {host.group(1)}' if host else
-           ' '.join((str(e).strip().splitlines() or [''])[0].split()))
+    cause = re.search(r'Caused by (\w+)\(', text)  # (name resolution, TLS, a proxy, ...)
+    why = (f'could not reach {host.group(1)}' + (f' ({cause.group(1)})' if cause else '')
+           if host else ' '.join((str(e).strip().splitlines() or [''])[0].split()))
     if len(why) > 160:
       why = why[:157] + '...'
     raise ValueError(f'tfds could not load {name} ({type(e).__name__}: {why}); without '

@@ -382,18 +382,19 @@ def stop_at_once_on_ctrl_c() -> None:
 def _absl_format() -> None:
   """A tool's log lines in absl's format (`W1201 10:00:00.123456 4242 file.py:10] ...`), as
   train.py's and finetune.py's. absl's app.run installs its own handler; without it, a
-  library that logs through absl first (orbax, as it imports) has Python's basicConfig
-  handler made, which printed `WARNING:absl:...`: that handler (made here where there is
-  none yet) writes absl's format instead."""
+  library that logs through absl first (orbax, as it imports) has Python's basicConfig()
+  handler made, which printed `WARNING:absl:...`. That default handler (made here where
+  there is none yet) writes absl's format from now on in this process; logging that was
+  configured (a level or a format of one's own, absl's handler) is left as it is."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   root = logging_std.getLogger()
-  if any(isinstance(h, absl_logging.ABSLHandler) for h in root.handlers):
+  if (root.level != logging_std.WARNING or
+      any(isinstance(h, absl_logging.ABSLHandler) for h in root.handlers)):
     return
   if not root.handlers:
     logging_std.basicConfig()
   for handler in root.handlers:
-    formatter = handler.formatter
-    if formatter is not None and formatter._fmt == logging_std.BASIC_FORMAT:  # pylint: disable=protected-access
+    if getattr(handler.formatter, '_fmt', None) == logging_std.BASIC_FORMAT:
       handler.setFormatter(absl_logging.PythonFormatter())
 
 

@@ -156,3 +156,9 @@ def test_a_tools_warning_is_in_absl_format_as_the_programs_are():
     assert re.search(r'^W\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ <string>:1\] a warning$',
                      proc.stderr, re.M), proc.stderr[-2000:]
     assert 'WARNING:absl' not in proc.stderr and proc.stderr.count('a warning') == 1
+  # Logging configured by the caller (main() run from a script of one's own) is left alone.
+  proc = subprocess.run([sys.executable, '-c', 'import logging; from realformer import cli; '
+                         'logging.basicConfig(level=logging.INFO); '
+                         'cli.run_main(lambda: logging.getLogger("mine").info("mine"))'],
+                        cwd=REPO, capture_output=True, text=True, timeout=120, env=_clean_env())
+  assert proc.returncode == 0 and 'INFO:mine:mine' in proc.stderr.splitlines(), proc.stderr

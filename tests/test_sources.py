@@ -511,7 +511,8 @@ def test_a_fine_tuning_task_tfds_cannot_download_is_one_line(monkeypatch, caplog
       "HTTPSConnection object at 0x7f>: Failed to resolve 'dl.fbaipublicfiles.com' ([Errno -3] "
       "Temporary failure in name resolution)\"))"))
   with pytest.raises(ValueError, match=r'^tfds could not load glue/rte \(ConnectionError: '
-                     r'could not reach dl.fbaipublicfiles.com\); without network, pass '):
+                     r'could not reach dl.fbaipublicfiles.com \(NameResolutionError\)\); without network, '
+                     r'pass '):
     glue.prepare_tfds('rte', '/tfds')
   caplog.clear()
   Offline.prepared = True  # nothing to download: nothing said, nothing begun

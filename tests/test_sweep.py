@@ -110,7 +110,8 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path, capsys):
   assert 'resumes from' not in capsys.readouterr().out
   assert sweep_cli.main(args + ['--set', 'fail_once=True']) == 0  # resumed: all finish
   said = capsys.readouterr().out
-  assert said.count(': resumes from step 5: ') == 6 and said.count('  (output: log.txt)') == 6
+  assert said.count(': resumes from step 5: ') == 6
+  assert said.count(f'  (output: {root}/optimizer.learning_rate=') == 6
   assert sweep_cli.main(args + ['--set', 'fail_once=True']) == 0  # finished: all skipped
   for n in names:
     assert (root / n / 'calls.txt').read_text().count('call') == 2
@@ -181,10 +182,27 @@ def test_a_fine_tuning_sweep_summarizes_its_dev_metrics_by_default(tmp_path):
   header, *rows = (root / 'summary.csv').read_text().splitlines()
   assert header == 'optimizer.learning_rate,n,dev_rte/accuracy,unfinished'
   assert [r.split(',')[2] for r in rows] == ['1.0', '3.0']  # the last evaluation's
-  # Runs that logged neither evaluation: one line naming what they did log.
+  # No run finished yet: its columns all the same (the unfinished ones counted).
+  for run in root.iterdir():
+    if run.is_dir():
+      (run / RunDir.DONE).unlink()
+  assert sweep_cli.main(['summarize', '--root', str(root)]) == 0
+  assert (root / 'summary.csv').read_text().splitlines()[0] == (
+      'optimizer.learning_rate,n,dev_rte/accuracy,unfinished')
+  # A root that also holds a pretraining run: the columns of both.
+  pretraining = root / 'model.variant=postln,seed=0'
+  pretraining.mkdir()
+  (pretraining / RunDir.OVERRIDES).write_text('{"model.variant": "postln", "seed": 0}')
+  (pretraining / 'metrics.jsonl').write_text(
+      '{"step": 2, "split": "eval", "mlm_accuracy": 0.3}\n')
+  assert list(sweep.collect(str(root))[0]['metrics']) == list(
+      sweep.PRETRAINING_METRICS) + ['dev_rte/accuracy']
+  # Finished runs that logged neither evaluation: one line naming what they did log.
+  shutil.rmtree(pretraining)
   for run in root.iterdir():
     if run.is_dir():
       (run / 'metrics.jsonl').write_text('{"step": 1, "split": "train", "loss": 0.7}\n')
+      (run / RunDir.DONE).write_text('')
   with pytest.raises(ValueError, match=r'^no finished run logged the default metrics \(eval/'
                      r'.*\); they log train/loss, train/step: name those to summarise with '
                      r'--metrics$'):

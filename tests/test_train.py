@@ -1062,7 +1062,7 @@ def test_a_time_budget_reads_the_schedule_exactly_where_the_warm_up_ends(tmp_pat
                                  err_msg=f'{name} at {position}')
 
 
-def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
+def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path, caplog):
   config = tiny_config(num_steps=100_000, time_budget_minutes=0.1, log_every_steps=5,
                        checkpoint_every_steps=40)  # 6 s: past step 40 on a slow machine
   config.optimizer.schedule, config.optimizer.warmup_steps = 'linear', 10
@@ -1081,9 +1081,13 @@ def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path):
     assert 1 - fractions[step] - 0.02 <= share <= 1 - fractions[before] + 0.02, (step, share)
   spent = json.load(open(os.path.join(workdir, RunDir.TIME_SPENT)))
   assert str(budget['steps']) in spent
-  # Resuming a spent budget trains no further.
+  # Resuming a spent budget trains no further, and says so.
+  caplog.set_level('INFO', logger='absl')
   again = trained(config, workdir)
   assert again['time_budget']['steps'] == budget['steps']
+  assert (f'the run finished at step {budget["steps"]} (' in caplog.text and 'nothing is left '
+          'to train (a larger train.time_budget_minutes trains it further)' in caplog.text)
+  assert 'resuming from' not in caplog.text
   # A checkpoint whose record is missing counts the budget from the newest record before
   # it (not from zero: a whole budget more).
   last = int(budget['steps'])

@@ -604,7 +604,7 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
       argv = command(program, config, workdir, run)
       steps = checkpoints.complete_steps(workdir)
       say((f'resumes from step {steps[-1]}: ' if steps else '') + shlex.join(argv)
-          + f'  (output: {RunDir.LOG})')
+          + f'  (output: {storage.join(workdir, RunDir.LOG)})')
       code, stopped = _call_logged(argv, storage.join(workdir, RunDir.LOG))
       if code == 0:
         storage.write_text(storage.join(workdir, RunDir.DONE), '')
@@ -875,20 +875,20 @@ PRETRAINING_METRICS = ('eval/mlm_accuracy', 'eval/mlm_majority_accuracy', 'eval/
 
 
 def default_metrics(logged: Iterable[str]) -> List[str]:
-  """The metrics summarised where none are named, from those the finished runs logged:
-  fine-tuning's last dev evaluation (every <dev split>/<metric> but its step) where they
-  logged one and no pretraining evaluation, else PRETRAINING_METRICS."""
+  """The metrics summarised where none are named, from those the runs logged:
+  PRETRAINING_METRICS where they logged a pretraining evaluation (or no evaluation at all),
+  and fine-tuning's last dev evaluation (every <dev split>/<metric> but its step) where they
+  logged one; both where a root holds runs of both programs."""
   logged = set(logged)
   dev = sorted(m for m in logged if m.startswith('dev') and not m.endswith('/step'))
-  if dev and not any(m.startswith('eval/') for m in logged):
-    return dev
-  return list(PRETRAINING_METRICS)
+  pretraining = any(m.startswith('eval/') for m in logged) or not dev
+  return (list(PRETRAINING_METRICS) if pretraining else []) + dev
 
 
 def collect(root: str, metrics: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
-  """One row per run under root: its overrides and its final `metrics` (None:
-  default_metrics; every row holds the same names, in order), and the names of every
-  metric a finished run logged under 'logged'."""
+  """One row per run under root: its overrides, its final `metrics` (None: default_metrics
+  of what the finished runs logged, or, where none has finished, every run; every row holds
+  the same names, in order) and the names of every metric it logged ('logged')."""
   rows = []
   if not storage.path(root).is_dir():
     raise FileNotFoundError(f'--root {root} is not a folder; pass the --root of a sweep')
@@ -905,7 +905,8 @@ def collect(root: str, metrics: Optional[Sequence[str]] = None) -> List[Dict[str
     rows.append({'run': run, 'done': is_done(workdir, run),
                  'metrics': final_metrics(workdir, None)})
   if metrics is None:
-    metrics = default_metrics(m for r in rows if r['done'] for m in r['metrics'])
+    done = [r for r in rows if r['done']] or rows
+    metrics = default_metrics(m for r in done for m in r['metrics'])
   for row in rows:
     values = row['metrics']
     row.update(metrics={m: values.get(m) for m in metrics}, logged=sorted(values))

@@ -433,6 +433,22 @@ class Trainer:
 
   # ---- Restart order.
 
+  def _setting_that_trains_further(self, step: int) -> Optional[str]:
+    """Where the run ended at `step` (its last step, or a time budget spent by then: the
+    record TimeBudget saved with that checkpoint), the config field that would train it
+    further; None where it has steps left."""
+    c = self.cadence
+    if step >= c.num_steps:
+      return c.steps_setting
+    if c.time_budget_minutes > 0:
+      run = self.run_dir
+      record = distributed.read_on_process_zero(
+          lambda: run.read_json(RunDir.TIME_SPENT, {}), f'read {run.path(RunDir.TIME_SPENT)}')
+      if float(record.get(str(step), 0.0)) >= c.time_budget_minutes * 60:
+        section = c.steps_setting.rpartition('.')[0]  # (train. of pretraining's fields)
+        return f'{section}.time_budget_minutes' if section else 'time_budget_minutes'
+    return None
+
   def _restore_or_init(self) -> TrainState:
     task, run, manager, program = self.task, self.run_dir, self.manager, self.task.program
     latest = checkpoints.latest_complete_step(manager)
@@ -444,11 +460,10 @@ class Trainer:
                          f'{c.steps_setting}={c.num_steps // c.steps_per_unit}; give '
                          f'{c.steps_setting} >= {-(-latest // c.steps_per_unit)} '
                          '(a run may be shortened on resume, down to its newest checkpoint)')
-      if latest == self.cadence.num_steps:
-        c = self.cadence
+      larger = self._setting_that_trains_further(latest)
+      if larger:
         logging.info('the run finished at step %d (%s): nothing is left to train (a larger %s '
-                     'trains it further)', latest, manager.directory / str(latest),
-                     c.steps_setting)
+                     'trains it further)', latest, manager.directory / str(latest), larger)
       else:
         logging.info('resuming from step %d (%s)', latest, manager.directory / str(latest))
       if task.data is not None:  # (every host's own check: all go on, or none)

@@ -374,7 +374,7 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
                      f'not a {cli.PROGRAMS[programs[1]][0]} run; use another --workdir{hint}')
   if len(added) * 2 > len(flatten(new)):  # (a file of neither: told by the fields it lacks)
     where = (f'yet {workdir} holds checkpoints' if has_checkpoint else
-             f'so {workdir} is another program\'s run (e.g. a fine-tuning run\'s folder)')
+             f'so {workdir} is another program\'s run (an older fine-tuning run\'s, say)')
     raise ValueError(
         f'{path} is not a config of this program (it lacks {len(added)} of its '
         f'{len(flatten(new))} fields, e.g. {added[0]}), {where}; use another --workdir')
