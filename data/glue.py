@@ -133,8 +133,10 @@ def _label_value(task: Task, raw: str, where: str = '') -> float:
     except ValueError:
       raise ValueError(f'{where}{task.name}: label {raw!r} is not a number') from None
   if raw not in task.labels:
-    raise ValueError(f'{where}{task.name}: label {raw!r} is not one of {task.labels}; fix '
-                     'the row (is the file the task\'s own?)')
+    fix = ('give the task its file\'s label values in id order (config.tsv.labels of a '
+           'tsv/<name> task), or fix the row' if not task.tfds_text else  # (local_task's)
+           'fix the row (is the file the task\'s own?)')
+    raise ValueError(f'{where}{task.name}: label {raw!r} is not one of {task.labels}; {fix}')
   return task.labels.index(raw)
 
 

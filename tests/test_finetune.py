@@ -361,7 +361,12 @@ def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
   config.tsv.metric = 'f1'  # of two labels only: refused before anything is written
   with pytest.raises(ValueError, match="task 'topics': metric 'f1'"):
     run(config, str(tmp_path / 'ft2'))
-  config.tsv.metric, config.data_dir = 'accuracy', ''
+  config.tsv.metric, config.tsv.labels = 'accuracy', '0,1'  # the kind's default labels
+  with pytest.raises(ValueError, match=r"train.tsv:2: topics: label 'world' is not one of "
+                     r"\('0', '1'\); give the task its file's label values in id order "
+                     r'\(config.tsv.labels of a tsv/<name> task\), or fix the row$'):
+    run(config, str(tmp_path / 'ft4'))
+  config.tsv.labels, config.data_dir = 'world,sports,science', ''
   with pytest.raises(ValueError, match='tsv/topics: set config.data_dir to the folder'):
     run(config, str(tmp_path / 'ft3'))
   assert not (tmp_path / 'ft2').exists() and not (tmp_path / 'ft3').exists()
