@@ -756,6 +756,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   assert not (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').exists()
   assert 'no test.tsv for rte' in caplog.text and 'no predictions were written' in caplog.text
   assert re.search(r'compiled lengths?, whose batches hold', caplog.text)  # how many shapes
+  assert re.search(r'compiled the train step for (1 length|\d+ lengths) \(\d', caplog.text)
   assert 'encoder: 2 layers x ' in caplog.text and ', attention dot, float32' in caplog.text
   assert '; attention: training plain, evaluation plain' in caplog.text
   # A test.tsv added afterwards, longer than every stored bucket: the rerun predicts it

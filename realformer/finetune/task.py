@@ -241,11 +241,12 @@ def _choose_buckets(config, task) -> Tuple[int, ...]:
                                       config.max_seq_length, epochs=epochs,
                                       tokens_per_compile=tokens_per_compile)
   padded = buckets_lib.padded_tokens(lengths, chosen) * epochs
-  logging.info('%s. Chosen for %d epochs: %.3g padded tokens (~%.0f s of training at ~%.2g s '
+  logging.info('%s. Chosen for %d epoch%s: %.3g padded tokens (~%.0f s of training at ~%.2g s '
                'a token) against ~%g s of compiling each length (config.length_buckets=%d '
                'lengths at most, 0: every batch padded to max_seq_length; '
                'config.bucket_compile_seconds=0 pads least)',
-               buckets_lib.describe(lengths, chosen, config.max_seq_length), epochs, padded,
+               buckets_lib.describe(lengths, chosen, config.max_seq_length), epochs,
+               's' if epochs != 1 else '', padded,
                padded * per_token, per_token, config.bucket_compile_seconds,
                config.length_buckets)
   return chosen
@@ -264,17 +265,18 @@ class Programs:
 
   def __init__(self, step, args, batch_of_length, lengths, name: str, mesh,
                compiler: Optional[futures.Executor], after: Tuple[Any, ...] = ()):
-    start = time.time()
+    began = []  # when the first of them began compiling (queued behind others, not before)
 
     def compile_one(length):
+      began.append(began[0] if began else time.time())
       with jax.set_mesh(mesh):  # the mesh context is per thread
         return step.lower(*args, batch_of_length(length), *after).compile()
 
     def log(done=None):
       if done is None or (not done.cancelled() and done.exception() is None):
-        logging.info('compiled the %s for %d lengths (%s) in %.1f s%s', name, len(lengths),
-                     ', '.join(map(str, lengths)), time.time() - start,
-                     ', while the run went on' if compiler else '')
+        logging.info('compiled the %s for %d length%s (%s) in %.1f s%s', name, len(lengths),
+                     's' if len(lengths) > 1 else '', ', '.join(map(str, lengths)),
+                     time.time() - began[0], ', while the run went on' if compiler else '')
 
     self._programs, self._waited = {}, 0.0
     for length in lengths:
