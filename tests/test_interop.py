@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -277,6 +278,9 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
   interop.export_hf(workdir, hf_dir)
   with open(os.path.join(hf_dir, 'config.json')) as f:
     assert json.load(f)['vocab_size'] == 60  # unpadded
+  # The weights as readable as the other files (safetensors alone wrote 0600).
+  modes = {n: stat.S_IMODE(os.stat(os.path.join(hf_dir, n)).st_mode) for n in os.listdir(hf_dir)}
+  assert len(set(modes.values())) == 1, modes  # (the umask's, as config.json's)
   # The same weights with the layers scanned (stacked) export the same files.
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   cfg = ml_collections.ConfigDict(checkpoints.read_pretraining_config(workdir))

@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -919,7 +920,10 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   with open(os.path.join(out, HF_CONFIG), 'w') as f:
     json.dump(hf, f, indent=2, sort_keys=True)
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  save_file(flat, os.path.join(out, HF_SAFETENSORS), metadata={'format': 'pt'})
+  weights = os.path.join(out, HF_SAFETENSORS)
+  save_file(flat, weights, metadata={'format': 'pt'})
+  # safetensors writes its file 0600: readable as config.json is (the umask's), to share.
+  os.chmod(weights, stat.S_IMODE(os.stat(os.path.join(out, HF_CONFIG)).st_mode))
   return out
 
 
