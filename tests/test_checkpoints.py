@@ -439,10 +439,17 @@ def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):
   cls_model = models.build(config.model, head='classification', num_labels=3)
   batch = next(pretraining.SyntheticData(
       vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
-  abstract = nn.unbox(jax.eval_shape(lambda: cls_model.init(jax.random.PRNGKey(0), batch)))
+  boxed = jax.eval_shape(lambda: cls_model.init(jax.random.PRNGKey(0), batch))
+  abstract = nn.unbox(boxed)
   encoder, missing = checkpoints.restore_params(workdir, abstract['params']['encoder'],
                                                 subtree=('encoder',))
   assert not missing
+  # model.init's own abstract tree (flax's boxed leaves) restores the same (it was refused:
+  # the boxes' paths end in .value, none of which the checkpoint holds).
+  same, missing = checkpoints.restore_params(workdir, boxed['params']['encoder'],
+                                             subtree=('encoder',))
+  assert not missing
+  jax.tree.map(np.testing.assert_array_equal, same, encoder)
   # Against Orbax's own reading of the step's state, with no target (not our restore again).
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   stored = ocp.StandardCheckpointer().restore(os.path.join(step_dir, 'state'))

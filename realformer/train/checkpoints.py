@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from flax.core import meta
 
 from realformer import storage
 from realformer.run_names import RunNames
@@ -371,13 +372,14 @@ def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] 
   """Params-only partial restore from any checkpoint written here (or by interop imports).
 
   abstract_params: ShapeDtypeStructs of the params to fill (with shardings; without, they
-  land on the first local device), placed at
+  land on the first local device; flax's boxed leaves, as model.init's abstract tree has
+  them, are unboxed), placed at
   state/params/<subtree...> in the checkpoint (e.g. subtree=('encoder',) to restore only
   the encoder into a fine-tuning model). Returns (params, missing paths): what the
   checkpoint lacks is None in the returned tree and listed, for the caller to keep fresh.
   """
   step_dir = resolve_step_dir(path)
-  target = abstract_params
+  target = meta.unbox(abstract_params)
   for key in reversed(subtree):
     target = {key: target}
   target = {'params': target}
