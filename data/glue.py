@@ -319,6 +319,24 @@ def write_predictions(task_name, examples: Sequence[Example], predictions: np.nd
   return str(storage.write_text(f'{str(out_dir).rstrip("/")}/{task.name}.tsv', ''.join(lines)))
 
 
+def write_dev_scores(task_name, examples: Sequence[Example], logits: np.ndarray,
+                     out_dir: str) -> str:
+  """<out_dir>/dev/<Task>.tsv, for error analysis: each dev example's index (as
+  write_predictions names it), its label, the prediction, and the model's raw scores (a
+  classification's logit of each label, in id order, named `logit_<label>`; a regression's
+  prediction is its score)."""
+  task = get_task(task_name)
+  name = lambda v: f'{float(v):.6g}' if not task.labels else task.labels[int(v)]
+  head = ['index', 'label', 'prediction'] + [f'logit_{l}' for l in task.labels]
+  lines = ['\t'.join(head) + '\n']
+  for ex, row in zip(examples, np.asarray(logits, np.float64)):
+    pred = row.argmax() if task.labels else row[0]
+    scores = [f'{x:.6g}' for x in row] if task.labels else []
+    lines.append('\t'.join([ex.guid, name(ex.label), name(pred)] + scores) + '\n')
+  return str(storage.write_text(f'{str(out_dir).rstrip("/")}/dev/{task.name}.tsv',
+                                ''.join(lines)))
+
+
 def write_sst2_layout(out_dir: str, train: Sequence[Tuple[str, int]],
                       dev: Sequence[Tuple[str, int]]) -> str:
   """(sentence, label) pairs as <out_dir>/SST-2/{train,dev}.tsv in GLUE's layout, and the dev

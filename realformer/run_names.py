@@ -18,7 +18,8 @@ which prepares into data/) take theirs from here.
   best/                 params of the best evaluation so far, params-only, + config.json and
                         results.json (fine-tuning)
   final/                params of a finished run whose optimizer state was dropped
-  predictions/          test-set predictions (fine-tuning)
+  predictions/          test-set predictions (fine-tuning; GLUE's and tsv tasks' dev/ holds
+                        each dev set's predictions with the model's logits)
   results.json          the finished run's summary (fine-tuning)
   data/                 prepared pretraining shards when data.prepared_dir is empty
   A run that a sweep or a grid started (realformer/tools/sweep.py) also holds:

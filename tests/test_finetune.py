@@ -271,6 +271,17 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monke
     assert all(l.split('\t')[1] in ('entailment', 'neutral', 'contradiction')
                for l in lines[1:])
   assert len(open(os.path.join(workdir, 'predictions', 'AX.tsv')).readlines()) == 4
+  # Each dev set's predictions with their scores: the dev accuracy the run reported.
+  for name, split in (('MNLI-m', 'mnli'), ('MNLI-mm', 'mnli_mismatched')):
+    head, *rows = [l.split('\t') for l in open(os.path.join(
+        workdir, 'predictions', 'dev', f'{name}.tsv')).read().splitlines()]
+    assert head == ['index', 'label', 'prediction', 'logit_entailment', 'logit_neutral',
+                    'logit_contradiction']
+    labels = head[3:]
+    assert rows and all(r[2] == labels[int(np.argmax([float(x) for x in r[3:]]))][6:]
+                        for r in rows)
+    assert np.mean([r[1] == r[2] for r in rows]) == pytest.approx(
+        summary['dev'][split]['accuracy'])
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert [r['step'] for r in records if r['split'] == 'dev_mnli'] == [1, 2]
   train_records = [r for r in records if r['split'] == 'train']
@@ -697,6 +708,12 @@ def test_regression_task_and_scratch_baseline(pretrained, tmp_path):
   assert set(summary['dev']['stsb']) == {'pearson', 'spearman'}
   lines = open(tmp_path / 'a' / 'predictions' / 'STS-B.tsv').read().splitlines()
   float(lines[1].split('\t')[1])
+  head, *rows = [l.split('\t') for l in open(
+      tmp_path / 'a' / 'predictions' / 'dev' / 'STS-B.tsv').read().splitlines()]
+  assert head == ['index', 'label', 'prediction']  # (the prediction is its score)
+  got, want = (np.array([float(r[i]) for r in rows]) for i in (2, 1))
+  assert np.corrcoef(got, want)[0, 1] == pytest.approx(summary['dev']['stsb']['pearson'],
+                                                       abs=1e-4)
   # The scratch baseline starts from a random encoder, not the pretrained one: at a learning
   # rate of 0 its final encoder is what it started from, and that is not the checkpoint's
   # (one whose values a fresh init cannot give).

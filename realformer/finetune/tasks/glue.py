@@ -143,7 +143,14 @@ class GlueTask(FinetuneTask):
     return results
 
   def write_predictions(self, outputs, results, out_dir: str):
+    """GLUE's submission files of the test sets, and each dev set's predictions with the
+    model's scores (data/glue.write_dev_scores), from the params the run finished with."""
     del results
+    for name, examples in self.evals.items():
+      (logits,) = outputs(self.features['dev', name])  # every process: collectives
+      distributed.on_process_zero(
+          lambda: glue.write_dev_scores(self._spec(name), examples, logits, out_dir),
+          f'write the dev scores of {name} to {out_dir}/dev')
     missing = [n for n, examples in self.tests.items() if examples is None]
     for name, examples in self.tests.items():
       if examples is not None:
