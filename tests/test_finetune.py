@@ -1033,7 +1033,7 @@ def check_grid_summary(root: str):
   assert markdown.count('| rte |') == 4 and markdown.index('| mrpc |') < markdown.index('| rte |')
   # Runs of two encoders (--init_checkpoint repeated): the best setting of each is marked.
   for init, lr, headline in (('/a', 1e-5, 0.7), ('/a', 2e-5, 0.6), ('/b', 1e-5, 0.5),
-                             ('/b', 2e-5, 0.55)):
+                             ('/b', 2e-5, 0.55), ('/c', 1e-5, 0.9), ('/c', 2e-5, 0.9)):
     workdir = storage.path(root) / 'mrpc' / f'init={init[1]},lr={lr}'
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / 'overrides.json').write_text(json.dumps(
@@ -1043,8 +1043,10 @@ def check_grid_summary(root: str):
   finetune_grid.main(['--tasks', 'mrpc', '--root', root, '--summarize_only'])
   rows = [r.split(',') for r in (storage.path(root) / 'results.csv').read_text().splitlines()
           if r.startswith('mrpc,') and 'init_checkpoint' in r]
-  assert sorted((r[-1], r[1]) for r in rows if r[-2] == 'best') == [
-      ('init_checkpoint=/a', '1e-05'), ('init_checkpoint=/b', '2e-05')], rows
+  assert sorted((r[-1], r[1], r[-2]) for r in rows if r[-2]) == [
+      ('init_checkpoint=/a', '1e-05', 'best'), ('init_checkpoint=/b', '2e-05', 'best'),
+      ('init_checkpoint=/c', '1e-05', 'best (tied)'), ('init_checkpoint=/c', '2e-05', 'tied')
+  ], rows  # (equal medians: the first, said to be tied)
 
 
 def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, capsys):

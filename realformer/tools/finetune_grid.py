@@ -162,7 +162,8 @@ def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
   no correlation), unfinished (left out); the median over the n, a failed run counting below
   every score ('failed' where the median falls on one: a setting that fails some seeds does
   not win on the median of the others); the mean, min and max of the scored runs; 'best' on
-  the setting of the highest median (of each encoder, where the runs have several); the
+  the setting of the highest median (of each encoder, where the runs have several; of equal
+  medians the first is 'best (tied)', the others 'tied'); the
   setting's other overrides that differ between the task's runs (a grid extended in its
   root with another --set: never averaged with the first)."""
   others, settings = _settings(rows)
@@ -187,7 +188,11 @@ def summarize(task: str, rows: Sequence[Dict[str, Any]]) -> List[List[Any]]:
     members = [i for i, (key, _) in enumerate(settings) if encoder(key) == init]
     best = _best_setting([settings[i] for i in members])
     if best is not None:
-      table[members[best]][-2] = 'best'
+      ties = [i for i in members if i != members[best]
+              and _median(settings[i][1]) == _median(settings[members[best]][1])]
+      table[members[best]][-2] = 'best (tied)' if ties else 'best'
+      for i in ties:
+        table[i][-2] = 'tied'
   return table
 
 
