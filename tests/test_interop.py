@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import re
 import stat
 
 import jax
@@ -606,7 +607,7 @@ def test_layers_past_the_config_and_vocabularies_that_moved(tf1_checkpoint, tmp_
     interop.export_hf(str(moved), str(tmp_path / 'hf3'))
 
 
-def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):
+def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path, capsys):
   """The CLI end to end (TF1 -> workdir -> HF -> workdir), and an HF directory holding only
   pytorch_model.bin (read with torch) imports the same weights as its model.safetensors."""
   import torch  # pylint: disable=g-import-not-at-top
@@ -630,6 +631,10 @@ def test_pytorch_model_bin_and_cli(tf1_checkpoint, tmp_path):
     assert absl_logger.level == logging.INFO
   finally:
     absl_logger.setLevel(level)
+  said, step_dir = capsys.readouterr().out.splitlines()[-2:]
+  assert step_dir.endswith(os.path.join('back', 'checkpoints', '0'))
+  assert re.fullmatch(r'imported postln: \d+ layers of \d+ \(\d+ heads, MLP \d+\), a '
+                      r'vocabulary of 60, \d+ positions; with pooler, mlm_head, nsp_head', said)
   first, _ = _restore_all(workdir)
   again, cfg = _restore_all(back)
   assert cfg.model.variant == 'postln'

@@ -966,17 +966,33 @@ def _define(command):
   return define
 
 
+def describe_import(step_dir: str) -> str:
+  """One line on what an import wrote into `step_dir`: the encoder's shape and vocabulary,
+  and which of the checkpoint's heads came with it (read from the files written)."""
+  model = checkpoints.read_pretraining_config(step_dir)['model']
+  params = checkpoints.stored_tree(step_dir)['params']
+  heads = [k for k in sorted(params) if k != 'encoder']
+  if 'pooler' in params['encoder']:
+    heads.insert(0, 'pooler')
+  return (f'imported {model["variant"]}: {model["num_layers"]} layers of '
+          f'{model["hidden_size"]} ({model["num_heads"]} heads, MLP {model["mlp_dim"]}), a '
+          f'vocabulary of {model["vocab_size"]}, {model["max_len"]} positions; with '
+          f'{", ".join(heads) or "no head (the encoder alone)"}')
+
+
 def main(argv=None) -> None:
   prog = 'python -m realformer.tools.interop'
   command, argv = cli.command(argv, COMMANDS, prog)
   args, _ = cli.parse_tool_flags(_define(command), argv, prog=f'{prog} {command}', doc=__doc__)
   args.command = command
   with cli.warnings_only():
-    if args.command == 'import-hf':
-      print(import_hf(args.src, args.out))
-    elif args.command == 'import-tf1':
-      print(import_tf1(args.ckpt, args.bert_config, args.vocab, args.out,
-                       variant=args.variant, do_lower_case=not args.cased, gelu=args.gelu))
+    if args.command.startswith('import'):
+      step_dir = (import_hf(args.src, args.out) if args.command == 'import-hf' else
+                  import_tf1(args.ckpt, args.bert_config, args.vocab, args.out,
+                             variant=args.variant, do_lower_case=not args.cased,
+                             gelu=args.gelu))
+      print(describe_import(step_dir))
+      print(step_dir)
     else:
       print(export_hf(args.workdir, args.out, encoder_only=args.encoder_only))
 
