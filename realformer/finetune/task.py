@@ -268,7 +268,8 @@ class Programs:
     began = []  # when the first of them began compiling (queued behind others, not before)
 
     def compile_one(length):
-      began.append(began[0] if began else time.time())
+      if not began:
+        began.append(time.time())
       with jax.set_mesh(mesh):  # the mesh context is per thread
         return step.lower(*args, batch_of_length(length), *after).compile()
 
