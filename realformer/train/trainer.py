@@ -276,8 +276,7 @@ class TimeBudget:
     self._grid = np.linspace(0.0, self.num_steps, min(self.num_steps, self.TABLE) + 1)
     self._table = np.asarray(jax.vmap(schedule)(self._grid), np.float64)  # (np.interp's)
     self._run = run
-    self._record = distributed.read_on_process_zero(
-        lambda: run.read_json(RunDir.TIME_SPENT, {}), f'read {run.path(RunDir.TIME_SPENT)}')
+    self._record = self.record_of(run)
     # A checkpoint without its record (made before records were written first): the newest
     # record before it, which undercounts by less than one checkpoint interval.
     recorded = max((int(k) for k in self._record if int(k) <= start_step), default=None)
@@ -287,6 +286,12 @@ class TimeBudget:
                       start_step, run.path(RunDir.TIME_SPENT),
                       'zero' if recorded is None else f'step {recorded}\'s record')
     self._clock_from, self._excluded, self.spent = None, 0.0, self.before
+
+  @staticmethod
+  def record_of(run: RunDir) -> Dict[str, float]:
+    """{step: seconds spent by then} of the run's checkpoints (as process 0 reads it)."""
+    return distributed.read_on_process_zero(
+        lambda: run.read_json(RunDir.TIME_SPENT, {}), f'read {run.path(RunDir.TIME_SPENT)}')
 
   def start(self):
     self._clock_from = time.time()
@@ -441,9 +446,7 @@ class Trainer:
     if step >= c.num_steps:
       return c.steps_setting
     if c.time_budget_minutes > 0:
-      run = self.run_dir
-      record = distributed.read_on_process_zero(
-          lambda: run.read_json(RunDir.TIME_SPENT, {}), f'read {run.path(RunDir.TIME_SPENT)}')
+      record = TimeBudget.record_of(self.run_dir)
       if float(record.get(str(step), 0.0)) >= c.time_budget_minutes * 60:
         section = c.steps_setting.rpartition('.')[0]  # (train. of pretraining's fields)
         return f'{section}.time_budget_minutes' if section else 'time_budget_minutes'
