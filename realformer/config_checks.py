@@ -6,7 +6,6 @@ written; sweep.py checks every run's config before the first run starts; data.pr
 the lengths. No jax at import (data preparation's worker processes import this).
 """
 
-import dataclasses
 from typing import List
 
 
@@ -179,15 +178,11 @@ def check_used(model_config, spec) -> None:
   one for every variant is allowed; a single run that sets it probably meant another
   variant)."""
   from absl import logging  # pylint: disable=g-import-not-at-top
-  from synthesizer import synthetic  # pylint: disable=g-import-not-at-top
   if model_config.get('running_mean') and not spec.residual_attention:
     logging.warning('model.running_mean=True does nothing without residual attention (model.'
                     'variant=realformer, or model.residual_attention=True); %s has none',
                     spec.variant)
-  fixed = any(synthetic.component(c).fixed_params(
-      dataclasses.replace(spec, synth_random_trainable=False))
-              for c in spec.attention if c != 'dot')
-  if model_config.get('synth_random_trainable') is False and not fixed:
+  if model_config.get('synth_random_trainable') is False and not spec.random_table:
     logging.warning('model.synth_random_trainable=False does nothing: %s has no random '
                     'Synthesizer table to keep fixed', spec.variant)
 

@@ -394,3 +394,21 @@ def test_every_preset_is_named_where_users_read_the_list():
   for variant in pretrain.VARIANTS:
     assert f'`{variant}`' in table, variant
     assert variant in pretrain.__doc__, variant
+
+
+def test_the_name_and_summary_say_whether_a_random_table_trains():
+  """A run's name is what its encoder computes: a synth_random with its table fixed is not
+  synth_random (nor synth_random_fixed with its table trained), which the warning on an
+  init_checkpoint of another variant and the launch check's header read."""
+  assert resolve(small_config('synth_random')).name == 'synth_random'
+  assert resolve(small_config('synth_random_fixed')).name == 'synth_random_fixed'
+  fixed = resolve(small_config('synth_random', synth_random_trainable=False))
+  assert fixed.name == 'synth_random (attention random, fixed random table, post_ln)'
+  assert 'attention random, random table fixed,' in fixed.summary
+  trained = resolve(small_config('synth_random_fixed', synth_random_trainable=True))
+  assert trained.name == 'synth_random_fixed (attention random, trained random table, post_ln)'
+  assert 'table fixed' not in trained.summary
+  assert resolve(small_config('postln', synth_random_trainable=False)).name == 'postln'
+  assert (resolve(small_config('postln', attention='factorized_random+dot',
+                               synth_random_trainable=False)).name ==
+          'postln (attention factorized_random+dot, fixed random table, post_ln)')

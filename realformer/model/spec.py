@@ -103,15 +103,26 @@ class EncoderSpec:
     return all(synthetic.component(c).fusable for c in self.attention if c != 'dot')
 
   @property
+  def random_table(self) -> bool:
+    """Whether a component keeps a random Synthesizer table, which `synth_random_trainable`
+    trains or keeps fixed at its initial values."""
+    fixed = dataclasses.replace(self, synth_random_trainable=False)
+    return any(synthetic.component(c).fixed_params(fixed) for c in self.attention if c != 'dot')
+
+  @property
   def name(self) -> str:
     """The variant, and what the encoder computes where its attention fields override the
-    preset's (a Post-LN with `model.attention=alibi+dot` is not Post-LN)."""
+    preset's (a Post-LN with `model.attention=alibi+dot` is not Post-LN; nor is a
+    synth_random whose table is fixed)."""
     preset = {**PRESET_DEFAULTS, **VARIANTS.get(self.variant, {})}
+    table = self.random_table and self.synth_random_trainable != preset['synth_random_trainable']
     if ('+'.join(self.attention), self.residual_attention, self.block) == (
-        preset['attention'], preset['residual_attention'], preset['block']):
+        preset['attention'], preset['residual_attention'], preset['block']) and not table:
       return self.variant
     return (f'{self.variant} (attention {"+".join(self.attention)}' +
-            (' with residual scores' if self.residual_attention else '') + f', {self.block})')
+            (' with residual scores' if self.residual_attention else '') +
+            (f', {"trained" if self.synth_random_trainable else "fixed"} random table'
+             if table else '') + f', {self.block})')
 
   @property
   def summary(self) -> str:
@@ -121,6 +132,8 @@ class EncoderSpec:
         [f'{"+".join(biases)}: added with weight 1'] if biases and len(self.attention) > 1
         else [])
     attention = '+'.join(self.attention) + (f' ({"; ".join(notes)})' if notes else '')
+    if self.random_table and not self.synth_random_trainable:
+      attention += ', random table fixed'
     if self.residual_attention:
       attention += ' with residual scores' + (' (running mean)' if self.running_mean else '')
     return (f'{self.num_layers} layers x {self.hidden_size} ({self.num_heads} heads), '
