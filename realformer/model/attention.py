@@ -57,11 +57,12 @@ def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> b
   on TPUs) computes this layer: in training, with attention dropout, for logits that are a
   dot product plus additive terms or those terms alone (spec.flash_fusable: every variant,
   the pure Synthesizers included), where asked (`flash`) or under `auto`: on TPUs for every
-  such variant but in float16 (Mosaic has no float16 tiles), on GPUs for plain dot-product
-  attention where the kernel runs and was faster than the plain path (bfloat16: BENCHMARKS.md;
-  flash_attention.runs_here; float16, untimed and without loss scaling, keeps the plain path
-  unless asked). Without attention dropout `flash` is `auto`. Not for the pruned last layer
-  (its few query rows): the plain path computes that one."""
+  such variant but in float16 (Mosaic has no float16 tiles), with threefry dropout keys and
+  whole heads on each device (flash_attention.whole_heads_here), on GPUs for plain dot-product attention in
+  bfloat16 where the kernel runs (flash_attention.runs_here): where it was timed faster than
+  the plain path (float16, untimed and without loss scaling, keeps the plain path unless
+  asked). Without attention dropout `flash` is `auto`. Not for the pruned last layer (its
+  few query rows): the plain path computes that one."""
   if (not spec.flash_fusable or capture or rows is not None or deterministic
       or spec.attention_dropout_rate <= 0):
     return False

@@ -61,15 +61,13 @@ _RECOMPUTED_LAYER_NORM = nn.remat(nn.LayerNorm)
 def recomputes_elementwise(spec: EncoderSpec) -> bool:
   """Whether the LayerNorms and the MLP's GELU are rematerialised (jax.checkpoint around each,
   the same operations, so the same values and gradients bit for bit) and the hidden
-  dropout's masks drawn again in the backward pass from their keys: on TPUs, where what
-  they would keep otherwise (a LayerNorm's float32 centred and normalised copies of its
-  input, GELU's intermediates, a byte of mask an element) was most of a layer's memory once
-  attention kept nothing [B, H, T, T] (BENCHMARKS.md: the launch check of BERT-large), and
-  the recomputation is element-wise work beside the matrix units; not under a remat policy
-  (model.remat_policy), which decides what each layer keeps: its recomputed forward already
-  computes them again, and rematerialising them inside it too would compute each LayerNorm
-  and draw each mask a third time. Not on GPUs, whose step time is dominated by such
-  element-wise work and the threefry draws (docs/gpu.md), nor on the CPU."""
+  dropout's masks drawn again in the backward pass from their keys. On TPUs, where what they
+  would keep otherwise (a LayerNorm's float32 centred and normalised copies of its input,
+  GELU's intermediates, a byte of mask an element) is most of a layer's memory once the
+  fused attention keeps nothing [B, H, T, T], and the recomputation is element-wise work
+  beside the matrix units. Not under a remat policy (model.remat_policy), which decides what
+  each layer keeps: its recomputed forward computes them again already. Not on GPUs, whose
+  step time is dominated by such element-wise work and the threefry draws, nor on the CPU."""
   return spec.target_platform == 'tpu' and spec.remat_policy == 'none'
 
 
