@@ -348,6 +348,26 @@ def _message(e: BaseException) -> str:
   return ' '.join(str(e).split())
 
 
+def _unraised_site(e: BaseException) -> str:
+  """Where an error that no `raise` statement made came from (an unpacking, an int() of a
+  word, a shape a library refused inside a call), as ' (<Type> at <file>, line <n>; ...)':
+  the innermost frame outside Python's installation and its packages (this repository's
+  code, a task or component file of one's own), else the innermost. '' for an error raised
+  on purpose, whose message names the fix."""
+  frames = traceback.extract_tb(e.__traceback__)
+  if not frames or (frames[-1].line or '').startswith('raise'):
+    return ''
+  installed = tuple({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.base_prefix)})
+  ours = [f for f in frames if not os.path.abspath(f.filename).startswith(installed)
+          and 'site-packages' not in f.filename and not f.filename.startswith('<')]
+  frame = (ours or frames)[-1]
+  where = frame.filename
+  if os.path.abspath(where).startswith(REPO + os.sep):
+    where = os.path.relpath(where, REPO)
+  return (f' ({type(e).__name__} at {where}, line {frame.lineno}; --verbose_errors shows '
+          'the traceback)')
+
+
 EXIT_INTERRUPTED = 130  # the shell's status for a program stopped by SIGINT
 STOPPED_BY_CTRL_C = 'stopped by Ctrl-C'
 
@@ -422,7 +442,7 @@ def run_main(main, *args, also=()):
     if verbose:
       raise
     _storage_fault(e)  # a missing bucket comes as a FileNotFoundError of a URL
-    print(f'error: {_message(e)}', file=sys.stderr)
+    print(f'error: {_message(e)}{_unraised_site(e)}', file=sys.stderr)
     sys.exit(1)
   except OSError as e:  # a path the system refused (read-only, full, ...); others are bugs
     if verbose or e.errno not in _PATH_FIXES or e.filename is None:

@@ -596,6 +596,37 @@ def test_every_program_reports_its_first_user_error_from_python_itself(tmp_path)
     assert os.listdir(folder) == ['a_file']
 
 
+def test_an_error_no_raise_made_names_where_it_came_from(tmp_path, capsys):
+  """A ValueError that Python or a library made (an unpacking in a task file of one's own)
+  is one line that also names its file and line, in this repository where it passed
+  through; an error raised on purpose is its message alone (it names the fix)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+  mine = tmp_path / 'mine.py'
+  mine.write_text("def read(line):\n  text, label = line.split('\\t')\n  return text\n")
+  sys.path.insert(0, str(tmp_path))
+  try:
+    import mine as mine_module  # pylint: disable=g-import-not-at-top,import-error
+  finally:
+    sys.path.remove(str(tmp_path))
+  with pytest.raises(SystemExit):
+    cli.run_main(lambda: mine_module.read('no tab'))
+  assert capsys.readouterr().err.strip() == (
+      f'error: not enough values to unpack (expected 2, got 1) (ValueError at {mine}, line 2; '
+      '--verbose_errors shows the traceback)')
+  with pytest.raises(SystemExit):  # a library's refusal: the line that called it
+    cli.run_main(lambda: np.reshape(np.zeros(3), 2))
+  err = capsys.readouterr().err.strip()
+  assert err.startswith('error: cannot reshape array of size 3 into shape (2,) (ValueError at '
+                        'tests/test_workdir.py, line '), err
+
+  def on_purpose():
+    raise ValueError('data.thing=3: give a positive number')
+  with pytest.raises(SystemExit):
+    cli.run_main(on_purpose)
+  assert capsys.readouterr().err.strip() == 'error: data.thing=3: give a positive number'
+
+
 def test_entry_points_without_absl_app_drop_orbax_restore_warning():
   """study.py, analyze.py, sweep.py read checkpoints outside absl's app.run: cli.run_main
   quiets orbax's missing-_CHECKPOINT_METADATA warning there too, and only that one."""
