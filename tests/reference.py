@@ -80,6 +80,8 @@ def synth_logits(name, p, x, spec):
 
 def encoder(params, spec, input_ids, segment_ids, attention_mask):
   """Returns (hidden [B,T,D], probs per layer, own dot scores per layer, carried scores)."""
+  assert spec.block in ('post_ln', 'pre_ln'), (
+      f'no reference for block {spec.block!r}: give it its formula here')
   p = _f64(params)
   emb = p['embeddings']
   t = input_ids.shape[1]
@@ -125,7 +127,6 @@ def encoder(params, spec, input_ids, segment_ids, attention_mask):
       x = layer_norm(x + a, lp['attention_layer_norm'], spec.layer_norm_eps)
       x = layer_norm(x + mlp(x), lp['mlp_layer_norm'], spec.layer_norm_eps)
     else:
-      assert spec.block == 'pre_ln', f'no reference for block {spec.block!r}'
       x = x + a
       x = x + mlp(layer_norm(x, lp['mlp_layer_norm'], spec.layer_norm_eps))
   if spec.block == 'pre_ln':

@@ -59,7 +59,7 @@ class RelativePositionBias(synthetic.LogitComponent):
 
 def _relpos_config(**train_overrides):
   config = tiny_config(**train_overrides)
-  config.model.attention = 'relpos+dot'
+  config.model.attention = 'dot+relpos'
   # (synthetic batches over the tokenizer's vocabulary, which the fine-tuning below reads)
   config.model.vocab_size = tokenizer_lib.load_for_config(config.data).vocab_size
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
@@ -81,7 +81,7 @@ def test_a_bias_of_the_logits_is_added_with_weight_one():
   from tests.test_models import make_batch, perturbed_params, small_config  # pylint: disable=g-import-not-at-top
   batch = make_batch()
   plain = models_lib.build(small_config('postln'), head='encoder')
-  biased = models_lib.build(small_config('postln', attention='relpos+dot'), head='encoder')
+  biased = models_lib.build(small_config('postln', attention='dot+relpos'), head='encoder')
   assert biased.spec.mixture == () and resolve(small_config(
       'postln', attention='random+relpos+dot')).mixture == ('random', 'dot')
   params = perturbed_params(biased, batch)
@@ -113,7 +113,7 @@ def _relpos_reference(p, x, spec):
   return p['table'][:, distance + MAX_DISTANCE][None]
 
 
-@pytest.mark.parametrize('attention', ['relpos+dot', 'random+relpos+dot'])
+@pytest.mark.parametrize('attention', ['dot+relpos', 'random+relpos+dot'])
 def test_the_component_against_the_float64_reference(attention, monkeypatch):
   """The encoder against tests/reference.py with the component's formula added to it
   (reference.COMPONENTS): alone beside the dot product, and beside a mixture it stays out of
@@ -137,7 +137,7 @@ def test_the_component_against_the_float64_reference(attention, monkeypatch):
 # pylint: disable=redefined-outer-name  (the fixture)
 def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path, monkeypatch):
   spec = resolve(_relpos_config().model)
-  assert spec.attention == ('relpos', 'dot') and spec.flash_fusable
+  assert spec.attention == ('dot', 'relpos') and spec.flash_fusable
   # Pretrained on a 2 x 2 x 2 mesh, its table split by head over tensor as declared; a run
   # stopped after step 2 and resumed logs the uninterrupted run's losses to the bit.
   train.train_and_evaluate(_relpos_config(num_steps=2), str(tmp_path / 'resumed'))
@@ -162,7 +162,7 @@ def test_a_logit_component_of_ones_own_is_one_class(relpos_pretraining, tmp_path
   # Through the flash kernel (Pallas's interpreter here): the plain path's outputs and
   # gradients, the same dropout masks.
   test_flash_variants.test_in_the_model_flash_gives_the_plain_paths_outputs_and_gradients(
-      'postln', {'attention': 'relpos+dot'}, 'triton', monkeypatch)
+      'postln', {'attention': 'dot+relpos'}, 'triton', monkeypatch)
 
 WORDS = ('the', 'a', 'cell', 'team', 'lens', 'match', 'nation', 'won', 'held', 'under')
 

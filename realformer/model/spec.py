@@ -112,7 +112,7 @@ class EncoderSpec:
   @property
   def name(self) -> str:
     """The variant, and what the encoder computes where its attention fields override the
-    preset's (a Post-LN with `model.attention=alibi+dot` is not Post-LN; nor is a
+    preset's (a Post-LN with `model.attention=dot+alibi` is not Post-LN; nor is a
     synth_random whose table is fixed)."""
     preset = {**PRESET_DEFAULTS, **VARIANTS.get(self.variant, {})}
     table = self.random_table and self.synth_random_trainable != preset['synth_random_trainable']
