@@ -170,7 +170,8 @@ def get_config(arg: str = 'postln,tiny'):
   # Processes per host that prepare the shards (each tokenises its share of the documents;
   # the result is the same for any number): raise it to the host's cores for a big corpus.
   c.data.prepare_workers = 1
-  c.data.tokenizer = ''  # sentencepiece model path; '' = the embedded corpus's tokenizer
+  # A sentencepiece .model or a WordPiece vocab.txt; '' = the embedded corpus's tokenizer
+  c.data.tokenizer = ''
   # The preparation's seed (its pairings, the sources' interleaving); None: the run's `seed`.
   # Runs of several seeds share one data.prepared_dir with this set (BERT prepared its data
   # once, with its own seed).

@@ -62,6 +62,12 @@ class Tokenizer:
   def load(cls, path: str):
     """A sentencepiece .model, or an HF WordPiece vocab.txt (dispatched to data.wordpiece);
     a gs:// URL is read through this host's copy of it (storage.local_copy)."""
+    if storage.path(path).is_dir():
+      vocab = f'{path.rstrip("/")}/vocab.txt'
+      raise ValueError(f'tokenizer {path!r} is a folder; ' + (
+          f'give the WordPiece vocabulary in it: config.data.tokenizer={vocab}'
+          if storage.path(vocab).exists() else
+          'give a sentencepiece .model or a WordPiece vocab.txt file'))
     if storage.is_url(path) and storage.path(path).exists():
       folder, _, name = path.rpartition('/')
       path = os.path.join(storage.local_copy(folder, [name], kind='tokenizers'), name)

@@ -153,6 +153,13 @@ def test_vocabularies_without_bert_specials_are_clear_errors(corpus_lines, tmp_p
   (tmp_path / 'junk.model').write_bytes(b'not a model')
   with pytest.raises(ValueError, match='is not a sentencepiece model'):
     tokenizer_lib.Tokenizer.load(str(tmp_path / 'junk.model'))
+  (tmp_path / 'wp').mkdir()  # `python -m data.tokenizer --model_type wordpiece`'s folder
+  with pytest.raises(ValueError, match='is a folder; give a sentencepiece .model or a '):
+    tokenizer_lib.Tokenizer.load(str(tmp_path / 'wp'))
+  (tmp_path / 'wp' / 'vocab.txt').write_text('\n'.join(SPECIALS) + '\n')
+  with pytest.raises(ValueError, match=f'is a folder; give the WordPiece vocabulary in it: '
+                                       f'config.data.tokenizer={tmp_path}/wp/vocab.txt'):
+    tokenizer_lib.Tokenizer.load(str(tmp_path / 'wp') + '/')
 
 
 def test_vocab_txt_dispatches_to_wordpiece(tmp_path):
