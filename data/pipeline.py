@@ -308,12 +308,16 @@ def check_split(metadata: dict, prepared_dir: str, split: str, examples: int,
            'a larger corpus or a smaller train.batch_size')
     raise ValueError(f'the {split} split of {prepared_dir} has {examples} examples, fewer than '
                      f'one batch of {per_host} per process{why}; use {fix}')
-  if batches * per_host > examples // process_count:
+  held = examples // process_count
+  if batches * per_host > held:
+    whole = held // per_host
     logging.warning('train.eval_steps=%d batches of %d read %d examples per process, but the '
-                    '%s split holds %d: the evaluation counts some more than once; lower '
-                    'train.eval_steps to %d to read each once', batches, per_host,
-                    batches * per_host, split, examples // process_count,
-                    examples // process_count // per_host)
+                    '%s split holds %d: the evaluation counts some more than once; '
+                    'train.eval_steps=%d reads %d of them once%s', batches, per_host,
+                    batches * per_host, split, held, whole, whole * per_host,
+                    '' if whole * per_host == held else
+                    ' (a larger data.eval_fraction, prepared again in a new '
+                    'data.prepared_dir, holds more)')
 
 
 def check_saved_position(step_dir: str, process_count: int) -> None:

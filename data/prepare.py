@@ -54,6 +54,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import zlib
@@ -899,9 +900,16 @@ def main(argv):
     raise ValueError(('--config is required: e.g. --config configs/pretrain.py:postln,base'
                       if f.config is None else '--out_dir is required: the folder for the '
                       'prepared shards (give it to train.py as config.data.prepared_dir)'))
+  start = time.time()
   metadata = prepare(f.config, f.out_dir, process_index=f.process_index,
                      process_count=f.process_count)
   print(json.dumps(metadata or {'worker_process': f.process_index, 'done': True}, indent=2))
+  if metadata:  # (process 0's: the counts of every host's shards)
+    counts = metadata.get('counts', {})
+    print(f'prepared {f.out_dir}: {counts.get("train")} train and {counts.get("eval")} eval '
+          f'instances in {time.time() - start:.0f} s; train.py reads them with '
+          f'--config.data.prepared_dir={f.out_dir} and the same --config.data.* settings',
+          file=sys.stderr)
 
 
 if __name__ == '__main__':

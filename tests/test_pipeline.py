@@ -356,8 +356,13 @@ def test_command_line(corpus, tmp_path):
         text=True, timeout=120, check=False)
   done = run()
   assert done.returncode == 0, done.stderr[-2000:]
-  assert json.loads(done.stdout)['counts']['train'] > 100
-  metadata = json.loads(done.stdout)
+  metadata = json.loads(done.stdout)  # (stdout: the metadata alone, for jq and scripts)
+  assert metadata['counts']['train'] > 100
+  out = tmp_path / 'out'
+  assert (f'prepared {out}: {metadata["counts"]["train"]} train and '
+          f'{metadata["counts"]["eval"]} eval instances in ') in done.stderr
+  assert (f'train.py reads them with --config.data.prepared_dir={out} and the same '
+          '--config.data.* settings') in done.stderr
   assert sorted(os.listdir(tmp_path / 'out')) == sorted(
       [prepare.METADATA] + [os.path.basename(p) for split in prepare.SPLITS
                             for p in prepare.shard_paths(str(tmp_path / 'out'), split,
@@ -824,3 +829,4 @@ def test_the_preparation_writes_what_its_version_says(prepared):
   assert prepare.PREPARE_VERSION == 1 and got == PREPARED_SHA256, (
       f'the prepared records changed ({got}): raise data/prepare.PREPARE_VERSION and '
       'update PREPARED_SHA256')
+

@@ -702,17 +702,23 @@ def test_an_eval_split_too_small_is_refused_before_the_first_step(tmp_path, capl
   pipeline.check_split({}, 'data', 'eval', 100, 16, 2, batches=6)  # 48 of 50: fine
   assert not caplog.text
   pipeline.check_split({}, 'data', 'eval', 100, 16, 2, batches=7)
-  assert 'train.eval_steps=7 batches of 8 read 56 examples per process, but the eval split ' \
-         'holds 50' in caplog.text and 'lower train.eval_steps to 6' in caplog.text
+  assert ('train.eval_steps=7 batches of 8 read 56 examples per process, but the eval split '
+          'holds 50: the evaluation counts some more than once; train.eval_steps=6 reads 48 of '
+          'them once (a larger data.eval_fraction, prepared again in a new data.prepared_dir, '
+          'holds more)') in caplog.text
+  caplog.clear()
+  pipeline.check_split({}, 'data', 'eval', 96, 16, 2, batches=7)  # 48 examples: 6 steps
+  assert caplog.text.rstrip().endswith('train.eval_steps=6 reads 48 of them once')
 
 
-def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
+def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path, caplog):
   """Learning on the prepared embedded corpus (grain's pipeline, not synthetic batches), and
   a resume from its step-50 checkpoint logging the uninterrupted run's losses to the bit:
   the input stream's position restored through the trainer, and the evaluation's batches
   the same in a resumed process, and drawn with the preparation's seed (data.seed), which
   the runs of every seed over one prepared corpus share."""
   pytest.importorskip('data.pipeline')
+  from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
   c = pretrain.get_config('postln,tiny')
   m = c.model
   m.hidden_size, m.num_heads, m.mlp_dim, m.max_len = 64, 2, 128, 64
@@ -722,7 +728,13 @@ def test_embedded_corpus_short_run_lowers_mlm_loss(tmp_path):
   t.eval_every_steps, t.eval_steps, t.checkpoint_every_steps = 60, 2, 50
   c.optimizer.warmup_steps = 6
   c.data.seed = 7  # (not the run's seed, 0)
-  summary = trained(c, tmp_path)  # learning on the embedded corpus, not sharding
+  with caplog.at_level(logging.INFO):
+    summary = trained(c, tmp_path)  # learning on the embedded corpus, not sharding
+  passes = re.search(r'train.num_steps=60 batches of 16 read 960 instances: ([\d.]+) passes '
+                     r'over the ([\d,]+) prepared \(each masked anew\)', caplog.text)
+  instances = prepare_lib.read_metadata(str(tmp_path / 'data'))['counts']['train']
+  assert passes and passes[2] == f'{instances:,}', caplog.text[-2000:]
+  assert float(passes[1]) == pytest.approx(960 / instances, rel=1e-2)
   mlm = losses(tmp_path, key='mlm_loss')
   assert mlm[60] < mlm[10] - 1.0, mlm
   assert summary['eval']['mlm_loss'] < np.log(c.model.vocab_size) - 1.0

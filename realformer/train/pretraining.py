@@ -308,13 +308,24 @@ def make_input_fn(config, workdir: str):
   from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   tokenizer = tokenizer_lib.load_for_config(config.data)
   prepared_dir = pipeline.ensure_prepared(config, workdir)
+  metadata = prepare_lib.read_metadata(prepared_dir)
+  logging.info(passes_over_the_data(config, metadata['counts']['train']))
   if config.train.eval_steps > 0:
-    metadata = prepare_lib.read_metadata(prepared_dir)
     pipeline.check_split(metadata, prepared_dir, 'eval', metadata['counts']['eval'],
                          config.train.batch_size, jax.process_count(),
                          batches=config.train.eval_steps)
   return lambda split, seed: pipeline.make_pretraining_iterator(
       config.data, tokenizer, prepared_dir, split=split, seed=seed, **kw)
+
+
+def passes_over_the_data(config, instances: int) -> str:
+  """How many times the run reads its prepared training instances (each pass masks them
+  anew; a small corpus read many times is learnt by heart: its held-out losses rise)."""
+  steps, batch = config.train.num_steps, config.train.batch_size
+  budget = ' at most' if config.train.get('time_budget_minutes') else ''
+  return (f'train.num_steps={steps} batches of {batch} read{budget} {steps * batch:,} '
+          f'instances: {steps * batch / max(instances, 1):.3g} passes over the {instances:,} '
+          'prepared (each masked anew)')
 
 
 class StreamPosition(trainer.DataState):
