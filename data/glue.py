@@ -126,15 +126,17 @@ def local_task(name: str, text: Sequence[str], label: str, labels: Sequence[str]
   return Task(name, text, label, labels, metric, dict(_STD), (), {})
 
 
-def _label_value(task: Task, raw: str, where: str = '') -> float:
+def label_value(task: Task, raw: str, where: str = '') -> float:
+  """A row's label as the model's target: its id in task.labels, or a regression's number;
+  a one-line error (prefixed by `where`, a file and line) for one the task does not have."""
   if not task.labels:
     try:
       return float(raw)
     except ValueError:
       raise ValueError(f'{where}{task.name}: label {raw!r} is not a number') from None
   if raw not in task.labels:
-    fix = ('give the task its file\'s label values in id order (config.tsv.labels of a '
-           'tsv/<name> task), or fix the row' if not task.tfds_text else  # (local_task's)
+    fix = ('give the task its file\'s label values in id order (its labels: config.tsv.labels '
+           'for a tsv/<name> task), or fix the row' if not task.tfds_text else  # (local_task's)
            'fix the row (is the file the task\'s own?)')
     raise ValueError(f'{where}{task.name}: label {raw!r} is not one of {task.labels}; {fix}')
   return task.labels.index(raw)
@@ -190,7 +192,7 @@ def read_tsv(task_name, data_dir: str, split: str,
     for i, r in enumerate(rows):
       if usable(r, i + 1, 4, 'source, label, mark, sentence'):
         examples.append(Example(f'{split}-{i}', r[3], None,
-                                _label_value(task, r[1], f'{path}:{i + 1}: ')))
+                                label_value(task, r[1], f'{path}:{i + 1}: ')))
   else:
     header = [h.strip().lstrip('\ufeff') for h in rows[0]]
     col = {h: i for i, h in enumerate(header)}
@@ -208,7 +210,7 @@ def read_tsv(task_name, data_dir: str, split: str,
       guid = r[col['index']] if 'index' in col else r[col['id']] if 'id' in col else str(i)
       label = None
       if split != 'test' and task.label:
-        label = _label_value(task, r[col[task.label]], f'{path}:{line}: ')
+        label = label_value(task, r[col[task.label]], f'{path}:{line}: ')
       examples.append(Example(guid, a, b, label))
   if skipped:
     logging.warning('skipped %d malformed rows of %s (lines %s%s)', len(skipped), path,

@@ -167,6 +167,7 @@ def test_metrics_match_their_definitions():
   assert m['mcc'] == pytest.approx((2 * 1 - 1 * 1) / np.sqrt(3 * 3 * 2 * 2))
   m = finetune_metrics.glue_metrics('mrpc', preds, labels)
   assert m['f1'] == pytest.approx(2 * 2 / (2 * 2 + 1 + 1)) and m['accuracy'] == 0.6
+  assert m['majority_accuracy'] == 0.6  # three of the five labels are 1
   m = finetune_metrics.glue_metrics('stsb', [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 4.0, 3.0])
   assert m['pearson'] == pytest.approx(0.8) and m['spearman'] == pytest.approx(0.8)
   # Ties take their average rank: ranks (1.5, 1.5, 3, 4) and (1, 2.5, 2.5, 4), r = 3.75 / 4.5.
@@ -357,7 +358,7 @@ def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
   config.tsv.text, config.tsv.label = 'text', 'topic'
   config.tsv.labels, config.tsv.metric = 'world,sports,science', 'macro_f1'
   summary = run(config, str(tmp_path / 'ft'))
-  assert set(summary['dev']['topics']) == {'accuracy', 'macro_f1'}
+  assert set(summary['dev']['topics']) == {'accuracy', 'macro_f1', 'majority_accuracy'}
   assert summary['headline'] == summary['dev']['topics']['macro_f1']
   results = json.loads((tmp_path / 'ft' / 'results.json').read_text())
   assert results['headline_metric'] == 'macro_f1'  # named, for the grid's table
@@ -375,7 +376,8 @@ def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
   config.tsv.metric, config.tsv.labels = 'accuracy', '0,1'  # the kind's default labels
   with pytest.raises(ValueError, match=r"train.tsv:2: topics: label 'world' is not one of "
                      r"\('0', '1'\); give the task its file's label values in id order "
-                     r'\(config.tsv.labels of a tsv/<name> task\), or fix the row$'):
+                     r'\(its labels: config.tsv.labels for a tsv/<name> task\), or fix the '
+                     r'row$'):
     run(config, str(tmp_path / 'ft4'))
   config.tsv.labels, config.data_dir = 'world,sports,science', ''
   with pytest.raises(ValueError, match='tsv/topics: set config.data_dir to the folder'):
@@ -771,7 +773,7 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   summary = run(config(), str(tmp_path / 'ft'))
   assert 'accuracy' in summary['dev']['rte']
   assert not (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').exists()
-  assert 'no test.tsv for rte' in caplog.text and 'no predictions were written' in caplog.text
+  assert 'no test set for rte' in caplog.text and 'no predictions were written' in caplog.text
   assert re.search(r'compiled lengths?, whose batches hold', caplog.text)  # how many shapes
   assert re.search(r'compiled the train step for (1 length|\d+ lengths) \(\d', caplog.text)
   assert 'encoder: 2 layers x ' in caplog.text and ', attention dot, float32' in caplog.text
@@ -1214,7 +1216,7 @@ def test_a_task_of_ones_own_named_like_a_glue_split_is_scored_by_its_own_metric(
   task.task, task.evals = tsv.tsv_task(config), {config.task: None}
   task._predictions = lambda *_: (np.array([0, 1, 2, 2]), np.array([0, 1, 2, 1]))
   dev = task.evaluate_outputs(None)
-  assert set(dev['mnli_mismatched']) == {'accuracy', 'macro_f1'}
+  assert set(dev['mnli_mismatched']) == {'accuracy', 'macro_f1', 'majority_accuracy'}
   # per class F1: 1, 2/3, 2/3 (the last example, a 'b' taken for a 'c')
   assert dev['mnli_mismatched']['macro_f1'] == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
   assert dev['mnli_mismatched']['accuracy'] == 0.75

@@ -159,7 +159,7 @@ class GlueTask(FinetuneTask):
             lambda: glue.write_predictions(self._spec(name), examples, preds, out_dir),
             f'write the predictions for {name} to {out_dir}')
     if missing:
-      logging.info('no test.tsv for %s in %s: trained and evaluated; no predictions were '
+      logging.info('no test set for %s in %s: trained and evaluated; no predictions were '
                    'written for %s', ', '.join(missing), self.config.data_dir,
                    'it' if len(missing) == 1 else 'them')
 
