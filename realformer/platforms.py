@@ -9,7 +9,8 @@ first device query, limits jax to the platforms this machine has when no TPU chi
 PCI bus (jax's own probe, the one it uses to decide whether it runs on a TPU VM): NVIDIA or
 AMD GPUs where one is visible and jax's plugin for it is installed, and the CPU. A TPU VM,
 and any JAX_PLATFORMS the user set, are left alone. Every program calls it first: through
-realformer.cli (parse_flags, run_main) and trainer.run_program.
+realformer.cli (parse_flags, run_main) and trainer.run_program; and importing the package
+does where libtpu is installed (realformer/__init__.py), for scripts of one's own.
 
 Without libtpu (requirements.txt alone) jax still tries its TPU backend and logs, at INFO,
 "Unable to initialize backend 'tpu': ... Failed to open libtpu.so", which a program's INFO
@@ -62,13 +63,17 @@ class _NoAbsentTpuBackend(logging_std.Filter):
                 'libtpu.so' in message)
 
 
-def skip_absent_tpu() -> str:
+def skip_absent_tpu(say: bool = True) -> str:
   """Limit jax to platforms_here() where libtpu is installed, no TPU chip is attached and
   neither JAX_PLATFORMS nor jax_platforms says otherwise; before the first device query.
   Returns the platforms set, or '' where nothing was changed. Sets JAX_PLATFORMS too, so
-  that worker processes start the same way. Without libtpu and a TPU chip, only jax's line
-  on the TPU backend it cannot start is dropped."""
+  that worker processes start the same way, and logs the choice where `say` (not where the
+  package is imported: absl's first log line would take the root logger from the importer's
+  own logging.basicConfig). Without libtpu and a TPU chip, only jax's line on the TPU
+  backend it cannot start is dropped."""
   if os.environ.get('JAX_PLATFORMS', '').strip():
+    if say and _UNSAID:  # chosen as the package was imported: a program's log says it now
+      _log_choice(_UNSAID.pop())
     return ''
   import jax  # pylint: disable=g-import-not-at-top
   from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
@@ -83,8 +88,21 @@ def skip_absent_tpu() -> str:
     if not any(isinstance(f, _NoAbsentTpuBackend) for f in jax_backends.filters):
       jax_backends.addFilter(_NoAbsentTpuBackend())
     return ''
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if xla_bridge.backends_are_initialized():
+    return ''  # (too late: libtpu has spoken)
   platforms = platforms_here()
   os.environ['JAX_PLATFORMS'] = platforms
   jax.config.update('jax_platforms', platforms)
-  logging.info('libtpu is installed but no TPU is attached: jax platforms %s', platforms)
+  if say:
+    _log_choice(platforms)
+  else:
+    _UNSAID.append(platforms)
   return platforms
+
+
+_UNSAID: list = []  # the platforms chosen in this process and not logged yet
+
+
+def _log_choice(platforms: str) -> None:
+  logging.info('libtpu is installed but no TPU is attached: jax platforms %s', platforms)

@@ -43,6 +43,21 @@ def test_a_cpu_start_with_libtpu_installed_says_nothing_of_tpus():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.split() == ["['cpu']", 'cpu']
   assert 'tpu' not in proc.stderr.lower(), proc.stderr[-2000:]
+  # A script of one's own that imports the package before its first device query: as quiet
+  # (the choice made at the import is logged once a program's run_main starts).
+  script = subprocess.run(
+      [sys.executable, '-c', 'import jax.numpy as jnp; from realformer import models; '
+       'print(float(jnp.ones(3).sum()))'], cwd=REPO, capture_output=True, text=True,
+      timeout=120, env={**_clean_env(), 'TF_CPP_MIN_LOG_LEVEL': '0'})
+  assert script.returncode == 0 and script.stdout.split() == ['3.0'], script.stderr[-2000:]
+  assert 'tpu' not in script.stderr.lower(), script.stderr[-2000:]
+  program = subprocess.run(
+      [sys.executable, '-c', 'from realformer import cli; from absl import logging; '
+       'logging.set_verbosity("info"); cli.run_main(lambda: None); cli.run_main(lambda: None)'],
+      cwd=REPO, capture_output=True, text=True, timeout=120, env=_clean_env())
+  said = [l for l in program.stderr.splitlines() if 'tpu' in l.lower()]
+  assert (len(said) == 1 and said[0].endswith(
+      'libtpu is installed but no TPU is attached: jax platforms cpu')), program.stderr[-2000:]
   # Without it, libtpu speaks (the reason for the module): the same start, jax left as it is.
   noisy = subprocess.run(
       [sys.executable, '-c', 'import jax; print(sorted({d.platform for d in jax.devices()}))'],
