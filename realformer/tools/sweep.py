@@ -871,7 +871,7 @@ def final_metrics(workdir: str, split: Optional[str] = 'eval') -> Dict[str, floa
 # either objective (eval/loss adds NSP's under mlm_nsp alone), the majority predictor's
 # accuracy on the same batches beside them, and NSP's where there is one.
 PRETRAINING_METRICS = ('eval/mlm_accuracy', 'eval/mlm_majority_accuracy', 'eval/mlm_loss',
-                       'eval/nsp_accuracy')
+                       'eval/nsp_accuracy', 'eval/nsp_majority_accuracy')
 
 
 def default_metrics(logged: Iterable[str]) -> List[str]:
