@@ -22,6 +22,7 @@ from typing import Dict, List, Sequence
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
 from realformer import models
 from realformer import storage
@@ -281,6 +282,12 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   if len(texts) > 1:
     lines.append('\nThe runs were analysed on different texts (their tokenizers, vocabulary '
                  'sizes or lengths differ): their numbers differ by the text too.')
+  if len({r['step'] for r in results}) > 1:
+    steps = ', '.join(f'{label} {r["step"]}' for label, r in zip(labels, results))
+    said = (f'The runs were analysed at different steps (each its newest checkpoint: {steps}): '
+            'their numbers differ by training too.')
+    lines.append(f'\n{said}')
+    logging.warning('%s', said)
   storage.write_text(out / 'attention.md', '\n'.join(lines) + '\n')
   return numbers
 
