@@ -51,7 +51,7 @@ def seconds(clock: str) -> float:
 def read_run(log: str) -> dict:
   text = open(log, encoding='utf-8').read()
   clocks = re.findall(r'^[IWE]\d{4} (\d\d:\d\d:\d\d\.\d+)', text, re.M)
-  counts = re.findall(r'after the run: (\d+) programs loaded from it, (\d+) compiled', text)
+  counts = re.findall(r'after the run: (\d+) programs? loaded from it, (\d+) compiled', text)
   first = re.search(r'first step: ([\d.]+) s', text)
   return {'loaded': int(counts[-1][0]), 'compiled': int(counts[-1][1]),
           'first_step': float(first.group(1)) if first else None,

@@ -41,12 +41,12 @@ def run_once(config: str, cache: str, batch: int, extra, workdir: str,
   whole = time.time() - start
   if proc.returncode:
     raise SystemExit(proc.stderr[-3000:])
-  line = next(l for l in proc.stderr.splitlines() if 'programs loaded from it' in l)
+  line = next(l for l in proc.stderr.splitlines() if ' loaded from it' in l)
   hh, mm, ss = map(float, re.search(r' (\d\d):(\d\d):(\d\d\.\d+) ', line).groups())
   first = hh * 3600 + mm * 60 + ss
   t0 = time.localtime(start)
   started = t0.tm_hour * 3600 + t0.tm_min * 60 + t0.tm_sec + start % 1
-  loaded = int(line.split(' programs loaded from it')[0].split()[-1])
+  loaded = int(re.split(r' programs? loaded from it', line)[0].split()[-1])
   compile_s = float(re.search(r'first step: ([\d.]+) s', proc.stderr).group(1))
   return {'first_step': (first - started) % 86400, 'compile': compile_s, 'whole': whole,
           'loaded': loaded}

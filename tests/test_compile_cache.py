@@ -5,6 +5,7 @@ one that cannot be read is replaced. (A cache in a bucket: tests/test_bucket_run
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -43,8 +44,8 @@ def _train(workdir, cache, *extra, **environ):
 def _counts(log: str):
   """(programs loaded from the cache, programs compiled and written) over the whole run (the
   log's last count)."""
-  line = [l for l in log.splitlines() if 'programs loaded from it' in l][-1]
-  loaded = int(line.split(' programs loaded from it')[0].split()[-1])
+  line = [l for l in log.splitlines() if ' loaded from it, ' in l][-1]
+  loaded = int(re.split(r' programs? loaded from it', line)[0].split()[-1])
   written = int(line.split(' compiled and written')[0].split()[-1])
   assert line.endswith('compiled and written to it')  # (every program is: no threshold said)
   return loaded, written
@@ -59,7 +60,34 @@ def test_the_cache_line_says_which_programs_it_does_not_keep(caplog):
   finally:
     jax.config.update('jax_persistent_cache_min_compile_time_secs', least)
   assert caplog.text.rstrip().endswith(
-      ' compiled and written to it (those that compile in under 1 s are not kept)')
+      " compiled and written to it (those that compile in under 1 s are not kept, but for a "
+      "run's steps and init)")
+
+
+def test_a_runs_steps_are_kept_however_fast_they_compile(tmp_path):
+  """Under jax's 1 s threshold a program of a few microseconds' compile is not written; in
+  compile_cache.kept() it is, and the block counts it compiled; a later compile of the same
+  computation (another function object: not jax's in-memory cache) in a block loads it."""
+  before = jax.config.jax_compilation_cache_dir
+  least = jax.config.jax_persistent_cache_min_compile_time_secs
+  x = np.float32(2.0)
+  try:
+    folder = compile_cache.enable(str(tmp_path))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+    entries = lambda: sorted(n for n in os.listdir(folder) if n.startswith('jit_'))
+    jax.jit(lambda v: v * 5.0).lower(x).compile()
+    assert entries() == []  # (too fast for the threshold)
+    with compile_cache.kept() as block:
+      jax.jit(lambda v: v * 13.0).lower(x).compile()
+    assert len(entries()) == 1 and block == {'hits': 0, 'misses': 1}
+    with compile_cache.kept() as block:
+      jax.jit(lambda v: v * 13.0).lower(x).compile()
+    assert len(entries()) == 1 and block == {'hits': 1, 'misses': 0}
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0  # (restored)
+  finally:
+    jax.config.update('jax_compilation_cache_dir', before)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', least)
+    jax_cache.reset_cache()
 
 
 def _losses(workdir) -> list:
@@ -81,7 +109,7 @@ def test_a_second_start_loads_its_programs_and_computes_the_same_losses(tmp_path
   assert _losses(tmp_path / 'a') == _losses(tmp_path / 'b') and _losses(tmp_path / 'a')
   # Off, also where jax's own variable names a cache (as a user's shell may): nothing there.
   off = _train(tmp_path / 'c', 'off', JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'jax_own'))
-  assert 'compilation cache: off' in off and 'programs loaded from it' not in off
+  assert 'compilation cache: off' in off and ' loaded from it' not in off
   assert not (tmp_path / 'jax_own').exists() or not os.listdir(tmp_path / 'jax_own')
   # (Programs of another jax version beside: test_another_machines_programs_are_not_read.)
 

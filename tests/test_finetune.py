@@ -775,7 +775,8 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
   assert not (tmp_path / 'ft' / 'predictions' / 'RTE.tsv').exists()
   assert 'no test set for rte' in caplog.text and 'no predictions were written' in caplog.text
   assert re.search(r'compiled lengths?, whose batches hold', caplog.text)  # how many shapes
-  assert re.search(r'compiled the train step for (1 length|\d+ lengths) \(\d', caplog.text)
+  assert re.search(r'the train step for (1 length|\d+ lengths) \([\d, ]+\): (compiled|loaded '
+                   r'from the compilation cache) in ', caplog.text)
   assert 'encoder: 2 layers x ' in caplog.text and ', attention dot, float32' in caplog.text
   assert '; attention: training plain, evaluation plain' in caplog.text
   # A test.tsv added afterwards, longer than every stored bucket: the rerun predicts it
@@ -982,6 +983,14 @@ def test_a_grid_compiles_each_program_once(pretrained, tmp_path, monkeypatch):
   for _, compiled, loaded, workdir in later:
     assert compiled <= {'jit_learning_rates'}, (workdir, compiled)
     assert first - {'jit_learning_rates'} <= loaded, (workdir, first - loaded)
+  # Each run's log says which: its steps compiled, or loaded (kept whatever jax's threshold:
+  # tests/test_compile_cache.py).
+  logs = [(run[3] / 'log.txt').read_text() for run in runs]
+  for name in ('train step', 'prediction'):
+    assert re.search(rf'the {name} for 1 length \(32\): compiled in ', logs[0]), name
+    for log in logs[1:]:
+      assert re.search(rf'the {name} for 1 length \(32\): loaded from the compilation cache '
+                       'in ', log), name
   schedule_of = lambda run: {k: v for k, v in json.loads(
       (run[3] / 'overrides.json').read_text()).items() if k != 'seed'}
   same_schedule = [r for r in later if schedule_of(r) == schedule_of(runs[0])
@@ -1064,7 +1073,10 @@ def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, cap
     workdir = root / 'rte' / f'seed={seed}'
     workdir.mkdir(parents=True)
     (workdir / 'overrides.json').write_text(json.dumps(run))
-    (workdir / 'results.json').write_text(json.dumps({'headline': headline}))
+    (workdir / 'results.json').write_text(json.dumps(
+        {'headline': headline} if seed else  # (one run that recorded its dev metrics)
+        {'headline': headline, 'dev': {'rte': {'accuracy': headline,
+                                               'majority_accuracy': 0.5}}}))
   (root / 'rte' / 'swept').mkdir()  # a sweep.py run: no grid values
   (root / 'rte' / 'swept' / 'overrides.json').write_text(json.dumps({'seed': 0}))
   finetune_grid.main(['--tasks', 'rte,glue/rte', '--root', str(root), '--summarize_only'])
@@ -1077,6 +1089,8 @@ def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, cap
   assert ('| rte | 2e-05 | 16 | 2 | 2 | 0 | 0 | 0.7000 | 0.7000 | 0.6000 | 0.8000 | best | '
           'max_seq_length=128 |') in markdown
   assert '| rte |  |  |  | 0 | 0 | 1 |' in markdown
+  assert markdown.endswith('\nThe dev accuracy of always predicting the majority label: '
+                           'rte 0.5000\n')
   assert finetune_grid.expand_tasks('glue,rte').count('rte') == 1
   with pytest.raises(ValueError, match=r'--tasks tsv: the kind tsv takes any task name; name '
                                        r'yours, --tasks tsv/<name>'):

@@ -45,6 +45,7 @@ from realformer import config_checks
 from realformer.model.encoder import EncoderOutput
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
+from realformer.train import compile_cache
 from realformer.train import distributed
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
@@ -266,17 +267,25 @@ class Programs:
   def __init__(self, step, args, batch_of_length, lengths, name: str, mesh,
                compiler: Optional[futures.Executor], after: Tuple[Any, ...] = ()):
     began = []  # when the first of them began compiling (queued behind others, not before)
+    loaded = []  # the lengths whose program came from the compilation cache
 
     def compile_one(length):
       if not began:
         began.append(time.time())
-      with jax.set_mesh(mesh):  # the mesh context is per thread
-        return step.lower(*args, batch_of_length(length), *after).compile()
+      # (kept however fast they compile: the next run of a grid loads them)
+      with jax.set_mesh(mesh), compile_cache.kept() as cache:  # (the mesh is per thread)
+        program = step.lower(*args, batch_of_length(length), *after).compile()
+      if cache['hits']:
+        loaded.append(length)
+      return program
 
     def log(done=None):
       if done is None or (not done.cancelled() and done.exception() is None):
-        logging.info('compiled the %s for %d length%s (%s) in %.1f s%s', name, len(lengths),
-                     's' if len(lengths) > 1 else '', ', '.join(map(str, lengths)),
+        how = ('loaded from the compilation cache' if len(loaded) == len(lengths) else
+               'compiled' + (f' ({len(loaded)} loaded from the compilation cache)'
+                             if loaded else ''))
+        logging.info('the %s for %d length%s (%s): %s in %.1f s%s', name, len(lengths),
+                     's' if len(lengths) > 1 else '', ', '.join(map(str, lengths)), how,
                      time.time() - began[0], ', while the run went on' if compiler else '')
 
     self._programs, self._waited = {}, 0.0

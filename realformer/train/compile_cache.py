@@ -43,6 +43,7 @@ compile than jax's threshold are written
 run cost nothing.
 """
 
+import contextlib
 import hashlib
 import logging as std_logging
 import os
@@ -69,6 +70,7 @@ XLA_CACHES = 'xla_gpu_per_fusion_autotune_cache_dir'
 _counts = {'hits': 0, 'misses': 0}
 _lock = threading.Lock()
 _listening = False
+_blocks = threading.local()  # the counts of this thread's kept() blocks, innermost last
 
 
 def define_flags() -> None:
@@ -247,7 +249,27 @@ def _listen() -> None:
     if name:
       with _lock:
         _counts[name] += 1
+      for block in getattr(_blocks, 'open', ()):  # (jax counts in the compiling thread)
+        block[name] += 1
   jax.monitoring.register_event_listener(count)
+
+
+@contextlib.contextmanager
+def kept():
+  """Within, on this thread: every program compiled is written to the cache, however fast it
+  compiled (jax keeps only those over its threshold), for a run's own steps, which the next
+  run of a grid or a sweep loads. Yields {'hits', 'misses'}: the block's programs loaded
+  from the cache and compiled, counted on exit (where the cache is on)."""
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  block = {'hits': 0, 'misses': 0}
+  if not hasattr(_blocks, 'open'):
+    _blocks.open = []
+  _blocks.open.append(block)
+  try:
+    with jax_config.persistent_cache_min_compile_time_secs(0.0):
+      yield block
+  finally:
+    _blocks.open.remove(block)
 
 
 def stats() -> Dict[str, int]:
@@ -262,11 +284,14 @@ def log_stats(what: str) -> None:
   they loaded (jax counts a program compiled where it writes it: process 0 alone)."""
   if _listening:
     counts = stats()
+    programs = lambda n: f'{n} program{"" if n == 1 else "s"}'
     if jax.process_index() > 0:
-      logging.info('compilation cache after %s: %d programs loaded from it (process 0 writes '
-                   'those the job compiles)', what, counts['hits'])
+      logging.info('compilation cache after %s: %s loaded from it (process 0 writes those the '
+                   'job compiles)', what, programs(counts['hits']))
       return
     least = jax.config.jax_persistent_cache_min_compile_time_secs
-    logging.info('compilation cache after %s: %d programs loaded from it, %d compiled and '
-                 'written to it%s', what, counts['hits'], counts['misses'],
-                 f' (those that compile in under {least:g} s are not kept)' if least else '')
+    logging.info('compilation cache after %s: %s loaded from it, %d compiled and written to '
+                 'it%s', what, programs(counts['hits']), counts['misses'],
+                 f' (those that compile in under {least:g} s are not kept, but for a '
+                 'run\'s steps and init)'
+                 if least else '')

@@ -39,6 +39,7 @@ from realformer import config_checks
 from realformer.config_checks import warmup_steps
 from realformer.layers import rows as rows_lib
 from realformer.model.spec import EncoderSpec, resolve
+from realformer.train import compile_cache
 from realformer.train import metrics as metrics_lib
 from realformer.train import partitioning
 from synthesizer import synthetic
@@ -382,7 +383,7 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, batch
         lambda k, d: d if k is None else k, known, drawn, is_leaf=lambda x: x is None)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  with partitioning.traced_on(mesh):
+  with partitioning.traced_on(mesh), compile_cache.kept():  # (a grid's next run loads it)
     state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed), params)
   return state, shardings
 

@@ -593,7 +593,10 @@ class Trainer:
         rate = np.float32(rates(step) if budget is None else budget.learning_rate(step))
         if step == start:
           first_call = time.time()
-        self.state, step_metrics = train_step(self.state, batch, rate, rng)
+          with compile_cache.kept():  # (its compile, kept however fast: a sweep's next run
+            self.state, step_metrics = train_step(self.state, batch, rate, rng)  # loads it)
+        else:
+          self.state, step_metrics = train_step(self.state, batch, rate, rng)
         window.exclude(waited())
         step += 1
         if pending is not None:  # check the previous step while this one runs
