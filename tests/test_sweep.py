@@ -287,6 +287,11 @@ def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path
   assert (root / names[1] / RunDir.SWEEP_LOCK).exists()  # not ours: left alone
   assert (root / names[2] / 'calls.txt').exists() and sweep.is_done(root / names[2])
   assert not (root / names[2] / RunDir.SWEEP_LOCK).exists()  # released after the run
+  # Counted within a larger call (a grid's second task): its place among all, its label.
+  said = []
+  sweep.run_all(runs[2:], root=str(root), program=str(program), config='cfg',
+                echo=said.append, counted=(4, 7), label='wnli/')
+  assert said == [f'[5/7] wnli/{names[2]}: finished, skipped']
 
 
 def test_values_are_read_as_their_fields_types():

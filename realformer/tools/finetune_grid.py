@@ -33,7 +33,7 @@ import math
 import os
 import statistics
 import sys
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from absl import flags
 
@@ -320,17 +320,36 @@ def headline_metric(root: str, task: str) -> str:
   return metrics.SQUAD_HEADLINE.get(task, 'headline')
 
 
+def majority_baseline(root: str, task: str) -> Optional[float]:
+  """The dev accuracy of always predicting the dev set's most frequent label, as a finished
+  run of the task recorded it (classification tasks; None otherwise)."""
+  folder = storage.path(task_root(root, task))
+  for run in sorted(folder.iterdir(), key=lambda p: p.name) if folder.is_dir() else []:
+    try:
+      dev = json.loads((run / RunDir.RESULTS).read_text())['dev']
+      scores = dev.get(task) or dev[task.rpartition('/')[2]]  # (tsv/<name>'s: by <name>)
+      return float(scores['majority_accuracy'])
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+  return None
+
+
 def write_summary(root: str, tasks: Sequence[str]) -> str:
   """results.md and .csv of `tasks` and of every other task whose runs the root holds (a
   grid of one task into the root of another's keeps both in the table); results.md names
-  each task's headline metric above the table."""
+  each task's headline metric above the table, and below it the majority baseline of the
+  classification tasks (a setting whose accuracy is the baseline's learnt nothing)."""
   tasks = list(tasks) + [t for t in tasks_in(root) if t not in tasks]
   table = []
   for task in tasks:
     table += summarize(task, collect(task_root(root, task), task))
   named = '; '.join(f'{task}: {headline_metric(root, task)}' for task in tasks)
+  baselines = [(task, majority_baseline(root, task)) for task in tasks]
+  baselines = ', '.join(f'{task} {b:.4f}' for task, b in baselines if b is not None)
   markdown = (f'median, mean, min and max of each task\'s headline metric ({named})\n\n' +
-              sweep.to_markdown(HEADER, table))
+              sweep.to_markdown(HEADER, table) +
+              (f'\nThe dev accuracy of always predicting the majority label: {baselines}\n'
+               if baselines else ''))
   storage.write_text(storage.join(root, 'results.md'), markdown)
   storage.write_text(storage.join(root, 'results.csv'), sweep.to_csv(HEADER, table))
   return markdown
@@ -416,23 +435,27 @@ def main(argv=None):
     for task in tasks:  # every task's config takes the --set keys, before any run starts
       sweep.check_keys(config_arg(task), runs, here=not args.print_only, flags='--set')
     failed, elsewhere, diverged = [], [], []
+    if args.print_only:
+      for task in tasks:
+        print(sweep.launch_script(runs, root=task_root(args.root, task), program=PROGRAM,
+                                  config=config_arg(task), target=args.target, always=axes),
+              end='')
+      return 0
+    # A run that diverged (its loss became nan/inf) is a result of its settings: left out of
+    # later calls, which would only repeat it.
+    to_run = {task: [r for r, gone in zip(runs, sweep.diverged(
+        task_root(args.root, task), runs, axes,
+        sweep.program_and_config(PROGRAM, config_arg(task)))) if not gone] for task in tasks}
+    total, before = sum(map(len, to_run.values())), 0
     for task in tasks:
       root = task_root(args.root, task)
-      if args.print_only:
-        print(sweep.launch_script(runs, root=root, program=PROGRAM, config=config_arg(task),
-                                  target=args.target, always=axes), end='')
-        continue
-      # A run that diverged (its loss became nan/inf) is a result of its settings: left out
-      # of later calls, which would only repeat it.
-      gone = sweep.diverged(root, runs, axes, sweep.program_and_config(PROGRAM, config_arg(task)))
-      codes = sweep.run_all([r for r, g in zip(runs, gone) if not g], root=root,
-                            program=PROGRAM, config=config_arg(task), always=axes)
+      codes = sweep.run_all(to_run[task], root=root, program=PROGRAM, config=config_arg(task),
+                            always=axes, counted=(before, total), label=f'{task}/')
+      before += len(to_run[task])
       task_failed, task_diverged = sweep.failed_or_diverged(root, codes)
       failed += [f'{task}/{n}' for n in task_failed]
       diverged += [f'{task}/{n}' for n in task_diverged]
       elsewhere += [f'{task}/{n}' for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
-    if args.print_only:
-      return 0
     if diverged:
       print(f'diverged (nan/inf; failed in the table, not run again): {", ".join(diverged)}')
     if failed:

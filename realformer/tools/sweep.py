@@ -565,15 +565,18 @@ def _not_to_start(workdir: str, run: Run, say, command_of: Dict[str, str]) -> Op
 
 
 def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
-            echo=print, always: Sequence[str] = ()) -> Dict[str, int]:
+            echo=print, always: Sequence[str] = (), counted: Tuple[int, int] = (0, 0),
+            label: str = '') -> Dict[str, int]:
   """Runs one after another; returns {name: exit code}: 0 for finished runs (also those
   skipped as finished), RUNNING_ELSEWHERE for runs another live sweep holds, OTHER_RUN for
   names whose directory holds a run with other overrides, or of another program or config
-  file (never reused, never resumed)."""
+  file (never reused, never resumed). Each line says `[n/N] <label><name>`: `counted`, the
+  runs of the same call before these and in all (a grid's tasks; (0, 0): these alone)."""
   codes = {}
   command_of = program_and_config(program, config)
   root = absolute(root)
   names = folder_names(root, runs, always)
+  before, total = counted if counted[1] else (0, len(runs))
   for i, (run, name) in enumerate(zip(runs, names)):
     workdir = storage.join(root, name)
 
@@ -582,7 +585,7 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
     def say(text, i=i, name=name, said=said):
       if text not in said:
         said.add(text)
-        echo(f'[{i + 1}/{len(runs)}] {name}: {text}')
+        echo(f'[{before + i + 1}/{total}] {label}{name}: {text}')
     if (code := _not_to_start(workdir, run, say, command_of)) is not None:
       codes[name] = code
       continue
