@@ -131,6 +131,10 @@ def fingerprint(config) -> dict:
           **({'tokenizer_crc': crc} if (crc := tokenizer_signature(d.tokenizer)) else {}),
           # (held out by the documents' numbers in their own sources: is_eval_document)
           **({'eval_split': 'by_source'} if len(specs) > 1 else {}),
+          # (sources of paragraphs, split by sources.split_sentences: its rule since a capital
+          # of any script opens a sentence; data of the rule before, ASCII capitals alone,
+          # keeps being read, as a key added since it was made is not held against it)
+          **({'sentence_split': 2} if 'tfds:' in d.sources or 'hf:' in d.sources else {}),
           **({'version': PREPARE_VERSION} if PREPARE_VERSION != 1 else {})}
 
 
@@ -293,6 +297,11 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
   Bad input (a ValueError) removes what this host wrote; anything else (an interrupted or
   killed run, a storage fault) leaves finished workers for the next attempt to keep.
   """
+  if getattr(multiprocessing.current_process(), '_inheriting', False):
+    # A worker this started is importing the caller's script (the spawn start method runs
+    # its top level again), which called prepare: it would wait on its parent's lock.
+    raise RuntimeError('data.prepare.prepare was called as its worker process imported the '
+                       'calling script; call it under `if __name__ == "__main__":`')
   started = time.time()
   storage.check_location(out_dir, 'the prepared data folder')
   out_dir = out_dir.rstrip('/')
@@ -469,7 +478,13 @@ def _run_workers(config, tokenizer, tmp: str, ids: List[int], total: int,
     futures = [pool.submit(work, config, tokenizer.path, tmp, i, total) for i in todo]
     done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
     for future in done:  # the first failure, as soon as it happens
-      future.result()
+      try:
+        future.result()
+      except concurrent.futures.BrokenExecutor:  # (a process of the pool gone)
+        raise RuntimeError('a preparation worker process ended abruptly (its lines above say '
+                           'why: killed, out of memory, or the calling script ran prepare '
+                           'again as the worker imported it, outside `if __name__ == '
+                           '"__main__":`)') from None
   except BaseException:  # a failed worker, Ctrl-C or SIGTERM: stop the pool's other workers
     for child in set(multiprocessing.active_children()) - before:  # now, not after their
       child.terminate()                                            # whole share
@@ -524,6 +539,7 @@ class _Share:
         dupe_factor=d.dupe_factor, seed=seed, stats=self.stats):
       self.writers.write(inst.to_bytes(), self.block)
       self.count += 1
+      self.stats['random_next'] += bool(getattr(inst, 'is_random_next', False))
     self.docs = []
 
   def close(self) -> dict:
@@ -809,6 +825,11 @@ def _layout(results) -> dict:
   return layout
 
 
+# The share of random-next training pairs above which the preparation warns: BERT's data
+# has about half (a coin flip for each chunk of two sentences or more, always for one of one).
+RANDOM_NEXT_WARNING = 0.7
+
+
 def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
               started: float) -> dict:
   """metadata.json of a gathered preparation; bad input (no training example) raises.
@@ -829,6 +850,14 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
                     'with a sentence per row (hf:) needs config.data.hf_rows_per_document > 1, '
                     'and files a blank line between documents, not between sentences',
                     single, documents)
+  random_next = stats['train/random_next'] / max(counts['train'], 1)
+  if pairs and counts['train'] and random_next > RANDOM_NEXT_WARNING:
+    logging.warning('%.0f%% of the training pairs are random next (NSP label 1; about half '
+                    'in BERT\'s data): most chunks of the documents are one sentence, which '
+                    'is always paired at random. Sentences longer than data.max_seq_length '
+                    '(%d), or text that was not split into sentences (a paragraph a line; '
+                    'tfds:/hf: text in lower case), do that: give files: one sentence per '
+                    'line', 100 * random_next, d.max_seq_length)
   undecodable = undecodable_lines(stats)
   if undecodable:
     logging.warning('%d lines of config.data.sources=%r are not UTF-8 and were skipped; '

@@ -1,6 +1,9 @@
 """Document sources for pretraining: the embedded corpus, local text files, tfds datasets.
 
-`config.data.sources` names them, several joined by ';' and mixed by `config.data.weights`:
+`config.data.sources` names them, several joined by ';' and interleaved in the order
+`config.data.weights` draws (every document is used once whatever the weights: they decide
+which documents share a block, not how often each source is read; list a source twice to
+read it twice, weight 0 leaves it out):
 
   embedded                        the CC0 State of the Union corpus shipped in data/embedded/
   files:<glob>                    BERT's format: one sentence per line, a blank line between
@@ -67,21 +70,27 @@ jan feb mar apr jun jul aug sep sept oct nov dec no nos vol art sec ch pp vs viz
 inc co corp ltd bros dept u.s u.s.a a.m p.m e.g i.e cf al ft mt
 """.split())
 # A candidate boundary: terminal punctuation (with closing quotes/brackets), whitespace, then
-# something that can open a sentence (a capital or a digit, perhaps after an opening quote).
-_BOUNDARY = re.compile(r'([.!?]["\'\u201d\u2019)\]]*)\s+(?=["\'\u201c\u2018(\[]?[A-Z0-9])')
+# a word character, perhaps after an opening quote (split_sentences asks a capital or a digit
+# of it: any script's capitals, which a regular expression of Python's cannot name).
+_BOUNDARY = re.compile(r'([.!?]["\'\u201d\u2019)\]]*)\s+(?=["\'\u201c\u2018(\[]?\w)')
 _OPENERS = '"\'\u201c\u2018(['
 
 
 def split_sentences(text: str) -> List[str]:
-  """Rule-based English sentence splitter for one paragraph.
+  """Rule-based sentence splitter for one paragraph of cased text (English's abbreviations).
 
   Splits after '.', '!' or '?' (and any closing quotes or brackets) when whitespace and a
-  capital letter or digit follow, except after an abbreviation (Mr., Jan., U.S., p.m., ...)
-  or a single-letter initial (J. Q. Adams). Decimals (1.5) never split: no whitespace follows
-  the period. The text of each sentence is kept as is (no case or spacing changes).
+  capital letter (of any script: Élysée, Это) or a digit follow, except after an
+  abbreviation (Mr., Jan., U.S., p.m., ...) or a single-letter initial (J. Q. Adams).
+  Decimals (1.5) never split: no whitespace follows the period. Text in lower case is not
+  split (give such a corpus one sentence per line, files:). The text of each sentence is
+  kept as is (no case or spacing changes).
   """
   sentences, start = [], 0
   for m in _BOUNDARY.finditer(text):
+    first = text[m.end() + (text[m.end()] in _OPENERS)]  # (the lookahead's \w)
+    if not (first.isupper() or first in '0123456789'):
+      continue
     words = text[start:m.start(1) + 1].split()
     last = words[-1].rstrip('.').lstrip(_OPENERS).lower() if words else ''
     if m.group(1).startswith('.') and (last in _ABBREVIATIONS or re.fullmatch(r'[a-z]', last)):

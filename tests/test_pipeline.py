@@ -218,6 +218,10 @@ def test_a_sentence_per_row_source_is_flagged_and_rows_make_documents(tmp_path, 
     assert metadata['fingerprint'].get('hf_rows_per_document', '1') == per_document
     labels[per_document] = [pretraining.Instance.from_bytes(r).is_random_next
                             for r in _records(out, metadata)['train']]
+    assert metadata['stats'].get('train/random_next', 0) == sum(labels[per_document])
+    # (the share itself said: a corpus split otherwise than in sentences shows it alone)
+    assert ('100% of the training pairs are random next (NSP label 1; about half in BERT'
+            in caplog.text) == (per_document == '1')
   assert all(labels['1']) and 0.3 < np.mean(labels['20']) < 0.7
   # The grouped preparation is not taken for one of single rows, nor the other way round
   # (a fingerprint without the key, as before the setting existed, stands for rows of 1).
@@ -830,3 +834,29 @@ def test_the_preparation_writes_what_its_version_says(prepared):
       f'the prepared records changed ({got}): raise data/prepare.PREPARE_VERSION and '
       'update PREPARED_SHA256')
 
+
+
+def test_a_script_that_prepares_outside_a_main_guard_stops_in_seconds(tmp_path):
+  """Workers start by the spawn method, which imports the calling script again: one that
+  calls prepare at its top level had each worker wait on its parent's lock for ever. The
+  workers now refuse at once, naming the fix, and the parent says what ended them."""
+  script = tmp_path / 'mine.py'
+  script.write_text(textwrap.dedent(f'''
+      import sys
+      sys.path.insert(0, {REPO!r})
+      from configs import pretrain
+      from data import prepare
+      config = pretrain.get_config('postln,tiny')
+      config.data.prepare_workers = 2
+      config.data.max_seq_length, config.data.max_predictions_per_seq = 32, 5
+      prepare.prepare(config, {str(tmp_path / 'out')!r})
+      '''))
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        timeout=120, cwd=str(tmp_path))
+  assert proc.returncode == 1
+  assert ('RuntimeError: data.prepare.prepare was called as its worker process imported the '
+          'calling script; call it under `if __name__ == "__main__":`') in proc.stderr
+  assert proc.stderr.rstrip().endswith(
+      'RuntimeError: a preparation worker process ended abruptly (its lines above say why: '
+      'killed, out of memory, or the calling script ran prepare again as the worker imported '
+      'it, outside `if __name__ == "__main__":`)'), proc.stderr[-2000:]

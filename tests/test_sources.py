@@ -32,6 +32,10 @@ def test_sentence_splitter_rules():
   assert sources.split_sentences('  ') == []
   assert sources.split_sentences('no capital after. so one sentence') == [
       'no capital after. so one sentence']
+  # Any script's capitals open a sentence (a corpus in French, Greek or Russian is split).
+  assert sources.split_sentences('Le président est arrivé. Élysée confirme. Ώρα. (Это ещё.) '
+                                 'é minuscule.') == [
+      'Le président est arrivé.', 'Élysée confirme.', 'Ώρα.', '(Это ещё.) é minuscule.']
 
 
 def test_embedded_corpus_is_the_speeches_in_bert_format():
@@ -409,6 +413,13 @@ def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
   assert before['files'].startswith(f'{len(os.listdir(folder))} files')  # all read: saved
   prepare.prepare(config, str(tmp_path / 'prepared'))
   prepare.read_metadata(str(tmp_path / 'prepared'), config)  # unchanged: reused
+  # Data split into sentences by the rule before (ASCII capitals alone, no key) is read on.
+  assert before['sentence_split'] == 2
+  metadata_path = tmp_path / 'prepared' / prepare.METADATA
+  earlier = json.loads(metadata_path.read_text())
+  del earlier['fingerprint']['sentence_split']
+  metadata_path.write_text(json.dumps(earlier))
+  prepare.read_metadata(str(tmp_path / 'prepared'), config)
   (folder / 'README.md').write_text('notes')  # files the source does not read do not count
   (folder / '.cache').mkdir()
   (folder / '.cache' / 'lock').write_text('')
