@@ -26,9 +26,9 @@ Where this differs from google-research/bert, on purpose:
   - the random other document is drawn from a bounded set of neighbouring documents instead
     of the whole corpus, so memory does not grow with the corpus: data/prepare.py cuts the
     stream into blocks of config.data.document_window documents (default 1000) and draws
-    from the other documents of the same block (`block_instances`; `stream_instances` is
-    the sliding-window form), so sources that keep related documents together draw
-    random-next segments from nearby documents; 1000 keeps them varied;
+    from the other documents of the same block (`block_instances`), so sources that keep
+    related documents together draw random-next segments from nearby documents; 1000 keeps
+    them varied;
   - masks are drawn anew every epoch (RoBERTa's dynamic masking) instead of once per
     duplicate at preparation, so config.data.dupe_factor defaults to 1 (BERT: 10, for ten
     static maskings): the sentence pairs then repeat every epoch, their masks do not;
@@ -130,42 +130,6 @@ def _compact(doc, stats: collections.Counter):
   if len(doc) == 1:
     stats['single_sentence_documents'] += 1  # used as BERT does: always a random next
   return doc
-
-
-def stream_instances(documents: Iterable[Document], *, max_seq_length: int,
-                     short_seq_prob: float, dupe_factor: int, seed: int,
-                     stats: collections.Counter, window: int = 1000) -> Iterator[Instance]:
-  """Instances of a stream of documents, holding at most `window` + 1 documents.
-
-  Each document is processed once `window` newer documents have arrived (or at the end);
-  its random next segments come from those neighbours, and the very last document's from the
-  up to `window` documents before it. A one-document corpus has no random next segments (its
-  pairs are all actual next ones).
-  """
-  if max_seq_length < 5:
-    raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP] '
-                     'B [SEP]; use at least 5 (BERT uses 128 and 512)')
-  rng = random.Random(seed)
-  pending = collections.deque()
-
-  def emit(doc, others):
-    doc = [s.tolist() for s in doc]
-    for _ in range(dupe_factor):
-      yield from instances_from_document(doc, others, max_seq_length, short_seq_prob, rng)
-
-  for doc in documents:
-    doc = _compact(doc, stats)  # compact while it waits
-    if doc is None:
-      continue
-    pending.append(doc)
-    if len(pending) > window:
-      first = pending.popleft()
-      yield from emit(first, pending)
-  done = []  # at the end, the last document draws from the ones just before it
-  while pending:
-    first = pending.popleft()
-    yield from emit(first, pending or done)
-    done.append(first)
 
 
 class _AllBut:

@@ -133,8 +133,8 @@ def corpus_instances(tok):
   stats = collections.Counter()
   # At 128 tokens most chunks hold several sentences; a one-sentence chunk (common when the
   # length is short compared with the sentences) always takes a random next, as in BERT.
-  instances = list(pretraining.stream_instances(docs, max_seq_length=128, short_seq_prob=0.1,
-                                                dupe_factor=2, seed=0, stats=stats, window=4))
+  instances = list(pretraining.block_instances(docs, max_seq_length=128, short_seq_prob=0.1,
+                                               dupe_factor=2, seed=0, stats=stats))
   return instances, stats
 
 

@@ -7,7 +7,6 @@ RoBERTa's single-segment DOC-SENTENCES inputs.
 hand-computed instance layout and truncation.)"""
 
 import collections
-import itertools
 
 import numpy as np
 import pytest
@@ -137,53 +136,34 @@ def test_pairs_keep_to_their_documents_and_nsp_is_balanced():
   # next, as in BERT, which would tilt the balance in short ones.
   docs = [doc(k, rng.integers(2, 9, rng.integers(40, 60)).tolist()) for k in range(100)]
   stats = collections.Counter()
-  instances = list(pretraining.stream_instances(docs, max_seq_length=24, short_seq_prob=0.1,
-                                                dupe_factor=2, seed=0, stats=stats, window=10))
+  instances = list(pretraining.block_instances(docs, max_seq_length=24, short_seq_prob=0.1,
+                                               dupe_factor=2, seed=0, stats=stats))
   assert stats['documents'] == 100 and len(instances) > 2000
   for inst in instances:
     assert len(set(inst.tokens_a)) == 1 and len(set(inst.tokens_b)) == 1
     assert len(inst.tokens_a) + len(inst.tokens_b) <= 21
     # Actual next: B continues A's document. Random next: B is from another document.
     assert (inst.tokens_a[0] != inst.tokens_b[0]) == inst.is_random_next
-  assert abs(np.mean([i.is_random_next for i in instances]) - 0.5) < 0.05
-  again = list(pretraining.stream_instances(docs, max_seq_length=24, short_seq_prob=0.1,
-                                            dupe_factor=2, seed=0,
-                                            stats=collections.Counter(), window=10))
+  # A coin flip for each chunk of two sentences or more; a chunk of one (a document's last,
+  # say) is always a random next: 0.53-0.57 over seeds 0-5 here.
+  assert 0.5 < np.mean([i.is_random_next for i in instances]) < 0.6
+  again = list(pretraining.block_instances(docs, max_seq_length=24, short_seq_prob=0.1,
+                                           dupe_factor=2, seed=0, stats=collections.Counter()))
   assert again == instances  # deterministic from the seed
 
 
 def test_empty_and_one_sentence_documents():
   stats = collections.Counter()
   docs = [[], [[]], doc(1, [4]), doc(2, [3, 3]), doc(3, [5, 2])]
-  instances = list(pretraining.stream_instances(docs, max_seq_length=16, short_seq_prob=0.0,
-                                                dupe_factor=1, seed=0, stats=stats))
+  instances = list(pretraining.block_instances(docs, max_seq_length=16, short_seq_prob=0.0,
+                                               dupe_factor=1, seed=0, stats=stats))
   assert stats['empty_documents'] == 2 and stats['single_sentence_documents'] == 1
   assert stats['documents'] == 3
   one = [i for i in instances if i.tokens_a[0] == 101]
   assert len(one) == 1 and one[0].is_random_next and one[0].tokens_b[0] != 101
   with pytest.raises(ValueError, match='max_seq_length=4'):
-    list(pretraining.stream_instances(docs, max_seq_length=4, short_seq_prob=0.0,
-                                      dupe_factor=1, seed=0, stats=stats))
-
-
-def test_streaming_holds_a_bounded_window_of_an_endless_corpus():
-  consumed = 0
-
-  def endless():
-    nonlocal consumed
-    for k in itertools.count():
-      consumed += 1
-      yield doc(k, [3, 4, 5, 6])
-
-  window = 7
-  stream = pretraining.stream_instances(endless(), max_seq_length=12, short_seq_prob=0.0,
-                                        dupe_factor=1, seed=0, stats=collections.Counter(),
-                                        window=window)
-  for inst in itertools.islice(stream, 3000):
-    newest_emitted = inst.tokens_a[0] - 100
-    # Documents read but not yet turned into instances: the window, and the one being read.
-    assert consumed - 1 - newest_emitted <= window + 1
-  assert consumed > 500
+    list(pretraining.block_instances(docs, max_seq_length=4, short_seq_prob=0.0,
+                                     dupe_factor=1, seed=0, stats=stats))
 
 
 def test_records_round_trip_and_overlong_records_are_clear_errors():
