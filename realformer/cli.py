@@ -353,10 +353,12 @@ def _unraised_site(e: BaseException) -> str:
   word, a shape a library refused inside a call), as ' (<Type> at <file>, line <n>; ...)':
   the innermost frame outside Python's installation and its packages (this repository's
   code, a task or component file of one's own), else the innermost. '' for an error raised
-  on purpose, whose message names the fix."""
+  on purpose, whose message names the fix, for one whose line has no source to tell, and
+  for the system's refusal of a path (its message names the path)."""
   frames = traceback.extract_tb(e.__traceback__)
-  if not frames or (frames[-1].line or '').startswith('raise'):
-    return ''
+  if (not frames or not frames[-1].line or frames[-1].line.startswith('raise')
+      or (isinstance(e, OSError) and e.filename is not None)):
+    return ''  # (on purpose; a line without source, as exec's; the system's, naming its path)
   installed = tuple({os.path.abspath(p) + os.sep for p in (sys.prefix, sys.base_prefix)})
   ours = [f for f in frames if not os.path.abspath(f.filename).startswith(installed)
           and 'site-packages' not in f.filename and not f.filename.startswith('<')]

@@ -60,8 +60,8 @@ def test_the_cache_line_says_which_programs_it_does_not_keep(caplog):
   finally:
     jax.config.update('jax_persistent_cache_min_compile_time_secs', least)
   assert caplog.text.rstrip().endswith(
-      " compiled and written to it (those that compile in under 1 s are not kept, but for a "
-      "run's steps and init)")
+      " compiled and written to it (those that compile in under 1 s are not kept, but for the "
+      "run's own: its steps, predictions and init)")
 
 
 def test_a_runs_steps_are_kept_however_fast_they_compile(tmp_path):
@@ -80,9 +80,12 @@ def test_a_runs_steps_are_kept_however_fast_they_compile(tmp_path):
     with compile_cache.kept() as block:
       jax.jit(lambda v: v * 13.0).lower(x).compile()
     assert len(entries()) == 1 and block == {'hits': 0, 'misses': 1}
-    with compile_cache.kept() as block:
-      jax.jit(lambda v: v * 13.0).lower(x).compile()
-    assert len(entries()) == 1 and block == {'hits': 1, 'misses': 0}
+    with compile_cache.kept() as outer:  # (blocks nest: each counts its own and inner ones)
+      with compile_cache.kept() as block:
+        jax.jit(lambda v: v * 13.0).lower(x).compile()
+      jax.jit(lambda v: v * 17.0).lower(x).compile()
+    assert len(entries()) == 2 and block == {'hits': 1, 'misses': 0}
+    assert outer == {'hits': 1, 'misses': 1}
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0  # (restored)
   finally:
     jax.config.update('jax_compilation_cache_dir', before)

@@ -625,6 +625,16 @@ def test_an_error_no_raise_made_names_where_it_came_from(tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.run_main(on_purpose)
   assert capsys.readouterr().err.strip() == 'error: data.thing=3: give a positive number'
+  unread = {}  # a function whose lines have no source to read (exec's): its message alone
+  exec(compile("def unread():\n  raise ValueError('on purpose, from exec')\n", '<mine>',  # pylint: disable=exec-used
+               'exec'), unread)
+  with pytest.raises(SystemExit):
+    cli.run_main(unread['unread'])
+  assert capsys.readouterr().err.strip() == 'error: on purpose, from exec'
+  with pytest.raises(SystemExit):  # the system's refusal of a path: its path and fix
+    cli.run_main(lambda: open(tmp_path / 'no' / 'x', encoding='utf-8'))
+  assert capsys.readouterr().err.strip() == (
+      f"error: No such file or directory: '{tmp_path}/no/x'; check the path")
 
 
 def test_entry_points_without_absl_app_drop_orbax_restore_warning():

@@ -259,7 +259,7 @@ def kept():
   """Within, on this thread: every program compiled is written to the cache, however fast it
   compiled (jax keeps only those over its threshold), for a run's own steps, which the next
   run of a grid or a sweep loads. Yields {'hits', 'misses'}: the block's programs loaded
-  from the cache and compiled, counted on exit (where the cache is on)."""
+  from the cache and compiled so far (where the cache is on); blocks nest."""
   from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
   block = {'hits': 0, 'misses': 0}
   if not hasattr(_blocks, 'open'):
@@ -269,12 +269,13 @@ def kept():
     with jax_config.persistent_cache_min_compile_time_secs(0.0):
       yield block
   finally:
-    _blocks.open.remove(block)
+    assert _blocks.open[-1] is block  # (blocks nest: the innermost closes first)
+    _blocks.open.pop()
 
 
 def stats() -> Dict[str, int]:
   """Programs of this process loaded from the cache (hits) and compiled and written to it
-  (misses); only programs over jax's compile-time threshold are looked up at all."""
+  (misses: jax writes only those over its compile-time threshold, but in kept())."""
   with _lock:
     return dict(_counts)
 
@@ -292,6 +293,6 @@ def log_stats(what: str) -> None:
     least = jax.config.jax_persistent_cache_min_compile_time_secs
     logging.info('compilation cache after %s: %s loaded from it, %d compiled and written to '
                  'it%s', what, programs(counts['hits']), counts['misses'],
-                 f' (those that compile in under {least:g} s are not kept, but for a '
-                 'run\'s steps and init)'
+                 f' (those that compile in under {least:g} s are not kept, but for the '
+                 'run\'s own: its steps, predictions and init)'
                  if least else '')
