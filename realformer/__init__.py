@@ -7,7 +7,11 @@ quietly as train.py does, without libtpu's complaints about a TPU that is not th
 """
 
 import importlib.util as _importlib_util
+import multiprocessing as _multiprocessing
 
-if _importlib_util.find_spec('libtpu') is not None:
+# (Not in a worker process of ours, such as data preparation's: it imports no jax, and its
+# parent chose the platforms, which JAX_PLATFORMS hands down.)
+if (_importlib_util.find_spec('libtpu') is not None
+    and _multiprocessing.parent_process() is None):
   from realformer import platforms as _platforms
   _platforms.skip_absent_tpu(say=False)

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import jax
 import pytest
@@ -38,7 +39,7 @@ def _start(**env):
 
 
 @needs_libtpu
-def test_a_cpu_start_with_libtpu_installed_says_nothing_of_tpus():
+def test_a_cpu_start_with_libtpu_installed_says_nothing_of_tpus(tmp_path):
   proc = _start()
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.split() == ["['cpu']", 'cpu']
@@ -58,6 +59,21 @@ def test_a_cpu_start_with_libtpu_installed_says_nothing_of_tpus():
   said = [l for l in program.stderr.splitlines() if 'tpu' in l.lower()]
   assert (len(said) == 1 and said[0].endswith(
       'libtpu is installed but no TPU is attached: jax platforms cpu')), program.stderr[-2000:]
+  # A worker process of ours (data preparation's) imports the package without jax: its
+  # parent chose the platforms.
+  worker = tmp_path / 'worker.py'
+  worker.write_text(textwrap.dedent('''
+      import multiprocessing, sys
+      def imports_jax():
+        import realformer.config_checks  # pylint: disable=unused-import
+        return 'jax' in sys.modules
+      if __name__ == '__main__':
+        with multiprocessing.get_context('spawn').Pool(1) as pool:
+          print(pool.apply(imports_jax))
+      '''))
+  spawned = subprocess.run([sys.executable, str(worker)], cwd=REPO, capture_output=True,
+                           text=True, timeout=120, env={**_clean_env(), 'PYTHONPATH': REPO})
+  assert spawned.returncode == 0 and spawned.stdout.split() == ['False'], spawned.stderr
   # Without it, libtpu speaks (the reason for the module): the same start, jax left as it is.
   noisy = subprocess.run(
       [sys.executable, '-c', 'import jax; print(sorted({d.platform for d in jax.devices()}))'],
