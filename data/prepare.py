@@ -904,6 +904,11 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
     want['files'] = have['files']
   if 'tokenizer_crc' in have and 'tokenizer_crc' not in want:
     want['tokenizer_crc'] = have['tokenizer_crc']  # (loading it will say it is not there)
+  if 'sentence_split' in fingerprint(config) and 'sentence_split' not in have:
+    logging.warning('%s was prepared when only an ASCII capital opened a sentence: text of '
+                    'another script (French\'s É, Greek, Russian) was left in paragraphs, so '
+                    'its pairs were nearly all random next; if the corpus is not English, '
+                    'prepare it again (a new data.prepared_dir)', prepared_dir)
   if have != want:
     diff = {k: (have.get(k), want.get(k)) for k in sorted(set(have) | set(want))
             if have.get(k) != want.get(k)}
@@ -937,7 +942,8 @@ def main(argv):
     counts = metadata.get('counts', {})
     print(f'prepared {f.out_dir}: {counts.get("train")} train and {counts.get("eval")} eval '
           f'instances in {time.time() - start:.0f} s; train.py reads them with '
-          f'--config.data.prepared_dir={f.out_dir} and the same --config.data.* settings',
+          f'--config.data.prepared_dir={f.out_dir} and the same --config.data.* settings '
+          'and seed (or data.seed)',
           file=sys.stderr)
 
 

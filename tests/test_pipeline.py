@@ -366,7 +366,7 @@ def test_command_line(corpus, tmp_path):
   assert (f'prepared {out}: {metadata["counts"]["train"]} train and '
           f'{metadata["counts"]["eval"]} eval instances in ') in done.stderr
   assert (f'train.py reads them with --config.data.prepared_dir={out} and the same '
-          '--config.data.* settings') in done.stderr
+          '--config.data.* settings and seed (or data.seed)') in done.stderr
   assert sorted(os.listdir(tmp_path / 'out')) == sorted(
       [prepare.METADATA] + [os.path.basename(p) for split in prepare.SPLITS
                             for p in prepare.shard_paths(str(tmp_path / 'out'), split,

@@ -399,7 +399,7 @@ def test_hf_source_prepares_the_same_instances_as_the_same_text_in_files(tmp_pat
   assert 0 < len(calls) <= 24  # its documents (20 or so of the 40), not all 40
 
 
-def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
+def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path, caplog):
   """A local hf: directory is signed like files: sources, so data prepared from it (and an
   interrupted preparation's finished workers) are not reused once its files change."""
   import datasets  # pylint: disable=g-import-not-at-top
@@ -419,7 +419,9 @@ def test_a_changed_local_hf_dataset_is_noticed_not_reused(tmp_path):
   earlier = json.loads(metadata_path.read_text())
   del earlier['fingerprint']['sentence_split']
   metadata_path.write_text(json.dumps(earlier))
-  prepare.read_metadata(str(tmp_path / 'prepared'), config)
+  with caplog.at_level('WARNING'):
+    prepare.read_metadata(str(tmp_path / 'prepared'), config)
+  assert 'was prepared when only an ASCII capital opened a sentence' in caplog.text
   (folder / 'README.md').write_text('notes')  # files the source does not read do not count
   (folder / '.cache').mkdir()
   (folder / '.cache' / 'lock').write_text('')

@@ -284,8 +284,8 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
                  'sizes or lengths differ): their numbers differ by the text too.')
   if len({r['step'] for r in results}) > 1:
     steps = ', '.join(f'{label} {r["step"]}' for label, r in zip(labels, results))
-    said = (f'The runs were analysed at different steps (each its newest checkpoint: {steps}): '
-            'their numbers differ by training too.')
+    said = (f'The runs were analysed at different steps ({steps}): their numbers differ by '
+            'training too.')
     lines.append(f'\n{said}')
     logging.warning('%s', said)
   storage.write_text(out / 'attention.md', '\n'.join(lines) + '\n')
