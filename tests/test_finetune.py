@@ -1058,6 +1058,8 @@ def check_grid_summary(root: str):
       ('init_checkpoint=/a', '1e-05', 'best'), ('init_checkpoint=/b', '2e-05', 'best'),
       ('init_checkpoint=/c', '1e-05', 'best (tied)'), ('init_checkpoint=/c', '2e-05', 'tied')
   ], rows  # (equal medians: the first, said to be tied)
+  assert '"best" marks each encoder\'s best setting' in (
+      storage.path(root) / 'results.md').read_text().splitlines()[0]
 
 
 def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, capsys):

@@ -346,7 +346,9 @@ def write_summary(root: str, tasks: Sequence[str]) -> str:
   named = '; '.join(f'{task}: {headline_metric(root, task)}' for task in tasks)
   baselines = [(task, majority_baseline(root, task)) for task in tasks]
   baselines = ', '.join(f'{task} {b:.4f}' for task, b in baselines if b is not None)
-  markdown = (f'median, mean, min and max of each task\'s headline metric ({named})\n\n' +
+  several = any('init_checkpoint=' in row[-1] for row in table)  # (encoders compared)
+  markdown = (f'median, mean, min and max of each task\'s headline metric ({named})' +
+              ('; "best" marks each encoder\'s best setting' if several else '') + '\n\n' +
               sweep.to_markdown(HEADER, table) +
               (f'\nThe dev accuracy of always predicting the majority label: {baselines}\n'
                if baselines else ''))
