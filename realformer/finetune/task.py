@@ -667,8 +667,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
                                                       self.sequence_keys), self.mesh,
                                      whole=True), cost
 
-  def outputs(self, params):
-    """features -> the head's outputs for every row."""
+  def predictor(self, params):
+    """The function `outputs` that evaluate_outputs and write_predictions take: features ->
+    the head's outputs for every row, under `params`."""
     return lambda features: run_model(self.__prediction(), params, features, mesh=self.mesh,
                                       buckets=self.eval_buckets,
                                       batch_size=self.config.eval_batch_size,
@@ -679,7 +680,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def evaluate(self, params, step: int) -> trainer.Results:
     # metrics.jsonl lines {"step": s, "split": "dev_<set>", "accuracy": ...}
     return {f'dev_{name}': values
-            for name, values in self.evaluate_outputs(self.outputs(params)).items()}
+            for name, values in self.evaluate_outputs(self.predictor(params)).items()}
 
   @staticmethod
   def dev_results(results: trainer.Results) -> Dict[str, Dict[str, float]]:
@@ -700,7 +701,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   def finish(self, params, step, results, run: RunDir, best: Optional[dict]) -> dict:
     dev = self.dev_results(results)
-    self.write_predictions(self.outputs(params), dev, str(run.path(RunDir.PREDICTIONS)))
+    self.write_predictions(self.predictor(params), dev, str(run.path(RunDir.PREDICTIONS)))
     summary = {'task': self.name, 'step': step, 'dev': dev,
                'headline': self.dev_headline(dev), 'headline_metric': self.headline_metric(),
                'best': best}
