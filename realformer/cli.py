@@ -196,6 +196,8 @@ def parse_flags(argv):
   except _ERRORS as e:
     if verbose:
       raise
+    if 'before a value for --config was specified' in str(e):  # (ml_collections' order)
+      fail(f'{_one_line(e)}; give --config <file> before its --config.<key> overrides')
     fail(_one_line(e))
   except OSError as e:
     if verbose:

@@ -201,6 +201,15 @@ def check_config(config) -> None:
     logging.warning('%s: the whole run of %d steps warms up (the learning rate reaches '
                     'optimizer.learning_rate at its last step); give a shorter warm-up',
                     setting, config.train.num_steps)
+  if (float(config.train.get('time_budget_minutes', 0.0)) > 0
+      and int(config.optimizer.warmup_steps) > 0):
+    logging.warning('optimizer.warmup_steps=%d with train.time_budget_minutes=%g: the '
+                    'schedule follows the budget\'s share of train.num_steps=%d, so the '
+                    'warm-up lasts %.2g%% of the budget, whatever steps the time allows; '
+                    'give it as a share (optimizer.warmup_steps=-1, warmup_fraction)',
+                    int(config.optimizer.warmup_steps), config.train.time_budget_minutes,
+                    config.train.num_steps,
+                    100 * int(config.optimizer.warmup_steps) / int(config.train.num_steps))
   check_optimizer(config.optimizer)
   check_lengths(config)
   check_masking(config.data)

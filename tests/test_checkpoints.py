@@ -516,6 +516,15 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference, cap
   for a, b in zip(jax.tree.leaves(got['encoder']), jax.tree.leaves(encoder)):
     np.testing.assert_array_equal(a, b)
   assert np.abs(got['mlm_head']['transform']['kernel']).max() > 0  # fresh, not zeros
+  # Resumed with another init checkpoint (never read: the run's own checkpoint is), or
+  # none: config.json keeps the one that began the run.
+  for other in (str(tmp_path / 'elsewhere'), ''):
+    config.train.init_checkpoint, config.train.num_steps = other, config.train.num_steps + 1
+    with caplog.at_level(logging.INFO):
+      run(config, tmp_path / 'run')
+    stored = json.loads((tmp_path / 'run' / 'config.json').read_text())
+    assert stored['train']['init_checkpoint'] == str(tmp_path / 'imported')
+    assert f"train.init_checkpoint={other!r} is not read on a resume" in caplog.text
   config = tiny_config(num_steps=2)
   config.model.mlp_dim = 128
   # Resuming under another model is refused before the checkpoint is touched ...
@@ -556,10 +565,14 @@ def test_init_from_params_only_checkpoint_then_mismatch(tmp_path, reference, cap
     trainer._say_if_unfinished(str(unfinished), str(NUM_STEPS))  # pylint: disable=protected-access
   trainer._say_if_unfinished(str(unfinished), 'bert_base')  # pylint: disable=protected-access
   assert 'not finished' not in caplog.text
-  # Given as its checkpoints/ folder or a step's, the run's config.json is found above it.
+  # Given as its checkpoints/ folder, the run's config.json is found above it; a step's
+  # folder was chosen (an earlier step of a finished run, say): nothing to say.
   (unfinished / 'config.json').write_text(json.dumps(stored))
   trainer._say_if_unfinished(  # pylint: disable=protected-access
       str(unfinished / 'checkpoints' / str(NUM_STEPS)), str(NUM_STEPS))
+  assert 'not finished' not in caplog.text
+  trainer._say_if_unfinished(  # pylint: disable=protected-access
+      str(unfinished / 'checkpoints'), str(NUM_STEPS))
   assert "of its run's 20: a run not finished" in caplog.text
 
 

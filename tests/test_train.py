@@ -1187,6 +1187,34 @@ def test_a_setting_the_variant_does_not_read_is_a_warning(caplog):
     assert (said in caplog.text) if said else not caplog.text, (variant, caplog.text)
 
 
+def test_a_warmup_in_steps_under_a_time_budget_is_a_warning(caplog):
+  """Under a time budget the schedule runs on the spent share of num_steps: a warm-up given
+  in steps is that share of the budget, whatever steps the time allows; as a fraction it is
+  the budget's own share."""
+  c = tiny_config(num_steps=1000, time_budget_minutes=0.5)
+  c.optimizer.warmup_steps = 10
+  with caplog.at_level(logging.WARNING):
+    config_checks.check_config(c)
+  assert ('optimizer.warmup_steps=10 with train.time_budget_minutes=0.5: the schedule follows '
+          "the budget's share of train.num_steps=1000, so the warm-up lasts 1% of the budget"
+          in caplog.text)
+  caplog.clear()
+  c.optimizer.warmup_steps = -1  # optimizer.warmup_fraction
+  with caplog.at_level(logging.WARNING):
+    config_checks.check_config(c)
+  assert 'warm-up lasts' not in caplog.text
+
+
+def test_the_start_says_how_the_run_reads_its_data():
+  """The passes over the prepared instances, the microbatches of a step, and 'at most'
+  under a time budget (a run on prepared data logs it: the embedded corpus's test)."""
+  c = tiny_config(num_steps=300, grad_accum_steps=2, time_budget_minutes=1.0)
+  c.train.batch_size = 32
+  assert pretraining.passes_over_the_data(c, 1130) == (
+      'train.num_steps=300 batches of 32 (each 2 microbatches of 16) read at most 9,600 '
+      'instances: 8.5 passes over the 1,130 prepared (each masked anew)')
+
+
 def test_a_run_cut_to_its_checkpoint_on_resume_is_evaluated_at_its_end(tmp_path):
   """Killed after its step-5 checkpoint (not an evaluation step), then resumed with
   num_steps=5: nothing is left to train, and the end is evaluated as the loop evaluates a

@@ -560,6 +560,9 @@ ONE_LINE_ERRORS = [
       '--vocab_size', '-5'], 'flag --vocab_size=-5: -5 is not a positive integer'),
     (['analyze.py', '--workdir', '{tmp}', '--out', '{tmp}/o', '--num_examples', '0'],
      'flag --num_examples=0: 0 is not a positive integer'),
+    (['train.py', '--config.train.num_steps=20', '--config', 'configs/pretrain.py:postln,tiny',
+      '--workdir', '{tmp}/r'], 'Found --config.train.num_steps=20 in argv before a value for '
+     '--config was specified; give --config <file> before its --config.<key> overrides'),
 ]
 
 

@@ -323,7 +323,9 @@ def passes_over_the_data(config, instances: int) -> str:
   anew; a small corpus read many times is learnt by heart: its held-out losses rise)."""
   steps, batch = config.train.num_steps, config.train.batch_size
   budget = ' at most' if config.train.get('time_budget_minutes') else ''
-  return (f'train.num_steps={steps} batches of {batch} read{budget} {steps * batch:,} '
+  micro = int(config.train.get('grad_accum_steps', 1))
+  split = f' (each {micro} microbatches of {batch // micro})' if micro > 1 else ''
+  return (f'train.num_steps={steps} batches of {batch}{split} read{budget} {steps * batch:,} '
           f'instances: {steps * batch / max(instances, 1):.3g} passes over the {instances:,} '
           'prepared (each masked anew)')
 

@@ -21,6 +21,7 @@ import os
 from typing import Any, Optional, Tuple
 
 import jax
+from absl import logging
 from etils import epath
 
 from realformer.train import checkpoints
@@ -128,7 +129,16 @@ class RunDir(RunNames):
     return json.loads(path.read_text()) if path.exists() else default
 
   def write_config(self, config) -> epath.Path:
-    """config.json: written only once every check of a start has passed."""
+    """config.json: written only once every check of a start has passed. A resume keeps the
+    stored train.init_checkpoint, the one that began the run (it reads its own checkpoint:
+    another value given now was never read)."""
+    began = (self.resumed_from or {}).get('train', {}).get('init_checkpoint')
+    if began is not None and config.get('train', {}).get('init_checkpoint') != began:
+      logging.info('train.init_checkpoint=%r is not read on a resume (the run\'s own checkpoint '
+                   'is): config.json keeps %r, which began the run',
+                   config.train.init_checkpoint, began)
+      config = config.copy_and_resolve_references()
+      config.train.init_checkpoint = began
     return checkpoints.write_config(str(self), config)
 
   def record_machine(self) -> None:

@@ -857,11 +857,13 @@ def _say_if_unfinished(path: str, step_name: str) -> None:
   """A warning when an init checkpoint's pretraining run had not reached its
   train.num_steps (still running, or stopped) nor spent its time budget: its step and its
   run's length in one line. Not for an import's (step 0), a fine-tuned encoder's (best/,
-  final/: a step of the fine-tuning), a step folder's of another name."""
+  final/: a step of the fine-tuning), a step folder's (chosen, not the run's newest)."""
   # (path: a workdir, its checkpoints/ folder or one step's folder)
   folder = storage.path(path)
   found = [f / RunDir.CONFIG for f in (folder, folder.parent, folder.parent.parent)
            if (f / RunDir.CONFIG).exists()]
+  if found and found[0] == folder.parent.parent / RunDir.CONFIG:
+    return  # (a step folder: that checkpoint was asked for)
   try:
     config = json.loads(found[0].read_text())
     num_steps = int(config['train']['num_steps'])

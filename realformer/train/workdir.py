@@ -53,7 +53,8 @@ RESUMABLE = (
     'train.log_every_steps', 'train.eval_every_steps', 'train.eval_steps',
     'train.checkpoint_every_steps', 'train.keep_checkpoints', 'train.profile_steps',
     'train.peak_flops_per_device',
-    'train.init_checkpoint',      # read only when a run starts from nothing
+    'train.init_checkpoint',      # read only when a run starts from nothing (config.json keeps
+    # the one that began it: RunDir.write_config)
     'train.grad_accum_steps',     # the same gradient in fewer or more microbatches (with
     # dropout, other masks: each microbatch draws its own)
     'mesh.',                      # checkpoints are restored into any sharding
@@ -385,7 +386,9 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
     shown = ', '.join(f'{k}: {a[k]!r} -> {b[k]!r}' for k in fixed)  # every one of them
     phase = ((' (a second phase at another length: a new --workdir with '
               f'--config.train.init_checkpoint={workdir})')
-             if 'data.max_seq_length' in fixed and 'train' in new else '')
+             if 'data.max_seq_length' in fixed and 'train' in new else
+             f' (with --config.train.init_checkpoint={workdir} to begin from its weights)'
+             if 'train' in new else '')
     raise ValueError(
         f'{workdir} holds a checkpoint of another config ({len(fixed)} '
         f'field{"s" if len(fixed) > 1 else ""}): {shown}; resume with the '
