@@ -1,7 +1,7 @@
 r"""Attention analysis of pretraining checkpoints (entropy per layer, JS divergence across layers).
 
-  python analyze.py --workdir /tmp/study/model.variant=postln,seed=0 \
-      --workdir /tmp/study/model.variant=realformer,seed=0 --out /tmp/study/attention
+  python analyze.py --workdir /tmp/study/compare/model.variant=postln,seed=0 \
+      --workdir /tmp/study/compare/model.variant=realformer,seed=0 --out /tmp/attention
 
 Workdirs and --out may be gs:// URLs.
 

@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import types
 
@@ -232,8 +233,8 @@ def spread(values, digits: int = 4) -> str:
   values = [v for v in values if v is not None]
   if not values:
     return '-'
-  if min(values) == max(values):
-    return f'{values[0]:.{digits}f}'
+  if f'{min(values):.{digits}f}' == f'{max(values):.{digits}f}':  # (as printed)
+    return f'{statistics.mean(values):.{digits}f}'
   return (f'{statistics.mean(values):.{digits}f} '
           f'({min(values):.{digits}f}-{max(values):.{digits}f})')
 
@@ -639,9 +640,13 @@ def resolve_budget(args) -> dict:
   if storage.path(path).exists():
     with _open(path) as f:
       found = json.load(f)
-  for key, default in COMPARE_DEFAULTS.items():
-    if getattr(args, key) is None:
-      setattr(args, key, found.get(key, default))
+  unset = [key for key in COMPARE_DEFAULTS if getattr(args, key) is None]
+  if unset and not found:
+    print(f'no {BUDGET_FILE} in {args.root} (study.py budget writes it there): '
+          + ', '.join(f'--{key} {COMPARE_DEFAULTS[key]}' for key in unset) + ' by default',
+          file=sys.stderr)  # (stdout may be a printed launch script)
+  for key in unset:
+    setattr(args, key, found.get(key, COMPARE_DEFAULTS[key]))
   # The budget holds for the data and model it was searched on (older records lack some).
   given = lambda key: getattr(args, key, 'mlm_nsp')
   if found:  # a budget recorded before --objective was searched under BERT's
@@ -794,6 +799,18 @@ def dev_accuracy(workdir: str):
     return json.load(f)['headline']
 
 
+def dev_majority(workdir: str):
+  """The dev accuracy of always predicting the majority label, as a fine-tuning run recorded
+  it (None: not recorded; runs of before the field)."""
+  path = storage.join(workdir, RunDir.RESULTS)
+  if not storage.path(path).exists():
+    return None
+  with _open(path) as f:
+    dev = json.load(f).get('dev') or {}
+  return next((m['majority_accuracy'] for m in dev.values()
+               if isinstance(m, dict) and 'majority_accuracy' in m), None)
+
+
 def finetune(args) -> int:
   resolve_budget(args)
   runs, names, root = compare_runs(args)
@@ -819,6 +836,8 @@ def finetune(args) -> int:
       ft_dir = storage.join(ft_root, folders(ft_root, ft)[0])
       acc = dev_accuracy(ft_dir) if finished(ft_dir, ft[0], config) else None
       scores.setdefault(arm, {}).setdefault(run['model.variant'], {})[run['seed']] = acc
+      if acc is not None and scores.get('majority') is None:  # (the same dev set for all)
+        scores['majority'] = dev_majority(ft_dir)
     scores.setdefault('mlm', {}).setdefault(run['model.variant'], {})[run['seed']] = (
         held_out(pretrained).get('mlm_accuracy'))
   if args.print_only:
@@ -846,8 +865,11 @@ def finetune_report(args, scores: dict) -> str:
   """Dev accuracy per variant (pretrained, random init, the paired gain, and the encoder's
   held-out MLM accuracy from compare beside it), and the orderings after fine-tuning."""
   pre, scratch, mlm = (scores.get(k, {}) for k in ('pretrained', 'scratch', 'mlm'))
-  lines = [f'era task dev accuracy (396 sentences), lr {args.ft_learning_rate:g}, batch '
-           f'{args.ft_batch}, {args.ft_epochs} epochs; mean over seeds (min-max).', '',
+  majority = scores.get('majority')
+  chance = (f'; always predicting the majority label: {majority:.4f}' if majority is not None
+            else '')
+  lines = [f'era task dev accuracy (396 sentences{chance}), lr {args.ft_learning_rate:g}, '
+           f'batch {args.ft_batch}, {args.ft_epochs} epochs; mean over seeds (min-max).', '',
            '| variant | seeds | pretrained | random init | gain (paired by seed) | '
            'the encoder\'s held-out MLM accuracy |', '|---|---|---|---|---|---|']
   clean, gain_lines = {}, []
@@ -897,7 +919,9 @@ def _define(f):
          '(train.time_budget_minutes); "auto": the reference variant\'s median training time '
          'in the steps view', flag_values=f)
   string('reference', 'postln', 'the variant the budget is found for', flag_values=f)
-  flags.DEFINE_boolean('print_only', False, 'print the launch commands instead of running',
+  flags.DEFINE_boolean('print_only', False, 'print the launch commands instead of running '
+                       '(their run folders are made in --root, as sweep.py makes them: print '
+                       'with the settings you will run)',
                        flag_values=f)
   flags.DEFINE_enum('target', 'local', ['local', 'tpu', 'slurm'], 'where --print_only\'s '
                     'commands launch', flag_values=f)

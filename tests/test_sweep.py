@@ -549,8 +549,15 @@ def test_study_plan_and_learning_curves(tmp_path, capsys, gcs):
   import study  # pylint: disable=g-import-not-at-top
   # A bucket root (the loopback server: planning reads R/budget.json there).
   assert study.main(['--root', f'{gcs}/study', '--seeds', '3', '--print_only']) == 0
-  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('python train.py')]
+  printed = capsys.readouterr()
+  lines = [l for l in printed.out.splitlines() if l.startswith('python train.py')]
   assert len(lines) == 5 * 3  # five variants, three seeds, one budget
+  assert (f'no budget.json in {gcs}/study (study.py budget writes it there): --steps 150, '
+          '--layers 4, --seq_len 64, --batch 32, --learning_rate 0.002 by default'
+          ) in printed.err  # (not in the printed script)
+  # A spread whose ends print alike is one number, as a single value's (not '1.00 (1.00-1.00)').
+  assert study.spread([1.0004, 0.9996], 2) == study.spread([1.0], 2) == '1.00'
+  assert study.spread([0.9, 1.0], 2) == '0.95 (0.90-1.00)' and study.spread([None]) == '-'
   assert all('--config.train.num_steps=150' in l and '--config.model.num_layers=4' in l
              for l in lines)
   assert sum('--config.model.variant=synth_dense_vanilla' in l for l in lines) == 3
@@ -836,6 +843,18 @@ def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
   assert ('- realformer > postln: undecided (realformer ahead on 2 of 2 paired seeds; a '
           'verdict needs 3)') in report
   assert '- postln: pretrained > random init: undecided (pretrained ahead on 2 of 2' in report
+  assert report.startswith('era task dev accuracy (396 sentences), lr ')  # (no baseline known)
+  report = study.finetune_report(argparse.Namespace(**dict(vars(args),
+                                                           variants='postln,realformer')),
+                                 dict(scores, majority=0.505))
+  assert report.startswith('era task dev accuracy (396 sentences; always predicting the '
+                           'majority label: 0.5050), lr ')
+  (tmp_path / 'ft').mkdir()  # read from a run's results.json; None where not recorded
+  (tmp_path / 'ft' / 'results.json').write_text(json.dumps(
+      {'headline': 0.8, 'dev': {'sst2': {'accuracy': 0.8, 'majority_accuracy': 0.505}}}))
+  assert study.dev_majority(str(tmp_path / 'ft')) == 0.505
+  (tmp_path / 'ft' / 'results.json').write_text(json.dumps({'headline': 0.8}))
+  assert study.dev_majority(str(tmp_path / 'ft')) is None
 
 
 def test_study_attention_over_seeds_tests_the_claimed_orderings(tmp_path, monkeypatch):
