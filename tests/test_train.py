@@ -1074,6 +1074,26 @@ def test_a_time_budget_reads_the_schedule_exactly_where_the_warm_up_ends(tmp_pat
                                  err_msg=f'{name} at {position}')
 
 
+def test_a_larger_budget_on_resume_says_how_the_rate_moves(tmp_path, caplog):
+  """A run resumed with a larger budget reads the schedule at a smaller spent share: the
+  rate at the resumed step jumps back up, said as the steps' change is."""
+  cadence = types.SimpleNamespace(time_budget_minutes=1.0, num_steps=1000)
+  opt = tiny_config().optimizer
+  opt.schedule, opt.warmup_steps, opt.learning_rate = 'linear', 0, 1e-3
+  budget = trainer.TimeBudget(cadence, train_lib.make_schedule(opt, 1000),
+                              RunDir(str(tmp_path)), 0)
+  budget.spent = 27.0  # of half a minute before: 90%; of a minute now: 45%
+  with caplog.at_level(logging.WARNING):
+    budget.say_if_the_rate_moves(100, 0.5)
+  assert ('resumed at step 100 with train.time_budget_minutes 0.5 -> 1: the learning rate '
+          "there moves from 0.0001 to 0.00055 (the schedule is read at the budget's spent "
+          'share: 90% -> 45%)') in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    budget.say_if_the_rate_moves(100, 1.0)  # the same budget: nothing moves
+  assert not caplog.text
+
+
 def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path, caplog):
   config = tiny_config(num_steps=100_000, time_budget_minutes=0.1, log_every_steps=5,
                        checkpoint_every_steps=40)  # 6 s: past step 40 on a slow machine

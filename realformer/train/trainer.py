@@ -314,10 +314,24 @@ class TimeBudget:
     self.spent = spent
     return spent
 
-  def learning_rate(self, step: int) -> np.float32:
-    """The schedule's learning rate at the run's progress before step + 1."""
-    progress = min(1.0, max(step / self.num_steps, self.spent / self.seconds))
+  def learning_rate(self, step: int, seconds: Optional[float] = None) -> np.float32:
+    """The schedule's learning rate at the run's progress before step + 1 (under a budget
+    of `seconds`; None: this one's)."""
+    progress = min(1.0, max(step / self.num_steps, self.spent / (seconds or self.seconds)))
     return np.float32(np.interp(progress * self.num_steps, self._grid, self._table))
+
+  def say_if_the_rate_moves(self, step: int, minutes_before: float) -> None:
+    """A warning when a resume under another budget moves the learning rate at `step`: the
+    schedule is read at the spent share of the budget, which a larger one lowers."""
+    before = float(self.learning_rate(step, minutes_before * 60))
+    after = float(self.learning_rate(step))
+    if abs(after - before) > 1e-3 * max(abs(before), 1e-12):
+      logging.warning('resumed at step %d with train.time_budget_minutes %g -> %g: the '
+                      'learning rate there moves from %.3g to %.3g (the schedule is read at '
+                      'the budget\'s spent share: %.0f%% -> %.0f%%)', step, minutes_before,
+                      self.seconds / 60, before, after,
+                      100 * min(1.0, self.spent / (minutes_before * 60)),
+                      100 * min(1.0, self.spent / self.seconds))
 
   def over(self) -> bool:
     return self.spent >= self.seconds
@@ -546,6 +560,10 @@ class Trainer:
       self.best = BestParams(run, task, enabled=c.keep_best, start=start)
       if c.time_budget_minutes > 0:
         self.budget = TimeBudget(c, task.program.schedule, run, start)
+        minutes_before = ((run.resumed_from or {}).get('train') or {}).get(
+            'time_budget_minutes')
+        if start and minutes_before and float(minutes_before) != c.time_budget_minutes:
+          self.budget.say_if_the_rate_moves(start, float(minutes_before))
       preempted = self._train(start)
       # A save whose lease was lost fails on process 0 alone, which the others would wait
       # for in _finish: the lock first, then the wait, which stops all if it fails on one.
