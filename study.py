@@ -412,10 +412,12 @@ def stability_cell(workdir: str, run=None, config: str = '') -> dict:
   return cell
 
 
-def stability_report(cells, variants, rates, warmups, out_dir: str, seeds=(0,)) -> str:
-  """The table (markdown; a row per seed where there are several) and the figure of the
-  first seed: one panel per variant, learning rate on x. cells: by (variant, rate, warm-up,
-  seed)."""
+def stability_report(cells, variants, rates, warmups, out_dir: str, seeds=(0,),
+                     settings: str = '') -> str:
+  """The table (markdown; a row per seed where there are several), under a line of the
+  runs' `settings` and what a cell says, and the figure of the first seed: one panel per
+  variant, learning rate on x, a random model's loss drawn. cells: by (variant, rate,
+  warm-up, seed)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -432,7 +434,10 @@ def stability_report(cells, variants, rates, warmups, out_dir: str, seeds=(0,)) 
             (f' (spiked to {c["peak"]:.1f})' if spiked else ''))
 
   several = len(seeds) > 1
-  lines = ['| variant | warm-up steps | ' + ('seed | ' if several else '') +
+  lines = [(f'{settings}; ' if settings else '') + 'each cell the last logged train loss: '
+           '"(rose)" above its start, "(spiked to x)" a loss past a random model\'s + 0.5 '
+           'that recovered, "NaN at k" the step it diverged.', '',
+           '| variant | warm-up steps | ' + ('seed | ' if several else '') +
            ' | '.join(f'lr {r:g}' for r in rates) + ' |',
            '|---|---|' + ('---|' if several else '') + '---|' * len(rates)]
   for v in variants:
@@ -447,6 +452,7 @@ def stability_report(cells, variants, rates, warmups, out_dir: str, seeds=(0,)) 
   axes = axes if len(variants) > 1 else [axes]
   finals = [c['final'] for c in cells.values() if 'final' in c]
   top = max(finals) * 1.05 if finals else 1.0
+  chance = next((c['chance'] for c in cells.values() if c.get('chance')), None)
   for ax, v in zip(axes, variants):
     for w in warmups:
       xs = [r for r in rates if 'final' in cells[v, r, w]]
@@ -455,7 +461,11 @@ def stability_report(cells, variants, rates, warmups, out_dir: str, seeds=(0,)) 
       bad = [r for r in rates if cells[v, r, w]['status'] == 'diverged']
       ax.plot(bad, [top] * len(bad), marker='x', linestyle='none', color=line.get_color(),
               markersize=10)
+    if chance is not None:
+      ax.axhline(chance, color='grey', linestyle=':', linewidth=1, label='a random model')
     ax.set_xscale('log', base=2)
+    ax.set_xticks(rates, [f'{r:g}' for r in rates], rotation=45, fontsize=7)
+    ax.minorticks_off()
     ax.set_title(f'{v} (seed {first})' if several else v)
     ax.set_xlabel('peak learning rate')
     ax.grid(alpha=0.3)
@@ -500,8 +510,10 @@ def stability(args) -> int:
   for run, name in zip(runs, names):
     cells[run['model.variant'], run['optimizer.learning_rate'], run['optimizer.warmup_steps'],
           run['seed']] = stability_cell(storage.join(root, name), run, config)
-  table = stability_report(cells, variants, rates, warmups, root,
-                           seeds=sorted({run['seed'] for run in runs}))
+  table = stability_report(
+      cells, variants, rates, warmups, root, seeds=sorted({run['seed'] for run in runs}),
+      settings=(f'{args.steps} steps of {args.batch} sequences of {args.seq_len} tokens, '
+                f'{args.layers} layers of the {args.size} size'))
   print(table)
   if args.figures:
     os.makedirs(args.figures, exist_ok=True)

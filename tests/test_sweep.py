@@ -648,7 +648,9 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys, gcs):
   grid = {('postln', 1e-3, 0, 0): cells['ok'], ('postln', 2e-3, 0, 0): cells['nan'],
           ('realformer', 1e-3, 0, 0): cells['rose'], ('realformer', 2e-3, 0, 0): cells['missing']}
   table = study.stability_report(grid, ['postln', 'realformer'], [1e-3, 2e-3], [0],
-                                 str(tmp_path))
+                                 str(tmp_path), settings='40 steps of 8 sequences')
+  assert table.startswith('40 steps of 8 sequences; each cell the last logged train loss: '
+                          '"(rose)" above its start')
   assert '| postln | 0 | 7.000 | NaN at 37 |' in table
   assert '| realformer | 0 | 9.500 (rose) | (not run) |' in table
   assert (tmp_path / 'stability.png').stat().st_size > 1000
