@@ -2,7 +2,7 @@ r"""Prepares pretraining instances once, streaming, into array_record shards.
 
   python -m data.prepare --config configs/pretrain.py:postln,tiny --out_dir /tmp/prepared
   python -m data.prepare --config configs/pretrain.py:realformer,base \
-      --config.data.sources='tfds:wikipedia/20230601.en;tfds:bookcorpus' \
+      --config.data.sources='tfds:wikipedia/20230601.en' \
       --config.data.tokenizer=/data/wiki_30k.model --out_dir gs://my-bucket/prepared
   python -m data.prepare --config configs/pretrain.py:postln,base \
       --config.data.sources='hf:wikimedia/wikipedia:20231101.en;hf:rojagtap/bookcorpus' \
