@@ -101,7 +101,9 @@ def model_config(variant='postln', size='base'):
 
 
 def optimizer_config(learning_rate: float, warmup_steps: int) -> ml_collections.ConfigDict:
-  """BERT's AdamW settings (shared by pretraining and fine-tuning configs)."""
+  """BERT's hyper-parameters (weight decay 0.01, eps 1e-6, clipping at 1.0) with
+  torch.optim.AdamW and transformers' linear schedule; BERT's own optimization is
+  name=bert_adamw, schedule=bert (shared by pretraining and fine-tuning configs)."""
   o = ml_collections.ConfigDict()
   o.name = 'adamw'  # adamw (bias-corrected) | bert_adamw (BERT's own) | lamb (large batches)
   o.learning_rate = learning_rate
@@ -217,6 +219,7 @@ def get_config(arg: str = 'postln,tiny'):
   # Peak FLOP/s of one device for MFU; 0 = look the device up (TPU v4-v6e, A100, H100, H200).
   c.train.peak_flops_per_device = 0.0
 
+  # BERT's 10,000 warm-up steps (1% of its 1M; here 10% of the base preset's 100,000)
   c.optimizer = optimizer_config(learning_rate=1e-4, warmup_steps=10_000)
   c.mesh = mesh_config()
 
@@ -228,7 +231,7 @@ def get_config(arg: str = 'postln,tiny'):
     c.train.eval_steps = 4
     c.train.checkpoint_every_steps = 100
     c.optimizer.learning_rate = 1e-3
-    c.optimizer.warmup_steps = -1  # 10% of num_steps: a short run needs no new warm-up
+    c.optimizer.warmup_steps = -1  # 10% of this short run (10,000 would exceed it)
     c.model.max_len = 128
   if runlocal:
     c.train.batch_size = 8

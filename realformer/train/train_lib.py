@@ -178,8 +178,9 @@ def scale_by_layer_trust_ratio() -> optax.GradientTransformation:
 def lamb(schedule: optax.Schedule, b1: float, b2: float, eps: float, weight_decay: float
          ) -> optax.GradientTransformation:
   """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning: Training BERT in 76
-  minutes", Algorithm 2) as its BERT runs apply it (the TensorFlow LAMB optimizer of those
-  runs, exclude_from_layer_adaptation defaulting to exclude_from_weight_decay): Adam's
+  minutes", Algorithm 2, as TensorFlow Addons' LAMB computes it, exclude_from_layer_
+  adaptation defaulting to exclude_from_weight_decay; ALBERT's lamb_optimizer.py omits the
+  bias correction): Adam's
   bias-corrected step m^ / (sqrt(v^) + eps), plus weight_decay * w where decay_mask decays,
   each such tensor's step then scaled by its layer's trust ratio (scale_by_layer_trust_ratio);
   LayerNorm parameters and biases take Adam's step with neither."""
