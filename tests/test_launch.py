@@ -460,6 +460,7 @@ def test_a_program_too_big_for_hbm_is_refused_not_crashed():
   assert launch.exit_status(result) == launch.EXIT_DOES_NOT_FIT
   assert lines[0] == 'compiling the train step and the evaluation step for v5e:2x2 (4 chips) ...'
   assert 'does not fit: the compiler refused' in lines[1]
+  assert lines[1].endswith(f'verdict: does not fit ({launch.MEMORY_FIXES})')  # and the fixes
   assert launch.exit_status({'report': dict(report, fits=True)}) == 0
   assert launch.exit_status({'report': dict(report, hbm_bytes=None)}) == 0  # no limit known
 

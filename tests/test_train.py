@@ -575,8 +575,16 @@ def test_layout_errors_come_before_compile(tmp_path):
   with pytest.raises(ValueError, match='config.mesh.data=0: give a positive size, or -1'):
     train.train_and_evaluate(c, str(tmp_path / 'a'))
   c = tiny_config(batch_size=12)
-  with pytest.raises(ValueError, match='is not a multiple of the data-parallel size 8'):
+  with pytest.raises(ValueError, match='is not a multiple of the data-parallel size 8 '
+                                       r'\(mesh.data \* mesh.fsdp\); make train.batch_size a '
+                                       'multiple of 8$'):
     train.train_and_evaluate(c, str(tmp_path / 'b'))
+  # Over several hosts: the first refusal names the batch every check takes (a multiple of
+  # the hosts that is not one of the mesh was refused next, naming another number).
+  mesh = partitioning.make_mesh({'data': 8, 'fsdp': 1, 'tensor': 1})
+  with pytest.raises(ValueError, match=r'train.batch_size=6 does not divide over 4 processes '
+                                       r'\(one a host\); make it a multiple of 8,'):
+    train_lib.check_batch_layout(6, 1, mesh, 4)
   c = tiny_config(grad_accum_steps=3)
   with pytest.raises(ValueError, match='grad_accum_steps=3 does not divide'):
     train.train_and_evaluate(c, str(tmp_path / 'c'))

@@ -67,6 +67,10 @@ _DIMENSIONS = {'v4': 3, 'v5e': 2, 'v5p': 3, 'v6e': 2}
 # compiler itself checks only the temporaries, so a program can compile and still not fit.
 # A refusal that names another figure replaces it (compile_step).
 USABLE_HBM_GIB = {'v4': 30.75, 'v5e': 15.75, 'v5p': 95.73, 'v6e': 31.24}
+# What brings a step that does not fit under the HBM, for the report's verdict.
+MEMORY_FIXES = ('lower train.batch_size (--find_max_batch finds the largest); or shard the '
+                'state further (mesh.fsdp), remat (model.remat_policy=dots_flash, or full), '
+                'raise train.grad_accum_steps or shorten data.max_seq_length')
 # chip_config_name of the generations with two TensorCores per chip: 'megacore' makes one
 # device per chip, as jax shows those chips on a TPU VM.
 _MEGACORE = ('v4', 'v5p')
@@ -710,25 +714,27 @@ def format_report(config, target: Target, r: Report) -> str:
     hbm += ' usable'
   if r.refusal:
     lines += [f'does not fit: the compiler refused the program for {hbm} of HBM per chip: '
-              f'{r.refusal}']
+              f'{r.refusal}', f'verdict: does not fit ({MEMORY_FIXES})']
     return '\n'.join(lines)
   g = lambda n: f'{n / GiB:9.3f}'
   lines += ['per chip                              GiB',
-            f'  parameters + optimizer state  {g(r.state_bytes)}',
             f'  arguments (state + batch)     {g(r.argument_bytes)}',
-            f'  outputs not aliased           {g(r.output_bytes - r.alias_bytes)}',
+            f'    of which params + optimizer {g(r.state_bytes)}',
+            f'  outputs not aliased           {g(r.output_bytes - r.alias_bytes)}   (new '
+            'buffers: not written over an argument)',
             f'  temporaries                   {g(r.temp_bytes)}',
             f'  program code                  {g(r.code_bytes)}',
             f'  total                         {g(r.total_bytes)}   of {hbm} HBM' +
-            (f' ({r.total_bytes / r.hbm_bytes:.0%})' if r.hbm_bytes else '')]
+            (f' ({r.total_bytes / r.hbm_bytes:.0%})' if r.hbm_bytes else '') +
+            ': the four above']
   if r.eval_refusal:
     lines.append(f'  evaluation step: refused by the compiler ({r.eval_refusal}): lower '
                  'train.batch_size, raise train.grad_accum_steps or set train.eval_steps=0')
   elif r.eval_total_bytes:
     lines.append(f'  evaluation step, total        {g(r.eval_total_bytes)}   (forward only, in '
                  'the train step\'s microbatches, beside the train state)')
-  verdict = ('fits' if r.hbm_bytes and r.fits else 'does not fit' if r.hbm_bytes
-             else 'no memory limit known for this device')
+  verdict = ('fits' if r.hbm_bytes and r.fits else f'does not fit ({MEMORY_FIXES})'
+             if r.hbm_bytes else 'no memory limit known for this device')
   lines.append(f'verdict: {verdict}')
   note = ''
   if config.model.remat_policy != 'none':
@@ -821,8 +827,7 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
     result['max_batch_total_bytes'] = best.total_bytes if best else 0
     result['search'] = [_as_dict(r) for r in tried]
     if best is None and summary['converged']:  # the smallest batch was refused
-      log(f'no batch fits, not even {unit}: shard the state further (mesh.fsdp), remat '
-          '(model.remat_policy) or shorten data.max_seq_length')
+      log(f'no batch fits, not even {unit}: {MEMORY_FIXES.split("; ", 1)[1]}')
     elif best is None:
       log(f'no batch tried fits (the smallest tried: {summary["first_failing"]}); the search '
           f'stopped after {len(tried)} compiles before reaching {unit}: raise --max_compiles')

@@ -25,6 +25,7 @@ over k microbatches gives the same gradient as one batch of k times the size.
 """
 
 import dataclasses
+import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import flax
@@ -583,13 +584,15 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
   if b < 1:
     raise ValueError(f'train.batch_size={b}: give a positive number of sequences per step')
   config_checks.check_accumulation(b, k)
+  unit = math.lcm(process_count, k * dp)  # (what every check below asks, at once)
   if b % process_count:
-    raise ValueError(f'train.batch_size={b} does not divide over {process_count} processes; '
-                     f'make it a multiple of the process count')
+    raise ValueError(f'train.batch_size={b} does not divide over {process_count} processes '
+                     f'(one a host); make it a multiple of {unit}, which the mesh and the '
+                     'accumulation divide too')
   if (b // k) % dp:
     raise ValueError(f'train.batch_size={b} / grad_accum_steps={k} = {b // k} examples per '
                      f'microbatch is not a multiple of the data-parallel size {dp} (mesh.data '
-                     f'* mesh.fsdp); make the microbatch a multiple of {dp}')
+                     f'* mesh.fsdp); make train.batch_size a multiple of {unit}')
   # Each host feeds its own batch_size / process_count rows, so the hosts must hold
   # distinct rows: the tensor axis (batch replicated over it) must stay within a host.
   # (Counted from the devices' process indices, for every process, so this also works for
