@@ -401,12 +401,14 @@ def stability_cell(workdir: str, run=None, config: str = '') -> dict:
   cell = {'final': losses[-1][1], 'step': losses[-1][0],
           'peak': max(loss for _, loss in losses)}
   # The start: the first logged loss (a mean over the first log_every steps, which may hold an
-  # early spike), or a random model's loss, ln(vocabulary) + ln 2 (MLM + NSP), if lower.
+  # early spike), or a random model's loss, ln(vocabulary) (+ ln 2 with NSP), if lower.
   cell['start'] = losses[0][1]
   config = storage.join(workdir, RunDir.CONFIG)
   if storage.path(config).exists():
     with _open(config) as f:
-      cell['chance'] = math.log(json.load(f)['model']['vocab_size']) + math.log(2)
+      stored = json.load(f)
+    nsp = stored.get('objective', 'mlm_nsp') == 'mlm_nsp'
+    cell['chance'] = math.log(stored['model']['vocab_size']) + nsp * math.log(2)
     cell['start'] = min(cell['start'], cell['chance'])
   cell['status'] = 'rose' if cell['final'] > cell['start'] else 'ok'
   return cell
@@ -513,7 +515,7 @@ def stability(args) -> int:
   table = stability_report(
       cells, variants, rates, warmups, root, seeds=sorted({run['seed'] for run in runs}),
       settings=(f'{args.steps} steps of {args.batch} sequences of {args.seq_len} tokens, '
-                f'{args.layers} layers of the {args.size} size'))
+                f'{args.layers} layers of the {args.size} size, objective {args.objective}'))
   print(table)
   if args.figures:
     os.makedirs(args.figures, exist_ok=True)

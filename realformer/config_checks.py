@@ -205,8 +205,9 @@ def check_config(config) -> None:
       and int(config.optimizer.warmup_steps) > 0):
     logging.warning('optimizer.warmup_steps=%d with train.time_budget_minutes=%g: the '
                     'schedule follows the budget\'s share of train.num_steps=%d, so the '
-                    'warm-up lasts %.2g%% of the budget, whatever steps the time allows; '
-                    'give it as a share (optimizer.warmup_steps=-1, warmup_fraction)',
+                    'warm-up lasts %.2g%% of the budget, whatever steps the time allows (a '
+                    'warm-up of so many steps a budget cannot give; '
+                    'optimizer.warmup_steps=-1 and warmup_fraction say it as the share)',
                     int(config.optimizer.warmup_steps), config.train.time_budget_minutes,
                     config.train.num_steps,
                     100 * int(config.optimizer.warmup_steps) / int(config.train.num_steps))

@@ -403,7 +403,9 @@ def _the_verdict_covers_the_evaluation_step(config, target, report):
   between = (report.total_bytes + report.eval_total_bytes) // 2
   assert not launch.judge(report, between)
   report.hbm_bytes, report.fits = between, False
-  assert 'verdict: does not fit' in launch.format_report(config, target, report)
+  assert ('verdict: does not fit: the evaluation step (set train.eval_steps=0, raise '
+          'train.grad_accum_steps or shard further with mesh.fsdp)'
+          ) in launch.format_report(config, target, report)  # (remat would not help it)
   report.eval_total_bytes = 0  # train.eval_steps=0: only the train step counts
   assert launch.judge(report, between)
 

@@ -644,6 +644,10 @@ def test_study_stability_grid_plan_cells_and_report(tmp_path, capsys, gcs):
   (spike / RunDir.DONE).write_text('')
   cell = study.stability_cell(str(spike))
   assert cell['start'] == pytest.approx(math.log(8000) + math.log(2))  # 9.68 < 10.0
+  (spike / 'config.json').write_text(json.dumps({'model': {'vocab_size': 8000},
+                                                 'objective': 'mlm'}))  # no NSP head
+  assert study.stability_cell(str(spike))['chance'] == pytest.approx(math.log(8000))
+  (spike / 'config.json').write_text(json.dumps({'model': {'vocab_size': 8000}}))
   assert cell['status'] == 'rose' and cell['peak'] == 20.0
   grid = {('postln', 1e-3, 0, 0): cells['ok'], ('postln', 2e-3, 0, 0): cells['nan'],
           ('realformer', 1e-3, 0, 0): cells['rose'], ('realformer', 2e-3, 0, 0): cells['missing']}

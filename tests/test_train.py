@@ -583,7 +583,7 @@ def test_layout_errors_come_before_compile(tmp_path):
   # the hosts that is not one of the mesh was refused next, naming another number).
   mesh = partitioning.make_mesh({'data': 8, 'fsdp': 1, 'tensor': 1})
   with pytest.raises(ValueError, match=r'train.batch_size=6 does not divide over 4 processes '
-                                       r'\(one a host\); make it a multiple of 8,'):
+                                       r"\(jax's, each feeding its share\); make it a multiple of 8,"):
     train_lib.check_batch_layout(6, 1, mesh, 4)
   c = tiny_config(grad_accum_steps=3)
   with pytest.raises(ValueError, match='grad_accum_steps=3 does not divide'):
@@ -1082,24 +1082,33 @@ def test_a_time_budget_reads_the_schedule_exactly_where_the_warm_up_ends(tmp_pat
                                  err_msg=f'{name} at {position}')
 
 
-def test_a_larger_budget_on_resume_says_how_the_rate_moves(tmp_path, caplog):
-  """A run resumed with a larger budget reads the schedule at a smaller spent share: the
-  rate at the resumed step jumps back up, said as the steps' change is."""
-  cadence = types.SimpleNamespace(time_budget_minutes=1.0, num_steps=1000)
-  opt = tiny_config().optimizer
-  opt.schedule, opt.warmup_steps, opt.learning_rate = 'linear', 0, 1e-3
-  budget = trainer.TimeBudget(cadence, train_lib.make_schedule(opt, 1000),
-                              RunDir(str(tmp_path)), 0)
-  budget.spent = 27.0  # of half a minute before: 90%; of a minute now: 45%
-  with caplog.at_level(logging.WARNING):
-    budget.say_if_the_rate_moves(100, 0.5)
-  assert ('resumed at step 100 with train.time_budget_minutes 0.5 -> 1: the learning rate '
-          "there moves from 0.0001 to 0.00055 (the schedule is read at the budget's spent "
-          'share: 90% -> 45%)') in caplog.text
-  caplog.clear()
-  with caplog.at_level(logging.WARNING):
-    budget.say_if_the_rate_moves(100, 1.0)  # the same budget: nothing moves
-  assert not caplog.text
+def test_a_resume_under_another_budget_or_length_says_how_the_rate_moves(caplog):
+  """Under a budget the schedule is read at max(step, the spent share of num_steps): a larger
+  budget, a budget dropped, or another num_steps under one moves the rate at the resumed
+  step (back up, for a linear decay), said as a change of num_steps alone is."""
+  def config(num_steps, minutes):
+    c = tiny_config(num_steps=num_steps, time_budget_minutes=minutes)
+    c.optimizer.schedule, c.optimizer.warmup_steps, c.optimizer.learning_rate = (
+        'linear', 0, 1e-3)
+    return c
+
+  def said(before, after, step=100, spent=27.0):
+    stored = json.loads(before.to_json_best_effort())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      trainer._say_if_the_rate_moves(stored, types.SimpleNamespace(config=after), step, spent)  # pylint: disable=protected-access
+    return caplog.text
+  # 27 s of half a minute: 90% of 1000 steps; of a minute: 45%.
+  assert ('resumed at step 100 with train.time_budget_minutes 0.5 -> 1.0: the learning rate '
+          'there moves from 0.0001 to 0.00055 (the schedule, warm-up included, follows the '
+          'new budget)') in said(config(1000, 0.5), config(1000, 1.0))
+  assert 'time_budget_minutes 0.5 -> 0: the learning rate there moves from 0.0001 to 0.0009' \
+      in said(config(1000, 0.5), config(1000, 0.0))  # the budget dropped: step 100 of 1000
+  # The same budget, a longer bound: where the steps lead the clock (1 s of 30), they move it.
+  assert 'train.num_steps 1000 -> 2000: the learning rate there moves from 0.0009 to 0.00095' \
+      in said(config(1000, 0.5), config(2000, 0.5), spent=1.0)
+  assert not said(config(1000, 0.5), config(2000, 0.5))  # (the clock leads: 90% either way)
+  assert not said(config(1000, 1.0), config(1000, 1.0))  # nothing changed: nothing moves
 
 
 def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path, caplog):

@@ -169,6 +169,17 @@ def test_grain_worker_count_is_fixed_for_a_run_and_its_read_threads_are_not(tmp_
   workers.data.worker_count = 2
   with pytest.raises(ValueError, match=r'data.worker_count: 0 -> 2; resume'):
     workdir_lib.check_resume_config(str(tmp_path), workers, True)
+  # Another run from these weights is named where it could load them: not at other sizes.
+  faster = tiny_config()
+  faster.optimizer.learning_rate = 0.5
+  with pytest.raises(ValueError, match=rf'start a new --workdir \(with --config.train.'
+                                       rf'init_checkpoint={tmp_path} to begin from its '
+                                       r'weights\)$'):
+    workdir_lib.check_resume_config(str(tmp_path), faster, True)
+  wider = tiny_config()
+  wider.model.mlp_dim *= 2
+  with pytest.raises(ValueError, match=r'or start a new --workdir$'):
+    workdir_lib.check_resume_config(str(tmp_path), wider, True)
 
 
 def test_fine_tuning_settings_of_how_it_runs_may_change_on_resume(tmp_path):

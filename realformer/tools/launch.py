@@ -734,8 +734,13 @@ def format_report(config, target: Target, r: Report) -> str:
   elif r.eval_total_bytes:
     lines.append(f'  evaluation step, total        {g(r.eval_total_bytes)}   (forward only, in '
                  'the train step\'s microbatches, beside the train state)')
-  verdict = ('fits' if r.hbm_bytes and r.fits else f'does not fit ({MEMORY_FIXES})'
-             if r.hbm_bytes else 'no memory limit known for this device')
+  train_fits = r.hbm_bytes and judge(dataclasses.replace(r, eval_refusal='', eval_total_bytes=0),
+                                     r.hbm_bytes)  # (and the evaluation step does not)
+  verdict = ('fits' if r.hbm_bytes and r.fits else
+             'does not fit: the evaluation step (set train.eval_steps=0, raise '
+             'train.grad_accum_steps or shard further with mesh.fsdp)' if train_fits else
+             f'does not fit ({MEMORY_FIXES})' if r.hbm_bytes else
+             'no memory limit known for this device')
   lines.append(f'verdict: {verdict}')
   note = ''
   if config.model.remat_policy != 'none':
@@ -828,7 +833,7 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
     result['max_batch_total_bytes'] = best.total_bytes if best else 0
     result['search'] = [_as_dict(r) for r in tried]
     if best is None and summary['converged']:  # the smallest batch was refused
-      log(f'no batch fits, not even {unit}: {SHARD_FIXES}')
+      log(f'no batch fits, not even {unit}: {SHARD_FIXES.replace(", raise train.grad_accum_steps", "")}')
     elif best is None:
       log(f'no batch tried fits (the smallest tried: {summary["first_failing"]}); the search '
           f'stopped after {len(tried)} compiles before reaching {unit}: raise --max_compiles')

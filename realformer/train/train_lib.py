@@ -587,8 +587,8 @@ def check_batch_layout(global_batch_size: int, grad_accum_steps: int, mesh,
   unit = math.lcm(process_count, k * dp)  # (what every check below asks, at once)
   if b % process_count:
     raise ValueError(f'train.batch_size={b} does not divide over {process_count} processes '
-                     f'(one a host); make it a multiple of {unit}, which the mesh and the '
-                     'accumulation divide too')
+                     f'(jax\'s, each feeding its share); make it a multiple of {unit}, which '
+                     'the mesh and the accumulation divide too')
   if (b // k) % dp:
     raise ValueError(f'train.batch_size={b} / grad_accum_steps={k} = {b // k} examples per '
                      f'microbatch is not a multiple of the data-parallel size {dp} (mesh.data '

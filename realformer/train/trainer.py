@@ -314,24 +314,10 @@ class TimeBudget:
     self.spent = spent
     return spent
 
-  def learning_rate(self, step: int, seconds: Optional[float] = None) -> np.float32:
-    """The schedule's learning rate at the run's progress before step + 1 (under a budget
-    of `seconds`; None: this one's)."""
-    progress = min(1.0, max(step / self.num_steps, self.spent / (seconds or self.seconds)))
+  def learning_rate(self, step: int) -> np.float32:
+    """The schedule's learning rate at the run's progress before step + 1."""
+    progress = min(1.0, max(step / self.num_steps, self.spent / self.seconds))
     return np.float32(np.interp(progress * self.num_steps, self._grid, self._table))
-
-  def say_if_the_rate_moves(self, step: int, minutes_before: float) -> None:
-    """A warning when a resume under another budget moves the learning rate at `step`: the
-    schedule is read at the spent share of the budget, which a larger one lowers."""
-    before = float(self.learning_rate(step, minutes_before * 60))
-    after = float(self.learning_rate(step))
-    if abs(after - before) > 1e-3 * max(abs(before), 1e-12):
-      logging.warning('resumed at step %d with train.time_budget_minutes %g -> %g: the '
-                      'learning rate there moves from %.3g to %.3g (the schedule is read at '
-                      'the budget\'s spent share: %.0f%% -> %.0f%%)', step, minutes_before,
-                      self.seconds / 60, before, after,
-                      100 * min(1.0, self.spent / (minutes_before * 60)),
-                      100 * min(1.0, self.spent / self.seconds))
 
   def over(self) -> bool:
     return self.spent >= self.seconds
@@ -491,7 +477,8 @@ class Trainer:
                                        self._data_args('restore'))
       if task.data is not None:
         task.data.restored(data['data'])
-      _say_if_the_rate_moves(run.resumed_from, task, latest)
+      _say_if_the_rate_moves(run.resumed_from, task, latest,
+                             float(TimeBudget.record_of(run).get(str(latest), 0.0)))
       return TrainState.from_checkpoint(tree)
     if distributed.read_on_process_zero(lambda: checkpoints.has_complete_step(str(final)),
                                         f'read {final}'):  # (one path for every process)
@@ -560,10 +547,6 @@ class Trainer:
       self.best = BestParams(run, task, enabled=c.keep_best, start=start)
       if c.time_budget_minutes > 0:
         self.budget = TimeBudget(c, task.program.schedule, run, start)
-        minutes_before = ((run.resumed_from or {}).get('train') or {}).get(
-            'time_budget_minutes')
-        if start and minutes_before and float(minutes_before) != c.time_budget_minutes:
-          self.budget.say_if_the_rate_moves(start, float(minutes_before))
       preempted = self._train(start)
       # A save whose lease was lost fails on process 0 alone, which the others would wait
       # for in _finish: the lock first, then the wait, which stops all if it fails on one.
@@ -848,27 +831,38 @@ def run_program(fn: Callable[..., dict], *args) -> dict:
   return summary
 
 
-def _say_if_the_rate_moves(stored: Optional[dict], task: Task, step: int) -> None:
-  """A warning when a resume with another train.num_steps (or warm-up) moves the learning
-  rate at the step it resumes from: the schedule follows the new settings, which a run
-  extended in place may not expect (a rate that jumps back up)."""
+def _say_if_the_rate_moves(stored: Optional[dict], task: Task, step: int,
+                           spent: float = 0.0) -> None:
+  """A warning when a resume with another train.num_steps, warm-up or time budget moves the
+  learning rate at the step it resumes from: the schedule follows the new settings, which a
+  run extended in place may not expect (a rate that jumps back up). Under a budget the
+  schedule is read at max(step, the budget's spent share of num_steps) (TimeBudget); `spent`:
+  the seconds the run had spent by `step`."""
   config = task.config
   if not stored or 'train' not in stored or 'train' not in config:
     return
-  if stored['train'].get('time_budget_minutes') or config.train.get('time_budget_minutes'):
-    return  # (a time budget's schedule follows the clock, not the steps)
   import ml_collections  # pylint: disable=g-import-not-at-top
+
+  def rate(optimizer, train) -> float:
+    num_steps, minutes = int(train['num_steps']), float(train.get('time_budget_minutes') or 0)
+    progress = step / num_steps
+    if minutes > 0:
+      progress = max(progress, spent / (minutes * 60))
+    schedule = train_lib.make_schedule(ml_collections.ConfigDict(dict(optimizer)), num_steps)
+    return float(schedule(min(progress, 1.0) * num_steps))
   try:
-    before = train_lib.make_schedule(ml_collections.ConfigDict(stored['optimizer']),
-                                     int(stored['train']['num_steps']))(step)
+    before = rate(stored['optimizer'], stored['train'])
   except (KeyError, TypeError, ValueError):
     return  # (a stored config this version's schedule cannot read)
-  after = task.program.schedule(step)
-  if abs(float(after) - float(before)) > 1e-3 * max(abs(float(before)), 1e-12):
-    logging.warning('resumed at step %d with train.num_steps %s -> %s: the learning rate '
-                    'there moves from %.3g to %.3g (the schedule, warm-up included, follows '
-                    'the new length)', step, stored['train']['num_steps'],
-                    config.train.num_steps, float(before), float(after))
+  after = rate(config.optimizer.to_dict(), config.train.to_dict())
+  if abs(after - before) > 1e-3 * max(abs(before), 1e-12):
+    changed = [f'{k} {stored["train"].get(k) or 0} -> {config.train.get(k) or 0}'
+               for k in ('num_steps', 'time_budget_minutes')
+               if (stored['train'].get(k) or 0) != (config.train.get(k) or 0)]
+    logging.warning('resumed at step %d with train.%s: the learning rate there moves from '
+                    '%.3g to %.3g (the schedule, warm-up included, follows the new %s)', step,
+                    ', '.join(changed) or 'optimizer settings', before, after,
+                    'budget' if any('budget' in c for c in changed) else 'length')
 
 
 def _say_if_unfinished(path: str, step_name: str) -> None:

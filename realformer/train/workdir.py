@@ -388,7 +388,8 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
               f'--config.train.init_checkpoint={workdir})')
              if 'data.max_seq_length' in fixed and 'train' in new else
              f' (with --config.train.init_checkpoint={workdir} to begin from its weights)'
-             if 'train' in new else '')
+             if 'train' in new and not any(k.startswith('model.') or k == 'data.tokenizer'
+                                           for k in fixed) else '')
     raise ValueError(
         f'{workdir} holds a checkpoint of another config ({len(fixed)} '
         f'field{"s" if len(fixed) > 1 else ""}): {shown}; resume with the '
