@@ -38,6 +38,7 @@ from absl import flags
 from realformer import cli
 from realformer import storage
 from realformer.tools import analysis
+from realformer.tools import finetune_grid
 from realformer.tools import sweep
 from realformer.train import metrics_jsonl
 from realformer.train.run_dir import RunDir
@@ -813,18 +814,6 @@ def dev_accuracy(workdir: str):
     return json.load(f)['headline']
 
 
-def dev_majority(workdir: str):
-  """The dev accuracy of always predicting the majority label, as a fine-tuning run recorded
-  it (None: not recorded; runs of before the field)."""
-  path = storage.join(workdir, RunDir.RESULTS)
-  if not storage.path(path).exists():
-    return None
-  with _open(path) as f:
-    dev = json.load(f).get('dev') or {}
-  return next((m['majority_accuracy'] for m in dev.values()
-               if isinstance(m, dict) and 'majority_accuracy' in m), None)
-
-
 def finetune(args) -> int:
   resolve_budget(args)
   runs, names, root = compare_runs(args)
@@ -851,7 +840,7 @@ def finetune(args) -> int:
       acc = dev_accuracy(ft_dir) if finished(ft_dir, ft[0], config) else None
       scores.setdefault(arm, {}).setdefault(run['model.variant'], {})[run['seed']] = acc
       if acc is not None and scores.get('majority') is None:  # (the same dev set for all)
-        scores['majority'] = dev_majority(ft_dir)
+        scores['majority'] = finetune_grid.dev_majority(ft_dir)
     scores.setdefault('mlm', {}).setdefault(run['model.variant'], {})[run['seed']] = (
         held_out(pretrained).get('mlm_accuracy'))
   if args.print_only:

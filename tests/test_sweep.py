@@ -858,9 +858,12 @@ def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
   (tmp_path / 'ft').mkdir()  # read from a run's results.json; None where not recorded
   (tmp_path / 'ft' / 'results.json').write_text(json.dumps(
       {'headline': 0.8, 'dev': {'sst2': {'accuracy': 0.8, 'majority_accuracy': 0.505}}}))
-  assert study.dev_majority(str(tmp_path / 'ft')) == 0.505
+  from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
+  assert finetune_grid.dev_majority(str(tmp_path / 'ft')) == 0.505
+  assert finetune_grid.dev_majority(str(tmp_path / 'ft'), 'sst2') == 0.505
+  assert finetune_grid.dev_majority(str(tmp_path / 'ft'), 'tsv/sst2') == 0.505
   (tmp_path / 'ft' / 'results.json').write_text(json.dumps({'headline': 0.8}))
-  assert study.dev_majority(str(tmp_path / 'ft')) is None
+  assert finetune_grid.dev_majority(str(tmp_path / 'ft')) is None
 
 
 def test_study_attention_over_seeds_tests_the_claimed_orderings(tmp_path, monkeypatch):

@@ -320,18 +320,24 @@ def headline_metric(root: str, task: str) -> str:
   return metrics.SQUAD_HEADLINE.get(task, 'headline')
 
 
-def majority_baseline(root: str, task: str) -> Optional[float]:
+def dev_majority(workdir, task: str = '') -> Optional[float]:
   """The dev accuracy of always predicting the dev set's most frequent label, as a finished
-  run of the task recorded it (classification tasks; None otherwise)."""
+  fine-tuning run recorded it in results.json: of `task` (tsv/<name>'s by <name>), or of its
+  first dev set; None where it recorded none (regressions, SQuAD, runs of before the field)."""
+  try:
+    dev = json.loads((storage.path(workdir) / RunDir.RESULTS).read_text())['dev']
+    sets = [dev.get(task) or dev[task.rpartition('/')[2]]] if task else list(dev.values())
+    return next(float(s['majority_accuracy']) for s in sets
+                if isinstance(s, dict) and 'majority_accuracy' in s)
+  except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+    return None
+
+
+def majority_baseline(root: str, task: str) -> Optional[float]:
+  """dev_majority of the task's first run that recorded it (the dev set is the same for all)."""
   folder = storage.path(task_root(root, task))
-  for run in sorted(folder.iterdir(), key=lambda p: p.name) if folder.is_dir() else []:
-    try:
-      dev = json.loads((run / RunDir.RESULTS).read_text())['dev']
-      scores = dev.get(task) or dev[task.rpartition('/')[2]]  # (tsv/<name>'s: by <name>)
-      return float(scores['majority_accuracy'])
-    except (OSError, ValueError, KeyError, TypeError):
-      continue
-  return None
+  runs = sorted(folder.iterdir(), key=lambda p: p.name) if folder.is_dir() else []
+  return next((m for m in (dev_majority(run, task) for run in runs) if m is not None), None)
 
 
 def write_summary(root: str, tasks: Sequence[str]) -> str:
