@@ -477,8 +477,9 @@ class Trainer:
                                        self._data_args('restore'))
       if task.data is not None:
         task.data.restored(data['data'])
-      _say_if_the_rate_moves(run.resumed_from, task, latest,
-                             float(TimeBudget.record_of(run).get(str(latest), 0.0)))
+      if run.resumed_from:  # (a resume with settings changed; the same on every process)
+        _say_if_the_rate_moves(run.resumed_from, task, latest,
+                               float(TimeBudget.record_of(run).get(str(latest), 0.0)))
       return TrainState.from_checkpoint(tree)
     if distributed.read_on_process_zero(lambda: checkpoints.has_complete_step(str(final)),
                                         f'read {final}'):  # (one path for every process)
@@ -594,9 +595,8 @@ class Trainer:
         rate = np.float32(rates(step) if budget is None else budget.learning_rate(step))
         if step == start:
           first_call = time.time()
-          with compile_cache.kept():  # (its compile, kept however fast: a sweep's next run
-            self.state, step_metrics = train_step(self.state, batch, rate, rng)  # loads it)
-        else:
+        # (the first call compiles: kept however fast, for a sweep's next run to load)
+        with compile_cache.kept() if step == start else contextlib.nullcontext():
           self.state, step_metrics = train_step(self.state, batch, rate, rng)
         window.exclude(waited())
         step += 1
