@@ -895,8 +895,8 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
   # those of the files' layout.
   have = {k: v for k, v in {**FINGERPRINT_DEFAULTS, **metadata['fingerprint']}.items()
           if k not in FINGERPRINT_LAYOUT}
-  want = {**FINGERPRINT_DEFAULTS,
-          **{k: v for k, v in fingerprint(config).items() if k in have}}
+  configured = fingerprint(config)
+  want = {**FINGERPRINT_DEFAULTS, **{k: v for k, v in configured.items() if k in have}}
   if 'files' in have and 'files' not in want:  # the raw corpus is not on this machine
     logging.warning('the corpus files of %s are not here (config.data.sources=%r matches '
                     'none): using the prepared data without checking them against it',
@@ -904,7 +904,7 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
     want['files'] = have['files']
   if 'tokenizer_crc' in have and 'tokenizer_crc' not in want:
     want['tokenizer_crc'] = have['tokenizer_crc']  # (loading it will say it is not there)
-  if 'sentence_split' in fingerprint(config) and 'sentence_split' not in have:
+  if 'sentence_split' in configured and 'sentence_split' not in have:
     logging.warning('%s was prepared when only an ASCII capital opened a sentence: text of '
                     'another script (French\'s É, Greek, Russian) was left in paragraphs, so '
                     'its pairs were nearly all random next; if the corpus is not English, '

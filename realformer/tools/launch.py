@@ -70,8 +70,9 @@ USABLE_HBM_GIB = {'v4': 30.75, 'v5e': 15.75, 'v5p': 95.73, 'v6e': 31.24}
 # What brings a step that does not fit under the HBM, for the report's verdict: at the same
 # batch, then with a smaller one.
 SHARD_FIXES = ('shard the state further (mesh.fsdp), remat (model.remat_policy=dots_flash, '
-               'or full), raise train.grad_accum_steps or shorten data.max_seq_length')
-MEMORY_FIXES = f'lower train.batch_size (--find_max_batch finds the largest), or {SHARD_FIXES}'
+               'or full) or shorten data.max_seq_length')
+MEMORY_FIXES = ('lower train.batch_size (--find_max_batch finds the largest), raise '
+                f'train.grad_accum_steps, or {SHARD_FIXES}')
 # chip_config_name of the generations with two TensorCores per chip: 'megacore' makes one
 # device per chip, as jax shows those chips on a TPU VM.
 _MEGACORE = ('v4', 'v5p')
@@ -833,7 +834,7 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
     result['max_batch_total_bytes'] = best.total_bytes if best else 0
     result['search'] = [_as_dict(r) for r in tried]
     if best is None and summary['converged']:  # the smallest batch was refused
-      log(f'no batch fits, not even {unit}: {SHARD_FIXES.replace(", raise train.grad_accum_steps", "")}')
+      log(f'no batch fits, not even {unit}: {SHARD_FIXES}')  # (more microbatches: more rows)
     elif best is None:
       log(f'no batch tried fits (the smallest tried: {summary["first_failing"]}); the search '
           f'stopped after {len(tried)} compiles before reaching {unit}: raise --max_compiles')
