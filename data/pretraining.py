@@ -15,8 +15,8 @@ Pair instances follow google-research/bert's create_pretraining_data.py:
     side, from its front or back at random;
   - the example is [CLS] A [SEP] B [SEP] with segment ids 0 for [CLS] A [SEP] and 1 after.
 Masking (`Masker`): masked_lm_prob of the tokens (rounded, at least one, at most
-max_predictions_per_seq; with whole-word masking, whole words up to that count, so an
-instance of a few long words may get none, as in BERT), never [CLS], [SEP] or [PAD] (no
+max_predictions_per_seq; with whole-word masking, whole words up to that count, skipping
+a word that would overflow it, as BERT does), never [CLS], [SEP] or [PAD] (no
 special token); each chosen token
 becomes [MASK] 80% of the time, a random non-special token 10%, itself 10%. With whole-word
 masking a word's pieces are chosen together (a piece whose `word_start_mask` is False
@@ -40,7 +40,10 @@ Where this differs from google-research/bert, on purpose:
   - whole-word masking with a sentencepiece vocabulary groups the pieces of a
     whitespace-separated word (`Tokenizer.word_start_mask`: punctuation joins its word),
     where BERT's WordPiece groups split punctuation apart; a WordPiece vocabulary
-    (data.tokenizer --model_type wordpiece) groups as BERT does.
+    (data.tokenizer --model_type wordpiece) groups as BERT does;
+  - a word of more pieces than max_predictions_per_seq, which whole-word masking could never
+    choose, is masked piece by piece (BERT never masks it): to sentencepiece a text without
+    spaces (Chinese, Japanese, Thai; a long URL) is one word.
 
 Instances are prepared once and kept (data/prepare.py): a change to how they are built for
 the same settings raises data/prepare.PREPARE_VERSION, so that data prepared before is
