@@ -271,8 +271,9 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
         scores_ref[:, c, i] = own.astype(scores_ref.dtype)
       s.append(logits + bias_ref[c, i][None, :])
     m_new = jnp.maximum(m, functools.reduce(jnp.maximum, [x.max(axis=1) for x in s]))
-    alpha = jnp.exp(m - m_new)
-    p = [jnp.exp(x - m_new[:, None]) for x in s]
+    shift = finite_max(m_new)
+    alpha = jnp.exp(m - shift)
+    p = [jnp.exp(x - shift[:, None]) for x in s]
     l = alpha * l + sum(x.sum(axis=1) for x in p)
     acc = acc * alpha[:, None]
     for i in range(4):
@@ -604,6 +605,13 @@ def operand_slots(q, k, v, term) -> Tuple[jax.Array, jax.Array, bool]:
   return v, v, False
 
 
+def finite_max(m: jax.Array) -> jax.Array:
+  """The online softmax's running maximum `m` as the shift of its exponentials: 0 where it
+  is still -inf (a term of -inf over a row's first block of keys masks them, as in the plain
+  path; exp(-inf - -inf) would make the row NaN)."""
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
 def finite_key_bias(key_bias: jax.Array) -> jax.Array:
   """`key_bias` in float32, raised to LEAST_KEY_BIAS where below it (a padding mask of -inf
   masks the same keys)."""
@@ -709,7 +717,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   no product is computed for them).
   term: None, or an additive term of the logits [B or 1, H, Tq, Tk] (float32 or bfloat16;
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
-  weighted logits. logit_scale: None (1), or a float32 scalar that multiplies the logits
+  weighted logits; -inf masks a key, as in the plain path (and a row of nothing but -inf
+  logits is NaN, as softmax makes it). logit_scale: None (1), or a float32 scalar that multiplies the logits
   before the key bias (RealFormer's running mean, 1 / (l + 1)), a constant: no gradient.
   scores_dtype: also return own = q k^T / sqrt(d) + term in that dtype, before scale and bias
   (RealFormer's carried scores; at its first layer, without a term), whose incoming gradient

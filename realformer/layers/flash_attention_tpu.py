@@ -48,7 +48,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from realformer.layers.flash_attention import (BLOCK_PADDING, RESIDUALS_NAME, Constants,
                                                Operands, dlogits_dtype_of, finite_key_bias,
-                                               operand_slots, round_up, threefry2x32)
+                                               finite_max, operand_slots, round_up,
+                                               threefry2x32)
 
 _LANES = 128
 MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float32 arrays)
@@ -195,8 +196,9 @@ def _forward_kernel(seed_ref, offsets_ref, scale_ref, q_ref, k_ref, v_ref, bias_
     s = logits + bias_ref[...]
     m_prev = m_sc[e]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new)
+    shift = finite_max(m_new)
+    alpha = jnp.exp(m_prev - shift)
+    p = jnp.exp(s - shift)
     l_sc[e] = alpha * l_sc[e] + p.sum(axis=1, keepdims=True)
     m_sc[e] = m_new
     keep = None

@@ -12,7 +12,9 @@
 Given `rows` [B, S] (the last layer of pretraining: [CLS] and the masked positions, the only
 rows the losses read), only those query rows are computed: keys and values still come from
 every token, and each variant's logits are its full logits' rows (RealFormer's carried
-scores included), so the selected outputs equal the full layer's.
+scores included), so the selected outputs equal the full layer's (under attention dropout,
+in distribution: the mask of the pruned [B, H, S, T] probabilities is drawn for its own
+rows, not the full layer's).
 
 The RealFormer scores passed to the next layer are `cur`: the running sum of the layers'
 own scaled scores, without mask, mean division or dropout (official realformer.py). The
