@@ -167,7 +167,10 @@ def test_metrics_match_their_definitions():
   assert m['mcc'] == pytest.approx((2 * 1 - 1 * 1) / np.sqrt(3 * 3 * 2 * 2))
   m = finetune_metrics.glue_metrics('mrpc', preds, labels)
   assert m['f1'] == pytest.approx(2 * 2 / (2 * 2 + 1 + 1)) and m['accuracy'] == 0.6
+  # The majority predictor's (always 1) in each metric: MRPC's F1 of always 1 is not 0.
   assert m['majority_accuracy'] == 0.6  # three of the five labels are 1
+  assert m['majority_f1'] == pytest.approx(2 * 3 / (2 * 3 + 2))
+  assert finetune_metrics.glue_metrics('cola', preds, labels)['majority_mcc'] == 0.0
   m = finetune_metrics.glue_metrics('stsb', [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 4.0, 3.0])
   assert m['pearson'] == pytest.approx(0.8) and m['spearman'] == pytest.approx(0.8)
   # Ties take their average rank: ranks (1.5, 1.5, 3, 4) and (1, 2.5, 2.5, 4), r = 3.75 / 4.5.
@@ -358,7 +361,8 @@ def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
   config.tsv.text, config.tsv.label = 'text', 'topic'
   config.tsv.labels, config.tsv.metric = 'world,sports,science', 'macro_f1'
   summary = run(config, str(tmp_path / 'ft'))
-  assert set(summary['dev']['topics']) == {'accuracy', 'macro_f1', 'majority_accuracy'}
+  assert set(summary['dev']['topics']) == {'accuracy', 'macro_f1', 'majority_accuracy',
+                                           'majority_macro_f1'}
   assert summary['headline'] == summary['dev']['topics']['macro_f1']
   results = json.loads((tmp_path / 'ft' / 'results.json').read_text())
   assert results['headline_metric'] == 'macro_f1'  # named, for the grid's table
@@ -1091,7 +1095,7 @@ def test_a_grid_extended_with_another_set_keeps_its_settings_apart(tmp_path, cap
   assert ('| rte | 2e-05 | 16 | 2 | 2 | 0 | 0 | 0.7000 | 0.7000 | 0.6000 | 0.8000 | best | '
           'max_seq_length=128 |') in markdown
   assert '| rte |  |  |  | 0 | 0 | 1 |' in markdown
-  assert markdown.endswith('\nThe dev accuracy of always predicting the majority label: '
+  assert markdown.endswith('\nThe headline metric of always predicting the majority label: '
                            'rte 0.5000\n')
   assert finetune_grid.expand_tasks('glue,rte').count('rte') == 1
   with pytest.raises(ValueError, match=r'--tasks tsv: the kind tsv takes any task name; name '
@@ -1232,7 +1236,8 @@ def test_a_task_of_ones_own_named_like_a_glue_split_is_scored_by_its_own_metric(
   task.task, task.evals = tsv.tsv_task(config), {config.task: None}
   task._predictions = lambda *_: (np.array([0, 1, 2, 2]), np.array([0, 1, 2, 1]))
   dev = task.evaluate_outputs(None)
-  assert set(dev['mnli_mismatched']) == {'accuracy', 'macro_f1', 'majority_accuracy'}
+  assert set(dev['mnli_mismatched']) == {'accuracy', 'macro_f1', 'majority_accuracy',
+                                        'majority_macro_f1'}
   # per class F1: 1, 2/3, 2/3 (the last example, a 'b' taken for a 'c')
   assert dev['mnli_mismatched']['macro_f1'] == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
   assert dev['mnli_mismatched']['accuracy'] == 0.75

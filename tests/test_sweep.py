@@ -857,9 +857,12 @@ def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
                            'majority label: 0.5050), lr ')
   (tmp_path / 'ft').mkdir()  # read from a run's results.json; None where not recorded
   (tmp_path / 'ft' / 'results.json').write_text(json.dumps(
-      {'headline': 0.8, 'dev': {'sst2': {'accuracy': 0.8, 'majority_accuracy': 0.505}}}))
+      {'headline': 0.8, 'dev': {'sst2': {'accuracy': 0.8, 'majority_accuracy': 0.505,
+                                         'f1': 0.8, 'majority_f1': 0.671}}}))
   from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
   assert finetune_grid.dev_majority(str(tmp_path / 'ft')) == 0.505
+  assert finetune_grid.dev_majority(str(tmp_path / 'ft'), 'sst2', 'f1') == 0.671
+  assert finetune_grid.dev_majority(str(tmp_path / 'ft'), 'sst2', 'mcc') is None
   assert finetune_grid.dev_majority(str(tmp_path / 'ft'), 'sst2') == 0.505
   assert finetune_grid.dev_majority(str(tmp_path / 'ft'), 'tsv/sst2') == 0.505
   (tmp_path / 'ft' / 'results.json').write_text(json.dumps({'headline': 0.8}))
