@@ -83,7 +83,8 @@ def main(argv=None):
   sweep.check_program(args.program, args.config)
   runs = sweep.expand(args.sweep, args.set, args.seeds, args.sweep_file,
                       types=sweep.field_types(args.config))
-  sweep.check_keys(args.config, runs, here=args.cmd != 'print')
+  sweep.check_keys(args.config, runs, here=args.cmd != 'print',
+                   flags='--sweep/--set' + ('/--sweep_file' if args.sweep_file else ''))
   # Every --sweep key names the runs, also one given a single value: a sweep extended one
   # value at a time into the same root gives each value a folder of its own.
   swept = [sweep.assignment_key(assignment) for assignment in args.sweep]
@@ -93,16 +94,24 @@ def main(argv=None):
     return 0
   # A run whose loss became nan/inf is a result of its settings: marked, and left out of
   # later calls, which would only repeat it.
-  gone = sweep.diverged(args.root, runs, swept,
-                        sweep.program_and_config(args.program, args.config))
-  codes = sweep.run_all([r for r, g in zip(runs, gone) if not g], root=args.root,
+  root = sweep.absolute(args.root)
+  gone = sweep.diverged(root, runs, swept, sweep.program_and_config(args.program, args.config))
+  before = [n for n, g in zip(sweep.folder_names(root, runs, swept), gone) if g]
+  for name in before:
+    print(f'{name}: diverged (nan/inf) before, not run again (its diverged.json says where; '
+          'delete it to run it again)')
+  codes = sweep.run_all([r for r, g in zip(runs, gone) if not g], root=root,
                         program=args.program, config=args.config, always=swept)
-  failed, diverged = sweep.failed_or_diverged(sweep.absolute(args.root), codes)
-  elsewhere = [n for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE]
-  print(f'{list(codes.values()).count(0)}/{len(runs)} runs finished' +
+  failed, diverged = sweep.failed_or_diverged(root, codes)
+  # Runs another sweep process held may have finished meanwhile (two processes on one root).
+  elsewhere = [n for n, c in codes.items() if c == sweep.RUNNING_ELSEWHERE
+               and not sweep.is_done(storage.join(root, n))]
+  finished = sum(1 for n, c in codes.items() if c == 0 or
+                 (c == sweep.RUNNING_ELSEWHERE and n not in elsewhere))
+  print(f'{finished}/{len(runs)} runs finished' +
         (f'; failed: {", ".join(failed)}' if failed else '') +
-        (f'; diverged (nan/inf; not run again): {sum(gone) + len(diverged)}'
-         if diverged or any(gone) else '') +
+        (f'; diverged (nan/inf; not run again): {", ".join(before + diverged)}'
+         if diverged or before else '') +
         (f'; run by another sweep process: {", ".join(elsewhere)}' if elsewhere else ''))
   return 1 if failed or elsewhere else 0
 

@@ -294,6 +294,46 @@ def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path
   assert said == [f'[5/7] wnli/{names[2]}: finished, skipped']
 
 
+def test_a_run_another_sweep_process_finished_meanwhile_is_finished(tmp_path, capsys,
+                                                                    monkeypatch):
+  """Two sweep processes on one root: a run the other held when this one looked, and that
+  it finished before this one ended, counts as finished (exit 0, not 'run by another')."""
+  program = tmp_path / 'fake_train.py'
+  program.write_text(FAKE_PROGRAM)
+  root = tmp_path / 'sweep'
+
+  def run_all(runs, root, **_):
+    (tmp_path / 'sweep' / 'seed=0').mkdir(parents=True)
+    (tmp_path / 'sweep' / 'seed=0' / RunDir.DONE).write_text('')
+    return {'seed=0': sweep.RUNNING_ELSEWHERE, 'seed=1': sweep.RUNNING_ELSEWHERE}
+  monkeypatch.setattr(sweep, 'run_all', run_all)
+  assert sweep_cli.main(['run', '--root', str(root), '--program', str(program),
+                         '--config', 'cfg', '--seeds', '2']) == 1
+  assert '1/2 runs finished; run by another sweep process: seed=1' in capsys.readouterr().out
+
+
+def test_runs_of_two_configs_in_one_root_are_summarized_apart():
+  """A root given two --config (a preset's argument changed): their runs are grouped apart,
+  a command column first, never averaged as one setting."""
+  rows = [{'run': {'model.variant': variant, 'seed': seed}, 'done': True, 'diverged': False,
+           'command': f'train.py configs/pretrain.py:{config}', 'metrics': {'m': value}}
+          for variant, config, seed, value in (('postln', 'postln,tiny', 0, 0.1),
+                                               ('postln', 'postln,tiny,runlocal', 0, 0.3),
+                                               ('preln', 'postln,tiny,runlocal', 0, 0.5))]
+  header, table = sweep.summarize(rows, ['m'])
+  assert header == ['command', 'model.variant', 'n', 'm', 'unfinished']
+  assert table == [['train.py configs/pretrain.py:postln,tiny', 'postln', 1, 0.1, 0],
+                   ['train.py configs/pretrain.py:postln,tiny,runlocal', 'postln', 1, 0.3, 0],
+                   ['train.py configs/pretrain.py:postln,tiny,runlocal', 'preln', 1, 0.5, 0]]
+
+
+@pytest.mark.filterwarnings('ignore:.*found in sys.modules:RuntimeWarning')  # (runpy's)
+def test_the_library_run_as_a_program_names_the_program():
+  import runpy  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit, match=r'run them with `python sweep.py run\|print\|summarize'):
+    runpy.run_module('realformer.tools.sweep', run_name='__main__')
+
+
 def test_values_are_read_as_their_fields_types():
   """A text field keeps the text as given (not a number made of it); a bool field, also one
   whose default is None, takes true/false only; None has no command-line text."""
@@ -312,7 +352,7 @@ def test_values_are_read_as_their_fields_types():
   # An int field's whole number in scientific notation is that int; None is no value to give
   # (its default is had by leaving the key out), said as such.
   assert [r['train.num_steps'] for r in sweep.expand(
-      ['train.num_steps=1e3,1.5e1'], types=types)] == [1000, 15]
+      ['train.num_steps=1e3,1.5e1,20.0'], types=types)] == [1000, 15, 20]
   with pytest.raises(ValueError, match=r'data.seed=None does not fit the field \(int, now '
                      r'None\); leave the key out of the run'):
     sweep.check_keys(config, sweep.expand([], ['data.seed=None'], types=types))
@@ -471,7 +511,7 @@ def test_a_printed_script_never_sends_a_run_into_the_folder_of_another(tmp_path,
   capsys.readouterr()
   assert sweep_cli.main(['print', '--target', 'local'] + args +
                         ['--set', 'train.num_steps=2']) == 0
-  assert capsys.readouterr().out.count('fake_train.py') == 3  # (the comment line too)
+  assert capsys.readouterr().out.count(': finished, not launched') == 2  # (as run skips them)
   capsys.readouterr()
   assert sweep_cli.main(['print', '--target', 'local'] + args +
                         ['--set', 'train.num_steps=3']) == 0  # folders of its own
@@ -513,10 +553,13 @@ def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
                      'copy of; give a gs:// URL'):
     sweep_cli.main(['print', '--target', 'tpu', '--root', str(tmp_path / 'tpu')] + args)
   sweep_cli.main(['print', '--target', 'slurm', '--root', str(tmp_path / 'slurm')] + args)
-  slurm = [l for l in capsys.readouterr().out.splitlines() if l.startswith('sbatch')]
+  printed = capsys.readouterr()
+  slurm = [l for l in printed.out.splitlines() if l.startswith('sbatch')]
   assert len(slurm) == 4 and all('srun python train.py' in l for l in slurm)
   assert all('--signal=TERM@120 --requeue' in l and 'scontrol requeue' in l for l in slurm)
   assert all(f'--output={tmp_path}/slurm/' in l and '/log.txt ' in l for l in slurm)
+  assert all(f'--chdir={REPO} ' in l for l in slurm)  # (where the config file's path holds)
+  assert 'is node-local on most clusters' in printed.err  # (a root in /tmp)
   # Runs the script started (no DONE marker) are summarised once they finished: their
   # checkpoint at train.num_steps (from config.json), or a fine-tuning run's results.json.
   names = sorted(os.listdir(tmp_path / 'slurm'))
@@ -532,6 +575,14 @@ def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
   done = {sweep.run_name(r['run']): r['done'] for r in sweep.collect(str(tmp_path / 'slurm'),
                                                                       ['eval/loss'])}
   assert [done[n] for n in names] == [True, True, False, False]  # checkpoint 8 is not 9
+  # Printed again: the finished runs and a diverged one are left out, as `run` skips them.
+  (tmp_path / 'slurm' / names[3] / 'diverged.json').write_text('{}')
+  sweep_cli.main(['print', '--target', 'slurm', '--root', str(tmp_path / 'slurm')] + args)
+  again = capsys.readouterr().out.splitlines()
+  assert [l for l in again if l.startswith('sbatch')] == [slurm[2]]
+  assert [l for l in again if l.endswith('not launched')] == [
+      f'# {names[0]}: finished, not launched', f'# {names[1]}: finished, not launched',
+      f'# {names[3]}: diverged, not launched']
   sweep_cli.main(['print', '--target', 'local', '--root', 'rel'] + args)
   local = capsys.readouterr().out.splitlines()
   assert local[3] == f'cd {REPO}' and f'--workdir {tmp_path}/rel/' in local[4]
@@ -1081,10 +1132,17 @@ def test_a_stopped_sweep_stops_its_run_and_a_failed_run_says_why(tmp_path, capsy
   out = capsys.readouterr().out
   assert ('exit 1: error: data.sources=nowhere matches no file; check the path; see '
           f'{root}/mode=error,seed=0/log.txt') in out
-  assert '0/2 runs finished; failed: mode=error,seed=0; diverged (nan/inf; not run again): 1' in out
+  assert ('0/2 runs finished; failed: mode=error,seed=0; diverged (nan/inf; not run again): '
+          'mode=nan,seed=0') in out
   assert (root / 'mode=nan,seed=0' / RunDir.DIVERGED).exists()
   assert sweep_cli.main(args + ['--sweep', 'mode=nan']) == 0  # left out: not run again
-  assert '0/1 runs finished; diverged (nan/inf; not run again): 1' in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert 'mode=nan,seed=0: diverged (nan/inf) before, not run again' in out
+  assert '0/1 runs finished; diverged (nan/inf; not run again): mode=nan,seed=0' in out
+  # summarize counts it apart from the unfinished runs (which a rerun would go on with)
+  header, table = sweep.summarize(sweep.collect(str(root), ['eval/loss']), ['eval/loss'])
+  assert header[-2:] == ['unfinished', 'diverged']
+  assert sorted(row[:1] + row[-2:] for row in table) == [['error', 1, 0], ['nan', 0, 1]]
   # A run that failed before its first checkpoint holds nothing: the corrected settings
   # take its folder (the names leave out --set values); a finished one keeps its own.
   fixed = ['run', '--root', str(tmp_path / 'fixed'), '--program', str(program), '--config',
@@ -1106,9 +1164,15 @@ def test_a_stopped_sweep_stops_its_run_and_a_failed_run_says_why(tmp_path, capsy
   out = proc.communicate(timeout=60)[0]
   assert proc.returncode == 75, out
   assert 'stopped before its end (exit 75); run again to resume' in out
-  # A run killed by a signal while it started (before its handler was set): said as such.
-  assert sweep._why_failed(-15, str(tmp_path / 'nothing')) == (  # pylint: disable=protected-access
-      'stopped by SIGTERM before it could save (exit -15); run again to resume')
+  # A run killed by a signal (SIGKILL; SIGTERM while it started, before its handler was
+  # set): said as such, with the checkpoint it resumes from.
+  why = sweep._why_failed  # pylint: disable=protected-access
+  assert why(-15, str(tmp_path / 'nothing')) == (
+      'stopped by SIGTERM (exit -15), before its first checkpoint; run again to resume')
+  (tmp_path / 'killed' / 'checkpoints' / '20').mkdir(parents=True)
+  (tmp_path / 'killed' / 'checkpoints' / '20' / 'commit_success.txt').write_text('')
+  assert why(-9, str(tmp_path / 'killed')) == (
+      'stopped by SIGKILL (exit -9), its last checkpoint step 20; run again to resume')
   assert 'not finished: stopped by a signal after mode=wait,seed=0' in out
   assert (first / 'saved').read_text() == 'saved\n'
   assert not (root / 'mode=other,seed=0').exists()  # never started

@@ -106,7 +106,7 @@ def parse_value(text: str, kind: type = type(None)) -> Any:
       return kind(text)
     except ValueError:
       pass
-    if kind is int and 'e' in low:  # a whole number in scientific notation: 1e3 -> 1000
+    if kind is int:  # a whole number written as a float: 1e3 -> 1000, 10.0 -> 10
       try:
         number = float(text)
       except ValueError:
@@ -413,7 +413,9 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True,
       if len(seeds) > 1:
         raise ValueError(f'the runs of several seeds share data.prepared_dir={folder}, '
                          'whose preparation takes the run\'s seed: --set data.seed=0 to '
-                         'prepare it once for every seed')
+                         'prepare it once for every seed (runs a root holds already, '
+                         'started without it, are then started again in folders of their '
+                         'own: give the new setting its own --root)')
 
 
 def _log_records(workdir: str) -> List[dict]:
@@ -796,7 +798,10 @@ def _why_failed(code: int, workdir: str) -> str:
       name = signal.Signals(-code).name
     except ValueError:
       name = f'signal {-code}'
-    return f'stopped by {name} before it could save (exit {code}); run again to resume'
+    steps = checkpoints.complete_steps(workdir)
+    return (f'stopped by {name} (exit {code}), ' +
+            (f'its last checkpoint step {steps[-1]}' if steps else 'before its first checkpoint')
+            + '; run again to resume')
   return f'exit {code} (run again to resume)'
 
 
@@ -807,11 +812,14 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
   run's overrides.json is written into the root now, so that `run` and `summarize` know the
   runs the script starts).
 
-  tpu: every worker of the slice runs the command in ~/realformer, and the root must be a
-  gs:// URL (storage every host sees). slurm: one task per node driving the node's GPUs,
-  SIGTERM two minutes before the time limit and a requeue when the run stops to be resumed
-  (exit 75), from the directory the script is run in (the repository root); CPUS sets
-  --cpus-per-task. local: from the repository root."""
+  A run that finished or diverged (is_done, is_diverged) is left out, named in a comment,
+  as `run` skips it. tpu: every worker of the slice runs the command in ~/realformer, and
+  the root must be a gs:// URL (storage every host sees). slurm: one task per node driving
+  the node's GPUs, SIGTERM two minutes before the time limit and a requeue when the run
+  stops to be resumed (exit 75), in this repository's folder (--chdir: a filesystem the
+  nodes share, as the root must be); NODES, GPUS and CPUS set --nodes, --gpus-per-node and
+  --cpus-per-task, and sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT the
+  rest. local: from the repository root."""
   if target not in ('tpu', 'slurm', 'local'):
     raise ValueError(f'unknown target {target!r}: use tpu, slurm or local')
   if target == 'tpu' and not storage.is_url(root):
@@ -831,11 +839,23 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
   lines = ['#!/usr/bin/env bash', f'# {len(runs)} runs of {program} {config}', 'set -e']
   if target == 'local':
     lines.append(f'cd {shlex.quote(_ROOT)}')
+  if target == 'slurm':
+    lines.append('# the root and this folder must be on a filesystem the nodes share; sbatch '
+                 'reads SBATCH_PARTITION, SBATCH_ACCOUNT and SBATCH_TIMELIMIT from the '
+                 'environment')
+    if root.startswith(('/tmp/', '/dev/shm/')):
+      print(f'warning: --root {root} is node-local on most clusters: the jobs\' compute '
+            'nodes would not see it; give a folder on shared storage', file=sys.stderr)
   for value, name, what in ((tpu, 'TPU', 'the name of the TPU VM'), (zone, 'ZONE', 'its zone')):
     if target == 'tpu' and value == f'${name}':  # (given in the environment)
       lines.append(f': "${{{name}:?set {name} to {what} first}}"')
   for run, name in zip(runs, names):
-    argv = command(program, config, storage.join(root, name), run)
+    workdir = storage.join(root, name)
+    if is_diverged(workdir, run, command_of) or is_done(workdir, run):
+      lines.append(f'# {name}: {"diverged" if is_diverged(workdir) else "finished"}, '
+                   'not launched')
+      continue
+    argv = command(program, config, workdir, run)
     # The cluster's interpreter, not this one: on a TPU VM the environment venv.sh made
     # in ~/realformer (docs/launching.md); under SLURM the job's own.
     argv[0] = '.venv/bin/python' if target == 'tpu' else 'python'
@@ -848,7 +868,8 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
       output = ('' if storage.is_url(root) else  # (the job's log in the run's folder)
                 f'--output={shlex.quote(storage.join(root, name, RunDir.LOG))} ')
       lines.append('sbatch --nodes=${NODES:-1} --ntasks-per-node=1 --gpus-per-node=${GPUS:-8} '
-                   '${CPUS:+--cpus-per-task=$CPUS} --signal=TERM@120 --requeue '
+                   f'${{CPUS:+--cpus-per-task=$CPUS}} --chdir={shlex.quote(_ROOT)} '
+                   '--signal=TERM@120 --requeue '
                    f'--open-mode=append {output}--job-name={shlex.quote(name[:100])} '
                    f'--wrap {shlex.quote(job)}')
     else:
@@ -889,9 +910,11 @@ def default_metrics(logged: Iterable[str]) -> List[str]:
 
 
 def collect(root: str, metrics: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
-  """One row per run under root: its overrides, its final `metrics` (None: default_metrics
-  of what the finished runs logged, or, where none has finished, every run; every row holds
-  the same names, in order) and the names of every metric it logged ('logged')."""
+  """One row per run under root: its overrides, whether it finished ('done') or diverged,
+  its program and config file ('command': command.json's, '' without one), its final
+  `metrics` (None: default_metrics of what the finished runs logged, or, where none has
+  finished, every run; every row holds the same names, in order) and the names of every
+  metric it logged ('logged')."""
   rows = []
   if not storage.path(root).is_dir():
     raise FileNotFoundError(f'--root {root} is not a folder; pass the --root of a sweep')
@@ -905,8 +928,13 @@ def collect(root: str, metrics: Optional[Sequence[str]] = None) -> List[Dict[str
     except ValueError as e:
       raise ValueError(f'{path} is not readable JSON ({e}); restore it (the run\'s '
                        '--config.<key>=<value> overrides) or delete its folder') from None
-    rows.append({'run': run, 'done': is_done(workdir, run),
-                 'metrics': final_metrics(workdir, None)})
+    try:
+      ran = json.loads((storage.path(workdir) / RunDir.COMMAND).read_text())
+      ran = f'{ran["program"]} {ran["config"]}'
+    except (OSError, ValueError, KeyError, TypeError):
+      ran = ''
+    rows.append({'run': run, 'done': is_done(workdir, run), 'command': ran,
+                 'diverged': is_diverged(workdir), 'metrics': final_metrics(workdir, None)})
   if metrics is None:
     done = [r for r in rows if r['done']] or rows
     metrics = default_metrics(m for r in done for m in r['metrics'])
@@ -940,19 +968,28 @@ STATISTICS = ('mean', 'median', 'std', 'min', 'max')
 def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
   """Groups runs by their non-seed overrides: (header, table rows) with mean, median, std,
   min, max and n over the finished seeds for each metric, and how many runs of the setting
-  are not finished (left out). Where no setting has two finished seeds, each metric is one
+  are not finished (left out), and, where some did, how many diverged (not run again). Runs
+  of several programs or config files (a root given two --config) are grouped apart, a
+  'command' column first. Where no setting has two finished seeds, each metric is one
   column of its value (the five statistics would repeat it)."""
   groups = {}
+  several = len({r.get('command', '') for r in rows}) > 1
   for row in rows:
     key = tuple(sorted((k, _fmt(v)) for k, v in row['run'].items() if k != 'seed'))
+    if several:
+      key = (('command', row.get('command', '')),) + key
     groups.setdefault(key, []).append(row)
-  swept = [k for k in varying_keys([r['run'] for r in rows]) if k != 'seed']
-  header = swept + ['n'] + [f'{m} {s}' for m in metrics for s in STATISTICS] + ['unfinished']
+  swept = ['command'] * several + [k for k in varying_keys([r['run'] for r in rows])
+                                   if k != 'seed']
+  gone = any(r.get('diverged') for r in rows)
+  header = (swept + ['n'] + [f'{m} {s}' for m in metrics for s in STATISTICS] +
+            ['unfinished'] + ['diverged'] * gone)
   table = []
   for key, group in sorted(groups.items()):
     d = dict(key)
     line = [d.get(k, '') for k in swept]
     members = [r for r in group if r['done']]
+    diverged = sum(1 for r in group if r.get('diverged') and not r['done'])
     n = 0
     cells = []
     for m in metrics:
@@ -963,7 +1000,8 @@ def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
                   statistics.stdev(vals) if len(vals) > 1 else None, min(vals), max(vals)]
       else:
         cells += [None] * 5
-    table.append(line + [n] + cells + [len(group) - len(members)])
+    table.append(line + [n] + cells + [len(group) - len(members) - diverged] +
+                 [diverged] * gone)
   if all(row[len(swept)] <= 1 for row in table):  # one seed: its values (the mean's column)
     keep = [i for i, h in enumerate(header)
             if not h.endswith(tuple(f' {s}' for s in STATISTICS[1:]))]
@@ -985,3 +1023,8 @@ def to_csv(header, table) -> str:
   writer.writerow(header)
   writer.writerows(table)
   return buf.getvalue()
+
+
+if __name__ == '__main__':
+  sys.exit('error: realformer/tools/sweep.py is the sweeps\' library; run them with '
+           '`python sweep.py run|print|summarize ...` from the repository root')
