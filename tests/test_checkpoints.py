@@ -621,19 +621,31 @@ def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tm
                      r'give this run those of the run that wrote it: --config.model.num_layers=2 '
                      r'--config.model.hidden_size=32$'):
     pretraining.check_init_checkpoint(wider, _abstract_params(wider))
+  abstract = _abstract_params(wider)
+  wider.model.max_len = 16  # (its table of 32 is the one to take: named with the sizes)
+  with pytest.raises(ValueError, match=r'--config.model.num_layers=2 --config.model.hidden_size'
+                                       r'=32 --config.model.max_len=32$'):
+    pretraining.check_init_checkpoint(wider, abstract)
   # Weights of another codebase, given where a workdir of ours is wanted: import them first.
   hf, tf1 = tmp_path / 'hf', tmp_path / 'tf1'
   hf.mkdir()
   (hf / 'config.json').write_text(json.dumps({'model_type': 'bert', 'hidden_size': 32}))
   tf1.mkdir()
   (tf1 / 'bert_model.ckpt.index').write_bytes(b'')
-  for folder, how in ((hf, f'import-hf --src {hf} --out WORKDIR'), (tf1, 'import-tf1')):
+  (tf1 / 'bert_model.ckpt.data-00000-of-00001').write_bytes(b'')
+  # (a TF1 checkpoint as import-tf1 --ckpt takes it: its folder, prefix, .index or .data)
+  for folder, how in ((hf, f'import-hf --src {hf} --out WORKDIR'), (tf1, 'import-tf1'),
+                      (tf1 / 'bert_model.ckpt', 'import-tf1'),
+                      (tf1 / 'bert_model.ckpt.index', 'import-tf1'),
+                      (tf1 / 'bert_model.ckpt.data-00000-of-00001', 'import-tf1')):
     kind = 'Hugging Face' if folder == hf else 'TF1'
-    with pytest.raises(FileNotFoundError, match=f'{folder} is a {kind} checkpoint, not a '
-                       f'workdir of ours: import it first .*{how}'):
-      checkpoints.resolve_step_dir(str(folder))
-  with pytest.raises(ValueError, match=f'{hf} is a Hugging Face checkpoint'):
-    checkpoints.read_pretraining_config(str(hf))  # (finetune.py's init_checkpoint)
+    for read in (checkpoints.resolve_step_dir,  # (train.py's init_checkpoint)
+                 checkpoints.read_pretraining_config):  # (finetune.py's)
+      with pytest.raises((FileNotFoundError, ValueError), match=f'{folder} is a {kind} '
+                         f'checkpoint, not a workdir of ours: import it first .*{how}'):
+        read(str(folder))
+  with pytest.raises(FileNotFoundError, match='checkpoint .*nothing does not exist'):
+    checkpoints.resolve_step_dir(str(tmp_path / 'nothing'))
   for name in ('checkpoints/run1', 'checkpoints'):  # runs whose own folders have those names
     (tmp_path / name).mkdir(parents=True, exist_ok=True)
     (tmp_path / name / 'config.json').write_text(json.dumps(dict(stored, seed=5)))

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 
 import jax
@@ -596,6 +597,11 @@ def test_layers_past_the_config_and_vocabularies_that_moved(tf1_checkpoint, tmp_
     interop.export_hf(str(workdir), str(hf_dir))
   assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == held
 
+  # A copy reads its own vocabulary, also where another import now stands at the path it
+  # stored; a moved one too.
+  shutil.copytree(workdir, tmp_path / 'copy')
+  assert checkpoints.read_pretraining_config(str(tmp_path / 'copy'))['data']['tokenizer'] == (
+      str(tmp_path / 'copy' / 'vocab.txt'))
   moved = tmp_path / 'moved'
   os.rename(workdir, moved)
   assert checkpoints.read_pretraining_config(str(moved))['data']['tokenizer'] == str(

@@ -177,6 +177,8 @@ def read_pretraining_config(workdir: str) -> dict:
     run = owning_run(run) or run
   path = run / RunNames.CONFIG
   if not path.is_file():
+    if kind := _foreign(run):
+      raise FileNotFoundError(_import_first(workdir, kind))
     raise FileNotFoundError(f'{workdir} has no {RunNames.CONFIG}: pass a workdir written by '
                             'train.py or realformer.tools.interop')
   try:
@@ -194,8 +196,9 @@ def read_pretraining_config(workdir: str) -> dict:
                      'run\'s best/ or final/ folder')
   data = config.get('data')
   tokenizer = data.get('tokenizer') if isinstance(data, dict) else None
-  if tokenizer and not storage.path(tokenizer).exists():
-    # A workdir that keeps its own vocabulary (an import's vocab.txt), moved or copied since.
+  if tokenizer:
+    # A workdir that keeps its own vocabulary (an import's vocab.txt) reads that one, also
+    # moved or copied since: the path it stored may be gone, or another import's now.
     beside = storage.join(str(run), tokenizer.rstrip('/').rpartition('/')[2])
     if storage.path(beside).is_file():
       data['tokenizer'] = str(beside)
@@ -333,15 +336,20 @@ def resolve_step_dir(path: str) -> str:
   return str(folder / str(newest))
 
 
-def _foreign(folder) -> Optional[str]:
-  """Which other codebase's weights a folder holds: 'hf' (a config.json with a model_type),
-  'tf1' (a checkpoint's .index), else None."""
+def _foreign(path) -> Optional[str]:
+  """Which other codebase's weights `path` (an epath) holds: 'hf' (a folder whose
+  config.json has a model_type), 'tf1' (a folder holding a checkpoint's .index, or a TF1
+  checkpoint's prefix, .index or .data file, as import-tf1 --ckpt takes them), else None."""
+  if not path.is_dir():
+    tf1 = (re.search(r'\.(index|data-\d+-of-\d+)$', path.name) and path.exists()
+           or path.parent.joinpath(path.name + '.index').exists())
+    return 'tf1' if tf1 else None
   try:
-    if 'model_type' in read_config(folder):
+    if 'model_type' in read_config(path):
       return 'hf'
   except (OSError, ValueError, TypeError):
     pass
-  return 'tf1' if any(folder.glob('*.ckpt*.index')) else None
+  return 'tf1' if any(path.glob('*.ckpt*.index')) else None
 
 
 def _import_first(path, kind: str) -> str:
@@ -361,6 +369,8 @@ def _step_folder(path):
   if (path / RunNames.CHECKPOINTS).is_dir():
     path = path / RunNames.CHECKPOINTS
   if not path.is_dir():
+    if kind := _foreign(path):
+      raise FileNotFoundError(_import_first(path, kind))
     raise FileNotFoundError(f'checkpoint {path} does not exist; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')
   return path, sorted(int(d.name) for d in path.iterdir()

@@ -279,11 +279,14 @@ _SIZES = ('num_layers', 'hidden_size', 'num_heads', 'mlp_dim', 'type_vocab_size'
 
 
 def _sizes_to_match(stored, config) -> str:
-  """The overrides that give this run the sizes (and vocabulary) of the run that wrote an
-  init checkpoint, where they differ: '--config.model.hidden_size=384 ...', else ''."""
+  """The overrides that give this run the sizes (its longer position table, and its
+  vocabulary) of the run that wrote an init checkpoint, where they differ:
+  '--config.model.hidden_size=384 ...', else ''."""
   model = stored.get('model') or {}
   flags = [f'--config.model.{f}={model[f]}' for f in _SIZES
            if f in model and model[f] != config.model.get(f)]
+  if isinstance(model.get('max_len'), int) and model['max_len'] > config.model.max_len:
+    flags.append(f'--config.model.max_len={model["max_len"]}')  # (a shorter table cannot grow)
   tokenizer = (stored.get('data') or {}).get('tokenizer')
   if tokenizer is not None and tokenizer != config.data.tokenizer:
     flags.append(f'--config.data.tokenizer={tokenizer or repr("")}')
