@@ -428,6 +428,16 @@ def test_tf1_casing_must_agree_with_the_vocabulary(tf1_checkpoint, tmp_path, cap
   assert not (tmp_path / 'b').exists()
   interop.import_tf1(ck['prefix'], ck['config'], str(cased), str(tmp_path / 'c'),
                      variant='postln', do_lower_case=False)
+  # An HF folder says its casing in tokenizer_config.json: without one, a cased vocabulary
+  # imports lower-casing (BertTokenizer's default) with a warning that names the file.
+  interop.export_hf(str(tmp_path / 'c'), str(tmp_path / 'c_hf'))
+  caplog.clear()
+  interop.import_hf(str(tmp_path / 'c_hf'), str(tmp_path / 'd'))
+  assert 'pieces with capitals' not in caplog.text
+  (tmp_path / 'c_hf' / 'tokenizer_config.json').unlink()
+  interop.import_hf(str(tmp_path / 'c_hf'), str(tmp_path / 'e'))
+  assert ('a cased vocabulary, and ' + str(tmp_path / 'c_hf') + ' has no tokenizer_config.json '
+          'to say so: imported lower-casing') in caplog.text
 
 
 def test_hf_decoders_and_untied_mlm_decoders_are_refused(tf1_checkpoint, tmp_path):
@@ -450,10 +460,20 @@ def test_hf_decoders_and_untied_mlm_decoders_are_refused(tf1_checkpoint, tmp_pat
     save_file(dict(tensors, **{'cls.predictions.decoder.weight': decoder}),
               str(hf / 'model.safetensors'))
     if refused:
-      with pytest.raises(ValueError, match='MLM decoder .* not the word embeddings'):
+      with pytest.raises(ValueError, match='MLM decoder .* not the word embeddings.*import the '
+                                           r'encoder alone \(import-hf --encoder_only\)'):
         interop.load_hf(str(hf))
+      # --encoder_only: the encoder alone, no head (its tensors left out without a warning)
+      interop.main(['import-hf', '--src', str(hf), '--out', str(tmp_path / 'alone'),
+                    '--encoder_only'])
+      alone = checkpoints.resolve_step_dir(str(tmp_path / 'alone'))
+      assert set(checkpoints.stored_tree(alone)['params']) == {'encoder'}
     else:
       assert 'mlm_head' in interop.load_hf(str(hf))[0]
+  interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(tmp_path / 'tf1_alone'),
+                     variant='postln', encoder_only=True)
+  assert set(checkpoints.stored_tree(
+      checkpoints.resolve_step_dir(str(tmp_path / 'tf1_alone')))['params']) == {'encoder'}
 
 
 def _realformer_workdir(ck, tmp_path):
@@ -495,6 +515,19 @@ def test_errors_name_the_problem(tf1_checkpoint, tmp_path):
   (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, hidden_act='relu')))
   with pytest.raises(ValueError, match="hidden_act='relu'; our encoder implements GELU only"):
     interop.load_hf(str(hf_dir))
+  (hf_dir / 'config.json').write_text(json.dumps(dict(TINY_BERT, hidden_size=18)))
+  with pytest.raises(ValueError, match=r'config.json describes no encoder this codebase builds '
+                     r'\(.*not divisible.*in our config.s names\); pass the checkpoint.s own'):
+    interop.load_hf(str(hf_dir))
+  # A TF1 bert_config that is no JSON, or says its GELU by an HF name: the file and the fix.
+  bad = tmp_path / 'bert_config.json'
+  bad.write_text('hidden_size: 16\n')
+  with pytest.raises(ValueError, match=r'--bert_config .*bert_config.json is not readable JSON'):
+    interop.load_tf1(ck['prefix'], str(bad), variant='postln')
+  bad.write_text(json.dumps(dict(TINY_BERT, hidden_act='gelu_new')))
+  with pytest.raises(ValueError, match=r"hidden_act='gelu_new', an HF name; .*set hidden_act "
+                                       r'to "gelu" and pass --gelu tanh'):
+    interop.load_tf1(ck['prefix'], str(bad), variant='postln', gelu='tanh')
   with pytest.raises(FileNotFoundError, match='neither model.safetensors nor pytorch_model.bin'):
     interop.read_hf_tensors(str(tmp_path))
   # A folder that is no checkpoint (a package's root, its checkpoint a folder down): said

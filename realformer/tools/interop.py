@@ -4,6 +4,7 @@ r"""Checkpoint interop: HF BERT and TF1 BERT / RealFormer checkpoints <-> our en
   python -m realformer.tools.interop import-tf1 --ckpt /ckpt/model.ckpt-1000000 \
       --bert_config /ckpt/bert_config.json --vocab /ckpt/vocab.txt --out /tmp/rf_base \
       --variant postln|realformer [--cased] [--gelu erf|tanh]
+  (either import with --encoder_only: the encoder alone, its pretraining heads left out)
   python -m realformer.tools.interop export-hf --workdir /tmp/minilm --out /tmp/minilm_hf
 
 An import writes a params-only workdir that fine-tuning and `train.init_checkpoint` read
@@ -173,6 +174,10 @@ def model_config_from_bert(bert: dict, *, variant: str = 'postln', source: str =
     raise ValueError(f'{source} lacks {", ".join(missing)}; it is not a BERT config')
   act = bert.get('hidden_act', 'gelu')
   gelus = {'gelu': tf1_gelu} if tf1_gelu else HF_GELUS
+  if tf1_gelu and act in HF_GELUS and act not in gelus:  # (an HF name: its form is --gelu's)
+    raise ValueError(f'{source} has hidden_act={act!r}, an HF name; a TF1 BERT config says '
+                     f'"gelu" and --gelu erf|tanh says which one it computed: set hidden_act '
+                     f'to "gelu" and pass --gelu {HF_GELUS[act]}')
   if act not in gelus:
     raise ValueError(f'{source} has hidden_act={act!r}; our encoder implements GELU only '
                      f'({", ".join(gelus)}), so the outputs would differ')
@@ -201,7 +206,11 @@ def model_config_from_bert(bert: dict, *, variant: str = 'postln', source: str =
   m.gelu = gelus[act]
   m.running_mean = running_mean  # the official RealFormer code's option for deep models
   config.data.max_seq_length = min(config.data.max_seq_length, m.max_len)
-  resolve(m)  # validates (e.g. hidden_size divisible by num_heads)
+  try:
+    resolve(m)  # validates (e.g. hidden_size divisible by num_heads)
+  except ValueError as e:
+    raise ValueError(f'{source} describes no encoder this codebase builds ({e}, in our '
+                     'config\'s names); pass the checkpoint\'s own config') from None
   return config
 
 
@@ -429,6 +438,15 @@ def _local_files(folder: str, keep: Callable[[str], bool]) -> str:
   return storage.local_copy(folder, names, kind='interop')
 
 
+def _capitals(vocab: str) -> Tuple[List[str], bool]:
+  """The pieces of a vocab.txt with capitals (not [CLS], <S>, ...), and whether they are
+  so many that it is a cased vocabulary (lower-cased input would never reach them)."""
+  with open(vocab, encoding='utf-8', errors='replace') as f:
+    pieces = [line.rstrip('\n') for line in f]
+  capitals = [p for p in pieces if p != p.lower() and p[:1] + p[-1:] not in ('[]', '<>')]
+  return capitals, len(capitals) > max(20, len(pieces) // 200)
+
+
 def _check_vocab(vocab: str, do_lower_case: bool) -> None:
   """The vocabulary exists, and its pieces agree with --cased: a vocabulary with many
   capitalised pieces is a cased one (lower-cased input would never use them), an error
@@ -436,11 +454,8 @@ def _check_vocab(vocab: str, do_lower_case: bool) -> None:
   without capitals keeps its combining marks with --cased)."""
   if not os.path.isfile(vocab):
     raise FileNotFoundError(f'vocabulary {vocab!r} not found; pass the checkpoint\'s vocab.txt')
-  with open(vocab, encoding='utf-8', errors='replace') as f:
-    pieces = [line.rstrip('\n') for line in f]
-  capitals = [p for p in pieces if p != p.lower() and not (  # not [CLS], <S>, ...
-      p[:1] + p[-1:] in ('[]', '<>'))]
-  if do_lower_case and len(capitals) > max(20, len(pieces) // 200):
+  capitals, cased = _capitals(vocab)
+  if do_lower_case and cased:
     raise ValueError(f'{vocab} holds {len(capitals)} pieces with capitals (e.g. '
                      f'{capitals[:3]}): a cased vocabulary; pass --cased')
   if not do_lower_case and not capitals:
@@ -566,9 +581,11 @@ def _hf_config_path(src: str) -> str:
                           '(config.json, model.safetensors or pytorch_model.bin, vocab.txt)')
 
 
-def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, dict]:
+def load_hf(src: str, encoder_only: bool = False
+            ) -> Tuple[dict, ml_collections.ConfigDict, dict]:
   """An HF BERT directory -> (params, run config, its tokenizer's normalisation settings:
-  do_lower_case, strip_accents, tokenize_chinese_chars), nothing written."""
+  do_lower_case, strip_accents, tokenize_chinese_chars), nothing written; `encoder_only`
+  leaves out its pretraining heads (cls.*)."""
   config_path = _hf_config_path(src)
   try:
     with open(config_path) as f:
@@ -591,22 +608,24 @@ def load_hf(src: str) -> Tuple[dict, ml_collections.ConfigDict, dict]:
   config = model_config_from_bert(bert, variant='postln', source=config_path)
   source = f'HF checkpoint {src}'
   tensors = _normalize_hf_names(read_hf_tensors(src), source)
+  if encoder_only:
+    tensors = {n: t for n, t in tensors.items() if not n.startswith('cls.')}
   heads = _present_heads(tensors, 'cls.predictions.', 'cls.seq_relationship.')
   decoder = tensors.get('cls.predictions.decoder.weight')
   if decoder is not None and not np.array_equal(
       decoder, tensors['embeddings.word_embeddings.weight']):
     raise ValueError(f'{source} has an MLM decoder (cls.predictions.decoder.weight) that is '
                      'not the word embeddings (tie_word_embeddings false); our MLM head ties '
-                     'them, so its logits would differ: import without the MLM head by '
-                     'removing the cls.predictions.* tensors, or tie them')
+                     'them, so its logits would differ: import the encoder alone '
+                     '(import-hf --encoder_only)')
   params, used = convert_to_params(tensors, config.model, fmt='hf', source=source, heads=heads)
   _check_unused(tensors, used, lambda n: n in _HF_IGNORED, source, config.model.num_layers)
   return params, config, wordpiece.read_normalization(src)
 
 
-def import_hf(src: str, out: str) -> str:
+def import_hf(src: str, out: str, encoder_only: bool = False) -> str:
   """Import an HF BERT checkpoint directory into a params-only workdir; returns its step dir.
-  `src` and `out` may be gs:// URLs."""
+  `src` and `out` may be gs:// URLs; `encoder_only` leaves out its pretraining heads."""
   _new_out(out)
   src = _local_files(src, lambda n: n in _HF_FILES or (n.startswith('model-') and
                                                        n.endswith('.safetensors')))
@@ -625,7 +644,16 @@ def import_hf(src: str, out: str) -> str:
       raise FileNotFoundError(f'{src} has no {VOCAB} or {HF_TOKENIZER_JSON}; put the '
                               'checkpoint\'s tokenizer files (of its hub repository) beside its '
                               'config.json')
-    params, config, normalization = load_hf(src)
+    params, config, normalization = load_hf(src, encoder_only)
+    capitals, cased = _capitals(vocab)
+    if cased and normalization['do_lower_case'] and not os.path.isfile(
+        os.path.join(src, wordpiece.TOKENIZER_CONFIG)):
+      logging.warning('%s holds %d pieces with capitals (e.g. %s), a cased vocabulary, and '
+                      '%s has no %s to say so: imported lower-casing (BertTokenizer\'s '
+                      'default), which never reaches them; put the checkpoint\'s %s '
+                      '(do_lower_case: false) beside its config.json and import again',
+                      vocab, len(capitals), capitals[:3], src, wordpiece.TOKENIZER_CONFIG,
+                      wordpiece.TOKENIZER_CONFIG)
     return write_workdir(out, params, config, vocab, normalization)
 
 
@@ -698,12 +726,13 @@ def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
 TF1_GELU = {'postln': 'erf', 'realformer': 'tanh'}
 
 
-def load_tf1(prefix: str, bert_config: str, *, variant: str, gelu: Optional[str] = None
-             ) -> Tuple[dict, ml_collections.ConfigDict]:
+def load_tf1(prefix: str, bert_config: str, *, variant: str, gelu: Optional[str] = None,
+             encoder_only: bool = False) -> Tuple[dict, ml_collections.ConfigDict]:
   """A TF1 BERT-format checkpoint + bert_config.json -> (params, run config). `variant`:
   'postln' (google-research/bert's checkpoints) or 'realformer' (the RealFormer paper's); the
   variable names are the same, so only the caller can tell. `gelu`: what the checkpoint's
-  hidden_act 'gelu' computed, 'erf' or 'tanh' (None: TF1_GELU[variant])."""
+  hidden_act 'gelu' computed, 'erf' or 'tanh' (None: TF1_GELU[variant]). `encoder_only`
+  leaves out its pretraining heads (cls/*)."""
   if variant not in TF1_GELU:
     raise ValueError(f'variant {variant!r}: a TF1 BERT-format checkpoint is a Post-LN encoder, '
                      "imported as 'realformer' (residual attention) or 'postln'")
@@ -713,11 +742,20 @@ def load_tf1(prefix: str, bert_config: str, *, variant: str, gelu: Optional[str]
   if not os.path.isfile(bert_config):
     raise FileNotFoundError(f'bert_config {bert_config!r} not found; pass the checkpoint\'s '
                             'bert_config.json')
-  with open(bert_config) as f:
-    config = model_config_from_bert(json.load(f), variant=variant, source=bert_config,
-                                    tf1_gelu=gelu)
+  try:
+    with open(bert_config) as f:
+      bert = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f'--bert_config {bert_config} is not readable JSON ({e}); pass the '
+                     'checkpoint\'s bert_config.json') from None
+  if not isinstance(bert, dict):
+    raise ValueError(f'--bert_config {bert_config} is not a BERT config (a JSON object); pass '
+                     'the checkpoint\'s bert_config.json')
+  config = model_config_from_bert(bert, variant=variant, source=bert_config, tf1_gelu=gelu)
   source = f'TF1 checkpoint {prefix}'
   tensors = read_tf1_tensors(prefix)
+  if encoder_only:
+    tensors = {n: t for n, t in tensors.items() if not n.startswith('cls/')}
   if any(n.startswith('bert/encoder/transformer/') or 'embedding_hidden_mapping_in' in n
          for n in tensors):
     raise ValueError(f'{source} holds tensors of ALBERT (shared layer groups), not of BERT; '
@@ -733,9 +771,10 @@ def load_tf1(prefix: str, bert_config: str, *, variant: str, gelu: Optional[str]
 
 
 def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
-               variant: str, do_lower_case: bool = True, gelu: Optional[str] = None) -> str:
+               variant: str, do_lower_case: bool = True, gelu: Optional[str] = None,
+               encoder_only: bool = False) -> str:
   """Import a TF1 BERT / RealFormer checkpoint into a params-only workdir (each path may be a
-  gs:// URL)."""
+  gs:// URL); `encoder_only` leaves out its pretraining heads."""
   _new_out(out)
   prefix = tf1_prefix(prefix.rstrip('/'))
   folder, _, name = prefix.rpartition('/')
@@ -743,7 +782,8 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
     prefix = os.path.join(_local_files(folder, lambda n: n.startswith(name + '.')), name)
   vocab, bert_config = _local_file(vocab), _local_file(bert_config)
   _check_vocab(vocab, do_lower_case)
-  params, config = load_tf1(prefix, bert_config, variant=variant, gelu=gelu)
+  params, config = load_tf1(prefix, bert_config, variant=variant, gelu=gelu,
+                            encoder_only=encoder_only)
   return write_workdir(out, params, config, vocab,
                        dict(wordpiece.NORMALIZATION, do_lower_case=do_lower_case))
 
@@ -959,8 +999,12 @@ def _define(command):
                         'code (the default with realformer)', flag_values=f)
     else:
       flags.DEFINE_string('workdir', None, 'a Post-LN workdir', flag_values=f, required=True)
-      flags.DEFINE_boolean('encoder_only', False, 'export the encoder alone (BertModel), '
-                           'leaving out any head', flag_values=f)
+    flags.DEFINE_boolean('encoder_only', False,
+                         'import the encoder alone, leaving out the pretraining heads (an MLM '
+                         'decoder not tied to the embeddings, say)' if command.startswith(
+                             'import') else
+                         'export the encoder alone (BertModel), leaving out any head',
+                         flag_values=f)
     flags.DEFINE_string('out', None, 'the new workdir' if command.startswith('import') else
                         'the new HF directory', flag_values=f, required=True)
   return define
@@ -987,10 +1031,11 @@ def main(argv=None) -> None:
   args.command = command
   with cli.warnings_only():
     if args.command.startswith('import'):
-      step_dir = (import_hf(args.src, args.out) if args.command == 'import-hf' else
+      step_dir = (import_hf(args.src, args.out, args.encoder_only)
+                  if args.command == 'import-hf' else
                   import_tf1(args.ckpt, args.bert_config, args.vocab, args.out,
                              variant=args.variant, do_lower_case=not args.cased,
-                             gelu=args.gelu))
+                             gelu=args.gelu, encoder_only=args.encoder_only))
       print(describe_import(step_dir))
       print(step_dir)
     else:

@@ -410,7 +410,8 @@ def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] 
   for key in subtree:
     params = params[key]
   if missing:
-    logging.warning('init checkpoint %s lacks %d parameters (kept fresh): %s', step_dir,
+    logging.warning('init checkpoint %s lacks %d parameters (None in the tree returned; a run '
+                    'keeps their fresh values): %s', step_dir,
                     len(missing), sorted(missing)[:10])
   return params, sorted(missing)
 
