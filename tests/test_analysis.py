@@ -4,6 +4,7 @@ the whole analysis on a tiny checkpoint."""
 import json
 import math
 import os
+import shutil
 
 import jax
 import flax.linen as nn
@@ -100,7 +101,7 @@ def test_analysis_reads_the_saved_encoder(tiny_run):
     np.testing.assert_allclose(medians, [np.median(h) for h in want], rtol=1e-5)
 
 
-def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
+def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path, capsys):
   tiny_run = tiny_run[0]
   result = analysis.analyze_run(tiny_run, num_examples=8)
   assert result['variant'] == 'realformer'
@@ -128,6 +129,19 @@ def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path):
   with pytest.raises(FileNotFoundError, match=rf"{parent} has no config.json \(a sweep's root\? "
                      rf'its runs are folders such as {parent}/'):
     analyze.main(['--workdir', parent, '--out', str(tmp_path / 'r2')])
+  # A sweep's root: its runs that hold a checkpoint (one that holds none yet is said).
+  root = tmp_path / 'sweep'
+  for name in ('model.variant=realformer,seed=0', 'model.variant=realformer,seed=1'):
+    shutil.copytree(tiny_run, root / name)
+    (root / name / 'overrides.json').write_text('{}')
+  (root / 'model.variant=realformer,seed=2').mkdir()
+  (root / 'model.variant=realformer,seed=2' / 'overrides.json').write_text('{}')
+  analyze.main(['--workdir', str(root), '--out', str(tmp_path / 'swept'), '--num_examples', '4'])
+  assert sorted(json.loads((tmp_path / 'swept' / 'attention.json').read_text())) == [
+      'realformer (seed=0)', 'realformer (seed=1)']
+  assert f'{root}: 1 of its 3 runs hold no checkpoint yet, left out' in capsys.readouterr().err
+  with pytest.raises(ValueError, match=r'give one --label per run \(or none\): 1 for 2 runs'):
+    analyze.main(['--workdir', str(root), '--out', str(tmp_path / 'swept'), '--label', 'a'])
   with pytest.raises(ValueError, match=r'--num_examples=100000: the eval split of .* holds '
                      r'\d+ examples; give at most'):
     analysis.analyze_run(tiny_run, num_examples=100000)
@@ -139,9 +153,14 @@ def test_runs_of_one_variant_get_labels_of_their_own():
   runs = [{'variant': 'realformer', 'workdir': '/r/seed=0'},
           {'variant': 'realformer', 'workdir': 'gs://b/r/seed=1/'},
           {'variant': 'postln', 'workdir': '/r/postln'},
-          {'variant': 'preln', 'workdir': '/a/run'}, {'variant': 'preln', 'workdir': '/b/run'}]
+          {'variant': 'preln', 'workdir': '/a/run'}, {'variant': 'preln', 'workdir': '/b/run'},
+          {'variant': 'synth_dense', 'workdir': '/s/model.variant=synth_dense,'
+                                                'optimizer.learning_rate=0.0001,seed=0'},
+          {'variant': 'synth_dense', 'workdir': '/s/model.variant=synth_dense,'
+                                                'optimizer.learning_rate=0.0002,seed=0'}]
   assert analysis.default_labels(runs) == [
-      'realformer (seed=0)', 'realformer (seed=1)', 'postln', 'preln (run) #4', 'preln (run) #5']
+      'realformer (seed=0)', 'realformer (seed=1)', 'postln', 'preln (run) #4', 'preln (run) #5',
+      'synth_dense (learning_rate=0.0001,seed=0)', 'synth_dense (learning_rate=0.0002,seed=0)']
   with pytest.raises(ValueError, match='repeat one; give each --workdir its own --label'):
     analysis.write_report(runs[:2], '/tmp/unused', ['a', 'a'])
 

@@ -206,13 +206,25 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
           'js_all_pairs': pairs.tolist()}
 
 
+def _folder_label(workdir: str) -> str:
+  """A workdir's last folder; a sweep's (`model.variant=realformer,optimizer.learning_rate=
+  0.0001,seed=0`) without its variant and with each key's last part (learning_rate=0.0001,
+  seed=0)."""
+  name = os.path.basename(os.path.normpath(workdir))
+  parts = [p.partition('=') for p in name.split(',')]
+  if not all(sep for _, sep, _ in parts):
+    return name
+  return ','.join(f'{key.rpartition(".")[2]}={value}' for key, _, value in parts
+                  if key != 'model.variant')
+
+
 def default_labels(results: Sequence[dict]) -> List[str]:
   """Each run's variant (with its objective where it is not BERT's); runs of one variant
-  are told apart by their workdir's last folder (and, where those match too, by their place
-  in the list)."""
+  are told apart by their workdir's last folder (a sweep's by the values it names beside the
+  variant; where those match too, by their place in the list)."""
   labels = [r['variant'] for r in results]
   shared = {v for v in labels if labels.count(v) > 1}
-  labels = [f'{r["variant"]} ({os.path.basename(os.path.normpath(r["workdir"]))})'
+  labels = [f'{r["variant"]} ({_folder_label(r["workdir"])})'
             if r['variant'] in shared else r['variant'] for r in results]
   return [f'{label} #{i + 1}' if labels.count(label) > 1 else label
           for i, label in enumerate(labels)]
