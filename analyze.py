@@ -31,7 +31,8 @@ def _define(f):
                             '(best/, final/, an import), or a sweep\'s root (its runs); '
                             'repeat for several', flag_values=f,
                             required=True)
-  flags.DEFINE_multi_string('label', None, 'one per --workdir', flag_values=f)
+  flags.DEFINE_multi_string('label', None, 'one per run (a --workdir, or each run of a '
+                            'sweep\'s root)', flag_values=f)
   flags.DEFINE_string('out', None, 'the report folder', flag_values=f, required=True)
   flags.DEFINE_integer('num_examples', 32, 'held-out examples per run', lower_bound=1,
                        flag_values=f)

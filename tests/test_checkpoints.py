@@ -124,6 +124,31 @@ def test_sigterm_saves_current_step_and_resume_is_exact(tmp_path, reference, mon
   assert starts[0]['jax'] == jax.__version__ and starts[0]['devices'] == jax.device_count()
 
 
+def _truncate_largest(folder):
+  path = max((p for p in folder.rglob('*') if p.is_file()), key=lambda p: p.stat().st_size)
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize('damage', [
+    lambda step: _truncate_largest(step / 'state'),  # bit rot, a copy cut short
+    lambda step: shutil.rmtree(step / 'data'),  # a file deleted by hand
+    lambda step: (step / 'state' / '_METADATA').unlink()])
+def test_a_damaged_checkpoint_is_one_line_naming_the_step_to_resume_from(reference, tmp_path,
+                                                                       damage):
+  """A complete checkpoint (committed) that cannot be read back stops the resume in one line
+  naming it and the older step a resume takes once it is moved aside; nothing is deleted."""
+  workdir = tmp_path / 'w'
+  shutil.copytree(reference[0], workdir)
+  shutil.copytree(workdir / 'checkpoints' / str(NUM_STEPS), workdir / 'checkpoints' / '4')
+  damage(workdir / 'checkpoints' / str(NUM_STEPS))
+  with pytest.raises(ValueError, match=rf'^checkpoint {workdir}/checkpoints/{NUM_STEPS} cannot '
+                     r'be read back \(\w+: .+\): a file of it is damaged or missing .*move that '
+                     rf'folder out of checkpoints/ \(to {workdir}/unreadable-{NUM_STEPS}, say\) '
+                     r'to resume from step 4$'):
+    run(tiny_config(num_steps=NUM_STEPS, eval_steps=1), workdir)
+  assert checkpoints.complete_steps(workdir) == [4, NUM_STEPS]  # (all kept)
+
+
 def test_sigkill_then_resume_is_exact_and_half_written_steps_are_ignored(tmp_path, reference):
   proc = child({'workdir': str(tmp_path), 'kill_after': 5, 'kill_when': 3,
                 'train': {'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3}})
@@ -438,7 +463,8 @@ def test_params_only_partial_restore_and_mismatch_errors(reference, tmp_path):
   # The encoder alone, into a fine-tuning model's encoder.
   cls_model = models.build(config.model, head='classification', num_labels=3)
   batch = next(pretraining.SyntheticData(
-      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
+      vocab_size=120, seq_len=min(32, config.model.max_len), num_predictions=5,
+      global_batch_size=2, seed=0))
   boxed = jax.eval_shape(lambda: cls_model.init(jax.random.PRNGKey(0), batch))
   abstract = nn.unbox(boxed)
   encoder, missing = checkpoints.restore_params(workdir, abstract['params']['encoder'],
@@ -621,11 +647,16 @@ def test_a_second_phase_checks_its_init_checkpoint_before_its_data(reference, tm
                      r'give this run those of the run that wrote it: --config.model.num_layers=2 '
                      r'--config.model.hidden_size=32$'):
     pretraining.check_init_checkpoint(wider, _abstract_params(wider))
-  abstract = _abstract_params(wider)
   wider.model.max_len = 16  # (its table of 32 is the one to take: named with the sizes)
-  with pytest.raises(ValueError, match=r'--config.model.num_layers=2 --config.model.hidden_size'
-                                       r'=32 --config.model.max_len=32$'):
-    pretraining.check_init_checkpoint(wider, abstract)
+  with pytest.raises(ValueError, match=r'other sizes than this run\'s \(\S.+\); give this run '
+                     r'those of the run that wrote it: --config.model.num_layers=2 '
+                     r'--config.model.hidden_size=32 --config.model.max_len=32$'):
+    pretraining.check_init_checkpoint(wider, _abstract_params(wider))
+  shorter = config.copy_and_resolve_references()  # the table alone: its own message
+  shorter.model.max_len = 16
+  with pytest.raises(ValueError, match=r'has 32 positions, this model 16 \(model.max_len\): '
+                                       r'set --config.model.max_len=32'):
+    pretraining.check_init_checkpoint(shorter, _abstract_params(shorter))
   # Weights of another codebase, given where a workdir of ours is wanted: import them first.
   hf, tf1 = tmp_path / 'hf', tmp_path / 'tf1'
   hf.mkdir()
@@ -707,7 +738,8 @@ def test_the_layers_restore_scanned_from_unrolled_and_unrolled_from_scanned(refe
 def _abstract_params(config):
   model = models.build(config.model)
   batch = next(pretraining.SyntheticData(
-      vocab_size=120, seq_len=32, num_predictions=5, global_batch_size=2, seed=0))
+      vocab_size=120, seq_len=min(32, config.model.max_len), num_predictions=5,
+      global_batch_size=2, seed=0))
   return nn.unbox(jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch)))['params']
 
 

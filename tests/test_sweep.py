@@ -320,6 +320,13 @@ def test_runs_of_two_configs_in_one_root_are_summarized_apart():
           for variant, config, seed, value in (('postln', 'postln,tiny', 0, 0.1),
                                                ('postln', 'postln,tiny,runlocal', 0, 0.3),
                                                ('preln', 'postln,tiny,runlocal', 0, 0.5))]
+  # A run of before command.json (none recorded) goes with the root's one command.
+  old = dict(rows[0], command='', run={'model.variant': 'postln', 'seed': 1},
+             metrics={'m': 0.2})
+  assert sweep.summarize([rows[0], old], ['m']) == (
+      ['n', 'm mean', 'm median', 'm std', 'm min', 'm max', 'unfinished'],
+      [[2, 0.15000000000000002, 0.15000000000000002, pytest.approx(0.0707, abs=1e-4), 0.1,
+        0.2, 0]])
   header, table = sweep.summarize(rows, ['m'])
   assert header == ['command', 'model.variant', 'n', 'm', 'unfinished']
   assert table == [['train.py configs/pretrain.py:postln,tiny', 'postln', 1, 0.1, 0],
@@ -580,6 +587,7 @@ def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
   sweep_cli.main(['print', '--target', 'slurm', '--root', str(tmp_path / 'slurm')] + args)
   again = capsys.readouterr().out.splitlines()
   assert [l for l in again if l.startswith('sbatch')] == [slurm[2]]
+  assert again[1].endswith('(3 finished or diverged, left out)')
   assert [l for l in again if l.endswith('not launched')] == [
       f'# {names[0]}: finished, not launched', f'# {names[1]}: finished, not launched',
       f'# {names[3]}: diverged, not launched']

@@ -718,8 +718,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   term: None, or an additive term of the logits [B or 1, H, Tq, Tk] (float32 or bfloat16;
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
   weighted logits; -inf masks a key, as in the plain path (and a row of nothing but -inf
-  logits is NaN, as softmax makes it). logit_scale: None (1), or a float32 scalar that multiplies the logits
-  before the key bias (RealFormer's running mean, 1 / (l + 1)), a constant: no gradient.
+  logits is NaN, as softmax makes it). logit_scale: None (1), or a float32 scalar that
+  multiplies the logits before the key bias (RealFormer's running mean, 1 / (l + 1)), a
+  constant: no gradient.
   scores_dtype: also return own = q k^T / sqrt(d) + term in that dtype, before scale and bias
   (RealFormer's carried scores; at its first layer, without a term), whose incoming gradient
   flows into q, k and the term.

@@ -215,7 +215,7 @@ def _folder_label(workdir: str) -> str:
   if not all(sep for _, sep, _ in parts):
     return name
   return ','.join(f'{key.rpartition(".")[2]}={value}' for key, _, value in parts
-                  if key != 'model.variant')
+                  if key != 'model.variant') or name
 
 
 def default_labels(results: Sequence[dict]) -> List[str]:

@@ -875,6 +875,9 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
     else:
       lines.append(cmd)
   record_overrides(root, runs, names, command_of)
+  left_out = sum(line.endswith(', not launched') for line in lines)
+  if left_out:
+    lines[1] += f' ({left_out} finished or diverged, left out)'
   return '\n'.join(lines) + '\n'
 
 
@@ -973,11 +976,12 @@ def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
   'command' column first. Where no setting has two finished seeds, each metric is one
   column of its value (the five statistics would repeat it)."""
   groups = {}
-  several = len({r.get('command', '') for r in rows}) > 1
+  # (runs of before command.json, which records it, go with the root's one command)
+  several = len({r.get('command') for r in rows} - {'', None}) > 1
   for row in rows:
     key = tuple(sorted((k, _fmt(v)) for k, v in row['run'].items() if k != 'seed'))
     if several:
-      key = (('command', row.get('command', '')),) + key
+      key = (('command', row.get('command') or ''),) + key
     groups.setdefault(key, []).append(row)
   swept = ['command'] * several + [k for k in varying_keys([r['run'] for r in rows])
                                    if k != 'seed']

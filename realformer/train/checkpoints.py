@@ -304,6 +304,28 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: dict,
   return restored['state'], {name: restored[name] for name in extra_items}
 
 
+def unreadable(workdir: str, step: int, e: BaseException) -> BaseException:
+  """The error for a complete checkpoint (its commit file written) of the run in `workdir`
+  that cannot be read back: `e` itself where object storage failed (its own one line), else
+  a one-line ValueError naming the step, why, and the step a resume takes once it is moved
+  out of checkpoints/ (nothing is deleted: the older steps stay as they are)."""
+  if storage.fault(e) is not None or not isinstance(e, Exception):
+    return e
+  step_dir = storage.join(workdir, RunNames.CHECKPOINTS, str(step))
+  older = [s for s in complete_steps(workdir) if s < step]
+  root, seen = e, set()  # the first error of the chain (a library wraps the reader's in its)
+  while (root.__cause__ or root.__context__) is not None and id(root) not in seen:
+    seen.add(id(root))
+    root = root.__cause__ or root.__context__
+  reason = (str(root).strip().splitlines() or [''])[0].split('; ')[0].split(' [source ')[0]
+  reason = reason.removeprefix(f'checkpoint {step_dir} ')[:300]
+  return ValueError(
+      f'checkpoint {step_dir} cannot be read back ({type(root).__name__}: {reason}): a file of '
+      'it is damaged or missing (or the model changed since it was written); move that folder '
+      f'out of {RunNames.CHECKPOINTS}/ (to {storage.join(workdir, f"unreadable-{step}")}, '
+      'say) to ' + (f'resume from step {older[-1]}' if older else 'train from the start'))
+
+
 def resolve_step_dir(path: str) -> str:
   """A workdir, its checkpoints/ dir or one step dir -> the step dir to read (newest step,
   as process 0 found it). With several processes a checkpoint that some process cannot
@@ -339,9 +361,10 @@ def resolve_step_dir(path: str) -> str:
 def _foreign(path) -> Optional[str]:
   """Which other codebase's weights `path` (an epath) holds: 'hf' (a folder whose
   config.json has a model_type), 'tf1' (a folder holding a checkpoint's .index, or a TF1
-  checkpoint's prefix, .index or .data file, as import-tf1 --ckpt takes them), else None."""
+  checkpoint's prefix, .index, .meta or .data file, as import-tf1 --ckpt takes them), else
+  None."""
   if not path.is_dir():
-    tf1 = (re.search(r'\.(index|data-\d+-of-\d+)$', path.name) and path.exists()
+    tf1 = (re.search(r'\.(index|meta|data-\d+-of-\d+)$', path.name) and path.exists()
            or path.parent.joinpath(path.name + '.index').exists())
     return 'tf1' if tf1 else None
   try:

@@ -248,7 +248,9 @@ def check_init_checkpoint(config, abstract_params) -> None:
     sizes = _sizes_to_match(stored, config) if stored is not None else ''
     if not sizes:
       raise
-    what = str(e).partition('does not match the model: ')[2].partition('; use the')[0]
+    what = (str(e).partition('does not match the model: ')[2] or
+            str(e).partition(f'{step_dir} ')[2]).partition('; ')[0].partition(
+                ' (model.max_len)')[0]
     raise ValueError(f'train.init_checkpoint {path} holds a model of other sizes than this '
                      f'run\'s ({what}); give this run those of the run that wrote it: '
                      f'{sizes}') from None
@@ -273,20 +275,22 @@ def check_init_checkpoint(config, abstract_params) -> None:
                     'start another variant', path, trained, resolve(config.model).name)
 
 
-# The model fields that set its parameters' shapes (model.max_len has its own message; the
-# vocabulary is the tokenizer's).
+# The model fields that set its parameters' shapes (model.max_len alone has its own message;
+# the vocabulary is the tokenizer's).
 _SIZES = ('num_layers', 'hidden_size', 'num_heads', 'mlp_dim', 'type_vocab_size')
 
 
 def _sizes_to_match(stored, config) -> str:
-  """The overrides that give this run the sizes (its longer position table, and its
-  vocabulary) of the run that wrote an init checkpoint, where they differ:
-  '--config.model.hidden_size=384 ...', else ''."""
+  """The overrides that give this run the sizes (with them its longer position table, and
+  its vocabulary) of the run that wrote an init checkpoint, where they differ:
+  '--config.model.hidden_size=384 ...', else '' (also where only the table's length does:
+  check_matches' own message says it)."""
   model = stored.get('model') or {}
   flags = [f'--config.model.{f}={model[f]}' for f in _SIZES
            if f in model and model[f] != config.model.get(f)]
-  if isinstance(model.get('max_len'), int) and model['max_len'] > config.model.max_len:
-    flags.append(f'--config.model.max_len={model["max_len"]}')  # (a shorter table cannot grow)
+  if (flags and isinstance(model.get('max_len'), int)
+      and model['max_len'] > config.model.max_len):  # (a shorter table cannot grow)
+    flags.append(f'--config.model.max_len={model["max_len"]}')
   tokenizer = (stored.get('data') or {}).get('tokenizer')
   if tokenizer is not None and tokenizer != config.data.tokenizer:
     flags.append(f'--config.data.tokenizer={tokenizer or repr("")}')

@@ -473,10 +473,16 @@ class Trainer:
         distributed.on_every_process(
             lambda: task.data.check_restorable(str(manager.directory / str(latest))),
             f'check the input position saved at step {latest}')
-      tree, data = checkpoints.restore(manager, latest, program.abstract.to_checkpoint(),
-                                       self._data_args('restore'))
-      if task.data is not None:
-        task.data.restored(data['data'])
+      try:
+        tree, data = checkpoints.restore(manager, latest, program.abstract.to_checkpoint(),
+                                         self._data_args('restore'))
+        if task.data is not None:
+          task.data.restored(data['data'])
+      except Exception as e:  # pylint: disable=broad-except  (a damaged step: one line)
+        error = checkpoints.unreadable(str(run), latest, e)
+        if error is e:
+          raise
+        raise error from e
       if run.resumed_from:  # (a resume with settings changed; the same on every process)
         _say_if_the_rate_moves(run.resumed_from, task, latest,
                                float(TimeBudget.record_of(run).get(str(latest), 0.0)))
