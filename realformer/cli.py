@@ -446,18 +446,21 @@ def run_main(main, *args, also=()):
     if verbose:
       raise
     _storage_fault(e)  # a missing bucket comes as a FileNotFoundError of a URL
+    _disk_full(e)
     print(f'error: {_message(e)}{_unraised_site(e)}', file=sys.stderr)
     sys.exit(1)
   except OSError as e:  # a path the system refused (read-only, full, ...); others are bugs
     if verbose or e.errno not in _PATH_FIXES or e.filename is None:
       if not verbose:
         _storage_fault(e)
+        _disk_full(e)
       raise
     print(f'error: {_message(e)}', file=sys.stderr)
     sys.exit(1)
   except Exception as e:  # pylint: disable=broad-except
     if not verbose:
       _storage_fault(e)
+      _disk_full(e)
       _peer_lost(e)
     raise
 
@@ -485,6 +488,29 @@ def _peer_lost(e: BaseException) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(1)  # pylint: disable=protected-access
+
+
+def _disk_full(e: BaseException) -> None:
+  """A write the disk had no room for, however the library that wrote reports it (an OSError
+  of ENOSPC; a checkpoint's tensorstore error, prepared data's array_record error, as text),
+  or a prepared data file that reads back damaged (array_record's Riegeli check): one line,
+  exit status 1 (what was committed before it is complete and kept). Returns where `e`'s
+  chain holds neither."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    first = ' '.join((str(e).strip().splitlines() or [''])[0].split())[:300]
+    if getattr(e, 'errno', None) == errno.ENOSPC or 'No space left on device' in str(e):
+      print(f'error: the disk is full ({type(e).__name__}: {first}); free space or choose '
+            'another disk, then run the same command again: what was committed before it (a '
+            'checkpoint, prepared data) is kept', file=sys.stderr)
+      sys.exit(1)
+    if 'Corrupted Riegeli' in str(e):
+      print(f'error: a prepared data file is damaged ({type(e).__name__}: {first}); delete the '
+            'prepared data (the run\'s data/ folder, or data.prepared_dir) and run the same '
+            'command again: it prepares the data anew and resumes', file=sys.stderr)
+      sys.exit(1)
+    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
 
 
 def _storage_fault(e: BaseException) -> None:

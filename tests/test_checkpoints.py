@@ -149,6 +149,25 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_step_to_resume_from(referen
   assert checkpoints.complete_steps(workdir) == [4, NUM_STEPS]  # (all kept)
 
 
+def test_a_save_that_failed_in_the_background_stops_the_run_at_the_next_log(tmp_path,
+                                                                          monkeypatch):
+  """A checkpoint's save fails after the step went on (a disk that filled): the run stops at
+  its next logged step, not at its next save (2000 steps on, say, all of them lost)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  failed = []
+
+  def check_for_errors(manager):
+    if manager.latest_step() is not None:  # (the save of step 2 has run)
+      failed.append(True)
+      raise ValueError('RESOURCE_EXHAUSTED: [OS error 28: No space left on device]')
+  monkeypatch.setattr(ocp.CheckpointManager, 'check_for_errors', check_for_errors)
+  config = tiny_config(num_steps=6, checkpoint_every_steps=2)
+  config.train.log_every_steps = 1
+  with pytest.raises(ValueError, match='No space left on device'):
+    run(config, tmp_path / 'w')
+  assert failed and max(losses(tmp_path / 'w')) == 2  # stopped at step 3's log, not at 4
+
+
 def test_sigkill_then_resume_is_exact_and_half_written_steps_are_ignored(tmp_path, reference):
   proc = child({'workdir': str(tmp_path), 'kill_after': 5, 'kill_when': 3,
                 'train': {'num_steps': NUM_STEPS, 'checkpoint_every_steps': 3}})

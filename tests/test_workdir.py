@@ -718,6 +718,47 @@ def test_data_tokenizer_takes_its_inputs_after_one_flag_or_repeated(tmp_path):
     assert "'sentences': 400" in proc.stdout, proc.stdout
 
 
+def test_a_full_disk_is_one_line_however_the_library_that_wrote_says_it(capsys):
+  """No room for a write: a prepared shard's array_record error (a RuntimeError), a
+  checkpoint's tensorstore error (a ValueError wrapped by orbax), the system's own ENOSPC:
+  one line with the fix, exit status 1 (a traceback of 44 lines before, a resume trial);
+  so is a prepared shard that reads back damaged."""
+  import errno  # pylint: disable=g-import-not-at-top
+  from realformer import cli  # pylint: disable=g-import-not-at-top
+
+  def orbax_wrapped():
+    try:
+      raise ValueError('RESOURCE_EXHAUSTED: Error writing local file "/w/checkpoints/40/state/'
+                       'd/x": [OS error 28: No space left on device]')
+    except ValueError as e:
+      raise Exception('Checkpointer failed') from e  # pylint: disable=broad-exception-raised
+  for fail, says in (
+      (RuntimeError('write() failed: No space left on device; writing /w/data.tmp/train'),
+       'RuntimeError: write() failed: No space left on device; writing /w/data.tmp/train'),
+      (OSError(errno.ENOSPC, 'No space left on device'), 'OSError: [Errno 28] No space left'),
+      (None, 'ValueError: RESOURCE_EXHAUSTED: Error writing local file')):
+    def main(fail=fail):
+      if fail is None:
+        orbax_wrapped()
+      raise fail
+    with pytest.raises(SystemExit) as stop:
+      cli.run_main(main)
+    assert stop.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f'error: the disk is full ({says}') and '\n' not in err, err
+    assert err.endswith('free space or choose another disk, then run the same command again: '
+                        'what was committed before it (a checkpoint, prepared data) is kept')
+
+  def damaged():  # a prepared shard that reads back damaged (cut short, bit rot)
+    raise RuntimeError('Corrupted Riegeli/records file: chunk header hash mismatch\nat byte 0')
+  with pytest.raises(SystemExit):
+    cli.run_main(damaged)
+  assert capsys.readouterr().err.strip() == (
+      'error: a prepared data file is damaged (RuntimeError: Corrupted Riegeli/records file: '
+      'chunk header hash mismatch); delete the prepared data (the run\'s data/ folder, or '
+      'data.prepared_dir) and run the same command again: it prepares the data anew and resumes')
+
+
 def test_a_workdir_of_the_wrong_kind_is_one_line_and_left_intact(commands, tmp_path):
   """A fine-tuning run's folder where a pretraining workdir belongs (analyze, fine-tune,
   export), an export into a train.py workdir, an import into a non-empty folder."""

@@ -681,6 +681,10 @@ class Trainer:
   def _log(self, step: int, window: 'Window', whole_period: bool):
     """The window's train metrics and throughput, to the writer and the log."""
     self.run_dir.check_held()  # a run whose lease was lost writes nothing more
+    # A checkpoint's save in the background that failed (a full disk) stops the run now, not
+    # at the next save, which may be thousands of steps on.
+    distributed.on_every_process(self.manager.check_for_errors,
+                                 f'save a checkpoint of {self.run_dir}')
     c, mesh = self.cadence, self.task.program.mesh
     values = window.values(mesh.size, metrics_lib.peak_flops_per_device(
         mesh.devices.flat[0], c.peak_flops_per_device))
