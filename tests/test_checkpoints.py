@@ -149,6 +149,16 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_step_to_resume_from(referen
   assert checkpoints.complete_steps(workdir) == [4, NUM_STEPS]  # (all kept)
 
 
+def test_a_restore_that_runs_out_of_memory_is_not_called_damage(tmp_path):
+  """Memory that runs out while a checkpoint is restored keeps its own error: no other step
+  would fit better, and the checkpoint is sound."""
+  for e in (RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB'),
+            MemoryError(), KeyboardInterrupt()):
+    assert checkpoints.unreadable(str(tmp_path), 8, e) is e
+  assert 'cannot be read back (KeyError: ' in str(
+      checkpoints.unreadable(str(tmp_path), 8, KeyError('Item "data" was not found')))
+
+
 def test_a_save_that_failed_in_the_background_stops_the_run_at_the_next_log(tmp_path,
                                                                           monkeypatch):
   """A checkpoint's save fails after the step went on (a disk that filled): the run stops at

@@ -306,10 +306,12 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: dict,
 
 def unreadable(workdir: str, step: int, e: BaseException) -> BaseException:
   """The error for a complete checkpoint (its commit file written) of the run in `workdir`
-  that cannot be read back: `e` itself where object storage failed (its own one line), else
-  a one-line ValueError naming the step, why, and the step a resume takes once it is moved
-  out of checkpoints/ (nothing is deleted: the older steps stay as they are)."""
-  if storage.fault(e) is not None or not isinstance(e, Exception):
+  that cannot be read back: `e` itself where object storage failed (its own one line) or
+  memory ran out (the state does not fit, which no other step would change), else a one-line
+  ValueError naming the step, why, and the step a resume takes once it is moved out of
+  checkpoints/ (nothing is deleted: the older steps stay as they are)."""
+  if (storage.fault(e) is not None or not isinstance(e, Exception)
+      or isinstance(e, MemoryError) or 'Out of memory' in str(e)):
     return e
   step_dir = storage.join(workdir, RunNames.CHECKPOINTS, str(step))
   older = [s for s in complete_steps(workdir) if s < step]
