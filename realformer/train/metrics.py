@@ -1,7 +1,9 @@
 """Training and evaluation metrics (clu), performance numbers, and the metrics.jsonl writer.
 
 Every metric is a clu `Average` built from exact sums, so merging microbatches, steps or
-eval batches gives the token- or example-weighted mean, never a mean of means:
+eval batches gives the token- or example-weighted mean, never a mean of means; train's
+`loss` and `grad_norm` alone are a mean over the logged steps (so a window's train loss is
+not quite its mlm_loss + nsp_loss, which weigh the steps by their tokens and examples):
 
   mlm_loss       sum_i w_i CE_i / sum_i w_i          (w = masked_lm_weights, per masked slot)
   mlm_accuracy   sum_i w_i [argmax_i = label_i] / sum_i w_i
@@ -11,7 +13,9 @@ eval batches gives the token- or example-weighted mean, never a mean of means:
                  eval: mlm_loss + nsp_loss of the whole evaluation (each part weighted by
                  its own counts across the batches); mlm_loss alone without NSP
   grad_norm      global L2 norm of the gradient before clipping, averaged over logged steps
-  learning_rate  the schedule's value at the last logged step
+  learning_rate  the rate the last logged step's update used: at step s, schedule(s - 1)
+                 (update s counts from 0, as optax and BERT count; the last step's is not
+                 the schedule's final 0)
 
 `clu.metrics.Std` does not work with the pinned jax (it calls jnp.clip(a_min=...)); it is
 not used here.
