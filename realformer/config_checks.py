@@ -185,6 +185,15 @@ def check_used(model_config, spec) -> None:
   if model_config.get('synth_random_trainable') is False and not spec.random_table:
     logging.warning('model.synth_random_trainable=False does nothing: %s has no random '
                     'Synthesizer table to keep fixed', spec.variant)
+  if 'factorized_dense' in spec.attention and 1 in spec.factorized_ab:
+    logging.warning('Factorized Dense at model.max_len=%d factors it as %d x %d: one factor '
+                    'of 1 makes it Dense with one more scalar a head, not a factorization; '
+                    'give a max_len with a divisor near its square root (128 = 8 x 16) or '
+                    'set model.synth_factorized_a', spec.max_len, *spec.factorized_ab)
+  if 'factorized_random' in spec.attention and spec.synth_factorized_rank >= spec.max_len:
+    logging.warning('model.synth_factorized_rank=%d is not below model.max_len=%d: R1 R2^T '
+                    'is then a table of full rank (Random\'s), not a factorization',
+                    spec.synth_factorized_rank, spec.max_len)
 
 
 def check_config(config) -> None:

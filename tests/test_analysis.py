@@ -14,6 +14,7 @@ import pytest
 import analyze
 from configs import pretrain
 from realformer import models
+from realformer.model.spec import resolve
 from realformer.tools import analysis
 from realformer.train import checkpoints
 
@@ -145,6 +146,36 @@ def test_analysis_end_to_end_on_a_tiny_checkpoint(tiny_run, tmp_path, capsys):
   with pytest.raises(ValueError, match=r'--num_examples=100000: the eval split of .* holds '
                      r'\d+ examples; give at most'):
     analysis.analyze_run(tiny_run, num_examples=100000)
+
+
+def test_a_mixtures_learned_weights_are_reported_per_layer(tmp_path):
+  """The Synthesizer paper's diagnostic: each layer's mixture weights (the softmax of its
+  mixture logits, in model.attention's order), unrolled or scanned; none for an encoder
+  that mixes nothing."""
+  config = pretrain.get_config('synth_random_vanilla,tiny')
+  spec = resolve(config.model)
+  logits = np.array([[0.3, -0.2], [1.0, 0.0]])
+  unrolled = {f'layers_{i}': {'attention': {'mixture_logits': row}}
+              for i, row in enumerate(logits)}
+  scanned = {'layers': {'attention': {'mixture_logits': logits}}}
+  want = [dict(zip(spec.mixture, np.exp(row) / np.exp(row).sum())) for row in logits]
+  for params in (unrolled, scanned):
+    got = analysis.mixture_weights(params, spec)
+    assert [list(layer) for layer in got] == [list(spec.mixture)] * 2
+    for layer, expected in zip(got, want):
+      assert layer == pytest.approx(expected)
+  assert analysis.mixture_weights(unrolled, resolve(pretrain.get_config('postln,tiny').model)
+                                  ) is None
+  results = [{'variant': 'synth_random_vanilla', 'workdir': '/w', 'step': 3,
+              'entropy_mean': [1.0, 1.0], 'js_adjacent': [0.1], 'js_all_pairs': [[0, 0.1],
+                                                                                  [0.1, 0]],
+              'entropies': [np.ones(4)] * 2, 'head_entropies': [[np.ones(4)] * 2] * 2,
+              'mixture_weights': analysis.mixture_weights(unrolled, spec)}]
+  numbers = analysis.write_report(results, str(tmp_path / 'report'))
+  assert numbers['synth_random_vanilla']['mixture_weights'][1] == pytest.approx(want[1])
+  report = (tmp_path / 'report' / 'attention.md').read_text()
+  first = ', '.join(f'{c} {w:.3f}' for c, w in want[0].items())
+  assert f'| synth_random_vanilla | 0 | {first} |' in report
 
 
 def test_runs_of_one_variant_get_labels_of_their_own():

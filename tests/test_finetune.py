@@ -783,6 +783,13 @@ def test_glue_without_a_test_split_trains_evaluates_and_says_so(pretrained, tmp_
                    r'from the compilation cache) in ', caplog.text)
   assert 'encoder: 2 layers x ' in caplog.text and ', attention dot, float32' in caplog.text
   assert '; attention: training plain, evaluation plain' in caplog.text
+  # The model's parameters, counted (a fine-tuning model: the encoder, its pooler and the
+  # classifier), and those of its layers.
+  params = checkpoints.stored_tree(checkpoints.resolve_step_dir(str(tmp_path / 'ft' / 'best')))
+  sizes = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+  layers = {k: v for k, v in params['params']['encoder'].items() if k.startswith('layers')}
+  assert (f'{sizes(params["params"]):,} parameters ({sizes(layers):,} in the encoder\'s '
+          'layers)') in caplog.text
   # A test.tsv added afterwards, longer than every stored bucket: the rerun predicts it
   # (one more compiled length for evaluation), the stored training buckets unchanged.
   stored = json.loads((tmp_path / 'ft' / RunDir.LENGTH_BUCKETS).read_text())['lengths']
@@ -846,7 +853,15 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path, caplog):
                                        '0 to 1; fine-tune a checkpoint with two token types'):
     run(ft_config('rte', other), str(tmp_path / 'ft4'))
   assert ('max_seq_length=64 is longer than the pretraining sequences (48): positions 48-63 '
-          'were never trained') in caplog.text
+          'were never trained (their position embeddings are still as initialised)'
+          ) in caplog.text  # (a Post-LN encoder: no synthesizer named)
+  caplog.clear()  # a Synthesizer's logits for those positions are as untrained: named too
+  config['model'].update(attention='random+dot', type_vocab_size=2)
+  json.dump(config, open(os.path.join(other, 'config.json'), 'w'))
+  with pytest.raises(ValueError):  # (its checkpoint holds no random table)
+    run(ft_config('rte', other), str(tmp_path / 'ft5'))
+  assert ('(their position embeddings, and the random synthesizer\'s logits for them, are '
+          'still as initialised)') in caplog.text
   # An import (params at step 0) does not say what length it was pretrained at: no warning.
   assert finetune_task.pretrained_here(pretrained)
   save_tiny_encoder(str(tmp_path / 'imported'), 'postln', num_layers=1, num_heads=2, step=0)

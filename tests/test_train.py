@@ -1215,7 +1215,13 @@ def test_a_setting_the_variant_does_not_read_is_a_warning(caplog):
       ('postln', 'running_mean', True, 'model.running_mean=True does nothing'),
       ('preln', 'synth_random_trainable', False, 'synth_random_trainable=False does nothing'),
       ('realformer', 'running_mean', True, None),
-      ('synth_factorized_random', 'synth_random_trainable', False, None)):
+      ('synth_factorized_random', 'synth_random_trainable', False, None),
+      # Factorized variants that factor nothing: a factor of 1, a rank of the full length.
+      ('synth_factorized_dense', 'synth_factorized_a', 32, 'factors it as 32 x 1: one factor '
+       'of 1 makes it Dense'),
+      ('synth_factorized_dense', 'synth_factorized_a', 4, None),
+      ('synth_factorized_random', 'synth_factorized_rank', 32, 'synth_factorized_rank=32 is '
+       'not below model.max_len=32')):
     c = tiny_config(variant)
     c.model[key] = value
     caplog.clear()

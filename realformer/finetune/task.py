@@ -411,12 +411,15 @@ class FinetuneTask(trainer.Task, abc.ABC):
     trained = int(pre.data.get('max_seq_length', pre.model.max_len))
     known = not config.from_scratch and pretrained_here(config.init_checkpoint)
     if config.max_seq_length > trained and known:
+      synthesized = [c for c in resolve(pre.model.copy_and_resolve_references()).attention
+                     if c != 'dot']
       logging.warning('max_seq_length=%d is longer than the pretraining sequences (%d): '
-                      'positions %d-%d were never trained (their position embeddings, and a '
-                      'Random synthesizer\'s rows and columns, are still as initialised); '
-                      'lower config.max_seq_length to %d or pretrain at the longer length',
-                      config.max_seq_length, trained, trained, config.max_seq_length - 1,
-                      trained)
+                      'positions %d-%d were never trained (their position embeddings%s are '
+                      'still as initialised); lower config.max_seq_length to %d or pretrain '
+                      'at the longer length', config.max_seq_length, trained, trained,
+                      config.max_seq_length - 1,
+                      f', and the {"+".join(synthesized)} synthesizer\'s logits for them,'
+                      if synthesized else '', trained)
     params_config = pre.copy_and_resolve_references()
     scan = (config.get('model') or {}).get('scan_layers')
     if scan is not None:  # (the layout its params are written in)

@@ -17,7 +17,7 @@ import io
 import json
 import os
 import zlib
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import jax
 import ml_collections
@@ -170,6 +170,23 @@ def analyze_runs(workdirs: Sequence[str], num_examples: int = 32) -> List[dict]:
 CHUNK = 8
 
 
+def mixture_weights(params, spec) -> Optional[List[Dict[str, float]]]:
+  """Each layer's learned mixture weights, {component: weight} (the softmax of its
+  mixture_logits, in spec.mixture's order: the Synthesizer paper's diagnostic of what a
+  mixture chose), from the encoder's params (unrolled layers_<i>, or scanned `layers`);
+  None where the encoder mixes nothing."""
+  if not spec.mixture:
+    return None
+  if 'layers' in params:  # scanned: [layers, components]
+    logits = np.asarray(params['layers']['attention']['mixture_logits'], np.float64)
+  else:
+    logits = np.stack([np.asarray(params[f'layers_{i}']['attention']['mixture_logits'],
+                                  np.float64) for i in range(spec.num_layers)])
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  return [dict(zip(spec.mixture, map(float, row))) for row in weights]
+
+
 def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   config, model, params, step = load_run(workdir)
   batch = batch if batch is not None else heldout_batch(workdir, config, num_examples)
@@ -193,9 +210,11 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   heads = [sorted(layer, key=np.median) for layer in by_head]
   by_head = [[float(np.median(h)) for h in layer] for layer in by_head]
   objective = config.get('objective', 'mlm_nsp')
-  variant = resolve(config.model).name
+  spec = resolve(config.model)
+  variant = spec.name
   return {'variant': variant if objective == 'mlm_nsp' else f'{variant} ({objective})',
           'workdir': workdir, 'step': step,
+          'mixture_weights': mixture_weights(params, spec),
           'entropies': entropies,
           'head_entropies': heads,
           'entropy_mean': [float(e.mean()) for e in entropies],
@@ -271,7 +290,7 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   numbers = {label: {k: r.get(k) for k in ('variant', 'workdir', 'step', 'text',
                                        'entropy_mean', 'entropy_head_medians',
                                        'entropy_median_by_head', 'js_adjacent',
-                                       'js_all_pairs')}
+                                       'js_all_pairs', 'mixture_weights')}
              for label, r in zip(labels, results)}
   storage.write_text(out / 'attention.json', json.dumps(numbers, indent=1))
   lines = ['| run | step | mean entropy per layer (nats) | JS adjacent layers | '
@@ -282,6 +301,13 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     lines.append(f'| {label} | {r.get("step", "")} | '
                  f'{", ".join(f"{e:.3f}" for e in r["entropy_mean"])} | '
                  f'{", ".join(f"{j:.4f}" for j in r["js_adjacent"])} | {off:.4f} |')
+  mixed = [(label, r['mixture_weights']) for label, r in zip(labels, results)
+           if r.get('mixture_weights')]
+  if mixed:
+    lines += ['\nMixture weights (the softmax of each layer\'s mixture logits; 1/n each at '
+              'initialisation):', '', '| run | layer | weights |', '|---|---|---|']
+    lines += [f'| {label} | {i} | ' + ', '.join(f'{c} {w:.3f}' for c, w in layer.items()) + ' |'
+              for label, weights in mixed for i, layer in enumerate(weights)]
   texts = {}
   for label, r in zip(labels, results):
     if r.get('text'):

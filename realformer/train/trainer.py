@@ -801,8 +801,18 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
     spec = getattr(task.program.model, 'spec', None)
     if spec is not None:
       with partitioning.traced_on(mesh):  # (the heads' axis decides whether a kernel runs)
-        logging.info('encoder: %s; attention: %s', spec.summary, attention_lib.paths(spec))
+        logging.info('encoder: %s; attention: %s; %s', spec.summary,
+                     attention_lib.paths(spec), _parameter_count(task.program.abstract.params))
     return task, Trainer(task, run).run()
+
+
+def _parameter_count(params) -> str:
+  """'110,106,428 parameters (85,054,464 in the encoder's layers)': the model's, as its
+  abstract params give them (the papers compare variants by these counts)."""
+  count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+  layers = {k: v for k, v in params.get('encoder', {}).items()
+            if k == 'layers' or k.startswith('layers_')}
+  return f'{count(params):,} parameters ({count(layers):,} in the encoder\'s layers)'
 
 
 def define_flags(config_file: str, config_help: str, workdir_help: str) -> None:
