@@ -496,9 +496,8 @@ def _disk_full(e: BaseException) -> None:
   or a prepared data file that reads back damaged (array_record's Riegeli check): one line,
   exit status 1 (what was committed before it is complete and kept). Returns where `e`'s
   chain holds neither."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
+  from realformer import storage  # pylint: disable=g-import-not-at-top
+  for e in storage.chain(e):
     first = ' '.join((str(e).strip().splitlines() or [''])[0].split())[:300]
     if getattr(e, 'errno', None) == errno.ENOSPC or 'No space left on device' in str(e):
       print(f'error: the disk is full ({type(e).__name__}: {first}); free space or choose '
@@ -510,7 +509,6 @@ def _disk_full(e: BaseException) -> None:
             'prepared data (the run\'s data/ folder, or data.prepared_dir) and run the same '
             'command again: it prepares the data anew and resumes', file=sys.stderr)
       sys.exit(1)
-    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
 
 
 def _storage_fault(e: BaseException) -> None:

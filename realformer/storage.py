@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Iterable, List, Optional, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Tuple, Union
 
 from absl import logging as absl_logging
 from etils import epath
@@ -160,16 +160,26 @@ def _another_service(e: BaseException) -> bool:
                  if url)
 
 
+def chain(e: Optional[BaseException]) -> Iterator[BaseException]:
+  """`e` and the errors it was raised from, as Python prints them: its cause, else its
+  context unless `raise ... from None` suppressed it (so an error this code raised in place
+  of a library's is never read as that library's)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    yield e
+    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+
+
 def fault(e: BaseException):
   """The exception in `e`'s chain that says object storage failed, or None: an error raised by
   a storage client (gcsfs and the aiohttp under it, google-cloud-storage, google-auth), a
   refusal that gcsfs raises as a bare OSError ('Forbidden: ...'), or a tensorstore error on
   a gs:// path; not one of those clients' errors that names another host (a dataset's
   download). The chain is followed as Python prints it (a context suppressed by
-  `raise ... from None` is not), so an error of this code's own is never taken for one."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
+  `raise ... from None` is not: `chain`), so an error of this code's own is never taken for
+  one."""
+  for e in chain(e):
     module = type(e).__module__ or ''
     text = str(e)
     if ((module.startswith(_CLIENT_MODULES) and not _another_service(e)) or
@@ -178,7 +188,6 @@ def fault(e: BaseException):
             code in text for code in ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'CURL',
                                       'PERMISSION_DENIED')))):
       return e
-    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
   return None
 
 
@@ -190,14 +199,11 @@ def missing_bucket(e: BaseException) -> Optional[str]:
   these credentials cannot see, gives that on a write), from `e`'s chain; else None. gcsfs
   raises it as a FileNotFoundError holding the upload's URL, google-cloud-storage as
   NotFound."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
+  for e in chain(e):
     if isinstance(e, FileNotFoundError) or type(e).__name__ == 'NotFound':
       found = _UPLOAD_TO_BUCKET.search(str(e))
       if found:
         return found.group(1)
-    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
   return None
 
 

@@ -315,10 +315,7 @@ def unreadable(workdir: str, step: int, e: BaseException) -> BaseException:
     return e
   step_dir = storage.join(workdir, RunNames.CHECKPOINTS, str(step))
   older = [s for s in complete_steps(workdir) if s < step]
-  root, seen = e, set()  # the first error of the chain (a library wraps the reader's in its)
-  while (root.__cause__ or root.__context__) is not None and id(root) not in seen:
-    seen.add(id(root))
-    root = root.__cause__ or root.__context__
+  *_, root = storage.chain(e)  # the first error (a library wraps the reader's in its own)
   reason = (str(root).strip().splitlines() or [''])[0].split('; ')[0].split(' [source ')[0]
   reason = reason.removeprefix(f'checkpoint {step_dir} ')[:300]
   return ValueError(
