@@ -18,6 +18,7 @@ restored iterator continues with exactly the batches an uninterrupted run would 
 import collections
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -45,6 +46,15 @@ class _Decode(grain.MapTransform):
   def __init__(self, tokenizer, max_seq_length):
     self._kw = dict(cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
                     max_seq_length=max_seq_length)
+
+  def __setstate__(self, state):
+    # How a grain worker process receives the stream's first operation: blocked on its full
+    # queue, a worker outlived a run killed by SIGKILL (a preemption, the OOM killer) for
+    # ever, holding its memory on the host where the run then started again.
+    self.__dict__.update(state)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+      prepare_lib.die_with_parent(parent.pid)
 
   def map(self, record: bytes) -> Dict[str, np.ndarray]:
     return pretraining.make_features(pretraining.Instance.from_bytes(record), **self._kw)

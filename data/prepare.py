@@ -440,10 +440,11 @@ def _done(tmp: str, worker: int, total: int, fp: dict) -> Optional[dict]:
 
 
 def die_with_parent(parent: int, poll_s: float = 0.5) -> None:
-  """A worker process's initializer: exit as soon as `parent` is gone. A parent killed with
-  SIGKILL (the OOM killer picks the large process) cannot stop its workers, which would
+  """In a worker process (the preparation pool's initializer; grain's workers, as they
+  receive the stream: pipeline._Decode): exit as soon as `parent` is gone. A parent killed
+  with SIGKILL (the OOM killer picks the large process) cannot stop its workers, which would
   otherwise finish their shares and write into the folder that a restarted preparation is
-  rewriting."""
+  rewriting, or wait for ever on a full queue."""
   def watch():
     while os.getppid() == parent:
       time.sleep(poll_s)

@@ -138,10 +138,8 @@ def test_worker_processes_give_the_same_batches(prepared, tok):
   assert config.data.worker_count == 0
 
 
-def test_grain_workers_leave_ctrl_c_to_the_run(prepared, tmp_path):
-  """A Ctrl-C at the terminal reaches the run's whole process group; grain's workers ignore
-  it and go on feeding the run, which saves at its next step (workdir.stop_signals), where
-  they died with a KeyboardInterrupt and the stream stopped once their batches ran out."""
+def _run_with_workers(prepared, tmp_path, then: str) -> subprocess.CompletedProcess:
+  """A process that reads the first batch of a stream with one grain worker, `then` runs."""
   config, prepared_dir, _ = prepared
   config = config.copy_and_resolve_references()
   config.data.worker_count = 1
@@ -157,18 +155,52 @@ def test_grain_workers_leave_ctrl_c_to_the_run(prepared, tmp_path):
           data, tokenizer.Tokenizer.load(tokenizer.EMBEDDED_TOKENIZER), {prepared_dir!r},
           global_batch_size={BATCH}, seed=5)
       next(it)
-      assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (restored)
       workers = multiprocessing.active_children()
+      """) + textwrap.dedent(then)
+  return subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
+                        text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+
+
+def test_grain_workers_leave_ctrl_c_to_the_run(prepared, tmp_path):
+  """A Ctrl-C at the terminal reaches the run's whole process group; grain's workers ignore
+  it and go on feeding the run, which saves at its next step (workdir.stop_signals), where
+  they died with a KeyboardInterrupt and the stream stopped once their batches ran out."""
+  proc = _run_with_workers(prepared, tmp_path, """
+      assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (restored)
       for worker in workers:  # as the terminal's Ctrl-C to the process group
         os.kill(worker.pid, signal.SIGINT)
       print('read', sum(1 for _ in zip(range(40), it)), 'batches after', len(workers),
             'workers were sent SIGINT', flush=True)
       """)
-  proc = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
-                        text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'read 40 batches after 1 workers were sent SIGINT' in proc.stdout, proc.stderr[-3000:]
   assert 'KeyboardInterrupt' not in proc.stderr, proc.stderr[-3000:]
+
+
+def _running(pid: int) -> bool:
+  """Whether process `pid` runs (a zombie that nobody reaps has ended)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except FileNotFoundError:
+    return False
+
+
+def test_grain_workers_end_with_a_run_killed_by_sigkill(prepared, tmp_path):
+  """A run killed by SIGKILL (a preemption, the OOM killer) takes its grain workers with it:
+  blocked on their full queues, they lived on for ever, holding their memory on the host
+  where the run then starts again (prepare.die_with_parent, as the preparation's workers)."""
+  proc = _run_with_workers(prepared, tmp_path, """
+      print('workers', *[w.pid for w in workers], flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
+      """)
+  assert proc.returncode == -9, proc.stderr[-3000:]
+  workers = [int(pid) for pid in proc.stdout.split('workers', 1)[1].split()]
+  assert len(workers) == 1, proc.stdout
+  deadline = time.time() + 30
+  while any(map(_running, workers)) and time.time() < deadline:
+    time.sleep(0.2)
+  assert not any(map(_running, workers)), f'grain workers {workers} outlived their run'
 
 
 def test_metadata_records_what_was_prepared(prepared):
