@@ -358,7 +358,7 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
   # A head of one's own has no HF class: refused in one line, not dropped.
   checkpoints.save_params(str(tmp_path / 'own'), {'encoder': params['encoder'], 'keyword_head': {
       'kernel': np.zeros((cfg.model.hidden_size, 2), np.float32)}}, cfg)
-  with pytest.raises(ValueError, match=r"holds a head that BERT's HF classes have no place for "
+  with pytest.raises(ValueError, match=r"holds a head that BERT's HF layout has no place for "
                                        r"\(keyword_head: a task of one's own\).*--encoder_only"):
     interop.export_hf(str(tmp_path / 'own'), str(tmp_path / 'own_hf'))
   # ... also when it is named as GLUE's is: best/ and final/ record the kind that made it
@@ -399,7 +399,7 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
   with pytest.raises(ValueError, match='cannot be represented by HF BertModel: it has residual '
-                     'attention'):
+                     'attention.*export-tf1'):
     interop.export_hf(str(_realformer_workdir(ck, tmp_path)), str(tmp_path / 'no'))
   # A parameter BERT has no place for (a fork's addition to the encoder) is never dropped.
   grown = jax.tree.map(lambda x: x, params)
@@ -474,6 +474,84 @@ def test_hf_decoders_and_untied_mlm_decoders_are_refused(tf1_checkpoint, tmp_pat
                      variant='postln', encoder_only=True)
   assert set(checkpoints.stored_tree(
       checkpoints.resolve_step_dir(str(tmp_path / 'tf1_alone')))['params']) == {'encoder'}
+
+
+def test_tf1_export_is_the_checkpoint_that_bert_and_realformer_code_load(tf1_checkpoint,
+                                                                          tmp_path, capsys):
+  """export-tf1 writes back exactly the TF1 variables an import read (their names written out
+  in _tf1_tensors as google-research/bert's modeling.py has them), bert_config.json with the
+  RealFormer code's use_running_mean and the GELU computed, and the fine-tuned heads under
+  run_classifier.py's and run_squad.py's names; an import of it is the same encoder again."""
+  ck = tf1_checkpoint
+  tf = interop._tensorflow('reading')  # pylint: disable=protected-access
+  config = dict(TINY_BERT, use_running_mean=True)
+  (tmp_path / 'rf_config.json').write_text(json.dumps(config))
+  for variant, bert_config, gelu in (('realformer', str(tmp_path / 'rf_config.json'), 'tanh'),
+                                     ('postln', ck['config'], 'erf')):
+    workdir, out, back = (str(tmp_path / f'{variant}_{n}') for n in ('run', 'tf1', 'back'))
+    interop.import_tf1(ck['prefix'], bert_config, ck['vocab'], workdir, variant=variant)
+    assert interop.main(['export-tf1', '--workdir', workdir, '--out', out]) is None
+    said = capsys.readouterr().out
+    assert said.startswith(f'exported {variant}: 2 layers of 16 (4 heads), a vocabulary of 60, '
+                           '32 positions'), said
+    assert ('its GELU is the erf form' in said) == (gelu == 'erf'), said
+    assert sorted(os.listdir(out)) == ['bert_config.json', 'bert_model.ckpt.data-00000-of-00001',
+                                       'bert_model.ckpt.index', 'vocab.txt']
+    reader = tf.train.load_checkpoint(os.path.join(out, 'bert_model.ckpt'))
+    assert set(reader.get_variable_to_shape_map()) == set(ck['tensors'])
+    for name, x in ck['tensors'].items():
+      np.testing.assert_array_equal(reader.get_tensor(name), x, err_msg=name)
+    with open(os.path.join(out, 'bert_config.json')) as f:
+      written = json.load(f)
+    assert written == dict(TINY_BERT, gelu=gelu, **(
+        {'use_running_mean': True} if variant == 'realformer' else {}))
+    assert open(os.path.join(out, 'vocab.txt')).read() == open(ck['vocab']).read()
+    interop.import_tf1(os.path.join(out, 'bert_model.ckpt'), os.path.join(out, 'bert_config.json'),
+                       os.path.join(out, 'vocab.txt'), back, variant=variant)  # (no --gelu)
+    (params, cfg), (again, cfg_again) = _restore_all(workdir), _restore_all(back)
+    assert cfg_again.model.to_dict() == cfg.model.to_dict()
+    assert cfg.model.gelu == gelu and cfg.model.running_mean == (variant == 'realformer')
+    a, b = _flat(params), _flat(again)
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+  # Fine-tuned heads, as BERT's scripts name them ([out, in], as TF1's NSP weights).
+  rng = np.random.default_rng(0)
+  for head, kind, labels, names in (
+      ('classifier', 'glue', 3, ('output_weights', 'output_bias')),
+      ('span_head', 'squad', 2, ('cls/squad/output_weights', 'cls/squad/output_bias'))):
+    weights = {'kernel': rng.normal(size=(16, labels)).astype(np.float32),
+               'bias': rng.normal(size=labels).astype(np.float32)}
+    tuned = cfg.copy_and_resolve_references()
+    tuned.finetuned = {'kind': kind, 'task': 'x', 'hf_architecture':
+                       interop.HF_ARCHITECTURES[(head,)]}
+    checkpoints.save_params(str(tmp_path / kind), {'encoder': params['encoder'],
+                                                   head: weights}, tuned)
+    reader = tf.train.load_checkpoint(os.path.join(
+        interop.export_tf1(str(tmp_path / kind), str(tmp_path / f'{kind}_tf1')),
+        'bert_model.ckpt'))
+    assert set(reader.get_variable_to_shape_map()) == {
+        n for n in ck['tensors'] if not n.startswith('cls/')} | set(names)
+    np.testing.assert_array_equal(reader.get_tensor(names[0]), weights['kernel'].T)
+    np.testing.assert_array_equal(reader.get_tensor(names[1]), weights['bias'])
+    reader = tf.train.load_checkpoint(os.path.join(interop.export_tf1(
+        str(tmp_path / kind), str(tmp_path / f'{kind}_encoder'), encoder_only=True),
+        'bert_model.ckpt'))
+    assert set(reader.get_variable_to_shape_map()) == {
+        n for n in ck['tensors'] if not n.startswith('cls/')}
+
+  # What BERT's TF1 code cannot compute is refused in one line, not written without it.
+  synth = cfg.copy_and_resolve_references()
+  synth.model.attention = 'dot+random'
+  checkpoints.save_params(str(tmp_path / 'synth'), {'encoder': params['encoder']}, synth)
+  with pytest.raises(ValueError, match=r'cannot be represented by a TF1 BERT checkpoint: it has '
+                                       r'attention dot\+random.*variants postln and realformer'):
+    interop.export_tf1(str(tmp_path / 'synth'), str(tmp_path / 'synth_tf1'))
+  checkpoints.save_params(str(tmp_path / 'own'), {'encoder': params['encoder'], 'keyword_head': {
+      'kernel': np.zeros((16, 2), np.float32)}}, cfg)
+  with pytest.raises(ValueError, match=r"BERT's TF1 layout has no place for \(keyword_head"):
+    interop.export_tf1(str(tmp_path / 'own'), str(tmp_path / 'own_tf1'))
 
 
 def _realformer_workdir(ck, tmp_path):

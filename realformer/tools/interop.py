@@ -6,6 +6,8 @@ r"""Checkpoint interop: HF BERT and TF1 BERT / RealFormer checkpoints <-> our en
       --variant postln|realformer [--cased] [--gelu erf|tanh]
   (either import with --encoder_only: the encoder alone, its pretraining heads left out)
   python -m realformer.tools.interop export-hf --workdir /tmp/minilm --out /tmp/minilm_hf
+  python -m realformer.tools.interop export-tf1 --workdir /tmp/rf_base --out /tmp/rf_base_tf1
+  (either export with --encoder_only: the encoder alone)
 
 An import writes a params-only workdir that fine-tuning and `train.init_checkpoint` read
 like any other (realformer/train/checkpoints.py):
@@ -688,19 +690,23 @@ def tf1_prefix(path: str) -> str:
   return re.sub(r'\.(index|meta|data-\d+-of-\d+)$', '', path)
 
 
-def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
-  """All variables of a TF1 checkpoint (prefix such as model.ckpt-1000000, or one of its
-  files) except optimizer slots and the step counter."""
-  prefix = tf1_prefix(prefix)
-  # TensorFlow's C++ start-up lines (oneDNN's notice, absl's) where it is first imported: it
-  # only reads tensors here, and our errors say what went wrong in one line.
+def _tensorflow(purpose: str):
+  """TensorFlow, imported without its C++ start-up lines (oneDNN's notice, absl's): it only
+  reads or writes tensors here, and our errors say what went wrong in one line."""
   for variable in ('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS'):
     os.environ.setdefault(variable, '3' if variable == 'TF_CPP_MIN_LOG_LEVEL' else '0')
   try:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ImportError('reading a TF1 checkpoint needs tensorflow (pip install tensorflow-cpu)'
-                      ) from None
+    raise ImportError(f'{purpose} needs tensorflow (pip install tensorflow-cpu)') from None
+  return tf
+
+
+def read_tf1_tensors(prefix: str) -> Dict[str, np.ndarray]:
+  """All variables of a TF1 checkpoint (prefix such as model.ckpt-1000000, or one of its
+  files) except optimizer slots and the step counter."""
+  prefix = tf1_prefix(prefix)
+  tf = _tensorflow('reading a TF1 checkpoint')
 
   def damaged(e):  # a truncated .index or .data-* file (DataLossError, ...)
     return ValueError(f'the TF checkpoint {prefix!r} is damaged ({str(e).splitlines()[0]}); '
@@ -731,14 +737,12 @@ def load_tf1(prefix: str, bert_config: str, *, variant: str, gelu: Optional[str]
   """A TF1 BERT-format checkpoint + bert_config.json -> (params, run config). `variant`:
   'postln' (google-research/bert's checkpoints) or 'realformer' (the RealFormer paper's); the
   variable names are the same, so only the caller can tell. `gelu`: what the checkpoint's
-  hidden_act 'gelu' computed, 'erf' or 'tanh' (None: TF1_GELU[variant]). `encoder_only`
-  leaves out its pretraining heads (cls/*)."""
+  hidden_act 'gelu' computed, 'erf' or 'tanh' (None: the bert_config's 'gelu', which
+  export-tf1 writes, else TF1_GELU[variant]). `encoder_only` leaves out its pretraining heads
+  (cls/*)."""
   if variant not in TF1_GELU:
     raise ValueError(f'variant {variant!r}: a TF1 BERT-format checkpoint is a Post-LN encoder, '
                      "imported as 'realformer' (residual attention) or 'postln'")
-  gelu = gelu or TF1_GELU[variant]
-  if gelu not in ('erf', 'tanh'):
-    raise ValueError(f'gelu {gelu!r}: choose erf or tanh')
   if not os.path.isfile(bert_config):
     raise FileNotFoundError(f'bert_config {bert_config!r} not found; pass the checkpoint\'s '
                             'bert_config.json')
@@ -751,6 +755,9 @@ def load_tf1(prefix: str, bert_config: str, *, variant: str, gelu: Optional[str]
   if not isinstance(bert, dict):
     raise ValueError(f'--bert_config {bert_config} is not a BERT config (a JSON object); pass '
                      'the checkpoint\'s bert_config.json')
+  gelu = gelu or bert.get('gelu') or TF1_GELU[variant]
+  if gelu not in ('erf', 'tanh'):
+    raise ValueError(f'gelu {gelu!r}: choose erf or tanh')
   config = model_config_from_bert(bert, variant=variant, source=bert_config, tf1_gelu=gelu)
   source = f'TF1 checkpoint {prefix}'
   tensors = read_tf1_tensors(prefix)
@@ -792,21 +799,31 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
 # Export to HF.
 # ----------------------------------------------------------------------------------------
 
-def check_exportable(model_config) -> None:
-  """HF's BertModel is a Post-LN encoder with dot-product attention and nothing more."""
+def check_exportable(model_config, fmt: str = 'hf') -> None:
+  """HF's BertModel is a Post-LN encoder with dot-product attention and nothing more; a TF1
+  checkpoint is that (google-research/bert's modeling.py) or RealFormer, the same encoder
+  with residual attention (the official release's realformer.py)."""
   spec = resolve(model_config)
-  lacks = ([f'{spec.block} blocks (BertModel\'s are post_ln)'] if spec.block != 'post_ln'
+  lacks = ([f'{spec.block} blocks (BERT\'s are post_ln)'] if spec.block != 'post_ln'
            else [])
-  if spec.residual_attention:
+  if spec.residual_attention and fmt == 'hf':
     lacks.append('residual attention (each layer adds the previous layer\'s scores)')
   if tuple(spec.attention) != ('dot',):
-    lacks.append(f'attention {"+".join(spec.attention)} (BertModel\'s is the dot product)')
+    lacks.append(f'attention {"+".join(spec.attention)} (BERT\'s is the dot product)')
+  if fmt != 'hf':  # (the dot product otherwise plain: residual attention is RealFormer's)
+    spec = dataclasses.replace(spec, residual_attention=False)
   if lacks or not spec.plain_dot_product:
+    exported = ('only Post-LN encoders whose attention is the dot product alone (variant '
+                'postln, as its preset has it) can be exported' if fmt == 'hf' else
+                'only Post-LN encoders whose attention is the dot product alone, with or '
+                'without residual attention (variants postln and realformer, as their '
+                'presets have them), can be exported')
+    if fmt == 'hf' and lacks == [lacks[0]] and lacks[0].startswith('residual'):
+      exported += ' (a RealFormer exports as a TF1 checkpoint for its official code: export-tf1)'
     raise ValueError(
-        f'model variant {spec.variant!r} cannot be represented by HF BertModel: it has '
-        f'{" and ".join(lacks) or "more than dot-product attention"}; only Post-LN encoders '
-        'whose attention is the dot product alone (variant postln, as its preset has it) can '
-        'be exported')
+        f'model variant {spec.variant!r} cannot be represented by '
+        f'{"HF BertModel" if fmt == "hf" else "a TF1 BERT checkpoint"}: it has '
+        f'{" and ".join(lacks) or "more than dot-product attention"}; {exported}')
 
 
 def hf_config(model_config, architecture: str, pad_token_id: int = 0) -> dict:
@@ -835,14 +852,18 @@ HF_ARCHITECTURES = {(): 'BertModel', ('mlm_head',): 'BertForMaskedLM',
 # SQuAD's start and end logits per token) -> its name in those classes (a linear layer's
 # weight [out, in] and bias, as ours transposed).
 TASK_HEADS = {'classifier': 'classifier', 'span_head': 'qa_outputs'}
+# The same heads in google-research/bert's scripts (run_classifier.py's output_weights
+# [labels, D] and output_bias; run_squad.py's cls/squad/output_weights [2, D], start then end):
+# '<name>_weights' and '<name>_bias'.
+TF1_TASK_HEADS = {'classifier': 'output', 'span_head': 'cls/squad/output'}
 # The classes that transformers builds without BERT's pooler (add_pooling_layer=False).
 WITHOUT_POOLER = ('BertForMaskedLM', 'BertForQuestionAnswering')
 
 
-def _check_export_out(out: str) -> None:
-  """An export writes a folder of HF files: never into a file or a workdir of this project,
-  nor beside other files (transformers would read a stale tokenizer.json, a sharded index or
-  another export's vocab.txt with the new weights)."""
+def _check_export_out(out: str, reader: str = 'transformers') -> None:
+  """An export writes a folder of its format's files: never into a file or a workdir of this
+  project, nor beside other files (a loader would read a stale tokenizer.json, a sharded index
+  or another export's vocab.txt with the new weights)."""
   path = storage.path(out)
   if path.exists() and not path.is_dir():
     raise ValueError(f'--out {out} is a file; export to a new or empty directory')
@@ -852,34 +873,18 @@ def _check_export_out(out: str) -> None:
   held = sorted(p.name for p in path.iterdir()) if path.exists() else []
   if held:
     raise ValueError(f'--out {out} already holds {", ".join(held[:3])}'
-                     f'{", ..." if len(held) > 3 else ""}, which transformers would read '
-                     'beside the export; export to a new or empty directory')
+                     f'{", ..." if len(held) > 3 else ""}, which {reader} would read beside '
+                     'the export; export to a new or empty directory')
 
 
-def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
-  """A workdir (pretraining run or import; or a fine-tuning run's best/ or final/) -> an HF
-  directory that `transformers.BertModel.from_pretrained(out)` loads, and the class that
-  holds its heads (HF_ARCHITECTURES: BertForPreTraining with both of pretraining's,
-  BertForSequenceClassification with GLUE's classifier, BertForQuestionAnswering with
-  SQuAD's span head): config.json, model.safetensors, and vocab.txt when the run used a
-  WordPiece one. A fine-tuning kind's head is exported as the class the kind declares
-  (FinetuneTask.hf_architecture, recorded in best/ and final/); a head of one's own is
-  refused, and `encoder_only` exports the encoder alone (BertModel) from any workdir.
-  `workdir` and `out` may be gs:// URLs (the files are written locally, then uploaded)."""
-  if storage.is_url(out):
-    folder = tempfile.mkdtemp(prefix='realformer-export-')
-    try:
-      _check_export_out(out)
-      export_hf(workdir, folder, encoder_only)
-      storage.copy_tree(folder, out)
-    finally:
-      shutil.rmtree(folder, ignore_errors=True)
-    return out
-  out = os.path.abspath(out)
-  _check_export_out(out)
+def _exported(workdir: str, encoder_only: bool, fmt: str
+              ) -> Tuple[ml_collections.ConfigDict, dict, List[str]]:
+  """What an export of `workdir` writes: (its run config, its params as NumPy arrays with the
+  layers unrolled, the heads among them in HF_ARCHITECTURES' order). A fine-tuning kind's
+  head goes as the class the kind declares (FinetuneTask.hf_architecture, recorded in best/
+  and final/), a head of one's own is refused, and `encoder_only` takes the encoder alone."""
   config = ml_collections.ConfigDict(checkpoints.read_pretraining_config(workdir))
-  check_exportable(config.model)
-  model_config = config.model
+  check_exportable(config.model, fmt)
   stored = checkpoints.stored_tree(checkpoints.resolve_step_dir(workdir))['params']
   if 'encoder' not in stored:
     raise ValueError(f'checkpoint of {workdir} has no encoder parameters (it has '
@@ -890,8 +895,8 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
       f'{finetuned["kind"]}/{finetuned["task"]}' if finetuned and
       not finetuned.get('hf_architecture') else None)
   if own and not encoder_only:
-    raise ValueError(f'the checkpoint of {workdir} holds a head that BERT\'s HF classes have '
-                     f'no place for ({own}: a task of one\'s own); HF exports take '
+    raise ValueError(f'the checkpoint of {workdir} holds a head that BERT\'s {fmt.upper()} '
+                     f'layout has no place for ({own}: a task of one\'s own); exports take '
                      'pretraining\'s heads, GLUE\'s classifier and SQuAD\'s span head: '
                      'pass --encoder_only to export the encoder alone')
   heads = ([] if encoder_only else
@@ -906,17 +911,68 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
                      f'declares {declared}, {why}; pass --encoder_only to export the encoder '
                      'alone')
   if tuple(heads) not in HF_ARCHITECTURES:
-    raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, which no one HF '
-                     'class holds together')
-  unrolled = model_config.copy_and_resolve_references()  # (HF's layers: a scanned
-  unrolled.scan_layers = False                             # checkpoint's are laid out so)
+    raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, which no one BERT '
+                     'model holds together')
+  unrolled = config.model.copy_and_resolve_references()  # (BERT's layers: a scanned
+  unrolled.scan_layers = False                            # checkpoint's are laid out so)
   target = abstract_params(unrolled)
   target = {k: target[k] for k in ['encoder'] + heads if k in target}  # no fresh params
   for head in set(heads) & set(TASK_HEADS):  # its shape (its number of labels) as stored
     target[head] = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
                                 dict(stored[head]))
   params, _ = checkpoints.restore_params(workdir, target)
-  params = jax.tree.map(np.asarray, params)
+  return config, jax.tree.map(np.asarray, params), heads
+
+
+def _copy_vocab(config, out: str) -> Optional[wordpiece.WordPieceTokenizer]:
+  """The run's WordPiece vocab.txt copied into `out`, and its tokenizer; None, with a
+  warning, for a sentencepiece run (BERT's tokenizers cannot read its model)."""
+  named = (config.data.get('tokenizer', '') if 'data' in config else '') or (
+      'the shipped sentencepiece model')
+  tokenizer_path = _local_file(named) if named.endswith('.txt') else ''
+  if tokenizer_path and not os.path.isfile(tokenizer_path):
+    raise FileNotFoundError(f'the run\'s vocabulary {tokenizer_path} is not there; put it back '
+                            '(or a copy in the workdir beside config.json) to export it with the '
+                            'weights')
+  if not tokenizer_path:
+    logging.warning('the run\'s tokenizer (%s) is not a WordPiece vocab.txt: exported weights '
+                    'only (BERT\'s tokenizers cannot read a sentencepiece model)', named)
+    return None
+  shutil.copyfile(tokenizer_path, os.path.join(out, VOCAB))
+  return wordpiece.WordPieceTokenizer.load(tokenizer_path)
+
+
+def _through_local_folder(export: Callable[[str, str, bool], str]):
+  """`export` with a gs:// `out` too: written into a local folder, then uploaded."""
+  def exported(workdir: str, out: str, encoder_only: bool = False) -> str:
+    if not storage.is_url(out):
+      return export(workdir, os.path.abspath(out), encoder_only)
+    folder = tempfile.mkdtemp(prefix='realformer-export-')
+    try:
+      _check_export_out(out)
+      export(workdir, folder, encoder_only)
+      storage.copy_tree(folder, out)
+    finally:
+      shutil.rmtree(folder, ignore_errors=True)
+    return out
+  exported.__doc__, exported.__name__ = export.__doc__, export.__name__
+  return exported
+
+
+@_through_local_folder
+def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
+  """A workdir (pretraining run or import; or a fine-tuning run's best/ or final/) -> an HF
+  directory that `transformers.BertModel.from_pretrained(out)` loads, and the class that
+  holds its heads (HF_ARCHITECTURES: BertForPreTraining with both of pretraining's,
+  BertForSequenceClassification with GLUE's classifier, BertForQuestionAnswering with
+  SQuAD's span head): config.json, model.safetensors, and vocab.txt when the run used a
+  WordPiece one. A fine-tuning kind's head is exported as the class the kind declares
+  (FinetuneTask.hf_architecture, recorded in best/ and final/); a head of one's own is
+  refused, and `encoder_only` exports the encoder alone (BertModel) from any workdir.
+  `workdir` and `out` may be gs:// URLs (the files are written locally, then uploaded)."""
+  _check_export_out(out)
+  config, params, heads = _exported(workdir, encoder_only, 'hf')
+  model_config, finetuned = config.model, config.get('finetuned') or {}
   task = {h: params.pop(h) for h in set(heads) & set(TASK_HEADS)}
   flat = convert_from_params(params, model_config, fmt='hf')
   if heads:
@@ -929,25 +985,12 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
     flat = {n: x for n, x in flat.items() if not n.startswith('bert.pooler.')}
 
   os.makedirs(out, exist_ok=True)
-  pad_id = 0
-  named = (config.data.get('tokenizer', '') if 'data' in config else '') or (
-      'the shipped sentencepiece model')
-  tokenizer_path = _local_file(named) if named.endswith('.txt') else ''
-  if tokenizer_path and not os.path.isfile(tokenizer_path):
-    raise FileNotFoundError(f'the run\'s vocabulary {tokenizer_path} is not there; put it back '
-                            '(or a copy in the workdir beside config.json) to export it with the '
-                            'weights')
-  if tokenizer_path:
-    tokenizer = wordpiece.WordPieceTokenizer.load(tokenizer_path)
-    pad_id = tokenizer.pad_id
-    shutil.copyfile(tokenizer_path, os.path.join(out, VOCAB))
+  tokenizer = _copy_vocab(config, out)
+  if tokenizer:
     with open(os.path.join(out, wordpiece.TOKENIZER_CONFIG), 'w') as f:
       json.dump(dict(tokenizer.normalization, tokenizer_class='BertTokenizer',
                      model_max_length=int(model_config.max_len)), f)
-  else:
-    logging.warning('the run\'s tokenizer (%s) is not a WordPiece vocab.txt: exported weights '
-                    'only (HF\'s BertTokenizer cannot read a sentencepiece model)', named)
-  hf = hf_config(model_config, architecture, pad_id)
+  hf = hf_config(model_config, architecture, tokenizer.pad_id if tokenizer else 0)
   if 'classifier' in task:  # (one label: a regression, as GLUE's STS-B)
     labels = int(task['classifier']['bias'].shape[0])
     names = [str(n) for n in finetuned.get('labels') or ()]  # (the run's, in id order)
@@ -967,13 +1010,68 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   return out
 
 
+TF1_CKPT = 'bert_model.ckpt'
+TF1_CONFIG = 'bert_config.json'
+
+
+def tf1_bert_config(model_config) -> dict:
+  """bert_config.json as google-research/bert's BertConfig and the official RealFormer code
+  read it; 'hidden_act' is their "gelu", whichever form their code computes, and 'gelu' says
+  which this encoder computed (import-tf1 reads it back)."""
+  m = model_config
+  config = {
+      'vocab_size': int(m.vocab_size), 'hidden_size': int(m.hidden_size),
+      'num_hidden_layers': int(m.num_layers), 'num_attention_heads': int(m.num_heads),
+      'intermediate_size': int(m.mlp_dim), 'hidden_act': 'gelu', 'gelu': m.get('gelu', 'erf'),
+      'hidden_dropout_prob': float(m.dropout_rate),
+      'attention_probs_dropout_prob': float(m.attention_dropout_rate),
+      'max_position_embeddings': int(m.max_len), 'type_vocab_size': int(m.type_vocab_size),
+      'initializer_range': float(m.initializer_range)}
+  if resolve(m).residual_attention:
+    config['use_running_mean'] = bool(m.get('running_mean', False))
+  return config
+
+
+@_through_local_folder
+def export_tf1(workdir: str, out: str, encoder_only: bool = False) -> str:
+  """A Post-LN or RealFormer workdir (as export_hf takes it) -> a TF1 checkpoint of BERT's
+  variable names, which google-research/bert's scripts and the official RealFormer code load
+  as their init_checkpoint: bert_model.ckpt.index and .data-00000-of-00001 (the encoder, its
+  pretraining heads under cls/, GLUE's classifier as run_classifier.py's output_weights and
+  output_bias, SQuAD's span head as run_squad.py's cls/squad/output_*), bert_config.json
+  (with use_running_mean for RealFormer), and vocab.txt when the run used a WordPiece one.
+  Written by TensorFlow's own SaveV2 (needs tensorflow, the CPU build is enough); `workdir`
+  and `out` may be gs:// URLs."""
+  _check_export_out(out, reader='BERT\'s scripts')
+  config, params, heads = _exported(workdir, encoder_only, 'tf1')
+  task = {h: params.pop(h) for h in set(heads) & set(TASK_HEADS)}
+  flat = convert_from_params(params, config.model, fmt='tf1')
+  for head, weights in task.items():
+    flat[f'{TF1_TASK_HEADS[head]}_weights'] = np.ascontiguousarray(weights['kernel'].T)
+    flat[f'{TF1_TASK_HEADS[head]}_bias'] = weights['bias']
+  os.makedirs(out, exist_ok=True)
+  tf = _tensorflow('writing a TF1 checkpoint')
+  names = sorted(flat)
+  with tf.device('/cpu:0'):
+    tf.raw_ops.SaveV2(prefix=os.path.join(out, TF1_CKPT), tensor_names=names,
+                      shape_and_slices=[''] * len(names),
+                      tensors=[tf.constant(flat[n]) for n in names])
+  tokenizer = _copy_vocab(config, out)
+  if tokenizer and not tokenizer.normalization.get('do_lower_case', True):
+    logging.warning('the vocabulary is cased: pass --do_lower_case=False to BERT\'s scripts')
+  with open(os.path.join(out, TF1_CONFIG), 'w') as f:
+    json.dump(tf1_bert_config(config.model), f, indent=2, sort_keys=True)
+  return out
+
+
 # ----------------------------------------------------------------------------------------
 # Command line.
 # ----------------------------------------------------------------------------------------
 
 COMMANDS = {'import-hf': 'HF BERT directory -> params-only workdir',
             'import-tf1': 'TF1 BERT / RealFormer checkpoint -> workdir',
-            'export-hf': 'Post-LN workdir -> HF directory'}
+            'export-hf': 'Post-LN workdir -> HF directory',
+            'export-tf1': 'Post-LN or RealFormer workdir -> TF1 checkpoint'}
 
 
 def _define(command):
@@ -998,7 +1096,8 @@ def _define(command):
                         'google-research/bert since February 2019 and the official RealFormer '
                         'code (the default with realformer)', flag_values=f)
     else:
-      flags.DEFINE_string('workdir', None, 'a Post-LN workdir', flag_values=f, required=True)
+      flags.DEFINE_string('workdir', None, 'a Post-LN workdir' if command == 'export-hf' else
+                          'a Post-LN or RealFormer workdir', flag_values=f, required=True)
     flags.DEFINE_boolean('encoder_only', False,
                          'import the encoder alone, leaving out the pretraining heads (an MLM '
                          'decoder not tied to the embeddings, say)' if command.startswith(
@@ -1006,7 +1105,8 @@ def _define(command):
                          'export the encoder alone (BertModel), leaving out any head',
                          flag_values=f)
     flags.DEFINE_string('out', None, 'the new workdir' if command.startswith('import') else
-                        'the new HF directory', flag_values=f, required=True)
+                        f'the new {"HF" if command == "export-hf" else "TF1"} directory',
+                        flag_values=f, required=True)
   return define
 
 
@@ -1024,6 +1124,19 @@ def describe_import(step_dir: str) -> str:
           f'{", ".join(heads) or "no head (the encoder alone)"}')
 
 
+def describe_tf1_export(out: str) -> str:
+  """One line on what export-tf1 wrote, and the GELU that TF1 code computes for it."""
+  bert = json.loads((storage.path(out) / TF1_CONFIG).read_text())
+  variant = 'realformer' if 'use_running_mean' in bert else 'postln'
+  line = (f'exported {variant}: {bert["num_hidden_layers"]} layers of {bert["hidden_size"]} '
+          f'({bert["num_attention_heads"]} heads), a vocabulary of {bert["vocab_size"]}, '
+          f'{bert["max_position_embeddings"]} positions')
+  if bert['gelu'] == 'erf':
+    line += ('; its GELU is the erf form, which google-research/bert\'s modeling.py (since '
+             'February 2019) and the official RealFormer code approximate with tanh')
+  return line
+
+
 def main(argv=None) -> None:
   prog = 'python -m realformer.tools.interop'
   command, argv = cli.command(argv, COMMANDS, prog)
@@ -1038,8 +1151,12 @@ def main(argv=None) -> None:
                              gelu=args.gelu, encoder_only=args.encoder_only))
       print(describe_import(step_dir))
       print(step_dir)
-    else:
+    elif args.command == 'export-hf':
       print(export_hf(args.workdir, args.out, encoder_only=args.encoder_only))
+    else:
+      out = export_tf1(args.workdir, args.out, encoder_only=args.encoder_only)
+      print(describe_tf1_export(out))
+      print(out)
 
 
 if __name__ == '__main__':
