@@ -218,6 +218,28 @@ def test_fsdp_shards_every_matrix_and_tensor_parallel_splits_heads(variant):
       assert spec[0] == 'tensor', (name, spec)
 
 
+def test_an_optimizer_whose_state_is_not_shaped_as_the_params_is_sharded_where_it_fits():
+  """An optimizer of factored second moments (optax's Adafactor: a row and a column vector
+  per matrix, (1,) placeholders elsewhere, each kept in its parameter's box) trains on an
+  fsdp mesh: what the parameter's split does not fit is replicated (it was a raw sharding
+  error of rank, or of a (1,) split over fsdp), and a moment shaped as its parameter is
+  split as the parameter is."""
+  c = tiny_config('postln')
+  model = models.build(c.model)
+  mesh = partitioning.make_mesh({'data': 4, 'fsdp': 2, 'tensor': 1})
+  tx = optax.adafactor(1e-2, momentum=0.9, factored=True, min_dim_size_to_factor=32)
+  example = pretraining.abstract_batch(4, 16, 5)
+  abstract, shardings = train_lib.state_shardings(model, tx, example, mesh)
+  specs = {jax.tree_util.keystr(p): (a.shape, tuple(s.spec)) for (p, a), s in zip(
+      jax.tree_util.tree_leaves_with_path(abstract.opt_state), jax.tree.leaves(shardings.opt_state))}
+  kernel = "['encoder']['layers_0']['mlp']['intermediate']['kernel']"
+  assert specs[f'[4].ema{kernel}'] == ((32, 64), ('fsdp', 'tensor'))  # as the kernel is
+  assert specs[f'[0].v_row{kernel}'] == ((32,), ())  # (its names are the kernel's two)
+  assert specs[f'[0].v{kernel}'] == ((1,), ())  # (a placeholder: fsdp does not split it)
+  state, _ = train_lib.create_train_state(model, tx, example, mesh, seed=0)
+  assert jax.tree.leaves(state.opt_state)
+
+
 def test_a_mesh_that_does_not_divide_the_heads_or_a_random_table(caplog):
   """Refused before compiling where a parameter is split by head (every synthesizer) or
   where a mesh axis does not divide a parameter's dimension (a Random table along max_len,
@@ -975,24 +997,29 @@ def test_steps_match_hf_bert_for_pretraining_trained_in_pytorch(tmp_path):
 
 def test_the_step_at_a_learning_rate_argument_is_the_optimizer_at_that_rate_to_the_bit():
   """make_optimizer runs at a rate of 1 and the step scales its updates by the rate it is
-  given: AdamW's and LAMB's updates (clipping, decay mask, fixed parameters included) equal
+  given: every optimizer's updates (clipping, decay mask, fixed parameters included) equal
   those of the optimizer built at that rate, bit for bit, so taking the rate out of the
-  compiled program changes no run."""
+  compiled program changes no run (AdamW and LAMB built here as optax and train_lib.lamb
+  give them; an optimizer added to train_lib.OPTIMIZERS is held to it as its entry builds it
+  at the rate)."""
   config, spec, params = _fixed_random_synthesizer()
   grads = jax.tree.map(lambda p: jnp.sin(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
                        params)
   opt = config.optimizer
   opt.clip_norm, opt.weight_decay = 1.0, 0.01
-  for name in ('adamw', 'lamb'):
+  assert {'adamw', 'lamb'} <= set(train_lib.OPTIMIZERS)
+  for name in sorted(train_lib.OPTIMIZERS):
     opt.name = name
     unit = train_lib.make_optimizer(opt, spec)
     rate = np.float32(3e-4)
+    built = {'adamw': lambda: optax.adamw(lambda _: rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                                          weight_decay=opt.weight_decay,
+                                          mask=train_lib.decay_mask),
+             'lamb': lambda: train_lib.lamb(lambda _: rate, opt.b1, opt.b2, opt.eps,
+                                            opt.weight_decay)}.get(
+                 name, lambda: train_lib.OPTIMIZERS[name](lambda _: rate, opt))
     at_rate = optax.chain(  # what make_optimizer built with the rate inside it
-        train_lib.clip_by_global_norm(1.0),
-        (train_lib.lamb(lambda _: rate, opt.b1, opt.b2, opt.eps, opt.weight_decay)
-         if name == 'lamb' else optax.adamw(lambda _: rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                                            weight_decay=opt.weight_decay,
-                                            mask=train_lib.decay_mask)))
+        train_lib.clip_by_global_norm(1.0), built())
     frozen = train_lib.fixed_params_fn(spec)
     at_rate = optax.multi_transform(
         {'trained': at_rate, 'frozen': optax.set_to_zero()},

@@ -8,7 +8,7 @@ tensor (Megatron-style model parallel over heads and the MLP).
 """
 
 import contextlib
-from typing import Iterator, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -105,17 +105,30 @@ def check_divides(boxed_params, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> None:
   for path, leaf in leaves:
     if not isinstance(leaf, nn.LogicallyPartitioned):
       continue
-    mesh_axes = nn.logical_to_mesh_axes(leaf.names, rules)
-    for dim, (name, axes, size) in enumerate(zip(leaf.names, mesh_axes, leaf.value.shape)):
-      axes = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a)
-      split = int(np.prod([mesh.shape[a] for a in axes]))
-      if size % split:
-        setting = '*'.join(f'mesh.{a}' for a in axes)
-        where = '/'.join(str(getattr(k, 'key', k)) for k in path)
-        measure = f'{AXIS_SIZES[name]}={size}' if name in AXIS_SIZES else f'{size}'
-        raise ValueError(f'{setting}={split} does not divide {measure}, along which {where} is '
-                         f'split ({name}, its dimension {dim}); choose a {setting} that '
-                         f'divides {size}')
+    uneven = uneven_split(leaf, mesh, rules)
+    if uneven:
+      dim, name, axes, split = uneven
+      size = leaf.value.shape[dim]
+      setting = '*'.join(f'mesh.{a}' for a in axes)
+      where = '/'.join(str(getattr(k, 'key', k)) for k in path)
+      measure = f'{AXIS_SIZES[name]}={size}' if name in AXIS_SIZES else f'{size}'
+      raise ValueError(f'{setting}={split} does not divide {measure}, along which {where} is '
+                       f'split ({name}, its dimension {dim}); choose a {setting} that '
+                       f'divides {size}')
+
+
+def uneven_split(leaf: nn.LogicallyPartitioned, mesh: Mesh, rules=LOGICAL_AXIS_RULES
+                 ) -> Optional[Tuple[int, str, Tuple[str, ...], int]]:
+  """The first dimension of a boxed array that its logical axes' mesh axes do not split
+  evenly, as (dimension, logical name, mesh axes, their size); None where every one splits."""
+  shape = leaf.value.shape
+  mesh_axes = nn.logical_to_mesh_axes(leaf.names, rules)
+  for dim, (name, axes, size) in enumerate(zip(leaf.names, mesh_axes, shape)):
+    axes = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a)
+    split = int(np.prod([mesh.shape[a] for a in axes]))
+    if size % split:
+      return (dim, name, axes, split)
+  return None
 
 
 def check_heads(spec, mesh: Mesh) -> None:

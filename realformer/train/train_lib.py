@@ -222,8 +222,17 @@ def bert_adamw(schedule: optax.Schedule, b1: float, b2: float, eps: float, weigh
                      optax.scale_by_learning_rate(schedule))
 
 
-OPTIMIZERS = {'adamw': lambda schedule, **kw: optax.adamw(schedule, mask=decay_mask, **kw),
-              'bert_adamw': bert_adamw, 'lamb': lamb}
+# optimizer.name -> (schedule, config.optimizer) -> the optimizer, which reads its own fields
+# of config.optimizer and whose last transformation scales by the schedule's rate:
+# make_optimizer builds it at a rate of 1 and the train step applies the rate
+# (apply_learning_rate), the same to the bit only then (a test holds every entry to it). A
+# new optimizer is an entry here and its name in config_checks.OPTIMIZERS (docs/design.md,
+# "Adding an optimizer").
+OPTIMIZERS = {
+    'adamw': lambda schedule, o: optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps,
+                                             weight_decay=o.weight_decay, mask=decay_mask),
+    'bert_adamw': lambda schedule, o: bert_adamw(schedule, o.b1, o.b2, o.eps, o.weight_decay),
+    'lamb': lambda schedule, o: lamb(schedule, o.b1, o.b2, o.eps, o.weight_decay)}
 
 
 def _unit_learning_rate(count):
@@ -255,9 +264,7 @@ def make_optimizer(opt_config, spec: EncoderSpec,
   parts = []
   if opt_config.clip_norm and opt_config.clip_norm > 0:
     parts.append(clip_by_global_norm(float(opt_config.clip_norm)))
-  kw = dict(b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
-            weight_decay=opt_config.weight_decay)
-  parts.append(OPTIMIZERS[opt_config.get('name', 'adamw')](_unit_learning_rate, **kw))
+  parts.append(OPTIMIZERS[opt_config.get('name', 'adamw')](_unit_learning_rate, opt_config))
   tx = optax.chain(*parts)
   if frozen is not None:
     labels = lambda params: jax.tree.map(lambda f: 'frozen' if f else 'trained',
@@ -337,6 +344,9 @@ def tree_shardings(boxed_tree, mesh):
       return replicated
     if not jax.tree.leaves(x.unbox()):  # a box around optax's MaskedNode
       return x.unbox()
+    if (len(x.unbox().shape) != len(x.names) or  # an optimizer's state of another shape than
+        partitioning.uneven_split(x, mesh)):      # its parameter's (Adafactor's factored
+      return replicated                           # moments, placeholders), in its box
     return partitioning.logical_to_sharding(x, mesh)
   return jax.tree.map(sharding, boxed_tree, is_leaf=is_box)
 
@@ -347,7 +357,8 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, batch_sh
 
   Shapes come from jax.eval_shape (nothing is allocated); shardings from the params'
   logical axis names and partitioning.LOGICAL_AXIS_RULES. Optimizer moments mirror the
-  params' sharding; scalars (counts, step) are replicated. A mesh.tensor that does not
+  params' sharding; scalars (counts, step), and state that the parameter's split does not
+  fit (a factored moment of fewer axes, a placeholder), are replicated. A mesh.tensor that does not
   divide the heads is refused or warned about first (partitioning.check_heads).
   """
   partitioning.check_heads(model.spec, mesh)
