@@ -120,7 +120,9 @@ class Tokenizer:
 
     Whole-word masking groups a word's first piece with the continuation pieces after it.
     A sentencepiece piece begins a word when it starts with '\u2581' (the space marker; a
-    piece without it continues the previous word). Special tokens count as word starts, so
+    piece without it continues the previous word), so a word is what whitespace separates:
+    punctuation joins the word it touches ('\u2581institutions' '.'), where BERT's WordPiece
+    splits it apart (a WordPiece vocabulary groups as BERT does). Special tokens count as word starts, so
     they never join a word. Byte-fallback pieces (<0x..>) never start a word: a character
     outside the vocabulary is preceded by the '\u2581' piece when it starts a word, so its
     bytes continue that word.

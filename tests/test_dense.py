@@ -53,6 +53,22 @@ def test_cpu_dense_keeps_leading_axes_and_flax_dense_parameters():
                              rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize('impl', ['cpu', 'flax'])
+def test_a_gain_scales_the_kernels_initial_spread(impl):
+  """dense(..., gain=g) draws its kernel N(0, (g * initializer_range)^2), as a block whose
+  initialisation scales some projections (DeepNet's) needs; the bias stays zero."""
+  spec = resolve(small_config('postln', dense_impl=impl))
+  x = jnp.zeros((1, 256))
+  drawn = {g: dense_lib.dense(512, ('embed', 'mlp'), spec, 'proj', gain=g).init(
+      jax.random.PRNGKey(0), x)['params'] for g in (1.0, 0.25)}
+  for g, params in drawn.items():
+    std = float(np.std(np.asarray(params['kernel'].unbox())))
+    assert abs(std / (g * spec.initializer_range) - 1) < 0.01, (g, std)
+    assert not np.asarray(params['bias'].unbox()).any()
+  np.testing.assert_allclose(np.asarray(drawn[0.25]['kernel'].unbox()),
+                             0.25 * np.asarray(drawn[1.0]['kernel'].unbox()), rtol=1e-6)
+
+
 def test_auto_picks_cpu_dense_on_cpu_and_bad_values_are_clear():
   assert jax.default_backend() == 'cpu'
   spec = lambda impl, platform='': resolve(small_config('postln', dense_impl=impl), platform)

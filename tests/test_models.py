@@ -317,11 +317,11 @@ def test_config_errors_are_clear():
     resolve(small_config('postln', attention='dot+rnadom'))
   with pytest.raises(ValueError, match='does not divide model.max_len'):
     resolve(small_config('synth_factorized_dense', synth_factorized_a=5))
-  with pytest.raises(ValueError, match='model.block=.deep_norm.; choose one of post_ln, pre_ln'):
-    resolve(small_config('postln', block='deep_norm'))
+  with pytest.raises(ValueError, match='model.block=.no_such_block.; choose one of post_ln, pre_ln'):
+    resolve(small_config('postln', block='no_such_block'))
   # A name added to spec.BLOCKS without its layer: an error, never another block's layer.
-  spec = dataclasses.replace(resolve(small_config('postln')), block='deep_norm')
-  with pytest.raises(ValueError, match=r"model.block='deep_norm' has no layer in Block "
+  spec = dataclasses.replace(resolve(small_config('postln')), block='no_such_block')
+  with pytest.raises(ValueError, match=r"model.block='no_such_block' has no layer in Block "
                                        r'\(realformer/model/encoder.py\): add its branch'):
     models.build(spec, head='encoder').init(jax.random.PRNGKey(0), make_batch())
 

@@ -154,6 +154,24 @@ def test_a_field_added_since_a_run_began_stands_for_its_old_default(tmp_path):
     workdir_lib.check_resume_config(str(tmp_path), tanh, True)
 
 
+def test_a_preset_field_spelled_out_is_the_preset(tmp_path):
+  """A resume that gives a preset's own value (model.block=pre_ln on a Pre-LN run,
+  residual_attention on RealFormer's) names the same encoder: it resumes; another value is
+  refused, named by what each config computes."""
+  stored = tiny_config()
+  stored.model.variant = 'preln'
+  (tmp_path / 'config.json').write_text(stored.to_json_best_effort())
+  spelled = tiny_config()
+  spelled.model.variant, spelled.model.block = 'preln', 'pre_ln'
+  assert workdir_lib.check_resume_config(str(tmp_path), spelled, True) == []
+  spelled.model.residual_attention = False  # (postln's and preln's preset value too)
+  assert workdir_lib.check_resume_config(str(tmp_path), spelled, True) == []
+  other = tiny_config()
+  other.model.variant, other.model.block = 'preln', 'post_ln'
+  with pytest.raises(ValueError, match="1 field\\): model.block: 'pre_ln' -> 'post_ln'; resume"):
+    workdir_lib.check_resume_config(str(tmp_path), other, True)
+
+
 def test_grain_worker_count_is_fixed_for_a_run_and_its_read_threads_are_not(tmp_path):
   """grain's saved iterator state holds each worker's position, so data.worker_count must
   stay; data.read_threads only changes how fast records are read."""

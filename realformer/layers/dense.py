@@ -90,10 +90,12 @@ class CpuDense(nn.Module):
     return y.reshape(x.shape[:-1] + (self.features,))
 
 
-def dense(features: int, axes, spec, name: str) -> nn.Module:
-  """A dense layer with BERT's init, logical axis names on kernel and bias, spec's impl."""
-  kernel_init = nn.with_logical_partitioning(nn.initializers.normal(spec.initializer_range),
-                                             axes)
+def dense(features: int, axes, spec, name: str, gain: float = 1.0) -> nn.Module:
+  """A dense layer with BERT's init (its kernel N(0, (gain * initializer_range)^2): a block
+  that scales some projections' initialisation, as DeepNet's, passes its gain), logical
+  axis names on kernel and bias, spec's impl."""
+  kernel_init = nn.with_logical_partitioning(
+      nn.initializers.normal(gain * spec.initializer_range), axes)
   bias_init = nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:])
   if uses_cpu_dense(spec):
     return CpuDense(features, spec.dtype, kernel_init, bias_init, name=name)

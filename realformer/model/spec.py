@@ -182,6 +182,16 @@ def _dtype(key: str, value):
   return value
 
 
+def preset_fields(model: dict) -> dict:
+  """The preset's fields (PRESET_DEFAULTS') that a config's model section holds, as resolve
+  reads them: its own value where it gives one, else its variant's preset's. So a config
+  that spells out its preset's value (model.block=pre_ln on preln) names the same encoder as
+  one that leaves it to the preset (None)."""
+  preset = dict(PRESET_DEFAULTS, **VARIANTS.get(model.get('variant', 'postln'), {}))
+  return {k: preset[k] if model[k] is None or model[k] == '' else model[k]
+          for k in PRESET_DEFAULTS if k in model}
+
+
 def resolve(cfg, platform: str = '') -> EncoderSpec:
   """`config.model` (ConfigDict or dict) -> EncoderSpec, with one-line errors for bad values.
 

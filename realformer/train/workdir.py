@@ -37,6 +37,7 @@ from absl import logging
 
 from realformer import cli
 from realformer import storage
+from realformer.model.spec import preset_fields
 from realformer.run_names import RunNames
 from realformer.train import distributed
 
@@ -324,10 +325,17 @@ ADDED_FINETUNE_DEFAULTS = {'model.dtype': '', 'model.residual_dtype': '',
 
 
 def _flat_pair(stored: dict, new: dict):
-  """Both configs flattened to dotted keys, the stored one with ADDED_DEFAULTS filled in."""
-  b = flatten(new)
+  """Both configs flattened to dotted keys, the stored one with ADDED_DEFAULTS filled in, and
+  each one's preset fields as its variant's preset gives them where it leaves them None
+  (spec.preset_fields)."""
+  def flat(config: dict) -> dict:
+    values = flatten(config)
+    if isinstance(config.get('model'), dict):
+      values.update({f'model.{k}': v for k, v in preset_fields(config['model']).items()})
+    return values
+  b = flat(new)
   added = {**ADDED_DEFAULTS, **(ADDED_FINETUNE_DEFAULTS if 'benchmark' in new else {})}
-  return {**{k: v for k, v in added.items() if k in b}, **flatten(stored)}, b
+  return {**{k: v for k, v in added.items() if k in b}, **flat(stored)}, b
 
 
 def config_differences(stored: dict, new: dict):
