@@ -63,7 +63,7 @@ def model_config(variant='postln', size='base'):
   # approximation of google-research/bert's and the official RealFormer code.
   m.gelu = 'erf'
   # Overrides of what `variant` implies (None: take the variant's value).
-  m.block = ml_collections.FieldReference(None, field_type=str)  # 'post_ln' | 'pre_ln'
+  m.block = ml_collections.FieldReference(None, field_type=str)  # realformer/model/blocks.py's
   # '+'-joined logit components: dot and synthesizer/synthetic.py's (dense, random, ...).
   m.attention = ml_collections.FieldReference(None, field_type=str)
   m.residual_attention = ml_collections.FieldReference(None, field_type=bool)  # RealFormer

@@ -78,10 +78,28 @@ def synth_logits(name, p, x, spec):
                    'tests/reference.py COMPONENTS')
 
 
+def _post_ln(x, attend, mlp, ln):
+  x = ln('attention_layer_norm', x + attend(x))
+  return ln('mlp_layer_norm', x + mlp(x))
+
+
+def _pre_ln(x, attend, mlp, ln):
+  x = x + attend(ln('attention_layer_norm', x))
+  return x + mlp(ln('mlp_layer_norm', x))
+
+
+# model.block -> (layer(x, attend, mlp, ln) -> x, whether a LayerNorm follows the last
+# layer): attend(y) is the layer's self-attention of y [B, T, D], mlp(y) its feed-forward,
+# ln(name, y) its LayerNorm of that name. A block of one's own adds its formula here
+# (written from its definition, not from realformer/model/blocks.py).
+BLOCKS = {'post_ln': (_post_ln, False), 'pre_ln': (_pre_ln, True)}
+
+
 def encoder(params, spec, input_ids, segment_ids, attention_mask):
   """Returns (hidden [B,T,D], probs per layer, own dot scores per layer, carried scores)."""
-  assert spec.block in ('post_ln', 'pre_ln'), (
-      f'no reference for block {spec.block!r}: give it its formula here')
+  assert spec.block in BLOCKS, (
+      f'no reference for block {spec.block!r}: give its formula to tests/reference.py BLOCKS')
+  layer, final_layer_norm = BLOCKS[spec.block]
   p = _f64(params)
   emb = p['embeddings']
   t = input_ids.shape[1]
@@ -96,40 +114,38 @@ def encoder(params, spec, input_ids, segment_ids, attention_mask):
   for l in range(spec.num_layers):
     lp = p[f'layers_{l}']
     ap = lp['attention']
-    y = x if spec.block == 'post_ln' else layer_norm(x, lp['attention_layer_norm'],
-                                                     spec.layer_norm_eps)
-    # The mixture's components weighted by the softmax of its logits, in spec.mixture's
-    # order; the others (biases of the logits, or a single component) added as they are.
-    weights = dict(zip(spec.mixture, softmax(ap['mixture_logits']))) if spec.mixture else {}
-    logits, own = 0.0, None
-    for name in spec.attention:
-      if name == 'dot':
-        q, k = split_heads(linear(y, ap['query']), h), split_heads(linear(y, ap['key']), h)
-        own = q @ k.transpose(0, 1, 3, 2) / math.sqrt(spec.head_dim)
-        comp = own
-      else:
-        comp = synth_logits(name, ap.get(f'synth_{name}', {}), y, spec)
-      logits = logits + weights.get(name, 1.0) * comp
-    all_own.append(own)
-    if spec.residual_attention:
-      cur = logits if prev is None else logits + prev
-      prev = cur
-      all_carry.append(cur)
-      logits = cur / (l + 1) if spec.running_mean else cur
-    probs = softmax(logits + bias)
-    all_probs.append(probs)
-    v = split_heads(linear(y, ap['value']), h)
-    ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(x.shape)
-    a = linear(ctx, ap['out'])
-    mlp = lambda z: linear(gelu(linear(z, lp['mlp']['intermediate']), spec.gelu),
-                           lp['mlp']['output'])
-    if spec.block == 'post_ln':
-      x = layer_norm(x + a, lp['attention_layer_norm'], spec.layer_norm_eps)
-      x = layer_norm(x + mlp(x), lp['mlp_layer_norm'], spec.layer_norm_eps)
-    else:
-      x = x + a
-      x = x + mlp(layer_norm(x, lp['mlp_layer_norm'], spec.layer_norm_eps))
-  if spec.block == 'pre_ln':
+
+    def attend(y, l=l, ap=ap):
+      nonlocal prev
+      # The mixture's components weighted by the softmax of its logits, in spec.mixture's
+      # order; the others (biases of the logits, or a single component) added as they are.
+      weights = dict(zip(spec.mixture, softmax(ap['mixture_logits']))) if spec.mixture else {}
+      logits, own = 0.0, None
+      for name in spec.attention:
+        if name == 'dot':
+          q, k = split_heads(linear(y, ap['query']), h), split_heads(linear(y, ap['key']), h)
+          own = q @ k.transpose(0, 1, 3, 2) / math.sqrt(spec.head_dim)
+          comp = own
+        else:
+          comp = synth_logits(name, ap.get(f'synth_{name}', {}), y, spec)
+        logits = logits + weights.get(name, 1.0) * comp
+      all_own.append(own)
+      if spec.residual_attention:
+        cur = logits if prev is None else logits + prev
+        prev = cur
+        all_carry.append(cur)
+        logits = cur / (l + 1) if spec.running_mean else cur
+      probs = softmax(logits + bias)
+      all_probs.append(probs)
+      v = split_heads(linear(y, ap['value']), h)
+      ctx = (probs @ v).transpose(0, 2, 1, 3).reshape(y.shape)
+      return linear(ctx, ap['out'])
+
+    mlp = lambda z, lp=lp: linear(gelu(linear(z, lp['mlp']['intermediate']), spec.gelu),
+                                  lp['mlp']['output'])
+    ln = lambda name, z, lp=lp: layer_norm(z, lp[name], spec.layer_norm_eps)
+    x = layer(x, attend, mlp, ln)
+  if final_layer_norm:
     x = layer_norm(x, p['final_layer_norm'], spec.layer_norm_eps)
   return x, all_probs, all_own, all_carry
 

@@ -1,10 +1,12 @@
-"""A new attention-logit component and a new fine-tuning task are one file each: this one
-defines both, with no library file naming them. The component (a learned per-head
+"""A new attention-logit component, a new block and a new fine-tuning task are one
+registration each: this file defines all three, with no library file naming them. The component (a learned per-head
 relative-position bias) declares its logical axes, FLOPs, fixed parameters, that it is a
 bias of the logits (added with weight 1, not mixed) and that the fused attention may add it;
 it pretrains on a data x fsdp x tensor mesh, resumes, runs
 through the flash kernel as the plain path does, and reports its FLOPs. The task kind (its
 config fields, data, head, head FLOPs and metric) fine-tunes from that pretraining."""
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -23,6 +25,7 @@ from realformer.finetune import registry
 from realformer.finetune.task import FinetuneTask
 from realformer.layers.dense import dense
 from realformer.layers.rows import gather_rows
+from realformer.model import blocks
 from realformer.model.encoder import Encoder
 from realformer.model.spec import resolve
 from realformer.tools import hlo_stats
@@ -132,6 +135,67 @@ def test_the_component_against_the_float64_reference(attention, monkeypatch):
   np.testing.assert_allclose(out.hidden, hidden, rtol=2e-4, atol=2e-4)
   for got, want in zip(out.attention, probs):
     np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=2e-5)
+
+
+def _deepnet_gains(spec):
+  beta = (8 * spec.num_layers) ** -0.25
+  return dict.fromkeys(('value', 'out', 'intermediate', 'output'), beta)
+
+
+def deep_norm(layer, x):
+  """DeepNet's Post-LN (Wang et al. 2022) for an encoder of N layers: LN(alpha x +
+  Sublayer(x)), alpha = (2N)^(1/4); its value, output and feed-forward kernels drawn with a
+  gain of beta = (8N)^(-1/4) (_deepnet_gains)."""
+  alpha = (2 * layer.spec.num_layers) ** 0.25
+  x = layer.norm('attention_layer_norm',
+                 alpha * layer.residual(x) + layer.dropout(layer.attention(x)))
+  return layer.norm('mlp_layer_norm', alpha * x + layer.dropout(layer.mlp(x)))
+
+
+def _deep_norm_reference(x, attend, mlp, ln, num_layers=2):
+  """DeepNet's layer in float64, from the paper's formula (tests/reference.py BLOCKS)."""
+  alpha = (2 * num_layers) ** 0.25
+  x = ln('attention_layer_norm', alpha * x + attend(x))
+  return ln('mlp_layer_norm', alpha * x + mlp(x))
+
+
+def test_a_block_of_ones_own_is_one_function(monkeypatch, tmp_path):
+  """A block registered with its init gains (DeepNet's) is named by model.block: its
+  kernels start at the gains declared, the encoder equals the float64 reference given its
+  formula, under RealFormer's residual attention too, the pruned last layer equals the
+  full one, and it pretrains and resumes; an unknown name lists the registered ones."""
+  from tests import reference  # pylint: disable=g-import-not-at-top
+  from tests import test_last_layer  # pylint: disable=g-import-not-at-top
+  from tests.test_models import make_batch, np_batch, perturbed_params, small_config  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(blocks, 'BLOCKS', dict(blocks.BLOCKS))
+  blocks.register('deep_norm', init_gains=_deepnet_gains)(deep_norm)
+  monkeypatch.setitem(reference.BLOCKS, 'deep_norm', (_deep_norm_reference, False))
+  batch = make_batch()
+  for variant in ('postln', 'realformer'):
+    config = small_config(variant, block='deep_norm', num_layers=2)
+    spec = resolve(config)
+    model = models_lib.build(config, head='encoder')
+    initial = model.init(jax.random.PRNGKey(0), batch)['params']['layers_0']
+    spread = lambda *path: float(np.std(np.asarray(
+        functools.reduce(lambda t, k: t[k], path, initial)['kernel'].unbox())))
+    beta = (8 * 2) ** -0.25
+    for path in (('attention', 'value'), ('attention', 'out'), ('mlp', 'intermediate')):
+      assert abs(spread(*path) / (beta * spec.initializer_range) - 1) < 0.2, path
+    assert abs(spread('attention', 'query') / spec.initializer_range - 1) < 0.2
+    params = perturbed_params(model, batch)
+    out = model.apply({'params': params}, batch)
+    b = np_batch(batch)
+    hidden, _, _, _ = reference.encoder(params, spec, b['input_ids'], b['segment_ids'],
+                                        b['attention_mask'])
+    np.testing.assert_allclose(out.hidden, hidden, rtol=2e-4, atol=2e-4)
+    test_last_layer._compare(variant, block='deep_norm')  # pylint: disable=protected-access
+  config = tiny_config(num_steps=4, checkpoint_every_steps=2)
+  config.model.block = 'deep_norm'
+  assert train.train_and_evaluate(config, str(tmp_path), devices=jax.devices()[:1])[
+      'step'] == 4
+  with pytest.raises(ValueError, match=r"model.block='deepnorm'; choose one of post_ln, "
+                                       r'pre_ln, deep_norm \(or one of your own'):
+    resolve(small_config('postln', block='deepnorm'))
 
 
 # pylint: disable=redefined-outer-name  (the fixture)

@@ -35,6 +35,7 @@ from realformer.layers import flash_attention as flash_lib
 from realformer.layers import flash_attention_tpu as flash_tpu_lib
 from realformer.layers.dense import dense
 from realformer.layers.rows import gather_rows, take_rows
+from realformer.model import blocks
 from realformer.model.spec import EncoderSpec
 from synthesizer import synthetic
 
@@ -127,7 +128,8 @@ class SelfAttention(nn.Module):
 
   def _heads(self, x, name):
     s = self.spec
-    y = dense(s.hidden_size, ('embed', 'joined_kv'), s, name)(x)
+    y = dense(s.hidden_size, ('embed', 'joined_kv'), s, name,
+              gain=blocks.init_gain(s, name))(x)
     return y.reshape(x.shape[:2] + (s.num_heads, s.head_dim))  # [B, T, H, dh]
 
   def _mixture_weights(self):
@@ -165,7 +167,8 @@ class SelfAttention(nn.Module):
 
   def _output(self, ctx, xq):
     s = self.spec
-    return dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out')(ctx.reshape(xq.shape))
+    return dense(s.hidden_size, ('joined_kv', 'embed'), s, 'out',
+                 gain=blocks.init_gain(s, 'out'))(ctx.reshape(xq.shape))
 
   @nn.compact
   def __call__(self, x, bias, residual_scores=None, layer_index=0, rows=None, *,

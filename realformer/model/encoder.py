@@ -23,6 +23,7 @@ from realformer.layers import flash_attention as flash_lib
 from realformer.layers.dense import dense
 from realformer.layers.rows import last_layer_rows, positions_of_last_layer, take_rows
 from realformer.model import attention as attn_lib
+from realformer.model import blocks
 from realformer.model.spec import EncoderSpec, resolve
 
 
@@ -127,13 +128,47 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
     s = self.spec
-    h = dense(s.mlp_dim, ('embed', 'mlp'), s, 'intermediate')(x)
+    h = dense(s.mlp_dim, ('embed', 'mlp'), s, 'intermediate',
+              gain=blocks.init_gain(s, 'intermediate'))(x)
     h = gelu(s, h)
-    return dense(s.hidden_size, ('mlp', 'embed'), s, 'output')(h)
+    return dense(s.hidden_size, ('mlp', 'embed'), s, 'output',
+                 gain=blocks.init_gain(s, 'output'))(h)
+
+
+class _Parts:
+  """The parts that a block joins (realformer/model/blocks.py) in one call of Block, each
+  made in its scope when the block first asks for it."""
+
+  def __init__(self, block: 'Block', bias, scores, layer_index, rows):
+    self.spec = self._spec = block.spec
+    self._deterministic = block.deterministic
+    self._capture = block.capture_attention
+    self._attention = attn_lib.SelfAttention(block.spec, name='attention')
+    self._bias, self._layer_index, self._rows = bias, layer_index, rows
+    self.scores, self.probs = scores, None  # RealFormer's carry out; captured probabilities
+
+  def attention(self, h):
+    a, self.scores, self.probs = self._attention(
+        h, self._bias, self.scores, self._layer_index, self._rows,
+        deterministic=self._deterministic, capture_attention=self._capture)
+    return a
+
+  def residual(self, y):
+    return y if self._rows is None else take_rows(y, self._rows)
+
+  def mlp(self, h):
+    return Mlp(self._spec, name='mlp')(h)
+
+  def norm(self, name: str, y):
+    return layer_norm(self._spec, name)(y).astype(self._spec.dtype)
+
+  def dropout(self, y):
+    return hidden_dropout(self._spec)(y, deterministic=self._deterministic)
 
 
 class Block(nn.Module):
-  """One encoder layer. carry = (x [B,T,D], residual scores [B,H,T,T] or None).
+  """One encoder layer: its block (model.block, realformer/model/blocks.py) joining the
+  parts (_Parts). carry = (x [B,T,D], residual scores [B,H,T,T] or None).
 
   rows [B, S]: compute only those rows of the output (x becomes [B, S, D]); keys and values
   still come from every token, so the rows equal the full layer's. None: every row.
@@ -144,27 +179,11 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, carry, layer_index, bias, rows=None):
-    s = self.spec
     x, scores = carry
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
-    attention = attn_lib.SelfAttention(s, name='attention')
-    drop = lambda y: hidden_dropout(s)(y, deterministic=self.deterministic)
-    kw = dict(deterministic=self.deterministic, capture_attention=self.capture_attention)
-    residual = x if rows is None else take_rows(x, rows)
-    if s.block == 'post_ln':  # BERT: LN(x + Sublayer(x))
-      a, scores, probs = attention(x, bias, scores, layer_index, rows, **kw)
-      x = layer_norm(s, 'attention_layer_norm')(residual + drop(a)).astype(s.dtype)
-      x = layer_norm(s, 'mlp_layer_norm')(x + drop(Mlp(s, name='mlp')(x))).astype(s.dtype)
-    elif s.block == 'pre_ln':  # x + Sublayer(LN(x))
-      h = layer_norm(s, 'attention_layer_norm')(x).astype(s.dtype)
-      a, scores, probs = attention(h, bias, scores, layer_index, rows, **kw)
-      x = residual + drop(a)
-      h = layer_norm(s, 'mlp_layer_norm')(x).astype(s.dtype)
-      x = x + drop(Mlp(s, name='mlp')(h))
-    else:  # a name added to spec.BLOCKS without its layer here
-      raise ValueError(f'model.block={s.block!r} has no layer in Block '
-                       '(realformer/model/encoder.py): add its branch')
-    return (x, scores), probs
+    parts = _Parts(self, bias, scores, layer_index, rows)
+    x = blocks.BLOCKS[self.spec.block].layer(parts, x)
+    return (x, parts.scores), parts.probs
 
 
 # model.remat_policy: what each layer keeps for its backward pass (the rest is recomputed
@@ -234,7 +253,7 @@ class Encoder(nn.Module):
             (x, scores), i, bias, rows if i == s.num_layers - 1 else None)
         probs.append(p)
       probs = tuple(probs) if capture_attention else None
-    if s.block == 'pre_ln':
+    if blocks.BLOCKS[s.block].final_layer_norm:
       x = layer_norm(s, 'final_layer_norm')(x).astype(s.dtype)
     pooled = jnp.tanh(dense(s.hidden_size, ('embed', 'mlp'), s, 'pooler')(x[:, 0]))
     if rows is not None:

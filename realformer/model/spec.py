@@ -12,6 +12,7 @@ from typing import Any, Tuple
 import jax
 import jax.numpy as jnp
 
+from realformer.model import blocks
 from synthesizer import synthetic
 
 # The presets: what each variant sets of the fields that may override it (resolve). A field
@@ -30,7 +31,6 @@ VARIANTS = {
     'synth_dense_vanilla': dict(attention='dense+dot'),
     'synth_random_vanilla': dict(attention='random+dot'),
 }
-BLOCKS = ('post_ln', 'pre_ln')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_no_batch', 'dots_flash')
 FUSED_ATTENTION = ('auto', 'xla', 'cudnn', 'flash', 'off')
 DENSE_IMPLS = ('auto', 'flax', 'cpu')  # realformer/layers/dense.py
@@ -217,8 +217,9 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
     raise ValueError(f'model.attention={attention!r}: expected distinct components joined by "+" '
                      f'from {", ".join(("dot",) + synthetic.known_names())} (or one of your own: '
                      f'synthesizer/<name>.py)')
-  if block not in BLOCKS:
-    raise ValueError(f'model.block={block!r}; choose one of {", ".join(BLOCKS)}')
+  if block not in blocks.BLOCKS:
+    raise ValueError(f'model.block={block!r}; choose one of {", ".join(blocks.BLOCKS)} (or '
+                     'one of your own: realformer/model/blocks.py)')
   dtype = _dtype('dtype', c.pop('dtype', 'float32'))
   residual_dtype = c.pop('residual_dtype', 'float32')
   if residual_dtype not in ('float32', 'bfloat16', jnp.float32, jnp.bfloat16):
