@@ -389,6 +389,18 @@ def test_each_step_and_microbatch_draws_its_own_dropout_key(grad_accum_steps):
     updates.append(np.asarray(new.params['w']))
   assert not np.allclose(updates[0], updates[1])  # another step, another key
   np.testing.assert_array_equal(updates[0], updates[2])  # the same step, the same key
+  # A statistic of the loss that its metrics class has no field for is named with the fix
+  # (fine-tuning's class, say, where one was added to pretraining's alone).
+  param_norm = lambda p, b, k, t: (loss_fn(p, b, k, t)[0],
+                                   dict(loss_fn(p, b, k, t)[1], param_norm=zero))
+  step = train_lib.make_train_step(
+      param_norm, tx, mesh=mesh, shardings=jax.tree.map(lambda _: replicated, state),
+      metrics_cls=metrics_lib.PretrainingTrainMetrics, totals_fn=lambda batch: {},
+      grad_accum_steps=grad_accum_steps)
+  with pytest.raises(ValueError, match=r"PretrainingTrainMetrics \(realformer.train.metrics\) "
+                                       r"has no field for the metric 'param_norm'; add "
+                                       r'`param_norm: clu.metrics.Average`.*"Adding a metric"'):
+    step(jax.tree.map(jnp.copy, state), batch, np.float32(1.0), rng)
 
 
 @pytest.mark.parametrize('max_norm', [0.5, 1e3])  # clipped, and left alone

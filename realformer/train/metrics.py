@@ -21,6 +21,7 @@ not quite its mlm_loss + nsp_loss, which weigh the steps by their tokens and exa
 not used here.
 """
 
+import dataclasses
 import os
 import socket
 import time
@@ -101,7 +102,16 @@ def pretraining_metrics(next_sentence: bool):
 
 
 def collection(cls, **values: metrics.Metric) -> metrics.Collection:
-  """An instance of the Collection class `cls` holding `values` (one per field)."""
+  """An instance of the Collection class `cls` holding `values` (one per field); a value
+  of no field of `cls` (a metric added to the loss or the step but not to every class that
+  logs it) is a one-line error naming the class and the fix."""
+  fields = {f.name for f in dataclasses.fields(cls)}
+  extra = sorted(set(values) - fields)
+  if extra:
+    raise ValueError(f'{cls.__name__} ({cls.__module__}) has no field for the metric '
+                     f'{extra[0]!r}; add `{extra[0]}: clu.metrics.Average` (or the '
+                     'metric it is) to it and to every class that logs it (docs/design.md, '
+                     '"Adding a metric")')
   return cls.empty().replace(**values)
 
 
