@@ -559,9 +559,10 @@ def test_mosaic_tiles_pad_no_more_than_lanes_do_and_share_steps_among_heads():
                                (12, 384): 1, (12, 512): 1, (7, 256): 1, (2, 128): 2}.items():
     assert flash_tpu_lib.heads_per_step(heads, tile) == group, (heads, tile)
   # and as many as VMEM holds of the dK/dV kernel's blocks: RealFormer's (a term, its
-  # gradient and the scores' gradient, float32) with bfloat16 q, k, v, and float32 ones
-  for itemsize, group in ((2, 16), (4, 8)):
-    assert flash_tpu_lib.heads_per_step(16, 128, 64, itemsize, pair_bytes=12) == group
+  # gradient and the scores' gradient, float32) with bfloat16 q, k, v, and float32 ones;
+  # a bfloat16 carry's
+  for itemsize, pairs, group in ((2, 12, 8), (4, 12, 8), (2, 6, 16)):
+    assert flash_tpu_lib.heads_per_step(16, 128, 64, itemsize, pairs) == group
 
 
 def _summed(kernel, logit_scale, scores_dtype, dot=True):
@@ -639,11 +640,14 @@ def test_mosaic_kernels_compile_for_tpu_slices(topology):
 
 
 @needs_libtpu
-def test_mosaic_kernels_fit_vmem_in_float32_with_a_term():
-  """RealFormer-large's 16 heads at length 128 in float32 (a float32 model on a TPU: the
-  default dtype), compiled for v5p: sixteen heads a step ran out of VMEM in the dK/dV
-  kernel; heads_per_step takes eight."""
-  target = launch.tpu_target('v5p:2x2x1')
+@pytest.mark.parametrize('topology,dtype', [('v5p:2x2x1', jnp.float32),
+                                            ('v4:2x2x1', jnp.bfloat16)])
+def test_mosaic_kernels_fit_vmem_with_a_float32_term(topology, dtype):
+  """RealFormer-large's 16 heads at length 128 with its float32 carry: in a float32 model
+  (a TPU's default dtype) sixteen heads a step ran out of v5p's VMEM in the dK/dV kernel,
+  in a bfloat16 one out of v4's (16 MiB: the launch check of realformer,large on v4 failed);
+  heads_per_step takes eight."""
+  target = launch.tpu_target(topology)
   mesh = jax.sharding.Mesh(np.array(target.devices), ('data',))
   data = NamedSharding(mesh, P('data'))
 
@@ -653,7 +657,7 @@ def test_mosaic_kernels_fit_vmem_in_float32_with_a_term():
   local = jax.shard_map(step, mesh=mesh, in_specs=(P('data'),) * 4 + (P(), P('data')),
                         out_specs=(P('data'),) * 4, check_vma=False)
   n = 4 * len(target.devices)
-  q = jax.ShapeDtypeStruct((n, 128, 16, 64), jnp.float32, sharding=data)
+  q = jax.ShapeDtypeStruct((n, 128, 16, 64), dtype, sharding=data)
   with bypassing_the_runs_compilation_cache():
     jax.jit(local).trace(
         q, q, q, jax.ShapeDtypeStruct((n, 128), jnp.float32, sharding=data),

@@ -55,10 +55,12 @@ _LANES = 128
 MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float32 arrays)
 # What the blocks of one grid step of the dK/dV kernel (the largest: q, k, v, dO, dK, dV and,
 # with a term, the term, the scores' gradient and the logits' gradient), double-buffered,
-# may take of VMEM (heads_per_step). Compiled by libtpu 0.0.48.1 for v5p, 16 heads of 64 at
-# length 128 in one step: 9.0 MiB (bfloat16, a float32 carry) compiles, 12.0 MiB (float32
-# throughout) runs out of VMEM.
-STEP_VMEM_BYTES = 9 * 2 ** 20
+# may take of VMEM (heads_per_step); the kernel's own [block, block] temporaries about as
+# much again. Compiled by libtpu 0.0.48.1, 16 heads of 64 at length 128 in one step with a
+# float32 carry: 9.0 MiB of blocks (bfloat16 q, k, v) compiles for v5e, v5p and v6e but
+# takes 16.86 MiB of v4's 16 MiB; 12.0 MiB (float32 throughout) runs out on v5p too. Eight
+# heads a step fit every generation (tests/test_flash_variants.py).
+STEP_VMEM_BYTES = 8 * 2 ** 20
 _TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
 _TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
 
