@@ -152,7 +152,7 @@ def get_config(arg: str = 'postln,tiny'):
   # Input pipeline (data/). Sources: 'embedded' (the CC0 corpus shipped in the repository),
   # 'files:<glob>' (BERT's format: one sentence per line, blank line between documents),
   # 'tfds:<name>[:<split>]' (e.g. tfds:wikipedia/20230601.en; built in tfds_data_dir),
-  # 'hf:<dataset>[:<config>]' (Hugging Face datasets), several joined by ';'
+  # 'hf:<dataset>[@<revision>][:<config>][:<split>]' (Hugging Face datasets), several joined by ';'
   # (data/sources.py); or 'synthetic' alone: random token batches of the real format, for
   # throughput checks (nothing is prepared).
   c.data = ml_collections.ConfigDict()

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import ml_collections
@@ -462,9 +463,26 @@ def test_a_program_too_big_for_hbm_is_refused_not_crashed():
   assert launch.exit_status(result) == launch.EXIT_DOES_NOT_FIT
   assert lines[0] == 'compiling the train step and the evaluation step for v5e:2x2 (4 chips) ...'
   assert 'does not fit: the compiler refused' in lines[1]
-  assert lines[1].endswith(f'verdict: does not fit ({launch.MEMORY_FIXES})')  # and the fixes
+  assert lines[1].endswith(  # and the fixes
+      f'verdict: does not fit ({launch.memory_fixes(config, launch.tpu_target("v5e:2x2"))})')
+  assert 'shard the state further (mesh.fsdp)' in lines[1]
   assert launch.exit_status({'report': dict(report, fits=True)}) == 0
   assert launch.exit_status({'report': dict(report, hbm_bytes=None)}) == 0  # no limit known
+
+
+def test_the_fixes_shard_further_only_where_fsdp_does_not_span_the_slice():
+  """Sharding the state further is a fix where the fsdp axis leaves chips out; where it spans
+  the slice (one chip, or mesh.fsdp=-1), a slice of more chips is."""
+  slice_of = lambda n: types.SimpleNamespace(devices=list(range(n)))
+  config = tiny()
+  config.mesh.data, config.mesh.fsdp = 1, -1
+  for n in (1, 4):
+    assert launch.shard_fixes(config, slice_of(n)).startswith(
+        'a slice of more chips with the state sharded over them (mesh.fsdp)')
+  config.mesh.data = -1
+  config.mesh.fsdp = 1
+  assert launch.shard_fixes(config, slice_of(4)).startswith('shard the state further')
+  assert launch.memory_fixes(config, slice_of(4)).startswith('lower train.batch_size')
 
 
 def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):

@@ -603,8 +603,14 @@ def test_flops_per_example_matches_xla_count(variant):
 def test_layout_errors_come_before_compile(tmp_path):
   c = tiny_config()
   c.mesh.data, c.mesh.fsdp = 3, 1
-  with pytest.raises(ValueError, match='does not divide the 8 devices'):
+  with pytest.raises(ValueError, match=r'does not divide the 8 devices; make the product of '
+                                       r'the axes 8 \(or set one axis to -1'):
     train.train_and_evaluate(c, str(tmp_path / 'a'))
+  c.mesh.data, c.mesh.fsdp = -1, 3
+  with pytest.raises(ValueError, match='does not divide the 8 devices; make the product of '
+                                       'the others divide it'):
+    train.train_and_evaluate(c, str(tmp_path / 'a'))
+  c.mesh.fsdp = 1
   c.mesh.data = 0
   with pytest.raises(ValueError, match='config.mesh.data=0: give a positive size, or -1'):
     train.train_and_evaluate(c, str(tmp_path / 'a'))

@@ -1080,8 +1080,9 @@ def _define(command):
       flags.DEFINE_string('src', None, 'config.json, model.safetensors|pytorch_model.bin, '
                           'vocab.txt', flag_values=f, required=True)
     elif command == 'import-tf1':
-      flags.DEFINE_string('ckpt', None, 'checkpoint prefix, e.g. .../bert_model.ckpt',
-                          flag_values=f, required=True)
+      flags.DEFINE_string('ckpt', None, 'the checkpoint: its prefix (.../bert_model.ckpt) or '
+                          'any of its files (.index, .data-*, .meta)', flag_values=f,
+                          required=True)
       flags.DEFINE_string('bert_config', None, 'bert_config.json', flag_values=f,
                           required=True)
       flags.DEFINE_string('vocab', None, 'vocab.txt', flag_values=f, required=True)

@@ -67,12 +67,23 @@ _DIMENSIONS = {'v4': 3, 'v5e': 2, 'v5p': 3, 'v6e': 2}
 # compiler itself checks only the temporaries, so a program can compile and still not fit.
 # A refusal that names another figure replaces it (compile_step).
 USABLE_HBM_GIB = {'v4': 30.75, 'v5e': 15.75, 'v5p': 95.73, 'v6e': 31.24}
-# What brings a step that does not fit under the HBM, for the report's verdict: at the same
-# batch, then with a smaller one.
-SHARD_FIXES = ('shard the state further (mesh.fsdp), remat (model.remat_policy=dots_flash, '
-               'or full) or shorten data.max_seq_length')
-MEMORY_FIXES = ('lower train.batch_size (--find_max_batch finds the largest), raise '
-                f'train.grad_accum_steps, or {SHARD_FIXES}')
+
+
+def shard_fixes(config, target) -> str:
+  """What brings a step that does not fit under the HBM at the same batch, for the report's
+  verdict: sharding the state further only where the fsdp axis does not span the slice."""
+  fsdp = partitioning.mesh_shape(config.mesh, len(target.devices))[1]
+  further = ('shard the state further (mesh.fsdp)' if fsdp < len(target.devices) else
+             'a slice of more chips with the state sharded over them (mesh.fsdp)')
+  return (f'{further}, remat (model.remat_policy=dots_flash, or full) or shorten '
+          'data.max_seq_length')
+
+
+def memory_fixes(config, target) -> str:
+  """shard_fixes, after those with a smaller batch."""
+  return ('lower train.batch_size (--find_max_batch finds the largest), raise '
+          f'train.grad_accum_steps, or {shard_fixes(config, target)}')
+
 # chip_config_name of the generations with two TensorCores per chip: 'megacore' makes one
 # device per chip, as jax shows those chips on a TPU VM.
 _MEGACORE = ('v4', 'v5p')
@@ -403,8 +414,8 @@ def _out_of_memory(error: Exception) -> Optional[str]:
   if 'Shared memory size limit' in text or 'memory space vmem' in text:
     first = next(l.strip() for l in text.splitlines() if 'memory' in l.lower())[:200]
     raise LaunchError(f'a kernel asks more on-chip memory than the device has ({first}): its '
-                      'tiling, not the batch; compile with --config.model.fused_attention=off '
-                      'to check the rest, and report the config') from None
+                      'tiling, not the batch; --config.model.fused_attention=off compiles '
+                      '(and trains) without the kernels meanwhile: report the config') from None
   if any(k in text for k in ('RESOURCE_EXHAUSTED', 'Ran out of memory', 'out of memory',
                              'exceeds the memory')):
     lines = [l.strip() for l in text.splitlines() if l.strip()]
@@ -716,7 +727,7 @@ def format_report(config, target: Target, r: Report) -> str:
     hbm += ' usable'
   if r.refusal:
     lines += [f'does not fit: the compiler refused the program for {hbm} of HBM per chip: '
-              f'{r.refusal}', f'verdict: does not fit ({MEMORY_FIXES})']
+              f'{r.refusal}', f'verdict: does not fit ({memory_fixes(config, target)})']
     return '\n'.join(lines)
   g = lambda n: f'{n / GiB:9.3f}'
   lines += ['per chip                              GiB',
@@ -740,7 +751,7 @@ def format_report(config, target: Target, r: Report) -> str:
   verdict = ('fits' if r.hbm_bytes and r.fits else
              'does not fit: the evaluation step (set train.eval_steps=0, raise '
              'train.grad_accum_steps or shard further with mesh.fsdp)' if train_fits else
-             f'does not fit ({MEMORY_FIXES})' if r.hbm_bytes else
+             f'does not fit ({memory_fixes(config, target)})' if r.hbm_bytes else
              'no memory limit known for this device')
   lines.append(f'verdict: {verdict}')
   note = ''
@@ -834,7 +845,7 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
     result['max_batch_total_bytes'] = best.total_bytes if best else 0
     result['search'] = [_as_dict(r) for r in tried]
     if best is None and summary['converged']:  # the smallest batch was refused
-      log(f'no batch fits, not even {unit}: {SHARD_FIXES}')  # (more microbatches: more rows)
+      log(f'no batch fits, not even {unit}: {shard_fixes(config, target)}')  # (more microbatches: more rows)
     elif best is None:
       log(f'no batch tried fits (the smallest tried: {summary["first_failing"]}); the search '
           f'stopped after {len(tried)} compiles before reaching {unit}: raise --max_compiles')

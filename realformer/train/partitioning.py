@@ -55,7 +55,10 @@ def mesh_shape(mesh_config, num_devices: int) -> Tuple[int, ...]:
   known = int(np.prod([s for s in sizes if s != -1]))
   if num_devices % known:
     raise ValueError(f'config.mesh {dict(zip(MESH_AXES, sizes))} does not divide the '
-                     f'{num_devices} devices; make the product of the axes divide it')
+                     f'{num_devices} devices; ' + (
+                         'make the product of the others divide it' if -1 in sizes else
+                         f'make the product of the axes {num_devices} (or set one axis to '
+                         '-1 for the devices the others leave)'))
   sizes = [num_devices // known if s == -1 else s for s in sizes]
   if int(np.prod(sizes)) != num_devices:
     raise ValueError(f'config.mesh {dict(zip(MESH_AXES, sizes))} uses {int(np.prod(sizes))} '
