@@ -154,6 +154,49 @@ def test_a_field_added_since_a_run_began_stands_for_its_old_default(tmp_path):
     workdir_lib.check_resume_config(str(tmp_path), tanh, True)
 
 
+def test_configs_run_gives_a_run_the_config_it_was_started_with(tmp_path):
+  """configs/run.py:<workdir> (or its config.json) is the config in the run's config.json, as
+  its program's config file types it: a pretraining and a fine-tuning run's come back equal;
+  a field added since the run began takes the value such runs computed (ADDED_DEFAULTS), a
+  field the config no longer has, a file that is no run's config and a missing one are one
+  line each; a refused resume names it."""
+  from configs import finetune as finetune_configs  # pylint: disable=g-import-not-at-top
+  stored = tiny_config()
+  stored.model.variant, stored.optimizer.name = 'realformer', 'lamb'
+  stored.model.block = 'post_ln'
+  tuned = finetune_configs.get_config('squad/v2.0')
+  tuned.seed, tuned.init_checkpoint = 3, '/runs/rf'
+  for name, config in (('pretraining', stored), ('finetuning', tuned)):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / 'config.json').write_text(config.to_json_best_effort())
+    for given in (tmp_path / name, tmp_path / name / 'config.json'):
+      again = cli.load_config(f'configs/run.py:{given}')
+      assert again.to_json_best_effort() == config.to_json_best_effort(), name
+  old = json.loads(stored.to_json_best_effort())
+  del old['optimizer']['name'], old['model']['gelu']  # (a run of before these fields)
+  (tmp_path / 'old').mkdir()
+  (tmp_path / 'old' / 'config.json').write_text(json.dumps(old))
+  again = cli.load_config(f'configs/run.py:{tmp_path / "old"}')
+  assert (again.optimizer.name, again.model.gelu) == ('adamw', 'erf')
+  assert again.model.variant == 'realformer' and again.train.batch_size == 4
+  old['model']['talking_heads'] = True  # (a field of a fork, or one removed since)
+  (tmp_path / 'old' / 'config.json').write_text(json.dumps(old))
+  with pytest.raises(ValueError, match=r'config.json holds 1 field this pretraining config has '
+                                       r'not \(model.talking_heads\); give train.py its config'):
+    cli.load_config(f'configs/run.py:{tmp_path / "old"}')
+  (tmp_path / 'old' / 'config.json').write_text('{"text": 1}')
+  with pytest.raises(ValueError, match='is not the config of a train.py or finetune.py run'):
+    cli.load_config(f'configs/run.py:{tmp_path / "old"}')
+  with pytest.raises(ValueError, match=r'nowhere/config.json not found; give configs/run.py '
+                                       r'the workdir of a run'):
+    cli.load_config(f'configs/run.py:{tmp_path / "nowhere"}')
+  other = tiny_config()
+  other.model.mlp_dim *= 2
+  with pytest.raises(ValueError, match=rf'resume with the stored values \(--config '
+                                       rf'configs/run.py:{tmp_path / "pretraining"}\)'):
+    workdir_lib.check_resume_config(str(tmp_path / 'pretraining'), other, True)
+
+
 def test_a_preset_field_spelled_out_is_the_preset(tmp_path):
   """A resume that gives a preset's own value (model.block=pre_ln on a Pre-LN run,
   residual_attention on RealFormer's) names the same encoder: it resumes; another value is

@@ -324,6 +324,52 @@ ADDED_FINETUNE_DEFAULTS = {'model.dtype': '', 'model.residual_dtype': '',
                            'model.dense_impl': '', 'model.scan_layers': None}
 
 
+def stored_config(path: str):
+  """The config a run was started with, as its program builds configs (configs/run.py):
+  `path` is the run's workdir or its config.json (a gs:// URL too). The program's config
+  file makes the fields (configs/pretrain.py:<variant>,base or configs/finetune.py:
+  <kind>/<task>: their types and references), then each takes the stored value; a field the
+  file lacks (added since the run began) takes the value such runs computed
+  (ADDED_DEFAULTS), and one it holds that the config no longer has is a one-line error."""
+  file = storage.path(path)
+  if not str(path).endswith('.json'):
+    file = file / RunNames.CONFIG
+  if not storage.is_file(file):
+    raise ValueError(f'{file} not found; give configs/run.py the workdir of a run (or its '
+                     'config.json)')  # (a bad argument of the config file, as a size is)
+  try:
+    stored = json.loads(file.read_text())
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f'{file} is not readable JSON ({e}); give the config.json of a run') from None
+  program = cli.program_of(stored) if isinstance(stored, dict) else None
+  if program is None:
+    raise ValueError(f'{file} is not the config of a train.py or finetune.py run')
+  config = cli.load_config(
+      f'configs/pretrain.py:{stored["model"]["variant"]},base' if program == 'train.py' else
+      f'configs/finetune.py:{stored["benchmark"]}/{stored["task"]}')
+  given = flatten(stored)
+  added = {**ADDED_DEFAULTS, **(ADDED_FINETUNE_DEFAULTS if program == 'finetune.py' else {})}
+  fields = flatten(config.to_dict())
+  gone = sorted(set(given) - set(fields))
+  if gone:
+    raise ValueError(f'{file} holds {len(gone)} field{"s" * (len(gone) > 1)} this '
+                     f'{cli.PROGRAMS[program][0]} config has not ({", ".join(gone[:3])}); give '
+                     f'{program} its config file ({cli.PROGRAMS[program][1]}) with the '
+                     'settings to keep')
+  for key in fields:
+    if key not in given and key not in added:
+      continue  # (a field added since the run began that stands for nothing: as given)
+    value = given[key] if key in given else added[key]
+    *sections, name = key.split('.')
+    node = config
+    for section in sections:
+      node = node[section]
+    if isinstance(node[name], tuple) and isinstance(value, list):
+      value = tuple(value)
+    node[name] = value
+  return config
+
+
 def _flat_pair(stored: dict, new: dict):
   """Both configs flattened to dotted keys, the stored one with ADDED_DEFAULTS filled in, and
   each one's preset fields as its variant's preset gives them where it leaves them None
@@ -401,7 +447,8 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
     raise ValueError(
         f'{workdir} holds a checkpoint of another config ({len(fixed)} '
         f'field{"s" if len(fixed) > 1 else ""}): {shown}; resume with the '
-        f'stored values (its config.json) or start a new --workdir{phase}')
+        f'stored values (--config configs/run.py:{workdir}) or start a new '
+        f'--workdir{phase}')
   for k in allowed:
     logging.info('resuming with %s changed: %r -> %r', k, _flat_pair(stored, new)[0][k],
                  flatten(new)[k])
