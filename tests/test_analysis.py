@@ -178,6 +178,44 @@ def test_a_mixtures_learned_weights_are_reported_per_layer(tmp_path):
   assert f'| synth_random_vanilla | 0 | {first} |' in report
 
 
+@pytest.mark.parametrize('variant', ['synth_random', 'synth_factorized_random'])
+def test_a_random_tables_attention_is_drawn_per_layer(variant, tmp_path):
+  """The Synthesizer paper's figure of the learned Random weights: each layer's table (R, or
+  R1 R2^T) as the softmax over its keys at the analysed length, the heads averaged, from
+  unrolled or scanned params; drawn in attention_random.png and named in the report."""
+  spec = resolve(pretrain.get_config(f'{variant},tiny').model)
+  rng = np.random.default_rng(0)
+  h, n = spec.num_heads, spec.max_len
+  layers = []
+  for _ in range(spec.num_layers):
+    layers.append({'synth_random': {'random_logits': rng.normal(size=(h, n, n))}}
+                  if variant == 'synth_random' else
+                  {'synth_factorized_random': {'random_factor_1': rng.normal(size=(h, n, 3)),
+                                               'random_factor_2': rng.normal(size=(h, n, 3))}})
+  unrolled = {f'layers_{i}': {'attention': a} for i, a in enumerate(layers)}
+  scanned = {'layers': {'attention': jax.tree.map(lambda *x: np.stack(x), *layers)}}
+  for params in (unrolled, scanned):
+    maps = analysis.random_maps(params, spec, 5)
+    assert len(maps) == spec.num_layers
+    for layer, got in zip(layers, maps):
+      table = next(iter(layer.values()))
+      logits = (table['random_logits'][:, :5, :5] if variant == 'synth_random' else
+                table['random_factor_1'][:, :5] @ table['random_factor_2'][:, :5].transpose(
+                    0, 2, 1))
+      want = np.mean([np.exp(row) / np.exp(row).sum(-1, keepdims=True) for row in logits], 0)
+      np.testing.assert_allclose(got, want, rtol=1e-12)
+  assert analysis.random_maps(unrolled, resolve(pretrain.get_config('postln,tiny').model),
+                              5) is None
+  results = [{'variant': variant, 'workdir': '/w', 'step': 3, 'entropy_mean': [1.0, 1.0],
+              'js_adjacent': [0.1], 'js_all_pairs': [[0, 0.1], [0.1, 0]],
+              'entropies': [np.ones(4)] * 2, 'head_entropies': [[np.ones(4)] * 2] * 2,
+              'random_maps': maps}]
+  analysis.write_report(results, str(tmp_path / 'report'))
+  assert (tmp_path / 'report' / 'attention_random.png').stat().st_size > 1000
+  assert "learned Random table as attention" in (tmp_path / 'report' / 'attention.md'
+                                                  ).read_text()
+
+
 def test_runs_of_one_variant_get_labels_of_their_own():
   """Without --label, each run is named by its variant; runs of one variant (seeds of a
   sweep) by their workdir's folder too, so that attention.json keeps every run."""

@@ -187,6 +187,36 @@ def mixture_weights(params, spec) -> Optional[List[Dict[str, float]]]:
   return [dict(zip(spec.mixture, map(float, row))) for row in weights]
 
 
+def _layer_params(params, i: int) -> dict:
+  """Layer i's attention params, from unrolled layers_<i> or scanned `layers`."""
+  if 'layers' in params:
+    return jax.tree.map(lambda x: np.asarray(x)[i], params['layers']['attention'])
+  return params[f'layers_{i}']['attention']
+
+
+def random_maps(params, spec, length: int) -> Optional[List[np.ndarray]]:
+  """Each layer's attention by its learned Random table alone over the first `length`
+  positions, [length, length] float64: the softmax over the keys of the table's logits
+  (Factorized Random's R1 R2^T), averaged over the heads (the Synthesizer paper's figure of
+  the learned Random weights); None for an encoder without a Random component. The table is
+  input-independent, so this is what the component attends whatever the text."""
+  name = next((c for c in spec.attention if c in ('random', 'factorized_random')), None)
+  if name is None:
+    return None
+  maps = []
+  for i in range(spec.num_layers):
+    table = _layer_params(params, i)[f'synth_{name}']
+    if name == 'random':
+      logits = np.asarray(table['random_logits'], np.float64)[:, :length, :length]
+    else:
+      r1, r2 = (np.asarray(table[f'random_factor_{k}'], np.float64)[:, :length]
+                for k in (1, 2))
+      logits = np.einsum('hik,hjk->hij', r1, r2)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    maps.append((probs / probs.sum(-1, keepdims=True)).mean(0))
+  return maps
+
+
 def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   config, model, params, step = load_run(workdir)
   batch = batch if batch is not None else heldout_batch(workdir, config, num_examples)
@@ -215,6 +245,7 @@ def analyze_run(workdir: str, num_examples: int = 32, batch=None) -> dict:
   return {'variant': variant if objective == 'mlm_nsp' else f'{variant} ({objective})',
           'workdir': workdir, 'step': step,
           'mixture_weights': mixture_weights(params, spec),
+          'random_maps': random_maps(params, spec, batch['input_ids'].shape[1]),
           'entropies': entropies,
           'head_entropies': heads,
           'entropy_mean': [float(e.mean()) for e in entropies],
@@ -287,6 +318,10 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
   fig.colorbar(im, ax=axes[0].tolist(), label='JS divergence (nats)')
   save_png(fig, out / 'attention_js.png')
   plt.close(fig)
+  tables = [(label, r['random_maps']) for label, r in zip(labels, results)
+            if r.get('random_maps')]
+  if tables:
+    _plot_random_maps(plt, tables, out / 'attention_random.png')
   numbers = {label: {k: r.get(k) for k in ('variant', 'workdir', 'step', 'text',
                                        'entropy_mean', 'entropy_head_medians',
                                        'entropy_median_by_head', 'js_adjacent',
@@ -308,6 +343,10 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
               'initialisation):', '', '| run | layer | weights |', '|---|---|---|']
     lines += [f'| {label} | {i} | ' + ', '.join(f'{c} {w:.3f}' for c, w in layer.items()) + ' |'
               for label, weights in mixed for i, layer in enumerate(weights)]
+  if tables:
+    lines.append('\nattention_random.png: each layer\'s learned Random table as attention '
+                 '(the softmax of its logits over the keys, averaged over the heads; the same '
+                 'for every text) for ' + ', '.join(label for label, _ in tables) + '.')
   texts = {}
   for label, r in zip(labels, results):
     if r.get('text'):
@@ -328,6 +367,28 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     logging.warning('%s', said)
   storage.write_text(out / 'attention.md', '\n'.join(lines) + '\n')
   return numbers
+
+
+def _plot_random_maps(plt, tables, path) -> None:
+  """One row per run, one panel per layer: its Random table's attention (random_maps)."""
+  layers = max(len(maps) for _, maps in tables)
+  fig, axes = plt.subplots(len(tables), layers, figsize=(2.2 * layers, 2.3 * len(tables)),
+                           squeeze=False)
+  for row, (label, maps) in zip(axes, tables):
+    for i, ax in enumerate(row):
+      ax.set_xticks([])
+      ax.set_yticks([])
+      if i >= len(maps):
+        ax.axis('off')
+        continue
+      ax.imshow(maps[i], cmap='viridis')
+      ax.set_title(f'{label}, layer {i}' if i == 0 else f'layer {i}', fontsize=8)
+    row[0].set_ylabel('query')
+  for ax in axes[-1]:
+    ax.set_xlabel('key')
+  fig.tight_layout()
+  save_png(fig, path)
+  plt.close(fig)
 
 
 def _plot_head_entropies(plt, results, labels, path) -> None:
