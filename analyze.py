@@ -10,9 +10,9 @@ Writes attention_entropy.png (violins per layer), attention_entropy_heads.png (e
 heads ordered by median, as the paper's Figure 4), attention_js.png (layer x layer JS
 divergence), attention.json and attention.md (with each layer's mixture weights for a
 Synthesizer mixture), and attention_random.png for a Synthesizer with a Random table (each
-layer's learned table as attention, as the paper draws it). Runs of one tokenizer and length are analysed
-on the same held-out examples (the first such run's); the report says which text each was
-(how many examples, their length, a CRC32 of their token ids). See
+layer's learned table as attention, as the paper draws it). Runs of one tokenizer and length
+are analysed on the same held-out examples (the first such run's); the report says which
+text each was (how many examples, their length, a CRC32 of their token ids). See
 realformer/tools/analysis.py for the definitions.
 """
 

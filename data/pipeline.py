@@ -39,6 +39,9 @@ from realformer import storage
 from realformer.run_names import RunNames
 
 
+_WATCHING = False  # whether this process, a grain worker, watches for its parent's end
+
+
 class _Decode(grain.MapTransform):
   """Record bytes -> padded [CLS] A [SEP] B [SEP] features and the NSP label (an MLM-only
   objective's instance is one segment, with no label)."""
@@ -52,9 +55,11 @@ class _Decode(grain.MapTransform):
     # queue, a worker outlived a run killed by SIGKILL (a preemption, the OOM killer) for
     # ever, holding its memory on the host where the run then started again.
     self.__dict__.update(state)
+    global _WATCHING  # pylint: disable=global-statement
     parent = multiprocessing.parent_process()
-    if parent is not None:
+    if parent is not None and not _WATCHING:  # (once a process)
       prepare_lib.die_with_parent(parent.pid)
+      _WATCHING = True
 
   def map(self, record: bytes) -> Dict[str, np.ndarray]:
     return pretraining.make_features(pretraining.Instance.from_bytes(record), **self._kw)

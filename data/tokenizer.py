@@ -122,10 +122,10 @@ class Tokenizer:
     A sentencepiece piece begins a word when it starts with '\u2581' (the space marker; a
     piece without it continues the previous word), so a word is what whitespace separates:
     punctuation joins the word it touches ('\u2581institutions' '.'), where BERT's WordPiece
-    splits it apart (a WordPiece vocabulary groups as BERT does). Special tokens count as word starts, so
-    they never join a word. Byte-fallback pieces (<0x..>) never start a word: a character
-    outside the vocabulary is preceded by the '\u2581' piece when it starts a word, so its
-    bytes continue that word.
+    splits it apart (a WordPiece vocabulary groups as BERT does). Special tokens count as
+    word starts, so they never join a word. Byte-fallback pieces (<0x..>) never start a
+    word: a character outside the vocabulary is preceded by the '\u2581' piece when it
+    starts a word, so its bytes continue that word.
     """
     pieces = [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
     mask = np.array([p.startswith('\u2581') for p in pieces])

@@ -503,7 +503,7 @@ def test_tf1_export_is_the_checkpoint_that_bert_and_realformer_code_load(tf1_che
       np.testing.assert_array_equal(reader.get_tensor(name), x, err_msg=name)
     with open(os.path.join(out, 'bert_config.json')) as f:
       written = json.load(f)
-    assert written == dict(TINY_BERT, gelu=gelu, **(
+    assert written == dict(TINY_BERT, gelu=gelu, layer_norm_eps=1e-12, **(
         {'use_running_mean': True} if variant == 'realformer' else {}))
     assert open(os.path.join(out, 'vocab.txt')).read() == open(ck['vocab']).read()
     interop.import_tf1(os.path.join(out, 'bert_model.ckpt'), os.path.join(out, 'bert_config.json'),
@@ -541,6 +541,25 @@ def test_tf1_export_is_the_checkpoint_that_bert_and_realformer_code_load(tf1_che
     assert set(reader.get_variable_to_shape_map()) == {
         n for n in ck['tensors'] if not n.startswith('cls/')}
 
+  # A GLUE classifier's rows in the order of run_classifier.py's processor (MNLI's is not
+  # ours), its labels named in bert_config.json in that order.
+  ours = ['entailment', 'neutral', 'contradiction']
+  weights = {'kernel': rng.normal(size=(16, 3)).astype(np.float32),
+             'bias': rng.normal(size=3).astype(np.float32)}
+  tuned = cfg.copy_and_resolve_references()
+  tuned.finetuned = {'kind': 'glue', 'task': 'mnli', 'labels': ours,
+                     'hf_architecture': 'BertForSequenceClassification'}
+  checkpoints.save_params(str(tmp_path / 'mnli'), {'encoder': params['encoder'],
+                                                   'classifier': weights}, tuned)
+  out = interop.export_tf1(str(tmp_path / 'mnli'), str(tmp_path / 'mnli_tf1'))
+  reader = tf.train.load_checkpoint(os.path.join(out, 'bert_model.ckpt'))
+  theirs = ['contradiction', 'entailment', 'neutral']  # MnliProcessor.get_labels()
+  for row, label in enumerate(theirs):
+    np.testing.assert_array_equal(reader.get_tensor('output_weights')[row],
+                                  weights['kernel'][:, ours.index(label)])
+    assert reader.get_tensor('output_bias')[row] == weights['bias'][ours.index(label)]
+  assert json.loads((tmp_path / 'mnli_tf1' / 'bert_config.json').read_text())['labels'] == theirs
+
   # What BERT's TF1 code cannot compute is refused in one line, not written without it.
   synth = cfg.copy_and_resolve_references()
   synth.model.attention = 'dot+random'
@@ -548,6 +567,12 @@ def test_tf1_export_is_the_checkpoint_that_bert_and_realformer_code_load(tf1_che
   with pytest.raises(ValueError, match=r'cannot be represented by a TF1 BERT checkpoint: it has '
                                        r'attention dot\+random.*variants postln and realformer'):
     interop.export_tf1(str(tmp_path / 'synth'), str(tmp_path / 'synth_tf1'))
+  eps = cfg.copy_and_resolve_references()
+  eps.model.layer_norm_eps = 1e-6
+  checkpoints.save_params(str(tmp_path / 'eps'), {'encoder': params['encoder']}, eps)
+  with pytest.raises(ValueError, match=r"it has model.layer_norm_eps=1e-06 \(BERT's TF1 code "
+                                       r'computes its LayerNorms with 1e-12\)'):
+    interop.export_tf1(str(tmp_path / 'eps'), str(tmp_path / 'eps_tf1'))
   checkpoints.save_params(str(tmp_path / 'own'), {'encoder': params['encoder'], 'keyword_head': {
       'kernel': np.zeros((16, 2), np.float32)}}, cfg)
   with pytest.raises(ValueError, match=r"BERT's TF1 layout has no place for \(keyword_head"):

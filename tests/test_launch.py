@@ -479,6 +479,9 @@ def test_the_fixes_shard_further_only_where_fsdp_does_not_span_the_slice():
   for n in (1, 4):
     assert launch.shard_fixes(config, slice_of(n)).startswith(
         'a slice of more chips with the state sharded over them (mesh.fsdp)')
+  config.mesh.fsdp, config.mesh.tensor = 4, 2  # (the tensor axis splits the matrices too)
+  assert launch.shard_fixes(config, slice_of(8)).startswith('a slice of more chips')
+  config.mesh.tensor = 1
   config.mesh.data = -1
   config.mesh.fsdp = 1
   assert launch.shard_fixes(config, slice_of(4)).startswith('shard the state further')

@@ -2,6 +2,7 @@
 plus the structural properties the papers imply: padding invariance, RealFormer's residual
 scores, scan == unrolled, the fused path == the plain path, dtype policy, sharded init."""
 
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -320,6 +321,10 @@ def test_config_errors_are_clear():
                                        r'pre_ln \(or one of your own: realformer/model/'
                                        r'blocks.py\)'):
     resolve(small_config('postln', block='no_such_block'))
+  # ... also for a spec made without resolve: never a KeyError, nor another block's layer.
+  spec = dataclasses.replace(resolve(small_config('postln')), block='no_such_block')
+  with pytest.raises(ValueError, match=r"model.block='no_such_block'; choose one of"):
+    models.build(spec, head='encoder').init(jax.random.PRNGKey(0), make_batch())
 
 
 @pytest.mark.parametrize('size,expected', [('small', (4, 512, 8, 2048)),

@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -200,7 +201,10 @@ def test_grain_workers_end_with_a_run_killed_by_sigkill(prepared, tmp_path):
   deadline = time.time() + 30
   while any(map(_running, workers)) and time.time() < deadline:
     time.sleep(0.2)
-  assert not any(map(_running, workers)), f'grain workers {workers} outlived their run'
+  alive = [pid for pid in workers if _running(pid)]
+  for pid in alive:  # (not left behind by a failure)
+    os.kill(pid, signal.SIGKILL)
+  assert not alive, f'grain workers {alive} outlived their run'
 
 
 def test_metadata_records_what_was_prepared(prepared):

@@ -19,7 +19,9 @@ the block first calls it:
   layer.dropout(y)     BERT's dropout of the hidden states
   layer.spec           the EncoderSpec (num_layers, hidden_size, ...)
 The parts draw their parameters and dropout masks in the order the block first calls them,
-so a block's checkpoint and its dropout are fixed by its function.
+so a block's checkpoint and its dropout are fixed by its function. Each is called once a
+layer: a second mlp or norm of one name is flax's error of a name taken, a second attention
+would share its weights and add RealFormer's carried scores twice.
 
 `register` also declares what the rest of the encoder reads: `final_layer_norm`, a LayerNorm
 after the last layer (Pre-LN's); `init_gains(spec) -> {projection: gain}`, a factor on the
@@ -44,6 +46,15 @@ class BlockDef:
 
 
 BLOCKS: Dict[str, BlockDef] = {}
+PROJECTIONS = ('query', 'key', 'value', 'out', 'intermediate', 'output')
+
+
+def get(name: str) -> BlockDef:
+  """The block registered as `name`; another name is a one-line ValueError listing them."""
+  if name not in BLOCKS:
+    raise ValueError(f'model.block={name!r}; choose one of {", ".join(BLOCKS)} (or one of '
+                     'your own: realformer/model/blocks.py)')
+  return BLOCKS[name]
 
 
 def register(name: str, *, final_layer_norm: bool = False,
@@ -61,9 +72,15 @@ def register(name: str, *, final_layer_norm: bool = False,
 
 
 def init_gain(spec, projection: str) -> float:
-  """The factor on the initial spread of `projection`'s kernel that spec.block declares."""
-  gains = BLOCKS[spec.block].init_gains
-  return float(gains(spec).get(projection, 1.0)) if gains else 1.0
+  """The factor on the initial spread of `projection`'s kernel (one of PROJECTIONS) that
+  spec.block declares; a gain declared for another name is a one-line ValueError."""
+  gains = get(spec.block).init_gains
+  declared = gains(spec) if gains else {}
+  unknown = sorted(set(declared) - set(PROJECTIONS))
+  if unknown:
+    raise ValueError(f'block {spec.block!r} declares an init gain for {unknown[0]!r}; name '
+                     f'one of {", ".join(PROJECTIONS)}')
+  return float(declared.get(projection, 1.0))
 
 
 @register('post_ln')

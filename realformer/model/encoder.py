@@ -136,12 +136,12 @@ class Mlp(nn.Module):
 
 
 class _Parts:
-  """The parts that a block joins (realformer/model/blocks.py) in one call of Block, each
-  made in its scope when the block first asks for it."""
+  """The parts that a block joins (realformer/model/blocks.py) in one call of Block, made
+  in its scope: the attention module at once (named 'attention'), the others when the block
+  first asks for them."""
 
   def __init__(self, block: 'Block', bias, scores, layer_index, rows):
-    self.spec = self._spec = block.spec
-    self._deterministic = block.deterministic
+    self.spec, self._deterministic = block.spec, block.deterministic
     self._capture = block.capture_attention
     self._attention = attn_lib.SelfAttention(block.spec, name='attention')
     self._bias, self._layer_index, self._rows = bias, layer_index, rows
@@ -157,13 +157,13 @@ class _Parts:
     return y if self._rows is None else take_rows(y, self._rows)
 
   def mlp(self, h):
-    return Mlp(self._spec, name='mlp')(h)
+    return Mlp(self.spec, name='mlp')(h)
 
   def norm(self, name: str, y):
-    return layer_norm(self._spec, name)(y).astype(self._spec.dtype)
+    return layer_norm(self.spec, name)(y).astype(self.spec.dtype)
 
   def dropout(self, y):
-    return hidden_dropout(self._spec)(y, deterministic=self._deterministic)
+    return hidden_dropout(self.spec)(y, deterministic=self._deterministic)
 
 
 class Block(nn.Module):
@@ -182,7 +182,7 @@ class Block(nn.Module):
     x, scores = carry
     x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
     parts = _Parts(self, bias, scores, layer_index, rows)
-    x = blocks.BLOCKS[self.spec.block].layer(parts, x)
+    x = blocks.get(self.spec.block).layer(parts, x)
     return (x, parts.scores), parts.probs
 
 
@@ -253,7 +253,7 @@ class Encoder(nn.Module):
             (x, scores), i, bias, rows if i == s.num_layers - 1 else None)
         probs.append(p)
       probs = tuple(probs) if capture_attention else None
-    if blocks.BLOCKS[s.block].final_layer_norm:
+    if blocks.get(s.block).final_layer_norm:
       x = layer_norm(s, 'final_layer_norm')(x).astype(s.dtype)
     pooled = jnp.tanh(dense(s.hidden_size, ('embed', 'mlp'), s, 'pooler')(x[:, 0]))
     if rows is not None:

@@ -114,7 +114,7 @@ class EncoderSpec:
     """The variant, and what the encoder computes where its attention fields override the
     preset's (a Post-LN with `model.attention=dot+alibi` is not Post-LN; nor is a
     synth_random whose table is fixed)."""
-    preset = {**PRESET_DEFAULTS, **VARIANTS.get(self.variant, {})}
+    preset = preset_of(self.variant)
     table = self.random_table and self.synth_random_trainable != preset['synth_random_trainable']
     if ('+'.join(self.attention), self.residual_attention, self.block) == (
         preset['attention'], preset['residual_attention'], preset['block']) and not table:
@@ -182,12 +182,18 @@ def _dtype(key: str, value):
   return value
 
 
+def preset_of(variant: str) -> dict:
+  """The preset's fields of `variant` (PRESET_DEFAULTS' where it names none; all of them
+  for a variant that is not one)."""
+  return dict(PRESET_DEFAULTS, **VARIANTS.get(variant, {}))
+
+
 def preset_fields(model: dict) -> dict:
   """The preset's fields (PRESET_DEFAULTS') that a config's model section holds, as resolve
-  reads them: its own value where it gives one, else its variant's preset's. So a config
-  that spells out its preset's value (model.block=pre_ln on preln) names the same encoder as
-  one that leaves it to the preset (None)."""
-  preset = dict(PRESET_DEFAULTS, **VARIANTS.get(model.get('variant', 'postln'), {}))
+  reads them: its own value where it gives one (not None or ''), else its variant's preset's.
+  So a config that spells out its preset's value (model.block=pre_ln on preln) names the
+  same encoder as one that leaves it to the preset (None)."""
+  preset = preset_of(model.get('variant', 'postln'))
   return {k: preset[k] if model[k] is None or model[k] == '' else model[k]
           for k in PRESET_DEFAULTS if k in model}
 
@@ -204,11 +210,7 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
   variant = c.pop('variant', 'postln')
   if variant not in VARIANTS:
     raise ValueError(f'model.variant={variant!r} is unknown; choose one of {", ".join(VARIANTS)}')
-  preset = dict(PRESET_DEFAULTS, **VARIANTS[variant])
-  for key in PRESET_DEFAULTS:  # a config value that is not None overrides the preset
-    value = c.pop(key, None)
-    if value is not None and value != '':
-      preset[key] = value
+  preset = preset_fields({'variant': variant, **{k: c.pop(k, None) for k in PRESET_DEFAULTS}})
   block, attention = preset['block'], preset['attention']
   residual, trainable = preset['residual_attention'], preset['synth_random_trainable']
   components = tuple(p.strip() for p in attention.split('+') if p.strip())
@@ -217,9 +219,7 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
     raise ValueError(f'model.attention={attention!r}: expected distinct components joined by "+" '
                      f'from {", ".join(("dot",) + synthetic.known_names())} (or one of your own: '
                      f'synthesizer/<name>.py)')
-  if block not in blocks.BLOCKS:
-    raise ValueError(f'model.block={block!r}; choose one of {", ".join(blocks.BLOCKS)} (or '
-                     'one of your own: realformer/model/blocks.py)')
+  blocks.get(block)  # (an unknown name: one line listing the known ones)
   dtype = _dtype('dtype', c.pop('dtype', 'float32'))
   residual_dtype = c.pop('residual_dtype', 'float32')
   if residual_dtype not in ('float32', 'bfloat16', jnp.float32, jnp.bfloat16):

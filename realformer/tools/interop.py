@@ -25,14 +25,16 @@ query/key/value/out kernels are 2-D ([D, H*dh], heads reshaped inside the attent
 they map one to one without reshapes. The word embeddings and the MLM output bias are padded
 with zeros to a multiple of model.vocab_pad_multiple (and unpadded on export). HF's
 hidden_act 'gelu' is the exact erf GELU, 'gelu_new' (and its aliases) the tanh approximation:
-model.gelu 'erf' or 'tanh'. A TF1 bert_config's 'gelu' is either, by the code that trained
-it (import-tf1 --gelu; TF1_GELU has the defaults). RealFormer's use_running_mean is read too.
+model.gelu 'erf' or 'tanh'. A TF1 bert_config's hidden_act 'gelu' is either, by the code
+that trained it (import-tf1 --gelu, or the config's own "gelu" key that export-tf1 writes;
+TF1_GELU has the defaults). RealFormer's use_running_mean is read too.
 
 Reading safetensors needs only `safetensors` + NumPy; pytorch_model.bin needs torch; TF1
-checkpoints need TensorFlow (the CPU build is enough).
+checkpoints, read or written, need TensorFlow (the CPU build is enough).
 """
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -796,7 +798,7 @@ def import_tf1(prefix: str, bert_config: str, vocab: str, out: str, *,
 
 
 # ----------------------------------------------------------------------------------------
-# Export to HF.
+# Export: to HF, and to TF1.
 # ----------------------------------------------------------------------------------------
 
 def check_exportable(model_config, fmt: str = 'hf') -> None:
@@ -812,13 +814,16 @@ def check_exportable(model_config, fmt: str = 'hf') -> None:
     lacks.append(f'attention {"+".join(spec.attention)} (BERT\'s is the dot product)')
   if fmt != 'hf':  # (the dot product otherwise plain: residual attention is RealFormer's)
     spec = dataclasses.replace(spec, residual_attention=False)
+    if float(model_config.layer_norm_eps) != 1e-12:  # (tf.contrib's layer_norm, fixed)
+      lacks.append(f'model.layer_norm_eps={model_config.layer_norm_eps} (BERT\'s TF1 code '
+                   'computes its LayerNorms with 1e-12)')
   if lacks or not spec.plain_dot_product:
     exported = ('only Post-LN encoders whose attention is the dot product alone (variant '
                 'postln, as its preset has it) can be exported' if fmt == 'hf' else
                 'only Post-LN encoders whose attention is the dot product alone, with or '
                 'without residual attention (variants postln and realformer, as their '
                 'presets have them), can be exported')
-    if fmt == 'hf' and lacks == [lacks[0]] and lacks[0].startswith('residual'):
+    if fmt == 'hf' and len(lacks) == 1 and lacks[0].startswith('residual'):
       exported += ' (a RealFormer exports as a TF1 checkpoint for its official code: export-tf1)'
     raise ValueError(
         f'model variant {spec.variant!r} cannot be represented by '
@@ -942,24 +947,27 @@ def _copy_vocab(config, out: str) -> Optional[wordpiece.WordPieceTokenizer]:
   return wordpiece.WordPieceTokenizer.load(tokenizer_path)
 
 
-def _through_local_folder(export: Callable[[str, str, bool], str]):
-  """`export` with a gs:// `out` too: written into a local folder, then uploaded."""
-  def exported(workdir: str, out: str, encoder_only: bool = False) -> str:
-    if not storage.is_url(out):
-      return export(workdir, os.path.abspath(out), encoder_only)
-    folder = tempfile.mkdtemp(prefix='realformer-export-')
-    try:
-      _check_export_out(out)
-      export(workdir, folder, encoder_only)
-      storage.copy_tree(folder, out)
-    finally:
-      shutil.rmtree(folder, ignore_errors=True)
-    return out
-  exported.__doc__, exported.__name__ = export.__doc__, export.__name__
-  return exported
+def _through_local_folder(reader: str):
+  """An export into a new or empty folder (_check_export_out: `reader` is what would read
+  files left there), a gs:// `out` too: written into a local folder, then uploaded."""
+  def decorate(export: Callable[[str, str, bool], str]):
+    @functools.wraps(export)
+    def exported(workdir: str, out: str, encoder_only: bool = False) -> str:
+      _check_export_out(out, reader)
+      if not storage.is_url(out):
+        return export(workdir, os.path.abspath(out), encoder_only)
+      folder = tempfile.mkdtemp(prefix='realformer-export-')
+      try:
+        export(workdir, folder, encoder_only)
+        storage.copy_tree(folder, out)
+      finally:
+        shutil.rmtree(folder, ignore_errors=True)
+      return out
+    return exported
+  return decorate
 
 
-@_through_local_folder
+@_through_local_folder('transformers')
 def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   """A workdir (pretraining run or import; or a fine-tuning run's best/ or final/) -> an HF
   directory that `transformers.BertModel.from_pretrained(out)` loads, and the class that
@@ -970,7 +978,6 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   (FinetuneTask.hf_architecture, recorded in best/ and final/); a head of one's own is
   refused, and `encoder_only` exports the encoder alone (BertModel) from any workdir.
   `workdir` and `out` may be gs:// URLs (the files are written locally, then uploaded)."""
-  _check_export_out(out)
   config, params, heads = _exported(workdir, encoder_only, 'hf')
   model_config, finetuned = config.model, config.get('finetuned') or {}
   task = {h: params.pop(h) for h in set(heads) & set(TASK_HEADS)}
@@ -1012,6 +1019,9 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
 
 TF1_CKPT = 'bert_model.ckpt'
 TF1_CONFIG = 'bert_config.json'
+# The label order of google-research/bert's run_classifier.py processors where it is not
+# ours (its output_weights' rows come in that order): MNLI's, by (kind, task).
+TF1_LABELS = {('glue', 'mnli'): ('contradiction', 'entailment', 'neutral')}
 
 
 def tf1_bert_config(model_config) -> dict:
@@ -1026,31 +1036,43 @@ def tf1_bert_config(model_config) -> dict:
       'hidden_dropout_prob': float(m.dropout_rate),
       'attention_probs_dropout_prob': float(m.attention_dropout_rate),
       'max_position_embeddings': int(m.max_len), 'type_vocab_size': int(m.type_vocab_size),
-      'initializer_range': float(m.initializer_range)}
+      'initializer_range': float(m.initializer_range),
+      'layer_norm_eps': float(m.layer_norm_eps)}
   if resolve(m).residual_attention:
     config['use_running_mean'] = bool(m.get('running_mean', False))
   return config
 
 
-@_through_local_folder
+@_through_local_folder('BERT\'s scripts')
 def export_tf1(workdir: str, out: str, encoder_only: bool = False) -> str:
   """A Post-LN or RealFormer workdir (as export_hf takes it) -> a TF1 checkpoint of BERT's
   variable names, which google-research/bert's scripts and the official RealFormer code load
   as their init_checkpoint: bert_model.ckpt.index and .data-00000-of-00001 (the encoder, its
   pretraining heads under cls/, GLUE's classifier as run_classifier.py's output_weights and
   output_bias, SQuAD's span head as run_squad.py's cls/squad/output_*), bert_config.json
-  (with use_running_mean for RealFormer), and vocab.txt when the run used a WordPiece one.
-  Written by TensorFlow's own SaveV2 (needs tensorflow, the CPU build is enough); `workdir`
-  and `out` may be gs:// URLs."""
-  _check_export_out(out, reader='BERT\'s scripts')
+  (with use_running_mean for RealFormer, and a classifier's labels in the order of its rows:
+  run_classifier.py's for MNLI, TF1_LABELS), and vocab.txt when the run used a WordPiece
+  one. Written by TensorFlow's own SaveV2 (needs tensorflow, the CPU build is enough);
+  `workdir` and `out` may be gs:// URLs."""
+  tf = _tensorflow('writing a TF1 checkpoint')
   config, params, heads = _exported(workdir, encoder_only, 'tf1')
   task = {h: params.pop(h) for h in set(heads) & set(TASK_HEADS)}
   flat = convert_from_params(params, config.model, fmt='tf1')
+  bert_config = tf1_bert_config(config.model)
   for head, weights in task.items():
-    flat[f'{TF1_TASK_HEADS[head]}_weights'] = np.ascontiguousarray(weights['kernel'].T)
-    flat[f'{TF1_TASK_HEADS[head]}_bias'] = weights['bias']
+    kernel, bias = weights['kernel'], weights['bias']
+    if head == 'classifier':
+      finetuned = config.get('finetuned') or {}
+      labels = [str(n) for n in finetuned.get('labels') or ()]
+      theirs = TF1_LABELS.get((finetuned.get('kind'), finetuned.get('task')))
+      if theirs and sorted(theirs) == sorted(labels):  # rows in their processor's order
+        order = [labels.index(n) for n in theirs]
+        kernel, bias, labels = kernel[:, order], bias[order], list(theirs)
+      if len(labels) == bias.shape[0]:
+        bert_config['labels'] = labels
+    flat[f'{TF1_TASK_HEADS[head]}_weights'] = np.ascontiguousarray(kernel.T)
+    flat[f'{TF1_TASK_HEADS[head]}_bias'] = np.ascontiguousarray(bias)
   os.makedirs(out, exist_ok=True)
-  tf = _tensorflow('writing a TF1 checkpoint')
   names = sorted(flat)
   with tf.device('/cpu:0'):
     tf.raw_ops.SaveV2(prefix=os.path.join(out, TF1_CKPT), tensor_names=names,
@@ -1060,7 +1082,7 @@ def export_tf1(workdir: str, out: str, encoder_only: bool = False) -> str:
   if tokenizer and not tokenizer.normalization.get('do_lower_case', True):
     logging.warning('the vocabulary is cased: pass --do_lower_case=False to BERT\'s scripts')
   with open(os.path.join(out, TF1_CONFIG), 'w') as f:
-    json.dump(tf1_bert_config(config.model), f, indent=2, sort_keys=True)
+    json.dump(bert_config, f, indent=2, sort_keys=True)
   return out
 
 
@@ -1103,7 +1125,9 @@ def _define(command):
                          'import the encoder alone, leaving out the pretraining heads (an MLM '
                          'decoder not tied to the embeddings, say)' if command.startswith(
                              'import') else
-                         'export the encoder alone (BertModel), leaving out any head',
+                         'export the encoder alone (BertModel), leaving out any head'
+                         if command == 'export-hf' else
+                         'export the encoder alone (bert/*), leaving out any head',
                          flag_values=f)
     flags.DEFINE_string('out', None, 'the new workdir' if command.startswith('import') else
                         f'the new {"HF" if command == "export-hf" else "TF1"} directory',

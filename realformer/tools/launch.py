@@ -71,9 +71,10 @@ USABLE_HBM_GIB = {'v4': 30.75, 'v5e': 15.75, 'v5p': 95.73, 'v6e': 31.24}
 
 def shard_fixes(config, target) -> str:
   """What brings a step that does not fit under the HBM at the same batch, for the report's
-  verdict: sharding the state further only where the fsdp axis does not span the slice."""
-  fsdp = partitioning.mesh_shape(config.mesh, len(target.devices))[1]
-  further = ('shard the state further (mesh.fsdp)' if fsdp < len(target.devices) else
+  verdict: sharding the state further only where the fsdp and tensor axes (which split the
+  matrices) do not span the slice together."""
+  _, fsdp, tensor = partitioning.mesh_shape(config.mesh, len(target.devices))
+  further = ('shard the state further (mesh.fsdp)' if fsdp * tensor < len(target.devices) else
              'a slice of more chips with the state sharded over them (mesh.fsdp)')
   return (f'{further}, remat (model.remat_policy=dots_flash, or full) or shorten '
           'data.max_seq_length')
@@ -750,7 +751,8 @@ def format_report(config, target: Target, r: Report) -> str:
                                      r.hbm_bytes)  # (and the evaluation step does not)
   verdict = ('fits' if r.hbm_bytes and r.fits else
              'does not fit: the evaluation step (set train.eval_steps=0, raise '
-             'train.grad_accum_steps or shard further with mesh.fsdp)' if train_fits else
+             f'train.grad_accum_steps or {shard_fixes(config, target).split(",")[0]})'
+             if train_fits else
              f'does not fit ({memory_fixes(config, target)})' if r.hbm_bytes else
              'no memory limit known for this device')
   lines.append(f'verdict: {verdict}')
@@ -844,8 +846,9 @@ def run(config, compile_for: str, *, max_batch: bool = False, measure_steps: int
     result.update(summary)
     result['max_batch_total_bytes'] = best.total_bytes if best else 0
     result['search'] = [_as_dict(r) for r in tried]
-    if best is None and summary['converged']:  # the smallest batch was refused
-      log(f'no batch fits, not even {unit}: {shard_fixes(config, target)}')  # (more microbatches: more rows)
+    if best is None and summary['converged']:  # the smallest batch was refused: more
+      log(f'no batch fits, not even {unit}: {shard_fixes(config, target)}')  # microbatches
+      # would not help (their rows are the batch's)
     elif best is None:
       log(f'no batch tried fits (the smallest tried: {summary["first_failing"]}); the search '
           f'stopped after {len(tried)} compiles before reaching {unit}: raise --max_compiles')
