@@ -405,8 +405,9 @@ def _the_verdict_covers_the_evaluation_step(config, target, report):
   assert not launch.judge(report, between)
   report.hbm_bytes, report.fits = between, False
   assert ('verdict: does not fit: the evaluation step (set train.eval_steps=0, raise '
-          'train.grad_accum_steps or shard further with mesh.fsdp)'
-          ) in launch.format_report(config, target, report)  # (remat would not help it)
+          'train.grad_accum_steps or a slice of more chips with the state sharded over them '
+          '(mesh.fsdp))') in launch.format_report(config, target, report)  # (fsdp spans the
+  # slice; remat would not help the evaluation)
   report.eval_total_bytes = 0  # train.eval_steps=0: only the train step counts
   assert launch.judge(report, between)
 
@@ -628,8 +629,9 @@ def test_errors_are_one_line_and_name_the_fix(monkeypatch):
   assert launch._out_of_memory(RuntimeError(oom.format('hbm', 'temps'))).startswith(  # pylint: disable=protected-access
       'RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm')
   with pytest.raises(launch.LaunchError, match=r'a kernel asks more on-chip memory than the '
-                     r'device has \(.*vmem.*\): its tiling, not the batch; compile with '
-                     r'--config.model.fused_attention=off'):
+                     r'device has \(.*vmem.*\): its tiling, not the batch; '
+                     r'--config.model.fused_attention=off compiles \(and trains\) without '
+                     r'the kernels meanwhile'):
     launch._out_of_memory(RuntimeError(oom.format('vmem', 'dkv')))  # pylint: disable=protected-access
   for cloud, slice_ in (('v4-32', 'v4:2x2x4'), ('v5litepod-8', 'v5e:2x4'), ('v5e-16', 'v5e:4x4'),
                         ('v5p-128', 'v5p:4x4x4'), ('v6e-32', 'v6e:4x8')):
