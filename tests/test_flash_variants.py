@@ -560,9 +560,14 @@ def test_mosaic_tiles_pad_no_more_than_lanes_do_and_share_steps_among_heads():
     assert flash_tpu_lib.heads_per_step(heads, tile) == group, (heads, tile)
   # and as many as VMEM holds of the dK/dV kernel's blocks: RealFormer's (a term, its
   # gradient and the scores' gradient, float32) with bfloat16 q, k, v, and float32 ones;
-  # a bfloat16 carry's
-  for itemsize, pairs, group in ((2, 12, 8), (4, 12, 8), (2, 6, 16)):
-    assert flash_tpu_lib.heads_per_step(16, 128, 64, itemsize, pairs) == group
+  # a bfloat16 carry's; on a core of 16 MiB of VMEM (v4), and off a TPU, fewer
+  small = flash_tpu_lib.SMALL_VMEM_STEP_BYTES
+  for itemsize, pairs, vmem, group in ((2, 12, flash_tpu_lib.STEP_VMEM_BYTES, 16),
+                                       (4, 12, flash_tpu_lib.STEP_VMEM_BYTES, 8),
+                                       (2, 6, flash_tpu_lib.STEP_VMEM_BYTES, 16),
+                                       (2, 12, small, 8), (2, 6, small, 16)):
+    assert flash_tpu_lib.heads_per_step(16, 128, 64, itemsize, pairs, vmem) == group
+  assert flash_tpu_lib.step_vmem_bytes() == small  # (this CPU: Pallas's interpreter)
 
 
 def _summed(kernel, logit_scale, scores_dtype, dot=True):
@@ -645,8 +650,8 @@ def test_mosaic_kernels_compile_for_tpu_slices(topology):
 def test_mosaic_kernels_fit_vmem_with_a_float32_term(topology, dtype):
   """RealFormer-large's 16 heads at length 128 with its float32 carry: in a float32 model
   (a TPU's default dtype) sixteen heads a step ran out of v5p's VMEM in the dK/dV kernel,
-  in a bfloat16 one out of v4's (16 MiB: the launch check of realformer,large on v4 failed);
-  heads_per_step takes eight."""
+  in a bfloat16 one out of v4's (16 MiB a core: the launch check of realformer,large on v4
+  failed); heads_per_step takes eight there (step_vmem_bytes reads the target's VMEM)."""
   target = launch.tpu_target(topology)
   mesh = jax.sharding.Mesh(np.array(target.devices), ('data',))
   data = NamedSharding(mesh, P('data'))

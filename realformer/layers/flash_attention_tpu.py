@@ -55,12 +55,24 @@ _LANES = 128
 MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float32 arrays)
 # What the blocks of one grid step of the dK/dV kernel (the largest: q, k, v, dO, dK, dV and,
 # with a term, the term, the scores' gradient and the logits' gradient), double-buffered,
-# may take of VMEM (heads_per_step); the kernel's own [block, block] temporaries about as
-# much again. Compiled by libtpu 0.0.48.1, 16 heads of 64 at length 128 in one step with a
-# float32 carry: 9.0 MiB of blocks (bfloat16 q, k, v) compiles for v5e, v5p and v6e but
-# takes 16.86 MiB of v4's 16 MiB; 12.0 MiB (float32 throughout) runs out on v5p too. Eight
-# heads a step fit every generation (tests/test_flash_variants.py).
-STEP_VMEM_BYTES = 8 * 2 ** 20
+# may take of VMEM (heads_per_step); the kernel's own [block, block] temporaries take about
+# as much again. Compiled by libtpu 0.0.48.1, 16 heads of 64 at length 128 in one step with
+# a float32 carry: 9.0 MiB of blocks (bfloat16 q, k, v) compiles for v5e, v5p and v6e
+# (64-128 MiB of VMEM a core) but takes 16.86 MiB of v4's 16 MiB, where 8 heads (4.5 MiB)
+# fit; 12.0 MiB (float32 throughout) runs out on v5p too (tests/test_flash_variants.py).
+STEP_VMEM_BYTES = 9 * 2 ** 20
+SMALL_VMEM_STEP_BYTES = 8 * 2 ** 20  # where a core has 16 MiB of VMEM (v4), or is unknown
+
+
+def step_vmem_bytes() -> int:
+  """STEP_VMEM_BYTES for the TPU the kernels are traced for (a shard_map's mesh's, or the
+  default device's: pltpu.get_tpu_info), SMALL_VMEM_STEP_BYTES where its cores have 16 MiB
+  of VMEM or it is not a TPU (Pallas's interpreter)."""
+  try:
+    capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+  except (ValueError, NotImplementedError):  # not a TPU
+    return SMALL_VMEM_STEP_BYTES
+  return STEP_VMEM_BYTES if capacity > 16 * 2 ** 20 else SMALL_VMEM_STEP_BYTES
 _TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
 _TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
 
@@ -553,13 +565,13 @@ def pair_bytes(q_dtype, term_dtype=None, scores_dtype=None) -> int:
 
 
 def heads_per_step(heads: int, block: int, head_dim: int = 64, itemsize: int = 2,
-                   pair_bytes: int = 0) -> int:
+                   pair_bytes: int = 0, vmem_bytes: int = STEP_VMEM_BYTES) -> int:
   """The most heads (a divisor of `heads`) a grid step computes, one after the other, whose
   tiles together hold no more than one MAX_TILE x MAX_TILE tile and whose dK/dV blocks fit
-  STEP_VMEM_BYTES: at short lengths a step's fixed cost is shared by several heads.
-  itemsize: q's; pair_bytes: the [B, H, Tq, Tk] blocks' (pair_bytes)."""
+  `vmem_bytes` (step_vmem_bytes()): at short lengths a step's fixed cost is shared by
+  several heads. itemsize: q's; pair_bytes: the [B, H, Tq, Tk] blocks' (pair_bytes)."""
   per_head = 2 * (6 * block * head_dim * itemsize + block * block * pair_bytes)
-  fits = max(1, STEP_VMEM_BYTES // per_head)
+  fits = max(1, vmem_bytes // per_head)
   return max(g for g in range(1, heads + 1) if heads % g == 0 and g <= fits
              and g * block * block <= MAX_TILE * MAX_TILE)
 
@@ -589,7 +601,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
                      f'[{batch} or 1, {heads}, {q_len}, {k_len}]')
   if group is None:
     group = heads_per_step(heads, block, head_dim, jnp.dtype(q.dtype).itemsize, pair_bytes(
-        q.dtype, None if term is None else term.dtype, scores_dtype))
+        q.dtype, None if term is None else term.dtype, scores_dtype), step_vmem_bytes())
   if heads % group:
     raise ValueError(f'flash attention on a TPU: group={group} does not divide the {heads} '
                      'heads')
