@@ -190,6 +190,12 @@ def check_used(model_config, spec) -> None:
                     'of 1 makes it Dense with one more scalar a head, not a factorization; '
                     'give a max_len with a divisor near its square root (128 = 8 x 16) or '
                     'set model.synth_factorized_a', spec.max_len, *spec.factorized_ab)
+  from synthesizer import synthetic  # pylint: disable=g-import-not-at-top
+  if all(c != 'dot' and not synthetic.component(c).mixed for c in spec.attention):
+    logging.warning('model.attention=%s holds only biases of the logits (added, not mixed): '
+                    'its attention reads no token\'s content; add the dot product '
+                    '(dot+%s) or a synthesizer', '+'.join(spec.attention),
+                    '+'.join(spec.attention))
   if 'factorized_random' in spec.attention and spec.synth_factorized_rank >= spec.max_len:
     logging.warning('model.synth_factorized_rank=%d is not below model.max_len=%d: R1 R2^T '
                     'is then a table of full rank (Random\'s), not a factorization',

@@ -109,6 +109,21 @@ def test_a_bias_of_the_logits_is_added_with_weight_one():
                                want - want.mean(-1, keepdims=True), atol=2e-4)
 
 
+def test_biases_of_the_logits_alone_are_warned_about(caplog):
+  """An attention of biases alone (relpos without dot) attends by position, never by
+  content: a warning naming the fix; none beside the dot product, nor for a Random
+  Synthesizer alone (a paper's variant, mixed)."""
+  from realformer import config_checks  # pylint: disable=g-import-not-at-top
+  from tests.test_models import small_config  # pylint: disable=g-import-not-at-top
+  for attention, warned in (('relpos', True), ('dot+relpos', False), ('random', False)):
+    caplog.clear()
+    config = small_config('postln', attention=attention)
+    config_checks.check_used(config, resolve(config))
+    assert ("holds only biases of the logits (added, not mixed): its attention reads no "
+            f"token's content; add the dot product (dot+{attention})" in caplog.text
+            ) == warned, (attention, caplog.text)
+
+
 def _relpos_reference(p, x, spec):
   """The component's float64 formula, from its definition: table[h, clip(k - q)]."""
   t = x.shape[1]
