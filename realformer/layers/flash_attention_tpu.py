@@ -62,6 +62,8 @@ MAX_TILE = 512  # queries and keys of a tile (VMEM holds a few [512, 512] float3
 # fit; 12.0 MiB (float32 throughout) runs out on v5p too (tests/test_flash_variants.py).
 STEP_VMEM_BYTES = 9 * 2 ** 20
 SMALL_VMEM_STEP_BYTES = 8 * 2 ** 20  # where a core has 16 MiB of VMEM (v4), or is unknown
+_TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
+_TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
 
 
 def step_vmem_bytes() -> int:
@@ -73,8 +75,6 @@ def step_vmem_bytes() -> int:
   except (ValueError, NotImplementedError):  # not a TPU
     return SMALL_VMEM_STEP_BYTES
   return STEP_VMEM_BYTES if capacity > 16 * 2 ** 20 else SMALL_VMEM_STEP_BYTES
-_TRANS_B = (((1,), (1,)), ((), ()))  # x y^T
-_TRANS_A = (((0,), (0,)), ((), ()))  # x^T y
 
 
 @dataclasses.dataclass(frozen=True)

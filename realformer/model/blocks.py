@@ -7,8 +7,8 @@ its name, which `model.block` (or a preset of realformer/model/spec.py) names:
     x = layer.norm('attention_layer_norm', layer.residual(x) + layer.dropout(layer.attention(x)))
     return layer.norm('mlp_layer_norm', x + layer.dropout(layer.mlp(x)))
 
-`x` is the layer's input [B, T, D]; `layer` (encoder.Block) gives the parts, each made where
-the block first calls it:
+`x` is the layer's input [B, T, D]; `layer` (encoder._Parts, made by encoder.Block) gives
+the parts, each made where the block first calls it (the attention at once):
   layer.attention(h)   the self-attention of h [B, T, D] (its mask, RealFormer's carried
                        scores and a logit component's terms taken care of): [B, S, D], S
                        the rows the layer outputs (all T, or the pruned last layer's)
@@ -34,7 +34,7 @@ blocks.
 import dataclasses
 from typing import Callable, Dict, Optional
 
-Layer = object  # encoder.Block's parts, as above (not imported: the model imports this)
+Layer = object  # encoder._Parts, as above (not imported: the model imports this module)
 
 
 @dataclasses.dataclass(frozen=True)

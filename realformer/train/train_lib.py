@@ -358,8 +358,8 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, batch_sh
   Shapes come from jax.eval_shape (nothing is allocated); shardings from the params'
   logical axis names and partitioning.LOGICAL_AXIS_RULES. Optimizer moments mirror the
   params' sharding; scalars (counts, step), and state that the parameter's split does not
-  fit (a factored moment of fewer axes, a placeholder), are replicated. A mesh.tensor that does not
-  divide the heads is refused or warned about first (partitioning.check_heads).
+  fit (a factored moment of fewer axes, a placeholder), are replicated. A mesh.tensor that
+  does not divide the heads is refused or warned about first (partitioning.check_heads).
   """
   partitioning.check_heads(model.spec, mesh)
   with partitioning.traced_on(mesh):
