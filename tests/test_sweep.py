@@ -156,8 +156,9 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path, capsys):
   # One finished seed a setting: a column of each metric's value, not five copies of it.
   header, table = sweep.summarize([r for r in sweep.collect(str(root), ['eval/mlm_accuracy'])
                                    if r['run']['seed'] == 0], ['eval/mlm_accuracy'])
-  assert header == ['optimizer.learning_rate', 'n', 'eval/mlm_accuracy', 'unfinished']
+  assert header == ['optimizer.learning_rate', 'n', 'eval/mlm_accuracy', 'best', 'unfinished']
   assert {row[0]: row[2] for row in table} == pytest.approx({'0.0001': 0.1, '0.0002': 0.2})
+  assert {row[0]: row[3] for row in table} == {'0.0001': '', '0.0002': 'best'}  # (the highest)
 
 
 def test_a_fine_tuning_sweep_summarizes_its_dev_metrics_by_default(tmp_path):
@@ -180,7 +181,7 @@ def test_a_fine_tuning_sweep_summarizes_its_dev_metrics_by_default(tmp_path):
                          'cfg', '--sweep', 'optimizer.learning_rate=1e-5,3e-5']) == 0
   assert sweep_cli.main(['summarize', '--root', str(root)]) == 0
   header, *rows = (root / 'summary.csv').read_text().splitlines()
-  assert header == 'optimizer.learning_rate,n,dev_rte/accuracy,unfinished'
+  assert header == 'optimizer.learning_rate,n,dev_rte/accuracy,best,unfinished'
   assert [r.split(',')[2] for r in rows] == ['1.0', '3.0']  # the last evaluation's
   # No run finished yet: its columns all the same (the unfinished ones counted).
   for run in root.iterdir():
@@ -328,10 +329,16 @@ def test_runs_of_two_configs_in_one_root_are_summarized_apart():
       [[2, 0.15000000000000002, 0.15000000000000002, pytest.approx(0.0707, abs=1e-4), 0.1,
         0.2, 0]])
   header, table = sweep.summarize(rows, ['m'])
-  assert header == ['command', 'model.variant', 'n', 'm', 'unfinished']
-  assert table == [['train.py configs/pretrain.py:postln,tiny', 'postln', 1, 0.1, 0],
-                   ['train.py configs/pretrain.py:postln,tiny,runlocal', 'postln', 1, 0.3, 0],
-                   ['train.py configs/pretrain.py:postln,tiny,runlocal', 'preln', 1, 0.5, 0]]
+  assert header == ['command', 'model.variant', 'n', 'm', 'best', 'unfinished']
+  assert table == [['train.py configs/pretrain.py:postln,tiny', 'postln', 1, 0.1, '', 0],
+                   ['train.py configs/pretrain.py:postln,tiny,runlocal', 'postln', 1, 0.3, '',
+                    0],
+                   ['train.py configs/pretrain.py:postln,tiny,runlocal', 'preln', 1, 0.5, 'best',
+                    0]]
+  # A loss is best at its lowest; settings that share the best are each marked tied.
+  lossy = [dict(r, metrics={'eval/mlm_loss': v}) for r, v in zip(rows, (2.0, 1.0, 1.0))]
+  header, table = sweep.summarize(lossy, ['eval/mlm_loss'])
+  assert [row[header.index('best')] for row in table] == ['', 'best (tied)', 'best (tied)']
 
 
 @pytest.mark.filterwarnings('ignore:.*found in sys.modules:RuntimeWarning')  # (runpy's)

@@ -974,7 +974,8 @@ def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
   are not finished (left out), and, where some did, how many diverged (not run again). Runs
   of several programs or config files (a root given two --config) are grouped apart, a
   'command' column first. Where no setting has two finished seeds, each metric is one
-  column of its value (the five statistics would repeat it)."""
+  column of its value (the five statistics would repeat it). A `best` column marks the
+  setting of the best mean of the first metric (the lowest for a loss)."""
   groups = {}
   # (runs of before command.json, which records it, go with the root's one command)
   several = len({r.get('command') for r in rows} - {'', None}) > 1
@@ -1011,7 +1012,22 @@ def summarize(rows: Sequence[Dict[str, Any]], metrics: Sequence[str]):
             if not h.endswith(tuple(f' {s}' for s in STATISTICS[1:]))]
     header = [h[:-len(' mean')] if h.endswith(' mean') else h for h in (header[i] for i in keep)]
     table = [[row[i] for i in keep] for row in table]
-  return header, table
+  return _mark_best(header, table, metrics[0]) if metrics else (header, table)
+
+
+def _mark_best(header, table, metric: str):
+  """A `best` column where two settings or more have a value of `metric` (the first one
+  summarised): 'best' at the highest mean (lowest for a loss), 'best (tied)' where
+  settings share it."""
+  column = header.index(f'{metric} mean' if f'{metric} mean' in header else metric)
+  values = [row[column] for row in table if row[column] is not None]
+  if len(values) < 2:
+    return header, table
+  top = (min if 'loss' in metric else max)(values)
+  mark = 'best (tied)' if values.count(top) > 1 else 'best'
+  at = header.index('unfinished')  # (before the counts of runs left out)
+  return (header[:at] + ['best'] + header[at:],
+          [row[:at] + [mark if row[column] == top else ''] + row[at:] for row in table])
 
 
 def to_markdown(header, table) -> str:
