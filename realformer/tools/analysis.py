@@ -170,6 +170,14 @@ def analyze_runs(workdirs: Sequence[str], num_examples: int = 32) -> List[dict]:
 CHUNK = 8
 
 
+def _layer_attention(params, i: int, name: str):
+  """Layer i's attention param (or params) `name`, from unrolled layers_<i> or scanned
+  `layers` (stacked along a first axis of layers)."""
+  if 'layers' in params:
+    return jax.tree.map(lambda x: np.asarray(x)[i], params['layers']['attention'][name])
+  return params[f'layers_{i}']['attention'][name]
+
+
 def mixture_weights(params, spec) -> Optional[List[Dict[str, float]]]:
   """Each layer's learned mixture weights, {component: weight} (the softmax of its
   mixture_logits, in spec.mixture's order: the Synthesizer paper's diagnostic of what a
@@ -177,21 +185,11 @@ def mixture_weights(params, spec) -> Optional[List[Dict[str, float]]]:
   None where the encoder mixes nothing."""
   if not spec.mixture:
     return None
-  if 'layers' in params:  # scanned: [layers, components]
-    logits = np.asarray(params['layers']['attention']['mixture_logits'], np.float64)
-  else:
-    logits = np.stack([np.asarray(params[f'layers_{i}']['attention']['mixture_logits'],
-                                  np.float64) for i in range(spec.num_layers)])
+  logits = np.stack([np.asarray(_layer_attention(params, i, 'mixture_logits'), np.float64)
+                     for i in range(spec.num_layers)])
   weights = np.exp(logits - logits.max(-1, keepdims=True))
   weights /= weights.sum(-1, keepdims=True)
   return [dict(zip(spec.mixture, map(float, row))) for row in weights]
-
-
-def _layer_params(params, i: int) -> dict:
-  """Layer i's attention params, from unrolled layers_<i> or scanned `layers`."""
-  if 'layers' in params:
-    return jax.tree.map(lambda x: np.asarray(x)[i], params['layers']['attention'])
-  return params[f'layers_{i}']['attention']
 
 
 def random_maps(params, spec, length: int) -> Optional[List[np.ndarray]]:
@@ -205,7 +203,7 @@ def random_maps(params, spec, length: int) -> Optional[List[np.ndarray]]:
     return None
   maps = []
   for i in range(spec.num_layers):
-    table = _layer_params(params, i)[f'synth_{name}']
+    table = _layer_attention(params, i, f'synth_{name}')
     if name == 'random':
       logits = np.asarray(table['random_logits'], np.float64)[:, :length, :length]
     else:
