@@ -171,16 +171,24 @@ def _config_code_error(e: BaseException) -> str:
   return code_error('the --config file', e)
 
 
+_HELP = ('-h', '--help', '--helpshort', '--helpfull')
+
+
 def parse_flags(argv):
   """flags_parser for absl's app.run. A --config file that cannot be read is reported
   here: ml_collections defers that error to the config's first use. While flags are
   parsed the only user code that runs is the --config file, so any other exception is
-  that file's own failure (a syntax error, get_config raising)."""
+  that file's own failure (a syntax error, get_config raising). `--help` (or -h) exits 0."""
   platforms.skip_absent_tpu()  # before anything asks jax for its devices
   verbose = _verbose(argv)
-  argv = [a for a in argv if a != '--verbose_errors']
+  argv = [{'-h': '--help'}.get(a, a) for a in argv if a != '--verbose_errors']
   try:
-    remaining = flags.FLAGS(argv)
+    try:
+      remaining = flags.FLAGS(argv)
+    except SystemExit:  # absl's --help prints the flags, then exits 1
+      if any(a in _HELP for a in argv[1:]):
+        sys.exit(0)
+      raise
     for name in flags.FLAGS:
       value = flags.FLAGS[name].value
       if type(value).__name__ == '_ErrorConfig':
@@ -225,7 +233,7 @@ def parse_tool_flags(define, argv=None, *, prog: str, doc: str, positional=()):
   values = flags.FlagValues()
   define(values)
   argv = list(sys.argv[1:] if argv is None else argv)
-  if any(a in ('-h', '--help', '--helpshort', '--helpfull') for a in argv):
+  if any(a in _HELP for a in argv):
     words = [f'[{w[1:]}...]' if w.startswith('*') else f'[{w}]' for w in positional]
     print(' '.join(['usage:', prog, *words, '[flags]']))
     print(f'\n{doc.strip()}\n\nflags:')

@@ -421,6 +421,16 @@ def test_config_mistakes_are_one_line(tmp_path, program, override, expected):
   assert not os.listdir(tmp_path)  # nothing written, the workdir not even made
 
 
+@pytest.mark.parametrize('program,ask,doc', [('train.py', '-h', 'Pretrain a BERT-style'),
+                                              ('finetune.py', '--help', 'Fine-tune a')])
+def test_help_lists_the_flags_and_exits_0(program, ask, doc):
+  proc = subprocess.run([sys.executable, program, ask], cwd=REPO, capture_output=True,
+                        text=True, timeout=240)
+  assert proc.returncode == 0, proc.stderr[-3000:]  # (absl's own --help exits 1)
+  assert proc.stdout.startswith(doc), proc.stdout[:200]  # the program's docstring, then flags
+  assert '--workdir:' in proc.stdout and '--config:' in proc.stdout and not proc.stderr
+
+
 def test_a_resume_on_another_number_of_hosts_is_refused_in_one_line(commands, tmp_path):
   """Each host reads its own share of the prepared records, so the position two hosts saved
   says nothing about where one host stands: one line naming both counts and the ways on,
