@@ -35,6 +35,7 @@ import types
 
 from absl import flags
 
+from data import pretraining as objectives
 from realformer import cli
 from realformer import storage
 from realformer.tools import analysis
@@ -408,7 +409,7 @@ def stability_cell(workdir: str, run=None, config: str = '') -> dict:
   if storage.path(config).exists():
     with _open(config) as f:
       stored = json.load(f)
-    nsp = stored.get('objective', 'mlm_nsp') == 'mlm_nsp'
+    nsp = objectives.objective(stored.get('objective', 'mlm_nsp')).next_sentence
     cell['chance'] = math.log(stored['model']['vocab_size']) + nsp * math.log(2)
     cell['start'] = min(cell['start'], cell['chance'])
   cell['status'] = 'rose' if cell['final'] > cell['start'] else 'ok'
@@ -909,9 +910,10 @@ def _define(f):
   integer('layers', None, 'default: R/budget.json, else 4 (stability: 12)', flag_values=f)
   integer('seq_len', None, 'default: R/budget.json, else 64', flag_values=f)
   number('learning_rate', None, 'default: R/budget.json, else 2e-3', flag_values=f)
-  flags.DEFINE_enum('objective', 'mlm_nsp', ['mlm_nsp', 'mlm', 'mlm_doc'],
-                    'the pretraining objective of every run (config.objective): BERT\'s '
-                    'mlm_nsp, RoBERTa\'s mlm (FULL-SENTENCES) or mlm_doc', flag_values=f)
+  flags.DEFINE_enum('objective', 'mlm_nsp', list(objectives.OBJECTIVES),
+                    'the pretraining objective of every run (config.objective): ' + '; '.join(
+                        f'{n}, {o.about}' for n, o in objectives.OBJECTIVES.items()),
+                    flag_values=f)
   flags.DEFINE_enum('corpus', 'era', ['era', 'embedded'],
                     'era: the speeches less those the fine-tuning task holds out; embedded: '
                     'all of them', flag_values=f)

@@ -145,7 +145,9 @@ def get_config(arg: str = 'postln,tiny'):
   # [CLS] A [SEP] B [SEP]; mlm: RoBERTa's masked language modelling alone, no NSP head, on
   # FULL-SENTENCES inputs (one segment of consecutive sentences up to the full length,
   # across documents, [SEP] between them); mlm_doc: the same on DOC-SENTENCES (within one
-  # document). The data is prepared for one of them (data/pretraining.py).
+  # document); mlm_sop: ALBERT's masked language modelling + sentence-order prediction (BERT's
+  # pairs with B never random but swapped with A half the time; the NSP head and its nsp_
+  # metrics predict the order). The data is prepared for one of them (data/pretraining.py).
   c.objective = 'mlm_nsp'
   c.model = model_config(variant, size)
 

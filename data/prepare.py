@@ -826,9 +826,10 @@ def _layout(results) -> dict:
   return layout
 
 
-# The share of random-next training pairs above which the preparation warns: BERT's data
-# has about half (a coin flip for each chunk of two sentences or more, always for one of one).
-RANDOM_NEXT_WARNING = 0.7
+# The share of training pairs from chunks of one sentence (always paired with a random
+# document's segment) above which the preparation warns: with BERT's coin flip for the other
+# chunks, 70% of its pairs random next.
+ONE_SENTENCE_CHUNKS_WARNING = 0.4
 
 
 def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
@@ -838,8 +839,10 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
   and lets each host read (and copy from a bucket) only the files that hold its share of
   them (data.pipeline)."""
   d = config.data
-  pairs = pretraining.of_config(config).next_sentence
-  if pairs and stats['eval/documents'] == 1 and counts['eval']:
+  objective = pretraining.of_config(config)
+  pairs = objective.next_sentence
+  if (pairs and stats['eval/documents'] == 1 and counts['eval'] and
+      stats['eval/random_next'] in (0, counts['eval'])):  # (ALBERT's order: swaps still)
     logging.warning('the eval split holds one document, so it has no random-next segments '
                     '(every NSP label is 0) and eval NSP accuracy means nothing; raise '
                     'data.eval_fraction (now %g) to hold out at least two documents',
@@ -851,14 +854,18 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
                     'with a sentence per row (hf:) needs config.data.hf_rows_per_document > 1, '
                     'and files a blank line between documents, not between sentences',
                     single, documents)
-  random_next = stats['train/random_next'] / max(counts['train'], 1)
-  if pairs and counts['train'] and random_next > RANDOM_NEXT_WARNING:
-    logging.warning('%.0f%% of the training pairs are random next (NSP label 1; about half '
-                    'in BERT\'s data): most chunks of the documents are one sentence, which '
-                    'is always paired at random. Sentences longer than data.max_seq_length '
-                    '(%d), or text that was not split into sentences (a paragraph a line; '
-                    'tfds:/hf: text in lower case), do that: give files: one sentence per '
-                    'line', 100 * random_next, d.max_seq_length)
+  order = objective.instances is pretraining.sentence_order_instances
+  random_next = ((stats['train/random_next'] - stats['train/swapped']) /
+                 max(counts['train'], 1))  # (label 1 less ALBERT's swaps)
+  one_sentence = random_next if order else 2 * random_next - 1  # (BERT: half the rest too)
+  if pairs and counts['train'] and one_sentence > ONE_SENTENCE_CHUNKS_WARNING:
+    logging.warning('%.0f%% of the training pairs are random next (NSP label 1; %s): most '
+                    'chunks of the documents are one sentence, which is always paired at '
+                    'random. Sentences longer than data.max_seq_length (%d), or text that '
+                    'was not split into sentences (a paragraph a line; tfds:/hf: text in '
+                    'lower case), do that: give files: one sentence per line',
+                    100 * random_next, 'ALBERT\'s sentence order pairs no other chunk so'
+                    if order else 'about half in BERT\'s data', d.max_seq_length)
   undecodable = undecodable_lines(stats)
   if undecodable:
     logging.warning('%d lines of config.data.sources=%r are not UTF-8 and were skipped; '

@@ -1,6 +1,8 @@
 """Pretraining examples: instances (prepared once) and MLM masking (redone dynamically, per
 epoch), for each objective of config.objective (OBJECTIVES): BERT's MLM + next sentence
-prediction on sentence pairs ('mlm_nsp'), or RoBERTa's MLM alone on one segment of
+prediction on sentence pairs ('mlm_nsp'), ALBERT's MLM + sentence-order prediction on the
+same pairs with B never random but swapped with A half the time ('mlm_sop':
+`sentence_order_instances`), or RoBERTa's MLM alone on one segment of
 consecutive sentences: FULL-SENTENCES, across documents ('mlm': `full_sentence_instances`),
 or DOC-SENTENCES, within one ('mlm_doc': `doc_sentence_instances`).
 
@@ -52,7 +54,7 @@ refused instead of reused; masks are drawn when a batch is read and need nothing
 
 import collections
 import random
-from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -88,8 +90,15 @@ def truncate_seq_pair(tokens_a: List[int], tokens_b: List[int], max_num_tokens: 
 
 def instances_from_document(document: Document, others: Sequence[Document],
                             max_seq_length: int, short_seq_prob: float,
-                            rng: random.Random) -> List[Instance]:
-  """BERT's create_instances_from_document; `others` are the candidate random documents."""
+                            rng: random.Random, *, sentence_order: bool = False,
+                            stats: Optional[collections.Counter] = None) -> List[Instance]:
+  """BERT's create_instances_from_document; `others` are the candidate random documents.
+
+  `sentence_order`: ALBERT's (its create_instances_from_document with
+  random_next_sentence=False): a chunk of two sentences or more is never paired at random;
+  with probability 1/2 its A and B are swapped instead (label 1, counted in
+  stats['swapped']), and a chunk of one sentence is paired with a random document's
+  segment as BERT pairs it (label 1)."""
   max_num_tokens = max_seq_length - 3
   target = max_num_tokens
   if rng.random() < short_seq_prob:
@@ -104,7 +113,9 @@ def instances_from_document(document: Document, others: Sequence[Document],
       tokens_b = []
       # With no other document (a block of one) there is no random next: the pair is the
       # actual next, or none when the chunk is one sentence (an empty B is dropped below).
-      is_random_next = bool(others) and (len(chunk) == 1 or rng.random() < 0.5)
+      one = len(chunk) == 1
+      is_random_next = bool(others) and (one or (not sentence_order and rng.random() < 0.5))
+      swapped = sentence_order and not one and rng.random() < 0.5
       if is_random_next:
         target_b = target - len(tokens_a)
         other = others[rng.randint(0, len(others) - 1)]
@@ -115,9 +126,13 @@ def instances_from_document(document: Document, others: Sequence[Document],
         i -= len(chunk) - a_end  # put the unused sentences back
       else:
         tokens_b = [t for s in chunk[a_end:] for t in s]
+      if swapped:  # (ALBERT swaps before truncating, as here)
+        tokens_a, tokens_b = tokens_b, tokens_a
       truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
       if tokens_a and tokens_b:
-        instances.append(Instance(tokens_a, tokens_b, is_random_next))
+        instances.append(Instance(tokens_a, tokens_b, is_random_next or swapped))
+        if swapped and stats is not None:
+          stats['swapped'] += 1
       chunk, length = [], 0
     i += 1
   return instances
@@ -131,7 +146,7 @@ def _compact(doc, stats: collections.Counter):
     return None
   stats['documents'] += 1
   if len(doc) == 1:
-    stats['single_sentence_documents'] += 1  # used as BERT does: always a random next
+    stats['single_sentence_documents'] += 1  # in pairs, as BERT's: always a random next
   return doc
 
 
@@ -150,10 +165,12 @@ class _AllBut:
 
 def block_instances(documents: Iterable[Document], *, max_seq_length: int,
                     short_seq_prob: float, dupe_factor: int, seed: int,
-                    stats: collections.Counter) -> Iterator[Instance]:
+                    stats: collections.Counter, sentence_order: bool = False
+                    ) -> Iterator[Instance]:
   """Instances of one block of documents held whole (data/prepare.py's unit of work): each
   document's random next segments come from any other document of the block, as BERT's come
-  from any other of the corpus; a block of one document has no random next segments."""
+  from any other of the corpus; a block of one document has no random next segments.
+  `sentence_order`: ALBERT's pairs instead (instances_from_document)."""
   if max_seq_length < 5:
     raise ValueError(f'data.max_seq_length={max_seq_length} leaves no room for [CLS] A [SEP] '
                      'B [SEP]; use at least 5 (BERT uses 128 and 512)')
@@ -163,7 +180,16 @@ def block_instances(documents: Iterable[Document], *, max_seq_length: int,
     lists = [s.tolist() for s in doc]
     for _ in range(dupe_factor):
       yield from instances_from_document(lists, _AllBut(docs, j), max_seq_length,
-                                         short_seq_prob, rng)
+                                         short_seq_prob, rng, sentence_order=sentence_order,
+                                         stats=stats)
+
+
+def sentence_order_instances(documents: Iterable[Document], **kw) -> Iterator[Instance]:
+  """ALBERT's sentence-order prediction pairs (Lan et al. 2019), one block of documents:
+  BERT's chunks split into A and B, in order (label 0) or swapped (label 1) with
+  probability 1/2; a chunk of one sentence is paired with a random other document's segment
+  (label 1), as ALBERT's create_pretraining_data.py does. block_instances' arguments."""
+  return block_instances(documents, sentence_order=True, **kw)
 
 
 def doc_sentence_instances(documents: Iterable[Document], *, max_seq_length: int,
@@ -239,26 +265,34 @@ def _single_segment_budget(max_seq_length: int) -> int:
 
 
 class Objective(NamedTuple):
-  """What config.objective names: whether the model predicts the next sentence (BERT's NSP
-  head and loss on [CLS] A [SEP] B [SEP] pairs, the batch's next_sentence_labels), and the
-  builder of its instances (data/prepare.py's, for one block of documents)."""
+  """What config.objective names: whether the model classifies pairs (BERT's NSP head and
+  loss on [CLS] A [SEP] B [SEP] pairs, the batch's next_sentence_labels: whether B is A's
+  next sentence, or under ALBERT's objective whether A and B are in order; the metrics keep
+  the nsp_ names), the builder of its instances (data/prepare.py's, for one block of
+  documents), their name in the preparation's fingerprint (one per builder: data prepared
+  by one is refused for another) and what it is, in words."""
   next_sentence: bool
   instances: Callable[..., Iterator[Instance]]
-  instances_name: str  # (the preparation's fingerprint records it)
+  instances_name: str
+  about: str
 
 
 OBJECTIVES = {
-    'mlm_nsp': Objective(True, block_instances, 'pairs'),  # BERT
-    'mlm': Objective(False, full_sentence_instances, 'full_sentences'),  # RoBERTa
-    'mlm_doc': Objective(False, doc_sentence_instances, 'doc_sentences'),  # RoBERTa's other
+    'mlm_nsp': Objective(True, block_instances, 'pairs',
+                         'BERT: masked language modelling + next sentence prediction'),
+    'mlm': Objective(False, full_sentence_instances, 'full_sentences',
+                     'RoBERTa: masked language modelling alone on FULL-SENTENCES inputs'),
+    'mlm_doc': Objective(False, doc_sentence_instances, 'doc_sentences',
+                         'RoBERTa: the same on DOC-SENTENCES inputs, within one document'),
+    'mlm_sop': Objective(True, sentence_order_instances, 'sentence_order_pairs',
+                         'ALBERT: masked language modelling + sentence-order prediction'),
 }
 
 
 def objective(name: str) -> Objective:
   if name not in OBJECTIVES:
-    raise ValueError(f'config.objective={name!r}; choose mlm_nsp (BERT: masked language '
-                     'modelling + next sentence prediction), mlm (RoBERTa: masked language '
-                     'modelling alone on FULL-SENTENCES inputs) or mlm_doc (on DOC-SENTENCES)')
+    raise ValueError(f'config.objective={name!r}; choose ' + ', '.join(
+        f'{n} ({o.about})' for n, o in OBJECTIVES.items()))
   return OBJECTIVES[name]
 
 

@@ -219,14 +219,23 @@ def test_metadata_records_what_was_prepared(prepared):
 
 
 def test_an_eval_split_of_one_document_is_flagged(corpus, tmp_path, caplog):
-  # One eval document draws its random-next segments from itself (BERT's fallback), so its
-  # NSP labels are noise: preparing says so. Two documents (0 and 2 of 4 at 0.25) do not.
-  for fraction, warned in ((0.2, True), (0.25, False)):
+  # One eval document has no other to draw random-next segments from, so its NSP labels are
+  # all 0: preparing says so. Two documents (0 and 2 of 4 at 0.25) do not, nor do ALBERT's
+  # sentence-order pairs of one document (swapped half the time).
+  for fraction, objective, warned in ((0.2, 'mlm_nsp', True), (0.25, 'mlm_nsp', False),
+                                      (0.2, 'mlm_sop', False)):
     caplog.clear()
-    metadata = prepare.prepare(tiny_config(corpus, eval_fraction=fraction),
-                               str(tmp_path / str(fraction)))
-    assert metadata['stats']['eval/documents'] == (1 if warned else 2)
+    config = tiny_config(corpus, eval_fraction=fraction)
+    config.objective = objective
+    metadata = prepare.prepare(config, str(tmp_path / f'{fraction}{objective}'))
+    stats = metadata['stats']
+    assert stats['eval/documents'] == (1 if fraction == 0.2 else 2)
     assert ('eval NSP accuracy means nothing' in caplog.text) == warned
+    assert (stats.get('eval/swapped', 0) > 0) == (objective == 'mlm_sop')
+    assert 0 < stats.get('eval/random_next', 0) < metadata['counts']['eval'] or warned
+  config.objective = 'mlm_nsp'  # (ALBERT's pairs are not BERT's)
+  with pytest.raises(ValueError, match="instances.*sentence_order_pairs.*mlm_sop"):
+    prepare.read_metadata(str(tmp_path / '0.2mlm_sop'), config)
 
 
 def test_a_sentence_per_row_source_is_flagged_and_rows_make_documents(tmp_path, caplog):

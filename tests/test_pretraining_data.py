@@ -254,6 +254,44 @@ def test_full_sentences_pack_across_documents_with_a_separator_between_them():
   assert pretraining.objective('mlm_doc').instances is pretraining.doc_sentence_instances
 
 
+def test_sentence_order_pairs_are_a_documents_segments_in_order_or_swapped():
+  """ALBERT's sentence-order prediction (config.objective=mlm_sop), as its
+  create_pretraining_data.py makes it: A and B are consecutive segments of one document, in
+  order (label 0) or swapped (label 1) with probability 1/2; a chunk of one sentence is
+  paired with another document's segment (label 1), as in BERT's pairs."""
+  rng = np.random.default_rng(1)
+  docs, start = [], 0  # token t: the t-th of the corpus, documents 1000 apart: order shows
+  for _ in range(100):
+    lengths = rng.integers(2, 9, rng.integers(40, 60))
+    ends = start + np.cumsum(lengths)
+    docs.append([list(range(e - n, e)) for e, n in zip(ends.tolist(), lengths.tolist())])
+    start = ends[-1] + 1000
+  docs.append([[10**6] * 5])  # a document of one sentence
+  stats = collections.Counter()
+  instances = list(pretraining.sentence_order_instances(
+      docs, max_seq_length=24, short_seq_prob=0.1, dupe_factor=2, seed=0, stats=stats))
+  assert stats['documents'] == 101 and len(instances) > 2000
+  kinds = collections.Counter()
+  for inst in instances:
+    a, b = inst.tokens_a, inst.tokens_b
+    assert a == sorted(a) and b == sorted(b) and len(a) + len(b) <= 21
+    kind = ('random' if abs(b[0] - a[0]) >= 1000 else 'in order' if a[-1] < b[0] else
+            'swapped' if b[-1] < a[0] else 'neither')
+    kinds[kind] += 1
+    assert inst.is_random_next == (kind != 'in order'), (kind, inst)
+    if kind == 'random':  # (a chunk of one sentence: at most 8 tokens)
+      assert len(a) <= 8
+  assert kinds['neither'] == 0 and stats['swapped'] == kinds['swapped']
+  assert 0.45 < kinds['swapped'] / (kinds['swapped'] + kinds['in order']) < 0.55
+  assert 0 < kinds['random'] < 0.1 * len(instances)  # documents' last sentences, mostly
+  alone = [i for i in instances if i.tokens_a[0] == 10**6]
+  assert len(alone) == 2 and all(i.is_random_next for i in alone)  # (dupe_factor 2)
+  sop = pretraining.objective('mlm_sop')
+  assert sop.next_sentence and sop.instances is pretraining.sentence_order_instances
+  names = [o.instances_name for o in pretraining.OBJECTIVES.values()]
+  assert len(set(names)) == len(names)  # (the fingerprint tells them apart)
+
+
 def test_the_objective_is_checked_before_anything_runs():
   """config.objective: a name of OBJECTIVES, and BERT's pairs need two token types (RoBERTa's
   single segment takes one); a sweep checks each run's before any starts."""

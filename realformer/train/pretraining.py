@@ -383,8 +383,9 @@ class PretrainingTask(trainer.Task):
   def __init__(self, config, mesh, run: RunDir):
     self.config = config
     if config.get('objective', 'mlm_nsp') != 'mlm_nsp':
-      logging.info('objective: %s (masked language modelling alone, no NSP head)',
-                   config.objective)
+      from data import pretraining as objectives  # pylint: disable=g-import-not-at-top
+      logging.info('objective: %s (%s)', config.objective,
+                   objectives.of_config(config).about)
     self.cadence = trainer.make_cadence(config.train)
     self.program = program(config, mesh, platform=mesh.devices.flat[0].platform)
     if config.train.init_checkpoint:
