@@ -910,6 +910,8 @@ def read_metadata(prepared_dir: str, config=None) -> dict:
                     'none): using the prepared data without checking them against it',
                     prepared_dir, config.data.sources)
     want['files'] = have['files']
+  if 'tokenizer_crc' in have and have['tokenizer_crc'] == want.get('tokenizer_crc'):
+    want['tokenizer'] = have['tokenizer']  # the same files elsewhere (a run's kept copy)
   if 'tokenizer_crc' in have and 'tokenizer_crc' not in want:
     want['tokenizer_crc'] = have['tokenizer_crc']  # (loading it will say it is not there)
   if 'sentence_split' in configured and 'sentence_split' not in have:

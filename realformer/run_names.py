@@ -7,6 +7,9 @@ which prepares into data/) take theirs from here.
   .lock                 the run's holder (host, pid, program, start); see workdir.Lock (a
                         leased object on gs://: storage.Lease)
   config.json           the run's full config (model, data.tokenizer, ...)
+  vocab.txt, tokenizer_config.json, or <name>.model
+                        a copy of the files of data.tokenizer, beside each config.json
+                        (checkpoints.keep_tokenizer; an import's vocabulary)
   checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
                         stream's position, pretraining only)
   metrics.jsonl         one JSON line per logged step and split (metrics_jsonl)

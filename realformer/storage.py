@@ -288,7 +288,7 @@ def refuse_gcsfuse(p, what: str) -> None:
                      f'between hosts; give the bucket itself instead: {url}')
 
 
-def write_text(p, text: str) -> epath.Path:
+def write_bytes(p, data: bytes) -> epath.Path:
   """Replaces the file at `p` whole, so that no reader sees part of it: on a local disk
   written beside, flushed to the disk and renamed (a power cut leaves the old file or the
   new one, never an empty one), on object storage one upload (objects are replaced
@@ -296,15 +296,20 @@ def write_text(p, text: str) -> epath.Path:
   p = path(p)
   p.parent.mkdir(parents=True, exist_ok=True)
   if is_url(p):
-    p.write_text(text)
+    p.write_bytes(data)
   else:
     tmp = p.parent / f'{p.name}.tmp-{os.getpid()}'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      f.write(text)
+    with open(tmp, 'wb') as f:
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     tmp.replace(p)
   return p
+
+
+def write_text(p, text: str) -> epath.Path:
+  """write_bytes of `text` in UTF-8."""
+  return write_bytes(p, text.encode('utf-8'))
 
 
 def _fs(url: str):

@@ -3,6 +3,7 @@
 
 import errno
 import fcntl
+import itertools
 import json
 import os
 import logging
@@ -419,6 +420,64 @@ def test_config_mistakes_are_one_line(tmp_path, program, override, expected):
   assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
   assert 'Traceback' not in proc.stderr
   assert not os.listdir(tmp_path)  # nothing written, the workdir not even made
+
+
+def test_a_run_keeps_its_tokenizer_so_a_moved_import_loses_nothing(commands, tmp_path):
+  """A run keeps a copy of its data.tokenizer's files beside config.json (here a cased
+  WordPiece vocab.txt and its tokenizer_config.json, as an import's folder holds them), so
+  that after that folder is moved the same command resumes the run, another path to the
+  same files does too, and the workdir's readers (fine-tuning, export-hf) take the copy with
+  its casing. (A continued-pretraining trial's run could be neither resumed nor
+  fine-tuned once the import's folder was gone.)"""
+  from data import sources  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from realformer.tools import interop  # pylint: disable=g-import-not-at-top
+  docs = list(itertools.islice(sources.iter_documents('embedded'), 6))
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_text(''.join('\n'.join(d) + '\n\n' for d in docs))
+  imported = tmp_path / 'import'
+  tokenizer_lib.train_wordpiece(str(corpus), str(imported), 300, lowercase=False)
+  assert json.loads((imported / 'tokenizer_config.json').read_text())['do_lower_case'] is False
+  run = tmp_path / 'run'
+  args = ['train.py', f'--workdir={run}', '--config=configs/pretrain.py:postln,tiny,runlocal',
+          f'--config.data.sources=files:{corpus}', '--config.model.num_layers=1',
+          '--config.model.hidden_size=32', '--config.model.num_heads=2',
+          '--config.model.mlp_dim=64', '--config.train.eval_steps=0']
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(1))
+  given = [f'--config.data.tokenizer={imported / "vocab.txt"}']
+  proc = commands.run(args + given + ['--config.train.num_steps=2'], env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name in ('vocab.txt', 'tokenizer_config.json'):
+    assert (run / name).read_bytes() == (imported / name).read_bytes()
+  moved = tmp_path / 'moved'
+  imported.rename(moved)
+  for steps, tokenizer in ((3, imported), (4, moved), (5, imported)):  # gone, elsewhere, gone
+    proc = commands.run(args + [f'--config.data.tokenizer={tokenizer / "vocab.txt"}',
+                                f'--config.train.num_steps={steps}'], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f'resuming from step {steps - 1}' in proc.stderr, proc.stderr[-3000:]
+    assert ('reading the run\'s copy of it' in proc.stderr) == (tokenizer == imported)
+  stored = checkpoints.read_pretraining_config(str(run))
+  assert stored['data']['tokenizer'] == str(run / 'vocab.txt')
+  tokenizer = tokenizer_lib.load_for_config(ml_collections.ConfigDict(stored['data']))
+  assert tokenizer.encode('Congress') != tokenizer.encode('congress')  # cased, as trained
+  interop.export_hf(str(run), str(tmp_path / 'hf'))
+  assert json.loads((tmp_path / 'hf' / 'tokenizer_config.json').read_text())[
+      'do_lower_case'] is False
+  # Where neither is there, fine-tuning says what to put back, and where (it said to set a
+  # pretraining field that fine-tuning has not).
+  (run / 'vocab.txt').unlink()
+  data = tmp_path / 'tsv'
+  data.mkdir()
+  for split in ('train', 'dev'):
+    (data / f'{split}.tsv').write_text('text\tlabel\na b\t0\nc d\t1\n')
+  proc = commands.run(['finetune.py', '--config=configs/finetune.py:tsv/t',
+                       f'--config.init_checkpoint={run}', f'--config.data_dir={data}',
+                       f'--workdir={tmp_path / "ft"}'], env=env)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith('error:')]
+  assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+  assert errors[0].startswith(f'error: the tokenizer of config.init_checkpoint={run}, '
+                              f'{run / "vocab.txt"}, is not there'), errors[0]
 
 
 @pytest.mark.parametrize('program,ask,doc', [('train.py', '-h', 'Pretrain a BERT-style'),

@@ -481,7 +481,16 @@ class FinetuneTask(trainer.Task, abc.ABC):
       raise ValueError(f'max_seq_length={config.max_seq_length} exceeds the pretrained '
                        f'model\'s positions ({pre.model.max_len}); lower '
                        f'config.max_seq_length')
-    tokenizer = tokenizer_lib.load_for_config(pre.data)
+    try:
+      tokenizer = tokenizer_lib.load_for_config(pre.data)
+    except FileNotFoundError:
+      if config.init_checkpoint.partition(':')[0].endswith('.py'):
+        raise
+      raise FileNotFoundError(
+          f'the tokenizer of config.init_checkpoint={config.init_checkpoint}, '
+          f'{pre.data.tokenizer}, is not there (the run keeps no copy of it beside its '
+          'config.json); put it back, or copy its files there (a vocab.txt with its '
+          'tokenizer_config.json, or the sentencepiece .model)') from None
     if tokenizer.vocab_size != pre.model.vocab_size:
       raise ValueError(f'tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the '
                        f'checkpoint was trained with {pre.model.vocab_size}')

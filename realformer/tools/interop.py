@@ -937,8 +937,8 @@ def _copy_vocab(config, out: str) -> Optional[wordpiece.WordPieceTokenizer]:
   tokenizer_path = _local_file(named) if named.endswith('.txt') else ''
   if tokenizer_path and not os.path.isfile(tokenizer_path):
     raise FileNotFoundError(f'the run\'s vocabulary {tokenizer_path} is not there; put it back '
-                            '(or a copy in the workdir beside config.json) to export it with the '
-                            'weights')
+                            '(or a copy in the workdir beside config.json, with its '
+                            'tokenizer_config.json) to export it with the weights')
   if not tokenizer_path:
     logging.warning('the run\'s tokenizer (%s) is not a WordPiece vocab.txt: exported weights '
                     'only (BERT\'s tokenizers cannot read a sentencepiece model)', named)

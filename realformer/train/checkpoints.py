@@ -30,6 +30,9 @@ from realformer import storage
 from realformer.run_names import RunNames
 from realformer.train import distributed
 
+TOKENIZER_CONFIG = 'tokenizer_config.json'  # (a WordPiece vocabulary's casing: data/wordpiece.py)
+_RUN_FILES = frozenset(v for k, v in vars(RunNames).items() if k.isupper())
+
 # Orbax writes this into a step as the last act before the rename that finalizes it (on
 # gs://: as the act that finalizes it); a step directory without it (e.g. a partial copy of
 # a workdir, or a step cut short on gs://) is not complete.
@@ -197,12 +200,61 @@ def read_pretraining_config(workdir: str) -> dict:
   data = config.get('data')
   tokenizer = data.get('tokenizer') if isinstance(data, dict) else None
   if tokenizer:
-    # A workdir that keeps its own vocabulary (an import's vocab.txt) reads that one, also
-    # moved or copied since: the path it stored may be gone, or another import's now.
-    beside = storage.join(str(run), tokenizer.rstrip('/').rpartition('/')[2])
-    if storage.path(beside).is_file():
-      data['tokenizer'] = str(beside)
+    # A workdir that keeps its own vocabulary (keep_tokenizer) reads that one, also moved
+    # or copied since: the path it stored may be gone, or another import's now.
+    beside = kept_tokenizer(str(run), tokenizer)
+    if beside:
+      data['tokenizer'] = beside
   return config
+
+
+# ---- The tokenizer a run directory keeps beside its config.json (an import's vocab.txt,
+# a run's copy of its data.tokenizer): its params stand for that vocabulary's pieces.
+
+def tokenizer_files(tokenizer: str) -> List[str]:
+  """The files of data.tokenizer: a sentencepiece .model, or a WordPiece vocab.txt and the
+  tokenizer_config.json beside it (its casing) where there is one; none for the embedded
+  one ('')."""
+  if not tokenizer:
+    return []
+  folder = tokenizer.rstrip('/').rpartition('/')[0]
+  casing = storage.join(folder, TOKENIZER_CONFIG) if folder else TOKENIZER_CONFIG
+  return [tokenizer] + ([casing] if tokenizer.endswith('.txt') and
+                        storage.is_file(casing) else [])
+
+
+def kept_tokenizer(workdir: str, tokenizer: str) -> Optional[str]:
+  """The copy of data.tokenizer `tokenizer` that the run directory keeps beside its
+  config.json (by the file's name), or None."""
+  name = tokenizer.rstrip('/').rpartition('/')[2]
+  if not tokenizer or name in _RUN_FILES:
+    return None
+  beside = storage.join(str(workdir), name)
+  return beside if storage.is_file(beside) else None
+
+
+def keep_tokenizer(workdir: str, config) -> None:
+  """Copies the files of config.data.tokenizer beside <workdir>/config.json (process 0),
+  so that the run directory stands alone: the vocabulary its params stand for, with its
+  casing, still there when the folder it came from is moved or deleted (an import's);
+  readers of the workdir take the copy (read_pretraining_config), and a resume whose
+  data.tokenizer is gone reads it. A file of a run's own name is never written."""
+  data = config.get('data') if hasattr(config, 'get') else None
+  tokenizer = data.get('tokenizer') if data is not None and hasattr(data, 'get') else None
+  if not tokenizer or not storage.is_file(tokenizer):
+    return
+
+  def copy():
+    for source in tokenizer_files(tokenizer):
+      name = source.rstrip('/').rpartition('/')[2]
+      dest = storage.path(storage.join(str(workdir), name))
+      if name in _RUN_FILES:
+        continue
+      content = storage.path(source).read_bytes()
+      if not (dest.is_file() and dest.read_bytes() == content):
+        storage.write_bytes(dest, content)
+
+  distributed.on_process_zero(copy, f'copy {tokenizer} into {workdir}')
 
 
 def save(manager: ocp.CheckpointManager, step: int, state_tree: dict,

@@ -129,9 +129,10 @@ class RunDir(RunNames):
     return json.loads(path.read_text()) if path.exists() else default
 
   def write_config(self, config) -> epath.Path:
-    """config.json: written only once every check of a start has passed. A resume keeps the
-    stored train.init_checkpoint, the one that began the run (it reads its own checkpoint:
-    another value given now was never read)."""
+    """config.json, and beside it a copy of the files of its data.tokenizer
+    (checkpoints.keep_tokenizer): written only once every check of a start has passed. A
+    resume keeps the stored train.init_checkpoint, the one that began the run (it reads its
+    own checkpoint: another value given now was never read)."""
     began = (self.resumed_from or {}).get('train', {}).get('init_checkpoint')
     if began is not None and config.get('train', {}).get('init_checkpoint') != began:
       logging.info('train.init_checkpoint=%r is not read on a resume (the run\'s own checkpoint '
@@ -139,7 +140,9 @@ class RunDir(RunNames):
                    config.train.init_checkpoint, began)
       config = config.copy_and_resolve_references()
       config.train.init_checkpoint = began
-    return checkpoints.write_config(str(self), config)
+    path = checkpoints.write_config(str(self), config)
+    checkpoints.keep_tokenizer(str(self), config)
+    return path
 
   def record_machine(self) -> None:
     distributed.on_process_zero(lambda: machine.record(str(self)),

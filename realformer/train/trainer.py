@@ -785,6 +785,7 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
   (Trainer.run), all within the mesh. Returns (the task, the trainer's summary)."""
   run = RunDir(workdir)
   mesh = partitioning.make_mesh(config.mesh, devices)
+  config = _with_kept_tokenizer(config, run)
   # (each host checks its own view: a file only some of them see stops all of them)
   checked = distributed.on_every_process(lambda: task_cls.checked_config(config, mesh),
                                          'check the config')
@@ -804,6 +805,23 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
         logging.info('encoder: %s; attention: %s; %s', spec.summary,
                      attention_lib.paths(spec), _parameter_count(task.program.abstract.params))
     return task, Trainer(task, run).run()
+
+
+def _with_kept_tokenizer(config, run: RunDir):
+  """`config`, or where its data.tokenizer is gone (the folder of an import it came from
+  moved or deleted), a copy that reads the run's own copy of it (RunDir.write_config keeps
+  one beside config.json): the same files, so a resume goes on as the same command."""
+  data = config.get('data')
+  tokenizer = data.get('tokenizer') if data is not None else None
+  if not tokenizer or storage.is_file(tokenizer):
+    return config
+  kept = checkpoints.kept_tokenizer(str(run), tokenizer)
+  if kept is None:
+    return config
+  logging.info('data.tokenizer %s is gone: reading the run\'s copy of it, %s', tokenizer, kept)
+  config = config.copy_and_resolve_references()
+  config.data.tokenizer = kept
+  return config
 
 
 def _parameter_count(params) -> str:

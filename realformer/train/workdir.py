@@ -393,6 +393,16 @@ def config_differences(stored: dict, new: dict):
           sorted(b.keys() - a.keys()))
 
 
+def _same_tokenizer(workdir: str, stored: str, given: str) -> bool:
+  """Whether two data.tokenizer paths hold the same files (prepare.tokenizer_signature): a
+  tokenizer moved, or the run's copy of one that is gone (checkpoints.keep_tokenizer)."""
+  from data import prepare  # pylint: disable=g-import-not-at-top
+  from realformer.train import checkpoints  # pylint: disable=g-import-not-at-top
+  here = [t if storage.is_file(t) else checkpoints.kept_tokenizer(workdir, t)
+          for t in (stored, given)]
+  return None not in here and len({prepare.tokenizer_signature(t) for t in here}) == 1
+
+
 def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]:
   """Refuse to resume a checkpoint under another config; log the allowed changes.
 
@@ -418,6 +428,11 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
                      'restore the file or use another --workdir') from None
   new = json.loads(config.to_json_best_effort())
   fixed, allowed, added = config_differences(stored, new)
+  if 'data.tokenizer' in fixed and _same_tokenizer(workdir, stored['data']['tokenizer'],
+                                                   new['data']['tokenizer']):
+    fixed.remove('data.tokenizer')
+    logging.info('data.tokenizer %s is the run\'s %s elsewhere (the same files)',
+                 new['data']['tokenizer'], stored['data']['tokenizer'])
   programs = cli.program_of(stored), cli.program_of(new)
   # (a config of another program: told by its sections; a file of neither by the fields it
   # lacks: fields added since are few)
