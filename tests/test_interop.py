@@ -438,6 +438,12 @@ def test_tf1_casing_must_agree_with_the_vocabulary(tf1_checkpoint, tmp_path, cap
   interop.import_hf(str(tmp_path / 'c_hf'), str(tmp_path / 'e'))
   assert ('a cased vocabulary, and ' + str(tmp_path / 'c_hf') + ' has no tokenizer_config.json '
           'to say so: imported lower-casing') in caplog.text
+  # The other way: an uncased vocabulary whose tokenizer_config.json keeps the case.
+  interop.export_hf(str(tmp_path / 'a'), str(tmp_path / 'a_hf'))
+  caplog.clear()
+  interop.import_hf(str(tmp_path / 'a_hf'), str(tmp_path / 'f'))
+  assert ('has no piece with a capital, an uncased vocabulary, yet tokenizer_config.json says '
+          'do_lower_case false') in caplog.text
 
 
 def test_hf_decoders_and_untied_mlm_decoders_are_refused(tf1_checkpoint, tmp_path):
@@ -468,6 +474,8 @@ def test_hf_decoders_and_untied_mlm_decoders_are_refused(tf1_checkpoint, tmp_pat
                     '--encoder_only'])
       alone = checkpoints.resolve_step_dir(str(tmp_path / 'alone'))
       assert set(checkpoints.stored_tree(alone)['params']) == {'encoder'}
+      assert interop.describe_import(alone).endswith(
+          '; with pooler; no mlm_head or nsp_head: pretraining from it draws them fresh')
     else:
       assert 'mlm_head' in interop.load_hf(str(hf))[0]
   interop.import_tf1(ck['prefix'], ck['config'], ck['vocab'], str(tmp_path / 'tf1_alone'),

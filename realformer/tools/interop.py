@@ -650,6 +650,12 @@ def import_hf(src: str, out: str, encoder_only: bool = False) -> str:
                               'config.json')
     params, config, normalization = load_hf(src, encoder_only)
     capitals, cased = _capitals(vocab)
+    if not capitals and not normalization['do_lower_case']:
+      logging.warning('%s has no piece with a capital, an uncased vocabulary, yet %s says '
+                      'do_lower_case false: imported so (as transformers reads it), a word '
+                      'with a capital becomes [UNK] unless its script has none; if the '
+                      'checkpoint lower-cases, set do_lower_case true there and import again',
+                      vocab, wordpiece.TOKENIZER_CONFIG)
     if cased and normalization['do_lower_case'] and not os.path.isfile(
         os.path.join(src, wordpiece.TOKENIZER_CONFIG)):
       logging.warning('%s holds %d pieces with capitals (e.g. %s), a cased vocabulary, and '
@@ -1143,10 +1149,13 @@ def describe_import(step_dir: str) -> str:
   heads = [k for k in sorted(params) if k != 'encoder']
   if 'pooler' in params['encoder']:
     heads.insert(0, 'pooler')
+  lacking = [h for h in ('mlm_head', 'nsp_head') if h not in heads]
   return (f'imported {model["variant"]}: {model["num_layers"]} layers of '
           f'{model["hidden_size"]} ({model["num_heads"]} heads, MLP {model["mlp_dim"]}), a '
           f'vocabulary of {model["vocab_size"]}, {model["max_len"]} positions; with '
-          f'{", ".join(heads) or "no head (the encoder alone)"}')
+          f'{", ".join(heads) or "no head (the encoder alone)"}' +
+          (f'; no {" or ".join(lacking)}: pretraining from it draws '
+           f'{"them" if len(lacking) > 1 else "it"} fresh' if lacking else ''))
 
 
 def describe_tf1_export(out: str) -> str:

@@ -4,8 +4,8 @@ data_dir/{train,dev[,test]}.tsv, each with a header row.
 
 Its own fields, config.tsv: text (its one or two text columns, comma-separated), label (the
 label column), labels (the label values in id order, comma-separated; '' = a regression on a
-number), metric (the headline: accuracy, mcc, f1 of two labels, macro_f1; pearson,
-spearman); and GLUE's skip_malformed_rows.
+number), metric (the headline: accuracy, mcc, f1 of two labels, the second positive;
+macro_f1; pearson, spearman); and GLUE's skip_malformed_rows.
 """
 
 import ml_collections
