@@ -564,9 +564,10 @@ def test_gpu_targets_are_named_or_refused_in_one_line(monkeypatch):
   with pytest.raises(launch.LaunchError, match=r'needs jax\'s CUDA plugin, which is not '
                                                r'installed: pip install "jax\[cuda13\]'):
     launch.target_for('h200:8')
-  with pytest.raises(launch.LaunchError, match=r'unknown TPU generation .* a GPU \(h100, h200, '
-                                               r'a100, e.g. h100:8\)'):
-    launch.target_for('b200')
+  with pytest.raises(launch.LaunchError, match=r"'b200' is neither a TPU generation \(v4, .*\) "
+                                               r"nor a GPU \(h100, h200, a100, a100-40gb\); .* "
+                                               r"GPUs as <gpu>\[:<per host>"):
+    launch.target_for('b200:8')
 
 
 @pytest.mark.skipif(importlib.util.find_spec('jax_cuda13_plugin') is None and
@@ -596,7 +597,7 @@ def test_a_gpu_step_compiles_without_a_gpu(tmp_path):
 
 
 def test_errors_are_one_line_and_name_the_fix(monkeypatch):
-  with pytest.raises(launch.LaunchError, match='unknown TPU generation'):
+  with pytest.raises(launch.LaunchError, match="'v9' is neither a TPU generation"):
     launch.tpu_target('v9:2x2')
   with pytest.raises(launch.LaunchError, match='AxB'):
     launch.tpu_target('v5e:2by2')

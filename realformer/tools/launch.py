@@ -211,10 +211,10 @@ def tpu_target(name: str) -> Target:
                       f'{_shape_of(chips, _DIMENSIONS[kind])} (gcloud compute tpus '
                       'accelerator-types describe gives its topology)')
   if generation not in HBM_GIB:
-    raise LaunchError(f'--compile_for={name!r}: unknown TPU generation {generation!r}; name a '
-                      f'slice as <generation>:<topology> with generation one of '
-                      f'{", ".join(HBM_GIB)} (e.g. v5p:4x4x4, v5e:4x4), a GPU '
-                      f'({", ".join(GPUS)}, e.g. h100:8), or use local')
+    raise LaunchError(f'--compile_for={name!r}: {generation!r} is neither a TPU generation '
+                      f'({", ".join(HBM_GIB)}) nor a GPU ({", ".join(GPUS)}); name a TPU '
+                      f'slice as <generation>:<topology> (e.g. v5p:4x4x4, v5e:4x4), GPUs as '
+                      f'<gpu>[:<per host>|:<hosts>x<per host>] (e.g. h100:8), or use local')
   if not re.fullmatch(r'\d+x\d+(x\d+)?', shape):
     raise LaunchError(f'--compile_for={name!r}: topology {shape!r} is not AxB or AxBxC '
                       f'(chips per dimension, e.g. v5e:2x2, v5p:2x2x1)')
@@ -278,6 +278,9 @@ GPUS = {
                  bandwidth=4.8e12, l2=50 << 20, clock=1.98, smem_core=233472, fpus=128),
     'a100': dict(kind='NVIDIA A100-SXM4-80GB', capability=8, cores=108, memory_mib=81920,
                  bandwidth=2.039e12, l2=40 << 20, clock=1.41, smem_core=167936, fpus=64),
+    'a100-40gb': dict(kind='NVIDIA A100-SXM4-40GB', capability=8, cores=108,
+                      memory_mib=40960, bandwidth=1.555e12, l2=40 << 20, clock=1.41,
+                      smem_core=167936, fpus=64),
 }
 _GPU_CONFIG = """gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 threads_per_core_limit: 2048
