@@ -68,9 +68,7 @@ class Tokenizer:
           f'give the WordPiece vocabulary in it: config.data.tokenizer={vocab}'
           if storage.path(vocab).exists() else
           'give a sentencepiece .model or a WordPiece vocab.txt file'))
-    if storage.is_url(path) and storage.path(path).exists():
-      folder, _, name = path.rpartition('/')
-      path = os.path.join(storage.local_copy(folder, [name], kind='tokenizers'), name)
+    path = local_files(path)
     if not storage.path(path).exists():
       raise FileNotFoundError(f'tokenizer {path!r} not found; set config.data.tokenizer to a '
                               'sentencepiece .model (or a WordPiece vocab.txt), or train one '
@@ -131,6 +129,21 @@ class Tokenizer:
     mask = np.array([p.startswith('\u2581') for p in pieces])
     mask[list(self.special_ids)] = True
     return mask
+
+
+def local_files(path: str) -> str:
+  """`path`, or for a gs:// tokenizer this host's checked copy of its files
+  (storage.local_copy): a sentencepiece .model, or a vocab.txt with the
+  tokenizer_config.json beside it (its casing) where the bucket has one."""
+  if not storage.is_url(path) or not storage.path(path).is_file():
+    return path
+  from data.wordpiece import TOKENIZER_CONFIG  # pylint: disable=g-import-not-at-top
+  folder, _, name = path.rstrip('/').rpartition('/')
+  casing = name.endswith('.txt') and storage.is_file(f'{folder}/{TOKENIZER_CONFIG}')
+  local = storage.local_copy(folder, [name] + [TOKENIZER_CONFIG] * casing, kind='tokenizers')
+  if not casing and os.path.isfile(os.path.join(local, TOKENIZER_CONFIG)):
+    os.unlink(os.path.join(local, TOKENIZER_CONFIG))  # (an earlier copy's, gone since)
+  return os.path.join(local, name)
 
 
 def load_for_config(config_data) -> Tokenizer:

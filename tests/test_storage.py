@@ -636,6 +636,21 @@ def test_a_tokenizer_in_a_bucket_is_read_through_a_checked_local_copy(gcs):
   assert remote.encode('the residual attention') == local.encode('the residual attention')
   with pytest.raises(FileNotFoundError, match='not found'):
     tokenizer_lib.Tokenizer.load(f'{gcs}/tokenizers/missing.model')
+  # A WordPiece vocab.txt comes with the tokenizer_config.json beside it (its casing), and a
+  # run directory in a bucket keeps both beside its config.json (checkpoints.keep_tokenizer).
+  pieces = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]', 'Hello', 'hello', 'world']
+  for name, text in (('vocab.txt', '\n'.join(pieces) + '\n'),
+                     ('tokenizer_config.json', '{"do_lower_case": false}')):
+    storage.path(f'{gcs}/cased/{name}').write_text(text)
+  cased = tokenizer_lib.Tokenizer.load(f'{gcs}/cased/vocab.txt')
+  assert cased.encode('Hello hello') == [5, 6]
+  config = ml_collections.ConfigDict({'data': {'tokenizer': f'{gcs}/cased/vocab.txt'}})
+  checkpoints.write_config(f'{gcs}/run', config)
+  kept = checkpoints.kept_tokenizer(f'{gcs}/run', config.data.tokenizer)
+  assert kept == f'{gcs}/run/vocab.txt'
+  assert tokenizer_lib.Tokenizer.load(kept).encode('Hello hello') == [5, 6]
+  storage.path(f'{gcs}/cased/tokenizer_config.json').unlink()  # (now lower-cased)
+  assert tokenizer_lib.Tokenizer.load(f'{gcs}/cased/vocab.txt').encode('Hello') == [6]
 
 
 def test_a_copy_of_a_composite_object_is_checked_by_its_crc32c(gcs, monkeypatch):

@@ -480,6 +480,49 @@ def test_a_run_keeps_its_tokenizer_so_a_moved_import_loses_nothing(commands, tmp
                               f'{run / "vocab.txt"}, is not there'), errors[0]
 
 
+def test_the_kept_tokenizer_stands_for_the_runs_own_vocabulary_alone(tmp_path):
+  """What the copy may not do: keep another vocabulary's casing file beside a new one; lend a
+  file a failed start left to a fresh start whose path is not there; let a resume go on
+  with a vocabulary retrained at the stored path, or given another path to such files; and
+  final/ (checkpoints.save_params) keeps one as best/ does. (A review's findings.)"""
+  from realformer.train import trainer  # pylint: disable=g-import-not-at-top
+  from realformer.train.run_dir import RunDir  # pylint: disable=g-import-not-at-top
+
+  def vocab(folder, pieces, cased=None):
+    folder.mkdir()
+    (folder / 'vocab.txt').write_text('\n'.join(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']
+                                                + pieces) + '\n')
+    if cased is not None:
+      (folder / 'tokenizer_config.json').write_text(json.dumps({'do_lower_case': not cased}))
+    return ml_collections.ConfigDict({'data': {'tokenizer': str(folder / 'vocab.txt')}})
+
+  a, b = vocab(tmp_path / 'a', ['Hello', 'hello'], cased=True), vocab(tmp_path / 'b', ['hi'])
+  run = tmp_path / 'run'
+  checkpoints.write_config(str(run), a)
+  assert (run / 'tokenizer_config.json').read_text() == '{"do_lower_case": false}'
+  checkpoints.write_config(str(run), b)  # (a start in the folder a failed start left)
+  assert (run / 'vocab.txt').read_text().endswith('hi\n')
+  assert not (run / 'tokenizer_config.json').exists()
+  typo = ml_collections.ConfigDict({'data': {'tokenizer': str(tmp_path / 'typo' / 'vocab.txt')}})
+  assert trainer._with_kept_tokenizer(typo, RunDir(str(run))) is typo  # no checkpoint there
+  checkpoints.save_params(str(tmp_path / 'final'), {'w': jax.numpy.zeros(2)}, a)
+  assert sorted(os.listdir(tmp_path / 'final')) == ['checkpoints', 'config.json',
+                                                    'tokenizer_config.json', 'vocab.txt']
+  # A resume: the stored path retrained, or another path to those files, is refused; the
+  # run's own files by another path are the same run.
+  checkpoints.write_config(str(run), a)
+  vocab(tmp_path / 'own', ['Hello', 'hello'], cased=True)
+  (tmp_path / 'a' / 'vocab.txt').write_text((tmp_path / 'a' / 'vocab.txt').read_text() + 'x\n')
+  with pytest.raises(ValueError, match=r"data.tokenizer .*a/vocab.txt holds other files than "
+                                       r"the run's copy of it, .*run/vocab.txt"):
+    workdir_lib.check_resume_config(str(run), a, True)
+  retrained = vocab(tmp_path / 'c', ['Hello', 'hello', 'x'], cased=True)
+  with pytest.raises(ValueError, match=r'another config \(1 field\): data.tokenizer'):
+    workdir_lib.check_resume_config(str(run), retrained, True)
+  own = ml_collections.ConfigDict({'data': {'tokenizer': str(tmp_path / 'own' / 'vocab.txt')}})
+  assert workdir_lib.check_resume_config(str(run), own, True) == []
+
+
 @pytest.mark.parametrize('program,ask,doc', [('train.py', '-h', 'Pretrain a BERT-style'),
                                               ('finetune.py', '--help', 'Fine-tune a')])
 def test_help_lists_the_flags_and_exits_0(program, ask, doc):

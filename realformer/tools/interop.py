@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from data import tokenizer as tokenizer_lib
 from data import wordpiece
 from realformer import cli
 from realformer import models
@@ -940,7 +941,7 @@ def _copy_vocab(config, out: str) -> Optional[wordpiece.WordPieceTokenizer]:
   warning, for a sentencepiece run (BERT's tokenizers cannot read its model)."""
   named = (config.data.get('tokenizer', '') if 'data' in config else '') or (
       'the shipped sentencepiece model')
-  tokenizer_path = _local_file(named) if named.endswith('.txt') else ''
+  tokenizer_path = tokenizer_lib.local_files(named) if named.endswith('.txt') else ''
   if tokenizer_path and not os.path.isfile(tokenizer_path):
     raise FileNotFoundError(f'the run\'s vocabulary {tokenizer_path} is not there; put it back '
                             '(or a copy in the workdir beside config.json, with its '

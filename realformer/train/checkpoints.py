@@ -30,7 +30,6 @@ from realformer import storage
 from realformer.run_names import RunNames
 from realformer.train import distributed
 
-TOKENIZER_CONFIG = 'tokenizer_config.json'  # (a WordPiece vocabulary's casing: data/wordpiece.py)
 _RUN_FILES = frozenset(v for k, v in vars(RunNames).items() if k.isupper())
 
 # Orbax writes this into a step as the last act before the rename that finalizes it (on
@@ -149,11 +148,13 @@ def agreed_step(step: Optional[int]) -> Optional[int]:
 def write_config(workdir, config) -> str:
   """<workdir>/config.json, replaced whole (storage.write_text), by process 0 (the first
   write of a run's start: with several processes all of them stop if it fails,
-  distributed.on_process_zero)."""
+  distributed.on_process_zero), and beside it the files of its data.tokenizer
+  (keep_tokenizer)."""
   path = storage.path(workdir) / RunNames.CONFIG
   distributed.on_process_zero(
       lambda: storage.write_text(path, config.to_json_best_effort(indent=2, sort_keys=True)),
       f'write {path}')
+  keep_tokenizer(workdir, config)
   return str(path)
 
 
@@ -217,6 +218,7 @@ def tokenizer_files(tokenizer: str) -> List[str]:
   one ('')."""
   if not tokenizer:
     return []
+  from data.wordpiece import TOKENIZER_CONFIG  # pylint: disable=g-import-not-at-top
   folder = tokenizer.rstrip('/').rpartition('/')[0]
   casing = storage.join(folder, TOKENIZER_CONFIG) if folder else TOKENIZER_CONFIG
   return [tokenizer] + ([casing] if tokenizer.endswith('.txt') and
@@ -234,18 +236,23 @@ def kept_tokenizer(workdir: str, tokenizer: str) -> Optional[str]:
 
 
 def keep_tokenizer(workdir: str, config) -> None:
-  """Copies the files of config.data.tokenizer beside <workdir>/config.json (process 0),
-  so that the run directory stands alone: the vocabulary its params stand for, with its
-  casing, still there when the folder it came from is moved or deleted (an import's);
-  readers of the workdir take the copy (read_pretraining_config), and a resume whose
-  data.tokenizer is gone reads it. A file of a run's own name is never written."""
+  """Copies the files of config.data.tokenizer beside <workdir>/config.json (process 0; a
+  collective where the config names a tokenizer file), so that the run directory stands
+  alone: the vocabulary its params stand for, with its casing (a tokenizer_config.json
+  left by another tokenizer is removed), still there when the folder it came from is
+  moved or deleted (an import's); readers of the workdir take the copy
+  (read_pretraining_config), and a resume whose data.tokenizer is gone reads it
+  (trainer.train). A file of a run's own name is never written."""
   data = config.get('data') if hasattr(config, 'get') else None
   tokenizer = data.get('tokenizer') if data is not None and hasattr(data, 'get') else None
-  if not tokenizer or not storage.is_file(tokenizer):
+  if not tokenizer:
     return
 
   def copy():
-    for source in tokenizer_files(tokenizer):
+    if not storage.is_file(tokenizer):
+      return
+    sources = tokenizer_files(tokenizer)
+    for source in sources:
       name = source.rstrip('/').rpartition('/')[2]
       dest = storage.path(storage.join(str(workdir), name))
       if name in _RUN_FILES:
@@ -253,6 +260,10 @@ def keep_tokenizer(workdir: str, config) -> None:
       content = storage.path(source).read_bytes()
       if not (dest.is_file() and dest.read_bytes() == content):
         storage.write_bytes(dest, content)
+    from data.wordpiece import TOKENIZER_CONFIG  # pylint: disable=g-import-not-at-top
+    casing = storage.path(storage.join(str(workdir), TOKENIZER_CONFIG))
+    if tokenizer.endswith('.txt') and len(sources) == 1 and casing.is_file():
+      casing.unlink()  # (another vocabulary's: this one lower-cases, BertTokenizer's default)
 
   distributed.on_process_zero(copy, f'copy {tokenizer} into {workdir}')
 

@@ -130,7 +130,7 @@ class RunDir(RunNames):
 
   def write_config(self, config) -> epath.Path:
     """config.json, and beside it a copy of the files of its data.tokenizer
-    (checkpoints.keep_tokenizer): written only once every check of a start has passed. A
+    (checkpoints.write_config): written only once every check of a start has passed. A
     resume keeps the stored train.init_checkpoint, the one that began the run (it reads its
     own checkpoint: another value given now was never read)."""
     began = (self.resumed_from or {}).get('train', {}).get('init_checkpoint')
@@ -140,9 +140,7 @@ class RunDir(RunNames):
                    config.train.init_checkpoint, began)
       config = config.copy_and_resolve_references()
       config.train.init_checkpoint = began
-    path = checkpoints.write_config(str(self), config)
-    checkpoints.keep_tokenizer(str(self), config)
-    return path
+    return checkpoints.write_config(str(self), config)
 
   def record_machine(self) -> None:
     distributed.on_process_zero(lambda: machine.record(str(self)),

@@ -808,14 +808,18 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
 
 
 def _with_kept_tokenizer(config, run: RunDir):
-  """`config`, or where its data.tokenizer is gone (the folder of an import it came from
-  moved or deleted), a copy that reads the run's own copy of it (RunDir.write_config keeps
-  one beside config.json): the same files, so a resume goes on as the same command."""
+  """`config`, or for a resume whose data.tokenizer is gone (the folder of an import it came
+  from moved or deleted), a copy that reads the run's own copy of it (checkpoints.
+  write_config keeps one beside config.json): the vocabulary its checkpoint stands for, so
+  that the same command goes on. As process 0 finds the files, for every process; a fresh
+  start never takes a file a failed start left."""
   data = config.get('data')
   tokenizer = data.get('tokenizer') if data is not None else None
-  if not tokenizer or storage.is_file(tokenizer):
+  if not tokenizer:
     return config
-  kept = checkpoints.kept_tokenizer(str(run), tokenizer)
+  kept = distributed.read_on_process_zero(
+      lambda: None if storage.is_file(tokenizer) or not run.has_checkpoint() else
+      checkpoints.kept_tokenizer(str(run), tokenizer), f'look for {tokenizer}')
   if kept is None:
     return config
   logging.info('data.tokenizer %s is gone: reading the run\'s copy of it, %s', tokenizer, kept)

@@ -393,14 +393,29 @@ def config_differences(stored: dict, new: dict):
           sorted(b.keys() - a.keys()))
 
 
-def _same_tokenizer(workdir: str, stored: str, given: str) -> bool:
-  """Whether two data.tokenizer paths hold the same files (prepare.tokenizer_signature): a
-  tokenizer moved, or the run's copy of one that is gone (checkpoints.keep_tokenizer)."""
+def _check_tokenizer(workdir: str, stored: str, given: str, fixed: List[str]) -> None:
+  """A resume's data.tokenizer against the vocabulary its checkpoint stands for: the run's
+  copy of it (checkpoints.keep_tokenizer), else the stored path's files. Another path to
+  the same files (prepare.tokenizer_signature: the vocabulary and its casing) is the same
+  run (taken out of `fixed`); the stored path whose files are no longer the run's copy
+  (retrained there) is a one-line error."""
   from data import prepare  # pylint: disable=g-import-not-at-top
   from realformer.train import checkpoints  # pylint: disable=g-import-not-at-top
-  here = [t if storage.is_file(t) else checkpoints.kept_tokenizer(workdir, t)
-          for t in (stored, given)]
-  return None not in here and len({prepare.tokenizer_signature(t) for t in here}) == 1
+  kept = checkpoints.kept_tokenizer(workdir, stored) if stored else None
+  own = kept or (stored if stored and storage.is_file(stored) else None)
+  if not own or not given or not storage.is_file(given):
+    return
+  same = prepare.tokenizer_signature(given) == prepare.tokenizer_signature(own)
+  if given != stored and same:
+    if 'data.tokenizer' in fixed:
+      fixed.remove('data.tokenizer')
+    logging.info('data.tokenizer %s holds the run\'s vocabulary, %s (the same files)',
+                 given, own)
+  elif given == stored and not same:
+    raise ValueError(f'data.tokenizer {given} holds other files than the run\'s copy of '
+                     f'it, {own}, the vocabulary its checkpoint stands for (retrained at '
+                     f'that path?); resume with --config.data.tokenizer={own}, or start a '
+                     'new --workdir')
 
 
 def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]:
@@ -428,11 +443,9 @@ def check_resume_config(workdir: str, config, has_checkpoint: bool) -> List[str]
                      'restore the file or use another --workdir') from None
   new = json.loads(config.to_json_best_effort())
   fixed, allowed, added = config_differences(stored, new)
-  if 'data.tokenizer' in fixed and _same_tokenizer(workdir, stored['data']['tokenizer'],
-                                                   new['data']['tokenizer']):
-    fixed.remove('data.tokenizer')
-    logging.info('data.tokenizer %s is the run\'s %s elsewhere (the same files)',
-                 new['data']['tokenizer'], stored['data']['tokenizer'])
+  if has_checkpoint and isinstance(stored.get('data'), dict) and 'data' in new:
+    _check_tokenizer(workdir, stored['data'].get('tokenizer', ''),
+                     new['data'].get('tokenizer', ''), fixed)
   programs = cli.program_of(stored), cli.program_of(new)
   # (a config of another program: told by its sections; a file of neither by the fields it
   # lacks: fields added since are few)
