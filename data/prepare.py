@@ -128,7 +128,7 @@ def fingerprint(config) -> dict:
           **({'files': files} if (files := sources.files_signature(d.sources)) else {}),
           **({'instances': kind}
              if (kind := pretraining.of_config(config).instances_name) != 'pairs' else {}),
-          **({'tokenizer_crc': crc} if (crc := tokenizer_signature(d.tokenizer)) else {}),
+          **({'tokenizer_crc': crc} if (crc := tokenizer_lib.signature(d.tokenizer)) else {}),
           # (held out by the documents' numbers in their own sources: is_eval_document)
           **({'eval_split': 'by_source'} if len(specs) > 1 else {}),
           # (sources of paragraphs, split by sources.split_sentences: its rule since a capital
@@ -136,22 +136,6 @@ def fingerprint(config) -> dict:
           # keeps being read, as a key added since it was made is not held against it)
           **({'sentence_split': 2} if 'tfds:' in d.sources or 'hf:' in d.sources else {}),
           **({'version': PREPARE_VERSION} if PREPARE_VERSION != 1 else {})}
-
-
-def tokenizer_signature(path: str) -> Optional[str]:
-  """A CRC32 of the tokenizer's files as they are now: a sentencepiece .model (which holds
-  its normalization), or a WordPiece vocab.txt and the tokenizer_config.json beside it (its
-  lower-casing). A tokenizer retrained at the same path makes other instances: a
-  preparation records it, so that reusing or resuming it is refused instead of mixing the
-  two. None where the file is not here."""
-  path = path or tokenizer_lib.EMBEDDED_TOKENIZER
-  if not storage.is_file(path):  # (loading it then says what is wrong)
-    return None
-  crc = zlib.crc32(storage.path(path).read_bytes())
-  if path.endswith('.txt'):
-    config = storage.path(storage.join(os.path.dirname(path), 'tokenizer_config.json'))
-    crc = zlib.crc32(config.read_bytes() if config.exists() else b'', crc)
-  return f'{crc:08x}'
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:

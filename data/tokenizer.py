@@ -23,7 +23,8 @@ sentencepiece's 4192-byte limit, which it would skip silently, are split first a
 import collections
 import itertools
 import os
-from typing import Iterable, Iterator, List, Sequence, Tuple, Union
+import zlib
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import sentencepiece as spm
@@ -129,6 +130,33 @@ class Tokenizer:
     mask = np.array([p.startswith('\u2581') for p in pieces])
     mask[list(self.special_ids)] = True
     return mask
+
+
+def files(path: str) -> List[str]:
+  """The files of a tokenizer (config.data.tokenizer): a sentencepiece .model (which holds
+  its normalization), or a WordPiece vocab.txt and the tokenizer_config.json beside it (its
+  casing) where there is one; none for the embedded one ('')."""
+  if not path:
+    return []
+  from data.wordpiece import TOKENIZER_CONFIG  # pylint: disable=g-import-not-at-top
+  folder = path.rstrip('/').rpartition('/')[0]
+  casing = storage.join(folder, TOKENIZER_CONFIG) if folder else TOKENIZER_CONFIG
+  return [path] + ([casing] if path.endswith('.txt') and storage.is_file(casing) else [])
+
+
+def signature(path: str) -> Optional[str]:
+  """A CRC32 of the tokenizer's files as they are now (`files`; '' is the embedded one's):
+  the same pieces and normalisation wherever the files lie. A tokenizer retrained at the
+  same path makes other instances: a preparation records it, so that reusing or resuming
+  it is refused instead of mixing the two, and a run's resume compares it with the run's
+  own copy. None where the file is not here."""
+  path = path or EMBEDDED_TOKENIZER
+  if not storage.is_file(path):  # (loading it then says what is wrong)
+    return None
+  crc = 0
+  for f in files(path):
+    crc = zlib.crc32(storage.path(f).read_bytes(), crc)
+  return f'{crc:08x}'
 
 
 def local_files(path: str) -> str:

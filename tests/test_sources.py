@@ -468,7 +468,7 @@ def test_a_tokenizer_retrained_at_the_same_path_or_another_tfds_feature_is_notic
     with pytest.raises(ValueError, match=r'made with another tokenizer file \(retrained at the '
                                          r'same path\?\)'):
       prepare.read_metadata(str(prepared), config)
-  assert prepare.tokenizer_signature(str(tmp_path)) is None  # a folder: loading it says so
+  assert tokenizer_lib.signature(str(tmp_path)) is None  # a folder: loading it says so
   # Where the tokenizer file is not (the prepared data read on another machine): not checked.
   config.data.tokenizer = str(tmp_path / 'elsewhere' / 'vocab.txt')
   metadata = json.loads((prepared / prepare.METADATA).read_text())

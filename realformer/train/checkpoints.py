@@ -212,19 +212,6 @@ def read_pretraining_config(workdir: str) -> dict:
 # ---- The tokenizer a run directory keeps beside its config.json (an import's vocab.txt,
 # a run's copy of its data.tokenizer): its params stand for that vocabulary's pieces.
 
-def tokenizer_files(tokenizer: str) -> List[str]:
-  """The files of data.tokenizer: a sentencepiece .model, or a WordPiece vocab.txt and the
-  tokenizer_config.json beside it (its casing) where there is one; none for the embedded
-  one ('')."""
-  if not tokenizer:
-    return []
-  from data.wordpiece import TOKENIZER_CONFIG  # pylint: disable=g-import-not-at-top
-  folder = tokenizer.rstrip('/').rpartition('/')[0]
-  casing = storage.join(folder, TOKENIZER_CONFIG) if folder else TOKENIZER_CONFIG
-  return [tokenizer] + ([casing] if tokenizer.endswith('.txt') and
-                        storage.is_file(casing) else [])
-
-
 def kept_tokenizer(workdir: str, tokenizer: str) -> Optional[str]:
   """The copy of data.tokenizer `tokenizer` that the run directory keeps beside its
   config.json (by the file's name), or None."""
@@ -251,7 +238,8 @@ def keep_tokenizer(workdir: str, config) -> None:
   def copy():
     if not storage.is_file(tokenizer):
       return
-    sources = tokenizer_files(tokenizer)
+    from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+    sources = tokenizer_lib.files(tokenizer)
     for source in sources:
       name = source.rstrip('/').rpartition('/')[2]
       dest = storage.path(storage.join(str(workdir), name))

@@ -256,10 +256,10 @@ def check_init_checkpoint(config, abstract_params) -> None:
                      f'{sizes}') from None
   if stored is None:
     return
-  from data import prepare as prepare_lib  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   data = stored.get('data') or {}
   if 'tokenizer' in data:  # (recorded: '' is the embedded one)
-    theirs, ours = (prepare_lib.tokenizer_signature(t)
+    theirs, ours = (tokenizer_lib.signature(t)
                     for t in (data['tokenizer'], config.data.tokenizer))
     if theirs and ours and theirs != ours:
       raise ValueError(f'train.init_checkpoint {path} was trained with the tokenizer '

@@ -396,16 +396,16 @@ def config_differences(stored: dict, new: dict):
 def _check_tokenizer(workdir: str, stored: str, given: str, fixed: List[str]) -> None:
   """A resume's data.tokenizer against the vocabulary its checkpoint stands for: the run's
   copy of it (checkpoints.keep_tokenizer), else the stored path's files. Another path to
-  the same files (prepare.tokenizer_signature: the vocabulary and its casing) is the same
+  the same files (data.tokenizer.signature: the vocabulary and its casing) is the same
   run (taken out of `fixed`); the stored path whose files are no longer the run's copy
   (retrained there) is a one-line error."""
-  from data import prepare  # pylint: disable=g-import-not-at-top
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from realformer.train import checkpoints  # pylint: disable=g-import-not-at-top
   kept = checkpoints.kept_tokenizer(workdir, stored) if stored else None
   own = kept or (stored if stored and storage.is_file(stored) else None)
   if not own or not given or not storage.is_file(given):
     return
-  same = prepare.tokenizer_signature(given) == prepare.tokenizer_signature(own)
+  same = tokenizer_lib.signature(given) == tokenizer_lib.signature(own)
   if given != stored and same:
     if 'data.tokenizer' in fixed:
       fixed.remove('data.tokenizer')
