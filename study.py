@@ -717,20 +717,29 @@ def claims_report(args, runs, names, root, minutes: float) -> str:
           steps_per_sec=args.steps / training_seconds(workdir, args.steps)))
   view = (f'equal wall-clock time: {minutes} minutes of training per run' if minutes else
           f'equal steps: {args.steps} steps per run')
-  lines = [f'{view}; {args.layers} layers, length {args.seq_len}, batch {args.batch}, '
-           f'peak lr {args.learning_rate:g}. Mean over seeds (min-max).', '',
-           '| variant | seeds | steps | held-out MLM accuracy | x majority baseline | '
-           'held-out MLM loss | NSP accuracy | steps/s |', '|---|---|---|---|---|---|---|---|']
+  objective = getattr(args, 'objective', 'mlm_nsp')
+  # The pair task's accuracy (NSP, or ALBERT's sentence order under mlm_sop: the nsp_
+  # metrics), for an objective that has one.
+  pairs = {'mlm_nsp': 'NSP', 'mlm_sop': 'SOP'}.get(objective) if (
+      objectives.objective(objective).next_sentence) else None
+  pair_column = [f'{pairs or "pair task"} accuracy'] * bool(pairs)
+  lines = [f'{view}; objective {objective}; {args.layers} layers, length {args.seq_len}, '
+           f'batch {args.batch}, peak lr {args.learning_rate:g}. Mean over seeds (min-max).',
+           '', '| ' + ' | '.join(['variant', 'seeds', 'steps', 'held-out MLM accuracy',
+                                  'x majority baseline', 'held-out MLM loss', *pair_column,
+                                  'steps/s']) + ' |', '|---' * (7 + len(pair_column)) + '|']
   for variant in args.variants.split(','):
     got = rows.get(variant, [])
-    lines.append(
-        f'| {variant} | {len(got)} | {spread([r["steps"] for r in got], 0)} | '
-        f'{spread([r["mlm_accuracy"] for r in got])} | '
-        f'{spread([r["ratio"] for r in got], 2)} | {spread([r["mlm_loss"] for r in got])} | '
-        f'{spread([r["nsp_accuracy"] for r in got])} | '
-        f'{spread([r["steps_per_sec"] for r in got], 2)} |')
+    pair = [spread([r.get('nsp_accuracy') for r in got])] * bool(pairs)
+    lines.append('| ' + ' | '.join([
+        variant, str(len(got)), spread([r['steps'] for r in got], 0),
+        spread([r['mlm_accuracy'] for r in got]), spread([r['ratio'] for r in got], 2),
+        spread([r['mlm_loss'] for r in got]), *pair,
+        spread([r['steps_per_sec'] for r in got], 2)]) + ' |')
   base = [r['mlm_majority_accuracy'] for got in rows.values() for r in got]
-  lines += ['', f'Majority baseline on the held-out batches: {spread(base)} (per seed; the '
+  pair_base = [r.get('nsp_majority_accuracy') for got in rows.values() for r in got]
+  lines += ['', f'Majority baseline on the held-out batches: {spread(base)}' +
+            (f', {pairs}\'s {spread(pair_base)}' if pairs else '') + ' (per seed; the '
             'same batches for every variant of a seed).', '',
             'Orderings (held: every seed of the first above every seed of the second):', '']
   lines += [f'- {a} > {b}: {ordering(per_variant, a, b)}' for a, b in CLAIMED_ORDER]

@@ -1,5 +1,6 @@
-r"""Pretraining: BERT's masked language modelling + next sentence prediction, or RoBERTa's
-masked language modelling alone (`objective`).
+r"""Pretraining: BERT's masked language modelling + next sentence prediction, ALBERT's
+sentence-order prediction in its place, or RoBERTa's masked language modelling alone
+(`objective`).
 
 Pick the encoder family and size with `get_config("<variant>,<size>[,runlocal]")`:
 
@@ -146,8 +147,9 @@ def get_config(arg: str = 'postln,tiny'):
   # FULL-SENTENCES inputs (one segment of consecutive sentences up to the full length,
   # across documents, [SEP] between them); mlm_doc: the same on DOC-SENTENCES (within one
   # document); mlm_sop: ALBERT's masked language modelling + sentence-order prediction (BERT's
-  # pairs with B never random but swapped with A half the time; the NSP head and its nsp_
-  # metrics predict the order). The data is prepared for one of them (data/pretraining.py).
+  # pairs with A and B of a chunk swapped half the time in place of a random B, which only a
+  # chunk of one sentence still gets; the NSP head and its nsp_ metrics predict the order).
+  # The data is prepared for one of them (data/pretraining.py).
   c.objective = 'mlm_nsp'
   c.model = model_config(variant, size)
 

@@ -524,7 +524,6 @@ class _Share:
         dupe_factor=d.dupe_factor, seed=seed, stats=self.stats):
       self.writers.write(inst.to_bytes(), self.block)
       self.count += 1
-      self.stats['random_next'] += bool(getattr(inst, 'is_random_next', False))
     self.docs = []
 
   def close(self) -> dict:
@@ -825,8 +824,8 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
   d = config.data
   objective = pretraining.of_config(config)
   pairs = objective.next_sentence
-  if (pairs and stats['eval/documents'] == 1 and counts['eval'] and
-      stats['eval/random_next'] in (0, counts['eval'])):  # (ALBERT's order: swaps still)
+  ones = stats['eval/random_next'] + stats['eval/swapped']  # (label 1: ALBERT's swaps too)
+  if pairs and stats['eval/documents'] == 1 and counts['eval'] and ones in (0, counts['eval']):
     logging.warning('the eval split holds one document, so it has no random-next segments '
                     '(every NSP label is 0) and eval NSP accuracy means nothing; raise '
                     'data.eval_fraction (now %g) to hold out at least two documents',
@@ -839,8 +838,7 @@ def _metadata(config, tokenizer, counts, files, stats, layout, workers: int,
                     'and files a blank line between documents, not between sentences',
                     single, documents)
   order = objective.instances is pretraining.sentence_order_instances
-  random_next = ((stats['train/random_next'] - stats['train/swapped']) /
-                 max(counts['train'], 1))  # (label 1 less ALBERT's swaps)
+  random_next = stats['train/random_next'] / max(counts['train'], 1)
   one_sentence = random_next if order else 2 * random_next - 1  # (BERT: half the rest too)
   if pairs and counts['train'] and one_sentence > ONE_SENTENCE_CHUNKS_WARNING:
     logging.warning('%.0f%% of the training pairs are random next (NSP label 1; %s): most '

@@ -1,8 +1,9 @@
 """Pretraining examples: instances (prepared once) and MLM masking (redone dynamically, per
 epoch), for each objective of config.objective (OBJECTIVES): BERT's MLM + next sentence
 prediction on sentence pairs ('mlm_nsp'), ALBERT's MLM + sentence-order prediction on the
-same pairs with B never random but swapped with A half the time ('mlm_sop':
-`sentence_order_instances`), or RoBERTa's MLM alone on one segment of
+same pairs with a chunk's A and B swapped half the time in place of a random B, which only
+a chunk of one sentence still gets ('mlm_sop': `sentence_order_instances`), or RoBERTa's
+MLM alone on one segment of
 consecutive sentences: FULL-SENTENCES, across documents ('mlm': `full_sentence_instances`),
 or DOC-SENTENCES, within one ('mlm_doc': `doc_sentence_instances`).
 
@@ -96,9 +97,10 @@ def instances_from_document(document: Document, others: Sequence[Document],
 
   `sentence_order`: ALBERT's (its create_instances_from_document with
   random_next_sentence=False): a chunk of two sentences or more is never paired at random;
-  with probability 1/2 its A and B are swapped instead (label 1, counted in
-  stats['swapped']), and a chunk of one sentence is paired with a random document's
-  segment as BERT pairs it (label 1)."""
+  with probability 1/2 its A and B are swapped instead (label 1), and a chunk of one
+  sentence is paired with a random document's segment as BERT pairs it (label 1). `stats`
+  counts the pairs made of a random document's segment ('random_next') and the swapped
+  ones ('swapped'): label 1 is either."""
   max_num_tokens = max_seq_length - 3
   target = max_num_tokens
   if rng.random() < short_seq_prob:
@@ -131,8 +133,9 @@ def instances_from_document(document: Document, others: Sequence[Document],
       truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
       if tokens_a and tokens_b:
         instances.append(Instance(tokens_a, tokens_b, is_random_next or swapped))
-        if swapped and stats is not None:
-          stats['swapped'] += 1
+        if stats is not None:
+          stats['random_next'] += is_random_next
+          stats['swapped'] += swapped
       chunk, length = [], 0
     i += 1
   return instances

@@ -8,8 +8,9 @@ which prepares into data/) take theirs from here.
                         leased object on gs://: storage.Lease)
   config.json           the run's full config (model, data.tokenizer, ...)
   vocab.txt, tokenizer_config.json, or <name>.model
-                        a copy of the files of data.tokenizer, beside each config.json
-                        (checkpoints.keep_tokenizer; an import's vocabulary)
+                        a copy of the files of data.tokenizer, beside each config.json that
+                        names one (a pretraining run's, an import's, best/'s and final/'s:
+                        checkpoints.keep_tokenizer)
   checkpoints/<step>/   Orbax checkpoints: state (step, params, opt_state) and data (the input
                         stream's position, pretraining only)
   metrics.jsonl         one JSON line per logged step and split (metrics_jsonl)

@@ -444,6 +444,12 @@ def test_tf1_casing_must_agree_with_the_vocabulary(tf1_checkpoint, tmp_path, cap
   interop.import_hf(str(tmp_path / 'a_hf'), str(tmp_path / 'f'))
   assert ('has no piece with a capital, an uncased vocabulary, yet tokenizer_config.json says '
           'do_lower_case false') in caplog.text
+  # A run of ALBERT's objective: its NSP head learned the sentence order, which an export says.
+  config = json.loads((tmp_path / 'a' / 'config.json').read_text())
+  (tmp_path / 'a' / 'config.json').write_text(json.dumps(dict(config, objective='mlm_sop')))
+  caplog.clear()
+  interop.export_hf(str(tmp_path / 'a'), str(tmp_path / 'sop_hf'))
+  assert "pretrained with ALBERT's sentence-order prediction: its NSP head" in caplog.text
 
 
 def test_hf_decoders_and_untied_mlm_decoders_are_refused(tf1_checkpoint, tmp_path):

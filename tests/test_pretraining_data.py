@@ -282,6 +282,7 @@ def test_sentence_order_pairs_are_a_documents_segments_in_order_or_swapped():
     if kind == 'random':  # (a chunk of one sentence: at most 8 tokens)
       assert len(a) <= 8
   assert kinds['neither'] == 0 and stats['swapped'] == kinds['swapped']
+  assert stats['random_next'] == kinds['random']  # (the preparation's counts, apart)
   assert 0.45 < kinds['swapped'] / (kinds['swapped'] + kinds['in order']) < 0.55
   assert 0 < kinds['random'] < 0.1 * len(instances)  # documents' last sentences, mostly
   alone = [i for i in instances if i.tokens_a[0] == 10**6]

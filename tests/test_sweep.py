@@ -807,8 +807,9 @@ def test_study_orderings_pair_seeds_and_reports_read_only_their_own_runs(tmp_pat
                         study.pretraining_config(argparse.Namespace(size='small')))
 
 
-def _write_run(workdir, steps, accuracy, baseline, rate=10.0):
-  """A finished pretraining run's metrics.jsonl (train records with steps/s, a final eval)."""
+def _write_run(workdir, steps, accuracy, baseline, rate=10.0, pairs=True):
+  """A finished pretraining run's metrics.jsonl (train records with steps/s, a final eval;
+  `pairs`: with the NSP head's metrics)."""
   workdir.mkdir(parents=True, exist_ok=True)
   with open(workdir / 'metrics.jsonl', 'w') as f:
     for step in range(steps // 4, steps + 1, steps // 4):
@@ -816,7 +817,8 @@ def _write_run(workdir, steps, accuracy, baseline, rate=10.0):
                           'steps_per_sec': 1.0 if step == steps // 4 else rate}) + '\n')
     f.write(json.dumps({'step': steps, 'split': 'eval', 'mlm_accuracy': accuracy,
                         'mlm_majority_accuracy': baseline, 'mlm_loss': 6.0,
-                        'nsp_accuracy': 0.6}) + '\n')
+                        **({'nsp_accuracy': 0.6, 'nsp_majority_accuracy': 0.5} if pairs
+                           else {})}) + '\n')
   (workdir / RunDir.DONE).write_text('')
 
 
@@ -900,6 +902,16 @@ def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
   assert '| realformer | 3 | 400 | 0.2400 (0.2300-0.2500) | 3.00 (2.88-3.12) |' in report
   assert '- realformer > postln: held (realformer ahead on 3 of 3 paired seeds)' in report
   assert '- postln > preln: undecided (postln ahead on 1 of 3 paired seeds)' in report
+  assert 'objective mlm_nsp; 4 layers' in report and '| NSP accuracy | steps/s |' in report
+  assert "Majority baseline on the held-out batches: 0.0800, NSP's 0.5000 (per seed" in report
+  # RoBERTa's MLM alone logs no pair task: no such column (it raised a KeyError).
+  mlm = argparse.Namespace(**dict(vars(args), objective='mlm', root=str(tmp_path / 'mlm')))
+  mlm_runs, mlm_names, mlm_root = study.compare_runs(mlm)
+  for run, name in zip(mlm_runs, mlm_names):
+    _write_run(tmp_path / 'mlm' / 'compare' / name, 400, 0.2, 0.08, pairs=False)
+  mlm_report = study.claims_report(mlm, mlm_runs, mlm_names, mlm_root, 0.0)
+  assert 'objective mlm; 4 layers' in mlm_report and 'NSP' not in mlm_report
+  assert '| held-out MLM loss | steps/s |' in mlm_report
   # Equal time: postln's median steady rate is 8 steps/s, so 400 steps are 50 s.
   assert study.equal_minutes(args) == pytest.approx(round(50 / 60, 2))
   assert study.ordering({'a': {0: 0.1, 1: 0.1, 2: 0.1}, 'b': {0: 0.2, 1: 0.2, 2: 0.2}},

@@ -356,7 +356,8 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
                  f'{text["max_seq_length"]} (token ids CRC32 {text["crc"]})')
   if len(texts) > 1:
     lines.append('\nThe runs were analysed on different texts (their tokenizers, vocabulary '
-                 'sizes or lengths differ): their numbers differ by the text too.')
+                 'sizes, lengths or objectives\' instances differ): their numbers differ by '
+                 'the text too.')
   if len({r['step'] for r in results}) > 1:
     steps = ', '.join(f'{label} {r["step"]}' for label, r in zip(labels, results))
     said = (f'The runs were analysed at different steps ({steps}): their numbers differ by '

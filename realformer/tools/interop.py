@@ -925,6 +925,11 @@ def _exported(workdir: str, encoder_only: bool, fmt: str
   if tuple(heads) not in HF_ARCHITECTURES:
     raise ValueError(f'the checkpoint of {workdir} holds the heads {heads}, which no one BERT '
                      'model holds together')
+  if 'nsp_head' in heads and config.get('objective') == 'mlm_sop':
+    logging.warning('%s was pretrained with ALBERT\'s sentence-order prediction: its NSP '
+                    'head, exported as BERT\'s next-sentence classifier (as ALBERT\'s code '
+                    'names it too), says whether A and B are in order (0) or swapped (1)',
+                    workdir)
   unrolled = config.model.copy_and_resolve_references()  # (BERT's layers: a scanned
   unrolled.scan_layers = False                            # checkpoint's are laid out so)
   target = abstract_params(unrolled)

@@ -405,9 +405,10 @@ def check_keys(config: str, runs: Sequence[Run], *, here: bool = True,
                for _, f in shared}
       if len(kinds) > 1:
         raise ValueError(f'runs of objectives whose instances differ ({", ".join(sorted(kinds))})'
-                         f' share data.prepared_dir={folder}, which holds one kind; give each '
-                         'objective its own (a --sweep_file h.zip of objective and '
-                         'data.prepared_dir)')
+                         f' share data.prepared_dir={folder}, which holds one kind; leave '
+                         'data.prepared_dir empty (each run prepares into its own workdir), '
+                         'or give each objective its own (a --sweep_file h.zip of objective '
+                         'and data.prepared_dir)')
       seeds = {r.get('seed', cfg.get('seed', 0)) if f.data.get('seed') is None else
                f.data.seed for r, f in shared}  # each preparation's seed
       if len(seeds) > 1:

@@ -409,8 +409,9 @@ def _check_tokenizer(workdir: str, stored: str, given: str, fixed: List[str]) ->
   if given != stored and same:
     if 'data.tokenizer' in fixed:
       fixed.remove('data.tokenizer')
-    logging.info('data.tokenizer %s holds the run\'s vocabulary, %s (the same files)',
-                 given, own)
+    if given != own:
+      logging.info('data.tokenizer %s holds the run\'s vocabulary, %s (the same files)',
+                   given, own)
   elif given == stored and not same:
     raise ValueError(f'data.tokenizer {given} holds other files than the run\'s copy of '
                      f'it, {own}, the vocabulary its checkpoint stands for (retrained at '
