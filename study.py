@@ -720,9 +720,9 @@ def claims_report(args, runs, names, root, minutes: float) -> str:
   objective = getattr(args, 'objective', 'mlm_nsp')
   # The pair task's accuracy (NSP, or ALBERT's sentence order under mlm_sop: the nsp_
   # metrics), for an objective that has one.
-  pairs = {'mlm_nsp': 'NSP', 'mlm_sop': 'SOP'}.get(objective) if (
+  pairs = {'mlm_nsp': 'NSP', 'mlm_sop': 'SOP'}.get(objective, 'pair task') if (
       objectives.objective(objective).next_sentence) else None
-  pair_column = [f'{pairs or "pair task"} accuracy'] * bool(pairs)
+  pair_column = [f'{pairs} accuracy'] * bool(pairs)
   lines = [f'{view}; objective {objective}; {args.layers} layers, length {args.seq_len}, '
            f'batch {args.batch}, peak lr {args.learning_rate:g}. Mean over seeds (min-max).',
            '', '| ' + ' | '.join(['variant', 'seeds', 'steps', 'held-out MLM accuracy',
