@@ -8,7 +8,9 @@ positions). Lengths beyond `max_len` are an error: the synthesized matrices have
 max_len rows and columns and are sliced to the sequence length, never wrapped.
 
   Dense:             B_i = F(X_i) = W2 relu(W1 X_i + b1) + b2, W1: D->D, W2: D->H*max_len
-                     (per head in W2; F is applied to each token independently).
+                     (per head in W2; F is applied to each token independently; a
+                     sequence of T tokens computes only the first T of each head's max_len
+                     outputs, the rest of W2 and b2 left out of the matmul).
   Random:            B = R, a [H, max_len, max_len] parameter (trainable, or fixed at init).
   Factorized Dense:  A_i = W_A X_i in R^{H x a}, B_i = W_B X_i in R^{H x b}, a * b = max_len;
                      C_i = tile(A_i, b) * repeat(B_i, a): C_i[j*a + m] = A_i[m] B_i[j], the
@@ -162,7 +164,7 @@ class DenseSynthesizer(LogitComponent):
   @staticmethod
   def flops(spec, rows, length):
     d = spec.hidden_size
-    return 2 * rows * d * d + 2 * rows * d * spec.num_heads * spec.max_len
+    return 2 * rows * d * d + 2 * rows * d * spec.num_heads * length  # (t of max_len columns)
 
   @nn.compact
   def __call__(self, x, rows=None):
@@ -173,8 +175,13 @@ class DenseSynthesizer(LogitComponent):
     h = nn.relu(dense(s.hidden_size, ('embed', 'mlp'), s, 'hidden')(x))
     # Heads-major output ('joined_kv', like the query projection): tensor parallelism gives
     # each device its own heads' logits, as it gives each its own heads of Q K^T.
-    logits = dense(s.num_heads * s.max_len, ('embed', 'joined_kv'), s, 'logits')(h)
-    logits = logits.reshape(b, x.shape[1], s.num_heads, s.max_len)[..., :t]  # [B, Tq, H, Tk]
+    # Of each head's max_len columns only the sequence's first t are computed (W2 and b2
+    # cut before the matmul: the same logits as cutting its output).
+    keys = lambda w: w.reshape(w.shape[:-1] + (s.num_heads, s.max_len))[..., :t].reshape(
+        w.shape[:-1] + (s.num_heads * t,))
+    logits = dense(s.num_heads * s.max_len, ('embed', 'joined_kv'), s, 'logits',
+                   columns=keys)(h)
+    logits = logits.reshape(b, x.shape[1], s.num_heads, t)  # [B, Tq, H, Tk]
     return jnp.transpose(logits, (0, 2, 1, 3)).astype(jnp.float32)  # [B, H, Tq, Tk]
 
 

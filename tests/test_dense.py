@@ -3,6 +3,7 @@
 nn.Dense in every variant, under remat and scan, and sharded; `model.dense_impl` resolves
 and validates."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +129,33 @@ def test_bfloat16_cpu_dense_gradients_sharded_equal_one_device():
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(many)):
     np.testing.assert_allclose(np.asarray(b) / scale, np.asarray(a) / scale, atol=2e-2,
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize('impl', ['cpu', 'flax'])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_a_layer_of_some_columns_is_the_whole_layer_cut(impl, dtype):
+  """dense(..., columns=f) keeps the whole layer's parameters and computes f's columns of its
+  output (the Dense Synthesizer's first T of each head's max_len logits): the same values as
+  the whole layer's output cut afterwards, in both implementations, and the gradient of the
+  columns left out is zero."""
+  spec = resolve(small_config('postln', dense_impl=impl, dtype=dtype))
+  heads, width, kept = 3, 8, 5
+  cut = lambda w: w.reshape(w.shape[:-1] + (heads, width))[..., :kept].reshape(
+      w.shape[:-1] + (heads * kept,))
+  whole = dense_lib.dense(heads * width, ('embed', 'mlp'), spec, 'proj')
+  some = dense_lib.dense(heads * width, ('embed', 'mlp'), spec, 'proj', columns=cut)
+  assert isinstance(some, dense_lib.CpuDense if impl == 'cpu' else dense_lib.ColumnsDense)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 16)), spec.dtype)
+  variables = some.init(jax.random.PRNGKey(0), x)
+  assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, whole.init(
+      jax.random.PRNGKey(0), x))  # (a checkpoint of either loads into the other)
+  variables = jax.tree.map(lambda p: p + 0.1, nn.meta.unbox(variables))  # a bias not 0
+  y = some.apply(variables, x)
+  assert y.shape == (2, 3, heads * kept) and y.dtype == spec.dtype
+  rtol = BF16_EPS if dtype == 'bfloat16' else 1e-5  # (the matmul's blocking may differ)
+  np.testing.assert_allclose(_f64(y), _f64(cut(whole.apply(variables, x))), rtol=rtol,
+                             atol=rtol * 1e-2)
+  grads = jax.grad(lambda v: jnp.sum(some.apply(v, x).astype(jnp.float32) ** 2))(variables)
+  for name, g in grads['params'].items():
+    g = np.asarray(g).reshape(g.shape[:-1] + (heads, width))
+    assert not g[..., kept:].any() and g[..., :kept].all(), name

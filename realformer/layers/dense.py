@@ -27,9 +27,10 @@ bias added before rounding rather than after): tests/test_dense.py checks both a
 float64 NumPy and against each other; BENCHMARKS.md has the timings.
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
+from flax.linen import dtypes
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -76,28 +77,65 @@ affine.defvjp(_affine_fwd, _affine_bwd)
 
 
 class CpuDense(nn.Module):
-  """nn.Dense's parameters and function through `affine` (float32 parameters)."""
+  """nn.Dense's parameters and function through `affine` (float32 parameters); with
+  `columns`, of the columns it keeps alone."""
   features: int
   dtype: Any
   kernel_init: Callable
   bias_init: Callable
+  columns: Optional[Callable] = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = self.param('kernel', self.kernel_init, (x.shape[-1], self.features), jnp.float32)
-    bias = self.param('bias', self.bias_init, (self.features,), jnp.float32)
+    kernel, bias = _parameters(self, x.shape[-1])
     y = affine(x.reshape(-1, x.shape[-1]).astype(self.dtype), kernel.astype(self.dtype), bias)
-    return y.reshape(x.shape[:-1] + (self.features,))
+    return y.reshape(x.shape[:-1] + bias.shape)
 
 
-def dense(features: int, axes, spec, name: str, gain: float = 1.0) -> nn.Module:
+class ColumnsDense(nn.Module):
+  """nn.Dense's parameters and function (its dtype promotion, dot and bias), of the columns
+  `columns` keeps alone."""
+  features: int
+  dtype: Any
+  kernel_init: Callable
+  bias_init: Callable
+  columns: Callable
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x, kernel, bias = dtypes.promote_dtype(x, *_parameters(self, x.shape[-1]),
+                                           dtype=self.dtype)
+    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+def _parameters(layer, inputs: int):
+  """A dense layer's float32 kernel [inputs, features] and bias [features] (nn.Dense's names
+  and initialisers), cut to the columns it computes."""
+  kernel = layer.param('kernel', layer.kernel_init, (inputs, layer.features), jnp.float32)
+  bias = layer.param('bias', layer.bias_init, (layer.features,), jnp.float32)
+  if layer.columns is None:
+    return kernel, bias
+  return layer.columns(kernel), layer.columns(bias)
+
+
+def dense(features: int, axes, spec, name: str, gain: float = 1.0,
+          columns: Optional[Callable] = None) -> nn.Module:
   """A dense layer with BERT's init (its kernel N(0, (gain * initializer_range)^2): a block
   that scales some projections' initialisation, as DeepNet's, passes its gain), logical
-  axis names on kernel and bias, spec's impl."""
+  axis names on kernel and bias, spec's impl.
+
+  columns: a function of a parameter's last axis (the kernel [K, features], the bias
+  [features]) to the columns the layer computes, applied to the parameters before the
+  matmul: a layer whose output would be cut afterwards computes only what is kept (the
+  Dense Synthesizer's logits for max_len keys, of which a sequence uses its length's). The
+  parameters stay whole ([K, features]), and the columns left out take no gradient."""
   kernel_init = nn.with_logical_partitioning(
       nn.initializers.normal(gain * spec.initializer_range), axes)
   bias_init = nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:])
   if uses_cpu_dense(spec):
-    return CpuDense(features, spec.dtype, kernel_init, bias_init, name=name)
+    return CpuDense(features, spec.dtype, kernel_init, bias_init, columns, name=name)
+  if columns is not None:
+    return ColumnsDense(features, spec.dtype, kernel_init, bias_init, columns, name=name)
   return nn.Dense(features, dtype=spec.dtype, param_dtype=jnp.float32, name=name,
                   kernel_init=kernel_init, bias_init=bias_init)
