@@ -25,10 +25,12 @@ from data import tokenizer as tokenizer_lib
 from realformer import models
 from realformer import storage
 from realformer.finetune import metrics as finetune_metrics
+from realformer.finetune import registry
 from realformer.finetune import task as finetune_task
 from realformer.model.spec import resolve
 from realformer.train import checkpoints
 from realformer.train import metrics_jsonl
+from realformer.train import partitioning
 from realformer.train import train_lib
 from realformer.train import trainer
 from realformer.train import workdir as workdir_lib
@@ -310,10 +312,11 @@ def test_glue_end_to_end_resume_and_submission_files(pretrained, tmp_path, monke
     assert set(checkpoints.stored_tree(step_dir)) == {'step', 'params'}
     kept_config = finetune_task.pretrained_config(os.path.join(workdir, kept))
     assert kept_config.model.hidden_size == 32
-    # The length its positions are trained to: another fine-tuning at 64 is not warned about.
+    # The length its positions are trained to (the pretraining's 128 here: longer than any
+    # training example; test_the_length_kept_is_the_longest_trained_one).
     pretrained_length = json.load(open(os.path.join(pretrained, 'config.json')))['data'][
         'max_seq_length']
-    assert kept_config.data.max_seq_length == max(pretrained_length, 64)
+    assert kept_config.data.max_seq_length == pretrained_length > 64
   best = json.load(open(os.path.join(workdir, 'best', 'results.json')))
   # The last epoch's params are stored once: final/ links to best/ when it was the best.
   assert os.path.islink(os.path.join(workdir, 'final')) == (best['step'] == summary['step'])
@@ -831,6 +834,32 @@ def test_a_random_init_baseline_takes_the_tokenizer_it_is_given():
   assert default.model.vocab_size == 8000  # the embedded 8k sentencepiece vocabulary
 
 
+def test_the_length_kept_is_the_longest_trained_one(pretrained, tmp_path):
+  """best/ and final/ record the length their positions have been trained to: the
+  pretraining's, or the longest training example's where that is longer (a batch's padding
+  trains no position), not max_seq_length's (64 here); from scratch, the longest example's."""
+  short = tmp_path / 'short'
+  short.mkdir()
+  config = json.load(open(os.path.join(pretrained, 'config.json')))
+  config['data']['max_seq_length'] = 8  # pretrained on short sequences
+  json.dump(config, open(short / 'config.json', 'w'))
+  os.symlink(os.path.join(pretrained, 'checkpoints'), short / 'checkpoints')
+
+  def kept(init, **overrides):
+    """(the length params_config records, the longest training example)"""
+    c = ft_config('sst2', str(init), **overrides)
+    mesh = partitioning.make_mesh(c.mesh)
+    with jax.set_mesh(mesh):
+      task = registry.get('glue')(c, mesh, RunDir(str(tmp_path / 'run')))
+    return task.params_config.data.max_seq_length, int(task.lengths.max())
+
+  length, longest = kept(short)
+  assert length == longest and 8 < longest < 64
+  assert kept(pretrained)[0] == 128  # (pretrained at 128: longer than every example)
+  length, longest = kept('configs/pretrain.py:postln,tiny', from_scratch=True)
+  assert length == longest
+
+
 def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path, caplog):
   other = str(tmp_path / 'other')
   os.makedirs(other)
@@ -853,15 +882,15 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path, caplog):
                                        '0 to 1; fine-tune a checkpoint with two token types'):
     run(ft_config('rte', other), str(tmp_path / 'ft4'))
   assert ('max_seq_length=64 is longer than the pretraining sequences (48): positions 48-63 '
-          'were never trained (their position embeddings are still as initialised)'
+          'were never trained (their position embeddings have had no gradient)'
           ) in caplog.text  # (a Post-LN encoder: no synthesizer named)
   caplog.clear()  # a Synthesizer's logits for those positions are as untrained: named too
   config['model'].update(attention='random+dot', type_vocab_size=2)
   json.dump(config, open(os.path.join(other, 'config.json'), 'w'))
   with pytest.raises(ValueError):  # (its checkpoint holds no random table)
     run(ft_config('rte', other), str(tmp_path / 'ft5'))
-  assert ('(their position embeddings, and the random synthesizer\'s logits for them, are '
-          'still as initialised)') in caplog.text
+  assert ('(their position embeddings, and the random synthesizer\'s logits for them, have '
+          'had no gradient)') in caplog.text
   # An import (params at step 0) does not say what length it was pretrained at: no warning.
   assert finetune_task.pretrained_here(pretrained)
   save_tiny_encoder(str(tmp_path / 'imported'), 'postln', num_layers=1, num_heads=2, step=0)

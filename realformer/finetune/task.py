@@ -405,8 +405,10 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def __params_config(self, pre) -> ml_collections.ConfigDict:
     """The config best/ and final/ carry, encoders another run can start from: the
     pretraining's, with data.max_seq_length the length their positions have been trained to
-    (an import's is not known, so all) and what the fine-tuning was (`finetuned`). A warning
-    where config.max_seq_length reaches past the pretrained positions."""
+    (the pretraining's, or the longest training example's where it is longer: the padding
+    of a batch trains no position; an import's is not known, so all) and what the
+    fine-tuning was (`finetuned`). A warning where config.max_seq_length reaches past the
+    pretrained positions."""
     config = self.config
     trained = int(pre.data.get('max_seq_length', pre.model.max_len))
     known = not config.from_scratch and pretrained_here(config.init_checkpoint)
@@ -414,19 +416,20 @@ class FinetuneTask(trainer.Task, abc.ABC):
       synthesized = [c for c in resolve(pre.model.copy_and_resolve_references()).attention
                      if c != 'dot']
       logging.warning('max_seq_length=%d is longer than the pretraining sequences (%d): '
-                      'positions %d-%d were never trained (their position embeddings%s are '
-                      'still as initialised); lower config.max_seq_length to %d or pretrain '
-                      'at the longer length', config.max_seq_length, trained, trained,
+                      'positions %d-%d were never trained (their position embeddings%s have '
+                      'had no gradient); lower config.max_seq_length to %d or pretrain at '
+                      'the longer length', config.max_seq_length, trained, trained,
                       config.max_seq_length - 1,
                       f', and the {"+".join(synthesized)} synthesizer\'s logits for them,'
                       if synthesized else '', trained)
+    longest = int(buckets_lib.lengths_of(self.train).max(initial=0))
     params_config = pre.copy_and_resolve_references()
     scan = (config.get('model') or {}).get('scan_layers')
     if scan is not None:  # (the layout its params are written in)
       params_config.model.scan_layers = scan
     params_config.data.max_seq_length = (
-        config.max_seq_length if config.from_scratch else
-        max(trained, config.max_seq_length) if known else pre.model.max_len)
+        longest if config.from_scratch else
+        max(trained, longest) if known else pre.model.max_len)
     with params_config.unlocked():
       params_config.finetuned = {'kind': config.benchmark, 'task': config.task,
                                  'hf_architecture': hf_architecture_of(type(self))}
