@@ -360,6 +360,22 @@ def test_a_task_of_ones_own_is_one_file(relpos_pretraining, tmp_path):
   assert per_example > 1.2 * without_head  # (a task that forgot its head would fail here)
 
 
+def test_a_set_evaluated_without_examples_is_refused_before_training(relpos_pretraining,
+                                                                    tmp_path):
+  """An empty dev set (a kind's reader that let an empty file through) is one line when the
+  task is built, not a crash after its first epoch."""
+  class EmptyDev(KeywordTask):
+    def eval_features(self):
+      return [self.train, {k: v[:0] for k, v in self.dev.items()}]
+
+  config = _config(relpos_pretraining)
+  mesh = partitioning.make_mesh(config.mesh)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r'^cell: set 2 of the 2 that '
+                                         r'EmptyDev.eval_features\(\) returns .* holds no '
+                                         r'example; is its file empty\?'):
+    EmptyDev(config, mesh, RunDir(str(tmp_path / 'run')))
+
+
 def test_a_kind_is_registered_once():
   with pytest.raises(ValueError, match="two fine-tuning tasks are registered as 'keyword'"):
     registry.register('keyword')(type('Other', (KeywordTask,), {}))
@@ -434,5 +450,9 @@ def test_a_component_or_a_kind_in_a_file_of_its_own_is_found_by_its_name(tmp_pat
   config.benchmark, config.task = 'squad', 'v1.1'
   with pytest.raises(ValueError, match=r'config.benchmark=squad: this config lacks the fields '
                                        r'of that kind \(doc_stride, max_answer_length'):
+    finetune.finetune(config, str(tmp_path / 'never'))
+  config.benchmark = 'tsv'  # a kind whose own check reads its fields: the same line first
+  with pytest.raises(ValueError, match=r'config.benchmark=tsv: this config lacks the fields '
+                                       r'of that kind \(tsv.label, tsv.labels'):
     finetune.finetune(config, str(tmp_path / 'never'))
   assert not (tmp_path / 'never').exists()

@@ -437,10 +437,17 @@ class FinetuneTask(trainer.Task, abc.ABC):
     return params_config
 
   def __check_features(self, pre) -> None:
-    """One-line errors for training features the run cannot take: more token types than
-    the checkpoint has, or (with length buckets) features per token left out of
-    sequence_keys."""
+    """One-line errors for features the run cannot take: more token types than the
+    checkpoint has, (with length buckets) training features per token left out of
+    sequence_keys, or a set it evaluates or predicts that holds no example (found before
+    an epoch is trained, not at its end)."""
     config = self.config
+    sizes = [len(f['input_ids']) for f in self.eval_features()]
+    if 0 in sizes:
+      raise ValueError(f'{self.name}: set {sizes.index(0) + 1} of the {len(sizes)} that '
+                       f'{type(self).__name__}.eval_features() returns (the dev and test '
+                       'sets it evaluates or predicts) holds no example; is its file empty? '
+                       'give it one, or leave the set out')
     config_checks.check_segments(int(self.train['segment_ids'].max()) + 1,
                                  pre.model.type_vocab_size, f'{self.name}\'s text pairs',
                                  'fine-tune a checkpoint with two token types')
@@ -525,8 +532,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
   @classmethod
   def checked_config(cls, config, mesh):
     """One-line errors for settings that would fail after the run directory was written
-    (a kind extends it), beginning with a config that lacks fields of its kind (its
-    config.benchmark overridden to another kind's); returns `config`. Sweeps and grids also
+    (a kind extends it: its override calls this first, then reads its own fields),
+    beginning with a config that lacks fields of its kind (its config.benchmark overridden
+    to another kind's); returns `config`. Sweeps and grids also
     call it for each run before any starts, in a process without an accelerator backend and
     over a one-device jax.sharding.AbstractMesh: read only `mesh.shape` (no devices, no
     jax.process_count())."""

@@ -41,8 +41,9 @@ class TsvTask(GlueTask):
 
   @classmethod
   def checked_config(cls, config, mesh):
+    config = super().checked_config(config, mesh)  # first: it refuses a config without tsv's
     tsv_task(config)
-    return super().checked_config(config, mesh)
+    return config
 
   def glue_task(self) -> glue.Task:
     return tsv_task(self.config)
