@@ -68,8 +68,8 @@ def define_flags():
   """Flags exist only when this file runs as a program (tests import it beside train.py)."""
   trainer.define_flags(os.path.join(_REPO, 'configs', 'finetune.py') + ':glue/sst2',
                        'Config file and its argument, configs/finetune.py:<kind>/<task> '
-                       '(glue/<task>, squad/v1.1, squad/v2.0, tsv/<name>, or a kind of '
-                       'realformer/finetune/tasks/); any field is overridden by '
+                       '(glue/<task>, squad/v1.1, squad/v2.0, ner/conll2003, tsv/<name>, or a '
+                       'kind of realformer/finetune/tasks/); any field is overridden by '
                        '--config.<key>=<value>, e.g. --config.init_checkpoint=/tmp/bert_tiny',
                        'Directory for checkpoints, metrics and predictions.')
   flags.adopt_module_key_flags(trainer)  # --help lists them

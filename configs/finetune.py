@@ -1,5 +1,5 @@
 r"""Fine-tuning a pretrained encoder: `<kind>/<name>`, where the kind is a module of
-realformer/finetune/tasks/ (glue, squad, tsv, or one of your own) that adds its own fields
+realformer/finetune/tasks/ (glue, squad, ner, tsv, or one of your own) that adds its own fields
 to the common ones below.
 
   python finetune.py --config configs/finetune.py:glue/sst2 --workdir /tmp/ft_sst2 \
@@ -38,6 +38,11 @@ batch 32, 3 epochs for v1.1), batch 32; run_squad's max_seq_length 384, doc_stri
 max_query_length 64, n_best_size 20, max_answer_length 30 (its own fields). For v2.0 the null-score threshold is tuned on dev
 (best F1) unless null_score_diff_threshold is set; exact and f1 score the predictions
 written with it, best_exact and best_f1 the official script's sweep.
+
+Named-entity recognition (`ner/conll2003`, or `ner/<name>` with tags of your own in
+config.ner.labels, BIO, in id order): data_dir holds train.txt, dev.txt and optionally
+test.txt in CoNLL-2003's format (realformer/finetune/tasks/ner.py); lr 5e-5 as transformers'
+run_ner.
 """
 
 import ml_collections
@@ -52,7 +57,8 @@ def get_config(arg: str = 'glue/sst2'):
   kind, _, name = (arg or 'glue/sst2').partition('/')
   if not kind or not name:
     raise ValueError(f'config arg {arg!r}: use <kind>/<task>: glue/<task> (e.g. glue/sst2), '
-                     'squad/v1.1, squad/v2.0, or tsv/<name> for a task of your own')
+                     'squad/v1.1, squad/v2.0, ner/conll2003, or tsv/<name> for a task of your '
+                     'own')
   task = registry.get(kind)
   c = ml_collections.ConfigDict()
   c.benchmark = kind

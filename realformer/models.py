@@ -13,7 +13,8 @@ Ids are not checked inside the model (it is traced): input_ids must lie in [0, v
 past the table gives NaN rows, a negative one wraps) and segment_ids in
 [0, type_vocab_size) (one past it embeds no token type); the programs check their data.
 Other heads: models.build(config.model, head='encoder' | 'classification' (num_labels=k) |
-'span'); models.build(config.model, next_sentence=False): MLM alone (config.objective=mlm).
+'span' | 'token_classification' (num_labels=k)); models.build(config.model,
+next_sentence=False): MLM alone (config.objective=mlm).
 A head of one's own (a fine-tuning kind's build): models.Encoder(spec, name='encoder') and
 the head on its output, returning (the encoder's output, *the head's outputs), as
 encoder.py's BertForQuestionAnswering does; models.MlmHead is the tied MLM head (a

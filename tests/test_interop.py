@@ -314,14 +314,14 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
                      batch['attention_mask'])
   # The class config.json names for each set of heads holds exactly the weights exported:
   # the pretraining heads' (from this run) and the fine-tuned tasks' (GLUE's classifier,
-  # SQuAD's span head), which load into their classes and compute our logits.
+  # SQuAD's span head, NER's tagger), which load into their classes and compute our logits.
   import transformers  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   heads_of = {'mlm_head': ('mlm_head',), 'nsp_head': ('nsp_head',)}
   for heads, architecture in interop.HF_ARCHITECTURES.items():
     if any(h in interop.TASK_HEADS for h in heads):
       head = heads[0]
-      labels = 3 if head == 'classifier' else 2
+      labels = 2 if head == 'span_head' else 3
       tuned = {'encoder': params['encoder'], head: {
           'kernel': rng.normal(size=(cfg.model.hidden_size, labels)).astype(np.float32),
           'bias': rng.normal(size=labels).astype(np.float32)}}
@@ -332,25 +332,29 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
     saved = cfg
     if any(h in interop.TASK_HEADS for h in heads):  # as a fine-tuning's best/ records it
       saved = cfg.copy_and_resolve_references()
-      saved.finetuned = {'kind': 'glue' if heads == ('classifier',) else 'squad',
+      saved.finetuned = {'kind': {'classifier': 'glue', 'span_head': 'squad'}.get(head, 'ner'),
                          'task': 'x', 'hf_architecture': architecture,
                          'labels': ['contradiction', 'entailment', 'neutral']}
     checkpoints.save_params(str(run), tuned, saved)
     out = interop.export_hf(str(run), str(tmp_path / f'{architecture}_hf'))
     hf = getattr(transformers, architecture).from_pretrained(out, attn_implementation='eager')
-    if heads == ('classifier',):  # the run's label names, in id order
+    if heads in (('classifier',), ('token_classifier',)):  # the run's labels, in id order
       assert hf.config.id2label == {0: 'contradiction', 1: 'entailment', 2: 'neutral'}
     expected = {k for k in hf.state_dict()  # (the decoder: tied to the embeddings, the bias)
                 if not k.startswith('cls.predictions.decoder.')}
     assert set(load_file(os.path.join(out, 'model.safetensors'))) == expected, architecture
-    if heads in (('classifier',), ('span_head',)):
-      kind = 'classification' if heads == ('classifier',) else 'span'
-      model = models.build(cfg.model, head=kind, **({'num_labels': 3} if kind == 'classification'
-                                                   else {}))
+    if any(h in interop.TASK_HEADS for h in heads):
+      kind = {'classifier': 'classification', 'span_head': 'span'}.get(head,
+                                                                       'token_classification')
+      model = models.build(cfg.model, head=kind, **({} if kind == 'span' else
+                                                   {'num_labels': 3}))
       ours_out = model.apply({'params': tuned}, jax.tree.map(jnp.asarray, batch))
       theirs = _torch_hidden(hf.eval(), batch)
       if kind == 'classification':
         np.testing.assert_allclose(ours_out[1], theirs.logits.numpy(), rtol=1e-5, atol=1e-5)
+        assert hf.config.num_labels == 3
+      elif kind == 'token_classification':
+        _assert_close_real(ours_out[1], theirs.logits.numpy(), batch['attention_mask'])
         assert hf.config.num_labels == 3
       else:
         _assert_close_real(ours_out[1], theirs.start_logits.numpy(), batch['attention_mask'])
@@ -373,7 +377,7 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
     interop.export_hf(str(tmp_path / 'tagged'), str(tmp_path / 'tagged_hf'))
   for declared, why in (('BertForQuestionAnswering', r"whose head is not the checkpoint's "
                                                      r"\['classifier'\]"),
-                        ('BertForTokenClassification', r'which the export does not write')):
+                        ('BertForMultipleChoice', r'which the export does not write')):
     tagged.finetuned.hf_architecture = declared
     checkpoints.save_params(str(tmp_path / f'declares_{declared}'), {
         'encoder': params['encoder'], 'classifier': {
@@ -554,6 +558,14 @@ def test_tf1_export_is_the_checkpoint_that_bert_and_realformer_code_load(tf1_che
         'bert_model.ckpt'))
     assert set(reader.get_variable_to_shape_map()) == {
         n for n in ck['tensors'] if not n.startswith('cls/')}
+  # NER's tagger has no place in BERT's scripts: one line, nothing written.
+  tuned.finetuned = {'kind': 'ner', 'task': 'x', 'hf_architecture': 'BertForTokenClassification'}
+  checkpoints.save_params(str(tmp_path / 'ner'), {'encoder': params['encoder'],
+                                                  'token_classifier': weights}, tuned)
+  with pytest.raises(ValueError, match=r'holds a token classifier \(NER\), which google-research'
+                                       r"/bert's scripts have no place for; export-hf writes it"):
+    interop.export_tf1(str(tmp_path / 'ner'), str(tmp_path / 'ner_tf1'))
+  assert not (tmp_path / 'ner_tf1').exists()
 
   # A GLUE classifier's rows in the order of run_classifier.py's processor (MNLI's is not
   # ours), its labels named in bert_config.json in that order.

@@ -6,6 +6,8 @@
   STS-B           Pearson and Spearman correlation
   the others      accuracy (MNLI: matched and mismatched separately)
   SQuAD           exact match and token F1 (v2.0: with the no-answer threshold tuned on dev)
+  NER             entity precision, recall and F1 as conlleval.pl counts them (CoNLL-2003),
+                  and the words' accuracy
 
 A GLUE task's headline (what picks best/ and the best grid setting) is its `metric` in
 data/glue.TASKS, the one place a task names it: the number the BERT paper's GLUE table
@@ -21,6 +23,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from data import conll
 from data import glue
 
 SQUAD_HEADLINE = {'squad/v1.1': 'f1', 'squad/v2.0': 'best_f1'}
@@ -171,4 +174,31 @@ def squad_v2(golds: Dict[str, List[str]], predictions: Dict[str, str],
     out[f'best_{name}'], out[f'best_{name}_thresh'] = _best_threshold(
         full, na_probs, has_answer, preds)
   out['total'] = len(golds)
+  return out
+
+
+def entity_scores(golds: List[List[str]], predictions: List[List[str]]) -> Dict[str, float]:
+  """CoNLL-2003's scores, as conlleval.pl computes them: an entity (data/conll.chunks) is
+  found when the prediction has one of the same type, start and end; precision over the
+  predicted entities, recall over the gold ones, F1 their harmonic mean (0 where there are
+  none); accuracy over the words; and each entity type's F1 (f1_<type>)."""
+  gold_chunks = [set(conll.chunks(t)) for t in golds]
+  pred_chunks = [set(conll.chunks(t)) for t in predictions]
+  kinds = sorted({c[0] for s in gold_chunks + pred_chunks for c in s})
+
+  def f1(keep):
+    correct = sum(len({c for c in g & p if keep(c)}) for g, p in zip(gold_chunks, pred_chunks))
+    found = sum(len([c for c in p if keep(c)]) for p in pred_chunks)
+    gold = sum(len([c for c in g if keep(c)]) for g in gold_chunks)
+    precision = correct / found if found else 0.0
+    recall = correct / gold if gold else 0.0
+    score = 2 * precision * recall / (precision + recall) if correct else 0.0
+    return precision, recall, score
+
+  precision, recall, score = f1(lambda c: True)
+  words = [(g, p) for gs, ps in zip(golds, predictions) for g, p in zip(gs, ps)]
+  out = {'precision': precision, 'recall': recall, 'f1': score,
+         'accuracy': float(np.mean([g == p for g, p in words])) if words else 0.0}
+  for kind in kinds:
+    out[f'f1_{kind}'] = f1(lambda c, kind=kind: c[0] == kind)[2]
   return out

@@ -1,7 +1,7 @@
 """Fine-tuning tasks by kind: `configs/finetune.py:<kind>/<name>` runs the FinetuneTask
 registered as <kind>.
 
-A kind is one module of realformer/finetune/tasks/ (glue.py, squad.py, tsv.py) whose
+A kind is one module of realformer/finetune/tasks/ (glue.py, squad.py, tsv.py, ner.py) whose
 FinetuneTask subclass is decorated with `@register('<kind>')`; the module is imported when
 its kind is first asked for. A task of one's own is one more module there (or a class
 registered by code that runs before the config is read, as a test does): nothing else

@@ -352,11 +352,28 @@ class BertForQuestionAnswering(nn.Module):
     return out, logits[..., 0], logits[..., 1]
 
 
+class BertForTokenClassification(nn.Module):
+  """Encoder + dropout + linear on every token (named-entity tags: logits [B, T, num_labels],
+  read at each word's first piece), as transformers' BertForTokenClassification."""
+  spec: EncoderSpec
+  num_labels: int = 2
+
+  @nn.compact
+  def __call__(self, batch, *, deterministic=True, capture_attention=False):
+    s = self.spec
+    out = Encoder(s, name='encoder')(batch, deterministic=deterministic,
+                                     capture_attention=capture_attention)
+    hidden = hidden_dropout(s)(out.hidden, deterministic=deterministic)
+    logits = dense(self.num_labels, ('embed', None), s, 'token_classifier')(hidden)
+    return out, logits.astype(jnp.float32)
+
+
 HEADS = {
     'pretraining': BertForPretraining,
     'encoder': Encoder,
     'classification': BertForSequenceClassification,
     'span': BertForQuestionAnswering,
+    'token_classification': BertForTokenClassification,
 }
 
 

@@ -24,8 +24,9 @@ test predictions for the benchmark's server: each task's from its best setting's
 best dev score (the BERT paper chose its restarts on dev), and names the files it lacks.
 Tasks: GLUE names (cola, sst2, ..., `glue` = all nine; mnli's runs also evaluate mismatched,
 in their results.json, and predict AX; the summary reads matched), squad/v1.1, squad/v2.0
-(`squad` = both), tsv/<name> (a task of your own, its columns and labels given with --set
-tsv.<key>=...), or <kind>/<name> of any kind in realformer/finetune/tasks/.
+(`squad` = both), ner/conll2003 (`ner`), tsv/<name> (a task of your own, its columns and
+labels given with --set tsv.<key>=...), or <kind>/<name> of any kind in
+realformer/finetune/tasks/.
 """
 
 import json

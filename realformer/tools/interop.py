@@ -859,17 +859,19 @@ HF_ARCHITECTURES = {(): 'BertModel', ('mlm_head',): 'BertForMaskedLM',
                     ('nsp_head',): 'BertForNextSentencePrediction',
                     ('mlm_head', 'nsp_head'): 'BertForPreTraining',
                     ('classifier',): 'BertForSequenceClassification',
-                    ('span_head',): 'BertForQuestionAnswering'}
+                    ('span_head',): 'BertForQuestionAnswering',
+                    ('token_classifier',): 'BertForTokenClassification'}
 # A fine-tuned task's head (realformer/finetune/: GLUE's classifier on the pooled [CLS],
-# SQuAD's start and end logits per token) -> its name in those classes (a linear layer's
-# weight [out, in] and bias, as ours transposed).
-TASK_HEADS = {'classifier': 'classifier', 'span_head': 'qa_outputs'}
+# SQuAD's start and end logits per token, NER's tag logits per token) -> its name in those
+# classes (a linear layer's weight [out, in] and bias, as ours transposed).
+TASK_HEADS = {'classifier': 'classifier', 'span_head': 'qa_outputs',
+              'token_classifier': 'classifier'}
 # The same heads in google-research/bert's scripts (run_classifier.py's output_weights
 # [labels, D] and output_bias; run_squad.py's cls/squad/output_weights [2, D], start then end):
 # '<name>_weights' and '<name>_bias'.
 TF1_TASK_HEADS = {'classifier': 'output', 'span_head': 'cls/squad/output'}
 # The classes that transformers builds without BERT's pooler (add_pooling_layer=False).
-WITHOUT_POOLER = ('BertForMaskedLM', 'BertForQuestionAnswering')
+WITHOUT_POOLER = ('BertForMaskedLM', 'BertForQuestionAnswering', 'BertForTokenClassification')
 
 
 def _check_export_out(out: str, reader: str = 'transformers') -> None:
@@ -909,8 +911,8 @@ def _exported(workdir: str, encoder_only: bool, fmt: str
   if own and not encoder_only:
     raise ValueError(f'the checkpoint of {workdir} holds a head that BERT\'s {fmt.upper()} '
                      f'layout has no place for ({own}: a task of one\'s own); exports take '
-                     'pretraining\'s heads, GLUE\'s classifier and SQuAD\'s span head: '
-                     'pass --encoder_only to export the encoder alone')
+                     'pretraining\'s heads, GLUE\'s classifier, SQuAD\'s span head and '
+                     'NER\'s tagger: pass --encoder_only to export the encoder alone')
   heads = ([] if encoder_only else
            [h for h in ('mlm_head', 'nsp_head', *TASK_HEADS) if h in stored])
   declared = finetuned.get('hf_architecture')
@@ -985,7 +987,7 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   directory that `transformers.BertModel.from_pretrained(out)` loads, and the class that
   holds its heads (HF_ARCHITECTURES: BertForPreTraining with both of pretraining's,
   BertForSequenceClassification with GLUE's classifier, BertForQuestionAnswering with
-  SQuAD's span head): config.json, model.safetensors, and vocab.txt when the run used a
+  SQuAD's span head, BertForTokenClassification with NER's tags): config.json, model.safetensors, and vocab.txt when the run used a
   WordPiece one. A fine-tuning kind's head is exported as the class the kind declares
   (FinetuneTask.hf_architecture, recorded in best/ and final/); a head of one's own is
   refused, and `encoder_only` exports the encoder alone (BertModel) from any workdir.
@@ -1010,15 +1012,16 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
       json.dump(dict(tokenizer.normalization, tokenizer_class='BertTokenizer',
                      model_max_length=int(model_config.max_len)), f)
   hf = hf_config(model_config, architecture, tokenizer.pad_id if tokenizer else 0)
-  if 'classifier' in task:  # (one label: a regression, as GLUE's STS-B)
-    labels = int(task['classifier']['bias'].shape[0])
+  for head in set(task) & {'classifier', 'token_classifier'}:  # (GLUE's STS-B: one label,
+    labels = int(task[head]['bias'].shape[0])                   # a regression)
     names = [str(n) for n in finetuned.get('labels') or ()]  # (the run's, in id order)
     if len(names) != labels or len(set(names)) != labels:
       names = [f'LABEL_{i}' for i in range(labels)]
     hf['id2label'] = {str(i): n for i, n in enumerate(names)}
     hf['label2id'] = {n: i for i, n in enumerate(names)}
-    hf['problem_type'] = ('regression' if labels == 1 else
-                          'single_label_classification')
+    if head == 'classifier':
+      hf['problem_type'] = ('regression' if labels == 1 else
+                            'single_label_classification')
   with open(os.path.join(out, HF_CONFIG), 'w') as f:
     json.dump(hf, f, indent=2, sort_keys=True)
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
@@ -1068,6 +1071,10 @@ def export_tf1(workdir: str, out: str, encoder_only: bool = False) -> str:
   `workdir` and `out` may be gs:// URLs."""
   tf = _tensorflow('writing a TF1 checkpoint')
   config, params, heads = _exported(workdir, encoder_only, 'tf1')
+  if set(heads) - {'mlm_head', 'nsp_head', *TF1_TASK_HEADS}:
+    raise ValueError(f'the checkpoint of {workdir} holds a token classifier (NER), which '
+                     'google-research/bert\'s scripts have no place for; export-hf writes it '
+                     '(BertForTokenClassification), or pass --encoder_only')
   task = {h: params.pop(h) for h in set(heads) & set(TASK_HEADS)}
   flat = convert_from_params(params, config.model, fmt='tf1')
   bert_config = tf1_bert_config(config.model)

@@ -1,0 +1,169 @@
+"""Named-entity recognition data in the CoNLL-2003 format (Tjong Kim Sang and De Meulder 2003):
+reading, BERT's features, and entity chunks.
+
+A file holds one token per line, its columns separated by whitespace, the word first and its
+tag last (CoNLL-2003's word, part of speech, chunk and entity tag; or word and tag alone); a
+blank line ends a sentence and `-DOCSTART-` lines separate documents. Tags are BIO: O, B-<type>
+and I-<type>, as IOB2 writes them (every entity begins with B-) or IOB1 (the original
+CoNLL-2003 files: I- but where an entity follows one of its own type); `chunks` reads both as
+conlleval.pl does.
+
+Features (BERT's practice, Devlin et al. 2019 section 5.3, and transformers' run_ner): each
+word is tokenised alone, [CLS] pieces [SEP], the word's tag is the label of its first piece
+and the other pieces (and [CLS], [SEP], padding) are labelled IGNORE; a sentence whose pieces
+do not fit max_seq_length keeps those that do, and its words without a piece among them are
+predicted O and scored so.
+"""
+
+import dataclasses
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from realformer import storage
+
+IGNORE = -1  # the label of pieces that are not a word's first (no loss, no prediction)
+# The tag set of CoNLL-2003's English NER, in the order of tfds's and Hugging Face's copies.
+CONLL2003_LABELS = ('O', 'B-PER', 'I-PER', 'B-ORG', 'I-ORG', 'B-LOC', 'I-LOC', 'B-MISC',
+                    'I-MISC')
+# The file of each split in data_dir, by the names its copies use: this project's and most
+# copies' (train/dev/test.txt), Hugging Face's and flair's valid.txt, the original eng.*.
+SPLIT_FILES = {'train': ('train.txt', 'eng.train'),
+               'dev': ('dev.txt', 'valid.txt', 'eng.testa'),
+               'test': ('test.txt', 'eng.testb')}
+
+
+@dataclasses.dataclass
+class Sentence:
+  words: List[str]
+  tags: List[str]
+
+
+def split_file(data_dir: str, split: str) -> str:
+  """The path of `split`'s file in data_dir (the first of SPLIT_FILES' names there);
+  FileNotFoundError naming them all where none is."""
+  names = SPLIT_FILES[split]
+  for name in names:
+    path = storage.join(data_dir, name)
+    if storage.path(path).exists():
+      return path
+  raise FileNotFoundError(f'no {split} file in {data_dir}: name it {" or ".join(names)} '
+                          '(CoNLL-2003 format: a word and its tag per line)')
+
+
+def read(path: str) -> List[Sentence]:
+  """The sentences of a CoNLL file; ValueError naming the file and line for a line of one
+  column, and for a file without a sentence."""
+  sentences, words, tags = [], [], []
+  text = storage.path(path).read_text()
+  for number, line in enumerate(text.splitlines(), 1):
+    columns = line.split()
+    if not columns or columns[0] == '-DOCSTART-':
+      if words:
+        sentences.append(Sentence(words, tags))
+        words, tags = [], []
+      continue
+    if len(columns) < 2:
+      raise ValueError(f'{path}, line {number}: {line.strip()!r} has no tag; a line holds a '
+                       'word and its tag (the last column), separated by whitespace')
+    words.append(columns[0])
+    tags.append(columns[-1])
+  if words:
+    sentences.append(Sentence(words, tags))
+  if not sentences:
+    raise ValueError(f'{path} holds no sentence (a word and its tag per line, a blank line '
+                     'after each sentence); is it a CoNLL file?')
+  return sentences
+
+
+def check_labels(labels: Sequence[str]) -> None:
+  """ValueError for a tag set that is not BIO: O, B-<type>, I-<type>."""
+  if len(set(labels)) != len(labels) or 'O' not in labels:
+    raise ValueError(f'the tags {",".join(labels)} must hold O and no tag twice')
+  odd = [t for t in labels if t != 'O' and (t[:2] not in ('B-', 'I-') or len(t) < 3)]
+  if odd:
+    raise ValueError(f'tags {odd} are not BIO (O, B-<type>, I-<type>); convert IOBES or '
+                     'other schemes to BIO')
+
+
+def label_ids(sentences: Sequence[Sentence], labels: Sequence[str], path: str
+              ) -> List[List[int]]:
+  """Each sentence's tags as ids into `labels`; ValueError naming a tag not among them."""
+  index = {t: i for i, t in enumerate(labels)}
+  out = []
+  for s in sentences:
+    try:
+      out.append([index[t] for t in s.tags])
+    except KeyError as e:
+      raise ValueError(f'{path}: tag {e.args[0]!r} (in "{" ".join(s.words)[:60]}") is not '
+                       f'among the labels {",".join(labels)}; add it to them') from None
+  return out
+
+
+def featurize(sentences: Sequence[Sentence], ids: Sequence[Sequence[int]], tokenizer,
+              max_seq_length: int) -> Tuple[Dict[str, np.ndarray], List[np.ndarray], int]:
+  """(features: input_ids, segment_ids, attention_mask and labels [N, max_seq_length], each
+  word's tag id at its first piece and IGNORE elsewhere; for each sentence, its words that
+  are labelled as [K, 2] rows (first-piece position, word index); the number of words cut
+  off by max_seq_length). A word the tokenizer gives no piece (a control character alone)
+  has no position: it is predicted O, as a word cut off is."""
+  n = len(sentences)
+  input_ids = np.full((n, max_seq_length), tokenizer.pad_id, np.int32)
+  mask = np.zeros((n, max_seq_length), np.int32)
+  labels = np.full((n, max_seq_length), IGNORE, np.int32)
+  placed, cut = [], 0
+  for i, (s, tag_ids) in enumerate(zip(sentences, ids)):
+    pieces, word_of = tokenizer.encode_words(s.words)
+    kept = max_seq_length - 2  # (a word whose first piece fits keeps its label)
+    if len(pieces) > kept:
+      pieces, word_of = pieces[:kept], word_of[:kept]
+      cut += len(s.words) - (word_of[-1] + 1)
+    tokens = [tokenizer.cls_id, *pieces, tokenizer.sep_id]
+    input_ids[i, :len(tokens)] = tokens
+    mask[i, :len(tokens)] = 1
+    rows = np.asarray([(p + 1, w) for p, w in enumerate(word_of)
+                       if p == 0 or w != word_of[p - 1]], np.int64).reshape(-1, 2)
+    labels[i, rows[:, 0]] = np.asarray(tag_ids, np.int32)[rows[:, 1]]
+    placed.append(rows)
+  return ({'input_ids': input_ids, 'segment_ids': np.zeros_like(input_ids),
+           'attention_mask': mask, 'labels': labels}, placed, cut)
+
+
+def word_tags(logits: np.ndarray, placed: Sequence[np.ndarray],
+              sentences: Sequence[Sentence], labels: Sequence[str]) -> List[List[str]]:
+  """Each sentence's predicted tags from the per-token logits [N, T, labels]: the argmax at
+  each word's first piece (featurize's `placed`); O for a word without one."""
+  out = []
+  for i, s in enumerate(sentences):
+    tags = ['O'] * len(s.words)
+    best = np.asarray(logits[i]).argmax(-1)
+    for position, word in placed[i]:
+      tags[word] = labels[int(best[position])]
+    out.append(tags)
+  return out
+
+
+def chunks(tags: Sequence[str]) -> List[Tuple[str, int, int]]:
+  """The entities of a BIO tag sequence as (type, start, end), as conlleval.pl reads them:
+  an entity starts at B-, or at an I- after O or after a tag of another type (IOB1 and
+  IOB2 alike), and ends before O, before a B-, or before a tag of another type."""
+  found, start, kind = [], None, None
+  for i, tag in enumerate(list(tags) + ['O']):
+    prefix, _, this = tag.partition('-')
+    if start is not None and (prefix in ('O', 'B') or this != kind):
+      found.append((kind, start, i))
+      start = None
+    if prefix in ('B', 'I') and start is None:
+      start, kind = i, this
+  return found
+
+
+def write_predictions(path: str, sentences: Sequence[Sentence],
+                      predicted: Sequence[Sequence[str]]) -> str:
+  """conlleval.pl's input: a line `word gold predicted` per word, a blank line after each
+  sentence."""
+  lines = []
+  for s, tags in zip(sentences, predicted):
+    lines += [f'{w} {g} {p}\n' for w, g, p in zip(s.words, s.tags, tags)] + ['\n']
+  return str(storage.write_text(path, ''.join(lines)))
+

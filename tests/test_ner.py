@@ -1,0 +1,176 @@
+"""Named-entity recognition (realformer/finetune/tasks/ner.py, data/conll.py): conlleval's
+entities and scores on known cases, BERT's first-piece labels, the reader's one-line errors,
+and a tiny fine-tuning run end to end whose reported F1 is its prediction file's."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import finetune
+from configs import finetune as finetune_configs
+from data import conll
+from data import tokenizer as tokenizer_lib
+from realformer.finetune import metrics as finetune_metrics
+from realformer.train import checkpoints
+from realformer.train.run_dir import RunDir
+from tests.test_finetune import save_tiny_encoder
+
+PEOPLE = ['lincoln', 'washington', 'roosevelt', 'grant']
+PLACES = [['ohio'], ['texas'], ['new', 'york'], ['great', 'britain']]
+OTHER = 'the president spoke of war and peace in a long speech to congress'.split()
+
+
+def test_chunks_read_iob1_and_iob2_as_conlleval_does():
+  assert conll.chunks(['B-PER', 'I-PER', 'O', 'B-LOC']) == [('PER', 0, 2), ('LOC', 3, 4)]
+  # IOB1 (the original CoNLL-2003 files): I- begins an entity after O or another type, B-
+  # only where one follows another of its type.
+  assert conll.chunks(['I-PER', 'I-PER', 'O', 'I-LOC', 'B-LOC']) == [
+      ('PER', 0, 2), ('LOC', 3, 4), ('LOC', 4, 5)]
+  assert conll.chunks(['B-PER', 'I-ORG', 'I-ORG']) == [('PER', 0, 1), ('ORG', 1, 3)]
+  assert conll.chunks(['O', 'O']) == [] and conll.chunks([]) == []
+
+
+def test_entity_scores_on_known_cases():
+  # seqeval's README example: one of two entities found in each direction, F1 0.5.
+  gold = [['O', 'O', 'O', 'B-MISC', 'I-MISC', 'I-MISC', 'O'], ['B-PER', 'I-PER', 'O']]
+  pred = [['O', 'O', 'B-MISC', 'I-MISC', 'I-MISC', 'I-MISC', 'O'], ['B-PER', 'I-PER', 'O']]
+  scores = finetune_metrics.entity_scores(gold, pred)
+  assert scores['precision'] == scores['recall'] == scores['f1'] == 0.5
+  assert scores['f1_PER'] == 1.0 and scores['f1_MISC'] == 0.0
+  assert scores['accuracy'] == pytest.approx(8 / 10)  # (two words' tags differ)
+  # Three gold entities, two predicted, one of them right: P 1/2, R 1/3, F1 2PR/(P+R) = 0.4;
+  # an IOB1 prediction of the same span counts as found.
+  gold = [['B-LOC', 'O', 'B-PER', 'I-PER', 'O', 'B-ORG']]
+  pred = [['O', 'O', 'I-PER', 'I-PER', 'O', 'B-LOC']]
+  scores = finetune_metrics.entity_scores(gold, pred)
+  assert (scores['precision'], scores['recall']) == (0.5, pytest.approx(1 / 3))
+  assert scores['f1'] == pytest.approx(0.4) and scores['f1_ORG'] == 0.0
+  assert finetune_metrics.entity_scores([['O']], [['O']])['f1'] == 0.0  # (none to find)
+
+
+def _tokenizer():
+  return tokenizer_lib.load_for_config(finetune_configs.pretrain.get_config('postln,tiny').data)
+
+
+def test_each_word_is_labelled_at_its_first_piece():
+  tokenizer = _tokenizer()
+  sentences = [conll.Sentence(['Lincoln', 'spoke', 'unconstitutionally', 'in', 'Ohio'],
+                              ['B-PER', 'O', 'O', 'O', 'B-LOC'])]
+  labels = conll.CONLL2003_LABELS
+  ids = conll.label_ids(sentences, labels, 'x.txt')
+  features, placed, cut = conll.featurize(sentences, ids, tokenizer, 32)
+  pieces, word_of = tokenizer.encode_words(sentences[0].words)
+  assert len(pieces) > 5 and cut == 0  # (a word of several pieces)
+  row = features['labels'][0]
+  assert list(features['input_ids'][0, :len(pieces) + 2]) == [tokenizer.cls_id, *pieces,
+                                                             tokenizer.sep_id]
+  firsts = [1 + word_of.index(w) for w in range(5)]
+  assert [int(p) for p, _ in placed[0]] == firsts and [int(w) for _, w in placed[0]] == [
+      0, 1, 2, 3, 4]
+  assert [labels[i] for i in row[firsts]] == sentences[0].tags
+  assert (np.delete(row, firsts) == conll.IGNORE).all()  # [CLS], [SEP], other pieces, padding
+  assert features['attention_mask'][0].sum() == len(pieces) + 2
+  # The predicted tags come back to the words from their first pieces.
+  logits = np.zeros((1, 32, len(labels)))
+  logits[0, firsts, [labels.index(t) for t in reversed(sentences[0].tags)]] = 1.0
+  assert conll.word_tags(logits, placed, sentences, labels) == [
+      list(reversed(sentences[0].tags))]
+  # Too long: the words whose first piece fits keep their labels, the others are cut off
+  # (predicted O).
+  short = len(pieces) - 1  # [CLS] + all but the last two pieces + [SEP]
+  features, placed, cut = conll.featurize(sentences, ids, tokenizer, short)
+  kept = word_of[short - 3] + 1
+  assert cut == 5 - kept and len(placed[0]) == kept
+  assert conll.word_tags(np.zeros((1, short, len(labels))), placed, sentences, labels)[0][
+      kept:] == ['O'] * (5 - kept)
+
+
+def test_the_reader_and_the_labels_say_what_is_wrong(tmp_path):
+  path = tmp_path / 'train.txt'
+  path.write_text('-DOCSTART- -X- O O\n\nLincoln NNP B-NP B-PER\nspoke\n')
+  with pytest.raises(ValueError, match=r"train.txt, line 4: 'spoke' has no tag"):
+    conll.read(str(path))
+  path.write_text('-DOCSTART- O\n\n')
+  with pytest.raises(ValueError, match='holds no sentence'):
+    conll.read(str(path))
+  path.write_text('Lincoln B-PER\nspoke O\n\nOhio B-GPE\n')
+  sentences = conll.read(str(path))
+  assert [s.words for s in sentences] == [['Lincoln', 'spoke'], ['Ohio']]
+  with pytest.raises(ValueError, match=r"tag 'B-GPE' \(in \"Ohio\"\) is not among the labels "
+                                       r'O,B-PER'):
+    conll.label_ids(sentences, conll.CONLL2003_LABELS, str(path))
+  with pytest.raises(ValueError, match=r"tags \['S-PER'\] are not BIO"):
+    conll.check_labels(['O', 'S-PER'])
+  with pytest.raises(ValueError, match='must hold O and no tag twice'):
+    conll.check_labels(['B-PER', 'I-PER'])
+  with pytest.raises(FileNotFoundError, match=r'no dev file in .*: name it dev.txt or '
+                                              r'valid.txt or eng.testa'):
+    conll.split_file(str(tmp_path), 'dev')
+
+
+def _write_split(path, n, rng):
+  """n sentences of OTHER's words with people (PER) and places (LOC, some of two words)."""
+  lines = []
+  for _ in range(n):
+    for _ in range(rng.integers(1, 4)):
+      lines += [f'{w} O' for w in rng.choice(OTHER, rng.integers(1, 4))]
+      if rng.random() < 0.5:
+        lines.append(f'{rng.choice(PEOPLE).title()} B-PER')
+      else:
+        place = PLACES[rng.integers(len(PLACES))]
+        lines += [f'{w.title()} {"B" if i == 0 else "I"}-LOC' for i, w in enumerate(place)]
+    lines.append('')
+  path.write_text('-DOCSTART- O\n\n' + '\n'.join(lines) + '\n')
+
+
+@pytest.fixture(scope='module')
+def ner_data(tmp_path_factory):
+  root = tmp_path_factory.mktemp('ner')
+  rng = np.random.default_rng(0)
+  for name, n in (('train.txt', 96), ('valid.txt', 16), ('test.txt', 16)):
+    _write_split(root / name, n, rng)
+  return str(root)
+
+
+def test_ner_fine_tunes_scores_and_writes_conlleval_files(ner_data, tmp_path):
+  """A tiny encoder fine-tuned on generated sentences (bf16-free, one device): the loss
+  falls, dev and test are scored each epoch, the reported scores are conlleval's on the
+  prediction files, and best/ and final/ record the tags for an export."""
+  pretrained = str(tmp_path / 'pretrained')
+  save_tiny_encoder(pretrained, 'postln', num_layers=2, num_heads=2, step=10)
+  config = finetune_configs.get_config('ner/conll2003')
+  config.unlock()
+  config.init_checkpoint, config.data_dir = pretrained, ner_data
+  config.batch_size, config.eval_batch_size, config.num_epochs = 8, 8, 3
+  config.max_seq_length, config.log_every_steps = 32, 4
+  config.optimizer.learning_rate = 5e-3
+  config.ner.labels = 'O,B-PER,I-PER,B-LOC,I-LOC'
+  workdir = str(tmp_path / 'ner')
+  summary = finetune.finetune(config, workdir, devices=jax.devices()[:1])
+  assert summary['task'] == 'conll2003' and summary['step'] == 3 * 96 // 8
+  assert set(summary['dev']) == {'conll2003', 'conll2003_test'}
+  assert summary['headline'] == summary['dev']['conll2003']['f1']
+  records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  losses = [r['loss'] for r in records if r['split'] == 'train']
+  assert losses[-1] < 0.5 * losses[0], (losses, summary['dev'])
+  assert len([r for r in records if r['split'] == 'dev_conll2003_test']) == 3  # each epoch
+  for split, name in (('dev', 'conll2003'), ('test', 'conll2003_test')):
+    rows = [l.split() for l in open(os.path.join(workdir, 'predictions', f'{split}.txt'))]
+    sentences, tags = [[]], [[]]  # conlleval's input: word, gold, predicted; blank after each
+    for row in rows:
+      if row:
+        sentences[-1].append(row[1])
+        tags[-1].append(row[2])
+      else:
+        sentences.append([])
+        tags.append([])
+    assert not sentences[-1] and len(sentences) - 1 == 16
+    want = summary['dev'][name]
+    assert finetune_metrics.entity_scores(sentences[:-1], tags[:-1]) == pytest.approx(want)
+    assert want['f1'] > 0.8, want  # (it learned: chance finds no entity)
+  final = checkpoints.read_pretraining_config(os.path.join(workdir, RunDir.FINAL))
+  assert final['finetuned'] == {'kind': 'ner', 'task': 'conll2003', 'labels': [
+      'O', 'B-PER', 'I-PER', 'B-LOC', 'I-LOC'], 'hf_architecture': 'BertForTokenClassification'}
