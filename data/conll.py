@@ -55,7 +55,12 @@ def read(path: str) -> List[Sentence]:
   """The sentences of a CoNLL file; ValueError naming the file and line for a line of one
   column, and for a file without a sentence."""
   sentences, words, tags = [], [], []
-  text = storage.path(path).read_text()
+  try:
+    text = storage.path(path).read_bytes().decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise ValueError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to '
+                     'UTF-8 (CoNLL-2003\'s German files are Latin-1: iconv -f latin1 -t utf8)'
+                     ) from None
   for number, line in enumerate(text.splitlines(), 1):
     columns = line.split()
     if not columns or columns[0] == '-DOCSTART-':
@@ -84,6 +89,10 @@ def check_labels(labels: Sequence[str]) -> None:
   if odd:
     raise ValueError(f'tags {odd} are not BIO (O, B-<type>, I-<type>); convert IOBES or '
                      'other schemes to BIO')
+  dashed = [t for t in labels if '-' in t[2:]]
+  if dashed:  # conlleval.pl reads a type up to its next '-' (B-GPE-X is of type GPE)
+    raise ValueError(f'tags {dashed} hold a \'-\' in their type, which conlleval.pl would '
+                     'cut there; name each type without one')
 
 
 def label_ids(sentences: Sequence[Sentence], labels: Sequence[str], path: str
@@ -104,20 +113,18 @@ def featurize(sentences: Sequence[Sentence], ids: Sequence[Sequence[int]], token
               max_seq_length: int) -> Tuple[Dict[str, np.ndarray], List[np.ndarray], int]:
   """(features: input_ids, segment_ids, attention_mask and labels [N, max_seq_length], each
   word's tag id at its first piece and IGNORE elsewhere; for each sentence, its words that
-  are labelled as [K, 2] rows (first-piece position, word index); the number of words cut
-  off by max_seq_length). A word the tokenizer gives no piece (a control character alone)
-  has no position: it is predicted O, as a word cut off is."""
+  are labelled as [K, 2] rows (first-piece position, word index); the number of words left
+  without a position: cut off by max_seq_length, or given no piece by the tokenizer (a
+  control character alone), each predicted O)."""
   n = len(sentences)
   input_ids = np.full((n, max_seq_length), tokenizer.pad_id, np.int32)
   mask = np.zeros((n, max_seq_length), np.int32)
   labels = np.full((n, max_seq_length), IGNORE, np.int32)
-  placed, cut = [], 0
+  placed, unplaced = [], 0
   for i, (s, tag_ids) in enumerate(zip(sentences, ids)):
     pieces, word_of = tokenizer.encode_words(s.words)
     kept = max_seq_length - 2  # (a word whose first piece fits keeps its label)
-    if len(pieces) > kept:
-      pieces, word_of = pieces[:kept], word_of[:kept]
-      cut += len(s.words) - (word_of[-1] + 1)
+    pieces, word_of = pieces[:kept], word_of[:kept]
     tokens = [tokenizer.cls_id, *pieces, tokenizer.sep_id]
     input_ids[i, :len(tokens)] = tokens
     mask[i, :len(tokens)] = 1
@@ -125,8 +132,9 @@ def featurize(sentences: Sequence[Sentence], ids: Sequence[Sequence[int]], token
                        if p == 0 or w != word_of[p - 1]], np.int64).reshape(-1, 2)
     labels[i, rows[:, 0]] = np.asarray(tag_ids, np.int32)[rows[:, 1]]
     placed.append(rows)
+    unplaced += len(s.words) - len(rows)
   return ({'input_ids': input_ids, 'segment_ids': np.zeros_like(input_ids),
-           'attention_mask': mask, 'labels': labels}, placed, cut)
+           'attention_mask': mask, 'labels': labels}, placed, unplaced)
 
 
 def word_tags(logits: np.ndarray, placed: Sequence[np.ndarray],

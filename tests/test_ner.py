@@ -86,6 +86,15 @@ def test_each_word_is_labelled_at_its_first_piece():
   assert cut == 5 - kept and len(placed[0]) == kept
   assert conll.word_tags(np.zeros((1, short, len(labels))), placed, sentences, labels)[0][
       kept:] == ['O'] * (5 - kept)
+  # A word the tokenizer gives no piece (a zero-width space) has no position: predicted O,
+  # and counted with the words cut off; the words after it keep theirs.
+  odd = [conll.Sentence(['Ohio', '\u200b', 'Texas'], ['B-LOC', 'B-LOC', 'B-LOC'])]
+  features, placed, unplaced = conll.featurize(
+      odd, conll.label_ids(odd, labels, 'x.txt'), tokenizer, 32)
+  assert unplaced == 1 and [int(w) for _, w in placed[0]] == [0, 2]
+  logits = np.zeros((1, 32, len(labels)))
+  logits[0, [int(p) for p, _ in placed[0]], labels.index('B-LOC')] = 1.0
+  assert conll.word_tags(logits, placed, odd, labels) == [['B-LOC', 'O', 'B-LOC']]
 
 
 def test_the_reader_and_the_labels_say_what_is_wrong(tmp_path):
@@ -106,6 +115,12 @@ def test_the_reader_and_the_labels_say_what_is_wrong(tmp_path):
     conll.check_labels(['O', 'S-PER'])
   with pytest.raises(ValueError, match='must hold O and no tag twice'):
     conll.check_labels(['B-PER', 'I-PER'])
+  with pytest.raises(ValueError, match=r"tags \['B-GPE-X'\] hold a '-' in their type"):
+    conll.check_labels(['O', 'B-GPE-X'])
+  path.write_bytes('M\xfcller B-PER\n\n'.encode('latin-1'))
+  with pytest.raises(ValueError, match=r'train.txt: not UTF-8 text \(invalid start byte at '
+                                       r'byte 1\); convert it'):
+    conll.read(str(path))
   with pytest.raises(FileNotFoundError, match=r'no dev file in .*: name it dev.txt or '
                                               r'valid.txt or eng.testa'):
     conll.split_file(str(tmp_path), 'dev')

@@ -77,10 +77,12 @@ class NerTask(FinetuneTask):
         raise
       sentences = conll.read(path)
       ids = conll.label_ids(sentences, self.labels, path)
-      features, placed, cut = conll.featurize(sentences, ids, tokenizer, config.max_seq_length)
-      if cut:
-        logging.warning('%d words of %s do not fit max_seq_length=%d pieces: %s (raise '
-                        'config.max_seq_length)', cut, path, config.max_seq_length,
+      features, placed, unplaced = conll.featurize(sentences, ids, tokenizer,
+                                                   config.max_seq_length)
+      if unplaced:
+        logging.warning('%d words of %s have no piece within max_seq_length=%d (cut off, or '
+                        'characters the tokenizer drops): %s (raise config.max_seq_length)',
+                        unplaced, path, config.max_seq_length,
                         'not trained on' if split == 'train' else 'predicted O')
       self.sets[split] = (sentences, features, placed)
     self.train = self.sets['train'][1]
