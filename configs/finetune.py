@@ -41,8 +41,8 @@ written with it, best_exact and best_f1 the official script's sweep.
 
 Named-entity recognition (`ner/conll2003`, or `ner/<name>` with tags of your own in
 config.ner.labels, BIO, in id order): data_dir holds train.txt, dev.txt and optionally
-test.txt in CoNLL-2003's format (realformer/finetune/tasks/ner.py); lr 5e-5 as transformers'
-run_ner.
+test.txt (or the original eng.train, eng.testa, eng.testb) in CoNLL-2003's format
+(realformer/finetune/tasks/ner.py); lr 5e-5 as transformers' run_ner.
 """
 
 import ml_collections
@@ -57,8 +57,8 @@ def get_config(arg: str = 'glue/sst2'):
   kind, _, name = (arg or 'glue/sst2').partition('/')
   if not kind or not name:
     raise ValueError(f'config arg {arg!r}: use <kind>/<task>: glue/<task> (e.g. glue/sst2), '
-                     'squad/v1.1, squad/v2.0, ner/conll2003, or tsv/<name> for a task of your '
-                     'own')
+                     'squad/v1.1, squad/v2.0, ner/conll2003 (ner/<name> for tags of your own), '
+                     'or tsv/<name> for a task of your own')
   task = registry.get(kind)
   c = ml_collections.ConfigDict()
   c.benchmark = kind

@@ -37,11 +37,16 @@ SPLIT_FILES = {'train': ('train.txt', 'eng.train'),
 class Sentence:
   words: List[str]
   tags: List[str]
+  line: int = 0  # the line of its first word in its file (for errors)
 
 
 def split_file(data_dir: str, split: str) -> str:
   """The path of `split`'s file in data_dir (the first of SPLIT_FILES' names there);
-  FileNotFoundError naming them all where none is."""
+  FileNotFoundError naming them all where none is, or naming the folder where it is not
+  one."""
+  if data_dir.startswith('hf:') or not storage.is_dir(data_dir):
+    raise FileNotFoundError(f'config.data_dir={data_dir} is not a folder; give the folder of '
+                            'the CoNLL files (train.txt, dev.txt, test.txt)')
   names = SPLIT_FILES[split]
   for name in names:
     path = storage.join(data_dir, name)
@@ -54,9 +59,9 @@ def split_file(data_dir: str, split: str) -> str:
 def read(path: str) -> List[Sentence]:
   """The sentences of a CoNLL file; ValueError naming the file and line for a line of one
   column, and for a file without a sentence."""
-  sentences, words, tags = [], [], []
+  sentences, words, tags, first = [], [], [], 0
   try:
-    text = storage.path(path).read_bytes().decode('utf-8')
+    text = storage.path(path).read_bytes().decode('utf-8-sig')  # (a byte-order mark: none)
   except UnicodeDecodeError as e:
     raise ValueError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to '
                      'UTF-8 (CoNLL-2003\'s German files are Latin-1: iconv -f latin1 -t utf8)'
@@ -65,16 +70,18 @@ def read(path: str) -> List[Sentence]:
     columns = line.split()
     if not columns or columns[0] == '-DOCSTART-':
       if words:
-        sentences.append(Sentence(words, tags))
+        sentences.append(Sentence(words, tags, first))
         words, tags = [], []
       continue
+    if not words:
+      first = number
     if len(columns) < 2:
       raise ValueError(f'{path}, line {number}: {line.strip()!r} has no tag; a line holds a '
                        'word and its tag (the last column), separated by whitespace')
     words.append(columns[0])
     tags.append(columns[-1])
   if words:
-    sentences.append(Sentence(words, tags))
+    sentences.append(Sentence(words, tags, first))
   if not sentences:
     raise ValueError(f'{path} holds no sentence (a word and its tag per line, a blank line '
                      'after each sentence); is it a CoNLL file?')
@@ -97,15 +104,20 @@ def check_labels(labels: Sequence[str]) -> None:
 
 def label_ids(sentences: Sequence[Sentence], labels: Sequence[str], path: str
               ) -> List[List[int]]:
-  """Each sentence's tags as ids into `labels`; ValueError naming a tag not among them."""
+  """Each sentence's tags as ids into `labels`; ValueError naming the line, word and tag
+  of one not among them (and an IOBES file as such)."""
   index = {t: i for i, t in enumerate(labels)}
   out = []
   for s in sentences:
-    try:
-      out.append([index[t] for t in s.tags])
-    except KeyError as e:
-      raise ValueError(f'{path}: tag {e.args[0]!r} (in "{" ".join(s.words)[:60]}") is not '
-                       f'among the labels {",".join(labels)}; add it to them') from None
+    for k, tag in enumerate(s.tags):
+      if tag not in index:
+        where = f'{path}, line {s.line + k}: tag {tag!r} of {s.words[k]!r}'
+        if tag[:2] in ('S-', 'E-'):
+          raise ValueError(f'{where} is IOBES (S- and E- tags); convert the files to BIO '
+                           '(S- to B-, E- to I-)')
+        raise ValueError(f'{where} is not among the labels ({",".join(labels)}); add it to '
+                         'config.ner.labels (in id order), or fix the file')
+    out.append([index[t] for t in s.tags])
   return out
 
 

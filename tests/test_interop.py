@@ -356,6 +356,11 @@ def test_tf1_to_hf_export_loads_in_transformers_and_reimports(tf1_checkpoint, tm
       elif kind == 'token_classification':
         _assert_close_real(ours_out[1], theirs.logits.numpy(), batch['attention_mask'])
         assert hf.config.num_labels == 3
+        # What an HF user runs on a tagger: its pipeline, with the exported vocabulary.
+        tagged = transformers.pipeline('token-classification', model=out, device='cpu')(
+            'the quick brown fox')
+        assert [t['word'] for t in tagged] == ['the', 'quick', 'brown', 'fox'], tagged
+        assert {t['entity'] for t in tagged} <= {'contradiction', 'entailment', 'neutral'}
       else:
         _assert_close_real(ours_out[1], theirs.start_logits.numpy(), batch['attention_mask'])
         _assert_close_real(ours_out[2], theirs.end_logits.numpy(), batch['attention_mask'])

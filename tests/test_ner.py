@@ -108,8 +108,13 @@ def test_the_reader_and_the_labels_say_what_is_wrong(tmp_path):
   path.write_text('Lincoln B-PER\nspoke O\n\nOhio B-GPE\n')
   sentences = conll.read(str(path))
   assert [s.words for s in sentences] == [['Lincoln', 'spoke'], ['Ohio']]
-  with pytest.raises(ValueError, match=r"tag 'B-GPE' \(in \"Ohio\"\) is not among the labels "
-                                       r'O,B-PER'):
+  with pytest.raises(ValueError, match=r"train.txt, line 4: tag 'B-GPE' of 'Ohio' is not among "
+                                       r'the labels \(O,B-PER,.*\); add it to config.ner.labels'):
+    conll.label_ids(sentences, conll.CONLL2003_LABELS, str(path))
+  path.write_text('\ufeffLincoln S-PER\n')  # (a byte-order mark: not part of the word)
+  sentences = conll.read(str(path))
+  assert sentences[0].words == ['Lincoln']
+  with pytest.raises(ValueError, match=r"line 1: tag 'S-PER' of 'Lincoln' is IOBES"):
     conll.label_ids(sentences, conll.CONLL2003_LABELS, str(path))
   with pytest.raises(ValueError, match=r"tags \['S-PER'\] are not BIO"):
     conll.check_labels(['O', 'S-PER'])
@@ -124,6 +129,8 @@ def test_the_reader_and_the_labels_say_what_is_wrong(tmp_path):
   with pytest.raises(FileNotFoundError, match=r'no dev file in .*: name it dev.txt or '
                                               r'valid.txt or eng.testa'):
     conll.split_file(str(tmp_path), 'dev')
+  with pytest.raises(FileNotFoundError, match=r'config.data_dir=.*nope is not a folder'):
+    conll.split_file(str(tmp_path / 'nope'), 'train')
 
 
 def _write_split(path, n, rng):
@@ -166,13 +173,17 @@ def test_ner_fine_tunes_scores_and_writes_conlleval_files(ner_data, tmp_path):
   workdir = str(tmp_path / 'ner')
   summary = finetune.finetune(config, workdir, devices=jax.devices()[:1])
   assert summary['task'] == 'conll2003' and summary['step'] == 3 * 96 // 8
-  assert set(summary['dev']) == {'conll2003', 'conll2003_test'}
+  # Dev picks best/; the test set (its tags public, as CoNLL-2003's) is scored beside it
+  # under its own split.
+  assert set(summary['dev']) == set(summary['test']) == {'conll2003'}
   assert summary['headline'] == summary['dev']['conll2003']['f1']
+  results = json.load(open(os.path.join(workdir, 'results.json')))
+  assert results['test'] == summary['test'] and 'test' in results['best']
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   losses = [r['loss'] for r in records if r['split'] == 'train']
   assert losses[-1] < 0.5 * losses[0], (losses, summary['dev'])
-  assert len([r for r in records if r['split'] == 'dev_conll2003_test']) == 3  # each epoch
-  for split, name in (('dev', 'conll2003'), ('test', 'conll2003_test')):
+  assert len([r for r in records if r['split'] == 'test_conll2003']) == 3  # each epoch
+  for split in ('dev', 'test'):
     rows = [l.split() for l in open(os.path.join(workdir, 'predictions', f'{split}.txt'))]
     sentences, tags = [[]], [[]]  # conlleval's input: word, gold, predicted; blank after each
     for row in rows:
@@ -183,9 +194,17 @@ def test_ner_fine_tunes_scores_and_writes_conlleval_files(ner_data, tmp_path):
         sentences.append([])
         tags.append([])
     assert not sentences[-1] and len(sentences) - 1 == 16
-    want = summary['dev'][name]
+    want = summary[split]['conll2003']
     assert finetune_metrics.entity_scores(sentences[:-1], tags[:-1]) == pytest.approx(want)
     assert want['f1'] > 0.8, want  # (it learned: chance finds no entity)
   final = checkpoints.read_pretraining_config(os.path.join(workdir, RunDir.FINAL))
   assert final['finetuned'] == {'kind': 'ner', 'task': 'conll2003', 'labels': [
       'O', 'B-PER', 'I-PER', 'B-LOC', 'I-LOC'], 'hf_architecture': 'BertForTokenClassification'}
+
+
+def test_the_grid_runs_conll2003_for_the_kind_and_takes_a_name_of_ones_own():
+  from realformer.tools import finetune_grid  # pylint: disable=g-import-not-at-top
+  assert finetune_grid.expand_tasks('ner,ner/sotu') == ['ner/conll2003', 'ner/sotu']
+  assert finetune_grid.expand_tasks('squad') == ['squad/v1.1', 'squad/v2.0']
+  with pytest.raises(ValueError, match="unknown task 'squad/v3'"):  # (a kind of fixed names)
+    finetune_grid.expand_tasks('squad/v3')

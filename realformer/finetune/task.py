@@ -529,6 +529,10 @@ class FinetuneTask(trainer.Task, abc.ABC):
     any name goes (a task of the user's own)."""
     return ()
 
+  # Whether a name outside names() is a task of the user's own too (NER: conll2003, or
+  # tags of one's own under any name); names() is then what `--tasks <kind>` runs.
+  takes_any_name = False
+
   @classmethod
   def checked_config(cls, config, mesh):
     """One-line errors for settings that would fail after the run directory was written
@@ -597,6 +601,13 @@ class FinetuneTask(trainer.Task, abc.ABC):
   @abc.abstractmethod
   def evaluate_outputs(self, outputs) -> Dict[str, Dict[str, float]]:
     """{dev set name: metrics}, from outputs(features) -> the head's outputs per row."""
+
+  def evaluate_tests(self, outputs) -> Dict[str, Dict[str, float]]:
+    """{test set name: metrics} of the test sets whose labels are public (CoNLL-2003's),
+    scored beside dev at every evaluation (logged as test_<name>, in results.json's and
+    best/'s `test`); they pick nothing. None by default (GLUE's and SQuAD's are hidden)."""
+    del outputs
+    return {}
 
   @abc.abstractmethod
   def write_predictions(self, outputs, results, out_dir) -> None:
@@ -701,19 +712,28 @@ class FinetuneTask(trainer.Task, abc.ABC):
                                       sequence_keys=self.sequence_keys)
 
   def evaluate(self, params, step: int) -> trainer.Results:
-    # metrics.jsonl lines {"step": s, "split": "dev_<set>", "accuracy": ...}
-    return {f'dev_{name}': values
-            for name, values in self.evaluate_outputs(self.predictor(params)).items()}
+    # metrics.jsonl lines {"step": s, "split": "dev_<set>", "accuracy": ...} (test_<set>)
+    outputs = self.predictor(params)
+    return {**{f'dev_{name}': values for name, values in self.evaluate_outputs(outputs).items()},
+            **{f'test_{name}': values for name, values in self.evaluate_tests(outputs).items()}}
 
   @staticmethod
   def dev_results(results: trainer.Results) -> Dict[str, Dict[str, float]]:
-    return {split[len('dev_'):]: values for split, values in results.items()}
+    return {split[len('dev_'):]: values for split, values in results.items()
+            if split.startswith('dev_')}
+
+  @staticmethod
+  def test_results(results: trainer.Results) -> Dict[str, Dict[str, float]]:
+    return {split[len('test_'):]: values for split, values in results.items()
+            if split.startswith('test_')}
 
   def headline(self, results: trainer.Results) -> float:
     return self.dev_headline(self.dev_results(results))
 
   def best_record(self, step: int, results: trainer.Results) -> dict:
-    return {'epoch': step // self.steps_per_epoch, 'dev': self.dev_results(results)}
+    test = self.test_results(results)
+    return {'epoch': step // self.steps_per_epoch, 'dev': self.dev_results(results),
+            **({'test': test} if test else {})}
 
   def record_headline(self, record: dict) -> float:
     """From the record's dev metrics (STS-B's headline was Pearson before it was Spearman)."""
@@ -725,7 +745,8 @@ class FinetuneTask(trainer.Task, abc.ABC):
   def finish(self, params, step, results, run: RunDir, best: Optional[dict]) -> dict:
     dev = self.dev_results(results)
     self.write_predictions(self.predictor(params), dev, str(run.path(RunDir.PREDICTIONS)))
-    summary = {'task': self.name, 'step': step, 'dev': dev,
+    test = self.test_results(results)
+    summary = {'task': self.name, 'step': step, 'dev': dev, **({'test': test} if test else {}),
                'headline': self.dev_headline(dev), 'headline_metric': self.headline_metric(),
                'best': best}
     run.write_json(RunDir.RESULTS, summary, indent=2)

@@ -70,7 +70,8 @@ def expand_tasks(tasks: str) -> List[str]:
                        f'--tasks {t}/<name>')
     kind, _, name = t.partition('/') if '/' in t else ('glue', '', t)
     known = registry.get(kind).names() if kind in kinds else None
-    if known is None or not name or (known and name not in known):
+    if known is None or not name or (known and name not in known and
+                                     not registry.get(kind).takes_any_name):
       glue = registry.get('glue').names()
       raise ValueError(f'unknown task {t!r}; use GLUE names ({", ".join(glue)}), glue (all '
                        f'{len(glue)}), or <kind>/<name> of a kind of '
@@ -378,7 +379,8 @@ def _define(f):
   flags.DEFINE_multi_string('init_checkpoint', [], 'the pretraining (or import) workdir; '
                             'repeat to fine-tune several encoders in one grid (each its own '
                             'rows)', flag_values=f)
-  flags.DEFINE_string('data_dir', '', "GLUE TSV / SQuAD JSON folder ('' = tfds)", flag_values=f)
+  flags.DEFINE_string('data_dir', '', "the tasks' data: GLUE TSV or SQuAD JSON folder ('' = "
+                      'tfds), a CoNLL or TSV folder (needed)', flag_values=f)
   flags.DEFINE_list('learning_rates', ['1e-5', '2e-5', '3e-5', '4e-5', '5e-5'],
                     'comma-separated', flag_values=f)
   flags.DEFINE_list('batch_sizes', ['16', '32'], 'comma-separated', flag_values=f)

@@ -12,6 +12,7 @@ fine-tunes on sentences alone, as transformers' run_ner does. Prediction files:
 predictions/dev.txt and test.txt, conlleval.pl's input (word, gold tag, predicted tag).
 """
 
+import collections
 from typing import Dict, Tuple
 
 import jax.numpy as jnp
@@ -47,6 +48,8 @@ class NerTask(FinetuneTask):
     config.optimizer.learning_rate = 5e-5
     config.ner = ml_collections.ConfigDict({'labels': ','.join(conll.CONLL2003_LABELS)})
 
+  takes_any_name = True  # ner/<name>: tags of one's own
+
   @classmethod
   def names(cls) -> Tuple[str, ...]:
     return ('conll2003',)
@@ -77,6 +80,10 @@ class NerTask(FinetuneTask):
         raise
       sentences = conll.read(path)
       ids = conll.label_ids(sentences, self.labels, path)
+      entities = collections.Counter(c[0] for s in sentences for c in conll.chunks(s.tags))
+      logging.info('%s: %s, %d sentences, %d words; entities %s', split, path, len(sentences),
+                   sum(len(s.words) for s in sentences),
+                   ', '.join(f'{k} {n}' for k, n in sorted(entities.items())) or 'none')
       features, placed, unplaced = conll.featurize(sentences, ids, tokenizer,
                                                    config.max_seq_length)
       if unplaced:
@@ -119,16 +126,20 @@ class NerTask(FinetuneTask):
   def eval_features(self):
     return [features for split, (_, features, _) in self.sets.items() if split != 'train']
 
+  def _scores(self, outputs, split: str) -> Dict[str, Dict[str, float]]:
+    if split not in self.sets:
+      return {}
+    sentences, features, placed = self.sets[split]
+    (logits,) = outputs(features)
+    self.predicted[split] = conll.word_tags(logits, placed, sentences, self.labels)
+    return {self.name: finetune_metrics.entity_scores([s.tags for s in sentences],
+                                                      self.predicted[split])}
+
   def evaluate_outputs(self, outputs) -> Dict[str, Dict[str, float]]:
-    results = {}
-    for split in ('dev', 'test'):
-      if split in self.sets:
-        sentences, features, placed = self.sets[split]
-        (logits,) = outputs(features)
-        self.predicted[split] = conll.word_tags(logits, placed, sentences, self.labels)
-        results[self.name if split == 'dev' else f'{self.name}_test'] = (
-            finetune_metrics.entity_scores([s.tags for s in sentences], self.predicted[split]))
-    return results
+    return self._scores(outputs, 'dev')
+
+  def evaluate_tests(self, outputs) -> Dict[str, Dict[str, float]]:
+    return self._scores(outputs, 'test')
 
   def write_predictions(self, outputs, results, out_dir: str):
     del outputs, results  # the tags of the evaluation just made, with the final params
