@@ -1,7 +1,11 @@
-r"""The HF arm of benchmarks/finetune_vs_hf.py: BertForSequenceClassification fine-tuned on
-<data_dir>/SST-2/{train,dev}.tsv in a process of its own that imports what an HF user's script
-would (torch, transformers) and nothing of ours, since the race times it as a whole process.
-Prints one line, {"epoch_seconds": [...], "accuracy": a, "threads": n}.
+r"""The HF arm of benchmarks/finetune_vs_hf.py, in a process of its own that imports what an
+HF user's script would (torch, transformers) and nothing of ours, since the race times it as a
+whole process: --task sst2, BertForSequenceClassification fine-tuned on
+<data_dir>/SST-2/{train,dev}.tsv, prints one line {"epoch_seconds": [...], "accuracy": a,
+"threads": n}; --task ner, BertForTokenClassification on <data_dir>/{train,dev}.txt (CoNLL
+format: a word and its tag per line), each word's tag at its first piece (-100 elsewhere, the
+token-classification example's), prints {"epoch_seconds": [...], "tags": [[...], ...],
+"threads": n}: dev's predicted tags, a word cut off by max_seq_length tagged O.
 
   python benchmarks/hf_finetune.py --model_dir DIR --data_dir DIR --epochs 3 [--group_by_length]
 """
@@ -21,10 +25,32 @@ def read_split(data_dir: str, split: str):
   return [s for s, _ in rows], [int(y) for _, y in rows]
 
 
+def read_conll(data_dir: str, split: str):
+  """[(words, tags)] of <data_dir>/<split>.txt."""
+  sentences, words, tags = [], [], []
+  with open(os.path.join(data_dir, f'{split}.txt'), encoding='utf-8') as f:
+    for line in f:
+      columns = line.split()
+      if not columns or columns[0] == '-DOCSTART-':
+        if words:
+          sentences.append((words, tags))
+          words, tags = [], []
+      else:
+        words.append(columns[0])
+        tags.append(columns[-1])
+  if words:
+    sentences.append((words, tags))
+  return sentences
+
+
+NER_LABELS = ['O', 'B-PER', 'I-PER', 'B-ORG', 'I-ORG', 'B-LOC', 'I-LOC', 'B-MISC', 'I-MISC']
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--model_dir', required=True, help='an HF checkpoint directory')
   p.add_argument('--data_dir', required=True, help='holds SST-2/train.tsv and SST-2/dev.tsv')
+  p.add_argument('--task', default='sst2', choices=('sst2', 'ner'))
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--batch_size', type=int, default=32)
   p.add_argument('--epochs', type=int, default=3)
@@ -40,12 +66,29 @@ def main():
   # default keeps them in full float32, which would race ours at another precision)
   torch.set_float32_matmul_precision('high')
   tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
-  model = transformers.BertForSequenceClassification.from_pretrained(args.model_dir,
-                                                                     num_labels=2)
+  ner = args.task == 'ner'
+  if ner:
+    model = transformers.BertForTokenClassification.from_pretrained(
+        args.model_dir, num_labels=len(NER_LABELS))
+    collate = transformers.DataCollatorForTokenClassification(tokenizer)
+  else:
+    model = transformers.BertForSequenceClassification.from_pretrained(args.model_dir,
+                                                                       num_labels=2)
+    collate = transformers.DataCollatorWithPadding(tokenizer)
   model = model.float().to(device)  # float32 whatever the stored copy's dtype, as ours
-  collate = transformers.DataCollatorWithPadding(tokenizer)
 
   def dataset(split):
+    if ner:  # each word's tag at its first piece, -100 (no loss) at the others
+      sentences = read_conll(args.data_dir, split)
+      enc = tokenizer([w for w, _ in sentences], is_split_into_words=True, truncation=True,
+                      max_length=args.max_seq_length)
+      rows = []
+      for i, (_, tags) in enumerate(sentences):
+        words = enc.word_ids(i)
+        labels = [NER_LABELS.index(tags[w]) if w is not None and (p == 0 or words[p - 1] != w)
+                  else -100 for p, w in enumerate(words)]
+        rows.append(dict({k: v[i] for k, v in enc.items()}, labels=labels))
+      return rows
     sentences, labels = read_split(args.data_dir, split)
     enc = tokenizer(sentences, truncation=True, max_length=args.max_seq_length)
     return [dict({k: v[i] for k, v in enc.items()}, labels=labels[i])
@@ -82,13 +125,23 @@ def main():
       torch.cuda.synchronize()
     epoch_seconds.append(time.perf_counter() - start)
   model.eval()
-  correct = 0
+  correct, tags = 0, []
   with torch.no_grad():
     for batch in torch.utils.data.DataLoader(dev, batch_size=64, collate_fn=collate):
       labels = batch.pop('labels').to(device)
-      correct += int((model(**batch.to(device)).logits.argmax(-1) == labels).sum())
-  print(json.dumps({'epoch_seconds': epoch_seconds, 'accuracy': correct / len(dev),
-                    'threads': torch.get_num_threads()}))
+      best = model(**batch.to(device)).logits.argmax(-1)
+      if ner:  # the tag at each first piece (labels != -100), in the words' order
+        tags += [[NER_LABELS[int(t)] for t in b[l != -100]] for b, l in zip(best, labels)]
+      else:
+        correct += int((best == labels).sum())
+  if ner:
+    sentences = read_conll(args.data_dir, 'dev')
+    tags = [t + ['O'] * (len(w) - len(t)) for t, (w, _) in zip(tags, sentences)]  # (cut off)
+    print(json.dumps({'epoch_seconds': epoch_seconds, 'tags': tags,
+                      'threads': torch.get_num_threads()}))
+  else:
+    print(json.dumps({'epoch_seconds': epoch_seconds, 'accuracy': correct / len(dev),
+                      'threads': torch.get_num_threads()}))
 
 
 if __name__ == '__main__':
