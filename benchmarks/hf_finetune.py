@@ -110,12 +110,13 @@ def main():
   num_steps = len(loader) * args.epochs
   scheduler = transformers.get_linear_schedule_with_warmup(optimizer, int(0.1 * num_steps),
                                                            num_steps)
-  epoch_seconds = []
+  epoch_seconds, epoch_losses = [], []
   for _ in range(args.epochs):
     model.train()
-    start = time.perf_counter()
+    start, losses = time.perf_counter(), []
     for batch in loader:
       loss = model(**batch.to(device)).loss
+      losses.append(loss.detach())
       loss.backward()
       torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
       optimizer.step()
@@ -124,6 +125,7 @@ def main():
     if device == 'cuda':
       torch.cuda.synchronize()
     epoch_seconds.append(time.perf_counter() - start)
+    epoch_losses.append(float(torch.stack(losses).mean()))  # (after the timing)
   model.eval()
   correct, tags = 0, []
   with torch.no_grad():
@@ -137,11 +139,11 @@ def main():
   if ner:
     sentences = read_conll(args.data_dir, 'dev')
     tags = [t + ['O'] * (len(w) - len(t)) for t, (w, _) in zip(tags, sentences)]  # (cut off)
-    print(json.dumps({'epoch_seconds': epoch_seconds, 'tags': tags,
-                      'threads': torch.get_num_threads()}))
+    print(json.dumps({'epoch_seconds': epoch_seconds, 'epoch_losses': epoch_losses,
+                      'tags': tags, 'threads': torch.get_num_threads()}))
   else:
-    print(json.dumps({'epoch_seconds': epoch_seconds, 'accuracy': correct / len(dev),
-                      'threads': torch.get_num_threads()}))
+    print(json.dumps({'epoch_seconds': epoch_seconds, 'epoch_losses': epoch_losses,
+                      'accuracy': correct / len(dev), 'threads': torch.get_num_threads()}))
 
 
 if __name__ == '__main__':

@@ -14,7 +14,9 @@ from configs import finetune as finetune_configs
 from data import conll
 from data import tokenizer as tokenizer_lib
 from realformer.finetune import metrics as finetune_metrics
+from realformer.finetune import registry
 from realformer.train import checkpoints
+from realformer.train import partitioning
 from realformer.train.run_dir import RunDir
 from tests.test_finetune import save_tiny_encoder
 
@@ -197,6 +199,19 @@ def test_ner_fine_tunes_scores_and_writes_conlleval_files(ner_data, tmp_path):
     want = summary[split]['conll2003']
     assert finetune_metrics.entity_scores(sentences[:-1], tags[:-1]) == pytest.approx(want)
     assert want['f1'] > 0.8, want  # (it learned: chance finds no entity)
+  # The loss's normaliser is the words a batch holds on average, whatever its length bucket
+  # (a batch's own count would weigh each word of short sentences more than one of long).
+  mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
+  with jax.set_mesh(mesh):
+    task = registry.get('ner')(config, mesh, RunDir(str(tmp_path / 'read')))
+  labelled = task.train['labels'] != conll.IGNORE
+  assert task.words_per_example == pytest.approx(labelled.sum(1).mean())
+  by_length = np.argsort(labelled.sum(1))
+  short, long_ = (jax.tree.map(lambda x: x[i], task.train) for i in (by_length[:8],
+                                                                    by_length[-8:]))
+  assert labelled[by_length[:8]].sum() < labelled[by_length[-8:]].sum()
+  assert task.totals(short)['words'] == task.totals(long_)['words'] == pytest.approx(
+      8 * task.words_per_example)
   final = checkpoints.read_pretraining_config(os.path.join(workdir, RunDir.FINAL))
   assert final['finetuned'] == {'kind': 'ner', 'task': 'conll2003', 'labels': [
       'O', 'B-PER', 'I-PER', 'B-LOC', 'I-LOC'], 'hf_architecture': 'BertForTokenClassification'}

@@ -591,7 +591,9 @@ class FinetuneTask(trainer.Task, abc.ABC):
   @staticmethod
   def totals(batch) -> Dict[str, jax.Array]:
     """What a step's loss is normalised by, over the whole step's batch: its examples (a
-    kind whose loss is a mean over labelled tokens returns their count too)."""
+    kind whose loss is per labelled token returns the count a batch holds on average,
+    as ner.py does: a batch's own count would weigh a token of a length bucket of short
+    examples several times one of long ones)."""
     return {'examples': jnp.asarray(batch['input_ids'].shape[0], jnp.float32)}
 
   @abc.abstractmethod

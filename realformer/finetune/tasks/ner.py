@@ -43,9 +43,13 @@ class NerTask(FinetuneTask):
 
   @classmethod
   def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
-    """transformers' run_ner settings: lr 5e-5, 3 epochs, batch 32, 128 pieces."""
+    """transformers' run_ner settings: lr 5e-5, 3 epochs, batch 32, 128 pieces, and its
+    random batches: length buckets off (BENCHMARKS.md, "NER against transformers": batches
+    of one bucket's sentences cost about 0.05 dev F1 against random ones, 3 seeds of each;
+    --config.length_buckets=5 trains 2-3x faster on a CPU at that cost)."""
     del name  # any name: conll2003, or data of one's own
     config.optimizer.learning_rate = 5e-5
+    config.length_buckets = 0
     config.ner = ml_collections.ConfigDict({'labels': ','.join(conll.CONLL2003_LABELS)})
 
   takes_any_name = True  # ner/<name>: tags of one's own
@@ -93,6 +97,8 @@ class NerTask(FinetuneTask):
                         'not trained on' if split == 'train' else 'predicted O')
       self.sets[split] = (sentences, features, placed)
     self.train = self.sets['train'][1]
+    labelled = (self.train['labels'] != conll.IGNORE).sum(1)
+    self.words_per_example = max(1.0, float(labelled.mean()))  # (totals' normaliser)
     self.predicted = {}  # split -> the last evaluation's tags, for the prediction files
 
   def build(self, spec):
@@ -104,15 +110,18 @@ class NerTask(FinetuneTask):
   def head_flops(self, length: int) -> float:
     return 2 * length * self.spec.hidden_size * len(self.labels)
 
-  @staticmethod
-  def totals(batch):
-    """The step's examples and its labelled tokens (the words' first pieces): the loss is a
-    mean over those, as transformers' is over a batch's."""
-    return {'examples': jnp.asarray(batch['input_ids'].shape[0], jnp.float32),
-            'tokens': jnp.sum(batch['labels'] != conll.IGNORE).astype(jnp.float32)}
+  def totals(self, batch):
+    """The step's examples, and the words it would hold at the training set's mean words
+    per example: the loss's normaliser. Transformers' is the batch's own count of words,
+    which over random batches is about that; over a length bucket's it is not (a batch of
+    short sentences holds few words, and each would weigh several times one of a long
+    sentence's), so a constant keeps every word's weight what random batches give it."""
+    examples = jnp.asarray(batch['input_ids'].shape[0], jnp.float32)
+    return {'examples': examples, 'words': examples * self.words_per_example}
 
   def loss_fn(self, model):
-    """Cross-entropy of each word's tag at its first piece, mean over the step's words."""
+    """Cross-entropy of each word's tag at its first piece, summed over the step's words,
+    over totals' `words`: a mean per word where the step holds the mean number of them."""
     def loss_fn(params, batch, rng, totals):
       deterministic = rng is None
       _, logits = model.apply({'params': params}, batch, deterministic=deterministic,
@@ -120,7 +129,7 @@ class NerTask(FinetuneTask):
       labels = batch['labels']
       labelled = labels != conll.IGNORE
       ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(labelled, labels, 0))
-      return jnp.sum(jnp.where(labelled, ce, 0.0)) / jnp.maximum(totals['tokens'], 1.0), {}
+      return jnp.sum(jnp.where(labelled, ce, 0.0)) / totals['words'], {}
     return loss_fn
 
   def eval_features(self):
