@@ -17,8 +17,9 @@ with decay off for biases and LayerNorm, clipping at 1), on one of two tasks:
                example); dev entity F1, both arms' tags scored by one scorer (conlleval's, in
                realformer/finetune/metrics.py)
 
-  ours        finetune.py with its defaults: length buckets (data/buckets.py), compiling
-              into an empty compilation cache (cold)
+  ours        finetune.py with its defaults: length buckets (data/buckets.py; NER's default
+              is none: `--set length_buckets=5` races them), compiling into an empty
+              compilation cache (cold)
   ours_warm   the same again, its programs now in the cache (after `ours` of the same seed)
   ours_fixed  finetune.py with config.length_buckets=0: every batch padded to max_seq_length
   ours_scanned  ours with the layers scanned (config.model.scan_layers=True: one layer's
