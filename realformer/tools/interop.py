@@ -987,10 +987,11 @@ def export_hf(workdir: str, out: str, encoder_only: bool = False) -> str:
   directory that `transformers.BertModel.from_pretrained(out)` loads, and the class that
   holds its heads (HF_ARCHITECTURES: BertForPreTraining with both of pretraining's,
   BertForSequenceClassification with GLUE's classifier, BertForQuestionAnswering with
-  SQuAD's span head, BertForTokenClassification with NER's tags): config.json, model.safetensors, and vocab.txt when the run used a
-  WordPiece one. A fine-tuning kind's head is exported as the class the kind declares
-  (FinetuneTask.hf_architecture, recorded in best/ and final/); a head of one's own is
-  refused, and `encoder_only` exports the encoder alone (BertModel) from any workdir.
+  SQuAD's span head, BertForTokenClassification with NER's tags): config.json,
+  model.safetensors, and vocab.txt when the run used a WordPiece one. A fine-tuning kind's
+  head is exported as the class the kind declares (FinetuneTask.hf_architecture, recorded in
+  best/ and final/); a head of one's own is refused, and `encoder_only` exports the encoder
+  alone (BertModel) from any workdir.
   `workdir` and `out` may be gs:// URLs (the files are written locally, then uploaded)."""
   config, params, heads = _exported(workdir, encoder_only, 'hf')
   model_config, finetuned = config.model, config.get('finetuned') or {}
