@@ -46,7 +46,7 @@ class NerTask(FinetuneTask):
     """transformers' run_ner settings: lr 5e-5, 3 epochs, batch 32, 128 pieces, and its
     random batches: length buckets off (BENCHMARKS.md, "NER against transformers": batches
     of one bucket's sentences cost about 0.05 dev F1 against random ones, 3 seeds of each;
-    --config.length_buckets=5 trains 2-3x faster on a CPU at that cost)."""
+    --config.length_buckets=5 trains about 2x faster on a CPU at that cost)."""
     del name  # any name: conll2003, or data of one's own
     config.optimizer.learning_rate = 5e-5
     config.length_buckets = 0
