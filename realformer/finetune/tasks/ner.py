@@ -40,6 +40,7 @@ class NerTask(FinetuneTask):
   token_outputs = True  # logits per token
   hf_architecture = 'BertForTokenClassification'
   sequence_keys = buckets_lib.SEQUENCE_KEYS + ('labels',)  # per token, cut with the inputs
+  takes_any_name = True  # ner/<name>: tags of one's own (names(): what --tasks ner runs)
 
   @classmethod
   def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
@@ -51,8 +52,6 @@ class NerTask(FinetuneTask):
     config.optimizer.learning_rate = 5e-5
     config.length_buckets = 0
     config.ner = ml_collections.ConfigDict({'labels': ','.join(conll.CONLL2003_LABELS)})
-
-  takes_any_name = True  # ner/<name>: tags of one's own
 
   @classmethod
   def names(cls) -> Tuple[str, ...]:
