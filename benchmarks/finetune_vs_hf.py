@@ -17,11 +17,14 @@ with decay off for biases and LayerNorm, clipping at 1), on one of two tasks:
                example); dev entity F1, both arms' tags scored by one scorer (conlleval's, in
                realformer/finetune/metrics.py)
 
-  ours        finetune.py with its defaults: length buckets (data/buckets.py; NER's default
-              is none: `--set length_buckets=5` races them), compiling into an empty
+  ours        finetune.py with its defaults: length buckets (data/buckets.py), each batch's
+              sentences of one bucket (sst2) or drawn at random, each batch padded to the
+              shortest bucket that holds its longest (ner), compiling into an empty
               compilation cache (cold)
   ours_warm   the same again, its programs now in the cache (after `ours` of the same seed)
   ours_fixed  finetune.py with config.length_buckets=0: every batch padded to max_seq_length
+  ours_grouped, ours_random  ours with config.group_by_length=True or False: batches of one
+              bucket's sentences, or random batches (one of them is `ours`)
   ours_scanned  ours with the layers scanned (config.model.scan_layers=True: one layer's
               program to compile; the imported checkpoint's layers are stacked on restore),
               cold
@@ -47,7 +50,7 @@ our first epoch also compiles one program per length bucket, so it is reported a
 
   python benchmarks/finetune_vs_hf.py --workdir /tmp/ft_vs_hf --seeds 3 --epochs 3
   python benchmarks/finetune_vs_hf.py --task ner --workdir /tmp/ner_vs_hf --seeds 3 \
-      --max_seq_length 128 --learning_rate 5e-5
+      --max_seq_length 128 --learning_rate 5e-5 --arms hf,ours,ours_grouped,ours_fixed
 """
 
 import argparse
@@ -59,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -68,7 +72,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # pylint: disable=g-import-not-at-top
 import pretrained_vs_scratch  # pylint: disable=g-import-not-at-top
 
-ARMS = ('hf', 'ours', 'ours_warm', 'ours_fixed', 'ours_scanned', 'hf_warm', 'hf_grouped')
+ARMS = ('hf', 'ours', 'ours_warm', 'ours_fixed', 'ours_grouped', 'ours_random', 'ours_scanned',
+        'hf_warm', 'hf_grouped')
 METRIC = {'sst2': 'accuracy', 'ner': 'f1'}  # each task's dev score
 
 # write_ner_folder's entity types: a run of capitalised words is LOC, MISC or ORG when one of
@@ -125,7 +130,7 @@ def write_ner_folder(out_dir: str, num_train: int, num_dev: int, seed: int = 0) 
 
 
 def run_ours(args, init: str, workdir: str, buckets: bool, cache: str,
-             scanned: bool = False) -> dict:
+             scanned: bool = False, grouped: Optional[bool] = None) -> dict:
   wall = None
   if not os.path.isfile(os.path.join(workdir, 'results.json')):
     start = time.perf_counter()
@@ -139,7 +144,8 @@ def run_ours(args, init: str, workdir: str, buckets: bool, cache: str,
          f'--config.max_seq_length={args.max_seq_length}', '--config.log_every_steps=1000',
          f'--compilation_cache={cache}',
          *([] if buckets else ['--config.length_buckets=0']),
-         *(['--config.model.scan_layers=True'] if scanned else [])] + [
+         *(['--config.model.scan_layers=True'] if scanned else []),
+         *([] if grouped is None else [f'--config.group_by_length={grouped}'])] + [
              f'--config.{kv}' for kv in args.set],
         cwd=_REPO, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -250,7 +256,8 @@ def race(args, on_result=None) -> dict:
         if arm != 'ours_warm':
           shutil.rmtree(cache, ignore_errors=True)
         r = run_ours(args, init, run_dir, buckets=arm != 'ours_fixed', cache=cache,
-                     scanned=arm == 'ours_scanned')
+                     scanned=arm == 'ours_scanned',
+                     grouped={'ours_grouped': True, 'ours_random': False}.get(arm))
       results[arm].append(r)
       if on_result is not None:
         on_result(arm, r)

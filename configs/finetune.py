@@ -74,6 +74,10 @@ def get_config(arg: str = 'glue/sst2'):
   # Length buckets: batches padded to at most `length_buckets` compiled lengths (multiples of
   # bucket_multiple, chosen from the data to pad least) instead of max_seq_length; 0 = off.
   c.length_buckets = 5
+  # A batch's examples from one bucket (True: least padding), or drawn at random as
+  # transformers' Trainer draws them, each batch padded to the shortest length that holds its
+  # longest (False; the lengths then chosen from the batches' longest examples).
+  c.group_by_length = True
   c.bucket_multiple = 8
   # How many of them: as many as pay for their compilation over the run (finetune/task.py:
   # compile_cost_in_tokens): a length costs about bucket_compile_seconds to compile, a padded

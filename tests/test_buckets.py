@@ -3,9 +3,11 @@ deterministic, resumable cover of the epoch, evaluation sees every example once,
 bucketed model predicts what the model padded to max_seq_length predicts, for every variant."""
 
 import itertools
+import types
 
 import flax.linen as nn
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from data import buckets
 from realformer import models
 from realformer.finetune import task as finetune_task
 from realformer.train import partitioning
+from realformer.train.run_dir import RunDir
 
 
 def _padded(lengths, chosen):
@@ -72,6 +75,65 @@ def test_training_plan_is_a_deterministic_cover_of_the_epoch():
   # One bucket: the plain shuffled batches of max_seq_length.
   single = buckets.train_batches(lengths, (64,), 8, seed=1, epoch=0)
   assert len(single) == 25 and {length for length, _ in single} == {64}
+
+
+def test_random_batches_are_the_shuffled_epochs_each_padded_to_fit_its_longest():
+  """group_by_length=False: the batches of padded training (one bucket), each at the
+  shortest bucket that holds its longest example; batch_longest is what they are padded
+  from."""
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(2, 64, size=203)
+  chosen = (24, 48, 64)
+  for epoch in range(3):
+    plan = buckets.train_batches(lengths, chosen, 8, seed=1, epoch=epoch, by_length=False)
+    padded = buckets.train_batches(lengths, (64,), 8, seed=1, epoch=epoch)
+    assert [idx.tolist() for _, idx in plan] == [idx.tolist() for _, idx in padded]
+    assert [length for length, _ in plan] == [
+        min(c for c in chosen if c >= lengths[idx].max()) for _, idx in plan]
+    again = buckets.train_batches(lengths, (64,), 8, seed=1, epoch=epoch, by_length=False)
+    assert [idx.tolist() for _, idx in again] == [idx.tolist() for _, idx in padded]
+  assert len({length for length, _ in plan}) > 1
+  grouped = buckets.train_batches(lengths, chosen, 8, seed=1, epoch=2)
+  spans = lambda p: sum(lengths[idx].min() <= length - 24 for length, idx in p)
+  # (grouped: only a bucket's few left over move up, a batch at most per bucket)
+  assert spans(grouped) < len(chosen) < spans(plan)  # batches of several buckets' lengths
+  longest = buckets.batch_longest(lengths, 8, seed=1, epochs=3)
+  assert sorted(longest.tolist()) == sorted(
+      int(lengths[idx].max()) for epoch in range(3)
+      for _, idx in buckets.train_batches(lengths, chosen, 8, 1, epoch, by_length=False))
+  assert buckets.batch_longest(lengths[:5], 8, seed=1, epochs=2).shape == (0,)
+  assert buckets.describe(np.array([3, 5, 9, 10]), (8, 16), 16, np.array([5, 10])) == (
+      'random batches padded to length buckets 8 (1 batches), 16 (1 batches): 2 compiled '
+      'lengths, whose batches hold 75% of the tokens that padding every batch to 16 would, '
+      'about 56% of them real')
+
+
+@pytest.mark.parametrize('seed', range(3))
+def test_random_batches_lengths_pad_the_runs_batches_least(seed, tmp_path):
+  """With group_by_length=False the plan's lengths are the ones that pad the run's own
+  batches least (every epoch's, each at its longest example's bucket): brute force over every
+  choice."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(3, 95, size=rng.integers(20, 80))
+  features = {'attention_mask': (np.arange(96) < lengths[:, None]).astype(np.int32)}
+  task = types.SimpleNamespace(train=features, eval_features=lambda: [features])
+  config = ml_collections.ConfigDict(
+      {'length_buckets': 3, 'group_by_length': False, 'bucket_multiple': 8,
+       'max_seq_length': 96, 'num_epochs': 2, 'batch_size': 4, 'seed': seed,
+       'bucket_compile_seconds': 0.0, 'bucket_flops_per_second': 0.0})
+  chosen = finetune_task.length_buckets(config, task, RunDir(tmp_path), resuming=False)
+  cost = lambda lengths_: sum(length for epoch in range(2) for length, _ in buckets.train_batches(
+      lengths, lengths_, 4, seed, epoch, by_length=False))
+  top = -(-int(lengths.max()) // 8) * 8
+  assert chosen[-1] == top and len(chosen) <= 3
+  grid = list(range(8, top, 8))
+  assert cost(chosen) == min(cost(tuple(rest) + (top,)) for r in range(3)
+                             for rest in itertools.combinations(grid, r))
+  (tmp_path / 'grouped').mkdir()
+  grouped = finetune_task.length_buckets(
+      ml_collections.ConfigDict(dict(config.to_dict(), group_by_length=True)), task,
+      RunDir(tmp_path / 'grouped'), resuming=False)
+  assert cost(chosen) <= cost(grouped)
 
 
 def test_evaluation_batches_cover_every_example_once():
@@ -193,11 +255,11 @@ def test_each_length_must_pay_for_its_compilation_over_the_run():
   least = {k: _padded(lengths, buckets.choose_lengths(lengths, k, 8, 128)) for k in range(1, 6)}
   cost = 20_000
   for epochs in (0.1, 1, 3, 30, 300):
-    chosen = buckets.choose_lengths(lengths, 5, 8, 128, epochs=epochs, tokens_per_compile=cost)
+    chosen = buckets.choose_lengths(lengths, 5, 8, 128, repeats=epochs, tokens_per_compile=cost)
     best = min(epochs * least[k] + k * cost for k in least)
     assert epochs * _padded(lengths, chosen) + len(chosen) * cost == pytest.approx(best)
-  counts = [len(buckets.choose_lengths(lengths, 5, 8, 128, epochs=e, tokens_per_compile=cost))
+  counts = [len(buckets.choose_lengths(lengths, 5, 8, 128, repeats=e, tokens_per_compile=cost))
             for e in (0.01, 1, 300)]
   assert counts[0] == 1 and counts[0] < counts[1] < counts[2] == 5
-  assert buckets.choose_lengths(lengths, 5, 8, 128, epochs=0.01, tokens_per_compile=0) == \
+  assert buckets.choose_lengths(lengths, 5, 8, 128, repeats=0.01, tokens_per_compile=0) == \
       buckets.choose_lengths(lengths, 5, 8, 128)

@@ -587,8 +587,8 @@ def test_a_resume_on_other_training_examples_is_refused(tmp_path):
   rows = (np.arange(32) < np.random.default_rng(0).integers(3, 30, size=64)[:, None])
   features = {'attention_mask': rows.astype(np.int32)}
   config = ml_collections.ConfigDict(
-      {'length_buckets': 0, 'bucket_multiple': 8, 'max_seq_length': 32, 'num_epochs': 1,
-       'bucket_compile_seconds': 0.0, 'bucket_flops_per_second': 0.0})
+      {'length_buckets': 0, 'group_by_length': True, 'bucket_multiple': 8, 'max_seq_length': 32,
+       'num_epochs': 1, 'bucket_compile_seconds': 0.0, 'bucket_flops_per_second': 0.0})
   task = lambda train, dev=features: types.SimpleNamespace(name='rte', train=train,
                                                            eval_features=lambda: [dev])
   workdir = RunDir(tmp_path)
@@ -615,8 +615,9 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
   lengths = np.random.default_rng(0).integers(3, 120, size=500)
   features = {'attention_mask': (np.arange(128) < lengths[:, None]).astype(np.int32)}
   task = types.SimpleNamespace(train=features, eval_features=lambda: [features])
-  config = lambda n, m: ml_collections.ConfigDict(
-      {'length_buckets': n, 'bucket_multiple': m, 'max_seq_length': 128, 'num_epochs': 1,
+  config = lambda n, m, grouped=True: ml_collections.ConfigDict(
+      {'length_buckets': n, 'group_by_length': grouped, 'bucket_multiple': m,
+       'max_seq_length': 128, 'num_epochs': 1, 'batch_size': 8, 'seed': 0,
        'bucket_compile_seconds': 0.0, 'bucket_flops_per_second': 0.0})
   workdir = RunDir(tmp_path)
   first = finetune_task.length_buckets(config(5, 8), task, workdir, resuming=False)
@@ -663,8 +664,8 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
   # One length was the cost model's choice (a short run; a device whose compiles cost more):
   # kept like any plan by the settings that chose it, though another device would choose
   # more; the same length from padded training (length_buckets=0) is not.
-  settings = {'length_buckets': 5, 'bucket_multiple': 8, 'bucket_compile_seconds': 0.0,
-              'bucket_flops_per_second': 0.0}
+  settings = {'length_buckets': 5, 'group_by_length': True, 'bucket_multiple': 8,
+              'bucket_compile_seconds': 0.0, 'bucket_flops_per_second': 0.0}
   with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
     json.dump({'lengths': [128], 'settings': settings}, f)
   for mid_epoch in (False, True):
@@ -672,6 +673,18 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
   with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
     json.dump({'lengths': [128], 'settings': dict(settings, length_buckets=0)}, f)
   assert finetune_task.length_buckets(config(5, 8), task, workdir, resuming=True) == first
+  # The batches' composition (group_by_length) is part of the plan: random batches choose
+  # their own lengths at an epoch's start; a change in mid-epoch is refused, and so is one
+  # from a file of before the setting (its batches were grouped), even where the lengths
+  # chosen would be the same.
+  random = finetune_task.length_buckets(config(5, 8, False), task, workdir, resuming=True)
+  assert random != first and len(random) <= 5
+  for stored in (settings, {k: v for k, v in settings.items() if k != 'group_by_length'}):
+    with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
+      json.dump({'lengths': list(random), 'settings': stored}, f)
+    with pytest.raises(ValueError, match='resume with the bucket settings as they were'):
+      with mock.patch.object(finetune_task, '_choose_buckets', return_value=random):
+        finetune_task.length_buckets(config(5, 8, False), task, workdir, True, mid_epoch=True)
 
 
 def _marker_task(root, seed=0, sizes=(('train', 320), ('dev', 200))):
@@ -1213,7 +1226,8 @@ def test_the_bucket_count_follows_the_runs_length(tmp_path):
   task = types.SimpleNamespace(train=features, eval_features=lambda: [features], spec=spec,
                                flops_per_example=flops)
   config = lambda epochs: ml_collections.ConfigDict(
-      {'length_buckets': 5, 'bucket_multiple': 8, 'max_seq_length': 128, 'num_epochs': epochs,
+      {'length_buckets': 5, 'group_by_length': True, 'bucket_multiple': 8,
+       'max_seq_length': 128, 'num_epochs': epochs,
        'bucket_compile_seconds': 8.0, 'bucket_flops_per_second': 1e11})
   per_token, worth = finetune_task.compile_cost_in_tokens(config(1), flops)
   assert per_token == pytest.approx(flops(128) / 128 / 1e11)

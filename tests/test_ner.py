@@ -170,16 +170,19 @@ def test_ner_fine_tunes_scores_and_writes_conlleval_files(ner_data, tmp_path):
   config.init_checkpoint, config.data_dir = pretrained, ner_data
   config.batch_size, config.eval_batch_size, config.num_epochs = 8, 8, 3
   config.max_seq_length, config.log_every_steps = 32, 4
-  # (NER's default is random batches; two length buckets here, so that the per-token labels
-  # are cut with the inputs to each bucket's length)
-  config.length_buckets, config.bucket_compile_seconds = 2, 0.0
+  # (NER's default: random batches, each padded to the shortest length bucket that holds its
+  # longest sentence, so the per-token labels are cut with the inputs to that length; two
+  # lengths here)
+  config.length_buckets, config.bucket_multiple, config.bucket_compile_seconds = 2, 4, 0.0
   config.optimizer.learning_rate = 5e-3
   config.ner.labels = 'O,B-PER,I-PER,B-LOC,I-LOC'
   workdir = str(tmp_path / 'ner')
   summary = finetune.finetune(config, workdir, devices=jax.devices()[:1])
   assert summary['task'] == 'conll2003' and summary['step'] == 3 * 96 // 8
-  assert len(json.load(open(os.path.join(workdir, RunDir.LENGTH_BUCKETS)))['lengths']) == 2
-  assert finetune_configs.get_config('ner/x').length_buckets == 0
+  plan = json.load(open(os.path.join(workdir, RunDir.LENGTH_BUCKETS)))
+  assert len(plan['lengths']) == 2 and plan['settings']['group_by_length'] is False, plan
+  default = finetune_configs.get_config('ner/x')
+  assert not default.group_by_length and default.length_buckets == 5
   # Dev picks best/; the test set (its tags public, as CoNLL-2003's) is scored beside it
   # under its own split.
   assert set(summary['dev']) == set(summary['test']) == {'conll2003'}

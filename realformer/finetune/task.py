@@ -10,7 +10,8 @@ A `FinetuneTask` is a trainer.Task over a pretrained encoder with a task head:
   batches     epochs of the training features, shuffled by (seed, epoch), each batch padded
               to one of a few length buckets chosen from the data (data/buckets.py) and
               compiled while training runs (compile_in_background) or before the first
-              step; `length_buckets=0` pads to max_seq_length;
+              step; a batch's examples from one bucket, or any (group_by_length=False);
+              `length_buckets=0` pads to max_seq_length;
   evaluation  the dev sets at the end of every epoch, batched within buckets as well;
               the best epoch's params kept in <run>/best (keep_best);
   a finished run  writes the test predictions and <run>/results.json, and keeps its params in
@@ -142,15 +143,17 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
   """The compiled sequence lengths: chosen from the training lengths alone, so that the
   training batches do not depend on the dev or test files (a longer dev or test example gets
   a length of its own for evaluation: eval_lengths); (max_seq_length,) when
-  config.length_buckets is 0. Stored in the run
-  directory with the settings that chose them: a resumed run with the same bucket settings
-  (length_buckets, bucket_multiple, bucket_compile_seconds, bucket_flops_per_second) keeps
-  them (they shape the epoch's batches), whatever dev or test files changed. A change of a
+  config.length_buckets is 0. Random batches (group_by_length False) choose them from their
+  longest examples (data/buckets.py). Stored in the run directory with the settings that chose them: a resumed run with the same bucket settings
+  (length_buckets, group_by_length, bucket_multiple, bucket_compile_seconds,
+  bucket_flops_per_second) keeps them (they shape the epoch's batches), whatever dev or test
+  files changed. A change of a
   setting takes effect at an epoch's start; in mid-epoch it is an error (the rest of the
   epoch would be drawn from another plan). A checksum of the training examples is stored
   beside them: a resume whose training examples differ (the file, its tokenization, tfds's
   copy changed) is an error (it would train on other batches without a word)."""
   settings = {'length_buckets': int(config.length_buckets),
+              'group_by_length': bool(config.group_by_length),
               'bucket_multiple': int(config.bucket_multiple),
               'bucket_compile_seconds': float(config.bucket_compile_seconds),
               'bucket_flops_per_second': float(config.bucket_flops_per_second)}
@@ -182,7 +185,9 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
     chosen = (config.max_seq_length,)
   else:
     chosen = stored if kept else _choose_buckets(config, task)
-  if mid_epoch and stored is not None and chosen != stored:
+  grouped = (stored_settings or {}).get('group_by_length', True)  # (older runs: grouped)
+  if mid_epoch and stored is not None and (chosen != stored or (
+      len(stored) > 1 and grouped != settings['group_by_length'])):
     raise ValueError(f'this run stopped in mid-epoch with length buckets {list(stored)}'
                      f'{f" ({stored_settings})" if stored_settings else ""}; resume with '
                      f'the bucket settings as they were, and change them once the epoch is '
@@ -238,18 +243,23 @@ def _choose_buckets(config, task) -> Tuple[int, ...]:
   per_token, tokens_per_compile = (compile_cost_in_tokens(config, task.flops_per_example)
                                    if config.bucket_compile_seconds else (0.0, 0.0))
   epochs = config.num_epochs
-  chosen = buckets_lib.choose_lengths(lengths, config.length_buckets, config.bucket_multiple,
-                                      config.max_seq_length, epochs=epochs,
-                                      tokens_per_compile=tokens_per_compile)
-  padded = buckets_lib.padded_tokens(lengths, chosen) * epochs
+  if config.group_by_length:  # each example padded to its bucket, every epoch
+    longest, sample, repeats = None, lengths, epochs
+  else:  # each random batch padded to fit its longest: the run's batches, batch_size rows each
+    longest = buckets_lib.batch_longest(lengths, config.batch_size, config.seed, epochs)
+    sample, repeats = longest, config.batch_size
+  chosen = buckets_lib.choose_lengths(sample, config.length_buckets, config.bucket_multiple,
+                                      config.max_seq_length, cover=int(lengths.max(initial=0)),
+                                      repeats=repeats, tokens_per_compile=tokens_per_compile)
+  padded = buckets_lib.padded_tokens(sample, chosen) * repeats
   logging.info('%s. Chosen for %d epoch%s: %.3g padded tokens (~%.0f s of training at ~%.2g s '
                'a token) against ~%g s of compiling each length (config.length_buckets=%d '
                'lengths at most, 0: every batch padded to max_seq_length; '
-               'config.bucket_compile_seconds=0 pads least)',
-               buckets_lib.describe(lengths, chosen, config.max_seq_length), epochs,
+               'config.bucket_compile_seconds=0 pads least; config.group_by_length=%s)',
+               buckets_lib.describe(lengths, chosen, config.max_seq_length, longest), epochs,
                's' if epochs != 1 else '', padded,
                padded * per_token, per_token, config.bucket_compile_seconds,
-               config.length_buckets)
+               config.length_buckets, config.group_by_length)
   return chosen
 
 
@@ -687,14 +697,16 @@ class FinetuneTask(trainer.Task, abc.ABC):
     """The bucket lengths in the order the run's next steps need them."""
     spe, start = self.steps_per_epoch, self.__start_step
     plan = buckets_lib.train_batches(self.lengths, self.buckets, self.config.batch_size,
-                                     self.config.seed, start // spe)
+                                     self.config.seed, start // spe,
+                                     self.config.group_by_length)
     order = [length for length, _ in plan[start % spe:]] + list(self.buckets)
     return list(dict.fromkeys(order))
 
   def batches(self, start_step: int):
     spe, bs = self.steps_per_epoch, self.config.batch_size
     for epoch in range(start_step // spe, self.config.num_epochs):
-      plan = buckets_lib.train_batches(self.lengths, self.buckets, bs, self.config.seed, epoch)
+      plan = buckets_lib.train_batches(self.lengths, self.buckets, bs, self.config.seed, epoch,
+                                       self.config.group_by_length)
       for i in range(start_step - epoch * spe if epoch == start_step // spe else 0, spe):
         length, idx = plan[i]
         cost = trainer.StepCost(examples=len(idx), length=length,

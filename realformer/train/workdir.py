@@ -72,7 +72,8 @@ RESUMABLE = (
     'compile_in_background',
     # how later batches are padded (a resumed run refuses a change in mid-epoch: the epoch's
     # batches are already drawn; finetune/task.length_buckets)
-    'length_buckets', 'bucket_multiple', 'bucket_compile_seconds', 'bucket_flops_per_second',
+    'length_buckets', 'group_by_length', 'bucket_multiple', 'bucket_compile_seconds',
+    'bucket_flops_per_second',
 )
 
 
@@ -321,7 +322,8 @@ ADDED_DEFAULTS = {'optimizer.name': 'adamw', 'model.gelu': 'erf', 'objective': '
 ADDED_FINETUNE_DEFAULTS = {'model.dtype': '', 'model.residual_dtype': '',
                            'model.dropout_rate': None, 'model.attention_dropout_rate': None,
                            'model.remat_policy': '', 'model.fused_attention': '',
-                           'model.dense_impl': '', 'model.scan_layers': None}
+                           'model.dense_impl': '', 'model.scan_layers': None,
+                           'group_by_length': True}
 
 
 def stored_config(path: str):

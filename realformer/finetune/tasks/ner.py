@@ -45,12 +45,13 @@ class NerTask(FinetuneTask):
   @classmethod
   def configure(cls, config: ml_collections.ConfigDict, name: str) -> None:
     """transformers' run_ner settings: lr 5e-5, 3 epochs, batch 32, 128 pieces, and its
-    random batches: length buckets off (BENCHMARKS.md, "NER against transformers": batches
-    of one bucket's sentences cost about 0.05 dev F1 against random ones, 3 seeds of each;
-    --config.length_buckets=5 trains about 2x faster on a CPU at that cost)."""
+    random batches (BENCHMARKS.md, "NER against transformers": batches of one bucket's
+    sentences cost about 0.05 dev F1 against random ones, 3 seeds of each), each padded to
+    the shortest of a few lengths that holds its longest sentence, as transformers pads a
+    batch to its longest (--config.group_by_length=True pads least, at that cost)."""
     del name  # any name: conll2003, or data of one's own
     config.optimizer.learning_rate = 5e-5
-    config.length_buckets = 0
+    config.group_by_length = False
     config.ner = ml_collections.ConfigDict({'labels': ','.join(conll.CONLL2003_LABELS)})
 
   @classmethod
