@@ -48,7 +48,8 @@ def choose_lengths(lengths: Sequence[int], num_buckets: int, multiple: int,
                    max_seq_length: int, cover: int = 0, repeats: float = 1.0,
                    tokens_per_compile: float = 0.0) -> Tuple[int, ...]:
   """The bucket lengths that cost the run least: `repeats` x the padded tokens of `lengths`
-  (the run's epochs; batch_size for random batches' longest examples, batch_longest), plus `tokens_per_compile` for every length (a length is one more compilation; its cost is
+  (the run's epochs; batch_size for random batches' longest examples, batch_longest), plus
+  `tokens_per_compile` for every length (a length is one more compilation; its cost is
   stated as the padded tokens the run would process in the same time: plan_cost). With
   tokens_per_compile 0: the lengths that pad least.
 

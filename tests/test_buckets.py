@@ -108,32 +108,39 @@ def test_random_batches_are_the_shuffled_epochs_each_padded_to_fit_its_longest()
       'about 56% of them real')
 
 
-@pytest.mark.parametrize('seed', range(3))
-def test_random_batches_lengths_pad_the_runs_batches_least(seed, tmp_path):
-  """With group_by_length=False the plan's lengths are the ones that pad the run's own
-  batches least (every epoch's, each at its longest example's bucket): brute force over every
-  choice."""
+@pytest.mark.parametrize('seed,compile_tokens', [(0, 0), (1, 0), (2, 0), (0, 300), (1, 300)])
+def test_random_batches_lengths_cost_the_run_least(seed, compile_tokens, tmp_path):
+  """With group_by_length=False the plan's lengths are the ones that cost the run least: the
+  padded tokens of its own batches (every epoch's, each batch_size rows at its longest
+  example's bucket) plus each length's compilation, stated in padded tokens
+  (compile_cost_in_tokens): brute force over every choice."""
   rng = np.random.default_rng(seed)
   lengths = rng.integers(3, 95, size=rng.integers(20, 80))
   features = {'attention_mask': (np.arange(96) < lengths[:, None]).astype(np.int32)}
-  task = types.SimpleNamespace(train=features, eval_features=lambda: [features])
+  task = types.SimpleNamespace(train=features, eval_features=lambda: [features],
+                               flops_per_example=lambda length: 1.0 * length)
   config = ml_collections.ConfigDict(
       {'length_buckets': 3, 'group_by_length': False, 'bucket_multiple': 8,
        'max_seq_length': 96, 'num_epochs': 2, 'batch_size': 4, 'seed': seed,
-       'bucket_compile_seconds': 0.0, 'bucket_flops_per_second': 0.0})
+       'bucket_compile_seconds': float(compile_tokens), 'bucket_flops_per_second': 1.0})
+  assert finetune_task.compile_cost_in_tokens(config, task.flops_per_example)[1] == \
+      compile_tokens  # (a padded token costs a second at one FLOP a second)
   chosen = finetune_task.length_buckets(config, task, RunDir(tmp_path), resuming=False)
-  cost = lambda lengths_: sum(length for epoch in range(2) for length, _ in buckets.train_batches(
-      lengths, lengths_, 4, seed, epoch, by_length=False))
-  top = -(-int(lengths.max()) // 8) * 8
+  cost = lambda buckets_: compile_tokens * len(buckets_) + sum(
+      4 * length for epoch in range(2) for length, _ in buckets.train_batches(
+          lengths, buckets_, 4, seed, epoch, by_length=False))
+  longest = buckets.batch_longest(lengths, 4, seed, 2)
+  top = -(-int(longest.max()) // 8) * 8  # (an example in no batch needs no length)
   assert chosen[-1] == top and len(chosen) <= 3
   grid = list(range(8, top, 8))
   assert cost(chosen) == min(cost(tuple(rest) + (top,)) for r in range(3)
                              for rest in itertools.combinations(grid, r))
-  (tmp_path / 'grouped').mkdir()
-  grouped = finetune_task.length_buckets(
-      ml_collections.ConfigDict(dict(config.to_dict(), group_by_length=True)), task,
-      RunDir(tmp_path / 'grouped'), resuming=False)
-  assert cost(chosen) <= cost(grouped)
+  if not compile_tokens:
+    (tmp_path / 'grouped').mkdir()
+    grouped = finetune_task.length_buckets(
+        ml_collections.ConfigDict(dict(config.to_dict(), group_by_length=True)), task,
+        RunDir(tmp_path / 'grouped'), resuming=False)
+    assert cost(chosen) <= cost(grouped)
 
 
 def test_evaluation_batches_cover_every_example_once():

@@ -674,17 +674,28 @@ def test_changed_bucket_settings_apply_at_an_epoch_start_and_are_refused_mid_epo
     json.dump({'lengths': [128], 'settings': dict(settings, length_buckets=0)}, f)
   assert finetune_task.length_buckets(config(5, 8), task, workdir, resuming=True) == first
   # The batches' composition (group_by_length) is part of the plan: random batches choose
-  # their own lengths at an epoch's start; a change in mid-epoch is refused, and so is one
-  # from a file of before the setting (its batches were grouped), even where the lengths
-  # chosen would be the same.
+  # their own lengths at an epoch's start. In mid-epoch a change that would change the
+  # epoch's batches is refused (grouped of several lengths to random or back, from a file of
+  # before the setting too: its batches were grouped), even where the lengths chosen would be
+  # the same; random batches are the same whatever lengths pad them (and grouped ones of one
+  # length are those), so a change of their lengths is taken.
   random = finetune_task.length_buckets(config(5, 8, False), task, workdir, resuming=True)
-  assert random != first and len(random) <= 5
-  for stored in (settings, {k: v for k, v in settings.items() if k != 'group_by_length'}):
+  assert random != first and len(random) > 1
+  def resumed(stored_lengths, stored_settings, new_config):
     with open(tmp_path / RunDir.LENGTH_BUCKETS, 'w') as f:
-      json.dump({'lengths': list(random), 'settings': stored}, f)
+      json.dump({'lengths': list(stored_lengths), 'settings': stored_settings}, f)
+    return finetune_task.length_buckets(new_config, task, workdir, True, mid_epoch=True)
+  randomly = dict(settings, group_by_length=False)
+  for stored in (settings, {k: v for k, v in settings.items() if k != 'group_by_length'}):
     with pytest.raises(ValueError, match='resume with the bucket settings as they were'):
       with mock.patch.object(finetune_task, '_choose_buckets', return_value=random):
-        finetune_task.length_buckets(config(5, 8, False), task, workdir, True, mid_epoch=True)
+        resumed(random, stored, config(5, 8, False))
+  with pytest.raises(ValueError, match='resume with the bucket settings as they were'):
+    resumed(random, randomly, config(5, 8, True))
+  assert resumed([128], settings, config(5, 8, False)) == random
+  assert resumed(random, randomly, config(5, 8, False)) == random  # kept
+  assert resumed(random, randomly, config(2, 32, False)) not in (random, first)
+  assert resumed(random, randomly, config(0, 8, False)) == (128,)
 
 
 def _marker_task(root, seed=0, sizes=(('train', 320), ('dev', 200))):

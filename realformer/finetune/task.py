@@ -144,14 +144,15 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
   training batches do not depend on the dev or test files (a longer dev or test example gets
   a length of its own for evaluation: eval_lengths); (max_seq_length,) when
   config.length_buckets is 0. Random batches (group_by_length False) choose them from their
-  longest examples (data/buckets.py). Stored in the run directory with the settings that chose them: a resumed run with the same bucket settings
-  (length_buckets, group_by_length, bucket_multiple, bucket_compile_seconds,
-  bucket_flops_per_second) keeps them (they shape the epoch's batches), whatever dev or test
-  files changed. A change of a
-  setting takes effect at an epoch's start; in mid-epoch it is an error (the rest of the
-  epoch would be drawn from another plan). A checksum of the training examples is stored
-  beside them: a resume whose training examples differ (the file, its tokenization, tfds's
-  copy changed) is an error (it would train on other batches without a word)."""
+  own longest examples (data/buckets.py). Stored in the run directory with the settings that
+  chose them: a resumed run with the same bucket settings (length_buckets, group_by_length,
+  bucket_multiple, bucket_compile_seconds, bucket_flops_per_second) keeps them, whatever dev
+  or test files changed. A change of a setting takes effect at an epoch's start; in
+  mid-epoch it is an error where it would change the epoch's batches (grouped batches are
+  drawn from their buckets; random batches are the same whatever lengths pad them, so only
+  their padding changes). A checksum of the training examples is stored beside them: a
+  resume whose training examples differ (the file, its tokenization, tfds's copy changed) is
+  an error (it would train on other batches without a word)."""
   settings = {'length_buckets': int(config.length_buckets),
               'group_by_length': bool(config.group_by_length),
               'bucket_multiple': int(config.bucket_multiple),
@@ -185,9 +186,9 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
     chosen = (config.max_seq_length,)
   else:
     chosen = stored if kept else _choose_buckets(config, task)
-  grouped = (stored_settings or {}).get('group_by_length', True)  # (older runs: grouped)
-  if mid_epoch and stored is not None and (chosen != stored or (
-      len(stored) > 1 and grouped != settings['group_by_length'])):
+  stored_grouped = (stored_settings or {}).get('group_by_length', True)  # (older: grouped)
+  if mid_epoch and stored is not None and (_plan_of(stored, stored_grouped) !=
+                                           _plan_of(chosen, settings['group_by_length'])):
     raise ValueError(f'this run stopped in mid-epoch with length buckets {list(stored)}'
                      f'{f" ({stored_settings})" if stored_settings else ""}; resume with '
                      f'the bucket settings as they were, and change them once the epoch is '
@@ -196,6 +197,13 @@ def length_buckets(config, task, run: RunDir, resuming: bool,
       'lengths': list(chosen), 'settings': stored_settings if kept else settings,
       'train_digest': train_digest})
   return chosen
+
+
+def _plan_of(lengths: Tuple[int, ...], grouped: bool):
+  """What decides an epoch's batches (data/buckets.train_batches): random batches are the
+  same whatever lengths pad them, and grouped ones of a single length are those; grouped
+  ones of several are drawn from their lengths."""
+  return ('grouped', tuple(lengths)) if grouped and len(lengths) > 1 else 'random'
 
 
 def _longest_eval(task) -> int:
@@ -247,10 +255,10 @@ def _choose_buckets(config, task) -> Tuple[int, ...]:
     longest, sample, repeats = None, lengths, epochs
   else:  # each random batch padded to fit its longest: the run's batches, batch_size rows each
     longest = buckets_lib.batch_longest(lengths, config.batch_size, config.seed, epochs)
-    sample, repeats = longest, config.batch_size
+    sample, repeats = longest, config.batch_size  # (an example in no batch needs no length)
   chosen = buckets_lib.choose_lengths(sample, config.length_buckets, config.bucket_multiple,
-                                      config.max_seq_length, cover=int(lengths.max(initial=0)),
-                                      repeats=repeats, tokens_per_compile=tokens_per_compile)
+                                      config.max_seq_length, repeats=repeats,
+                                      tokens_per_compile=tokens_per_compile)
   padded = buckets_lib.padded_tokens(sample, chosen) * repeats
   logging.info('%s. Chosen for %d epoch%s: %.3g padded tokens (~%.0f s of training at ~%.2g s '
                'a token) against ~%g s of compiling each length (config.length_buckets=%d '
