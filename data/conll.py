@@ -12,7 +12,11 @@ Features (BERT's practice, Devlin et al. 2019 section 5.3, and transformers' run
 word is tokenised alone, [CLS] pieces [SEP], the word's tag is the label of its first piece
 and the other pieces (and [CLS], [SEP], padding) are labelled IGNORE; a sentence whose pieces
 do not fit max_seq_length keeps those that do, and its words without a piece among them are
-predicted O and scored so.
+predicted O and scored so. With document context (the paper's "maximal document context
+provided by the data"), the rest of a sentence's sequence is filled with the pieces of its
+document's sentences around it, as many before as after where the document has them, and
+only the sentence's own words are labelled (and predicted): each sentence is still one
+example.
 """
 
 import dataclasses
@@ -38,6 +42,7 @@ class Sentence:
   words: List[str]
   tags: List[str]
   line: int = 0  # the line of its first word in its file (for errors)
+  document: int = 0  # the -DOCSTART- lines before it in its file
 
 
 def split_file(data_dir: str, split: str) -> str:
@@ -57,9 +62,10 @@ def split_file(data_dir: str, split: str) -> str:
 
 
 def read(path: str) -> List[Sentence]:
-  """The sentences of a CoNLL file; ValueError naming the file and line for a line of one
-  column, and for a file without a sentence."""
-  sentences, words, tags, first = [], [], [], 0
+  """The sentences of a CoNLL file, each with its document (the -DOCSTART- lines before it:
+  a file without them is one document); ValueError naming the file and line for a line of
+  one column, and for a file without a sentence."""
+  sentences, words, tags, first, document = [], [], [], 0, 0
   try:
     text = storage.path(path).read_bytes().decode('utf-8-sig')  # (a byte-order mark: none)
   except UnicodeDecodeError as e:
@@ -70,8 +76,9 @@ def read(path: str) -> List[Sentence]:
     columns = line.split()
     if not columns or columns[0] == '-DOCSTART-':
       if words:
-        sentences.append(Sentence(words, tags, first))
+        sentences.append(Sentence(words, tags, first, document))
         words, tags = [], []
+      document += bool(columns)
       continue
     if not words:
       first = number
@@ -81,7 +88,7 @@ def read(path: str) -> List[Sentence]:
     words.append(columns[0])
     tags.append(columns[-1])
   if words:
-    sentences.append(Sentence(words, tags, first))
+    sentences.append(Sentence(words, tags, first, document))
   if not sentences:
     raise ValueError(f'{path} holds no sentence (a word and its tag per line, a blank line '
                      'after each sentence); is it a CoNLL file?')
@@ -122,31 +129,57 @@ def label_ids(sentences: Sequence[Sentence], labels: Sequence[str], path: str
 
 
 def featurize(sentences: Sequence[Sentence], ids: Sequence[Sequence[int]], tokenizer,
-              max_seq_length: int) -> Tuple[Dict[str, np.ndarray], List[np.ndarray], int]:
+              max_seq_length: int, document_context: bool = False
+              ) -> Tuple[Dict[str, np.ndarray], List[np.ndarray], int]:
   """(features: input_ids, segment_ids, attention_mask and labels [N, max_seq_length], each
   word's tag id at its first piece and IGNORE elsewhere; for each sentence, its words that
   are labelled as [K, 2] rows (first-piece position, word index); the number of words left
   without a position: cut off by max_seq_length, or given no piece by the tokenizer (a
-  control character alone), each predicted O)."""
+  control character alone), each predicted O). `document_context`: the sequence around a
+  sentence's pieces filled with its document's (context_pieces)."""
   n = len(sentences)
   input_ids = np.full((n, max_seq_length), tokenizer.pad_id, np.int32)
   mask = np.zeros((n, max_seq_length), np.int32)
   labels = np.full((n, max_seq_length), IGNORE, np.int32)
   placed, unplaced = [], 0
+  encoded = [tokenizer.encode_words(s.words) for s in sentences]
+  kept = max_seq_length - 2  # (a word whose first piece fits keeps its label)
   for i, (s, tag_ids) in enumerate(zip(sentences, ids)):
-    pieces, word_of = tokenizer.encode_words(s.words)
-    kept = max_seq_length - 2  # (a word whose first piece fits keeps its label)
-    pieces, word_of = pieces[:kept], word_of[:kept]
-    tokens = [tokenizer.cls_id, *pieces, tokenizer.sep_id]
+    pieces, word_of = encoded[i][0][:kept], encoded[i][1][:kept]
+    before, after = (context_pieces(sentences, encoded, i, kept - len(pieces))
+                     if document_context else ([], []))
+    tokens = [tokenizer.cls_id, *before, *pieces, *after, tokenizer.sep_id]
     input_ids[i, :len(tokens)] = tokens
     mask[i, :len(tokens)] = 1
-    rows = np.asarray([(p + 1, w) for p, w in enumerate(word_of)
+    rows = np.asarray([(1 + len(before) + p, w) for p, w in enumerate(word_of)
                        if p == 0 or w != word_of[p - 1]], np.int64).reshape(-1, 2)
     labels[i, rows[:, 0]] = np.asarray(tag_ids, np.int32)[rows[:, 1]]
     placed.append(rows)
     unplaced += len(s.words) - len(rows)
   return ({'input_ids': input_ids, 'segment_ids': np.zeros_like(input_ids),
            'attention_mask': mask, 'labels': labels}, placed, unplaced)
+
+
+def context_pieces(sentences: Sequence[Sentence], encoded: Sequence[Tuple[List[int], list]],
+                   i: int, room: int) -> Tuple[List[int], List[int]]:
+  """The pieces of sentence i's document around it that fill `room` positions: those just
+  before it and just after it, half the room each, and the rest of either side's share to
+  the other where one side of the document runs out (a context piece may be a word's
+  middle: it is not labelled)."""
+  document = sentences[i].document
+  def side(order):  # the document's sentences in `order`, until they hold `room` pieces
+    out, count = [], 0
+    for j in order:
+      if sentences[j].document != document or count >= room:
+        break
+      out.append(encoded[j][0])
+      count += len(encoded[j][0])
+    return out
+  left = [p for pieces in reversed(side(range(i - 1, -1, -1))) for p in pieces]
+  right = [p for pieces in side(range(i + 1, len(sentences))) for p in pieces]
+  take_left = min(len(left), max(room // 2, room - len(right)))
+  take_right = min(len(right), room - take_left)
+  return left[len(left) - take_left:], right[:take_right]
 
 
 def word_tags(logits: np.ndarray, placed: Sequence[np.ndarray],

@@ -150,6 +150,46 @@ def _write_split(path, n, rng):
   path.write_text('-DOCSTART- O\n\n' + '\n'.join(lines) + '\n')
 
 
+def test_document_context_fills_each_sequence_from_the_sentences_around_it(tmp_path):
+  """ner.document_context: a sentence's sequence is a stretch of its document's pieces (never
+  another document's) holding all its own that fit, as long as max_seq_length or the
+  document allows, as much before it as after where the document has them; its own words
+  alone labelled, as without context."""
+  rng = np.random.default_rng(1)
+  for name, n in (('a.txt', 7), ('b.txt', 2)):
+    _write_split(tmp_path / name, n, rng)
+  path = tmp_path / 'train.txt'
+  path.write_text((tmp_path / 'a.txt').read_text() + (tmp_path / 'b.txt').read_text())
+  sentences = conll.read(str(path))
+  assert [s.document for s in sentences] == [1] * 7 + [2] * 2
+  tokenizer, labels = _tokenizer(), conll.CONLL2003_LABELS
+  ids = conll.label_ids(sentences, labels, str(path))
+  encoded = [tokenizer.encode_words(s.words)[0] for s in sentences]
+  for max_len in (12, 40, 400):
+    alone, placed_alone, cut_alone = conll.featurize(sentences, ids, tokenizer, max_len)
+    ctx, placed, cut = conll.featurize(sentences, ids, tokenizer, max_len,
+                                       document_context=True)
+    assert cut == cut_alone
+    for i, s in enumerate(sentences):
+      same = [j for j in range(len(sentences)) if sentences[j].document == s.document]
+      stream = [p for j in same for p in encoded[j]]
+      start = sum(len(encoded[j]) for j in same if j < i)
+      own = min(len(encoded[i]), max_len - 2)
+      room, after = max_len - 2 - own, len(stream) - start - len(encoded[i])
+      n = int(ctx['attention_mask'][i].sum()) - 2
+      assert n == own + min(room, len(stream) - len(encoded[i]))
+      assert ctx['input_ids'][i, 0] == tokenizer.cls_id
+      assert ctx['input_ids'][i, n + 1] == tokenizer.sep_id
+      left = min(start, max(room // 2, room - after))
+      assert list(ctx['input_ids'][i, 1:n + 1]) == stream[start - left:start - left + n]
+      np.testing.assert_array_equal(placed[i], placed_alone[i] + [left, 0])
+      assert (ctx['labels'][i][ctx['labels'][i] != conll.IGNORE].tolist() ==
+              alone['labels'][i][alone['labels'][i] != conll.IGNORE].tolist())
+    if max_len == 400:  # the whole document (b's two sentences share theirs)
+      assert (ctx['attention_mask'].sum(1) - 2).tolist() == [
+          sum(len(encoded[j]) for j in range(7))] * 7 + [len(encoded[7]) + len(encoded[8])] * 2
+
+
 @pytest.fixture(scope='module')
 def ner_data(tmp_path_factory):
   root = tmp_path_factory.mktemp('ner')
@@ -183,6 +223,7 @@ def test_ner_fine_tunes_scores_and_writes_conlleval_files(ner_data, tmp_path):
   assert len(plan['lengths']) == 2 and plan['settings']['group_by_length'] is False, plan
   default = finetune_configs.get_config('ner/x')
   assert not default.group_by_length and default.length_buckets == 5
+  assert not default.ner.document_context
   # Dev picks best/; the test set (its tags public, as CoNLL-2003's) is scored beside it
   # under its own split.
   assert set(summary['dev']) == set(summary['test']) == {'conll2003'}
@@ -220,6 +261,14 @@ def test_ner_fine_tunes_scores_and_writes_conlleval_files(ner_data, tmp_path):
   assert labelled[by_length[:8]].sum() < labelled[by_length[-8:]].sum()
   assert task.totals(short)['words'] == task.totals(long_)['words'] == pytest.approx(
       8 * task.words_per_example)
+  # With document context the sentences' sequences hold their neighbours' pieces, and the
+  # same labels.
+  config.ner.document_context = True
+  with jax.set_mesh(mesh):
+    in_context = registry.get('ner')(config, mesh, RunDir(str(tmp_path / 'context')))
+  assert (in_context.train['labels'] != conll.IGNORE).sum() == labelled.sum()
+  assert (in_context.train['attention_mask'].sum() >
+          1.5 * task.train['attention_mask'].sum())
   final = checkpoints.read_pretraining_config(os.path.join(workdir, RunDir.FINAL))
   assert final['finetuned'] == {'kind': 'ner', 'task': 'conll2003', 'labels': [
       'O', 'B-PER', 'I-PER', 'B-LOC', 'I-LOC'], 'hf_architecture': 'BertForTokenClassification'}

@@ -323,7 +323,7 @@ ADDED_FINETUNE_DEFAULTS = {'model.dtype': '', 'model.residual_dtype': '',
                            'model.dropout_rate': None, 'model.attention_dropout_rate': None,
                            'model.remat_policy': '', 'model.fused_attention': '',
                            'model.dense_impl': '', 'model.scan_layers': None,
-                           'group_by_length': True}
+                           'group_by_length': True, 'ner.document_context': False}
 
 
 def stored_config(path: str):

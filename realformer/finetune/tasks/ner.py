@@ -4,12 +4,14 @@ format: a tag per word, read at the word's first piece (data/conll.py), the enti
 conlleval.pl, as a FinetuneTask.
 
 Data: config.data_dir holds train.txt, dev.txt and optionally test.txt (or their other names:
-valid.txt, or the original eng.train, eng.testa and eng.testb). Its own field: ner.labels, the
-tags in id order (BIO; CoNLL-2003's nine by default). The test set's tags are public, so it is
-scored beside dev at every evaluation (dev alone picks best/ and the grid's setting).
-The paper's CoNLL-2003 runs gave each sentence the context of its document; this kind
-fine-tunes on sentences alone, as transformers' run_ner does. Prediction files:
-predictions/dev.txt and test.txt, conlleval.pl's input (word, gold tag, predicted tag).
+valid.txt, or the original eng.train, eng.testa and eng.testb). Its own fields: ner.labels,
+the tags in id order (BIO; CoNLL-2003's nine by default), and ner.document_context: False
+fine-tunes on sentences alone, as transformers' run_ner does; True gives each sentence the
+rest of its sequence from its document's sentences around it (the documents that -DOCSTART-
+lines separate), as the paper's CoNLL-2003 runs did, its own words alone labelled. The test
+set's tags are public, so it is scored beside dev at every evaluation (dev alone picks best/
+and the grid's setting). Prediction files: predictions/dev.txt and test.txt, conlleval.pl's
+input (word, gold tag, predicted tag).
 """
 
 import collections
@@ -52,7 +54,8 @@ class NerTask(FinetuneTask):
     del name  # any name: conll2003, or data of one's own
     config.optimizer.learning_rate = 5e-5
     config.group_by_length = False
-    config.ner = ml_collections.ConfigDict({'labels': ','.join(conll.CONLL2003_LABELS)})
+    config.ner = ml_collections.ConfigDict({'labels': ','.join(conll.CONLL2003_LABELS),
+                                            'document_context': False})
 
   @classmethod
   def names(cls) -> Tuple[str, ...]:
@@ -85,11 +88,12 @@ class NerTask(FinetuneTask):
       sentences = conll.read(path)
       ids = conll.label_ids(sentences, self.labels, path)
       entities = collections.Counter(c[0] for s in sentences for c in conll.chunks(s.tags))
-      logging.info('%s: %s, %d sentences, %d words; entities %s', split, path, len(sentences),
+      logging.info('%s: %s, %d sentences in %d documents, %d words; entities %s', split, path,
+                   len(sentences), len({s.document for s in sentences}),
                    sum(len(s.words) for s in sentences),
                    ', '.join(f'{k} {n}' for k, n in sorted(entities.items())) or 'none')
-      features, placed, unplaced = conll.featurize(sentences, ids, tokenizer,
-                                                   config.max_seq_length)
+      features, placed, unplaced = conll.featurize(
+          sentences, ids, tokenizer, config.max_seq_length, config.ner.document_context)
       if unplaced:
         logging.warning('%d words of %s have no piece within max_seq_length=%d (cut off, or '
                         'characters the tokenizer drops): %s (raise config.max_seq_length)',
