@@ -43,7 +43,8 @@ Named-entity recognition (`ner/conll2003`, or `ner/<name>` with tags of your own
 config.ner.labels, BIO, in id order): data_dir holds train.txt, dev.txt and optionally
 test.txt (or the original eng.train, eng.testa, eng.testb) in CoNLL-2003's format
 (realformer/finetune/tasks/ner.py); lr 5e-5 as transformers' run_ner; sentences alone, or
-with their document's around them (config.ner.document_context=True, as the BERT paper).
+with their document's around them (config.ner.document_context=True, as the BERT paper:
+every sequence about max_seq_length long, several times the compute).
 """
 
 import ml_collections

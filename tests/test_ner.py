@@ -190,6 +190,40 @@ def test_document_context_fills_each_sequence_from_the_sentences_around_it(tmp_p
           sum(len(encoded[j]) for j in range(7))] * 7 + [len(encoded[7]) + len(encoded[8])] * 2
 
 
+class _OnePiecePerWord:
+  """A tokenizer whose piece of a word is the number the word is (ids 0-2 special)."""
+  pad_id, cls_id, sep_id = 0, 1, 2
+
+  def encode_words(self, words):
+    return [int(w) for w in words], list(range(len(words)))
+
+
+def test_document_context_by_hand(tmp_path):
+  """The context's split counted by hand; documents as -DOCSTART- lines separate them (none
+  before the first; two in a row; a file without any is one document)."""
+  path = tmp_path / 'train.txt'
+  words = lambda first, n: ''.join(f'{w} O\n' for w in range(first, first + n)) + '\n'
+  path.write_text(words(90, 2) + '-DOCSTART- O\n\n' + words(10, 10) + words(20, 3) +
+                  words(30, 10) + '-DOCSTART- O\n-DOCSTART- O\n' + words(40, 3))
+  sentences = conll.read(str(path))
+  documents = [s.document for s in sentences]
+  assert documents[0] != documents[1] == documents[2] == documents[3] != documents[4]
+  ids = [[0] * len(s.words) for s in sentences]
+  features = lambda n: conll.featurize(sentences, ids, _OnePiecePerWord(), n,
+                                       document_context=True)[0]['input_ids'].tolist()
+  # 12 positions: the middle sentence's 3 pieces leave 7, 3 before it and 4 after; the last
+  # sentence of 10 leaves none; another document's sentences are never context.
+  assert features(12)[2] == [1, 17, 18, 19, 20, 21, 22, 30, 31, 32, 33, 2]
+  assert features(12)[3] == [1, *range(30, 40), 2]
+  assert features(12)[4] == [1, 40, 41, 42, 2] + [0] * 7
+  # 20 positions: the last sentence's 8 all before it (nothing after), the first's all after.
+  assert features(20)[3] == [1, *range(15, 20), 20, 21, 22, *range(30, 40), 2]
+  assert features(20)[1] == [1, *range(10, 20), 20, 21, 22, 30, 31, 32, 33, 34, 2]
+  assert features(20)[0] == [1, 90, 91, 2] + [0] * 16
+  path.write_text(words(10, 2) + words(20, 2))
+  assert [s.document for s in conll.read(str(path))] == [0, 0]  # (no -DOCSTART-: one)
+
+
 @pytest.fixture(scope='module')
 def ner_data(tmp_path_factory):
   root = tmp_path_factory.mktemp('ner')

@@ -92,6 +92,11 @@ class NerTask(FinetuneTask):
                    len(sentences), len({s.document for s in sentences}),
                    sum(len(s.words) for s in sentences),
                    ', '.join(f'{k} {n}' for k, n in sorted(entities.items())) or 'none')
+      if config.ner.document_context and len({s.document for s in sentences}) == 1 < len(
+          sentences):
+        logging.warning('%s holds no -DOCSTART- line between its sentences: with '
+                        'config.ner.document_context the whole file is one document, and a '
+                        'sentence\'s context is whatever sentences stand beside it', path)
       features, placed, unplaced = conll.featurize(
           sentences, ids, tokenizer, config.max_seq_length, config.ner.document_context)
       if unplaced:
