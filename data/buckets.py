@@ -177,7 +177,7 @@ def describe(lengths: np.ndarray, buckets: Sequence[int], max_seq_length: int,
     what, fixed = 'random batches padded to length buckets', max_seq_length
     real = float(np.mean(lengths)) / max(padded, 1) if len(lengths) else 0.0
     about = 'about '
-    parts = ', '.join(f'{b} ({c} batches)' for b, c in zip(buckets, counts))
+    parts = ', '.join(f'{b} ({c} batch{"es" if c != 1 else ""})' for b, c in zip(buckets, counts))
   return (f'{what} {parts}: {len(buckets)} compiled '
           f'length{"s" if len(buckets) > 1 else ""}, whose batches hold '
           f'{padded / max(fixed, 1):.0%} of the tokens that padding every batch to '

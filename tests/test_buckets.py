@@ -103,7 +103,7 @@ def test_random_batches_are_the_shuffled_epochs_each_padded_to_fit_its_longest()
       for _, idx in buckets.train_batches(lengths, chosen, 8, 1, epoch, by_length=False))
   assert buckets.batch_longest(lengths[:5], 8, seed=1, epochs=2).shape == (0,)
   assert buckets.describe(np.array([3, 5, 9, 10]), (8, 16), 16, np.array([5, 10])) == (
-      'random batches padded to length buckets 8 (1 batches), 16 (1 batches): 2 compiled '
+      'random batches padded to length buckets 8 (1 batch), 16 (1 batch): 2 compiled '
       'lengths, whose batches hold 75% of the tokens that padding every batch to 16 would, '
       'about 56% of them real')
 

@@ -88,12 +88,12 @@ class NerTask(FinetuneTask):
       sentences = conll.read(path)
       ids = conll.label_ids(sentences, self.labels, path)
       entities = collections.Counter(c[0] for s in sentences for c in conll.chunks(s.tags))
-      logging.info('%s: %s, %d sentences in %d documents, %d words; entities %s', split, path,
-                   len(sentences), len({s.document for s in sentences}),
+      documents = len({s.document for s in sentences})
+      logging.info('%s: %s, %d sentences in %d document%s, %d words; entities %s', split,
+                   path, len(sentences), documents, 's' * (documents != 1),
                    sum(len(s.words) for s in sentences),
                    ', '.join(f'{k} {n}' for k, n in sorted(entities.items())) or 'none')
-      if config.ner.document_context and len({s.document for s in sentences}) == 1 < len(
-          sentences):
+      if config.ner.document_context and documents == 1 < len(sentences):
         logging.warning('%s holds no -DOCSTART- line between its sentences: with '
                         'config.ner.document_context the whole file is one document, and a '
                         'sentence\'s context is whatever sentences stand beside it', path)
