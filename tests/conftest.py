@@ -1,7 +1,8 @@
 """Test setup: 8 fake CPU devices (sharding tests) compiling at -O0, libtpu's compiles at
-XLA's lowest effort, the repository root on sys.path, a compilation cache for the run, shared
-by its workers and removed at its end, and a garbage collector that leaves the imports
-alone."""
+XLA's lowest effort, the repository root on sys.path, a compilation cache shared by the run's
+workers and kept for the next run on this machine (in pytest's cache folder), and a garbage
+collector that leaves the imports alone."""
+import contextlib
 import os
 import shutil
 import sys
@@ -72,19 +73,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # GPU code nor Triton's package: `import triton` fails here, and torch goes without it.
 sys.modules['triton'] = None
 
-# Every program compiled in the run (the tests' own, and those of the processes they start)
-# goes through one compilation cache in this run's folder (always fresh: it is never shared
-# with another machine, whose processor may differ), for both workers and their children: a
-# test that trains, stops and resumes, in this process or in children, or several tests
-# building the same tiny model, on either worker, compile each program once. The processes
-# that choose their own cache (train.py's --compilation_cache) still do; the others open it
-# through compile_cache.enable(), whose entries another process reads whole or not at all
-# (with jax's own class one worker could read the other's half-written entry, warn and
-# compile again), or through jax's variable. Programs that compile in under 0.1 s are not
-# written (writing every eager operation's too cost the children what it saved the workers).
-# (Assigned, not defaulted: a cache the user's shell names is not the run's.)
-os.environ['REALFORMER_COMPILATION_CACHE'] = os.path.join(RUN_FOLDER, 'programs')
-os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.1'
+# Programs that compile in under 0.1 s are not written to the compilation cache (pytest_configure
+# below; writing every eager operation's too cost the children what it saved the workers).
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 
 # Python's cyclic garbage collector: jax's objects (imported here), alive for the whole run,
 # are moved out of its view (gc.freeze), and it runs after 50,000 new container objects
@@ -94,7 +85,6 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.1'
 import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
 from realformer.train import compile_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
-os.environ['JAX_COMPILATION_CACHE_DIR'] = compile_cache.enable()
 gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
@@ -102,14 +92,70 @@ gc.set_threshold(50_000, 20, 20)
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
+# What the tests' compilation cache may hold on the disk between runs (pytest_configure trims it).
+KEPT_PROGRAMS_BYTES = 2 * 1024 ** 3
+
+
 def pytest_configure(config):
   """The run's id chosen here, where pytest-xdist's workers would have it chosen for them:
-  the main process then knows their folder. ml_collections' config_flags loads a config file
-  with importlib's deprecated load_module (its warning is the library's to fix)."""
-  if not hasattr(config, 'workerinput') and getattr(config.option, 'testrunuid', '') is None:
+  the main process then knows their folder. The run's compilation cache opened (before any
+  test compiles, and before its workers start: programs_folder). ml_collections' config_flags
+  loads a config file with importlib's deprecated load_module (its warning is the library's
+  to fix)."""
+  main = not hasattr(config, 'workerinput')
+  if main and getattr(config.option, 'testrunuid', '') is None:
     config.option.testrunuid = uuid.uuid4().hex
+  root = programs_folder(config)
+  if main:
+    trim(root, KEPT_PROGRAMS_BYTES)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = compile_cache.enable(root)
   config.addinivalue_line('filterwarnings',
                           r'ignore:the load_module\(\) method is deprecated:DeprecationWarning')
+
+
+def programs_folder(config) -> str:
+  """The compilation cache of every program compiled in the run: the tests' own, and those
+  of the processes they start, on both workers. A test that trains, stops and resumes, in
+  this process or in children, or several tests building the same tiny model, compile each
+  program once. The processes that choose their own cache (train.py's --compilation_cache)
+  still do; the others open it through compile_cache.enable(), whose entries another process
+  reads whole or not at all (with jax's own class one worker could read the other's
+  half-written entry, warn and compile again), or through jax's variable (set here).
+
+  It is pytest's cache folder's `xla` (.pytest_cache/d/xla, beside --lf's records), so the
+  next run on this machine loads what this one compiled: a program's key covers its
+  computation, XLA's flags and jax's version, and compile_cache's subfolder the processor
+  (programs compiled for another processor are never read). `--cache-clear` empties it
+  first; without pytest's cache (`-p no:cacheprovider`) the cache is the run's own, in its
+  temporary folder, and goes with it. (Assigned, not defaulted: a cache the user's shell
+  names is not the run's.)"""
+  cache = getattr(config, 'cache', None)
+  root = (os.fspath(cache.mkdir('xla')) if cache is not None
+          else os.path.join(RUN_FOLDER, 'programs'))
+  os.environ['REALFORMER_COMPILATION_CACHE'] = root
+  return root
+
+
+def trim(folder: str, limit: int) -> None:
+  """Removes the oldest files under a compilation cache folder (every machine's subfolder)
+  until it holds at most `limit` bytes: jax never rewrites an entry, so the oldest are those
+  of the oldest code."""
+  files = []
+  for parent, _, names in os.walk(folder):
+    for name in names:
+      path = os.path.join(parent, name)
+      try:
+        stat = os.stat(path)
+      except FileNotFoundError:  # (a temporary file another run's writer renamed)
+        continue
+      files.append((stat.st_mtime, stat.st_size, path))
+  total = sum(size for _, size, _ in files)
+  for _, size, path in sorted(files):
+    if total <= limit:
+      break
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
+    total -= size
 
 
 def pytest_unconfigure(config):
