@@ -329,3 +329,23 @@ def test_two_arm_processors_get_two_folders(tmp_path, monkeypatch):
   assert keys[0] != keys[1] and 'sve2' in keys[1]
   facts = compile_cache.machine_facts()
   assert len({compile_cache.fingerprint(dict(facts, isa=k)) for k in keys}) == 2
+
+
+def test_the_tests_cache_is_trimmed_oldest_first_on_every_machine(tmp_path):
+  """tests/conftest.py keeps the tests' compiled programs for the next run, within a budget:
+  the oldest files go first, whichever machine's subfolder holds them."""
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+  files = [('cpu-a', 'old-cache', 40), ('cpu-b', 'mid-cache', 30), ('cpu-a', 'new-cache', 20)]
+  for age, (sub, name, size) in enumerate(files):
+    (tmp_path / sub).mkdir(exist_ok=True)
+    path = tmp_path / sub / name
+    path.write_bytes(b'x' * size)
+    os.utime(path, (1000 + age, 1000 + age))
+  conftest.trim(str(tmp_path), 90)
+  kept = lambda: sorted(p.name for p in tmp_path.rglob('*-cache'))
+  assert kept() == ['mid-cache', 'new-cache', 'old-cache']
+  conftest.trim(str(tmp_path), 50)
+  assert kept() == ['mid-cache', 'new-cache']
+  conftest.trim(str(tmp_path), 20)
+  assert kept() == ['new-cache']
+  conftest.trim(str(tmp_path / 'missing'), 0)  # (a first run: no folder yet)
