@@ -106,7 +106,9 @@ def pytest_configure(config):
   if main and getattr(config.option, 'testrunuid', '') is None:
     config.option.testrunuid = uuid.uuid4().hex
   root = programs_folder(config)
-  if main:
+  if main and getattr(config, 'cache', None) is not None:
+    if config.getoption('cacheclear'):
+      shutil.rmtree(root, ignore_errors=True)
     trim(root, KEPT_PROGRAMS_BYTES)
   os.environ['JAX_COMPILATION_CACHE_DIR'] = compile_cache.enable(root)
   config.addinivalue_line('filterwarnings',
@@ -122,16 +124,20 @@ def programs_folder(config) -> str:
   reads whole or not at all (with jax's own class one worker could read the other's
   half-written entry, warn and compile again), or through jax's variable (set here).
 
-  It is pytest's cache folder's `xla` (.pytest_cache/d/xla, beside --lf's records), so the
+  It is `xla` in pytest's cache folder (.pytest_cache/xla, beside --lf's records), so the
   next run on this machine loads what this one compiled: a program's key covers its
   computation, XLA's flags and jax's version, and compile_cache's subfolder the processor
   (programs compiled for another processor are never read). `--cache-clear` empties it
-  first; without pytest's cache (`-p no:cacheprovider`) the cache is the run's own, in its
-  temporary folder, and goes with it. (Assigned, not defaulted: a cache the user's shell
-  names is not the run's.)"""
-  cache = getattr(config, 'cache', None)
-  root = (os.fspath(cache.mkdir('xla')) if cache is not None
-          else os.path.join(RUN_FOLDER, 'programs'))
+  first (pytest_configure, in the main process: outside pytest's own d/ and v/, which every
+  pytest-xdist worker clears again as it starts, when the other may be writing); without
+  pytest's cache (`-p no:cacheprovider`) the cache is the run's own, in its temporary
+  folder, and goes with it. (Assigned, not defaulted: a cache the user's shell names is not
+  the run's.)"""
+  if getattr(config, 'cache', None) is not None:
+    cache_dir = os.path.expanduser(os.path.expandvars(config.getini('cache_dir')))
+    root = os.fspath(config.rootpath / cache_dir / 'xla')  # (as pytest resolves it)
+  else:
+    root = os.path.join(RUN_FOLDER, 'programs')
   os.environ['REALFORMER_COMPILATION_CACHE'] = root
   return root
 
