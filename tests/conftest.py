@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 
 
@@ -73,8 +74,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # GPU code nor Triton's package: `import triton` fails here, and torch goes without it.
 sys.modules['triton'] = None
 
-# Programs that compile in under 0.1 s are not written to the compilation cache (pytest_configure
-# below; writing every eager operation's too cost the children what it saved the workers).
+# Every program is written to the compilation cache (programs_folder, below), however fast it
+# compiled: the next run on this machine loads the thousands of eager operations' programs too.
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 
 # Python's cyclic garbage collector: jax's objects (imported here), alive for the whole run,
@@ -82,9 +83,12 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 # instead of 700: tracing makes many short-lived ones, and collecting them every 700 cost
 # several percent of the suite. Reference counting still frees at once everything that is
 # not in a cycle.
-import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
-from realformer.train import compile_cache  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import gc
+import jax  # pylint: disable=unused-import
+from jax._src import compilation_cache as jax_compilation_cache
+from realformer.train import compile_cache
+# pylint: enable=g-import-not-at-top,wrong-import-position
 gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
@@ -94,6 +98,7 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # What the tests' compilation cache may hold on the disk between runs (pytest_configure trims it).
 KEPT_PROGRAMS_BYTES = 2 * 1024 ** 3
+CHECKED = '.checked'  # (trim's record of its last start)
 
 
 def pytest_configure(config):
@@ -110,6 +115,8 @@ def pytest_configure(config):
     if config.getoption('cacheclear'):
       shutil.rmtree(root, ignore_errors=True)
     trim(root, KEPT_PROGRAMS_BYTES)
+    # (pytest's own files in its folder, CACHEDIR.TAG among them, come with its first record)
+    config.cache.set('realformer/compilation_cache', root)
   os.environ['JAX_COMPILATION_CACHE_DIR'] = compile_cache.enable(root)
   config.addinivalue_line('filterwarnings',
                           r'ignore:the load_module\(\) method is deprecated:DeprecationWarning')
@@ -129,12 +136,13 @@ def programs_folder(config) -> str:
   computation, XLA's flags and jax's version, and compile_cache's subfolder the processor
   (programs compiled for another processor are never read). `--cache-clear` empties it
   first (pytest_configure, in the main process: outside pytest's own d/ and v/, which every
-  pytest-xdist worker clears again as it starts, when the other may be writing); without
-  pytest's cache (`-p no:cacheprovider`) the cache is the run's own, in its temporary
-  folder, and goes with it. (Assigned, not defaulted: a cache the user's shell names is not
-  the run's.)"""
+  pytest-xdist worker clears again as it starts, when the other may be writing); two runs
+  at once in one checkout share it, so one's --cache-clear there costs the other warnings
+  of entries it could not write. Without pytest's cache (`-p no:cacheprovider`) the cache
+  is the run's own, in its temporary folder, and goes with it. (Assigned, not defaulted: a
+  cache the user's shell names is not the run's.)"""
   if getattr(config, 'cache', None) is not None:
-    cache_dir = os.path.expanduser(os.path.expandvars(config.getini('cache_dir')))
+    cache_dir = os.path.expandvars(os.path.expanduser(config.getini('cache_dir')))
     root = os.fspath(config.rootpath / cache_dir / 'xla')  # (as pytest resolves it)
   else:
     root = os.path.join(RUN_FOLDER, 'programs')
@@ -143,15 +151,31 @@ def programs_folder(config) -> str:
 
 
 def trim(folder: str, limit: int) -> None:
-  """Removes the oldest files under a compilation cache folder (every machine's subfolder)
-  until it holds at most `limit` bytes: jax never rewrites an entry, so the oldest are those
-  of the oldest code."""
+  """Prepares a compilation cache folder (every machine's subfolder) for a run: removes the
+  entries written since the last trim that do not decompress, then the oldest files until it
+  holds at most `limit` bytes (by the time each was written: the programs of the oldest
+  code, and those that every run loads, which the run writes again).
+
+  An entry that does not decompress was cut short by a process killed while jax's own cache
+  class wrote it (the tests' programs that open the cache through JAX_COMPILATION_CACHE_DIR,
+  not compile_cache.enable(); some are killed on purpose): that class never replaces an
+  entry, and each process reading it would warn. (Each entry is read once, in the run after
+  it was written: `folder`/CHECKED's time is the last trim's start.)"""
+  checked = os.path.join(folder, CHECKED)
+  try:
+    since = os.stat(checked).st_mtime
+  except FileNotFoundError:
+    since = 0.0
+  started = time.time()
   files = []
   for parent, _, names in os.walk(folder):
     for name in names:
       path = os.path.join(parent, name)
       try:
         stat = os.stat(path)
+        if name.endswith('-cache') and stat.st_mtime >= since and not _decompresses(path):
+          os.remove(path)
+          continue
       except FileNotFoundError:  # (a temporary file another run's writer renamed)
         continue
       files.append((stat.st_mtime, stat.st_size, path))
@@ -162,6 +186,20 @@ def trim(folder: str, limit: int) -> None:
     with contextlib.suppress(FileNotFoundError):
       os.remove(path)
     total -= size
+  if os.path.isdir(folder):
+    with open(checked, 'w'):
+      pass
+    os.utime(checked, (started, started))
+
+
+def _decompresses(path: str) -> bool:
+  with open(path, 'rb') as f:
+    value = f.read()
+  try:
+    jax_compilation_cache.decompress_executable(value)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return True
 
 
 def pytest_unconfigure(config):

@@ -333,19 +333,33 @@ def test_two_arm_processors_get_two_folders(tmp_path, monkeypatch):
 
 def test_the_tests_cache_is_trimmed_oldest_first_on_every_machine(tmp_path):
   """tests/conftest.py keeps the tests' compiled programs for the next run, within a budget:
-  the oldest files go first, whichever machine's subfolder holds them."""
+  an entry cut short (a process killed while jax's own class wrote it) goes, then the oldest
+  files, whichever machine's subfolder holds them."""
   from tests import conftest  # pylint: disable=g-import-not-at-top
-  files = [('cpu-a', 'old-cache', 40), ('cpu-b', 'mid-cache', 30), ('cpu-a', 'new-cache', 20)]
+  files = [('cpu-a', 'old-cache', 400), ('cpu-b', 'mid-cache', 300), ('cpu-a', 'new-cache', 200),
+           ('cpu-b', 'cut-cache', 500)]
+  sizes = {}
   for age, (sub, name, size) in enumerate(files):
     (tmp_path / sub).mkdir(exist_ok=True)
     path = tmp_path / sub / name
-    path.write_bytes(b'x' * size)
+    whole = jax_cache.compress_executable(os.urandom(size))
+    path.write_bytes(whole[:len(whole) // 2] if name == 'cut-cache' else whole)
     os.utime(path, (1000 + age, 1000 + age))
-  conftest.trim(str(tmp_path), 90)
+    sizes[name] = path.stat().st_size
   kept = lambda: sorted(p.name for p in tmp_path.rglob('*-cache'))
-  assert kept() == ['mid-cache', 'new-cache', 'old-cache']
-  conftest.trim(str(tmp_path), 50)
+  everything = sizes['old-cache'] + sizes['mid-cache'] + sizes['new-cache']
+  conftest.trim(str(tmp_path), everything)
+  assert kept() == ['mid-cache', 'new-cache', 'old-cache']  # (the cut one, the newest, gone)
+  conftest.trim(str(tmp_path), everything - 1)
   assert kept() == ['mid-cache', 'new-cache']
-  conftest.trim(str(tmp_path), 20)
+  conftest.trim(str(tmp_path), sizes['new-cache'])
   assert kept() == ['new-cache']
+  # Each entry is read once, in the run after it was written (the last trim's start on)
+  cut = jax_cache.compress_executable(os.urandom(100))[:20]
+  (tmp_path / 'cpu-a' / 'read-cache').write_bytes(cut)
+  os.utime(tmp_path / 'cpu-a' / 'read-cache', (1000, 1000))  # (as if before that trim)
+  (tmp_path / 'cpu-a' / 'later-cache').write_bytes(cut)
+  conftest.trim(str(tmp_path), conftest.KEPT_PROGRAMS_BYTES)
+  assert kept() == ['new-cache', 'read-cache']
   conftest.trim(str(tmp_path / 'missing'), 0)  # (a first run: no folder yet)
+  assert not (tmp_path / 'missing').exists()
