@@ -86,7 +86,6 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import gc
 import jax  # pylint: disable=unused-import
-from jax._src import compilation_cache as jax_compilation_cache
 from realformer.train import compile_cache
 # pylint: enable=g-import-not-at-top,wrong-import-position
 gc.collect()
@@ -194,12 +193,7 @@ def trim(folder: str, limit: int) -> None:
 
 def _decompresses(path: str) -> bool:
   with open(path, 'rb') as f:
-    value = f.read()
-  try:
-    jax_compilation_cache.decompress_executable(value)
-  except Exception:  # pylint: disable=broad-except
-    return False
-  return True
+    return compile_cache.read_error(f.read()) is None
 
 
 def pytest_unconfigure(config):

@@ -151,11 +151,10 @@ class WholeEntries(lru_cache.LRUCache):
     value = super().get(key)
     if value is None:
       return None
-    try:
-      jax_compilation_cache.decompress_executable(value)
-    except Exception as e:  # pylint: disable=broad-except
+    error = read_error(value)
+    if error is not None:
       logging.warning('compilation cache: entry %s is unreadable (%s): compiling its program '
-                      'again, which replaces it', key, type(e).__name__)
+                      'again, which replaces it', key, type(error).__name__)
       return None
     return value
 
@@ -178,6 +177,16 @@ class WholeEntries(lru_cache.LRUCache):
     finally:
       if self.eviction_enabled:
         self.lock.release()
+
+
+def read_error(value: bytes) -> Optional[Exception]:
+  """What reading a cache entry's bytes raises (an entry cut short does not decompress), or
+  None for a whole entry."""
+  try:
+    jax_compilation_cache.decompress_executable(value)
+  except Exception as e:  # pylint: disable=broad-except
+    return e
+  return None
 
 
 PART = '.part'  # a temporary file's suffix (not jax's -cache: never taken for an entry)
