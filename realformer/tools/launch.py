@@ -22,9 +22,10 @@ fit" too); the compiled matmul FLOPs per step (hlo_stats, loop bodies times thei
 counts) against train_lib.flops_per_example (their ratio: 1 up to the partitioner's
 redundant work, above 1 with remat, which recomputes the forward pass); the collectives of
 the compiled HLO with their counts and bytes per step. --find_max_batch searches the
-largest global batch that fits: the memory of two compiles fixes a line (memory is affine
-in the batch), its crossing with HBM is tried next, and bisection between the largest batch
-that fitted and the smallest that did not finishes; every answer is a compile.
+largest global batch that fits: a line through the compiles' memory (close to affine in
+the batch) says which to try next, with longer steps where the compiler squeezes a program
+near the limit, and bisection where the line keeps missing (find_max_batch); every answer
+is a compile.
 """
 
 import dataclasses
@@ -568,12 +569,15 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
   """Every compile of the search for the largest global batch that fits, in order; the
   answer is max(r.batch_size for r in reports if r.fits) (none fits: an empty answer).
 
-  Memory per chip is close to affine in the batch, so each guess is where the line through
-  the two nearest compiles (a refusal counts with the temporaries the compiler said it
-  needed) crosses HBM, rounded down to the batch unit and kept strictly inside the bracket
-  (largest fitting, smallest failing); when two compiles in a row land on the same side of
-  a closed bracket, one bisection step follows. The search ends when the bracket is one unit
-  wide, or after `max_compiles`.
+  Memory per chip is close to affine in the batch, so each guess is where a line crosses
+  HBM (_next_guess), rounded down to the batch unit and kept strictly inside the bracket
+  (largest fitting, smallest failing). Near the limit the compiler squeezes a program to
+  fit (it rematerialises), so memory there stops following the line and a guess one unit
+  above the largest fitting batch may fit too: the guess after such a one looks 1% of HBM's
+  worth of batch further, twice that after another, and so on, no further than the
+  bracket's middle. After three compiles in a row that moved the same end of a closed
+  bracket, one bisection step. The search ends when the bracket is one unit wide, or after
+  `max_compiles`.
   """
   _check_memory_known(target)
   unit = batch_unit(config, target, multiple)
@@ -581,7 +585,7 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
   reports: List[Report] = []
   lo = hi = None  # largest fitting, smallest failing
   b = min(limit, max(unit, -(-int(config.train.batch_size) // unit) * unit))
-  bisect_next, sides = False, []
+  sides, crawl = [], 0  # fits or not, in order; fits in a row a short step above the last
   for _ in range(max_compiles):
     if first is not None and first.batch_size == b:  # already compiled by the caller
       r, first = first, None
@@ -591,6 +595,8 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
     log(f'  batch {b}: ' + (f'{r.total_bytes / GiB:.2f} GiB per chip, '
                             f'{"fits" if r.fits else "does not fit"}' if not r.refusal
                             else f'refused ({r.refusal})'))
+    crawl = (crawl + 1 if r.fits and lo is not None and
+             b - lo.batch_size <= max(unit, lo.batch_size // 100) else 0)
     if r.fits:
       lo = r if lo is None or r.batch_size > lo.batch_size else lo
     else:
@@ -601,13 +607,9 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
       break
     if lo is not None and lo.batch_size >= limit:
       break
-    # After a line guess that moved the same end of a closed bracket as the compile before
-    # it (the line keeps missing on one side), bisect once (while no batch has failed,
-    # bisecting would be doubling, past where the line points).
     sides.append(r.fits)
-    bisect_next = (not bisect_next and hi is not None and len(sides) >= 3 and
-                   sides[-1] == sides[-2])
-    b = _next_guess(reports, lo, hi, target.hbm_bytes, unit, limit, bisect_next)
+    bisect = hi is not None and len(sides) >= 3 and len(set(sides[-3:])) == 1
+    b = _next_guess(reports, lo, hi, target.hbm_bytes, unit, limit, bisect, crawl)
   return reports
 
 
@@ -622,34 +624,46 @@ def search_summary(reports: List[Report], unit: int) -> dict:
   return {'max_batch': best, 'first_failing': above, 'converged': converged}
 
 
-def _next_guess(reports, lo, hi, hbm, unit, limit, bisect: bool) -> int:
+def _next_guess(reports, lo, hi, hbm, unit, limit, bisect: bool, crawl: int) -> int:
+  """The next batch of find_max_batch's search: where a line crosses `hbm`. Once a batch has
+  failed, the line through the bracket's ends (a refusal counts with the temporaries the
+  compiler said it needed); before, the line through the largest fitting batch and the
+  smallest compiled one, the widest base that close-to-affine memory has (from a single
+  compile, the line through its bytes that do not grow with the batch: the state and the
+  code). `crawl`: fits in a row one unit above the fit before (the compiler squeezing),
+  after which the guess goes at least 1% of HBM's worth of batch (doubling with each) above
+  the largest fit. Without a line (memory that did not grow), or with `bisect`: doubling,
+  halving or the bracket's middle."""
   floor = lo.batch_size if lo is not None else 0
   ceiling = hi.batch_size if hi is not None else limit + unit
-  guess = None
-  if not bisect:
-    points = sorted({r.batch_size: _estimated_total(r, lo) for r in reports
-                     if _estimated_total(r, lo) is not None}.items())
-    # The two points nearest the bracket: its ends when both are known.
-    ends = [p for p in points if p[0] in (floor, ceiling)]
-    pair = ends if len(ends) == 2 else points[-2:] if len(points) >= 2 else None
-    if pair is not None:
+  known = sorted((r.batch_size, _estimated_total(r, lo)) for r in reports
+                 if _estimated_total(r, lo) is not None)
+  slope = guess = None
+  if not bisect and known:
+    if lo is not None and hi is not None:
+      pair = [p for p in known if p[0] in (floor, ceiling)]
+    elif lo is not None:
+      below = [p for p in known if p[0] < floor]
+      pair = [below[0], (floor, _estimated_total(lo, lo))] if below else [
+          (0, float(lo.state_bytes + lo.code_bytes)), (floor, _estimated_total(lo, lo))]
+    else:  # all failed: memory proportional to the batch, from the smallest
+      pair = [(0, 0.0), known[0]]
+    if len(pair) == 2 and pair[1][0] != pair[0][0] and pair[1][1] > pair[0][1]:
       (b0, m0), (b1, m1) = pair
-      if b1 != b0 and m1 > m0:
-        guess = b0 + (hbm - m0) * (b1 - b0) / (m1 - m0)
-    elif points:  # one point: memory proportional to the batch
-      b0, m0 = points[0]
-      guess = b0 * hbm / max(m0, 1)
+      slope = (m1 - m0) / (b1 - b0)
+      guess = b0 + (hbm - m0) / slope
+  if guess is not None and crawl and slope:
+    guess = max(guess, floor + (hbm / 100) * 2 ** (crawl - 1) / slope)
+    if hi is not None:
+      guess = min(guess, (floor + ceiling) / 2)
   if guess is not None:  # rounded down to the unit, and kept strictly inside the bracket
-    guess = min(max(int(guess // unit * unit), floor + unit), ceiling - unit)
-  if guess is None:  # bisection (doubling / halving while one side is open)
-    if hi is None:
-      guess = min(limit, max(unit, floor * 2))
-    elif lo is None:
-      guess = max(unit, (ceiling // 2) // unit * unit)
-    else:
-      guess = (floor + ceiling) // 2 // unit * unit
-      guess = min(max(guess, floor + unit), ceiling - unit)
-  return guess
+    return min(max(int(guess // unit * unit), floor + unit), ceiling - unit)
+  if hi is None:  # bisection (doubling / halving while one side is open)
+    return min(limit, max(unit, floor * 2))
+  if lo is None:
+    return max(unit, (ceiling // 2) // unit * unit)
+  guess = (floor + ceiling) // 2 // unit * unit
+  return min(max(guess, floor + unit), ceiling - unit)
 
 
 # --------------------------------------------------------------------------------------
