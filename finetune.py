@@ -42,13 +42,14 @@ _REPO = os.path.dirname(os.path.abspath(__file__))
 
 def finetune(config, workdir: str, *, devices=None) -> dict:
   """Fine-tunes, evaluates and predicts; returns {'task', 'step', 'dev', 'headline',
-  'best'} (and 'test' where the task scores a test set: NER's), or {'task', 'step',
-  'preempted'} when a stop signal ended the run early.
+  'headline_metric', 'best'} (and 'test' where the task scores a test set: NER's), or
+  {'task', 'step', 'preempted'} when a stop signal ended the run early.
   devices: the devices of the mesh (default: all of jax.devices())."""
   task, summary = trainer.train(workdir, registry.get(config.benchmark), config, devices)
   if 'preempted' in summary:
     return {'task': task.name, 'step': summary['step'], 'preempted': summary['preempted']}
-  return {k: summary[k] for k in ('task', 'step', 'dev', 'test', 'headline', 'best')
+  return {k: summary[k] for k in ('task', 'step', 'dev', 'test', 'headline', 'headline_metric',
+                                   'best')
           if k in summary}
 
 

@@ -321,6 +321,9 @@ class KeywordTask(FinetuneTask):
   def dev_headline(self, dev):
     return dev[self.name]['balanced_accuracy']
 
+  def headline_metric(self):
+    return 'balanced_accuracy'
+
 
 def _config(init, **overrides):
   config = finetune_configs.get_config('keyword/cell')
@@ -343,6 +346,7 @@ def test_a_task_of_ones_own_is_one_file(relpos_pretraining, tmp_path):
   summary = finetune.finetune(config, str(tmp_path / 'ft'))
   assert summary['task'] == 'cell' and summary['step'] == 96 // 8
   assert summary['headline'] == summary['dev']['cell']['balanced_accuracy']
+  assert summary['headline_metric'] == 'balanced_accuracy'  # (printed beside the headline)
   assert (tmp_path / 'ft' / RunDir.FINAL).is_dir()
   # Its FLOPs are what the compiled train step computes: the encoder and its own head.
   mesh = partitioning.make_mesh(config.mesh)
