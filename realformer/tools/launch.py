@@ -572,12 +572,13 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
   Memory per chip is close to affine in the batch, so each guess is where a line crosses
   HBM (_next_guess), rounded down to the batch unit and kept strictly inside the bracket
   (largest fitting, smallest failing). Near the limit the compiler squeezes a program to
-  fit (it rematerialises), so memory there stops following the line and a guess one unit
-  above the largest fitting batch may fit too: the guess after such a one looks 1% of HBM's
-  worth of batch further, twice that after another, and so on, no further than the
-  bracket's middle. After three compiles in a row that moved the same end of a closed
-  bracket, one bisection step. The search ends when the bracket is one unit wide, or after
-  `max_compiles`.
+  fit (it rematerialises), so memory there stops following the line and a guess a short
+  step above the largest fitting batch (a unit, or up to 1% of it) may fit too: from then
+  on each fit sends the next guess at least 1% of HBM's worth of batch above the largest
+  fit, twice that after the next fit, and so on until a batch fails. From the third
+  compile in a row on one side of the bracket (a batch having failed), each guess bisects
+  it (halves, while nothing fits). The search ends when the bracket is one unit wide, or
+  after `max_compiles`.
   """
   _check_memory_known(target)
   unit = batch_unit(config, target, multiple)
@@ -585,7 +586,7 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
   reports: List[Report] = []
   lo = hi = None  # largest fitting, smallest failing
   b = min(limit, max(unit, -(-int(config.train.batch_size) // unit) * unit))
-  sides, crawl = [], 0  # fits or not, in order; fits in a row a short step above the last
+  sides, crawl = [], 0  # fits or not, in order; fits in a row since a short step's fit
   for _ in range(max_compiles):
     if first is not None and first.batch_size == b:  # already compiled by the caller
       r, first = first, None
@@ -596,7 +597,7 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
                             f'{"fits" if r.fits else "does not fit"}' if not r.refusal
                             else f'refused ({r.refusal})'))
     crawl = (crawl + 1 if r.fits and lo is not None and
-             b - lo.batch_size <= max(unit, lo.batch_size // 100) else 0)
+             (crawl or b - lo.batch_size <= max(unit, lo.batch_size // 100)) else 0)
     if r.fits:
       lo = r if lo is None or r.batch_size > lo.batch_size else lo
     else:
@@ -625,37 +626,42 @@ def search_summary(reports: List[Report], unit: int) -> dict:
 
 
 def _next_guess(reports, lo, hi, hbm, unit, limit, bisect: bool, crawl: int) -> int:
-  """The next batch of find_max_batch's search: where a line crosses `hbm`. Once a batch has
-  failed, the line through the bracket's ends (a refusal counts with the temporaries the
-  compiler said it needed); before, the line through the largest fitting batch and the
-  smallest compiled one, the widest base that close-to-affine memory has (from a single
-  compile, the line through its bytes that do not grow with the batch: the state and the
-  code). `crawl`: fits in a row one unit above the fit before (the compiler squeezing),
-  after which the guess goes at least 1% of HBM's worth of batch (doubling with each) above
-  the largest fit. Without a line (memory that did not grow), or with `bisect`: doubling,
-  halving or the bracket's middle."""
+  """The next batch of find_max_batch's search: where a line crosses `hbm`, the first of
+  these whose memory grows with the batch. Once a batch has failed, the line through the
+  bracket's ends (a refusal counts with the temporaries the compiler said it needed);
+  before, the line through the largest fitting batch and the smallest compiled one (the
+  widest base that close-to-affine memory has), else the line through the largest fit and
+  its bytes that do not grow with the batch (the state and the code); where nothing but
+  failures is known, memory proportional to the batch. `crawl`: the fits in a row since one
+  landed a short step above the fit before (the compiler squeezing), after which, while no
+  batch has failed, the guess goes at least 1% of HBM's worth of batch above the largest
+  fit, doubling with each. Without a line (memory that did not grow), or with `bisect`:
+  doubling, halving or the bracket's middle."""
   floor = lo.batch_size if lo is not None else 0
   ceiling = hi.batch_size if hi is not None else limit + unit
   known = sorted((r.batch_size, _estimated_total(r, lo)) for r in reports
                  if _estimated_total(r, lo) is not None)
+  pairs = []
+  if lo is not None:
+    top = (floor, _estimated_total(lo, lo))
+    if hi is not None:
+      pairs.append([p for p in known if p[0] in (floor, ceiling)])
+    else:
+      pairs += [[p, top] for p in known[:1] if p[0] < floor]
+      pairs.append([(0, float(lo.state_bytes + lo.code_bytes)), top])
+  elif known:
+    pairs.append([(0, 0.0), known[0]])
   slope = guess = None
-  if not bisect and known:
-    if lo is not None and hi is not None:
-      pair = [p for p in known if p[0] in (floor, ceiling)]
-    elif lo is not None:
-      below = [p for p in known if p[0] < floor]
-      pair = [below[0], (floor, _estimated_total(lo, lo))] if below else [
-          (0, float(lo.state_bytes + lo.code_bytes)), (floor, _estimated_total(lo, lo))]
-    else:  # all failed: memory proportional to the batch, from the smallest
-      pair = [(0, 0.0), known[0]]
-    if len(pair) == 2 and pair[1][0] != pair[0][0] and pair[1][1] > pair[0][1]:
+  for pair in pairs:
+    if len(pair) == 2 and pair[1][1] > pair[0][1] and pair[1][0] > pair[0][0]:
       (b0, m0), (b1, m1) = pair
       slope = (m1 - m0) / (b1 - b0)
       guess = b0 + (hbm - m0) / slope
-  if guess is not None and crawl and slope:
+      break
+  if bisect:
+    guess = None
+  elif guess is not None and crawl and hi is None:
     guess = max(guess, floor + (hbm / 100) * 2 ** (crawl - 1) / slope)
-    if hi is not None:
-      guess = min(guess, (floor + ceiling) / 2)
   if guess is not None:  # rounded down to the unit, and kept strictly inside the bracket
     return min(max(int(guess // unit * unit), floor + unit), ceiling - unit)
   if hi is None:  # bisection (doubling / halving while one side is open)
