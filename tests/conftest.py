@@ -47,13 +47,16 @@ os.environ['GCE_METADATA_HOST'] = os.environ['GCE_METADATA_IP'] = '127.0.0.1:9'
 os.environ['NO_GCE_CHECK'] = 'true'
 
 
+SYSTEM_TEMP = tempfile.gettempdir()
+
+
 def _run_folder() -> str:
   """A folder of this test run's own, one for all of pytest-xdist's workers (named by the
   run's id, which every worker has), else one for this process."""
   run = os.environ.get('PYTEST_XDIST_TESTRUNUID')
   if not run:
-    return tempfile.mkdtemp(prefix='realformer_tests_')
-  path = os.path.join(tempfile.gettempdir(), f'realformer_tests_{run}')
+    return tempfile.mkdtemp(prefix='realformer_tests_', dir=SYSTEM_TEMP)
+  path = os.path.join(SYSTEM_TEMP, f'realformer_tests_{run}')
   os.makedirs(path, exist_ok=True)
   return path
 
@@ -67,6 +70,9 @@ os.environ.setdefault('REALFORMER_CACHE', os.path.join(RUN_FOLDER, f'cache_{os.g
 # libtpu, loaded by the launch check's compiles, writes its logs to /tmp/tpu_logs unless told
 # otherwise: here, to this run's folder.
 os.environ.setdefault('TPU_LOG_DIR', os.path.join(RUN_FOLDER, 'tpu_logs'))
+# torch (imported by transformers: the HF references) makes its inductor's cache folder in
+# the temporary folder: here, in this run's.
+os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(RUN_FOLDER, 'torchinductor'))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # PyPI's torch for Python 3.12 (the tests' HF reference) brings OpenAI's Triton, which torch
 # imports if it is there; loading its compiler into a process where jax has already lowered a
@@ -203,9 +209,20 @@ def pytest_unconfigure(config):
     return
   run = getattr(config.option, 'testrunuid', None)
   if run:
-    shutil.rmtree(os.path.join(tempfile.gettempdir(), f'realformer_tests_{run}'),
-                  ignore_errors=True)
+    shutil.rmtree(os.path.join(SYSTEM_TEMP, f'realformer_tests_{run}'), ignore_errors=True)
   shutil.rmtree(RUN_FOLDER, ignore_errors=True)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def temporary_files_in_the_run_folder(tmp_path_factory):
+  """The temporary files that the tests' libraries make in this process go to the run's
+  folder, removed at its end: tfds leaves an empty tmp*tfds folder behind for each builder
+  of a dataset not prepared yet. (pytest's tmp_path folders stay in pytest's own, chosen
+  first, where it keeps the last runs' for a failed test's inspection.)"""
+  tmp_path_factory.getbasetemp()
+  saved, tempfile.tempdir = tempfile.tempdir, RUN_FOLDER
+  yield
+  tempfile.tempdir = saved
 
 
 @pytest.fixture(scope='session')
