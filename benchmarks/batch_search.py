@@ -43,7 +43,7 @@ def compile_model(noise: float, squeeze: float, seed: int, scale: float):
       value = min(value, HBM - 0.4 * h)
     return value
 
-  def compile_step(config, target, batch_size=None):
+  def compile_step(config, target, batch_size=None, **_):
     del target
     b = batch_size or config.train.batch_size
     value = memory(b)

@@ -492,7 +492,7 @@ def test_the_fixes_shard_further_only_where_fsdp_does_not_span_the_slice():
 def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
   # An affine memory model with a kink, standing in for compiles.
   hbm = 100 * launch.GiB
-  def fake_compile(config, target, b=None):
+  def fake_compile(config, target, b=None, **_):
     b = b or config.train.batch_size
     total = int((2 + 0.37 * b + (0.05 * (b - 150) if b > 150 else 0)) * launch.GiB)
     if total > 3 * hbm:
@@ -515,7 +515,7 @@ def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
   # and the next unit up confirms it (from any start: a guess at the largest batch that
   # fitted is moved one unit up, not dropped for a doubling).
   for slope, start in ((0.37, 4), (0.37, 1024), (0.0093, 32), (2.9, 8)):
-    affine = lambda config, target, b=None, slope=slope: (lambda total: (launch.Report(
+    affine = lambda config, target, b=None, slope=slope, **_: (lambda total: (launch.Report(
         batch_size=b or config.train.batch_size, fits=total <= hbm, total_bytes=total,
         temp_bytes=total - 2 * launch.GiB), object()))(
             int((2 + slope * (b or config.train.batch_size)) * launch.GiB))
@@ -534,7 +534,7 @@ def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
   for slope, over, start in ((0.0093, 1.5, 32), (0.0093, 1.5, 4000), (0.0093, 1.5, 10400),
                              (0.0093, 4, 32), (0.0093, 4, 10600), (0.037, 1.5, 8),
                              (0.37, 1.5, 4)):
-    def squeezed(config, target, b=None, slope=slope, over=over):
+    def squeezed(config, target, b=None, slope=slope, over=over, **_):
       b = b or config.train.batch_size
       line = 2 + slope * b
       total = gib - 0.3 if gib - 0.3 < line <= gib + over else line
@@ -565,7 +565,7 @@ def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
   for compiles, last in ((3, 'the search stopped after 3 compiles before reaching 4: raise '
                              '--max_compiles'),
                          (12, 'no batch fits, not even 4: shard the state further')):
-    monkeypatch.setattr(launch, 'compile_step', lambda c, t, b=None: (launch.Report(
+    monkeypatch.setattr(launch, 'compile_step', lambda c, t, b=None, **_: (launch.Report(
         batch_size=b or c.train.batch_size, fits=False, total_bytes=hbm + launch.GiB,
         temp_bytes=hbm), None))  # none fits
     lines.clear()
@@ -709,7 +709,8 @@ def test_compile_for_local_measures_steps():
 
 def test_a_step_that_does_not_fit_is_not_run(monkeypatch):
   """--compile_for local on an accelerator: a step over the device's memory is reported,
-  not run into an out-of-memory traceback."""
+  not run into an out-of-memory traceback. Its report has both steps' memory; a batch
+  search's guess whose train step does not fit skips the evaluation step's compile."""
   local = launch.local_target()  # a device of 1 MiB
   monkeypatch.setattr(launch, 'local_target',
                       lambda: dataclasses.replace(local, hbm_bytes=1 << 20))
@@ -717,6 +718,11 @@ def test_a_step_that_does_not_fit_is_not_run(monkeypatch):
   lines = []
   result = launch.run(tiny(), 'local', measure_steps=2, log=lines.append)
   assert 'measured' not in result and lines[-1].startswith('not measured: the train step does')
+  assert result['report']['eval_total_bytes'] > 0
+  report, _ = launch.compile_step(tiny(), launch.local_target(), eval_if_step_fits=True)
+  assert not report.fits and report.total_bytes > 0 and report.eval_total_bytes == 0
+  report, _ = launch.compile_step(tiny(), local, eval_if_step_fits=True)  # (no limit: fits)
+  assert report.fits and report.eval_total_bytes > 0
 
 
 @needs_libtpu

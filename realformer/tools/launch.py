@@ -457,8 +457,12 @@ def build(config, target: Target, batch_size: Optional[int] = None):
   return mesh, program, batch
 
 
-def compile_step(config, target: Target, batch_size: Optional[int] = None):
-  """Compile train.py's step for the target: (Report, compiled executable or None)."""
+def compile_step(config, target: Target, batch_size: Optional[int] = None, *,
+                 eval_if_step_fits: bool = False):
+  """Compile train.py's step for the target: (Report, compiled executable or None), and its
+  evaluation step where it evaluates (train.eval_steps > 0); with `eval_if_step_fits` (the
+  batch search's guesses) only where the train step fits, since otherwise the verdict is
+  already given (its report then has no eval_total_bytes)."""
   batch_size = int(batch_size or config.train.batch_size)
   mesh, program, batch = build(config, target, batch_size)
   per_example = program.flops_per_example(config.data.max_seq_length)
@@ -493,7 +497,8 @@ def compile_step(config, target: Target, batch_size: Optional[int] = None):
   report.code_bytes = int(mem.generated_code_size_in_bytes)
   report.total_bytes = (report.argument_bytes + report.output_bytes - report.alias_bytes +
                         report.temp_bytes + report.code_bytes)
-  if int(config.train.eval_steps) > 0:
+  if int(config.train.eval_steps) > 0 and not (eval_if_step_fits and
+                                                not judge(report, target.hbm_bytes)):
     _compile_eval(program, mesh, batch, report)
   report.fits = judge(report, target.hbm_bytes)
   cost = compiled.cost_analysis()
@@ -578,7 +583,7 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
   fit, twice that after the next fit, and so on until a batch fails. From the third
   compile in a row on one side of the bracket (a batch having failed), each guess bisects
   it (halves, while nothing fits). The search ends when the bracket is one unit wide, or
-  after `max_compiles`.
+  after `max_compiles`. A guess whose train step does not fit skips the evaluation step.
   """
   _check_memory_known(target)
   unit = batch_unit(config, target, multiple)
@@ -591,7 +596,7 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
     if first is not None and first.batch_size == b:  # already compiled by the caller
       r, first = first, None
     else:
-      r, _ = compile_step(config, target, b)
+      r, _ = compile_step(config, target, b, eval_if_step_fits=True)
     reports.append(r)
     log(f'  batch {b}: ' + (f'{r.total_bytes / GiB:.2f} GiB per chip, '
                             f'{"fits" if r.fits else "does not fit"}' if not r.refusal
