@@ -304,6 +304,35 @@ def test_a_diverged_run_in_a_bucket_keeps_its_log_up_to_the_divergence(server):
   assert bad_step > 1 and sorted(logged) == list(range(1, bad_step))
 
 
+def test_a_failed_save_in_a_bucket_keeps_the_log_up_to_the_failure(server, monkeypatch):
+  """A checkpoint's save fails in the background (a bucket that refused the write) and
+  the run stops at its next log; waiting for the saves on the way out raises the failure
+  again (as orbax's wait_until_finished does), and the log's last lines are uploaded
+  all the same."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  full = ValueError('RESOURCE_EXHAUSTED: the bucket refused the write')
+  failed, waited = [], ocp.CheckpointManager.wait_until_finished
+
+  def check_for_errors(manager):  # found at step 4's log: step 3's line is not uploaded
+    if manager.latest_step() is not None:  # (the save of step 2 has run)
+      failed.append(True)
+      if len(failed) > 1:
+        raise full
+
+  def wait_until_finished(manager):
+    waited(manager)
+    if len(failed) > 1:
+      raise full
+  monkeypatch.setattr(ocp.CheckpointManager, 'check_for_errors', check_for_errors)
+  monkeypatch.setattr(ocp.CheckpointManager, 'wait_until_finished', wait_until_finished)
+  url = f'{server.root}/failed_save'
+  c = tiny_config(num_steps=6, checkpoint_every_steps=2)
+  c.train.log_every_steps = 1
+  with pytest.raises(ValueError, match='the bucket refused the write'):
+    trained(c, url)
+  assert sorted(metrics_jsonl.read_jsonl(f'{url}/metrics.jsonl')) == [1, 2, 3]
+
+
 @pytest.mark.parametrize('then', ['the check', 'another error'])
 def test_a_run_that_lost_its_lock_leaves_the_new_holders_log_alone(server, monkeypatch, then):
   """Once another run holds the workdir, the run that lost its lease stops without writing:

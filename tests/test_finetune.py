@@ -414,22 +414,22 @@ def test_best_dev_checkpoint_of_an_earlier_run_is_not_taken_for_this_one(tmp_pat
            'dev': {'stsb': {'pearson': 0.99, 'spearman': 0.97}}}))
   for step, record in ((9, 6), (9, None)):
     plant(step, record)
-    assert trainer.BestParams(RunDir(tmp_path), task, True, start=12).best is None
+    assert trainer.BestParams(RunDir(tmp_path), task, True, start=12).record is None
     assert not best_dir.exists()
   plant()
   resumed = trainer.BestParams(RunDir(tmp_path), task, True, start=9)
-  assert resumed.best['headline'] == 0.97  # a resumed run keeps its own best (Spearman)
+  assert resumed.record['headline'] == 0.97  # a resumed run keeps its own best (Spearman)
   record = json.loads((best_dir / 'results.json').read_text())
   (best_dir / 'results.json').write_text(json.dumps(dict(record, dev={})))
   # a record without the dev metrics the rule reads: its headline as recorded
-  assert trainer.BestParams(RunDir(tmp_path), task, True, start=9).best['headline'] == 0.99
+  assert trainer.BestParams(RunDir(tmp_path), task, True, start=9).record['headline'] == 0.99
   (best_dir / 'results.json').write_text(json.dumps(record))
-  assert trainer.BestParams(RunDir(tmp_path), task, True, start=12).best['step'] == 9
+  assert trainer.BestParams(RunDir(tmp_path), task, True, start=12).record['step'] == 9
   earlier = trainer.BestParams(RunDir(tmp_path), task, True, start=6)
-  assert earlier.best is None and not best_dir.exists()
+  assert earlier.record is None and not best_dir.exists()
   plant()
   fresh = trainer.BestParams(RunDir(tmp_path), task, True, start=0)
-  assert fresh.best is None and not best_dir.exists()
+  assert fresh.record is None and not best_dir.exists()
 
 
 def test_fixed_synthesizer_parameters_do_not_move_in_fine_tuning(tmp_path):
@@ -916,9 +916,9 @@ def test_mismatched_checkpoint_is_a_clear_error(pretrained, tmp_path, caplog):
   assert ('(their position embeddings, and the random synthesizer\'s logits for them, have '
           'had no gradient)') in caplog.text
   # An import (params at step 0) does not say what length it was pretrained at: no warning.
-  assert finetune_task.pretrained_here(pretrained)
+  assert finetune_task.trained_length_known(pretrained)
   save_tiny_encoder(str(tmp_path / 'imported'), 'postln', num_layers=1, num_heads=2, step=0)
-  assert not finetune_task.pretrained_here(str(tmp_path / 'imported'))
+  assert not finetune_task.trained_length_known(str(tmp_path / 'imported'))
 
 
 def test_grid_commands_and_summary(tmp_path, capsys):

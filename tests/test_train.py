@@ -1131,7 +1131,8 @@ def test_a_time_budget_reads_the_schedule_exactly_where_the_warm_up_ends(tmp_pat
 def test_a_resume_under_another_budget_or_length_says_how_the_rate_moves(caplog):
   """Under a budget the schedule is read at max(step, the spent share of num_steps): a larger
   budget, a budget dropped, or another num_steps under one moves the rate at the resumed
-  step (back up, for a linear decay), said as a change of num_steps alone is."""
+  step (back up, for a linear decay), said as a change of num_steps alone is; another
+  peak rate, as what it is."""
   def config(num_steps, minutes):
     c = tiny_config(num_steps=num_steps, time_budget_minutes=minutes)
     c.optimizer.schedule, c.optimizer.warmup_steps, c.optimizer.learning_rate = (
@@ -1155,6 +1156,10 @@ def test_a_resume_under_another_budget_or_length_says_how_the_rate_moves(caplog)
       in said(config(1000, 0.5), config(2000, 0.5), spent=1.0)
   assert not said(config(1000, 0.5), config(2000, 0.5))  # (the clock leads: 90% either way)
   assert not said(config(1000, 1.0), config(1000, 1.0))  # nothing changed: nothing moves
+  halved = config(1000, 0.0)
+  halved.optimizer.learning_rate = 5e-4  # the length and budget as they were
+  assert ('resumed at step 100 with other optimizer settings: the learning rate there moves '
+          'from 0.0009 to 0.00045\n') in said(config(1000, 0.0), halved)
 
 
 def test_time_budget_stops_the_run_and_decays_the_schedule_to_zero(tmp_path, caplog):

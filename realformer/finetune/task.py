@@ -63,10 +63,11 @@ class FinetuneMetrics(clu_metrics.Collection):
   grad_norm: clu_metrics.Average
 
 
-def pretrained_here(path: str) -> bool:
-  """Whether the checkpoint at `path` was trained by train.py (step > 0), so that its
-  config.json's data.max_seq_length is the length it was trained at; an import's params are
-  at step 0 and the length they were pretrained at is not known."""
+def trained_length_known(path: str) -> bool:
+  """Whether the checkpoint at `path` was trained here (step > 0: train.py's pretraining, or
+  a fine-tuning's best/ or final/), so that its config.json's data.max_seq_length is the
+  length its positions were trained to; an import's params are at step 0 and the length
+  they were pretrained at is not known."""
   return int(os.path.basename(checkpoints.resolve_step_dir(path))) > 0
 
 
@@ -429,7 +430,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
     pretrained positions."""
     config = self.config
     trained = int(pre.data.get('max_seq_length', pre.model.max_len))
-    known = not config.from_scratch and pretrained_here(config.init_checkpoint)
+    known = not config.from_scratch and trained_length_known(config.init_checkpoint)
     if config.max_seq_length > trained and known:
       synthesized = [c for c in resolve(pre.model.copy_and_resolve_references()).attention
                      if c != 'dot']
@@ -690,7 +691,7 @@ class FinetuneTask(trainer.Task, abc.ABC):
 
   def close(self) -> None:
     if self.__compiler is not None:  # a run that stops early leaves compilations queued
-      self.__compiler.shutdown(wait=False, cancel_futures=True)
+      self.__compiler.shutdown(wait=False, cancel_futures=True)  # (one running finishes)
 
   def __batch_of(self, batch_size, keys):
     """length -> the abstract batch of that length."""

@@ -61,8 +61,8 @@ def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> b
   dot product plus additive terms or those terms alone (spec.flash_fusable: every variant,
   the pure Synthesizers included), where asked (`flash`) or under `auto`: on TPUs for every
   such variant but in float16 (Mosaic has no float16 tiles), with threefry dropout keys and
-  whole heads on each device (flash_attention.whole_heads_here), on GPUs for plain dot-product attention in
-  bfloat16 where the kernel runs (flash_attention.runs_here): where it was timed faster than
+  whole heads on each device (flash_attention.whole_heads_here), on GPUs for plain
+  dot-product attention in bfloat16 where the kernel runs (flash_attention.runs_here): where it was timed faster than
   the plain path (float16, untimed and without loss scaling, keeps the plain path unless
   asked). Without attention dropout `flash` is `auto`. Not for the pruned last layer (its
   few query rows): the plain path computes that one."""
@@ -110,8 +110,8 @@ def _use_fused(spec: EncoderSpec, deterministic: bool, capture: bool) -> Optiona
 
 def paths(spec: EncoderSpec) -> str:
   """Which path computes a full layer's attention in training and in evaluation, as a run's
-  log says it (the pruned last layer and asked-for probabilities take the plain path):
-  e.g. 'training flash (Mosaic), evaluation plain'."""
+  log says it (in training the pruned last layer takes the plain path; asked-for
+  probabilities always do): e.g. 'training flash (Mosaic), evaluation plain'."""
   def path(training: bool) -> str:
     if _use_flash(spec, not training, False, None):
       on = spec.target_platform
@@ -215,7 +215,8 @@ class SelfAttention(nn.Module):
     return self._output(ctx, xq), carry, (probs if capture_attention else None)
 
   def _flash(self, x, xq, value, bias, residual_scores, layer_index):
-    """The layer through realformer.layers.flash_attention: the dot product's weight folded
+    """The layer through a flash kernel (_flash_kernel: realformer.layers.flash_attention's
+    on GPUs, flash_attention_tpu's on TPUs): the dot product's weight folded
     into the queries, every other component's weighted logits (and RealFormer's previous
     scores) as the kernel's additive term (the logits themselves for a pure Synthesizer:
     no queries or keys), the running mean as its logit scale; the kernel writes RealFormer's

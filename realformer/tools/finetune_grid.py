@@ -111,9 +111,10 @@ def task_root(root: str, task: str) -> str:
 
 
 def collect(root: str, task: str = '') -> List[Dict[str, Any]]:
-  """(overrides, headline, state, folder) of every run under the root of `task`: state
-  'done' (its results.json's headline, by today's rule: _headline), 'diverged' (its loss
-  became nan/inf: sweep.mark_diverged) or 'unfinished' (headline None for both)."""
+  """{'run': its overrides, 'state', 'headline', 'folder'} of every run under the root of
+  `task`: state 'done' (its results.json's headline, by today's rule: _headline),
+  'diverged' (its loss became nan/inf: sweep.mark_diverged) or 'unfinished' (headline None
+  for both)."""
   rows = []
   folder = storage.path(root)
   for name in sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []:
@@ -259,7 +260,7 @@ def write_submission(root: str, tasks: Sequence[str], out: str) -> str:
     if run is None:
       lines.append(f'{task}: no scored run')
       continue
-    folder = storage.path(task_root(root, task)) / run['folder'] / 'predictions'
+    folder = storage.path(task_root(root, task)) / run['folder'] / RunDir.PREDICTIONS
     have = [s for s in glue.SUBMISSION[task] if (folder / f'{s}.tsv').exists()]
     for stem in have:
       files[stem] = (folder / f'{stem}.tsv').read_bytes()
@@ -423,6 +424,7 @@ def main(argv=None):
   if args.submission and args.print_only:
     raise ValueError('--submission with --print_only: the runs have not run here; once they '
                      'have, run the grid again with --summarize_only --submission')
+  failed, elsewhere, diverged = [], [], []  # (the runs of this call: none to summarize)
   if not args.summarize_only:
     def local(path: str) -> str:  # runs start in the repository root: local paths absolute
       keep = (not path or storage.is_url(path) or path.startswith('hf:') or
@@ -451,7 +453,6 @@ def main(argv=None):
     axes = GRID_KEYS + (('init_checkpoint',) if len(inits) > 1 else ())  # what names a run
     for task in tasks:  # every task's config takes the --set keys, before any run starts
       sweep.check_keys(config_arg(task), runs, here=not args.print_only, flags='--set')
-    failed, elsewhere, diverged = [], [], []
     if args.print_only:
       for task in tasks:
         print(sweep.launch_script(runs, root=task_root(args.root, task), program=PROGRAM,
@@ -483,7 +484,7 @@ def main(argv=None):
   print(f'(written to {args.root}/results.md and {args.root}/results.csv)')
   if args.submission:
     print(write_submission(args.root, tasks, args.submission))
-  return 1 if not args.summarize_only and (failed or elsewhere) else 0
+  return 1 if failed or elsewhere else 0
 
 
 if __name__ == '__main__':

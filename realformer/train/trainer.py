@@ -247,7 +247,8 @@ class Task(abc.ABC):
     (e.g. choose length buckets, and the train step compiled for them)."""
 
   def close(self) -> None:
-    """Called when the run ends, however it ends (e.g. stops background compilations)."""
+    """Called when the run ends, however it ends, from prepare() on (e.g. cancels the
+    background compilations still queued)."""
 
 
 class TimeBudget:
@@ -277,10 +278,8 @@ class TimeBudget:
     self._table = np.asarray(jax.vmap(schedule)(self._grid), np.float64)  # (np.interp's)
     self._run = run
     self._record = self.record_of(run)
-    # A checkpoint without its record (made before records were written first): the newest
-    # record before it, which undercounts by less than one checkpoint interval.
-    recorded = max((int(k) for k in self._record if int(k) <= start_step), default=None)
-    self.before = float(self._record[str(recorded)]) if recorded is not None else 0.0
+    recorded = self.recorded_step(self._record, start_step)
+    self.before = self.spent_at(self._record, start_step)
     if start_step and recorded != start_step:
       logging.warning('no time record for step %d in %s: counting the budget from %s',
                       start_step, run.path(RunDir.TIME_SPENT),
@@ -292,6 +291,19 @@ class TimeBudget:
     """{step: seconds spent by then} of the run's checkpoints (as process 0 reads it)."""
     return distributed.read_on_process_zero(
         lambda: run.read_json(RunDir.TIME_SPENT, {}), f'read {run.path(RunDir.TIME_SPENT)}')
+
+  @staticmethod
+  def recorded_step(record: Dict[str, float], step: int) -> Optional[int]:
+    """The step whose record counts for `step`: its own, or for a checkpoint without one
+    (made before records were written first) the newest before it, which undercounts by
+    less than one checkpoint interval; None before the first record."""
+    return max((int(k) for k in record if int(k) <= step), default=None)
+
+  @classmethod
+  def spent_at(cls, record: Dict[str, float], step: int) -> float:
+    """The seconds the run had spent by `step` (recorded_step's record; 0 before any)."""
+    recorded = cls.recorded_step(record, step)
+    return float(record[str(recorded)]) if recorded is not None else 0.0
 
   def start(self):
     self._clock_from = time.time()
@@ -316,8 +328,17 @@ class TimeBudget:
 
   def learning_rate(self, step: int) -> np.float32:
     """The schedule's learning rate at the run's progress before step + 1."""
-    progress = min(1.0, max(step / self.num_steps, self.spent / self.seconds))
+    progress = self.progress(step, self.num_steps, self.spent, self.seconds)
     return np.float32(np.interp(progress * self.num_steps, self._grid, self._table))
+
+  @staticmethod
+  def progress(step: int, num_steps: int, spent: float, seconds: float) -> float:
+    """The share of the run done, where the schedule is read: the larger of the steps' and
+    the budget's (`seconds`; 0: none), at most 1."""
+    share = step / num_steps
+    if seconds > 0:
+      share = max(share, spent / seconds)
+    return min(1.0, share)
 
   def over(self) -> bool:
     return self.spent >= self.seconds
@@ -424,8 +445,10 @@ class _Profile:
   def _stop(self):
     jax.profiler.stop_trace()
     if self._local is not None:
-      storage.copy_tree(self._local, self.logdir)
-      shutil.rmtree(self._local, ignore_errors=True)
+      try:
+        storage.copy_tree(self._local, self.logdir)
+      finally:
+        shutil.rmtree(self._local, ignore_errors=True)
 
 
 class Trainer:
@@ -446,8 +469,8 @@ class Trainer:
     if step >= c.num_steps:
       return c.steps_setting
     if c.time_budget_minutes > 0:
-      record = TimeBudget.record_of(self.run_dir)
-      if float(record.get(str(step), 0.0)) >= c.time_budget_minutes * 60:
+      spent = TimeBudget.spent_at(TimeBudget.record_of(self.run_dir), step)
+      if spent >= c.time_budget_minutes * 60:
         section = c.steps_setting.rpartition('.')[0]  # (train. of pretraining's fields)
         return f'{section}.time_budget_minutes' if section else 'time_budget_minutes'
     return None
@@ -485,7 +508,7 @@ class Trainer:
         raise error from e
       if run.resumed_from:  # (a resume with settings changed; the same on every process)
         _say_if_the_rate_moves(run.resumed_from, task, latest,
-                               float(TimeBudget.record_of(run).get(str(latest), 0.0)))
+                               TimeBudget.spent_at(TimeBudget.record_of(run), latest))
       return TrainState.from_checkpoint(tree)
     if distributed.read_on_process_zero(lambda: checkpoints.has_complete_step(str(final)),
                                         f'read {final}'):  # (one path for every process)
@@ -568,11 +591,13 @@ class Trainer:
       # workdir (its logs and checkpoints are the workdir's); the error raised stays the one
       # reported. (With several processes the save is left: its commit waits for every
       # process, and the others may be stuck in the step that this one left.)
+      # A failed save raises again as it is waited for: the logs are closed all the same.
       if not (isinstance(e, workdir_lib.WorkdirInUseError) or self.run_dir.lock_lost()):
-        with contextlib.suppress(Exception):
-          if jax.process_count() == 1:
-            self.manager.wait_until_finished()
-          if self.writer is not None:
+        if jax.process_count() == 1:
+          with contextlib.suppress(Exception):
+            self.manager.close()  # (waits for the save)
+        if self.writer is not None:
+          with contextlib.suppress(Exception):
             self.writer.close_alone()
       raise
     finally:
@@ -875,8 +900,9 @@ def run_program(fn: Callable[..., dict], *args) -> dict:
 
 def _say_if_the_rate_moves(stored: Optional[dict], task: Task, step: int,
                            spent: float = 0.0) -> None:
-  """A warning when a resume with another train.num_steps, warm-up or time budget moves the
-  learning rate at the step it resumes from: the schedule follows the new settings, which a
+  """A warning when a resume with another train.num_steps, time budget or optimizer setting
+  (the peak rate, the warm-up, the schedule) moves the learning rate at the step it resumes
+  from: the schedule follows the new settings, which a
   run extended in place may not expect (a rate that jumps back up). Under a budget the
   schedule is read at max(step, the budget's spent share of num_steps) (TimeBudget); `spent`:
   the seconds the run had spent by `step`."""
@@ -887,11 +913,9 @@ def _say_if_the_rate_moves(stored: Optional[dict], task: Task, step: int,
 
   def rate(optimizer, train) -> float:
     num_steps, minutes = int(train['num_steps']), float(train.get('time_budget_minutes') or 0)
-    progress = step / num_steps
-    if minutes > 0:
-      progress = max(progress, spent / (minutes * 60))
+    progress = TimeBudget.progress(step, num_steps, spent, minutes * 60)
     schedule = train_lib.make_schedule(ml_collections.ConfigDict(dict(optimizer)), num_steps)
-    return float(schedule(min(progress, 1.0) * num_steps))
+    return float(schedule(progress * num_steps))
   try:
     before = rate(stored['optimizer'], stored['train'])
   except (KeyError, TypeError, ValueError):
@@ -901,10 +925,14 @@ def _say_if_the_rate_moves(stored: Optional[dict], task: Task, step: int,
     changed = [f'{k} {stored["train"].get(k) or 0} -> {config.train.get(k) or 0}'
                for k in ('num_steps', 'time_budget_minutes')
                if (stored['train'].get(k) or 0) != (config.train.get(k) or 0)]
-    logging.warning('resumed at step %d with train.%s: the learning rate there moves from '
-                    '%.3g to %.3g (the schedule, warm-up included, follows the new %s)', step,
-                    ', '.join(changed) or 'optimizer settings', before, after,
-                    'budget' if any('budget' in c for c in changed) else 'length')
+    if changed:
+      logging.warning('resumed at step %d with train.%s: the learning rate there moves from '
+                      '%.3g to %.3g (the schedule, warm-up included, follows the new %s)',
+                      step, ', '.join(changed), before, after,
+                      'budget' if any('budget' in c for c in changed) else 'length')
+    else:
+      logging.warning('resumed at step %d with other optimizer settings: the learning rate '
+                      'there moves from %.3g to %.3g', step, before, after)
 
 
 def _say_if_unfinished(path: str, step_name: str) -> None:
@@ -980,12 +1008,13 @@ class BestParams:
   `start` removes a best/ from a later step: an earlier run's in the same directory (a start
   from 0), or one from the stretch after the checkpoint it resumes from, which it trains
   again (a best of its own comes back when it is reached again); and one whose record is
-  not of its params (a kill between the two writes)."""
+  not of its params (a kill between the two writes). `record`: best/results.json's
+  ({'step', 'headline', ...}), or None before a best."""
 
   def __init__(self, run: RunDir, task: Task, enabled: bool, start: int):
     self.run, self.task, self.enabled = run, task, enabled
     self.dir = run.sub(RunDir.BEST)
-    self.best = None
+    self.record = None
 
     def look():  # (why best/ goes, its record)
       if not self.dir.root.exists():
@@ -1004,14 +1033,14 @@ class BestParams:
                       why)
       run.remove(RunDir.BEST)
     elif stored is not None and enabled:
-      self.best = dict(stored, headline=task.record_headline(stored))
+      self.record = dict(stored, headline=task.record_headline(stored))
 
   def offer(self, params, step: int, results: Results):
     if not self.enabled:
       return
     headline = self.task.headline(results)
-    if not np.isfinite(headline) or (self.best is not None and
-                                     headline <= self.best['headline']):
+    if not np.isfinite(headline) or (self.record is not None and
+                                     headline <= self.record['headline']):
       return
     self.dir.check_held()
     manager = self.dir.checkpoint_manager(1, ('state',))
@@ -1022,13 +1051,13 @@ class BestParams:
     manager.wait_until_finished()
     manager.close()
     self.dir.write_config(_params_config(self.task))
-    self.best = {'step': step, 'headline': headline, **self.task.best_record(step, results)}
-    self.dir.write_json(RunDir.RESULTS, self.best, indent=2)
+    self.record = {'step': step, 'headline': headline, **self.task.best_record(step, results)}
+    self.dir.write_json(RunDir.RESULTS, self.record, indent=2)
     logging.info('best %s so far at step %d: params saved to %s', self.task.name, step,
                  self.dir)
 
   def summary(self) -> Optional[dict]:
-    return dict(self.best, dir=str(self.dir)) if self.best else None
+    return dict(self.record, dir=str(self.dir)) if self.record else None
 
 
 def _drop_optimizer_state(manager, params, step: int, run: RunDir, best: BestParams,
@@ -1044,7 +1073,7 @@ def _drop_optimizer_state(manager, params, step: int, run: RunDir, best: BestPar
       lambda: os.path.islink(final) or checkpoints.has_complete_step(str(final)),
       f'read {final}'):
     pass  # written by an attempt killed before the resume checkpoint was deleted
-  elif best.best is not None and best.best['step'] == step and not storage.is_url(final):
+  elif best.record is not None and best.record['step'] == step and not storage.is_url(final):
     distributed.on_process_zero(lambda: os.symlink(RunDir.BEST, final), f'link {final}')
   else:
     checkpoints.save_params(str(final), params, _params_config(task), step=step)
