@@ -2,6 +2,8 @@
 real two-run sweep of train.py."""
 
 import argparse
+import errno
+import fcntl
 import json
 import math
 import os
@@ -12,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import pytest
 
@@ -274,15 +277,19 @@ def test_finished_by_metrics_and_runs_held_by_another_sweep_are_skipped(tmp_path
   assert not sweep.is_done(root / names[0], runs[0])
   (root / names[0] / 'checkpoints' / '2').mkdir(parents=True)
   (root / names[0] / 'checkpoints' / '2' / 'commit_success.txt').write_text('')
-  # Held by another live process on this host (the pytest runner's parent).
-  (root / names[1] / RunDir.SWEEP_LOCK).write_text(f'{socket.gethostname()} {os.getppid()}')
-  # A lock left by a process that died: taken over.
-  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
-  dead.wait()
-  (root / names[2] / RunDir.SWEEP_LOCK).write_text(f'{socket.gethostname()} {dead.pid}')
+  # Held by another sweep process on this host: its flock (here this test's own).
+  held = os.open(root / names[1] / RunDir.SWEEP_LOCK, os.O_RDWR | os.O_CREAT)
+  fcntl.flock(held, fcntl.LOCK_EX)
+  os.write(held, f'{socket.gethostname()} {os.getppid()}'.encode())
+  # A lock left by a process that died, its pid since another live process's (the pytest
+  # runner's parent): taken over, its flock being free.
+  (root / names[2] / RunDir.SWEEP_LOCK).write_text(f'{socket.gethostname()} {os.getppid()}')
+  said = []
   codes = sweep.run_all(runs, root=str(root), program=str(program), config='cfg',
-                        echo=lambda _: None)
+                        echo=said.append)
+  os.close(held)
   assert codes == {names[0]: 0, names[1]: sweep.RUNNING_ELSEWHERE, names[2]: 0}
+  assert f'[2/3] {names[1]}: another sweep process is running it, skipped' in said
   assert not (root / names[0] / 'calls.txt').exists()
   assert not (root / names[1] / 'calls.txt').exists()
   assert (root / names[1] / RunDir.SWEEP_LOCK).exists()  # not ours: left alone
@@ -1017,7 +1024,8 @@ def test_a_config_or_sweep_file_that_fails_is_one_line_naming_file_and_line(comm
 def test_a_run_lock_admits_one_sweep_process_and_dies_with_its_holder(tmp_path):
   """The LOCK of a run is an flock held by the sweep process running it: another process
   is refused while it lives and takes it once it is gone (also killed between creating the
-  file and writing its record: an empty LOCK); release removes it."""
+  file and writing its record: an empty LOCK); release removes it. A record of another
+  host is respected; a file system without flocks is refused."""
   workdir = str(tmp_path / 'run')
   os.makedirs(workdir)
   holder = subprocess.Popen(
@@ -1038,6 +1046,22 @@ def test_a_run_lock_admits_one_sweep_process_and_dies_with_its_holder(tmp_path):
   open(os.path.join(workdir, RunDir.SWEEP_LOCK), 'w').close()  # a holder killed before its record
   assert sweep.acquire(workdir)
   sweep.release(workdir)
+  # A record of another host's (a folder shared between hosts, which may not carry their
+  # flocks) is respected, and the skip says which file to remove once that sweep is gone.
+  lock = os.path.join(workdir, RunDir.SWEEP_LOCK)
+  with open(lock, 'w') as f:
+    f.write('another-host 12')
+  assert not sweep.acquire(workdir)
+  assert sweep.held_by(workdir) == (f'a sweep process on another-host is running it (remove '
+                                    f"{lock} if that host's sweep is gone)")
+  os.remove(lock)
+  # A file system without flocks: one line, not every run skipped as held elsewhere.
+  def no_locks(*_):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+  with mock.patch.object(sweep.fcntl, 'flock', no_locks), pytest.raises(
+      ValueError, match=f'{workdir} is on a file system that cannot lock files .*use a --root '
+                        'on a local disk, or a gs:// bucket'):
+    sweep.acquire(workdir)
 
 
 def test_a_float_fields_whole_number_is_one_run_however_it_is_written(tmp_path):

@@ -16,14 +16,17 @@ file whose `get_hyper(h)` combines these (after big_vision's convention):
 A run's workdir is `<root>/<name>`, the name its overrides in a fixed order
 (`model.variant=realformer,seed=1`); a run whose overrides a folder of the root already
 records (an earlier sweep that varied fewer keys) keeps that folder. Programs run from the
-repository root. A run that finished (DONE marker, written after the program exits 0, or a
-complete checkpoint at its train.num_steps) is skipped; one that was
-interrupted is started again in its workdir, where train.py / finetune.py resume from the
-newest checkpoint. A run another live sweep process is running (LOCK file holding its host and
-pid) is skipped too, so two sweeps over one root never write into the same workdir.
+repository root. A run that finished (is_done: a DONE marker, written after the program
+exits 0, a fine-tuning's results.json, or a complete checkpoint at its train.num_steps or
+past its time budget) is skipped; one that was interrupted is started again in its workdir,
+where train.py / finetune.py resume from the newest checkpoint. A run another live sweep
+process is running (its LOCK: an flock with the holder's host and pid, or in a bucket a
+leased object) is skipped too, so two sweeps over one root never write into the same
+workdir.
 """
 
 import csv
+import errno
 import fcntl
 import io
 import itertools
@@ -459,24 +462,16 @@ def is_done(workdir: str, run: Optional[Run] = None) -> bool:
   return spent.get(str(complete[-1]), 0.0) >= minutes * 60
 
 
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def acquire(workdir: str) -> bool:
-  """Takes <workdir>/LOCK (RunDir.SWEEP_LOCK) for this process; False while another live
-  process holds it.
+  """Takes <workdir>/LOCK (RunDir.SWEEP_LOCK) for this process; False while another sweep
+  process holds it (held_by says who).
 
   Locally the lock is an flock on LOCK, held while the run runs, with this host and pid
-  written in it: two sweep processes never both take it, and one that died lets go of it
-  with its process. A record naming another host is respected (remove it by hand when
-  that host is gone), as is one naming a live process here. In a bucket the lock is a
+  written in it: two sweep processes on a host never both take it, and one that died lets
+  go of it with its process (its record, whose pid may since be another process's, is
+  then overwritten). A record naming another host is respected: a folder shared between
+  hosts may not carry their flocks (remove the file by hand when that host's sweep is
+  gone). A file system without flocks is refused in one line. In a bucket the lock is a
   leased object (storage.Lease), taken over once its lease has expired.
   """
   if storage.is_url(workdir):
@@ -493,9 +488,13 @@ def acquire(workdir: str) -> bool:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # a live sweep process holds it
+    except OSError as e:
       os.close(fd)
-      return False
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # a live sweep process holds it
+        return False
+      raise ValueError(f'{workdir} is on a file system that cannot lock files '
+                       f'({os.strerror(e.errno)}), so two sweeps could run it at once; use a '
+                       '--root on a local disk, or a gs:// bucket') from None
     try:
       same = os.fstat(fd).st_ino == os.stat(path).st_ino
     except FileNotFoundError:
@@ -503,15 +502,30 @@ def acquire(workdir: str) -> bool:
     if same:
       break
     os.close(fd)  # its holder released (removed) it meanwhile: take the new one
-  host, _, pid = os.pread(fd, 256, 0).decode(errors='replace').strip().partition(' ')
-  if host and (host != socket.gethostname() or
-               (pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)))):
+  host = os.pread(fd, 256, 0).decode(errors='replace').strip().partition(' ')[0]
+  if host and host != socket.gethostname():
     os.close(fd)
     return False
   os.ftruncate(fd, 0)  # free: never held, or its process died
   os.pwrite(fd, f'{socket.gethostname()} {os.getpid()}'.encode(), 0)
   _LOCK_FDS[workdir] = fd
   return True
+
+
+def held_by(workdir: str) -> str:
+  """Who holds the run's lock that acquire did not take, in words."""
+  if storage.is_url(workdir):
+    return 'another sweep process is running it'
+  path = os.path.join(workdir, RunDir.SWEEP_LOCK)
+  try:
+    with open(path, encoding='utf-8', errors='replace') as f:
+      host = f.read(256).strip().partition(' ')[0]
+  except OSError:
+    host = ''
+  if host and host != socket.gethostname():
+    return (f'a sweep process on {host} is running it (remove {path} if that host\'s '
+            'sweep is gone)')
+  return 'another sweep process is running it'
 
 
 def release(workdir: str):
@@ -594,7 +608,7 @@ def run_all(runs: Sequence[Run], *, root: str, program: str, config: str,
       continue
     storage.path(workdir).mkdir(parents=True, exist_ok=True)
     if not acquire(workdir):
-      say('another sweep process is running it, skipped')
+      say(f'{held_by(workdir)}, skipped')
       codes[name] = RUNNING_ELSEWHERE
       continue
     # Again with the lock held: another sweep may have run it (or another run may have
