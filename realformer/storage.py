@@ -543,7 +543,7 @@ class GrowingFile:
     self._uploaded = time.monotonic()
     # What the object holds: the spool's first `_sent` bytes, at `_generation`, after
     # `_appends` composes (None: not written by this start, so the next upload is whole).
-    self._sent, self._generation, self._appends = 0, None, 0
+    self._sent, self._generation, self._appends = self._file.tell(), None, 0
 
   def write(self, data: Union[str, bytes]) -> None:
     if is_url(self.path) and isinstance(data, str):
@@ -609,6 +609,13 @@ class GrowingFile:
         absl_logging.warning('could not delete %s: %s', part.name, short(e))
     self._generation, self._appends = blob.generation, self._appends + 1
     return True
+
+  def unsent(self) -> bytes:
+    """What was written that the object does not hold yet (b'' for a local file)."""
+    if not is_url(self.path) or self._file.closed:
+      return b''
+    self._file.flush()
+    return os.pread(self._file.fileno(), self._file.tell() - self._sent, self._sent)
 
   def close(self) -> None:
     """Flushes (uploads) and closes; an upload that fails leaves the file open (its error

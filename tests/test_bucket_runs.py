@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from unittest import mock
 
@@ -240,6 +241,55 @@ def test_a_sweep_rooted_in_a_bucket_runs_resumes_and_summarizes_there(server, mo
   assert sweep_cli.main(args) == 0  # finished: skipped
   assert sweep_cli.main(['summarize', '--root', root, '--metrics', 'eval/loss']) == 0
   assert (storage.path(root) / 'summary.md').read_text().startswith('| n |')
+
+
+def test_a_sweep_runs_log_reaches_the_bucket_while_it_is_quiet_and_past_a_failed_upload(
+    server, tmp_path, monkeypatch, capfd):
+  """A run's log in a bucket: what the run printed reaches the object while it prints
+  nothing more (a long compile, a hung collective: the lines someone debugging it needs);
+  an upload that fails is said and its lines go with the next, and the run goes on; and
+  what cannot be uploaded at the end is kept in the sweep's own output."""
+  from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(sweep, 'LOG_UPLOAD_SECONDS', 0.2)
+  upload, failures = storage.GrowingFile._upload, []  # pylint: disable=protected-access
+
+  def failing_once(self):
+    if not failures:
+      failures.append(True)
+      raise exceptions.ServiceUnavailable('the bucket is busy')
+    upload(self)
+  monkeypatch.setattr(storage.GrowingFile, '_upload', failing_once)
+  go = tmp_path / 'go'
+  program = tmp_path / 'quiet.py'
+  program.write_text(f'import os, time\nprint("first", flush=True)\n'
+                     f'deadline = time.time() + 60\n'
+                     f'while not os.path.exists({str(go)!r}) and time.time() < deadline:\n'
+                     f'  time.sleep(0.05)\nprint("last", flush=True)\n')
+  url = f'{server.root}/quiet/log.txt'
+  result = []
+  thread = threading.Thread(target=lambda: result.append(
+      sweep._call_logged([sys.executable, str(program)], url)))  # pylint: disable=protected-access
+  thread.start()
+  seen, deadline = '', time.time() + 30
+  while 'first' not in seen and time.time() < deadline:
+    time.sleep(0.1)
+    with contextlib.suppress(FileNotFoundError):
+      seen = storage.path(url).read_text()
+  go.write_text('')
+  thread.join(60)
+  assert seen == 'first\n' and failures and result == [(0, False)]
+  assert storage.path(url).read_text() == 'first\nlast\n'
+  assert f'sweep: uploading {url} failed (503 the bucket is busy)' in capfd.readouterr().err
+  # The last upload fails for good: the bytes the object lacks go to the sweep's output.
+  def failing(_):
+    raise exceptions.ServiceUnavailable('gone')
+  monkeypatch.setattr(storage.GrowingFile, '_upload', failing)
+  go.unlink()
+  program.write_text('print("one more")\n')
+  assert sweep._call_logged([sys.executable, str(program)], url) == (0, False)  # pylint: disable=protected-access
+  assert (f'sweep: the last 9 bytes of {url} could not be uploaded (503 gone); they follow:\n'
+          'one more\n') in capfd.readouterr().err
+  assert storage.path(url).read_text() == 'first\nlast\n'
 
 
 def test_data_prepared_into_a_bucket_by_workers_on_hosts_matches_a_local_preparation(

@@ -33,6 +33,7 @@ import itertools
 import json
 import os
 import re
+import select
 import shlex
 import signal
 import socket
@@ -749,11 +750,16 @@ def record_overrides(root: str, runs: Sequence[Run], names: Sequence[str],
       storage.write_text(storage.join(root, name, RunDir.COMMAND), json.dumps(command_of))
 
 
+# How often a run's new output reaches its log in a bucket (while it prints, and while it
+# is quiet: a long compile, a hung collective).
+LOG_UPLOAD_SECONDS = 30.0
+
+
 def _call_logged(argv, log_path: str) -> Tuple[int, bool]:
   """Runs argv with its output appended to `log_path` (a local file the run writes itself;
-  in a bucket, through a local spool that this process uploads every 30 s while the run
-  runs and when it ends); returns (its exit code, whether this process was asked to stop
-  meanwhile). A SIGTERM or SIGINT (Ctrl-C) that this process gets is passed on to the run
+  in a bucket, through a local spool that this process uploads every LOG_UPLOAD_SECONDS
+  while the run runs and when it ends: _copy_to_bucket); returns (its exit code, whether
+  this process was asked to stop meanwhile). A SIGTERM or SIGINT (Ctrl-C) that this process gets is passed on to the run
   as SIGTERM, which saves and exits with the not-finished status; if this process dies
   without passing it on (kill -9), the run gets SIGTERM all the same (Linux's parent-death
   signal), so that no run trains on without its sweep, and a local log keeps its last
@@ -761,7 +767,8 @@ def _call_logged(argv, log_path: str) -> Tuple[int, bool]:
   local = not storage.is_url(log_path)
   if local:
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-  log = open(log_path, 'ab') if local else storage.GrowingFile(log_path, binary=True)
+  log = (open(log_path, 'ab') if local else
+         storage.GrowingFile(log_path, binary=True, upload_every=LOG_UPLOAD_SECONDS))
   stop = []
   try:
     with subprocess.Popen([sys.executable, '-c', _WITH_PARENT, str(os.getpid())] + argv,
@@ -776,15 +783,44 @@ def _call_logged(argv, log_path: str) -> Tuple[int, bool]:
       try:
         if local:
           proc.wait()
-        for line in proc.stdout or ():
-          log.write(line)
-          log.flush()
+        else:
+          _copy_to_bucket(proc.stdout, log)
       finally:
         for sig, handler in previous.items():
           signal.signal(sig, handler)
     return proc.returncode, bool(stop)
   finally:
-    log.close()
+    try:
+      log.close()
+    except Exception as e:  # pylint: disable=broad-except
+      if local or storage.fault(e) is None:
+        raise
+      tail = log.unsent()  # kept in the sweep's own output, which is not lost
+      sys.stderr.write(f'sweep: the last {len(tail)} bytes of {log_path} could not be '
+                       f'uploaded ({storage.short(e)}); they follow:\n'
+                       f'{tail.decode("utf-8", "replace")}\n')
+
+
+def _copy_to_bucket(out, log: storage.GrowingFile) -> None:
+  """A run's output (the pipe `out`) into its log in a bucket as it comes, uploaded also
+  while the run is quiet; an upload that fails (a storage fault) is said once and its
+  bytes go with the next (the spool keeps them), and the run goes on."""
+  said = False
+  while True:
+    if select.select([out], [], [], log.upload_every)[0]:
+      chunk = os.read(out.fileno(), 1 << 16)
+      if not chunk:
+        return
+      log.write(chunk)
+    try:
+      log.flush()
+    except Exception as e:  # pylint: disable=broad-except
+      if storage.fault(e) is None:
+        raise
+      if not said:
+        said = True
+        sys.stderr.write(f'sweep: uploading {log.path} failed ({storage.short(e)}); its lines '
+                         'are kept and sent with the next upload\n')
 
 
 # Run by a run's own interpreter before its program (this threaded process is never forked):
