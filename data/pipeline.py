@@ -377,7 +377,8 @@ def ensure_prepared(config, workdir: str, timeout_s: float = 6 * 3600,
   An existing preparation made with other settings is a clear error, never silently reused.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  prepared_dir = config.data.prepared_dir or f'{str(workdir).rstrip("/")}/{RunNames.DATA}'
+  prepared_dir = os.fspath(storage.path(  # (a local one absolute, ~ expanded)
+      config.data.prepared_dir or f'{str(workdir).rstrip("/")}/{RunNames.DATA}'))
   config_checks.check_lengths(config)
   metadata = storage.path(prepared_dir) / prepare_lib.METADATA
   made = not metadata.exists()

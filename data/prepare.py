@@ -288,7 +288,7 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
                        'calling script; call it under `if __name__ == "__main__":`')
   started = time.time()
   storage.check_location(out_dir, 'the prepared data folder')
-  out_dir = out_dir.rstrip('/')
+  out_dir = os.fspath(storage.path(out_dir)).rstrip('/')  # (a local one absolute, ~ expanded)
   tmp = tmp_dir(out_dir)  # the workers' results and failure notices, where process 0 finds them
   if process_count > 1:  # an earlier attempt's notices of this host's are not this one's
     for stale in [f'{process_index:05d}'] + (['gather'] if process_index == 0 else []):

@@ -350,7 +350,8 @@ def clock(beside: str) -> float:
   says. A local folder to hold it is made if it is not there."""
   beside = os.fspath(beside).rstrip('/')
   if not is_url(beside):
-    os.makedirs(os.path.dirname(os.path.abspath(beside)), exist_ok=True)
+    beside = os.fspath(path(beside))
+    os.makedirs(os.path.dirname(beside), exist_ok=True)
   probe = f'{beside}.clock-{uuid.uuid4().hex}'
   write_text(probe, '')
   try:
@@ -369,7 +370,7 @@ def mtime(p) -> float:
   if is_url(p):
     updated = _fs(p).info(p)['updated']
     return datetime.datetime.fromisoformat(updated.replace('Z', '+00:00')).timestamp()
-  return os.path.getmtime(p)
+  return os.path.getmtime(os.path.expanduser(p))
 
 
 def open_binary(p):

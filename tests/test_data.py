@@ -221,6 +221,20 @@ def prepared(tmp_path_factory):
   return config, str(root / 'shards'), metadata
 
 
+def test_a_prepared_folder_under_home_is_prepared_there(prepared, tmp_path, monkeypatch):
+  """data.prepared_dir='~/...' (a config file's, or --flag=~/... that no shell expands) is
+  the home folder's, as --workdir is, not a folder named ~ in the current one."""
+  config = prepared[0].copy_and_resolve_references()
+  config.data.prepared_dir = '~/shards'
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  (tmp_path / 'elsewhere').mkdir()
+  monkeypatch.chdir(tmp_path / 'elsewhere')
+  got = pipeline.ensure_prepared(config, str(tmp_path / 'workdir'))
+  assert got == str(tmp_path / 'home' / 'shards')
+  assert (tmp_path / 'home' / 'shards' / prepare.METADATA).exists()
+  assert not os.listdir(tmp_path / 'elsewhere')
+
+
 def batches(config, tok, prepared_dir, n, **kw):
   kw = dict(dict(global_batch_size=8, seed=3), **kw)
   it = pipeline.make_pretraining_iterator(config.data, tok, prepared_dir, **kw)
