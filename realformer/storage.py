@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import tempfile
 import threading
@@ -297,13 +298,17 @@ def write_bytes(p, data: bytes) -> epath.Path:
   p.parent.mkdir(parents=True, exist_ok=True)
   if is_url(p):
     p.write_bytes(data)
-  else:
-    tmp = p.parent / f'{p.name}.tmp-{os.getpid()}'
-    with open(tmp, 'wb') as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    tmp.replace(p)
+  else:  # (a temporary name of this write's own: another thread's may be under way)
+    tmp = p.parent / f'{p.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}'
+    try:
+      with open(tmp, 'wb') as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+      tmp.replace(p)
+    except BaseException:  # (a full disk: not a partial file left taking its space)
+      tmp.unlink(missing_ok=True)
+      raise
   return p
 
 
@@ -461,14 +466,18 @@ def _crc32c(local: str) -> str:
 
 
 def copy_tree(local_dir: str, dest) -> None:
-  """Copies the files under the local folder `local_dir` to the folder or URL `dest`."""
+  """Copies the files under the local folder `local_dir` to the folder or URL `dest`, each
+  streamed (an exported model's weights are not read into memory whole)."""
   dest = path(dest)
   for root, _, files in os.walk(local_dir):
     for name in files:
-      target = dest.joinpath(os.path.relpath(os.path.join(root, name), local_dir))
+      source = os.path.join(root, name)
+      target = dest.joinpath(os.path.relpath(source, local_dir))
       target.parent.mkdir(parents=True, exist_ok=True)
-      with open(os.path.join(root, name), 'rb') as f:
-        target.write_bytes(f.read())
+      if is_url(target):
+        upload(source, os.fspath(target))
+      else:
+        shutil.copyfile(source, target)
 
 
 # ---- Cloud Storage's own client (google-cloud-storage), for what gcsfs does not offer:

@@ -4,6 +4,7 @@ never restored; a model's worth of arrays round-trips; params-only checkpoints a
 round-trip through gs://. And the server itself keeps Cloud Storage's generation
 preconditions, which tensorstore and a lock object rely on."""
 
+import errno
 import json
 import os
 import re
@@ -392,6 +393,21 @@ def test_tensorstore_writes_to_the_endpoint_that_the_other_clients_use(monkeypat
   monkeypatch.setenv('TENSORSTORE_GCS_HTTP_URL', 'https://storage.googleapis.com/')
   storage.check_location('gs://bucket/run', '--workdir')
   assert os.environ['TENSORSTORE_GCS_HTTP_URL'] == 'https://storage.googleapis.com/'
+
+
+def test_a_local_write_that_fails_leaves_the_old_file_and_no_partial_one(tmp_path,
+                                                                          monkeypatch):
+  """write_text replaces a file whole; a write that fails (a full disk) leaves the old file
+  and no temporary beside it taking the space."""
+  target = tmp_path / 'config.json'
+  storage.write_text(target, 'old')
+
+  def full(_):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(storage.os, 'fsync', full)
+  with pytest.raises(OSError, match='No space left on device'):
+    storage.write_text(target, 'new')
+  assert os.listdir(tmp_path) == ['config.json'] and target.read_text() == 'old'
 
 
 def test_is_file_and_is_dir_in_a_bucket_and_on_disk(gcs, tmp_path):
