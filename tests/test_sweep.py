@@ -1021,6 +1021,22 @@ def test_a_config_or_sweep_file_that_fails_is_one_line_naming_file_and_line(comm
     assert re.fullmatch(f'error: .*{message}.*\n', proc.stderr), proc.stderr
 
 
+@pytest.mark.parametrize('text', ['{"seed": 0', '[0]'])
+def test_a_damaged_record_of_a_run_is_one_line_naming_it_wherever_it_is_read(tmp_path, text):
+  """A run's overrides.json that is not a JSON object (cut short, edited by hand): the same
+  line from the sweep's folder naming, its look at a folder, and its summary."""
+  root = tmp_path / 'sweep'
+  (root / 'seed=0').mkdir(parents=True)
+  (root / 'seed=0' / RunDir.OVERRIDES).write_text(text)
+  match = (r'seed=0/overrides.json is not readable JSON \(.*\); restore it \(the run\'s '
+           r'--config.<key>=<value> overrides\) or delete its folder')
+  for read in (lambda: sweep.folder_names(str(root), [{'seed': 0}]),
+               lambda: sweep.other_run(str(root / 'seed=0'), {'seed': 0}),
+               lambda: sweep.collect(str(root))):
+    with pytest.raises(ValueError, match=match):
+      read()
+
+
 def test_a_run_lock_admits_one_sweep_process_and_dies_with_its_holder(tmp_path):
   """The LOCK of a run is an flock held by the sweep process running it: another process
   is refused while it lives and takes it once it is gone (also killed between creating the

@@ -267,15 +267,30 @@ def program_and_config(program: str, config: str) -> Dict[str, str]:
   return {'program': os.path.basename(program), 'config': file + colon + arg}
 
 
+def read_overrides(workdir) -> Optional[Run]:
+  """The run <workdir>/overrides.json records (None: no such file); one line naming the
+  file and the fix where it is not a JSON object."""
+  path = storage.path(workdir) / RunDir.OVERRIDES
+  if not path.exists():
+    return None
+  try:
+    run = json.loads(path.read_text())
+    if not isinstance(run, dict):
+      raise ValueError(f'a JSON {type(run).__name__}, not an object')
+  except ValueError as e:
+    raise ValueError(f'{path} is not readable JSON ({e}); restore it (the run\'s '
+                     '--config.<key>=<value> overrides) or delete its folder') from None
+  return run
+
+
 def other_run(workdir: str, run: Run, command_of: Optional[Dict[str, str]] = None
               ) -> List[str]:
   """How the run recorded in `workdir` differs from `run`, key by key ([] if it does not),
   compared as the command-line text each value becomes (a run sees nothing else), and, given
   `command_of` (program_and_config), by its program and config file."""
-  path = storage.path(workdir) / RunDir.OVERRIDES
-  if not path.exists():
+  recorded = read_overrides(workdir)
+  if recorded is None:
     return []
-  recorded = json.loads(path.read_text())
   mine, theirs = _as_text(run), _as_text(recorded)
   differ = [f'{k} {recorded.get(k)!r} (asked {run.get(k)!r})'
             for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
@@ -715,9 +730,8 @@ def folder_names(root: str, runs: Sequence[Run], always: Sequence[str] = ()) -> 
   recorded, taken = {}, {}
   if storage.path(root).is_dir():
     for path in storage.path(root).iterdir():
-      try:
-        run = json.loads((path / RunDir.OVERRIDES).read_text())
-      except (OSError, ValueError):
+      run = read_overrides(path) if path.is_dir() else None
+      if run is None:
         continue
       recorded.setdefault(_canonical(run), path.name)
       taken[path.name] = run
@@ -974,14 +988,9 @@ def collect(root: str, metrics: Optional[Sequence[str]] = None) -> List[Dict[str
     raise FileNotFoundError(f'--root {root} is not a folder; pass the --root of a sweep')
   for name in sorted(p.name for p in storage.path(root).iterdir()):
     workdir = storage.join(root, name)
-    path = storage.path(workdir) / RunDir.OVERRIDES
-    if not path.exists():
+    run = read_overrides(workdir)
+    if run is None:
       continue
-    try:
-      run = json.loads(path.read_text())
-    except ValueError as e:
-      raise ValueError(f'{path} is not readable JSON ({e}); restore it (the run\'s '
-                       '--config.<key>=<value> overrides) or delete its folder') from None
     try:
       ran = json.loads((storage.path(workdir) / RunDir.COMMAND).read_text())
       ran = f'{ran["program"]} {ran["config"]}'

@@ -1,7 +1,9 @@
-"""One run per workdir, and a workdir that keeps describing its own checkpoints.
+"""One run per workdir, and a workdir that keeps describing its own checkpoints. A run holds
+its workdir through RunDir.hold (realformer/train/run_dir.py: the first two lines below),
+and the trainer writes the config once every check has passed:
 
     with workdir.Lock(path):                      # before anything is written
-      stored = workdir.check_resume_config(path, config, has_checkpoint)
+      changed = workdir.check_resume_config(path, config, has_checkpoint)
       ...                                         # every other check, the restore
       checkpoints.write_config(path, config)      # only then
 
