@@ -865,6 +865,25 @@ def test_checkpoints_that_cannot_be_listed_are_an_error_not_none(gcs, monkeypatc
     checkpoints.complete_steps(workdir)
 
 
+def test_a_checkpoint_in_a_bucket_that_refuses_is_a_refusal_not_a_missing_one(gcs,
+                                                                           monkeypatch):
+  """A bucket this user may not read (gcsfs answers is_dir() and is_file() False for a
+  refusal as for an absence): an init checkpoint or a fine-tuning's encoder there is the
+  service's refusal, which the command line reports as such, not "does not exist"."""
+  run = f'{gcs}/refused'
+  fs = storage._fs(run)  # pylint: disable=protected-access  (fsspec's instance, cached)
+
+  def refused(*_, **__):
+    raise OSError('Forbidden: the caller does not have storage.objects.get access')
+  for name in ('is_dir', 'is_file'):
+    monkeypatch.setattr(type(storage.path(run)), name, lambda self: False)
+  monkeypatch.setattr(fs, 'info', refused)
+  for read in (checkpoints.resolve_step_dir, checkpoints.read_pretraining_config):
+    with pytest.raises(OSError, match='Forbidden') as e:
+      read(run)
+    assert storage.fault(e.value) is not None
+
+
 def test_a_restart_over_an_uncommitted_step_in_a_bucket_starts_cleanly(gcs):
   """A kill during a run's first save in a bucket leaves the step's objects without their
   commit file: the next start deletes them before its manager lists the folder (orbax's

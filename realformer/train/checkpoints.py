@@ -100,12 +100,17 @@ def is_complete(step_dir) -> bool:
 
 def complete_steps(workdir) -> List[int]:
   """The finalized steps in <workdir>/checkpoints, oldest first (read-only; no manager)."""
-  root = storage.path(workdir) / RunNames.CHECKPOINTS
+  return _complete_steps_in(storage.path(workdir) / RunNames.CHECKPOINTS)
+
+
+def _complete_steps_in(folder) -> List[int]:
+  """The finalized steps in a folder of steps (an epath), oldest first; [] without it."""
   try:  # listed, not asked is_dir(): gcsfs answers False for a storage that does not answer,
-    entries = list(root.iterdir())  # which would read as "no checkpoint" (a restart from 0)
+    entries = list(folder.iterdir())  # which would read as "no checkpoint" (a restart from 0)
   except (FileNotFoundError, NotADirectoryError):
     return []
-  return sorted(int(d.name) for d in entries if d.name.isdigit() and is_complete(d))
+  return sorted(int(d.name) for d in entries
+                if re.fullmatch(r'[0-9]+', d.name) and is_complete(d))
 
 
 def has_complete_step(workdir) -> bool:
@@ -177,10 +182,10 @@ def read_pretraining_config(workdir: str) -> dict:
   fine-tuning run's best/ and final/), or of the run whose checkpoints/ folder or step
   folder `workdir` is, with a one-line error for anything else."""
   run = storage.path(workdir)
-  if not (run / RunNames.CONFIG).is_file():  # a run's checkpoints/ folder, or a step of it
+  if not storage.is_file(run / RunNames.CONFIG):  # a run's checkpoints/ folder, or a step
     run = owning_run(run) or run
   path = run / RunNames.CONFIG
-  if not path.is_file():
+  if not storage.is_file(path):
     if kind := _foreign(run):
       raise FileNotFoundError(_import_first(workdir, kind))
     raise FileNotFoundError(f'{workdir} has no {RunNames.CONFIG}: pass a workdir written by '
@@ -436,18 +441,18 @@ def _import_first(path, kind: str) -> str:
 
 def _step_folder(path):
   """(path, None) for a step dir; else (the folder of steps, its complete steps, oldest
-  first). A path that is neither is a FileNotFoundError."""
-  if (path / 'state').is_dir():
+  first). A path that is neither is a FileNotFoundError; a storage that refuses or does not
+  answer raises its own error (storage.is_dir), not that one."""
+  if storage.is_dir(path / 'state'):
     return path, None
-  if (path / RunNames.CHECKPOINTS).is_dir():
+  if storage.is_dir(path / RunNames.CHECKPOINTS):
     path = path / RunNames.CHECKPOINTS
-  if not path.is_dir():
+  if not storage.is_dir(path):
     if kind := _foreign(path):
       raise FileNotFoundError(_import_first(path, kind))
     raise FileNotFoundError(f'checkpoint {path} does not exist; pass a workdir, its '
                             f'checkpoints/ directory or a step directory')
-  return path, sorted(int(d.name) for d in path.iterdir()
-                      if re.fullmatch(r'\d+', d.name) and is_complete(d))
+  return path, _complete_steps_in(path)
 
 
 def restore_params(path: str, abstract_params: Any, *, subtree: Tuple[str, ...] = ()
