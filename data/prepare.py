@@ -356,14 +356,37 @@ def prepare(config, out_dir: str, tokenizer=None, overwrite: bool = True, *,
 
 
 class _single_host_lock:  # pylint: disable=invalid-name
-  """Concurrent preparations on one host take turns: an flock on the output's parent
-  directory (no lock file is left behind)."""
+  """Concurrent preparations on one host take turns: an flock on <staging>.lock, a file
+  opened for writing (a network file system's flock is a byte-range lock, which needs one:
+  on a folder it fails), removed by its holder as it lets go (a waiter that then holds the
+  removed file takes the new one). A file system without locks is one line."""
 
-  def __init__(self, tmp: str):
-    self._fd = os.open(os.path.dirname(os.path.abspath(tmp)), os.O_RDONLY)
-    fcntl.flock(self._fd, fcntl.LOCK_EX)
+  def __init__(self, staging: str):
+    self._path = staging.rstrip('/') + '.lock'
+    os.makedirs(os.path.dirname(self._path), exist_ok=True)
+    while True:
+      fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+      except OSError as e:
+        os.close(fd)
+        raise ValueError(f'{os.path.dirname(self._path)} is on a file system that cannot lock '
+                         f'files ({os.strerror(e.errno)}); prepare into a folder on a local '
+                         'disk, or a gs:// bucket') from None
+      try:
+        same = os.fstat(fd).st_ino == os.stat(self._path).st_ino
+      except FileNotFoundError:
+        same = False
+      if same:
+        break
+      os.close(fd)
+    self._fd = fd
 
   def close(self):
+    try:
+      os.unlink(self._path)
+    except FileNotFoundError:
+      pass
     os.close(self._fd)  # releases the lock
 
 

@@ -3,11 +3,14 @@ masking, prepared shards, and the deterministic, resumable, per-host stream. (Th
 and the sources have their own files: test_tokenizer.py, test_sources.py.)"""
 
 import collections
+import errno
+import fcntl
 import itertools
 import json
 import os
 import random
 import shutil
+import threading
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -450,6 +453,45 @@ def test_a_worker_that_saw_other_corpus_files_stops_the_gathering(tmp_path, monk
   monkeypatch.setattr(prepare, '_work', work_then_append)
   with pytest.raises(ValueError, match="worker 0 of 1 saw other settings or corpus files.*'files'"):
     prepare.prepare(config, str(tmp_path / 'data'), timeout_s=600)
+
+
+def test_a_preparation_takes_its_turn_by_a_lock_a_network_file_system_grants(
+    prepared, tmp_path, monkeypatch):
+  """Preparations on one host take turns through an flock, which a network file system
+  (NFS) grants as a byte-range lock only on a file open for writing (a workdir there holds
+  its data/); it leaves no lock file; a file system without locks is one line."""
+  real = fcntl.flock
+
+  def nfs_flock(fd, op):
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+      raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    return real(fd, op)
+  monkeypatch.setattr(prepare.fcntl, 'flock', nfs_flock)
+  config = prepared[0]
+  metadata = prepare.prepare(config, str(tmp_path / 'nfs' / 'data'))
+  assert metadata['counts'] == prepared[2]['counts']
+  assert os.listdir(tmp_path / 'nfs') == ['data']
+  # Two at once: the second waits for the first to let go (then takes the file anew).
+  staging = str(tmp_path / 'nfs' / 'data.tmp')
+  first, taken = prepare._single_host_lock(staging), threading.Event()  # pylint: disable=protected-access
+  second = []
+  thread = threading.Thread(target=lambda: (second.append(
+      prepare._single_host_lock(staging)), taken.set()))  # pylint: disable=protected-access
+  thread.start()
+  assert not taken.wait(0.5)
+  first.close()
+  assert taken.wait(30)
+  thread.join()
+  second[0].close()
+  assert os.listdir(tmp_path / 'nfs') == ['data']
+
+  def no_locks(*_):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+  monkeypatch.setattr(prepare.fcntl, 'flock', no_locks)
+  with pytest.raises(ValueError, match=f'{tmp_path}/nfs is on a file system that cannot lock '
+                                       'files .*; prepare into a folder on a local disk, or a '
+                                       'gs:// bucket'):
+    prepare.prepare(config, str(tmp_path / 'nfs' / 'again'))
 
 
 def test_failed_preparation_leaves_nothing_and_names_undecodable_lines(tmp_path, tok, caplog):
