@@ -419,8 +419,8 @@ def _worker_dir(tmp: str, worker: int) -> str:
 
 
 def staging_dir(url: str, process_index: int) -> str:
-  """The local folder where a process's workers write a preparation bound for `url` (its
-  parent, one per URL, is what concurrent preparations on one host take turns on)."""
+  """The local folder where a process's workers write a preparation bound for `url` (one
+  per URL and process: concurrent preparations on one host take turns on its .lock)."""
   return os.path.join(storage.cache_dir('prepared'), storage.cache_key(url) + '.staging',
                       f'process-{process_index:05d}')
 
@@ -685,6 +685,8 @@ def _gather(config, tokenizer, tmp: str, out_dir: str, total: int, overwrite: bo
     return _gather_objects(config, tokenizer, tmp, out_dir, total, overwrite, started)
   fp = fingerprint(config)
   results = [_done(tmp, i, total, fp) for i in range(total)]
+  if any(r is None for r in results):  # another preparation gathered them meanwhile
+    return read_metadata(out_dir)  # (or says that nothing was made)
   gathered = os.path.join(tmp, 'gathered')
   shutil.rmtree(gathered, ignore_errors=True)  # a gathering that was cut short
   os.makedirs(gathered)
