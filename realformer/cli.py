@@ -174,6 +174,32 @@ def _config_code_error(e: BaseException) -> str:
 _HELP = ('-h', '--help', '--helpshort', '--helpfull')
 
 
+def _config_file_of(argv) -> Optional[str]:
+  """The path of argv's --config file (without its ':<args>'), or None."""
+  given = [a.partition('=')[2] if a.startswith('--config=') else argv[i + 1]
+           for i, a in enumerate(argv) if a == '--config' and i + 1 < len(argv)
+           or a.startswith('--config=')]
+  return os.path.realpath(given[-1].partition(':')[0]) if given else None
+
+
+def _config_file_mistake(e: BaseException, argv) -> Optional[str]:
+  """Where `e` was raised in the code of argv's --config file (get_config's own mistake: a
+  field the locked config does not have, a name a module does not have), its one line,
+  at the file's line; else None (a mistake of the command line's)."""
+  config_file = _config_file_of(argv)
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if config_file and os.path.realpath(f.filename) == config_file]
+  if not frames:
+    return None
+  where = f'{frames[-1].filename}, line {frames[-1].lineno}'
+  text = str(e)
+  m = re.search(r'Key "(\w+)" does not exist.*?Did you mean "(\w+)"', text, re.S)
+  why = (f'the config has no field {m.group(1)!r} (did you mean {m.group(2)!r}?)' if m else
+         f'{type(e).__name__}: {" ".join(text.split())[:300]}')
+  return (f'the --config file failed ({where}): {why}; fix the file (--verbose_errors shows '
+          'the traceback)')
+
+
 def parse_flags(argv):
   """flags_parser for absl's app.run. A --config file that cannot be read is reported
   here: ml_collections defers that error to the config's first use. While flags are
@@ -197,6 +223,9 @@ def parse_flags(argv):
   except AttributeError as e:
     if verbose:
       raise
+    mistake = _config_file_mistake(e, argv)  # (not an unknown key of an override)
+    if mistake:
+      fail(mistake)
     if re.search(r'has no attribute .?get_config', str(e)):
       fail('the --config file defines no get_config(); give a config file such as '
            'configs/pretrain.py:<variant>,<size>')
@@ -204,6 +233,9 @@ def parse_flags(argv):
   except _ERRORS as e:
     if verbose:
       raise
+    mistake = isinstance(e, KeyError) and _config_file_mistake(e, argv)
+    if mistake:
+      fail(mistake)
     if 'before a value for --config was specified' in str(e):  # (ml_collections' order)
       fail(f'{_one_line(e)}; give --config <file> before its --config.<key> overrides')
     fail(_one_line(e))

@@ -1063,13 +1063,22 @@ def assert_one_line_error(returncode: int, stderr: str, expected: str) -> None:
 
 
 def test_a_config_file_that_fails_to_load_is_one_line(commands, tmp_path):
-  """The --config file is the user's own code: a syntax error, an exception in get_config,
-  no get_config at all, or a folder given for it."""
+  """The --config file is the user's own code: a syntax error, an exception in get_config
+  (a field the locked config lacks and a name a module lacks are the file's mistakes at its
+  line, not unknown keys of the command line), no get_config at all, or a folder given."""
   (tmp_path / 'broken.py').write_text('def get_config(:\n  pass\n')
   (tmp_path / 'raising.py').write_text('def get_config():\n  return 1 / 0\n')
   (tmp_path / 'empty.py').write_text('x = 1\n')
+  (tmp_path / 'misspelt.py').write_text('from configs import pretrain\ndef get_config():\n'
+                                        '  c = pretrain.get_config("postln,tiny")\n'
+                                        '  c.model.max_lne = 5\n  return c\n')
+  (tmp_path / 'no_name.py').write_text('import math\ndef get_config():\n  return math.sqr(4)\n')
   for name, expected in (('broken.py', 'broken.py, line 1): SyntaxError: invalid syntax'),
                          ('raising.py', 'raising.py, line 2): ZeroDivisionError'),
+                         ('misspelt.py', "misspelt.py, line 4): the config has no field "
+                                         "'max_lne' (did you mean 'max_len'?); fix the file"),
+                         ('no_name.py', "no_name.py, line 3): AttributeError: module 'math' "
+                                        "has no attribute 'sqr'; fix the file"),
                          ('empty.py', 'defines no get_config()'),
                          ('', 'cannot load the --config file: Is a directory')):
     proc = commands.run(['train.py', f'--workdir={tmp_path}/w', f'--config={tmp_path / name}'])
