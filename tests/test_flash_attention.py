@@ -464,9 +464,9 @@ def test_the_tiling_benchmark_times_every_tiling_it_checks(tmp_path):
 
 
 def test_default_tilings_fit_the_shared_memory_of_the_gpu_compiled_for(monkeypatch):
-  """The tuned tiles on Hopper, smaller ones where a GPU's blocks have less shared memory
-  (each choice compiled for such a GPU: tests/test_launch.py, BENCHMARKS.md); the device is
-  the one compiling_for names, else jax's."""
+  """The tuned tiles on Hopper, smaller ones where a GPU's blocks have less shared memory or
+  a row has more bytes (each choice compiled for such a GPU: tests/test_launch.py,
+  BENCHMARKS.md); the device is the one compiling_for names, else jax's."""
   tuned = flash_lib.default_tilings(512, 512)
   assert tuned == flash_lib.default_tilings(512, 512, 2, True, flash_lib.HOPPER_SHARED_MEMORY)
   assert flash_lib.default_tilings(512, 512, 4, True).dkv.num_stages == 2  # 270 KiB at 3
@@ -479,6 +479,19 @@ def test_default_tilings_fit_the_shared_memory_of_the_gpu_compiled_for(monkeypat
   assert max(t.block_c for t in (small.forward, small.dkv, small.dq)) == 16
   # Shorter lengths keep their smaller blocks: never larger than the length asks.
   assert flash_lib.default_tilings(40, 40, 4, True, a100).forward.block_q == 16
+  # A row's bytes decide (an H100 asked 243,200 bytes of 232,448 for RealFormer's bfloat16
+  # heads of 128 at the tuned tiles): bfloat16 heads of 128 are float32's of 64; float32's
+  # of 128 take the next class's tiles (in one stage below Hopper).
+  hopper = flash_lib.HOPPER_SHARED_MEMORY
+  for term in (False, True):
+    assert (flash_lib.default_tilings(512, 512, 2, term, hopper, head_dim=128) ==
+            flash_lib.default_tilings(512, 512, 4, term, hopper))
+    assert (flash_lib.default_tilings(512, 512, 4, term, hopper, head_dim=128) ==
+            flash_lib.default_tilings(512, 512, 4, term, a100))
+    assert {t.num_stages for t in (lambda x: (x.forward, x.dkv, x.dq))(
+        flash_lib.default_tilings(512, 512, 4, term, a100, head_dim=128))} == {1}
+    assert (flash_lib.default_tilings(512, 512, 2, term, hopper, head_dim=32) ==
+            flash_lib.default_tilings(512, 512, 2, term, hopper))  # (64's: as tuned)
 
   class Gpu:
     platform, compute_capability = 'gpu', '8.0'

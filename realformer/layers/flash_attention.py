@@ -668,7 +668,7 @@ def shared_memory_here() -> int:
 
 
 def default_tilings(q_len: int, k_len: int, itemsize: int = 2, term: bool = False,
-                    shared_memory: int = HOPPER_SHARED_MEMORY) -> Tilings:
+                    shared_memory: int = HOPPER_SHARED_MEMORY, head_dim: int = 64) -> Tilings:
   """64 queries and 4 x 32 keys a step where the lengths allow, smaller blocks where those
   would pad much (a fine-tuning bucket of 40 queries: 16 queries); the dQ kernel takes 4 x 16
   keys a step; 4 warps and 3 pipeline stages each: one tiling for both of pretraining's
@@ -682,7 +682,10 @@ def default_tilings(q_len: int, k_len: int, itemsize: int = 2, term: bool = Fals
   dK/dV kernel in 2 stages for float32 with a term; on the A100's 163 KiB, 2 stages of it
   with a term, and for float32 2 stages everywhere and 32-query dK/dV blocks; below that
   (99 KiB), 2 stages and 32-query dK/dV blocks, and for float32 32-query blocks and 16-key
-  blocks everywhere."""
+  blocks everywhere. The tiles grow with a row's bytes, itemsize x head_dim: bfloat16 heads
+  of 128 take float32's choices at heads of 64; float32 heads of 128 on Hopper the A100's,
+  below Hopper the 99 KiB class's in one stage (each compiled for an H100 and an A100, with
+  and without a term: tools/launch.py's GPU targets)."""
   block_q = _least_padding(q_len, (64, 32, 16))
   block_c = _least_padding(-(-k_len // 4), (32, 16))
   tuned = Tilings(forward=Tiling(block_q, block_c, 4, 3), dkv=Tiling(block_q, block_c, 4, 3),
@@ -690,7 +693,14 @@ def default_tilings(q_len: int, k_len: int, itemsize: int = 2, term: bool = Fals
 
   def shrink(t: Tiling, q: int = 64, c: int = 32, stages: int = 3) -> Tiling:
     return Tiling(min(t.block_q, q), min(t.block_c, c), t.num_warps, min(t.num_stages, stages))
-  wide = itemsize >= 4
+  width = itemsize * max(head_dim, 64) // 64  # a row's bytes, as q's itemsize at heads of 64
+  wide = width >= 4
+  if width >= 8:  # (twice float32's rows at heads of 64: the class below's tiles)
+    if shared_memory < HOPPER_SHARED_MEMORY:
+      least = default_tilings(q_len, k_len, 4, term, min(SHARED_MEMORY.values()))
+      return Tilings(*(dataclasses.replace(t, num_stages=1)
+                       for t in (least.forward, least.dkv, least.dq)))
+    shared_memory = SHARED_MEMORY[8, 0]
   if shared_memory >= HOPPER_SHARED_MEMORY:
     return dataclasses.replace(tuned, dkv=shrink(tuned.dkv, stages=2)) if wide and term else tuned
   if shared_memory >= SHARED_MEMORY[8, 0]:
@@ -737,7 +747,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   q, k, dot = operand_slots(q, k, v, term)
   tilings = tilings or default_tilings(q.shape[1], k.shape[1], q.dtype.itemsize,
                                        term is not None or scores_dtype is not None,
-                                       shared_memory_here())
+                                       shared_memory_here(), v.shape[-1])
   ops, d = kernel_inputs(q, k, v, key_bias, dropout_rate, dropout_key, offsets, tilings,
                          term, logit_scale, scores_dtype is not None, dot)
   out, scores = _flash_program(ops, (d, tilings, interpret, scores_dtype))
