@@ -72,6 +72,9 @@ def check_counts(tc) -> None:
   """One-line errors for a step count or a cadence that cannot be (not positive), before
   the run directory is written."""
   fields = ['num_steps', 'log_every_steps', 'checkpoint_every_steps']
+  if int(tc.eval_steps) < 0:
+    raise ValueError(f'train.eval_steps={tc.eval_steps}: give the evaluation\'s number of '
+                     'batches (0 turns evaluation off)')
   if tc.eval_steps > 0:
     fields.append('eval_every_steps')
   for name in fields:
@@ -89,7 +92,10 @@ def check_counts(tc) -> None:
 
 
 def check_accumulation(batch_size: int, grad_accum_steps: int) -> None:
-  if grad_accum_steps < 1 or batch_size % grad_accum_steps:
+  if grad_accum_steps < 1:
+    raise ValueError(f'train.grad_accum_steps={grad_accum_steps}: give a positive number of '
+                     'microbatches (1: none), a divisor of train.batch_size')
+  if batch_size % grad_accum_steps:
     raise ValueError(f'train.grad_accum_steps={grad_accum_steps} does not divide '
                      f'train.batch_size={batch_size}; pick a divisor of the batch size')
 

@@ -591,8 +591,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
     raise ValueError('flash_attention with dropout needs dropout_key')
   q, k, dot = operand_slots(q, k, v, term)
   block = tile_for(q.shape[1], k.shape[1]) if block is None else block
-  if block % _LANES:
-    raise ValueError(f'flash attention on a TPU: block={block} is not a multiple of 128')
+  if block % _LANES or not _LANES <= block <= MAX_TILE:
+    raise ValueError(f'flash attention on a TPU: block={block}; give a multiple of 128 up to '
+                     f'{MAX_TILE}')
   batch, q_len, heads, head_dim = q.shape
   k_len = k.shape[1]
   if term is not None and (term.ndim != 4 or term.shape[0] not in (1, batch)
