@@ -80,7 +80,7 @@ class Tokenizer:
       except ImportError as e:
         raise ValueError(f'tokenizer {path!r} is a WordPiece vocab.txt, which needs '
                          f'data/wordpiece.py ({e}); use a sentencepiece .model') from None
-      return wordpiece.WordPieceTokenizer.load(path)
+      return wordpiece.WordPieceTokenizer.load(path, check_case=True)
     processor = spm.SentencePieceProcessor()
     try:
       processor.load(path)

@@ -89,6 +89,13 @@ def read_normalization(directory: str) -> dict:
   return settings
 
 
+def capitalised(pieces: List[str]) -> Tuple[List[str], bool]:
+  """The pieces with capitals (not [CLS], <S>, ...), and whether they are so many that the
+  vocabulary is a cased one (lower-cased input would never reach them)."""
+  capitals = [p for p in pieces if p != p.lower() and p[:1] + p[-1:] not in ('[]', '<>')]
+  return capitals, len(capitals) > max(20, len(pieces) // 200)
+
+
 class WordPieceTokenizer:
   """A WordPiece vocabulary (one piece per line; the line number is the id)."""
 
@@ -118,11 +125,15 @@ class WordPieceTokenizer:
     self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
 
   @classmethod
-  def load(cls, path: str, do_lower_case: Optional[bool] = None) -> 'WordPieceTokenizer':
+  def load(cls, path: str, do_lower_case: Optional[bool] = None,
+           check_case: bool = False) -> 'WordPieceTokenizer':
     """Reads a vocab.txt (UTF-8, one piece per line).
 
     do_lower_case: False for cased vocabularies (e.g. bert-base-cased); None reads it from
-    an HF `tokenizer_config.json` beside the vocab.txt (the imports write one), else True.
+    an HF `tokenizer_config.json` beside the vocab.txt (the imports write one), else True;
+    with `check_case` (a run's config.data.tokenizer; the imports check their --cased
+    themselves) a cased vocabulary (capitalised) that nothing says is cased, which
+    lower-cased input would never reach, is a one-line error naming the file to add.
     strip_accents and tokenize_chinese_chars are read from that file too (BertTokenizer's
     defaults without it).
     """
@@ -140,6 +151,15 @@ class WordPieceTokenizer:
                        'with the checkpoint') from None
     while pieces and not pieces[-1]:  # a trailing blank line is not a piece
       pieces.pop()
+    config = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG)
+    if (check_case and do_lower_case is None and settings['do_lower_case']
+        and not os.path.isfile(config)):
+      capitals, cased = capitalised(pieces)
+      if cased:
+        raise ValueError(f'{path} holds {len(capitals)} pieces with capitals (e.g. '
+                         f'{capitals[:3]}), a cased vocabulary, which BERT\'s default '
+                         f'lower-casing would never reach; put a {TOKENIZER_CONFIG} with '
+                         '{"do_lower_case": false} beside it (as a cased checkpoint ships)')
     return cls(pieces, path=path, **settings)
 
   @property

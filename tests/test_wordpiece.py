@@ -163,6 +163,21 @@ def test_special_ids_are_looked_up_by_string(tmp_path):
 def test_casing_from_tokenizer_config(tmp_path):
   path = write_vocab(tmp_path, TINY + ['Hello'])
   assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['hello']
+  # A cased vocabulary (many capitals) without the file that says so: lower-cased input
+  # would never reach its capitals (bert-base-cased's vocab.txt copied alone), refused.
+  cased = write_vocab(tmp_path, TINY + [w.capitalize() for w in
+                                        'paris london rome berlin madrid vienna oslo bern '
+                                        'lisbon dublin prague warsaw athens sofia riga '
+                                        'vilnius tallinn helsinki kyiv minsk valletta'.split()],
+                      name='cased.txt')
+  with pytest.raises(ValueError, match=r"cased.txt holds 21 pieces with capitals \(e.g. "
+                     r"\['Paris', 'London', 'Rome'\]\), a cased vocabulary.*put a "
+                     r'tokenizer_config.json with \{"do_lower_case": false\} beside it'):
+    tokenizer_lib.Tokenizer.load(cased)  # (config.data.tokenizer's)
+  assert wordpiece.WordPieceTokenizer.load(cased, do_lower_case=False).tokenize('Paris') == [
+      'Paris']  # (asked for: either way)
+  assert wordpiece.WordPieceTokenizer.load(cased, do_lower_case=True).tokenize('Paris') == [
+      '[UNK]']
   (tmp_path / 'tokenizer_config.json').write_text('{"do_lower_case": false}')
   assert wordpiece.WordPieceTokenizer.load(path).tokenize('Hello') == ['Hello']
   # BERT's tokenizer, fast or not, is read; another (MeCab's, or without the basic split)

@@ -444,12 +444,9 @@ def _local_files(folder: str, keep: Callable[[str], bool]) -> str:
 
 
 def _capitals(vocab: str) -> Tuple[List[str], bool]:
-  """The pieces of a vocab.txt with capitals (not [CLS], <S>, ...), and whether they are
-  so many that it is a cased vocabulary (lower-cased input would never reach them)."""
+  """wordpiece.capitalised of a vocab.txt's pieces."""
   with open(vocab, encoding='utf-8', errors='replace') as f:
-    pieces = [line.rstrip('\n') for line in f]
-  capitals = [p for p in pieces if p != p.lower() and p[:1] + p[-1:] not in ('[]', '<>')]
-  return capitals, len(capitals) > max(20, len(pieces) // 200)
+    return wordpiece.capitalised([line.rstrip('\n') for line in f])
 
 
 def _check_vocab(vocab: str, do_lower_case: bool) -> None:
