@@ -20,6 +20,7 @@ example.
 """
 
 import dataclasses
+import re
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -72,8 +73,10 @@ def read(path: str) -> List[Sentence]:
     raise ValueError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert it to '
                      'UTF-8 (CoNLL-2003\'s German files are Latin-1: iconv -f latin1 -t utf8)'
                      ) from None
-  for number, line in enumerate(text.splitlines(), 1):
-    columns = line.split()
+  # Lines end at \n alone and columns part at spaces and tabs alone (str.splitlines and
+  # str.split also break at U+0085, U+2028, a no-break space, ... inside a word).
+  for number, line in enumerate(text.split('\n'), 1):
+    columns = [c for c in re.split(r'[ \t]+', line.rstrip('\r')) if c]
     if not columns or columns[0] == '-DOCSTART-':
       if words:
         sentences.append(Sentence(words, tags, first, document))

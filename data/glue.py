@@ -178,6 +178,8 @@ def read_tsv(task_name, data_dir: str, split: str,
   def usable(row, line, width, names) -> bool:
     if len(row) >= width:
       return True
+    if not row:  # a blank line (a file's last ones, often): no example, as HF's loader reads
+      return False
     if not skip_malformed:
       how = ('fix the row, or set config.skip_malformed_rows=True to skip such rows'
              if split == 'train' else 'fix the row (config.skip_malformed_rows skips training '

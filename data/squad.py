@@ -51,8 +51,8 @@ class Example:
 
   @property
   def aligned(self) -> bool:
-    """Whether a training target can be taken: unanswerable, or the first answer stands at
-    its answer_start in the context."""
+    """Whether a training target can be taken: unanswerable, or the first answer (not
+    blank) stands at its answer_start in the context."""
     return self.is_impossible or self.start_word >= 0
 
 
@@ -79,14 +79,15 @@ def split_words(context: str) -> Tuple[List[str], List[int]]:
 def make_example(qid: str, question: str, context: str, answers: Sequence[str],
                  answer_starts: Sequence[int]) -> Example:
   """One question; answers/answer_starts are empty for an unanswerable (v2.0) question.
-  A first answer that is not at its answer_start leaves the example without a training
-  target (`aligned` False): evaluation reads only the answers' texts, and featurize leaves
-  such a question out of training, as BERT's run_squad does."""
+  A first answer that is not at its answer_start, or is blank (no word to point at), leaves
+  the example without a training target (`aligned` False): evaluation reads only the
+  answers' texts, and featurize leaves such a question out of training, as BERT's run_squad
+  does."""
   words, char_to_word = split_words(context)
   ex = Example(qid, question, context, words, list(answers))
   if answers:
     text, start = answers[0], answer_starts[0]
-    if context[start:start + len(text)] != text:
+    if context[start:start + len(text)] != text or not text.strip():
       return ex
     ex.answer_text, ex.answer_start = text, start
     # the words of its first and last non-space characters (an answer may start or end

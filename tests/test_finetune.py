@@ -72,6 +72,10 @@ def test_malformed_glue_rows_name_file_and_line(tmp_path, caplog):
   examples = glue.read_tsv('rte', str(tmp_path), 'train', skip_malformed=True)
   assert [e.guid for e in examples] == ['0', '2']
   assert 'skipped 1 malformed rows' in caplog.text and 'lines 3' in caplog.text
+  # Blank lines (a file's last ones, often) are no rows, as Hugging Face's loader reads them.
+  (rte / 'dev.tsv').write_text('index\tsentence1\tsentence2\tlabel\n'
+                               '0\tA man.\tA person.\tentailment\n\n\n')
+  assert [e.guid for e in glue.read_tsv('rte', str(tmp_path), 'dev')] == ['0']
   cola = tmp_path / 'CoLA'
   cola.mkdir()
   (cola / 'train.tsv').write_text('gj04\t1\t\tGood.\ngj04\t0\n')  # CoLA: was IndexError
@@ -362,7 +366,7 @@ def test_a_task_of_ones_own_from_tsv_files(pretrained, tmp_path):
       4, 4, 1, 32)
   config.mesh.data, config.mesh.tensor = 1, -1
   config.tsv.text, config.tsv.label = 'text', 'topic'
-  config.tsv.labels, config.tsv.metric = 'world,sports,science', 'macro_f1'
+  config.tsv.labels, config.tsv.metric = 'world, sports, science', 'macro_f1'  # (as written)
   summary = run(config, str(tmp_path / 'ft'))
   assert set(summary['dev']['topics']) == {'accuracy', 'macro_f1', 'majority_accuracy',
                                            'majority_macro_f1'}

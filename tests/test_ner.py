@@ -113,6 +113,10 @@ def test_the_reader_and_the_labels_say_what_is_wrong(tmp_path):
   with pytest.raises(ValueError, match=r"train.txt, line 4: tag 'B-GPE' of 'Ohio' is not among "
                                        r'the labels \(O,B-PER,.*\); add it to config.ner.labels'):
     conll.label_ids(sentences, conll.CONLL2003_LABELS, str(path))
+  # Lines end at \n alone, columns part at spaces and tabs alone: a word may hold U+0085 or a
+  # no-break space (str.splitlines and str.split broke it into a word without its tag).
+  path.write_bytes('said\x85 O\r\nNew\xa0York B-LOC\n'.encode('utf-8'))
+  assert conll.read(str(path))[0].words == ['said\x85', 'New\xa0York']
   path.write_text('\ufeffLincoln S-PER\n')  # (a byte-order mark: not part of the word)
   sentences = conll.read(str(path))
   assert sentences[0].words == ['Lincoln']

@@ -350,7 +350,8 @@ def test_a_malformed_squad_file_names_the_entry(tmp_path):
 
 def test_a_training_answer_away_from_its_answer_start_is_left_out_as_bert_does(caplog):
   """An answer whose answer_start does not point at it gives no training target: that
-  question is left out of training and counted (BERT's run_squad: "Could not find answer");
+  question is left out of training and counted (BERT's run_squad: "Could not find answer"),
+  as is a blank answer;
   evaluation reads only the answers' texts, so a dev file with such an offset still scores.
   A training file where no answer is at its offset is not SQuAD: one line."""
   tok = tokenizer_lib.Tokenizer.load(tokenizer_lib.EMBEDDED_TOKENIZER)
@@ -358,6 +359,8 @@ def test_a_training_answer_away_from_its_answer_start_is_left_out_as_bert_does(c
   good = squad.make_example('good', 'Which city?', context, ['Paris'], [context.index('Paris')])
   bad = squad.make_example('bad', 'Which city?', context, ['Rome'], [3])
   assert good.aligned and not bad.aligned and bad.answers == ['Rome']
+  for blank in ('', ' '):  # at its offset, yet no word to point at (it targeted word 0 on)
+    assert not squad.make_example('blank', 'Which city?', context, [blank], [3]).aligned
   none = squad.make_example('none', 'Which city?', context, [], [])
   kw = dict(max_seq_length=48, doc_stride=16, max_query_length=12)
   with caplog.at_level('WARNING'):

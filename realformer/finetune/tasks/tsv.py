@@ -21,8 +21,8 @@ def tsv_task(config) -> glue.Task:
     raise ValueError(f'tsv/{config.task}: set config.data_dir to the folder of its train.tsv '
                      'and dev.tsv (test.tsv optional)')
   t = config.tsv
-  return glue.local_task(config.task, t.text.split(','), t.label,
-                         [x for x in t.labels.split(',') if x], t.metric)
+  return glue.local_task(config.task, [x.strip() for x in t.text.split(',')], t.label.strip(),
+                         [x.strip() for x in t.labels.split(',') if x.strip()], t.metric)
 
 
 @register('tsv')
