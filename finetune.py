@@ -19,7 +19,7 @@ Batches are padded to a few length buckets chosen from the data, not to max_seq_
 (data/buckets.py; config.length_buckets=0 turns it off). Outputs: metrics.jsonl (train loss,
 throughput, dev metrics per epoch), results.json (the final and the best dev metrics) and
 predictions/<Task>.tsv (GLUE submission format, from the final params; SQuAD:
-predictions/predictions.json of dev, plus null_odds.json for v2.0).
+predictions/predictions.json of dev, plus null_odds.json and predictions_raw.json for v2.0).
 The program is flags -> the task of the config's kind (realformer/finetune/tasks/<kind>.py)
 -> the trainer that pretraining uses too (realformer/train/trainer.py). The grid of the
 paper's practice: `python -m realformer.tools.finetune_grid` (see its docstring). A mistake

@@ -268,6 +268,12 @@ def test_squad_v2_end_to_end(pretrained, tmp_path):
     assert metrics[key] == pytest.approx(written[key]), key
   null_odds = json.load(open(os.path.join(workdir, 'predictions', 'null_odds.json')))
   assert set(null_odds) == set(answers)
+  # best_exact and best_f1 are what the script gives the answers before any nulling, with
+  # the null odds (predictions.json's nulled answers would give less).
+  raw = json.load(open(os.path.join(workdir, 'predictions', 'predictions_raw.json')))
+  swept = fm.squad_v2({ex.qid: ex.answers for ex in _examples(version)}, raw, null_odds)
+  for key in ('best_exact', 'best_f1', 'best_f1_thresh'):
+    assert metrics[key] == pytest.approx(swept[key], abs=1e-3), key
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   assert any(r['split'] == 'dev_squad' and 'best_f1_thresh' in r for r in records)
   # The finished run evaluated again with every window padded to max_seq_length: the same

@@ -4,7 +4,9 @@ official v1.1 / v2.0 metrics, as a FinetuneTask.
 
 Data: config.data_dir holds {train,dev}-v1.1.json or -v2.0.json, or `hf:<dataset>` reads
 Hugging Face's copy, or empty reads tfds squad. SQuAD's test sets are hidden: the prediction
-files are of dev (predictions/predictions.json, and null_odds.json for v2.0).
+files are of dev (predictions/predictions.json; for v2.0 also null_odds.json and
+predictions_raw.json, the answers before the null threshold, with which the official script
+reproduces best_exact and best_f1).
 """
 
 import json
@@ -117,6 +119,7 @@ class SquadTask(FinetuneTask):
         n_best_size=c.n_best_size, max_answer_length=c.max_answer_length,
         version_2=self.version_2)
     golds = {ex.qid: ex.answers for ex in self.dev}
+    self.raw_answers = answers
     if not self.version_2:
       self.answers, self.null_diff = answers, {}
       return {'squad': finetune_metrics.squad_v1(golds, answers)}
@@ -140,8 +143,11 @@ class SquadTask(FinetuneTask):
 
     def write():
       storage.write_text(f'{out_dir}/predictions.json', json.dumps(self.answers, indent=1))
-      if self.version_2:
+      if self.version_2:  # (evaluate-v2.0.py dev.json predictions_raw.json --na-prob-file
+        # null_odds.json: best_exact, best_f1 and their thresholds, as results.json's)
         storage.write_text(f'{out_dir}/null_odds.json', json.dumps(self.null_diff, indent=1))
+        storage.write_text(f'{out_dir}/predictions_raw.json',
+                           json.dumps(self.raw_answers, indent=1))
     distributed.on_process_zero(write, f'write the predictions to {out_dir}')
 
   def dev_headline(self, dev) -> float:
