@@ -125,7 +125,7 @@ def run(args):
 
 def rejudged(r):
   """A stored cell judged against the usable HBM (launch.USABLE_HBM_GIB; the cells of
-  2026-11-24 were judged against the nominal HBM_GIB). A compile whose total is above the
+  2026-11-24 were judged against the nominal HBM of Google's tables). A compile whose total is above the
   usable figure does not fit: the reference batch becomes "no", and a largest batch found
   above it becomes the smallest known not to fit, the reference (if it fits) the largest
   known to."""

@@ -295,8 +295,8 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
                 *refs, d):
   """One block of 4 x block_c keys against every query. dK and dV are accumulated
   transposed, [D, block_c], so that their dots' first dimension is D (64), not block_c.
-  With a term, the gradient of the logits before scaling (own + term, plus the incoming
-  gradient of the written scores) is written block by block: the term's gradient, and what
+  With a term or written scores (d.dlogits), the gradient of the logits before scaling
+  (own + term, plus the incoming gradient of the written scores) is written block by block: the term's gradient, and what
   the dQ kernel reads."""
   refs = list(refs)
   term_ref = refs.pop(0) if d.term_batch else None
@@ -342,7 +342,8 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
 
 def _dq_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_ref, delta_ref,
                *refs, d):
-  """One query block against every key (no term: the probabilities rebuilt)."""
+  """One query block against every key, where no logits' gradient is written (no term, no
+  written scores): the probabilities rebuilt."""
   *mask_ref, dq_ref = refs
   q, do = q_ref[...], do_ref[...]
   m, log_l, delta = m_ref[...], log_l_ref[...], delta_ref[...]
@@ -727,8 +728,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   no product is computed for them).
   term: None, or an additive term of the logits [B or 1, H, Tq, Tk] (float32 or bfloat16;
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
-  weighted logits; -inf masks a key, as in the plain path (and a row of nothing but -inf
-  logits is NaN, as softmax makes it). logit_scale: None (1), or a float32 scalar that
+  weighted logits; -inf masks a key, as in the plain path (a row whose term is -inf at every
+  key is not defined: NaN in the plain path, NaN or 0 here, as the length fills the tiles
+  or leaves padded keys, whose bias is finite). logit_scale: None (1), or a float32 scalar that
   multiplies the logits before the key bias (RealFormer's running mean, 1 / (l + 1)), a
   constant: no gradient.
   scores_dtype: also return own = q k^T / sqrt(d) + term in that dtype, before scale and bias

@@ -62,16 +62,17 @@ def _use_flash(spec: EncoderSpec, deterministic: bool, capture: bool, rows) -> b
   the pure Synthesizers included), where asked (`flash`) or under `auto`: on TPUs for every
   such variant but in float16 (Mosaic has no float16 tiles), with threefry dropout keys and
   whole heads on each device (flash_attention.whole_heads_here), on GPUs for plain
-  dot-product attention in bfloat16 where the kernel runs (flash_attention.runs_here): where it was timed faster than
-  the plain path (float16, untimed and without loss scaling, keeps the plain path unless
-  asked). Without attention dropout `flash` is `auto`. Not for the pruned last layer (its
-  few query rows): the plain path computes that one."""
-  if (not spec.flash_fusable or capture or rows is not None or deterministic
-      or spec.attention_dropout_rate <= 0):
+  dot-product attention in bfloat16 where the kernel runs (flash_attention.runs_here):
+  where it was timed faster than the plain path (float16, untimed and without loss
+  scaling, keeps the plain path unless asked). Without attention dropout `flash` is
+  `auto`. Not for the pruned last layer (its few query rows): the plain path computes that
+  one."""
+  if capture or rows is not None or deterministic:
     return False
-  if spec.fused_attention == 'flash':
+  if spec.flash_asked:
     return True
-  if spec.fused_attention != 'auto':
+  if (spec.fused_attention != 'auto' or not spec.flash_fusable
+      or spec.attention_dropout_rate <= 0):
     return False
   if spec.target_platform == 'tpu':  # (Mosaic has no float16 tiles)
     return spec.dtype != jnp.float16 and flash_lib.whole_heads_here(spec.num_heads)

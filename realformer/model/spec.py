@@ -103,6 +103,13 @@ class EncoderSpec:
     return all(synthetic.component(c).fusable for c in self.attention if c != 'dot')
 
   @property
+  def flash_asked(self) -> bool:
+    """model.fused_attention=flash where a flash kernel would run in training: fusable
+    logits under attention dropout (attention._use_flash; the checks of what that needs)."""
+    return (self.fused_attention == 'flash' and self.flash_fusable
+            and self.attention_dropout_rate > 0)
+
+  @property
   def random_table(self) -> bool:
     """Whether a component keeps a random Synthesizer table, which `synth_random_trainable`
     trains or keeps fixed at its initial values."""
@@ -261,8 +268,7 @@ def resolve(cfg, platform: str = '') -> EncoderSpec:
     raise ValueError(f'model.fused_attention=cudnn needs model.dtype=bfloat16 or float16 '
                      f'(cuDNN\'s attention takes no {jnp.dtype(spec.dtype).name}); use auto, '
                      'which takes it where it can, or xla')
-  if (spec.fused_attention == 'flash' and spec.flash_fusable
-      and spec.attention_dropout_rate > 0):  # where it runs: _use_flash
+  if spec.flash_asked:
     head_dim = spec.head_dim
     if spec.target_platform == 'gpu' and (head_dim < 16 or head_dim & (head_dim - 1)):
       raise ValueError(f'model.fused_attention=flash needs a head size that is a power of 2 '

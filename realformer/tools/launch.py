@@ -16,7 +16,7 @@ platform (spec.platform), not for the compiling host.
 
 Printed per chip: parameter + optimizer bytes, the compiled program's arguments, outputs
 and temporaries (memory_analysis) and their total against the HBM a program may use
-(USABLE_HBM_GIB: the chip's HBM_GIB less what the runtime keeps), a
+(USABLE_HBM_GIB: the chip's HBM less what the runtime keeps), a
 verdict (the TPU compiler itself refuses a program that does not fit: that is "does not
 fit" too); the compiled matmul FLOPs per step (hlo_stats, loop bodies times their trip
 counts) against train_lib.flops_per_example (their ratio: 1 up to the partitioner's
@@ -56,13 +56,11 @@ from realformer.train import train_lib
 
 GiB = 1024 ** 3
 
-# HBM per chip of the TPU generations a topology may name, as Google's tables give it (v5p's
-# 95 is below the 95.73 GiB its compiler offers: USABLE_HBM_GIB is what the verdict uses).
-HBM_GIB = {'v4': 32, 'v5e': 16, 'v5p': 95, 'v6e': 32}
 # The dimensions of a generation's slice shapes: v5e and v6e slices are 2-D (AxB), v4 and
 # v5p slices 3-D (AxBxC).
 _DIMENSIONS = {'v4': 3, 'v5e': 2, 'v5p': 3, 'v6e': 2}
-# What a program may use of it: the "available HBM" in the TPU compiler's own refusals
+# The TPU generations a topology may name, and what a program may use of a chip's HBM (Google's
+# tables give 32, 16, 95 and 32 GiB): the "available HBM" in the TPU compiler's own refusals
 # (libtpu 0.0.48.1: "... exceeds available HBM (15.75G)"); the rest is the runtime's. The
 # verdict compares a program's total (arguments, outputs, temporaries, code) with this: the
 # compiler itself checks only the temporaries, so a program can compile and still not fit.
@@ -211,9 +209,9 @@ def tpu_target(name: str) -> Target:
                       f'slice as <generation>:<topology> in chips, e.g. {kind}:'
                       f'{_shape_of(chips, _DIMENSIONS[kind])} (gcloud compute tpus '
                       'accelerator-types describe gives its topology)')
-  if generation not in HBM_GIB:
+  if generation not in USABLE_HBM_GIB:
     raise LaunchError(f'--compile_for={name!r}: {generation!r} is neither a TPU generation '
-                      f'({", ".join(HBM_GIB)}) nor a GPU ({", ".join(GPUS)}); name a TPU '
+                      f'({", ".join(USABLE_HBM_GIB)}) nor a GPU ({", ".join(GPUS)}); name a TPU '
                       f'slice as <generation>:<topology> (e.g. v5p:4x4x4, v5e:4x4), GPUs as '
                       f'<gpu>[:<per host>|:<hosts>x<per host>] (e.g. h100:8), or use local')
   if not re.fullmatch(r'\d+x\d+(x\d+)?', shape):

@@ -149,8 +149,7 @@ def check_heads(spec, mesh: Mesh) -> None:
     raise ValueError(f'mesh.tensor={tensor} does not divide model.num_heads={heads}, and the '
                      'synthesizer\'s weights are split over tensor by head; choose a '
                      f'mesh.tensor that divides {heads}')
-  if (spec.fused_attention == 'flash' and spec.flash_fusable
-      and spec.attention_dropout_rate > 0):
+  if spec.flash_asked:
     raise ValueError(f'mesh.tensor={tensor} does not divide model.num_heads={heads}, and '
                      'model.fused_attention=flash runs whole heads on each device; choose a '
                      f'mesh.tensor that divides {heads}')
