@@ -47,7 +47,6 @@ there too. Training reads a bucket's shards through a local copy checked against
 
 import collections
 import concurrent.futures
-import fcntl
 import importlib
 import json
 import multiprocessing
@@ -364,23 +363,8 @@ class _single_host_lock:  # pylint: disable=invalid-name
   def __init__(self, staging: str):
     self._path = staging.rstrip('/') + '.lock'
     os.makedirs(os.path.dirname(self._path), exist_ok=True)
-    while True:
-      fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-      except OSError as e:
-        os.close(fd)
-        raise ValueError(f'{os.path.dirname(self._path)} is on a file system that cannot lock '
-                         f'files ({os.strerror(e.errno)}); prepare into a folder on a local '
-                         'disk, or a gs:// bucket') from None
-      try:
-        same = os.fstat(fd).st_ino == os.stat(self._path).st_ino
-      except FileNotFoundError:
-        same = False
-      if same:
-        break
-      os.close(fd)
-    self._fd = fd
+    self._fd = storage.lock_file(self._path, wait=True, fix='prepare into a folder on a '
+                                 'local disk, or a gs:// bucket')
 
   def close(self):
     try:

@@ -22,6 +22,7 @@ Listings are never cached (gcsfs would keep them for the life of the process).
 
 import base64
 import datetime
+import errno
 import fcntl
 import glob
 import hashlib
@@ -634,6 +635,33 @@ class GrowingFile:
       return
     self.flush(force=True)
     self._file.close()
+
+
+# ---- A lock file on a local (or network) disk.
+
+def lock_file(p: str, wait: bool, fix: str) -> Optional[int]:
+  """An flock on the file `p` (made if absent; open for writing, as a network file system's
+  flock, a byte-range lock there, needs): the descriptor holding it (closing it lets go),
+  or None where another process holds it and not `wait`. A holder may remove the file as it
+  lets go: a lock taken on a removed file is taken again on the new one. A file system
+  without flocks is a one-line ValueError ending in `fix`."""
+  while True:
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError as e:
+      os.close(fd)
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+        return None
+      raise ValueError(f'{os.path.dirname(os.path.abspath(p))} is on a file system that '
+                       f'cannot lock files ({os.strerror(e.errno)}); {fix}') from None
+    try:
+      same = os.fstat(fd).st_ino == os.stat(p).st_ino
+    except FileNotFoundError:
+      same = False
+    if same:
+      return fd
+    os.close(fd)  # its holder removed it meanwhile: take the new one
 
 
 # ---- A lock object with a lease (the lock of a run directory or a preparation in a bucket).

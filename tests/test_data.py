@@ -23,6 +23,7 @@ from data import prepare
 from data import pretraining
 from data import sources
 from data import tokenizer as tokenizer_lib
+from realformer import storage
 
 
 @pytest.fixture(scope='module')
@@ -466,7 +467,7 @@ def test_a_preparation_takes_its_turn_by_a_lock_a_network_file_system_grants(
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
       raise OSError(errno.EBADF, os.strerror(errno.EBADF))
     return real(fd, op)
-  monkeypatch.setattr(prepare.fcntl, 'flock', nfs_flock)
+  monkeypatch.setattr(storage.fcntl, 'flock', nfs_flock)
   config = prepared[0]
   metadata = prepare.prepare(config, str(tmp_path / 'nfs' / 'data'))
   assert metadata['counts'] == prepared[2]['counts']
@@ -487,7 +488,7 @@ def test_a_preparation_takes_its_turn_by_a_lock_a_network_file_system_grants(
 
   def no_locks(*_):
     raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-  monkeypatch.setattr(prepare.fcntl, 'flock', no_locks)
+  monkeypatch.setattr(storage.fcntl, 'flock', no_locks)
   with pytest.raises(ValueError, match=f'{tmp_path}/nfs is on a file system that cannot lock '
                                        'files .*; prepare into a folder on a local disk, or a '
                                        'gs:// bucket'):

@@ -19,6 +19,7 @@ from unittest import mock
 import pytest
 
 import sweep as sweep_cli
+from realformer import storage
 from realformer.tools import sweep
 from realformer.train.run_dir import RunDir
 from tests.gcs_server import gcs  # pylint: disable=unused-import
@@ -1074,7 +1075,7 @@ def test_a_run_lock_admits_one_sweep_process_and_dies_with_its_holder(tmp_path):
   # A file system without flocks: one line, not every run skipped as held elsewhere.
   def no_locks(*_):
     raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-  with mock.patch.object(sweep.fcntl, 'flock', no_locks), pytest.raises(
+  with mock.patch.object(storage.fcntl, 'flock', no_locks), pytest.raises(
       ValueError, match=f'{workdir} is on a file system that cannot lock files .*use a --root '
                         'on a local disk, or a gs:// bucket'):
     sweep.acquire(workdir)

@@ -26,8 +26,6 @@ workdir.
 """
 
 import csv
-import errno
-import fcntl
 import io
 import itertools
 import json
@@ -500,24 +498,10 @@ def acquire(workdir: str) -> bool:
     _LEASES[workdir] = lease
     return True
   path = os.path.join(workdir, RunDir.SWEEP_LOCK)
-  while True:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      os.close(fd)
-      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # a live sweep process holds it
-        return False
-      raise ValueError(f'{workdir} is on a file system that cannot lock files '
-                       f'({os.strerror(e.errno)}), so two sweeps could run it at once; use a '
-                       '--root on a local disk, or a gs:// bucket') from None
-    try:
-      same = os.fstat(fd).st_ino == os.stat(path).st_ino
-    except FileNotFoundError:
-      same = False
-    if same:
-      break
-    os.close(fd)  # its holder released (removed) it meanwhile: take the new one
+  fd = storage.lock_file(path, wait=False, fix='so two sweeps could run it at once: use a '
+                         '--root on a local disk, or a gs:// bucket')
+  if fd is None:  # a live sweep process holds it
+    return False
   host = os.pread(fd, 256, 0).decode(errors='replace').strip().partition(' ')[0]
   if host and host != socket.gethostname():
     os.close(fd)
