@@ -125,10 +125,10 @@ def run(args):
 
 def rejudged(r):
   """A stored cell judged against the usable HBM (launch.USABLE_HBM_GIB; the cells of
-  2026-11-24 were judged against the nominal HBM of Google's tables). A compile whose total is above the
-  usable figure does not fit: the reference batch becomes "no", and a largest batch found
-  above it becomes the smallest known not to fit, the reference (if it fits) the largest
-  known to."""
+  2026-11-24 were judged against the nominal HBM of Google's tables). A compile whose total
+  is above the usable figure does not fit: the reference batch becomes "no", and a largest
+  batch found above it becomes the smallest known not to fit, the reference (if it fits)
+  the largest known to."""
   from realformer.tools import launch
   usable = launch.USABLE_HBM_GIB[r['cell']['target'].split(':')[0]]
   r = json.loads(json.dumps(r))

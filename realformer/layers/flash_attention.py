@@ -296,8 +296,8 @@ def _dkv_kernel(scale_ref, q_ref, k_ref, v_ref, bias_ref, do_ref, m_ref, log_l_r
   """One block of 4 x block_c keys against every query. dK and dV are accumulated
   transposed, [D, block_c], so that their dots' first dimension is D (64), not block_c.
   With a term or written scores (d.dlogits), the gradient of the logits before scaling
-  (own + term, plus the incoming gradient of the written scores) is written block by block: the term's gradient, and what
-  the dQ kernel reads."""
+  (own + term, plus the incoming gradient of the written scores) is written block by
+  block: the term's gradient, and what the dQ kernel reads."""
   refs = list(refs)
   term_ref = refs.pop(0) if d.term_batch else None
   mask_ref = refs.pop(0) if d.dropout else None
@@ -730,9 +730,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
   1: shared by the batch), with its gradient: RealFormer's previous scores, a Synthesizer's
   weighted logits; -inf masks a key, as in the plain path (a row whose term is -inf at every
   key is not defined: NaN in the plain path, NaN or 0 here, as the length fills the tiles
-  or leaves padded keys, whose bias is finite). logit_scale: None (1), or a float32 scalar that
-  multiplies the logits before the key bias (RealFormer's running mean, 1 / (l + 1)), a
-  constant: no gradient.
+  or leaves padded keys, whose bias is finite).
+  logit_scale: None (1), or a float32 scalar that multiplies the logits before the key bias
+  (RealFormer's running mean, 1 / (l + 1)), a constant: no gradient.
   scores_dtype: also return own = q k^T / sqrt(d) + term in that dtype, before scale and bias
   (RealFormer's carried scores; at its first layer, without a term), whose incoming gradient
   flows into q, k and the term.

@@ -757,11 +757,11 @@ def _call_logged(argv, log_path: str) -> Tuple[int, bool]:
   """Runs argv with its output appended to `log_path` (a local file the run writes itself;
   in a bucket, through a local spool that this process uploads every LOG_UPLOAD_SECONDS
   while the run runs and when it ends: _copy_to_bucket); returns (its exit code, whether
-  this process was asked to stop meanwhile). A SIGTERM or SIGINT (Ctrl-C) that this process gets is passed on to the run
-  as SIGTERM, which saves and exits with the not-finished status; if this process dies
-  without passing it on (kill -9), the run gets SIGTERM all the same (Linux's parent-death
-  signal), so that no run trains on without its sweep, and a local log keeps its last
-  lines (the run's save)."""
+  this process was asked to stop meanwhile). A SIGTERM or SIGINT (Ctrl-C) that this
+  process gets is passed on to the run as SIGTERM, which saves and exits with the
+  not-finished status; if this process dies without passing it on (kill -9), the run gets
+  SIGTERM all the same (Linux's parent-death signal), so that no run trains on without its
+  sweep, and a local log keeps its last lines (the run's save)."""
   local = not storage.is_url(log_path)
   if local:
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
