@@ -229,6 +229,69 @@ def test_hlo_stats_tells_collectives_of_one_channel_apart_and_counts_one_branch(
   assert stats.matmul_flops == 2 * (2 * 4 * 8 * 8)  # the costlier branch, once
 
 
+# A scanned layer's forward and backward loops (3 trips each), each gathering the same
+# weight under channel id 1 (XLA:TPU numbers channels per computation), the backward one as
+# TPU writes an async collective: a start fusion and a done fusion, each holding a copy.
+TWO_LOOPS_ONE_CHANNEL = '''HloModule m
+
+%cond (p: (s32[], f32[4,8])) -> pred[] {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%fwd (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %g = f32[16,8]{1,0} all-gather(%x), channel_id=1, replica_groups={}, dimensions={0}
+  %s = f32[4,8]{1,0} slice(%g), slice={[0:4], [0:8]}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[4,8]) tuple(%next, %s)
+}
+
+%start (x: f32[4,8]) -> f32[16,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  ROOT %g = f32[16,8]{1,0} all-gather(%x), channel_id=1, replica_groups={}, dimensions={0}
+}
+
+%done (x: f32[4,8]) -> f32[16,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  ROOT %g = f32[16,8]{1,0} all-gather(%x), channel_id=1, replica_groups={}, dimensions={0}
+}
+
+%bwd (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %a = f32[16,8]{1,0} fusion(%x), kind=kCustom, calls=%start
+  %g = f32[16,8]{1,0} fusion(%x), kind=kCustom, calls=%done
+  %s = f32[4,8]{1,0} slice(%g), slice={[0:4], [0:8]}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[4,8]) tuple(%next, %s)
+}
+
+ENTRY %main (x: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,8]) tuple(%zero, %x)
+  %forward = (s32[], f32[4,8]) while(%init), condition=%cond, body=%fwd
+  %y = f32[4,8] get-tuple-element(%forward), index=1
+  %init2 = (s32[], f32[4,8]) tuple(%zero, %y)
+  %backward = (s32[], f32[4,8]) while(%init2), condition=%cond, body=%bwd
+  ROOT %out = f32[4,8] get-tuple-element(%backward), index=1
+}
+'''
+
+
+def test_hlo_stats_counts_one_channel_in_two_loops_twice_and_its_copies_once():
+  gather = hlo_stats.analyze(TWO_LOOPS_ONE_CHANNEL).collectives['all-gather']
+  assert gather.count == 3 + 3 and gather.bytes == 6 * 16 * 8 * 4
+
+
 # XLA:GPU's optimized HLO: dots rewritten into cuBLAS calls (a batched one in a loop of 3, as
 # a scanned layer's attention scores), and a cuDNN fused-attention kernel, whose FLOPs the
 # HLO does not state.
@@ -289,6 +352,11 @@ def test_hlo_stats_counts_the_flops_a_tpu_kernel_states():
               '  %k', '  ROOT %k') + '\n}\n')
   stats = hlo_stats.analyze(text)
   assert stats.matmul_flops == 25165824 and stats.opaque_kernels == 0
+  as_jax_writes_it = text.replace(  # (its keys sorted, escaped)
+      '{"flops":"25165824","transcendentals":"65536","bytes_accessed":"334876"}',
+      r'{\n\"bytes_accessed\":334876,\n\"flops\":25165824,\n\"transcendentals\":65536\n}')
+  assert '"flops"' not in as_jax_writes_it
+  assert hlo_stats.analyze(as_jax_writes_it).matmul_flops == 25165824
   unstated = hlo_stats.analyze(text.replace('"cost_estimate"', '"other"'))
   assert unstated.matmul_flops == 0 and unstated.opaque_kernels == 1
 

@@ -224,8 +224,9 @@ _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]
 # Kernels of their own: cuDNN's (fused attention, __cudnn$fmha...), Pallas's on GPU (Triton:
 # __gpu$xla.gpu.triton; Mosaic GPU) and on TPU (tpu_custom_call).
 _OPAQUE_TARGETS = re.compile(r'__cudnn\$|triton|mosaic|tpu_custom_call')
-# A Pallas TPU kernel's cost estimate, in its backend config (escaped quotes in the text).
-_STATED_FLOPS = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(\d+)')
+# A Pallas TPU kernel's cost estimate, in its backend config (escaped quotes in the text;
+# its keys in any order: jax writes them sorted, the compiled text flops first).
+_STATED_FLOPS = re.compile(r'cost_estimate\\?"\s*:\s*\{[^}]*?\\?"flops\\?"\s*:\s*\\?"?(\d+)')
 
 
 def _custom_target(inst: Instruction) -> str:
@@ -354,7 +355,12 @@ class _Walk:
     # continuation and a done fusion, each holding a copy of the op with the same channel_id.
     self.seen = {}
 
-  def visit(self, name: str, times: float) -> None:
+  def visit(self, name: str, times: float, scope: Optional[str] = None) -> None:
+    """Counts computation `name`, run `times` times per step. `scope` is the computation
+    whose collectives it holds copies of: the caller's for a fusion or async wrapper (TPU's
+    start / continuation / done fusions of one collective), its own for ENTRY, a loop
+    body, a called computation or a branch."""
+    scope = name if scope is None else scope
     insts = self.computations.get(name, [])
     types = {i.name: i.type_text for i in insts}
     by_name = {i.name: i for i in insts}
@@ -366,7 +372,7 @@ class _Walk:
         self.selection += f
       else:
         self.flops += f
-      self._collective(inst, types, times)
+      self._collective(inst, types, times, scope)
       if inst.opcode in ('async-update', 'async-done'):
         continue  # the wrapped computation runs once, counted at async-start
       for attr, callee in _CALLEE_ATTRS.findall(inst.attrs):
@@ -380,7 +386,8 @@ class _Walk:
           self.unknown += n is None
           self.assumed += guessed and n is not None
           factor = 1 if n is None else n
-        self.visit(callee, times * factor)
+        wrapped = inst.opcode == 'fusion' or inst.opcode.startswith('async-')
+        self.visit(callee, times * factor, scope if wrapped else None)
       pair = [c for a, c in _CALLEE_ATTRS.findall(inst.attrs)
               if a in ('true_computation', 'false_computation')]
       for group in _BRANCHES.findall(inst.attrs) + ([','.join(pair)] if pair else []):
@@ -390,7 +397,8 @@ class _Walk:
         if costs:
           self.visit(branches[costs.index(max(costs))], times)
 
-  def _collective(self, inst: Instruction, types: Dict[str, str], times: float) -> None:
+  def _collective(self, inst: Instruction, types: Dict[str, str], times: float,
+                  scope: str) -> None:
     kind = next((c for c in COLLECTIVES if inst.opcode in (c, c + '-start')), None)
     if kind is None:
       return
@@ -400,9 +408,11 @@ class _Walk:
       result_bytes -= operand_bytes
     channel = re.search(r'\bchannel_id=(\d+)', inst.attrs)
     # XLA numbers channels per computation on TPUs: two collectives of one id in two
-    # computations are told apart by what they move (layouts aside).
+    # computations (a scanned layer's forward and backward bodies gathering the same weight)
+    # are two; the copies of one, in the fusions its computation calls, are one (by what
+    # they move, layouts aside).
     moved = re.sub(r'\{[^}]*\}', '', ' '.join(types.get(o, '') for o in inst.operands))
-    key = (('channel', channel.group(1), kind, moved) if channel else
+    key = (('channel', scope, channel.group(1), kind, moved) if channel else
            ('op', len(self.seen), inst.name))
     times_seen = self.seen.get(key, (kind, 0.0, 0))[1]
     self.seen[key] = (kind, max(times, times_seen), max(operand_bytes, result_bytes))
