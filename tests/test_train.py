@@ -729,6 +729,21 @@ def test_metrics_jsonl_reads_as_the_history_of_the_last_start(tmp_path):
   assert metrics_jsonl.records(tmp_path / 'none.jsonl') == []
 
 
+def test_metrics_jsonl_merges_the_lines_of_one_step(tmp_path):
+  """A flush between two writes of one step writes two lines: read as one record."""
+  path = tmp_path / 'metrics.jsonl'
+  writer = metrics_jsonl.JsonlWriter(path, start_step=0)
+  writer.write_scalars(10, {'train/loss': 1.0, 'eval/loss': 2.0})
+  writer.flush()
+  writer.write_scalars(10, {'train/steps_per_sec': 3.0, 'eval/loss': 4.0})
+  writer.close()
+  assert len(path.read_text().splitlines()) == 1 + 4
+  assert metrics_jsonl.read_jsonl(path)[10] == {'step': 10, 'split': 'train', 'loss': 1.0,
+                                                'steps_per_sec': 3.0}
+  assert metrics_jsonl.logged_at(path, 10) == {'train': {'loss': 1.0, 'steps_per_sec': 3.0},
+                                               'eval': {'loss': 4.0}}
+
+
 def test_a_missing_workdir_is_refused():
   # (an unknown config key on the command line: tests/test_workdir.py's one-line errors)
   with pytest.raises(ValueError, match='--workdir is required'):

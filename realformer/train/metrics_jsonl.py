@@ -93,11 +93,21 @@ def records(path) -> List[Dict[str, Any]]:
 
 
 def read_jsonl(path, split: str = 'train') -> Dict[int, Dict[str, Any]]:
-  """{step: record} of one split; a step logged twice (a resume at it) keeps its last."""
-  return {r['step']: r for r in records(path) if r['split'] == split}
+  """{step: record} of one split: the step's lines merged (a flush between two writes of
+  one step makes two; a resume at a step logs it again), a value logged twice keeps its
+  last."""
+  out = {}
+  for r in records(path):
+    if r['split'] == split:
+      out.setdefault(r['step'], {}).update(r)
+  return out
 
 
 def logged_at(path, step: int) -> Dict[str, Dict[str, float]]:
-  """The values logged at `step`, {split: {name: value}} (later lines win)."""
-  return {r['split']: {k: v for k, v in r.items() if k not in ('step', 'split')}
-          for r in records(path) if r['step'] == step}
+  """The values logged at `step`, {split: {name: value}}, merged as read_jsonl's."""
+  out = {}
+  for r in records(path):
+    if r['step'] == step:
+      out.setdefault(r['split'], {}).update(
+          {k: v for k, v in r.items() if k not in ('step', 'split')})
+  return out
