@@ -175,7 +175,7 @@ def test_a_mixtures_learned_weights_are_reported_per_layer(tmp_path):
   assert numbers['synth_random_vanilla']['mixture_weights'][1] == pytest.approx(want[1])
   report = (tmp_path / 'report' / 'attention.md').read_text()
   first = ', '.join(f'{c} {w:.3f}' for c, w in want[0].items())
-  assert f'| synth_random_vanilla | 0 | {first} |' in report
+  assert f'| synth_random_vanilla | 1 | {first} |' in report  # (layers from 1, as the figures')
 
 
 @pytest.mark.parametrize('variant', ['synth_random', 'synth_factorized_random'])

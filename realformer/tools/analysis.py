@@ -340,7 +340,7 @@ def write_report(results: List[dict], out_dir: str, labels: Sequence[str] = None
     lines += ['\nMixture weights (the softmax of each layer\'s mixture logits; 1/n each at '
               'initialisation):', '', '| run | layer | weights |', '|---|---|---|']
     lines += [f'| {label} | {i} | ' + ', '.join(f'{c} {w:.3f}' for c, w in layer.items()) + ' |'
-              for label, weights in mixed for i, layer in enumerate(weights)]
+              for label, weights in mixed for i, layer in enumerate(weights, 1)]
   if tables:
     lines.append('\nattention_random.png: each layer\'s learned Random table as attention '
                  '(the softmax of its logits over the keys, averaged over the heads; the same '
@@ -381,7 +381,7 @@ def _plot_random_maps(plt, tables, path) -> None:
         ax.axis('off')
         continue
       ax.imshow(maps[i], cmap='viridis')
-      ax.set_title(f'{label}, layer {i}' if i == 0 else f'layer {i}', fontsize=8)
+      ax.set_title(f'{label}, layer {i + 1}' if i == 0 else f'layer {i + 1}', fontsize=8)
     row[0].set_ylabel('query')
   for ax in axes[-1]:
     ax.set_xlabel('key')
