@@ -113,22 +113,19 @@ _Stream = Iterator[Tuple[List[str], Optional[float]]]
 def _open_binary(raw, size: int):
   """(lines, fraction read): `raw` (a file of `size` bytes) itself, or a gzip reader over it
   (recognised by its magic bytes), with a function telling how far through the file the
-  reader is."""
+  reader is. For gzip: the text read over the size the trailer states (exact for one
+  member), but never past the compressed bytes read (ahead by the reader's buffer), which
+  hold where the trailer's size is not the whole text's: a file of several members
+  (`cat a.gz b.gz`, bgzip), whose trailer is the last member's, or one over 4 GiB (modulo
+  2**32)."""
   if raw.read(2) != b'\x1f\x8b':
     raw.seek(0)
     return raw, lambda: raw.tell() / max(size, 1)
-  raw.seek(max(size - 4, 0))  # gzip's trailer: the uncompressed size modulo 2**32
+  raw.seek(max(size - 4, 0))
   isize = int.from_bytes(raw.read(4), 'little')
   raw.seek(0)
   reader = gzip.GzipFile(fileobj=raw, mode='rb')
-
-  def fraction():
-    nonlocal isize
-    while reader.tell() > isize:  # a file over 4 GiB
-      isize += 2**32
-    return reader.tell() / max(isize, 1)
-
-  return reader, fraction
+  return reader, lambda: min(reader.tell() / max(isize, 1), raw.tell() / max(size, 1))
 
 
 def _file_stream(path: str, stats: collections.Counter, done_bytes: int = 0,
@@ -313,7 +310,8 @@ def _sliced(ds, rows: Optional[slice]):
     return ds
   start = rows.start or 0
   if hasattr(ds, '__len__'):  # a Dataset in memory or on disk
-    return ds.select(range(min(start, len(ds)), min(rows.stop or len(ds), len(ds))))
+    stop = len(ds) if rows.stop is None else min(rows.stop, len(ds))
+    return ds.select(range(min(start, len(ds)), stop))
   ds = ds.skip(start) if start else ds
   return ds if rows.stop is None else ds.take(max(0, rows.stop - start))
 

@@ -176,6 +176,21 @@ def test_tfds_source_reads_a_prepared_dataset_like_wikipedia(tfds_dir):
     list(sources.iter_documents('tfds:no_such_dataset_xyz', tfds_data_dir=tfds_dir))
 
 
+def test_progress_through_a_gzip_file_of_several_members(tmp_path):
+  """A file of two gzip members (`cat a.gz b.gz`: its trailer states only the last one's
+  size) reads about half-way at its middle and whole at its end, as one member does."""
+  noise = base64.b64encode(np.random.default_rng(0).bytes(1_500_000))  # 2 MB, incompressible
+  text = b''.join(noise[i:i + 78] + b'.\n\n' for i in range(0, len(noise), 78))
+  one = tmp_path / 'one.gz'
+  one.write_bytes(gzip.compress(text + b'Last doc.\n', 1))
+  two = tmp_path / 'two.gz'
+  two.write_bytes(gzip.compress(text, 1) + gzip.compress(b'Last doc.\n'))
+  for path in (one, two):
+    progress = [p for _, p in sources._file_stream(str(path), collections.Counter())]
+    assert progress == sorted(progress)
+    assert 0.4 < progress[len(progress) // 2] < 0.6 and progress[-1] == 1.0
+
+
 def test_streaming_reads_only_what_is_asked(tmp_path):
   """The first documents of a 4 MB gzip file come before its cut-off end is read (only
   draining the stream meets it); a glob that matches nothing shows up on its first draw."""
@@ -280,6 +295,8 @@ def test_hf_source_from_save_to_disk_and_parquet(tmp_path):
     column = 'body' if 'hub' in spec else 'text'
     assert list(sources.iter_documents(spec, hf_text_column=column)) == _hf_expected()[1:]
   assert list(sources.iter_documents(f'hf:{saved}::train[:1]')) == _hf_expected()[:1]
+  for empty in ('train[:0]', 'train[2:0]'):  # (stop 0 is not "to the end")
+    assert list(sources.iter_documents(f'hf:{saved}::{empty}')) == []
   # A split with brackets right after the dataset: no config (the README's form).
   assert list(sources.iter_documents(f'hf:{saved}:train[:1]')) == _hf_expected()[:1]
   assert sources._hf_parts('a/b:train[:1000]') == ('a/b', '', 'train[:1000]')
