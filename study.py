@@ -605,11 +605,15 @@ def budget_search(args) -> int:
     codes = sweep.run_all(runs, root=root, program=os.path.join(REPO, 'train.py'),
                           config=config, always=BUDGET_AXES)
     if codes[name] != 0:  # failed, or another study process holds it: the order matters
+      _, gone = sweep.failed_or_diverged(root, {name: codes[name]})
       print(f'the budget run {root}/{name} ' + (
           'holds a run with other settings (run_all said which); give the study its own '
           '--root' if codes[name] == sweep.OTHER_RUN else
           'is being run by another study process; run the same command once it is done'
           if codes[name] == sweep.RUNNING_ELSEWHERE else
+          f'diverged (its loss became nan/inf; see its log.txt), which running it again '
+          f'repeats: search with a lower --learning_rate (it was {args.learning_rate}) and '
+          'another --root' if gone else
           f'did not finish here (exit {codes[name]}); see its log.txt, then run the same '
           'command again to resume'))
       return 1

@@ -891,6 +891,20 @@ def test_study_budget_search_stops_at_the_cheapest_passing_budget(tmp_path, caps
   (tmp_path / 'budget.json').unlink()
   assert study.main(args + ['--target_ratio', '5']) == 1
   assert not (tmp_path / 'budget.json').exists()
+  # A candidate that diverges: running it again would repeat it, and the study says so.
+
+  def diverging_run_all(runs, *, root, always, **_):
+    name = sweep.folder_names(root, runs, always)[0]
+    os.makedirs(os.path.join(root, name))
+    with open(os.path.join(root, name, RunDir.LOG), 'w') as f:
+      f.write('loss became nan at step 7\n')
+    return {name: 1}
+
+  monkeypatch.setattr(study.sweep, 'run_all', diverging_run_all)
+  capsys.readouterr()
+  assert study.main(args + ['--root', str(tmp_path / 'other')]) == 1
+  out = capsys.readouterr().out
+  assert 'diverged (its loss became nan/inf' in out and 'lower --learning_rate' in out
 
 
 def test_study_claims_orderings_equal_time_and_finetune_report(tmp_path):
