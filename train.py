@@ -42,8 +42,8 @@ flags.adopt_module_key_flags(trainer)  # --help lists them
 flags.DEFINE_string('compile_for', None,
                     'Compile the train step ahead of time instead of training, and print '
                     'memory per chip, FLOPs and collectives (realformer/tools/launch.py): a TPU '
-                    'slice such as v5p:4x4x4 or v5e:2x2 (needs requirements-tpu.txt; any '
-                    'host), NVIDIA GPUs such as h100, h200:8 or a100:2x8 (needs jax\'s CUDA '
+                    'slice such as v5p:4x4x4 or v5e:2x2, or slices joined by the data-center '
+                    'network such as 2xv5e:16x16 (needs requirements-tpu.txt; any host), NVIDIA GPUs such as h100, h200:8 or a100:2x8 (needs jax\'s CUDA '
                     'plugin; any host, no GPU), or "local" (this machine\'s devices; then '
                     'times a few steps).')
 flags.DEFINE_bool('find_max_batch', False,

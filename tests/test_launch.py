@@ -423,6 +423,32 @@ def test_the_report_names_an_attention_that_overrides_the_variants():
 
 
 @needs_libtpu
+def test_two_slices_lay_the_data_axis_across_them_and_compile():
+  """Two v5e:2x2 slices (a multi-slice job, joined by the data-center network): the data
+  axis spans the slices and fsdp stays within one; a data axis that cannot span them is
+  one line; the step compiles for the eight chips."""
+  target = launch.tpu_target('2xv5e:2x2')
+  assert (len(target.devices), target.num_hosts, target.platform) == (8, 2, 'tpu')
+  for data, fsdp in ((2, 4), (4, 2), (8, 1)):
+    mesh = partitioning.make_mesh(tiny('postln', mesh__data=data, mesh__fsdp=fsdp).mesh,
+                                  target.devices)
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    assert mesh.devices.shape == (data, fsdp, 1)
+    assert (slices == (np.arange(data) // (data // 2))[:, None, None]).all()
+  with pytest.raises(launch.LaunchError, match=r"^config.mesh \{'data': 1, 'fsdp': 8, 'tensor': "
+                     r"1\} over 2 TPU slices: .* must be a multiple of 2; e.g. data=2, fsdp=4 "
+                     r"\(the target 2xv5e:2x2 has 8 chips\)$"):
+    launch.compile_step(tiny('postln', mesh__data=1, mesh__fsdp=8), target)
+  config = tiny('postln', mesh__data=2, mesh__fsdp=4, train__batch_size=16)
+  report, compiled = launch.compile_step(config, target)
+  assert compiled is not None and report.fits and report.flop_ratio == pytest.approx(1.0, abs=0.05)
+  assert '(8 x TPU v5 lite, 2 hosts, 2 slices); mesh data=2 fsdp=4 tensor=1' in (
+      launch.format_report(config, target, report))
+  with pytest.raises(launch.LaunchError, match='give at least one slice'):
+    launch.tpu_target('0xv5e:2x2')
+
+
+@needs_libtpu
 @pytest.mark.parametrize('variant,overrides', V5E_TINY)
 def test_tiny_compiles_for_v5e_2x2(variant, overrides):
   config = tiny(variant, **overrides)

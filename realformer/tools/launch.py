@@ -199,9 +199,15 @@ def _not_offered(generation: str, dims: list) -> Optional[str]:
 
 
 def tpu_target(name: str) -> Target:
-  """The compile-only devices of a TPU slice named '<generation>:<AxB[xC]>'."""
-  generation, _, shape = name.partition(':')
-  cloud = re.fullmatch(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)', name)
+  """The compile-only devices of a TPU slice named '<generation>:<AxB[xC]>', or of N such
+  slices joined by the data-center network, '<N>x<generation>:<AxB[xC]>' (a multi-slice
+  job: partitioning.make_mesh lays the data axis across them)."""
+  many = re.fullmatch(r'(\d+)x(v.*)', name)
+  slices, single = (int(many.group(1)), many.group(2)) if many else (1, name)
+  if slices < 1:
+    raise LaunchError(f'--compile_for={name!r}: give at least one slice (2x{single} is two)')
+  generation, _, shape = single.partition(':')
+  cloud = re.fullmatch(r'(v4|v5p|v5litepod|v5e|v6e)-(\d+)', single)
   if cloud:  # a Cloud TPU accelerator type (v4-32; v5e's is v5litepod-16): its chips, a shape
     kind = {'v5litepod': 'v5e'}.get(cloud.group(1), cloud.group(1))
     chips = int(cloud.group(2)) // (2 if kind in _MEGACORE else 1)
@@ -246,7 +252,9 @@ def tpu_target(name: str) -> Target:
   given = {k: os.environ.get(k) for k in vm}
   os.environ.update({k: v for k, v in vm.items() if given[k] is None})
   try:
-    desc = topologies.get_topology_desc(topology_name=name, platform='tpu', **kw)
+    if slices > 1:
+      kw['num_slices'] = slices
+    desc = topologies.get_topology_desc(topology_name=single, platform='tpu', **kw)
   except Exception as e:  # libtpu's message: first line only
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if 'INVALID_ARGUMENT' not in first:
@@ -722,6 +730,8 @@ def describe(config, target: Target) -> str:
   shape = partitioning.mesh_shape(config.mesh, len(target.devices))
   mesh = ' '.join(f'{a}={n}' for a, n in zip(partitioning.MESH_AXES, shape))
   hosts = f', {target.num_hosts} hosts' if target.num_hosts > 1 else ''
+  slices = len({getattr(d, 'slice_index', 0) for d in target.devices})
+  hosts += f', {slices} slices' if slices > 1 else ''
   flags = [m.dtype, f'remat {m.remat_policy}']
   if m.scan_layers:  # every row of every layer: last_layer does not apply
     flags.insert(1, 'scan_layers')

@@ -71,18 +71,25 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
   a TPU slice's physical axes where jax can (jax.make_mesh). A shape that jax cannot lay that
   way (fsdp=8 on a v5p 4x4x4 cube: no product of the cube's sides is 8 along one axis) is laid
   across them (mesh_utils' allow_split_physical_axes), with a warning: its rings cross more
-  links than one along an axis would."""
+  links than one along an axis would.
+
+  Devices of several TPU slices (a multi-slice job: slices joined by the data-center
+  network, DCN, far slower than the chips' links within a slice) are laid as data x (the
+  mesh within a slice): the data axis spans the slices, each slice holding data / slices of
+  it and the whole fsdp and tensor axes, so that only the data-parallel gradient reduction
+  crosses the DCN, once a step. config.mesh.data must then be a multiple of the slices (-1
+  is)."""
   from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
   devices = list(devices if devices is not None else jax.devices())
   shape = mesh_shape(mesh_config, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  slices = len({getattr(d, 'slice_index', 0) for d in devices})
+  if slices > 1:
+    return Mesh(_multi_slice_grid(shape, devices, slices), MESH_AXES, axis_types=axis_types)
   try:
     return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
   except NotImplementedError:
-    logging.warning('mesh %s does not follow the physical axes of the %d %s devices: laid '
-                    'across them (each collective crosses more links; a mesh whose sizes are '
-                    'products of the slice\'s sides does not)', dict(zip(MESH_AXES, shape)),
-                    len(devices), devices[0].device_kind)
+    _warn_split(shape, devices)
     try:
       grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     except NotImplementedError as e:
@@ -90,6 +97,33 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
                        f'{len(devices)} {devices[0].device_kind} devices ({e}); make each axis '
                        'a product of the slice\'s sides') from None
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def _warn_split(shape, devices, where: str = '') -> None:
+  logging.warning('mesh %s does not follow the physical axes of the %d %s devices%s: laid '
+                  'across them (each collective crosses more links; a mesh whose sizes are '
+                  'products of the slice\'s sides does not)', dict(zip(MESH_AXES, shape)),
+                  len(devices), devices[0].device_kind, where)
+
+
+def _multi_slice_grid(shape, devices, slices: int) -> np.ndarray:
+  """make_mesh's device grid over `slices` TPU slices: the data axis across them."""
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+  data, fsdp, tensor = shape
+  if data % slices:
+    fits = (f'; e.g. data={slices}, fsdp={data * fsdp // slices}'
+            if data * fsdp % slices == 0 else '')
+    raise ValueError(
+        f'config.mesh {dict(zip(MESH_AXES, shape))} over {slices} TPU slices: the data axis '
+        f'is the one that spans the slices (fsdp and tensor stay within one, off the '
+        f'data-center network), so config.mesh.data must be a multiple of {slices}{fits}')
+  within, across = (data // slices, fsdp, tensor), (slices, 1, 1)
+  try:
+    return mesh_utils.create_hybrid_device_mesh(within, across, devices)
+  except NotImplementedError:
+    _warn_split(within, devices[:len(devices) // slices], ' of a slice')
+    return mesh_utils.create_hybrid_device_mesh(within, across, devices,
+                                                allow_split_physical_axes=True)
 
 
 # The setting a logical axis always measures, for the one-line error of a mesh axis that does
