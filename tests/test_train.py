@@ -286,6 +286,22 @@ def test_accumulation_gradient_equals_one_big_batch():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_synthetic_batches_have_the_compiled_shapes_with_more_predictions_than_positions():
+  """20 predictions of 16 tokens (15 positions past [CLS]): padded with weight 0, as
+  prepared data is, so the step compiled for abstract_batch's shapes runs them."""
+  draw = lambda p: next(pretraining.SyntheticData(vocab_size=120, seq_len=16, num_predictions=p,
+                                                  global_batch_size=4, seed=1))
+  batch, whole = draw(20), draw(15)
+  assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+      k: (v.shape, v.dtype) for k, v in pretraining.abstract_batch(4, 16, 20).items()}
+  for k, v in whole.items():
+    if k.startswith('masked_lm'):
+      np.testing.assert_array_equal(batch[k][:, :15], v)
+      assert not batch[k][:, 15:].any()
+    else:
+      np.testing.assert_array_equal(batch[k], v)  # (position 0 is not masked by the padding)
+
+
 def _fixed_random_synthesizer():
   """(config, spec, params) of the tiny fixed-random Synthesizer (parameters the optimizer must
   leave alone)."""

@@ -187,6 +187,9 @@ class SyntheticData:
     weights = (positions < lengths[:, None]).astype(np.float32)
     labels = np.take_along_axis(ids, positions, 1).astype(np.int32)
     np.put_along_axis(ids, positions, self.mask_id, 1)  # the model must not see the answer
+    if positions.shape[1] < p:  # more predictions than positions: padded, as prepared data's
+      pad = ((0, 0), (0, p - positions.shape[1]))
+      positions, weights, labels = (np.pad(x, pad) for x in (positions, weights, labels))
     batch = {'input_ids': ids * mask, 'segment_ids': segment, 'attention_mask': mask,
              'masked_lm_positions': positions.astype(np.int32),
              'masked_lm_ids': labels,
