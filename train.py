@@ -87,7 +87,7 @@ def check_launch():
   cli.stop_at_once_on_ctrl_c()  # (before its report it writes only compilation-cache entries,
   # each whole or not at all)
 
-  local = flags.FLAGS.compile_for == 'local'
+  local = flags.FLAGS.compile_for.lower() == 'local'
   if flags.FLAGS['measure_steps'].present and not local:
     cli.fail(f'--measure_steps is not read with --compile_for={flags.FLAGS.compile_for}: the '
              'step is compiled for it, not run; --compile_for local measures steps here')

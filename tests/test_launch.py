@@ -581,6 +581,13 @@ def test_the_fixes_shard_further_only_where_fsdp_does_not_span_the_slice():
   config.mesh.fsdp = 1
   assert launch.shard_fixes(config, slice_of(4)).startswith('shard the state further')
   assert launch.memory_fixes(config, slice_of(4)).startswith('lower train.batch_size')
+  # Two slices of 4: each holds the whole state, so fsdp=4 spans what it can.
+  slices = types.SimpleNamespace(devices=[types.SimpleNamespace(slice_index=i // 4)
+                                          for i in range(8)])
+  config.mesh.data, config.mesh.fsdp = 2, 4
+  assert launch.shard_fixes(config, slices).startswith('a slice of more chips')
+  config.mesh.data, config.mesh.fsdp = 4, 2
+  assert launch.shard_fixes(config, slices).startswith('shard the state further')
 
 
 def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
@@ -665,6 +672,13 @@ def test_find_max_batch_search_lands_on_the_boundary(monkeypatch):
     lines.clear()
     launch.run(config, 'fake', max_batch=True, max_compiles=compiles, log=lines.append)
     assert last in lines[-1], lines
+  # A guess whose train step fits and whose evaluation step does not says which.
+  monkeypatch.setattr(launch, 'compile_step', lambda c, t, b=None, **_: (launch.Report(
+      batch_size=b or c.train.batch_size, fits=False, total_bytes=hbm // 2,
+      eval_total_bytes=hbm + 1), None))
+  lines.clear()
+  launch.run(config, 'fake', max_batch=True, max_compiles=2, log=lines.append)
+  assert '  batch 4000: 50.00 GiB per chip, its evaluation step does not fit' in lines, lines
 
 
 # --------------------------------------------------------------------------------------
@@ -760,6 +774,10 @@ def test_errors_are_one_line_and_name_the_fix(monkeypatch):
       launch.tpu_target(cloud)
   with pytest.raises(launch.LaunchError, match="'v5e-16' is a Cloud TPU type"):
     launch.target_for('V5E-16')  # any case
+  assert launch.target_for('LOCAL').name == 'local'
+  with pytest.raises(launch.LaunchError, match="'2xv5e-16' is a Cloud TPU type .*e.g. "
+                     '2xv5e:4x4 '):
+    launch.tpu_target('2xv5e-16')
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, 'find_spec',
                       lambda name, *a: None if name == 'libtpu' else real(name, *a))

@@ -73,7 +73,9 @@ def shard_fixes(config, target) -> str:
   verdict: sharding the state further only where the fsdp and tensor axes (which split the
   matrices) do not span the slice together."""
   _, fsdp, tensor = partitioning.mesh_shape(config.mesh, len(target.devices))
-  further = ('shard the state further (mesh.fsdp)' if fsdp * tensor < len(target.devices) else
+  # (each slice of a multi-slice target holds the whole state: fsdp and tensor stay in one)
+  per_slice = len(target.devices) // len({getattr(d, 'slice_index', 0) for d in target.devices})
+  further = ('shard the state further (mesh.fsdp)' if fsdp * tensor < per_slice else
              'a slice of more chips with the state sharded over them (mesh.fsdp)')
   return (f'{further}, remat (model.remat_policy=dots_flash, or full) or shorten '
           'data.max_seq_length')
@@ -212,7 +214,8 @@ def tpu_target(name: str) -> Target:
     kind = {'v5litepod': 'v5e'}.get(cloud.group(1), cloud.group(1))
     chips = int(cloud.group(2)) // (2 if kind in _MEGACORE else 1)
     raise LaunchError(f'--compile_for={name!r} is a Cloud TPU type ({chips} chips); name its '
-                      f'slice as <generation>:<topology> in chips, e.g. {kind}:'
+                      f'slice as <generation>:<topology> in chips, e.g. '
+                      f'{f"{slices}x" if many else ""}{kind}:'
                       f'{_shape_of(chips, _DIMENSIONS[kind])} (gcloud compute tpus '
                       'accelerator-types describe gives its topology)')
   if generation not in USABLE_HBM_GIB:
@@ -356,9 +359,9 @@ def local_target() -> Target:
 def target_for(name: str) -> Target:
   """The devices of --compile_for's target: 'local', a GPU (h100:8) or a TPU slice (v5e:2x2;
   any case)."""
+  name = name.lower()
   if name == 'local':
     return local_target()
-  name = name.lower()
   return gpu_target(name) if name.partition(':')[0] in GPUS else tpu_target(name)
 
 
@@ -604,9 +607,10 @@ def find_max_batch(config, target: Target, *, multiple: int = 1, max_compiles: i
     else:
       r, _ = compile_step(config, target, b, eval_if_step_fits=True)
     reports.append(r)
-    log(f'  batch {b}: ' + (f'{r.total_bytes / GiB:.2f} GiB per chip, '
-                            f'{"fits" if r.fits else "does not fit"}' if not r.refusal
-                            else f'refused ({r.refusal})'))
+    only_eval = not r.fits and r.total_bytes <= (target.hbm_bytes or math.inf)
+    log(f'  batch {b}: ' + (f'{r.total_bytes / GiB:.2f} GiB per chip, ' + (
+        'fits' if r.fits else 'its evaluation step does not fit' if only_eval else
+        'does not fit') if not r.refusal else f'refused ({r.refusal})'))
     crawl = (crawl + 1 if r.fits and lo is not None and
              (crawl or b - lo.batch_size <= max(unit, lo.batch_size // 100)) else 0)
     if r.fits:
