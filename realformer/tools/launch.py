@@ -74,7 +74,7 @@ def shard_fixes(config, target) -> str:
   matrices) do not span the slice together."""
   _, fsdp, tensor = partitioning.mesh_shape(config.mesh, len(target.devices))
   # (each slice of a multi-slice target holds the whole state: fsdp and tensor stay in one)
-  per_slice = len(target.devices) // len({getattr(d, 'slice_index', 0) for d in target.devices})
+  per_slice = len(target.devices) // partitioning.slice_count(target.devices)
   further = ('shard the state further (mesh.fsdp)' if fsdp * tensor < per_slice else
              'a slice of more chips with the state sharded over them (mesh.fsdp)')
   return (f'{further}, remat (model.remat_policy=dots_flash, or full) or shorten '
@@ -734,7 +734,7 @@ def describe(config, target: Target) -> str:
   shape = partitioning.mesh_shape(config.mesh, len(target.devices))
   mesh = ' '.join(f'{a}={n}' for a, n in zip(partitioning.MESH_AXES, shape))
   hosts = f', {target.num_hosts} hosts' if target.num_hosts > 1 else ''
-  slices = len({getattr(d, 'slice_index', 0) for d in target.devices})
+  slices = partitioning.slice_count(target.devices)
   hosts += f', {slices} slices' if slices > 1 else ''
   flags = [m.dtype, f'remat {m.remat_policy}']
   if m.scan_layers:  # every row of every layer: last_layer does not apply

@@ -83,7 +83,7 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   shape = mesh_shape(mesh_config, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  slices = len({getattr(d, 'slice_index', 0) for d in devices})
+  slices = slice_count(devices)
   if slices > 1:
     return Mesh(_multi_slice_grid(shape, devices, slices), MESH_AXES, axis_types=axis_types)
   try:
@@ -97,6 +97,11 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
                        f'{len(devices)} {devices[0].device_kind} devices ({e}); make each axis '
                        'a product of the slice\'s sides') from None
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def slice_count(devices) -> int:
+  """The TPU slices `devices` span (1 for one slice, GPUs and CPUs)."""
+  return len({getattr(d, 'slice_index', 0) for d in devices})
 
 
 def _warn_split(shape, devices, where: str = '') -> None:

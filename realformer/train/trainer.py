@@ -820,8 +820,9 @@ def train(workdir: str, task_cls: type, config, devices=None) -> Tuple['Task', d
   distributed.same_on_every_process(  # (what each host resolved: its vocabulary's size, ...)
       lambda: zlib.crc32(config.to_json_best_effort(sort_keys=True).encode()), 'the config',
       'give every host the same command line, files and environment')
-  logging.info('mesh %s over %d devices, %d processes', dict(mesh.shape), mesh.size,
-               jax.process_count())
+  slices = partitioning.slice_count(mesh.devices.flat)
+  logging.info('mesh %s over %d devices, %d processes%s', dict(mesh.shape), mesh.size,
+               jax.process_count(), f', {slices} slices (data across them)' if slices > 1 else '')
   with run.hold(task_cls.command, config), jax.set_mesh(mesh):
     task = task_cls(config, mesh, run)
     spec = getattr(task.program.model, 'spec', None)
