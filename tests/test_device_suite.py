@@ -93,7 +93,7 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
   env.pop('REALFORMER_MINILM_DIR', None)
   proc = subprocess.run(
       [sys.executable, 'benchmarks/device_suite.py', '--smoke', '--parts',
-       'start,step128,finetune',
+       'env,start,step128,finetune',
        '--variants', 'postln', '--out', str(tmp_path / 'out'),
        '--scratch', str(tmp_path / 'scratch')],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
@@ -101,7 +101,8 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
   with open(tmp_path / 'out' / 'suite.json') as f:
     suite = json.load(f)
   assert {part: r['status'] for part, r in suite.items()} == {
-      'start': 'ok', 'step128': 'ok', 'finetune': 'ok'}
+      'env': 'ok', 'start': 'ok', 'step128': 'ok', 'finetune': 'ok'}
+  assert suite['env']['data']['matmul_bf16_flops'] > 0 and suite['env']['data']['versions']
   starts = {r['arm']: r for r in suite['start']['data']['rows']}
   assert list(starts) == ['cold', 'warm', 'resume']
   for r in starts.values():
@@ -114,6 +115,7 @@ def test_smoke_measures_the_contenders_and_the_finetuning_race(tmp_path):
       'ours postln [fused_attention=flash, dropout in the kernel]']
   for r in rows:
     assert r['step_s'] > 0 and r['tokens_per_s'] == 4 * 32 / r['step_s']
+    assert isinstance(r['timed_beside_compiles'], list)
     if r['contender'].startswith('ours'):  # where its step's time goes, from a trace
       assert r['kernels']['device_ms_per_step'] > 0 and len(r['kernels']['kernels']) == 10
     else:
@@ -270,7 +272,7 @@ def test_a_contender_never_timed_is_reported_not_dropped(tmp_path, monkeypatch):
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import device_suite  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(device_suite, 'cap_s', lambda part, smoke: 4)
-  monkeypatch.setattr(device_suite, 'TIMING_RESERVE_S', 4)  # its turn passes 1 s after
+  monkeypatch.setattr(device_suite, 'TIMING_RESERVE_S', (4, 0))  # its turn passes 1 s after
   monkeypatch.setattr(device_suite, '_contenders',
                       lambda part, platform, variants='', extras=False: [
                           ('ours', 'postln', {}, ''), ('hf',)])
@@ -293,7 +295,7 @@ def test_a_contender_compiled_in_time_is_timed_whenever_its_turn_comes(tmp_path,
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import device_suite  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(device_suite, 'cap_s', lambda part, smoke: 8)
-  monkeypatch.setattr(device_suite, 'TIMING_RESERVE_S', 4)
+  monkeypatch.setattr(device_suite, 'TIMING_RESERVE_S', (4, 0))
   monkeypatch.setattr(device_suite.os, 'cpu_count', lambda: 6)  # all compile at once
   monkeypatch.setattr(device_suite, '_contenders',
                       lambda part, platform, variants='', extras=False: [
