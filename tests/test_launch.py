@@ -439,6 +439,8 @@ def test_two_slices_lay_the_data_axis_across_them_and_compile():
                      r"1\} over 2 TPU slices: .* must be a multiple of 2; e.g. data=2, fsdp=4 "
                      r"\(the target 2xv5e:2x2 has 8 chips\)$"):
     launch.compile_step(tiny('postln', mesh__data=1, mesh__fsdp=8), target)
+  with pytest.raises(ValueError, match=r'multiple of 2; e.g. data=2, fsdp=1, tensor=4$'):
+    partitioning.make_mesh(tiny('postln', mesh__data=1, mesh__tensor=8).mesh, target.devices)
   config = tiny('postln', mesh__data=2, mesh__fsdp=4, train__batch_size=16)
   report, compiled = launch.compile_step(config, target)
   assert compiled is not None and report.fits and report.flop_ratio == pytest.approx(1.0, abs=0.05)
@@ -446,6 +448,11 @@ def test_two_slices_lay_the_data_axis_across_them_and_compile():
       launch.format_report(config, target, report))
   with pytest.raises(launch.LaunchError, match='give at least one slice'):
     launch.tpu_target('0xv5e:2x2')
+  # Two GPU nodes' devices (XLA numbers each host's slice_index apart) are one "slice": any
+  # mesh may span them.
+  nodes = [types.SimpleNamespace(platform='gpu', slice_index=i // 8) for i in range(16)]
+  assert partitioning.slice_count(nodes) == 1
+  assert partitioning.slice_count(target.devices) == 2
 
 
 @needs_libtpu
@@ -582,8 +589,8 @@ def test_the_fixes_shard_further_only_where_fsdp_does_not_span_the_slice():
   assert launch.shard_fixes(config, slice_of(4)).startswith('shard the state further')
   assert launch.memory_fixes(config, slice_of(4)).startswith('lower train.batch_size')
   # Two slices of 4: each holds the whole state, so fsdp=4 spans what it can.
-  slices = types.SimpleNamespace(devices=[types.SimpleNamespace(slice_index=i // 4)
-                                          for i in range(8)])
+  slices = types.SimpleNamespace(devices=[
+      types.SimpleNamespace(platform='tpu', slice_index=i // 4) for i in range(8)])
   config.mesh.data, config.mesh.fsdp = 2, 4
   assert launch.shard_fixes(config, slices).startswith('a slice of more chips')
   config.mesh.data, config.mesh.fsdp = 4, 2

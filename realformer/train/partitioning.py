@@ -8,6 +8,7 @@ tensor (Megatron-style model parallel over heads and the MLP).
 """
 
 import contextlib
+import math
 from typing import Iterator, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -78,7 +79,7 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
   mesh within a slice): the data axis spans the slices, each slice holding data / slices of
   it and the whole fsdp and tensor axes, so that only the data-parallel gradient reduction
   crosses the DCN, once a step. config.mesh.data must then be a multiple of the slices (-1
-  is)."""
+  is, where fsdp x tensor divides a slice's chips)."""
   from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
   devices = list(devices if devices is not None else jax.devices())
   shape = mesh_shape(mesh_config, len(devices))
@@ -100,7 +101,12 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] = None) -> Mesh:
 
 
 def slice_count(devices) -> int:
-  """The TPU slices `devices` span (1 for one slice, GPUs and CPUs)."""
+  """The TPU slices `devices` span: 1 for one slice, and for GPUs and CPUs, whose devices
+  have a slice_index too (XLA gives each host of a multi-node job its own: a GPU cluster's
+  nodes are not slices joined by a data-center network, and any mesh may span them)."""
+  devices = list(devices)
+  if not devices or getattr(devices[0], 'platform', '') != 'tpu':
+    return 1
   return len({getattr(d, 'slice_index', 0) for d in devices})
 
 
@@ -116,8 +122,10 @@ def _multi_slice_grid(shape, devices, slices: int) -> np.ndarray:
   from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
   data, fsdp, tensor = shape
   if data % slices:
-    fits = (f'; e.g. data={slices}, fsdp={data * fsdp // slices}'
-            if data * fsdp % slices == 0 else '')
+    per_slice = len(devices) // slices
+    within = math.gcd(tensor, per_slice)
+    fits = f'; e.g. data={slices}, fsdp={per_slice // within}' + (
+        f', tensor={within}' if within != tensor else '')
     raise ValueError(
         f'config.mesh {dict(zip(MESH_AXES, shape))} over {slices} TPU slices: the data axis '
         f'is the one that spans the slices (fsdp and tensor stay within one, off the '
