@@ -67,7 +67,9 @@ def read_runs(root: str) -> dict:
 
 
 def _last(records, split: str) -> dict:
-  return [r for r in records if r.get('split') == split][-1]
+  """The split's last step, its lines merged (a flush between two writes makes two)."""
+  of_split = [r for r in records if r.get('split') == split]
+  return {k: v for r in of_split if r['step'] == of_split[-1]['step'] for k, v in r.items()}
 
 
 def _curve(records) -> dict:

@@ -165,6 +165,19 @@ def test_run_skips_finished_resumes_failed_and_summarizes(tmp_path, capsys):
   assert {row[0]: row[3] for row in table} == {'0.0001': '', '0.0002': 'best'}  # (the highest)
 
 
+def test_final_metrics_merge_the_lines_of_the_last_step(tmp_path):
+  """A flush between two writes of one step writes two lines: both summarized."""
+  from realformer.train import metrics_jsonl  # pylint: disable=g-import-not-at-top
+  writer = metrics_jsonl.JsonlWriter(tmp_path / RunDir.METRICS, start_step=0)
+  writer.write_scalars(5, {'eval/mlm_accuracy': 0.1})
+  writer.write_scalars(10, {'eval/mlm_accuracy': 0.5, 'eval/loss': 2.0})
+  writer.flush()
+  writer.write_scalars(10, {'eval/mlm_loss': 1.9})
+  writer.close()
+  assert sweep.final_metrics(str(tmp_path)) == {'eval/step': 10, 'eval/mlm_accuracy': 0.5,
+                                                'eval/loss': 2.0, 'eval/mlm_loss': 1.9}
+
+
 def test_a_fine_tuning_sweep_summarizes_its_dev_metrics_by_default(tmp_path):
   """Without --metrics, runs that log no pretraining evaluation (finetune.py's) are summarised
   by their last dev evaluation: every <dev split>/<metric> but the step (pretraining's MLM

@@ -407,10 +407,12 @@ class _Walk:
     if inst.opcode.endswith('-start'):  # the result tuple repeats the operands
       result_bytes -= operand_bytes
     channel = re.search(r'\bchannel_id=(\d+)', inst.attrs)
-    # XLA numbers channels per computation on TPUs: two collectives of one id in two
-    # computations (a scanned layer's forward and backward bodies gathering the same weight)
-    # are two; the copies of one, in the fusions its computation calls, are one (by what
-    # they move, layouts aside).
+    # Two collectives of one id in two computations are two: XLA:TPU numbers channels per
+    # computation, and a loop body it clones (a peeled loop: two whiles, each running its
+    # copy of the body's all-reduce under one id; seen for a multi-slice step with gradient
+    # accumulation) keeps the ids. The copies of one op in the fusions its computation calls
+    # (start / continuation / done) are one, by what they move (layouts aside). (A start
+    # and its done in two computations, which no compile here has shown, would count twice.)
     moved = re.sub(r'\{[^}]*\}', '', ' '.join(types.get(o, '') for o in inst.operands))
     key = (('channel', scope, channel.group(1), kind, moved) if channel else
            ('op', len(self.seen), inst.name))
