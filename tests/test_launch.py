@@ -290,6 +290,18 @@ ENTRY %main (x: f32[4,8]) -> f32[4,8] {
 def test_hlo_stats_counts_one_channel_in_two_loops_twice_and_its_copies_once():
   gather = hlo_stats.analyze(TWO_LOOPS_ONE_CHANNEL).collectives['all-gather']
   assert gather.count == 3 + 3 and gather.bytes == 6 * 16 * 8 * 4
+  # A multi-slice program's sends across the slices (in the forward loop, and a host
+  # transfer of another runtime, which is not one).
+  send = ('  %tok = token[] after-all()\n  %snd = (f32[4,8], u32[], token[]) send(%x, %tok), '
+          'channel_id=7, is_host_transfer=true, frontend_attributes={'
+          '_xla_host_transfer_handler_name="HANDLER"}\n  %one = s32[] constant(1)\n')
+  with_send = lambda handler: TWO_LOOPS_ONE_CHANNEL.replace(
+      '  %one = s32[] constant(1)\n', send.replace('HANDLER', handler), 1)
+  dcn = hlo_stats.analyze(with_send('xla_megascale_runtime')).collectives[
+      hlo_stats.ACROSS_SLICES]
+  assert (dcn.count, dcn.bytes) == (3, 3 * 4 * 8 * 4)
+  text = with_send('other')
+  assert hlo_stats.ACROSS_SLICES not in hlo_stats.analyze(text).collectives
 
 
 # XLA:GPU's optimized HLO: dots rewritten into cuBLAS calls (a batched one in a loop of 3, as
@@ -444,8 +456,14 @@ def test_two_slices_lay_the_data_axis_across_them_and_compile():
   config = tiny('postln', mesh__data=2, mesh__fsdp=4, train__batch_size=16)
   report, compiled = launch.compile_step(config, target)
   assert compiled is not None and report.fits and report.flop_ratio == pytest.approx(1.0, abs=0.05)
-  assert '(8 x TPU v5 lite, 2 hosts, 2 slices); mesh data=2 fsdp=4 tensor=1' in (
-      launch.format_report(config, target, report))
+  text = launch.format_report(config, target, report)
+  assert '(8 x TPU v5 lite, 2 hosts, 2 slices); mesh data=2 fsdp=4 tensor=1' in text
+  # The gradients' reduction over data crosses the slices: XLA's sends through the host.
+  dcn = report.collectives[hlo_stats.ACROSS_SLICES]
+  assert dcn['count'] > 0 and dcn['bytes'] > 0 and '  across slices (DCN) ' in text
+  one_slice = launch.tpu_target('v5e:2x2')
+  assert hlo_stats.ACROSS_SLICES not in launch.compile_step(
+      tiny('postln', mesh__data=1, mesh__fsdp=4, train__batch_size=8), one_slice)[0].collectives
   with pytest.raises(launch.LaunchError, match='give at least one slice'):
     launch.tpu_target('0xv5e:2x2')
   # Two GPU nodes' devices (XLA numbers each host's slice_index apart) are one "slice": any

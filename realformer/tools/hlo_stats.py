@@ -37,6 +37,9 @@ Counted:
                fusions, count once);
                bytes are the larger of the operands and the result (the full buffer: an
                all-gather's result, a reduce-scatter's operand), summed over executions.
+  across slices (DCN)  in a multi-slice TPU program, the sends that carry a collective's
+               share between slices (the data-center network; XLA:TPU lowers them to host
+               transfers of its megascale runtime), with the bytes they send.
 Element-wise work, reductions and data movement are not FLOPs here, like
 train_lib.flops_per_example, which this is compared with.
 """
@@ -55,6 +58,11 @@ DTYPE_BYTES = {
 }
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
                'collective-permute')
+# A multi-slice TPU program's traffic between slices: XLA:TPU lowers the part of a collective
+# that crosses the data-center network to sends and receives through the host
+# (is_host_transfer, handled by its megascale runtime); the sends are counted under this kind.
+ACROSS_SLICES = 'across slices (DCN)'
+_MEGASCALE = 'xla_megascale_runtime'
 
 _ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$')
@@ -399,6 +407,10 @@ class _Walk:
 
   def _collective(self, inst: Instruction, types: Dict[str, str], times: float,
                   scope: str) -> None:
+    if inst.opcode == 'send' and _MEGASCALE in inst.attrs:  # (the data: its first operand)
+      self.seen[('op', len(self.seen), inst.name)] = (
+          ACROSS_SLICES, times, type_bytes(types.get(inst.operands[0], '')))
+      return
     kind = next((c for c in COLLECTIVES if inst.opcode in (c, c + '-start')), None)
     if kind is None:
       return
