@@ -46,8 +46,9 @@ its turn takes the device alone (a lock) and, once none of the started ones is s
 compiling (XLA's autotuning runs on the GPU; the wait ends the timing's reserve before the
 part's cap, timing_reserve_s: a row timed while some still compiled names them), warms up
 and times it; one not timed within TURN_LIMIT_S of when it could start, or still compiling
-at that deadline, is passed over and stopped. Each row is written as soon as it is timed, so a part cut off by its time cap keeps what it measured.
-They share one jax compilation cache in the scratch folder, and with it XLA's per-fusion
+at that deadline, is passed over and stopped. Each row is written as soon as it is timed,
+so a part cut off by its time cap keeps what it measured. They share one jax compilation
+cache in the scratch folder, and with it XLA's per-fusion
 autotuning results: the step128 part finds what step512's autotuned (within a part the
 contenders compile at once, each autotuning its own). The step time is the median over
 blocks of back-to-back steps. FLOPs are
@@ -710,7 +711,8 @@ def markdown(results: dict) -> str:
                      f'{x["tflops"]:.1f} | {mfu} | {x["step_s"] / first:.2f} | {vs_hf} | '
                      f'{x["compile_s"]:.0f} | {gib(x["memory_gib"])} | '
                      f'{gib(x.get("allocated_gib"))} |')
-      beside = [f'{x["contender"]} (contenders {", ".join(map(str, x["timed_beside_compiles"]))})'
+      beside = [f'{x["contender"]} (contenders '
+                f'{", ".join(map(str, x["timed_beside_compiles"]))})'
                 for x in rows if x.get('timed_beside_compiles')]
       if beside:
         lines += ['', 'Timed while others still compiled (XLA\'s autotuning shares the GPU: '

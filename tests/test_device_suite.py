@@ -177,6 +177,14 @@ def test_extras_race_hf_with_its_length_grouped_sampler_and_ours_scanned_last():
                       ('warm, HF length-grouped', '1.50'),
                       ('cold, our layers scanned', '1.50')):
     assert f'- the race, {name} (whole process, HF / ours): {ratio}x' in md
+  # A step row timed while others still compiled says so (the smoke's rows say none).
+  row = dict(contender='ours postln', step_s=0.1, tokens_per_s=1.0, tflops=1.0, mfu=None,
+             compile_s=3.0, memory_gib=None, kernels=None, timed_beside_compiles=[2, 3])
+  md = device_suite.markdown({'step128': dict(status='ok', seconds=3, cap_s=130, data=dict(
+      size='base', seq_len=128, batch=4, dtype='bfloat16', timing='t', compiled_at_once=6,
+      rows=[row]))})
+  assert 'up to 6 contenders compiled at once' in md
+  assert 'may read slow): ours postln (contenders 2, 3).' in md
 
 
 def test_each_variant_is_timed_fused_and_plain_at_512_and_variants_narrow_it():
