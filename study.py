@@ -941,7 +941,7 @@ def _define(f):
                        '(their run folders are made in --root, as sweep.py makes them: print '
                        'with the settings you will run)',
                        flag_values=f)
-  flags.DEFINE_enum('target', 'local', ['local', 'tpu', 'slurm'], 'where --print_only\'s '
+  flags.DEFINE_enum('target', 'local', list(sweep.TARGETS), 'where --print_only\'s '
                     'commands launch', flag_values=f)
   string('figures', None, 'also copy the figures here (e.g. docs/figures)', flag_values=f)
   string('record', None, 'also copy what the reports are made from (each run\'s metrics.jsonl, '

@@ -4,6 +4,7 @@ r"""Sweeps from the command line: run them, print their launch commands, summari
       --sweep model.variant=postln,preln,realformer,synth_random_vanilla \
       --sweep optimizer.learning_rate=1e-4,2e-4 --seeds 3 --set train.num_steps=2000
   python sweep.py print --target tpu ... (same arguments)   # one gcloud command per run
+  python sweep.py print --target multislice ...             # the same, on $QR's slices
   python sweep.py print --target slurm ...                  # one sbatch line per run
   python sweep.py summarize --root /tmp/sweep               # markdown + CSV over seeds
 
@@ -57,7 +58,7 @@ def _define(cmd):
                         flag_values=f)
     flags.DEFINE_integer('seeds', 1, 'seeds per setting', flag_values=f)
     if cmd == 'print':
-      flags.DEFINE_enum('target', 'local', ['local', 'tpu', 'slurm'], 'where the runs launch',
+      flags.DEFINE_enum('target', 'local', list(sweep.TARGETS), 'where the runs launch',
                         flag_values=f)
   return define
 

@@ -587,6 +587,15 @@ def test_launch_scripts_for_tpu_and_slurm(capsys, tmp_path, gcs, monkeypatch):
   with pytest.raises(ValueError, match='is a local folder, which each TPU worker would have a '
                      'copy of; give a gs:// URL'):
     sweep_cli.main(['print', '--target', 'tpu', '--root', str(tmp_path / 'tpu')] + args)
+  # Several slices: every worker of every node of the queued resource, all at once.
+  sweep_cli.main(['print', '--target', 'multislice', '--root', f'{gcs}/printed'] + args)
+  multi = capsys.readouterr().out.splitlines()
+  cmds = [l for l in multi if l.startswith('gcloud')]
+  assert len(cmds) == 4 and all(c.startswith(
+      'gcloud compute tpus queued-resources ssh $QR --zone $ZONE --node=all --worker=all '
+      '--batch-size=$WORKERS --command ') and '.venv/bin/python train.py' in c for c in cmds)
+  assert ': "${WORKERS:?set WORKERS to the workers of all its slices first}"' in multi
+  assert ': "${QR:?set QR to the name of the queued resource first}"' in multi
   sweep_cli.main(['print', '--target', 'slurm', '--root', str(tmp_path / 'slurm')] + args)
   printed = capsys.readouterr()
   slurm = [l for l in printed.out.splitlines() if l.startswith('sbatch')]

@@ -854,24 +854,31 @@ def _why_failed(code: int, workdir: str) -> str:
   return f'exit {code} (run again to resume)'
 
 
+# Where launch_script's launches go (sweep.py print and study.py --print_only --target).
+TARGETS = ('local', 'tpu', 'multislice', 'slurm')
+
+
 def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
                   target: str, tpu: str = '$TPU', zone: str = '$ZONE',
                   always: Sequence[str] = ()) -> str:
-  """A shell script, one launch per run, for a TPU pod slice or a SLURM GPU cluster (each
-  run's overrides.json is written into the root now, so that `run` and `summarize` know the
-  runs the script starts).
+  """A shell script, one launch per run, for a TPU pod slice, several slices or a SLURM GPU
+  cluster (each run's overrides.json is written into the root now, so that `run` and
+  `summarize` know the runs the script starts).
 
   A run that finished or diverged (is_done, is_diverged) is left out, named in a comment,
   as `run` skips it. tpu: every worker of the slice runs the command in ~/realformer, and
-  the root must be a gs:// URL (storage every host sees). slurm: one task per node driving
+  the root must be a gs:// URL (storage every host sees). multislice: the same on every
+  worker of every slice of the queued resource $QR, all $WORKERS of them at once (gcloud's
+  --batch-size; a run waits for all its processes). slurm: one task per node driving
   the node's GPUs, SIGTERM two minutes before the time limit and a requeue when the run
   stops to be resumed (exit 75), in this repository's folder (--chdir: a filesystem the
   nodes share, as the root must be); NODES, GPUS and CPUS set --nodes, --gpus-per-node and
   --cpus-per-task, and sbatch's own SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT the
   rest. local: from the repository root."""
-  if target not in ('tpu', 'slurm', 'local'):
-    raise ValueError(f'unknown target {target!r}: use tpu, slurm or local')
-  if target == 'tpu' and not storage.is_url(root):
+  if target not in TARGETS:
+    raise ValueError(f'unknown target {target!r}: use {", ".join(TARGETS)}')
+  pod = target in ('tpu', 'multislice')
+  if pod and not storage.is_url(root):
     raise ValueError(f'--root {root} is a local folder, which each TPU worker would have a '
                      'copy of; give a gs:// URL for runs on a pod slice')
   root = absolute(root)
@@ -895,8 +902,12 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
     if root.startswith(('/tmp/', '/dev/shm/')):
       print(f'warning: --root {root} is node-local on most clusters: the jobs\' compute '
             'nodes would not see it; give a folder on shared storage', file=sys.stderr)
-  for value, name, what in ((tpu, 'TPU', 'the name of the TPU VM'), (zone, 'ZONE', 'its zone')):
-    if target == 'tpu' and value == f'${name}':  # (given in the environment)
+  given = {'tpu': ((tpu, 'TPU', 'the name of the TPU VM'), (zone, 'ZONE', 'its zone')),
+           'multislice': (('$QR', 'QR', 'the name of the queued resource'),
+                          (zone, 'ZONE', 'its zone'),
+                          ('$WORKERS', 'WORKERS', 'the workers of all its slices'))}
+  for value, name, what in given.get(target, ()):
+    if value == f'${name}':  # (given in the environment)
       lines.append(f': "${{{name}:?set {name} to {what} first}}"')
   for run, name in zip(runs, names):
     workdir = storage.join(root, name)
@@ -907,10 +918,14 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
     argv = command(program, config, workdir, run)
     # The cluster's interpreter, not this one: on a TPU VM the environment venv.sh made
     # in ~/realformer (docs/launching.md); under SLURM the job's own.
-    argv[0] = '.venv/bin/python' if target == 'tpu' else 'python'
+    argv[0] = '.venv/bin/python' if pod else 'python'
     cmd = shlex.join(argv)
     if target == 'tpu':
       lines.append(f'gcloud compute tpus tpu-vm ssh {tpu} --zone {zone} --worker=all '
+                   f'--command {shlex.quote("cd ~/realformer && " + cmd)}')
+    elif target == 'multislice':
+      lines.append(f'gcloud compute tpus queued-resources ssh $QR --zone {zone} --node=all '
+                   f'--worker=all --batch-size=$WORKERS '
                    f'--command {shlex.quote("cd ~/realformer && " + cmd)}')
     elif target == 'slurm':
       job = f'srun {cmd}; code=$?; [ $code -eq 75 ] && scontrol requeue $SLURM_JOB_ID; exit $code'
