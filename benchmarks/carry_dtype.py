@@ -48,8 +48,9 @@ def run_sweep(root: str, seeds: int) -> None:
 
 
 def _records(workdir: str):
-  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """metrics.jsonl's records (the lines of a step merged, a resume's stretch dropped)."""
+  from realformer.train import metrics_jsonl  # pylint: disable=g-import-not-at-top
+  return metrics_jsonl.records(os.path.join(workdir, 'metrics.jsonl'))
 
 
 def read_runs(root: str) -> dict:
@@ -67,9 +68,7 @@ def read_runs(root: str) -> dict:
 
 
 def _last(records, split: str) -> dict:
-  """The split's last step, its lines merged (a flush between two writes makes two)."""
-  of_split = [r for r in records if r.get('split') == split]
-  return {k: v for r in of_split if r['step'] == of_split[-1]['step'] for k, v in r.items()}
+  return [r for r in records if r.get('split') == split][-1]
 
 
 def _curve(records) -> dict:

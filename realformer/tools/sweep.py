@@ -949,14 +949,11 @@ def launch_script(runs: Sequence[Run], *, root: str, program: str, config: str,
 
 def final_metrics(workdir: str, split: Optional[str] = 'eval') -> Dict[str, float]:
   """The last record of `split` (None: of every split) in <workdir>/metrics.jsonl, keys
-  prefixed with the split: its last step's lines merged (a flush between two writes of one
-  step makes two, as metrics_jsonl.read_jsonl reads them)."""
+  prefixed with the split (metrics_jsonl.records: the lines of a step merged)."""
   last = {}
   for record in _log_records(workdir):
-    name = record.get('split')
-    if split is None or name == split:
-      same_step = name in last and last[name].get('step') == record.get('step')
-      last[name] = dict(last[name], **record) if same_step else record
+    if split is None or record.get('split') == split:
+      last[record.get('split')] = record
   return {f'{name}/{k}': v for name, record in last.items() for k, v in record.items()
           if k != 'split' and isinstance(v, (int, float))}
 

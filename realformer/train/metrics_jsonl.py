@@ -70,11 +70,14 @@ class JsonlWriter:
 
 def records(path) -> List[Dict[str, Any]]:
   """The log's records in order, as the run that wrote the last start line left them: each
-  start line at step s drops the records before it that are past s. [] without a log."""
+  start line at step s drops the records before it that are past s. One record per step
+  and split, where its first line stood: the lines of one merged (a flush between two
+  writes of one step makes two; a resume at a step logs it again), a value logged twice
+  keeping its last. [] without a log."""
   p = storage.path(path)
   if not p.exists():
     return []
-  out = []
+  out = {}  # (step, split) -> record, in the order of their first lines
   for number, line in enumerate(p.read_bytes().decode('utf-8', 'replace').splitlines(), 1):
     if not line.strip():
       continue
@@ -86,28 +89,18 @@ def records(path) -> List[Dict[str, Any]]:
             'split' in record):
       logging.warning('%s:%d is not a record (cut short?); skipped', path, number)
     elif record['split'] == START:
-      out = [r for r in out if r['step'] <= record['step']]
+      out = {key: r for key, r in out.items() if r['step'] <= record['step']}
     else:
-      out.append(record)
-  return out
+      out.setdefault((record['step'], record['split']), {}).update(record)
+  return list(out.values())
 
 
 def read_jsonl(path, split: str = 'train') -> Dict[int, Dict[str, Any]]:
-  """{step: record} of one split: the step's lines merged (a flush between two writes of
-  one step makes two; a resume at a step logs it again), a value logged twice keeps its
-  last."""
-  out = {}
-  for r in records(path):
-    if r['split'] == split:
-      out.setdefault(r['step'], {}).update(r)
-  return out
+  """{step: record} of one split (records: the lines of a step merged)."""
+  return {r['step']: r for r in records(path) if r['split'] == split}
 
 
 def logged_at(path, step: int) -> Dict[str, Dict[str, float]]:
-  """The values logged at `step`, {split: {name: value}}, merged as read_jsonl's."""
-  out = {}
-  for r in records(path):
-    if r['step'] == step:
-      out.setdefault(r['split'], {}).update(
-          {k: v for k, v in r.items() if k not in ('step', 'split')})
-  return out
+  """The values logged at `step`, {split: {name: value}} (records: the lines merged)."""
+  return {r['split']: {k: v for k, v in r.items() if k not in ('step', 'split')}
+          for r in records(path) if r['step'] == step}
